@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_PLATFORMS ?= cpu
+export KERAS_BACKEND ?= jax
+export TF_CPP_MIN_LOG_LEVEL ?= 3
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[keras,dryrun,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m autoaccum demo
+
+test: $(STAMP)
+	$(PY) -m ruff check autoaccum tests benchmarks
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/accumulation.py
+	$(PY) benchmarks/planning.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

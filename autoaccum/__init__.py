@@ -1,0 +1,34 @@
+"""autoaccum: the batch you want, within the memory you have.
+
+Finds the largest per-device micro-batch whose compiled train step fits the accelerator,
+accumulates gradients exactly over the rest inside one jitted step, scales the learning
+rate by a named rule, and trains.
+"""
+
+from ._accumulate import AccumulatedGradients as AccumulatedGradients
+from ._accumulate import accumulate_gradients as accumulate_gradients
+from ._accumulate import mean_gradients as mean_gradients
+from ._accumulate import mean_loss as mean_loss
+from ._api import fit as fit
+from ._api import measure as measure
+from ._api import plan as plan
+from ._api import resolve_budget as resolve_budget
+from ._budget import Budget as Budget
+from ._budget import format_bytes as format_bytes
+from ._budget import parse_budget as parse_budget
+from ._lr import LR_RULES as LR_RULES
+from ._lr import LearningRateScaling as LearningRateScaling
+from ._lr import scale_learning_rate as scale_learning_rate
+from ._measure import CompileTarget as CompileTarget
+from ._measure import MemoryEstimate as MemoryEstimate
+from ._measure import measure_program as measure_program
+from ._plan import Plan as Plan
+from ._program import StepMetrics as StepMetrics
+from ._program import TrainProgram as TrainProgram
+from ._result import FitResult as FitResult
+from ._search import DoesNotFitError as DoesNotFitError
+from ._search import Probe as Probe
+from ._search import SearchResult as SearchResult
+from ._search import search_micro_batch as search_micro_batch
+
+__version__ = "0.1.0"

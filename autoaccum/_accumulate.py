@@ -1,0 +1,112 @@
+"""Exact gradient accumulation: one ``lax.scan`` over micro-batches, one normalisation.
+
+The loss of a micro-batch is returned as a *sum* over its valid items together with the
+number of valid items. Summing both over every micro-batch and dividing once by the total
+count gives exactly the gradient of the mean loss over the whole effective batch, however
+the valid items (tokens, examples) are spread across micro-batches. Dividing each
+micro-batch by its own count and averaging those means is the classic accumulation bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+MicroLoss = Callable[[PyTree, PyTree, PyTree], tuple[tuple[jax.Array, jax.Array], PyTree]]
+"""``micro_loss(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``.
+
+``carry`` is state that a forward pass may update (RNG counters, batch statistics,
+metric variables); it is threaded through the micro-batches in order.
+"""
+
+
+class AccumulatedGradients(NamedTuple):
+    """Sums over all micro-batches of one optimizer step (nothing normalised yet)."""
+
+    grad_sum: PyTree
+    """float32 sum of the gradients of every micro-batch's summed loss."""
+    loss_sum: jax.Array
+    """float32 sum of the per-item losses of the whole effective batch."""
+    count: jax.Array
+    """float32 number of valid items (tokens, examples) in the whole effective batch."""
+    carry: PyTree
+    """The carried state after the last micro-batch."""
+    micro_grad_sq_norm_sum: jax.Array
+    """Sum over micro-batches of |grad of the micro-batch mean loss|^2 (for noise-scale advice)."""
+
+
+def accumulate_gradients(
+    micro_loss: MicroLoss,
+    trainable: PyTree,
+    carry: PyTree,
+    batches: PyTree,
+) -> AccumulatedGradients:
+    """Scans ``micro_loss`` over the leading axis of ``batches`` and sums gradients in float32.
+
+    Args:
+      micro_loss: ``(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``.
+      trainable: the pytree differentiated against.
+      carry: state threaded through the micro-batches (may be ``None``).
+      batches: a pytree whose leaves have shape ``[accum_steps, micro_batch, ...]``.
+
+    Returns:
+      An :class:`AccumulatedGradients` of unnormalised float32 sums.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> def micro_loss(w, carry, mb):
+      ...     return (jnp.sum((mb["x"] * w) ** 2), jnp.float32(mb["x"].shape[0])), carry
+      >>> acc = accumulate_gradients(micro_loss, jnp.float32(1.0), None,
+      ...                            {"x": jnp.ones((4, 2))})
+      >>> float(acc.count), float(acc.loss_sum), float(acc.grad_sum)
+      (8.0, 8.0, 16.0)
+    """
+
+    def loss_with_aux(params: PyTree, state: PyTree, micro_batch: PyTree):
+        (loss_sum, count), new_state = micro_loss(params, state, micro_batch)
+        return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(count, jnp.float32), new_state)
+
+    grad_fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+
+    def body(scan_carry, micro_batch):
+        grad_acc, loss_acc, count_acc, state, sq_acc = scan_carry
+        (loss_sum, (count, state)), grads = grad_fn(trainable, state, micro_batch)
+        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
+        safe = jnp.maximum(count, 1.0)
+        micro_sq = sum(
+            jnp.sum(jnp.square(g.astype(jnp.float32) / safe)) for g in jax.tree.leaves(grads)
+        )
+        return (grad_acc, loss_acc + loss_sum, count_acc + count, state, sq_acc + micro_sq), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), trainable)
+    init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
+    (grad_sum, loss_sum, count, carry, sq_sum), _ = jax.lax.scan(body, init, batches)
+    return AccumulatedGradients(grad_sum, loss_sum, count, carry, sq_sum)
+
+
+def mean_gradients(accumulated: AccumulatedGradients, like: PyTree) -> PyTree:
+    """Divides the summed gradients by the total valid count, cast to the dtypes of ``like``.
+
+    A step with no valid item at all yields zero gradients rather than NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> acc = AccumulatedGradients(jnp.float32(6.0), jnp.float32(0), jnp.float32(3),
+      ...                            None, jnp.float32(0))
+      >>> float(mean_gradients(acc, jnp.zeros((), jnp.bfloat16)))
+      2.0
+    """
+    denominator = jnp.maximum(accumulated.count, 1.0)
+    return jax.tree.map(
+        lambda g, p: (g / denominator).astype(jnp.result_type(p)), accumulated.grad_sum, like
+    )
+
+
+def mean_loss(accumulated: AccumulatedGradients) -> jax.Array:
+    """The mean per-item loss of the whole effective batch (0 when nothing was valid)."""
+    return accumulated.loss_sum / jnp.maximum(accumulated.count, 1.0)

@@ -1,0 +1,266 @@
+"""Public entry points: ``plan``, ``measure`` and ``fit``, dispatched to framework adapters."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import jax
+
+from ._batching import as_arrays, check_enough_examples, example_spec
+from ._budget import Budget, cpu_default_budget, device_budget, host_available_bytes, parse_budget
+from ._lr import LearningRateScaling, scale_learning_rate
+from ._measure import CompileTarget, MemoryEstimate, measure_program
+from ._plan import Plan, search_plan
+from ._program import TrainProgram, tree_bytes
+from ._result import FitResult
+from ._validate import validate_effective_batch, validate_positive_int
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    program: TrainProgram
+    data: Any
+    lr_scaling: LearningRateScaling
+    extras: dict[str, Any]
+
+
+def _flax_prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
+    from ._flax import flax_program
+    from ._optax_lr import build_optax_optimizer
+
+    optimizer = options.pop("optimizer", None)
+    loss_fn = options.pop("loss_fn", None)
+    trainable = options.pop("trainable", None)
+    if optimizer is None:
+        raise ValueError(
+            "A Flax model needs optimizer= (an optax transformation such as optax.adamw(1e-4), "
+            "or a factory such as optax.adamw together with learning_rate=1e-4). "
+            "Received: optimizer=None"
+        )
+    if loss_fn is None or not callable(loss_fn):
+        raise ValueError(
+            "A Flax model needs loss_fn=fn where fn(model, batch) returns (sum_of_losses, "
+            f"number_of_valid_items). Received: loss_fn={loss_fn!r}"
+        )
+    scaling = _lr_scaling(options, effective_batch=effective_batch)
+    tx = build_optax_optimizer(optimizer, scaling)
+    tree = as_arrays(data)
+    kwargs = {} if trainable is None else {"trainable": trainable}
+    program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx, **kwargs)
+    return _Prepared(program, tree, scaling, {"tx": tx, **kwargs, "loss_fn": loss_fn})
+
+
+def _lr_scaling(options: dict, *, effective_batch: int) -> LearningRateScaling:
+    return scale_learning_rate(
+        options.pop("learning_rate", None),
+        effective_batch=effective_batch,
+        base_batch=options.pop("base_batch", 1),
+        rule=options.pop("lr_rule", "linear"),
+        adjust_adam=options.pop("adjust_adam", False),
+    )
+
+
+def _prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
+    from ._flax import is_nnx_module
+
+    if is_nnx_module(model):
+        return _flax_prepare(model, data, effective_batch=effective_batch, options=options)
+    raise ValueError(
+        "autoaccum supports Flax NNX modules (flax.nnx.Module) and compiled Keras 3 models on "
+        f"the JAX backend. Received: model of type {type(model).__module__}."
+        f"{type(model).__name__}"
+    )
+
+
+def _no_leftovers(options: dict, where: str) -> None:
+    if options:
+        names = ", ".join(sorted(options))
+        raise TypeError(f"{where}() got unexpected keyword argument(s): {names}")
+
+
+def resolve_budget(budget: Any, *, resident_bytes: int = 0) -> Budget:
+    """The budget for the local default device: given by the user, or from the device.
+
+    Example:
+      >>> resolve_budget("1GiB").bytes
+      1073741824
+    """
+    stats = _memory_stats()
+    capacity = int(stats["bytes_limit"]) if stats else host_available_bytes()
+    if budget is not None:
+        parsed = parse_budget(budget, capacity_bytes=capacity)
+        return parsed
+    if stats:
+        return device_budget(stats, resident_bytes=resident_bytes)
+    return cpu_default_budget()
+
+
+def _memory_stats() -> dict | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+
+def _target() -> CompileTarget:
+    device = jax.devices()[0]
+    return CompileTarget(name=f"{device.platform}:{device.id} ({device.device_kind})")
+
+
+def plan(
+    model: Any,
+    data: Any,
+    *,
+    effective_batch: int,
+    budget: int | float | str | None = None,
+    log: TextIO | str | None = "stderr",
+    **options: Any,
+) -> Plan:
+    """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
+
+    Compiles the real accumulated train step with abstract inputs (no weights allocated) at
+    a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
+    the largest micro-batch dividing the effective batch that fits.
+
+    Options: ``optimizer``, ``loss_fn``, ``trainable`` (Flax); ``learning_rate`` (base),
+    ``base_batch`` (the batch it was tuned for, default 1), ``lr_rule`` ("linear", "sqrt",
+    "none"), ``adjust_adam``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> p = plan(model, data, effective_batch=8, optimizer=optax.sgd, learning_rate=0.1,
+      ...          loss_fn=loss_fn, budget="1GiB", log=None)
+      >>> p.micro_batch * p.accum_steps, p.learning_rate
+      (8, 0.8)
+    """
+    validate_effective_batch(effective_batch)
+    options = dict(options)
+    prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
+    _no_leftovers(options, "plan")
+    return _plan_prepared(prepared, effective_batch=effective_batch, budget=budget, log=log)
+
+
+def _plan_prepared(
+    prepared: _Prepared, *, effective_batch: int, budget: Any, log: TextIO | None
+) -> Plan:
+    check_enough_examples(prepared.data, effective_batch)
+    program = prepared.program
+    resident = tree_bytes(program.parts.get("trainable")) + tree_bytes(program.parts.get("frozen"))
+    resolved = resolve_budget(budget, resident_bytes=resident)
+    target = _target()
+    return search_plan(
+        lambda b, k: measure_program(program, b, k, target),
+        effective_batch=effective_batch,
+        lr_scaling=prepared.lr_scaling,
+        budget=resolved,
+        target=target.name,
+        log=log,
+    )
+
+
+def measure(
+    model: Any,
+    data: Any,
+    *,
+    micro_batch: int,
+    accum_steps: int | None = None,
+    effective_batch: int | None = None,
+    **options: Any,
+) -> MemoryEstimate:
+    """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
+
+    ``accum_steps`` defaults to ``ceil(effective_batch / micro_batch)`` when
+    ``effective_batch`` is given, else 1. Takes the same options as :func:`plan`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> est = measure(model, data, micro_batch=2, accum_steps=4,
+      ...               optimizer=optax.adam(1e-3), loss_fn=loss_fn)
+      >>> est.need_bytes > est.trainable_bytes > 0
+      True
+    """
+    validate_positive_int("micro_batch", micro_batch)
+    if effective_batch is not None:
+        validate_effective_batch(effective_batch)
+    if accum_steps is None:
+        accum_steps = math.ceil(effective_batch / micro_batch) if effective_batch else 1
+    validate_positive_int("accum_steps", accum_steps)
+    options = dict(options)
+    prepared = _prepare(
+        model, data, effective_batch=effective_batch or micro_batch * accum_steps, options=options
+    )
+    options.pop("budget", None)
+    _no_leftovers(options, "measure")
+    return measure_program(prepared.program, micro_batch, accum_steps, _target())
+
+
+def fit(
+    model: Any,
+    data: Any,
+    *,
+    effective_batch: int,
+    epochs: int = 1,
+    budget: int | float | str | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    verbose: int = 1,
+    log: TextIO | str | None = "stderr",
+    **options: Any,
+) -> FitResult:
+    """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
+
+    For a Flax NNX model: ``optimizer`` (optax transformation or factory with
+    ``learning_rate``) and ``loss_fn(model, batch) -> (sum_of_losses, n_valid)``; ``data`` is
+    a dict or tuple of arrays with a leading example axis. Returns a :class:`FitResult`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> result = fit(model, data, effective_batch=8, optimizer=optax.sgd, learning_rate=0.01,
+      ...              loss_fn=loss_fn, epochs=2, budget="1GiB", verbose=0, log=None)
+      >>> result.steps, result.losses[-1] < result.losses[0]
+      (4, True)
+    """
+    validate_effective_batch(effective_batch)
+    validate_positive_int("epochs", epochs)
+    log = sys.stderr if log == "stderr" else log
+    options = dict(options)
+    prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
+    _no_leftovers(options, "fit")
+    the_plan = _plan_prepared(prepared, effective_batch=effective_batch, budget=budget, log=log)
+    if log is not None and verbose:
+        print(the_plan.report(), file=log, flush=True)
+    from ._flax import flax_fit
+
+    extras = prepared.extras
+    return flax_fit(
+        model,
+        prepared.data,
+        plan=the_plan,
+        loss_fn=extras["loss_fn"],
+        tx=extras["tx"],
+        epochs=epochs,
+        shuffle=shuffle,
+        seed=seed,
+        verbose=verbose,
+        stream=log,
+        **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
+    )

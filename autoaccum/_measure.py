@@ -1,0 +1,145 @@
+"""Memory of one accumulated train step, read from XLA's buffer assignment.
+
+The step is lowered with abstract inputs (``jax.ShapeDtypeStruct``: no weights allocated)
+and compiled; ``compiled.memory_analysis()`` gives argument, output, alias and temp sizes.
+need = argument + output - alias + temp (jax-ml/jax#31292). ``peak_memory_in_bytes`` is
+not used: on CPU it ignores temp.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ._budget import format_bytes
+from ._program import TrainProgram, tree_bytes
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """Where the step is compiled for: the local default device, or a deviceless GPU."""
+
+    name: str = "local"
+    sharding: Any = None
+    deviceless: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Itemized memory of one accumulated train step at ``micro_batch``.
+
+    ``trainable_bytes`` .. ``batch_bytes`` are sizes of the step's inputs; ``accumulator_bytes``
+    is the float32 gradient accumulator (inside temp); ``activation_bytes`` is the rest of
+    temp (activations, gradients in flight, scratch). ``need_bytes`` is XLA's total.
+    """
+
+    micro_batch: int
+    accum_steps: int
+    trainable_bytes: int
+    frozen_bytes: int
+    optimizer_bytes: int
+    other_state_bytes: int
+    batch_bytes: int
+    accumulator_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    need_bytes: int
+    target: str
+    compile_seconds: float
+
+    @property
+    def activation_bytes(self) -> int:
+        """Temp not taken by the gradient accumulator."""
+        return max(self.temp_bytes - self.accumulator_bytes, 0)
+
+    def items(self) -> dict[str, int]:
+        """The itemized figures, in report order."""
+        return {
+            "frozen weights": self.frozen_bytes,
+            "trainable weights": self.trainable_bytes,
+            "optimizer state": self.optimizer_bytes,
+            "other state": self.other_state_bytes,
+            "gradient accumulator": self.accumulator_bytes,
+            "batch": self.batch_bytes,
+            "activations and temp": self.activation_bytes,
+            "total (need)": self.need_bytes,
+        }
+
+    def report(self) -> str:
+        """A two-column table of :meth:`items`."""
+        rows = [f"memory of one step at micro_batch={self.micro_batch} x {self.accum_steps} "
+                f"accumulation steps ({self.target}):"]
+        rows += [f"  {name:<22} {format_bytes(value):>10}" for name, value in self.items().items()]
+        return "\n".join(rows)
+
+
+def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
+                 target: CompileTarget | None = None) -> Any:
+    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object."""
+    target = target or CompileTarget()
+    state = _with_sharding(program.abstract_state, target.sharding)
+    frozen = _with_sharding(program.frozen_args, target.sharding)
+    batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
+    with program.lowering_context():
+        lowered = jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+        return lowered.compile()
+
+
+def measure_program(
+    program: TrainProgram,
+    micro_batch: int,
+    accum_steps: int,
+    target: CompileTarget | None = None,
+) -> MemoryEstimate:
+    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory."""
+    target = target or CompileTarget()
+    start = time.perf_counter()
+    compiled = compile_step(program, micro_batch, accum_steps, target)
+    seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise RuntimeError(
+            f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
+            "that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA target)."
+        )
+    argument = int(analysis.argument_size_in_bytes)
+    output = int(analysis.output_size_in_bytes)
+    alias = int(analysis.alias_size_in_bytes)
+    temp = int(analysis.temp_size_in_bytes)
+    parts = program.parts
+    trainable = tree_bytes(parts.get("trainable"))
+    accumulator = 4 * _elements(program.trainable)
+    known = {"trainable", "frozen", "optimizer"}
+    return MemoryEstimate(
+        micro_batch=micro_batch,
+        accum_steps=accum_steps,
+        trainable_bytes=trainable,
+        frozen_bytes=tree_bytes(parts.get("frozen")),
+        optimizer_bytes=tree_bytes(parts.get("optimizer")),
+        other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
+        batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps)),
+        accumulator_bytes=min(accumulator, temp),
+        argument_bytes=argument,
+        output_bytes=output,
+        alias_bytes=alias,
+        temp_bytes=temp,
+        need_bytes=argument + output - alias + temp,
+        target=target.name,
+        compile_seconds=seconds,
+    )
+
+
+def _elements(tree: Any) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))
+
+
+def _with_sharding(tree: Any, sharding: Any) -> Any:
+    if sharding is None:
+        return tree
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)

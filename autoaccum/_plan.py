@@ -1,0 +1,185 @@
+"""A plan: micro-batch x data-parallel devices x accumulation steps = effective batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ._budget import Budget, format_bytes
+from ._lr import LearningRateScaling
+from ._measure import MemoryEstimate
+from ._search import Probe, SearchResult, search_micro_batch
+from ._validate import validate_effective_batch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one optimizer step of ``effective_batch`` examples is run within memory.
+
+    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds.
+    """
+
+    micro_batch: int
+    accum_steps: int
+    data_parallel: int
+    effective_batch: int
+    max_micro_batch: int
+    lr_scaling: LearningRateScaling
+    budget: Budget
+    estimate: MemoryEstimate
+    probes: tuple[Probe, ...]
+    target: str
+    plan_seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def lr_rule(self) -> str:
+        return self.lr_scaling.rule
+
+    @property
+    def base_learning_rate(self) -> Any:
+        return self.lr_scaling.base_learning_rate
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.lr_scaling.learning_rate
+
+    @property
+    def lr_factor(self) -> float:
+        return self.lr_scaling.factor
+
+    @property
+    def need_bytes(self) -> int:
+        return self.estimate.need_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.bytes
+
+    def report(self) -> str:
+        """A readable table: probes, the chosen split, memory items and the learning rate."""
+        b = self.budget
+        lines = [
+            f"autoaccum plan ({self.target})",
+            f"  budget            {format_bytes(b.bytes)}  [{b.source}: {b.detail}]",
+            "  probes (compiled, no weights allocated):",
+            f"    {'micro':>6} {'accum':>6} {'need':>11} {'fits':>5}  why",
+        ]
+        for p in self.probes:
+            lines.append(
+                f"    {p.micro_batch:>6} {p.accum_steps:>6} {format_bytes(p.need_bytes):>11} "
+                f"{'yes' if p.fits else 'no':>5}  {p.why}"
+            )
+        lines += [
+            f"  effective batch   {self.effective_batch} = micro_batch {self.micro_batch} x "
+            f"{self.data_parallel} device(s) x {self.accum_steps} accumulation step(s)",
+            f"  learning rate     {self.lr_scaling.arithmetic()}",
+            f"  need              {format_bytes(self.need_bytes)} of "
+            f"{format_bytes(self.budget_bytes)} ({self.need_bytes / max(self.budget_bytes, 1):.0%})"
+            f"{' [compile-only estimate]' if self.probes else ''}",
+        ]
+        lines += ["  " + row for row in self.estimate.report().splitlines()[1:]]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (learning rates that are schedules become strings)."""
+
+        def plain(v: Any) -> Any:
+            return v if v is None or isinstance(v, int | float) else str(v)
+
+        return {
+            "device": self.target,
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget.source,
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "data_parallel": self.data_parallel,
+            "effective_batch": self.effective_batch,
+            "max_micro_batch": self.max_micro_batch,
+            "lr_rule": self.lr_rule,
+            "base_learning_rate": plain(self.base_learning_rate),
+            "learning_rate": plain(self.learning_rate),
+            "lr_factor": self.lr_factor,
+            "lr_arithmetic": self.lr_scaling.arithmetic(),
+            "need_bytes": self.need_bytes,
+            "memory": {k.replace(" ", "_"): v for k, v in self.estimate.items().items()},
+            "probes": [
+                {"micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+                 "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why}
+                for p in self.probes
+            ],
+            "notes": list(self.notes),
+            "plan_seconds": self.plan_seconds,
+        }
+
+
+def plan_from_search(
+    search: SearchResult,
+    *,
+    effective_batch: int,
+    data_parallel: int,
+    lr_scaling: LearningRateScaling,
+    budget: Budget,
+    target: str,
+    notes: tuple[str, ...] = (),
+) -> Plan:
+    """Turns a search result into a :class:`Plan` and explains any compromise."""
+    per_device = effective_batch // data_parallel
+    accum = per_device // search.micro_batch
+    extra = list(notes)
+    if search.max_micro_batch != search.micro_batch:
+        extra.append(
+            f"micro_batch {search.max_micro_batch} fits but does not divide the per-device batch "
+            f"{per_device}; using its largest divisor below, {search.micro_batch}."
+        )
+    if search.affine is not None:
+        intercept, slope = search.affine
+        extra.append(
+            f"affine fit from b>=2: need ~ {format_bytes(intercept)} + "
+            f"{format_bytes(slope)} x micro_batch"
+        )
+    return Plan(
+        micro_batch=search.micro_batch,
+        accum_steps=accum,
+        data_parallel=data_parallel,
+        effective_batch=effective_batch,
+        max_micro_batch=search.max_micro_batch,
+        lr_scaling=lr_scaling,
+        budget=budget,
+        estimate=search.estimate,
+        probes=search.probes,
+        target=target,
+        plan_seconds=search.seconds,
+        notes=tuple(extra),
+    )
+
+
+def search_plan(
+    measure: Any,
+    *,
+    effective_batch: int,
+    data_parallel: int = 1,
+    lr_scaling: LearningRateScaling,
+    budget: Budget,
+    target: str,
+    log: TextIO | str | None = "stderr",
+    notes: tuple[str, ...] = (),
+) -> Plan:
+    """Runs the compile-only search and returns the plan."""
+    validate_effective_batch(effective_batch, data_parallel=data_parallel)
+    search = search_micro_batch(
+        measure,
+        per_device_batch=effective_batch // data_parallel,
+        budget_bytes=budget.bytes,
+        log=log,
+    )
+    return plan_from_search(
+        search,
+        effective_batch=effective_batch,
+        data_parallel=data_parallel,
+        lr_scaling=lr_scaling,
+        budget=budget,
+        target=target,
+        notes=notes,
+    )

@@ -1,0 +1,85 @@
+"""The contract between framework adapters and the planner: a pure, donating train step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+class StepMetrics(NamedTuple):
+    """What one accumulated optimizer step reports."""
+
+    loss: jax.Array
+    """Mean per-item loss over the whole effective batch."""
+    count: jax.Array
+    """Number of valid items (tokens or examples) in the effective batch."""
+    grad_sq_norm: jax.Array
+    """|mean gradient|^2 of the effective batch."""
+    micro_grad_sq_norm: jax.Array
+    """Mean over micro-batches of |micro-batch mean gradient|^2."""
+
+
+@dataclass(frozen=True)
+class TrainProgram:
+    """A train step that the planner can lower, compile and measure without any weights.
+
+    ``step(state, batches, *frozen_args) -> (new_state, StepMetrics)`` is pure and jittable;
+    ``state`` is donated, ``frozen_args`` (weights the step reads but never changes) are not,
+    so a failed step cannot delete them. ``batches`` has the structure of ``example_spec``
+    with two leading axes ``[accum_steps, micro_batch]``. ``parts`` names the abstract
+    sub-trees of ``state`` so a memory estimate can be itemized (``"trainable"``, ``"frozen"``, ``"optimizer"``, ...).
+    """
+
+    step: Callable[..., tuple[PyTree, StepMetrics]]
+    abstract_state: PyTree
+    example_spec: PyTree
+    parts: Mapping[str, PyTree]
+    trainable: PyTree
+    frozen_args: tuple[PyTree, ...] = ()
+    lowering_context: Callable[[], AbstractContextManager[Any]] = field(
+        default=contextlib.nullcontext
+    )
+    description: str = ""
+
+    def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None) -> PyTree:
+        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering."""
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(
+                (accum_steps, micro_batch, *s.shape), s.dtype, sharding=sharding
+            ),
+            self.example_spec,
+        )
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """Total bytes of the array leaves (real or abstract) of ``tree``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> tree_bytes({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": None})
+      24
+    """
+    return int(
+        sum(
+            int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            for leaf in jax.tree.leaves(tree)
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        )
+    )
+
+
+def abstract(tree: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` leaves for every array-like leaf of ``tree``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)), tree)
+
+
+def _dtype_of(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype

@@ -1,0 +1,29 @@
+"""What ``autoaccum.fit`` returns for Flax/optax training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._plan import Plan
+
+
+@dataclass
+class FitResult:
+    """The plan that was used and what training measured, step by step."""
+
+    plan: Plan
+    losses: list[float] = field(default_factory=list)
+    """Mean loss of each optimizer step (over the whole effective batch)."""
+    epoch_losses: list[float] = field(default_factory=list)
+    """Mean of the step losses of each epoch."""
+    steps: int = 0
+    """Optimizer steps taken."""
+    seconds: float = 0.0
+    """Wall time of training, planning excluded."""
+    events: list[str] = field(default_factory=list)
+    """Notable events (restores after failures, ...)."""
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        """Keras-like ``{"loss": [per-epoch mean]}``."""
+        return {"loss": list(self.epoch_losses)}
