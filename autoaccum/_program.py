@@ -35,7 +35,8 @@ class TrainProgram:
     ``state`` is donated, ``frozen_args`` (weights the step reads but never changes) are not,
     so a failed step cannot delete them. ``batches`` has the structure of ``example_spec``
     with two leading axes ``[accum_steps, micro_batch]``. ``parts`` names the abstract
-    sub-trees of ``state`` so a memory estimate can be itemized (``"trainable"``, ``"frozen"``, ``"optimizer"``, ...).
+    sub-trees of ``state`` so a memory estimate can be itemized (``"trainable"``,
+    ``"frozen"``, ``"optimizer"``, ...).
     """
 
     step: Callable[..., tuple[PyTree, StepMetrics]]
