@@ -13,9 +13,10 @@ Budget rules (also in the README):
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
+
+from ._detect import host_memory
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 _UNITS = {
@@ -122,15 +123,8 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
 
 
 def host_available_bytes() -> int:
-    """The host's available RAM (``MemAvailable`` from /proc/meminfo, else total pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * KiB
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    """The host's available RAM (``MemAvailable``)."""
+    return host_memory().available
 
 
 def cpu_default_budget() -> Budget:
