@@ -12,10 +12,14 @@ from ._accumulate import mean_loss as mean_loss
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
-from ._api import resolve_budget as resolve_budget
 from ._budget import Budget as Budget
 from ._budget import format_bytes as format_bytes
 from ._budget import parse_budget as parse_budget
+from ._configure import configure as configure
+from ._detect import DetectedDevice as DetectedDevice
+from ._detect import detect_device as detect_device
+from ._deviceless import DevicelessTarget as DevicelessTarget
+from ._deviceless import deviceless_target as deviceless_target
 from ._lr import LR_RULES as LR_RULES
 from ._lr import LearningRateScaling as LearningRateScaling
 from ._lr import scale_learning_rate as scale_learning_rate
@@ -23,6 +27,9 @@ from ._measure import CompileTarget as CompileTarget
 from ._measure import MemoryEstimate as MemoryEstimate
 from ._measure import measure_program as measure_program
 from ._plan import Plan as Plan
+from ._profiles import DeviceProfile as DeviceProfile
+from ._profiles import find_profile as find_profile
+from ._profiles import list_profiles as list_profiles
 from ._program import StepMetrics as StepMetrics
 from ._program import TrainProgram as TrainProgram
 from ._result import FitResult as FitResult
@@ -30,5 +37,7 @@ from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
 from ._search import search_micro_batch as search_micro_batch
+from ._targets import ResolvedTarget as ResolvedTarget
+from ._targets import resolve_target as resolve_target
 
 __version__ = "0.1.0"

@@ -7,15 +7,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import jax
-
 from ._batching import as_arrays, check_enough_examples, example_spec
-from ._budget import Budget, cpu_default_budget, device_budget, host_available_bytes, parse_budget
 from ._lr import LearningRateScaling, scale_learning_rate
-from ._measure import CompileTarget, MemoryEstimate, measure_program
+from ._measure import MemoryEstimate, measure_program
 from ._plan import Plan, search_plan
 from ._program import TrainProgram, tree_bytes
 from ._result import FitResult
+from ._targets import resolve_target
 from ._validate import validate_effective_batch, validate_positive_int
 
 
@@ -81,42 +79,13 @@ def _no_leftovers(options: dict, where: str) -> None:
         raise TypeError(f"{where}() got unexpected keyword argument(s): {names}")
 
 
-def resolve_budget(budget: Any, *, resident_bytes: int = 0) -> Budget:
-    """The budget for the local default device: given by the user, or from the device.
-
-    Example:
-      >>> resolve_budget("1GiB").bytes
-      1073741824
-    """
-    stats = _memory_stats()
-    capacity = int(stats["bytes_limit"]) if stats else host_available_bytes()
-    if budget is not None:
-        parsed = parse_budget(budget, capacity_bytes=capacity)
-        return parsed
-    if stats:
-        return device_budget(stats, resident_bytes=resident_bytes)
-    return cpu_default_budget()
-
-
-def _memory_stats() -> dict | None:
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:
-        return None
-    return stats if stats and "bytes_limit" in stats else None
-
-
-def _target() -> CompileTarget:
-    device = jax.devices()[0]
-    return CompileTarget(name=f"{device.platform}:{device.id} ({device.device_kind})")
-
-
 def plan(
     model: Any,
     data: Any,
     *,
     effective_batch: int,
     budget: int | float | str | None = None,
+    device: str | None = None,
     log: TextIO | str | None = "stderr",
     **options: Any,
 ) -> Plan:
@@ -125,6 +94,11 @@ def plan(
     Compiles the real accumulated train step with abstract inputs (no weights allocated) at
     a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
     the largest micro-batch dividing the effective batch that fits.
+
+    ``device`` names a profile (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``): on a
+    machine without that GPU the step is compiled deviceless for it. ``budget`` is bytes,
+    a size string ("12GiB") or a fraction of the device ("90%"); by default it comes from
+    the device (or, on CPU, half the available RAM).
 
     Options: ``optimizer``, ``loss_fn``, ``trainable`` (Flax); ``learning_rate`` (base),
     ``base_batch`` (the batch it was tuned for, default 1), ``lr_rule`` ("linear", "sqrt",
@@ -146,24 +120,32 @@ def plan(
     options = dict(options)
     prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
     _no_leftovers(options, "plan")
-    return _plan_prepared(prepared, effective_batch=effective_batch, budget=budget, log=log)
+    return _plan_prepared(
+        prepared, effective_batch=effective_batch, budget=budget, device=device, log=log
+    )
 
 
 def _plan_prepared(
-    prepared: _Prepared, *, effective_batch: int, budget: Any, log: TextIO | None
+    prepared: _Prepared,
+    *,
+    effective_batch: int,
+    budget: Any,
+    device: str | None,
+    log: TextIO | None,
 ) -> Plan:
     check_enough_examples(prepared.data, effective_batch)
     program = prepared.program
     resident = tree_bytes(program.parts.get("trainable")) + tree_bytes(program.parts.get("frozen"))
-    resolved = resolve_budget(budget, resident_bytes=resident)
-    target = _target()
+    resolved = resolve_target(device, budget, resident_bytes=resident)
+    notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
     return search_plan(
-        lambda b, k: measure_program(program, b, k, target),
+        lambda b, k: measure_program(program, b, k, resolved.compile_target),
         effective_batch=effective_batch,
         lr_scaling=prepared.lr_scaling,
-        budget=resolved,
-        target=target.name,
+        budget=resolved.budget,
+        target=resolved.compile_target.name,
         log=log,
+        notes=notes,
     )
 
 
@@ -174,6 +156,7 @@ def measure(
     micro_batch: int,
     accum_steps: int | None = None,
     effective_batch: int | None = None,
+    device: str | None = None,
     **options: Any,
 ) -> MemoryEstimate:
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
@@ -205,7 +188,8 @@ def measure(
     )
     options.pop("budget", None)
     _no_leftovers(options, "measure")
-    return measure_program(prepared.program, micro_batch, accum_steps, _target())
+    resolved = resolve_target(device, None)
+    return measure_program(prepared.program, micro_batch, accum_steps, resolved.compile_target)
 
 
 def fit(
@@ -245,7 +229,9 @@ def fit(
     options = dict(options)
     prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
     _no_leftovers(options, "fit")
-    the_plan = _plan_prepared(prepared, effective_batch=effective_batch, budget=budget, log=log)
+    the_plan = _plan_prepared(
+        prepared, effective_batch=effective_batch, budget=budget, device=None, log=log
+    )
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
     from ._flax import flax_fit
