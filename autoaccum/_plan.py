@@ -63,13 +63,8 @@ class Plan:
             f"autoaccum plan ({self.target})",
             f"  budget            {format_bytes(b.bytes)}  [{b.source}: {b.detail}]",
             "  probes (compiled, no weights allocated):",
-            f"    {'micro':>6} {'accum':>6} {'need':>11} {'fits':>5}  why",
+            *probe_table(self.probes, self.budget_bytes),
         ]
-        for p in self.probes:
-            lines.append(
-                f"    {p.micro_batch:>6} {p.accum_steps:>6} {format_bytes(p.need_bytes):>11} "
-                f"{'yes' if p.fits else 'no':>5}  {p.why}"
-            )
         lines += [
             f"  effective batch   {self.effective_batch} = micro_batch {self.micro_batch} x "
             f"{self.data_parallel} device(s) x {self.accum_steps} accumulation step(s)",
@@ -78,7 +73,6 @@ class Plan:
             f"{format_bytes(self.budget_bytes)} ({self.need_bytes / max(self.budget_bytes, 1):.0%})"
             f"{' [compile-only estimate]' if self.probes else ''}",
         ]
-        lines += ["  " + row for row in self.estimate.report().splitlines()[1:]]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -106,12 +100,35 @@ class Plan:
             "memory": {k.replace(" ", "_"): v for k, v in self.estimate.items().items()},
             "probes": [
                 {"micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
-                 "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why}
+                 "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why,
+                 "compile_seconds": p.estimate.compile_seconds,
+                 "memory": {k.replace(" ", "_"): v for k, v in p.estimate.items().items()}}
                 for p in self.probes
             ],
             "notes": list(self.notes),
             "plan_seconds": self.plan_seconds,
         }
+
+
+_COLUMNS = (
+    ("micro", None), ("accum", None), ("frozen", "frozen weights"),
+    ("trainable", "trainable weights"), ("optimizer", "optimizer state"),
+    ("grad acc", "gradient accumulator"), ("batch", "batch"),
+    ("act+temp", "activations and temp"), ("total", "total (need)"),
+)  # fmt: skip
+
+
+def probe_table(probes: tuple[Probe, ...], budget_bytes: int) -> list[str]:
+    """One itemized row per probe: weights, optimizer, accumulator, batch, temp, total."""
+    head = "".join(f"{name:>10}" for name, _ in _COLUMNS) + f"{'budget':>10}  fits  why"
+    rows = ["    " + head]
+    for p in probes:
+        items = p.estimate.items()
+        cells = [f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
+        cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[2:]]
+        cells.append(f"{format_bytes(budget_bytes):>10}")
+        rows.append("    " + "".join(cells) + f"  {'yes' if p.fits else 'no ':<4}  {p.why}")
+    return rows
 
 
 def plan_from_search(
