@@ -78,9 +78,11 @@ def accumulate_gradients(
         (loss_sum, (count, state)), grads = grad_fn(trainable, state, micro_batch)
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
         safe = jnp.maximum(count, 1.0)
+        # Scale the scalar, not the tree, so no gradient-sized temporary is needed.
         micro_sq = sum(
-            jnp.sum(jnp.square(g.astype(jnp.float32) / safe)) for g in jax.tree.leaves(grads)
+            jnp.vdot(g, g, preferred_element_type=jnp.float32) for g in jax.tree.leaves(grads)
         )
+        micro_sq = micro_sq / (safe * safe)
         return (grad_acc, loss_acc + loss_sum, count_acc + count, state, sq_acc + micro_sq), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), trainable)
