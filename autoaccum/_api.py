@@ -61,11 +61,31 @@ def _lr_scaling(options: dict, *, effective_batch: int) -> LearningRateScaling:
     )
 
 
+def _keras_prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
+    from ._keras import check_keras_model, keras_program, to_keras_arrays
+    from ._keras_api import keras_lr_scaling
+
+    check_keras_model(model)
+    scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
+    arrays = to_keras_arrays(model, data)
+    program = keras_program(model, example_spec=arrays.example_spec())
+    return _Prepared(program, arrays.packed, scaling, {"keras": True})
+
+
 def _prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
     from ._flax import is_nnx_module
+    from ._keras import is_keras_model
 
+    if "batch_size" in options:
+        raise ValueError(
+            "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
+            "optimizer step) instead of `batch_size=`. "
+            f"Received: batch_size={options['batch_size']!r}"
+        )
     if is_nnx_module(model):
         return _flax_prepare(model, data, effective_batch=effective_batch, options=options)
+    if is_keras_model(model):
+        return _keras_prepare(model, data, effective_batch=effective_batch, options=options)
     raise ValueError(
         "autoaccum supports Flax NNX modules (flax.nnx.Module) and compiled Keras 3 models on "
         f"the JAX backend. Received: model of type {type(model).__module__}."
@@ -228,6 +248,10 @@ def fit(
     log = sys.stderr if log == "stderr" else log
     options = dict(options)
     prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
+    if prepared.extras.get("keras"):
+        return _keras_fit(model, data, prepared, effective_batch=effective_batch, epochs=epochs,
+                          budget=budget, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
+                          options=options)
     _no_leftovers(options, "fit")
     the_plan = _plan_prepared(
         prepared, effective_batch=effective_batch, budget=budget, device=None, log=log
@@ -250,3 +274,23 @@ def fit(
         stream=log,
         **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
     )
+
+
+def _keras_fit(model: Any, data: Any, prepared: _Prepared, *, effective_batch: int, epochs: int,
+               budget: Any, shuffle: bool, seed: int, verbose: Any, log: TextIO | None,
+               options: dict) -> Any:
+    from ._keras import keras_fit, validate_keras_fit_kwargs
+    from ._keras_api import apply_keras_lr_scaling
+
+    fit_options = validate_keras_fit_kwargs(**options)
+    the_plan = _plan_prepared(
+        prepared, effective_batch=effective_batch, budget=budget, device=None, log=log
+    )
+    if log is not None and verbose:
+        print(the_plan.report(), file=log, flush=True)
+    apply_keras_lr_scaling(model.optimizer, the_plan.lr_scaling)
+    history = keras_fit(model, data, micro_batch=the_plan.micro_batch,
+                        accum_steps=the_plan.accum_steps, epochs=epochs, shuffle=shuffle,
+                        seed=seed, verbose=verbose, **fit_options)
+    history.autoaccum_plan = the_plan
+    return history

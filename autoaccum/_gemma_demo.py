@@ -141,28 +141,34 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+DEMO_BUDGET = "8MiB"
+"""The CPU demo's budget: small enough that, like Gemma3-4B on a T4, only a small micro-batch
+fits and the effective batch of 8 needs accumulation."""
+
+
 def run_keras_demo(
     *,
-    micro_batch: int | None = None,
-    accum_steps: int | None = None,
     effective_batch: int = 8,
-    plan_fn: Callable[..., tuple[int, int]] | None = None,
-    epochs: int = 3,
+    epochs: int = 5,
+    budget: Any = DEMO_BUDGET,
     lora_rank: int | None = 4,
     sequence_length: int = 128,
-    learning_rate: float = 1e-2,
+    learning_rate: float = 2e-3,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
     max_examples: int | None = None,
-    monitor_questions: int = 1,
+    monitor_questions: int = 2,
     verbose: Any = "auto",
     seed: int = 0,
+    log: Any = "stderr",
 ) -> Any:
-    """Builds the tiny Gemma3, plans (or takes) the micro-batch, trains with accumulation.
+    """The main job: builds the tiny Gemma3 with LoRA, plans with autoaccum and fine-tunes.
 
-    Give ``micro_batch`` and ``accum_steps`` directly, or a ``plan_fn(model, data,
-    effective_batch=...) -> (micro_batch, accum_steps)`` (the lead's planner); without either,
-    the micro-batch is the whole effective batch. Returns the ``History``.
+    ``learning_rate`` is the base rate tuned for ``base_batch``; the plan scales it by
+    ``lr_rule``. A generation monitor prints answers after every epoch. Returns the Keras
+    ``History`` (with ``history.autoaccum_plan``).
     """
-    from ._keras_fit import keras_fit
+    from ._api import fit
 
     rows = load_qa()
     if max_examples is not None:
@@ -170,11 +176,10 @@ def run_keras_demo(
     data = demo_data(rows)
     model = build_demo_model(lora_rank=lora_rank, sequence_length=sequence_length,
                              learning_rate=learning_rate, seed=seed)
-    if micro_batch is None or accum_steps is None:
-        if plan_fn is not None:
-            micro_batch, accum_steps = plan_fn(model, data, effective_batch=effective_batch)
-        else:
-            micro_batch, accum_steps = effective_batch, 1
+    print(f"autoaccum demo: tiny Gemma3CausalLM (keras-hub, {model.backbone.num_layers} layers, "
+          f"LoRA rank {lora_rank}) on {len(rows)} QA pairs, sequence length {sequence_length}, "
+          f"effective_batch={effective_batch}, budget={budget}", flush=True)
     monitor = _monitor_class()([r["question"] for r in rows[:monitor_questions]])
-    return keras_fit(model, data, micro_batch=micro_batch, accum_steps=accum_steps,
-                     epochs=epochs, callbacks=[monitor], verbose=verbose, seed=seed)
+    return fit(model, data, effective_batch=effective_batch, epochs=epochs, budget=budget,
+               callbacks=[monitor], verbose=verbose, seed=seed, lr_rule=lr_rule,
+               base_batch=base_batch, log=log)

@@ -85,6 +85,11 @@ def test_unknown_model_type_names_supported_frameworks():
         autoaccum.plan(object(), ragged_tokens(8, 6), effective_batch=4)
 
 
-def test_unexpected_option_is_a_type_error():
-    with pytest.raises(TypeError, match="batch_size"):
+def test_batch_size_with_effective_batch_names_the_fix():
+    with pytest.raises(ValueError, match=r"pass `effective_batch=`.*Received: batch_size=4"):
         _fit(batch_size=4)
+
+
+def test_unexpected_option_is_a_type_error():
+    with pytest.raises(TypeError, match="micro_steps"):
+        _fit(micro_steps=4)
