@@ -12,6 +12,7 @@ from ._accumulate import mean_loss as mean_loss
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
+from ._api import plan_program as plan_program
 from ._budget import Budget as Budget
 from ._budget import format_bytes as format_bytes
 from ._budget import parse_budget as parse_budget
@@ -27,6 +28,7 @@ from ._measure import CompileTarget as CompileTarget
 from ._measure import MemoryEstimate as MemoryEstimate
 from ._measure import measure_program as measure_program
 from ._plan import Plan as Plan
+from ._plot import plot_plan as plot_plan
 from ._profiles import DeviceProfile as DeviceProfile
 from ._profiles import find_profile as find_profile
 from ._profiles import list_profiles as list_profiles

@@ -106,6 +106,7 @@ def plan(
     effective_batch: int,
     budget: int | float | str | None = None,
     device: str | None = None,
+    memory_fraction: float | None = None,
     log: TextIO | str | None = "stderr",
     **options: Any,
 ) -> Plan:
@@ -140,9 +141,10 @@ def plan(
     options = dict(options)
     prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
     _no_leftovers(options, "plan")
-    return _plan_prepared(
-        prepared, effective_batch=effective_batch, budget=budget, device=device, log=log
-    )
+    check_enough_examples(prepared.data, effective_batch)
+    return plan_program(prepared.program, effective_batch=effective_batch,
+                        lr_scaling=prepared.lr_scaling, budget=budget, device=device,
+                        memory_fraction=memory_fraction, log=log)
 
 
 def _plan_prepared(
@@ -154,14 +156,32 @@ def _plan_prepared(
     log: TextIO | None,
 ) -> Plan:
     check_enough_examples(prepared.data, effective_batch)
-    program = prepared.program
+    return plan_program(prepared.program, effective_batch=effective_batch,
+                        lr_scaling=prepared.lr_scaling, budget=budget, device=device, log=log)
+
+
+def plan_program(
+    program: TrainProgram,
+    *,
+    effective_batch: int,
+    lr_scaling: LearningRateScaling,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    log: TextIO | str | None = "stderr",
+) -> Plan:
+    """Plans an already built :class:`TrainProgram` (used by the CLI's presets).
+
+    ``memory_fraction`` overrides the named device profile's default share of GPU memory
+    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
     resident = tree_bytes(program.parts.get("trainable")) + tree_bytes(program.parts.get("frozen"))
-    resolved = resolve_target(device, budget, resident_bytes=resident)
+    resolved = resolve_target(device, budget, resident_bytes=resident,
+                              memory_fraction=memory_fraction)
     notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
     return search_plan(
         lambda b, k: measure_program(program, b, k, resolved.compile_target),
         effective_batch=effective_batch,
-        lr_scaling=prepared.lr_scaling,
+        lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
         log=log,

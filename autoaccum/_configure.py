@@ -38,9 +38,10 @@ def configure(
     * the profile's ``[environment]``: ``XLA_FLAGS`` entries are appended unless a flag of
       the same name is already there; other variables are set only if unset.
 
-    On the CPU only ``KERAS_BACKEND`` is set. A ``KERAS_BACKEND`` other than ``jax`` is kept
-    (with a warning). If JAX has already started its backends (importing jax alone does not),
-    a warning says the memory settings will not apply until the next start.
+    On the CPU only ``KERAS_BACKEND`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (so dry-run
+    plans for a named GPU work later in the process) are set. A ``KERAS_BACKEND`` other than
+    ``jax`` is kept (with a warning). If JAX has already started its backends (importing jax
+    alone does not), a warning says the memory settings will not apply until the next start.
 
     >>> from autoaccum._configure import configure
     >>> changed = configure("t4", verbose=False)  # doctest: +SKIP
@@ -79,7 +80,11 @@ def configure(
         changed.update(_fraction(profile, memory_fraction, notes))
         changed.update(_environment(profile, notes))
     else:
-        notes.append("CPU: no GPU memory settings apply; only KERAS_BACKEND is set")
+        notes.append("CPU: no GPU memory settings apply")
+        if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ:
+            # Lets autoaccum compile deviceless for a named GPU (plan(device="t4")) later in
+            # this process; without a GPU it changes nothing else (design.md section 2).
+            changed["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
         if memory_fraction is not None:
             notes.append("memory_fraction ignored on the CPU")
     os.environ.update(changed)

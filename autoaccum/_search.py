@@ -23,7 +23,7 @@ from ._measure import MemoryEstimate
 
 @dataclass(frozen=True)
 class Probe:
-    """One compile of the step at a candidate micro-batch."""
+    """One compile (or, for back-off, one real step) of the step at a candidate micro-batch."""
 
     micro_batch: int
     accum_steps: int
@@ -31,6 +31,10 @@ class Probe:
     fits: bool
     why: str
     estimate: MemoryEstimate
+    kind: str = "compile"
+    """``"compile"`` (compiled need against the budget) or ``"real step"`` (ran on the device)."""
+    error: str = ""
+    """For a real step that ran out of memory: the first line of the error."""
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,9 @@ def search_micro_batch(
         return any(lo < d < hi for d in all_divisors)
 
     affine = None
-    if limit >= 3:
+    if limit >= 3 and probe(2, "fit point").fits:  # if 2 fails, so does everything above
         low, high = 2, min(4, limit)
-        p_low, p_high = probe(low, "fit point"), probe(high, "fit point")
+        p_low, p_high = probes[low], probe(high, "fit point")
         slope = (p_high.need_bytes - p_low.need_bytes) / (high - low)
         intercept = p_low.need_bytes - slope * low
         affine = (intercept, slope)

@@ -76,6 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             device=args.device,
             budget=args.budget,
+            memory_fraction=args.memory_fraction,
             log=log,
             **_plan_kwargs(args),
         )
@@ -84,7 +85,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         built.update(_plan_kwargs(args))
         model, data = built.pop("model"), built.pop("data")
         result = plan(model, data, effective_batch=args.effective_batch, device=args.device,
-                      budget=args.budget, log=log, **built)
+                      budget=args.budget, memory_fraction=args.memory_fraction, log=log,
+                      **built)
     if args.plot:
         from ._plot import plot_plan
 
@@ -157,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--effective-batch", type=int, required=True)
     p.add_argument("--device", help="device profile, e.g. t4, a100-80gb (see autoaccum devices)")
     p.add_argument("--budget", help="bytes, '12GiB', or a fraction such as '90%%'")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
+                   "default: the device profile's")
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
@@ -185,6 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except ValueError as error:  # DoesNotFitError included: bad input or no fit, explained
         print(f"autoaccum: error: {error}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ KEYS = (
     "XLA_CLIENT_MEM_FRACTION",
     "XLA_FLAGS",
     "TF_FORCE_GPU_ALLOW_GROWTH",
+    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK",
 )
 COMMAND_BUFFER = "--xla_gpu_enable_command_buffer="
 
@@ -49,11 +50,11 @@ def test_gpu_profile_sets_backend_fraction_and_flags():
     assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
 
 
-def test_cpu_sets_only_keras_backend(capsys):
+def test_cpu_sets_keras_backend_and_allows_later_deviceless_plans(capsys):
     changed = configure("cpu")
-    assert changed == {"KERAS_BACKEND": "jax"}
+    assert changed == {"KERAS_BACKEND": "jax", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     assert "no GPU memory settings apply" in capsys.readouterr().out
-    for key in KEYS[1:]:
+    for key in KEYS[1:-1]:
         assert key not in os.environ
 
 
@@ -145,7 +146,8 @@ def test_detected_gpu_is_configured_from_its_profile(monkeypatch):
 
 def test_no_gpu_detected_configures_the_cpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    assert configure(verbose=False) == {"KERAS_BACKEND": "jax"}
+    assert configure(verbose=False)["KERAS_BACKEND"] == "jax"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
 
 
 def test_unknown_device_name_is_a_clear_error():
