@@ -4,93 +4,17 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, TextIO
 
-from ._batching import as_arrays, check_enough_examples, example_spec
-from ._lr import LearningRateScaling, scale_learning_rate
 from ._measure import MemoryEstimate, measure_program
-from ._plan import Plan, search_plan
-from ._program import TrainProgram, tree_bytes
+from ._objective import validate_objective
+from ._plan import Plan
+from ._planner import plan_model, validate_method
+from ._planner import plan_program as plan_program
+from ._prepare import framework_of, prepare, remat_context
 from ._result import FitResult
 from ._targets import resolve_target
 from ._validate import validate_effective_batch, validate_positive_int
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    program: TrainProgram
-    data: Any
-    lr_scaling: LearningRateScaling
-    extras: dict[str, Any]
-
-
-def _flax_prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
-    from ._flax import flax_program
-    from ._optax_lr import build_optax_optimizer
-
-    optimizer = options.pop("optimizer", None)
-    loss_fn = options.pop("loss_fn", None)
-    trainable = options.pop("trainable", None)
-    if optimizer is None:
-        raise ValueError(
-            "A Flax model needs optimizer= (an optax transformation such as optax.adamw(1e-4), "
-            "or a factory such as optax.adamw together with learning_rate=1e-4). "
-            "Received: optimizer=None"
-        )
-    if loss_fn is None or not callable(loss_fn):
-        raise ValueError(
-            "A Flax model needs loss_fn=fn where fn(model, batch) returns (sum_of_losses, "
-            f"number_of_valid_items). Received: loss_fn={loss_fn!r}"
-        )
-    scaling = _lr_scaling(options, effective_batch=effective_batch)
-    tx = build_optax_optimizer(optimizer, scaling)
-    tree = as_arrays(data)
-    kwargs = {} if trainable is None else {"trainable": trainable}
-    program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx, **kwargs)
-    return _Prepared(program, tree, scaling, {"tx": tx, **kwargs, "loss_fn": loss_fn})
-
-
-def _lr_scaling(options: dict, *, effective_batch: int) -> LearningRateScaling:
-    return scale_learning_rate(
-        options.pop("learning_rate", None),
-        effective_batch=effective_batch,
-        base_batch=options.pop("base_batch", 1),
-        rule=options.pop("lr_rule", "linear"),
-        adjust_adam=options.pop("adjust_adam", False),
-    )
-
-
-def _keras_prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
-    from ._keras import check_keras_model, keras_program, to_keras_arrays
-    from ._keras_api import keras_lr_scaling
-
-    check_keras_model(model)
-    scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
-    arrays = to_keras_arrays(model, data)
-    program = keras_program(model, example_spec=arrays.example_spec())
-    return _Prepared(program, arrays.packed, scaling, {"keras": True})
-
-
-def _prepare(model: Any, data: Any, *, effective_batch: int, options: dict) -> _Prepared:
-    from ._flax import is_nnx_module
-    from ._keras import is_keras_model
-
-    if "batch_size" in options:
-        raise ValueError(
-            "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
-            "optimizer step) instead of `batch_size=`. "
-            f"Received: batch_size={options['batch_size']!r}"
-        )
-    if is_nnx_module(model):
-        return _flax_prepare(model, data, effective_batch=effective_batch, options=options)
-    if is_keras_model(model):
-        return _keras_prepare(model, data, effective_batch=effective_batch, options=options)
-    raise ValueError(
-        "autoaccum supports Flax NNX modules (flax.nnx.Module) and compiled Keras 3 models on "
-        f"the JAX backend. Received: model of type {type(model).__module__}."
-        f"{type(model).__name__}"
-    )
 
 
 def _no_leftovers(options: dict, where: str) -> None:
@@ -107,6 +31,10 @@ def plan(
     budget: int | float | str | None = None,
     device: str | None = None,
     memory_fraction: float | None = None,
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "auto",
     log: TextIO | str | None = "stderr",
     **options: Any,
 ) -> Plan:
@@ -120,6 +48,16 @@ def plan(
     machine without that GPU the step is compiled deviceless for it. ``budget`` is bytes,
     a size string ("12GiB") or a fraction of the device ("90%"); by default it comes from
     the device (or, on CPU, half the available RAM).
+
+    ``remat``: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit
+    without it), ``"none"``, or a policy of ``autoaccum._remat.REMAT_POLICIES``;
+    ``remat_layers`` picks the layers when the model has no sequence of blocks.
+    ``objective``: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
+    fitting plan, timed); the default is throughput on a GPU/TPU here, memory otherwise.
+
+    ``method``: ``"auto"`` (compile-only plan, then one real verification step when the
+    target is on this machine, backing off on a real out-of-memory), ``"compile"`` (compile
+    only) or ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
 
     Options: ``optimizer``, ``loss_fn``, ``trainable`` (Flax); ``learning_rate`` (base),
     ``base_batch`` (the batch it was tuned for, default 1), ``lr_rule`` ("linear", "sqrt",
@@ -138,55 +76,23 @@ def plan(
       (8, 0.8)
     """
     validate_effective_batch(effective_batch)
-    options = dict(options)
-    prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
-    _no_leftovers(options, "plan")
-    check_enough_examples(prepared.data, effective_batch)
-    return plan_program(prepared.program, effective_batch=effective_batch,
-                        lr_scaling=prepared.lr_scaling, budget=budget, device=device,
-                        memory_fraction=memory_fraction, log=log)
+    plan_, _ = plan_model(model, data, effective_batch=effective_batch, options=dict(options),
+                          budget=budget, device=device, memory_fraction=memory_fraction,
+                          remat=remat, remat_layers=remat_layers,
+                          objective=_default_objective(objective, device), method=method,
+                          log=log)
+    return plan_
 
 
-def _plan_prepared(
-    prepared: _Prepared,
-    *,
-    effective_batch: int,
-    budget: Any,
-    device: str | None,
-    log: TextIO | None,
-) -> Plan:
-    check_enough_examples(prepared.data, effective_batch)
-    return plan_program(prepared.program, effective_batch=effective_batch,
-                        lr_scaling=prepared.lr_scaling, budget=budget, device=device, log=log)
+def _default_objective(objective: str | None, device: str | None) -> str:
+    """``"throughput"`` when planning for a real accelerator here, else ``"memory"``."""
+    if objective is not None:
+        return validate_objective(objective)
+    if device is not None:
+        return "memory"
+    import jax
 
-
-def plan_program(
-    program: TrainProgram,
-    *,
-    effective_batch: int,
-    lr_scaling: LearningRateScaling,
-    budget: Any = None,
-    device: str | None = None,
-    memory_fraction: float | None = None,
-    log: TextIO | str | None = "stderr",
-) -> Plan:
-    """Plans an already built :class:`TrainProgram` (used by the CLI's presets).
-
-    ``memory_fraction`` overrides the named device profile's default share of GPU memory
-    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
-    resident = tree_bytes(program.parts.get("trainable")) + tree_bytes(program.parts.get("frozen"))
-    resolved = resolve_target(device, budget, resident_bytes=resident,
-                              memory_fraction=memory_fraction)
-    notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
-    return search_plan(
-        lambda b, k: measure_program(program, b, k, resolved.compile_target),
-        effective_batch=effective_batch,
-        lr_scaling=lr_scaling,
-        budget=resolved.budget,
-        target=resolved.compile_target.name,
-        log=log,
-        notes=notes,
-    )
+    return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
 
 
 def measure(
@@ -223,9 +129,10 @@ def measure(
         accum_steps = math.ceil(effective_batch / micro_batch) if effective_batch else 1
     validate_positive_int("accum_steps", accum_steps)
     options = dict(options)
-    prepared = _prepare(
-        model, data, effective_batch=effective_batch or micro_batch * accum_steps, options=options
-    )
+    remat = options.pop("remat", "none")
+    remat_layers = options.pop("remat_layers", None)
+    prepared = prepare(model, data, effective_batch=effective_batch or micro_batch * accum_steps,
+                       options=options, remat=remat, remat_layers=remat_layers)
     options.pop("budget", None)
     _no_leftovers(options, "measure")
     resolved = resolve_target(device, None)
@@ -250,6 +157,15 @@ def fit(
     For a Flax NNX model: ``optimizer`` (optax transformation or factory with
     ``learning_rate``) and ``loss_fn(model, batch) -> (sum_of_losses, n_valid)``; ``data`` is
     a dict or tuple of arrays with a leading example axis. Returns a :class:`FitResult`.
+    For a compiled Keras 3 model: ``data`` as ``model.fit`` takes it (``(x, y)``,
+    ``(x, y, sample_weight)``, dicts, raw strings for keras-hub tasks, unbatched
+    ``tf.data``), Keras options (``callbacks``, ``validation_data``, ...); returns the Keras
+    ``History`` with ``history.autoaccum_plan``.
+
+    ``elastic=True`` (default): a real out-of-memory during training lowers the micro-batch,
+    raises accumulation (same effective batch), and redoes the same step from the same state
+    and data. ``method``, ``remat``, ``objective``, ``device``, ``budget``: as in :func:`plan`
+    (with ``method="auto"`` the first training step is the real verification).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -267,47 +183,60 @@ def fit(
     validate_positive_int("epochs", epochs)
     log = sys.stderr if log == "stderr" else log
     options = dict(options)
-    prepared = _prepare(model, data, effective_batch=effective_batch, options=options)
-    if prepared.extras.get("keras"):
-        return _keras_fit(model, data, prepared, effective_batch=effective_batch, epochs=epochs,
-                          budget=budget, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
-                          options=options)
-    _no_leftovers(options, "fit")
-    the_plan = _plan_prepared(
-        prepared, effective_batch=effective_batch, budget=budget, device=None, log=log
+    remat = options.pop("remat", "auto")
+    remat_layers = options.pop("remat_layers", None)
+    objective = _default_objective(options.pop("objective", None), None)
+    method = options.pop("method", "auto")
+    elastic = options.pop("elastic", True)
+    validate_method(method)
+    # With method="auto" the first training step is the real verification: elastic training
+    # backs off on an out-of-memory there exactly as auto planning would.
+    plan_method = "compile" if method == "auto" and elastic else method
+    framework = framework_of(model)
+    fit_options: dict[str, Any] = {}
+    if framework == "keras":
+        from ._keras import validate_keras_fit_kwargs
+
+        keras_names = {"callbacks", "validation_data", "validation_split", "validation_batch_size",
+                       "validation_steps", "validation_freq", "initial_epoch", "steps_per_epoch",
+                       "backup"}
+        fit_options = {k: options.pop(k) for k in list(options) if k in keras_names}
+        validate_keras_fit_kwargs(**fit_options)
+    the_plan, prepared = plan_model(
+        model, data, effective_batch=effective_batch, options=options, budget=budget,
+        remat=remat, remat_layers=remat_layers, objective=objective, method=plan_method,
+        log=log, where="fit",
     )
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
-    from ._flax import flax_fit
+    with remat_context(model, prepared.framework, the_plan.remat, remat_layers):
+        if prepared.framework == "keras":
+            return _keras_fit(model, data, the_plan, epochs=epochs, shuffle=shuffle, seed=seed,
+                              verbose=verbose, fit_options={**fit_options, "elastic": elastic})
+        from ._flax import flax_fit
 
-    extras = prepared.extras
-    return flax_fit(
-        model,
-        prepared.data,
-        plan=the_plan,
-        loss_fn=extras["loss_fn"],
-        tx=extras["tx"],
-        epochs=epochs,
-        shuffle=shuffle,
-        seed=seed,
-        verbose=verbose,
-        stream=log,
-        **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
-    )
+        extras = prepared.extras
+        return flax_fit(
+            model,
+            prepared.data,
+            plan=the_plan,
+            loss_fn=extras["loss_fn"],
+            tx=extras["tx"],
+            epochs=epochs,
+            shuffle=shuffle,
+            seed=seed,
+            verbose=verbose,
+            stream=log,
+            elastic=elastic,
+            **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
+        )
 
 
-def _keras_fit(model: Any, data: Any, prepared: _Prepared, *, effective_batch: int, epochs: int,
-               budget: Any, shuffle: bool, seed: int, verbose: Any, log: TextIO | None,
-               options: dict) -> Any:
-    from ._keras import keras_fit, validate_keras_fit_kwargs
+def _keras_fit(model: Any, data: Any, the_plan: Plan, *, epochs: int, shuffle: bool, seed: int,
+               verbose: Any, fit_options: dict) -> Any:
+    from ._keras import keras_fit
     from ._keras_api import apply_keras_lr_scaling
 
-    fit_options = validate_keras_fit_kwargs(**options)
-    the_plan = _plan_prepared(
-        prepared, effective_batch=effective_batch, budget=budget, device=None, log=log
-    )
-    if log is not None and verbose:
-        print(the_plan.report(), file=log, flush=True)
     apply_keras_lr_scaling(model.optimizer, the_plan.lr_scaling)
     history = keras_fit(model, data, micro_batch=the_plan.micro_batch,
                         accum_steps=the_plan.accum_steps, epochs=epochs, shuffle=shuffle,

@@ -18,10 +18,14 @@ from flax import nnx
 
 from ._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ._batching import effective_batches, epoch_order
+from ._elastic import ElasticEvent, resplit, shrink
+from ._oom import is_out_of_memory
 from ._plan import Plan
 from ._program import StepMetrics, TrainProgram, abstract
 from ._progress import ProgressBar
 from ._result import FitResult
+from ._rlimit import compiling
+from ._search import DoesNotFitError
 from ._snapshot import HostSnapshot
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
@@ -114,8 +118,18 @@ def flax_fit(
     seed: int = 0,
     verbose: int = 1,
     stream: TextIO | None = None,
+    elastic: bool = True,
+    on_step_end: Callable[[int, float], None] | None = None,
 ) -> FitResult:
-    """Trains ``model`` in place with the plan's accumulated step; returns a FitResult."""
+    """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
+
+    The state as of the last completed step is kept on the host; a step that fails leaves
+    the model there. With ``elastic`` a step that runs out of memory is redone from that
+    state with the same examples at the next smaller micro-batch (more accumulation, same
+    effective batch); each such event is printed and kept in ``result.events``, and
+    ``result.micro_batch`` / ``result.accum_steps`` are the split training ended with.
+    ``on_step_end(step, loss)`` is called after every optimizer step (1-based).
+    """
     stream = sys.stderr if stream is None else stream
     graphdef, params, frozen, other = _split(model, trainable)
     step = jax.jit(
@@ -123,7 +137,17 @@ def flax_fit(
     )
     state = (params, other, tx.init(params))
     snapshot = HostSnapshot(state)
-    result = FitResult(plan=plan)
+    executables: dict[tuple[int, ...], Any] = {}
+
+    def compiled(state: Any, batches: Any) -> Any:
+        """The step compiled for this batch shape (compiled once per shape)."""
+        shape = tuple(jax.tree.leaves(batches)[0].shape[:2])
+        if shape not in executables:
+            with compiling():
+                executables[shape] = step.lower(state, batches, frozen).compile()
+        return executables[shape]
+
+    result = FitResult(plan=plan, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps)
     n = jax.tree.leaves(data)[0].shape[0]
     steps_per_epoch = n // plan.effective_batch
     start = time.perf_counter()
@@ -135,17 +159,23 @@ def flax_fit(
             data, effective_batch=plan.effective_batch, accum_steps=plan.accum_steps, order=order
         )
         for i, batches in enumerate(batches_iter):
-            try:
-                state, metrics = step(state, batches, frozen)
-                loss = float(metrics.loss)
-            except BaseException:
-                state = snapshot.restore()
-                nnx.update(model, state[0], state[1])
-                result.events.append(
-                    f"step {result.steps + 1} failed; model restored to the state after step "
-                    f"{result.steps}"
-                )
-                raise
+            while True:
+                batches = resplit(batches, result.accum_steps, result.micro_batch)
+                try:
+                    state, metrics = compiled(state, batches)(state, batches, frozen)
+                    loss = float(metrics.loss)
+                    break
+                except BaseException as error:
+                    state = snapshot.restore()
+                    nnx.update(model, state[0], state[1])
+                    if elastic and is_out_of_memory(error):
+                        _elastic_event(error, result, stream)  # raises at micro-batch 1
+                        continue
+                    result.events.append(
+                        f"step {result.steps + 1} failed; model restored to the state after "
+                        f"step {result.steps}"
+                    )
+                    raise
             snapshot.take(state)
             nnx.update(model, state[0], state[1])
             result.steps += 1
@@ -153,8 +183,27 @@ def flax_fit(
             losses.append(loss)
             if verbose:
                 bar.update(i + 1, loss=loss)
+            if on_step_end is not None:
+                on_step_end(result.steps, loss)
         if verbose:
             bar.close()
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _elastic_event(error: BaseException, result: FitResult, stream: TextIO) -> ElasticEvent:
+    """Records the next smaller split after an out-of-memory (raises at micro-batch 1)."""
+    try:
+        event = shrink(error, step=result.steps + 1, micro_batch=result.micro_batch,
+                       accum_steps=result.accum_steps)
+    except DoesNotFitError:
+        result.events.append(
+            f"step {result.steps + 1}: out of memory at micro_batch 1; model restored to the "
+            f"state after step {result.steps}"
+        )
+        raise
+    result.events.append(str(event))
+    result.micro_batch, result.accum_steps = event.new_micro_batch, event.new_accum_steps
+    print(f"autoaccum: elastic: {event}", file=stream, flush=True)
+    return event

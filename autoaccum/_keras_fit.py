@@ -9,6 +9,7 @@ are left as they were before it: the last good state when it is intact, else a h
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._elastic import resplit, shrink
 from ._keras_checks import check_keras_model, validate_keras_fit_kwargs
 from ._keras_data import KerasArrays, to_keras_arrays
 from ._keras_program import (
@@ -27,7 +29,9 @@ from ._keras_program import (
     keras_train_step,
     write_back,
 )
+from ._oom import is_out_of_memory
 from ._program import tree_bytes
+from ._rlimit import compiling
 
 __all__ = ["keras_fit"]
 
@@ -53,6 +57,7 @@ def keras_fit(
     initial_epoch: int = 0,
     steps_per_epoch: int | None = None,
     backup: str = "auto",
+    elastic: bool = True,
 ) -> Any:
     """Trains ``model`` for ``epochs`` with ``micro_batch x accum_steps`` examples per step.
 
@@ -62,6 +67,14 @@ def keras_fit(
     every step). Validation runs ``model.evaluate``. ``backup`` keeps a host copy of the
     donated state (refreshed every epoch) to restore if a step fails after consuming it:
     ``"auto"`` does so when that state is at most 4 GiB, ``"host"`` always, ``"none"`` never.
+
+    ``elastic``: a step that runs out of memory is redone from the state before it (the host
+    copy is then refreshed before every step) with the same examples at the next smaller
+    micro-batch and more accumulation, so the effective batch, the step count and the
+    learning-rate schedule are unchanged. Each event is printed and kept in
+    ``history.autoaccum_events``; ``history.autoaccum_micro_batch`` and
+    ``history.autoaccum_accum_steps`` are the split training ended with. Out of memory at
+    micro-batch 1 raises :class:`DoesNotFitError` with advice, the variables as before the step.
 
     Returns the ``keras.callbacks.History`` of the run.
 
@@ -99,10 +112,17 @@ def keras_fit(
     _initialize_deferred_variables()
     state, frozen = keras_state(model, layout)
     start = time.perf_counter()
-    with keras_lowering_scope():
-        compiled = (jax.jit(keras_train_step(model, layout), donate_argnums=0)
-                    .lower(state, _batch_spec(spec, accum_steps, micro_batch), frozen).compile())
+    jitted = jax.jit(keras_train_step(model, layout), donate_argnums=0)
+
+    def compile_for(accum_steps: int, micro_batch: int) -> Any:
+        current, fixed = keras_state(model, layout)  # live values (restored after a failure)
+        with compiling(), keras_lowering_scope():
+            return jitted.lower(current, _batch_spec(spec, accum_steps, micro_batch),
+                                fixed).compile()
+
+    compiled = compile_for(accum_steps, micro_batch)
     model._autoaccum_compile_seconds = time.perf_counter() - start
+    events: list[str] = []
 
     callback_list = callbacks
     if not isinstance(callback_list, keras.callbacks.CallbackList):
@@ -110,7 +130,7 @@ def keras_fit(
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
             epochs=epochs, steps=steps, model=model,
         )
-    snapshot = _Snapshot(backup)
+    snapshot = _Snapshot(backup, per_step=elastic)
     snapshot.take(state)
     rng = np.random.default_rng(seed)
     model.stop_training = False
@@ -125,11 +145,29 @@ def keras_fit(
         batches = arrays.batches(order[:effective], accum_steps, micro_batch)
         for step in range(steps):
             callback_list.on_train_batch_begin(step)
-            state, frozen = keras_state(model, layout)
-            logs, batches = _run_step(
-                compiled, model, layout, state, frozen, batches, snapshot,
-                following=_following(arrays, order, step + 1, steps, accum_steps, micro_batch),
-            )
+            while True:
+                state, frozen = keras_state(model, layout)
+                if elastic:
+                    snapshot.take(state)
+                try:
+                    logs, batches = _run_step(
+                        compiled, model, layout, state, frozen,
+                        resplit(batches, accum_steps, micro_batch), snapshot,
+                        following=_following(arrays, order, step + 1, steps, accum_steps,
+                                             micro_batch),
+                    )
+                    break
+                except Exception as error:
+                    if not (elastic and is_out_of_memory(error)) or _consumed(
+                            keras_state(model, layout)[0]):
+                        raise
+                    event = shrink(error, step=int(model.optimizer.iterations) + 1,
+                                   micro_batch=micro_batch, accum_steps=accum_steps)
+                    events.append(str(event))
+                    print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
+                    micro_batch, accum_steps = event.new_micro_batch, event.new_accum_steps
+                    compiled = compile_for(accum_steps, micro_batch)
+                    _record(model, events, micro_batch, accum_steps)
             callback_list.on_train_batch_end(step, logs)
             if model.stop_training:
                 break
@@ -146,7 +184,22 @@ def keras_fit(
     if epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callback_list.on_train_end(logs=training_logs)
+    _record(model, events, micro_batch, accum_steps)
     return model.history
+
+
+def _record(model: Any, events: list[str], micro_batch: int, accum_steps: int) -> None:
+    """Keeps the elastic events and the final split on the run's ``History``."""
+    history = getattr(model, "history", None)
+    if history is not None:
+        history.autoaccum_events = events
+        history.autoaccum_micro_batch = micro_batch
+        history.autoaccum_accum_steps = accum_steps
+
+
+def _consumed(state: Any) -> bool:
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+               for leaf in jax.tree.leaves(state))
 
 
 def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, frozen: list,
@@ -167,14 +220,13 @@ def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, froz
 def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: _Snapshot,
              error: BaseException) -> None:
     """Leaves the model's variables as they were before the failed step."""
-    consumed = any(
-        isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)
-    )
-    if not consumed:
+    if not _consumed(state):
         write_back(model, layout, state)
         return
     if snapshot.state is not None:
         write_back(model, layout, snapshot.state)
+        if snapshot.per_step:
+            return  # exactly the state before the step: nothing lost, nothing to warn about
         note = (
             "autoaccum: the failed step had consumed (donated) the training state; the model's "
             "variables were restored from the host copy taken at the start of this epoch."
@@ -193,8 +245,9 @@ def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: _Snapshot,
 class _Snapshot:
     """An optional host copy of the donated state."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, *, per_step: bool = False) -> None:
         self.policy = policy
+        self.per_step = per_step
         self.state: Any = None
 
     def take(self, state: tuple) -> None:

@@ -52,6 +52,10 @@ class MemoryEstimate:
     need_bytes: int
     target: str
     compile_seconds: float
+    flops: float = 0.0
+    """XLA's cost analysis of the step: floating-point operations."""
+    bytes_accessed: float = 0.0
+    """XLA's cost analysis of the step: bytes read and written."""
 
     @property
     def activation_bytes(self) -> int:
@@ -112,6 +116,7 @@ def measure_program(
     output = int(analysis.output_size_in_bytes)
     alias = int(analysis.alias_size_in_bytes)
     temp = int(analysis.temp_size_in_bytes)
+    cost = _cost(compiled)
     parts = program.parts
     trainable = tree_bytes(parts.get("trainable"))
     accumulator = 4 * _elements(program.trainable)
@@ -132,7 +137,19 @@ def measure_program(
         need_bytes=argument + output - alias + temp,
         target=target.name,
         compile_seconds=seconds,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
     )
+
+
+def _cost(compiled: Any) -> dict:
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # some backends have no cost model
+        return {}
+    if isinstance(analysis, list | tuple):
+        analysis = analysis[0] if analysis else {}
+    return dict(analysis or {})
 
 
 def _elements(tree: Any) -> int:

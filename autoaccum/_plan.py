@@ -31,6 +31,12 @@ class Plan:
     target: str
     plan_seconds: float
     notes: tuple[str, ...] = field(default=())
+    remat: str = "none"
+    """Rematerialization policy of the chosen step (see ``autoaccum._remat``)."""
+    objective: str = "memory"
+    """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
+    candidates: tuple[Any, ...] = field(default=())
+    """For the throughput objective: every timed (policy, micro-batch) candidate."""
 
     @property
     def lr_rule(self) -> str:
@@ -65,7 +71,18 @@ class Plan:
             "  probes (compiled, no weights allocated):",
             *probe_table(self.probes, self.budget_bytes),
         ]
+        if self.candidates:
+            lines.append(f"  candidates ({self.objective} objective):")
+            lines.append(f"    {'remat':>13} {'micro':>6} {'accum':>6} {'need':>10} "
+                         f"{'us/example':>11}  source")
+            for c in self.candidates:
+                mark = "  <- chosen" if (c.remat, c.micro_batch) == (self.remat,
+                                                                      self.micro_batch) else ""
+                lines.append(f"    {c.remat:>13} {c.micro_batch:>6} {c.accum_steps:>6} "
+                             f"{format_bytes(c.need_bytes):>10} "
+                             f"{c.seconds_per_example * 1e6:>11.1f}  {c.source}{mark}")
         lines += [
+            f"  rematerialization {self.remat}",
             f"  effective batch   {self.effective_batch} = micro_batch {self.micro_batch} x "
             f"{self.data_parallel} device(s) x {self.accum_steps} accumulation step(s)",
             f"  learning rate     {self.lr_scaling.arithmetic()}",
@@ -98,8 +115,16 @@ class Plan:
             "lr_arithmetic": self.lr_scaling.arithmetic(),
             "need_bytes": self.need_bytes,
             "memory": {k.replace(" ", "_"): v for k, v in self.estimate.items().items()},
+            "remat": self.remat,
+            "objective": self.objective,
+            "candidates": [
+                {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
+                 "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
+                 "source": c.source}
+                for c in self.candidates
+            ],
             "probes": [
-                {"micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+                {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
                  "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why,
                  "compile_seconds": p.estimate.compile_seconds,
                  "memory": {k.replace(" ", "_"): v for k, v in p.estimate.items().items()}}
@@ -111,7 +136,7 @@ class Plan:
 
 
 _COLUMNS = (
-    ("micro", None), ("accum", None), ("frozen", "frozen weights"),
+    ("remat", None), ("micro", None), ("accum", None), ("frozen", "frozen weights"),
     ("trainable", "trainable weights"), ("optimizer", "optimizer state"),
     ("grad acc", "gradient accumulator"), ("batch", "batch"),
     ("act+temp", "activations and temp"), ("total", "total (need)"),
@@ -124,8 +149,8 @@ def probe_table(probes: tuple[Probe, ...], budget_bytes: int) -> list[str]:
     rows = ["    " + head]
     for p in probes:
         items = p.estimate.items()
-        cells = [f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
-        cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[2:]]
+        cells = [f"{p.remat:>10}", f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
+        cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[3:]]
         cells.append(f"{format_bytes(budget_bytes):>10}")
         rows.append("    " + "".join(cells) + f"  {'yes' if p.fits else 'no ':<4}  {p.why}")
     return rows

@@ -21,7 +21,12 @@ class FitResult:
     seconds: float = 0.0
     """Wall time of training, planning excluded."""
     events: list[str] = field(default_factory=list)
-    """Notable events (restores after failures, ...)."""
+    """Notable events (restores after failures, elastic out-of-memory recoveries, ...)."""
+    micro_batch: int | None = None
+    """The micro-batch training ended with (below the plan's after an elastic recovery)."""
+    accum_steps: int | None = None
+    """The accumulation steps training ended with (``micro_batch * accum_steps`` per device
+    is always the plan's)."""
 
     @property
     def history(self) -> dict[str, list[float]]:

@@ -31,6 +31,8 @@ class Probe:
     fits: bool
     why: str
     estimate: MemoryEstimate
+    remat: str = "none"
+    """The rematerialization policy the step was compiled with."""
     kind: str = "compile"
     """``"compile"`` (compiled need against the budget) or ``"real step"`` (ran on the device)."""
     error: str = ""
@@ -55,6 +57,11 @@ class SearchResult:
 
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget."""
+
+    def __init__(self, message: str, *, probes: tuple[Probe, ...] = ()) -> None:
+        super().__init__(message)
+        self.probes = probes
+        """The probes that led to the verdict."""
 
 
 def divisors(n: int) -> list[int]:
@@ -173,7 +180,8 @@ def search_micro_batch(
             f"{format_bytes(budget_bytes)} by {format_bytes(need - budget_bytes)}. What would "
             "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
             "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
-            f"or a larger budget/device.{(' ' + advice) if advice else ''}"
+            f"or a larger budget/device.{(' ' + advice) if advice else ''}",
+            probes=tuple(order),
         )
     chosen = max(d for d in divisors(limit) if d <= lo)
     # Verify the divisor with its own compile; step down if it surprisingly does not fit.

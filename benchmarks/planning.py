@@ -15,11 +15,11 @@ from _common import print_table
 from flax import nnx
 
 from autoaccum import Budget, scale_learning_rate
-from autoaccum._api import _prepare
 from autoaccum._budget import format_bytes
 from autoaccum._demo import load_corpus
 from autoaccum._measure import measure_program
 from autoaccum._plan import search_plan
+from autoaccum._prepare import prepare
 from autoaccum._search import divisors
 from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
@@ -30,7 +30,7 @@ def main() -> None:
     model = TinyTransformerLM(dim=128, layers=4, max_len=128, rngs=nnx.Rngs(0))
     data = text_windows(load_corpus(), length=128)
     options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
-    program = _prepare(model, data, effective_batch=EFFECTIVE, options=options).program
+    program = prepare(model, data, effective_batch=EFFECTIVE, options=options).program
 
     start = time.perf_counter()
     sweep = {d: measure_program(program, d, EFFECTIVE // d).need_bytes

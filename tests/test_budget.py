@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoaccum import parse_budget, resolve_budget
+from autoaccum import parse_budget, resolve_target
 from autoaccum._budget import cpu_default_budget, device_budget
 
 
@@ -45,5 +45,5 @@ def test_cpu_default_is_half_available_ram_minus_margin():
 
 
 def test_resolve_budget_on_cpu_uses_the_documented_default_or_the_user_value():
-    assert resolve_budget(None).source == "cpu-default"
-    assert resolve_budget("1GiB").bytes == 2**30
+    assert resolve_target(None).budget.source == "cpu-default"
+    assert resolve_target(None, "1GiB").budget.bytes == 2**30

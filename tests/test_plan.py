@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum._api import _prepare
 from autoaccum._measure import measure_program
+from autoaccum._prepare import prepare
 from autoaccum._search import divisors
 
 from ._models import TinyLM, ragged_tokens, token_loss
@@ -22,7 +22,7 @@ def program():
     model = TinyLM(vocab=256, dim=32, hidden=128, rngs=nnx.Rngs(0))
     data = ragged_tokens(EFFECTIVE, 48, vocab=256)
     options = {"optimizer": optax.adam(1e-3), "loss_fn": token_loss}
-    return _prepare(model, data, effective_batch=EFFECTIVE, options=options).program
+    return prepare(model, data, effective_batch=EFFECTIVE, options=options).program
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,301 @@
+"""Planning a model: rematerialization policies x micro-batches, by memory or throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TextIO
+
+from ._batching import check_enough_examples
+from ._budget import format_bytes
+from ._lr import LearningRateScaling
+from ._measure import measure_program
+from ._objective import Candidate, choose_fastest, cost_model_seconds, validate_objective
+from ._plan import Plan, search_plan
+from ._prepare import Prepared, framework_of, prepare, remat_context
+from ._program import TrainProgram, tree_bytes
+from ._remat import REMAT_POLICIES, validate_remat
+from ._search import DoesNotFitError, divisors
+from ._targets import ResolvedTarget, resolve_target
+
+
+def plan_program(
+    program: TrainProgram,
+    *,
+    effective_batch: int,
+    lr_scaling: LearningRateScaling,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    log: TextIO | str | None = "stderr",
+    resolved: ResolvedTarget | None = None,
+) -> Plan:
+    """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
+
+    ``memory_fraction`` overrides the named device profile's default share of GPU memory
+    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
+    if resolved is None:
+        resident = (tree_bytes(program.parts.get("trainable"))
+                    + tree_bytes(program.parts.get("frozen")))
+        resolved = resolve_target(device, budget, resident_bytes=resident,
+                                  memory_fraction=memory_fraction)
+    notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
+    return search_plan(
+        lambda b, k: measure_program(program, b, k, resolved.compile_target),
+        effective_batch=effective_batch,
+        lr_scaling=lr_scaling,
+        budget=resolved.budget,
+        target=resolved.compile_target.name,
+        log=log,
+        notes=notes,
+    )
+
+
+def policies_for(framework: str, remat: str) -> list[str]:
+    """Policies to try, in order of increasing recompute."""
+    validate_remat(remat)
+    if remat != "auto":
+        return [remat]
+    return list(REMAT_POLICIES) if framework == "flax" else ["none", "nothing"]
+
+
+def _label(plan: Plan, policy: str) -> Plan:
+    probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
+    return dataclasses.replace(plan, probes=probes, remat=policy)
+
+
+def plan_model(
+    model: Any,
+    data: Any,
+    *,
+    effective_batch: int,
+    options: dict,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "compile",
+    log: TextIO | str | None = "stderr",
+    where: str = "plan",
+) -> tuple[Plan, Prepared]:
+    """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
+
+    With ``objective="memory"`` the first policy (least recompute) under which some
+    micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
+    micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
+    policy is planned and candidates are timed (see :mod:`._objective`).
+    """
+    log = sys.stderr if log == "stderr" else log
+    validate_method(method)
+    framework = framework_of(model)
+    policies = policies_for(framework if framework != "unknown" else "flax", remat)
+    if remat == "auto" and not has_remat_layers(model, framework, remat_layers):
+        policies = ["none"]  # nothing to checkpoint: the advice says what else would help
+    tried: list[Plan] = []
+    prepared_by_policy: dict[str, Prepared] = {}
+    failures: list[tuple[str, DoesNotFitError]] = []
+    resolved: ResolvedTarget | None = None
+    for policy in policies:
+        opts = dict(options)
+        prepared = prepare(model, data, effective_batch=effective_batch, options=opts,
+                           remat=policy, remat_layers=remat_layers)
+        if opts:
+            raise TypeError(f"{where}() got unexpected keyword argument(s): "
+                            f"{', '.join(sorted(opts))}")
+        check_enough_examples_any(prepared, effective_batch)
+        if resolved is None:
+            program = prepared.program
+            resident = (tree_bytes(program.parts.get("trainable"))
+                        + tree_bytes(program.parts.get("frozen")))
+            resolved = resolve_target(device, budget, resident_bytes=resident,
+                                      memory_fraction=memory_fraction)
+        if log is not None and len(policies) > 1:
+            print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
+        try:
+            plan = _plan_one(prepared, model, method=method, effective_batch=effective_batch,
+                             resolved=resolved, log=log)
+        except DoesNotFitError as error:
+            failures.append((policy, error))
+            continue
+        tried.append(_label(plan, policy))
+        prepared_by_policy[policy] = prepared
+        if objective != "throughput":
+            break
+    if not tried:
+        raise _nothing_fits(failures)
+    earlier = tuple(p for _, e in failures for p in getattr(e, "probes", ()))
+    if objective != "throughput":
+        chosen = tried[0]
+        notes = chosen.notes
+        if failures:
+            notes = (*notes, "without rematerialization micro_batch=1 does not fit: "
+                     + "; ".join(f"{pol}: {first_line(err)}" for pol, err in failures))
+        return (dataclasses.replace(chosen, probes=earlier + chosen.probes, notes=notes,
+                                    objective="memory"),
+                prepared_by_policy[chosen.remat])
+    candidates = _candidates(tried, prepared_by_policy, model, resolved)
+    best = choose_fastest(candidates)
+    base = next(p for p in tried if p.remat == best.remat)
+    all_probes = earlier + tuple(p for plan in tried for p in plan.probes)
+    chosen = dataclasses.replace(
+        base,
+        micro_batch=best.micro_batch,
+        accum_steps=best.accum_steps,
+        estimate=_estimate_for(base, best.micro_batch),
+        probes=all_probes,
+        objective="throughput",
+        candidates=tuple(candidates),
+    )
+    return chosen, prepared_by_policy[best.remat]
+
+
+METHODS = ("auto", "compile", "backoff")
+
+
+def validate_method(method: str) -> str:
+    """Returns ``method`` if known, else a ``ValueError`` naming the methods."""
+    if method not in METHODS:
+        raise ValueError(
+            "method must be 'auto' (compile-only plan verified by one real step), 'compile' "
+            f"(compile only) or 'backoff' (real steps). Received: method={method!r}"
+        )
+    return method
+
+
+def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
+              resolved: ResolvedTarget, log: TextIO | None) -> Plan:
+    """One remat policy's plan by ``method``; real steps only where the target is here."""
+    from ._backoff import auto_plan, backoff_plan
+
+    real_device = resolved.kind != "deviceless"
+    if method == "backoff":
+        if not real_device:
+            raise ValueError(
+                "method='backoff' runs real steps, but the target device is not on this machine "
+                "(a dry run). Use method='compile' or 'auto' for a named GPU that is not here. "
+                f"Received: method='backoff', device={resolved.profile.key!r}"
+            )
+        runner = _runner(prepared, model)
+        try:
+            with remat_context(model, prepared.framework, prepared.remat):
+                return backoff_plan(runner, effective_batch=effective_batch,
+                                    lr_scaling=prepared.lr_scaling, budget=resolved.budget,
+                                    target=resolved.compile_target.name, log=log)
+        finally:
+            runner.release()
+    plan = plan_program(prepared.program, effective_batch=effective_batch,
+                        lr_scaling=prepared.lr_scaling, resolved=resolved, log=log)
+    if method == "compile":
+        return plan
+    runner = _runner(prepared, model) if real_device else None
+    try:
+        with remat_context(model, prepared.framework, prepared.remat):
+            return auto_plan(plan, runner, log=log)
+    finally:
+        if runner is not None:
+            runner.release()
+
+
+def has_remat_layers(model: Any, framework: str, layers: Any = None) -> bool:
+    """Whether ``model`` has layers that per-layer rematerialization can wrap."""
+    if framework == "keras":
+        from ._keras_remat import keras_blocks
+
+        return layers is not None or bool(keras_blocks(model))
+    if framework == "flax":
+        from ._remat import repeated_layers
+
+        return layers is not None or bool(repeated_layers(model))
+    return False
+
+
+def check_enough_examples_any(prepared: Prepared, effective_batch: int) -> None:
+    """Fewer examples than one effective batch is an error, for either framework."""
+    check_enough_examples(prepared.data, effective_batch)
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).split(". ")[0]
+
+
+def _nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError:
+    if len(failures) == 1:
+        return failures[0][1]
+    tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
+    return DoesNotFitError(
+        f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
+        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
+        "weights), or a larger budget/device."
+    )
+
+
+def _estimate_for(plan: Plan, micro_batch: int) -> Any:
+    for p in plan.probes:
+        if p.micro_batch == micro_batch:
+            return p.estimate
+    return plan.estimate
+
+
+def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
+                resolved: ResolvedTarget | None) -> list[Candidate]:
+    """Each fitting policy's largest micro-batch, plus the next two smaller divisors for the
+    policy without remat; timed on the real device, or costed when dry-running."""
+    from ._objective import time_real_steps
+
+    per_device = tried[0].effective_batch // tried[0].data_parallel
+    out: list[Candidate] = []
+    for plan in tried:
+        fitting = [d for d in divisors(per_device) if d <= plan.micro_batch]
+        pairs = fitting[-3:] if plan.remat == "none" else fitting[-1:]
+        prep = prepared[plan.remat]
+        dry = resolved is not None and resolved.kind == "deviceless"
+        runner = None if dry else _runner(prep, model)
+        for micro in reversed(pairs):
+            accum = per_device // micro
+            if dry:
+                est = measure_program(prep.program, micro, accum, resolved.compile_target)
+                seconds = cost_model_seconds_from(est, resolved)
+                source = "cost model"
+            else:
+                with remat_context(model, prep.framework, plan.remat):
+                    seconds = time_real_steps(runner, micro, accum)
+                est = runner.estimate(micro, accum)
+                source = "measured"
+            out.append(Candidate(plan.remat, micro, accum,
+                                 est.need_bytes if est is not None else -1, seconds, source))
+        if runner is not None:
+            runner.release()
+    return out
+
+
+def cost_model_seconds_from(estimate: Any, resolved: ResolvedTarget) -> float:
+    """Seconds per example of a measured estimate under the target profile's roofline."""
+
+    class _Cost:
+        def cost_analysis(self) -> dict:
+            return {"flops": estimate.flops, "bytes accessed": estimate.bytes_accessed}
+
+    examples = estimate.micro_batch * estimate.accum_steps
+    return cost_model_seconds(_Cost(), resolved.profile, examples)
+
+
+def _runner(prep: Prepared, model: Any) -> Any:
+    from ._backoff import flax_step_runner, keras_step_runner
+
+    if prep.framework == "keras":
+        with remat_context(model, "keras", prep.remat):
+            return keras_step_runner(model, prep.data)
+    return flax_step_runner(model, prep.data, program=prep.program, tx=prep.extras["tx"],
+                            trainable=prep.extras.get("trainable"))
+
+
+def describe(plan: Plan) -> str:
+    """One line: the split, the policy and the need."""
+    return (f"micro_batch {plan.micro_batch} x {plan.accum_steps} (remat {plan.remat}), need "
+            f"{format_bytes(plan.need_bytes)} of {format_bytes(plan.budget_bytes)}")
+
+
+__all__ = ["check_enough_examples_any", "plan_model", "plan_program", "policies_for",
+           "validate_objective"]

@@ -1,0 +1,289 @@
+"""Scenarios that run out of memory for real, in a child process under ``RLIMIT_AS``.
+
+Run as ``python -m tests._oom_child SCENARIO '{"json": "args"}'`` with
+:data:`autoaccum._rlimit.CHILD_ENV`; the last stdout line is a JSON result. The parent test
+process never caps itself. :func:`run_child` does all of that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+
+def run_child(scenario: str, timeout: float = 240, **args: Any) -> dict:
+    """Runs ``scenario`` in a fresh interpreter and returns its JSON result."""
+    from autoaccum._rlimit import CHILD_ENV
+
+    env = {**os.environ, **CHILD_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._oom_child", scenario, json.dumps(args)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"child {scenario} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-5000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+# --- in the child -----------------------------------------------------------------------
+
+
+def _setup() -> None:
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def _flax_parts(vocab: int, length: int, n: int, seed: int = 1):
+    import optax
+    from flax import nnx
+
+    from tests._models import TinyLM, ragged_tokens
+
+    model = TinyLM(vocab=vocab, dim=64, hidden=128, rngs=nnx.Rngs(0))
+    data = ragged_tokens(n, length, vocab=vocab, seed=seed)
+    return model, data, optax.adam(1e-3)
+
+
+def plan_at(micro_batch: int, accum_steps: int):
+    """A hand-made :class:`Plan` for ``micro_batch x accum_steps`` (no search)."""
+    from autoaccum._backoff import _unknown_estimate
+    from autoaccum._budget import Budget
+    from autoaccum._lr import scale_learning_rate
+    from autoaccum._plan import Plan
+
+    effective = micro_batch * accum_steps
+    return Plan(
+        micro_batch=micro_batch, accum_steps=accum_steps, data_parallel=1,
+        effective_batch=effective, max_micro_batch=micro_batch,
+        lr_scaling=scale_learning_rate(None, effective_batch=effective),
+        budget=Budget(1 << 40, "test", "hand-made plan"),
+        estimate=_unknown_estimate(micro_batch, accum_steps), probes=(), target="test",
+        plan_seconds=0.0,
+    )
+
+
+def _params(model) -> list:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    return [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
+                 fail_after: int, headroom_mib: float, epochs: int = 1) -> dict:
+    """An uninterrupted fit, then the same fit whose memory cap drops after a step."""
+    import io
+
+    import numpy as np
+
+    from autoaccum._flax import flax_fit
+    from autoaccum._rlimit import AddressSpaceCap
+    from tests._models import token_loss
+
+    _setup()
+    model, data, tx = _flax_parts(vocab, length, n)
+    reference = flax_fit(model, data, plan=plan_at(micro, accum), loss_fn=token_loss, tx=tx,
+                         epochs=epochs, seed=3, verbose=0)
+    expected = _params(model)
+    model, data, tx = _flax_parts(vocab, length, n)
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+
+    def lower_cap(step: int, loss: float) -> None:
+        if step == fail_after:
+            cap.set_headroom(int(headroom_mib * MIB))
+
+    log = io.StringIO()
+    with cap:
+        result = flax_fit(model, data, plan=plan_at(micro, accum), loss_fn=token_loss, tx=tx,
+                          epochs=epochs, seed=3, verbose=0, stream=log, on_step_end=lower_cap)
+    got = _params(model)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
+    return {
+        "steps": result.steps, "reference_steps": reference.steps, "events": result.events,
+        "micro_batch": result.micro_batch, "accum_steps": result.accum_steps,
+        "max_abs_diff": diff, "log": log.getvalue(),
+        "losses": result.losses, "reference_losses": reference.losses,
+    }
+
+
+def _keras_lm(vocab: int, length: int):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((length,), dtype="int32"),
+        keras.layers.Embedding(vocab, 64),
+        keras.layers.Dense(128, activation="gelu"),
+        keras.layers.Dense(vocab),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _keras_data(vocab: int, length: int, n: int):
+    import numpy as np
+
+    tokens = np.random.default_rng(1).integers(0, vocab, size=(n, length + 1)).astype("int32")
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
+                  fail_after: int, headroom_mib: float, epochs: int = 1) -> dict:
+    """An uninterrupted ``keras_fit``, then the same fit whose memory cap drops after a step."""
+    import keras
+    import numpy as np
+
+    from autoaccum._keras_fit import keras_fit
+    from autoaccum._rlimit import AddressSpaceCap
+
+    _setup()
+    data = _keras_data(vocab, length, n)
+    model = _keras_lm(vocab, length)
+    initial = [np.asarray(w) for w in model.get_weights()]
+    reference = keras_fit(model, data, micro_batch=micro, accum_steps=accum, epochs=epochs,
+                          seed=3, verbose=0)
+    expected = [np.asarray(w) for w in model.get_weights()]
+    model = _keras_lm(vocab, length)
+    model.set_weights(initial)
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+
+    class LowerCap(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == fail_after:
+                cap.set_headroom(int(headroom_mib * MIB))
+
+    with cap:
+        history = keras_fit(model, data, micro_batch=micro, accum_steps=accum, epochs=epochs,
+                            seed=3, verbose=0, callbacks=[LowerCap()])
+    got = [np.asarray(w) for w in model.get_weights()]
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
+    return {
+        "iterations": int(model.optimizer.iterations), "events": history.autoaccum_events,
+        "micro_batch": history.autoaccum_micro_batch,
+        "accum_steps": history.autoaccum_accum_steps, "max_abs_diff": diff,
+        "loss": history.history["loss"], "reference_loss": reference.history["loss"],
+        "moved": max(float(np.max(np.abs(a - b))) for a, b in zip(got, initial, strict=True)),
+    }
+
+
+def _probes(search_or_plan) -> list:
+    return [{"micro_batch": p.micro_batch, "accum_steps": p.accum_steps, "fits": p.fits,
+             "kind": p.kind, "why": p.why, "error": p.error, "need_bytes": p.need_bytes}
+            for p in search_or_plan.probes]
+
+
+def _host(tree) -> list:
+    import jax
+    import numpy as np
+
+    return [np.array(jax.device_get(a)) for a in jax.tree.leaves(tree)]
+
+
+def _same(a: list, b: list) -> bool:
+    import numpy as np
+
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
+                 big_vocab: int, big_length: int, tiny_headroom_mib: float) -> dict:
+    """Back-off, auto and "nothing fits" under a cap, with the live state checked bit by bit."""
+    import io
+
+    from autoaccum._backoff import auto_plan, backoff_search, flax_step_runner
+    from autoaccum._batching import example_spec
+    from autoaccum._budget import Budget
+    from autoaccum._flax import flax_program
+    from autoaccum._lr import scale_learning_rate
+    from autoaccum._measure import measure_program
+    from autoaccum._plan import search_plan
+    from autoaccum._rlimit import AddressSpaceCap
+    from autoaccum._search import DoesNotFitError
+    from tests._models import token_loss
+
+    _setup()
+    out: dict = {}
+    model, data, tx = _flax_parts(vocab, length, batch)
+    program = flax_program(model, example_spec(data), loss_fn=token_loss, tx=tx)
+    runner = flax_step_runner(model, data, program=program, tx=tx)
+    before = _host(runner.state) + _params(model)
+    runner(2, batch // 2)  # warm-up: allocations of a small real step
+    log = io.StringIO()
+    with AddressSpaceCap(headroom_bytes=int(headroom_mib * MIB)):
+        search = backoff_search(runner, per_device_batch=batch, log=log)
+        out["backoff"] = {"micro_batch": search.micro_batch, "probes": _probes(search),
+                          "seconds": search.seconds, "log": log.getvalue()}
+        # auto: an optimistic compile-only plan (budget = 4x the headroom) is verified for real.
+        lr = scale_learning_rate(None, effective_batch=batch)
+        optimistic = search_plan(
+            lambda b, k: measure_program(program, b, k), effective_batch=batch,
+            lr_scaling=lr, budget=Budget(int(4 * headroom_mib * MIB), "test", "optimistic"),
+            target="local", log=None)
+        checked = auto_plan(optimistic, runner, log=None)
+        out["auto"] = {"compiled_micro_batch": optimistic.micro_batch,
+                       "micro_batch": checked.micro_batch, "accum_steps": checked.accum_steps,
+                       "probes": _probes(checked), "notes": list(checked.notes)}
+    out["state_unchanged"] = _same(before, _host(runner.state) + _params(model))
+    out["compiles"], out["steps_run"] = runner.compiles, runner.steps_run
+    runner.release()
+    del runner
+
+    # Nothing fits: even micro-batch 1 of a long sequence with a big vocabulary.
+    model, data, tx = _flax_parts(big_vocab, big_length, 4)
+    program = flax_program(model, example_spec(data), loss_fn=token_loss, tx=tx)
+    runner = flax_step_runner(model, data, program=program, tx=tx)
+    before = _host(runner.state)
+    with AddressSpaceCap(headroom_bytes=int(tiny_headroom_mib * MIB)):
+        try:
+            backoff_search(runner, per_device_batch=4, log=None)
+            out["no_fit"] = None
+        except DoesNotFitError as error:
+            out["no_fit"] = str(error)
+            out["no_fit_cause"] = str(error.__cause__).splitlines()[0]
+    out["no_fit_state_unchanged"] = _same(before, _host(runner.state))
+    return out
+
+
+def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -> dict:
+    """Back-off on a Keras model under a cap; its variables checked bit by bit."""
+    import numpy as np
+
+    from autoaccum._backoff import backoff_search, keras_step_runner
+    from autoaccum._rlimit import AddressSpaceCap
+
+    _setup()
+    data = _keras_data(vocab, length, batch)
+    model = _keras_lm(vocab, length)
+    runner = keras_step_runner(model, data)
+    before = [np.array(v.value) for v in model.variables + model.optimizer.variables]
+    runner(2, batch // 2)
+    with AddressSpaceCap(headroom_bytes=int(headroom_mib * MIB)):
+        search = backoff_search(runner, per_device_batch=batch, log=None)
+    after = [np.array(v.value) for v in model.variables + model.optimizer.variables]
+    return {"micro_batch": search.micro_batch, "probes": _probes(search),
+            "state_unchanged": _same(before, after)}
+
+
+SCENARIOS = {
+    "flax_elastic": flax_elastic, "keras_elastic": keras_elastic,
+    "flax_backoff": flax_backoff, "keras_backoff": keras_backoff,
+}
+
+if __name__ == "__main__":
+    name, raw = sys.argv[1], sys.argv[2]
+    out = SCENARIOS[name](**json.loads(raw))
+    print(json.dumps(out), flush=True)
