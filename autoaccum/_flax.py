@@ -19,6 +19,7 @@ from flax import nnx
 from ._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ._batching import effective_batches, epoch_order
 from ._elastic import ElasticEvent, resplit, shrink
+from ._noise_scale import NoiseScaleTracker
 from ._oom import is_out_of_memory
 from ._plan import Plan
 from ._program import StepMetrics, TrainProgram, abstract
@@ -148,6 +149,7 @@ def flax_fit(
         return executables[shape]
 
     result = FitResult(plan=plan, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps)
+    noise = NoiseScaleTracker()
     n = jax.tree.leaves(data)[0].shape[0]
     steps_per_epoch = n // plan.effective_batch
     start = time.perf_counter()
@@ -180,6 +182,9 @@ def flax_fit(
             nnx.update(model, state[0], state[1])
             result.steps += 1
             result.losses.append(loss)
+            result.noise_scale.append(noise.update_from(
+                (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
+                 float(metrics.count)), result.accum_steps))
             losses.append(loss)
             if verbose:
                 bar.update(i + 1, loss=loss)
@@ -188,7 +193,11 @@ def flax_fit(
         if verbose:
             bar.close()
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
+        result.epoch_noise_scale.append(noise.value)
     result.seconds = time.perf_counter() - start
+    result.noise_advice = noise.advice(plan.effective_batch)
+    if verbose:
+        print(f"autoaccum: {result.noise_advice}", file=stream, flush=True)
     return result
 
 

@@ -29,6 +29,7 @@ from ._keras_program import (
     keras_train_step,
     write_back,
 )
+from ._noise_scale import NoiseScaleTracker
 from ._oom import is_out_of_memory
 from ._program import tree_bytes
 from ._rlimit import compiling
@@ -130,6 +131,7 @@ def keras_fit(
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
             epochs=epochs, steps=steps, model=model,
         )
+    noise = NoiseScaleTracker()
     snapshot = _Snapshot(backup, per_step=elastic)
     snapshot.take(state)
     rng = np.random.default_rng(seed)
@@ -168,10 +170,13 @@ def keras_fit(
                     micro_batch, accum_steps = event.new_micro_batch, event.new_accum_steps
                     compiled = compile_for(accum_steps, micro_batch)
                     _record(model, events, micro_batch, accum_steps)
+            noise.update_from(logs.pop(_NOISE_KEY, None), accum_steps)
             callback_list.on_train_batch_end(step, logs)
             if model.stop_training:
                 break
         epoch_logs = dict(logs)
+        if noise.value is not None:
+            epoch_logs["gradient_noise_scale"] = noise.value
         if val is not None and (epoch + 1) % validation_freq == 0:
             val_logs = _evaluate(model, val, validation_batch_size or micro_batch,
                                  validation_steps, callback_list)
@@ -185,7 +190,14 @@ def keras_fit(
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callback_list.on_train_end(logs=training_logs)
     _record(model, events, micro_batch, accum_steps)
+    if model.history is not None:
+        model.history.autoaccum_noise_advice = noise.advice(micro_batch * accum_steps)
+        if verbose:
+            print(f"autoaccum: {model.history.autoaccum_noise_advice}", file=sys.stderr)
     return model.history
+
+
+_NOISE_KEY = "_autoaccum_noise"
 
 
 def _record(model: Any, events: list[str], micro_batch: int, accum_steps: int) -> None:
@@ -210,6 +222,8 @@ def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, froz
         next_batches = following()  # prepared on the host while the device works
         jax.block_until_ready(metrics.loss)
         logs = {name: float(value) for name, value in logs.items()}
+        logs[_NOISE_KEY] = (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
+                            float(metrics.count))
     except BaseException as error:
         _recover(model, layout, state, snapshot, error)
         raise

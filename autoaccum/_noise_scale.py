@@ -87,3 +87,36 @@ def critical_batch_advice(b_simple: float | None, *, effective_items: float,
         return head + ("far below it: a larger effective batch (more accumulation) would "
                        "train in fewer optimizer steps with little extra data.")
     return head + "close to it: a sensible effective batch."
+
+
+@dataclass
+class NoiseScaleTracker:
+    """Feeds a :class:`NoiseScaleEstimator` from each step's metrics during ``fit``.
+
+    Example:
+      >>> t = NoiseScaleTracker(NoiseScaleEstimator(decay=0.0))
+      >>> t.update_from((2.0, 5.0, 8.0), accum_steps=4)
+      8.0
+    """
+
+    estimator: NoiseScaleEstimator = field(default_factory=NoiseScaleEstimator)
+    items_per_step: float = 0.0
+
+    def update_from(self, figures: tuple[float, float, float] | None,
+                    accum_steps: int) -> float | None:
+        """``figures`` = (|mean grad|^2, mean |micro-batch grad|^2, valid items per step)."""
+        if figures is None:
+            return self.value
+        grad_sq, micro_sq, count = figures
+        self.items_per_step = count
+        return self.estimator.update(grad_sq_norm=grad_sq, micro_grad_sq_norm=micro_sq,
+                                     big_batch=count, small_batch=count / max(accum_steps, 1))
+
+    @property
+    def value(self) -> float | None:
+        return self.estimator.value
+
+    def advice(self, effective_batch: int) -> str:
+        """:func:`critical_batch_advice` for the run so far."""
+        return critical_batch_advice(self.value, effective_items=self.items_per_step,
+                                     effective_batch=effective_batch)

@@ -28,7 +28,14 @@ class FitResult:
     """The accumulation steps training ended with (``micro_batch * accum_steps`` per device
     is always the plan's)."""
 
+    noise_scale: list[float | None] = field(default_factory=list)
+    """Estimated critical batch B_simple (in valid items) after each step (None: not yet)."""
+    epoch_noise_scale: list[float | None] = field(default_factory=list)
+    noise_advice: str = ""
+    """Whether the effective batch is far above or below the estimated critical batch."""
+
     @property
-    def history(self) -> dict[str, list[float]]:
-        """Keras-like ``{"loss": [per-epoch mean]}``."""
-        return {"loss": list(self.epoch_losses)}
+    def history(self) -> dict[str, list]:
+        """Keras-like ``{"loss": [...], "gradient_noise_scale": [...]}``, per epoch."""
+        return {"loss": list(self.epoch_losses),
+                "gradient_noise_scale": list(self.epoch_noise_scale)}

@@ -45,3 +45,25 @@ def test_advice_says_far_above_and_far_below():
     assert "far below" in critical_batch_advice(1e6, effective_items=1000, effective_batch=8)
     assert "close to it" in critical_batch_advice(900.0, effective_items=1000,
                                                   effective_batch=8)
+
+
+def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
+    import optax
+    from flax import nnx
+
+    import autoaccum
+
+    from ._models import TinyLM, ragged_tokens, token_loss
+
+    data = ragged_tokens(64, 10)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    small = autoaccum.measure(model, data, micro_batch=4, effective_batch=16,
+                              optimizer=optax.adam(1e-3), loss_fn=token_loss)
+    result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
+                           loss_fn=token_loss, epochs=3, budget=small.need_bytes, verbose=0,
+                           log=None)
+    assert result.plan.accum_steps > 1
+    assert len(result.noise_scale) == result.steps
+    assert result.noise_scale[-1] is not None and result.noise_scale[-1] > 0
+    assert result.history["gradient_noise_scale"][-1] == result.noise_scale[-1]
+    assert "gradient noise scale B_simple" in result.noise_advice
