@@ -15,6 +15,7 @@ It needs at least two micro-batches per step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -55,9 +56,13 @@ class NoiseScaleEstimator:
 
     @property
     def value(self) -> float | None:
-        """``B_simple`` in items (tokens or examples), or ``None`` while not estimable."""
-        if self.grad_sq is None or self.trace_sigma is None or self.grad_sq <= 0:
+        """``B_simple`` in items (tokens or examples), or ``None`` while not estimable.
+
+        ``inf`` when the noise swamps the signal (the |G|^2 estimate is not positive)."""
+        if self.grad_sq is None or self.trace_sigma is None:
             return None
+        if self.grad_sq <= 0:
+            return math.inf if self.trace_sigma > 0 else None
         return max(self.trace_sigma, 0.0) / self.grad_sq
 
 
@@ -75,6 +80,11 @@ def critical_batch_advice(b_simple: float | None, *, effective_items: float,
     if b_simple is None:
         return ("gradient noise scale: not estimated (needs at least 2 accumulation steps and "
                 "a few optimizer steps)")
+    if math.isinf(b_simple):
+        return ("gradient noise scale B_simple: noise-dominated so far (the mean gradient is "
+                "not yet distinguishable from noise); the effective batch of "
+                f"{effective_items:.0f} items is far below it: a larger effective batch would "
+                "average out more noise per step.")
     ratio = effective_items / max(b_simple, 1e-12)
     per_example = effective_items / max(effective_batch, 1)
     examples = b_simple / max(per_example, 1e-12)

@@ -64,6 +64,8 @@ def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
                            log=None)
     assert result.plan.accum_steps > 1
     assert len(result.noise_scale) == result.steps
-    assert result.noise_scale[-1] is not None and result.noise_scale[-1] > 0
+    # Random tokens: the gradient is mostly noise, so B_simple is large (possibly infinite).
+    assert result.noise_scale[-1] is not None and result.noise_scale[-1] > 16
     assert result.history["gradient_noise_scale"][-1] == result.noise_scale[-1]
     assert "gradient noise scale B_simple" in result.noise_advice
+    assert "far below" in result.noise_advice
