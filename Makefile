@@ -25,6 +25,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py
 	$(PY) benchmarks/planning.py
+	$(PY) benchmarks/keras_accumulation.py
+	$(PY) benchmarks/backoff.py
+	$(PY) benchmarks/remat.py
+	$(PY) benchmarks/objective.py
+	$(PY) benchmarks/dryrun.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
