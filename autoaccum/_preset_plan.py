@@ -7,11 +7,16 @@ train step (our accumulated one) is compiled for the target device at each probe
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ._api import plan_program
 from ._lr import scale_learning_rate
 from ._plan import Plan
+from ._search import DoesNotFitError
 from ._validate import validate_effective_batch, validate_positive_int
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
@@ -56,8 +61,12 @@ def plan_preset(
     memory_fraction: float | None = None,
     log: TextIO | str | None = "stderr",
     backbone_overrides: dict[str, Any] | None = None,
+    remat: str = "auto",
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see ``autoaccum._architectures``).
+
+    ``remat="auto"`` rematerializes the transformer blocks only when micro-batch 1 does not
+    fit without it; ``"none"`` never does, ``"nothing"`` always does.
 
     Example:
       >>> p = plan_preset("gemma3_1b", effective_batch=4, lora_rank=4, sequence_length=16,
@@ -67,7 +76,6 @@ def plan_preset(
       4
     """
     from ._abstract_lm import build_abstract_causal_lm
-    from ._keras import keras_program
 
     validate_effective_batch(effective_batch)
     validate_positive_int("sequence_length", sequence_length)
@@ -78,9 +86,44 @@ def plan_preset(
         name, dtype=dtype, lora_rank=lora_rank, optimizer=_optimizer(optimizer, base_lr),
         backbone_overrides=backbone_overrides,
     )
-    program = keras_program(model, example_spec=token_example_spec(sequence_length))
     scaling = scale_learning_rate(base_lr, effective_batch=effective_batch,
                                   base_batch=base_batch, rule=lr_rule)
-    return plan_program(program, effective_batch=effective_batch, lr_scaling=scaling,
-                        budget=budget, device=device, memory_fraction=memory_fraction,
-                        log=log)
+    policies = ["none", "nothing"] if remat == "auto" else [remat]
+    failures: list[tuple[str, DoesNotFitError]] = []
+    stream = sys.stderr if log == "stderr" else log
+    for policy in policies:
+        program = _program(model, sequence_length, policy)
+        if stream is not None and len(policies) > 1:
+            print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
+        try:
+            plan = plan_program(program, effective_batch=effective_batch, lr_scaling=scaling,
+                                budget=budget, device=device, memory_fraction=memory_fraction,
+                                log=log)
+        except DoesNotFitError as error:
+            failures.append((policy, error))
+            continue
+        earlier = tuple(p for _, e in failures for p in e.probes)
+        probes = earlier + tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
+        notes = plan.notes + tuple(
+            f"remat={pol}: {str(err).split('. ')[0]}" for pol, err in failures)
+        return dataclasses.replace(plan, remat=policy, probes=probes, notes=notes)
+    raise failures[-1][1]
+
+
+def _program(model: Any, sequence_length: int, policy: str) -> Any:
+    """The model's accumulated Keras step, with per-block remat ``policy`` when lowering."""
+    from ._keras import keras_program
+    from ._keras_remat import keras_rematerialized
+
+    with keras_rematerialized(model, policy):
+        program = keras_program(model, example_spec=token_example_spec(sequence_length))
+    if policy == "none":
+        return program
+    lower = program.lowering_context
+
+    @contextlib.contextmanager
+    def lowering() -> Iterator[None]:
+        with lower(), keras_rematerialized(model, policy):
+            yield
+
+    return dataclasses.replace(program, lowering_context=lowering)

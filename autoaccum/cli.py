@@ -77,6 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             device=args.device,
             budget=args.budget,
             memory_fraction=args.memory_fraction,
+            remat=args.remat,
             log=log,
             **_plan_kwargs(args),
         )
@@ -86,7 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, data = built.pop("model"), built.pop("data")
         result = plan(model, data, effective_batch=args.effective_batch, device=args.device,
                       budget=args.budget, memory_fraction=args.memory_fraction, log=log,
-                      **built)
+                      remat=args.remat, **built)
     if args.plot:
         from ._plot import plot_plan
 
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
                    "default: the device profile's")
+    p.add_argument("--remat", default="auto",
+                   help="rematerialization: auto (only if micro-batch 1 does not fit), none, "
+                   "dots, dots_no_batch, nothing (Keras presets: none or nothing)")
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")

@@ -1,0 +1,26 @@
+"""Dry-run plans of shipped keras-hub architectures, rematerializing when needed."""
+
+import pytest
+
+from autoaccum import DoesNotFitError
+from autoaccum._preset_plan import plan_preset
+
+SMALL = {"num_layers": 1, "vocabulary_size": 512}
+
+
+def _plan(**kwargs):
+    return plan_preset("gemma3_4b", effective_batch=1, lora_rank=4, sequence_length=128,
+                       device="t4", backbone_overrides=SMALL, log=None, **kwargs)
+
+
+def test_preset_that_needs_remat_at_micro_batch_one_gets_it():
+    plain = _plan(remat="none", budget="8GiB")
+    saved = _plan(remat="nothing", budget="8GiB")
+    assert saved.need_bytes < plain.need_bytes
+    budget = (plain.need_bytes + saved.need_bytes) // 2
+    plan = _plan(budget=budget)
+    assert plan.remat == "nothing" and plan.need_bytes <= budget
+    assert [p.remat for p in plan.probes] == ["none", "nothing"]
+    assert "rematerialization nothing" in plan.report()
+    with pytest.raises(DoesNotFitError, match="micro_batch=1"):
+        _plan(budget=budget, remat="none")
