@@ -6,6 +6,7 @@ import math
 import sys
 from typing import Any, TextIO
 
+from ._data_parallel import resolve_mesh
 from ._measure import MemoryEstimate, measure_program
 from ._objective import validate_objective
 from ._plan import Plan
@@ -13,7 +14,7 @@ from ._planner import plan_model, validate_method
 from ._planner import plan_program as plan_program
 from ._prepare import framework_of, prepare, remat_context
 from ._result import FitResult
-from ._targets import resolve_target
+from ._targets import is_deviceless, resolve_target
 from ._validate import validate_effective_batch, validate_positive_int
 
 
@@ -36,6 +37,7 @@ def plan(
     objective: str | None = None,
     method: str = "auto",
     log: TextIO | str | None = "stderr",
+    data_parallel: int | str | Any = "auto",
     **options: Any,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
@@ -59,6 +61,15 @@ def plan(
     target is on this machine, backing off on a real out-of-memory), ``"compile"`` (compile
     only) or ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
 
+    ``data_parallel``: ``"auto"`` (default) plans over every device (``jax.devices()``, all
+    hosts after ``jax.distributed.initialize()``; for Keras the mesh of a
+    ``keras.distribution.DataParallel`` if one is set), an int the first that many devices,
+    ``1`` one device, or a one-axis ``jax.sharding.Mesh``. With several devices the
+    micro-batch is per device, planned against one device's budget (a given ``budget`` is
+    per device), ``micro_batch x data_parallel x accum_steps == effective_batch``, and
+    ``effective_batch`` must be a multiple of the device count. On a one-device machine
+    nothing changes.
+
     Options: ``optimizer``, ``loss_fn``, ``trainable`` (Flax); ``learning_rate`` (base),
     ``base_batch`` (the batch it was tuned for, default 1), ``lr_rule`` ("linear", "sqrt",
     "none"), ``adjust_adam``.
@@ -80,7 +91,7 @@ def plan(
                           budget=budget, device=device, memory_fraction=memory_fraction,
                           remat=remat, remat_layers=remat_layers,
                           objective=_default_objective(objective, device), method=method,
-                          log=log)
+                          log=log, data_parallel=data_parallel)
     return plan_
 
 
@@ -103,12 +114,15 @@ def measure(
     accum_steps: int | None = None,
     effective_batch: int | None = None,
     device: str | None = None,
+    data_parallel: int | str | Any = "auto",
     **options: Any,
 ) -> MemoryEstimate:
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
 
     ``accum_steps`` defaults to ``ceil(effective_batch / micro_batch)`` when
-    ``effective_batch`` is given, else 1. Takes the same options as :func:`plan`.
+    ``effective_batch`` is given, else 1. Takes the same options as :func:`plan`. With
+    several data-parallel devices ``micro_batch`` is per device, ``effective_batch`` is
+    divided by the device count first, and the estimate is one device's.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -123,20 +137,26 @@ def measure(
       True
     """
     validate_positive_int("micro_batch", micro_batch)
+    if data_parallel == "auto" and is_deviceless(device):
+        data_parallel = 1  # a dry run for a GPU that is not here measures one device
+    mesh = resolve_mesh(data_parallel, framework=framework_of(model))
+    dp = 1 if mesh is None else mesh.size
     if effective_batch is not None:
-        validate_effective_batch(effective_batch)
+        validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
-        accum_steps = math.ceil(effective_batch / micro_batch) if effective_batch else 1
+        accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     validate_positive_int("accum_steps", accum_steps)
     options = dict(options)
     remat = options.pop("remat", "none")
     remat_layers = options.pop("remat_layers", None)
-    prepared = prepare(model, data, effective_batch=effective_batch or micro_batch * accum_steps,
+    prepared = prepare(model, data,
+                       effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
     options.pop("budget", None)
     _no_leftovers(options, "measure")
-    resolved = resolve_target(device, None)
-    return measure_program(prepared.program, micro_batch, accum_steps, resolved.compile_target)
+    resolved = resolve_target(device, None, mesh=mesh)
+    return measure_program(prepared.program.on_mesh(mesh), micro_batch, accum_steps,
+                           resolved.compile_target)
 
 
 def fit(
@@ -166,6 +186,9 @@ def fit(
     raises accumulation (same effective batch), and redoes the same step from the same state
     and data. ``method``, ``remat``, ``objective``, ``device``, ``budget``: as in :func:`plan`
     (with ``method="auto"`` the first training step is the real verification).
+    ``data_parallel`` (default ``"auto"``: every device), as in :func:`plan`: the state is
+    replicated, each effective batch split over the devices, gradients summed across them
+    once per step; in a multi-process run every process passes the same data and seed.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -188,6 +211,7 @@ def fit(
     objective = _default_objective(options.pop("objective", None), None)
     method = options.pop("method", "auto")
     elastic = options.pop("elastic", True)
+    data_parallel = options.pop("data_parallel", "auto")
     validate_method(method)
     # With method="auto" the first training step is the real verification: elastic training
     # backs off on an out-of-memory there exactly as auto planning would.
@@ -205,14 +229,16 @@ def fit(
     the_plan, prepared = plan_model(
         model, data, effective_batch=effective_batch, options=options, budget=budget,
         remat=remat, remat_layers=remat_layers, objective=objective, method=plan_method,
-        log=log, where="fit",
+        log=log, where="fit", data_parallel=data_parallel,
     )
+    mesh = prepared.program.mesh
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
     with remat_context(model, prepared.framework, the_plan.remat, remat_layers):
         if prepared.framework == "keras":
+            fit_options.update(elastic=elastic, data_parallel=1 if mesh is None else mesh)
             return _keras_fit(model, data, the_plan, epochs=epochs, shuffle=shuffle, seed=seed,
-                              verbose=verbose, fit_options={**fit_options, "elastic": elastic})
+                              verbose=verbose, fit_options=fit_options)
         from ._flax import flax_fit
 
         extras = prepared.extras
@@ -228,6 +254,7 @@ def fit(
             verbose=verbose,
             stream=log,
             elastic=elastic,
+            mesh=mesh,
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
 

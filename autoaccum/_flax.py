@@ -18,6 +18,7 @@ from flax import nnx
 
 from ._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ._batching import effective_batches, epoch_order
+from ._data_parallel import data_parallel_accumulate, replicate, shard_batches
 from ._elastic import ElasticEvent, resplit, shrink
 from ._noise_scale import NoiseScaleTracker
 from ._oom import is_out_of_memory
@@ -43,9 +44,18 @@ def _split(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def make_flax_step(
-    graphdef: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation, trainable: Any
+    graphdef: Any,
+    *,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    trainable: Any,
+    accumulate: Callable[..., Any] = accumulate_gradients,
 ) -> Callable[..., tuple[Any, StepMetrics]]:
-    """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``."""
+    """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``.
+
+    ``accumulate``: :func:`accumulate_gradients` (one device), or
+    ``data_parallel_accumulate(mesh)`` for a data-parallel step over ``mesh``.
+    """
 
     def step(state: Any, batches: Any, frozen: Any) -> tuple[Any, StepMetrics]:
         params, other, opt_state = state
@@ -62,7 +72,7 @@ def make_flax_step(
             _, _, _, new_other = _split(model, trainable)
             return out, new_other
 
-        acc = accumulate_gradients(micro_loss, params, other, batches)
+        acc = accumulate(micro_loss, params, other, batches)
         grads = mean_gradients(acc, params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -87,23 +97,37 @@ def flax_program(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     trainable: Any = nnx.Param,
+    mesh: Any = None,
 ) -> TrainProgram:
     """The accumulated step of ``model`` as a :class:`TrainProgram` (nothing allocated).
 
     ``model`` may be concrete or abstract (``nnx.eval_shape(lambda: Model(...))``).
+    ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (see
+    ``autoaccum._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
     """
     graphdef, params, frozen, other = _split(model, trainable)
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     opt_state = jax.eval_shape(tx.init, params)
-    return TrainProgram(
-        step=make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable),
+
+    def step_for(mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
+        return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                              accumulate=_accumulate_for(mesh))
+
+    program = TrainProgram(
+        step=step_for(None),
         abstract_state=(params, other, opt_state),
         example_spec=example_spec,
         parts={"trainable": params, "frozen": frozen, "optimizer": opt_state, "other": other},
         trainable=params,
         frozen_args=(frozen,),
         description=f"flax nnx {type(model).__name__}",
+        data_parallel_step=step_for,
     )
+    return program.on_mesh(mesh)
+
+
+def _accumulate_for(mesh: Any) -> Callable[..., Any]:
+    return accumulate_gradients if mesh is None else data_parallel_accumulate(mesh)
 
 
 def flax_fit(
@@ -121,6 +145,7 @@ def flax_fit(
     stream: TextIO | None = None,
     elastic: bool = True,
     on_step_end: Callable[[int, float], None] | None = None,
+    mesh: Any = None,
 ) -> FitResult:
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
@@ -130,13 +155,31 @@ def flax_fit(
     effective batch); each such event is printed and kept in ``result.events``, and
     ``result.micro_batch`` / ``result.accum_steps`` are the split training ended with.
     ``on_step_end(step, loss)`` is called after every optimizer step (1-based).
+
+    ``mesh`` (a one-axis ``jax.sharding.Mesh``, ``plan.data_parallel`` devices): the state is
+    replicated on every device (``NamedSharding(mesh, P())``), each effective batch is split
+    over the data axis (``NamedSharding(mesh, P(None, axis))``) and the gradients are summed
+    across devices once per step. ``plan.micro_batch`` is per device; elastic recovery
+    shrinks it on every device alike. With several processes every process passes the same
+    ``data`` and ``seed``.
     """
     stream = sys.stderr if stream is None else stream
+    dp = 1 if mesh is None else int(mesh.size)
+    if plan.data_parallel != dp:
+        raise ValueError(
+            f"The plan is for {plan.data_parallel} data-parallel device(s) but the mesh has "
+            f"{dp}; plan and train with the same data_parallel. Received: "
+            f"plan.data_parallel={plan.data_parallel}, mesh size {dp}"
+        )
     graphdef, params, frozen, other = _split(model, trainable)
     step = jax.jit(
-        make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable), donate_argnums=0
+        make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                       accumulate=_accumulate_for(mesh)),
+        donate_argnums=0,
     )
     state = (params, other, tx.init(params))
+    if mesh is not None:
+        state, frozen = replicate(state, mesh), replicate(frozen, mesh)
     snapshot = HostSnapshot(state)
     executables: dict[tuple[int, ...], Any] = {}
 
@@ -162,9 +205,10 @@ def flax_fit(
         )
         for i, batches in enumerate(batches_iter):
             while True:
-                batches = resplit(batches, result.accum_steps, result.micro_batch)
+                batches = resplit(batches, result.accum_steps, result.micro_batch * dp)
+                placed = batches if mesh is None else shard_batches(batches, mesh)
                 try:
-                    state, metrics = compiled(state, batches)(state, batches, frozen)
+                    state, metrics = compiled(state, placed)(state, placed, frozen)
                     loss = float(metrics.loss)
                     break
                 except BaseException as error:
@@ -184,7 +228,7 @@ def flax_fit(
             result.losses.append(loss)
             result.noise_scale.append(noise.update_from(
                 (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
-                 float(metrics.count)), result.accum_steps))
+                 float(metrics.count)), result.accum_steps * dp))
             losses.append(loss)
             if verbose:
                 bar.update(i + 1, loss=loss)

@@ -17,6 +17,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._data_parallel import (
+    batch_sharding,
+    keras_distribution_mesh,
+    replicate,
+    replicated_sharding,
+    resolve_mesh,
+    shard_batches,
+)
 from ._elastic import resplit, shrink
 from ._keras_checks import check_keras_model, validate_keras_fit_kwargs
 from ._keras_data import KerasArrays, to_keras_arrays
@@ -59,6 +67,7 @@ def keras_fit(
     steps_per_epoch: int | None = None,
     backup: str = "auto",
     elastic: bool = True,
+    data_parallel: Any = None,
 ) -> Any:
     """Trains ``model`` for ``epochs`` with ``micro_batch x accum_steps`` examples per step.
 
@@ -76,6 +85,13 @@ def keras_fit(
     ``history.autoaccum_events``; ``history.autoaccum_micro_batch`` and
     ``history.autoaccum_accum_steps`` are the split training ended with. Out of memory at
     micro-batch 1 raises :class:`DoesNotFitError` with advice, the variables as before the step.
+
+    ``data_parallel``: ``None`` (default) uses the mesh of a
+    ``keras.distribution.DataParallel`` if one is set, else one device; ``"auto"`` every
+    device; an int the first that many devices; or a one-axis ``jax.sharding.Mesh``. Then
+    ``micro_batch`` is per device, an optimizer step takes ``micro_batch x devices x
+    accum_steps`` examples split over the devices, the variables are replicated and the
+    gradients summed across devices once per step (``history.autoaccum_data_parallel``).
 
     Returns the ``keras.callbacks.History`` of the run.
 
@@ -98,11 +114,15 @@ def keras_fit(
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     micro_batch, accum_steps = int(micro_batch), int(accum_steps)
+    mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
+                        else data_parallel, framework="keras")
+    dp = 1 if mesh is None else int(mesh.size)
+    place = _Placer(mesh)
     arrays = to_keras_arrays(model, data)
     if validation_split:
         arrays, held_out = arrays.split(validation_split)
         validation_data = held_out.packed
-    effective = micro_batch * accum_steps
+    effective = micro_batch * dp * accum_steps
     steps = _steps_per_epoch(arrays.num_examples, effective, steps_per_epoch)
     val = (to_keras_arrays(model, validation_data, name="validation_data")
            if validation_data is not None else None)
@@ -113,12 +133,14 @@ def keras_fit(
     _initialize_deferred_variables()
     state, frozen = keras_state(model, layout)
     start = time.perf_counter()
-    jitted = jax.jit(keras_train_step(model, layout), donate_argnums=0)
+    jitted = jax.jit(keras_train_step(model, layout, mesh=mesh), donate_argnums=0)
 
     def compile_for(accum_steps: int, micro_batch: int) -> Any:
         current, fixed = keras_state(model, layout)  # live values (restored after a failure)
+        if mesh is not None:
+            current, fixed = _abstract_on(current, mesh), _abstract_on(fixed, mesh)
         with compiling(), keras_lowering_scope():
-            return jitted.lower(current, _batch_spec(spec, accum_steps, micro_batch),
+            return jitted.lower(current, _batch_spec(spec, accum_steps, micro_batch * dp, mesh),
                                 fixed).compile()
 
     compiled = compile_for(accum_steps, micro_batch)
@@ -144,19 +166,19 @@ def keras_fit(
         callback_list.on_epoch_begin(epoch)
         order = rng.permutation(arrays.num_examples) if shuffle else np.arange(
             arrays.num_examples)
-        batches = arrays.batches(order[:effective], accum_steps, micro_batch)
+        batches = arrays.batches(order[:effective], accum_steps, micro_batch * dp)
         for step in range(steps):
             callback_list.on_train_batch_begin(step)
             while True:
-                state, frozen = keras_state(model, layout)
+                state, frozen = place.state(keras_state(model, layout))
                 if elastic:
                     snapshot.take(state)
                 try:
                     logs, batches = _run_step(
                         compiled, model, layout, state, frozen,
-                        resplit(batches, accum_steps, micro_batch), snapshot,
+                        place.batches(resplit(batches, accum_steps, micro_batch * dp)), snapshot,
                         following=_following(arrays, order, step + 1, steps, accum_steps,
-                                             micro_batch),
+                                             micro_batch * dp),
                     )
                     break
                 except Exception as error:
@@ -170,7 +192,7 @@ def keras_fit(
                     micro_batch, accum_steps = event.new_micro_batch, event.new_accum_steps
                     compiled = compile_for(accum_steps, micro_batch)
                     _record(model, events, micro_batch, accum_steps)
-            noise.update_from(logs.pop(_NOISE_KEY, None), accum_steps)
+            noise.update_from(logs.pop(_NOISE_KEY, None), accum_steps * dp)
             callback_list.on_train_batch_end(step, logs)
             if model.stop_training:
                 break
@@ -191,7 +213,8 @@ def keras_fit(
     callback_list.on_train_end(logs=training_logs)
     _record(model, events, micro_batch, accum_steps)
     if model.history is not None:
-        model.history.autoaccum_noise_advice = noise.advice(micro_batch * accum_steps)
+        model.history.autoaccum_data_parallel = dp
+        model.history.autoaccum_noise_advice = noise.advice(micro_batch * dp * accum_steps)
         if verbose:
             print(f"autoaccum: {model.history.autoaccum_noise_advice}", file=sys.stderr)
     return model.history
@@ -316,10 +339,31 @@ def _steps_per_epoch(num_examples: int, effective: int, cap: int | None) -> int:
     return steps
 
 
-def _batch_spec(spec: Any, accum_steps: int, micro_batch: int) -> Any:
+def _batch_spec(spec: Any, accum_steps: int, micro_batch: int, mesh: Any = None) -> Any:
+    sharding = None if mesh is None else batch_sharding(mesh)
     return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct((accum_steps, micro_batch, *s.shape), s.dtype), spec
+        lambda s: jax.ShapeDtypeStruct((accum_steps, micro_batch, *s.shape), s.dtype,
+                                       sharding=sharding), spec
     )
+
+
+def _abstract_on(tree: Any, mesh: Any) -> Any:
+    sharding = replicated_sharding(mesh)
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding), tree)
+
+
+class _Placer:
+    """Puts the state and the batches where the (data-parallel) step wants them."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+
+    def state(self, pair: tuple) -> tuple:
+        return pair if self.mesh is None else replicate(pair, self.mesh)
+
+    def batches(self, batches: Any) -> Any:
+        return batches if self.mesh is None else shard_batches(batches, self.mesh)
 
 
 def _initialize_deferred_variables() -> None:

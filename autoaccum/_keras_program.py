@@ -67,12 +67,16 @@ class KerasLayout:
         return [non_trainable[i] for i in self.mutable], [non_trainable[i] for i in self.frozen]
 
 
-def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None) -> TrainProgram:
+def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
+                  mesh: Any = None) -> TrainProgram:
     """The accumulated train step of a compiled Keras model, for planning and training.
 
     ``data`` (or ``example_spec``, the ``ShapeDtypeStruct`` of one packed ``(x, y[, w])``
     example) fixes the input shapes. No weight is read: an unbuilt model is built inside
     ``keras.StatelessScope(initialize_variables=False)``, so its variables stay unallocated.
+    ``mesh``: a one-axis ``jax.sharding.Mesh`` (e.g. that of a
+    ``keras.distribution.DataParallel``) for a data-parallel step; see
+    ``autoaccum._data_parallel``.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -90,11 +94,15 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None) 
     example_spec = tuple(example_spec) if isinstance(example_spec, list) else example_spec
     ensure_built(model, example_spec)
     layout = find_layout(model, example_spec)
-    full_step = keras_train_step(model, layout)
 
-    def step(state: PyTree, batches: PyTree, frozen: list) -> tuple[PyTree, StepMetrics]:
-        new_state, metrics, _ = full_step(state, batches, frozen)
-        return new_state, metrics
+    def step_for(mesh: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
+        full_step = keras_train_step(model, layout, mesh=mesh)
+
+        def step(state: PyTree, batches: PyTree, frozen: list) -> tuple[PyTree, StepMetrics]:
+            new_state, metrics, _ = full_step(state, batches, frozen)
+            return new_state, metrics
+
+        return step
 
     spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
     non_trainable = spec(model.non_trainable_variables)
@@ -102,8 +110,8 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None) 
     trainable = spec(model.trainable_variables)
     optimizer = spec(model.optimizer.variables)
     metrics = spec(model.metrics_variables)
-    return TrainProgram(
-        step=step,
+    program = TrainProgram(
+        step=step_for(None),
         abstract_state=(trainable, mutable, optimizer, metrics),
         example_spec=example_spec,
         parts={
@@ -117,7 +125,9 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None) 
         frozen_args=(frozen,),
         lowering_context=keras_lowering_scope,
         description=f"keras {type(model).__name__} {model.name!r}",
+        data_parallel_step=step_for,
     )
+    return program.on_mesh(mesh)
 
 
 def keras_state(model: Any, layout: KerasLayout) -> tuple[tuple, list]:
@@ -142,17 +152,33 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
         ref.assign(value)
 
 
-def keras_train_step(model: Any, layout: KerasLayout) -> Callable[..., tuple]:
-    """``step(state, batches, frozen) -> (new_state, StepMetrics, logs)``; pure, jittable."""
+def keras_train_step(model: Any, layout: KerasLayout, *, mesh: Any = None
+                     ) -> Callable[..., tuple]:
+    """``step(state, batches, frozen) -> (new_state, StepMetrics, logs)``; pure, jittable.
+
+    ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step; ``batches`` are then
+    ``[accum_steps, dp * micro_batch, ...]``, each device scans its own slice, gradients and
+    valid counts are summed across devices once, the optimizer is applied once (replicated).
+    Carried state: metric-variable updates and the loss sum are added up across devices,
+    other mutable variables (batch statistics averaged, seed states from device 0) agree.
+    """
     import keras
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     recorder = LossRecorder(model)
     optimizer = model.optimizer
+    dp = 1 if mesh is None else int(mesh.size)
+    if mesh is None:
+        accumulate = accumulate_gradients
+    else:
+        from ._data_parallel import data_parallel_accumulate
+
+        accumulate = data_parallel_accumulate(mesh, carry_reduce=_keras_carry_reduce)
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
         trainable, mutable, optimizer_vars, metrics_vars = state
         accum_steps, micro_batch = jax.tree.leaves(batches)[0].shape[:2]
+        local_micro, micro_batches = micro_batch // dp, accum_steps * dp
         scale = _loss_scale(model, optimizer_vars)
 
         def micro_loss(params: list, carry: tuple, batch: PyTree):
@@ -165,7 +191,7 @@ def keras_train_step(model: Any, layout: KerasLayout) -> Callable[..., tuple]:
                 )
             unscaled, y_pred, non_trainable, metrics_vars = aux
             loss_sum, count, exact = accumulation_weights(
-                unscaled, terms, micro_batch=micro_batch, accum_steps=accum_steps
+                unscaled, terms, micro_batch=local_micro, accum_steps=micro_batches
             )
             if not exact:
                 warn_inexact_once(model)
@@ -177,7 +203,7 @@ def keras_train_step(model: Any, layout: KerasLayout) -> Callable[..., tuple]:
             scaled = loss_sum if scale is None else loss_sum * scale
             return (scaled, count), carry
 
-        acc = accumulate_gradients(
+        acc = accumulate(
             micro_loss, trainable, (mutable, metrics_vars, jnp.float32(0.0)), batches
         )
         mutable, metrics_vars, unscaled_sum = acc.carry
@@ -200,6 +226,15 @@ def keras_train_step(model: Any, layout: KerasLayout) -> Callable[..., tuple]:
 
     del keras
     return step
+
+
+def _keras_carry_reduce(initial: tuple, local: tuple, axis_name: str) -> tuple:
+    """Metric totals and the loss sum: every device's increments added; the rest agrees."""
+    from ._data_parallel import default_carry_reduce, sum_updates
+
+    (mutable0, metrics0, loss0), (mutable, metrics, loss) = initial, local
+    return (default_carry_reduce(mutable0, mutable, axis_name),
+            sum_updates(metrics0, metrics, axis_name), sum_updates(loss0, loss, axis_name))
 
 
 def ensure_built(model: Any, example_spec: PyTree) -> None:

@@ -85,11 +85,35 @@ class MemoryEstimate:
 
 def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                  target: CompileTarget | None = None) -> Any:
-    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object."""
+    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object.
+
+    ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is compiled as
+    one SPMD program over its mesh, weights replicated and batches
+    ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
+    analysis is that of one device.
+    """
     target = target or CompileTarget()
-    state = _with_sharding(program.abstract_state, target.sharding)
-    frozen = _with_sharding(program.frozen_args, target.sharding)
-    batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
+    if program.mesh is not None:
+        if target.deviceless:
+            raise ValueError(
+                "A data-parallel plan compiles for the devices of this machine; a deviceless "
+                "target (a named GPU that is not here) is planned for one device. Pass "
+                f"data_parallel=1. Received: target={target.name!r}, "
+                f"data_parallel={program.data_parallel}"
+            )
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        axis = program.mesh.axis_names[0]
+        replicated = NamedSharding(program.mesh, P())
+        state = _with_sharding(program.abstract_state, replicated)
+        frozen = _with_sharding(program.frozen_args, replicated)
+        batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
+                                     sharding=NamedSharding(program.mesh, P(None, axis)))
+    else:
+        state = _with_sharding(program.abstract_state, target.sharding)
+        frozen = _with_sharding(program.frozen_args, target.sharding)
+        batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
     with program.lowering_context():
         lowered = jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
         return lowered.compile()
@@ -101,7 +125,10 @@ def measure_program(
     accum_steps: int,
     target: CompileTarget | None = None,
 ) -> MemoryEstimate:
-    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory."""
+    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory.
+
+    For a data-parallel program ``micro_batch`` is per device and the estimate is one
+    device's (XLA's memory analysis of an SPMD program is per device)."""
     target = target or CompileTarget()
     start = time.perf_counter()
     compiled = compile_step(program, micro_batch, accum_steps, target)

@@ -197,6 +197,52 @@ def plan_from_search(
     )
 
 
+def _process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def agree_across_processes(search: SearchResult, measure: Any, *,
+                           per_device: int) -> tuple[SearchResult, tuple[int, ...]]:
+    """The search result at the smallest micro-batch chosen by any process, and each choice.
+
+    One process: unchanged. Otherwise a micro-batch smaller than this process's own is
+    measured here (its estimate reported) unless it was probed already.
+    """
+    import dataclasses
+    import math
+
+    from ._data_parallel import agree_micro_batch
+
+    agreed, each = agree_micro_batch(search.micro_batch)
+    if agreed == search.micro_batch:
+        return search, each
+    probed = {p.micro_batch: p for p in search.probes}
+    if agreed in probed:
+        estimate = probed[agreed].estimate
+    else:
+        estimate = measure(agreed, math.ceil(per_device / agreed))
+    return (dataclasses.replace(search, micro_batch=agreed, max_micro_batch=agreed,
+                                estimate=estimate), each)
+
+
+def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...]) -> str:
+    """What the report says about the plan being the same on every device and process.
+
+    Example:
+      >>> agreement_note(4, 8, (4, 8))
+      'data parallel: micro_batch 4 per device on all 8 devices; each of the 2 processes planned its own devices (micro_batch 4, 8) and every process uses the smallest, 4, so all run the same program'
+    """  # noqa: E501
+    if len(each) == 1:
+        return (f"data parallel: micro_batch {micro_batch} per device on all {data_parallel} "
+                "devices (one process: every device runs this same plan, budget per device)")
+    return (f"data parallel: micro_batch {micro_batch} per device on all {data_parallel} devices; "
+            f"each of the {len(each)} processes planned its own devices (micro_batch "
+            f"{', '.join(map(str, each))}) and every process uses the smallest, {micro_batch}, "
+            "so all run the same program")
+
+
 def search_plan(
     measure: Any,
     *,
@@ -208,7 +254,12 @@ def search_plan(
     log: TextIO | str | None = "stderr",
     notes: tuple[str, ...] = (),
 ) -> Plan:
-    """Runs the compile-only search and returns the plan."""
+    """Runs the compile-only search and returns the plan.
+
+    With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
+    device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
+    that fits on all of them (:func:`agree_across_processes`), so they run the same program.
+    """
     validate_effective_batch(effective_batch, data_parallel=data_parallel)
     search = search_micro_batch(
         measure,
@@ -216,6 +267,10 @@ def search_plan(
         budget_bytes=budget.bytes,
         log=log,
     )
+    if data_parallel > 1 or _process_count() > 1:
+        search, agreement = agree_across_processes(search, measure,
+                                                   per_device=effective_batch // data_parallel)
+        notes = (*notes, agreement_note(search.micro_batch, data_parallel, agreement))
     return plan_from_search(
         search,
         effective_batch=effective_batch,

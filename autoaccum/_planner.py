@@ -8,6 +8,7 @@ from typing import Any, TextIO
 
 from ._batching import check_enough_examples
 from ._budget import format_bytes
+from ._data_parallel import resolve_mesh
 from ._lr import LearningRateScaling
 from ._measure import measure_program
 from ._objective import Candidate, choose_fastest, cost_model_seconds, validate_objective
@@ -16,7 +17,8 @@ from ._prepare import Prepared, framework_of, prepare, remat_context
 from ._program import TrainProgram, tree_bytes
 from ._remat import REMAT_POLICIES, validate_remat
 from ._search import DoesNotFitError, divisors
-from ._targets import ResolvedTarget, resolve_target
+from ._targets import ResolvedTarget, is_deviceless, resolve_target
+from ._validate import validate_effective_batch
 
 
 def plan_program(
@@ -33,16 +35,19 @@ def plan_program(
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
     ``memory_fraction`` overrides the named device profile's default share of GPU memory
-    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
+    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``). A data-parallel program
+    (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
+    size, the budget is one device's, and every process agrees on the micro-batch."""
     if resolved is None:
         resident = (tree_bytes(program.parts.get("trainable"))
                     + tree_bytes(program.parts.get("frozen")))
         resolved = resolve_target(device, budget, resident_bytes=resident,
-                                  memory_fraction=memory_fraction)
+                                  memory_fraction=memory_fraction, mesh=program.mesh)
     notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
     return search_plan(
         lambda b, k: measure_program(program, b, k, resolved.compile_target),
         effective_batch=effective_batch,
+        data_parallel=program.data_parallel,
         lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
@@ -79,6 +84,7 @@ def plan_model(
     method: str = "compile",
     log: TextIO | str | None = "stderr",
     where: str = "plan",
+    data_parallel: Any = 1,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -86,10 +92,35 @@ def plan_model(
     micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
     micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
     policy is planned and candidates are timed (see :mod:`._objective`).
+
+    ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
+    ``autoaccum._data_parallel.resolve_mesh``): with more than one device the plan is per
+    device over that mesh, compile-only (real-step verification, back-off and timed
+    throughput candidates run on one device, so they are skipped, with a note).
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
     framework = framework_of(model)
+    if data_parallel == "auto" and is_deviceless(device):
+        data_parallel = 1  # a dry run for a GPU that is not here plans one device
+    mesh = resolve_mesh(data_parallel, framework=framework)
+    dp_notes: tuple[str, ...] = ()
+    if mesh is not None:
+        validate_effective_batch(effective_batch, data_parallel=mesh.size)
+        if method == "backoff":
+            raise ValueError(
+                "method='backoff' runs real single-device steps; a data-parallel plan is "
+                "compile-only. Use method='compile' (or 'auto'), or data_parallel=1. "
+                f"Received: method='backoff', data_parallel={mesh.size}"
+            )
+        if method == "auto":
+            method = "compile"
+            dp_notes += ("data parallel: compile-only plan (no real verification step); "
+                         "elastic training backs off if a real step runs out of memory",)
+        if objective == "throughput":
+            objective = "memory"
+            dp_notes += ("data parallel: memory objective (throughput candidates are timed "
+                         "on one device only)",)
     policies = policies_for(framework if framework != "unknown" else "flax", remat)
     if remat == "auto" and not has_remat_layers(model, framework, remat_layers):
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
@@ -101,6 +132,8 @@ def plan_model(
         opts = dict(options)
         prepared = prepare(model, data, effective_batch=effective_batch, options=opts,
                            remat=policy, remat_layers=remat_layers)
+        if mesh is not None:
+            prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
         if opts:
             raise TypeError(f"{where}() got unexpected keyword argument(s): "
                             f"{', '.join(sorted(opts))}")
@@ -110,7 +143,7 @@ def plan_model(
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
             resolved = resolve_target(device, budget, resident_bytes=resident,
-                                      memory_fraction=memory_fraction)
+                                      memory_fraction=memory_fraction, mesh=mesh)
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         try:
@@ -128,7 +161,7 @@ def plan_model(
     earlier = tuple(p for _, e in failures for p in getattr(e, "probes", ()))
     if objective != "throughput":
         chosen = tried[0]
-        notes = chosen.notes
+        notes = (*chosen.notes, *dp_notes)
         if failures:
             notes = (*notes, "without rematerialization micro_batch=1 does not fit: "
                      + "; ".join(f"{pol}: {first_line(err)}" for pol, err in failures))

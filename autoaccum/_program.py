@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -49,9 +50,43 @@ class TrainProgram:
         default=contextlib.nullcontext
     )
     description: str = ""
+    mesh: Any = None
+    """The one-axis data-parallel ``jax.sharding.Mesh`` the step runs on, or ``None`` (one
+    device). With a mesh, ``step`` takes global batches ``[accum_steps, dp * micro, ...]``."""
+    data_parallel_step: Callable[[Any], Callable[..., tuple[PyTree, StepMetrics]]] | None = None
+    """``data_parallel_step(mesh)`` builds the step for a data-parallel mesh, or the
+    single-device step for ``None`` (set by the Flax and Keras adapters)."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Number of data-parallel devices (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.size)
+
+    def on_mesh(self, mesh: Any) -> TrainProgram:
+        """This program, data-parallel over ``mesh`` (``None``: single device).
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> program = TrainProgram(step=None, abstract_state=(), example_spec={}, parts={},
+          ...                        trainable=())
+          >>> program.on_mesh(None).data_parallel
+          1
+        """
+        if mesh is not None and mesh.size == 1:
+            mesh = None
+        if mesh is None and self.mesh is None:
+            return self
+        if self.data_parallel_step is None:
+            raise ValueError(
+                "This TrainProgram has no data-parallel step; build it with flax_program or "
+                f"keras_program. Received: a program for {self.description or 'a custom step'}"
+            )
+        return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh)
 
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None) -> PyTree:
-        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering."""
+        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering.
+
+        ``micro_batch`` is the global one (``dp * per-device micro-batch``) for a mesh."""
         return jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(
                 (accum_steps, micro_batch, *s.shape), s.dtype, sharding=sharding
