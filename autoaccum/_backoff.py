@@ -26,10 +26,10 @@ import numpy as np
 
 from ._budget import format_bytes
 from ._lr import LearningRateScaling
-from ._measure import MemoryEstimate
+from ._measure import MemoryEstimate, estimate_from_compiled
 from ._oom import first_line, is_out_of_memory, no_micro_batch_fits
 from ._plan import Plan, plan_from_search
-from ._program import TrainProgram, tree_bytes
+from ._program import TrainProgram
 from ._rlimit import compiling
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
 
@@ -415,31 +415,6 @@ def _unknown_estimate(micro_batch: int, accum_steps: int) -> MemoryEstimate:
 def _estimate(program: TrainProgram, compiled: Any, micro_batch: int, accum_steps: int,
               seconds: float) -> MemoryEstimate:
     """The memory of a compiled (non-donating) probe, itemized as :func:`measure_program`."""
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return _unknown_estimate(micro_batch, accum_steps)
-    argument = int(analysis.argument_size_in_bytes)
-    output = int(analysis.output_size_in_bytes)
-    alias = int(analysis.alias_size_in_bytes)
-    temp = int(analysis.temp_size_in_bytes)
-    parts = program.parts
-    known = {"trainable", "frozen", "optimizer"}
-    accumulator = 4 * sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(program.trainable)
-                          if hasattr(leaf, "shape"))
-    return MemoryEstimate(
-        micro_batch=micro_batch,
-        accum_steps=accum_steps,
-        trainable_bytes=tree_bytes(parts.get("trainable")),
-        frozen_bytes=tree_bytes(parts.get("frozen")),
-        optimizer_bytes=tree_bytes(parts.get("optimizer")),
-        other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
-        batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps)),
-        accumulator_bytes=min(accumulator, temp),
-        argument_bytes=argument,
-        output_bytes=output,
-        alias_bytes=alias,
-        temp_bytes=temp,
-        need_bytes=argument + output - alias + temp,
-        target="real step (not donated)",
-        compile_seconds=seconds,
-    )
+    estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
+                                      target="real step (not donated)", seconds=seconds)
+    return estimate or _unknown_estimate(micro_batch, accum_steps)

@@ -41,23 +41,28 @@ class ElasticEvent:
     """First line of the out-of-memory error."""
     requested_bytes: int | None = None
     """The failed allocation's size, where the error names it."""
+    data_parallel: int = 1
+    """Data-parallel devices: micro-batches are per device."""
 
     def __str__(self) -> str:
         from ._budget import format_bytes
 
         asked = (f"; it asked for {format_bytes(self.requested_bytes)}"
                  if self.requested_bytes is not None else "")
+        dp = self.data_parallel
+        devices = f" x {dp} devices" if dp > 1 else ""
         return (
-            f"step {self.step}: out of memory at micro_batch {self.old_micro_batch} x "
+            f"step {self.step}: out of memory at micro_batch {self.old_micro_batch}{devices} x "
             f"{self.old_accum_steps} accumulation ({self.error}{asked}); redone "
             "from the same "
-            f"state and data at micro_batch {self.new_micro_batch} x {self.new_accum_steps} "
-            f"(effective batch {self.old_micro_batch * self.old_accum_steps} unchanged)"
+            f"state and data at micro_batch {self.new_micro_batch}{devices} x "
+            f"{self.new_accum_steps} (effective batch "
+            f"{self.old_micro_batch * dp * self.old_accum_steps} unchanged)"
         )
 
 
 def shrink(error: BaseException, *, step: int, micro_batch: int,
-           accum_steps: int) -> ElasticEvent:
+           accum_steps: int, data_parallel: int = 1) -> ElasticEvent:
     """The next split after ``error`` at ``micro_batch x accum_steps``, as an event.
 
     Raises:
@@ -78,7 +83,7 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
         ) from error
     new = smaller[-1]
     return ElasticEvent(step, micro_batch, accum_steps, new, per_device // new,
-                        first_line(error), requested_bytes(error))
+                        first_line(error), requested_bytes(error), data_parallel)
 
 
 def resplit(batches: Any, accum_steps: int, micro_batch: int) -> Any:

@@ -249,7 +249,7 @@ def _elastic_event(error: BaseException, result: FitResult, stream: TextIO) -> E
     """Records the next smaller split after an out-of-memory (raises at micro-batch 1)."""
     try:
         event = shrink(error, step=result.steps + 1, micro_batch=result.micro_batch,
-                       accum_steps=result.accum_steps)
+                       accum_steps=result.accum_steps, data_parallel=result.plan.data_parallel)
     except DoesNotFitError:
         result.events.append(
             f"step {result.steps + 1}: out of memory at micro_batch 1; model restored to the "

@@ -186,7 +186,8 @@ def keras_fit(
                             keras_state(model, layout)[0]):
                         raise
                     event = shrink(error, step=int(model.optimizer.iterations) + 1,
-                                   micro_batch=micro_batch, accum_steps=accum_steps)
+                                   micro_batch=micro_batch, accum_steps=accum_steps,
+                                   data_parallel=dp)
                     events.append(str(event))
                     print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
                     micro_batch, accum_steps = event.new_micro_batch, event.new_accum_steps

@@ -133,25 +133,35 @@ def measure_program(
     start = time.perf_counter()
     compiled = compile_step(program, micro_batch, accum_steps, target)
     seconds = time.perf_counter() - start
-    analysis = compiled.memory_analysis()
-    if analysis is None:
+    estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
+                                      target=target.name, seconds=seconds)
+    if estimate is None:
         raise RuntimeError(
             f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
             "that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA target)."
         )
+    return estimate
+
+
+def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: int,
+                           accum_steps: int, *, target: str,
+                           seconds: float) -> MemoryEstimate | None:
+    """Itemizes a compiled step of ``program`` (``None`` if XLA reports no memory)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
     argument = int(analysis.argument_size_in_bytes)
     output = int(analysis.output_size_in_bytes)
     alias = int(analysis.alias_size_in_bytes)
     temp = int(analysis.temp_size_in_bytes)
     cost = _cost(compiled)
     parts = program.parts
-    trainable = tree_bytes(parts.get("trainable"))
     accumulator = 4 * _elements(program.trainable)
     known = {"trainable", "frozen", "optimizer"}
     return MemoryEstimate(
         micro_batch=micro_batch,
         accum_steps=accum_steps,
-        trainable_bytes=trainable,
+        trainable_bytes=tree_bytes(parts.get("trainable")),
         frozen_bytes=tree_bytes(parts.get("frozen")),
         optimizer_bytes=tree_bytes(parts.get("optimizer")),
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
@@ -162,7 +172,7 @@ def measure_program(
         alias_bytes=alias,
         temp_bytes=temp,
         need_bytes=argument + output - alias + temp,
-        target=target.name,
+        target=target,
         compile_seconds=seconds,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),

@@ -176,7 +176,9 @@ def plan_model(
         base,
         micro_batch=best.micro_batch,
         accum_steps=best.accum_steps,
-        estimate=_estimate_for(base, best.micro_batch),
+        estimate=(_estimate_for(base, best.micro_batch)
+                  or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
+                                     best.accum_steps, resolved.compile_target)),
         probes=all_probes,
         objective="throughput",
         candidates=tuple(candidates),
@@ -265,11 +267,11 @@ def _nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitErro
 
 
 def _estimate_for(plan: Plan, micro_batch: int) -> Any:
+    """The compile-only probe's estimate at ``micro_batch``, if the search made one."""
     for p in plan.probes:
-        if p.micro_batch == micro_batch:
+        if p.micro_batch == micro_batch and p.kind == "compile":
             return p.estimate
-    return plan.estimate
-
+    return None
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget | None) -> list[Candidate]:

@@ -60,6 +60,7 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule():
     best = choose_fastest(plan.candidates)
     assert (plan.remat, plan.micro_batch) == (best.remat, best.micro_batch)
     assert plan.micro_batch * plan.accum_steps == 16
+    assert plan.estimate.micro_batch == plan.micro_batch  # the need of the chosen split
     assert "<- chosen" in plan.report()
 
 
