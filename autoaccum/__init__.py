@@ -41,9 +41,9 @@ from ._profiles import DeviceProfile as DeviceProfile
 from ._profiles import find_profile as find_profile
 from ._profiles import list_profiles as list_profiles
 from ._program import StepMetrics as StepMetrics
+from ._program import TrainProgram as TrainProgram
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._remat import rematerialized as rematerialized
-from ._program import TrainProgram as TrainProgram
 from ._result import FitResult as FitResult
 from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
