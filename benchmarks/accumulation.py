@@ -46,20 +46,24 @@ def main() -> None:
 
     rows, results = [], {}
 
-    # Native big batch: one value_and_grad over all 32 examples, no scan.
-    def native_step(state, b):
-        p, o, opt = state
+    def plain_step(optimizer):
+        """One value_and_grad over the whole given batch, then ``optimizer``: no scan."""
 
-        def loss(p):
-            m = nnx.merge(graphdef, p, frozen, o)
-            s, n = next_token_loss(m, b)
-            return s / jnp.maximum(n, 1)
+        def step(state, b):
+            p, o, opt = state
 
-        value, grads = jax.value_and_grad(loss)(p)
-        updates, opt = tx.update(grads, opt, p)
-        return (optax.apply_updates(p, updates), o, opt), value
+            def loss(p):
+                s, n = next_token_loss(nnx.merge(graphdef, p, frozen, o), b)
+                return s / jnp.maximum(n, 1)
 
-    native = jax.jit(native_step, donate_argnums=0)
+            value, grads = jax.value_and_grad(loss)(p)
+            updates, opt = optimizer.update(grads, opt, p)
+            return (optax.apply_updates(p, updates), o, opt), value
+
+        return step
+
+    # Native big batch: one value_and_grad over all 32 examples.
+    native = jax.jit(plain_step(tx), donate_argnums=0)
     state = [fresh_state()]
 
     def run_native():
@@ -96,20 +100,7 @@ def main() -> None:
     for micro in (8, 4):
         k = EFFECTIVE // micro
         ms = optax.MultiSteps(tx, every_k_schedule=k)
-
-        def ms_step(state, b, ms=ms):
-            p, o, opt = state
-
-            def loss(p):
-                m = nnx.merge(graphdef, p, frozen, o)
-                s, n = next_token_loss(m, b)
-                return s / jnp.maximum(n, 1)
-
-            value, grads = jax.value_and_grad(loss)(p)
-            updates, opt = ms.update(grads, opt, p)
-            return (optax.apply_updates(p, updates), o, opt), value
-
-        jitted = jax.jit(ms_step, donate_argnums=0)
+        jitted = jax.jit(plain_step(ms), donate_argnums=0)
         p0 = jax.tree.map(jnp.copy, params)
         ms_state = [(p0, jax.tree.map(jnp.copy, other), ms.init(p0))]
         micro_batches = [jax.tree.map(lambda a, i=i, m=micro: a[i * m:(i + 1) * m], batch)
