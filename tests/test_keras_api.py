@@ -81,3 +81,18 @@ def test_keras_demo_plans_accumulation_and_trains_from_raw_strings():
     plan = history.autoaccum_plan
     assert plan.effective_batch == 8 and plan.micro_batch * plan.accum_steps == 8
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_unbatched_tf_data_trains_like_the_same_numpy_arrays():
+    import tensorflow as tf
+
+    x, y = _data()
+    finals = []
+    for data in ((x, y), tf.data.Dataset.from_tensor_slices((x, y))):
+        keras.utils.set_random_seed(0)
+        model = _model()
+        autoaccum.fit(model, data, effective_batch=16, epochs=1, shuffle=False, budget="1GiB",
+                      verbose=0, log=None)
+        finals.append([np.asarray(w) for w in model.get_weights()])
+    for a, b in zip(*finals, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
