@@ -14,14 +14,9 @@ from ._planner import plan_model, validate_method
 from ._planner import plan_program as plan_program
 from ._prepare import framework_of, prepare, remat_context
 from ._result import FitResult
+from ._snapshot import validate_backup
 from ._targets import is_deviceless, resolve_target
-from ._validate import validate_effective_batch, validate_positive_int
-
-
-def _no_leftovers(options: dict, where: str) -> None:
-    if options:
-        names = ", ".join(sorted(options))
-        raise TypeError(f"{where}() got unexpected keyword argument(s): {names}")
+from ._validate import no_leftovers, validate_effective_batch, validate_positive_int
 
 
 def plan(
@@ -153,7 +148,7 @@ def measure(
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
     options.pop("budget", None)
-    _no_leftovers(options, "measure")
+    no_leftovers(options, "measure")
     resolved = resolve_target(device, None, mesh=mesh)
     return measure_program(prepared.program.on_mesh(mesh), micro_batch, accum_steps,
                            resolved.compile_target)
@@ -211,6 +206,7 @@ def fit(
     objective = _default_objective(options.pop("objective", None), None)
     method = options.pop("method", "auto")
     elastic = options.pop("elastic", True)
+    backup = validate_backup(options.pop("backup", "auto"))
     data_parallel = options.pop("data_parallel", "auto")
     validate_method(method)
     # With method="auto" the first training step is the real verification: elastic training
@@ -219,11 +215,9 @@ def fit(
     framework = framework_of(model)
     fit_options: dict[str, Any] = {}
     if framework == "keras":
-        from ._keras import validate_keras_fit_kwargs
+        from ._keras_checks import FIT_OPTIONS, REFUSED_OPTIONS, validate_keras_fit_kwargs
 
-        keras_names = {"callbacks", "validation_data", "validation_split", "validation_batch_size",
-                       "validation_steps", "validation_freq", "initial_epoch", "steps_per_epoch",
-                       "backup"}
+        keras_names = set(FIT_OPTIONS) | set(REFUSED_OPTIONS)
         fit_options = {k: options.pop(k) for k in list(options) if k in keras_names}
         validate_keras_fit_kwargs(**fit_options)
     the_plan, prepared = plan_model(
@@ -236,9 +230,12 @@ def fit(
         print(the_plan.report(), file=log, flush=True)
     with remat_context(model, prepared.framework, the_plan.remat, remat_layers):
         if prepared.framework == "keras":
-            fit_options.update(elastic=elastic, data_parallel=1 if mesh is None else mesh)
-            return _keras_fit(model, data, the_plan, epochs=epochs, shuffle=shuffle, seed=seed,
-                              verbose=verbose, fit_options=fit_options)
+            fit_options.update(elastic=elastic, backup=backup,
+                               data_parallel=1 if mesh is None else mesh)
+            # The arrays planning made (keras-hub raw strings already preprocessed).
+            return _keras_fit(model, prepared.extras["arrays"], the_plan, epochs=epochs,
+                              shuffle=shuffle, seed=seed, verbose=verbose,
+                              fit_options=fit_options)
         from ._flax import flax_fit
 
         extras = prepared.extras
@@ -254,6 +251,7 @@ def fit(
             verbose=verbose,
             stream=log,
             elastic=elastic,
+            backup=backup,
             mesh=mesh,
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
@@ -262,7 +260,7 @@ def fit(
 def _keras_fit(model: Any, data: Any, the_plan: Plan, *, epochs: int, shuffle: bool, seed: int,
                verbose: Any, fit_options: dict) -> Any:
     from ._keras import keras_fit
-    from ._keras_api import apply_keras_lr_scaling
+    from ._keras_lr import apply_keras_lr_scaling
 
     apply_keras_lr_scaling(model.optimizer, the_plan.lr_scaling)
     history = keras_fit(model, data, micro_batch=the_plan.micro_batch,

@@ -129,9 +129,10 @@ def host_memory() -> HostMemory:
     return HostMemory(total=total, available=min(available, total))
 
 
-def jax_memory_stats(*, index: int = 0) -> dict[str, int] | None:
+def jax_memory_stats(*, index: int = 0, device: Any = None) -> dict[str, int] | None:
     """``jax.devices()[index].memory_stats()`` (``bytes_limit``, ``bytes_in_use``,
-    ``peak_bytes_in_use`` ...), or ``None`` where JAX reports none (the CPU).
+    ``peak_bytes_in_use`` ...) of device ``index`` (or of ``device``), or ``None`` where JAX
+    reports none (the CPU).
 
     Imports JAX (and so starts it): call it after :func:`autoaccum.configure`.
 
@@ -142,11 +143,13 @@ def jax_memory_stats(*, index: int = 0) -> dict[str, int] | None:
     """
     import jax
 
-    devices = jax.devices()
-    if index >= len(devices):
-        return None
+    if device is None:
+        devices = jax.devices()
+        if index >= len(devices):
+            return None
+        device = devices[index]
     try:
-        return devices[index].memory_stats()
+        return device.memory_stats()
     except (RuntimeError, NotImplementedError):  # some backends raise instead of returning None
         return None
 

@@ -83,6 +83,7 @@ def deviceless_target(
 def shard_abstract(tree: Any, sharding: Any) -> Any:
     """Turn every array-like leaf (``.shape`` and ``.dtype``) of ``tree`` into a
     ``jax.ShapeDtypeStruct`` carrying ``sharding``; other leaves are kept as they are.
+    ``sharding=None`` returns ``tree`` unchanged.
 
     >>> import jax, jax.numpy as jnp
     >>> from autoaccum._deviceless import shard_abstract
@@ -93,6 +94,9 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
     ((2, 3), True)
     """
     import jax
+
+    if sharding is None:
+        return tree
 
     def convert(leaf: Any) -> Any:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):

@@ -28,7 +28,7 @@ from ._progress import ProgressBar
 from ._result import FitResult
 from ._rlimit import compiling
 from ._search import DoesNotFitError
-from ._snapshot import HostSnapshot
+from ._snapshot import HostSnapshot, is_consumed
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -146,14 +146,16 @@ def flax_fit(
     elastic: bool = True,
     on_step_end: Callable[[int, float], None] | None = None,
     mesh: Any = None,
+    backup: str = "auto",
 ) -> FitResult:
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
-    The state as of the last completed step is kept on the host; a step that fails leaves
-    the model there. With ``elastic`` a step that runs out of memory is redone from that
-    state with the same examples at the next smaller micro-batch (more accumulation, same
-    effective batch); each such event is printed and kept in ``result.events``, and
-    ``result.micro_batch`` / ``result.accum_steps`` are the split training ended with.
+    The state as of the last completed step is kept on the host (``backup``, see
+    :mod:`autoaccum._snapshot`); a step that fails leaves the model there. With ``elastic`` a
+    step that runs out of memory is redone from that state with the same examples at the next
+    smaller micro-batch (more accumulation, same effective batch); each such event is printed
+    and kept in ``result.events``, and ``result.micro_batch`` / ``result.accum_steps`` are the
+    split training ended with.
     ``on_step_end(step, loss)`` is called after every optimizer step (1-based).
 
     ``mesh`` (a one-axis ``jax.sharding.Mesh``, ``plan.data_parallel`` devices): the state is
@@ -180,7 +182,8 @@ def flax_fit(
     state = (params, other, tx.init(params))
     if mesh is not None:
         state, frozen = replicate(state, mesh), replicate(frozen, mesh)
-    snapshot = HostSnapshot(state)
+    snapshot = HostSnapshot(backup)
+    snapshot.take(state)
     executables: dict[tuple[int, ...], Any] = {}
 
     def compiled(state: Any, batches: Any) -> Any:
@@ -212,8 +215,7 @@ def flax_fit(
                     loss = float(metrics.loss)
                     break
                 except BaseException as error:
-                    state = snapshot.restore()
-                    nnx.update(model, state[0], state[1])
+                    state = _restore(model, state, snapshot, error, result)
                     if elastic and is_out_of_memory(error):
                         _elastic_event(error, result, stream)  # raises at micro-batch 1
                         continue
@@ -243,6 +245,25 @@ def flax_fit(
     if verbose:
         print(f"autoaccum: {result.noise_advice}", file=stream, flush=True)
     return result
+
+
+def _restore(model: nnx.Module, state: Any, snapshot: HostSnapshot, error: BaseException,
+             result: FitResult) -> Any:
+    """The pre-step state, back in ``model``; raises if the failed step consumed it and no
+    host copy was kept."""
+    if not is_consumed(state):
+        pass  # the step failed before it took the (donated) state: it is still intact
+    elif snapshot.available:
+        state = snapshot.restore()
+    else:
+        note = (f"autoaccum: step {result.steps + 1} had consumed (donated) the training state "
+                "and no host copy was kept (backup='none', or the state is above 4 GiB with "
+                "backup='auto'); reload the weights from a checkpoint, or pass backup='host'.")
+        result.events.append(note)
+        error.add_note(note)
+        raise error
+    nnx.update(model, state[0], state[1])
+    return state
 
 
 def _elastic_event(error: BaseException, result: FitResult, stream: TextIO) -> ElasticEvent:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["check_keras_model", "is_keras_model", "validate_keras_fit_kwargs"]
+from ._snapshot import validate_backup
+
+__all__ = ["FIT_OPTIONS", "REFUSED_OPTIONS", "check_keras_model", "is_keras_model",
+           "validate_keras_fit_kwargs"]
 
 FIT_OPTIONS = (
     "epochs",
@@ -24,7 +27,7 @@ FIT_OPTIONS = (
 )
 """Keyword options that :func:`autoaccum.keras_fit` accepts besides the plan."""
 
-_REFUSED = {
+REFUSED_OPTIONS = {
     "batch_size": (
         "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
         "optimizer step) instead of `batch_size=`"
@@ -120,8 +123,8 @@ def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
       {'epochs': 2, 'verbose': 0}
     """
     for name, value in kwargs.items():
-        if name in _REFUSED:
-            raise ValueError(f"{_REFUSED[name]}. Received: {name}={value!r}")
+        if name in REFUSED_OPTIONS:
+            raise ValueError(f"{REFUSED_OPTIONS[name]}. Received: {name}={value!r}")
         if name not in FIT_OPTIONS:
             raise ValueError(
                 f"Unknown option for training a Keras model with autoaccum: `{name}`. "
@@ -140,9 +143,5 @@ def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
             "Pass either `validation_data` or `validation_split`, not both. "
             f"Received: validation_split={split!r}"
         )
-    backup = kwargs.get("backup", "auto")
-    if backup not in ("auto", "host", "none"):
-        raise ValueError(
-            f"`backup` must be 'auto', 'host' or 'none'. Received: backup={backup!r}"
-        )
+    validate_backup(kwargs.get("backup", "auto"))
     return dict(kwargs)

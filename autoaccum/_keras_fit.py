@@ -39,12 +39,11 @@ from ._keras_program import (
 )
 from ._noise_scale import NoiseScaleTracker
 from ._oom import is_out_of_memory
-from ._program import tree_bytes
 from ._rlimit import compiling
+from ._snapshot import HostSnapshot, is_consumed
 
 __all__ = ["keras_fit"]
 
-_AUTO_BACKUP_BYTES = 4 << 30
 
 
 def keras_fit(
@@ -154,7 +153,8 @@ def keras_fit(
             epochs=epochs, steps=steps, model=model,
         )
     noise = NoiseScaleTracker()
-    snapshot = _Snapshot(backup, per_step=elastic)
+    snapshot = HostSnapshot(backup)
+    per_step = elastic  # a per-step copy lets a failed step be redone from exactly its state
     snapshot.take(state)
     rng = np.random.default_rng(seed)
     model.stop_training = False
@@ -177,12 +177,13 @@ def keras_fit(
                     logs, batches = _run_step(
                         compiled, model, layout, state, frozen,
                         place.batches(resplit(batches, accum_steps, micro_batch * dp)), snapshot,
+                        per_step=per_step,
                         following=_following(arrays, order, step + 1, steps, accum_steps,
                                              micro_batch * dp),
                     )
                     break
                 except Exception as error:
-                    if not (elastic and is_out_of_memory(error)) or _consumed(
+                    if not (elastic and is_out_of_memory(error)) or is_consumed(
                             keras_state(model, layout)[0]):
                         raise
                     event = shrink(error, step=int(model.optimizer.iterations) + 1,
@@ -233,13 +234,9 @@ def _record(model: Any, events: list[str], micro_batch: int, accum_steps: int) -
         history.autoaccum_accum_steps = accum_steps
 
 
-def _consumed(state: Any) -> bool:
-    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
-               for leaf in jax.tree.leaves(state))
-
-
 def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, frozen: list,
-              batches: Any, snapshot: _Snapshot, following: Any) -> tuple[dict, Any]:
+              batches: Any, snapshot: HostSnapshot, *, per_step: bool,
+              following: Any) -> tuple[dict, Any]:
     """One step; the variables end up holding the new state, or the old one if it failed."""
     try:
         new_state, metrics, logs = compiled(state, batches, frozen)
@@ -249,21 +246,21 @@ def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, froz
         logs[_NOISE_KEY] = (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
                             float(metrics.count))
     except BaseException as error:
-        _recover(model, layout, state, snapshot, error)
+        _recover(model, layout, state, snapshot, error, per_step=per_step)
         raise
     write_back(model, layout, new_state)
     return logs, next_batches
 
 
-def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: _Snapshot,
-             error: BaseException) -> None:
+def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: HostSnapshot,
+             error: BaseException, *, per_step: bool) -> None:
     """Leaves the model's variables as they were before the failed step."""
-    if not _consumed(state):
+    if not is_consumed(state):
         write_back(model, layout, state)
         return
-    if snapshot.state is not None:
-        write_back(model, layout, snapshot.state)
-        if snapshot.per_step:
+    if snapshot.available:
+        write_back(model, layout, snapshot.host)
+        if per_step:
             return  # exactly the state before the step: nothing lost, nothing to warn about
         note = (
             "autoaccum: the failed step had consumed (donated) the training state; the model's "
@@ -278,23 +275,6 @@ def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: _Snapshot,
         )
     if hasattr(error, "add_note"):
         error.add_note(note)
-
-
-class _Snapshot:
-    """An optional host copy of the donated state."""
-
-    def __init__(self, policy: str, *, per_step: bool = False) -> None:
-        self.policy = policy
-        self.per_step = per_step
-        self.state: Any = None
-
-    def take(self, state: tuple) -> None:
-        if self.policy == "none":
-            return
-        if self.policy == "auto" and tree_bytes(state) > _AUTO_BACKUP_BYTES:
-            self.state = None
-            return
-        self.state = jax.tree.map(np.asarray, jax.device_get(state))
 
 
 def _evaluate(model: Any, val: KerasArrays, batch_size: int, steps: int | None,

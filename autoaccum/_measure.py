@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from ._budget import format_bytes
+from ._deviceless import shard_abstract
 from ._program import TrainProgram, tree_bytes
 
 
@@ -106,13 +107,13 @@ def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 
         axis = program.mesh.axis_names[0]
         replicated = NamedSharding(program.mesh, P())
-        state = _with_sharding(program.abstract_state, replicated)
-        frozen = _with_sharding(program.frozen_args, replicated)
+        state = shard_abstract(program.abstract_state, replicated)
+        frozen = shard_abstract(program.frozen_args, replicated)
         batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
                                      sharding=NamedSharding(program.mesh, P(None, axis)))
     else:
-        state = _with_sharding(program.abstract_state, target.sharding)
-        frozen = _with_sharding(program.frozen_args, target.sharding)
+        state = shard_abstract(program.abstract_state, target.sharding)
+        frozen = shard_abstract(program.frozen_args, target.sharding)
         batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
     with program.lowering_context():
         lowered = jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
@@ -191,9 +192,3 @@ def _cost(compiled: Any) -> dict:
 
 def _elements(tree: Any) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))
-
-
-def _with_sharding(tree: Any, sharding: Any) -> Any:
-    if sharding is None:
-        return tree
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)

@@ -87,14 +87,15 @@ def peak_rates(profile: Any) -> tuple[float, float]:
     return float(flops), float(gpu.memory_bandwidth)
 
 
-def cost_model_seconds(compiled: Any, profile: Any, examples: int) -> float:
-    """Seconds per example from ``compiled.cost_analysis()``: max(flops / peak FLOP/s,
-    bytes accessed / bandwidth) / examples."""
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list | tuple):
-        analysis = analysis[0] if analysis else {}
-    analysis = analysis or {}
+def cost_model_seconds(flops: float, bytes_accessed: float, profile: Any,
+                       examples: int) -> float:
+    """Seconds per example from XLA's cost analysis of a step (``MemoryEstimate.flops`` and
+    ``.bytes_accessed``): max(flops / peak FLOP/s, bytes / bandwidth) / examples.
+
+    Example:
+      >>> from autoaccum._profiles import find_profile
+      >>> round(cost_model_seconds(8.1e12, 1.0, find_profile("t4"), 2), 2)
+      0.5
+    """
     flops_rate, bandwidth = peak_rates(profile)
-    flops = float(analysis.get("flops", 0.0))
-    moved = float(analysis.get("bytes accessed", 0.0))
-    return max(flops / flops_rate, moved / bandwidth) / examples
+    return max(flops / flops_rate, bytes_accessed / bandwidth) / examples

@@ -7,7 +7,6 @@ import sys
 from typing import Any, TextIO
 
 from ._batching import check_enough_examples
-from ._budget import format_bytes
 from ._data_parallel import resolve_mesh
 from ._lr import LearningRateScaling
 from ._measure import measure_program
@@ -18,7 +17,7 @@ from ._program import TrainProgram, tree_bytes
 from ._remat import REMAT_POLICIES, validate_remat
 from ._search import DoesNotFitError, divisors
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
-from ._validate import validate_effective_batch
+from ._validate import no_leftovers, validate_effective_batch
 
 
 def plan_program(
@@ -134,10 +133,10 @@ def plan_model(
                            remat=policy, remat_layers=remat_layers)
         if mesh is not None:
             prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
-        if opts:
-            raise TypeError(f"{where}() got unexpected keyword argument(s): "
-                            f"{', '.join(sorted(opts))}")
-        check_enough_examples_any(prepared, effective_batch)
+        no_leftovers(opts, where)
+        check_enough_examples(prepared.data, effective_batch)
+        # Later policies reuse the converted data (keras-hub strings are tokenized once).
+        data = prepared.extras.get("arrays", prepared.data)
         if resolved is None:
             program = prepared.program
             resident = (tree_bytes(program.parts.get("trainable"))
@@ -246,11 +245,6 @@ def has_remat_layers(model: Any, framework: str, layers: Any = None) -> bool:
     return False
 
 
-def check_enough_examples_any(prepared: Prepared, effective_batch: int) -> None:
-    """Fewer examples than one effective batch is an error, for either framework."""
-    check_enough_examples(prepared.data, effective_batch)
-
-
 def first_line(error: BaseException) -> str:
     return str(error).split(". ")[0]
 
@@ -291,7 +285,8 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
             accum = per_device // micro
             if dry:
                 est = measure_program(prep.program, micro, accum, resolved.compile_target)
-                seconds = cost_model_seconds_from(est, resolved)
+                seconds = cost_model_seconds(est.flops, est.bytes_accessed, resolved.profile,
+                                             est.micro_batch * est.accum_steps)
                 source = "cost model"
             else:
                 with remat_context(model, prep.framework, plan.remat):
@@ -305,17 +300,6 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
     return out
 
 
-def cost_model_seconds_from(estimate: Any, resolved: ResolvedTarget) -> float:
-    """Seconds per example of a measured estimate under the target profile's roofline."""
-
-    class _Cost:
-        def cost_analysis(self) -> dict:
-            return {"flops": estimate.flops, "bytes accessed": estimate.bytes_accessed}
-
-    examples = estimate.micro_batch * estimate.accum_steps
-    return cost_model_seconds(_Cost(), resolved.profile, examples)
-
-
 def _runner(prep: Prepared, model: Any) -> Any:
     from ._backoff import flax_step_runner, keras_step_runner
 
@@ -326,11 +310,5 @@ def _runner(prep: Prepared, model: Any) -> Any:
                             trainable=prep.extras.get("trainable"))
 
 
-def describe(plan: Plan) -> str:
-    """One line: the split, the policy and the need."""
-    return (f"micro_batch {plan.micro_batch} x {plan.accum_steps} (remat {plan.remat}), need "
-            f"{format_bytes(plan.need_bytes)} of {format_bytes(plan.budget_bytes)}")
-
-
-__all__ = ["check_enough_examples_any", "plan_model", "plan_program", "policies_for",
+__all__ = ["plan_model", "plan_program", "policies_for",
            "validate_objective"]

@@ -79,24 +79,34 @@ def _flax(model: Any, data: Any, *, effective_batch: int, options: dict, remat: 
 
 def _keras(model: Any, data: Any, *, effective_batch: int, options: dict, remat: str,
            layers: Any) -> Prepared:
-    from ._keras import check_keras_model, keras_program, to_keras_arrays
-    from ._keras_api import keras_lr_scaling
+    from ._keras import check_keras_model, to_keras_arrays
+    from ._keras_lr import keras_lr_scaling
 
     check_keras_model(model)
     scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
     arrays = to_keras_arrays(model, data)
+    program = keras_remat_program(model, arrays.example_spec(), remat, layers=layers)
+    return Prepared(program, arrays.packed, scaling, "keras", remat, {"arrays": arrays})
+
+
+def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
+                        layers: Callable[..., bool] | None = None) -> TrainProgram:
+    """The Keras model's accumulated step, traced and lowered with per-block ``remat``
+    (Keras applies remat when a layer is called, so lowering must happen inside it too)."""
+    from ._keras import keras_program
+
     with remat_context(model, "keras", remat, layers):
-        program = keras_program(model, example_spec=arrays.example_spec())
-    if remat != "none":
-        lower = program.lowering_context
+        program = keras_program(model, example_spec=example_spec)
+    if remat == "none":
+        return program
+    lower = program.lowering_context
 
-        @contextlib.contextmanager
-        def lowering() -> Iterator[None]:
-            with lower(), remat_context(model, "keras", remat, layers):
-                yield
+    @contextlib.contextmanager
+    def lowering() -> Iterator[None]:
+        with lower(), remat_context(model, "keras", remat, layers):
+            yield
 
-        program = dataclasses.replace(program, lowering_context=lowering)
-    return Prepared(program, arrays.packed, scaling, "keras", remat)
+    return dataclasses.replace(program, lowering_context=lowering)
 
 
 def prepare(model: Any, data: Any, *, effective_batch: int, options: dict,

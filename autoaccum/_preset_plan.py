@@ -7,15 +7,14 @@ train step (our accumulated one) is compiled for the target device at each probe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ._api import plan_program
 from ._lr import scale_learning_rate
 from ._plan import Plan
+from ._prepare import keras_remat_program
 from ._search import DoesNotFitError
 from ._validate import validate_effective_batch, validate_positive_int
 
@@ -92,7 +91,7 @@ def plan_preset(
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
     for policy in policies:
-        program = _program(model, sequence_length, policy)
+        program = keras_remat_program(model, token_example_spec(sequence_length), policy)
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
         try:
@@ -108,22 +107,3 @@ def plan_preset(
             f"remat={pol}: {str(err).split('. ')[0]}" for pol, err in failures)
         return dataclasses.replace(plan, remat=policy, probes=probes, notes=notes)
     raise failures[-1][1]
-
-
-def _program(model: Any, sequence_length: int, policy: str) -> Any:
-    """The model's accumulated Keras step, with per-block remat ``policy`` when lowering."""
-    from ._keras import keras_program
-    from ._keras_remat import keras_rematerialized
-
-    with keras_rematerialized(model, policy):
-        program = keras_program(model, example_spec=token_example_spec(sequence_length))
-    if policy == "none":
-        return program
-    lower = program.lowering_context
-
-    @contextlib.contextmanager
-    def lowering() -> Iterator[None]:
-        with lower(), keras_rematerialized(model, policy):
-            yield
-
-    return dataclasses.replace(program, lowering_context=lowering)

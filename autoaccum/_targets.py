@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._budget import Budget, cpu_default_budget, device_budget, format_bytes, parse_budget
-from ._detect import detect_device, host_memory
+from ._detect import detect_device, host_memory, jax_memory_stats
 from ._measure import CompileTarget
 from ._profiles import DeviceProfile, find_profile
 
@@ -30,14 +30,12 @@ class ResolvedTarget:
 
 
 def _local_stats(device: Any = None) -> dict | None:
-    import jax
-
+    """The device's memory stats when they include a ``bytes_limit``, else ``None``."""
     try:
-        stats = (jax.devices()[0] if device is None else device).memory_stats()
-    except Exception:
+        stats = jax_memory_stats(device=device)
+    except Exception:  # a backend that cannot report at all
         return None
     return stats if stats and "bytes_limit" in stats else None
-
 
 def _local_target(mesh: Any = None) -> CompileTarget:
     import jax

@@ -40,3 +40,14 @@ def validate_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def no_leftovers(options: dict, where: str) -> None:
+    """Raises ``TypeError`` naming options that nothing consumed, as Python does.
+
+    Example:
+      >>> no_leftovers({}, "plan")
+    """
+    if options:
+        raise TypeError(f"{where}() got unexpected keyword argument(s): "
+                        f"{', '.join(sorted(options))}")

@@ -86,3 +86,37 @@ def test_failed_step_leaves_the_model_at_the_last_completed_step():
                   budget="1GiB", verbose=0, log=None)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_params(reference)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _failing_second_call_loss():
+    calls = {"n": 0}
+
+    def fail_on_second_step(x):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("induced failure inside the step")
+        return x
+
+    def loss_fn(model, batch):
+        total, count = token_loss(model, batch)
+        count = jax.pure_callback(fail_on_second_step, jax.ShapeDtypeStruct((), jnp.float32),
+                                  count)
+        return total, count
+
+    return loss_fn
+
+
+def test_without_a_host_copy_a_consumed_state_is_reported_with_the_fix():
+    model = TinyLM(rngs=nnx.Rngs(0))
+    with pytest.raises(Exception, match="induced failure") as info:
+        autoaccum.fit(model, ragged_tokens(8, 6), effective_batch=4, optimizer=optax.sgd(0.5),
+                      loss_fn=_failing_second_call_loss(), epochs=2, shuffle=False,
+                      budget="1GiB", verbose=0, log=None, backup="none")
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "reload the weights from a checkpoint, or pass backup='host'" in notes
+
+
+def test_unknown_backup_policy_names_the_policies():
+    with pytest.raises(ValueError, match="'auto'.*'host'.*'none'.*Received: backup='disk'"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 6), effective_batch=4,
+                      optimizer=optax.sgd(0.5), loss_fn=token_loss, backup="disk", log=None)

@@ -96,3 +96,8 @@ def test_unbatched_tf_data_trains_like_the_same_numpy_arrays():
         finals.append([np.asarray(w) for w in model.get_weights()])
     for a, b in zip(*finals, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_keras_only_options_refused_with_the_fix_through_fit():
+    with pytest.raises(ValueError, match=r"\(x, y, sample_weight\).*Received: class_weight="):
+        autoaccum.fit(_model(), _data(), effective_batch=16, class_weight={0: 1.0}, log=None)

@@ -41,12 +41,9 @@ def test_no_candidates_is_an_error():
 
 
 def test_cost_model_uses_the_roofline_of_the_profile():
-    class Compiled:
-        def cost_analysis(self):
-            return {"flops": 8.1e12, "bytes accessed": 1.0}
-
     t4 = autoaccum.find_profile("t4")
-    assert cost_model_seconds(Compiled(), t4, 2) == pytest.approx(0.5, rel=0.01)
+    assert cost_model_seconds(8.1e12, 1.0, t4, 2) == pytest.approx(0.5, rel=0.01)
+    assert cost_model_seconds(1.0, 320e9, t4, 1) == pytest.approx(1.0, rel=0.01)  # bandwidth
 
 
 def test_throughput_plan_times_candidates_and_picks_by_the_rule():
