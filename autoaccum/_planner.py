@@ -63,9 +63,21 @@ def policies_for(framework: str, remat: str) -> list[str]:
     return list(REMAT_POLICIES) if framework == "flax" else ["none", "nothing"]
 
 
-def _label(plan: Plan, policy: str) -> Plan:
+def label_policy(plan: Plan, policy: str) -> Plan:
+    """``plan`` and its probes marked with the remat ``policy`` they were compiled with."""
     probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
     return dataclasses.replace(plan, probes=probes, remat=policy)
+
+
+def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
+    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
+    their policy), and a note saying so."""
+    if not failures:
+        return plan
+    earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
+    note = ("with less rematerialization micro_batch=1 does not fit: "
+            + "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures))
+    return dataclasses.replace(plan, probes=earlier + plan.probes, notes=(*plan.notes, note))
 
 
 def plan_model(
@@ -151,26 +163,20 @@ def plan_model(
         except DoesNotFitError as error:
             failures.append((policy, error))
             continue
-        tried.append(_label(plan, policy))
+        tried.append(label_policy(plan, policy))
         prepared_by_policy[policy] = prepared
         if objective != "throughput":
             break
     if not tried:
         raise _nothing_fits(failures)
-    earlier = tuple(p for _, e in failures for p in getattr(e, "probes", ()))
     if objective != "throughput":
-        chosen = tried[0]
-        notes = (*chosen.notes, *dp_notes)
-        if failures:
-            notes = (*notes, "without rematerialization micro_batch=1 does not fit: "
-                     + "; ".join(f"{pol}: {first_line(err)}" for pol, err in failures))
-        return (dataclasses.replace(chosen, probes=earlier + chosen.probes, notes=notes,
-                                    objective="memory"),
-                prepared_by_policy[chosen.remat])
+        chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),
+                                     objective="memory")
+        return with_failed_policies(chosen, failures), prepared_by_policy[chosen.remat]
     candidates = _candidates(tried, prepared_by_policy, model, resolved)
     best = choose_fastest(candidates)
     base = next(p for p in tried if p.remat == best.remat)
-    all_probes = earlier + tuple(p for plan in tried for p in plan.probes)
+    all_probes = tuple(p for plan in tried for p in plan.probes)
     chosen = dataclasses.replace(
         base,
         micro_batch=best.micro_batch,
@@ -182,7 +188,7 @@ def plan_model(
         objective="throughput",
         candidates=tuple(candidates),
     )
-    return chosen, prepared_by_policy[best.remat]
+    return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
 
 
 METHODS = ("auto", "compile", "backoff")

@@ -7,13 +7,12 @@ train step (our accumulated one) is compiled for the target device at each probe
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any, TextIO
 
-from ._api import plan_program
 from ._lr import scale_learning_rate
 from ._plan import Plan
+from ._planner import label_policy, plan_program, with_failed_policies
 from ._prepare import keras_remat_program
 from ._search import DoesNotFitError
 from ._validate import validate_effective_batch, validate_positive_int
@@ -101,9 +100,5 @@ def plan_preset(
         except DoesNotFitError as error:
             failures.append((policy, error))
             continue
-        earlier = tuple(p for _, e in failures for p in e.probes)
-        probes = earlier + tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
-        notes = plan.notes + tuple(
-            f"remat={pol}: {str(err).split('. ')[0]}" for pol, err in failures)
-        return dataclasses.replace(plan, remat=policy, probes=probes, notes=notes)
+        return with_failed_policies(label_policy(plan, policy), failures)
     raise failures[-1][1]
