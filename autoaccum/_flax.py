@@ -251,11 +251,9 @@ def _restore(model: nnx.Module, state: Any, snapshot: HostSnapshot, error: BaseE
              result: FitResult) -> Any:
     """The pre-step state, back in ``model``; raises if the failed step consumed it and no
     host copy was kept."""
-    if not is_consumed(state):
-        pass  # the step failed before it took the (donated) state: it is still intact
-    elif snapshot.available:
-        state = snapshot.restore()
-    else:
+    if snapshot.available:
+        state = snapshot.restore()  # exactly the state before the failed step
+    elif is_consumed(state):
         note = (f"autoaccum: step {result.steps + 1} had consumed (donated) the training state "
                 "and no host copy was kept (backup='none', or the state is above 4 GiB with "
                 "backup='auto'); reload the weights from a checkpoint, or pass backup='host'.")

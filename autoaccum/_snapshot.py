@@ -39,9 +39,16 @@ def validate_backup(backup: str) -> str:
 
 
 def is_consumed(tree: PyTree) -> bool:
-    """Whether any array of ``tree`` was deleted (donated to a call that failed)."""
-    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
-               for leaf in jax.tree.leaves(tree))
+    """Whether ``tree`` can no longer be used: an array was deleted (donated to a call that
+    failed) or holds a failed computation's error (it raises when waited on)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    if any(leaf.is_deleted() for leaf in leaves):
+        return True
+    try:
+        jax.block_until_ready(leaves)
+    except Exception:  # the arrays carry the failed step's error
+        return True
+    return False
 
 
 class HostSnapshot:
