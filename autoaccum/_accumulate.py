@@ -110,5 +110,13 @@ def mean_gradients(accumulated: AccumulatedGradients, like: PyTree) -> PyTree:
 
 
 def mean_loss(accumulated: AccumulatedGradients) -> jax.Array:
-    """The mean per-item loss of the whole effective batch (0 when nothing was valid)."""
+    """The mean per-item loss of the whole effective batch (0 when nothing was valid).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> acc = AccumulatedGradients(None, jnp.float32(6.0), jnp.float32(4), None,
+      ...                            jnp.float32(0))
+      >>> float(mean_loss(acc))
+      1.5
+    """
     return accumulated.loss_sum / jnp.maximum(accumulated.count, 1.0)

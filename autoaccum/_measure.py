@@ -129,7 +129,22 @@ def measure_program(
     """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory.
 
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
-    device's (XLA's memory analysis of an SPMD program is per device)."""
+    device's (XLA's memory analysis of an SPMD program is per device).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from autoaccum._flax import flax_program
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
+      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> estimate = measure_program(program, 2, 4)
+      >>> estimate.need_bytes > estimate.batch_bytes > 0
+      True
+    """
     target = target or CompileTarget()
     start = time.perf_counter()
     compiled = compile_step(program, micro_batch, accum_steps, target)

@@ -36,7 +36,24 @@ def plan_program(
     ``memory_fraction`` overrides the named device profile's default share of GPU memory
     that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``). A data-parallel program
     (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
-    size, the budget is one device's, and every process agrees on the micro-batch."""
+    size, the budget is one device's, and every process agrees on the micro-batch.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from autoaccum._flax import flax_program
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
+      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> from autoaccum import scale_learning_rate
+      >>> p = plan_program(program, effective_batch=8, budget="1GiB", log=None,
+      ...                  lr_scaling=scale_learning_rate(None, effective_batch=8))
+      >>> p.micro_batch * p.accum_steps
+      8
+    """
     if resolved is None:
         resident = (tree_bytes(program.parts.get("trainable"))
                     + tree_bytes(program.parts.get("frozen")))

@@ -11,6 +11,19 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     """Draws each probe's compiled need against its micro-batch, the budget and the choice.
 
     Needs matplotlib (``pip install 'autoaccum[plot]'``).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+      >>> from autoaccum import plan
+      >>> import optax
+      >>> from flax import nnx
+      >>> p = plan(TinyTransformerLM(layers=1, rngs=nnx.Rngs(0)),
+      ...          text_windows("a b c d e f g h " * 8, length=8), effective_batch=4,
+      ...          budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=next_token_loss, log=None)
+      >>> out = plot_plan(p, pathlib.Path(tempfile.mkdtemp()) / "need.png")
+      >>> out.read_bytes()[1:4] == b"PNG"
+      True
     """
     try:
         import matplotlib

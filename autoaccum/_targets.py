@@ -81,6 +81,11 @@ def per_device_budget(budget: Any, mesh: Any, *, resident_bytes: int = 0) -> Bud
     default budget (50% of available RAM - 256 MiB) divided by the number of this process's
     devices in the mesh. A user ``budget`` is per device (a fraction is of one device's
     capacity: its ``bytes_limit``, or the host's available RAM divided likewise).
+
+    Example:
+      >>> from autoaccum._data_parallel import data_parallel_mesh
+      >>> per_device_budget("1GiB", data_parallel_mesh()).bytes
+      1073741824
     """
     devices = _mesh_local_devices(mesh)
     stats = [_local_stats(d) for d in devices]
