@@ -1,4 +1,5 @@
-"""Public entry points: ``plan``, ``measure`` and ``fit``, dispatched to framework adapters."""
+"""Public entry points: ``plan``, ``measure`` and ``fit``. They pick the model's adapter; the
+planner, back-off and training talk only to that adapter's interface."""
 
 from __future__ import annotations
 
@@ -6,17 +7,32 @@ import math
 import sys
 from typing import Any, TextIO
 
-from ._data_parallel import resolve_mesh
-from ._measure import MemoryEstimate, measure_program
-from ._objective import validate_objective
-from ._plan import Plan
-from ._planner import plan_model, validate_method
-from ._planner import plan_program as plan_program
-from ._prepare import framework_of, prepare, remat_context
-from ._result import FitResult
-from ._snapshot import validate_backup
-from ._targets import is_deviceless, resolve_target
-from ._validate import no_leftovers, validate_effective_batch, validate_positive_int
+from .adapters import adapter_for
+from .devices._mesh import resolve_mesh
+from .planning._adapter import FitSettings
+from .planning._measure import MemoryEstimate, measure_program
+from .planning._objective import validate_objective
+from .planning._plan import Plan
+from .planning._planner import plan_model, prepare, validate_method
+from .planning._targets import is_deviceless, resolve_target
+from .planning._validate import no_leftovers, validate_effective_batch, validate_positive_int
+from .training._fit_options import refuse_fit_options
+from .training._snapshot import validate_backup
+
+__all__ = ["fit", "measure", "plan"]
+
+
+
+def _program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
+                     base_batch: int, lr_rule: str, adjust_adam: bool) -> dict[str, Any]:
+    """The options that shape the train step and its learning rate, for ``adapter.prepare``."""
+    options: dict[str, Any] = {"base_batch": base_batch, "lr_rule": lr_rule,
+                               "adjust_adam": adjust_adam}
+    for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
+                        ("trainable", trainable), ("learning_rate", learning_rate)):
+        if value is not None:
+            options[name] = value
+    return options
 
 
 def plan(
@@ -33,7 +49,13 @@ def plan(
     method: str = "auto",
     log: TextIO | str | None = "stderr",
     data_parallel: int | str | Any = "auto",
-    **options: Any,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: Any = None,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
+    adjust_adam: bool = False,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -41,33 +63,40 @@ def plan(
     a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
     the largest micro-batch dividing the effective batch that fits.
 
-    ``device`` names a profile (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``): on a
-    machine without that GPU the step is compiled deviceless for it. ``budget`` is bytes,
-    a size string ("12GiB") or a fraction of the device ("90%"); by default it comes from
-    the device (or, on CPU, half the available RAM).
+    Args:
+      model: a ``flax.nnx.Module`` or a compiled Keras 3 model (JAX backend).
+      data: the training data (Flax: a dict/tuple of arrays with a leading example axis;
+        Keras: what ``model.fit`` takes).
+      effective_batch: examples per optimizer step.
+      budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
+        by default from the device (on CPU, half the available RAM).
+      device: a profile name (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``); on a
+        machine without that GPU the step is compiled deviceless for it.
+      memory_fraction: JAX's share of that GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+      remat: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit without
+        it), ``"none"``, or a policy of ``autoaccum.REMAT_POLICIES``.
+      remat_layers: which layers to rematerialize when the model has no sequence of blocks.
+      objective: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
+        fitting plan, timed); default throughput on a GPU/TPU here, memory otherwise.
+      method: ``"auto"`` (compile-only plan, then one real verification step when the target
+        is on this machine, backing off on a real out-of-memory), ``"compile"`` or
+        ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
+      log: where probes are logged live (``"stderr"``, a stream, or ``None``).
+      data_parallel: ``"auto"`` (every device; for Keras the mesh of a
+        ``keras.distribution.DataParallel`` if one is set), an int, ``1``, or a one-axis
+        ``jax.sharding.Mesh``. The micro-batch is then per device, planned against one
+        device's budget, and ``micro_batch x data_parallel x accum_steps == effective_batch``.
+      optimizer: Flax: an optax transformation, or a factory called with the scaled rate.
+      loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
+      trainable: Flax: an ``nnx`` filter of the trained variables (default ``nnx.Param``).
+      learning_rate: the base learning rate (Keras: default the compiled optimizer's).
+      base_batch: the batch size the base learning rate was tuned for.
+      lr_rule: ``"linear"``, ``"sqrt"`` (Adam family) or ``"none"``.
+      adjust_adam: with ``"sqrt"``, Malladi et al.'s b1/b2/eps adjustments too.
 
-    ``remat``: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit
-    without it), ``"none"``, or a policy of ``autoaccum._remat.REMAT_POLICIES``;
-    ``remat_layers`` picks the layers when the model has no sequence of blocks.
-    ``objective``: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
-    fitting plan, timed); the default is throughput on a GPU/TPU here, memory otherwise.
-
-    ``method``: ``"auto"`` (compile-only plan, then one real verification step when the
-    target is on this machine, backing off on a real out-of-memory), ``"compile"`` (compile
-    only) or ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
-
-    ``data_parallel``: ``"auto"`` (default) plans over every device (``jax.devices()``, all
-    hosts after ``jax.distributed.initialize()``; for Keras the mesh of a
-    ``keras.distribution.DataParallel`` if one is set), an int the first that many devices,
-    ``1`` one device, or a one-axis ``jax.sharding.Mesh``. With several devices the
-    micro-batch is per device, planned against one device's budget (a given ``budget`` is
-    per device), ``micro_batch x data_parallel x accum_steps == effective_batch``, and
-    ``effective_batch`` must be a multiple of the device count. On a one-device machine
-    nothing changes.
-
-    Options: ``optimizer``, ``loss_fn``, ``trainable`` (Flax); ``learning_rate`` (base),
-    ``base_batch`` (the batch it was tuned for, default 1), ``lr_rule`` ("linear", "sqrt",
-    "none"), ``adjust_adam``.
+    Returns:
+      A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
+      ``report()``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -82,9 +111,13 @@ def plan(
       (8, 0.8)
     """
     validate_effective_batch(effective_batch)
-    plan_, _ = plan_model(model, data, effective_batch=effective_batch, options=dict(options),
-                          budget=budget, device=device, memory_fraction=memory_fraction,
-                          remat=remat, remat_layers=remat_layers,
+    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                               learning_rate=learning_rate, base_batch=base_batch,
+                               lr_rule=lr_rule, adjust_adam=adjust_adam)
+    plan_, _ = plan_model(model, data, adapter=adapter_for(model),
+                          effective_batch=effective_batch, options=options, budget=budget,
+                          device=device, memory_fraction=memory_fraction, remat=remat,
+                          remat_layers=remat_layers,
                           objective=_default_objective(objective, device), method=method,
                           log=log, data_parallel=data_parallel)
     return plan_
@@ -109,15 +142,31 @@ def measure(
     accum_steps: int | None = None,
     effective_batch: int | None = None,
     device: str | None = None,
+    memory_fraction: float | None = None,
     data_parallel: int | str | Any = "auto",
-    **options: Any,
+    remat: str = "none",
+    remat_layers: Any = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: Any = None,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
+    adjust_adam: bool = False,
 ) -> MemoryEstimate:
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
 
-    ``accum_steps`` defaults to ``ceil(effective_batch / micro_batch)`` when
-    ``effective_batch`` is given, else 1. Takes the same options as :func:`plan`. With
-    several data-parallel devices ``micro_batch`` is per device, ``effective_batch`` is
-    divided by the device count first, and the estimate is one device's.
+    Args:
+      model, data: as for :func:`plan`.
+      micro_batch: examples per micro-batch (per device with several data-parallel devices).
+      accum_steps: micro-batches per optimizer step; default ``ceil(effective_batch /
+        micro_batch)`` when ``effective_batch`` is given, else 1.
+      effective_batch: examples per optimizer step (divided by the device count first).
+      device, memory_fraction, data_parallel, remat, remat_layers, optimizer, loss_fn,
+        trainable, learning_rate, base_batch, lr_rule, adjust_adam: as for :func:`plan`.
+
+    Returns:
+      A :class:`MemoryEstimate` (one device's with several data-parallel devices).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -132,24 +181,24 @@ def measure(
       True
     """
     validate_positive_int("micro_batch", micro_batch)
+    adapter = adapter_for(model)
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
-    mesh = resolve_mesh(data_parallel, framework=framework_of(model))
+    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
     dp = 1 if mesh is None else mesh.size
     if effective_batch is not None:
         validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     validate_positive_int("accum_steps", accum_steps)
-    options = dict(options)
-    remat = options.pop("remat", "none")
-    remat_layers = options.pop("remat_layers", None)
-    prepared = prepare(model, data,
+    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                               learning_rate=learning_rate, base_batch=base_batch,
+                               lr_rule=lr_rule, adjust_adam=adjust_adam)
+    prepared = prepare(adapter, model, data,
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
-    options.pop("budget", None)
     no_leftovers(options, "measure")
-    resolved = resolve_target(device, None, mesh=mesh)
+    resolved = resolve_target(device, None, memory_fraction=memory_fraction, mesh=mesh)
     return measure_program(prepared.program.on_mesh(mesh), micro_batch, accum_steps,
                            resolved.compile_target)
 
@@ -161,29 +210,60 @@ def fit(
     effective_batch: int,
     epochs: int = 1,
     budget: int | float | str | None = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
     shuffle: bool = True,
     seed: int = 0,
-    verbose: int = 1,
+    verbose: int | str = 1,
     log: TextIO | str | None = "stderr",
-    **options: Any,
-) -> FitResult:
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "auto",
+    elastic: bool = True,
+    backup: str = "auto",
+    data_parallel: int | str | Any = "auto",
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: Any = None,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
+    adjust_adam: bool = False,
+    callbacks: list[Any] | None = None,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
+    validation_batch_size: int | None = None,
+    validation_steps: int | None = None,
+    validation_freq: int = 1,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    **refused: Any,
+) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
 
-    For a Flax NNX model: ``optimizer`` (optax transformation or factory with
-    ``learning_rate``) and ``loss_fn(model, batch) -> (sum_of_losses, n_valid)``; ``data`` is
-    a dict or tuple of arrays with a leading example axis. Returns a :class:`FitResult`.
-    For a compiled Keras 3 model: ``data`` as ``model.fit`` takes it (``(x, y)``,
-    ``(x, y, sample_weight)``, dicts, raw strings for keras-hub tasks, unbatched
-    ``tf.data``), Keras options (``callbacks``, ``validation_data``, ...); returns the Keras
-    ``History`` with ``history.autoaccum_plan``.
+    Args:
+      model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
+        objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
+        lr_rule, adjust_adam: as for :func:`plan`. In a multi-process run every process
+        passes the same data and seed.
+      epochs: passes over the data.
+      shuffle, seed: the example order of each epoch.
+      verbose: 0 silences the plan report and the progress bar.
+      log: where the plan and probes are printed.
+      method: as for :func:`plan`; with ``"auto"`` the first training step is the real
+        verification.
+      elastic: on a real out-of-memory during training, lower the micro-batch, raise
+        accumulation (same effective batch) and redo the same step from the same state.
+      backup: host copy of the donated state so a failed step loses nothing: ``"auto"`` (up
+        to 4 GiB), ``"host"``, ``"none"``.
+      callbacks, validation_data, validation_split, validation_batch_size, validation_steps,
+        validation_freq, initial_epoch, steps_per_epoch: Keras models, as ``model.fit``.
+      **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
+        ``class_weight``, ...) get a ``ValueError`` naming the fix.
 
-    ``elastic=True`` (default): a real out-of-memory during training lowers the micro-batch,
-    raises accumulation (same effective batch), and redoes the same step from the same state
-    and data. ``method``, ``remat``, ``objective``, ``device``, ``budget``: as in :func:`plan`
-    (with ``method="auto"`` the first training step is the real verification).
-    ``data_parallel`` (default ``"auto"``: every device), as in :func:`plan`: the state is
-    replicated, each effective batch split over the devices, gradients summed across them
-    once per step; in a multi-process run every process passes the same data and seed.
+    Returns:
+      Flax: a :class:`FitResult`. Keras: the ``History`` with ``history.autoaccum_plan``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
@@ -197,74 +277,43 @@ def fit(
       >>> result.steps, result.losses[-1] < result.losses[0]
       (4, True)
     """
+    refuse_fit_options(refused)
     validate_effective_batch(effective_batch)
     validate_positive_int("epochs", epochs)
-    log = sys.stderr if log == "stderr" else log
-    options = dict(options)
-    remat = options.pop("remat", "auto")
-    remat_layers = options.pop("remat_layers", None)
-    objective = _default_objective(options.pop("objective", None), None)
-    method = options.pop("method", "auto")
-    elastic = options.pop("elastic", True)
-    backup = validate_backup(options.pop("backup", "auto"))
-    data_parallel = options.pop("data_parallel", "auto")
+    validate_backup(backup)
     validate_method(method)
+    adapter = adapter_for(model)
+    framework_options = _given(
+        callbacks=(callbacks, None), validation_data=(validation_data, None),
+        validation_split=(validation_split, 0.0),
+        validation_batch_size=(validation_batch_size, None),
+        validation_steps=(validation_steps, None), validation_freq=(validation_freq, 1),
+        initial_epoch=(initial_epoch, 0), steps_per_epoch=(steps_per_epoch, None),
+    )
+    adapter.validate_fit_options(framework_options)
+    log = sys.stderr if log == "stderr" else log
     # With method="auto" the first training step is the real verification: elastic training
     # backs off on an out-of-memory there exactly as auto planning would.
     plan_method = "compile" if method == "auto" and elastic else method
-    framework = framework_of(model)
-    fit_options: dict[str, Any] = {}
-    if framework == "keras":
-        from ._keras_checks import FIT_OPTIONS, REFUSED_OPTIONS, validate_keras_fit_kwargs
-
-        keras_names = set(FIT_OPTIONS) | set(REFUSED_OPTIONS)
-        fit_options = {k: options.pop(k) for k in list(options) if k in keras_names}
-        validate_keras_fit_kwargs(**fit_options)
+    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                               learning_rate=learning_rate, base_batch=base_batch,
+                               lr_rule=lr_rule, adjust_adam=adjust_adam)
     the_plan, prepared = plan_model(
-        model, data, effective_batch=effective_batch, options=options, budget=budget,
-        remat=remat, remat_layers=remat_layers, objective=objective, method=plan_method,
-        log=log, where="fit", data_parallel=data_parallel,
+        model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+        budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
+        remat_layers=remat_layers, objective=_default_objective(objective, device),
+        method=plan_method, log=log, where="fit", data_parallel=data_parallel,
     )
-    mesh = prepared.program.mesh
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
-    with remat_context(model, prepared.framework, the_plan.remat, remat_layers):
-        if prepared.framework == "keras":
-            fit_options.update(elastic=elastic, backup=backup,
-                               data_parallel=1 if mesh is None else mesh)
-            # The arrays planning made (keras-hub raw strings already preprocessed).
-            return _keras_fit(model, prepared.extras["arrays"], the_plan, epochs=epochs,
-                              shuffle=shuffle, seed=seed, verbose=verbose,
-                              fit_options=fit_options)
-        from ._flax import flax_fit
-
-        extras = prepared.extras
-        return flax_fit(
-            model,
-            prepared.data,
-            plan=the_plan,
-            loss_fn=extras["loss_fn"],
-            tx=extras["tx"],
-            epochs=epochs,
-            shuffle=shuffle,
-            seed=seed,
-            verbose=verbose,
-            stream=log,
-            elastic=elastic,
-            backup=backup,
-            mesh=mesh,
-            **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
-        )
+    settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
+                           elastic=elastic, backup=backup, mesh=prepared.program.mesh)
+    with adapter.remat_context(model, the_plan.remat, remat_layers):
+        return adapter.fit(model, prepared, the_plan, settings=settings,
+                           options=framework_options)
 
 
-def _keras_fit(model: Any, data: Any, the_plan: Plan, *, epochs: int, shuffle: bool, seed: int,
-               verbose: Any, fit_options: dict) -> Any:
-    from ._keras import keras_fit
-    from ._keras_lr import apply_keras_lr_scaling
-
-    apply_keras_lr_scaling(model.optimizer, the_plan.lr_scaling)
-    history = keras_fit(model, data, micro_batch=the_plan.micro_batch,
-                        accum_steps=the_plan.accum_steps, epochs=epochs, shuffle=shuffle,
-                        seed=seed, verbose=verbose, **fit_options)
-    history.autoaccum_plan = the_plan
-    return history
+def _given(**pairs: tuple[Any, Any]) -> dict[str, Any]:
+    """The options whose value differs from their default (``name=(value, default)``)."""
+    return {name: value for name, (value, default) in pairs.items()
+            if (value is not None if default is None else value != default)}

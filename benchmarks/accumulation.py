@@ -17,10 +17,10 @@ import optax
 from _common import median_seconds, print_table
 from flax import nnx
 
-from autoaccum._budget import format_bytes
-from autoaccum._demo import load_corpus
-from autoaccum._flax import make_flax_step
-from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+from autoaccum.adapters.flax._program import make_flax_step
+from autoaccum.devices._units import format_bytes
+from autoaccum_demo._flax_demo import load_corpus
+from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
 EFFECTIVE = 32
 SEQ = 128

@@ -2,7 +2,7 @@
 
 Every method runs in a fresh child process: build a TinyLM (vocab 2048, 256 tokens), warm up
 one small real step, cap the address space at VmSize + ``--headroom-mib`` (compiles lifted,
-see ``autoaccum._rlimit``) and search for the micro-batch of a per-device batch of
+see ``autoaccum.devices._rlimit``) and search for the micro-batch of a per-device batch of
 ``--batch`` examples (``k = ceil(batch / b)`` accumulation steps per trial):
 
 * ``compile-only``: autoaccum's compile-only search against ``headroom - margin`` (no real
@@ -47,15 +47,15 @@ def _child(method: str, args: argparse.Namespace) -> dict:
     import optax
     from flax import nnx
 
-    from autoaccum._backoff import auto_plan, backoff_search, flax_step_runner
-    from autoaccum._batching import example_spec
-    from autoaccum._budget import Budget
-    from autoaccum._flax import flax_program
-    from autoaccum._lr import scale_learning_rate
-    from autoaccum._measure import measure_program
-    from autoaccum._oom import is_out_of_memory
-    from autoaccum._plan import search_plan
-    from autoaccum._rlimit import AddressSpaceCap, compiling
+    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.devices._oom import is_out_of_memory
+    from autoaccum.devices._rlimit import AddressSpaceCap, compiling
+    from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
+    from autoaccum.planning._budget import Budget
+    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._measure import measure_program
+    from autoaccum.planning._plan import search_plan
+    from autoaccum.training._batching import example_spec
     from tests._models import TinyLM, ragged_tokens, token_loss
 
     per = args.batch
@@ -63,7 +63,8 @@ def _child(method: str, args: argparse.Namespace) -> dict:
     data = ragged_tokens(per, args.length, vocab=args.vocab, seed=1)
     tx = optax.adam(1e-3)
     program = flax_program(model, example_spec(data), loss_fn=token_loss, tx=tx)
-    runner = flax_step_runner(model, data, program=program, tx=tx)
+    _, params, frozen, other = split_model(model, nnx.Param)
+    runner = real_step_runner(program, (params, other, tx.init(params)), (frozen,), data)
     runner(1, 1)  # warm-up
     runner.release()
     runner.compiles = runner.steps_run = 0
@@ -150,7 +151,7 @@ def _child(method: str, args: argparse.Namespace) -> dict:
 
 
 def _spawn(method: str, argv: list[str]) -> dict:
-    from autoaccum._rlimit import CHILD_ENV
+    from autoaccum.devices._rlimit import CHILD_ENV
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(

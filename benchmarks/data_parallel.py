@@ -32,11 +32,11 @@ def child(devices: int) -> dict:
     from _common import median_seconds
     from flax import nnx
 
-    from autoaccum._data_parallel import data_parallel_mesh, replicate, shard_batches
-    from autoaccum._demo import load_corpus
-    from autoaccum._flax import _split, flax_program
-    from autoaccum._measure import measure_program
-    from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.devices._mesh import data_parallel_mesh, replicate, shard_batches
+    from autoaccum.planning._measure import measure_program
+    from autoaccum_demo._flax_demo import load_corpus
+    from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
     assert len(jax.devices()) == devices, jax.devices()
     model = TinyTransformerLM(dim=128, heads=4, layers=4, max_len=SEQ, rngs=nnx.Rngs(0))
@@ -47,7 +47,7 @@ def child(devices: int) -> dict:
     program = flax_program(model, spec, loss_fn=next_token_loss, tx=tx, mesh=mesh)
     accum = EFFECTIVE // (MICRO * devices)
     estimate = measure_program(program, MICRO, accum)
-    _, params, frozen, other = _split(model, nnx.Param)
+    _, params, frozen, other = split_model(model, nnx.Param)
     state = (params, other, tx.init(params))
     batches = jax.tree.map(lambda a: a[:EFFECTIVE].reshape(accum, MICRO * devices,
                                                            *a.shape[1:]), data)
@@ -85,7 +85,7 @@ def main() -> None:
     sys.path.insert(0, str(here))
     from _common import print_table
 
-    from autoaccum._budget import format_bytes
+    from autoaccum.devices._units import format_bytes
 
     base = rows[0]["examples_per_s"]
     print(f"TinyTransformerLM dim 128 x 4 layers, seq {SEQ}, effective batch {EFFECTIVE}, "

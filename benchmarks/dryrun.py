@@ -21,9 +21,9 @@ import time
 
 from _common import print_table
 
-from autoaccum._budget import format_bytes
-from autoaccum._preset_plan import plan_preset
-from autoaccum._search import DoesNotFitError
+from autoaccum.adapters.keras.presets._plan_preset import plan_preset
+from autoaccum.devices._units import format_bytes
+from autoaccum.planning._search import DoesNotFitError
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ from _common import median_seconds, print_table
 from flax import nnx
 
 import autoaccum
-from autoaccum._budget import format_bytes
-from autoaccum._demo import load_corpus
-from autoaccum._flax import _split, make_flax_step
-from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+from autoaccum.adapters.flax._program import make_flax_step, split_model
+from autoaccum.devices._units import format_bytes
+from autoaccum_demo._flax_demo import load_corpus
+from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
 EFFECTIVE, SEQ = 32, 128
 
@@ -27,7 +27,7 @@ def main() -> None:
     model = TinyTransformerLM(dim=128, layers=4, max_len=SEQ, rngs=nnx.Rngs(0))
     data = text_windows(load_corpus(), length=SEQ)
     tx = optax.adamw(1e-4)
-    graphdef, params, frozen, other = _split(model, nnx.Param)
+    graphdef, params, frozen, other = split_model(model, nnx.Param)
     step = jax.jit(make_flax_step(graphdef, loss_fn=next_token_loss, tx=tx, trainable=nnx.Param))
     state = (params, other, tx.init(params))
     rows, speed = [], {}

@@ -12,16 +12,16 @@ import time
 import _common  # noqa: F401  (environment first)
 import optax
 from _common import print_table
+from autoaccum._prepare import prepare
 from flax import nnx
 
 from autoaccum import Budget, scale_learning_rate
-from autoaccum._budget import format_bytes
-from autoaccum._demo import load_corpus
-from autoaccum._measure import measure_program
-from autoaccum._plan import search_plan
-from autoaccum._prepare import prepare
-from autoaccum._search import divisors
-from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+from autoaccum.devices._units import format_bytes
+from autoaccum.planning._measure import measure_program
+from autoaccum.planning._plan import search_plan
+from autoaccum.planning._search import divisors
+from autoaccum_demo._flax_demo import load_corpus
+from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
 EFFECTIVE = 48
 

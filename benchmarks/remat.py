@@ -13,16 +13,17 @@ import _common  # noqa: F401  (environment first)
 import jax
 import optax
 from _common import median_seconds, print_table
+from autoaccum._prepare import prepare
 from flax import nnx
 
-from autoaccum._budget import format_bytes
-from autoaccum._demo import load_corpus
-from autoaccum._deviceless import deviceless_target
-from autoaccum._flax import _split, make_flax_step
-from autoaccum._measure import CompileTarget, measure_program
-from autoaccum._prepare import prepare
-from autoaccum._remat import REMAT_POLICIES, rematerialized
-from autoaccum._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
+from autoaccum.adapters.flax._program import make_flax_step, split_model
+from autoaccum.adapters.flax._remat import rematerialized
+from autoaccum.devices._deviceless import deviceless_target
+from autoaccum.devices._units import format_bytes
+from autoaccum.planning._measure import CompileTarget, measure_program
+from autoaccum.planning._remat import REMAT_POLICIES
+from autoaccum_demo._flax_demo import load_corpus
+from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
 EFFECTIVE, SEQ = 16, 256
 
@@ -39,7 +40,7 @@ def main() -> None:
         program = prepare(model, data, effective_batch=EFFECTIVE, options=options,
                           remat=policy).program
         with rematerialized(model, policy):
-            graphdef, params, frozen, other = _split(model, nnx.Param)
+            graphdef, params, frozen, other = split_model(model, nnx.Param)
         step = jax.jit(make_flax_step(graphdef, loss_fn=next_token_loss, tx=tx,
                                       trainable=nnx.Param))
         state = (params, other, tx.init(params))

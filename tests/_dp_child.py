@@ -21,15 +21,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from autoaccum._data_parallel import (
-    data_parallel_accumulate,
-    data_parallel_mesh,
-    replicate,
-    shard_batches,
-)
-from autoaccum._flax import _split, flax_program, make_flax_step
-
-from ._models import TinyLM, ragged_tokens, token_loss
+from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
+from autoaccum.devices._mesh import data_parallel_mesh, replicate, shard_batches
+from autoaccum.training._data_parallel import data_parallel_accumulate
+from tests._models import TinyLM, ragged_tokens, token_loss
 
 
 def _max_relative_error(a, b) -> float:
@@ -44,7 +39,7 @@ def flax_exact(devices: int = 4, micro: int = 2, accum: int = 2) -> dict:
     data = ragged_tokens(effective, 10, seed=3)
     tx = optax.adam(1e-2)
     model = TinyLM(rngs=nnx.Rngs(1))
-    graphdef, params, frozen, other = _split(model, nnx.Param)
+    graphdef, params, frozen, other = split_model(model, nnx.Param)
     full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
     ref_state, ref_metrics = full((params, other, tx.init(params)),
                                   jax.tree.map(lambda a: a[None], data), frozen)
@@ -92,7 +87,7 @@ def keras_exact() -> dict:
     """Keras: keras_fit over 4 devices (2 x 4 x 2) equals one full-batch step of 16."""
     import keras
 
-    from autoaccum._keras import keras_fit
+    from autoaccum.adapters.keras import keras_fit
 
     def build():
         keras.utils.set_random_seed(0)
@@ -147,7 +142,7 @@ def keras_exact() -> dict:
 def plans() -> dict:
     """Plan arithmetic, per-device budgets, the non-multiple error and a DP fit."""
     import autoaccum
-    from autoaccum._targets import resolve_target
+    from autoaccum.planning._targets import resolve_target
 
     model = TinyLM(rngs=nnx.Rngs(0))
     data = ragged_tokens(64, 16)
@@ -156,7 +151,7 @@ def plans() -> dict:
                         method="compile", data_parallel="auto", **options)
     p1 = autoaccum.plan(model, data, effective_batch=32, budget="6MiB", log=None,
                         method="compile", data_parallel=1, **options)
-    from autoaccum._data_parallel import data_parallel_mesh as mesh_of
+    from autoaccum.devices._mesh import data_parallel_mesh as mesh_of
 
     dp_budget = resolve_target(None, None, mesh=mesh_of()).budget
     one_budget = resolve_target(None, None).budget
@@ -194,7 +189,7 @@ def elastic() -> dict:
     import dataclasses
 
     import autoaccum
-    from autoaccum._flax import flax_fit
+    from autoaccum.adapters.flax._fit import flax_fit
 
     def check(tokens):
         if tokens.shape[0] > 2:

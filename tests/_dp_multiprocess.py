@@ -21,9 +21,8 @@ import optax
 from flax import nnx
 
 import autoaccum
-from autoaccum._flax import _split, make_flax_step
-
-from ._models import TinyLM, ragged_tokens, token_loss
+from autoaccum.adapters.flax._program import make_flax_step, split_model
+from tests._models import TinyLM, ragged_tokens, token_loss
 
 
 def main(process_id: int, port: int) -> dict:
@@ -45,7 +44,7 @@ def main(process_id: int, port: int) -> dict:
 
     # The same two optimizer steps on this process's first device, full batch at once.
     tx = optax.adam(plan.learning_rate)
-    graphdef, ref_params, frozen, other = _split(reference, nnx.Param)
+    graphdef, ref_params, frozen, other = split_model(reference, nnx.Param)
     device = jax.local_devices()[0]
     step = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
     state = jax.device_put((ref_params, other, tx.init(ref_params)), device)

@@ -1,7 +1,7 @@
 """Scenarios that run out of memory for real, in a child process under ``RLIMIT_AS``.
 
 Run as ``python -m tests._oom_child SCENARIO '{"json": "args"}'`` with
-:data:`autoaccum._rlimit.CHILD_ENV`; the last stdout line is a JSON result. The parent test
+:data:`autoaccum.devices._rlimit.CHILD_ENV`; the last stdout line is a JSON result. The parent test
 process never caps itself. :func:`run_child` does all of that.
 """
 
@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 def run_child(scenario: str, timeout: float = 240, **args: Any) -> dict:
     """Runs ``scenario`` in a fresh interpreter and returns its JSON result."""
-    from autoaccum._rlimit import CHILD_ENV
+    from autoaccum.devices._rlimit import CHILD_ENV
 
     env = {**os.environ, **CHILD_ENV}
     proc = subprocess.run(
@@ -58,10 +58,10 @@ def _flax_parts(vocab: int, length: int, n: int, seed: int = 1):
 
 def plan_at(micro_batch: int, accum_steps: int):
     """A hand-made :class:`Plan` for ``micro_batch x accum_steps`` (no search)."""
-    from autoaccum._backoff import _unknown_estimate
-    from autoaccum._budget import Budget
-    from autoaccum._lr import scale_learning_rate
-    from autoaccum._plan import Plan
+    from autoaccum.planning._backoff import _unknown_estimate
+    from autoaccum.planning._budget import Budget
+    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._plan import Plan
 
     effective = micro_batch * accum_steps
     return Plan(
@@ -89,8 +89,8 @@ def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
 
     import numpy as np
 
-    from autoaccum._flax import flax_fit
-    from autoaccum._rlimit import AddressSpaceCap
+    from autoaccum.adapters.flax._fit import flax_fit
+    from autoaccum.devices._rlimit import AddressSpaceCap
     from tests._models import token_loss
 
     _setup()
@@ -147,8 +147,8 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     import keras
     import numpy as np
 
-    from autoaccum._keras_fit import keras_fit
-    from autoaccum._rlimit import AddressSpaceCap
+    from autoaccum.adapters.keras._fit import keras_fit
+    from autoaccum.devices._rlimit import AddressSpaceCap
 
     _setup()
     data = _keras_data(vocab, length, n)
@@ -199,27 +199,35 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _flax_runner(model, data, program, tx, split_model, real_step_runner):
+    """One real non-donating step of the live weights and a fresh optimizer state."""
+    from flax import nnx
+
+    _, params, frozen, other = split_model(model, nnx.Param)
+    return real_step_runner(program, (params, other, tx.init(params)), (frozen,), data)
+
+
 def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
                  big_vocab: int, big_length: int, tiny_headroom_mib: float) -> dict:
     """Back-off, auto and "nothing fits" under a cap, with the live state checked bit by bit."""
     import io
 
-    from autoaccum._backoff import auto_plan, backoff_search, flax_step_runner
-    from autoaccum._batching import example_spec
-    from autoaccum._budget import Budget
-    from autoaccum._flax import flax_program
-    from autoaccum._lr import scale_learning_rate
-    from autoaccum._measure import measure_program
-    from autoaccum._plan import search_plan
-    from autoaccum._rlimit import AddressSpaceCap
-    from autoaccum._search import DoesNotFitError
+    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
+    from autoaccum.planning._budget import Budget
+    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._measure import measure_program
+    from autoaccum.planning._plan import search_plan
+    from autoaccum.planning._search import DoesNotFitError
+    from autoaccum.training._batching import example_spec
     from tests._models import token_loss
 
     _setup()
     out: dict = {}
     model, data, tx = _flax_parts(vocab, length, batch)
     program = flax_program(model, example_spec(data), loss_fn=token_loss, tx=tx)
-    runner = flax_step_runner(model, data, program=program, tx=tx)
+    runner = _flax_runner(model, data, program, tx, split_model, real_step_runner)
     before = _host(runner.state) + _params(model)
     runner(2, batch // 2)  # warm-up: allocations of a small real step
     log = io.StringIO()
@@ -245,7 +253,7 @@ def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
     # Nothing fits: even micro-batch 1 of a long sequence with a big vocabulary.
     model, data, tx = _flax_parts(big_vocab, big_length, 4)
     program = flax_program(model, example_spec(data), loss_fn=token_loss, tx=tx)
-    runner = flax_step_runner(model, data, program=program, tx=tx)
+    runner = _flax_runner(model, data, program, tx, split_model, real_step_runner)
     before = _host(runner.state)
     with AddressSpaceCap(headroom_bytes=int(tiny_headroom_mib * MIB)):
         try:
@@ -262,13 +270,17 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
     """Back-off on a Keras model under a cap; its variables checked bit by bit."""
     import numpy as np
 
-    from autoaccum._backoff import backoff_search, keras_step_runner
-    from autoaccum._rlimit import AddressSpaceCap
+    from autoaccum.adapters.keras import KerasAdapter
+    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.planning._backoff import backoff_search
 
     _setup()
     data = _keras_data(vocab, length, batch)
     model = _keras_lm(vocab, length)
-    runner = keras_step_runner(model, data)
+    adapter = KerasAdapter()
+    prepared = adapter.prepare(model, data, effective_batch=batch, options={}, remat="none",
+                               remat_layers=None)
+    runner = adapter.step_runner(model, prepared)
     before = [np.array(v.value) for v in model.variables + model.optimizer.variables]
     runner(2, batch // 2)
     with AddressSpaceCap(headroom_bytes=int(headroom_mib * MIB)):

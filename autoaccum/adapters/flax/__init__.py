@@ -1,0 +1,23 @@
+"""The Flax NNX + optax adapter: :class:`FlaxAdapter` and the pieces it is made of.
+
+``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)`` is the loss of a
+micro-batch as a sum over its valid items with their count, so masking is exact.
+"""
+
+from ._adapter import FlaxAdapter as FlaxAdapter
+from ._fit import flax_fit as flax_fit
+from ._optax_lr import build_optax_optimizer as build_optax_optimizer
+from ._program import flax_program as flax_program
+from ._program import make_flax_step as make_flax_step
+from ._program import split_model as split_model
+from ._remat import rematerialized as rematerialized
+
+__all__ = [
+    "FlaxAdapter",
+    "build_optax_optimizer",
+    "flax_fit",
+    "flax_program",
+    "make_flax_step",
+    "rematerialized",
+    "split_model",
+]

@@ -1,0 +1,36 @@
+"""The Keras 3 adapter (JAX backend): :class:`KerasAdapter` and the pieces it is made of.
+
+Nothing here imports Keras until a Keras model is handled. The public entry points pick
+:class:`KerasAdapter` when :func:`is_keras_model` is true; its parts are usable alone:
+
+* planning: ``program = keras_program(model, data)`` is a :class:`TrainProgram`;
+* training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``;
+* learning rate: ``scale_keras_learning_rate(model.optimizer, factor)``;
+* options forwarded from ``autoaccum.fit``: ``validate_keras_fit_kwargs(**options)``.
+"""
+
+from __future__ import annotations
+
+from ._adapter import KerasAdapter as KerasAdapter
+from ._checks import check_keras_model as check_keras_model
+from ._checks import is_keras_model as is_keras_model
+from ._checks import validate_keras_fit_kwargs as validate_keras_fit_kwargs
+from ._data import KerasArrays as KerasArrays
+from ._data import to_keras_arrays as to_keras_arrays
+from ._fit import keras_fit as keras_fit
+from ._lr import scale_keras_learning_rate as scale_keras_learning_rate
+from ._program import keras_lowering_scope as keras_lowering_scope
+from ._program import keras_program as keras_program
+
+__all__ = [
+    "KerasAdapter",
+    "KerasArrays",
+    "check_keras_model",
+    "is_keras_model",
+    "keras_fit",
+    "keras_lowering_scope",
+    "keras_program",
+    "scale_keras_learning_rate",
+    "to_keras_arrays",
+    "validate_keras_fit_kwargs",
+]

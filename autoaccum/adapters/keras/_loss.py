@@ -1,0 +1,206 @@
+"""Exact accumulation weights for a Keras model's own compiled loss.
+
+Keras reduces each compiled loss term ``values`` (per element) as:
+
+* ``"sum_over_batch_size"`` / ``"mean"``: ``sum(values * sample_weight) / values.size``; with a
+  Keras mask on the predictions, ``sum(values * sample_weight * mask) / sum(mask)``.
+  (keras-hub's ``CausalLM`` passes its padding mask as ``sample_weight``, not as a Keras mask,
+  so its loss is divided by *all* token positions, padding included.)
+* ``"mean_with_sample_weight"``: ``sum(values * w) / sum(w)`` with ``w`` = sample weight x mask.
+* ``"sum"``: ``sum(values * w)``.
+
+So per micro-batch ``j`` a term is ``S_j / d_j``. When ``d_j`` is the same for every
+micro-batch of the step (no mask, "sum_over_batch_size"), the big-batch value is the plain mean
+of the micro-batch values; when ``d_j`` depends on the data (masks, "mean_with_sample_weight")
+the big-batch value is ``sum_j S_j / sum_j d_j``, so the micro-batch loss is returned as
+``(d_j * value_j, d_j)``. :class:`LossRecorder` wraps the compiled loss terms while the step is
+traced to read ``value_j`` and ``d_j`` exactly as Keras computes them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ...devices._warnings import AutoaccumWarning
+
+__all__ = ["LossRecorder", "LossTerm", "accumulation_weights"]
+
+
+@dataclass
+class LossTerm:
+    """One compiled loss term of one micro-batch, as Keras reduced it."""
+
+    value: Any
+    """The reduced value Keras returned for this term (before its loss weight)."""
+    denominator: Any
+    """What Keras divided by: a python number when static, else a traced scalar."""
+    kind: str
+    """``"static"`` (scales with the batch), ``"dynamic"`` (data-dependent) or ``"sum"``."""
+    weight: float = 1.0
+    """The term's ``loss_weights`` entry."""
+
+
+@dataclass
+class LossRecorder:
+    """Swaps the model's compiled loss terms for recording twins while a step is traced."""
+
+    model: Any
+    terms: list[LossTerm] = field(default_factory=list)
+
+    @contextmanager
+    def recording(self) -> Iterator[list[LossTerm]]:
+        """Within the block every compiled loss term appends a :class:`LossTerm`."""
+        compile_loss = getattr(self.model, "_compile_loss", None)
+        flat = getattr(compile_loss, "_flat_losses", None)
+        self.terms = []
+        if not flat:
+            yield self.terms
+            return
+        compile_loss._flat_losses = [
+            entry._replace(loss=_Recording(entry.loss, entry.loss_weights, self.terms))
+            for entry in flat
+        ]
+        try:
+            yield self.terms
+        finally:
+            compile_loss._flat_losses = flat
+
+
+def accumulation_weights(
+    total_loss: jax.Array,
+    terms: list[LossTerm],
+    *,
+    micro_batch: int,
+    accum_steps: int,
+) -> tuple[jax.Array, jax.Array, bool]:
+    """``(loss_sum, count, exact)`` for one micro-batch from Keras's loss ``total_loss``.
+
+    ``loss_sum / count`` summed over the micro-batches of a step equals the loss Keras would
+    compute on the whole effective batch (``exact``), except when a model has several loss
+    terms and one of them has a data-dependent denominator: then each micro-batch is weighted
+    equally, and ``exact`` is ``False``. ``total_loss`` includes regularization losses; those
+    are averaged over micro-batches (weighted by ``d_j`` in the data-dependent case).
+    """
+    total_loss = jnp.asarray(total_loss, jnp.float32)
+    dynamic = [t for t in terms if t.kind == "dynamic"]
+    if dynamic and len(terms) == 1:
+        d = jnp.asarray(dynamic[0].denominator, jnp.float32)
+        return total_loss * d, d, True
+    static = [t for t in terms if t.kind == "static"]
+    count = float(static[0].denominator) if static else float(micro_batch)
+    sums = sum((t.weight * jnp.asarray(t.value, jnp.float32) for t in terms if t.kind == "sum"),
+               jnp.float32(0.0))
+    loss_sum = count * (total_loss + (accum_steps - 1) * sums)
+    return loss_sum, jnp.float32(count), not dynamic
+
+
+class _Recording:
+    """Calls the wrapped ``keras.losses.Loss`` exactly as Keras does and records its reduction."""
+
+    def __init__(self, inner: Any, weight: Any, sink: list[LossTerm]) -> None:
+        self.inner = inner
+        self.weight = 1.0 if weight is None else weight
+        self.sink = sink
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        import keras
+        from keras.src import ops, tree
+        from keras.src.backend import get_keras_mask
+        from keras.src.losses import loss as loss_module
+
+        inner = self.inner
+        reduction = getattr(inner, "reduction", None)
+        standard = isinstance(inner, keras.losses.Loss) and (
+            type(inner).__call__ is keras.losses.Loss.__call__
+        )
+        if not standard or reduction not in ("sum_over_batch_size", "mean", "sum",
+                                             "mean_with_sample_weight"):
+            value = inner(y_true, y_pred, sample_weight)
+            self.sink.append(LossTerm(value, 1.0, "static", self._weight()))
+            return value
+
+        # keras.losses.Loss.__call__, with the denominator of the reduction kept.
+        in_mask = get_keras_mask(y_pred)
+        with ops.name_scope(inner.name):
+            y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, inner.dtype), y_pred)
+            y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, inner.dtype), y_true)
+            values = inner.call(y_true, y_pred)
+            out_mask = get_keras_mask(values)
+            mask = _combine(in_mask, out_mask)
+            value = loss_module.reduce_weighted_values(
+                values, sample_weight=sample_weight, mask=mask, reduction=reduction,
+                dtype=inner.dtype,
+            )
+            kind, denominator = _denominator(values, sample_weight, mask, reduction, inner.dtype)
+        self.sink.append(LossTerm(value, denominator, kind, self._weight()))
+        return value
+
+    def _weight(self) -> float:
+        try:
+            return float(self.weight)
+        except (TypeError, ValueError):
+            return 1.0
+
+
+def _combine(in_mask: Any, out_mask: Any) -> Any:
+    if in_mask is not None and out_mask is not None:
+        return in_mask & out_mask
+    return in_mask if in_mask is not None else out_mask
+
+
+def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
+                 dtype: Any) -> tuple[str, Any]:
+    """What ``keras.src.losses.loss.reduce_values`` divides by, and whether it is static."""
+    from keras.src import ops
+    from keras.src.losses import loss as loss_module
+
+    size = 1
+    for dim in values.shape:
+        size *= int(dim)
+    if tuple(values.shape) in ((), (0,)):
+        return "static", 1.0
+    if reduction == "sum":
+        return "sum", 1.0
+    if reduction in ("sum_over_batch_size", "mean"):
+        if mask is None:
+            return "static", float(size)
+        return "dynamic", ops.sum(ops.cast(mask, "float32"))
+    # "mean_with_sample_weight": divides by the sum of the mask-merged sample weight.
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    merged = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
+    if merged is None:
+        return "static", float(size)
+    merged = ops.cast(merged, values.dtype)
+    _, merged = loss_module.squeeze_or_expand_to_same_rank(values, merged)
+    return "dynamic", ops.cast(ops.sum(merged), "float32")
+
+
+_warned: set[int] = set()
+
+
+def warn_inexact_once(model: Any) -> None:
+    """Warns (once per model) that a multi-term masked loss is averaged per micro-batch."""
+    if id(model) in _warned:
+        return
+    _warned.add(id(model))
+    warnings.warn(
+        "autoaccum: this model has several compiled loss terms and at least one is normalised "
+        "by a data-dependent count (a Keras mask or reduction='mean_with_sample_weight'); "
+        "each micro-batch is weighted equally, which differs slightly from one big batch. "
+        "A single loss term, or terms without masks, are accumulated exactly.",
+        AutoaccumWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,169 @@
+"""Compile for a named GPU that is not there (a "deviceless" compile).
+
+With the jax-cuda12-plugin installed, XLA can compile a program for a GPU described by a
+``GpuTargetConfigProto`` without a driver or a GPU. The compiled program's
+``memory_analysis()`` is then what that GPU would need, remat pass included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from typing import Any
+
+from ._profiles import DeviceProfile, find_profile
+from ._target_config import gpu_target_config
+
+__all__ = ["DevicelessTarget", "deviceless_target", "shard_abstract"]
+
+_SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicelessTarget:
+    """A one-GPU compile target: ``topology``, a 1-device ``mesh`` and a replicated ``sharding``.
+
+    Compile for it by giving every argument its ``sharding``::
+
+        args = target.shard((state, batch))          # ShapeDtypeStructs
+        compiled = jax.jit(step, donate_argnums=0).lower(*args).compile()
+        compiled.memory_analysis()                   # as on the named GPU
+    """
+
+    profile: DeviceProfile
+    device_memory_bytes: int
+    target_config: str
+    topology: Any  # jax.experimental.topologies.TopologyDescription
+    mesh: Any  # jax.sharding.Mesh
+    sharding: Any  # jax.sharding.NamedSharding
+
+    def shard(self, tree: Any) -> Any:
+        """``shard_abstract(tree, self.sharding)``."""
+        return shard_abstract(tree, self.sharding)
+
+
+def deviceless_target(
+    profile: DeviceProfile | str, *, device_memory_bytes: int | None = None
+) -> DevicelessTarget:
+    """A :class:`DevicelessTarget` for ``profile``'s GPU, usable on a machine without one.
+
+    ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
+    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs the jax-cuda12-plugin, and
+    JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
+    machine without CUDA (set for you if JAX has not yet loaded its plugins).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from autoaccum.devices._deviceless import deviceless_target
+    >>> target = deviceless_target("t4", device_memory_bytes=2**30)
+    >>> x = target.shard(jax.ShapeDtypeStruct((256, 256), jnp.float32))
+    >>> analysis = jax.jit(lambda a: a @ a).lower(x).compile().memory_analysis()
+    >>> analysis.argument_size_in_bytes, analysis.output_size_in_bytes
+    (262144, 262144)
+    """
+    if isinstance(profile, str):
+        profile = find_profile(profile)
+    if device_memory_bytes is None:
+        device_memory_bytes = profile.pool_bytes()
+    text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes)
+    _require_cuda_plugin()
+    topology, mesh, sharding = _make_target(text)
+    return DevicelessTarget(
+        profile=profile,
+        device_memory_bytes=int(device_memory_bytes),
+        target_config=text,
+        topology=topology,
+        mesh=mesh,
+        sharding=sharding,
+    )
+
+
+def shard_abstract(tree: Any, sharding: Any) -> Any:
+    """Turn every array-like leaf (``.shape`` and ``.dtype``) of ``tree`` into a
+    ``jax.ShapeDtypeStruct`` carrying ``sharding``; other leaves are kept as they are.
+    ``sharding=None`` returns ``tree`` unchanged.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from autoaccum.devices._deviceless import shard_abstract
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    >>> s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    >>> out = shard_abstract({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}, s)
+    >>> out["w"].shape, out["w"].sharding == s
+    ((2, 3), True)
+    """
+    import jax
+
+    if sharding is None:
+        return tree
+
+    def convert(leaf: Any) -> Any:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            return jax.ShapeDtypeStruct(
+                leaf.shape,
+                leaf.dtype,
+                sharding=sharding,
+                weak_type=bool(getattr(leaf, "weak_type", False)),
+            )
+        return leaf
+
+    return jax.tree_util.tree_map(convert, tree)
+
+
+@functools.lru_cache(maxsize=32)
+def _make_target(text: str) -> tuple[Any, Any, Any]:
+    # Cached: a fresh topology means fresh device objects, and jit would recompile.
+    _allow_cuda_plugin_without_driver()
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=text, topology="1x1x1"
+        )
+    except NotImplementedError as e:
+        raise RuntimeError(
+            "JAX cannot compile for a GPU in this process: its CUDA plugin was not loaded "
+            f"({e}). On a machine without CUDA, JAX must start with JAX_PLATFORMS=cpu (or "
+            f"{_SKIP_CHECK_ENV}=1) set before jax is imported or used. Set it, e.g. "
+            "os.environ['JAX_PLATFORMS'] = 'cpu' as the first line of the script, or run the "
+            "planning in a fresh process."
+        ) from e
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return topology, mesh, sharding
+
+
+def _require_cuda_plugin() -> None:
+    import jax
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ImportError(
+            "Compiling for a GPU that is not there needs JAX's CUDA plugin, which is not "
+            f'installed. Install it with: pip install "jax-cuda12-plugin=={jax.__version__}" '
+            "(or pip install 'autoaccum[dryrun]'). No driver or GPU is needed."
+        )
+    try:
+        plugin_version = importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if plugin_version != jax.__version__:
+        raise ImportError(
+            f"jax-cuda12-plugin {plugin_version} does not match jax {jax.__version__}. "
+            f'Install the matching one: pip install "jax-cuda12-plugin=={jax.__version__}".'
+        )
+
+
+def _allow_cuda_plugin_without_driver() -> None:
+    """Let the CUDA plugin load without CUDA if JAX has not discovered its plugins yet.
+
+    The plugin refuses to register when its CUDA version check fails (no driver), unless
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is set or ``JAX_PLATFORMS`` excludes CUDA. Both are
+    read once, at plugin discovery; setting the former before then is harmless on a machine
+    with CUDA (it skips a version check) and makes the topology call work on one without.
+    """
+    from jax._src import xla_bridge
+
+    if not getattr(xla_bridge, "_plugins_registered", True):
+        os.environ.setdefault(_SKIP_CHECK_ENV, "1")

@@ -1,0 +1,366 @@
+"""Device profiles: what autoaccum knows about a GPU (or the CPU), read from TOML files.
+
+One file per device lives in ``profiles/`` (``autoaccum/profiles/`` in an installed wheel).
+A profile says how much memory the device has, how much of it JAX's pool should take, the
+environment to set before JAX starts, and (for GPUs) the ``[gpu]`` table from which
+:func:`autoaccum.devices._target_config.gpu_target_config` writes the ``GpuTargetConfigProto`` used
+to compile for that GPU without having one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MIB",
+    "DeviceProfile",
+    "GpuSpec",
+    "find_profile",
+    "list_profiles",
+    "load_profile",
+    "profiles_dir",
+]
+
+MIB = 1024 * 1024
+PROFILES_DIR_ENV = "AUTOACCUM_PROFILES_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """The ``[gpu]`` table of a profile: fields of ``stream_executor.GpuDeviceInfoProto``.
+
+    Field names follow XLA's ``device_description.proto``; values come from XLA's spec files
+    (``xla/backends/gpu/target_config/specs/``) or from the vendor's public specifications.
+    """
+
+    device_name: str
+    compute_capability_major: int
+    compute_capability_minor: int
+    core_count: int
+    threads_per_block_limit: int
+    threads_per_warp: int
+    shared_memory_per_block: int
+    shared_memory_per_core: int
+    shared_memory_per_block_optin: int
+    threads_per_core_limit: int
+    fpus_per_core: int
+    block_dim_limit_x: int
+    block_dim_limit_y: int
+    block_dim_limit_z: int
+    memory_bandwidth: int
+    l2_cache_size: int
+    clock_rate_ghz: float
+    registers_per_core_limit: int
+    registers_per_block_limit: int
+    thread_dim_limit_x: int
+    thread_dim_limit_y: int
+    thread_dim_limit_z: int
+    device_address_bits: int
+    pcie_bandwidth: int
+    ecc_enabled: bool
+    dnn_version: str
+    feature_extension: str = "NONE"
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """``(major, minor)``, e.g. ``(7, 5)`` for a T4."""
+        return (self.compute_capability_major, self.compute_capability_minor)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What autoaccum knows about one device. Load one with :func:`find_profile`.
+
+    Memory arithmetic (``MiB = 2**20``):
+
+    * ``pool_bytes(f)  = total_mib * MiB * f`` where ``total_mib`` is ``cuda_total_mib`` when
+      the profile knows it (CUDA's total, which XLA's allocator multiplies by the fraction;
+      it is a little below the ``memory_mib`` nvidia-smi shows), else ``memory_mib``; ``f``
+      defaults to ``default_memory_fraction``. This is the pool JAX preallocates when
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION=f``. The CUDA context (``cuda_context_reserve_mib``)
+      lives outside this pool, in the remaining ``1 - f``.
+    * ``budget_bytes(f) = pool_bytes(f) - workspace_margin_mib * MiB``: what one compiled
+      train step may need (argument + output - alias + temp), leaving room for the
+      cuBLAS/cuDNN workspace that a deviceless compile does not see.
+
+    The CPU profile has no ``memory_mib``; pass the host's memory (see
+    :func:`autoaccum.devices._detect.host_memory`) as ``total_bytes``.
+
+    >>> from autoaccum.devices._profiles import find_profile
+    >>> t4 = find_profile("Tesla-T4")
+    >>> t4.key, t4.memory_mib, t4.bf16_native, t4.gpu.compute_capability
+    ('t4', 15360, False, (7, 5))
+    >>> round(t4.pool_bytes(memory_fraction=0.9) / 2**20)
+    13592
+    """
+
+    key: str
+    name: str
+    aliases: tuple[str, ...]
+    name_patterns: tuple[str, ...]
+    memory_mib: int | None
+    default_memory_fraction: float
+    cuda_context_reserve_mib: int
+    workspace_margin_mib: int
+    bf16_native: bool
+    dtype_advice: str
+    environment: tuple[tuple[str, str], ...]
+    gpu: GpuSpec | None
+    cuda_total_mib: int | None = None
+    path: Path | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        """True when the profile describes a GPU (it has a ``[gpu]`` table)."""
+        return self.gpu is not None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The ``[environment]`` table as a dict."""
+        return dict(self.environment)
+
+    def matches(self, device_name: str) -> bool:
+        """True if any of ``name_patterns`` matches ``device_name`` (case-insensitive)."""
+        return any(re.search(p, device_name, re.IGNORECASE) for p in self.name_patterns)
+
+    def pool_bytes(
+        self, memory_fraction: float | None = None, *, total_bytes: int | None = None
+    ) -> int:
+        """Bytes of JAX's preallocated pool on this device (see the class docstring).
+
+        >>> from autoaccum.devices._profiles import find_profile
+        >>> find_profile("cpu").pool_bytes(0.5, total_bytes=1000)
+        500
+        """
+        fraction = self.default_memory_fraction if memory_fraction is None else memory_fraction
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(
+                f"memory_fraction must be in (0, 1]. Received: memory_fraction={fraction}"
+            )
+        if total_bytes is None:
+            total_mib = self.cuda_total_mib or self.memory_mib
+            if total_mib is None:
+                raise ValueError(
+                    f"Profile {self.key!r} has no fixed memory size (memory comes from the "
+                    "host). Pass total_bytes=, e.g. autoaccum.devices.host_memory().available."
+                )
+            total_bytes = total_mib * MIB
+        return int(total_bytes * fraction)
+
+    def budget_bytes(
+        self, memory_fraction: float | None = None, *, total_bytes: int | None = None
+    ) -> int:
+        """``pool_bytes(...) - workspace_margin_mib * MiB``: what one step may need.
+
+        >>> from autoaccum.devices._profiles import find_profile
+        >>> a100 = find_profile("a100-80gb")
+        >>> a100.pool_bytes(0.9) - a100.budget_bytes(0.9) == 32 * 2**20
+        True
+        """
+        pool = self.pool_bytes(memory_fraction, total_bytes=total_bytes)
+        return pool - self.workspace_margin_mib * MIB
+
+
+def profiles_dir() -> Path:
+    """The folder holding the ``*.toml`` profiles.
+
+    ``$AUTOACCUM_PROFILES_DIR`` if set, else ``autoaccum/profiles`` (installed wheel), else the
+    repository's top-level ``profiles/``.
+
+    >>> from autoaccum.devices._profiles import profiles_dir
+    >>> (profiles_dir() / "t4.toml").is_file()
+    True
+    """
+    override = os.environ.get(PROFILES_DIR_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"${PROFILES_DIR_ENV} points to {str(path)!r}, which is not a folder. Set it "
+                f"to a folder of *.toml device profiles or unset it. Received: {override!r}"
+            )
+        return path
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "profiles", here.parent.parent / "profiles"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"No device profiles found in {here / 'profiles'} or {here.parent / 'profiles'}. "
+        f"Reinstall autoaccum or set ${PROFILES_DIR_ENV} to a folder of *.toml profiles."
+    )
+
+
+def list_profiles() -> list[str]:
+    """Keys (file stems) of the available profiles, sorted.
+
+    >>> from autoaccum.devices._profiles import list_profiles
+    >>> "t4" in list_profiles() and "cpu" in list_profiles()
+    True
+    """
+    return sorted(p.stem for p in profiles_dir().glob("*.toml"))
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> DeviceProfile:
+    """Load a profile by key/alias (see :func:`find_profile`) or from a ``.toml`` file path.
+
+    >>> from autoaccum.devices._profiles import load_profile
+    >>> load_profile("A100-80GB").key
+    'a100-80gb'
+    """
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"Device profile file not found. Received: path={str(path)!r}")
+        return _parse(path)
+    return find_profile(str(name_or_path))
+
+
+def find_profile(name: str) -> DeviceProfile:
+    """The profile whose key or alias equals ``name`` (case-insensitive; ``_``/space = ``-``).
+
+    Unknown names raise ``ValueError`` listing the known devices and close matches.
+
+    >>> from autoaccum.devices._profiles import find_profile
+    >>> find_profile("Tesla T4").key
+    't4'
+    """
+    wanted = _normalize(name)
+    profiles = all_profiles()
+    for profile in profiles:
+        if wanted == _normalize(profile.key) or wanted in {_normalize(a) for a in profile.aliases}:
+            return profile
+    known = sorted({_normalize(a) for p in profiles for a in (p.key, *p.aliases)})
+    close = difflib.get_close_matches(wanted, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(
+        f"Unknown device {name!r}.{hint} Known devices: "
+        f"{', '.join(p.key for p in profiles)} (aliases: {', '.join(known)}). "
+        f"Add a profile file to {profiles_dir()} for a new device. Received: device={name!r}"
+    )
+
+
+def all_profiles() -> list[DeviceProfile]:
+    """Every profile in :func:`profiles_dir`, parsed (sorted by key)."""
+    return [_parse(p) for p in sorted(profiles_dir().glob("*.toml"))]
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "aliases": list,
+    "name_patterns": list,
+    "default_memory_fraction": (int, float),
+    "cuda_context_reserve_mib": int,
+    "workspace_margin_mib": int,
+    "bf16_native": bool,
+    "dtype_advice": str,
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "memory_mib": int,
+    "cuda_total_mib": int,
+    "environment": dict,
+    "gpu": dict,
+}
+
+
+def _parse(path: Path) -> DeviceProfile:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"Device profile {str(path)!r} is not valid TOML: {e}") from e
+    for field, kind in (*_REQUIRED.items(), *_OPTIONAL.items()):
+        if field not in data:
+            if field in _REQUIRED:
+                raise ValueError(
+                    f"Device profile {str(path)!r} is missing the field {field!r}. "
+                    f"Required fields: {', '.join(_REQUIRED)}."
+                )
+            continue
+        _check_type(path, field, data[field], kind)
+    unknown = set(data) - set(_REQUIRED) - set(_OPTIONAL)
+    if unknown:
+        raise ValueError(
+            f"Device profile {str(path)!r} has unknown field(s) {sorted(unknown)}. "
+            f"Known fields: {', '.join([*_REQUIRED, *_OPTIONAL])}."
+        )
+    fraction = float(data["default_memory_fraction"])
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"Device profile {str(path)!r}: field 'default_memory_fraction' must be in (0, 1]. "
+            f"Received: default_memory_fraction={fraction}"
+        )
+    for pattern in data["name_patterns"]:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(
+                f"Device profile {str(path)!r}: field 'name_patterns' holds an invalid regex "
+                f"{pattern!r}: {e}"
+            ) from e
+    gpu = _parse_gpu(path, data["gpu"]) if "gpu" in data else None
+    if gpu is not None and "memory_mib" not in data:
+        raise ValueError(
+            f"Device profile {str(path)!r} is missing the field 'memory_mib' "
+            "(required for a GPU profile, i.e. one with a [gpu] table)."
+        )
+    environment = data.get("environment", {})
+    for key, value in environment.items():
+        _check_type(path, f"environment.{key}", value, str)
+    return DeviceProfile(
+        key=path.stem,
+        name=data["name"],
+        aliases=tuple(str(a) for a in data["aliases"]),
+        name_patterns=tuple(str(p) for p in data["name_patterns"]),
+        memory_mib=data.get("memory_mib"),
+        cuda_total_mib=data.get("cuda_total_mib"),
+        default_memory_fraction=fraction,
+        cuda_context_reserve_mib=data["cuda_context_reserve_mib"],
+        workspace_margin_mib=data["workspace_margin_mib"],
+        bf16_native=data["bf16_native"],
+        dtype_advice=" ".join(data["dtype_advice"].split()),
+        environment=tuple(environment.items()),
+        gpu=gpu,
+        path=path,
+    )
+
+
+def _parse_gpu(path: Path, table: dict[str, Any]) -> GpuSpec:
+    fields = {f.name: f for f in dataclasses.fields(GpuSpec)}
+    unknown = set(table) - set(fields)
+    if unknown:
+        raise ValueError(
+            f"Device profile {str(path)!r}: [gpu] has unknown field(s) {sorted(unknown)}. "
+            f"Known fields: {', '.join(fields)}."
+        )
+    for name, field in fields.items():
+        if name not in table:
+            if field.default is dataclasses.MISSING:
+                raise ValueError(f"Device profile {str(path)!r} is missing the field 'gpu.{name}'.")
+            continue
+        kind = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(field.type)]
+        _check_type(path, f"gpu.{name}", table[name], kind)
+    values = dict(table)
+    values["clock_rate_ghz"] = float(values["clock_rate_ghz"])
+    return GpuSpec(**values)
+
+
+def _check_type(path: Path, field: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    # bool is a subclass of int: never accept true/false where a number is expected.
+    is_bool = isinstance(value, bool)
+    wants_bool = kind is bool or (isinstance(kind, tuple) and bool in kind)
+    if not isinstance(value, kind) or (is_bool and not wants_bool):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ValueError(
+            f"Device profile {str(path)!r}: field {field!r} must be {names}. "
+            f"Received: {field}={value!r}"
+        )

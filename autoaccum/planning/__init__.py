@@ -1,0 +1,65 @@
+"""Planning: the train-step contract, budgets, compiled memory, the micro-batch search, real-step
+back-off, remat policies and learning-rate rules, and the resulting :class:`Plan`.
+
+Imports only :mod:`autoaccum.devices`; frameworks are reached through :class:`Adapter`.
+"""
+
+from ._adapter import Adapter as Adapter
+from ._adapter import FitSettings as FitSettings
+from ._adapter import Prepared as Prepared
+from ._backoff import RealStepRunner as RealStepRunner
+from ._backoff import auto_plan as auto_plan
+from ._backoff import backoff_search as backoff_search
+from ._budget import Budget as Budget
+from ._budget import parse_budget as parse_budget
+from ._lr import LR_RULES as LR_RULES
+from ._lr import LearningRateScaling as LearningRateScaling
+from ._lr import scale_learning_rate as scale_learning_rate
+from ._measure import CompileTarget as CompileTarget
+from ._measure import MemoryEstimate as MemoryEstimate
+from ._measure import measure_program as measure_program
+from ._objective import Candidate as Candidate
+from ._objective import choose_fastest as choose_fastest
+from ._plan import Plan as Plan
+from ._planner import plan_program as plan_program
+from ._program import StepMetrics as StepMetrics
+from ._program import TrainProgram as TrainProgram
+from ._remat import REMAT_POLICIES as REMAT_POLICIES
+from ._search import DoesNotFitError as DoesNotFitError
+from ._search import Probe as Probe
+from ._search import SearchResult as SearchResult
+from ._search import search_micro_batch as search_micro_batch
+from ._targets import ResolvedTarget as ResolvedTarget
+from ._targets import per_device_budget as per_device_budget
+from ._targets import resolve_target as resolve_target
+
+__all__ = [
+    "LR_RULES",
+    "REMAT_POLICIES",
+    "Adapter",
+    "Budget",
+    "Candidate",
+    "CompileTarget",
+    "DoesNotFitError",
+    "FitSettings",
+    "LearningRateScaling",
+    "MemoryEstimate",
+    "Plan",
+    "Prepared",
+    "Probe",
+    "RealStepRunner",
+    "ResolvedTarget",
+    "SearchResult",
+    "StepMetrics",
+    "TrainProgram",
+    "auto_plan",
+    "backoff_search",
+    "choose_fastest",
+    "measure_program",
+    "parse_budget",
+    "per_device_budget",
+    "plan_program",
+    "resolve_target",
+    "scale_learning_rate",
+    "search_micro_batch",
+]

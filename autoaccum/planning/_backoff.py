@@ -1,0 +1,388 @@
+"""Planning with real train steps: back-off after real out-of-memory errors, and ``"auto"``.
+
+:func:`backoff_search` runs one real step per candidate micro-batch and bisects between the
+largest that ran and the smallest that ran out of memory (in the list of candidates, by
+default the divisors of the per-device batch), then runs the winner once more to verify it.
+:func:`real_step_runner` is the step it runs: the program's own train step, jitted *without*
+donation, on the live state, so a probe that fails cannot delete or change the user's
+weights; its outputs are deleted as soon as the step is done. (Without donation a probe holds
+the state twice, so it is conservative by the size of the state.)
+
+:func:`auto_plan` verifies a compile-only plan with one real step and, if that step runs out
+of memory, backs off below the compiled estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits
+from ..devices._rlimit import compiling
+from ..devices._units import format_bytes
+from ._lr import LearningRateScaling
+from ._measure import MemoryEstimate, estimate_from_compiled
+from ._plan import Plan, plan_from_search
+from ._program import TrainProgram
+from ._search import DoesNotFitError, Probe, SearchResult, divisors
+
+__all__ = [
+    "RealStepRunner", "auto_plan", "backoff_plan", "backoff_search", "real_step_runner",
+]
+
+PyTree = Any
+RealStep = Callable[[int, int], Any]
+"""``run_step(micro_batch, accum_steps)`` runs one real step; raises on out-of-memory."""
+
+
+class RealStepRunner:
+    """One real, non-donating train step of ``program`` at any ``(micro_batch, accum_steps)``.
+
+    Built by :func:`real_step_runner`. Each shape is compiled once (inside the program's
+    ``lowering_context``) and cached; ``estimate(b, k)`` is that compile's memory analysis.
+    """
+
+    def __init__(self, program: TrainProgram, state: PyTree, frozen_args: tuple,
+                 data: PyTree) -> None:
+        self.program = program
+        self.state = state
+        self.frozen_args = tuple(frozen_args)
+        self.data = data
+        self._compiled: dict[tuple[int, int], tuple[Any, MemoryEstimate]] = {}
+        self.steps_run = 0
+        self.compiles = 0
+
+    def _batches(self, micro_batch: int, accum_steps: int) -> PyTree:
+        n = int(np.shape(jax.tree.leaves(self.data)[0])[0])
+        index = np.arange(micro_batch * accum_steps) % n
+        return jax.tree.map(
+            lambda a: np.asarray(a)[index].reshape(accum_steps, micro_batch, *np.shape(a)[1:]),
+            self.data,
+        )
+
+    def compiled(self, micro_batch: int, accum_steps: int) -> tuple[Any, MemoryEstimate]:
+        """The compiled non-donating step for this shape and its memory estimate."""
+        key = (micro_batch, accum_steps)
+        if key not in self._compiled:
+            batches = self._batches(micro_batch, accum_steps)
+            start = time.perf_counter()
+            with compiling(), self.program.lowering_context():
+                compiled = (jax.jit(self.program.step)
+                            .lower(self.state, batches, *self.frozen_args).compile())
+            seconds = time.perf_counter() - start
+            self.compiles += 1
+            self._compiled[key] = (compiled, _estimate(self.program, compiled, micro_batch,
+                                                       accum_steps, seconds))
+        return self._compiled[key]
+
+    def estimate(self, micro_batch: int, accum_steps: int) -> MemoryEstimate | None:
+        """The compiled memory of a shape already compiled, else ``None``."""
+        entry = self._compiled.get((micro_batch, accum_steps))
+        return entry[1] if entry else None
+
+    def __call__(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+        """Runs one step, waits for it, frees its outputs; raises its out-of-memory error."""
+        compiled, estimate = self.compiled(micro_batch, accum_steps)
+        batches = jax.device_put(self._batches(micro_batch, accum_steps))
+        out: Any = None
+        try:
+            self.steps_run += 1
+            out = compiled(self.state, batches, *self.frozen_args)
+            jax.block_until_ready(out)
+        finally:
+            _delete(out)
+            _delete(batches)
+            del out, batches
+        return estimate
+
+    def release(self) -> None:
+        """Drops the cached executables (their code and constants)."""
+        self._compiled.clear()
+
+
+def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
+                     data: PyTree) -> RealStepRunner:
+    """A ``run_step(micro_batch, accum_steps)`` that runs one real step and leaves no trace.
+
+    ``state`` and ``frozen_args`` are the live values the program's step takes (for Flax:
+    ``(params, other, opt_state)`` and ``(frozen,)``; for Keras: ``keras_state(model,
+    layout)``); ``data`` is a pytree of host arrays with a leading example axis (the first
+    ``micro_batch * accum_steps`` examples, wrapped around if needed, make the batch). The step
+    is jitted without donation: nothing the caller holds is deleted or changed, even when it
+    runs out of memory.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from flax import nnx
+      >>> from autoaccum.adapters.flax._program import flax_program, split_model
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
+      >>> tx = optax.sgd(0.1)
+      >>> program = flax_program(model, {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                                "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=tx)
+      >>> _, params, frozen, other = split_model(model, nnx.Param)
+      >>> run = real_step_runner(program, (params, other, tx.init(params)), (frozen,), data)
+      >>> before = np.asarray(model.kernel.value)
+      >>> run(4, 2).micro_batch, np.array_equal(np.asarray(model.kernel.value), before)
+      (4, True)
+    """
+    return RealStepRunner(program, state, frozen_args, data)
+
+
+def backoff_search(
+    run_step: RealStep,
+    *,
+    per_device_batch: int,
+    upper: int | None = None,
+    candidates: Sequence[int] | None = None,
+    known_failure: Probe | None = None,
+    verify: bool = True,
+    log: TextIO | str | None = "stderr",
+    advice: str = "",
+) -> SearchResult:
+    """The largest micro-batch whose *real* step runs, found by bisection on real steps.
+
+    ``run_step(b, k)`` runs one step at micro-batch ``b`` with ``k = ceil(per_device_batch /
+    b)`` accumulation steps and raises on out-of-memory (:func:`autoaccum.is_out_of_memory`);
+    any other error propagates. The first probe is the largest candidate ``<= upper``
+    (default: the whole per-device batch); after a failure the search bisects the candidates
+    strictly between the largest that ran and the smallest that failed. The winner is then
+    run once more (``verify``). The returned micro-batch divides ``per_device_batch``.
+    ``known_failure`` (e.g. the compile-only plan's failed verification) is recorded first.
+
+    If ``run_step`` has an ``estimate(b, k)`` method (as :class:`RealStepRunner` has), each
+    probe records that compile's memory; otherwise ``need_bytes`` is -1.
+
+    Raises:
+      DoesNotFitError: even micro-batch 1 ran out of memory (with what it needed and advice).
+
+    Example:
+      >>> def run_step(b, k):  # pretend micro-batches above 5 run out of memory
+      ...     if b > 5:
+      ...         raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating {b} bytes")
+      >>> r = backoff_search(run_step, per_device_batch=24, log=None)
+      >>> r.micro_batch, [(p.micro_batch, p.fits) for p in r.probes]
+      (4, [(24, False), (4, True), (8, False), (6, False), (4, True)])
+    """
+    log = sys.stderr if log == "stderr" else log
+    start = time.perf_counter()
+    per = int(per_device_batch)
+    pool = sorted(set(divisors(per) if candidates is None else (int(c) for c in candidates)))
+    pool = [c for c in pool if 1 <= c <= (per if upper is None else min(upper, per))]
+    if not pool:
+        raise ValueError(
+            f"No candidate micro-batch between 1 and upper={upper} for per_device_batch={per}."
+        )
+    order: list[Probe] = [known_failure] if known_failure is not None else []
+    ran: dict[int, bool] = {}
+    last_error: list[BaseException] = []
+    estimate_of = getattr(run_step, "estimate", None)
+
+    def probe(b: int, why: str) -> bool:
+        k = math.ceil(per / b)
+        if log is not None:
+            print(f"autoaccum: real step at micro_batch={b} x {k} ({why}) ...", file=log,
+                  flush=True)
+        t0 = time.perf_counter()
+        error = ""
+        try:
+            run_step(b, k)
+            fits = True
+        except Exception as exc:  # only out-of-memory is an answer; anything else is a bug
+            if not is_out_of_memory(exc):
+                raise
+            fits, error = False, first_line(exc)
+            last_error[:] = [exc]
+        estimate = estimate_of(b, k) if callable(estimate_of) else None
+        estimate = estimate or _unknown_estimate(b, k)
+        order.append(Probe(b, k, estimate.need_bytes, fits, why, estimate, kind="real step",
+                           error=error))
+        ran[b] = ran.get(b, True) and fits
+        if log is not None:
+            need = (f"compiled need {format_bytes(estimate.need_bytes)}, "
+                    if estimate.need_bytes >= 0 else "")
+            verdict = "ran" if fits else f"out of memory ({error})"
+            print(f"autoaccum:   micro_batch={b:<5} {need}{verdict} "
+                  f"({time.perf_counter() - t0:.1f} s)", file=log, flush=True)
+        return fits
+
+    lo, hi = -1, len(pool)  # indices: pool[lo] ran (or none), pool[hi] failed (or none)
+    if probe(pool[-1], "largest candidate" if upper is None else "upper bound"):
+        lo = len(pool) - 1
+    else:
+        hi = len(pool) - 1
+    while True:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(pool[mid], "bisect"):
+                lo = mid
+            else:
+                hi = mid
+        if lo < 0:
+            _raise_no_fit(last_error, order, per, advice)
+        chosen = max(d for d in divisors(per) if d <= pool[lo])
+        if not verify and chosen == pool[lo]:
+            break
+        if probe(chosen, "verify" if chosen in ran else "largest divisor"):
+            break
+        # The winner failed on its second run (or its divisor failed): search below it.
+        pool = sorted(set(pool) | {d for d in divisors(per) if d <= chosen})
+        hi = pool.index(chosen)
+        lo = max((i for i in range(hi) if ran.get(pool[i])), default=-1)
+    best = max(c for c in ran if ran[c])
+    chosen_probe = next(p for p in reversed(order) if p.micro_batch == chosen and p.fits)
+    return SearchResult(
+        micro_batch=chosen,
+        max_micro_batch=best,
+        estimate=chosen_probe.estimate,
+        probes=tuple(order),
+        affine=None,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _raise_no_fit(last_error: list[BaseException], probes: list[Probe], per: int,
+                  advice: str) -> None:
+    one = next((p for p in reversed(probes) if p.micro_batch == 1), None)
+    error = last_error[0] if last_error else RuntimeError("RESOURCE_EXHAUSTED")
+    raise DoesNotFitError(
+        no_micro_batch_fits(error, need_bytes=one.need_bytes if one else None,
+                            accum_steps=per, advice=advice),
+        probes=tuple(probes),
+    ) from error
+
+
+def backoff_plan(
+    run_step: RealStep,
+    *,
+    effective_batch: int,
+    data_parallel: int = 1,
+    lr_scaling: LearningRateScaling,
+    budget: Any,
+    target: str,
+    upper: int | None = None,
+    log: TextIO | str | None = "stderr",
+    notes: tuple[str, ...] = (),
+) -> Plan:
+    """``method="backoff"``: a :class:`Plan` from :func:`backoff_search` (real steps only)."""
+    search = backoff_search(run_step, per_device_batch=effective_batch // data_parallel,
+                            upper=upper, log=log)
+    return plan_from_search(
+        search, effective_batch=effective_batch, data_parallel=data_parallel,
+        lr_scaling=lr_scaling, budget=budget, target=f"{target}, real steps",
+        notes=(*notes, _summary(search)),
+    )
+
+
+def auto_plan(
+    compiled_plan: Plan,
+    run_step: RealStep | None,
+    *,
+    log: TextIO | str | None = "stderr",
+) -> Plan:
+    """``method="auto"``: verify a compile-only plan with one real step; back off on OOM.
+
+    ``run_step`` is ``None`` where there is no real device to run on (a deviceless plan for a
+    GPU that is not here): the compiled plan is returned with a note. If the real step at
+    the plan's micro-batch runs out of memory, :func:`backoff_search` takes over with the
+    next smaller divisor as its first candidate (the compiled estimate as the upper bound).
+
+    Example:
+      >>> from autoaccum.planning._search import search_micro_batch
+      >>> from autoaccum.planning._measure import MemoryEstimate
+      >>> def fake(b, k):  # compiled need = 100 + 10 b
+      ...     n = 100 + 10 * b
+      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
+      >>> from autoaccum.planning._plan import search_plan
+      >>> from autoaccum.planning._lr import scale_learning_rate
+      >>> from autoaccum.planning._budget import Budget
+      >>> p = search_plan(fake, effective_batch=8, lr_scaling=scale_learning_rate(
+      ...     None, effective_batch=8), budget=Budget(200, "fake", ""), target="fake", log=None)
+      >>> def run_step(b, k):  # reality is tighter than the compiled estimate
+      ...     if b > 2:
+      ...         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+      >>> q = auto_plan(p, run_step, log=None)
+      >>> (p.micro_batch, p.accum_steps), (q.micro_batch, q.accum_steps)
+      ((8, 1), (2, 4))
+    """
+    log = sys.stderr if log == "stderr" else log
+    plan = compiled_plan
+    if run_step is None:
+        return dataclasses.replace(plan, notes=(
+            *plan.notes, "not verified by a real step (no real device for this target)"))
+    per = plan.effective_batch // plan.data_parallel
+    b, k = plan.micro_batch, plan.accum_steps
+    if log is not None:
+        print(f"autoaccum: verifying the plan with one real step at micro_batch={b} x {k} ...",
+              file=log, flush=True)
+    estimate_of = getattr(run_step, "estimate", None)
+    try:
+        run_step(b, k)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        failed = Probe(b, k, plan.need_bytes, False, "verify compiled plan", plan.estimate,
+                       kind="real step", error=first_line(error))
+        if log is not None:
+            print(f"autoaccum:   out of memory ({first_line(error)}); backing off below "
+                  f"micro_batch={b}", file=log, flush=True)
+        if b == 1:
+            raise DoesNotFitError(no_micro_batch_fits(
+                error, need_bytes=plan.need_bytes, accum_steps=k)) from error
+        search = backoff_search(run_step, per_device_batch=per, upper=b - 1,
+                                known_failure=failed, log=log)
+        return plan_from_search(
+            dataclasses.replace(search, probes=plan.probes + search.probes),
+            effective_batch=plan.effective_batch, data_parallel=plan.data_parallel,
+            lr_scaling=plan.lr_scaling, budget=plan.budget, target=plan.target,
+            notes=(*plan.notes,
+                   f"the compiled plan micro_batch={b} x {k} (need "
+                   f"{format_bytes(plan.need_bytes)}) ran out of memory in a real step: "
+                   f"{first_line(error)}; backed off to micro_batch={search.micro_batch}",
+                   _summary(search)),
+        )
+    estimate = estimate_of(b, k) if callable(estimate_of) else None
+    verified = Probe(b, k, plan.need_bytes, True, "verify compiled plan",
+                     estimate or plan.estimate, kind="real step")
+    if log is not None:
+        print(f"autoaccum:   micro_batch={b} ran", file=log, flush=True)
+    return dataclasses.replace(
+        plan, probes=(*plan.probes, verified),
+        notes=(*plan.notes, f"verified by one real step at micro_batch={b} x {k}"),
+    )
+
+
+def _summary(search: SearchResult) -> str:
+    real = [p for p in search.probes if p.kind == "real step"]
+    ooms = sum(not p.fits for p in real)
+    return (f"back-off: {len(real)} real step(s), {ooms} out of memory, "
+            f"{search.seconds:.1f} s; largest that ran: micro_batch={search.max_micro_batch}")
+
+
+def _delete(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+def _unknown_estimate(micro_batch: int, accum_steps: int) -> MemoryEstimate:
+    return MemoryEstimate(micro_batch, accum_steps, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1,
+                          "real step", 0.0)
+
+
+def _estimate(program: TrainProgram, compiled: Any, micro_batch: int, accum_steps: int,
+              seconds: float) -> MemoryEstimate:
+    """The memory of a compiled (non-donating) probe, itemized as :func:`measure_program`."""
+    estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
+                                      target="real step (not donated)", seconds=seconds)
+    return estimate or _unknown_estimate(micro_batch, accum_steps)

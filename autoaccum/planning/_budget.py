@@ -1,0 +1,149 @@
+"""How many bytes one train step may use: parsed from the user, or read from the device.
+
+Budget rules (also in the README):
+
+* ``budget=None`` on a device that reports memory (``memory_stats()["bytes_limit"]``):
+  limit - (bytes in use - bytes of the program's own state already resident) - margin,
+  margin = max(64 MiB, 3% of the limit) for allocator fragmentation and kernel scratch.
+* ``budget=None`` on CPU: 50% of the host's available RAM (``MemAvailable``) minus a
+  256 MiB margin (CPU kernels take scratch that XLA's buffer assignment does not count).
+* ``budget=12 * 2**30`` (bytes), ``"12GiB"``, ``"12 GB"``, ``"800MiB"``: that many bytes.
+* ``budget=0.8`` or ``"80%"``: that fraction of the device's capacity.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..devices._detect import host_memory
+from ..devices._units import GiB, KiB, MiB, TiB, format_bytes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}  # fmt: skip
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*|%)\s*$", re.IGNORECASE)
+
+CPU_RAM_FRACTION = 0.5
+CPU_MARGIN_BYTES = 256 * MiB
+DEVICE_MARGIN_MIN_BYTES = 64 * MiB
+DEVICE_MARGIN_FRACTION = 0.03
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget in bytes and where it came from."""
+
+    bytes: int
+    source: str
+    """``"user"``, ``"device"``, ``"cpu-default"`` or ``"profile"``."""
+    detail: str
+    """The arithmetic that produced it, for reports."""
+
+
+def _fix_hint(value: object) -> str:
+    return (
+        "Give bytes (an int), a size string such as '12GiB', '800MiB' or '16 GB', or a fraction "
+        f"of the device such as 0.8 or '80%'. Received: budget={value!r}"
+    )
+
+
+def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None) -> Budget:
+    """Parses a user budget into bytes.
+
+    Fractions need ``capacity_bytes`` (the device's or host's memory).
+
+    Example:
+      >>> parse_budget("12GiB").bytes == 12 * 2**30
+      True
+      >>> parse_budget("50%", capacity_bytes=1000).bytes
+      500
+    """
+    if isinstance(value, bool):
+        raise ValueError(_fix_hint(value))
+    fraction: float | None = None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float):
+        if 0 < value <= 1:
+            fraction = value
+            number = 0
+        elif value > 1 and value.is_integer():
+            number = int(value)
+        else:
+            raise ValueError(_fix_hint(value))
+    elif isinstance(value, str):
+        match = _BUDGET_RE.match(value)
+        if not match:
+            raise ValueError(_fix_hint(value))
+        amount, unit = float(match.group(1)), match.group(2).lower()
+        if unit == "%":
+            fraction = amount / 100
+        elif unit in _UNITS:
+            if unit == "" and 0 < amount <= 1 and "." in match.group(1):
+                fraction = amount
+                number = 0
+            else:
+                number = int(amount * _UNITS[unit])
+        else:
+            raise ValueError(_fix_hint(value))
+    else:
+        raise ValueError(_fix_hint(value))
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError(_fix_hint(value))
+        if capacity_bytes is None:
+            raise ValueError(
+                "A fractional budget needs a device that reports its memory; give the budget "
+                f"in bytes instead, e.g. '12GiB'. Received: budget={value!r}"
+            )
+        number = int(capacity_bytes * fraction)
+        return Budget(number, "user", f"{fraction:.0%} of {format_bytes(capacity_bytes)}")
+    if number <= 0:
+        raise ValueError(_fix_hint(value))
+    return Budget(int(number), "user", f"given: {value!r}")
+
+
+def host_available_bytes() -> int:
+    """The host's available RAM (``MemAvailable``)."""
+    return host_memory().available
+
+
+def cpu_default_budget() -> Budget:
+    """50% of available host RAM minus a 256 MiB margin (see the module docstring)."""
+    available = host_available_bytes()
+    value = max(int(available * CPU_RAM_FRACTION) - CPU_MARGIN_BYTES, 0)
+    return Budget(
+        value,
+        "cpu-default",
+        f"{CPU_RAM_FRACTION:.0%} of available RAM {format_bytes(available)} "
+        f"- {format_bytes(CPU_MARGIN_BYTES)} margin",
+    )
+
+
+def device_budget(memory_stats: dict, *, resident_bytes: int = 0) -> Budget:
+    """Budget from ``jax.Device.memory_stats()``: what the program may still use.
+
+    ``resident_bytes`` are bytes already live on the device that the step receives as
+    arguments (the model's own weights); they count in the step's need, so they are not
+    subtracted twice.
+
+    Example:
+      >>> round(device_budget({"bytes_limit": 16 * 2**30, "bytes_in_use": 2**30},
+      ...               resident_bytes=2**30).bytes / 2**30, 2)
+      15.52
+    """
+    limit = int(memory_stats["bytes_limit"])
+    in_use = int(memory_stats.get("bytes_in_use", 0))
+    others = max(in_use - resident_bytes, 0)
+    margin = max(DEVICE_MARGIN_MIN_BYTES, int(limit * DEVICE_MARGIN_FRACTION))
+    value = max(limit - others - margin, 0)
+    return Budget(
+        value,
+        "device",
+        f"limit {format_bytes(limit)} - other live arrays {format_bytes(others)} "
+        f"- margin {format_bytes(margin)}",
+    )

@@ -1,0 +1,209 @@
+"""Memory of one accumulated train step, read from XLA's buffer assignment.
+
+The step is lowered with abstract inputs (``jax.ShapeDtypeStruct``: no weights allocated)
+and compiled; ``compiled.memory_analysis()`` gives argument, output, alias and temp sizes.
+need = argument + output - alias + temp (jax-ml/jax#31292). ``peak_memory_in_bytes`` is
+not used: on CPU it ignores temp.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ..devices._deviceless import shard_abstract
+from ..devices._units import format_bytes
+from ._program import TrainProgram, tree_bytes
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """Where the step is compiled for: the local default device, or a deviceless GPU."""
+
+    name: str = "local"
+    sharding: Any = None
+    deviceless: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Itemized memory of one accumulated train step at ``micro_batch``.
+
+    ``trainable_bytes`` .. ``batch_bytes`` are sizes of the step's inputs; ``accumulator_bytes``
+    is the float32 gradient accumulator (inside temp); ``activation_bytes`` is the rest of
+    temp (activations, gradients in flight, scratch). ``need_bytes`` is XLA's total.
+    """
+
+    micro_batch: int
+    accum_steps: int
+    trainable_bytes: int
+    frozen_bytes: int
+    optimizer_bytes: int
+    other_state_bytes: int
+    batch_bytes: int
+    accumulator_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    need_bytes: int
+    target: str
+    compile_seconds: float
+    flops: float = 0.0
+    """XLA's cost analysis of the step: floating-point operations."""
+    bytes_accessed: float = 0.0
+    """XLA's cost analysis of the step: bytes read and written."""
+
+    @property
+    def activation_bytes(self) -> int:
+        """Temp not taken by the gradient accumulator."""
+        return max(self.temp_bytes - self.accumulator_bytes, 0)
+
+    def items(self) -> dict[str, int]:
+        """The itemized figures, in report order."""
+        return {
+            "frozen weights": self.frozen_bytes,
+            "trainable weights": self.trainable_bytes,
+            "optimizer state": self.optimizer_bytes,
+            "other state": self.other_state_bytes,
+            "gradient accumulator": self.accumulator_bytes,
+            "batch": self.batch_bytes,
+            "activations and temp": self.activation_bytes,
+            "total (need)": self.need_bytes,
+        }
+
+    def report(self) -> str:
+        """A two-column table of :meth:`items`."""
+        rows = [f"memory of one step at micro_batch={self.micro_batch} x {self.accum_steps} "
+                f"accumulation steps ({self.target}):"]
+        rows += [f"  {name:<22} {format_bytes(value):>10}" for name, value in self.items().items()]
+        return "\n".join(rows)
+
+
+def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
+                 target: CompileTarget | None = None) -> Any:
+    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object.
+
+    ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is compiled as
+    one SPMD program over its mesh, weights replicated and batches
+    ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
+    analysis is that of one device.
+    """
+    target = target or CompileTarget()
+    if program.mesh is not None:
+        if target.deviceless:
+            raise ValueError(
+                "A data-parallel plan compiles for the devices of this machine; a deviceless "
+                "target (a named GPU that is not here) is planned for one device. Pass "
+                f"data_parallel=1. Received: target={target.name!r}, "
+                f"data_parallel={program.data_parallel}"
+            )
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        axis = program.mesh.axis_names[0]
+        replicated = NamedSharding(program.mesh, P())
+        state = shard_abstract(program.abstract_state, replicated)
+        frozen = shard_abstract(program.frozen_args, replicated)
+        batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
+                                     sharding=NamedSharding(program.mesh, P(None, axis)))
+    else:
+        state = shard_abstract(program.abstract_state, target.sharding)
+        frozen = shard_abstract(program.frozen_args, target.sharding)
+        batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
+    with program.lowering_context():
+        lowered = jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+        return lowered.compile()
+
+
+def measure_program(
+    program: TrainProgram,
+    micro_batch: int,
+    accum_steps: int,
+    target: CompileTarget | None = None,
+) -> MemoryEstimate:
+    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory.
+
+    For a data-parallel program ``micro_batch`` is per device and the estimate is one
+    device's (XLA's memory analysis of an SPMD program is per device).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
+      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> estimate = measure_program(program, 2, 4)
+      >>> estimate.need_bytes > estimate.batch_bytes > 0
+      True
+    """
+    target = target or CompileTarget()
+    start = time.perf_counter()
+    compiled = compile_step(program, micro_batch, accum_steps, target)
+    seconds = time.perf_counter() - start
+    estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
+                                      target=target.name, seconds=seconds)
+    if estimate is None:
+        raise RuntimeError(
+            f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
+            "that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA target)."
+        )
+    return estimate
+
+
+def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: int,
+                           accum_steps: int, *, target: str,
+                           seconds: float) -> MemoryEstimate | None:
+    """Itemizes a compiled step of ``program`` (``None`` if XLA reports no memory)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    argument = int(analysis.argument_size_in_bytes)
+    output = int(analysis.output_size_in_bytes)
+    alias = int(analysis.alias_size_in_bytes)
+    temp = int(analysis.temp_size_in_bytes)
+    cost = _cost(compiled)
+    parts = program.parts
+    accumulator = 4 * _elements(program.trainable)
+    known = {"trainable", "frozen", "optimizer"}
+    return MemoryEstimate(
+        micro_batch=micro_batch,
+        accum_steps=accum_steps,
+        trainable_bytes=tree_bytes(parts.get("trainable")),
+        frozen_bytes=tree_bytes(parts.get("frozen")),
+        optimizer_bytes=tree_bytes(parts.get("optimizer")),
+        other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
+        batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps)),
+        accumulator_bytes=min(accumulator, temp),
+        argument_bytes=argument,
+        output_bytes=output,
+        alias_bytes=alias,
+        temp_bytes=temp,
+        need_bytes=argument + output - alias + temp,
+        target=target,
+        compile_seconds=seconds,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def _cost(compiled: Any) -> dict:
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # some backends have no cost model
+        return {}
+    if isinstance(analysis, list | tuple):
+        analysis = analysis[0] if analysis else {}
+    return dict(analysis or {})
+
+
+def _elements(tree: Any) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))

@@ -1,0 +1,325 @@
+"""Planning a model: rematerialization policies x micro-batches, by memory or throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TextIO
+
+from ..devices._mesh import resolve_mesh
+from ._adapter import Adapter, Prepared
+from ._lr import LearningRateScaling
+from ._measure import measure_program
+from ._objective import Candidate, choose_fastest, cost_model_seconds
+from ._plan import Plan, search_plan
+from ._program import TrainProgram, tree_bytes
+from ._remat import validate_remat
+from ._search import DoesNotFitError, divisors
+from ._targets import ResolvedTarget, is_deviceless, resolve_target
+from ._validate import check_enough_examples, no_leftovers, validate_effective_batch
+
+
+def plan_program(
+    program: TrainProgram,
+    *,
+    effective_batch: int,
+    lr_scaling: LearningRateScaling,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    log: TextIO | str | None = "stderr",
+    resolved: ResolvedTarget | None = None,
+) -> Plan:
+    """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
+
+    ``memory_fraction`` overrides the named device profile's default share of GPU memory
+    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``). A data-parallel program
+    (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
+    size, the budget is one device's, and every process agrees on the micro-batch.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
+      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> from autoaccum import scale_learning_rate
+      >>> p = plan_program(program, effective_batch=8, budget="1GiB", log=None,
+      ...                  lr_scaling=scale_learning_rate(None, effective_batch=8))
+      >>> p.micro_batch * p.accum_steps
+      8
+    """
+    if resolved is None:
+        resident = (tree_bytes(program.parts.get("trainable"))
+                    + tree_bytes(program.parts.get("frozen")))
+        resolved = resolve_target(device, budget, resident_bytes=resident,
+                                  memory_fraction=memory_fraction, mesh=program.mesh)
+    notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
+    return search_plan(
+        lambda b, k: measure_program(program, b, k, resolved.compile_target),
+        effective_batch=effective_batch,
+        data_parallel=program.data_parallel,
+        lr_scaling=lr_scaling,
+        budget=resolved.budget,
+        target=resolved.compile_target.name,
+        log=log,
+        notes=notes,
+    )
+
+
+def policies_for(adapter: Adapter, remat: str) -> list[str]:
+    """Policies to try, in order of increasing recompute."""
+    validate_remat(remat)
+    if remat != "auto":
+        return [remat]
+    return list(adapter.remat_policies)
+
+
+def label_policy(plan: Plan, policy: str) -> Plan:
+    """``plan`` and its probes marked with the remat ``policy`` they were compiled with."""
+    probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
+    return dataclasses.replace(plan, probes=probes, remat=policy)
+
+
+def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
+    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
+    their policy), and a note saying so."""
+    if not failures:
+        return plan
+    earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
+    note = ("with less rematerialization micro_batch=1 does not fit: "
+            + "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures))
+    return dataclasses.replace(plan, probes=earlier + plan.probes, notes=(*plan.notes, note))
+
+
+def plan_model(
+    model: Any,
+    data: Any,
+    *,
+    adapter: Adapter,
+    effective_batch: int,
+    options: dict,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "compile",
+    log: TextIO | str | None = "stderr",
+    where: str = "plan",
+    data_parallel: Any = 1,
+) -> tuple[Plan, Prepared]:
+    """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
+
+    With ``objective="memory"`` the first policy (least recompute) under which some
+    micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
+    micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
+    policy is planned and candidates are timed (see :mod:`._objective`).
+
+    ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
+    ``autoaccum.training._data_parallel.resolve_mesh``): with more than one device the plan is per
+    device over that mesh, compile-only (real-step verification, back-off and timed
+    throughput candidates run on one device, so they are skipped, with a note).
+    """
+    log = sys.stderr if log == "stderr" else log
+    validate_method(method)
+    if data_parallel == "auto" and is_deviceless(device):
+        data_parallel = 1  # a dry run for a GPU that is not here plans one device
+    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    dp_notes: tuple[str, ...] = ()
+    if mesh is not None:
+        validate_effective_batch(effective_batch, data_parallel=mesh.size)
+        if method == "backoff":
+            raise ValueError(
+                "method='backoff' runs real single-device steps; a data-parallel plan is "
+                "compile-only. Use method='compile' (or 'auto'), or data_parallel=1. "
+                f"Received: method='backoff', data_parallel={mesh.size}"
+            )
+        if method == "auto":
+            method = "compile"
+            dp_notes += ("data parallel: compile-only plan (no real verification step); "
+                         "elastic training backs off if a real step runs out of memory",)
+        if objective == "throughput":
+            objective = "memory"
+            dp_notes += ("data parallel: memory objective (throughput candidates are timed "
+                         "on one device only)",)
+    policies = policies_for(adapter, remat)
+    if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
+        policies = ["none"]  # nothing to checkpoint: the advice says what else would help
+    tried: list[Plan] = []
+    prepared_by_policy: dict[str, Prepared] = {}
+    failures: list[tuple[str, DoesNotFitError]] = []
+    resolved: ResolvedTarget | None = None
+    for policy in policies:
+        opts = dict(options)
+        prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
+                           remat=policy, remat_layers=remat_layers)
+        if mesh is not None:
+            prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
+        no_leftovers(opts, where)
+        check_enough_examples(prepared.data, effective_batch)
+        # Later policies reuse the converted data (keras-hub strings are tokenized once).
+        data = prepared.data
+        if resolved is None:
+            program = prepared.program
+            resident = (tree_bytes(program.parts.get("trainable"))
+                        + tree_bytes(program.parts.get("frozen")))
+            resolved = resolve_target(device, budget, resident_bytes=resident,
+                                      memory_fraction=memory_fraction, mesh=mesh)
+        if log is not None and len(policies) > 1:
+            print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
+        try:
+            plan = _plan_one(prepared, model, method=method, effective_batch=effective_batch,
+                             resolved=resolved, log=log)
+        except DoesNotFitError as error:
+            failures.append((policy, error))
+            continue
+        tried.append(label_policy(plan, policy))
+        prepared_by_policy[policy] = prepared
+        if objective != "throughput":
+            break
+    if not tried:
+        raise _nothing_fits(failures)
+    if objective != "throughput":
+        chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),
+                                     objective="memory")
+        return with_failed_policies(chosen, failures), prepared_by_policy[chosen.remat]
+    candidates = _candidates(tried, prepared_by_policy, model, resolved)
+    best = choose_fastest(candidates)
+    base = next(p for p in tried if p.remat == best.remat)
+    all_probes = tuple(p for plan in tried for p in plan.probes)
+    chosen = dataclasses.replace(
+        base,
+        micro_batch=best.micro_batch,
+        accum_steps=best.accum_steps,
+        estimate=(_estimate_for(base, best.micro_batch)
+                  or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
+                                     best.accum_steps, resolved.compile_target)),
+        probes=all_probes,
+        objective="throughput",
+        candidates=tuple(candidates),
+    )
+    return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
+
+
+METHODS = ("auto", "compile", "backoff")
+
+
+def validate_method(method: str) -> str:
+    """Returns ``method`` if known, else a ``ValueError`` naming the methods."""
+    if method not in METHODS:
+        raise ValueError(
+            "method must be 'auto' (compile-only plan verified by one real step), 'compile' "
+            f"(compile only) or 'backoff' (real steps). Received: method={method!r}"
+        )
+    return method
+
+
+def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
+              resolved: ResolvedTarget, log: TextIO | None) -> Plan:
+    """One remat policy's plan by ``method``; real steps only where the target is here."""
+    from ._backoff import auto_plan, backoff_plan
+
+    real_device = resolved.kind != "deviceless"
+    if method == "backoff":
+        if not real_device:
+            raise ValueError(
+                "method='backoff' runs real steps, but the target device is not on this machine "
+                "(a dry run). Use method='compile' or 'auto' for a named GPU that is not here. "
+                f"Received: method='backoff', device={resolved.profile.key!r}"
+            )
+        runner = prepared.adapter.step_runner(model, prepared)
+        try:
+            with prepared.adapter.remat_context(model, prepared.remat):
+                return backoff_plan(runner, effective_batch=effective_batch,
+                                    lr_scaling=prepared.lr_scaling, budget=resolved.budget,
+                                    target=resolved.compile_target.name, log=log)
+        finally:
+            runner.release()
+    plan = plan_program(prepared.program, effective_batch=effective_batch,
+                        lr_scaling=prepared.lr_scaling, resolved=resolved, log=log)
+    if method == "compile":
+        return plan
+    runner = prepared.adapter.step_runner(model, prepared) if real_device else None
+    try:
+        with prepared.adapter.remat_context(model, prepared.remat):
+            return auto_plan(plan, runner, log=log)
+    finally:
+        if runner is not None:
+            runner.release()
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).split(". ")[0]
+
+
+def _nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError:
+    if len(failures) == 1:
+        return failures[0][1]
+    tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
+    return DoesNotFitError(
+        f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
+        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
+        "weights), or a larger budget/device."
+    )
+
+
+def _estimate_for(plan: Plan, micro_batch: int) -> Any:
+    """The compile-only probe's estimate at ``micro_batch``, if the search made one."""
+    for p in plan.probes:
+        if p.micro_batch == micro_batch and p.kind == "compile":
+            return p.estimate
+    return None
+
+def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
+                resolved: ResolvedTarget | None) -> list[Candidate]:
+    """Each fitting policy's largest micro-batch, plus the next two smaller divisors for the
+    policy without remat; timed on the real device, or costed when dry-running."""
+    from ._objective import time_real_steps
+
+    per_device = tried[0].effective_batch // tried[0].data_parallel
+    out: list[Candidate] = []
+    for plan in tried:
+        fitting = [d for d in divisors(per_device) if d <= plan.micro_batch]
+        pairs = fitting[-3:] if plan.remat == "none" else fitting[-1:]
+        prep = prepared[plan.remat]
+        dry = resolved is not None and resolved.kind == "deviceless"
+        runner = None if dry else prep.adapter.step_runner(model, prep)
+        for micro in reversed(pairs):
+            accum = per_device // micro
+            if dry:
+                est = measure_program(prep.program, micro, accum, resolved.compile_target)
+                seconds = cost_model_seconds(est.flops, est.bytes_accessed, resolved.profile,
+                                             est.micro_batch * est.accum_steps)
+                source = "cost model"
+            else:
+                with prep.adapter.remat_context(model, plan.remat):
+                    seconds = time_real_steps(runner, micro, accum)
+                est = runner.estimate(micro, accum)
+                source = "measured"
+            out.append(Candidate(plan.remat, micro, accum,
+                                 est.need_bytes if est is not None else -1, seconds, source))
+        if runner is not None:
+            runner.release()
+    return out
+
+
+__all__ = ["plan_model", "plan_program", "policies_for", "prepare", "validate_method"]
+
+
+def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int, options: dict,
+            remat: str = "none", remat_layers: Any = None) -> Prepared:
+    """``adapter.prepare(...)`` after the checks every framework shares; consumes ``options``."""
+    if "batch_size" in options:
+        raise ValueError(
+            "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
+            "optimizer step) instead of `batch_size=`. "
+            f"Received: batch_size={options['batch_size']!r}"
+        )
+    return adapter.prepare(model, data, effective_batch=effective_batch, options=options,
+                           remat=remat, remat_layers=remat_layers)

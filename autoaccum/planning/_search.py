@@ -1,0 +1,203 @@
+"""Compile-only search for the largest micro-batch whose compiled need fits a budget.
+
+Need is affine in the micro-batch from 2 on (micro-batch 1 saves one weight-sized buffer),
+so two compiles at b >= 2 predict the boundary; the prediction is verified by compiling,
+and where the curve is not affine (XLA's rematerialization near the memory limit) the
+search bisects between the largest fitting and the smallest failing probe. Every probe is
+recorded and reported live. A micro-batch is only ever returned after its own exact
+compile fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from ..devices._units import format_bytes
+from ._measure import MemoryEstimate
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One compile (or, for back-off, one real step) of the step at a candidate micro-batch."""
+
+    micro_batch: int
+    accum_steps: int
+    need_bytes: int
+    fits: bool
+    why: str
+    estimate: MemoryEstimate
+    remat: str = "none"
+    """The rematerialization policy the step was compiled with."""
+    kind: str = "compile"
+    """``"compile"`` (compiled need against the budget) or ``"real step"`` (ran on the device)."""
+    error: str = ""
+    """For a real step that ran out of memory: the first line of the error."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The outcome of :func:`search_micro_batch`."""
+
+    micro_batch: int
+    """Largest fitting divisor of the per-device batch: the micro-batch to use."""
+    max_micro_batch: int
+    """Largest fitting micro-batch probed, divisor or not (the search stops refining it once
+    the divisor to use is decided)."""
+    estimate: MemoryEstimate
+    probes: tuple[Probe, ...]
+    affine: tuple[float, float] | None
+    """(intercept, slope) in bytes of the fit through two probes at b >= 2, if made."""
+    seconds: float
+
+
+class DoesNotFitError(ValueError):
+    """Even micro-batch 1 needs more memory than the budget."""
+
+    def __init__(self, message: str, *, probes: tuple[Probe, ...] = ()) -> None:
+        super().__init__(message)
+        self.probes = probes
+        """The probes that led to the verdict."""
+
+
+def divisors(n: int) -> list[int]:
+    """Sorted divisors of ``n``.
+
+    Example:
+      >>> divisors(12)
+      [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def search_micro_batch(
+    measure: Callable[[int, int], MemoryEstimate],
+    *,
+    per_device_batch: int,
+    budget_bytes: int,
+    log: TextIO | str | None = "stderr",
+    advice: str = "",
+) -> SearchResult:
+    """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget.
+
+    ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
+    a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as
+    it would run. Assumes need does not decrease as b grows.
+
+    Example:
+      >>> from autoaccum.planning._measure import MemoryEstimate
+      >>> def fake(b, k):  # need = 100 + 10 b, as a compile would report
+      ...     n = 100 + 10 * b
+      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
+      >>> r = search_micro_batch(fake, per_device_batch=8, budget_bytes=175, log=None)
+      >>> r.max_micro_batch, r.micro_batch, [p.micro_batch for p in r.probes]
+      (7, 4, [2, 4, 7, 8])
+    """
+    log = sys.stderr if log == "stderr" else log
+    start = time.perf_counter()
+    limit = per_device_batch
+    probes: dict[int, Probe] = {}
+    order: list[Probe] = []
+
+    def probe(b: int, why: str) -> Probe:
+        if b in probes:
+            return probes[b]
+        k = math.ceil(limit / b)
+        if log is not None:
+            print(f"autoaccum: compiling micro_batch={b} x {k} steps ({why}) ...",
+                  file=log, flush=True)
+        estimate = measure(b, k)
+        p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate)
+        probes[b] = p
+        order.append(p)
+        if log is not None:
+            verdict = "fits" if p.fits else "does not fit"
+            print(
+                f"autoaccum:   micro_batch={b:<5} need {format_bytes(p.need_bytes):>10} "
+                f"/ budget {format_bytes(budget_bytes)}  {verdict}  "
+                f"(compile {estimate.compile_seconds:.1f} s)",
+                file=log,
+                flush=True,
+            )
+        return p
+
+    def bounds() -> tuple[int, int]:
+        fitting = [b for b, p in probes.items() if p.fits]
+        failing = [b for b, p in probes.items() if not p.fits]
+        return max(fitting, default=0), min(failing, default=limit + 1)
+
+    all_divisors = divisors(limit)
+
+    def undecided(lo: int, hi: int) -> bool:
+        """Whether a divisor lies in (lo, hi): only then does the boundary matter."""
+        return any(lo < d < hi for d in all_divisors)
+
+    affine = None
+    if limit >= 3 and probe(2, "fit point").fits:  # if 2 fails, so does everything above
+        low, high = 2, min(4, limit)
+        p_low, p_high = probes[low], probe(high, "fit point")
+        slope = (p_high.need_bytes - p_low.need_bytes) / (high - low)
+        intercept = p_low.need_bytes - slope * low
+        affine = (intercept, slope)
+        lo, hi = bounds()
+        if undecided(lo, hi):
+            guess = limit if slope <= 0 else int((budget_bytes - intercept) // slope)
+            guess = min(max(guess, lo + 1), hi - 1)
+            probe(guess, "affine prediction")
+    elif limit == 2:
+        probe(2, "whole batch")
+
+    lo, hi = bounds()
+    halve_next = False
+    while hi > lo + 1 and undecided(lo, hi):
+        if hi > limit:  # nothing failed yet: try the next divisor up
+            guess = min(d for d in all_divisors if d > lo)
+            why = "next divisor"
+        elif lo and not halve_next:  # interpolate between the bracketing probes
+            n_lo, n_hi = probes[lo].need_bytes, probes[hi].need_bytes
+            guess = lo + int((budget_bytes - n_lo) * (hi - lo) // max(n_hi - n_lo, 1))
+            why = "interpolate"
+        else:
+            guess = (lo + hi) // 2 if lo else max(hi // 2, 1)
+            why = "bisect"
+        guess = min(max(guess, lo + 1), hi - 1)
+        width = hi - lo
+        probe(guess, why)
+        lo, hi = bounds()
+        halve_next = (hi - lo) * 2 > width  # interpolation stalled: bisect once
+    if lo == 0:
+        p1 = probe(1, "smallest")
+        lo = 1 if p1.fits else 0
+    if lo == 0:
+        need = probes[1].need_bytes
+        raise DoesNotFitError(
+            f"Even micro_batch=1 needs {format_bytes(need)}, over the budget of "
+            f"{format_bytes(budget_bytes)} by {format_bytes(need - budget_bytes)}. What would "
+            "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
+            "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
+            f"or a larger budget/device.{(' ' + advice) if advice else ''}",
+            probes=tuple(order),
+        )
+    chosen = max(d for d in divisors(limit) if d <= lo)
+    # Verify the divisor with its own compile; step down if it surprisingly does not fit.
+    candidates = [d for d in divisors(limit) if d <= chosen]
+    for d in reversed(candidates):
+        p = probe(d, "verify divisor")
+        if p.fits:
+            chosen = d
+            break
+    else:  # pragma: no cover - needs a non-monotonic compiler
+        raise DoesNotFitError("No divisor of the per-device batch fits the budget.")
+    return SearchResult(
+        micro_batch=chosen,
+        max_micro_batch=lo,
+        estimate=probes[chosen].estimate,
+        probes=tuple(order),
+        affine=affine,
+        seconds=time.perf_counter() - start,
+    )

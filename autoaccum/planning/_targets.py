@@ -1,0 +1,195 @@
+"""Where a plan is computed for, and with what budget: the local device, a real named GPU,
+or a named GPU that is not here (a deviceless compile)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..devices._detect import detect_device, host_memory, jax_memory_stats
+from ..devices._profiles import DeviceProfile, find_profile
+from ..devices._units import format_bytes
+from ._budget import Budget, cpu_default_budget, device_budget, parse_budget
+from ._measure import CompileTarget
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A compile target, the budget for it, and how the plan relates to real hardware."""
+
+    compile_target: CompileTarget
+    budget: Budget
+    kind: str
+    """``"local"`` (this machine's device), ``"real"`` (the named GPU is here) or
+    ``"deviceless"`` (compiled for the named GPU without it)."""
+    profile: DeviceProfile | None = None
+
+    @property
+    def advice(self) -> str:
+        """The profile's dtype advice, or an empty string."""
+        return self.profile.dtype_advice if self.profile else ""
+
+
+def _local_stats(device: Any = None) -> dict | None:
+    """The device's memory stats when they include a ``bytes_limit``, else ``None``."""
+    try:
+        stats = jax_memory_stats(device=device)
+    except Exception:  # a backend that cannot report at all
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+def _local_target(mesh: Any = None) -> CompileTarget:
+    import jax
+
+    if mesh is not None:
+        device = _mesh_local_devices(mesh)[0]
+        return CompileTarget(
+            name=f"{mesh.size} x {device.platform} ({device.device_kind}) data-parallel over "
+                 f"{jax.process_count()} process(es), per device")
+    device = jax.devices()[0]
+    return CompileTarget(name=f"{device.platform}:{device.id} ({device.device_kind}), this machine")
+
+
+def _mesh_local_devices(mesh: Any) -> list:
+    """The mesh's devices on this process (the ones whose memory this process can read)."""
+    import jax
+
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return mine or list(mesh.devices.flat)
+
+
+def _local(budget: Any, *, resident_bytes: int, mesh: Any = None) -> ResolvedTarget:
+    if mesh is not None:
+        return ResolvedTarget(_local_target(mesh),
+                              per_device_budget(budget, mesh, resident_bytes=resident_bytes),
+                              "local")
+    stats = _local_stats()
+    capacity = int(stats["bytes_limit"]) if stats else host_memory().available
+    if budget is not None:
+        resolved = parse_budget(budget, capacity_bytes=capacity)
+    elif stats:
+        resolved = device_budget(stats, resident_bytes=resident_bytes)
+    else:
+        resolved = cpu_default_budget()
+    return ResolvedTarget(_local_target(), resolved, "local")
+
+
+def per_device_budget(budget: Any, mesh: Any, *, resident_bytes: int = 0) -> Budget:
+    """The budget of ONE device of a data-parallel ``mesh`` (this process's devices).
+
+    Devices that report memory (GPU, TPU): the smallest :func:`device_budget` over this
+    process's devices of the mesh. Host-platform CPU devices share the host's RAM: the CPU
+    default budget (50% of available RAM - 256 MiB) divided by the number of this process's
+    devices in the mesh. A user ``budget`` is per device (a fraction is of one device's
+    capacity: its ``bytes_limit``, or the host's available RAM divided likewise).
+
+    Example:
+      >>> from autoaccum.devices._mesh import data_parallel_mesh
+      >>> per_device_budget("1GiB", data_parallel_mesh()).bytes
+      1073741824
+    """
+    devices = _mesh_local_devices(mesh)
+    stats = [_local_stats(d) for d in devices]
+    n = len(devices)
+    if all(stats):
+        limits = [int(s["bytes_limit"]) for s in stats]
+        if budget is not None:
+            return _per_device_note(parse_budget(budget, capacity_bytes=min(limits)), n)
+        each = [device_budget(s, resident_bytes=resident_bytes) for s in stats]
+        low = min(each, key=lambda b: b.bytes)
+        return Budget(low.bytes, "device",
+                      f"smallest of {n} local device(s) of the mesh: {low.detail}")
+    available = host_memory().available
+    if budget is not None:
+        return _per_device_note(parse_budget(budget, capacity_bytes=available // n), n)
+    host = cpu_default_budget()
+    return Budget(host.bytes // n, "cpu-default",
+                  f"({host.detail}) / {n} host-platform devices sharing the host's RAM")
+
+
+def _per_device_note(budget: Budget, n: int) -> Budget:
+    return Budget(budget.bytes, budget.source, f"{budget.detail}, per device ({n} local)")
+
+
+def is_deviceless(device: str | DeviceProfile | None) -> bool:
+    """Whether ``device`` names a GPU that is not on this machine (a deviceless dry run).
+
+    Example:
+      >>> is_deviceless(None)
+      False
+    """
+    if device is None:
+        return False
+    profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    if not profile.is_gpu:
+        return False
+    detected = detect_device()
+    return not (detected.is_gpu and detected.profile is not None
+                and detected.profile.key == profile.key)
+
+
+def resolve_target(
+    device: str | DeviceProfile | None,
+    budget: Any = None,
+    *,
+    resident_bytes: int = 0,
+    memory_fraction: float | None = None,
+    mesh: Any = None,
+) -> ResolvedTarget:
+    """Chooses the compile target and budget for ``device`` (a profile name, or ``None``).
+
+    ``mesh`` (a data-parallel ``jax.sharding.Mesh``): the target is this machine's devices
+    and the budget is per device (see :func:`per_device_budget`); a named GPU that is not
+    here cannot be planned data-parallel (a ``ValueError``).
+
+    A named GPU that is present (NVML sees it) is planned against for real; one that is
+    not is compiled for deviceless with the memory pool it would really give JAX
+    (total x memory fraction), so XLA's rematerialization behaves as on the device.
+
+    Example:
+      >>> resolve_target(None, "1GiB").budget.bytes
+      1073741824
+    """
+    if device is None:
+        return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
+    profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    if not profile.is_gpu:
+        return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
+    detected = detect_device()
+    if detected.is_gpu and detected.profile is not None and detected.profile.key == profile.key:
+        local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
+        return ResolvedTarget(local.compile_target, local.budget, "real", profile)
+    if mesh is not None:
+        raise ValueError(
+            f"A data-parallel plan compiles for this machine's devices, but no {profile.name} is "
+            f"here (a dry run compiles for one device). Pass data_parallel=1 to plan one "
+            f"{profile.name}. Received: device={device!r}, data_parallel={mesh.size}"
+        )
+    from ..devices._deviceless import deviceless_target
+
+    pool = profile.pool_bytes(memory_fraction)
+    target = deviceless_target(profile, device_memory_bytes=pool)
+    fraction = profile.default_memory_fraction if memory_fraction is None else memory_fraction
+    if budget is None:
+        resolved = Budget(
+            profile.budget_bytes(memory_fraction),
+            "profile",
+            f"{profile.name} pool {format_bytes(pool)} ({fraction:.0%} of CUDA's total) - "
+            f"{profile.workspace_margin_mib} MiB cuBLAS/cuDNN workspace",
+        )
+    else:
+        resolved = parse_budget(budget, capacity_bytes=pool)
+        if resolved.bytes > pool:
+            raise ValueError(
+                f"The budget {format_bytes(resolved.bytes)} is larger than the memory JAX gets on "
+                f"a {profile.name}: {format_bytes(pool)} ({fraction:.0%} of its memory). Give a "
+                f"budget of at most {format_bytes(pool)}, a fraction such as '90%', or a larger "
+                f"device. Received: budget={budget!r}"
+            )
+    name = f"{profile.name}, deviceless compile (no {profile.name} on this machine)"
+    return ResolvedTarget(
+        CompileTarget(name=name, sharding=target.sharding, deviceless=True),
+        resolved,
+        "deviceless",
+        profile,
+    )

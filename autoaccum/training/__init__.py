@@ -1,0 +1,25 @@
+"""The training engine: exact accumulation (one device or data-parallel), batching, elastic
+recovery, host snapshots, progress, the gradient noise scale, and what ``fit`` returns.
+
+Imports :mod:`autoaccum.planning` and :mod:`autoaccum.devices`; never a framework adapter.
+"""
+
+from ._accumulate import AccumulatedGradients as AccumulatedGradients
+from ._accumulate import accumulate_gradients as accumulate_gradients
+from ._accumulate import mean_gradients as mean_gradients
+from ._accumulate import mean_loss as mean_loss
+from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
+from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
+from ._result import FitResult as FitResult
+from ._snapshot import HostSnapshot as HostSnapshot
+
+__all__ = [
+    "AccumulatedGradients",
+    "FitResult",
+    "HostSnapshot",
+    "NoiseScaleEstimator",
+    "accumulate_gradients",
+    "data_parallel_accumulate",
+    "mean_gradients",
+    "mean_loss",
+]

@@ -1,0 +1,119 @@
+"""Data parallelism on ``jax.sharding``: one mesh axis, each device scans its own micro-batches.
+
+effective batch = micro-batch x data-parallel devices x accumulation steps. The batches of one
+optimizer step, ``[accum_steps, data_parallel * micro_batch, ...]``, are sharded over the
+mesh's one axis (``PartitionSpec(None, axis)``): every device scans its own
+``[accum_steps, micro_batch, ...]`` slice with :func:`accumulate_gradients`, then the float32
+sums (gradients, loss, valid-item count) are ``psum``-ed across devices ONCE per optimizer
+step. Dividing by the total count after that reduction makes the step exact: it equals the
+single-device step on the whole effective batch, however valid items (tokens, masked
+examples) are spread across devices.
+
+Carried state (``carry``) has a policy, because each device threads its own copy through its
+own micro-batches: by default floating leaves (batch statistics) are averaged over devices
+and other leaves (RNG counters and keys, step counters) are taken from the first device, so
+every device holds the same value afterwards. A framework may give its own rule (Keras sums
+its metric-variable updates across devices; see ``autoaccum.adapters.keras._program``).
+
+Stochastic layers: every device starts from the same RNG state, so dropout masks repeat
+across devices and differ from a single-device run; exactness holds for deterministic
+forward passes.
+
+Meshes and placing arrays on them: :mod:`autoaccum.devices._mesh`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ..devices._mesh import mesh_axis
+from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
+
+PyTree = Any
+CarryReduce = Callable[[PyTree, PyTree, str], PyTree]
+"""``carry_reduce(initial, local, axis_name) -> carry``, run inside ``shard_map``."""
+Accumulate = Callable[[MicroLoss, PyTree, PyTree, PyTree], AccumulatedGradients]
+
+
+__all__ = ["data_parallel_accumulate", "default_carry_reduce", "sum_updates"]
+
+
+def default_carry_reduce(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
+    """Floating leaves averaged over devices; others (RNG keys, counters) from device 0."""
+    del initial
+    return jax.tree.map(lambda x: _same_everywhere(x, axis_name), local)
+
+
+def _same_everywhere(x: Any, axis_name: str) -> Any:
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jax.lax.pmean(x, axis_name)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.lax.all_gather(jax.random.key_data(x), axis_name)[0]
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.lax.all_gather(x, axis_name)[0]
+
+
+def sum_updates(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
+    """``initial + psum(local - initial)``: every device's increments (metric totals) added."""
+    def one(x0: Any, x: Any) -> Any:
+        x0, x = jnp.asarray(x0), jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.bool_) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return _same_everywhere(x, axis_name)
+        return (x0 + jax.lax.psum(x - x0, axis_name)).astype(x.dtype)
+
+    return jax.tree.map(one, initial, local)
+
+
+def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = None) -> Accumulate:
+    """A drop-in for :func:`accumulate_gradients` that runs on every device of ``mesh``.
+
+    ``batches`` are ``[accum_steps, dp * micro_batch, ...]`` (global); inside ``shard_map``
+    each device scans its ``[accum_steps, micro_batch, ...]`` slice; ``grad_sum``,
+    ``loss_sum`` and ``count`` are summed across devices once, at the end.
+    ``micro_grad_sq_norm_sum`` is averaged over devices, so dividing it by ``accum_steps``
+    still gives the mean over all ``dp * accum_steps`` micro-batches. ``carry_reduce``
+    (default :func:`default_carry_reduce`) makes the carried state agree across devices.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> def micro_loss(w, carry, mb):
+      ...     return (jnp.sum((mb["x"] * w) ** 2), jnp.float32(mb["x"].shape[0])), carry
+      >>> accumulate = data_parallel_accumulate(data_parallel_mesh(jax.devices()[:1]))
+      >>> acc = jax.jit(accumulate, static_argnums=0)(micro_loss, jnp.float32(1.0), None,
+      ...                                             {"x": jnp.ones((4, 2))})
+      >>> float(acc.count), float(acc.loss_sum), float(acc.grad_sum)
+      (8.0, 8.0, 16.0)
+    """
+    axis = mesh_axis(mesh)
+    reduce = default_carry_reduce if carry_reduce is None else carry_reduce
+
+    def accumulate(micro_loss: MicroLoss, trainable: PyTree, carry: PyTree,
+                   batches: PyTree) -> AccumulatedGradients:
+        def per_device(trainable: PyTree, carry: PyTree, batches: PyTree) -> tuple:
+            acc = accumulate_gradients(micro_loss, trainable, carry, batches)
+            # The one cross-device reduction of the optimizer step.
+            grad_sum, loss_sum, count = jax.lax.psum(
+                (acc.grad_sum, acc.loss_sum, acc.count), axis)
+            sq = jax.lax.pmean(acc.micro_grad_sq_norm_sum, axis)
+            return grad_sum, loss_sum, count, reduce(carry, acc.carry, axis), sq
+
+        sharded = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P(), P(None, axis)),
+            out_specs=P(),
+            check_vma=False,  # params are replicated; gradients stay local until the psum
+        )
+        return AccumulatedGradients(*sharded(trainable, carry, batches))
+
+    return accumulate
+
+

@@ -1,0 +1,102 @@
+"""Elastic recovery: after a real out-of-memory mid-training, redo the same step smaller.
+
+The fit loops (Flax and Keras) restore the state from before the failed step, then call
+:func:`shrink` for the next split: the largest divisor of the per-device effective batch
+below the failed micro-batch, with accumulation raised so the effective batch is unchanged.
+The same examples, in the same order, are re-split into more micro-batches
+(:func:`resplit`), so the redone step computes the same gradient (sums in another order:
+equal to float rounding). Step count, learning-rate schedule and data order are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..devices._oom import first_line, no_micro_batch_fits, requested_bytes
+from ..planning._search import DoesNotFitError, divisors
+
+__all__ = ["ElasticEvent", "resplit", "shrink"]
+
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One out-of-memory survived: the step, the old and new split, and the error.
+
+    Example:
+      >>> str(ElasticEvent(7, 8, 2, 4, 4, "RESOURCE_EXHAUSTED: Out of memory", 1 << 20))
+      'step 7: out of memory at micro_batch 8 x 2 accumulation (RESOURCE_EXHAUSTED: Out of memory; it asked for 1.00 MiB); redone from the same state and data at micro_batch 4 x 4 (effective batch 16 unchanged)'
+    """  # noqa: E501
+
+    step: int
+    """1-based optimizer step that was redone."""
+    old_micro_batch: int
+    old_accum_steps: int
+    new_micro_batch: int
+    new_accum_steps: int
+    error: str
+    """First line of the out-of-memory error."""
+    requested_bytes: int | None = None
+    """The failed allocation's size, where the error names it."""
+    data_parallel: int = 1
+    """Data-parallel devices: micro-batches are per device."""
+
+    def __str__(self) -> str:
+        from ..devices._units import format_bytes
+
+        asked = (f"; it asked for {format_bytes(self.requested_bytes)}"
+                 if self.requested_bytes is not None else "")
+        dp = self.data_parallel
+        devices = f" x {dp} devices" if dp > 1 else ""
+        return (
+            f"step {self.step}: out of memory at micro_batch {self.old_micro_batch}{devices} x "
+            f"{self.old_accum_steps} accumulation ({self.error}{asked}); redone "
+            "from the same "
+            f"state and data at micro_batch {self.new_micro_batch}{devices} x "
+            f"{self.new_accum_steps} (effective batch "
+            f"{self.old_micro_batch * dp * self.old_accum_steps} unchanged)"
+        )
+
+
+def shrink(error: BaseException, *, step: int, micro_batch: int,
+           accum_steps: int, data_parallel: int = 1) -> ElasticEvent:
+    """The next split after ``error`` at ``micro_batch x accum_steps``, as an event.
+
+    Raises:
+      DoesNotFitError: ``micro_batch`` was already 1 (raised from ``error``, with advice).
+
+    Example:
+      >>> e = shrink(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"), step=3, micro_batch=6,
+      ...            accum_steps=2)
+      >>> e.new_micro_batch, e.new_accum_steps
+      (4, 3)
+    """
+    per_device = micro_batch * accum_steps
+    smaller = [d for d in divisors(per_device) if d < micro_batch]
+    if not smaller:
+        raise DoesNotFitError(
+            no_micro_batch_fits(error, accum_steps=accum_steps,
+                                advice=f"(Optimizer step {step} was not taken.)")
+        ) from error
+    new = smaller[-1]
+    return ElasticEvent(step, micro_batch, accum_steps, new, per_device // new,
+                        first_line(error), requested_bytes(error), data_parallel)
+
+
+def resplit(batches: Any, accum_steps: int, micro_batch: int) -> Any:
+    """``[k, b, ...]`` host arrays re-split to ``[accum_steps, micro_batch, ...]``, same order.
+
+    Example:
+      >>> resplit({"x": np.arange(8).reshape(2, 4)}, 4, 2)["x"].tolist()
+      [[0, 1], [2, 3], [4, 5], [6, 7]]
+    """
+
+    def one(a: Any) -> Any:
+        if tuple(np.shape(a)[:2]) == (accum_steps, micro_batch):
+            return a
+        return np.reshape(np.asarray(a), (accum_steps, micro_batch, *np.shape(a)[2:]))
+
+    return jax.tree.map(one, batches)

@@ -1,0 +1,84 @@
+"""The main job on the embedded default: plan and train a tiny Flax LM on the shipped text."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import optax
+from flax import nnx
+
+from autoaccum import fit, format_bytes
+
+from ._tiny_lm import TinyTransformerLM, generate, next_token_loss, text_windows
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEMO_BUDGET = "40MiB"
+"""A deliberately small budget, so the CPU demo plans accumulation as a small GPU would."""
+
+
+def load_corpus() -> str:
+    """The small original text that ships with the package."""
+    return (DATA_DIR / "corpus.txt").read_text("utf-8")
+
+
+def run_flax_demo(*, effective_batch: int = 32, epochs: int = 3, budget: str = DEMO_BUDGET,
+                  seq_len: int = 96, out: TextIO | None = None) -> dict:
+    """Plans and trains the tiny Flax LM; returns the plan and losses as a dict."""
+    out = sys.stdout if out is None else out
+    data = text_windows(load_corpus(), length=seq_len)
+    n = data["tokens"].shape[0]
+    print(f"autoaccum demo: tiny Flax transformer LM on the shipped corpus "
+          f"({n} windows of {seq_len} bytes), effective_batch={effective_batch}, "
+          f"budget={budget}", file=out, flush=True)
+    model = TinyTransformerLM(max_len=seq_len, rngs=nnx.Rngs(0))
+    prompt = "The river"
+    print(f"before training: {generate(model, prompt, max_len=seq_len, steps=40)!r}", file=out)
+    start = time.perf_counter()
+    result = fit(
+        model,
+        data,
+        effective_batch=effective_batch,
+        optimizer=optax.adamw,
+        learning_rate=3e-4,
+        base_batch=1,
+        lr_rule="sqrt",
+        loss_fn=next_token_loss,
+        epochs=epochs,
+        budget=budget,
+    )
+    seconds = time.perf_counter() - start
+    plan = result.plan
+    print(f"plan: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation steps "
+          f"= {plan.effective_batch}; need {format_bytes(plan.need_bytes)} of "
+          f"{format_bytes(plan.budget_bytes)}; lr {plan.lr_scaling.arithmetic()}", file=out)
+    for e, loss in enumerate(result.epoch_losses):
+        print(f"epoch {e + 1}: mean loss {loss:.4f}", file=out)
+    print(f"after training:  {generate(model, prompt, max_len=seq_len, steps=40)!r}", file=out)
+    print(f"{result.steps} optimizer steps in {seconds:.1f} s (planning included)", file=out)
+    return {"plan": plan.to_dict(), "losses": result.losses, "epoch_losses": result.epoch_losses}
+
+
+def tiny_lm_plan_inputs(seq_len: int = 96) -> dict:
+    """``autoaccum plan --model autoaccum_demo:tiny_lm_plan_inputs``: the demo's model and data."""
+    return {
+        "model": TinyTransformerLM(max_len=seq_len, rngs=nnx.Rngs(0)),
+        "data": text_windows(load_corpus(), length=seq_len),
+        "optimizer": optax.adamw,
+        "learning_rate": 1e-4,
+        "loss_fn": next_token_loss,
+    }
+
+
+def run_default_demo(*, epochs: int | None = None) -> None:
+    """``make demo``: plan and LoRA fine-tune the tiny keras-hub Gemma3 on the shipped QA."""
+    from ._gemma_demo import run_keras_demo
+
+    history = run_keras_demo(epochs=epochs or 5)
+    plan = history.autoaccum_plan
+    losses = ", ".join(f"{v:.3f}" for v in history.history["loss"])
+    print(f"plan: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation steps = "
+          f"{plan.effective_batch}; learning rate {plan.lr_scaling.arithmetic()}")
+    print(f"loss per epoch: {losses}")

@@ -1,0 +1,120 @@
+"""Each unsupported input is refused early with a Keras-style message naming the fix."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from autoaccum.adapters.keras import (
+    is_keras_model,
+    keras_fit,
+    keras_program,
+    validate_keras_fit_kwargs,
+)
+from tests._paths import REPO
+
+X = np.zeros((8, 3), "float32")
+Y = np.zeros((8, 1), "float32")
+
+
+def dense(**compile_kwargs):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    if compile_kwargs is not None:
+        model.compile(**{"optimizer": "sgd", "loss": "mse", **compile_kwargs})
+    return model
+
+
+def test_is_keras_model():
+    assert is_keras_model(dense())
+    assert not is_keras_model(object())
+
+
+def test_not_compiled():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"model.compile\(.*Received: model.compiled=False"):
+        keras_fit(model, (X, Y), micro_batch=2, accum_steps=2)
+
+
+def test_run_eagerly():
+    with pytest.raises(ValueError, match="run_eagerly=False.*Received: run_eagerly=True"):
+        keras_program(dense(run_eagerly=True), (X, Y))
+
+
+def test_jit_compile_false():
+    with pytest.raises(ValueError, match="jit_compile=True.*Received: jit_compile=False"):
+        keras_program(dense(jit_compile=False), (X, Y))
+
+
+def test_keras_gradient_accumulation_is_refused():
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="twice.*gradient_accumulation_steps=4"):
+        keras_fit(dense(optimizer=optimizer), (X, Y), micro_batch=2, accum_steps=2)
+
+
+def test_data_without_leading_axis():
+    with pytest.raises(ValueError, match=r"leading example axis.*Received: x\[0\] with shape"):
+        keras_fit(dense(), ([np.float32(1.0)], Y), micro_batch=2, accum_steps=2)
+
+
+def test_data_with_unequal_lengths():
+    with pytest.raises(ValueError, match="same number of examples"):
+        keras_fit(dense(), (X, Y[:5]), micro_batch=2, accum_steps=2)
+
+
+def test_fewer_examples_than_effective_batch():
+    with pytest.raises(ValueError, match="fewer examples than one effective batch.*8"):
+        keras_fit(dense(), (X, Y), micro_batch=4, accum_steps=4)
+
+
+def test_strings_without_preprocessor():
+    with pytest.raises(ValueError, match="no preprocessor"):
+        keras_fit(dense(), (np.array(["a"] * 8), Y), micro_batch=2, accum_steps=2)
+
+
+def test_bad_plan_values():
+    with pytest.raises(ValueError, match="Received: micro_batch=0"):
+        keras_fit(dense(), (X, Y), micro_batch=0, accum_steps=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"batch_size": 32}, "effective_batch=.*Received: batch_size=32"),
+        ({"steps_per_execution": 4}, "Received: steps_per_execution=4"),
+        ({"class_weight": {0: 1.0}}, "sample_weight.*Received: class_weight"),
+        ({"epochs": -1}, "Received: epochs=-1"),
+        ({"validation_split": 0.2, "validation_data": (X, Y)}, "not both"),
+        ({"colour": "blue"}, "Unknown option.*Received: colour='blue'"),
+    ],
+)
+def test_fit_kwargs(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        validate_keras_fit_kwargs(**kwargs)
+
+
+@pytest.mark.slow
+def test_backend_not_jax():
+    code = (
+        "import os, sys\n"
+        "os.environ['KERAS_BACKEND'] = 'numpy'\n"
+        "import keras\n"
+        "from autoaccum.adapters.keras._checks import check_keras_model\n"
+        "m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+        "try:\n"
+        "    check_keras_model(m)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    root = str(REPO)
+    env = {**os.environ, "PYTHONPATH": root, "KERAS_BACKEND": "numpy"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert "KERAS_BACKEND=jax" in out.stdout, out.stderr[-2000:]
+    assert "Received: keras.backend.backend()='numpy'" in out.stdout

@@ -1,0 +1,78 @@
+"""The throughput objective: deterministic choice among measured candidates."""
+
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.planning._objective import Candidate, choose_fastest, cost_model_seconds
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+
+def _c(remat, micro, seconds):
+    return Candidate(remat, micro, 16 // micro, micro * 100, seconds, "measured")
+
+
+def test_fastest_candidate_wins_when_clearly_faster():
+    assert choose_fastest([_c("none", 8, 1.0), _c("none", 4, 0.7), _c("none", 2, 0.9)]) == \
+        _c("none", 4, 0.7)
+
+
+def test_within_tolerance_the_smaller_micro_batch_wins():
+    chosen = choose_fastest([_c("none", 16, 1.00), _c("none", 8, 1.04), _c("none", 4, 1.20)])
+    assert chosen.micro_batch == 8
+
+
+def test_ties_prefer_less_recompute_and_ignore_input_order():
+    cands = [_c("nothing", 8, 1.0), _c("dots", 8, 1.0), _c("none", 8, 1.01)]
+    for order in (cands, cands[::-1]):
+        assert choose_fastest(order).remat == "none"
+
+
+def test_tolerance_zero_takes_the_strict_fastest():
+    assert choose_fastest([_c("none", 16, 1.0), _c("none", 8, 1.04)], tolerance=0).micro_batch \
+        == 16
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(ValueError):
+        choose_fastest([])
+
+
+def test_cost_model_uses_the_roofline_of_the_profile():
+    t4 = autoaccum.find_profile("t4")
+    assert cost_model_seconds(8.1e12, 1.0, t4, 2) == pytest.approx(0.5, rel=0.01)
+    assert cost_model_seconds(1.0, 320e9, t4, 1) == pytest.approx(1.0, rel=0.01)  # bandwidth
+
+
+@pytest.mark.slow
+def test_throughput_plan_times_candidates_and_picks_by_the_rule():
+    model = TinyLM(rngs=nnx.Rngs(0))
+    plan = autoaccum.plan(model, ragged_tokens(32, 12), effective_batch=16, budget="1GiB",
+                          objective="throughput", optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                          log=None)
+    assert plan.objective == "throughput"
+    assert len(plan.candidates) >= 2
+    assert all(c.source == "measured" and c.seconds_per_example > 0 for c in plan.candidates)
+    best = choose_fastest(plan.candidates)
+    assert (plan.remat, plan.micro_batch) == (best.remat, best.micro_batch)
+    assert plan.micro_batch * plan.accum_steps == 16
+    assert plan.estimate.micro_batch == plan.micro_batch  # the need of the chosen split
+    assert "<- chosen" in plan.report()
+
+
+def test_unknown_objective_names_both():
+    with pytest.raises(ValueError, match="'memory'.*'throughput'"):
+        autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
+                       objective="speed", optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                       log=None)
+
+
+@pytest.mark.slow
+def test_dry_run_throughput_plan_uses_the_cost_model():
+    model = TinyLM(rngs=nnx.Rngs(0))
+    plan = autoaccum.plan(model, ragged_tokens(32, 12), effective_batch=16, device="t4",
+                          objective="throughput", optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                          log=None)
+    assert plan.candidates and all(c.source == "cost model" for c in plan.candidates)
+    assert plan.to_dict()["objective"] == "throughput"

@@ -1,0 +1,118 @@
+"""The compile-only planner agrees with a brute-force sweep and explains itself."""
+
+import functools
+
+import numpy as np
+import optax
+import pytest
+from autoaccum._prepare import prepare
+from flax import nnx
+
+import autoaccum
+from autoaccum.planning._measure import measure_program
+from autoaccum.planning._search import divisors
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+EFFECTIVE = 24
+
+
+@pytest.fixture(scope="module")
+def program():
+    model = TinyLM(vocab=256, dim=32, hidden=128, rngs=nnx.Rngs(0))
+    data = ragged_tokens(EFFECTIVE, 48, vocab=256)
+    options = {"optimizer": optax.adam(1e-3), "loss_fn": token_loss}
+    return prepare(model, data, effective_batch=EFFECTIVE, options=options).program
+
+
+@pytest.fixture(scope="module")
+def cached_measure(program):
+    @functools.cache
+    def measure(b, k):
+        return measure_program(program, b, k)
+
+    return measure
+
+
+@pytest.fixture(scope="module")
+def sweep(cached_measure):
+    """need_bytes at every divisor d of the effective batch, with its exact accumulation."""
+    return {d: cached_measure(d, EFFECTIVE // d).need_bytes for d in divisors(EFFECTIVE)}
+
+
+def _brute_force(sweep, budget):
+    fitting = [d for d, need in sweep.items() if need <= budget]
+    return max(fitting) if fitting else None
+
+
+def test_need_grows_with_micro_batch(sweep):
+    needs = [sweep[d] for d in sorted(sweep)]
+    assert needs == sorted(needs) and needs[-1] > 2 * needs[1]
+
+
+@pytest.mark.parametrize("between", [(1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 12), (12, 24)])
+def test_planned_micro_batch_equals_brute_force_largest_fitting_divisor(
+    cached_measure, sweep, between
+):
+    low, high = between
+    budget = autoaccum.Budget((sweep[low] + sweep[high]) // 2, "user", "test")
+    scaling = autoaccum.scale_learning_rate(1e-3, effective_batch=EFFECTIVE)
+    plan = autoaccum.planning._plan.search_plan(
+        cached_measure, effective_batch=EFFECTIVE, lr_scaling=scaling, budget=budget,
+        target="cpu", log=None,
+    )
+    assert plan.micro_batch == _brute_force(sweep, budget.bytes) == low
+    assert plan.micro_batch * plan.accum_steps * plan.data_parallel == EFFECTIVE
+    assert plan.need_bytes <= budget.bytes
+    assert all(p.fits == (p.need_bytes <= budget.bytes) for p in plan.probes)
+    if plan.max_micro_batch != plan.micro_batch:
+        assert "does not divide" in plan.report()
+
+
+def test_whole_batch_plan_when_everything_fits(cached_measure, sweep):
+    budget = autoaccum.Budget(sweep[EFFECTIVE] + 1, "user", "test")
+    scaling = autoaccum.scale_learning_rate(None, effective_batch=EFFECTIVE)
+    plan = autoaccum.planning._plan.search_plan(
+        cached_measure, effective_batch=EFFECTIVE, lr_scaling=scaling, budget=budget,
+        target="cpu", log=None,
+    )
+    assert (plan.micro_batch, plan.accum_steps) == (EFFECTIVE, 1)
+
+
+def test_public_plan_reports_probes_split_and_learning_rate(capsys):
+    model = TinyLM(rngs=nnx.Rngs(0))
+    data = ragged_tokens(32, 16)
+    plan = autoaccum.plan(
+        model, data, effective_batch=8, optimizer=optax.adamw, learning_rate=1e-4,
+        loss_fn=token_loss, budget="2GiB",
+    )
+    live = capsys.readouterr().err
+    assert "compiling micro_batch=" in live and "fits" in live
+    report = plan.report()
+    assert "8 = micro_batch 8 x 1 device(s) x 1 accumulation step(s)" in report
+    assert "0.0008 = 0.0001 x 8/1, linear" in report
+    assert plan.budget_bytes == 2 * 2**30
+    as_json = plan.to_dict()
+    assert {"micro_batch", "accum_steps", "need_bytes", "probes", "learning_rate"} <= set(as_json)
+
+
+def test_measure_itemizes_the_step(program):
+    est = measure_program(program, 4, 6)
+    params = program.parts["trainable"]
+    n_elements = sum(int(np.prod(p.shape)) for p in __import__("jax").tree.leaves(params))
+    assert est.trainable_bytes == 4 * n_elements
+    assert est.accumulator_bytes == 4 * n_elements
+    assert 2 * est.trainable_bytes <= est.optimizer_bytes <= 2 * est.trainable_bytes + 64
+    assert est.batch_bytes == 6 * 4 * 2 * 48 * 4
+    in_out = est.argument_bytes + est.output_bytes
+    assert est.need_bytes == in_out - est.alias_bytes + est.temp_bytes
+    assert est.alias_bytes > 0  # the donated state is aliased to the new state
+
+
+def test_budget_too_small_even_for_micro_batch_one_names_what_would_help():
+    model = TinyLM(rngs=nnx.Rngs(0))
+    with pytest.raises(autoaccum.DoesNotFitError) as info:
+        autoaccum.plan(model, ragged_tokens(8, 8), effective_batch=8, optimizer=optax.sgd(0.1),
+                       loss_fn=token_loss, budget="4KiB", log=None)
+    message = str(info.value)
+    for hint in ("micro_batch=1", "rematerialization", "LoRA", "shorter sequences", "dtype"):
+        assert hint in message

@@ -1,0 +1,94 @@
+"""Bad input fails early with a message that names the fix."""
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.planning._validate import validate_effective_batch
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+
+def _fit(**overrides):
+    kwargs = {
+        "effective_batch": 4,
+        "optimizer": optax.sgd(0.1),
+        "loss_fn": token_loss,
+        "budget": "1GiB",
+        "verbose": 0,
+        "log": None,
+    }
+    kwargs.update(overrides)
+    data = kwargs.pop("data", ragged_tokens(8, 6))
+    return autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, "8", True])
+def test_effective_batch_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=r"positive integer.*Received: effective_batch="):
+        _fit(effective_batch=bad)
+
+
+def test_effective_batch_not_multiple_of_devices_names_nearest_sizes():
+    with pytest.raises(ValueError, match="nearest valid sizes: 6 or 9"):
+        validate_effective_batch(7, data_parallel=3)
+
+
+def test_mismatched_leading_axes_are_listed():
+    data = {"tokens": np.zeros((8, 6), np.int32), "mask": np.ones((7, 6), np.int32)}
+    with pytest.raises(ValueError, match=r"same number of examples.*\['mask'\]: 7"):
+        _fit(data=data)
+
+
+@pytest.mark.parametrize("data", [{}, (), {"tokens": np.zeros((0, 6), np.int32)}])
+def test_empty_data_is_refused(data):
+    with pytest.raises(ValueError, match="empty"):
+        _fit(data=data)
+
+
+def test_scalar_without_example_axis_is_refused():
+    with pytest.raises(ValueError, match="leading example axis"):
+        _fit(data={"tokens": np.int32(3)})
+
+
+def test_fewer_examples_than_one_effective_batch():
+    with pytest.raises(ValueError, match=r"3 examples, fewer than one effective batch of 4"):
+        _fit(data=ragged_tokens(3, 6))
+
+
+def test_unknown_lr_rule():
+    with pytest.raises(ValueError, match="Unknown lr_rule"):
+        _fit(lr_rule="quadratic")
+
+
+def test_unparseable_budget():
+    with pytest.raises(ValueError, match="Received: budget='a lot'"):
+        _fit(budget="a lot")
+
+
+def test_missing_loss_fn_and_optimizer_explain_the_contract():
+    with pytest.raises(ValueError, match=r"sum_of_losses, number_of_valid_items"):
+        _fit(loss_fn=None)
+    with pytest.raises(ValueError, match="optax.adamw"):
+        _fit(optimizer=None)
+
+
+def test_loss_fn_returning_a_mean_explains_the_contract():
+    with pytest.raises(ValueError, match=r"must return \(sum_of_losses, number_of_valid_items\)"):
+        _fit(loss_fn=lambda m, b: token_loss(m, b)[0])
+
+
+def test_unknown_model_type_names_supported_frameworks():
+    with pytest.raises(ValueError, match="Flax NNX modules"):
+        autoaccum.plan(object(), ragged_tokens(8, 6), effective_batch=4)
+
+
+def test_batch_size_with_effective_batch_names_the_fix():
+    with pytest.raises(ValueError, match=r"pass `effective_batch=`.*Received: batch_size=4"):
+        _fit(batch_size=4)
+
+
+def test_unexpected_option_is_a_type_error():
+    with pytest.raises(TypeError, match="micro_steps"):
+        _fit(micro_steps=4)

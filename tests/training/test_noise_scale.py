@@ -1,0 +1,72 @@
+"""The gradient noise scale estimate recovers a known value on a controlled problem."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from autoaccum import accumulate_gradients
+from autoaccum.training._noise_scale import NoiseScaleEstimator, critical_batch_advice
+
+
+def test_estimator_recovers_known_noise_scale_through_the_accumulated_step():
+    # Per-example loss w . (G + e_i): its gradient is exactly G + e_i with e_i ~ N(0, s^2 I),
+    # so tr(Sigma) = d s^2 and B_simple = d s^2 / |G|^2 = 64 * 4 / 4 = 64 examples.
+    d, sigma = 64, 2.0
+    g_true = jnp.full((d,), 2.0 / np.sqrt(d))  # |G|^2 = 4
+    expected = d * sigma**2 / float(jnp.sum(g_true**2))
+    rng = np.random.default_rng(0)
+    estimator = NoiseScaleEstimator(decay=0.95)
+    k, micro = 8, 4
+
+    def micro_loss(w, carry, batch):
+        return (jnp.sum(batch["v"] @ w), jnp.float32(batch["v"].shape[0])), carry
+
+    step = jax.jit(lambda w, b: accumulate_gradients(micro_loss, w, None, b))
+    w = jnp.zeros(d)
+    for _ in range(300):
+        v = np.asarray(g_true) + sigma * rng.normal(size=(k, micro, d)).astype(np.float32)
+        acc = step(w, {"v": jnp.asarray(v)})
+        mean_grad = acc.grad_sum / acc.count
+        estimator.update(grad_sq_norm=float(jnp.sum(mean_grad**2)),
+                         micro_grad_sq_norm=float(acc.micro_grad_sq_norm_sum) / k,
+                         big_batch=float(acc.count), small_batch=float(acc.count) / k)
+    assert abs(estimator.value - expected) / expected < 0.2
+
+
+def test_no_estimate_without_accumulation():
+    est = NoiseScaleEstimator()
+    assert est.update(grad_sq_norm=1.0, micro_grad_sq_norm=1.0, big_batch=8,
+                      small_batch=8) is None
+    assert "not estimated" in critical_batch_advice(None, effective_items=8, effective_batch=8)
+
+
+def test_advice_says_far_above_and_far_below():
+    assert "far above" in critical_batch_advice(10.0, effective_items=1000, effective_batch=8)
+    assert "far below" in critical_batch_advice(1e6, effective_items=1000, effective_batch=8)
+    assert "close to it" in critical_batch_advice(900.0, effective_items=1000,
+                                                  effective_batch=8)
+
+
+@pytest.mark.slow
+def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
+    import optax
+    from flax import nnx
+
+    import autoaccum
+    from tests._models import TinyLM, ragged_tokens, token_loss
+
+    data = ragged_tokens(64, 10)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    small = autoaccum.measure(model, data, micro_batch=4, effective_batch=16,
+                              optimizer=optax.adam(1e-3), loss_fn=token_loss)
+    result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
+                           loss_fn=token_loss, epochs=3, budget=small.need_bytes, verbose=0,
+                           log=None)
+    assert result.plan.accum_steps > 1
+    assert len(result.noise_scale) == result.steps
+    # Random tokens: the gradient is mostly noise, so B_simple is large (possibly infinite).
+    assert result.noise_scale[-1] is not None and result.noise_scale[-1] > 16
+    assert result.history["gradient_noise_scale"][-1] == result.noise_scale[-1]
+    assert "gradient noise scale B_simple" in result.noise_advice
+    assert "far below" in result.noise_advice
