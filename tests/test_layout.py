@@ -1,0 +1,158 @@
+"""The package's import direction: entry points -> adapters -> training -> planning -> devices.
+
+Every import in every module (module level and inside functions) is checked, so the layering
+cannot silently regress. Rules:
+
+* a module imports only from its own layer or a lower one;
+* the core (devices, planning, training) imports no framework (keras, keras_hub, tensorflow,
+  flax) and no adapter;
+* one adapter never imports another; nothing outside an adapter imports its private modules
+  or names, and no module imports a private name (``_x``) of another subpackage;
+* only the command line imports the demo package (``autoaccum_demo``), which imports only
+  autoaccum's public surface;
+* there is no import cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+LAYERS = {"devices": 0, "planning": 1, "training": 2, "adapters": 3, "entry": 4}
+FRAMEWORKS = ("keras", "keras_hub", "tensorflow", "flax")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "autoaccum" or len(parts) == 1:
+        return "entry"
+    return parts[1] if parts[1] in LAYERS else "entry"
+
+
+def imports_of(path: Path) -> list[tuple[str, tuple[str, ...], int]]:
+    """(absolute module, imported names, line) for every import statement in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = module_name(path)
+    package = module if is_package(path) else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, (), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, tuple(a.name for a in node.names), node.lineno))
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted([*(ROOT / "autoaccum").rglob("*.py"), *(ROOT / "autoaccum_demo").rglob("*.py")])
+
+
+def adapter_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["autoaccum", "adapters"] else None
+
+
+def violations() -> list[str]:
+    out = []
+    for path in sources():
+        module = module_name(path)
+        here = layer_of(module)
+        for target, names, line in imports_of(path):
+            where = f"{path.relative_to(ROOT)}:{line}: {module} imports {target}"
+            top = target.split(".")[0]
+            if module.startswith("autoaccum_demo"):
+                if top == "autoaccum" and (target != "autoaccum"
+                                           or any(n.startswith("_") for n in names)):
+                    out.append(f"{where} (the demo uses autoaccum's public surface only)")
+                continue
+            if top == "autoaccum_demo" and not module.startswith("autoaccum.cli"):
+                out.append(f"{where} (only the command line imports the demo)")
+            if top in FRAMEWORKS and here in ("devices", "planning", "training"):
+                out.append(f"{where} (the core imports no framework)")
+            if top != "autoaccum":
+                continue
+            there = layer_of(target)
+            if LAYERS[there] > LAYERS[here]:
+                out.append(f"{where} (layer {here} may not import layer {there})")
+            mine, theirs = adapter_of(module), adapter_of(target)
+            if theirs and mine and mine != theirs:
+                out.append(f"{where} (one adapter never imports another)")
+            inside = target.split(".")[3:] if theirs else []
+            if theirs and mine != theirs and (any(p.startswith("_") for p in inside)
+                                              or any(n.startswith("_") for n in names)):
+                out.append(f"{where} (a private module or name of the {theirs} adapter)")
+            same_package = target.split(".")[:2] == module.split(".")[:2]
+            if not same_package and any(n.startswith("_") and n != "__version__"
+                                        for n in names):
+                out.append(f"{where} (a private name of another subpackage)")
+    return out
+
+
+def test_imports_point_one_way():
+    assert violations() == []
+
+
+def test_no_import_cycles():
+    modules = {module_name(p): p for p in sources()}
+    graph = {m: set() for m in modules}
+    for module, path in modules.items():
+        for target, names, _ in imports_of(path):
+            for candidate in (target, *(f"{target}.{n}" for n in names)):
+                # A package's __init__ importing its own submodules is not a cycle.
+                own = is_package(path) and candidate.startswith(module + ".")
+                if candidate in modules and candidate != module and not own:
+                    graph[module].add(candidate)
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= 420, "one idea per module: split it"
+
+
+def test_the_rules_catch_a_violation(tmp_path, monkeypatch):
+    bad = ROOT / "autoaccum" / "devices" / "_layout_probe_tmp.py"
+    bad.write_text("from ..training._accumulate import accumulate_gradients\nimport keras\n")
+    try:
+        found = [v for v in violations() if "_layout_probe_tmp" in v]
+    finally:
+        bad.unlink()
+    assert any("layer devices may not import layer training" in v for v in found)
+    assert any("imports no framework" in v for v in found)
