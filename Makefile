@@ -7,7 +7,7 @@ export JAX_PLATFORMS ?= cpu
 export KERAS_BACKEND ?= jax
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ demo: $(STAMP)
 	$(PY) -m autoaccum demo
 
 test: $(STAMP)
-	$(PY) -m ruff check autoaccum tests benchmarks
+	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py
