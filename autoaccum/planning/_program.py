@@ -26,6 +26,9 @@ class StepMetrics(NamedTuple):
     """|mean gradient|^2 of the effective batch."""
     micro_grad_sq_norm: jax.Array
     """Mean over micro-batches of |micro-batch mean gradient|^2."""
+    finite: jax.Array | bool = True
+    """Whether the step's loss and gradients were finite (see ``autoaccum.training._nonfinite``);
+    computed on the device, so reading it costs no extra host sync."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from ._accumulate import mean_gradients as mean_gradients
 from ._accumulate import mean_loss as mean_loss
 from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
 from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
+from ._nonfinite import NonFiniteError as NonFiniteError
 from ._result import FitResult as FitResult
 from ._snapshot import HostSnapshot as HostSnapshot
 
@@ -18,6 +19,7 @@ __all__ = [
     "FitResult",
     "HostSnapshot",
     "NoiseScaleEstimator",
+    "NonFiniteError",
     "accumulate_gradients",
     "data_parallel_accumulate",
     "mean_gradients",
