@@ -12,13 +12,14 @@ import time
 import _common  # noqa: F401  (environment first)
 import optax
 from _common import print_table
-from autoaccum._prepare import prepare
 from flax import nnx
 
 from autoaccum import Budget, scale_learning_rate
+from autoaccum.adapters import adapter_for
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan import search_plan
+from autoaccum.planning._planner import prepare
 from autoaccum.planning._search import divisors
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
@@ -30,7 +31,8 @@ def main() -> None:
     model = TinyTransformerLM(dim=128, layers=4, max_len=128, rngs=nnx.Rngs(0))
     data = text_windows(load_corpus(), length=128)
     options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
-    program = prepare(model, data, effective_batch=EFFECTIVE, options=options).program
+    program = prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
+                      options=options).program
 
     start = time.perf_counter()
     sweep = {d: measure_program(program, d, EFFECTIVE // d).need_bytes

@@ -13,14 +13,15 @@ import _common  # noqa: F401  (environment first)
 import jax
 import optax
 from _common import median_seconds, print_table
-from autoaccum._prepare import prepare
 from flax import nnx
 
+from autoaccum.adapters import adapter_for
 from autoaccum.adapters.flax._program import make_flax_step, split_model
 from autoaccum.adapters.flax._remat import rematerialized
 from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning._measure import CompileTarget, measure_program
+from autoaccum.planning._planner import prepare
 from autoaccum.planning._remat import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
@@ -37,7 +38,8 @@ def main() -> None:
     rows, base = [], {}
     for policy in REMAT_POLICIES:
         options = {"optimizer": tx, "loss_fn": next_token_loss}
-        program = prepare(model, data, effective_batch=EFFECTIVE, options=options,
+        program = prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
+                          options=options,
                           remat=policy).program
         with rematerialized(model, policy):
             graphdef, params, frozen, other = split_model(model, nnx.Param)

@@ -5,11 +5,12 @@ import functools
 import numpy as np
 import optax
 import pytest
-from autoaccum._prepare import prepare
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters import adapter_for
 from autoaccum.planning._measure import measure_program
+from autoaccum.planning._planner import prepare
 from autoaccum.planning._search import divisors
 from tests._models import TinyLM, ragged_tokens, token_loss
 
@@ -21,7 +22,8 @@ def program():
     model = TinyLM(vocab=256, dim=32, hidden=128, rngs=nnx.Rngs(0))
     data = ragged_tokens(EFFECTIVE, 48, vocab=256)
     options = {"optimizer": optax.adam(1e-3), "loss_fn": token_loss}
-    return prepare(model, data, effective_batch=EFFECTIVE, options=options).program
+    return prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
+                   options=options).program
 
 
 @pytest.fixture(scope="module")
