@@ -19,13 +19,17 @@ straight to file descriptor 2, which no Python setting reaches:
 :func:`quiet_start` (run once, when ``autoaccum`` is imported) does something only where
 no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
 
-* ``JAX_PLATFORMS=cpu`` if unset and no other accelerator plugin (TPU, ROCm) is installed,
-  otherwise ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``: either stops the traceback; both keep
-  deviceless compiles for a named GPU working (design notes section 2). JAX would use the CPU
-  here anyway;
+* ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
+  other accelerator plugin (TPU, ROCm) is installed; otherwise
+  ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (read when the plugin starts). Either stops the
+  traceback, and both keep deviceless compiles for a named GPU working (design notes section
+  2). JAX would use the CPU here anyway;
 * ``TF_CPP_MIN_LOG_LEVEL=3`` if unset (TensorFlow's own log lines);
 * the first ``import jax`` and ``import tensorflow`` run with file descriptor 2 captured, and
-  every captured line except the known noise above is written back to stderr afterwards.
+  every captured line except the known noise above is written back to stderr afterwards; the
+  CUDA plugin's library is loaded inside that capture too (its cudart stub logs at load, which
+  JAX does at its first computation). If jax was imported before autoaccum, its import lines
+  are already out; only the library is preloaded.
 
 Set ``AUTOACCUM_QUIET=0`` to turn all of it off. Variables you set yourself are never changed.
 """
@@ -166,10 +170,14 @@ def quiet_start() -> QuietStart:
     if not (cuda_plugin or tensorflow) or not nvidia_gpu_absent():
         return done
     if cuda_plugin and not jax_started():
-        if _other_accelerator_plugins():
+        if "jax" in sys.modules or _other_accelerator_plugins():
+            # JAX_PLATFORMS is read when jax is imported; this one when the plugin starts.
             _set_default("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1", done)
         else:
             _set_default("JAX_PLATFORMS", "cpu", done)
+        if "jax" in sys.modules:  # imported before autoaccum: its import lines are out already
+            with quiet_native_logs():
+                _preload_cuda_plugin()
     if tensorflow:
         _set_default("TF_CPP_MIN_LOG_LEVEL", "3", done)
     names = tuple(
