@@ -77,7 +77,7 @@ def cases(args: argparse.Namespace, gpu: bool) -> list[dict]:
         size = dict(FLAX[name]) if family == "flax" else dict(GEMMA[name], rank=4)
         if args.micro_batches:
             micro = [int(b) for b in args.micro_batches.split(",")]
-            effective = max(effective, *micro)
+            effective = max(micro)
         case = dict(name=f"{name}-{mode}", family=family, mode=mode, seq=seq, size=size,
                     micro_batches=micro, effective_batch=effective)
         if not args.cases or any(c in case["name"] for c in args.cases.split(",")):
