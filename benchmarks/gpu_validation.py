@@ -62,17 +62,17 @@ GEMMA = {
 def cases(args: argparse.Namespace, gpu: bool) -> list[dict]:
     """The matrix: sizes from tiny up (big ones only on a GPU; --quick keeps the small)."""
     quick = args.quick or not gpu
-    rows = [("flax-tiny", "full", 256, [1, 2, 4, 8], 8)]
-    rows += [("gemma3-tiny", "lora", 128, [1, 2, 4], 4), ("gemma3-tiny", "full", 128, [1, 2], 4)]
+    # (name, mode, sequence length, effective batch E); micro-batches: every power of two up
+    # to E, so the planner's choice (a divisor of E) is always among the tested ones.
+    rows = [("flax-tiny", "full", 256, 8), ("gemma3-tiny", "lora", 128, 4),
+            ("gemma3-tiny", "full", 128, 4)]
     if not quick:
-        rows += [("flax-small", "full", 1024, [1, 4, 16, 64], 64),
-                 ("flax-medium", "full", 1024, [1, 4, 16, 64], 64),
-                 ("gemma3-1b", "lora", 512, [1, 4, 16, 64], 64),
-                 ("gemma3-1b", "full", 512, [1, 4, 16], 16),
-                 ("gemma3-4b", "lora", 400, [1, 2, 4, 8, 16], 16),
-                 ("gemma3-4b", "full", 400, [1, 2, 4], 4)]
+        rows += [("flax-small", "full", 1024, 64), ("flax-medium", "full", 1024, 64),
+                 ("gemma3-1b", "lora", 512, 64), ("gemma3-1b", "full", 512, 16),
+                 ("gemma3-4b", "lora", 400, 16), ("gemma3-4b", "full", 400, 4)]
     out = []
-    for name, mode, seq, micro, effective in rows:
+    for name, mode, seq, effective in rows:
+        micro = [1 << i for i in range(effective.bit_length()) if 1 << i <= effective]
         family = "flax" if name.startswith("flax") else "gemma3"
         size = dict(FLAX[name]) if family == "flax" else dict(GEMMA[name], rank=4)
         if args.micro_batches:
@@ -158,6 +158,19 @@ def point_row(case: dict, p: dict) -> list:
             mib(p.get("deviceless")), mib(measured), ratio, note]
 
 
+def agreement(plan: dict, points: list[dict]) -> str:
+    """Planner's micro-batch vs the largest tested one that really ran."""
+    chosen, ran = plan.get("micro_batch"), plan.get("largest_that_ran")
+    tested = [p["micro_batch"] for p in points if "micro_batch" in p]
+    if chosen is None or ran is None:
+        return "-"
+    if chosen == ran:
+        return "yes"
+    if chosen not in tested:
+        return "planner's choice not tested"
+    return "no: planner smaller (margin)" if chosen < ran else "no: planner's choice failed"
+
+
 def detect_gpu() -> dict | None:
     """This machine's GPU via NVML (JAX is not started here), its profile and pool share."""
     from autoaccum.devices import detect_device
@@ -165,9 +178,13 @@ def detect_gpu() -> dict | None:
     found = detect_device()
     if not found.is_gpu or found.profile is None:
         return None
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                    found.profile.default_memory_fraction))
-    return {"name": found.name, "profile": found.profile.key, "fraction": fraction,
+    # The children do not call configure(): JAX's own default share (0.75) applies unless set.
+    jax_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    pool = found.memory_total_bytes * jax_fraction
+    profile_total = found.profile.pool_bytes(1.0)  # CUDA's total where the profile knows it
+    # The deviceless compile gets the same pool, as a share of the profile's nominal memory.
+    return {"name": found.name, "profile": found.profile.key, "jax_fraction": jax_fraction,
+            "fraction": min(1.0, pool / profile_total), "pool": int(pool),
             "total": found.memory_total_bytes}
 
 
@@ -226,7 +243,8 @@ def main() -> None:
     start = time.perf_counter()
     gpu = detect_gpu()
     report: dict = {"gpu": gpu, "quick": args.quick, "cases": []}
-    header = gpu and f"{gpu['name']} ({gpu['profile']}, JAX pool {gpu['fraction']:.0%})"
+    header = gpu and (f"{gpu['name']} ({gpu['profile']}, JAX pool {mib(gpu['pool'])} MiB = "
+                      f"{gpu['jax_fraction']:.0%} of {mib(gpu['total'])} MiB)")
     print(f"device: {header or 'no GPU: CPU path (deviceless needs for ' + args.profile + ')'}")
     rows, plans = [], []
     for case in cases(args, gpu is not None):
@@ -236,8 +254,7 @@ def main() -> None:
         plan = result["plan"]
         plans.append([case["name"], case["effective_batch"],
                       plan.get("micro_batch", plan.get("error", "-")),
-                      plan.get("largest_that_ran", "-"),
-                      "yes" if plan.get("micro_batch") == plan.get("largest_that_ran") else "no"])
+                      plan.get("largest_that_ran", "-"), agreement(plan, points)])
     print_table(["case", "b x k", "need here MiB", "deviceless MiB",
                  "peak MiB" if gpu else "RSS growth MiB", "peak/need", "status"], rows)
     print()
