@@ -143,7 +143,13 @@ def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[N
 
 class QuietStart(dict):
     """What :func:`quiet_start` did: the variables it set (name -> value); ``quieted`` lists
-    the modules whose first import runs with the noise filtered."""
+    the modules whose first import runs with the noise filtered.
+
+    Example:
+      >>> from autoaccum.devices import QUIET_START
+      >>> isinstance(QUIET_START, dict), isinstance(QUIET_START.quieted, tuple)
+      (True, True)
+    """
 
     quieted: tuple[str, ...] = ()
 
