@@ -22,7 +22,8 @@ How the installed set is made (no package is downloaded or installed):
    walks the requirement graph from the command through the resulting environment and, for
    each kept Colab package it reaches, fetches that exact version's metadata with pip
    (``--dry-run --no-deps --report``: PEP 658 metadata, no wheel) and writes it into the
-   fake dist-info; then resolves again, until no new package is reached (2-3 rounds).
+   fake dist-info; then resolves again, until no new package is reached (six rounds for
+   the shipped freeze).
 
 Limits, said plainly: pip evaluates environment markers with the interpreter that runs it
 (this machine's Python), while wheels and ``Requires-Python`` are chosen for Colab's; Colab
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -331,7 +333,10 @@ def _require_index() -> None:
 
 
 def _run(command: list[str], *, timeout: float = 900) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    # No PYTHONPATH: a source checkout on it (with its build's *.egg-info) would count as
+    # installed in the emulated environment.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         output = proc.stdout + proc.stderr
         if any(marker in output for marker in NETWORK_ERRORS):
