@@ -5,6 +5,11 @@ accumulates gradients exactly over the rest inside one jitted step, scales the l
 rate by a named rule, and trains.
 """
 
+# First: on a machine without a GPU, ``devices`` quiets JAX's and TensorFlow's start-up before
+# anything imports them (see autoaccum/devices/_quiet.py).
+from . import devices as devices
+
+# isort: split
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan

@@ -134,7 +134,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from ..devices._extras import require_extra
+
     os.environ.setdefault("KERAS_BACKEND", "jax")
+    if not args.flax:
+        require_extra("keras", feature="The default demo (a tiny keras-hub Gemma3; "
+                      "`autoaccum demo --flax` needs no extra)")
     if args.flax:
         from autoaccum_demo._flax_demo import run_flax_demo
 
@@ -191,9 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoaccum`` console script."""
+    from ..devices._extras import MissingExtraError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:  # DoesNotFitError included: bad input or no fit, explained
+    except (ValueError, MissingExtraError) as error:  # bad input, no fit or a missing extra
         print(f"autoaccum: error: {error}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..devices._extras import require_extra
 from ..planning._plan import Plan
 
 
@@ -25,15 +26,11 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
       >>> out.read_bytes()[1:4] == b"PNG"
       True
     """
-    try:
-        import matplotlib
+    require_extra("plot", feature="plot_plan (autoaccum plan --plot)")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "--plot needs matplotlib: pip install matplotlib (or 'autoaccum[plot]')."
-        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     gib = 2**30
     probes = sorted(plan.probes, key=lambda p: p.micro_batch)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)

@@ -1,12 +1,21 @@
 """Devices: profiles, detection, set-up before JAX starts, deviceless GPU targets, meshes, and
-how a real out-of-memory looks. The lowest layer: it imports nothing else of autoaccum."""
+how a real out-of-memory looks. The lowest layer: it imports nothing else of autoaccum.
 
+``_quiet`` is imported first: on a machine without a GPU it sets what keeps JAX and TensorFlow
+quiet before anything imports them (``QUIET_START`` says what it set).
+"""
+
+from ._quiet import QUIET_START as QUIET_START
+
+# isort: split
 from ._configure import configure as configure
 from ._detect import DetectedDevice as DetectedDevice
 from ._detect import detect_device as detect_device
 from ._detect import host_memory as host_memory
 from ._deviceless import DevicelessTarget as DevicelessTarget
 from ._deviceless import deviceless_target as deviceless_target
+from ._extras import MissingExtraError as MissingExtraError
+from ._extras import require_extra as require_extra
 from ._mesh import data_parallel_mesh as data_parallel_mesh
 from ._mesh import replicate as replicate
 from ._mesh import resolve_mesh as resolve_mesh
@@ -22,9 +31,11 @@ from ._warnings import AutoaccumWarning as AutoaccumWarning
 __all__ = [
     "AddressSpaceCap",
     "AutoaccumWarning",
+    "QUIET_START",
     "DetectedDevice",
     "DeviceProfile",
     "DevicelessTarget",
+    "MissingExtraError",
     "configure",
     "data_parallel_mesh",
     "detect_device",
@@ -35,6 +46,7 @@ __all__ = [
     "is_out_of_memory",
     "list_profiles",
     "replicate",
+    "require_extra",
     "resolve_mesh",
     "shard_batches",
 ]

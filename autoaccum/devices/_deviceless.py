@@ -7,14 +7,16 @@ With the jax-cuda12-plugin installed, XLA can compile a program for a GPU descri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import importlib.metadata
-import importlib.util
 import os
 from typing import Any
 
+from ._detect import jax_started
+from ._extras import MissingExtraError, installed_version, missing_from_extra
 from ._profiles import DeviceProfile, find_profile
+from ._quiet import nvidia_gpu_absent, quiet_native_logs
 from ._target_config import gpu_target_config
 
 __all__ = ["DevicelessTarget", "deviceless_target", "shard_abstract"]
@@ -51,7 +53,8 @@ def deviceless_target(
     """A :class:`DevicelessTarget` for ``profile``'s GPU, usable on a machine without one.
 
     ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
-    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs the jax-cuda12-plugin, and
+    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs the jax-cuda12-plugin at
+    JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says so), and
     JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
     machine without CUDA (set for you if JAX has not yet loaded its plugins).
 
@@ -118,10 +121,13 @@ def _make_target(text: str) -> tuple[Any, Any, Any]:
     import jax
     from jax.experimental import topologies
 
+    # Loading the plugin's library here logs a cudart line on a machine without CUDA.
+    quiet = quiet_native_logs() if nvidia_gpu_absent() else contextlib.nullcontext()
     try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=text, topology="1x1x1"
-        )
+        with quiet:
+            topology = topologies.get_topology_desc(
+                platform="cuda", target_config=text, topology="1x1x1"
+            )
     except NotImplementedError as e:
         raise RuntimeError(
             "JAX cannot compile for a GPU in this process: its CUDA plugin was not loaded "
@@ -136,22 +142,21 @@ def _make_target(text: str) -> tuple[Any, Any, Any]:
 
 
 def _require_cuda_plugin() -> None:
-    import jax
-
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        raise ImportError(
-            "Compiling for a GPU that is not there needs JAX's CUDA plugin, which is not "
-            f'installed. Install it with: pip install "jax-cuda12-plugin=={jax.__version__}" '
-            "(or pip install 'autoaccum[dryrun]'). No driver or GPU is needed."
+    """The CUDA plugin and its PJRT library, at exactly JAX's version, or an ImportError
+    naming the extra that installs them (before JAX's own ``No module named ...``)."""
+    problems = missing_from_extra("dryrun")
+    if problems:
+        received = ", ".join(
+            f"{name}={installed_version(name)}"
+            for name in ("jax", "jax-cuda12-plugin", "jax-cuda12-pjrt")
         )
-    try:
-        plugin_version = importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    if plugin_version != jax.__version__:
-        raise ImportError(
-            f"jax-cuda12-plugin {plugin_version} does not match jax {jax.__version__}. "
-            f'Install the matching one: pip install "jax-cuda12-plugin=={jax.__version__}".'
+        raise MissingExtraError(
+            "Compiling for a GPU that is not here (deviceless) needs JAX's CUDA plugin at "
+            f"exactly JAX's version (no driver or GPU needed): {'; '.join(problems)}. Install "
+            "it with: pip install 'autoaccum[dryrun]' (on a machine with an NVIDIA GPU: pip "
+            "install 'autoaccum[cuda12]'); both pin the plugin to the jax that resolves. "
+            f"Received: {received}",
+            extra="dryrun",
         )
 
 
@@ -163,7 +168,5 @@ def _allow_cuda_plugin_without_driver() -> None:
     read once, at plugin discovery; setting the former before then is harmless on a machine
     with CUDA (it skips a version check) and makes the topology call work on one without.
     """
-    from jax._src import xla_bridge
-
-    if not getattr(xla_bridge, "_plugins_registered", True):
+    if not jax_started():
         os.environ.setdefault(_SKIP_CHECK_ENV, "1")

@@ -116,16 +116,29 @@ def test_topology_error_explains_how_to_start_jax():
 
 
 def test_missing_cuda_plugin_says_what_to_install(monkeypatch):
-    import jax
-
+    from autoaccum.devices import MissingExtraError
     from autoaccum.devices._deviceless import deviceless_target
 
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # as if not installed
-    with pytest.raises(ImportError) as info:
+    with pytest.raises(MissingExtraError) as info:
         deviceless_target("t4", device_memory_bytes=12345678)
     message = str(info.value)
-    assert f'pip install "jax-cuda12-plugin=={jax.__version__}"' in message
-    assert "autoaccum[dryrun]" in message
+    assert "jax-cuda12-pjrt is not installed" in message
+    assert "pip install 'autoaccum[dryrun]'" in message
+    assert "pip install 'autoaccum[cuda12]'" in message  # the GPU-machine variant
+    assert info.value.extra == "dryrun"
+
+
+def test_missing_plugin_namespace_is_our_message_not_a_module_not_found(monkeypatch):
+    # Without the plugin there is no jax_plugins package at all; find_spec on
+    # "jax_plugins.xla_cuda12" then raised "No module named 'jax_plugins'" before our message.
+    from autoaccum.devices import MissingExtraError
+    from autoaccum.devices._deviceless import deviceless_target
+
+    monkeypatch.delitem(sys.modules, "jax_plugins.xla_cuda12", raising=False)
+    monkeypatch.setitem(sys.modules, "jax_plugins", None)  # as if no plugin was ever installed
+    with pytest.raises(MissingExtraError, match=r"autoaccum\[dryrun\]"):
+        deviceless_target("t4", device_memory_bytes=12345679)
 
 
 def test_shard_abstract_keeps_shapes_and_non_array_leaves():

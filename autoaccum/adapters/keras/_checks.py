@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ...devices._extras import require_extra
 from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
 
@@ -47,7 +48,9 @@ def is_keras_model(obj: Any) -> bool:
 
 
 def check_keras_model(model: Any) -> None:
-    """Raises ``ValueError`` naming the fix if ``model`` cannot be trained by autoaccum."""
+    """Raises ``ValueError`` naming the fix if ``model`` cannot be trained by autoaccum (and
+    ``MissingExtraError`` if the installed Keras is outside the range autoaccum supports)."""
+    require_extra("keras", feature="Planning or training a Keras model", packages=("keras",))
     import keras
 
     backend = keras.backend.backend()

@@ -44,6 +44,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ....devices._extras import require_extra
 from ._architectures import Architecture, load_architecture
 
 __all__ = [
@@ -99,6 +100,7 @@ def build_abstract_causal_lm(
     >>> len(model.trainable_variables)      # LoRA a/b factors of query and value, 16 blocks
     64
     """
+    require_extra("keras", feature="keras-hub presets", packages=("keras", "keras-hub"))
     import keras
     from keras.src.backend.common import global_state
     from keras.src.backend.common.stateless_scope import in_stateless_scope

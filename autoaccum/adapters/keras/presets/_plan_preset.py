@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from ....devices._extras import require_extra
 from ....planning._lr import scale_learning_rate
 from ....planning._plan import Plan
 from ....planning._planner import label_policy, plan_program, with_failed_policies
@@ -73,6 +74,8 @@ def plan_preset(
       >>> p.micro_batch * p.accum_steps
       4
     """
+    require_extra("keras", feature="keras-hub presets (autoaccum plan --preset)",
+                  packages=("keras", "keras-hub"))
     from ._abstract_lm import build_abstract_causal_lm
 
     validate_effective_batch(effective_batch)

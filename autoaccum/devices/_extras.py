@@ -1,0 +1,179 @@
+"""Optional features and the extra that installs each: one check, one message.
+
+``pip install autoaccum`` plans and trains Flax NNX models on any device. The rest comes in
+extras (``pyproject.toml`` declares the same requirements as :data:`EXTRAS`; a test keeps
+them equal):
+
+* ``keras``: Keras 3 models, keras-hub presets and the default demo (keras-hub brings
+  TensorFlow through tensorflow-text; no second TensorFlow is added);
+* ``dryrun``: compiling for a named GPU that is not here (JAX's CUDA plugin at exactly
+  JAX's version, without the CUDA libraries: no driver or GPU is needed);
+* ``cuda12``: JAX on an NVIDIA GPU (the plugin at JAX's version with the CUDA libraries):
+  what a GPU machine or Colab needs so that the plugin follows JAX when JAX moves;
+* ``plot``: ``plot_plan`` and ``autoaccum plan --plot``.
+
+:func:`require_extra` raises an ``ImportError`` naming the ``pip install 'autoaccum[...]'``
+that fixes a missing or out-of-range package, before any traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Sequence
+
+from packaging.requirements import Requirement
+from packaging.version import InvalidVersion, Version
+
+__all__ = [
+    "EXTRAS",
+    "MissingExtraError",
+    "installed_version",
+    "missing_from_extra",
+    "require_extra",
+]
+
+JAX_RANGE = ">=0.10.2,<0.11"
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "keras": ("keras>=3.15.1,<3.16", "keras-hub>=0.32.0", "sentencepiece>=0.2"),
+    "dryrun": (f"jax[cuda12-local]{JAX_RANGE}",),
+    "cuda12": (f"jax[cuda12]{JAX_RANGE}",),
+    "plot": ("matplotlib>=3.8",),
+}
+"""The requirements of each extra, exactly as ``pyproject.toml`` lists them."""
+
+_MODULES = {"keras-hub": "keras_hub", "jax-cuda12-pjrt": "jax_plugins.xla_cuda12"}
+# Distribution name -> the module it provides, where they differ beyond '-' and '_'.
+
+_LOCKSTEP = {"cuda12-local": ("jax-cuda12-plugin", "jax-cuda12-pjrt"),
+             "cuda12": ("jax-cuda12-plugin", "jax-cuda12-pjrt")}
+# jax's own extras pin these distributions to jax's exact version.
+
+
+class MissingExtraError(ImportError):
+    """An optional feature whose extra is not installed (or not in range); the message names
+    the ``pip install 'autoaccum[...]'`` that fixes it, ``extra`` the extra's name.
+
+    Example:
+      >>> str(MissingExtraError("plot_plan needs ...", extra="plot"))
+      'plot_plan needs ...'
+    """
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``; ``""`` if its module is there but it has no
+    metadata (a source checkout); ``None`` if its module cannot be found.
+
+    >>> from autoaccum.devices._extras import installed_version
+    >>> installed_version("numpy") is not None, installed_version("no-such-package-xyz")
+    (True, None)
+    """
+    module = _MODULES.get(distribution, distribution.replace("-", "_"))
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None  # metadata alone (a half-removed package) does not make it usable
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> list[str]:
+    """What of ``extra`` is missing or outside its range here, one phrase each (``[]``: all
+    there). ``packages`` limits the check to those distribution names.
+
+    Args:
+      extra: a key of :data:`EXTRAS`.
+      packages: distribution names of that extra to check; default all of them.
+
+    Returns:
+      Phrases such as ``"keras is not installed"`` or ``"jax-cuda12-plugin 0.7.2 is not jax's
+      0.10.2"``.
+
+    >>> from autoaccum.devices._extras import missing_from_extra
+    >>> missing_from_extra("plot", packages=["matplotlib"])
+    []
+    """
+    if extra not in EXTRAS:
+        raise ValueError(
+            f"Unknown extra. Use one of {', '.join(sorted(EXTRAS))}. Received: extra={extra!r}"
+        )
+    problems = []
+    for text in EXTRAS[extra]:
+        requirement = Requirement(text)
+        if packages is not None and requirement.name not in packages:
+            continue
+        problems += _check(requirement)
+        for jax_extra in requirement.extras & set(_LOCKSTEP):
+            problems += _check_lockstep(_LOCKSTEP[jax_extra])
+    return problems
+
+
+def require_extra(extra: str, *, feature: str, packages: Sequence[str] | None = None) -> None:
+    """Raise :class:`MissingExtraError` (an ``ImportError``) naming ``pip install
+    'autoaccum[extra]'`` unless every package of ``extra`` (or of ``packages``) is installed
+    within its range.
+
+    Args:
+      extra: a key of :data:`EXTRAS`.
+      feature: what needs it, for the message (``"keras-hub presets"``).
+      packages: distribution names of that extra to check; default all of them.
+
+    >>> from autoaccum.devices._extras import require_extra
+    >>> require_extra("plot", feature="plot_plan")  # matplotlib is installed: no error
+    """
+    problems = missing_from_extra(extra, packages)
+    if problems:
+        raise MissingExtraError(
+            f"{feature} needs autoaccum's `{extra}` extra: {'; '.join(problems)}. Install it "
+            f"with: pip install 'autoaccum[{extra}]' (in a notebook: %pip install "
+            f"'autoaccum[{extra}]', then restart the runtime). Received: "
+            + ", ".join(_received(extra, packages)),
+            extra=extra,
+        )
+
+
+def _check(requirement: Requirement) -> list[str]:
+    version = installed_version(requirement.name)
+    if version is None:
+        return [f"{requirement.name} is not installed"]
+    if version and requirement.specifier and not _within(version, requirement.specifier):
+        return [f"{requirement.name} {version} is outside {requirement.specifier}"]
+    return []
+
+
+def _check_lockstep(distributions: Sequence[str]) -> list[str]:
+    jax_version = installed_version("jax")
+    problems = []
+    for name in distributions:
+        version = installed_version(name)
+        if version is None:
+            problems.append(f"{name} is not installed")
+        elif version and jax_version and version != jax_version:
+            problems.append(f"{name} {version} is not jax's {jax_version} (they must match)")
+    return problems
+
+
+def _within(version: str, specifier: object) -> bool:
+    try:
+        return Version(version) in specifier  # type: ignore[operator]
+    except InvalidVersion:
+        return True  # a local build we cannot compare: let it try
+
+
+def _received(extra: str, packages: Sequence[str] | None) -> list[str]:
+    names = []
+    for text in EXTRAS[extra]:
+        requirement = Requirement(text)
+        if packages is None or requirement.name in packages:
+            names.append(requirement.name)
+            for jax_extra in requirement.extras & set(_LOCKSTEP):
+                names += _LOCKSTEP[jax_extra]
+    return [f"{name}={installed_version(name)}" for name in dict.fromkeys(names)]

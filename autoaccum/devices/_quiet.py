@@ -1,0 +1,301 @@
+"""Quiet start-up on a machine without a GPU: no cudart, absl or "Unable to load CUDA" noise.
+
+With the CUDA plugin (``autoaccum[dryrun]``) or TensorFlow (``autoaccum[keras]`` brings it
+through keras-hub) installed on a machine without an NVIDIA driver, native code writes lines
+straight to file descriptor 2, which no Python setting reaches:
+
+* ``import jax`` loads the ``jax_cuda12_plugin`` kernels (``jaxlib.gpu_*``); each shared library
+  carries its own absl and its own cudart stub and prints ``WARNING: All log messages before
+  absl::InitializeLog() ...`` and ``cudart_stub.cc:31] Could not find cuda drivers on your
+  machine, GPU will not be used.`` (three times in jax 0.10.2). ``TF_CPP_MIN_LOG_LEVEL`` does
+  not reach them: absl prints everything before ``absl::InitializeLog()``.
+* ``import tensorflow`` (keras-hub -> tensorflow-text -> tensorflow) prints the same pair from
+  its own cudart stub, then ``cpu_feature_guard`` and ``failed call to cuInit`` lines, which
+  ``TF_CPP_MIN_LOG_LEVEL`` does reach.
+* JAX's first computation discovers the CUDA plugin, whose version check fails without CUDA
+  and logs a 26-line ``Unable to load CUDA. Is it installed?`` traceback before falling back
+  to the CPU.
+
+:func:`quiet_start` (run once, when ``autoaccum`` is imported) does something only where
+no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
+
+* ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
+  other accelerator plugin (TPU, ROCm) is installed; otherwise
+  ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (read when the plugin starts). Either stops the
+  traceback, and both keep deviceless compiles for a named GPU working (design notes section
+  2). JAX would use the CPU here anyway;
+* ``TF_CPP_MIN_LOG_LEVEL=3`` if unset (TensorFlow's own log lines);
+* the first ``import jax`` and ``import tensorflow`` run with file descriptor 2 captured, and
+  every captured line except the known noise above is written back to stderr afterwards; the
+  CUDA plugin's library is loaded inside that capture too (its cudart stub logs at load, which
+  JAX does at its first computation). If jax was imported before autoaccum, its import lines
+  are already out; only the library is preloaded.
+
+Set ``AUTOACCUM_QUIET=0`` to turn all of it off. Variables you set yourself are never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._detect import DetectedDevice, _from_nvml, jax_started
+
+__all__ = [
+    "NOISE",
+    "QUIET_START",
+    "QuietStart",
+    "filter_noise",
+    "nvidia_gpu_absent",
+    "quiet_native_logs",
+    "quiet_start",
+]
+
+OPT_OUT_ENV = "AUTOACCUM_QUIET"
+
+NOISE: tuple[re.Pattern[str], ...] = (
+    re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called are written "
+               r"to STDERR"),
+    re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on "
+               r"your machine, GPU will not be used\."),
+)
+"""Whole lines dropped by :func:`quiet_native_logs` (each matched against the full line)."""
+
+_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg",
+                 "/dev/nvhost-ctrl-gpu")
+# NVIDIA's kernel driver, its device nodes, WSL's GPU bridge and Jetson's GPU node.
+
+_QUIET_IMPORTS = ("jax", "tensorflow")
+
+
+def nvidia_gpu_absent() -> bool:
+    """True only where no NVIDIA GPU can be used: no driver or device file, and NVML (if
+    installed) sees no GPU. Cheap where there is none; never imports JAX.
+
+    >>> from autoaccum.devices._quiet import nvidia_gpu_absent
+    >>> isinstance(nvidia_gpu_absent(), bool)
+    True
+    """
+    if any(Path(name).exists() for name in _DRIVER_FILES):
+        return False
+    return not isinstance(_from_nvml(0), DetectedDevice)  # else the reason NVML sees none
+
+
+def filter_noise(text: bytes, patterns: Sequence[re.Pattern[str]] = NOISE) -> bytes:
+    """``text`` without the lines that match one of ``patterns`` entirely.
+
+    >>> from autoaccum.devices._quiet import filter_noise
+    >>> filter_noise(b"WARNING: All log messages before absl::InitializeLog() is called are "
+    ...              b"written to STDERR\\nreal problem\\n")
+    b'real problem\\n'
+    """
+    kept = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip(b"\r\n").decode("utf-8", "replace")
+        if not any(p.fullmatch(body) for p in patterns):
+            kept.append(line)
+    return b"".join(kept)
+
+
+@contextlib.contextmanager
+def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[None]:
+    """Capture file descriptor 2 (native code's stderr) while the block runs; afterwards write
+    back every captured line that is not noise. Nothing else is lost, only delayed.
+
+    Args:
+      patterns: lines to drop (each must match a whole line); default :data:`NOISE`.
+
+    >>> import os
+    >>> from autoaccum.devices._quiet import quiet_native_logs
+    >>> with quiet_native_logs():
+    ...     _ = os.write(2, b"WARNING: All log messages before absl::InitializeLog() is "
+    ...                     b"called are written to STDERR\\n")
+    """
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2: nothing to capture
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        _flush_stderr()
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            _flush_stderr()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = filter_noise(capture.read(), patterns)
+            if kept:
+                os.write(2, kept)
+
+
+class QuietStart(dict):
+    """What :func:`quiet_start` did: the variables it set (name -> value); ``quieted`` lists
+    the modules whose first import runs with the noise filtered.
+
+    Example:
+      >>> from autoaccum.devices import QUIET_START
+      >>> isinstance(QUIET_START, dict), isinstance(QUIET_START.quieted, tuple)
+      (True, True)
+    """
+
+    quieted: tuple[str, ...] = ()
+
+
+def quiet_start() -> QuietStart:
+    """Set what keeps JAX and TensorFlow quiet on a machine without a GPU (see module notes).
+
+    Does nothing where a GPU may be present, where neither the CUDA plugin nor TensorFlow is
+    installed, or with ``AUTOACCUM_QUIET=0``. Never overrides a variable you set.
+
+    Returns:
+      A :class:`QuietStart`: the variables set, and the imports that will be filtered.
+
+    >>> from autoaccum.devices._quiet import quiet_start
+    >>> done = quiet_start()  # already ran when autoaccum was imported: nothing more to do
+    >>> isinstance(done, dict)
+    True
+    """
+    done = QuietStart()
+    if os.environ.get(OPT_OUT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return done
+    cuda_plugin = _installed("jax_cuda12_plugin") or _installed("jax_cuda13_plugin")
+    tensorflow = _installed("tensorflow")
+    if not (cuda_plugin or tensorflow) or not nvidia_gpu_absent():
+        return done
+    if cuda_plugin and not jax_started():
+        if "jax" in sys.modules or _other_accelerator_plugins():
+            # JAX_PLATFORMS is read when jax is imported; this one when the plugin starts.
+            _set_default("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1", done)
+        else:
+            _set_default("JAX_PLATFORMS", "cpu", done)
+        if "jax" in sys.modules:  # imported before autoaccum: its import lines are out already
+            with quiet_native_logs():
+                _preload_cuda_plugin()
+    if tensorflow:
+        _set_default("TF_CPP_MIN_LOG_LEVEL", "3", done)
+    names = tuple(
+        name for name in _QUIET_IMPORTS
+        if name not in sys.modules and (tensorflow if name == "tensorflow" else cuda_plugin)
+    )
+    if names and not any(isinstance(f, _QuietImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietImports(names))
+    done.quieted = names
+    return done
+
+
+class _QuietImports(importlib.abc.MetaPathFinder):
+    """Runs the first import of each named top-level module under :func:`quiet_native_logs`."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._pending = set(names)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self._pending:
+            return None
+        self._pending.discard(fullname)
+        if not self._pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    after = _preload_cuda_plugin if fullname == "jax" else None
+                    spec.loader = _QuietLoader(spec.loader, after=after)
+                return spec
+        return None
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, *, after: Callable[[], None] | None = None) -> None:
+        self._loader = loader
+        self._after = after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        # The module keeps its real loader (importlib.resources and pkgutil ask it).
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        with quiet_native_logs():
+            self._loader.exec_module(module)
+            if self._after is not None:
+                self._after()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _preload_cuda_plugin() -> None:
+    """Load the CUDA plugin's library now, inside the capture: its cudart stub logs once, at
+    load, and JAX's own load at its first computation (plugin discovery loads it even with
+    ``JAX_PLATFORMS=cpu``) then finds it loaded. Nothing is initialized or registered."""
+    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            library = Path(location).resolve() / "xla_cuda_plugin.so"
+            if library.is_file():
+                with contextlib.suppress(OSError):
+                    ctypes.CDLL(str(library), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+                return
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _other_accelerator_plugins() -> bool:
+    """A TPU or ROCm runtime that JAX could use (JAX_PLATFORMS=cpu would hide it)."""
+    if _installed("libtpu"):
+        return True
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        with contextlib.suppress(OSError):
+            for entry in Path(location).iterdir():
+                name = entry.name.split(".")[0]
+                if name and not name.startswith(("xla_cuda", "_")):
+                    return True
+    return any(_installed(name) for name in ("jax_rocm7_plugin", "jax_rocm60_plugin"))
+
+
+def _set_default(name: str, value: str, done: QuietStart) -> None:
+    if name not in os.environ:
+        os.environ[name] = value
+        done[name] = value
+
+
+def _flush_stderr() -> None:
+    for stream in (sys.stderr, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+QUIET_START: QuietStart = quiet_start()
+"""What importing autoaccum set to keep JAX and TensorFlow quiet here (empty on a GPU)."""
