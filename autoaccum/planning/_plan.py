@@ -237,6 +237,10 @@ def plan_from_search(
             f"micro_batch {search.max_micro_batch} fits but does not divide the per-device batch "
             f"{per_device}; using its largest divisor below, {search.micro_batch}."
         )
+    fallbacks = sorted({p.micro_batch for p in search.probes if p.estimate.compile_note})
+    if fallbacks:
+        note = next(p.estimate.compile_note for p in search.probes if p.estimate.compile_note)
+        extra.append(f"micro_batch {', '.join(map(str, fallbacks))}: {note}")
     if search.affine is not None:
         intercept, slope = search.affine
         extra.append(
