@@ -64,8 +64,8 @@ def digits(n: int, *, image_size: int = 28, seed: int = 0, noise: float = 0.6) -
 class DropoutBlock(nnx.Module):
     def __init__(self, dim: int, *, rngs: nnx.Rngs):
         self.norm = nnx.LayerNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=dim, dropout_rate=0.1, deterministic=False,
-                                           decode=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=dim, dropout_rate=0.1,
+                                           deterministic=False, decode=False, rngs=rngs)
         self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
         self.drop = nnx.Dropout(0.1, rngs=rngs)
         self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
