@@ -112,6 +112,8 @@ class FlaxAdapter:
         if split and "validation_data" in options:
             raise ValueError(
                 "Give validation_data or validation_split, not both. Received: both")
+        if options.get("validation_data") is not None:
+            as_arrays(options["validation_data"], name="validation_data")  # fail before planning
         for name in ("validation_batch_size", "validation_steps", "validation_freq"):
             if name in options and options[name] is not None:
                 validate_positive_int(name, options[name])
