@@ -145,7 +145,7 @@ def test_checkpoints_written_by_a_callback_with_orbax_restore_the_model(tmp_path
     model = NormMLP(rngs=nnx.Rngs(0))
     _fit(model, epochs=2, callbacks=[Checkpoint(tmp_path)])
     fresh = NormMLP(rngs=nnx.Rngs(1))
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: NormMLP(rngs=nnx.Rngs(1))))
+    _, abstract_state = nnx.split(nnx.eval_shape(lambda: NormMLP(rngs=nnx.Rngs(1))))
     restored = ocp.StandardCheckpointer().restore(tmp_path / "epoch1", abstract_state)
     nnx.update(fresh, restored)
     for a, b in zip(jax.tree.leaves(nnx.state(fresh, nnx.Param)),
