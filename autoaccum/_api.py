@@ -156,7 +156,13 @@ def plan(
                                  remat_layers=remat_layers,
                                  objective=_default_objective(objective, device),
                                  method=method, log=log, data_parallel=data_parallel)
-    return _with_examples(plan_, prepared.data, bool(drop_remainder))
+    return _with_examples(plan_, prepared.data, _drops(prepared.adapter, drop_remainder))
+
+
+def _drops(adapter: Any, drop_remainder: bool) -> bool:
+    """Whether the leftover examples are dropped: asked for, or the adapter does not train
+    them (an adapter that does sets ``trains_leftovers = True``)."""
+    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
 
 
 def _with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
@@ -379,7 +385,7 @@ def fit(
         method=plan_method, log=log, where="fit", data_parallel=data_parallel,
     )
     if "validation_split" not in framework_options:
-        the_plan = _with_examples(the_plan, prepared.data, drop_remainder)
+        the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
     settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,

@@ -36,6 +36,8 @@ class FlaxAdapter:
 
     name = "flax"
     remat_policies = tuple(REMAT_POLICIES)
+    trains_leftovers = True
+    """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""
 
     def recognizes(self, model: Any) -> bool:
         return isinstance(model, nnx.Module)
