@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import jax
@@ -14,7 +15,7 @@ from flax import nnx
 from ...devices._mesh import replicate
 from ...planning._plan import Plan
 from ...training._batching import epoch_order, leftover_split
-from ...training._callbacks import CallbackList, StopTraining, validate_callbacks
+from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
 from ...training._live import LiveState
 from ...training._noise_scale import NoiseScaleTracker
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
@@ -54,6 +55,7 @@ def flax_fit(
     validation_batch_size: int | None = None,
     validation_steps: int | None = None,
     validation_freq: int = 1,
+    on_step_end: Callable[[int, float], None] | None = None,
 ) -> FitResult:
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
@@ -80,6 +82,7 @@ def flax_fit(
       validation_batch_size, validation_steps, validation_freq: evaluation batch size
         (default: the plan's micro-batch x devices), at most that many batches, every that
         many epochs.
+      on_step_end: ``on_step_end(step, loss)`` after every step (the callbacks' older form).
 
     Returns:
       A :class:`FitResult`. An exception (``KeyboardInterrupt`` included) leaves the model
@@ -95,6 +98,8 @@ def flax_fit(
             f"plan.data_parallel={plan.data_parallel}, mesh size {dp}"
         )
     callback_list = validate_callbacks(callbacks)
+    if on_step_end is not None:
+        callback_list.append(_StepFunction(on_step_end))
     warn_if_eval_mode(model)
     graphdef, params, frozen, other = split_model(model, trainable)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
@@ -150,7 +155,7 @@ def flax_fit(
             result.epoch_losses.append(sum(losses) / len(losses) if losses else math.nan)
             result.epoch_noise_scale.append(noise.value)
             logs = {"loss": result.epoch_losses[-1], "gradient_noise_scale": noise.value}
-            if evaluator is not None and (epoch + 1 - initial_epoch) % validation_freq == 0:
+            if evaluator is not None and (epoch + 1) % validation_freq == 0:
                 result.val_losses.append(evaluator(live.state, frozen))
                 logs["val_loss"] = result.val_losses[-1]
                 if verbose:
@@ -189,6 +194,16 @@ def flax_fit(
             print(f"autoaccum: {_leftover_sentence(result, epochs - initial_epoch)}",
                   file=stream, flush=True)
     return result
+
+
+class _StepFunction(Callback):
+    """``fn(step, loss)`` as a callback."""
+
+    def __init__(self, fn: Callable[[int, float], None]) -> None:
+        self.fn = fn
+
+    def on_step_end(self, step: int, logs: dict[str, Any]) -> None:
+        self.fn(step, logs["loss"])
 
 
 def _applied(metrics: Any) -> bool:
