@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/remat.py
 	$(PY) benchmarks/objective.py
 	$(PY) benchmarks/dryrun.py
+	$(PY) benchmarks/flax_cnn.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

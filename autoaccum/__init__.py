@@ -50,9 +50,14 @@ from .planning import plan_program as plan_program
 from .planning import resolve_target as resolve_target
 from .planning import scale_learning_rate as scale_learning_rate
 from .planning import search_micro_batch as search_micro_batch
+from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
+from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
 from .training import AccumulatedGradients as AccumulatedGradients
+from .training import Callback as Callback
 from .training import FitResult as FitResult
 from .training import NoiseScaleEstimator as NoiseScaleEstimator
+from .training import NonFiniteError as NonFiniteError
+from .training import StopTraining as StopTraining
 from .training import accumulate_gradients as accumulate_gradients
 from .training import data_parallel_accumulate as data_parallel_accumulate
 from .training import mean_gradients as mean_gradients

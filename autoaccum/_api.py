@@ -3,8 +3,8 @@ planner, back-off and training talk only to that adapter's interface."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import sys
 from typing import Any, TextIO
 
 from .adapters import adapter_for
@@ -15,8 +15,20 @@ from .planning._objective import validate_objective
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
 from .planning._targets import is_deviceless, resolve_target
-from .planning._validate import no_leftovers, validate_effective_batch, validate_positive_int
+from .planning._validate import (
+    as_int,
+    no_leftovers,
+    resolve_log,
+    validate_device,
+    validate_effective_batch,
+    validate_learning_rate,
+    validate_memory_fraction,
+    validate_positive_int,
+)
+from .training._batch_stats import validate_batch_stats
+from .training._batching import num_examples
 from .training._fit_options import refuse_fit_options
+from .training._nonfinite import validate_on_nonfinite
 from .training._snapshot import validate_backup
 
 __all__ = ["fit", "measure", "plan"]
@@ -24,15 +36,28 @@ __all__ = ["fit", "measure", "plan"]
 
 
 def _program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
-                     base_batch: int, lr_rule: str, adjust_adam: bool) -> dict[str, Any]:
-    """The options that shape the train step and its learning rate, for ``adapter.prepare``."""
-    options: dict[str, Any] = {"base_batch": base_batch, "lr_rule": lr_rule,
-                               "adjust_adam": adjust_adam}
+                     base_batch: int, lr_rule: str, adjust_adam: bool,
+                     batch_stats: str = "effective") -> dict[str, Any]:
+    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
+
+    ``batch_stats`` is passed only when it is not the default (``"effective"``, every
+    adapter's default), so an adapter that keeps no BatchNorm statistics need not read it."""
+    options: dict[str, Any] = {"base_batch": as_int("base_batch", base_batch),
+                               "lr_rule": lr_rule, "adjust_adam": adjust_adam}
+    validate_learning_rate(learning_rate)
+    if validate_batch_stats(batch_stats) != "effective":
+        options["batch_stats"] = batch_stats
     for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
                         ("trainable", trainable), ("learning_rate", learning_rate)):
         if value is not None:
             options[name] = value
     return options
+
+
+def _check_target(device: Any, memory_fraction: Any) -> None:
+    """The device and memory-fraction checks every entry point makes before any work."""
+    validate_device(device)
+    validate_memory_fraction(memory_fraction, device)
 
 
 def plan(
@@ -56,6 +81,8 @@ def plan(
     base_batch: int = 1,
     lr_rule: str = "linear",
     adjust_adam: bool = False,
+    batch_stats: str = "effective",
+    drop_remainder: bool = False,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -93,6 +120,11 @@ def plan(
       base_batch: the batch size the base learning rate was tuned for.
       lr_rule: ``"linear"``, ``"sqrt"`` (Adam family) or ``"none"``.
       adjust_adam: with ``"sqrt"``, Malladi et al.'s b1/b2/eps adjustments too.
+      batch_stats: BatchNorm running averages: ``"effective"`` (one update per optimizer
+        step, from the whole effective batch's mean and variance) or ``"micro"`` (one per
+        micro-batch).
+      drop_remainder: what the plan reports for the examples after the last full effective
+        batch: ``False``, trained in a final smaller step; ``True``, dropped.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -110,17 +142,39 @@ def plan(
       >>> p.micro_batch * p.accum_steps, p.learning_rate
       (8, 0.8)
     """
-    validate_effective_batch(effective_batch)
+    effective_batch = validate_effective_batch(effective_batch)
+    _check_target(device, memory_fraction)
+    log = resolve_log(log)
     options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
-                               lr_rule=lr_rule, adjust_adam=adjust_adam)
-    plan_, _ = plan_model(model, data, adapter=adapter_for(model),
-                          effective_batch=effective_batch, options=options, budget=budget,
-                          device=device, memory_fraction=memory_fraction, remat=remat,
-                          remat_layers=remat_layers,
-                          objective=_default_objective(objective, device), method=method,
-                          log=log, data_parallel=data_parallel)
-    return plan_
+                               lr_rule=lr_rule, adjust_adam=adjust_adam,
+                               batch_stats=batch_stats)
+    plan_, prepared = plan_model(model, data, adapter=adapter_for(model),
+                                 effective_batch=effective_batch, options=options,
+                                 budget=budget, device=device,
+                                 memory_fraction=memory_fraction, remat=remat,
+                                 remat_layers=remat_layers,
+                                 objective=_default_objective(objective, device),
+                                 method=method, log=log, data_parallel=data_parallel)
+    return _with_examples(plan_, prepared.data, _drops(prepared.adapter, drop_remainder))
+
+
+def _drops(adapter: Any, drop_remainder: bool) -> bool:
+    """Whether the leftover examples are dropped: asked for, or the adapter does not train
+    them (an adapter that does sets ``trains_leftovers = True``)."""
+    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
+
+
+def _with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
+    """``plan`` with the number of training examples and the leftover policy (``data``: a
+    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
+    examples = getattr(data, "num_examples", None)
+    if not isinstance(examples, int):
+        try:
+            examples = num_examples(data)
+        except (AttributeError, IndexError, TypeError):  # no leading example axis to read
+            return plan
+    return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
 
 
 def _default_objective(objective: str | None, device: str | None) -> str:
@@ -153,6 +207,7 @@ def measure(
     base_batch: int = 1,
     lr_rule: str = "linear",
     adjust_adam: bool = False,
+    batch_stats: str = "effective",
 ) -> MemoryEstimate:
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
 
@@ -163,7 +218,8 @@ def measure(
         micro_batch)`` when ``effective_batch`` is given, else 1.
       effective_batch: examples per optimizer step (divided by the device count first).
       device, memory_fraction, data_parallel, remat, remat_layers, optimizer, loss_fn,
-        trainable, learning_rate, base_batch, lr_rule, adjust_adam: as for :func:`plan`.
+        trainable, learning_rate, base_batch, lr_rule, adjust_adam, batch_stats: as for
+        :func:`plan`.
 
     Returns:
       A :class:`MemoryEstimate` (one device's with several data-parallel devices).
@@ -180,20 +236,22 @@ def measure(
       >>> est.need_bytes > est.trainable_bytes > 0
       True
     """
-    validate_positive_int("micro_batch", micro_batch)
+    micro_batch = validate_positive_int("micro_batch", micro_batch)
+    _check_target(device, memory_fraction)
     adapter = adapter_for(model)
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
     dp = 1 if mesh is None else mesh.size
     if effective_batch is not None:
-        validate_effective_batch(effective_batch, data_parallel=dp)
+        effective_batch = validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
-    validate_positive_int("accum_steps", accum_steps)
+    accum_steps = validate_positive_int("accum_steps", accum_steps)
     options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
-                               lr_rule=lr_rule, adjust_adam=adjust_adam)
+                               lr_rule=lr_rule, adjust_adam=adjust_adam,
+                               batch_stats=batch_stats)
     prepared = prepare(adapter, model, data,
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
@@ -238,6 +296,9 @@ def fit(
     validation_freq: int = 1,
     initial_epoch: int = 0,
     steps_per_epoch: int | None = None,
+    on_nonfinite: str = "stop",
+    batch_stats: str = "effective",
+    drop_remainder: bool = False,
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
@@ -257,8 +318,21 @@ def fit(
         accumulation (same effective batch) and redo the same step from the same state.
       backup: host copy of the donated state so a failed step loses nothing: ``"auto"`` (up
         to 4 GiB), ``"host"``, ``"none"``.
-      callbacks, validation_data, validation_split, validation_batch_size, validation_steps,
-        validation_freq, initial_epoch, steps_per_epoch: Keras models, as ``model.fit``.
+      callbacks: Keras models, Keras callbacks; Flax models, :class:`autoaccum.Callback`
+        objects (``on_step_end(step, logs)``, ``on_epoch_end(epoch, logs)``; set
+        ``self.stop_training = True`` or raise :class:`autoaccum.StopTraining` to stop).
+      validation_data, validation_split, validation_batch_size, validation_steps,
+        validation_freq, initial_epoch: as ``model.fit`` (Flax too: the validation loss is
+        ``loss_fn``'s mean in eval mode, ``history["val_loss"]``).
+      steps_per_epoch: Keras models, as ``model.fit``.
+      on_nonfinite: a step whose loss or gradients are not finite: ``"stop"`` (default: raise
+        :class:`autoaccum.NonFiniteError` naming the step; the model keeps the last finite
+        state) or ``"skip"`` (the step changes no weight, training goes on, skipped steps
+        are counted).
+      batch_stats: as for :func:`plan`.
+      drop_remainder: ``False`` (default): the examples after the last full effective batch
+        of an epoch make a final, smaller optimizer step, normalised by its own count;
+        ``True``: they are dropped. The plan report and the result say how many.
       **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
         ``class_weight``, ...) get a ``ValueError`` naming the fix.
 
@@ -278,10 +352,16 @@ def fit(
       (4, True)
     """
     refuse_fit_options(refused)
-    validate_effective_batch(effective_batch)
-    validate_positive_int("epochs", epochs)
+    effective_batch = validate_effective_batch(effective_batch)
+    epochs = validate_positive_int("epochs", epochs)
     validate_backup(backup)
     validate_method(method)
+    validate_on_nonfinite(on_nonfinite)
+    _check_target(device, memory_fraction)
+    log = resolve_log(log)
+    if not isinstance(drop_remainder, bool):
+        raise ValueError(f"drop_remainder must be True or False. "
+                         f"Received: drop_remainder={drop_remainder!r}")
     adapter = adapter_for(model)
     framework_options = _given(
         callbacks=(callbacks, None), validation_data=(validation_data, None),
@@ -291,23 +371,27 @@ def fit(
         initial_epoch=(initial_epoch, 0), steps_per_epoch=(steps_per_epoch, None),
     )
     adapter.validate_fit_options(framework_options)
-    log = sys.stderr if log == "stderr" else log
     # With method="auto" the first training step is the real verification: elastic training
     # backs off on an out-of-memory there exactly as auto planning would.
     plan_method = "compile" if method == "auto" and elastic else method
     options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
-                               lr_rule=lr_rule, adjust_adam=adjust_adam)
+                               lr_rule=lr_rule, adjust_adam=adjust_adam,
+                               batch_stats=batch_stats)
     the_plan, prepared = plan_model(
         model, data, adapter=adapter, effective_batch=effective_batch, options=options,
         budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
         remat_layers=remat_layers, objective=_default_objective(objective, device),
         method=plan_method, log=log, where="fit", data_parallel=data_parallel,
     )
+    if "validation_split" not in framework_options:
+        the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))
     if log is not None and verbose:
         print(the_plan.report(), file=log, flush=True)
     settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
-                           elastic=elastic, backup=backup, mesh=prepared.program.mesh)
+                           elastic=elastic, backup=backup, mesh=prepared.program.mesh,
+                           on_nonfinite=on_nonfinite, batch_stats=batch_stats,
+                           drop_remainder=drop_remainder)
     with adapter.remat_context(model, the_plan.remat, remat_layers):
         return adapter.fit(model, prepared, the_plan, settings=settings,
                            options=framework_options)

@@ -101,14 +101,17 @@ def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     model, data, tx = _flax_parts(vocab, length, n)
     cap = AddressSpaceCap(headroom_bytes=1 << 32)
 
-    def lower_cap(step: int, loss: float) -> None:
-        if step == fail_after:
-            cap.set_headroom(int(headroom_mib * MIB))
+    from autoaccum import Callback
+
+    class LowerCap(Callback):
+        def on_step_end(self, step: int, logs: dict) -> None:
+            if step == fail_after:
+                cap.set_headroom(int(headroom_mib * MIB))
 
     log = io.StringIO()
     with cap:
         result = flax_fit(model, data, plan=plan_at(micro, accum), loss_fn=token_loss, tx=tx,
-                          epochs=epochs, seed=3, verbose=0, stream=log, on_step_end=lower_cap)
+                          epochs=epochs, seed=3, verbose=0, stream=log, callbacks=[LowerCap()])
     got = _params(model)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
     return {

@@ -1,5 +1,6 @@
 """Bad input fails early with a message that names the fix."""
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -92,3 +93,73 @@ def test_batch_size_with_effective_batch_names_the_fix():
 def test_unexpected_option_is_a_type_error():
     with pytest.raises(TypeError, match="micro_steps"):
         _fit(micro_steps=4)
+
+
+def test_a_device_index_is_refused_with_the_profile_names():
+    with pytest.raises(ValueError, match=r"profile such as 't4'.*Received: device=0"):
+        _fit(device=0)
+    with pytest.raises(ValueError, match="Received: device=0"):
+        autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 6), effective_batch=4,
+                       optimizer=optax.sgd(0.1), loss_fn=token_loss, device=0, log=None)
+
+
+@pytest.mark.parametrize("fraction", ["0.9", 0, 1.5, True])
+def test_memory_fraction_must_be_a_number_in_0_1(fraction):
+    with pytest.raises(ValueError, match=r"number in \(0, 1\].*Received: memory_fraction="):
+        _fit(device="t4", memory_fraction=fraction)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_memory_fraction_without_a_gpu_device_names_the_fix(device):
+    with pytest.raises(ValueError, match=r"applies to a named GPU.*pass budget="):
+        _fit(device=device, memory_fraction=0.5)
+
+
+@pytest.mark.parametrize("rate", ["abc", -1e-3, 0.0, float("nan"), float("inf")])
+def test_bad_learning_rates_are_refused(rate):
+    with pytest.raises(ValueError, match=r"learning_rate must be a positive.*Received"):
+        _fit(optimizer=optax.sgd, learning_rate=rate)
+
+
+def test_numpy_integers_are_accepted_for_sizes_and_budgets():
+    result = _fit(optimizer=optax.sgd, learning_rate=0.1, budget=np.int64(2**30),
+                  base_batch=np.int64(4), effective_batch=np.int64(4), epochs=np.int32(1))
+    assert result.steps == 2 and result.plan.lr_factor == 1.0
+
+
+def test_ragged_python_lists_are_explained():
+    data = {"tokens": [[1, 2, 3], [4, 5]], "mask": [[1, 1, 1], [1, 1]]}
+    with pytest.raises(ValueError, match=r"data\['tokens'\] is ragged.*Pad every row"):
+        _fit(data=data)
+
+
+def test_string_arrays_are_explained():
+    data = {"tokens": np.array(["a b", "c d"]), "mask": np.ones((2, 3), np.int32)}
+    with pytest.raises(ValueError, match=r"data\['tokens'\] holds strings.*Tokenize"):
+        _fit(data=data)
+
+
+def test_per_example_losses_are_explained():
+    def per_example(model, batch):
+        total, count = token_loss(model, batch)
+        return jnp.full((batch["tokens"].shape[0],), total), count
+
+    with pytest.raises(ValueError, match=r"two scalars.*sum_of_losses has shape \(\d+,\)"):
+        _fit(loss_fn=per_example)
+
+
+def test_an_optimizer_factory_that_returns_no_optax_transformation():
+    with pytest.raises(ValueError, match=r"must return an optax GradientTransformation.*str"):
+        _fit(optimizer=lambda learning_rate: "sgd", learning_rate=0.1)
+
+
+def test_log_stdout_prints_there_and_unknown_log_names_are_refused(capsys):
+    _fit(log="stdout", verbose=1)
+    assert "autoaccum plan" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"'stderr', 'stdout'.*Received: log='plan.txt'"):
+        _fit(log="plan.txt")
+
+
+def test_a_cpu_budget_above_the_machines_ram_is_refused():
+    with pytest.raises(ValueError, match=r"more than this machine's RAM.*Received: budget="):
+        _fit(budget="4096TiB")

@@ -55,6 +55,18 @@ class FitSettings:
     backup: str = "auto"
     mesh: Any = None
     """The one-axis data-parallel ``jax.sharding.Mesh`` of the plan, or ``None``."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradients are not finite: ``"stop"`` (raise ``NonFiniteError``, the
+    model keeps the last finite state) or ``"skip"`` (state unchanged, counted, go on); see
+    ``autoaccum.training._nonfinite``."""
+    batch_stats: str = "effective"
+    """BatchNorm running averages: ``"effective"`` (one update per optimizer step from the
+    whole effective batch's moments) or ``"micro"`` (one per micro-batch); see
+    ``autoaccum.training._batch_stats``."""
+    drop_remainder: bool = False
+    """``False``: the examples after the last full effective batch of an epoch make a final,
+    smaller step (normalised by its own count); ``True``: they are dropped. Either way the
+    result says how many."""
 
 
 @runtime_checkable

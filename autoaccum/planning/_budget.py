@@ -13,6 +13,7 @@ Budget rules (also in the README):
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -61,13 +62,17 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
       True
       >>> parse_budget("50%", capacity_bytes=1000).bytes
       500
+      >>> import numpy as np
+      >>> parse_budget(np.int64(2**30)).bytes
+      1073741824
     """
     if isinstance(value, bool):
         raise ValueError(_fix_hint(value))
     fraction: float | None = None
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, float):
+    if isinstance(value, numbers.Integral):  # numpy integers too
+        number = int(value)
+    elif isinstance(value, numbers.Real):
+        value = float(value)
         if 0 < value <= 1:
             fraction = value
             number = 0

@@ -38,6 +38,35 @@ class Plan:
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())
     """For the throughput objective: every timed (policy, micro-batch) candidate."""
+    examples: int | None = None
+    """Training examples per epoch the plan was made for (``None``: not known)."""
+    drop_remainder: bool = False
+    """What happens to the examples after the last full effective batch of an epoch:
+    ``False``, a final smaller step trains them; ``True``, they are dropped."""
+
+    @property
+    def leftover_examples(self) -> int:
+        """Examples per epoch after the last full effective batch (0 when unknown)."""
+        return 0 if self.examples is None else self.examples % self.effective_batch
+
+    def leftover_note(self) -> str:
+        """What happens to the examples that do not fill an effective batch, or ``""``.
+
+        Example:
+          >>> import dataclasses
+          >>> p = Plan(4, 2, 1, 8, 4, None, None, None, (), "cpu", 0.0, examples=21)
+          >>> p.leftover_note()
+          'leftover: 21 = 2 x 8 + 5 examples per epoch; the last 5 make a final, smaller step (its own compiled program, normalised by its own count; drop_remainder=False)'
+        """  # noqa: E501
+        r = self.leftover_examples
+        if not r:
+            return ""
+        head = (f"leftover: {self.examples} = {self.examples // self.effective_batch} x "
+                f"{self.effective_batch} + {r} examples per epoch; ")
+        if self.drop_remainder:
+            return head + f"the last {r} are dropped each epoch (drop_remainder=True)"
+        return head + (f"the last {r} make a final, smaller step (its own compiled program, "
+                       "normalised by its own count; drop_remainder=False)")
 
     @property
     def lr_rule(self) -> str:
@@ -63,13 +92,24 @@ class Plan:
     def budget_bytes(self) -> int:
         return self.budget.bytes
 
+    def _real_steps(self) -> bool:
+        return any(p.kind == "real step" for p in self.probes)
+
+    def _need_label(self) -> str:
+        if not self.probes:
+            return ""
+        if all(p.kind == "real step" for p in self.probes):
+            return " [compiled without donation; the step ran on the device]"
+        return " [compile-only estimate]"
+
     def report(self) -> str:
         """A readable table: probes, the chosen split, memory items and the learning rate."""
         b = self.budget
         lines = [
             f"autoaccum plan ({self.target})",
             f"  budget            {format_bytes(b.bytes)}  [{b.source}: {b.detail}]",
-            "  probes (compiled, no weights allocated):",
+            "  probes (compiled, no weights allocated"
+            f"{'; real steps: ran or oom' if self._real_steps() else ''}):",
             *probe_table(self.probes, self.budget_bytes),
         ]
         if self.candidates:
@@ -89,9 +129,11 @@ class Plan:
             f"  learning rate     {self.lr_scaling.arithmetic()}",
             f"  need              {format_bytes(self.need_bytes)} of "
             f"{format_bytes(self.budget_bytes)} ({self.need_bytes / max(self.budget_bytes, 1):.0%})"
-            f"{' [compile-only estimate]' if self.probes else ''}",
+            f"{self._need_label()}",
         ]
         lines += [f"  note: {note}" for note in self.notes]
+        if self.leftover_note():
+            lines.append(f"  note: {self.leftover_note()}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +174,9 @@ class Plan:
                 for p in self.probes
             ],
             "notes": list(self.notes),
+            "examples": self.examples,
+            "leftover_examples": self.leftover_examples,
+            "drop_remainder": self.drop_remainder,
             "plan_seconds": self.plan_seconds,
         }
 
@@ -153,8 +198,24 @@ def probe_table(probes: tuple[Probe, ...], budget_bytes: int) -> list[str]:
         cells = [f"{p.remat:>10}", f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
         cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[3:]]
         cells.append(f"{format_bytes(budget_bytes):>10}")
-        rows.append("    " + "".join(cells) + f"  {'yes' if p.fits else 'no ':<4}  {p.why}")
+        rows.append("    " + "".join(cells) + f"  {verdict(p, budget_bytes):<4}  {p.why}")
     return rows
+
+
+def verdict(probe: Probe, budget_bytes: int) -> str:
+    """The table's fits column: compiles ``yes``/``no`` against the budget; real steps ``ran``
+    or ``oom`` (a real step's row shows its non-donating compile, which can be above the
+    budget although the donating step fits), so ``yes`` never sits beside a need above it.
+
+    Example:
+      >>> from autoaccum.planning._measure import MemoryEstimate
+      >>> e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
+      >>> verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80)
+      'ran'
+    """
+    if probe.kind == "real step":
+        return "ran" if probe.fits else "oom"
+    return "yes" if probe.fits and probe.need_bytes <= budget_bytes else "no"
 
 
 def plan_from_search(
@@ -176,6 +237,10 @@ def plan_from_search(
             f"micro_batch {search.max_micro_batch} fits but does not divide the per-device batch "
             f"{per_device}; using its largest divisor below, {search.micro_batch}."
         )
+    fallbacks = sorted({p.micro_batch for p in search.probes if p.estimate.compile_note})
+    if fallbacks:
+        note = next(p.estimate.compile_note for p in search.probes if p.estimate.compile_note)
+        extra.append(f"micro_batch {', '.join(map(str, fallbacks))}: {note}")
     if search.affine is not None:
         intercept, slope = search.affine
         extra.append(

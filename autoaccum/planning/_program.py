@@ -101,18 +101,28 @@ class TrainProgram:
 def tree_bytes(tree: PyTree) -> int:
     """Total bytes of the array leaves (real or abstract) of ``tree``.
 
+    Typed PRNG keys (``jax.random.key``, as ``nnx.Rngs`` holds them) count their key data.
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> tree_bytes({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": None})
       24
+      >>> tree_bytes({"key": jax.random.key(0)})
+      8
     """
     return int(
         sum(
-            int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            int(np.prod(leaf.shape)) * itemsize(leaf.dtype)
             for leaf in jax.tree.leaves(tree)
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
         )
     )
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``, extended dtypes (PRNG keys) included."""
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else np.dtype(dtype).itemsize
 
 
 def abstract(tree: PyTree) -> PyTree:

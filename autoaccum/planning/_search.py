@@ -75,6 +75,22 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+WHOLE_BATCH_SLACK = 2.0
+"""The whole batch (one micro-batch, no accumulation loop) is compiled as well unless the
+affine fit predicts more than this many times the budget for it."""
+
+
+def _whole_batch_may_fit(affine: tuple[float, float] | None, limit: int,
+                         budget_bytes: int) -> bool:
+    """Whether the k=1 step is worth a compile: XLA drops the accumulation loop (its carried
+    accumulator and per-iteration buffers) there, so its need can lie below the affine fit
+    through k>1 probes (tiny models: below micro-batch 2's need)."""
+    if affine is None:
+        return True
+    intercept, slope = affine
+    return intercept + slope * limit <= WHOLE_BATCH_SLACK * budget_bytes
+
+
 def search_micro_batch(
     measure: Callable[[int, int], MemoryEstimate],
     *,
@@ -87,7 +103,10 @@ def search_micro_batch(
 
     ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
     a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as
-    it would run. Assumes need does not decrease as b grows.
+    it would run. Assumes need does not decrease as b grows while ``k > 1``; the whole batch
+    (``k = 1``, no accumulation loop) is its own case, compiled too unless the affine fit
+    puts it above twice the budget, and chosen whenever it fits. A probe marked as fitting
+    never needs more than the budget.
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -97,6 +116,12 @@ def search_micro_batch(
       >>> r = search_micro_batch(fake, per_device_batch=8, budget_bytes=175, log=None)
       >>> r.max_micro_batch, r.micro_batch, [p.micro_batch for p in r.probes]
       (7, 4, [2, 4, 7, 8])
+      >>> def no_loop_is_smaller(b, k):  # a tiny model: k = 1 drops the loop's buffers
+      ...     n = 140 if k == 1 else 150 + b
+      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
+      >>> search_micro_batch(no_loop_is_smaller, per_device_batch=32, budget_bytes=145,
+      ...                    log=None).micro_batch
+      32
     """
     log = sys.stderr if log == "stderr" else log
     start = time.perf_counter()
@@ -124,6 +149,8 @@ def search_micro_batch(
                 file=log,
                 flush=True,
             )
+            if estimate.compile_note:
+                print(f"autoaccum:   note: {estimate.compile_note}", file=log, flush=True)
         return p
 
     def bounds() -> tuple[int, int]:
@@ -173,6 +200,10 @@ def search_micro_batch(
     if lo == 0:
         p1 = probe(1, "smallest")
         lo = 1 if p1.fits else 0
+    if lo < limit and limit not in probes and _whole_batch_may_fit(affine, limit, budget_bytes):
+        probe(limit, "whole batch (no accumulation loop)")
+    if limit in probes and probes[limit].fits:
+        lo = limit  # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not
     if lo == 0:
         need = probes[1].need_bytes
         raise DoesNotFitError(
@@ -191,8 +222,12 @@ def search_micro_batch(
         if p.fits:
             chosen = d
             break
-    else:  # pragma: no cover - needs a non-monotonic compiler
-        raise DoesNotFitError("No divisor of the per-device batch fits the budget.")
+    else:  # need is not monotone below the largest fitting micro-batch
+        raise DoesNotFitError(
+            f"micro_batch={lo} fits the budget of {format_bytes(budget_bytes)} but no divisor "
+            f"of the per-device batch {limit} at or below it does (need is not monotone in the "
+            "micro-batch here). Choose an effective batch that is a multiple of "
+            f"{lo}, or a larger budget.", probes=tuple(order))
     return SearchResult(
         micro_batch=chosen,
         max_micro_batch=lo,

@@ -67,11 +67,31 @@ def _local(budget: Any, *, resident_bytes: int, mesh: Any = None) -> ResolvedTar
     capacity = int(stats["bytes_limit"]) if stats else host_memory().available
     if budget is not None:
         resolved = parse_budget(budget, capacity_bytes=capacity)
+        if not stats:
+            check_host_budget(resolved, budget)
     elif stats:
         resolved = device_budget(stats, resident_bytes=resident_bytes)
     else:
         resolved = cpu_default_budget()
     return ResolvedTarget(_local_target(), resolved, "local")
+
+
+def check_host_budget(resolved: Budget, given: Any) -> None:
+    """A ``ValueError`` when a budget for the host's RAM (CPU) exceeds the machine's RAM: the
+    plan would pick a micro-batch that cannot run here.
+
+    Example:
+      >>> check_host_budget(parse_budget("1MiB"), "1MiB")
+    """
+    memory = host_memory()
+    if resolved.bytes > memory.total:
+        raise ValueError(
+            f"The budget {format_bytes(resolved.bytes)} is more than this machine's RAM "
+            f"({format_bytes(memory.total)} in all, {format_bytes(memory.available)} "
+            "available), which is what a CPU step uses. Give a budget of at most "
+            f"{format_bytes(memory.available)} (or a fraction such as '50%'), or plan for a "
+            f"named GPU with device='t4', 'a100-80gb', ... Received: budget={given!r}"
+        )
 
 
 def per_device_budget(budget: Any, mesh: Any, *, resident_bytes: int = 0) -> Budget:
@@ -101,7 +121,9 @@ def per_device_budget(budget: Any, mesh: Any, *, resident_bytes: int = 0) -> Bud
                       f"smallest of {n} local device(s) of the mesh: {low.detail}")
     available = host_memory().available
     if budget is not None:
-        return _per_device_note(parse_budget(budget, capacity_bytes=available // n), n)
+        resolved = parse_budget(budget, capacity_bytes=available // n)
+        check_host_budget(Budget(resolved.bytes * n, resolved.source, resolved.detail), budget)
+        return _per_device_note(resolved, n)
     host = cpu_default_budget()
     return Budget(host.bytes // n, "cpu-default",
                   f"({host.detail}) / {n} host-platform devices sharing the host's RAM")
@@ -150,6 +172,10 @@ def resolve_target(
       >>> resolve_target(None, "1GiB").budget.bytes
       1073741824
     """
+    from ._validate import validate_device, validate_memory_fraction
+
+    validate_device(device)
+    validate_memory_fraction(memory_fraction, device)
     if device is None:
         return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
     profile = device if isinstance(device, DeviceProfile) else find_profile(device)

@@ -87,7 +87,13 @@ def accumulate_gradients(
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), trainable)
     init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
-    (grad_sum, loss_sum, count, carry, sq_sum), _ = jax.lax.scan(body, init, batches)
+    if jax.tree.leaves(batches)[0].shape[0] == 1:
+        # One micro-batch: no loop. (XLA:CPU runs convolutions inside a while loop several
+        # times slower; the planner compiles this same program, so its need is measured.)
+        (grad_sum, loss_sum, count, carry, sq_sum), _ = body(
+            init, jax.tree.map(lambda b: b[0], batches))
+    else:
+        (grad_sum, loss_sum, count, carry, sq_sum), _ = jax.lax.scan(body, init, batches)
     return AccumulatedGradients(grad_sum, loss_sum, count, carry, sq_sum)
 
 

@@ -4,6 +4,7 @@ of shape ``[accum_steps, micro_batch, ...]``."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 PyTree = Any
 
 
-def as_arrays(data: object) -> PyTree:
+def as_arrays(data: object, *, name: str = "data") -> PyTree:
     """Validates ``data`` and returns it as a pytree of numpy arrays.
 
     Accepts a mapping or tuple/list of array-likes, or one array, each with the same
@@ -25,47 +26,67 @@ def as_arrays(data: object) -> PyTree:
     """
     if not isinstance(data, Mapping | tuple | list) and not hasattr(data, "shape"):
         raise ValueError(
-            "data must be a dict or tuple of numpy arrays (or one array) whose first axis is "
-            f"the example axis. Received: data of type {type(data).__name__}"
+            f"{name} must be a dict or tuple of numpy arrays (or one array) whose first axis is "
+            f"the example axis. Received: {name} of type {type(data).__name__}"
         )
-    tree = _to_numpy(tuple(data) if isinstance(data, list) else data)
+    tree = _to_numpy(tuple(data) if isinstance(data, list) else data, name=name)
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         raise ValueError(
-            "data is empty: give at least one array with a leading example axis. "
-            f"Received: data={data!r}"
+            f"{name} is empty: give at least one array with a leading example axis. "
+            f"Received: {name}={data!r}"
         )
     arrays = leaves
     for path, array in zip(_paths(tree), arrays, strict=True):
         if array.ndim == 0:
             raise ValueError(
-                f"Every array in data needs a leading example axis; data{path} is a scalar. "
-                f"Add an axis (e.g. x[None]). Received: data{path} with shape ()"
+                f"Every array in {name} needs a leading example axis; {name}{path} is a scalar. "
+                f"Add an axis (e.g. x[None]). Received: {name}{path} with shape ()"
             )
         if array.dtype == object:
             raise ValueError(
-                f"data{path} is not a numeric array (dtype=object). Tokenize or pad it to a "
+                f"{name}{path} is not a numeric array (dtype=object). Tokenize or pad it to a "
                 "numeric array first."
+            )
+        if array.dtype.kind in "USV":
+            raise ValueError(
+                f"{name}{path} holds {'strings' if array.dtype.kind != 'V' else 'raw bytes'} "
+                f"(dtype {array.dtype}); a Flax model trains on numbers. Tokenize or encode it "
+                "to a numeric array first (e.g. token ids, np.int32). "
+                f"Received: {name}{path} with dtype {array.dtype}"
             )
     lengths = {path: a.shape[0] for path, a in zip(_paths(tree), arrays, strict=True)}
     if len(set(lengths.values())) > 1:
-        shown = ", ".join(f"data{p}: {n}" for p, n in lengths.items())
+        shown = ", ".join(f"{name}{p}: {n}" for p, n in lengths.items())
         raise ValueError(
-            "All arrays in data must have the same number of examples (leading axis) so that "
+            f"All arrays in {name} must have the same number of examples (leading axis) so that "
             f"example i means the same row everywhere. Received leading sizes: {shown}"
         )
     if next(iter(lengths.values())) == 0:
-        raise ValueError("data is empty: it has 0 examples. Received: leading axis of size 0")
+        raise ValueError(f"{name} is empty: it has 0 examples. Received: leading axis of size 0")
     return jax.tree.unflatten(treedef, arrays)
 
 
-def _to_numpy(obj: object) -> PyTree:
+def _to_numpy(obj: object, path: str = "", *, name: str = "data") -> PyTree:
     """Mappings and tuples are containers; anything else (lists included) is one array."""
     if isinstance(obj, Mapping):
-        return {str(k): _to_numpy(v) for k, v in obj.items()}
+        return {str(k): _to_numpy(v, f"{path}[{str(k)!r}]", name=name) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_to_numpy(v) for v in obj)
-    return np.asarray(obj)
+        return tuple(_to_numpy(v, f"{path}[{i}]", name=name) for i, v in enumerate(obj))
+    try:
+        return np.asarray(obj)
+    except ValueError as error:  # ragged nested lists
+        raise ValueError(
+            f"{name}{path} is ragged: its rows have different lengths, so it is not one array. "
+            "Pad every row to the same length and pass a mask of the real items (the loss_fn "
+            "counts only those), e.g. np.zeros((n, max_len)) filled row by row. "
+            f"Received: {name}{path} = {_short(obj)} ({str(error).split('.')[0]})"
+        ) from None
+
+
+def _short(obj: object) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _paths(tree: PyTree) -> list[str]:
@@ -98,8 +119,8 @@ def effective_batches(
 ) -> Iterator[PyTree]:
     """Yields every full effective batch in ``order``, shaped ``[accum_steps, micro, ...]``.
 
-    The last partial effective batch is dropped (its examples come in other epochs when
-    shuffling); a second compiled program for it would cost memory and time.
+    The examples after the last full effective batch (fewer than ``effective_batch``) are
+    not yielded here; see :func:`leftover_split` and :func:`leftover_batches`.
 
     Example:
       >>> tree = {"x": np.arange(10)}
@@ -113,3 +134,62 @@ def effective_batches(
         yield jax.tree.map(
             lambda a, i=index: a[i].reshape(accum_steps, micro, *a.shape[1:]), tree
         )
+
+
+@dataclass(frozen=True)
+class LeftoverSplit:
+    """How the examples after the last full effective batch make one smaller step."""
+
+    examples: int
+    """Examples in the leftover step (fewer than the effective batch)."""
+    micro_batch: int
+    """Per-device micro-batch: the largest divisor of the per-device share that is at most
+    the plan's micro-batch (1 when the leftover does not divide over the devices)."""
+    accum_steps: int
+    padding: int = 0
+    """Padding slots (weight 0, change nothing) when ``examples`` does not divide over the
+    data-parallel devices."""
+
+
+def leftover_split(examples: int, *, micro_batch: int, data_parallel: int = 1) -> LeftoverSplit:
+    """The split of a final, smaller step of ``examples`` (never above ``micro_batch``).
+
+    Example:
+      >>> leftover_split(6, micro_batch=4)
+      LeftoverSplit(examples=6, micro_batch=3, accum_steps=2, padding=0)
+      >>> leftover_split(5, micro_batch=4, data_parallel=2)
+      LeftoverSplit(examples=5, micro_batch=1, accum_steps=3, padding=1)
+    """
+    if examples < 1:
+        raise ValueError(f"A leftover step needs at least one example. Received: {examples}")
+    if examples % data_parallel:
+        accum = -(-examples // data_parallel)
+        return LeftoverSplit(examples, 1, accum, accum * data_parallel - examples)
+    per_device = examples // data_parallel
+    micro = max(d for d in range(1, min(micro_batch, per_device) + 1) if per_device % d == 0)
+    return LeftoverSplit(examples, micro, per_device // micro)
+
+
+def leftover_batches(tree: PyTree, index: np.ndarray, split: LeftoverSplit,
+                     data_parallel: int = 1) -> tuple[PyTree, np.ndarray | None]:
+    """The leftover examples ``index`` shaped ``[accum, data_parallel * micro, ...]``, and
+    per-example weights when the split pads (else ``None``).
+
+    Padding slots repeat the first leftover example (so the forward pass stays finite) and
+    have weight 0.
+
+    Example:
+      >>> b, w = leftover_batches({"x": np.arange(10)}, np.array([7, 8, 9]),
+      ...                         leftover_split(3, micro_batch=4, data_parallel=2), 2)
+      >>> b["x"].tolist(), w.tolist()
+      ([[7, 8], [9, 7]], [[1.0, 1.0], [1.0, 0.0]])
+    """
+    global_micro = split.micro_batch * data_parallel
+    full = np.concatenate([index, np.full(split.padding, index[0], index.dtype)])
+    batches = jax.tree.map(
+        lambda a: a[full].reshape(split.accum_steps, global_micro, *a.shape[1:]), tree)
+    if not split.padding:
+        return batches, None
+    weights = np.concatenate([np.ones(len(index), np.float32),
+                              np.zeros(split.padding, np.float32)])
+    return batches, weights.reshape(split.accum_steps, global_micro)

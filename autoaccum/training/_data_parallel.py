@@ -15,9 +15,11 @@ and other leaves (RNG counters and keys, step counters) are taken from the first
 every device holds the same value afterwards. A framework may give its own rule (Keras sums
 its metric-variable updates across devices; see ``autoaccum.adapters.keras._program``).
 
-Stochastic layers: every device starts from the same RNG state, so dropout masks repeat
-across devices and differ from a single-device run; exactness holds for deterministic
-forward passes.
+Stochastic layers: each device folds its index into every typed PRNG key of the carried
+state (``jax.random.fold_in``) for its own micro-batches, so dropout masks differ across
+devices (and from a single-device run; exactness holds for deterministic forward passes).
+Keys the forward pass left unchanged come back as they were; RNG counters advance as on one
+device (device 0's).
 
 Meshes and placing arrays on them: :mod:`autoaccum.devices._mesh`.
 """
@@ -41,7 +43,8 @@ CarryReduce = Callable[[PyTree, PyTree, str], PyTree]
 Accumulate = Callable[[MicroLoss, PyTree, PyTree, PyTree], AccumulatedGradients]
 
 
-__all__ = ["data_parallel_accumulate", "default_carry_reduce", "sum_updates"]
+__all__ = ["data_parallel_accumulate", "default_carry_reduce", "fold_device_keys",
+           "sum_updates", "unfold_device_keys"]
 
 
 def default_carry_reduce(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
@@ -58,6 +61,35 @@ def _same_everywhere(x: Any, axis_name: str) -> Any:
         data = jax.lax.all_gather(jax.random.key_data(x), axis_name)[0]
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.lax.all_gather(x, axis_name)[0]
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def fold_device_keys(carry: PyTree, index: Any) -> PyTree:
+    """Every typed PRNG key of ``carry`` folded with ``index`` (the device's position).
+
+    Example:
+      >>> k = jax.random.key(0)
+      >>> bool(jnp.all(jax.random.key_data(fold_device_keys({"k": k}, 1)["k"])
+      ...               == jax.random.key_data(k)))
+      False
+    """
+    return jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x, carry)
+
+
+def unfold_device_keys(initial: PyTree, folded: PyTree, final: PyTree) -> PyTree:
+    """``final`` with each key the forward pass did not change (still ``folded``) put back
+    to its ``initial`` value."""
+
+    def one(x0: Any, xf: Any, x: Any) -> Any:
+        if not _is_key(x):
+            return x
+        same = jnp.all(jax.random.key_data(x) == jax.random.key_data(xf))
+        return jnp.where(same, x0, x)
+
+    return jax.tree.map(one, initial, folded, final)
 
 
 def sum_updates(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
@@ -98,12 +130,14 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     def accumulate(micro_loss: MicroLoss, trainable: PyTree, carry: PyTree,
                    batches: PyTree) -> AccumulatedGradients:
         def per_device(trainable: PyTree, carry: PyTree, batches: PyTree) -> tuple:
-            acc = accumulate_gradients(micro_loss, trainable, carry, batches)
+            local = fold_device_keys(carry, jax.lax.axis_index(axis))
+            acc = accumulate_gradients(micro_loss, trainable, local, batches)
             # The one cross-device reduction of the optimizer step.
             grad_sum, loss_sum, count = jax.lax.psum(
                 (acc.grad_sum, acc.loss_sum, acc.count), axis)
             sq = jax.lax.pmean(acc.micro_grad_sq_norm_sum, axis)
-            return grad_sum, loss_sum, count, reduce(carry, acc.carry, axis), sq
+            final = unfold_device_keys(carry, local, acc.carry)
+            return grad_sum, loss_sum, count, reduce(carry, final, axis), sq
 
         sharded = jax.shard_map(
             per_device,

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "keep_if_finite", "step_is_finite",
-           "validate_on_nonfinite"]
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "keep_if_finite", "keep_values_if_finite",
+           "step_is_finite", "validate_on_nonfinite"]
 
 PyTree = Any
 NONFINITE_POLICIES = ("stop", "skip")
@@ -73,3 +73,24 @@ def keep_if_finite(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
       [0.0, 0.0]
     """
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def keep_values_if_finite(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """Like :func:`keep_if_finite` for floating leaves; integer and PRNG-key leaves (RNG
+    counters, step counters) always take ``new``, so a skipped step does not replay its
+    random numbers.
+
+    Example:
+      >>> out = keep_values_if_finite(jnp.bool_(False), {"w": jnp.ones(1), "n": jnp.uint32(3)},
+      ...                             {"w": jnp.zeros(1), "n": jnp.uint32(2)})
+      >>> out["w"].tolist(), int(out["n"])
+      ([0.0], 3)
+    """
+
+    def one(n: Any, o: Any) -> Any:
+        dtype = jnp.result_type(n)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.where(finite, n, o)
+        return n
+
+    return jax.tree.map(one, new, old)

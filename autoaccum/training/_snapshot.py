@@ -66,32 +66,73 @@ class HostSnapshot:
                  limit_bytes: int = AUTO_BACKUP_BYTES) -> None:
         self.backup = validate_backup(backup)
         self.limit_bytes = limit_bytes
-        self.host: PyTree = None
+        # (host tree, shardings, PRNG implementations, step) replaced in one assignment, so an
+        # interrupt while a copy is taken leaves the previous copy whole.
+        self._held: tuple[PyTree, PyTree, PyTree, int | None] | None = None
+
+    @property
+    def host(self) -> PyTree:
         """Numpy copy of the last state taken, or ``None`` when the policy keeps none."""
-        self._shardings: PyTree = None
+        return None if self._held is None else self._held[0]
+
+    @property
+    def step(self) -> int | None:
+        """The ``step`` the copy was tagged with when it was taken."""
+        return None if self._held is None else self._held[3]
 
     @property
     def available(self) -> bool:
         """Whether a copy is held."""
-        return self.host is not None
+        return self._held is not None
 
-    def take(self, tree: PyTree) -> None:
-        """Copies ``tree`` to host memory in one transfer (blocks until it is ready)."""
+    def take(self, tree: PyTree, *, step: int | None = None) -> None:
+        """Copies ``tree`` to host memory in one transfer (blocks until it is ready).
+
+        ``step`` tags the copy (the optimizer steps it has taken); typed PRNG keys are
+        kept as their key data and implementation.
+        """
         if self.backup == "none" or (
             self.backup == "auto" and tree_bytes(tree) > self.limit_bytes
         ):
-            self.host = None
+            self._held = None
             return
-        self._shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+        impls = jax.tree.map(_key_impl, tree)
+        raw = jax.tree.map(_key_data, tree)
         # np.array copies: on CPU device_get can alias buffers that a donation later frees.
-        self.host = jax.tree.map(np.array, jax.device_get(tree))
+        host = jax.tree.map(np.array, jax.device_get(raw))
+        self._held = (host, shardings, impls, step)
 
     def restore(self) -> PyTree:
         """Fresh device arrays holding the copy (placed with the shardings they had)."""
-        if self.host is None:
+        if self._held is None:
             raise RuntimeError("No host copy of the state is held (see the backup policy).")
-        return jax.tree.map(
-            lambda x, s: jax.device_put(x, s) if s is not None else jax.numpy.asarray(x),
-            self.host,
-            self._shardings,
-        )
+        host, shardings, impls, _ = self._held
+        return jax.tree.map(_placed, host, shardings, impls)
+
+
+def _key_impl(x: Any) -> Any:
+    """The PRNG implementation of a typed key array, else ``None``."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return _Impl(jax.random.key_impl(x))
+    return None
+
+
+class _Impl:
+    """A PRNG implementation held as a pytree leaf (not a container)."""
+
+    def __init__(self, impl: Any) -> None:
+        self.impl = impl
+
+
+def _key_data(x: Any) -> Any:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def _placed(host: Any, sharding: Any, impl: Any) -> Any:
+    array = jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
+    if impl is not None:
+        return jax.random.wrap_key_data(array, impl=impl.impl)
+    return array

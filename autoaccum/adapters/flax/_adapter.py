@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,7 +14,10 @@ from ...planning._backoff import RealStepRunner
 from ...planning._lr import scale_learning_rate
 from ...planning._plan import Plan
 from ...planning._remat import REMAT_POLICIES
-from ...training._batching import as_arrays, example_spec
+from ...planning._validate import check_enough_examples, validate_positive_int
+from ...training._batch_stats import validate_batch_stats
+from ...training._batching import as_arrays, example_spec, num_examples
+from ...training._callbacks import validate_callbacks
 from ._fit import flax_fit
 from ._optax_lr import build_optax_optimizer
 from ._program import flax_program, split_model
@@ -31,6 +36,8 @@ class FlaxAdapter:
 
     name = "flax"
     remat_policies = tuple(REMAT_POLICIES)
+    trains_leftovers = True
+    """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""
 
     def recognizes(self, model: Any) -> bool:
         return isinstance(model, nnx.Module)
@@ -40,6 +47,7 @@ class FlaxAdapter:
         optimizer = options.pop("optimizer", None)
         loss_fn = options.pop("loss_fn", None)
         trainable = options.pop("trainable", None)
+        batch_stats = validate_batch_stats(options.pop("batch_stats", "effective"))
         if optimizer is None:
             raise ValueError(
                 "A Flax model needs optimizer= (an optax transformation such as "
@@ -62,9 +70,10 @@ class FlaxAdapter:
         tree = as_arrays(data)
         kwargs = {} if trainable is None else {"trainable": trainable}
         with self.remat_context(model, remat, remat_layers):
-            program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx, **kwargs)
+            program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx,
+                                   batch_stats=batch_stats, **kwargs)
         return Prepared(program, tree, scaling, self, remat,
-                        {"tx": tx, "loss_fn": loss_fn, **kwargs})
+                        {"tx": tx, "loss_fn": loss_fn, "batch_stats": batch_stats, **kwargs})
 
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:
@@ -87,20 +96,87 @@ class FlaxAdapter:
                               prepared.data)
 
     def validate_fit_options(self, options: dict) -> None:
-        if options:
-            names = ", ".join(sorted(options))
+        refused = sorted(set(options) - set(FIT_OPTIONS))
+        if refused:
             raise ValueError(
-                f"{names}: Keras `model.fit` options that autoaccum.fit does not take for a Flax "
-                "model. Received: " + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+                f"{', '.join(refused)}: Keras `model.fit` options that autoaccum.fit does not take "
+                "for a Flax model (it takes " + ", ".join(FIT_OPTIONS) + "). Received: "
+                + ", ".join(f"{k}={options[k]!r}" for k in refused)
             )
+        validate_callbacks(options.get("callbacks"))
+        split = options.get("validation_split", 0.0)
+        if not isinstance(split, int | float) or isinstance(split, bool) or not 0 <= split < 1:
+            raise ValueError(
+                "validation_split is the fraction of the data (its last examples, before "
+                "shuffling) held out for validation, in [0, 1). "
+                f"Received: validation_split={split!r}"
+            )
+        if split and "validation_data" in options:
+            raise ValueError(
+                "Give validation_data or validation_split, not both. Received: both")
+        if options.get("validation_data") is not None:
+            as_arrays(options["validation_data"], name="validation_data")  # fail before planning
+        for name in ("validation_batch_size", "validation_steps", "validation_freq"):
+            if name in options and options[name] is not None:
+                validate_positive_int(name, options[name])
+        if "initial_epoch" in options:
+            value = options["initial_epoch"]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError("initial_epoch must be a non-negative integer. "
+                                 f"Received: initial_epoch={value!r}")
 
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,
             options: dict) -> Any:
         extras = prepared.extras
+        data = prepared.data
+        validation = options.get("validation_data")
+        split = options.get("validation_split", 0.0)
+        if split:
+            data, validation = split_validation(data, split)
+        if validation is not None:
+            validation = as_arrays(validation, name="validation_data")
+        examples = num_examples(data)
+        check_enough_examples(data, plan.effective_batch)
+        plan = dataclasses.replace(plan, examples=examples,
+                                   drop_remainder=settings.drop_remainder)
         return flax_fit(
-            model, prepared.data, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
+            model, data, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
             epochs=settings.epochs, shuffle=settings.shuffle, seed=settings.seed,
             verbose=settings.verbose, stream=settings.log, elastic=settings.elastic,
-            backup=settings.backup, mesh=settings.mesh,
+            backup=settings.backup, mesh=settings.mesh, on_nonfinite=settings.on_nonfinite,
+            batch_stats=extras.get("batch_stats", settings.batch_stats),
+            drop_remainder=settings.drop_remainder, callbacks=options.get("callbacks"),
+            validation_data=validation,
+            validation_batch_size=options.get("validation_batch_size"),
+            validation_steps=options.get("validation_steps"),
+            validation_freq=options.get("validation_freq", 1),
+            initial_epoch=options.get("initial_epoch", 0),
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
+
+
+FIT_OPTIONS = ("callbacks", "validation_data", "validation_split", "validation_batch_size",
+               "validation_steps", "validation_freq", "initial_epoch")
+"""The ``model.fit``-style options ``autoaccum.fit`` takes for a Flax model."""
+
+
+def split_validation(data: Any, split: float) -> tuple[Any, Any]:
+    """The first ``1 - split`` of the examples to train on and the last ``split`` to validate
+    on (before shuffling, as Keras does).
+
+    Example:
+      >>> import numpy as np
+      >>> train, val = split_validation({"x": np.arange(10)}, 0.2)
+      >>> train["x"].tolist(), val["x"].tolist()
+      ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+    """
+    n = num_examples(data)
+    cut = int(n * (1 - split))
+    if cut == n or cut == 0:
+        raise ValueError(
+            f"validation_split={split} of {n} examples leaves "
+            f"{'no validation' if cut == n else 'no training'} example; use a larger or "
+            f"smaller fraction, or validation_data=. Received: validation_split={split}")
+    import jax
+
+    return (jax.tree.map(lambda a: a[:cut], data), jax.tree.map(lambda a: a[cut:], data))

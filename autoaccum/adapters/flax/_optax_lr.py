@@ -76,7 +76,20 @@ def build_optax_optimizer(
                     f"Received: optimizer={optimizer!r}"
                 )
         kwargs = {"b1": scaling.adam.b1, "b2": scaling.adam.b2, "eps": scaling.adam.eps}
-    return optimizer(scaling.learning_rate, **kwargs)
+    built = optimizer(scaling.learning_rate, **kwargs)
+    if not is_transformation(built):
+        raise ValueError(
+            "The optimizer factory must return an optax GradientTransformation (as optax.adamw "
+            f"does when called with the learning rate), but {_name(optimizer)}"
+            f"(learning_rate) returned {type(built).__module__}.{type(built).__name__}. Pass an "
+            "optax factory (optimizer=optax.adamw) or a built transformation "
+            f"(optimizer=optax.adamw(1e-4)). Received: optimizer={optimizer!r}"
+        )
+    return built
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _parameters(fn: Callable[..., Any]) -> set[str] | None:

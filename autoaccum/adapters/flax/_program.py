@@ -2,6 +2,14 @@
 
 ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``: the loss of a
 micro-batch as a sum over its valid items, with their count, so masking is exact.
+
+State a forward pass mutates (``nnx.BatchNorm`` statistics, the counters of ``nnx.Rngs``
+behind ``nnx.Dropout``, any other ``nnx.Variable``) is carried from micro-batch to
+micro-batch: each micro-batch's model is merged *inside* the differentiated function from
+the carried state (fresh variables of that trace) and its new state is returned as aux, so
+dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
+once per optimizer step by default (``batch_stats="effective"``, see
+:mod:`._batch_norm`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,15 @@ from flax import nnx
 
 from ...planning._program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
+from ...training._batch_stats import validate_batch_stats
 from ...training._data_parallel import data_parallel_accumulate
+from ...training._nonfinite import (
+    keep_if_finite,
+    keep_values_if_finite,
+    step_is_finite,
+    validate_on_nonfinite,
+)
+from ._batch_norm import EffectiveBatchNorm
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -31,6 +47,26 @@ def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
     return nnx.split(model, trainable, nnx.Param, ...)
 
 
+def checked_loss(out: Any) -> tuple[jax.Array, jax.Array]:
+    """``loss_fn``'s output as (scalar sum, scalar count), or a ``ValueError`` with the fix."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            "loss_fn(model, batch) must return (sum_of_losses, number_of_valid_items), "
+            "e.g. (jnp.sum(loss * mask), jnp.sum(mask)). Received: "
+            f"{type(out).__name__}"
+        )
+    loss_sum, count = out
+    for name, value in (("sum_of_losses", loss_sum), ("number_of_valid_items", count)):
+        if jnp.shape(value) != ():
+            raise ValueError(
+                f"loss_fn(model, batch) must return two scalars, (sum_of_losses, "
+                f"number_of_valid_items); its {name} has shape {jnp.shape(value)}. Sum the "
+                "per-example (or per-token) losses, e.g. return jnp.sum(losses), losses.shape[0]."
+                f" Received: {name} of shape {jnp.shape(value)}"
+            )
+    return loss_sum, count
+
+
 def make_flax_step(
     graphdef: Any,
     *,
@@ -38,42 +74,86 @@ def make_flax_step(
     tx: optax.GradientTransformation,
     trainable: Any,
     accumulate: Callable[..., Any] = accumulate_gradients,
+    norms: EffectiveBatchNorm | None = None,
+    on_nonfinite: str = "stop",
+    weighted: bool = False,
 ) -> Callable[..., tuple[Any, StepMetrics]]:
     """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``.
 
-    ``accumulate``: :func:`accumulate_gradients` (one device), or
-    ``data_parallel_accumulate(mesh)`` for a data-parallel step over ``mesh``.
+    Args:
+      graphdef: the model's ``nnx.GraphDef``.
+      loss_fn: ``(model, micro_batch) -> (sum_of_losses, number_of_valid_items)``.
+      tx: the optax transformation, applied once per step.
+      trainable: the ``nnx`` filter of the trained variables.
+      accumulate: :func:`accumulate_gradients` (one device), or
+        ``data_parallel_accumulate(mesh)`` for a data-parallel step over ``mesh``.
+      norms: the model's BatchNorm layers for ``batch_stats="effective"`` (``None``: every
+        micro-batch updates the running averages).
+      on_nonfinite: ``"stop"`` or ``"skip"``. Either way a step whose loss or gradients are
+        not finite (or whose ``loss_fn`` count is 0 with a non-zero sum) returns the state it
+        was given (``"skip"`` still advances RNG counters, so the next step draws new keys);
+        ``StepMetrics.finite`` says which happened.
+      weighted: ``batches`` is ``(data, weights)`` with ``weights`` of shape ``[accum_steps,
+        micro_batch]`` (each micro-batch's first weight counts): a micro-batch of weight 0
+        is padding and changes nothing (used to spread a leftover over several devices).
+
+    Returns:
+      The pure step function (jit it with ``donate_argnums=0``).
     """
+    validate_on_nonfinite(on_nonfinite)
+    effective = norms is not None and bool(norms)
 
     def step(state: Any, batches: Any, frozen: Any) -> tuple[Any, StepMetrics]:
         params, other, opt_state = state
 
-        def micro_loss(p: Any, o: Any, micro_batch: Any) -> Any:
-            model = nnx.merge(graphdef, p, frozen, o)
-            out = loss_fn(model, micro_batch)
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise ValueError(
-                    "loss_fn(model, batch) must return (sum_of_losses, number_of_valid_items), "
-                    "e.g. (jnp.sum(loss * mask), jnp.sum(mask)). Received: "
-                    f"{type(out).__name__}"
-                )
-            _, _, _, new_other = split_model(model, trainable)
-            return out, new_other
+        def micro_loss(p: Any, carry: Any, micro_batch: Any) -> Any:
+            old, moments = carry
+            data, weight = micro_batch if weighted else (micro_batch, None)
+            if weight is not None:
+                weight = jnp.reshape(weight, (-1,))[0].astype(jnp.float32)
+            # copy=True: fresh variables of this trace, so the forward pass may update them.
+            model = nnx.merge(graphdef, p, frozen, old, copy=True)
+            if effective:
+                norms.zero_momentum(model)
+            loss_sum, count = checked_loss(loss_fn(model, data))
+            _, _, _, new = split_model(model, trainable)
+            if effective:
+                new, moments = norms.collect(old, new, moments,
+                                             1.0 if weight is None else weight)
+            if weight is not None:
+                loss_sum = loss_sum * weight
+                count = count * weight
+                new = jax.tree.map(lambda n, o: jnp.where(weight > 0, n, o), new, old)
+            return (loss_sum, count), (new, moments)
 
-        acc = accumulate(micro_loss, params, other, batches)
+        start = (other, norms.start(other) if effective else ())
+        acc = accumulate(micro_loss, params, start, batches)
+        new_other, moments = acc.carry
+        if effective:
+            new_other = norms.finish(new_other, moments)
         grads = mean_gradients(acc, params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        loss = mean_loss(acc)
+        grad_sq_norm = sum(
+            jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)
+        )
+        finite = step_is_finite(loss, grad_sq_norm)
+        # A count of 0 with a non-zero sum would be an unnormalised update: never applied.
+        ok = finite & ((acc.count > 0) | (acc.loss_sum == 0))
+        new_params, new_opt_state = keep_if_finite(
+            ok, (new_params, new_opt_state), (params, opt_state))
+        keep_other = keep_values_if_finite if on_nonfinite == "skip" else keep_if_finite
+        new_other = keep_other(ok, new_other, other)
         accum_steps = jax.tree.leaves(batches)[0].shape[0]
         metrics = StepMetrics(
-            loss=mean_loss(acc),
+            loss=loss,
             count=acc.count,
-            grad_sq_norm=sum(
-                jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)
-            ),
+            grad_sq_norm=grad_sq_norm,
             micro_grad_sq_norm=acc.micro_grad_sq_norm_sum / accum_steps,
+            finite=finite,
         )
-        return (params, acc.carry, opt_state), metrics
+        return (new_params, new_other, new_opt_state), metrics
 
     return step
 
@@ -86,20 +166,38 @@ def flax_program(
     tx: optax.GradientTransformation,
     trainable: Any = nnx.Param,
     mesh: Any = None,
+    batch_stats: str = "effective",
+    on_nonfinite: str = "stop",
 ) -> TrainProgram:
     """The accumulated step of ``model`` as a :class:`TrainProgram` (nothing allocated).
 
     ``model`` may be concrete or abstract (``nnx.eval_shape(lambda: Model(...))``).
     ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (see
     ``autoaccum.training._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
+    ``batch_stats``: ``"effective"`` or ``"micro"`` (see
+    :mod:`autoaccum.training._batch_stats`); ``on_nonfinite``: as :func:`make_flax_step`.
+
+    Example:
+      >>> import optax
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
+      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
+      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> program.description
+      'flax nnx Linear'
     """
+    validate_batch_stats(batch_stats)
     graphdef, params, frozen, other = split_model(model, trainable)
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     opt_state = jax.eval_shape(tx.init, params)
+    norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
 
     def step_for(mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                              accumulate=accumulate_for(mesh))
+                              accumulate=accumulate_for(mesh), norms=norms,
+                              on_nonfinite=on_nonfinite)
 
     program = TrainProgram(
         step=step_for(None),
@@ -116,5 +214,3 @@ def flax_program(
 
 def accumulate_for(mesh: Any) -> Callable[..., Any]:
     return accumulate_gradients if mesh is None else data_parallel_accumulate(mesh)
-
-

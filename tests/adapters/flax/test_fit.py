@@ -122,3 +122,16 @@ def test_unknown_backup_policy_names_the_policies():
     with pytest.raises(ValueError, match="'auto'.*'host'.*'none'.*Received: backup='disk'"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 6), effective_batch=4,
                       optimizer=optax.sgd(0.5), loss_fn=token_loss, backup="disk", log=None)
+
+
+@pytest.mark.slow
+def test_fit_takes_a_named_gpu_and_its_memory_fraction():
+    model = TinyLM(rngs=nnx.Rngs(0))
+    result = autoaccum.fit(model, ragged_tokens(16, 8), effective_batch=8,
+                           optimizer=optax.adam, learning_rate=1e-3, base_batch=8,
+                           loss_fn=token_loss, device="t4", memory_fraction=0.5, verbose=0,
+                           log=None)
+    t4 = autoaccum.find_profile("t4")
+    assert "deviceless" in result.plan.target
+    assert result.plan.budget_bytes == t4.budget_bytes(0.5)
+    assert result.steps == 2 and np.isfinite(result.losses).all()

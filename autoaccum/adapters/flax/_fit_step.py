@@ -1,0 +1,167 @@
+"""One optimizer step of ``flax_fit``: the epoch's batches, the compiled steps, elastic retries,
+and what a non-finite step does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+import optax
+
+from ...devices._mesh import shard_batches
+from ...devices._oom import is_out_of_memory
+from ...devices._rlimit import compiling
+from ...planning._plan import Plan
+from ...planning._program import StepMetrics
+from ...planning._search import DoesNotFitError
+from ...training._batching import effective_batches, leftover_batches, leftover_split
+from ...training._elastic import resplit, shrink
+from ...training._live import LiveState
+from ...training._nonfinite import NonFiniteError
+from ...training._result import FitResult
+from ._batch_norm import EffectiveBatchNorm
+from ._program import LossFn, accumulate_for, make_flax_step
+
+__all__ = ["StepBatch", "StepRunner", "epoch_steps"]
+
+
+@dataclass
+class StepBatch:
+    """The host examples of one optimizer step, ``[accum_steps, dp * micro_batch, ...]``."""
+
+    batches: Any
+    examples: int
+    accum_steps: int
+    micro_batch: int
+    """Per device."""
+    weights: np.ndarray | None = None
+    """``[accum_steps, dp * micro_batch]`` weights (0: padding), for a padded leftover."""
+    leftover: bool = False
+
+
+def epoch_steps(data: Any, order: np.ndarray, *, plan: Plan, result: FitResult, dp: int,
+                drop_remainder: bool) -> Iterator[StepBatch]:
+    """Every full effective batch of the epoch in ``order``, then the leftover step (its own,
+    smaller split) unless ``drop_remainder``."""
+    effective = plan.effective_batch
+    for batches in effective_batches(data, effective_batch=effective,
+                                     accum_steps=plan.accum_steps, order=order):
+        yield StepBatch(batches, effective, plan.accum_steps, plan.micro_batch)
+    rest = len(order) % effective
+    if rest and not drop_remainder:
+        split = leftover_split(rest, micro_batch=result.micro_batch or plan.micro_batch,
+                               data_parallel=dp)
+        batches, weights = leftover_batches(data, order[len(order) - rest:], split, dp)
+        yield StepBatch(batches, rest, split.accum_steps, split.micro_batch, weights,
+                        leftover=True)
+
+
+class StepRunner:
+    """Runs one optimizer step on the :class:`LiveState`, compiled once per batch shape."""
+
+    def __init__(self, graphdef: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation,
+                 trainable: Any, mesh: Any, norms: EffectiveBatchNorm | None,
+                 on_nonfinite: str, frozen: Any, live: LiveState, result: FitResult,
+                 elastic: bool, stream: TextIO) -> None:
+        self.mesh, self.frozen, self.live, self.result = mesh, frozen, live, result
+        self.on_nonfinite, self.elastic, self.stream = on_nonfinite, elastic, stream
+        self.dp = 1 if mesh is None else int(mesh.size)
+
+        def jitted(weighted: bool) -> Any:
+            return jax.jit(make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                                          accumulate=accumulate_for(mesh), norms=norms,
+                                          on_nonfinite=on_nonfinite, weighted=weighted),
+                           donate_argnums=0)
+
+        self._jitted = {False: jitted(False)}
+        self._make = jitted
+        self._executables: dict[tuple, Any] = {}
+
+    def _compiled(self, batches: Any, weighted: bool) -> Any:
+        data = batches[0] if weighted else batches
+        key = (tuple(jax.tree.leaves(data)[0].shape[:2]), weighted)
+        if key not in self._executables:
+            if weighted not in self._jitted:
+                self._jitted[weighted] = self._make(weighted)
+            with compiling():
+                self._executables[key] = (self._jitted[weighted]
+                                          .lower(self.live.state, batches, self.frozen).compile())
+        return self._executables[key]
+
+    def step(self, batch: StepBatch) -> tuple[StepMetrics, bool]:
+        """Runs ``batch`` as one optimizer step; returns its metrics and whether it was applied.
+
+        Raises:
+          NonFiniteError: ``on_nonfinite="stop"`` and the loss or gradients were not finite
+            (the model holds the state before this step).
+          ValueError: ``loss_fn`` gave a count of 0 with a non-zero loss sum.
+        """
+        result, live, dp = self.result, self.live, self.dp
+        while True:
+            if batch.leftover:
+                micro, accum = batch.micro_batch, batch.accum_steps
+            else:
+                micro, accum = result.micro_batch, result.accum_steps
+            data = resplit(batch.batches, accum, micro * dp)
+            placed = data if self.mesh is None else shard_batches(data, self.mesh)
+            weighted = batch.weights is not None
+            if weighted:
+                weights = np.reshape(batch.weights, (accum, micro * dp))
+                placed = (placed, weights if self.mesh is None
+                          else shard_batches(weights, self.mesh))
+            try:
+                metrics = live.run(self._compiled(placed, weighted), placed, self.frozen)
+                finite, count, loss = jax.device_get(
+                    (metrics.finite, metrics.count, metrics.loss))
+                break
+            except Exception as error:
+                if not (self.elastic and is_out_of_memory(error)):
+                    raise
+                live.recover()
+                self._shrink(error, batch, micro, accum)
+        count, loss = float(count), float(loss)
+        step = result.steps + 1
+        if not finite or (count == 0 and loss != 0):
+            live.commit(result.steps)  # the step returned the state it was given
+            if count == 0 and loss != 0 and finite:
+                raise ValueError(
+                    f"loss_fn returned a count of 0 valid items with a loss sum of {loss:g} at "
+                    f"step {step}: the mean is undefined, so the step was not applied. Return "
+                    "the number of items the sum runs over (e.g. jnp.sum(mask)), and a sum of 0 "
+                    f"when nothing is valid. Received: count=0, sum={loss:g}"
+                )
+            what = f"step {step}: the loss ({loss:g}) or the gradients were not finite"
+            if self.on_nonfinite == "stop":
+                result.events.append(f"{what}; training stopped, the model holds the state "
+                                     f"after step {result.steps}")
+                raise NonFiniteError(
+                    f"{what}. Training stopped; the model holds the last finite state (after "
+                    f"step {result.steps}). Lower the learning rate, check the data for NaN/inf, "
+                    "or pass on_nonfinite='skip' to skip such steps.", step=step)
+            result.skipped_steps += 1
+            result.events.append(f"{what}; skipped (weights and optimizer state unchanged)")
+            return metrics, False
+        live.commit(step)
+        result.steps = step
+        result.losses.append(loss)
+        return metrics, True
+
+    def _shrink(self, error: BaseException, batch: StepBatch, micro: int, accum: int) -> None:
+        result = self.result
+        try:
+            event = shrink(error, step=result.steps + 1, micro_batch=micro, accum_steps=accum,
+                           data_parallel=self.dp)
+        except DoesNotFitError:
+            result.events.append(
+                f"step {result.steps + 1}: out of memory at micro_batch 1; model restored to "
+                f"the state after step {result.steps}")
+            raise
+        result.events.append(str(event))
+        if batch.leftover:
+            batch.micro_batch, batch.accum_steps = event.new_micro_batch, event.new_accum_steps
+        else:
+            result.micro_batch, result.accum_steps = event.new_micro_batch, event.new_accum_steps
+        print(f"autoaccum: elastic: {event}", file=self.stream, flush=True)

@@ -1,0 +1,142 @@
+"""An exception or KeyboardInterrupt at any point of ``fit`` leaves the model holding live,
+consistent arrays of one optimizer step (never deleted or donated buffers)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.adapters.flax import _evaluate
+from autoaccum.adapters.flax._fit import flax_fit
+from autoaccum.training import _live, _snapshot
+from tests._oom_child import plan_at
+from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
+
+DATA = regression(16)
+
+
+def _model():
+    return NormMLP(dropout=0.0, rngs=nnx.Rngs(0))
+
+
+def _fit(model, **kwargs):
+    return flax_fit(model, DATA, plan=plan_at(2, 2), loss_fn=mse_loss, tx=optax.adam(1e-2),
+                    shuffle=False, verbose=0, **kwargs)
+
+
+def _after(steps):
+    """The state a clean run reaches after ``steps`` steps (params and BatchNorm statistics)."""
+    reference = _model()
+    if steps:
+        flax_fit(reference, jax.tree.map(lambda a: a[: 4 * steps], DATA), plan=plan_at(2, 2),
+                 loss_fn=mse_loss, tx=optax.adam(1e-2), shuffle=False, verbose=0)
+    return nnx.state(reference)
+
+
+def _assert_live_state_of_a_step(model, steps):
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert all(not leaf.is_deleted() for leaf in leaves if isinstance(leaf, jax.Array))
+    for a, b in zip(leaves, jax.tree.leaves(_after(steps)), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            continue
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+class InterruptAt(autoaccum.Callback):
+    def __init__(self, step, error=KeyboardInterrupt):
+        self.step, self.error = step, error
+
+    def on_step_end(self, step, logs):
+        if step == self.step:
+            raise self.error("interrupted in a callback")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_interrupt_in_a_callback_leaves_the_state_of_that_step(error):
+    model = _model()
+    with pytest.raises(error):
+        _fit(model, callbacks=[InterruptAt(2, error)])
+    _assert_live_state_of_a_step(model, 2)
+
+
+def _interrupting_loss(on_example):
+    """mse_loss, raising KeyboardInterrupt inside the step whose batch holds ``on_example``."""
+
+    def check(ids):
+        if on_example in np.asarray(ids):
+            raise KeyboardInterrupt
+        return np.float32(0)
+
+    def loss_fn(model, batch):
+        total, count = mse_loss(model, {"x": batch["x"], "y": batch["y"]})
+        zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32), batch["id"])
+        return total + zero, count
+
+    return loss_fn
+
+
+def test_interrupt_inside_the_step_leaves_the_state_before_it():
+    model = _model()
+    with pytest.raises(BaseException, match="KeyboardInterrupt"):  # XLA wraps the interrupt
+        flax_fit(model, {**DATA, "id": np.arange(16)}, plan=plan_at(2, 2),
+                 loss_fn=_interrupting_loss(9), tx=optax.adam(1e-2), shuffle=False, verbose=0)
+    _assert_live_state_of_a_step(model, 2)
+
+
+def test_interrupt_between_the_step_and_the_model_update(monkeypatch):
+    real_take = _snapshot.HostSnapshot.take
+    calls = {"n": 0}
+
+    def take(self, tree, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the copy after step 2: step 2 ran, the model is not updated
+            raise KeyboardInterrupt
+        return real_take(self, tree, **kwargs)
+
+    monkeypatch.setattr(_snapshot.HostSnapshot, "take", take)
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model)
+    _assert_live_state_of_a_step(model, 2)
+
+
+def test_interrupt_halfway_through_the_model_update(monkeypatch):
+    real_commit = _live.LiveState.commit
+    calls = {"n": 0}
+
+    def commit(self, steps):
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 2: its params reach the model, its statistics do not
+            self.steps, self.pending = steps, None
+            nnx.update(model, self.state[0])
+            raise KeyboardInterrupt
+        return real_commit(self, steps)
+
+    monkeypatch.setattr(_live.LiveState, "commit", commit)
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model)
+    _assert_live_state_of_a_step(model, 2)
+
+
+def test_interrupt_during_validation(monkeypatch):
+    def interrupted(self, state, frozen):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_evaluate.Evaluator, "__call__", interrupted)
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, validation_data=DATA)
+    _assert_live_state_of_a_step(model, 4)
+
+
+def test_interrupt_inside_the_step_without_a_host_copy_says_how_to_recover():
+    with pytest.raises(BaseException, match="KeyboardInterrupt") as info:
+        flax_fit(_model(), {**DATA, "id": np.arange(16)}, plan=plan_at(2, 2),
+                 loss_fn=_interrupting_loss(9), tx=optax.adam(1e-2), shuffle=False, verbose=0,
+                 backup="none")
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "reload the weights from a checkpoint, or pass backup='host'" in notes
