@@ -1,0 +1,70 @@
+"""Keras's per-term loss metrics (``"<output>_loss"``), logged as for one big batch.
+
+With several compiled loss terms, Keras keeps a ``Mean`` per term and updates it, every
+batch, with the term's reduced value weighted by the batch size. Updated per micro-batch that
+would log the mean of micro-batch values: a ``reduction="sum"`` term divided by
+``accum_steps``, a masked mean weighted wrongly. Instead each term's numerator and
+denominator (recorded by :class:`~._loss.LossRecorder` as Keras reduces it) are summed over
+the micro-batches, and each metric is updated once per step with the big batch's value:
+``sum_j S_j / sum_j d_j`` (``sum_j value_j`` for ``"sum"``), weighted by the step's examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from ._loss import LossTerm
+
+__all__ = ["TermMetrics"]
+
+
+class TermMetrics:
+    """The per-term loss metrics of a compiled model and where their variables are.
+
+    ``mapped`` is set while a micro-batch is traced: whether the recorded terms are the
+    compiled ones, one per metric (a ``compute_loss`` override that calls the compiled loss
+    once keeps them; otherwise Keras's own per-micro-batch updates are kept).
+    """
+
+    def __init__(self, model: Any) -> None:
+        compile_loss = getattr(model, "_compile_loss", None)
+        metrics = list(getattr(compile_loss, "metrics", None) or [])
+        flat = getattr(compile_loss, "_flat_losses", None) or []
+        self.metrics = metrics if len(metrics) == len(flat) and len(metrics) > 1 else []
+        owned = {id(v) for m in self.metrics for v in m.variables}
+        self.positions = [i for i, v in enumerate(model.metrics_variables) if id(v) in owned]
+        self.mapped = False
+
+    def zeros(self) -> tuple:
+        """Per term ``(numerator, denominator)`` sums, float32."""
+        return tuple((jnp.float32(0.0), jnp.float32(0.0)) for _ in self.metrics)
+
+    def accumulate(self, acc: tuple, terms: list[LossTerm], old: list, new: list
+                   ) -> tuple[tuple, list]:
+        """Adds one micro-batch's terms; its own updates of the metrics are undone."""
+        self.mapped = bool(self.metrics) and len(terms) == len(self.metrics)
+        if not self.mapped:
+            return acc, new
+        new = list(new)
+        for i in self.positions:
+            new[i] = old[i]
+        out = []
+        for (numerator, denominator), term in zip(acc, terms, strict=True):
+            value = jnp.asarray(term.value, jnp.float32)
+            if term.kind == "sum":
+                out.append((numerator + value, denominator))
+            else:
+                d = jnp.asarray(term.denominator, jnp.float32)
+                out.append((numerator + value * d, denominator + d))
+        return tuple(out), new
+
+    def update(self, acc: tuple, batch_size: Any) -> None:
+        """Inside a ``StatelessScope``: each metric updated once with its big-batch value."""
+        if not self.mapped:
+            return
+        for metric, (numerator, denominator) in zip(self.metrics, acc, strict=True):
+            value = jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30),
+                              numerator)
+            metric.update_state(value, sample_weight=batch_size)
