@@ -7,6 +7,10 @@ would log the mean of micro-batch values: a ``reduction="sum"`` term divided by
 denominator (recorded by :class:`~._loss.LossRecorder` as Keras reduces it) are summed over
 the micro-batches, and each metric is updated once per step with the big batch's value:
 ``sum_j S_j / sum_j d_j`` (``sum_j value_j`` for ``"sum"``), weighted by the step's examples.
+
+The same sums give the big batch's *total* loss (``sum_t weight_t x term_t`` plus the mean
+regularization loss), which is what is logged when the gradient itself cannot be accumulated
+exactly (several terms, one with a data-dependent denominator; see :mod:`._loss`).
 """
 
 from __future__ import annotations
@@ -36,35 +40,52 @@ class TermMetrics:
         owned = {id(v) for m in self.metrics for v in m.variables}
         self.positions = [i for i, v in enumerate(model.metrics_variables) if id(v) in owned]
         self.mapped = False
+        self.weights: list[float] = []
 
     def zeros(self) -> tuple:
-        """Per term ``(numerator, denominator)`` sums, float32."""
-        return tuple((jnp.float32(0.0), jnp.float32(0.0)) for _ in self.metrics)
+        """Per term ``(numerator, denominator)`` sums, and the regularization-loss sum."""
+        return (tuple((jnp.float32(0.0), jnp.float32(0.0)) for _ in self.metrics),
+                jnp.float32(0.0))
 
-    def accumulate(self, acc: tuple, terms: list[LossTerm], old: list, new: list
+    def accumulate(self, acc: tuple, terms: list[LossTerm], total: Any, old: list, new: list
                    ) -> tuple[tuple, list]:
-        """Adds one micro-batch's terms; its own updates of the metrics are undone."""
+        """Adds one micro-batch's terms (``total``: its whole loss, regularization included);
+        the micro-batch's own updates of the metrics are undone."""
         self.mapped = bool(self.metrics) and len(terms) == len(self.metrics)
         if not self.mapped:
             return acc, new
+        self.weights = [term.weight for term in terms]
         new = list(new)
         for i in self.positions:
             new[i] = old[i]
+        sums, regularization = acc
         out = []
-        for (numerator, denominator), term in zip(acc, terms, strict=True):
+        weighted = jnp.float32(0.0)
+        for (numerator, denominator), term in zip(sums, terms, strict=True):
             value = jnp.asarray(term.value, jnp.float32)
+            weighted = weighted + term.weight * value
             if term.kind == "sum":
                 out.append((numerator + value, denominator))
             else:
                 d = jnp.asarray(term.denominator, jnp.float32)
                 out.append((numerator + value * d, denominator + d))
-        return tuple(out), new
+        extra = jnp.asarray(total, jnp.float32) - weighted
+        return (tuple(out), regularization + extra), new
+
+    def values(self, acc: tuple) -> list:
+        """Each term's big-batch value."""
+        return [jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30),
+                          numerator) for numerator, denominator in acc[0]]
+
+    def total(self, acc: tuple, micro_batches: int) -> Any:
+        """The big batch's total loss: weighted terms plus the mean regularization loss."""
+        terms = sum((w * v for w, v in zip(self.weights, self.values(acc), strict=True)),
+                    jnp.float32(0.0))
+        return terms + acc[1] / micro_batches
 
     def update(self, acc: tuple, batch_size: Any) -> None:
         """Inside a ``StatelessScope``: each metric updated once with its big-batch value."""
         if not self.mapped:
             return
-        for metric, (numerator, denominator) in zip(self.metrics, acc, strict=True):
-            value = jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30),
-                              numerator)
+        for metric, value in zip(self.metrics, self.values(acc), strict=True):
             metric.update_state(value, sample_weight=batch_size)

@@ -50,6 +50,8 @@ class _Micro:
         self.terms = TermMetrics(model)
         refs = [model.non_trainable_variables[i] for i in layout.mutable]
         self.stats = BatchStats(model, refs, batch_stats if training else "micro")
+        self.exact = True
+        """Set while tracing: whether the accumulated loss is the big batch's exactly."""
 
     def init(self, mutable: list, metrics_vars: list) -> tuple:
         return (mutable, metrics_vars, jnp.float32(0.0), self.terms.zeros(), self.stats.zeros())
@@ -71,10 +73,11 @@ class _Micro:
         loss_sum, count, exact = accumulation_weights(
             unscaled, terms, micro_batch=local_micro, accum_steps=micro_batches
         )
+        self.exact = exact
         if not exact:
             warn_inexact_once(model)
-        term_acc, new_metrics = self.terms.accumulate(term_acc, terms, metrics_vars,
-                                                      list(new_metrics))
+        term_acc, new_metrics = self.terms.accumulate(
+            term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics))
         new_metrics = _update_compiled_metrics(
             model, new_metrics, x, y, jax.lax.stop_gradient(y_pred), sample_weight
         )
@@ -83,6 +86,13 @@ class _Micro:
         carry = (new_mutable, new_metrics, unscaled_sum + jax.lax.stop_gradient(loss_sum),
                  term_acc, stats_acc)
         return (loss_sum, count), carry
+
+    def loss(self, accumulated: Any, term_acc: tuple, micro_batches: int) -> Any:
+        """The big batch's loss: the accumulated one, or (when the accumulation weights are
+        not exact) the one the per-term sums give."""
+        if self.exact or not self.terms.mapped:
+            return accumulated
+        return self.terms.total(term_acc, micro_batches)
 
     def finish(self, metrics_vars: list, loss: Any, batch_size: int, term_acc: tuple
                ) -> tuple[list, dict]:
@@ -153,7 +163,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         with optimizer_in_use(model, optimizer), scaled_learning_rate(optimizer, lr_scaling):
             new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_vars, grads,
                                                                      trainable)
-        loss = unscaled_sum / jnp.maximum(acc.count, 1.0)
+        loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc,
+                          accum_steps * dp)
         new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
         unscale = 1.0 if scale is None else 1.0 / scale
         grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
@@ -192,7 +203,8 @@ def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
 
         carry, counts = jax.lax.scan(body, micro.init(mutable, metrics_vars), batches)
         new_mutable, new_metrics, unscaled_sum, term_acc, _ = carry
-        loss = unscaled_sum / jnp.maximum(jnp.sum(counts), 1.0)
+        loss = micro.loss(unscaled_sum / jnp.maximum(jnp.sum(counts), 1.0), term_acc,
+                          accum_steps)
         new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
         return (new_mutable, new_metrics), logs
 
