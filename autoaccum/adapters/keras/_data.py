@@ -1,9 +1,5 @@
-"""Host arrays with one leading example axis: :class:`KerasArrays`, and
-:func:`to_keras_arrays`, which materialises what a Keras user passes to ``fit``.
-
-Training itself does not materialise anything: it reads data through
-:func:`~._sources.keras_data` (in-memory data by index, streams batch by batch).
-"""
+"""Host arrays with one leading example axis (:class:`KerasArrays`) and the checks and
+conversions of their leaves. Reading data as ``fit`` takes it: :mod:`._sources`."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["KerasArrays", "to_keras_arrays"]
+__all__ = ["KerasArrays"]
 
 PyTree = Any
 
@@ -64,33 +60,6 @@ class KerasArrays:
         n = self.num_examples
         cut = int(n * (1.0 - fraction))
         return self.take(np.arange(cut)), self.take(np.arange(cut, n))
-
-
-def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays:
-    """``data``, as ``model.fit`` takes it, materialised as host arrays: in-memory data
-    converted, a finite stream read to its end, a keras-hub task's raw inputs preprocessed
-    (padded to the preprocessor's ``sequence_length``, so shapes are static).
-
-    Example:
-      >>> import numpy as np
-      >>> arrays = to_keras_arrays(None, (np.zeros((4, 3)), np.ones(4)))
-      >>> arrays.num_examples, arrays.example_spec()[0].shape
-      (4, (3,))
-    """
-    from ._sources import keras_data
-
-    source = keras_data(model, data, name=name)
-    if source.num_examples is not None:
-        packed = source.sample(source.num_examples)
-    else:
-        batches = list(source.epoch(batch=_MATERIALISE_BATCH))
-        packed = jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *batches)
-    arrays = KerasArrays(*(*packed, None, None)[:3])
-    _check_leading_axis(arrays, name)
-    return arrays
-
-
-_MATERIALISE_BATCH = 4096
 
 
 def _as_numpy(tree: PyTree) -> PyTree:

@@ -21,8 +21,8 @@ import numpy as np
 
 from ...planning._program import StepMetrics, TrainProgram
 from ._checks import check_keras_model
-from ._data import to_keras_arrays
 from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
+from ._sources import keras_data
 from ._step import keras_train_step
 
 __all__ = ["KerasLayout", "keras_lowering_scope", "keras_program", "keras_train_step"]
@@ -76,7 +76,7 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     """
     check_keras_model(model)
     if example_spec is None:
-        example_spec = to_keras_arrays(model, data).example_spec()
+        example_spec = keras_data(model, data).example_spec()
     example_spec = tuple(example_spec) if isinstance(example_spec, list) else example_spec
     ensure_built(model, example_spec)
     optimizer = planning_optimizer(model) if optimizer is None else optimizer

@@ -29,15 +29,23 @@ import jax
 import numpy as np
 
 from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
+from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches
 
-__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data"]
+__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays"]
 
 PyTree = Any
 
 
 class KerasData:
-    """The examples of one ``fit``; see the module docstring."""
+    """The examples of one ``fit``, read epoch by epoch; see the module docstring.
+
+    Example:
+      >>> import numpy as np
+      >>> data = keras_data(None, (np.arange(10.0)[:, None], np.zeros(10)))
+      >>> [int(b[0][0, 0]) for b in data.epoch(batch=4)], data.num_examples
+      ([0, 4, 8], 10)
+    """
 
     num_examples: int | None = None
     """Examples per pass over the data (``None`` for streams)."""
@@ -136,7 +144,7 @@ class StreamSource(KerasData):
         if _is_tf_dataset(data):
             data = batched_tf_dataset(data, model)
             if preprocess is not None and getattr(model, "preprocess_samples", None):
-                data = _map_preprocessing(data, model.preprocess_samples)
+                data = map_preprocessing(data, model.preprocess_samples)
                 self.preprocess = None
         self.data = data
         self._one_shot = iter(data) is data if hasattr(data, "__next__") else False
@@ -247,7 +255,7 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
     """
     if isinstance(data, KerasData):
         return data
-    preprocess = _preprocessor_of(model)
+    preprocess = preprocessing_of(model)
     if isinstance(data, KerasArrays):
         return ArraySource(_numpy_arrays(data, name))
     if data is None:
@@ -257,60 +265,9 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
     arrays = _unpacked(data, name, raw=preprocess is not None)
     if preprocess is None:
         return ArraySource(_numpy_arrays(arrays, name))
-    raw = _raw_arrays(arrays)
+    raw = raw_arrays(arrays)
     _check_leading_axis(raw, name, strings=True)
     return ArraySource(raw, preprocess)
-
-
-def _preprocessor_of(model: Any) -> Callable[[tuple], tuple] | None:
-    """A keras-hub task's preprocessing of one packed batch, as its ``fit`` applies it."""
-    if getattr(model, "preprocessor", None) is None:
-        return None
-    samples = getattr(model, "preprocess_samples", None)
-    if samples is None:  # older keras-hub: the preprocessor takes (x, y, sample_weight)
-        def samples(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
-            return model.preprocessor(x, y, sample_weight)
-
-    def run(packed: tuple) -> tuple:
-        x, y, sample_weight = (*(_python_strings(t) for t in packed), None, None)[:3]
-        try:
-            out = samples(x, y, sample_weight)
-        except Exception as error:
-            if hasattr(error, "add_note"):
-                error.add_note(
-                    "autoaccum: the model's preprocessor ran on the data, as keras-hub's fit "
-                    "runs it; to train on data that is already preprocessed, set "
-                    "`model.preprocessor = None` first."
-                )
-            raise
-        out = out if isinstance(out, tuple) else (out,)
-        return tuple(_as_numpy(t) for t in out)
-
-    return run
-
-
-def _python_strings(tree: Any) -> Any:
-    """String arrays as (nested) lists of ``str``, which keras-hub tokenizers take."""
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "USO":
-            return _decode(leaf.tolist())
-        return leaf
-
-    return None if tree is None else jax.tree.map(one, tree)
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-def _map_preprocessing(dataset: Any, fn: Callable[..., Any]) -> Any:
-    import tensorflow as tf
-
-    return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
 def _unpacked(data: Any, name: str, *, raw: bool) -> KerasArrays:
@@ -332,21 +289,6 @@ def _numpy_arrays(arrays: KerasArrays, name: str) -> KerasArrays:
     out = KerasArrays(*(_as_numpy(t) for t in (arrays.x, arrays.y, arrays.sample_weight)))
     _check_leading_axis(out, name)
     return out
-
-
-def _raw_arrays(arrays: KerasArrays) -> KerasArrays:
-    """Raw keras-hub inputs with every leaf (a list is one leaf) as a numpy array."""
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, list):
-            kinds = {type(v) for v in leaf}
-            return np.asarray(leaf, dtype=object if kinds <= {str, bytes} else None)
-        if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
-            return np.asarray(leaf.numpy())
-        return np.asarray(leaf)
-
-    is_list = lambda v: isinstance(v, list)  # noqa: E731
-    convert = lambda t: None if t is None else jax.tree.map(one, t, is_leaf=is_list)  # noqa: E731
-    return KerasArrays(convert(arrays.x), convert(arrays.y), convert(arrays.sample_weight))
 
 
 def _take_arrays(arrays: KerasArrays, index: np.ndarray) -> KerasArrays:
@@ -390,3 +332,28 @@ def _concat(parts: list[tuple], n: int) -> tuple:
 
 def _slice(packed: tuple, start: int, stop: int) -> tuple:
     return jax.tree.map(lambda a: a[start:stop], packed)
+
+
+def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays:
+    """``data``, as ``model.fit`` takes it, materialised as host arrays: in-memory data
+    converted, a finite stream read to its end, a keras-hub task's raw inputs preprocessed
+    (padded to the preprocessor's ``sequence_length``, so shapes are static).
+
+    Example:
+      >>> import numpy as np
+      >>> arrays = to_keras_arrays(None, (np.zeros((4, 3)), np.ones(4)))
+      >>> arrays.num_examples, arrays.example_spec()[0].shape
+      (4, (3,))
+    """
+    source = keras_data(model, data, name=name)
+    if source.num_examples is not None:
+        packed = source.sample(source.num_examples)
+    else:
+        batches = list(source.epoch(batch=_MATERIALISE_BATCH))
+        packed = jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *batches)
+    arrays = KerasArrays(*(*packed, None, None)[:3])
+    _check_leading_axis(arrays, name)
+    return arrays
+
+
+_MATERIALISE_BATCH = 4096

@@ -98,3 +98,25 @@ def test_several_terms_with_a_data_dependent_denominator_warn_and_still_log_exac
                             shuffle=False, verbose=0)
     native_history = native.fit(*one_step, batch_size=16, shuffle=False, verbose=0)
     _assert_logs_equal(history.history, native_history.history)  # computed before the update
+
+
+def test_weight_and_activity_regularization_are_accumulated_as_for_one_big_batch():
+    def model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2",
+                               activity_regularizer=keras.regularizers.L1(0.05)),
+            keras.layers.Dense(1),
+        ])
+        net.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+        return net
+
+    x = np.random.default_rng(0).normal(size=(N, 16)).astype("float32")
+    y = x[:, :1] * 2.0
+    ours, native = model(), model()
+    history = keras_fit(ours, (x, y), micro_batch=MICRO, accum_steps=ACCUM, shuffle=False,
+                        verbose=0)
+    native_history = native.fit(x, y, batch_size=MICRO * ACCUM, shuffle=False, verbose=0)
+    _assert_logs_equal(history.history, native_history.history)
+    assert max_diff(ours, native) < 1e-5
