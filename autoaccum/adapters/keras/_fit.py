@@ -136,7 +136,7 @@ def keras_fit(
     model._autoaccum_compile_seconds = time.perf_counter() - start
     validator = None if val_source is None else Validator(
         model, layout, val_source, val_raw, batch_size=validation_batch_size or effective,
-        micro_batch=int(micro_batch) * dp, steps=validation_steps)
+        micro_batch=int(micro_batch), steps=validation_steps)
 
     callback_list = callbacks
     if not isinstance(callback_list, keras.callbacks.CallbackList):
@@ -223,13 +223,15 @@ class _Loop:
         self.remainder = 0
         while packed is not None:
             packed = runner.trim(packed) if _size(packed) < effective else packed
+            if _size(packed) == 0:  # fewer than one example per data-parallel device
+                break
             callbacks.on_train_batch_begin(step)
             result, packed = runner.run(packed, lambda: next(batches, None))
             if result.examples < effective:
                 self.remainder += result.examples
             logs = result.logs
             if result.finite:
-                self.noise.update_from(result.noise, runner.accum_steps * runner.dp)
+                self.noise.update_from(result.noise, result.micro_batches)
             else:
                 self.skipped += 1
             callbacks.on_train_batch_end(step, logs)

@@ -42,13 +42,15 @@ PyTree = Any
 class StepResult:
     """What one step reported, on the host."""
 
-    def __init__(self, logs: dict[str, float], finite: bool, noise: tuple, examples: int
-                 ) -> None:
+    def __init__(self, logs: dict[str, float], finite: bool, noise: tuple, examples: int,
+                 micro_batches: int) -> None:
         self.logs = logs
         self.finite = finite
         self.noise = noise
         """``(|grad|^2, mean |micro grad|^2, valid count)`` for the noise-scale estimate."""
         self.examples = examples
+        self.micro_batches = micro_batches
+        """Micro-batches the step scanned, over all devices."""
 
 
 class StepRunner:
@@ -129,7 +131,7 @@ class StepRunner:
             compiled = self.compile(accum, micro)
             try:
                 return self._run(compiled, _split(packed, accum, micro * self.dp), following,
-                                 examples)
+                                 examples, accum * self.dp)
             except Exception as error:
                 if not (self.elastic and is_out_of_memory(error)) or is_consumed(
                         keras_state(self.model, self.layout)[0]):
@@ -149,8 +151,8 @@ class StepRunner:
     def _place(self, tree: PyTree) -> PyTree:
         return tree if self.mesh is None else replicate(tree, self.mesh)
 
-    def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int
-             ) -> tuple[StepResult, Any]:
+    def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,
+             micro_batches: int) -> tuple[StepResult, Any]:
         model, layout = self.model, self.layout
         state, frozen = self._place(keras_state(model, layout))
         if self.elastic:
@@ -172,6 +174,7 @@ class StepRunner:
                 (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
                  float(metrics.count)),
                 examples,
+                micro_batches,
             )
         except Exception as error:
             self.recover(state, error)

@@ -6,6 +6,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -101,3 +103,34 @@ def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="'effective'.*'micro'.*Received: batch_stats='big'"):
         keras_fit(dense_model(batch_norm=True), regression_data(16), micro_batch=4,
                   accum_steps=4, batch_stats="big")
+
+
+_DATA_PARALLEL_CHILD = """
+import json, numpy as np
+from autoaccum.adapters.keras import keras_fit
+from tests.adapters.keras._models import dense_model, regression_data
+from tests.adapters.keras.test_batchnorm import _moving
+x, y = regression_data(16)
+ours, native = dense_model(batch_norm=True), dense_model(batch_norm=True)
+keras_fit(ours, (x, y), micro_batch=2, accum_steps=2, data_parallel=4, shuffle=False, verbose=0)
+native.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+print("RESULT", json.dumps([float(np.max(np.abs(a - b)))
+                            for a, b in zip(_moving(ours), _moving(native))]))
+"""
+
+
+@pytest.mark.slow  # a child process with four host devices
+def test_effective_statistics_are_merged_across_data_parallel_devices():
+    import subprocess
+    import sys
+
+    from tests._paths import REPO
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_CHILD], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    mean_error, variance_error = json.loads(lines[-1][len("RESULT "):])
+    assert mean_error < 2e-6 and variance_error < 2e-5

@@ -162,3 +162,14 @@ def test_gpt2_raw_strings_train_like_keras_hub_fit(form):
 def test_strings_for_a_model_without_preprocessor_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="no preprocessor"):
         _fit((np.array(["a"] * 64), Y))
+
+
+def test_generator_read_for_planning_is_replayed_for_training():
+    import autoaccum
+
+    model = dense_model()
+    history = autoaccum.fit(model, _generator(), effective_batch=16, budget="1GiB",
+                            shuffle=False, verbose=0, log=None)
+    assert int(model.optimizer.iterations) == 4  # the batches planning read were trained
+    assert max_diff(model, _reference()) < 1e-5
+    assert history.autoaccum_remainder == {"policy": "train", "examples": 0}
