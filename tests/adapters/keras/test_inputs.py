@@ -169,7 +169,7 @@ def test_generator_read_for_planning_is_replayed_for_training():
 
     model = dense_model()
     history = autoaccum.fit(model, _generator(), effective_batch=16, budget="1GiB",
-                            shuffle=False, verbose=0, log=None)
+                            lr_rule="none", shuffle=False, verbose=0, log=None)
     assert int(model.optimizer.iterations) == 4  # the batches planning read were trained
     assert max_diff(model, _reference()) < 1e-5
     assert history.autoaccum_remainder == {"policy": "train", "examples": 0}
