@@ -173,7 +173,7 @@ def keras_fit(
                     AutoaccumWarning, stacklevel=2)
                 if loop.steps == 0:
                     break
-            epoch_logs = dict(logs)
+            epoch_logs = _epoch_logs(model, logs)
             if noise.value is not None:
                 epoch_logs["gradient_noise_scale"] = noise.value
             if validator is not None and (epoch + 1) % validation_freq == 0:
@@ -251,6 +251,16 @@ class _Loop:
         self.dropped = self.source.dropped
         self.steps = step
         return logs
+
+
+def _epoch_logs(model: Any, logs: dict[str, float]) -> dict[str, float]:
+    """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
+    non-finite values are in its batch logs, not in the metrics it left unchanged)."""
+    from keras.src.utils.python_utils import pythonify_logs
+
+    if not logs:
+        return {}
+    return pythonify_logs(model._get_metrics_result_or_logs(logs))
 
 
 def _validation(model: Any, source: KerasData, validation_data: Any,

@@ -346,6 +346,13 @@ def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays
       (4, (3,))
     """
     source = keras_data(model, data, name=name)
+    cardinality = getattr(getattr(source, "data", None), "cardinality", None)
+    if cardinality is not None and int(cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
+        raise ValueError(
+            f"`{name}` repeats forever and cannot be materialised; take a finite part "
+            f"(`.take(n)`) or train on the stream with `keras_fit(..., steps_per_epoch=...)`. "
+            f"Received: {name} with infinite cardinality"
+        )
     if source.num_examples is not None:
         packed = source.sample(source.num_examples)
     else:

@@ -35,10 +35,18 @@ def _native(model, data=None, epochs=1, callbacks=None):
     return model
 
 
-def test_updates_use_the_scaled_rate_while_the_optimizer_keeps_its_base():
-    model = dense_model(1e-3)
+OPTIMIZERS = {
+    "sgd": keras.optimizers.SGD,
+    "adamw": lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.1),
+    "loss scale": lambda lr: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(lr)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_updates_use_the_scaled_rate_while_the_optimizer_keeps_its_base(name):
+    model = dense_model(optimizer=OPTIMIZERS[name](1e-3))
     history = _fit(model)
-    assert max_diff(model, _native(dense_model(16e-3))) < 1e-5
+    assert max_diff(model, _native(dense_model(optimizer=OPTIMIZERS[name](16e-3)))) < 1e-5
     assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)
     assert history.autoaccum_learning_rate_factor == 16.0
     assert history.autoaccum_plan.learning_rate == pytest.approx(16e-3)
