@@ -55,6 +55,8 @@ class KerasAdapter:
         explicit = options.get("learning_rate")
         scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
         batch_stats = validate_batch_stats(options.pop("batch_stats", "effective"))
+        for name in ("drop_remainder", "on_nonfinite"):  # fit policies; the step is the same
+            options.pop(name, None)
         source = next((src for sample, src in self._sources if sample is data), None)
         if source is None:
             source = keras_data(model, data)  # read once: later policies reuse it
