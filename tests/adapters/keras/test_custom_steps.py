@@ -84,3 +84,33 @@ def test_train_step_override_is_refused_with_why_and_what_to_do():
         autoaccum.fit(model, regression_data(), effective_batch=16, verbose=0, log=None)
     with pytest.raises(ValueError, match="overrides `train_step`"):
         autoaccum.plan(model, regression_data(), effective_batch=16, log=None)
+
+
+class OwnTestStep(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(x)
+
+    def test_step(self, state, data):
+        return super().test_step(state, data)
+
+
+def test_test_step_override_validates_with_keras_evaluate_and_survives_its_failure():
+    from ._models import all_live
+
+    x, y = regression_data(32)
+    model = OwnTestStep()
+    model.compile(optimizer="sgd", loss="mse")
+    history = keras_fit(model, (x, y), micro_batch=4, accum_steps=4, shuffle=False, verbose=0,
+                        validation_data=(x, y))
+    assert history.history["val_loss"][0] == pytest.approx(
+        model.evaluate(x, y, batch_size=16, verbose=0), rel=1e-5)
+    with pytest.raises(Exception):  # noqa: B017 - Keras's error for the wrong input shape
+        keras_fit(model, (x, y), micro_batch=4, accum_steps=4, shuffle=False, verbose=0,
+                  validation_data=(x[:, :5], y))
+    assert all_live(model)  # Keras's evaluate dropped the weights it was using: put back
+    assert int(model.optimizer.iterations) == 4  # the epoch trained before validation
+    model.predict(x, verbose=0)
