@@ -164,7 +164,8 @@ def keras_fit(
             callback_list.on_epoch_begin(epoch)
             logs = loop.epoch(callback_list, effective, drop_remainder=drop_remainder,
                               shuffle=shuffle, rng=rng, steps=steps_per_epoch)
-            if loop.steps == 0 or (steps_per_epoch and loop.steps < steps_per_epoch):
+            short = steps_per_epoch and loop.steps < steps_per_epoch
+            if not model.stop_training and (loop.steps == 0 or short):
                 warnings.warn(
                     "autoaccum: your input ran out of data; interrupting training. Make sure "
                     "that your dataset or generator can generate at least `steps_per_epoch * "
