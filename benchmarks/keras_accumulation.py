@@ -36,6 +36,7 @@ from autoaccum.adapters.keras._program import (
     keras_state,
     keras_train_step,
 )
+from autoaccum.adapters.keras._scope import materialize
 
 
 def build(args: argparse.Namespace, accumulation: int | None = None) -> keras.Model:
@@ -83,6 +84,7 @@ def bench_autoaccum(args, x, y):
     model = build(args)
     spec = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype), jax.ShapeDtypeStruct(y.shape[1:], y.dtype))
     ensure_built(model, spec)
+    materialize(model)  # the optimizer built and its variables allocated, as keras_fit does
     layout = find_layout(model, spec)
     state, frozen = keras_state(model, layout)
     batches = jax.device_put((x[: args.micro * args.accum].reshape(args.accum, args.micro, -1),

@@ -5,7 +5,10 @@ Nothing here imports Keras until a Keras model is handled. The public entry poin
 
 * planning: ``program = keras_program(model, data)`` is a :class:`TrainProgram`;
 * training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``;
-* learning rate: ``scale_keras_learning_rate(model.optimizer, factor)``;
+* data as ``model.fit`` takes it: ``keras_data(model, data)`` (read by epoch, streamed),
+  ``to_keras_arrays(model, data)`` (materialised);
+* learning rate: applied inside the step; ``scale_keras_learning_rate(optimizer, factor)``
+  rescales an optimizer in place;
 * options forwarded from ``autoaccum.fit``: ``validate_keras_fit_kwargs(**options)``.
 """
 
@@ -16,17 +19,21 @@ from ._checks import check_keras_model as check_keras_model
 from ._checks import is_keras_model as is_keras_model
 from ._checks import validate_keras_fit_kwargs as validate_keras_fit_kwargs
 from ._data import KerasArrays as KerasArrays
-from ._data import to_keras_arrays as to_keras_arrays
 from ._fit import keras_fit as keras_fit
 from ._lr import scale_keras_learning_rate as scale_keras_learning_rate
 from ._program import keras_lowering_scope as keras_lowering_scope
 from ._program import keras_program as keras_program
+from ._sources import KerasData as KerasData
+from ._sources import keras_data as keras_data
+from ._sources import to_keras_arrays as to_keras_arrays
 
 __all__ = [
     "KerasAdapter",
     "KerasArrays",
+    "KerasData",
     "check_keras_model",
     "is_keras_model",
+    "keras_data",
     "keras_fit",
     "keras_lowering_scope",
     "keras_program",

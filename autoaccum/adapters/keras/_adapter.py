@@ -8,10 +8,11 @@ from typing import Any
 from ...planning._adapter import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._plan import Plan
+from ._batchnorm import validate_batch_stats
 from ._checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
-from ._data import to_keras_arrays
+from ._data import KerasArrays
 from ._distribution import keras_auto_mesh
-from ._lr import apply_keras_lr_scaling, keras_lr_scaling
+from ._lr import keras_lr_scaling, set_base_learning_rate
 from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, keras_rematerialized
 
 __all__ = ["KerasAdapter"]
@@ -31,8 +32,17 @@ class KerasAdapter:
     def recognizes(self, model: Any) -> bool:
         return is_keras_model(model)
 
+    def __init__(self) -> None:
+        self._sources: list[tuple[Any, Any]] = []
+        """``(sample, source)`` of earlier ``prepare`` calls: the planner hands a policy's
+        sample back as the next policy's data, which must still mean the whole data."""
+
     def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
                 remat: str, remat_layers: Any) -> Prepared:
+        from ._program import ensure_built, find_layout
+        from ._scope import planning_optimizer
+        from ._sources import keras_data
+
         check_keras_model(model)
         for name in ("optimizer", "loss_fn", "trainable"):
             if options.get(name) is not None:
@@ -42,10 +52,26 @@ class KerasAdapter:
                     f"`layer.trainable = False`). Received: {name}={options[name]!r}"
                 )
             options.pop(name, None)
+        explicit = options.get("learning_rate")
         scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
-        arrays = to_keras_arrays(model, data)  # converted once: later policies reuse it
-        program = keras_remat_program(model, arrays.example_spec(), remat, layers=remat_layers)
-        return Prepared(program, arrays.packed, scaling, self, remat, {"arrays": arrays})
+        batch_stats = validate_batch_stats(options.pop("batch_stats", "effective"))
+        for name in ("drop_remainder", "on_nonfinite"):  # fit policies; the step is the same
+            options.pop(name, None)
+        source = next((src for sample, src in self._sources if sample is data), None)
+        if source is None:
+            source = keras_data(model, data)  # read once: later policies reuse it
+        sample = source.sample(effective_batch)
+        spec = KerasArrays(*(*sample, None, None)[:3]).example_spec()
+        ensure_built(model, spec)
+        optimizer = planning_optimizer(model)
+        layout = find_layout(model, spec, optimizer)
+        program = keras_remat_program(model, spec, remat, layers=remat_layers,
+                                      optimizer=optimizer, layout=layout, lr_scaling=scaling,
+                                      batch_stats=batch_stats)
+        self._sources.append((sample, source))
+        extras = {"data": source, "optimizer": optimizer, "layout": layout,
+                  "learning_rate": explicit}
+        return Prepared(program, sample, scaling, self, remat, extras)
 
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:
@@ -58,24 +84,12 @@ class KerasAdapter:
         return keras_auto_mesh()
 
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
-        """The live variables (allocated here if they were deferred) and the planned arrays."""
-        from ._program import (
-            ensure_built,
-            find_layout,
-            initialize_deferred_variables,
-            keras_program,
-            keras_state,
-        )
+        """The live variables (a deferred one reads as its initial value) and the sample."""
+        from ._program import keras_state
 
-        with self.remat_context(model, prepared.remat):
-            arrays = prepared.extras["arrays"]
-            spec = arrays.example_spec()
-            ensure_built(model, spec)
-            layout = find_layout(model, spec)
-            initialize_deferred_variables()
-            program = keras_program(model, example_spec=spec)
-        state, frozen = keras_state(model, layout)
-        return RealStepRunner(program, state, (frozen,), arrays.packed)
+        state, frozen = keras_state(model, prepared.extras["layout"],
+                                    prepared.extras["optimizer"])
+        return RealStepRunner(prepared.program, state, (frozen,), prepared.data)
 
     def validate_fit_options(self, options: dict) -> None:
         validate_keras_fit_kwargs(**options)
@@ -84,14 +98,19 @@ class KerasAdapter:
             options: dict) -> Any:
         from ._fit import keras_fit
 
-        apply_keras_lr_scaling(model.optimizer, plan.lr_scaling)
+        if prepared.extras.get("learning_rate") is not None:
+            set_base_learning_rate(model.optimizer, prepared.extras["learning_rate"])
         mesh = settings.mesh
         history = keras_fit(
-            model, prepared.extras["arrays"], micro_batch=plan.micro_batch,
+            model, prepared.extras["data"], micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps, epochs=settings.epochs, shuffle=settings.shuffle,
             seed=settings.seed, verbose=settings.verbose, elastic=settings.elastic,
-            backup=settings.backup, data_parallel=1 if mesh is None else mesh, **options,
+            backup=settings.backup, data_parallel=1 if mesh is None else mesh,
+            lr_scaling=plan.lr_scaling,
+            on_nonfinite=getattr(settings, "on_nonfinite", "stop"),
+            batch_stats=getattr(settings, "batch_stats", "effective"),
+            drop_remainder=getattr(settings, "drop_remainder", False),
+            **options,
         )
         history.autoaccum_plan = plan
         return history
-

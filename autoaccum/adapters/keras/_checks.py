@@ -26,6 +26,9 @@ FIT_OPTIONS = (
     "initial_epoch",
     "steps_per_epoch",
     "backup",
+    "on_nonfinite",
+    "batch_stats",
+    "drop_remainder",
 )
 """Keyword options that :func:`autoaccum.keras_fit` accepts besides the plan."""
 
@@ -81,6 +84,17 @@ def check_keras_model(model: Any) -> None:
             "autoaccum needs an XLA-compiled train step (it measures memory from XLA's "
             "compiled program). Recompile with `model.compile(..., jit_compile=True)` (or "
             "leave the default 'auto'). Received: jit_compile=False"
+        )
+    overridden = type(model).train_step is not keras.Model.train_step
+    if overridden:
+        raise ValueError(
+            f"{type(model).__name__} overrides `train_step`, which autoaccum cannot run: it "
+            "trains with its own accumulated step, built from the model's "
+            "`compute_loss_and_updates`/`compute_loss`, `compute_metrics` and optimizer, so "
+            "a custom `train_step` would be silently replaced. Move the custom logic into "
+            "`compute_loss` (extra loss terms, `add_loss`) or `compute_metrics`, which "
+            "autoaccum runs on every micro-batch, or train with `model.fit`. Received: "
+            f"{type(model).__module__}.{type(model).__qualname__}.train_step"
         )
     steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
     if steps:

@@ -2,9 +2,9 @@
 
 Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses them; the
 step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the optimizer
-applied once). The model's variables are written back after every step, so callbacks (a
-generation monitor, a checkpoint) always see current weights. If a step fails, the variables
-are left as they were before it: the last good state when it is intact, else a host copy.
+applied once). The model's variables hold the current state after every step, so callbacks
+(a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
+point leaves the variables holding the state of one optimizer step (:mod:`._runner`).
 """
 
 from __future__ import annotations
@@ -14,38 +14,22 @@ import time
 import warnings
 from typing import Any
 
-import jax
 import numpy as np
 
-from ...devices._mesh import (
-    batch_sharding,
-    replicate,
-    replicated_sharding,
-    resolve_mesh,
-    shard_batches,
-)
-from ...devices._oom import is_out_of_memory
-from ...devices._rlimit import compiling
+from ...devices._mesh import resolve_mesh
 from ...devices._warnings import AutoaccumWarning
-from ...training._elastic import resplit, shrink
 from ...training._noise_scale import NoiseScaleTracker
-from ...training._snapshot import HostSnapshot, is_consumed
+from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
+from ._batchnorm import validate_batch_stats
 from ._checks import check_keras_model, validate_keras_fit_kwargs
-from ._data import KerasArrays, to_keras_arrays
 from ._distribution import keras_auto_mesh, keras_distribution_mesh
-from ._program import (
-    KerasLayout,
-    ensure_built,
-    find_layout,
-    initialize_deferred_variables,
-    keras_lowering_scope,
-    keras_state,
-    keras_train_step,
-    write_back,
-)
+from ._program import ensure_built, find_layout
+from ._runner import StepRunner
+from ._scope import materialize
+from ._sources import ArraySource, KerasData, keras_data
+from ._validation import Validator
 
 __all__ = ["keras_fit"]
-
 
 
 def keras_fit(
@@ -69,30 +53,38 @@ def keras_fit(
     backup: str = "auto",
     elastic: bool = True,
     data_parallel: Any = None,
+    lr_scaling: Any = None,
+    on_nonfinite: str = "stop",
+    batch_stats: str = "effective",
+    drop_remainder: bool = False,
 ) -> Any:
     """Trains ``model`` for ``epochs`` with ``micro_batch x accum_steps`` examples per step.
 
-    ``data`` is what ``model.fit`` would take as ``x`` (see :func:`to_keras_arrays`). Each
-    epoch draws ``num_examples // (micro_batch * accum_steps)`` effective batches (reshuffled
-    every epoch; a last partial effective batch is left out so one compiled program serves
-    every step). Validation runs ``model.evaluate``. ``backup`` keeps a host copy of the
-    donated state (refreshed every epoch) to restore if a step fails after consuming it:
-    ``"auto"`` does so when that state is at most 4 GiB, ``"host"`` always, ``"none"`` never.
+    ``data`` is anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays,
+    dicts, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a
+    keras-hub task; see :mod:`._sources`). In-memory data is reshuffled every epoch
+    (``shuffle``, ``seed``); streams are read as they come. The last examples of an epoch
+    that do not fill an effective batch are trained as a final, smaller step normalised by
+    its own count (``drop_remainder=True``: left out); ``history.autoaccum_remainder`` says
+    how many. Validation evaluates at the effective batch (``validation_batch_size``) with
+    accumulation, as ``model.fit(batch_size=effective_batch)`` validates.
 
-    ``elastic``: a step that runs out of memory is redone from the state before it (the host
-    copy is then refreshed before every step) with the same examples at the next smaller
-    micro-batch and more accumulation, so the effective batch, the step count and the
-    learning-rate schedule are unchanged. Each event is printed and kept in
-    ``history.autoaccum_events``; ``history.autoaccum_micro_batch`` and
-    ``history.autoaccum_accum_steps`` are the split training ended with. Out of memory at
-    micro-batch 1 raises :class:`DoesNotFitError` with advice, the variables as before the step.
+    ``lr_scaling``: the plan's learning-rate rule, applied inside the step (the optimizer
+    keeps its own, base, rate). ``on_nonfinite``: a step with a non-finite loss or gradient
+    leaves the state unchanged; ``"stop"`` then raises :class:`NonFiniteError` (unless a
+    callback such as ``TerminateOnNaN``, which sees the loss in the logs, stopped training),
+    ``"skip"`` goes on (``history.autoaccum_skipped_steps``). ``batch_stats``:
+    ``BatchNormalization`` moving statistics updated once per step with the effective
+    batch's (``"effective"``) or per micro-batch (``"micro"``).
 
-    ``data_parallel``: ``None`` (default) uses the mesh of a
+    ``backup`` keeps a host copy of the donated state (refreshed every epoch, every step with
+    ``elastic``) to restore if a step fails after consuming it: ``"auto"`` when that state is
+    at most 4 GiB, ``"host"`` always, ``"none"`` never. ``elastic``: a step that runs out of
+    memory is redone from the state before it with the same examples at the next smaller
+    micro-batch (``history.autoaccum_events``). ``data_parallel``: ``None`` uses the mesh of a
     ``keras.distribution.DataParallel`` if one is set, else one device; ``"auto"`` every
-    device; an int the first that many devices; or a one-axis ``jax.sharding.Mesh``. Then
-    ``micro_batch`` is per device, an optimizer step takes ``micro_batch x devices x
-    accum_steps`` examples split over the devices, the variables are replicated and the
-    gradients summed across devices once per step (``history.autoaccum_data_parallel``).
+    device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
+    is then per device).
 
     Returns the ``keras.callbacks.History`` of the run.
 
@@ -102,249 +94,245 @@ def keras_fit(
       >>> import keras, numpy as np
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
       >>> model.compile(optimizer="sgd", loss="mse")
-      >>> data = (np.ones((16, 3), "float32"), np.zeros((16, 1), "float32"))
+      >>> data = (np.ones((20, 3), "float32"), np.zeros((20, 1), "float32"))
       >>> history = keras_fit(model, data, micro_batch=2, accum_steps=4, epochs=2, verbose=0)
       >>> len(history.history["loss"]), int(model.optimizer.iterations)
-      (2, 4)
+      (2, 6)
+      >>> history.autoaccum_remainder
+      {'policy': 'train', 'examples': 4}
     """
     import keras
 
     check_keras_model(model)
     validate_keras_fit_kwargs(epochs=epochs, validation_split=validation_split, backup=backup)
+    validate_on_nonfinite(on_nonfinite)
+    validate_batch_stats(batch_stats)
     for name, value in (("micro_batch", micro_batch), ("accum_steps", accum_steps)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    micro_batch, accum_steps = int(micro_batch), int(accum_steps)
+    if steps_per_epoch is not None and (not isinstance(steps_per_epoch, (int, np.integer))
+                                        or steps_per_epoch < 1):
+        raise ValueError(
+            f"`steps_per_epoch` must be a positive integer. Received: "
+            f"steps_per_epoch={steps_per_epoch!r}")
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
     dp = 1 if mesh is None else int(mesh.size)
-    place = _Placer(mesh)
-    arrays = to_keras_arrays(model, data)
-    if validation_split:
-        arrays, held_out = arrays.split(validation_split)
-        validation_data = held_out.packed
-    effective = micro_batch * dp * accum_steps
-    steps = _steps_per_epoch(arrays.num_examples, effective, steps_per_epoch)
-    val = (to_keras_arrays(model, validation_data, name="validation_data")
-           if validation_data is not None else None)
+    effective = int(micro_batch) * dp * int(accum_steps)
+    source = keras_data(model, data)
+    source, val_source, val_raw = _validation(model, source, validation_data, validation_split)
+    _check_finite_input(source, steps_per_epoch)
 
-    spec = arrays.example_spec()
+    spec = source.example_spec()
     ensure_built(model, spec)
+    materialize(model)
     layout = find_layout(model, spec)
-    initialize_deferred_variables()
-    state, frozen = keras_state(model, layout)
+    model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
+    runner = StepRunner(model, layout, spec, mesh=mesh, micro_batch=int(micro_batch),
+                        accum_steps=int(accum_steps), lr_scaling=lr_scaling,
+                        batch_stats=batch_stats, backup=backup, elastic=elastic)
     start = time.perf_counter()
-    jitted = jax.jit(keras_train_step(model, layout, mesh=mesh), donate_argnums=0)
-
-    def compile_for(accum_steps: int, micro_batch: int) -> Any:
-        current, fixed = keras_state(model, layout)  # live values (restored after a failure)
-        if mesh is not None:
-            current, fixed = _abstract_on(current, mesh), _abstract_on(fixed, mesh)
-        with compiling(), keras_lowering_scope():
-            return jitted.lower(current, _batch_spec(spec, accum_steps, micro_batch * dp, mesh),
-                                fixed).compile()
-
-    compiled = compile_for(accum_steps, micro_batch)
+    runner.compile(int(accum_steps), int(micro_batch))
     model._autoaccum_compile_seconds = time.perf_counter() - start
-    events: list[str] = []
+    validator = None if val_source is None else Validator(
+        model, layout, val_source, val_raw, batch_size=validation_batch_size or effective,
+        micro_batch=int(micro_batch), steps=validation_steps)
 
     callback_list = callbacks
     if not isinstance(callback_list, keras.callbacks.CallbackList):
         callback_list = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
-            epochs=epochs, steps=steps, model=model,
+            epochs=epochs, steps=source.steps(effective, drop_remainder, steps_per_epoch),
+            model=model,
         )
     noise = NoiseScaleTracker()
-    snapshot = HostSnapshot(backup)
-    per_step = elastic  # a per-step copy lets a failed step be redone from exactly its state
-    snapshot.take(state)
+    runner.refresh()
     rng = np.random.default_rng(seed)
+    loop = _Loop(model, runner, source, noise, on_nonfinite=on_nonfinite)
     model.stop_training = False
-    logs: dict[str, float] = {}
     training_logs: dict[str, float] = {}
     callback_list.on_train_begin()
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
-        order = rng.permutation(arrays.num_examples) if shuffle else np.arange(
-            arrays.num_examples)
-        batches = arrays.batches(order[:effective], accum_steps, micro_batch * dp)
-        for step in range(steps):
-            callback_list.on_train_batch_begin(step)
-            while True:
-                state, frozen = place.state(keras_state(model, layout))
-                if elastic:
-                    snapshot.take(state)
-                try:
-                    logs, batches = _run_step(
-                        compiled, model, layout, state, frozen,
-                        place.batches(resplit(batches, accum_steps, micro_batch * dp)), snapshot,
-                        per_step=per_step,
-                        following=_following(arrays, order, step + 1, steps, accum_steps,
-                                             micro_batch * dp),
-                    )
+    resumed = getattr(model, "_initial_epoch", None)  # set by BackupAndRestore
+    model._initial_epoch = None
+    history = next((c for c in callback_list.callbacks
+                    if isinstance(c, keras.callbacks.History)), None)
+    if history is not None:
+        model.history = history
+    try:
+        for epoch in range(resumed or initial_epoch, epochs):
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            logs = loop.epoch(callback_list, effective, drop_remainder=drop_remainder,
+                              shuffle=shuffle, rng=rng, steps=steps_per_epoch)
+            short = steps_per_epoch and loop.steps < steps_per_epoch
+            if not model.stop_training and (loop.steps == 0 or short):
+                warnings.warn(
+                    "autoaccum: your input ran out of data; interrupting training. Make sure "
+                    "that your dataset or generator can generate at least `steps_per_epoch * "
+                    "epochs` effective batches (you may need `.repeat()` on a dataset). "
+                    f"Received: {loop.steps} step(s) in epoch {epoch + 1}",
+                    AutoaccumWarning, stacklevel=2)
+                if loop.steps == 0:
                     break
-                except Exception as error:
-                    if not (elastic and is_out_of_memory(error)) or is_consumed(
-                            keras_state(model, layout)[0]):
-                        raise
-                    event = shrink(error, step=int(model.optimizer.iterations) + 1,
-                                   micro_batch=micro_batch, accum_steps=accum_steps,
-                                   data_parallel=dp)
-                    events.append(str(event))
-                    print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
-                    micro_batch, accum_steps = event.new_micro_batch, event.new_accum_steps
-                    compiled = compile_for(accum_steps, micro_batch)
-                    _record(model, events, micro_batch, accum_steps)
-            noise.update_from(logs.pop(_NOISE_KEY, None), accum_steps * dp)
-            callback_list.on_train_batch_end(step, logs)
+            epoch_logs = _epoch_logs(model, logs)
+            if noise.value is not None:
+                epoch_logs["gradient_noise_scale"] = noise.value
+            if validator is not None and (epoch + 1) % validation_freq == 0:
+                val_logs = validator(callback_list)
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            runner.refresh()
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
             if model.stop_training:
                 break
-        epoch_logs = dict(logs)
-        if noise.value is not None:
-            epoch_logs["gradient_noise_scale"] = noise.value
-        if val is not None and (epoch + 1) % validation_freq == 0:
-            val_logs = _evaluate(model, val, validation_batch_size or micro_batch,
-                                 validation_steps, callback_list)
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        snapshot.take(keras_state(model, layout)[0])
-        callback_list.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        if model.stop_training:
-            break
-    if epochs > 0:
-        model.optimizer.finalize_variable_values(model.trainable_weights)
-    callback_list.on_train_end(logs=training_logs)
-    _record(model, events, micro_batch, accum_steps)
-    if model.history is not None:
-        model.history.autoaccum_data_parallel = dp
-        model.history.autoaccum_noise_advice = noise.advice(micro_batch * dp * accum_steps)
-        if verbose:
-            print(f"autoaccum: {model.history.autoaccum_noise_advice}", file=sys.stderr)
-    return model.history
+        if epochs > 0:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+        callback_list.on_train_end(logs=training_logs)
+    finally:
+        _record(history, runner, loop, dp=dp, drop_remainder=drop_remainder,
+                lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats,
+                noise=noise)
+    _report(history, verbose)
+    return history
 
 
-_NOISE_KEY = "_autoaccum_noise"
+class _Loop:
+    """The batches of one epoch through the runner, with the callbacks and the non-finite
+    policy."""
+
+    def __init__(self, model: Any, runner: StepRunner, source: KerasData,
+                 noise: NoiseScaleTracker, *, on_nonfinite: str) -> None:
+        self.model = model
+        self.runner = runner
+        self.source = source
+        self.noise = noise
+        self.on_nonfinite = on_nonfinite
+        self.skipped = 0
+        self.remainder = 0
+        self.dropped = 0
+        self.steps = 0
+        """Steps taken in the last epoch."""
+
+    def epoch(self, callbacks: Any, effective: int, *, drop_remainder: bool, shuffle: bool,
+              rng: np.random.Generator, steps: int | None) -> dict[str, float]:
+        model, runner = self.model, self.runner
+        batches = self.source.epoch(batch=effective, drop_remainder=drop_remainder,
+                                    shuffle=shuffle, rng=rng, steps=steps)
+        logs: dict[str, float] = {}
+        packed = next(batches, None)
+        step = 0
+        self.remainder = 0
+        while packed is not None:
+            packed = runner.trim(packed) if _size(packed) < effective else packed
+            if _size(packed) == 0:  # fewer than one example per data-parallel device
+                break
+            callbacks.on_train_batch_begin(step)
+            result, packed = runner.run(packed, lambda: next(batches, None))
+            if result.examples < effective:
+                self.remainder += result.examples
+            logs = result.logs
+            if result.finite:
+                self.noise.update_from(result.noise, result.micro_batches)
+            else:
+                self.skipped += 1
+            callbacks.on_train_batch_end(step, logs)
+            if not result.finite and self.on_nonfinite == "stop" and not model.stop_training:
+                raise NonFiniteError(
+                    f"Optimizer step {int(model.optimizer.iterations) + 1} had a non-finite "
+                    f"loss or gradient (loss={logs.get('loss')}); training stopped and the "
+                    "model keeps the state from before that step. Look for NaN/inf in the "
+                    "data or a learning rate that is too high; on_nonfinite='skip' skips such "
+                    "steps instead.",
+                    step=int(model.optimizer.iterations) + 1,
+                )
+            step += 1
+            if model.stop_training:
+                batches.close()
+                break
+        self.dropped = self.source.dropped
+        self.steps = step
+        return logs
 
 
-def _record(model: Any, events: list[str], micro_batch: int, accum_steps: int) -> None:
-    """Keeps the elastic events and the final split on the run's ``History``."""
-    history = getattr(model, "history", None)
-    if history is not None:
-        history.autoaccum_events = events
-        history.autoaccum_micro_batch = micro_batch
-        history.autoaccum_accum_steps = accum_steps
+def _epoch_logs(model: Any, logs: dict[str, float]) -> dict[str, float]:
+    """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
+    non-finite values are in its batch logs, not in the metrics it left unchanged)."""
+    from keras.src.utils.python_utils import pythonify_logs
+
+    if not logs:
+        return {}
+    return pythonify_logs(model._get_metrics_result_or_logs(logs))
 
 
-def _run_step(compiled: Any, model: Any, layout: KerasLayout, state: tuple, frozen: list,
-              batches: Any, snapshot: HostSnapshot, *, per_step: bool,
-              following: Any) -> tuple[dict, Any]:
-    """One step; the variables end up holding the new state, or the old one if it failed."""
-    try:
-        new_state, metrics, logs = compiled(state, batches, frozen)
-        next_batches = following()  # prepared on the host while the device works
-        jax.block_until_ready(metrics.loss)
-        logs = {name: float(value) for name, value in logs.items()}
-        logs[_NOISE_KEY] = (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
-                            float(metrics.count))
-    except BaseException as error:
-        _recover(model, layout, state, snapshot, error, per_step=per_step)
-        raise
-    write_back(model, layout, new_state)
-    return logs, next_batches
+def _validation(model: Any, source: KerasData, validation_data: Any,
+                validation_split: float) -> tuple[KerasData, KerasData | None, Any]:
+    """The training source, the validation source and the validation data as given."""
+    if validation_split:
+        if not isinstance(source, ArraySource):
+            raise ValueError(
+                "validation_split takes the last examples of in-memory data; for a dataset, "
+                "generator or PyDataset pass validation_data instead (as model.fit requires). "
+                f"Received: validation_split={validation_split}"
+            )
+        train, held_out = source.split(validation_split)
+        return train, held_out, held_out.sample(held_out.num_examples)
+    if validation_data is None:
+        return source, None, None
+    val = keras_data(model, validation_data, name="validation_data")
+    val.sample(1)  # a malformed validation set fails now, before any training
+    return source, val, validation_data
 
 
-def _recover(model: Any, layout: KerasLayout, state: tuple, snapshot: HostSnapshot,
-             error: BaseException, *, per_step: bool) -> None:
-    """Leaves the model's variables as they were before the failed step."""
-    if not is_consumed(state):
-        write_back(model, layout, state)
+def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:
+    data = getattr(source, "data", None)
+    cardinality = getattr(data, "cardinality", None)
+    if steps_per_epoch is None and cardinality is not None:
+        import tensorflow as tf
+
+        if int(cardinality()) == tf.data.INFINITE_CARDINALITY:
+            raise ValueError(
+                "The dataset repeats forever (`.repeat()`): pass steps_per_epoch= (optimizer "
+                "steps per epoch), as model.fit requires for an infinite dataset. Received: "
+                "steps_per_epoch=None"
+            )
+
+
+def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_remainder: bool,
+            lr_scaling: Any, on_nonfinite: str, batch_stats: str,
+            noise: NoiseScaleTracker) -> None:
+    """Keeps what autoaccum did on the run's ``History`` (also when training failed)."""
+    if history is None:
         return
-    if snapshot.available:
-        write_back(model, layout, snapshot.host)
-        if per_step:
-            return  # exactly the state before the step: nothing lost, nothing to warn about
-        note = (
-            "autoaccum: the failed step had consumed (donated) the training state; the model's "
-            "variables were restored from the host copy taken at the start of this epoch."
-        )
-        warnings.warn(note, AutoaccumWarning, stacklevel=3)
-    else:
-        note = (
-            "autoaccum: the failed step had consumed (donated) the training state and no host "
-            "copy was kept (backup='none', or the state is above 4 GiB with backup='auto'); "
-            "reload the weights from a checkpoint, or pass backup='host'."
-        )
-    if hasattr(error, "add_note"):
-        error.add_note(note)
+    history.autoaccum_events = runner.events
+    history.autoaccum_micro_batch = runner.micro_batch
+    history.autoaccum_accum_steps = runner.accum_steps
+    history.autoaccum_data_parallel = dp
+    history.autoaccum_skipped_steps = loop.skipped
+    history.autoaccum_on_nonfinite = on_nonfinite
+    history.autoaccum_batch_stats = batch_stats
+    history.autoaccum_learning_rate_factor = 1.0 if lr_scaling is None else lr_scaling.factor
+    history.autoaccum_remainder = (
+        {"policy": "drop", "examples": loop.dropped} if drop_remainder
+        else {"policy": "train", "examples": loop.remainder})
+    history.autoaccum_noise_advice = noise.advice(runner.effective_batch)
 
 
-def _evaluate(model: Any, val: KerasArrays, batch_size: int, steps: int | None,
-              callback_list: Any) -> dict[str, float]:
-    return model.evaluate(
-        *val.packed, batch_size=batch_size, steps=steps, callbacks=callback_list,
-        return_dict=True, verbose=0,
-    )
+def _report(history: Any, verbose: Any) -> None:
+    if not verbose or history is None:
+        return
+    left = history.autoaccum_remainder
+    if left["examples"]:
+        what = ("left out (drop_remainder=True)" if left["policy"] == "drop" else
+                "trained as a final, smaller step")
+        print(f"autoaccum: the last {left['examples']} examples of an epoch did not fill an "
+              f"effective batch: {what}.", file=sys.stderr)
+    if history.autoaccum_skipped_steps:
+        print(f"autoaccum: {history.autoaccum_skipped_steps} step(s) with a non-finite loss or "
+              "gradient were skipped (on_nonfinite='skip').", file=sys.stderr)
+    print(f"autoaccum: {history.autoaccum_noise_advice}", file=sys.stderr)
 
 
-def _following(arrays: KerasArrays, order: np.ndarray, step: int, steps: int,
-               accum_steps: int, micro_batch: int) -> Any:
-    def load() -> Any:
-        if step >= steps:
-            return None
-        effective = accum_steps * micro_batch
-        return arrays.batches(order[step * effective:(step + 1) * effective], accum_steps,
-                              micro_batch)
+def _size(packed: tuple) -> int:
+    import jax
 
-    return load
-
-
-def _steps_per_epoch(num_examples: int, effective: int, cap: int | None) -> int:
-    if num_examples < effective:
-        raise ValueError(
-            f"The data has fewer examples than one effective batch (micro_batch x "
-            f"accum_steps = {effective}); lower `effective_batch` or add data. Received: "
-            f"{num_examples} examples"
-        )
-    steps = num_examples // effective
-    left = num_examples - steps * effective
-    if left:
-        warnings.warn(
-            f"autoaccum: {left} of {num_examples} examples do not fill a last effective batch "
-            f"of {effective} and are left out of each epoch (reshuffled every epoch), so one "
-            "compiled program serves every step.",
-            AutoaccumWarning,
-            stacklevel=3,
-        )
-    if cap is not None:
-        if cap < 1:
-            raise ValueError(f"`steps_per_epoch` must be >= 1. Received: steps_per_epoch={cap}")
-        steps = min(steps, int(cap))
-    return steps
-
-
-def _batch_spec(spec: Any, accum_steps: int, micro_batch: int, mesh: Any = None) -> Any:
-    sharding = None if mesh is None else batch_sharding(mesh)
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct((accum_steps, micro_batch, *s.shape), s.dtype,
-                                       sharding=sharding), spec
-    )
-
-
-def _abstract_on(tree: Any, mesh: Any) -> Any:
-    sharding = replicated_sharding(mesh)
-    return jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding), tree)
-
-
-class _Placer:
-    """Puts the state and the batches where the (data-parallel) step wants them."""
-
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-
-    def state(self, pair: tuple) -> tuple:
-        return pair if self.mesh is None else replicate(pair, self.mesh)
-
-    def batches(self, batches: Any) -> Any:
-        return batches if self.mesh is None else shard_batches(batches, self.mesh)
+    return int(np.shape(jax.tree.leaves(packed)[0])[0])

@@ -198,9 +198,12 @@ def warn_inexact_once(model: Any) -> None:
     _warned.add(id(model))
     warnings.warn(
         "autoaccum: this model has several compiled loss terms and at least one is normalised "
-        "by a data-dependent count (a Keras mask or reduction='mean_with_sample_weight'); "
-        "each micro-batch is weighted equally, which differs slightly from one big batch. "
-        "A single loss term, or terms without masks, are accumulated exactly.",
+        "by a data-dependent count (a Keras mask, or reduction='mean_with_sample_weight' with "
+        "sample weights). The gradient of such a sum cannot be accumulated exactly in one pass "
+        "(each term would need its own gradient accumulator): each micro-batch is weighted by "
+        "its size, which differs slightly from one big batch. The logged losses and metrics "
+        "are still those of the big batch. Exact: a single loss term, or terms without masks "
+        "and data-dependent weights (see README, 'Exactness').",
         AutoaccumWarning,
         stacklevel=3,
     )

@@ -1,65 +1,189 @@
-"""Scaling a Keras optimizer's learning rate (a float, a schedule, or a callable) in place,
-and applying a plan's learning-rate rule to a compiled model's optimizer."""
+"""The learning-rate rule for a Keras optimizer, applied inside the step; the optimizer keeps
+the user's rate.
+
+autoaccum never stores a scaled rate in the optimizer. ``optimizer.learning_rate`` stays the
+*base* rate (a float variable, a ``LearningRateSchedule`` or a callable: whatever the user
+compiled, set, loaded or a callback assigned). While the accumulated step is traced, the
+optimizer's current rate is multiplied by the plan's factor (and, with ``adjust_adam``, its
+``beta_1``/``beta_2``/``epsilon`` are replaced), so every update uses ``factor x base``. Hence,
+by construction:
+
+* repeated ``fit`` calls, save -> load -> ``fit`` and checkpoint resumes never scale twice (the
+  saved optimizer holds the base rate, and nothing else);
+* a rate the user sets (``optimizer.learning_rate = 1e-4``), a newly compiled optimizer, or a
+  ``LearningRateScheduler``/``ReduceLROnPlateau`` assignment is the new base, scaled at the
+  next step;
+* saved optimizers hold only Keras's own objects: they load in any process, without autoaccum.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 from ...planning._lr import LearningRateScaling, scale_learning_rate
 
-__all__ = ["apply_keras_lr_scaling", "base_learning_rate", "keras_lr_scaling",
-           "scale_keras_learning_rate"]
-
-_SCHEDULE_CLASS: Any = None
+__all__ = ["base_learning_rate", "keras_lr_scaling", "leaf_optimizers",
+           "scale_keras_learning_rate", "scaled_learning_rate", "set_base_learning_rate"]
 
 
-def _schedule_class() -> Any:
-    """Defines (once, after Keras is imported) the serializable ``ScaledSchedule`` class."""
-    global _SCHEDULE_CLASS
-    if _SCHEDULE_CLASS is not None:
-        return _SCHEDULE_CLASS
+def leaf_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers that compute updates: the inner one of a ``LossScaleOptimizer``, each
+    of a multi-optimizer, else ``optimizer`` itself."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return leaf_optimizers(inner)
+    several = getattr(optimizer, "optimizers", None)
+    if isinstance(several, (list, tuple)) and several:
+        return [leaf for opt in several for leaf in leaf_optimizers(opt)]
+    return [optimizer]
+
+
+def base_learning_rate(optimizer: Any) -> Any:
+    """The optimizer's own rate: a float (its variable's value), a schedule or a callable.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> round(base_learning_rate(keras.optimizers.SGD(0.1)), 6)
+      0.1
+    """
     import keras
 
-    @keras.saving.register_keras_serializable(package="autoaccum", name="ScaledSchedule")
-    class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
-        """``factor x schedule(step)``; serializes with the wrapped schedule's config."""
-
-        def __init__(self, schedule: Any, factor: float) -> None:
-            if isinstance(schedule, dict):
-                schedule = keras.optimizers.schedules.deserialize(schedule)
-            self.schedule = schedule
-            self.factor = float(factor)
-
-        def __call__(self, step: Any) -> Any:
-            value = self.schedule(step)
-            return keras.ops.multiply(value, keras.ops.cast(self.factor, value.dtype))
-
-        def get_config(self) -> dict[str, Any]:
-            return {
-                "schedule": keras.optimizers.schedules.serialize(self.schedule),
-                "factor": self.factor,
-            }
-
-        def __repr__(self) -> str:
-            return f"ScaledSchedule({self.schedule!r}, factor={self.factor:g})"
-
-    _SCHEDULE_CLASS = ScaledSchedule
-    return ScaledSchedule
+    current = leaf_optimizers(optimizer)[0]._learning_rate
+    if isinstance(current, keras.Variable):
+        return float(keras.ops.convert_to_numpy(current.value))
+    return current
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ScaledSchedule":
-        return _schedule_class()
-    raise AttributeError(name)
+def keras_lr_scaling(model: Any, options: dict, *, effective_batch: int) -> LearningRateScaling:
+    """The plan's learning-rate scaling for the model's compiled optimizer; pops the options.
+
+    ``options["learning_rate"]`` (a positive float or a schedule), when given, is the base
+    instead of the optimizer's rate (``fit`` then sets it on the optimizer, see
+    :func:`set_base_learning_rate`). With ``adjust_adam`` the optimizer's own betas and
+    epsilon are the ones adjusted.
+    """
+    base = options.pop("learning_rate", None)
+    if base is None:
+        base = base_learning_rate(model.optimizer)
+    else:
+        _check_base(base)
+    adjust_adam = options.pop("adjust_adam", False)
+    adam = {}
+    if adjust_adam:
+        leaf = leaf_optimizers(model.optimizer)[0]
+        missing = [n for n in ("beta_1", "beta_2", "epsilon") if not hasattr(leaf, n)]
+        if missing:
+            raise ValueError(
+                f"adjust_adam sets {', '.join(missing)}, which {type(leaf).__name__} does not "
+                "have. Use an Adam-family optimizer or adjust_adam=False. "
+                "Received: adjust_adam=True"
+            )
+        adam = {"b1": float(leaf.beta_1), "b2": float(leaf.beta_2), "eps": float(leaf.epsilon)}
+    return scale_learning_rate(
+        base,
+        effective_batch=effective_batch,
+        base_batch=options.pop("base_batch", 1),
+        rule=options.pop("lr_rule", "linear"),
+        adjust_adam=adjust_adam,
+        **adam,
+    )
+
+
+def _check_base(value: Any) -> None:
+    if callable(value):
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0) or isinstance(value, bool):
+        raise ValueError(
+            "learning_rate must be a positive number or a keras.optimizers.schedules schedule "
+            f"(the base rate for base_batch). Received: learning_rate={value!r}"
+        )
+
+
+def set_base_learning_rate(optimizer: Any, value: Any) -> None:
+    """Makes ``value`` (a float or a schedule) the optimizer's own rate, as
+    ``optimizer.learning_rate = value`` does, with a clear error where Keras refuses it."""
+    for leaf in leaf_optimizers(optimizer):
+        try:
+            leaf.learning_rate = value
+        except TypeError as error:
+            raise ValueError(
+                "The optimizer was created with a learning-rate schedule, so Keras cannot set a "
+                "float rate on it; recompile with the rate you want, or pass a schedule as "
+                f"learning_rate=. Received: learning_rate={value!r}"
+            ) from error
+
+
+@contextlib.contextmanager
+def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) -> Iterator[None]:
+    """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate.
+
+    The optimizer's ``_get_current_learning_rate`` (what its updates and weight decay read)
+    is shadowed on the instance and restored on exit, as are ``beta_1``/``beta_2``/``epsilon``
+    when ``scaling.adam`` adjusts them; the optimizer's variables and config never change.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> from autoaccum import scale_learning_rate
+      >>> opt = keras.optimizers.SGD(0.1)
+      >>> with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4)):
+      ...     round(float(opt.learning_rate), 6)
+      0.4
+      >>> round(float(opt.learning_rate), 6)
+      0.1
+    """
+    if scaling is None or (scaling.factor == 1.0 and scaling.adam is None):
+        yield
+        return
+    import keras
+
+    factor = float(scaling.factor)
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for leaf in leaf_optimizers(optimizer):
+            original = leaf._get_current_learning_rate
+
+            def current(original: Any = original) -> Any:
+                return keras.ops.multiply(original(), factor)
+
+            saved.append((leaf, "_get_current_learning_rate", _MISSING))
+            leaf.__dict__["_get_current_learning_rate"] = current
+            if scaling.adam is not None:
+                for name, value in (("beta_1", scaling.adam.b1), ("beta_2", scaling.adam.b2),
+                                    ("epsilon", scaling.adam.eps)):
+                    saved.append((leaf, name, leaf.__dict__.get(name, _MISSING)))
+                    leaf.__dict__[name] = value
+        yield
+    finally:
+        for leaf, name, value in reversed(saved):
+            if value is _MISSING:
+                leaf.__dict__.pop(name, None)
+            else:
+                leaf.__dict__[name] = value
+
+
+_MISSING = object()
 
 
 def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
-    """Multiplies ``optimizer``'s learning rate by ``factor`` in place; returns the optimizer.
+    """Multiplies ``optimizer``'s own learning rate by ``factor`` in place; returns it.
 
-    * a float learning rate (a Keras variable) is assigned ``lr x factor``;
-    * a ``LearningRateSchedule`` is wrapped in ``ScaledSchedule(schedule, factor)``, which
-      still sees the optimizer's step count and round-trips through ``get_config``;
-    * a plain callable becomes ``lambda: factor x callable()``.
+    A standalone helper (``autoaccum.fit`` does not use it: it scales inside the step and
+    leaves the optimizer's rate alone). A float rate is assigned ``lr x factor``; a
+    ``LearningRateSchedule`` is wrapped in ``ScaledSchedule(schedule, factor)`` (registered
+    with Keras when this helper first runs: import ``autoaccum.adapters.keras._schedule``
+    before loading a model saved with one); a callable becomes ``lambda: factor x
+    callable()``.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -75,94 +199,19 @@ def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
     """
     import keras
 
+    from ._schedule import ScaledSchedule
+
     factor = float(factor)
     if not factor > 0.0:
         raise ValueError(f"The learning-rate factor must be positive. Received: factor={factor}")
-    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer
-        scale_keras_learning_rate(optimizer.inner_optimizer, factor)
-        return optimizer
-    current = optimizer._learning_rate
-    schedules = keras.optimizers.schedules
-    if isinstance(current, schedules.LearningRateSchedule):
-        optimizer.learning_rate = _schedule_class()(current, factor)
-    elif isinstance(current, keras.Variable):
-        current.assign(float(keras.ops.convert_to_numpy(current.value)) * factor)
-    elif callable(current):
-        inner = current
-        optimizer.learning_rate = lambda: inner() * factor
-    else:
-        optimizer.learning_rate = float(current) * factor
-    return optimizer
-
-
-_BASE_ATTR = "_autoaccum_base_learning_rate"
-
-
-def base_learning_rate(optimizer: Any) -> Any:
-    """The learning rate the user compiled with (a float or a schedule), before any scaling
-    autoaccum applied in an earlier ``fit``."""
-    import keras
-
-    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer
-        optimizer = optimizer.inner_optimizer
-    if hasattr(optimizer, _BASE_ATTR):
-        return getattr(optimizer, _BASE_ATTR)
-    current = optimizer._learning_rate
-    if isinstance(current, keras.Variable):
-        return float(keras.ops.convert_to_numpy(current.value))
-    return current
-
-
-def keras_lr_scaling(model: Any, options: dict, *, effective_batch: int) -> LearningRateScaling:
-    """The plan's learning-rate scaling for the model's compiled optimizer."""
-    base = options.pop("learning_rate", None)
-    if base is None:
-        base = base_learning_rate(model.optimizer)
-    return scale_learning_rate(
-        base,
-        effective_batch=effective_batch,
-        base_batch=options.pop("base_batch", 1),
-        rule=options.pop("lr_rule", "linear"),
-        adjust_adam=options.pop("adjust_adam", False),
-    )
-
-
-def apply_keras_lr_scaling(optimizer: Any, scaling: LearningRateScaling) -> None:
-    """Sets ``optimizer``'s learning rate to the scaled one (idempotent across ``fit`` calls:
-    the base is remembered on the optimizer, so a second fit does not scale twice)."""
-    import keras
-
-    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-    if not hasattr(inner, _BASE_ATTR):
-        setattr(inner, _BASE_ATTR, base_learning_rate(inner))
-    base = scaling.base_learning_rate
-    schedules = keras.optimizers.schedules
-    if isinstance(base, schedules.LearningRateSchedule) or not callable(base):
-        # Reset to the base, then scale once.
-        if isinstance(base, schedules.LearningRateSchedule):
-            inner.learning_rate = base
+    for leaf in leaf_optimizers(optimizer):
+        current = leaf._learning_rate
+        if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
+            leaf.learning_rate = ScaledSchedule(current, factor)
+        elif isinstance(current, keras.Variable):
+            current.assign(float(keras.ops.convert_to_numpy(current.value)) * factor)
+        elif callable(current):
+            leaf.learning_rate = lambda inner=current: inner() * factor
         else:
-            _assign_float(inner, float(base))
-        if scaling.factor != 1.0:
-            scale_keras_learning_rate(inner, scaling.factor)
-    else:
-        inner.learning_rate = lambda: base() * scaling.factor
-    if scaling.adam is not None:
-        for name, value in (("beta_1", scaling.adam.b1), ("beta_2", scaling.adam.b2),
-                            ("epsilon", scaling.adam.eps)):
-            if not hasattr(inner, name):
-                raise ValueError(
-                    f"adjust_adam sets {name}, which {type(inner).__name__} does not have. Use "
-                    f"an Adam-family optimizer or adjust_adam=False. Received: adjust_adam=True"
-                )
-            setattr(inner, name, value)
-
-
-def _assign_float(optimizer: Any, value: float) -> None:
-    import keras
-
-    current = optimizer._learning_rate
-    if isinstance(current, keras.Variable):
-        current.assign(value)
-    else:
-        optimizer.learning_rate = value
+            leaf.learning_rate = float(current) * factor
+    return optimizer

@@ -74,13 +74,15 @@ def keras_rematerialized(
 
 
 def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
-                        layers: Callable[..., bool] | None = None) -> TrainProgram:
+                        layers: Callable[..., bool] | None = None,
+                        **program_options: Any) -> TrainProgram:
     """The Keras model's accumulated step, traced and lowered with per-block ``remat``
-    (Keras applies remat when a layer is called, so lowering must happen inside it too)."""
+    (Keras applies remat when a layer is called, so lowering must happen inside it too);
+    ``program_options`` go to :func:`~._program.keras_program`."""
     from ._program import keras_program
 
     with keras_rematerialized(model, remat, layers=layers):
-        program = keras_program(model, example_spec=example_spec)
+        program = keras_program(model, example_spec=example_spec, **program_options)
     if remat == "none":
         return program
     lower = program.lowering_context

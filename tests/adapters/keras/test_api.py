@@ -39,19 +39,21 @@ def test_fit_returns_history_with_plan_and_counts_optimizer_steps():
 def test_learning_rate_is_scaled_once_even_across_two_fits():
     model = _model(1e-3)
     for _ in range(2):
-        autoaccum.fit(model, _data(), effective_batch=16, base_batch=4, lr_rule="sqrt",
-                      budget="1GiB", verbose=0, log=None)
-        assert float(model.optimizer.learning_rate) == pytest.approx(2e-3)
+        history = autoaccum.fit(model, _data(), effective_batch=16, base_batch=4,
+                                lr_rule="sqrt", budget="1GiB", verbose=0, log=None)
+        assert history.autoaccum_plan.learning_rate == pytest.approx(2e-3)
+        assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)  # the base
 
 
-def test_schedule_learning_rate_is_wrapped_and_sees_optimizer_steps():
+def test_schedule_learning_rate_is_scaled_in_the_step_and_sees_optimizer_steps():
     model = _model()
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1e-3, 1e-4])
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     history = autoaccum.fit(model, _data(), effective_batch=16, budget="1GiB", verbose=0,
                             log=None)
     assert "schedule x 16" in history.autoaccum_plan.lr_scaling.arithmetic()
-    assert float(model.optimizer.learning_rate) == pytest.approx(16e-4)  # step 4: 1e-4 x 16
+    assert model.optimizer._learning_rate is schedule  # scaled inside the step only
+    assert float(model.optimizer.learning_rate) == pytest.approx(1e-4)  # step 4
 
 
 @pytest.mark.slow

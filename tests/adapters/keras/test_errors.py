@@ -68,9 +68,11 @@ def test_data_with_unequal_lengths():
         keras_fit(dense(), (X, Y[:5]), micro_batch=2, accum_steps=2)
 
 
-def test_fewer_examples_than_effective_batch():
-    with pytest.raises(ValueError, match="fewer examples than one effective batch.*8"):
-        keras_fit(dense(), (X, Y), micro_batch=4, accum_steps=4)
+def test_fewer_examples_than_effective_batch_train_as_one_smaller_step():
+    model = dense()
+    history = keras_fit(model, (X, Y), micro_batch=4, accum_steps=4, verbose=0)
+    assert int(model.optimizer.iterations) == 1
+    assert history.autoaccum_remainder == {"policy": "train", "examples": 8}
 
 
 def test_strings_without_preprocessor():

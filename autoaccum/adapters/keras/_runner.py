@@ -1,0 +1,219 @@
+"""Running a Keras fit's accumulated steps so the model always holds one whole state.
+
+Each step is dispatched and its outputs written into the model's variables with Ctrl-C held
+back (:mod:`._interrupts`), so at any moment the variables hold the state of one optimizer
+step: before the swap the old one, after it the new one (still being computed, which is
+fine). If the device reports a failure, the variables are put back to the state before the
+step: the inputs when they are intact, else a host copy (taken before every step when
+``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic`` redoes the
+same step at a smaller micro-batch.
+
+A step of fewer examples than the effective batch (the last of an epoch) runs its own
+compiled program at the largest micro-batch that divides it; it is normalised by its own
+count, as Keras's last partial batch is.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from ...devices._mesh import batch_sharding, replicate, replicated_sharding, shard_batches
+from ...devices._oom import is_out_of_memory
+from ...devices._rlimit import compiling
+from ...devices._warnings import AutoaccumWarning
+from ...planning._search import divisors
+from ...training._elastic import shrink
+from ...training._snapshot import HostSnapshot, is_consumed
+from ._interrupts import deferred_interrupts
+from ._program import KerasLayout, keras_state, write_back
+from ._scope import keras_lowering_scope
+from ._step import keras_train_step
+
+__all__ = ["StepRunner", "StepResult"]
+
+PyTree = Any
+
+
+class StepResult:
+    """What one step reported, on the host."""
+
+    def __init__(self, logs: dict[str, float], finite: bool, noise: tuple, examples: int,
+                 micro_batches: int) -> None:
+        self.logs = logs
+        self.finite = finite
+        self.noise = noise
+        """``(|grad|^2, mean |micro grad|^2, valid count)`` for the noise-scale estimate."""
+        self.examples = examples
+        self.micro_batches = micro_batches
+        """Micro-batches the step scanned, over all devices."""
+
+
+class StepRunner:
+    """The compiled steps of one fit (one per batch shape) and how they are run."""
+
+    def __init__(self, model: Any, layout: KerasLayout, spec: PyTree, *, mesh: Any,
+                 micro_batch: int, accum_steps: int, lr_scaling: Any, batch_stats: str,
+                 backup: str, elastic: bool) -> None:
+        self.model = model
+        self.layout = layout
+        self.spec = spec
+        self.mesh = mesh
+        self.dp = 1 if mesh is None else int(mesh.size)
+        self.micro_batch = micro_batch
+        self.accum_steps = accum_steps
+        self.elastic = elastic
+        self.snapshot = HostSnapshot(backup)
+        self.events: list[str] = []
+        self._splits: dict[int, tuple[int, int]] = {}
+        self._compiled: dict[tuple[int, int], Any] = {}
+        self._jitted = jax.jit(
+            keras_train_step(model, layout, mesh=mesh, lr_scaling=lr_scaling,
+                             batch_stats=batch_stats),
+            donate_argnums=0,
+        )
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.dp * self.accum_steps
+
+    def split(self, examples: int) -> tuple[int, int]:
+        """``(accum_steps, micro_batch)`` for a step of ``examples`` (per-device micro)."""
+        if examples == self.effective_batch:
+            return self.accum_steps, self.micro_batch
+        if examples not in self._splits:
+            per_device = examples // self.dp
+            micro = max(d for d in divisors(per_device) if d <= self.micro_batch)
+            self._splits[examples] = (per_device // micro, micro)
+        return self._splits[examples]
+
+    def compile(self, accum_steps: int, micro_batch: int) -> Any:
+        key = (accum_steps, micro_batch)
+        if key not in self._compiled:
+            state, frozen = keras_state(self.model, self.layout)
+            abstract = lambda tree: jax.tree.map(  # noqa: E731
+                lambda v: jax.ShapeDtypeStruct(
+                    np.shape(v), v.dtype,
+                    sharding=None if self.mesh is None else replicated_sharding(self.mesh)),
+                tree)
+            sharding = None if self.mesh is None else batch_sharding(self.mesh)
+            batches = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct((accum_steps, micro_batch * self.dp, *s.shape),
+                                               s.dtype, sharding=sharding), self.spec)
+            with compiling(), keras_lowering_scope():
+                self._compiled[key] = self._jitted.lower(
+                    abstract(state), batches, abstract(frozen)).compile()
+        return self._compiled[key]
+
+    def trim(self, packed: tuple) -> tuple:
+        """A final batch cut to a multiple of the data-parallel devices (with a warning)."""
+        n = _size(packed)
+        keep = n - n % self.dp
+        if keep == n:
+            return packed
+        warnings.warn(
+            f"autoaccum: the last {n} examples of the epoch cannot be split evenly over "
+            f"{self.dp} data-parallel devices; {n - keep} of them are left out of this epoch.",
+            AutoaccumWarning, stacklevel=3)
+        return jax.tree.map(lambda a: a[:keep], packed)
+
+    def run(self, packed: tuple, following: Any) -> tuple[StepResult, Any]:
+        """One optimizer step on ``packed`` (host arrays, leading axis = its examples);
+        ``following()`` fetches the next batch while the device works. Returns the result
+        and that next batch."""
+        examples = _size(packed)
+        while True:
+            accum, micro = self.split(examples)
+            compiled = self.compile(accum, micro)
+            try:
+                return self._run(compiled, _split(packed, accum, micro * self.dp), following,
+                                 examples, accum * self.dp)
+            except Exception as error:
+                if not (self.elastic and is_out_of_memory(error)) or is_consumed(
+                        keras_state(self.model, self.layout)[0]):
+                    raise
+                self._shrink(error, examples, accum, micro)
+
+    def _shrink(self, error: BaseException, examples: int, accum: int, micro: int) -> None:
+        event = shrink(error, step=int(self.model.optimizer.iterations) + 1, micro_batch=micro,
+                       accum_steps=accum, data_parallel=self.dp)
+        self.events.append(str(event))
+        print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
+        if examples == self.effective_batch:
+            self.micro_batch, self.accum_steps = event.new_micro_batch, event.new_accum_steps
+        else:
+            self._splits[examples] = (event.new_accum_steps, event.new_micro_batch)
+
+    def _place(self, tree: PyTree) -> PyTree:
+        return tree if self.mesh is None else replicate(tree, self.mesh)
+
+    def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,
+             micro_batches: int) -> tuple[StepResult, Any]:
+        model, layout = self.model, self.layout
+        state, frozen = self._place(keras_state(model, layout))
+        if self.elastic:
+            self.snapshot.take(state)
+        placed = batches if self.mesh is None else shard_batches(batches, self.mesh)
+        with deferred_interrupts():
+            try:
+                new_state, metrics, logs = compiled(state, placed, frozen)
+            except BaseException as error:
+                self.recover(state, error)
+                raise
+            write_back(model, layout, new_state)
+        next_batch = following()  # prepared on the host while the device works
+        try:
+            jax.block_until_ready(metrics.loss)
+            result = StepResult(
+                {name: float(value) for name, value in logs.items()},
+                bool(metrics.finite),
+                (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
+                 float(metrics.count)),
+                examples,
+                micro_batches,
+            )
+        except Exception as error:
+            self.recover(state, error)
+            raise
+        return result, next_batch
+
+    def refresh(self) -> None:
+        """Takes the host copy of the current state (each epoch)."""
+        self.snapshot.take(keras_state(self.model, self.layout)[0])
+
+    def recover(self, state: tuple, error: BaseException) -> None:
+        """Puts the model's variables back to ``state``, the state before the failed step."""
+        model, layout = self.model, self.layout
+        if not is_consumed(state):
+            write_back(model, layout, state)
+            return
+        if self.snapshot.available:
+            write_back(model, layout, self.snapshot.restore())
+            if self.elastic:
+                return  # exactly the state before the step: nothing lost
+            note = ("autoaccum: the failed step had consumed (donated) the training state; the "
+                    "model's variables were restored from the host copy taken at the start of "
+                    "this epoch.")
+            warnings.warn(note, AutoaccumWarning, stacklevel=3)
+        else:
+            note = ("autoaccum: the failed step had consumed (donated) the training state and "
+                    "no host copy was kept (backup='none', or the state is above 4 GiB with "
+                    "backup='auto'); reload the weights from a checkpoint, or pass "
+                    "backup='host'.")
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+
+
+def _size(packed: tuple) -> int:
+    return int(np.shape(jax.tree.leaves(packed)[0])[0])
+
+
+def _split(packed: tuple, accum_steps: int, micro_batch: int) -> tuple:
+    """``[n, ...]`` host arrays as ``[accum_steps, micro_batch, ...]`` (same order)."""
+    return jax.tree.map(
+        lambda a: np.ascontiguousarray(a).reshape(accum_steps, micro_batch, *np.shape(a)[1:]),
+        packed)

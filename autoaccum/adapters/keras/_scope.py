@@ -1,0 +1,129 @@
+"""Tracing a Keras model without changing it: planning leaves no trace on the user's objects.
+
+* :func:`keras_lowering_scope` builds and traces inside ``keras.StatelessScope(
+  initialize_variables=False)``. Variables created there (the layers of an unbuilt model, its
+  metrics) stay *deferred*: they hold no buffer and read as their initializer's value. Keras
+  would also list them for initialization at the next top-level stateless scope's exit, which
+  can happen inside a later ``jit`` trace (``model.fit``'s step) and leave tracers in them;
+  the scope takes the variables it created off that list, so nothing initializes them behind
+  the user's back.
+* :func:`planning_optimizer`: planning traces ``optimizer.stateless_apply``, which needs a
+  built optimizer. An unbuilt one is not built for that: a clone (``from_config``) is, so
+  ``plan``/``measure`` leave the user's optimizer unbuilt (a later ``enable_lora()`` or
+  ``layer.trainable = False`` still works as with ``model.fit``).
+* :func:`materialize` gives every deferred variable of a model (and its optimizer and
+  metrics) its initial value, for training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["keras_lowering_scope", "materialize", "optimizer_in_use", "planning_optimizer",
+           "symbolic_build"]
+
+
+@contextlib.contextmanager
+def keras_lowering_scope() -> Iterator[None]:
+    """``keras.StatelessScope(initialize_variables=False)`` that leaves no variable it created
+    waiting for Keras's deferred initialization.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> layer = keras.layers.Dense(2)
+      >>> with keras_lowering_scope():
+      ...     layer.build((None, 3))
+      >>> layer.kernel._value is None, tuple(layer.kernel.value.shape)
+      (True, (3, 2))
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    name = "uninitialized_variables"
+    before = {id(v) for v in global_state.get_global_attribute(name, []) or []}
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        pending = global_state.get_global_attribute(name, []) or []
+        global_state.set_global_attribute(name, [v for v in pending if id(v) in before])
+
+
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """``model._symbolic_build`` (model, compiled loss and metrics) in a lowering scope,
+    without building the optimizer (see :func:`planning_optimizer`)."""
+    optimizer = getattr(model, "optimizer", None)
+    hide = optimizer is not None and not optimizer.built
+    with keras_lowering_scope():
+        if hide:
+            optimizer.built = True  # Keras skips building an optimizer marked built
+        try:
+            model._symbolic_build(data_batch=data_batch)
+        finally:
+            if hide:
+                optimizer.built = False
+
+
+def planning_optimizer(model: Any) -> Any:
+    """The model's optimizer if built, else a built clone of it (deferred variables).
+
+    The clone has the optimizer's class and config, so the same variables in the same order:
+    a step traced with it has the memory and the updates of the real one.
+    """
+    optimizer = model.optimizer
+    if optimizer.built:
+        return optimizer
+    try:
+        clone = type(optimizer).from_config(optimizer.get_config())
+    except Exception:  # a config that does not round-trip (a callable rate): build the real one
+        clone = optimizer
+    with keras_lowering_scope():
+        clone.build(model.trainable_variables)
+    return clone
+
+
+@contextlib.contextmanager
+def optimizer_in_use(model: Any, optimizer: Any) -> Iterator[None]:
+    """Within the block ``model.optimizer`` is ``optimizer`` (Keras's loss scaling reads it)."""
+    if optimizer is model.optimizer:
+        yield
+        return
+    saved = model.__dict__.get("optimizer")
+    model.__dict__["optimizer"] = optimizer
+    try:
+        yield
+    finally:
+        model.__dict__["optimizer"] = saved
+
+
+def materialize(model: Any) -> None:
+    """Builds the optimizer if needed and gives every deferred variable of the model, its
+    optimizer and its metrics a buffer holding its initial value (what Keras's ``fit`` does).
+
+    Raises ``ValueError`` for a variable that has neither a value nor an initializer (a
+    Keras ``fit``/``evaluate`` that failed midway can leave such "purged" variables).
+    """
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    seen: set[int] = set()
+    for variable in [*model.variables, *optimizer.variables, *model.metrics_variables]:
+        if id(variable) in seen or variable._value is not None:
+            continue
+        seen.add(id(variable))
+        if variable._initializer is None:
+            raise ValueError(
+                f"The variable {variable.path!r} holds no value (a Keras fit/evaluate that "
+                "failed midway drops the weights it was using); reload the model or its "
+                "weights from a checkpoint. Received: a variable with value None"
+            )
+        variable._deferred_initialize()
+    from keras.src.backend.common import global_state
+
+    pending = global_state.get_global_attribute("uninitialized_variables", []) or []
+    global_state.set_global_attribute(
+        "uninitialized_variables", [v for v in pending if v._value is None])

@@ -1,0 +1,246 @@
+"""The accumulated Keras train step, and its forward-only twin for validation.
+
+Built from the model's own pieces, as Keras's ``JAXTrainer.train_step``/``test_step`` are:
+``model.compute_loss_and_updates`` (``stateless_call`` + the compiled loss, or a
+``compute_loss`` override), ``model.compute_metrics`` and ``optimizer.stateless_apply``.
+Micro-batches are scanned; the optimizer is applied once per step (``optimizer.iterations``
+counts optimizer steps, schedules see them), with the learning-rate rule applied while the
+step is traced (:func:`~._lr.scaled_learning_rate`). Losses are weighted as Keras weights one
+big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), and
+``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._batchnorm`).
+
+A step whose loss or gradients are not finite returns the state it was given (weights,
+optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
+the non-finite loss (so ``TerminateOnNaN`` sees it). Under a ``LossScaleOptimizer`` gradient
+overflow is the optimizer's business (it skips the update and lowers the scale): there only a
+non-finite loss counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ...planning._program import StepMetrics
+from ...training._accumulate import accumulate_gradients, mean_gradients
+from ...training._nonfinite import keep_if_finite
+from ._batchnorm import BatchStats
+from ._loss import LossRecorder, accumulation_weights, warn_inexact_once
+from ._loss_metrics import TermMetrics
+from ._lr import scaled_learning_rate
+from ._scope import optimizer_in_use
+
+__all__ = ["keras_eval_step", "keras_train_step"]
+
+PyTree = Any
+
+
+class _Micro:
+    """One micro-batch through the model's loss and metrics; the carry summed over them:
+    ``(mutable, metrics variables, loss sum, per-term sums, batch-statistics sums)``."""
+
+    def __init__(self, model: Any, layout: Any, *, training: bool, batch_stats: str) -> None:
+        self.model = model
+        self.layout = layout
+        self.training = training
+        self.recorder = LossRecorder(model)
+        self.terms = TermMetrics(model)
+        refs = [model.non_trainable_variables[i] for i in layout.mutable]
+        self.stats = BatchStats(model, refs, batch_stats if training else "micro")
+        self.exact = True
+        """Set while tracing: whether the accumulated loss is the big batch's exactly."""
+
+    def init(self, mutable: list, metrics_vars: list) -> tuple:
+        return (mutable, metrics_vars, jnp.float32(0.0), self.terms.zeros(), self.stats.zeros())
+
+    def __call__(self, params: list, carry: tuple, batch: PyTree, *, frozen: list,
+                 optimizer_vars: list | None, local_micro: int, micro_batches: int
+                 ) -> tuple[tuple, tuple]:
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        model, layout = self.model, self.layout
+        mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        with self.recorder.recording() as terms, self.stats.capturing() as moments:
+            _, aux = model.compute_loss_and_updates(
+                params, layout.merge(mutable, frozen), metrics_vars, x, y, sample_weight,
+                training=self.training, optimizer_variables=optimizer_vars,
+            )
+        unscaled, y_pred, non_trainable, new_metrics = aux
+        loss_sum, count, exact = accumulation_weights(
+            unscaled, terms, micro_batch=local_micro, accum_steps=micro_batches
+        )
+        self.exact = exact
+        if not exact:
+            warn_inexact_once(model)
+        term_acc, new_metrics = self.terms.accumulate(
+            term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics))
+        new_metrics = _update_compiled_metrics(
+            model, new_metrics, x, y, jax.lax.stop_gradient(y_pred), sample_weight
+        )
+        new_mutable, _ = layout.split(list(non_trainable))
+        stats_acc, new_mutable = self.stats.accumulate(stats_acc, moments, mutable, new_mutable)
+        carry = (new_mutable, new_metrics, unscaled_sum + jax.lax.stop_gradient(loss_sum),
+                 term_acc, stats_acc)
+        return (loss_sum, count), carry
+
+    def loss(self, accumulated: Any, term_acc: tuple, micro_batches: int) -> Any:
+        """The big batch's loss: the accumulated one, or (when the accumulation weights are
+        not exact) the one the per-term sums give."""
+        if self.exact or not self.terms.mapped:
+            return accumulated
+        return self.terms.total(term_acc, micro_batches)
+
+    def finish(self, metrics_vars: list, loss: Any, batch_size: int, term_acc: tuple
+               ) -> tuple[list, dict]:
+        """The loss tracker and per-term metrics updated once, as for Keras's big batch."""
+        import keras
+
+        model = self.model
+        mapping = list(zip(model.metrics_variables, metrics_vars, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            tracker = getattr(model, "_loss_tracker", None)
+            if tracker is not None:
+                tracker.update_state(loss, sample_weight=batch_size)
+            self.terms.update(term_acc, batch_size)
+            logs = model.get_metrics_result()
+        return _collect(scope, model.metrics_variables, metrics_vars), logs
+
+    def carry_reduce(self, initial: tuple, local: tuple, axis_name: str) -> tuple:
+        """Across devices: metric and loss sums added, batch statistics merged, the rest
+        agreeing (see ``autoaccum.training._data_parallel``)."""
+        from ...training._data_parallel import default_carry_reduce, sum_updates
+
+        mutable0, metrics0, loss0, terms0, _ = initial
+        mutable, metrics, loss, terms, stats = local
+        return (default_carry_reduce(mutable0, mutable, axis_name),
+                sum_updates(metrics0, metrics, axis_name), sum_updates(loss0, loss, axis_name),
+                sum_updates(terms0, terms, axis_name), self.stats.merge_across(stats, axis_name))
+
+
+def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: Any = None,
+                     lr_scaling: Any = None, batch_stats: str = "effective"
+                     ) -> Callable[..., tuple]:
+    """``step(state, batches, frozen) -> (new_state, StepMetrics, logs)``; pure, jittable.
+
+    ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
+    defaults to the model's (planning passes a built clone); ``lr_scaling`` is the plan's
+    :class:`~autoaccum.LearningRateScaling`. ``mesh``: a one-axis ``jax.sharding.Mesh`` for a
+    data-parallel step; ``batches`` are then ``[accum_steps, dp * micro_batch, ...]``, each
+    device scans its own slice, gradients and valid counts are summed across devices once,
+    the optimizer is applied once (replicated).
+    """
+    optimizer = model.optimizer if optimizer is None else optimizer
+    micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
+    dp = 1 if mesh is None else int(mesh.size)
+    if mesh is None:
+        accumulate = accumulate_gradients
+    else:
+        from ...training._data_parallel import data_parallel_accumulate
+
+        accumulate = data_parallel_accumulate(mesh, carry_reduce=micro.carry_reduce)
+    loss_scaled = _is_loss_scale(optimizer)
+
+    def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
+        trainable, mutable, optimizer_vars, metrics_vars = state
+        accum_steps, micro_batch = jax.tree.leaves(batches)[0].shape[:2]
+        scale = _loss_scale(optimizer, optimizer_vars)
+
+        def micro_loss(params: list, carry: tuple, batch: PyTree) -> tuple:
+            (loss_sum, count), carry = micro(
+                params, carry, batch, frozen=frozen, optimizer_vars=optimizer_vars,
+                local_micro=micro_batch // dp, micro_batches=accum_steps * dp)
+            return (loss_sum if scale is None else loss_sum * scale, count), carry
+
+        with optimizer_in_use(model, optimizer):
+            acc = accumulate(micro_loss, trainable, micro.init(mutable, metrics_vars), batches)
+        new_mutable, new_metrics, unscaled_sum, term_acc, stats_acc = acc.carry
+        new_mutable = micro.stats.apply(stats_acc, new_mutable)
+        grads = mean_gradients(acc, trainable)
+        with optimizer_in_use(model, optimizer), scaled_learning_rate(optimizer, lr_scaling):
+            new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_vars, grads,
+                                                                     trainable)
+        loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc,
+                          accum_steps * dp)
+        new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
+        unscale = 1.0 if scale is None else 1.0 / scale
+        grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
+                                  for g in jax.tree.leaves(grads)), jnp.float32)
+        finite = jnp.isfinite(loss) if loss_scaled else (
+            jnp.isfinite(loss) & jnp.isfinite(grad_sq))
+        new_state = keep_if_finite(finite, (new_trainable, new_mutable, new_optimizer,
+                                            new_metrics), state)
+        metrics = StepMetrics(
+            loss=loss,
+            count=acc.count,
+            grad_sq_norm=grad_sq,
+            micro_grad_sq_norm=acc.micro_grad_sq_norm_sum * unscale**2 / accum_steps,
+            finite=finite,
+        )
+        return new_state, metrics, logs
+
+    return step
+
+
+def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
+    """``step((trainable, mutable, metric vars), batches, frozen) -> ((mutable, metric vars),
+    logs)``: ``model.evaluate``'s ``test_step`` on one batch of ``accum_steps x micro_batch``
+    examples, scanned micro-batch by micro-batch, the loss weighted as for the big batch."""
+    micro = _Micro(model, layout, training=False, batch_stats="micro")
+
+    def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
+        trainable, mutable, metrics_vars = state
+        accum_steps, micro_batch = jax.tree.leaves(batches)[0].shape[:2]
+
+        def body(carry: tuple, batch: PyTree) -> tuple:
+            (_, count), carry = micro(trainable, carry, batch, frozen=frozen,
+                                      optimizer_vars=None, local_micro=micro_batch,
+                                      micro_batches=accum_steps)
+            return carry, jnp.asarray(count, jnp.float32)
+
+        carry, counts = jax.lax.scan(body, micro.init(mutable, metrics_vars), batches)
+        new_mutable, new_metrics, unscaled_sum, term_acc, _ = carry
+        loss = micro.loss(unscaled_sum / jnp.maximum(jnp.sum(counts), 1.0), term_acc,
+                          accum_steps)
+        new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
+        return (new_mutable, new_metrics), logs
+
+    return step
+
+
+def _is_loss_scale(optimizer: Any) -> bool:
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _loss_scale(optimizer: Any, optimizer_vars: list) -> Any:
+    """The dynamic loss scale of a ``LossScaleOptimizer`` (traced), else ``None``."""
+    if not _is_loss_scale(optimizer):
+        return None
+    for ref, value in zip(optimizer.variables, optimizer_vars, strict=True):
+        if ref is optimizer.dynamic_scale:
+            return jnp.asarray(value, jnp.float32)
+    return None
+
+
+def _update_compiled_metrics(model: Any, metrics_vars: list, x: Any, y: Any, y_pred: Any,
+                             sample_weight: Any) -> list:
+    """``model.compute_metrics`` on one micro-batch, statelessly (loss tracker untouched)."""
+    import keras
+
+    mapping = list(zip(model.metrics_variables, metrics_vars, strict=True))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        model.compute_metrics(x, y, y_pred, sample_weight)
+    return _collect(scope, model.metrics_variables, metrics_vars)
+
+
+def _collect(scope: Any, refs: list, old: list) -> list:
+    new = []
+    for ref, value in zip(refs, old, strict=True):
+        current = scope.get_current_value(ref)
+        new.append(value if current is None else current)
+    return new

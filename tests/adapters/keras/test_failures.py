@@ -1,0 +1,116 @@
+"""A failure or an interrupt at any point of a Keras fit leaves live weights and optimizer
+state from one optimizer step: the step before, or the step just taken."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import signal
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from autoaccum.adapters.keras import keras_fit
+
+from ._models import all_live, dense_model, max_diff, regression_data
+
+X, Y = regression_data(64)
+EFFECTIVE = 16
+
+
+def _model():
+    return dense_model(optimizer=keras.optimizers.Adam(1e-2))
+
+
+def _after_steps(steps: int) -> keras.Model:
+    """Keras's own big-batch training on the first ``steps`` effective batches."""
+    model = _model()
+    if steps:
+        model.fit(X[:EFFECTIVE * steps], Y[:EFFECTIVE * steps], batch_size=EFFECTIVE,
+                  shuffle=False, verbose=0)
+    return model
+
+
+def _fit(model, data=(X, Y), **options):
+    return keras_fit(model, data, micro_batch=4, accum_steps=4, shuffle=False, verbose=0,
+                     **options)
+
+
+def _assert_whole_after(model: keras.Model, steps: int) -> None:
+    assert all_live(model)
+    assert int(model.optimizer.iterations) == steps
+    reference = _after_steps(steps)
+    assert max_diff(model, reference) < 1e-5
+    assert max_diff(model.optimizer.variables, reference.optimizer.variables) < 1e-5
+    model.predict(X, verbose=0)
+
+
+def test_validation_that_fails_leaves_the_trained_epoch(tmp_path):
+    model = _model()
+    with pytest.raises(Exception):  # noqa: B017 - whatever Keras raises for the wrong shape
+        _fit(model, validation_data=(X[:, :5], Y))
+    _assert_whole_after(model, 4)
+    _fit(model)  # training goes on
+
+
+def test_callback_error_leaves_the_state_of_the_last_step():
+    class Fail(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("callback failed")
+
+    model = _model()
+    with pytest.raises(RuntimeError, match="callback failed"):
+        _fit(model, callbacks=[Fail()])
+    _assert_whole_after(model, 2)
+
+
+def test_interrupt_while_the_next_batch_is_read_keeps_the_step_just_taken():
+    def interrupted():
+        for i in range(4):
+            if i == 3:  # read while step 2 runs on the device
+                raise KeyboardInterrupt
+            yield X[16 * i:16 * (i + 1)], Y[16 * i:16 * (i + 1)]
+
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, interrupted())
+    _assert_whole_after(model, 3)
+
+
+class Interrupter(keras.layers.Layer):
+    """Identity that sends SIGINT to this process from inside the compiled step, once."""
+
+    armed = False
+
+    def call(self, inputs):
+        def send(value):
+            if Interrupter.armed:
+                Interrupter.armed = False
+                os.kill(os.getpid(), signal.SIGINT)
+
+        jax.debug.callback(send, inputs[0, 0])
+        return inputs
+
+
+def test_ctrl_c_during_a_step_leaves_that_step_whole():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              Interrupter(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+
+    class ArmAtStep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            Interrupter.armed = batch == 2
+
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, callbacks=[ArmAtStep()])
+    assert all_live(model)
+    steps = int(model.optimizer.iterations)
+    assert steps == 3  # the interrupted step was written back whole, then Ctrl-C raised
+    reference = _after_steps(steps)
+    assert max_diff(model, reference) < 1e-5
+    np.testing.assert_array_equal(np.isfinite(model.predict(X, verbose=0)), True)
