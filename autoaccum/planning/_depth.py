@@ -215,10 +215,18 @@ class DepthExtrapolator:
                 self._full_from = micro_batch
                 return self.full(micro_batch, accum_steps, why="rematerialization pass active")
         d1, d2 = self.variants.depths
-        small = measure_all(
-            [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
-                            self.variants.key(d)) for d in (d1, d2)],
-            self.target, cache=self.cache, workers=self.workers)
+        try:
+            small = measure_all(
+                [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
+                                self.variants.key(d)) for d in (d1, d2)],
+                self.target, cache=self.cache, workers=self.workers)
+        except Exception as error:  # a model that cannot be built or compiled that shallow
+            why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
+            self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, 0, 0, False,
+                                                  why[:300])
+            self._say(f"micro_batch={micro_batch}: {why[:300]} (compiling full depth)")
+            self._full_from = min(self._full_from or micro_batch, micro_batch)
+            return self.full(micro_batch, accum_steps, why=why)
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
         why = self._fails(small, predicted)
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,

@@ -167,7 +167,11 @@ def resolve_target(
 
     A named GPU that is present (NVML sees it) is planned against for real; one that is
     not is compiled for deviceless with the memory pool it would really give JAX
-    (total x memory fraction), so XLA's rematerialization behaves as on the device.
+    (CUDA's total x memory fraction), so XLA's rematerialization behaves as on the device.
+    The fraction is ``memory_fraction``, else the environment's
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the training process will run with it), else the
+    profile's default; the budget is the pool after the profile's explicit margins
+    (:func:`~autoaccum.planning._budget.profile_budget`).
 
     Example:
       >>> resolve_target(None, "1GiB").budget.bytes

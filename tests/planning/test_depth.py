@@ -129,3 +129,14 @@ def test_depth_variant_of_the_wrong_type_is_refused():
         autoaccum.plan(DeepLM(2, rngs=nnx.Rngs(0)), ragged_tokens(8, 17, vocab=256),
                        effective_batch=8, optimizer=optax.adamw, learning_rate=1e-3,
                        loss_fn=token_loss, budget="1GiB", log=None, depth_variant=12)
+
+
+def test_a_model_that_cannot_be_built_shallow_is_compiled_in_full():
+    def build(depth):
+        if depth < 8:
+            raise ValueError("this model needs at least 8 blocks")
+        return _build(depth)
+
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget())
+    assert extrapolator.measure(2, 4).source == "compiled"
+    assert "needs at least 8 blocks" in extrapolator.checks[2].why
