@@ -13,7 +13,7 @@ from ._depth import DepthExtrapolator, DepthVariants
 from ._lr import LearningRateScaling
 from ._measure import CompileTarget
 from ._plan import Plan, search_plan
-from ._search import Probe
+from ._search import DoesNotFitError, Probe
 
 __all__ = ["label_sources", "plan_by_depth"]
 
@@ -65,7 +65,19 @@ def plan_by_depth(
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log)
-    plan = search_plan(extrapolator.measure, notes=notes, **common)
+    try:
+        plan = search_plan(extrapolator.measure, notes=notes, **common)
+    except DoesNotFitError as error:
+        smallest = [p for p in error.probes if p.micro_batch == 1]
+        close = (smallest and smallest[-1].estimate.source == "extrapolated"
+                 and smallest[-1].need_bytes <= budget.bytes * (1 + variants.tolerance))
+        if not close:  # over the budget by more than the extrapolation's tolerance
+            error.probes = label_sources(error.probes)
+            raise
+        # Within the tolerance of the budget: only a full-depth compile can say.
+        plan = search_plan(extrapolator.full, notes=notes, **common)
+        return dataclasses.replace(plan, probes=(*label_sources(error.probes), *plan.probes),
+                                   notes=(*plan.notes, *extrapolator.notes()))
     if plan.estimate.source != "extrapolated":  # the choice was compiled at full depth
         return dataclasses.replace(plan, probes=label_sources(plan.probes),
                                    notes=(*plan.notes, *extrapolator.notes()))
