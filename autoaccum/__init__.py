@@ -33,9 +33,11 @@ from .planning import REMAT_POLICIES as REMAT_POLICIES
 from .planning import Budget as Budget
 from .planning import Candidate as Candidate
 from .planning import CompileTarget as CompileTarget
+from .planning import DepthVariant as DepthVariant
 from .planning import DoesNotFitError as DoesNotFitError
 from .planning import LearningRateScaling as LearningRateScaling
 from .planning import MemoryEstimate as MemoryEstimate
+from .planning import NeedCache as NeedCache
 from .planning import Plan as Plan
 from .planning import Probe as Probe
 from .planning import ResolvedTarget as ResolvedTarget

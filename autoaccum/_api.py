@@ -10,8 +10,10 @@ from typing import Any, TextIO
 from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
 from .planning._adapter import FitSettings
-from .planning._measure import MemoryEstimate, measure_program
+from .planning._cache import resolve_cache
+from .planning._measure import MemoryEstimate
 from .planning._objective import validate_objective
+from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
 from .planning._targets import is_deviceless, resolve_target
@@ -83,6 +85,8 @@ def plan(
     adjust_adam: bool = False,
     batch_stats: str = "effective",
     drop_remainder: bool = False,
+    cache: Any = True,
+    depth_variant: Any = None,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -125,6 +129,12 @@ def plan(
         micro-batch).
       drop_remainder: what the plan reports for the examples after the last full effective
         batch: ``False``, trained in a final smaller step; ``True``, dropped.
+      cache: the need cache (compiled figures keyed by everything that changes the
+        program): ``True`` (``$AUTOACCUM_CACHE_DIR`` or ``~/.cache/autoaccum/needs``), a
+        folder, or ``False`` to compile everything afresh.
+      depth_variant: an :class:`autoaccum.DepthVariant` (your model's constructor at other
+        depths, and its depth): probes are compiled at two small depths and extrapolated,
+        and only the final choice is compiled at full depth.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -155,7 +165,8 @@ def plan(
                                  memory_fraction=memory_fraction, remat=remat,
                                  remat_layers=remat_layers,
                                  objective=_default_objective(objective, device),
-                                 method=method, log=log, data_parallel=data_parallel)
+                                 method=method, log=log, data_parallel=data_parallel,
+                                 cache=cache, depth_variant=depth_variant)
     return _with_examples(plan_, prepared.data, _drops(prepared.adapter, drop_remainder))
 
 
@@ -208,6 +219,7 @@ def measure(
     lr_rule: str = "linear",
     adjust_adam: bool = False,
     batch_stats: str = "effective",
+    cache: Any = True,
 ) -> MemoryEstimate:
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
 
@@ -218,7 +230,7 @@ def measure(
         micro_batch)`` when ``effective_batch`` is given, else 1.
       effective_batch: examples per optimizer step (divided by the device count first).
       device, memory_fraction, data_parallel, remat, remat_layers, optimizer, loss_fn,
-        trainable, learning_rate, base_batch, lr_rule, adjust_adam, batch_stats: as for
+        trainable, learning_rate, base_batch, lr_rule, adjust_adam, batch_stats, cache: as for
         :func:`plan`.
 
     Returns:
@@ -257,8 +269,8 @@ def measure(
                        options=options, remat=remat, remat_layers=remat_layers)
     no_leftovers(options, "measure")
     resolved = resolve_target(device, None, memory_fraction=memory_fraction, mesh=mesh)
-    return measure_program(prepared.program.on_mesh(mesh), micro_batch, accum_steps,
-                           resolved.compile_target)
+    request = CompileRequest(prepared.program.on_mesh(mesh), micro_batch, accum_steps)
+    return measure_all([request], resolved.compile_target, cache=resolve_cache(cache))[0]
 
 
 def fit(
@@ -299,6 +311,8 @@ def fit(
     on_nonfinite: str = "stop",
     batch_stats: str = "effective",
     drop_remainder: bool = False,
+    cache: Any = True,
+    depth_variant: Any = None,
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
@@ -306,8 +320,8 @@ def fit(
     Args:
       model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
         objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
-        lr_rule, adjust_adam: as for :func:`plan`. In a multi-process run every process
-        passes the same data and seed.
+        lr_rule, adjust_adam, cache, depth_variant: as for :func:`plan`. In a multi-process
+        run every process passes the same data and seed.
       epochs: passes over the data.
       shuffle, seed: the example order of each epoch.
       verbose: 0 silences the plan report and the progress bar.
@@ -382,7 +396,8 @@ def fit(
         model, data, adapter=adapter, effective_batch=effective_batch, options=options,
         budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
         remat_layers=remat_layers, objective=_default_objective(objective, device),
-        method=plan_method, log=log, where="fit", data_parallel=data_parallel,
+        method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
+        depth_variant=depth_variant,
     )
     if "validation_split" not in framework_options:
         the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))

@@ -1,11 +1,20 @@
-"""Wall time of a full dry-run plan for ~4B and ~1B keras-hub architectures on the T4
-profile, on this CPU (target: <= 120 s for the 4B plan), from one run.
+"""Dry-run plans of shipped keras-hub architectures on this CPU: cold and warm (need cache)
+wall time, compiles, depth extrapolation's predicted vs verified need, and the plan; the
+speed-up of concurrent compiles; and extrapolation's accuracy on every shipped architecture.
 
-Each row is one `autoaccum plan --preset NAME --device t4` equivalent: abstract build (no
-weights), then compile-only probes of the real accumulated Keras train step, deviceless for
-the T4 with the pool JAX would get there.
+Targets (issue 14): gemma3_4b on t4 at the lab's settings (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9,
+LoRA 4, seq 400, bf16, effective batch 8) <= 60 s cold and <= 10 s warm; gemma3_27b on
+a100-80gb (LoRA 4, seq 2048) <= 120 s cold; extrapolated need within 2% of a full compile on
+every shipped architecture at two micro-batches.
 
-    .venv/bin/python benchmarks/dryrun.py [--seq-len 400] [--lora-rank 4]
+Each plan runs in a fresh process (imports included) against its own cache folder: "cold"
+starts with an empty one, "warm" is the same command again. The machine's load average is
+printed with each row: on a shared 2-core machine it dominates wall times, so CPU seconds
+(user + system of the process and its ptxas children) are printed beside them.
+
+    .venv/bin/python benchmarks/dryrun.py                     # all parts
+    .venv/bin/python benchmarks/dryrun.py --part plans        # the dry-run table only
+    .venv/bin/python benchmarks/dryrun.py --part accuracy --arch gemma3_1b llama3.2_1b
 """
 
 from __future__ import annotations
@@ -17,47 +26,193 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from _common import print_table
 
-from autoaccum.adapters.keras.presets._plan_preset import plan_preset
-from autoaccum.devices._units import format_bytes
-from autoaccum.planning._search import DoesNotFitError
+HERE = Path(__file__).resolve().parent
+PLANS = [  # (architecture, device, lora rank, sequence length, environment)
+    ("gemma3_4b", "t4", 4, 400, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}),
+    ("gemma3_27b", "a100-80gb", 4, 2048, {}),
+]
+
+
+def _cpu_seconds() -> float:
+    me, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def child_plan(args: argparse.Namespace) -> None:
+    """One dry-run plan in this process; prints one JSON line."""
+    start = time.perf_counter()
+    import autoaccum.planning._parallel as parallel
+    from autoaccum.adapters.keras.presets import plan_preset
+
+    compiles = []
+    original = parallel.compile_lowered
+
+    def counting(lowered, target=None):
+        compiles.append(1)
+        return original(lowered, target)
+
+    parallel.compile_lowered = counting
+    arch = args.arch[0] if isinstance(args.arch, list) else args.arch
+    plan = plan_preset(arch, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
+                       sequence_length=args.seq_len, device=args.device, log="stderr",
+                       cache=not args.no_cache, extrapolate=not args.no_extrapolate)
+    chosen = [p for p in plan.probes if p.micro_batch == plan.micro_batch]
+    predicted = [p.need_bytes for p in chosen if "(extrapolated)" in p.why]
+    verified = [p.need_bytes for p in chosen if p.why.startswith("verify at full depth")]
+    print(json.dumps({
+        "seconds": time.perf_counter() - start, "cpu": _cpu_seconds(), "compiles": len(compiles),
+        "micro": plan.micro_batch, "accum": plan.accum_steps, "remat": plan.remat,
+        "need": plan.need_bytes, "budget": plan.budget_bytes,
+        "predicted": predicted[-1] if predicted else None,
+        "verified": verified[-1] if verified else None,
+        "probes": [f"{p.micro_batch}:{p.need_bytes / 2**30:.2f}{'' if p.fits else '!'}"
+                   f"{'e' if '(extrapolated)' in p.why else ''}"
+                   f"{'c' if '(cached)' in p.why else ''}" for p in plan.probes],
+        "notes": [n for n in plan.notes if n.startswith("depth extrapolation")],
+    }), flush=True)
+
+
+def _run_child(arch, device, rank, seq, env, cache_dir, *, extra=()) -> dict:
+    environ = {**os.environ, **env, "AUTOACCUM_CACHE_DIR": str(cache_dir)}
+    cmd = [sys.executable, str(Path(__file__)), "--child", "--arch", arch, "--device", device,
+           "--lora-rank", str(rank), "--seq-len", str(seq), *extra]
+    out = subprocess.run(cmd, env=environ, capture_output=True, text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{arch} on {device} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def part_plans(args: argparse.Namespace) -> None:
+    rows = []
+    for arch, device, rank, seq, env in PLANS:
+        if args.arch and arch not in args.arch:
+            continue
+        cache_dir = Path(tempfile.mkdtemp(prefix="autoaccum-bench-"))
+        load = os.getloadavg()[0]
+        cold = _run_child(arch, device, rank, seq, env, cache_dir)
+        warm = _run_child(arch, device, rank, seq, env, cache_dir)
+        error = (None if cold["predicted"] is None or cold["verified"] is None
+                 else (cold["predicted"] - cold["verified"]) / cold["verified"])
+        rows.append([arch, device, f"{load:.1f}", f"{cold['seconds']:.0f}", f"{cold['cpu']:.0f}",
+                     f"{warm['seconds']:.1f}", cold["compiles"], warm["compiles"],
+                     _gib(cold["predicted"]), _gib(cold["verified"]),
+                     "-" if error is None else f"{error:+.2%}",
+                     f"{cold['micro']} x {cold['accum']} ({cold['remat']})",
+                     f"{_gib(cold['need'])} / {_gib(cold['budget'])}", " ".join(cold["probes"])])
+        print(f"[{arch} {device}] cold notes: {cold['notes']}", flush=True)
+    print("\ndry-run plans (fresh process each; probes 'b:GiB', '!' does not fit, 'e' "
+          "extrapolated, 'c' cached)")
+    print_table(["architecture", "device", "load", "cold s", "cold cpu s", "warm s",
+                 "compiles", "warm compiles", "predicted", "verified", "error", "plan",
+                 "need / budget", "probes (cold)"], rows)
+
+
+def part_parallel(args: argparse.Namespace) -> None:
+    """The two small-depth compiles of one probe, one after the other vs side by side."""
+    from autoaccum.adapters.keras.presets._architectures import load_architecture
+    from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+    from autoaccum.planning._parallel import CompileRequest, measure_all
+    from autoaccum.planning._targets import resolve_target
+
+    arch = load_architecture(args.parallel_arch)
+    target = resolve_target("t4", memory_fraction=0.9).compile_target
+    rows = []
+    for workers in (1, 2, 1, 2):
+        programs = [_preset_program(arch, dtype="bfloat16", lora_rank=4, optimizer="adamw",
+                                    learning_rate=5e-5, overrides={"num_layers": d},
+                                    sequence_length=400, policy="none") for d in (2, 3)]
+        load = os.getloadavg()[0]
+        cpu, start = _cpu_seconds(), time.perf_counter()
+        measure_all([CompileRequest(p, 2, 4) for p in programs], target, workers=workers)
+        rows.append([args.parallel_arch, workers, f"{load:.1f}",
+                     f"{time.perf_counter() - start:.1f}", f"{_cpu_seconds() - cpu:.1f}"])
+    print("\ntwo small-depth compiles (depths 2 and 3, micro-batch 2 x 4, T4), lowered then "
+          "compiled with 1 or 2 workers")
+    print_table(["architecture", "workers", "load", "wall s", "cpu s"], rows)
+
+
+def part_accuracy(args: argparse.Namespace) -> None:
+    """Extrapolated (depths 2, 3) vs full-depth compile, two micro-batches per architecture."""
+    from autoaccum.adapters.keras.presets import list_architectures, load_architecture
+    from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+    from autoaccum.planning._depth import DepthExtrapolator, DepthVariants
+    from autoaccum.planning._targets import resolve_target
+
+    target = resolve_target(args.accuracy_device, memory_fraction=0.9).compile_target
+    rows = []
+    for name in args.arch or list_architectures():
+        arch = load_architecture(name)
+        depth = arch.backbone_config["num_layers"]
+
+        def build(layers=None, arch=arch):
+            overrides = {} if layers is None else {"num_layers": layers}
+            return _preset_program(arch, dtype="bfloat16", lora_rank=4, optimizer="adamw",
+                                   learning_rate=5e-5, overrides=overrides,
+                                   sequence_length=args.seq_len, policy="none")
+
+        ext = DepthExtrapolator(DepthVariants(full_depth=depth, build=build, full=build),
+                                target, log=None)
+        for micro in (1, 2):
+            accum = 8 // micro
+            start = time.perf_counter()
+            predicted = ext.measure(micro, accum)
+            small_s = time.perf_counter() - start
+            start = time.perf_counter()
+            full = ext.verify(micro, accum)
+            full_s = time.perf_counter() - start
+            check = ext.checks[micro]
+            rows.append([name, depth, micro, _gib(predicted.need_bytes), _gib(full.need_bytes),
+                         f"{check.error:+.3%}" if check.error is not None else "-",
+                         "yes" if check.holds else "no: " + check.why[:40],
+                         f"{small_s:.0f}", f"{full_s:.0f}", f"{os.getloadavg()[0]:.1f}"])
+            print(" | ".join(map(str, rows[-1])), flush=True)
+    print(f"\nextrapolated (depths 2, 3) vs full-depth compile, {args.accuracy_device} "
+          f"(fraction 0.9), LoRA 4, seq {args.seq_len}, bf16, accumulation to 8")
+    print_table(["architecture", "depth", "micro", "extrapolated", "full compile", "error",
+                 "fit holds", "2 small s", "full s", "load"], rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", nargs="+", default=["gemma3_4b", "gemma3_1b"])
-    parser.add_argument("--seq-len", type=int, default=400)
-    parser.add_argument("--lora-rank", type=int, default=4)
-    parser.add_argument("--effective-batch", type=int, default=8)
+    parser.add_argument("--part", choices=["plans", "parallel", "accuracy", "all"],
+                        default="all")
+    parser.add_argument("--arch", nargs="*", default=None)
+    parser.add_argument("--accuracy-device", default="h200")
+    parser.add_argument("--parallel-arch", default="gemma3_4b")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="t4")
-    parser.add_argument("--memory-fraction", type=float, nargs="+", default=[None, 1.0],
-                        help="JAX's share of the GPU; None = the profile's default")
+    parser.add_argument("--lora-rank", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--effective-batch", type=int, default=8)
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--no-extrapolate", action="store_true")
     args = parser.parse_args()
-    rows = []
-    for arch, fraction in [(a, f) for a in args.arch for f in args.memory_fraction]:
-        start = time.perf_counter()
-        try:
-            plan = plan_preset(arch, effective_batch=args.effective_batch,
-                               lora_rank=args.lora_rank, sequence_length=args.seq_len,
-                               device=args.device, memory_fraction=fraction, log="stderr")
-        except DoesNotFitError as error:
-            rows.append([arch, fraction or "default", "-", "-", "does not fit", "", "", "",
-                         f"{time.perf_counter() - start:.0f}", str(error).split(".")[0]])
-            continue
-        seconds = time.perf_counter() - start
-        probes = " ".join(f"{p.micro_batch}:{format_bytes(p.need_bytes)}{'' if p.fits else '!'}"
-                          for p in plan.probes)
-        compile_s = sum(p.estimate.compile_seconds for p in plan.probes)
-        rows.append([arch, fraction or "default", plan.micro_batch, plan.accum_steps,
-                     format_bytes(plan.need_bytes), format_bytes(plan.budget_bytes),
-                     len(plan.probes), f"{compile_s:.0f}", f"{seconds:.0f}", probes])
-    print(f"dry-run plans for {args.device}, LoRA rank {args.lora_rank}, seq {args.seq_len}, "
-          f"bf16, effective batch {args.effective_batch} (need 'b:size', '!' = does not fit)")
-    print_table(["architecture", "mem fraction", "micro", "accum", "need", "budget", "compiles",
-                 "compile s", "total s", "probes"], rows)
+    if args.child:
+        child_plan(args)
+        return
+    sys.path.insert(0, str(HERE))
+    if args.part in ("plans", "all"):
+        part_plans(args)
+    if args.part in ("parallel", "all"):
+        part_parallel(args)
+    if args.part in ("accuracy", "all"):
+        part_accuracy(args)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             memory_fraction=args.memory_fraction,
             remat=args.remat,
             log=log,
+            cache=not args.no_cache,
             **_plan_kwargs(args),
         )
     else:
@@ -87,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, data = built.pop("model"), built.pop("data")
         result = plan(model, data, effective_batch=args.effective_batch, device=args.device,
                       budget=args.budget, memory_fraction=args.memory_fraction, log=log,
-                      remat=args.remat, **built)
+                      remat=args.remat, cache=not args.no_cache, **built)
     if args.plot:
         from ._plot import plot_plan
 
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument("--plot", help="write need vs micro-batch to this PNG")
     p.add_argument("--quiet", action="store_true", help="no live probe log on stderr")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile every probe afresh: neither read nor write the need cache "
+                   "($AUTOACCUM_CACHE_DIR, default ~/.cache/autoaccum/needs)")
     p.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("devices", help="list device profiles and what is detected here")

@@ -16,6 +16,9 @@ from ._deviceless import DevicelessTarget as DevicelessTarget
 from ._deviceless import deviceless_target as deviceless_target
 from ._extras import MissingExtraError as MissingExtraError
 from ._extras import require_extra as require_extra
+from ._margins import Margin as Margin
+from ._margins import command_buffers_enabled as command_buffers_enabled
+from ._margins import environment_memory_fraction as environment_memory_fraction
 from ._mesh import data_parallel_mesh as data_parallel_mesh
 from ._mesh import replicate as replicate
 from ._mesh import resolve_mesh as resolve_mesh
@@ -36,10 +39,13 @@ __all__ = [
     "DeviceProfile",
     "DevicelessTarget",
     "MissingExtraError",
+    "Margin",
+    "command_buffers_enabled",
     "configure",
     "data_parallel_mesh",
     "detect_device",
     "deviceless_target",
+    "environment_memory_fraction",
     "find_profile",
     "format_bytes",
     "host_memory",

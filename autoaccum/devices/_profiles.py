@@ -17,6 +17,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from ._margins import (
+    Margin,
+    PoolArithmetic,
+    apply_margins,
+    command_buffers_enabled,
+    profile_margins,
+)
+
 __all__ = [
     "MIB",
     "DeviceProfile",
@@ -85,9 +93,11 @@ class DeviceProfile:
       defaults to ``default_memory_fraction``. This is the pool JAX preallocates when
       ``XLA_PYTHON_CLIENT_MEM_FRACTION=f``. The CUDA context (``cuda_context_reserve_mib``)
       lives outside this pool, in the remaining ``1 - f``.
-    * ``budget_bytes(f) = pool_bytes(f) - workspace_margin_mib * MiB``: what one compiled
-      train step may need (argument + output - alias + temp), leaving room for the
-      cuBLAS/cuDNN workspace that a deviceless compile does not see.
+    * ``budget_bytes(f)``: what one compiled train step may need (argument + output - alias
+      + temp): the pool, capped at what the margins outside it leave of CUDA's total (the
+      CUDA context, command buffers when enabled), minus the margins inside it (the cuDNN
+      workspace a deviceless compile does not see), plus any measured credit. Each margin
+      and its source is in ``margins`` (:mod:`autoaccum.devices._margins`).
 
     The CPU profile has no ``memory_mib``; pass the host's memory (see
     :func:`autoaccum.devices._detect.host_memory`) as ``total_bytes``.
@@ -114,6 +124,10 @@ class DeviceProfile:
     gpu: GpuSpec | None
     cuda_total_mib: int | None = None
     path: Path | None = None
+    margins: tuple[Margin, ...] = ()
+    """The explicit allowances of this device's memory arithmetic, each with its source: the
+    defaults from ``cuda_context_reserve_mib`` and ``workspace_margin_mib``, plus the
+    profile's ``[[margins]]`` tables (which replace a default of the same name)."""
 
     @property
     def is_gpu(self) -> bool:
@@ -154,17 +168,40 @@ class DeviceProfile:
         return int(total_bytes * fraction)
 
     def budget_bytes(
-        self, memory_fraction: float | None = None, *, total_bytes: int | None = None
+        self, memory_fraction: float | None = None, *, total_bytes: int | None = None,
+        deviceless: bool = True, command_buffers: bool | None = None,
     ) -> int:
-        """``pool_bytes(...) - workspace_margin_mib * MiB``: what one step may need.
+        """What one step may need on this device: see :meth:`pool_arithmetic`.
 
         >>> from autoaccum.devices._profiles import find_profile
         >>> a100 = find_profile("a100-80gb")
         >>> a100.pool_bytes(0.9) - a100.budget_bytes(0.9) == 32 * 2**20
         True
         """
+        return self.pool_arithmetic(memory_fraction, total_bytes=total_bytes,
+                                    deviceless=deviceless, command_buffers=command_buffers).budget
+
+    def pool_arithmetic(
+        self, memory_fraction: float | None = None, *, total_bytes: int | None = None,
+        deviceless: bool = True, command_buffers: bool | None = None,
+    ) -> PoolArithmetic:
+        """The pool, the margins that apply and the budget they leave.
+
+        ``command_buffers=None`` asks the environment and the profile's ``[environment]``
+        (:func:`autoaccum.devices._margins.command_buffers_enabled`).
+
+        >>> from autoaccum.devices._profiles import find_profile
+        >>> r = find_profile("t4").pool_arithmetic(0.9)
+        >>> r.pool == r.usable_pool, [m.name for m in r.applied][:2]
+        (True, ['CUDA context', 'cuDNN workspace'])
+        """
         pool = self.pool_bytes(memory_fraction, total_bytes=total_bytes)
-        return pool - self.workspace_margin_mib * MIB
+        if total_bytes is None:
+            total_bytes = (self.cuda_total_mib or self.memory_mib or 0) * MIB
+        if command_buffers is None:
+            command_buffers = command_buffers_enabled(self.env)[0]
+        return apply_margins(pool, total_bytes, self.margins, deviceless=deviceless,
+                             command_buffers=command_buffers)
 
 
 def profiles_dir() -> Path:
@@ -269,6 +306,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cuda_total_mib": int,
     "environment": dict,
     "gpu": dict,
+    "margins": list,
 }
 
 
@@ -331,7 +369,9 @@ def _parse(path: Path) -> DeviceProfile:
         environment=tuple(environment.items()),
         gpu=gpu,
         path=path,
+        margins=profile_margins(path, data) if gpu is not None else (),
     )
+
 
 
 def _parse_gpu(path: Path, table: dict[str, Any]) -> GpuSpec:

@@ -12,6 +12,13 @@ from ._backoff import auto_plan as auto_plan
 from ._backoff import backoff_search as backoff_search
 from ._budget import Budget as Budget
 from ._budget import parse_budget as parse_budget
+from ._budget import profile_budget as profile_budget
+from ._cache import NeedCache as NeedCache
+from ._cache import resolve_cache as resolve_cache
+from ._depth import DepthExtrapolator as DepthExtrapolator
+from ._depth import DepthVariant as DepthVariant
+from ._depth import DepthVariants as DepthVariants
+from ._depth_plan import plan_by_depth as plan_by_depth
 from ._lr import LR_RULES as LR_RULES
 from ._lr import LearningRateScaling as LearningRateScaling
 from ._lr import scale_learning_rate as scale_learning_rate
@@ -20,6 +27,8 @@ from ._measure import MemoryEstimate as MemoryEstimate
 from ._measure import measure_program as measure_program
 from ._objective import Candidate as Candidate
 from ._objective import choose_fastest as choose_fastest
+from ._parallel import CompileRequest as CompileRequest
+from ._parallel import measure_all as measure_all
 from ._plan import Plan as Plan
 from ._planner import plan_program as plan_program
 from ._program import StepMetrics as StepMetrics
@@ -39,11 +48,16 @@ __all__ = [
     "Adapter",
     "Budget",
     "Candidate",
+    "CompileRequest",
     "CompileTarget",
+    "DepthExtrapolator",
+    "DepthVariant",
+    "DepthVariants",
     "DoesNotFitError",
     "FitSettings",
     "LearningRateScaling",
     "MemoryEstimate",
+    "NeedCache",
     "Plan",
     "Prepared",
     "Probe",
@@ -55,10 +69,14 @@ __all__ = [
     "auto_plan",
     "backoff_search",
     "choose_fastest",
+    "measure_all",
     "measure_program",
     "parse_budget",
     "per_device_budget",
+    "plan_by_depth",
     "plan_program",
+    "profile_budget",
+    "resolve_cache",
     "resolve_target",
     "scale_learning_rate",
     "search_micro_batch",

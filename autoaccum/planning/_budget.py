@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..devices._detect import host_memory
 from ..devices._units import GiB, KiB, MiB, TiB, format_bytes
@@ -43,6 +44,20 @@ class Budget:
     """``"user"``, ``"device"``, ``"cpu-default"`` or ``"profile"``."""
     detail: str
     """The arithmetic that produced it, for reports."""
+    margins: tuple[Any, ...] = field(default=())
+    """The explicit allowances that shaped it (``autoaccum.devices._margins.Margin``), each
+    with its source: shown by :meth:`margin_lines` and in the plan's notes."""
+
+    def margin_lines(self) -> list[str]:
+        """One line per margin: name, size, inside or outside the pool, source.
+
+        Example:
+          >>> from autoaccum.devices._margins import Margin
+          >>> Budget(1, "profile", "", (Margin("CUDA context", 300, "outside", "x"),)
+          ...        ).margin_lines()
+          ['margin: CUDA context 300 MiB (outside the pool): x']
+        """
+        return [f"margin: {m.describe()}" for m in self.margins]
 
 
 def _fix_hint(value: object) -> str:
@@ -152,3 +167,60 @@ def device_budget(memory_stats: dict, *, resident_bytes: int = 0) -> Budget:
         f"limit {format_bytes(limit)} - other live arrays {format_bytes(others)} "
         f"- margin {format_bytes(margin)}",
     )
+
+
+def resolve_fraction(profile: Any, memory_fraction: float | None,
+                     environ: Any = None) -> tuple[float, str]:
+    """JAX's share of ``profile``'s GPU for a plan, and where it comes from: the
+    ``memory_fraction`` given, else the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or
+    ``XLA_CLIENT_MEM_FRACTION``; the training process will run with it), else the profile's
+    default. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0.
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> resolve_fraction(find_profile("t4"), None, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
+      (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 in the environment')
+      >>> resolve_fraction(find_profile("t4"), 0.5, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
+      (0.5, 'memory_fraction=0.5')
+    """
+    from ..devices._margins import environment_memory_fraction, platform_allocator
+
+    if memory_fraction is not None:
+        return float(memory_fraction), f"memory_fraction={memory_fraction:g}"
+    if platform_allocator(environ):
+        return 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform in the environment (no pool)"
+    found = environment_memory_fraction(environ)
+    if found is not None:
+        fraction, name = found
+        return fraction, f"{name}={fraction:g} in the environment"
+    return profile.default_memory_fraction, "the profile's default"
+
+
+def profile_budget(profile: Any, memory_fraction: float | None = None, *,
+                   deviceless: bool = True, environ: Any = None) -> Budget:
+    """The budget of a named GPU from its profile: JAX's pool (fraction x CUDA's total)
+    after the profile's explicit margins (:mod:`autoaccum.devices._margins`).
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> b = profile_budget(find_profile("a100-80gb"), 0.9, environ={})
+      >>> b.source, b.bytes == find_profile("a100-80gb").budget_bytes(0.9)
+      ('profile', True)
+    """
+    from ..devices._margins import command_buffers_enabled
+
+    fraction, why = resolve_fraction(profile, memory_fraction, environ)
+    command_buffers, cb_why = command_buffers_enabled(profile.env, environ)
+    arithmetic = profile.pool_arithmetic(fraction, deviceless=deviceless,
+                                         command_buffers=command_buffers)
+    total = (profile.cuda_total_mib or profile.memory_mib) * MiB
+    parts = [f"{profile.name} pool {format_bytes(arithmetic.pool)} ({fraction:g} of CUDA's "
+             f"{format_bytes(total)}; fraction from {why})"]
+    if arithmetic.usable_pool < arithmetic.pool:
+        parts.append(f"capped at {format_bytes(arithmetic.usable_pool)} by the margins "
+                     "outside the pool")
+    for m in arithmetic.applied:
+        if m.where == "pool":
+            parts.append(f"{'+' if m.mib < 0 else '-'} {abs(m.mib):g} MiB {m.name}")
+    parts.append(f"command buffers {cb_why}")
+    return Budget(arithmetic.budget, "profile", "; ".join(parts), arithmetic.applied)

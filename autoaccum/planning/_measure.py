@@ -27,6 +27,14 @@ class CompileTarget:
     name: str = "local"
     sharding: Any = None
     deviceless: bool = False
+    fingerprint: str = ""
+    """What identifies the target for the need cache: the ``GpuTargetConfigProto`` text of a
+    deviceless GPU, or the local device's platform, kind and memory limit."""
+    compiler_options: tuple[tuple[str, Any], ...] = ()
+    """XLA debug options passed to every compile for this target (``lowered.compile``)."""
+    remat_pass_base_bytes: int | None = None
+    """XLA's memory base for its GPU rematerialization pass on this target (the pool JAX
+    gives XLA), or ``None`` where XLA runs no such pass (CPU)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,10 @@ class MemoryEstimate:
     """XLA's cost analysis of the step: bytes read and written."""
     compile_note: str = ""
     """How the compile departed from the default, e.g. the deviceless fallback it needed."""
+    source: str = "compiled"
+    """``"compiled"`` (this step was compiled), ``"cache"`` (a compile of the same program for
+    the same target, read from the need cache) or ``"extrapolated"`` (predicted from
+    compiles of the same model at two smaller depths, see :mod:`._depth`)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -86,11 +98,11 @@ class MemoryEstimate:
         return "\n".join(rows)
 
 
-def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
-                 target: CompileTarget | None = None) -> Any:
-    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object.
+def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
+               target: CompileTarget | None = None) -> Any:
+    """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``.
 
-    ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is compiled as
+    ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is lowered as
     one SPMD program over its mesh, weights replicated and batches
     ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
     analysis is that of one device.
@@ -118,10 +130,25 @@ def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         frozen = shard_abstract(program.frozen_args, target.sharding)
         batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
     with program.lowering_context():
-        lowered = jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
-        if not target.deviceless:
-            return lowered.compile()
-        return compile_deviceless(lowered, target.name)
+        return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
+    """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
+    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`."""
+    options = dict(target.compiler_options) if target is not None else {}
+    if target is not None and target.deviceless:
+        return compile_deviceless(lowered, target.name, options)
+    return lowered.compile(compiler_options=options) if options else lowered.compile()
+
+
+def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
+                 target: CompileTarget | None = None) -> Any:
+    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object
+    (see :func:`lower_step`)."""
+    lowered = lower_step(program, micro_batch, accum_steps, target)
+    with program.lowering_context():
+        return compile_lowered(lowered, target)
 
 
 DEVICELESS_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
@@ -137,7 +164,7 @@ class DevicelessCompileError(RuntimeError):
     """A deviceless compile failed inside XLA, and so did the documented fallback."""
 
 
-def compile_deviceless(lowered: Any, target_name: str) -> Any:
+def compile_deviceless(lowered: Any, target_name: str, options: dict | None = None) -> Any:
     """``lowered.compile()``; on an XLA ``INTERNAL`` error, once more with
     :data:`DEVICELESS_FALLBACK`. The compiled object's ``autoaccum_compile_note`` says when
     the fallback was used.
@@ -145,14 +172,15 @@ def compile_deviceless(lowered: Any, target_name: str) -> Any:
     Raises:
       DevicelessCompileError: both compiles failed (the message names both errors).
     """
+    options = dict(options or {})
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options) if options else lowered.compile()
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         if "INTERNAL" not in first:
             raise
     try:
-        compiled = lowered.compile(dict(DEVICELESS_FALLBACK))
+        compiled = lowered.compile(compiler_options={**options, **DEVICELESS_FALLBACK})
     except Exception as retry:
         second = str(retry).strip().splitlines()[0] if str(retry).strip() else repr(retry)
         raise DevicelessCompileError(
@@ -189,7 +217,9 @@ def measure_program(
     """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory.
 
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
-    device's (XLA's memory analysis of an SPMD program is per device).
+    device's (XLA's memory analysis of an SPMD program is per device). To read repeated
+    compiles from the need cache, or compile several at once, see
+    :func:`autoaccum.planning._parallel.measure_all`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -226,16 +256,24 @@ def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: in
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
+    return estimate_from_analysis(program, analysis, _cost(compiled), micro_batch, accum_steps,
+                                  target=target, seconds=seconds,
+                                  compile_note=getattr(compiled, "autoaccum_compile_note", ""))
+
+
+def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, micro_batch: int,
+                           accum_steps: int, *, target: str, seconds: float,
+                           compile_note: str = "") -> MemoryEstimate:
+    """Itemizes XLA's ``memory_analysis()`` (and cost analysis) of a step of ``program``."""
     argument = int(analysis.argument_size_in_bytes)
     output = int(analysis.output_size_in_bytes)
     alias = int(analysis.alias_size_in_bytes)
     temp = int(analysis.temp_size_in_bytes)
-    cost = _cost(compiled)
     parts = program.parts
     accumulator = 4 * _elements(program.trainable)
     known = {"trainable", "frozen", "optimizer"}
     return MemoryEstimate(
-        compile_note=getattr(compiled, "autoaccum_compile_note", ""),
+        compile_note=compile_note,
         micro_batch=micro_batch,
         accum_steps=accum_steps,
         trainable_bytes=tree_bytes(parts.get("trainable")),

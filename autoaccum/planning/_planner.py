@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
 from ._adapter import Adapter, Prepared
+from ._cache import resolve_cache
+from ._depth import DepthVariant, DepthVariants
+from ._depth_plan import label_sources, plan_by_depth
 from ._lr import LearningRateScaling
 from ._measure import measure_program
 from ._objective import Candidate, choose_fastest, cost_model_seconds
+from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
 from ._program import TrainProgram, tree_bytes
 from ._remat import validate_remat
@@ -20,7 +25,7 @@ from ._validate import check_enough_examples, no_leftovers, validate_effective_b
 
 
 def plan_program(
-    program: TrainProgram,
+    program: TrainProgram | Callable[[], TrainProgram],
     *,
     effective_batch: int,
     lr_scaling: LearningRateScaling,
@@ -29,13 +34,21 @@ def plan_program(
     memory_fraction: float | None = None,
     log: TextIO | str | None = "stderr",
     resolved: ResolvedTarget | None = None,
+    cache: Any = None,
+    depth_variants: DepthVariants | None = None,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
     ``memory_fraction`` overrides the named device profile's default share of GPU memory
-    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``). A data-parallel program
+    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``; when not given, the
+    environment's value wins over the profile's). A data-parallel program
     (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
     size, the budget is one device's, and every process agrees on the micro-batch.
+    ``cache``: a need cache (``True``, a folder or a
+    :class:`~autoaccum.planning._cache.NeedCache`) that answers repeated compiles.
+    ``depth_variants``: the same model at other depths (:mod:`._depth`); the search then
+    runs on needs extrapolated from two small depths and one full-depth compile verifies the
+    choice. ``program`` may be a function building it (called only when needed).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -53,22 +66,46 @@ def plan_program(
       >>> p.micro_batch * p.accum_steps
       8
     """
+    need_program = resolved is None and not is_deviceless(device)
+    if callable(program) and not isinstance(program, TrainProgram) and need_program:
+        program = program()
+    mesh = program.mesh if isinstance(program, TrainProgram) else None
     if resolved is None:
-        resident = (tree_bytes(program.parts.get("trainable"))
-                    + tree_bytes(program.parts.get("frozen")))
+        resident = 0
+        if isinstance(program, TrainProgram):
+            resident = (tree_bytes(program.parts.get("trainable"))
+                        + tree_bytes(program.parts.get("frozen")))
         resolved = resolve_target(device, budget, resident_bytes=resident,
-                                  memory_fraction=memory_fraction, mesh=program.mesh)
+                                  memory_fraction=memory_fraction, mesh=mesh)
     notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
-    return search_plan(
-        lambda b, k: measure_program(program, b, k, resolved.compile_target),
+    notes += tuple(resolved.budget.margin_lines())
+    need_cache = resolve_cache(cache)
+    if depth_variants is not None and depth_variants.worthwhile and mesh is None:
+        return plan_by_depth(depth_variants, effective_batch=effective_batch,
+                             lr_scaling=lr_scaling, budget=resolved.budget,
+                             target=resolved.compile_target, cache=need_cache, log=log,
+                             notes=notes)
+    built: list[TrainProgram] = []
+
+    def the_program() -> TrainProgram:
+        if not built:
+            built.append(program if isinstance(program, TrainProgram) else program())
+        return built[0]
+
+    identity = (depth_variants.key(depth_variants.full_depth)
+                if depth_variants is not None else None)
+    plan = search_plan(
+        lambda b, k: measure_all([CompileRequest(the_program, b, k, identity)],
+                                 resolved.compile_target, cache=need_cache, workers=1)[0],
         effective_batch=effective_batch,
-        data_parallel=program.data_parallel,
+        data_parallel=1 if mesh is None else int(mesh.size),
         lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
         log=log,
         notes=notes,
     )
+    return dataclasses.replace(plan, probes=label_sources(plan.probes))
 
 
 def policies_for(adapter: Adapter, remat: str) -> list[str]:
@@ -113,6 +150,8 @@ def plan_model(
     log: TextIO | str | None = "stderr",
     where: str = "plan",
     data_parallel: Any = 1,
+    cache: Any = True,
+    depth_variant: DepthVariant | None = None,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -125,6 +164,9 @@ def plan_model(
     ``autoaccum.training._data_parallel.resolve_mesh``): with more than one device the plan is per
     device over that mesh, compile-only (real-step verification, back-off and timed
     throughput candidates run on one device, so they are skipped, with a note).
+
+    ``cache`` (the need cache, see :mod:`._cache`) and ``depth_variant`` (the model at other
+    depths, see :class:`~._depth.DepthVariant`) speed up compile-only planning.
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
@@ -148,6 +190,10 @@ def plan_model(
             objective = "memory"
             dp_notes += ("data parallel: memory objective (throughput candidates are timed "
                          "on one device only)",)
+    if depth_variant is not None and not isinstance(depth_variant, DepthVariant):
+        raise ValueError("depth_variant must be an autoaccum.DepthVariant(depth=N, build=f). "
+                         f"Received: depth_variant={depth_variant!r}")
+    original_options = dict(options)
     policies = policies_for(adapter, remat)
     if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
@@ -174,8 +220,11 @@ def plan_model(
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         try:
+            variants = _variants(depth_variant, adapter, prepared, data, original_options,
+                                 effective_batch=effective_batch, remat_layers=remat_layers)
             plan = _plan_one(prepared, model, method=method, effective_batch=effective_batch,
-                             resolved=resolved, log=log)
+                             resolved=resolved, log=log, cache=cache,
+                             depth_variants=variants)
         except DoesNotFitError as error:
             failures.append((policy, error))
             continue
@@ -220,8 +269,26 @@ def validate_method(method: str) -> str:
     return method
 
 
+def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Prepared,
+              data: Any, options: dict, *, effective_batch: int,
+              remat_layers: Any) -> DepthVariants | None:
+    """The prepared program's model at other depths, built by the user's factory."""
+    if depth_variant is None or prepared.program.mesh is not None:
+        return None
+
+    def build(depth: int) -> TrainProgram:
+        return prepare(adapter, depth_variant.build(depth), data,
+                       effective_batch=effective_batch, options=dict(options),
+                       remat=prepared.remat, remat_layers=remat_layers).program
+
+    return DepthVariants(full_depth=depth_variant.depth, build=build,
+                         depths=depth_variant.depths, full=prepared.program,
+                         tolerance=depth_variant.tolerance)
+
+
 def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
-              resolved: ResolvedTarget, log: TextIO | None) -> Plan:
+              resolved: ResolvedTarget, log: TextIO | None, cache: Any = None,
+              depth_variants: DepthVariants | None = None) -> Plan:
     """One remat policy's plan by ``method``; real steps only where the target is here."""
     from ._backoff import auto_plan, backoff_plan
 
@@ -242,7 +309,8 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
         finally:
             runner.release()
     plan = plan_program(prepared.program, effective_batch=effective_batch,
-                        lr_scaling=prepared.lr_scaling, resolved=resolved, log=log)
+                        lr_scaling=prepared.lr_scaling, resolved=resolved, log=log,
+                        cache=cache, depth_variants=depth_variants)
     if method == "compile":
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None

@@ -144,7 +144,11 @@ def test_pool_is_cuda_total_times_fraction_and_budget_subtracts_margin():
     t4 = find_profile("t4")
     assert t4.pool_bytes() == int(t4.cuda_total_mib * MIB * t4.default_memory_fraction)
     assert t4.pool_bytes(0.5) == int(t4.cuda_total_mib * MIB * 0.5)
-    assert t4.budget_bytes(0.5) == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MIB
+    # On the device: the pool minus the cuDNN workspace; a deviceless T4 plan adds the lab's
+    # credit (profiles/t4.toml [[margins]]).
+    assert (t4.budget_bytes(0.5, deviceless=False)
+            == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MIB)
+    assert t4.budget_bytes(0.5) == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MIB + 128 * MIB
     l4 = find_profile("l4")  # no cuda_total_mib: falls back to memory_mib
     assert l4.pool_bytes(1.0) == l4.memory_mib * MIB
 

@@ -11,12 +11,14 @@ import sys
 from typing import Any, TextIO
 
 from ....devices._extras import require_extra
+from ....planning._depth import DepthVariants
 from ....planning._lr import scale_learning_rate
 from ....planning._plan import Plan
 from ....planning._planner import label_policy, plan_program, with_failed_policies
 from ....planning._search import DoesNotFitError
 from ....planning._validate import validate_effective_batch, validate_positive_int
 from .._remat import keras_remat_program
+from ._architectures import Architecture, load_architecture
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 
@@ -61,47 +63,81 @@ def plan_preset(
     log: TextIO | str | None = "stderr",
     backbone_overrides: dict[str, Any] | None = None,
     remat: str = "auto",
+    cache: Any = True,
+    extrapolate: bool = True,
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
 
     ``remat="auto"`` rematerializes the transformer blocks only when micro-batch 1 does not
-    fit without it; ``"none"`` never does, ``"nothing"`` always does.
+    fit without it; ``"none"`` never does, ``"nothing"`` always does. ``cache`` (default on;
+    ``False`` bypasses it) reuses the need figures of an earlier dry run of the same
+    configuration without building the model (:mod:`autoaccum.planning._cache`).
+    ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
+    extrapolates to the architecture's depth, verifying the choice with one full-depth
+    compile (:mod:`autoaccum.planning._depth`); ``False`` compiles every probe in full.
 
     Example:
       >>> p = plan_preset("gemma3_1b", effective_batch=4, lora_rank=4, sequence_length=16,
       ...                 backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
-      ...                 budget="2GiB", log=None)
+      ...                 budget="2GiB", log=None, cache=False)
       >>> p.micro_batch * p.accum_steps
       4
     """
     require_extra("keras", feature="keras-hub presets (autoaccum plan --preset)",
                   packages=("keras", "keras-hub"))
-    from ._abstract_lm import build_abstract_causal_lm
 
     validate_effective_batch(effective_batch)
     validate_positive_int("sequence_length", sequence_length)
     if lora_rank is not None:
         validate_positive_int("lora_rank", lora_rank)
     base_lr = 5e-5 if learning_rate is None else learning_rate
-    model = build_abstract_causal_lm(
-        name, dtype=dtype, lora_rank=lora_rank, optimizer=_optimizer(optimizer, base_lr),
-        backbone_overrides=backbone_overrides,
-    )
+    arch = load_architecture(name)
+    config = {**arch.backbone_kwargs(), **(backbone_overrides or {})}
+    depth = config.get("num_layers")
     scaling = scale_learning_rate(base_lr, effective_batch=effective_batch,
                                   base_batch=base_batch, rule=lr_rule)
     policies = ["none", "nothing"] if remat == "auto" else [remat]
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
     for policy in policies:
-        program = keras_remat_program(model, token_example_spec(sequence_length), policy)
+        def build(layers: int | None = None, policy: str = policy) -> Any:
+            overrides = dict(backbone_overrides or {})
+            if layers is not None:
+                overrides["num_layers"] = layers
+            return _preset_program(arch, dtype=dtype, lora_rank=lora_rank,
+                                   optimizer=optimizer, learning_rate=base_lr,
+                                   overrides=overrides, sequence_length=sequence_length,
+                                   policy=policy)
+
+        identity = {"kind": "keras-hub architecture", "backbone": arch.backbone_class,
+                    "task": arch.causal_lm_class,
+                    "config": {k: v for k, v in config.items() if k != "num_layers"},
+                    "dtype": dtype, "lora_rank": lora_rank, "sequence_length": sequence_length,
+                    "optimizer": optimizer.lower(), "learning_rate": base_lr, "remat": policy}
+        variants = None
+        if extrapolate and isinstance(depth, int):
+            variants = DepthVariants(full_depth=depth, build=build, full=build,
+                                     identity=identity)
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
         try:
-            plan = plan_program(program, effective_batch=effective_batch, lr_scaling=scaling,
+            plan = plan_program(build, effective_batch=effective_batch, lr_scaling=scaling,
                                 budget=budget, device=device, memory_fraction=memory_fraction,
-                                log=log)
+                                log=log, cache=cache, depth_variants=variants)
         except DoesNotFitError as error:
             failures.append((policy, error))
             continue
         return with_failed_policies(label_policy(plan, policy), failures)
     raise failures[-1][1]
+
+
+def _preset_program(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
+                    learning_rate: float, overrides: dict[str, Any], sequence_length: int,
+                    policy: str) -> Any:
+    """The accumulated Keras step of ``arch`` (with ``overrides``), built with no weights."""
+    from ._abstract_lm import build_abstract_causal_lm
+
+    model = build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
+                                     optimizer=_optimizer(optimizer, learning_rate),
+                                     backbone_overrides=overrides)
+    return keras_remat_program(model, token_example_spec(sequence_length), policy)

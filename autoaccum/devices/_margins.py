@@ -1,0 +1,256 @@
+"""The explicit allowances in a GPU's memory arithmetic, each with its source, and what the
+environment of the training process says about the pool (memory fraction, allocator,
+command buffers).
+
+JAX's pool on a GPU is ``memory fraction x CUDA's total`` (XLA's BFC allocator,
+``XLA_PYTHON_CLIENT_MEM_FRACTION``). A margin lives either
+
+* ``"outside"`` the pool (the CUDA context, the CUDA libraries' handles, CUDA-graph
+  executables): the pool can only be as large as what they leave, which matters when the
+  fraction is close to 1; or
+* ``"pool"``: inside the pool, beside the compiled step (a workspace the compile does not
+  show), lowering the budget; a negative one is a credit (a tolerance measured against a
+  real device).
+
+``when`` says where a margin applies: ``"always"``, ``"command_buffers"`` (only when XLA's
+command buffers are enabled) or ``"deviceless"`` (only for a compile without the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FRACTION_VARS",
+    "Margin",
+    "PoolArithmetic",
+    "apply_margins",
+    "command_buffers_enabled",
+    "default_margins",
+    "environment_memory_fraction",
+    "platform_allocator",
+    "profile_margins",
+]
+
+FRACTION_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+_WHERE = ("pool", "outside")
+_WHEN = ("always", "command_buffers", "deviceless")
+_COMMAND_BUFFER_FLAG = re.compile(r"--xla_gpu_enable_command_buffer=(\S*)")
+
+CONTEXT_SOURCE = (
+    "the CUDA context and driver state live outside JAX's pool (~300 MB on a T4 with CUDA 12; "
+    "more once TensorFlow also initializes the GPU); XLA's allocator takes its fraction of "
+    "CUDA's total, so the pool can only grow into what the context leaves"
+)
+WORKSPACE_SOURCE = (
+    "a deviceless compile does no autotuning: cuDNN convolution and fused-attention "
+    "workspaces show as 0 bytes (cuBLAS-Lt calls already carry XLA's untuned 4 MiB "
+    "workspace in the compiled temp), while on the device XLA allocates them from the pool"
+)
+COMMAND_BUFFER_RESERVE_MIB = 64
+COMMAND_BUFFER_SOURCE = (
+    "an allowance, not a measurement: with XLA's command buffers enabled, the CUDA graphs "
+    "it instantiates are allocated by the driver outside JAX's pool; the lab and the "
+    "profiles' [environment] disable them with --xla_gpu_enable_command_buffer="
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Margin:
+    """One allowance in a device's memory arithmetic (see the module docstring).
+
+    Example:
+      >>> m = Margin("CUDA context", 300, "outside", "measured on a T4")
+      >>> m.bytes, m.applies(deviceless=True, command_buffers=False)
+      (314572800, True)
+    """
+
+    name: str
+    mib: float
+    """Size in MiB (2**20 bytes); negative for a credit inside the pool."""
+    where: str
+    """``"pool"`` (inside JAX's pool: lowers the budget) or ``"outside"`` (caps the pool)."""
+    source: str
+    """Where the figure comes from."""
+    when: str = "always"
+    """``"always"``, ``"command_buffers"`` or ``"deviceless"``."""
+
+    def __post_init__(self) -> None:
+        if self.where not in _WHERE:
+            raise ValueError(f"Margin {self.name!r}: where must be one of {_WHERE}. "
+                             f"Received: where={self.where!r}")
+        if self.when not in _WHEN:
+            raise ValueError(f"Margin {self.name!r}: when must be one of {_WHEN}. "
+                             f"Received: when={self.when!r}")
+        if self.where == "outside" and self.mib < 0:
+            raise ValueError(f"Margin {self.name!r}: a margin outside the pool cannot be "
+                             f"negative. Received: mib={self.mib}")
+
+    @property
+    def bytes(self) -> int:
+        """The margin in bytes."""
+        return round(self.mib * 2**20)
+
+    def applies(self, *, deviceless: bool, command_buffers: bool) -> bool:
+        """Whether the margin counts for a compile ``deviceless`` or not, with command
+        buffers enabled or not."""
+        if self.when == "deviceless":
+            return deviceless
+        if self.when == "command_buffers":
+            return command_buffers
+        return True
+
+    def describe(self) -> str:
+        """``"name 300 MiB (outside the pool): source"``."""
+        where = "outside the pool" if self.where == "outside" else "inside the pool"
+        sign = "credit " if self.mib < 0 else ""
+        return f"{self.name} {sign}{abs(self.mib):g} MiB ({where}): {self.source}"
+
+
+def default_margins(*, cuda_context_reserve_mib: int, workspace_margin_mib: int) -> tuple:
+    """The margins every GPU profile gets from its ``cuda_context_reserve_mib`` and
+    ``workspace_margin_mib`` fields (a profile's ``[[margins]]`` add to or replace them).
+
+    Example:
+      >>> [m.name for m in default_margins(cuda_context_reserve_mib=300,
+      ...                                  workspace_margin_mib=32)]
+      ['CUDA context', 'cuDNN workspace', 'command buffers (CUDA graphs)']
+    """
+    return (
+        Margin("CUDA context", cuda_context_reserve_mib, "outside", CONTEXT_SOURCE),
+        Margin("cuDNN workspace", workspace_margin_mib, "pool", WORKSPACE_SOURCE),
+        Margin("command buffers (CUDA graphs)", COMMAND_BUFFER_RESERVE_MIB, "outside",
+               COMMAND_BUFFER_SOURCE, when="command_buffers"),
+    )
+
+
+def environment_memory_fraction(environ: Mapping[str, str] | None = None
+                                ) -> tuple[float, str] | None:
+    """``(fraction, variable)`` when the environment sets JAX's memory fraction, else ``None``.
+
+    Example:
+      >>> environment_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"})
+      (0.9, 'XLA_PYTHON_CLIENT_MEM_FRACTION')
+      >>> environment_memory_fraction({}) is None
+      True
+    """
+    environ = os.environ if environ is None else environ
+    present = [name for name in FRACTION_VARS if environ.get(name)]
+    if not present:
+        return None
+    if len(present) == 2:
+        raise ValueError(
+            f"Both {FRACTION_VARS[0]} and {FRACTION_VARS[1]} are set; JAX refuses to start with "
+            "both. Unset one of them. Received: "
+            + ", ".join(f"{n}={environ[n]!r}" for n in FRACTION_VARS)
+        )
+    name = present[0]
+    try:
+        fraction = float(environ[name])
+    except ValueError:
+        fraction = float("nan")
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"{name} must be a fraction in (0, 1] (JAX's share of GPU memory), e.g. 0.9. "
+            f"Received: {name}={environ[name]!r}"
+        )
+    return fraction, name
+
+
+def platform_allocator(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (no pool: allocations come straight
+    from CUDA, so the limit is what the context leaves)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform"
+
+
+def command_buffers_enabled(profile_environment: Mapping[str, str],
+                            environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """``(enabled, why)``: whether XLA's command buffers (CUDA graphs) will be on.
+
+    ``XLA_FLAGS`` in the environment decides when it names
+    ``--xla_gpu_enable_command_buffer``; otherwise the profile's ``[environment]`` does (as
+    ``autoaccum.configure()`` merges it into ``XLA_FLAGS`` on the device); otherwise XLA's
+    default (on).
+
+    Example:
+      >>> command_buffers_enabled({}, {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
+      (False, 'disabled by XLA_FLAGS in the environment')
+      >>> command_buffers_enabled({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, {})[0]
+      False
+      >>> command_buffers_enabled({}, {})
+      (True, "enabled (XLA's default)")
+    """
+    environ = os.environ if environ is None else environ
+    for flags, where in ((environ.get("XLA_FLAGS", ""), "XLA_FLAGS in the environment"),
+                         (profile_environment.get("XLA_FLAGS", ""),
+                          "the profile's [environment] (autoaccum.configure() sets it)")):
+        match = _COMMAND_BUFFER_FLAG.search(flags)
+        if match:
+            if match.group(1):
+                return True, f"enabled by {where} ({match.group(0)})"
+            return False, f"disabled by {where}"
+    return True, "enabled (XLA's default)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolArithmetic:
+    """A pool after the margins: ``budget = usable_pool - inside margins + credits``."""
+
+    pool: int
+    """``fraction x CUDA's total``: XLA's allocator limit (``bytes_limit``)."""
+    usable_pool: int
+    """``min(pool, total - margins outside the pool)``."""
+    budget: int
+    applied: tuple[Margin, ...]
+    """The margins that counted, in order."""
+
+
+def apply_margins(pool: int, total: int, margins: tuple[Margin, ...], *, deviceless: bool,
+                  command_buffers: bool) -> PoolArithmetic:
+    """The budget left of ``pool`` (on a device of ``total`` bytes) by ``margins``.
+
+    Example:
+      >>> ms = default_margins(cuda_context_reserve_mib=300, workspace_margin_mib=32)
+      >>> r = apply_margins(1000 * 2**20, 1000 * 2**20, ms, deviceless=True,
+      ...                   command_buffers=False)
+      >>> r.usable_pool // 2**20, r.budget // 2**20, [m.name for m in r.applied]
+      (700, 668, ['CUDA context', 'cuDNN workspace'])
+    """
+    applied = tuple(m for m in margins if m.applies(deviceless=deviceless,
+                                                    command_buffers=command_buffers))
+    outside = sum(m.bytes for m in applied if m.where == "outside")
+    usable = max(min(pool, total - outside), 0)
+    inside = sum(m.bytes for m in applied if m.where == "pool")
+    return PoolArithmetic(pool, usable, max(usable - inside, 0), applied)
+
+
+def profile_margins(path: Path, data: dict[str, Any]) -> tuple[Margin, ...]:
+    """The default margins, with the profile's ``[[margins]]`` replacing or adding."""
+    margins = {m.name: m for m in default_margins(
+        cuda_context_reserve_mib=data["cuda_context_reserve_mib"],
+        workspace_margin_mib=data["workspace_margin_mib"])}
+    for i, table in enumerate(data.get("margins", [])):
+        if not isinstance(table, dict):
+            raise ValueError(f"Device profile {str(path)!r}: margins[{i}] must be a table "
+                             f"([[margins]]). Received: {table!r}")
+        unknown = set(table) - {"name", "mib", "where", "source", "when"}
+        missing = {"name", "mib", "where", "source"} - set(table)
+        if unknown or missing:
+            raise ValueError(
+                f"Device profile {str(path)!r}: margins[{i}] needs name, mib, where, source "
+                f"(and optionally when). Received: {sorted(table)}"
+            )
+        try:
+            margin = Margin(str(table["name"]), float(table["mib"]), str(table["where"]),
+                            " ".join(str(table["source"]).split()),
+                            str(table.get("when", "always")))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Device profile {str(path)!r}: margins[{i}]: {e}") from e
+        margins[margin.name] = margin
+    return tuple(margins.values())

@@ -1,0 +1,341 @@
+"""Depth extrapolation: plan a model of N repeated blocks from compiles of the same model
+at two small depths, and verify only the final choice with one full-depth compile.
+
+XLA's buffer assignment of a train step grows by the same amount with every repeated block
+(its weights, optimizer state, gradient accumulator, saved activations), so for each
+micro-batch ``need(depth) = a + b x depth``: two compiles at small depths ``d1 < d2`` (cheap:
+a few blocks instead of dozens) predict the full depth. Each part of the estimate (argument,
+output, alias, temp, and the itemized weights) is extrapolated the same way.
+
+Where the fit does not hold, autoaccum compiles at full depth instead:
+
+* XLA's GPU rematerialization pass rewrites the program once its temp exceeds
+  ``(base - inputs/outputs) x 0.95`` (``GetSchedulerMemoryLimit``; ``base`` is the pool JAX
+  gives XLA, 0.8 x the device memory of a deviceless target). It is inactive at small depths
+  and may act at full depth, where its result is not linear. A probe whose predicted temp
+  crosses that limit (or whose small compiles already did) is compiled at full depth, and so
+  is every larger micro-batch after it.
+* The final choice is compiled at full depth; if its need differs from the prediction by
+  more than ``tolerance`` (2%), or it does not fit, the whole search is redone with
+  full-depth compiles (the report says so).
+
+Models with layer patterns (Gemma's sliding/global attention) are extrapolated from the first
+blocks; the verification catches a pattern whose blocks differ in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+from ..devices._units import format_bytes
+from ._measure import CompileTarget, MemoryEstimate
+from ._parallel import CompileRequest, measure_all
+from ._program import TrainProgram
+
+__all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "validate_depths"]
+
+REMAT_SLOP = 0.95
+"""XLA's ``xla_gpu_memory_limit_slop_factor`` default (95%)."""
+_LINEAR_FIELDS = ("trainable_bytes", "frozen_bytes", "optimizer_bytes", "other_state_bytes",
+                  "batch_bytes", "accumulator_bytes", "argument_bytes", "output_bytes",
+                  "alias_bytes", "temp_bytes", "flops", "bytes_accessed")
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthVariant:
+    """How to build your model at another depth, for ``autoaccum.plan(..., depth_variant=)``.
+
+    ``build(depth)`` returns the same model (same config, dtype, LoRA, and for Keras
+    compiled with the same optimizer and loss) with ``depth`` repeated blocks; ``depth`` is
+    the number of blocks of the model you plan. Weights are never read: a Flax factory may
+    build under ``nnx.eval_shape``. autoaccum compiles the step at ``depths`` (two small
+    depths), extrapolates every micro-batch to ``depth``, and compiles the final choice once
+    at full depth (see :mod:`autoaccum.planning._depth`).
+
+    Why a factory and not surgery on your model: dropping blocks from an existing model can
+    change the program in ways nothing checks (shared weights, layer-index-dependent
+    behaviour, residual scaling by depth); your own constructor builds exactly the model you
+    would train, at another depth, and the full-depth compile verifies the prediction.
+
+    Example:
+      >>> from flax import nnx
+      >>> variant = DepthVariant(depth=24, build=lambda d: nnx.Sequential(
+      ...     *[nnx.Linear(8, 8, rngs=nnx.Rngs(0)) for _ in range(d)]))
+      >>> len(variant.build(2).layers)
+      2
+    """
+
+    depth: int
+    build: Callable[[int], Any]
+    depths: tuple[int, int] = (2, 3)
+    tolerance: float = 0.02
+
+    def __post_init__(self) -> None:
+        validate_depths(self.depth, self.depths)
+        if not callable(self.build):
+            raise ValueError("DepthVariant.build must be a function depth -> model. "
+                             f"Received: build={self.build!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthVariants:
+    """A model of ``full_depth`` repeated blocks and the same model at other depths.
+
+    ``build(depth)`` returns the :class:`TrainProgram` of the model with ``depth`` blocks
+    (same config, dtype, optimizer, remat policy); ``full`` the real one (default
+    ``build(full_depth)``). ``identity`` (optional) is what builds it, for the need cache:
+    with it a cached figure is found without building anything.
+
+    Example:
+      >>> v = DepthVariants(full_depth=34, build=lambda depth: None)
+      >>> v.depths
+      (2, 3)
+    """
+
+    full_depth: int
+    build: Callable[[int], TrainProgram]
+    depths: tuple[int, int] = (2, 3)
+    """The two small depths compiled (depth 1 is avoided: a single block is often lowered
+    differently from a stack)."""
+    full: TrainProgram | Callable[[], TrainProgram] | None = None
+    identity: Mapping[str, Any] | None = None
+    tolerance: float = 0.02
+    """Largest relative difference between the prediction and the full-depth compile of the
+    final choice for the extrapolation to count as holding."""
+
+    def __post_init__(self) -> None:
+        validate_depths(self.full_depth, self.depths)
+
+    def program(self, depth: int) -> TrainProgram | Callable[[], TrainProgram]:
+        """The program at ``depth`` (lazily: a function for the cache to call on a miss)."""
+        if depth == self.full_depth and self.full is not None:
+            return self.full
+        return lambda: self.build(depth)
+
+    def key(self, depth: int) -> Mapping[str, Any] | None:
+        """Cache identity of the model at ``depth``."""
+        return None if self.identity is None else {**self.identity, "depth": depth}
+
+    @property
+    def worthwhile(self) -> bool:
+        """Whether the small depths are much smaller than the full one (else compile it)."""
+        return self.full_depth >= 2 * self.depths[1]
+
+
+def validate_depths(full_depth: int, depths: tuple[int, int]) -> None:
+    """Raises a ``ValueError`` naming the fix for impossible depths."""
+    if isinstance(full_depth, bool) or not isinstance(full_depth, int) or full_depth < 1:
+        raise ValueError(f"full_depth must be a positive int (the number of repeated blocks). "
+                         f"Received: full_depth={full_depth!r}")
+    if (len(depths) != 2 or not all(isinstance(d, int) and d >= 1 for d in depths)
+            or depths[0] >= depths[1]):
+        raise ValueError("depths must be two increasing positive ints, e.g. (2, 3). "
+                         f"Received: depths={depths!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthCheck:
+    """How one micro-batch was measured: extrapolated (and how), or compiled at full depth."""
+
+    micro_batch: int
+    accum_steps: int
+    predicted_bytes: int
+    per_block_bytes: int
+    holds: bool
+    why: str
+    verified_bytes: int | None = None
+
+    @property
+    def error(self) -> float | None:
+        """``(predicted - verified) / verified``, once verified."""
+        if self.verified_bytes is None:
+            return None
+        return (self.predicted_bytes - self.verified_bytes) / max(self.verified_bytes, 1)
+
+
+class DepthExtrapolator:
+    """``measure(b, k)`` for the micro-batch search, answering from two small-depth compiles
+    where the fit holds and from a full-depth compile where it may not.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> class Stack(nnx.Module):
+      ...     def __init__(self, depth, rngs):
+      ...         self.blocks = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(depth)])
+      ...     def __call__(self, x):
+      ...         for block in self.blocks:
+      ...             x = jax.nn.relu(block(x))
+      ...         return x
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
+      >>> spec = {"x": jax.ShapeDtypeStruct((256,), jnp.float32),
+      ...         "y": jax.ShapeDtypeStruct((256,), jnp.float32)}
+      >>> def build(depth):
+      ...     model = nnx.eval_shape(lambda: Stack(depth, nnx.Rngs(0)))
+      ...     return flax_program(model, spec, loss_fn=loss_fn, tx=optax.adam(1e-3))
+      >>> ext = DepthExtrapolator(DepthVariants(full_depth=12, build=build), CompileTarget())
+      >>> ext.measure(2, 4).source, ext.verify(2, 4).source
+      ('extrapolated', 'compiled')
+      >>> abs(ext.checks[2].error) < 0.02
+      True
+    """
+
+    def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
+                 log: TextIO | str | None = None, workers: int | None = None) -> None:
+        self.variants = variants
+        self.target = target
+        self.cache = cache
+        self.log = sys.stderr if log == "stderr" else log
+        self.workers = workers
+        self.checks: dict[int, DepthCheck] = {}
+        self._full: dict[tuple[int, int], MemoryEstimate] = {}
+        self._full_from: int | None = None
+        """Smallest micro-batch at which the fit did not hold: larger ones compile in full."""
+        self._active: tuple[int, int, float] | None = None
+        """(micro-batch, predicted temp, the pass's target) where XLA's pass was first seen."""
+
+    def measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+        """The full-depth estimate at ``micro_batch`` x ``accum_steps``: extrapolated, or
+        compiled where the extrapolation may not hold."""
+        if self._full_from is not None and micro_batch >= self._full_from:
+            return self.full(micro_batch, accum_steps, why=f"rematerialization pass active "
+                             f"from micro_batch {self._full_from}")
+        if self._active is not None:
+            # temp is affine in the micro-batch with a non-negative intercept, so
+            # temp(b) >= temp(b0) x b / b0: the pass is active here too if that exceeds its
+            # target (no small compiles needed to know).
+            b0, temp0, limit = self._active
+            if temp0 * micro_batch / b0 > limit:
+                self._full_from = micro_batch
+                return self.full(micro_batch, accum_steps, why="rematerialization pass active")
+        d1, d2 = self.variants.depths
+        try:
+            small = measure_all(
+                [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
+                                self.variants.key(d)) for d in (d1, d2)],
+                self.target, cache=self.cache, workers=self.workers)
+        except Exception as error:  # a model that cannot be built or compiled that shallow
+            why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
+            self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, 0, 0, False,
+                                                  why[:300])
+            self._say(f"micro_batch={micro_batch}: {why[:300]} (compiling full depth)")
+            self._full_from = min(self._full_from or micro_batch, micro_batch)
+            return self.full(micro_batch, accum_steps, why=why)
+        predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
+        why = self._fails(small, predicted)
+        self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
+                                              per_block, why == "", why or "linear in depth")
+        self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
+                  f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
+                  f"depth {self.variants.full_depth} predicted "
+                  f"{format_bytes(predicted.need_bytes)}"
+                  + (f" ({why}: compiling full depth)" if why else ""))
+        if why:
+            self._full_from = min(self._full_from or micro_batch, micro_batch)
+            limit = self._remat_target(predicted)
+            if limit is not None and predicted.temp_bytes > limit:
+                self._active = (micro_batch, predicted.temp_bytes, limit)
+            return self.full(micro_batch, accum_steps, why=why)
+        return predicted
+
+    def full(self, micro_batch: int, accum_steps: int, *, why: str = "") -> MemoryEstimate:
+        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached)."""
+        key = (micro_batch, accum_steps)
+        if key not in self._full:
+            depth = self.variants.full_depth
+            self._full[key] = measure_all(
+                [CompileRequest(self.variants.program(depth), micro_batch, accum_steps,
+                                self.variants.key(depth))],
+                self.target, cache=self.cache, workers=1)[0]
+        return self._full[key]
+
+    def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+        """Compiles the final choice at full depth and records the prediction's error."""
+        estimate = self.full(micro_batch, accum_steps, why="verify")
+        check = self.checks.get(micro_batch)
+        if check is not None:
+            self.checks[micro_batch] = dataclasses.replace(check,
+                                                           verified_bytes=estimate.need_bytes)
+            error = self.checks[micro_batch].error
+            self._say(f"micro_batch={micro_batch} verified at full depth: "
+                      f"{format_bytes(estimate.need_bytes)} (predicted "
+                      f"{format_bytes(check.predicted_bytes)}, {error:+.2%})")
+        return estimate
+
+    def holds(self, micro_batch: int) -> bool:
+        """Whether the verified prediction at ``micro_batch`` is within the tolerance."""
+        check = self.checks.get(micro_batch)
+        return (check is not None and check.error is not None
+                and abs(check.error) <= self.variants.tolerance)
+
+    def _fails(self, small: list[MemoryEstimate], predicted: MemoryEstimate) -> str:
+        """Why the linear fit may not hold for this probe ("" if it holds)."""
+        for estimate in (*small, predicted):
+            limit = self._remat_target(estimate)
+            if limit is not None and estimate.temp_bytes > limit:
+                return ("XLA's rematerialization pass acts at full depth (temp "
+                        f"{format_bytes(estimate.temp_bytes)} > its target "
+                        f"{format_bytes(max(int(limit), 0))})")
+        return ""
+
+    def _remat_target(self, estimate: MemoryEstimate) -> float | None:
+        """The temp above which XLA's GPU rematerialization pass rewrites this step."""
+        base = self.target.remat_pass_base_bytes
+        if base is None:
+            return None
+        io = estimate.argument_bytes + estimate.output_bytes - estimate.alias_bytes
+        return (base - io) * REMAT_SLOP
+
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            print(f"autoaccum:   depth extrapolation: {text}", file=self.log, flush=True)
+
+    def notes(self) -> tuple[str, ...]:
+        """Plan notes: predicted vs verified need, and where the fit did not hold."""
+        out = []
+        for check in self.checks.values():
+            if check.verified_bytes is not None:
+                out.append(f"depth extrapolation: micro_batch {check.micro_batch} predicted "
+                           f"{format_bytes(check.predicted_bytes)} from depths "
+                           f"{self.variants.depths[0]} and {self.variants.depths[1]} "
+                           f"({format_bytes(check.per_block_bytes)} per block), verified "
+                           f"{format_bytes(check.verified_bytes)} at depth "
+                           f"{self.variants.full_depth} ({check.error:+.2%})")
+            elif not check.holds:
+                out.append(f"depth extrapolation: micro_batch {check.micro_batch} compiled at "
+                           f"full depth ({check.why})")
+        return tuple(out)
+
+
+def extrapolate(low: MemoryEstimate, high: MemoryEstimate, d1: int, d2: int,
+                depth: int) -> tuple[MemoryEstimate, int]:
+    """The estimate at ``depth`` on the line through ``(d1, low)`` and ``(d2, high)``, and
+    the need per block.
+
+    Example:
+      >>> a = MemoryEstimate(2, 4, 10, 0, 0, 0, 1, 0, 100, 0, 0, 50, 150, "t", 1.0)
+      >>> b = MemoryEstimate(2, 4, 20, 0, 0, 0, 1, 0, 150, 0, 0, 70, 220, "t", 1.0)
+      >>> est, per_block = extrapolate(a, b, 2, 3, 10)
+      >>> est.need_bytes, per_block, est.trainable_bytes, est.source
+      (710, 70, 90, 'extrapolated')
+    """
+    span = d2 - d1
+
+    def line(name: str) -> Any:
+        lo, hi = getattr(low, name), getattr(high, name)
+        value = lo + (hi - lo) * (depth - d1) / span
+        return value if isinstance(lo, float) else round(value)
+
+    values = {name: line(name) for name in _LINEAR_FIELDS}
+    need = (values["argument_bytes"] + values["output_bytes"] - values["alias_bytes"]
+            + values["temp_bytes"])
+    estimate = dataclasses.replace(
+        high, **values, need_bytes=need, source="extrapolated",
+        compile_seconds=low.compile_seconds + high.compile_seconds)
+    return estimate, math.ceil((high.need_bytes - low.need_bytes) / span)

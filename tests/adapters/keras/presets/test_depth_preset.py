@@ -1,0 +1,71 @@
+"""Depth extrapolation and the need cache on keras-hub architectures (Keras models built with
+``num_layers`` overridden, no weights allocated)."""
+
+import pytest
+
+import autoaccum.adapters.keras.presets._plan_preset as plan_preset_module
+from autoaccum.adapters.keras.presets import load_architecture
+from autoaccum.adapters.keras.presets._plan_preset import _preset_program, plan_preset
+from autoaccum.planning._depth import DepthExtrapolator, DepthVariants
+from autoaccum.planning._measure import measure_program
+from autoaccum.planning._targets import resolve_target
+
+pytestmark = pytest.mark.slow  # keras-hub builds and compiles
+
+SMALL = {"vocabulary_size": 512, "hidden_dim": 256, "intermediate_dim": 1024,
+         "num_query_heads": 4, "num_key_value_heads": 1, "head_dim": 64}
+
+
+def _build(arch, depth=None):
+    overrides = dict(SMALL)
+    overrides["num_layers"] = 8 if depth is None else depth
+    return _preset_program(arch, dtype="bfloat16", lora_rank=4, optimizer="adamw",
+                           learning_rate=5e-5, overrides=overrides, sequence_length=64,
+                           policy="none")
+
+
+@pytest.mark.parametrize("name", ["gemma3_1b", "llama3.2_1b"])
+def test_keras_extrapolation_agrees_with_a_full_compile_within_two_percent(name):
+    arch = load_architecture(name)
+    target = resolve_target("a100-80gb", memory_fraction=0.9).compile_target
+    extrapolator = DepthExtrapolator(
+        DepthVariants(full_depth=8, build=lambda d: _build(arch, d)), target)
+    full_program = _build(arch)
+    for micro_batch, accum_steps in ((1, 4), (2, 2)):
+        predicted = extrapolator.measure(micro_batch, accum_steps)
+        full = measure_program(full_program, micro_batch, accum_steps, target)
+        assert predicted.source == "extrapolated"
+        assert abs(predicted.need_bytes - full.need_bytes) <= 0.02 * full.need_bytes
+        assert predicted.frozen_bytes == full.frozen_bytes
+
+
+def test_a_warm_preset_dry_run_builds_no_model(tmp_path, monkeypatch):
+    options = dict(effective_batch=4, lora_rank=4, sequence_length=32, device="t4",
+                   backbone_overrides={**SMALL, "num_layers": 8}, log=None, cache=str(tmp_path))
+    cold = plan_preset("gemma3_1b", **options)
+    assert cold.probes[-1].why == "verify at full depth"
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("built a model although every figure was cached")
+
+    monkeypatch.setattr(plan_preset_module, "_preset_program", must_not_build)
+    warm = plan_preset("gemma3_1b", **options)
+    assert (warm.micro_batch, warm.accum_steps, warm.need_bytes) == (
+        cold.micro_batch, cold.accum_steps, cold.need_bytes)
+    # Extrapolated probes come from cached small-depth figures, the verification from the
+    # cached full-depth one: nothing was compiled.
+    assert {p.estimate.source for p in warm.probes} <= {"cache", "extrapolated"}
+    assert warm.probes[-1].estimate.source == "cache"
+    assert sum(p.estimate.compile_seconds for p in warm.probes) == 0
+
+
+def test_a_changed_lora_rank_or_sequence_length_recompiles(tmp_path):
+    options = dict(effective_batch=2, device="t4", backbone_overrides={**SMALL, "num_layers": 2},
+                   log=None, cache=str(tmp_path), remat="none")
+    plan_preset("gemma3_1b", lora_rank=4, sequence_length=32, **options)
+    for changed in ({"lora_rank": 8, "sequence_length": 32},
+                    {"lora_rank": 4, "sequence_length": 48}):
+        plan = plan_preset("gemma3_1b", **changed, **options)
+        assert all(p.estimate.source == "compiled" for p in plan.probes)
+    again = plan_preset("gemma3_1b", lora_rank=4, sequence_length=32, **options)
+    assert all(p.estimate.source == "cache" for p in again.probes)

@@ -1,0 +1,158 @@
+"""Depth extrapolation: compiles at two small depths predict the full depth's need; only the
+final choice is compiled in full, and where the fit does not hold the plan says so and
+falls back to full-depth compiles."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.adapters.flax._program import flax_program
+from autoaccum.planning._budget import Budget
+from autoaccum.planning._depth import DepthExtrapolator, DepthVariant, DepthVariants
+from autoaccum.planning._depth_plan import plan_by_depth
+from autoaccum.planning._lr import scale_learning_rate
+from autoaccum.planning._measure import CompileTarget, measure_program
+from tests._models import ragged_tokens, token_loss
+
+SPEC = {"tokens": jax.ShapeDtypeStruct((16,), jnp.int32),
+        "mask": jax.ShapeDtypeStruct((16,), jnp.int32)}
+
+
+class DeepLM(nnx.Module):
+    """Embedding -> ``depth`` residual MLP blocks -> vocabulary logits."""
+
+    def __init__(self, depth: int, *, dim: int = 64, rngs: nnx.Rngs, wide_from: int = 10**9,
+                 narrow_from: int = 10**9):
+        self.embed = nnx.Embed(256, dim, rngs=rngs)
+        widths = [8 * dim if i >= wide_from else 4 * dim - dim // 4 if i >= narrow_from else 4 * dim
+                  for i in range(depth)]
+        self.blocks = nnx.List([Block(dim, width, rngs=rngs) for width in widths])
+        self.head = nnx.Linear(dim, 256, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Block(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(dim, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def _build(depth: int, **kwargs):
+    model = nnx.eval_shape(lambda: DeepLM(depth, rngs=nnx.Rngs(0), **kwargs))
+    return flax_program(model, SPEC, loss_fn=token_loss, tx=optax.adamw(1e-3))
+
+
+@pytest.mark.parametrize("micro_batch, accum_steps", [(2, 4), (4, 2)])
+def test_flax_extrapolation_agrees_with_a_full_compile_within_two_percent(micro_batch,
+                                                                          accum_steps):
+    variants = DepthVariants(full_depth=8, build=_build)
+    extrapolator = DepthExtrapolator(variants, CompileTarget())
+    predicted = extrapolator.measure(micro_batch, accum_steps)
+    full = measure_program(_build(8), micro_batch, accum_steps)
+    assert predicted.source == "extrapolated"
+    assert abs(predicted.need_bytes - full.need_bytes) <= 0.02 * full.need_bytes
+    assert predicted.trainable_bytes == full.trainable_bytes
+    assert predicted.optimizer_bytes == full.optimizer_bytes
+
+
+@pytest.mark.slow  # a plan's worth of compiles
+def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full():
+    model = DeepLM(8, rngs=nnx.Rngs(0))
+    variant = DepthVariant(depth=8, build=lambda d: DeepLM(d, rngs=nnx.Rngs(0)))
+    plan = autoaccum.plan(model, ragged_tokens(16, 17, vocab=256), effective_batch=8,
+                          optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss,
+                          budget="1GiB", log=None, method="compile", cache=False,
+                          depth_variant=variant)
+    full = autoaccum.measure(model, ragged_tokens(16, 17, vocab=256),
+                             micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
+                             optimizer=optax.adamw(1e-3), loss_fn=token_loss, cache=False)
+    assert plan.estimate.source == "compiled" and plan.need_bytes == full.need_bytes
+    assert plan.probes[-1].why == "verify at full depth"
+    assert all(p.why.endswith("(extrapolated)") for p in plan.probes[:-1])
+    note = next(n for n in plan.notes if n.startswith("depth extrapolation: micro_batch"))
+    assert "verified" in note and "at depth 8" in note
+
+
+@pytest.mark.slow  # two searches' worth of compiles
+def test_where_the_blocks_differ_the_fit_does_not_hold_and_the_plan_says_so():
+    # The real model's last blocks are twice as wide: the small depths cannot see them.
+    variants = DepthVariants(full_depth=8, build=_build, full=_build(8, wide_from=4))
+    plan = plan_by_depth(variants, effective_batch=8,
+                         lr_scaling=scale_learning_rate(None, effective_batch=8),
+                         budget=Budget(2**30, "user", ""), target=CompileTarget(), log=None)
+    full = measure_program(_build(8, wide_from=4), plan.micro_batch, plan.accum_steps)
+    assert plan.need_bytes == full.need_bytes
+    assert any("did not hold" in n for n in plan.notes)
+    assert not any(p.why.endswith("(extrapolated)") for p in plan.probes[-2:])
+
+
+def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_full():
+    # A GPU-like target whose pool is tiny: XLA's pass targets (base - io) x 0.95.
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=_build), target)
+    estimate = extrapolator.measure(2, 4)
+    assert estimate.source == "compiled"
+    check = extrapolator.checks[2]
+    assert not check.holds and "rematerialization pass" in check.why
+    # Every micro-batch from there on is compiled in full without small compiles.
+    assert extrapolator.measure(4, 2).source == "compiled"
+
+
+def test_a_shallow_model_is_compiled_in_full():
+    assert not DepthVariants(full_depth=4, build=_build).worthwhile
+    assert DepthVariants(full_depth=6, build=_build).worthwhile
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"depth": 0, "build": _build}, r"Received: full_depth=0"),
+    ({"depth": 12, "build": _build, "depths": (3, 2)}, r"Received: depths=\(3, 2\)"),
+    ({"depth": 12, "build": "model"}, r"Received: build='model'"),
+])
+def test_bad_depth_variants_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DepthVariant(**kwargs)
+
+
+def test_depth_variant_of_the_wrong_type_is_refused():
+    with pytest.raises(ValueError, match="autoaccum.DepthVariant"):
+        autoaccum.plan(DeepLM(2, rngs=nnx.Rngs(0)), ragged_tokens(8, 17, vocab=256),
+                       effective_batch=8, optimizer=optax.adamw, learning_rate=1e-3,
+                       loss_fn=token_loss, budget="1GiB", log=None, depth_variant=12)
+
+
+def test_a_model_that_cannot_be_built_shallow_is_compiled_in_full():
+    def build(depth):
+        if depth < 8:
+            raise ValueError("this model needs at least 8 blocks")
+        return _build(depth)
+
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget())
+    assert extrapolator.measure(2, 4).source == "compiled"
+    assert "needs at least 8 blocks" in extrapolator.checks[2].why
+
+
+@pytest.mark.slow  # two searches' worth of compiles
+def test_micro_batch_one_predicted_just_over_the_budget_is_decided_by_a_full_compile():
+    # The real model's last block is a little narrower: micro-batch 1 is predicted a little
+    # over a budget it really fits; within the tolerance only a full compile can say.
+    real = _build(8, narrow_from=7)
+    exact = measure_program(real, 1, 8).need_bytes
+    variants = DepthVariants(full_depth=8, build=_build, full=real)
+    assert DepthExtrapolator(variants, CompileTarget()).measure(1, 8).need_bytes > exact
+    plan = plan_by_depth(variants, effective_batch=8,
+                         lr_scaling=scale_learning_rate(None, effective_batch=8),
+                         budget=Budget(exact, "user", ""), target=CompileTarget(), log=None)
+    assert (plan.micro_batch, plan.need_bytes) == (1, exact)
