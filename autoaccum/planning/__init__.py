@@ -25,6 +25,9 @@ from ._planner import plan_program as plan_program
 from ._program import StepMetrics as StepMetrics
 from ._program import TrainProgram as TrainProgram
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
+from ._report import SCHEMA_VERSION as SCHEMA_VERSION
+from ._report import Limit as Limit
+from ._report import limiting_factor as limiting_factor
 from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
@@ -36,12 +39,14 @@ from ._targets import resolve_target as resolve_target
 __all__ = [
     "LR_RULES",
     "REMAT_POLICIES",
+    "SCHEMA_VERSION",
     "Adapter",
     "Budget",
     "Candidate",
     "CompileTarget",
     "DoesNotFitError",
     "FitSettings",
+    "Limit",
     "LearningRateScaling",
     "MemoryEstimate",
     "Plan",
@@ -55,6 +60,7 @@ __all__ = [
     "auto_plan",
     "backoff_search",
     "choose_fastest",
+    "limiting_factor",
     "measure_program",
     "parse_budget",
     "per_device_budget",

@@ -17,7 +17,25 @@ from ._validate import validate_effective_batch
 class Plan:
     """How one optimizer step of ``effective_batch`` examples is run within memory.
 
-    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds.
+    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds. In a notebook
+    a plan shows as a table; ``repr`` is one line, ``report()`` the full text, ``to_dict()``
+    the JSON-ready form.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> p = autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
+      ...                    optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
+      ...                    budget="1GiB", log=None)
+      >>> repr(p).startswith("Plan(micro_batch=8, accum_steps=1, data_parallel=1")
+      True
+      >>> p.to_dict()["limited_by"], p.to_dict()["schema_version"]
+      ('effective_batch', 1)
+      >>> "limited by" in p.report() and "<table>" in p._repr_html_()
+      True
     """
 
     micro_batch: int
@@ -38,6 +56,10 @@ class Plan:
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())
     """For the throughput objective: every timed (policy, micro-batch) candidate."""
+    profile: str | None = None
+    """The device profile planned for (``"t4"``, ``"cpu"``, ...), when one applies."""
+    deviceless: bool = False
+    """Whether the step was compiled for a GPU that is not on this machine (a dry run)."""
 
     @property
     def lr_rule(self) -> str:
@@ -63,98 +85,28 @@ class Plan:
     def budget_bytes(self) -> int:
         return self.budget.bytes
 
-    def report(self) -> str:
-        """A readable table: probes, the chosen split, memory items and the learning rate."""
-        b = self.budget
-        lines = [
-            f"autoaccum plan ({self.target})",
-            f"  budget            {format_bytes(b.bytes)}  [{b.source}: {b.detail}]",
-            "  probes (compiled, no weights allocated):",
-            *probe_table(self.probes, self.budget_bytes),
-        ]
-        if self.candidates:
-            lines.append(f"  candidates ({self.objective} objective):")
-            lines.append(f"    {'remat':>13} {'micro':>6} {'accum':>6} {'need':>10} "
-                         f"{'us/example':>11}  source")
-            for c in self.candidates:
-                mark = "  <- chosen" if (c.remat, c.micro_batch) == (self.remat,
-                                                                      self.micro_batch) else ""
-                lines.append(f"    {c.remat:>13} {c.micro_batch:>6} {c.accum_steps:>6} "
-                             f"{format_bytes(c.need_bytes):>10} "
-                             f"{c.seconds_per_example * 1e6:>11.1f}  {c.source}{mark}")
-        lines += [
-            f"  rematerialization {self.remat}",
-            f"  effective batch   {self.effective_batch} = micro_batch {self.micro_batch} x "
-            f"{self.data_parallel} device(s) x {self.accum_steps} accumulation step(s)",
-            f"  learning rate     {self.lr_scaling.arithmetic()}",
-            f"  need              {format_bytes(self.need_bytes)} of "
-            f"{format_bytes(self.budget_bytes)} ({self.need_bytes / max(self.budget_bytes, 1):.0%})"
-            f"{' [compile-only estimate]' if self.probes else ''}",
-        ]
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
+    def report(self, *, rich: bool = True) -> str:
+        """A readable report: the split and what limited it, the learning rate, the memory and a
+        table of probes (drawn by rich when installed; ``rich=False`` for plain columns)."""
+        from ._report import plan_report
+
+        return plan_report(self, rich=rich)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary (learning rates that are schedules become strings)."""
+        """A JSON-ready summary with stable snake_case keys and a ``schema_version``."""
+        from ._report import plan_dict
 
-        def plain(v: Any) -> Any:
-            return v if v is None or isinstance(v, int | float) else str(v)
+        return plan_dict(self)
 
-        return {
-            "device": self.target,
-            "budget_bytes": self.budget_bytes,
-            "budget_source": self.budget.source,
-            "micro_batch": self.micro_batch,
-            "accum_steps": self.accum_steps,
-            "data_parallel": self.data_parallel,
-            "effective_batch": self.effective_batch,
-            "max_micro_batch": self.max_micro_batch,
-            "lr_rule": self.lr_rule,
-            "base_learning_rate": plain(self.base_learning_rate),
-            "learning_rate": plain(self.learning_rate),
-            "lr_factor": self.lr_factor,
-            "lr_arithmetic": self.lr_scaling.arithmetic(),
-            "need_bytes": self.need_bytes,
-            "memory": {k.replace(" ", "_"): v for k, v in self.estimate.items().items()},
-            "remat": self.remat,
-            "objective": self.objective,
-            "candidates": [
-                {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
-                 "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
-                 "source": c.source}
-                for c in self.candidates
-            ],
-            "probes": [
-                {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
-                 "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why,
-                 "compile_seconds": p.estimate.compile_seconds,
-                 "memory": {k.replace(" ", "_"): v for k, v in p.estimate.items().items()}}
-                for p in self.probes
-            ],
-            "notes": list(self.notes),
-            "plan_seconds": self.plan_seconds,
-        }
+    def __repr__(self) -> str:
+        from ._report import plan_repr
 
+        return plan_repr(self)
 
-_COLUMNS = (
-    ("remat", None), ("micro", None), ("accum", None), ("frozen", "frozen weights"),
-    ("trainable", "trainable weights"), ("optimizer", "optimizer state"),
-    ("grad acc", "gradient accumulator"), ("batch", "batch"),
-    ("act+temp", "activations and temp"), ("total", "total (need)"),
-)  # fmt: skip
+    def _repr_html_(self) -> str:
+        from ._report import plan_html
 
-
-def probe_table(probes: tuple[Probe, ...], budget_bytes: int) -> list[str]:
-    """One itemized row per probe: weights, optimizer, accumulator, batch, temp, total."""
-    head = "".join(f"{name:>10}" for name, _ in _COLUMNS) + f"{'budget':>10}  fits  why"
-    rows = ["    " + head]
-    for p in probes:
-        items = p.estimate.items()
-        cells = [f"{p.remat:>10}", f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
-        cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[3:]]
-        cells.append(f"{format_bytes(budget_bytes):>10}")
-        rows.append("    " + "".join(cells) + f"  {'yes' if p.fits else 'no ':<4}  {p.why}")
-    return rows
+        return plan_html(self)
 
 
 def plan_from_search(

@@ -59,7 +59,7 @@ def plan_program(
         resolved = resolve_target(device, budget, resident_bytes=resident,
                                   memory_fraction=memory_fraction, mesh=program.mesh)
     notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
-    return search_plan(
+    plan = search_plan(
         lambda b, k: measure_program(program, b, k, resolved.compile_target),
         effective_batch=effective_batch,
         data_parallel=program.data_parallel,
@@ -69,6 +69,22 @@ def plan_program(
         log=log,
         notes=notes,
     )
+    return dataclasses.replace(plan, profile=_profile_key(resolved),
+                               deviceless=resolved.kind == "deviceless")
+
+
+def _profile_key(resolved: ResolvedTarget) -> str | None:
+    """The profile the plan is for: the named one, else this machine's device's."""
+    if resolved.profile is not None:
+        return resolved.profile.key
+    import jax
+
+    from ..devices._detect import detect_device
+
+    if jax.devices()[0].platform == "cpu":
+        return "cpu"
+    detected = detect_device()
+    return detected.profile.key if detected.profile is not None else None
 
 
 def policies_for(adapter: Adapter, remat: str) -> list[str]:
