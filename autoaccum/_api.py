@@ -14,6 +14,7 @@ from .planning._measure import MemoryEstimate, measure_program
 from .planning._objective import validate_objective
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
+from .planning._reuse import reuse_plan
 from .planning._targets import is_deviceless, resolve_target
 from .planning._validate import no_leftovers, validate_effective_batch, validate_positive_int
 from .training._fit_options import refuse_fit_options
@@ -238,6 +239,7 @@ def fit(
     validation_freq: int = 1,
     initial_epoch: int = 0,
     steps_per_epoch: int | None = None,
+    plan: Plan | None = None,
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
@@ -259,6 +261,10 @@ def fit(
         to 4 GiB), ``"host"``, ``"none"``.
       callbacks, validation_data, validation_split, validation_batch_size, validation_steps,
         validation_freq, initial_epoch, steps_per_epoch: Keras models, as ``model.fit``.
+      plan: a :class:`Plan` from :func:`plan` for this model, data and effective batch: fit
+        checks that it matches (sizes of weights, optimizer state and examples, learning-rate
+        rule, device count; not a dry run for another GPU) and trains with it without planning
+        again. Planning options (``budget``, ``device``, ...) are refused next to it.
       **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
         ``class_weight``, ...) get a ``ValueError`` naming the fix.
 
@@ -298,14 +304,26 @@ def fit(
     options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam)
-    the_plan, prepared = plan_model(
-        model, data, adapter=adapter, effective_batch=effective_batch, options=options,
-        budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
-        remat_layers=remat_layers, objective=_default_objective(objective, device),
-        method=plan_method, log=log, where="fit", data_parallel=data_parallel,
-    )
+    if plan is not None:
+        the_plan, prepared = reuse_plan(
+            plan, model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+            remat_layers=remat_layers, data_parallel=data_parallel,
+            planning_options=_given(budget=(budget, None), device=(device, None),
+                                    memory_fraction=(memory_fraction, None),
+                                    remat=(remat, "auto"), objective=(objective, None),
+                                    method=(method, "auto")),
+        )
+    else:
+        the_plan, prepared = plan_model(
+            model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+            budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
+            remat_layers=remat_layers, objective=_default_objective(objective, device),
+            method=plan_method, log=log, where="fit", data_parallel=data_parallel,
+        )
     if log is not None and verbose:
-        print(the_plan.report(), file=log, flush=True)
+        print(the_plan.report() if plan is None else
+              f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
+              file=log, flush=True)
     settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
                            elastic=elastic, backup=backup, mesh=prepared.program.mesh)
     with adapter.remat_context(model, the_plan.remat, remat_layers):
