@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..devices._units import format_bytes
 
 if TYPE_CHECKING:
-    from ._plan import Plan
     from ._search import Probe
+
+Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports this module)
 
 __all__ = [
     "SCHEMA_VERSION",
