@@ -46,7 +46,10 @@ def _prepare_environment(device: str | None) -> None:
 
     if not detect_device().is_gpu:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "JAX_PLATFORMS" not in os.environ:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            if "jax" in sys.modules:  # JAX read the variable at import: tell it directly
+                sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def _plan_parameters() -> set[str]:
@@ -255,7 +258,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
             run_flax_demo(epochs=args.epochs or 3)
             return 0
-        _prepare_environment(None if args.no_dry_run else "t4")
+        _prepare_environment("t4")  # no GPU here: the CPU, and deviceless T4 compiles
         from autoaccum_demo import run_default_demo
 
         run_default_demo(epochs=args.epochs, dry_run=not args.no_dry_run)
@@ -344,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Dry-runs Gemma3-4B (LoRA) on a T4, then plans and LoRA "
                        "fine-tunes a small pretrained Gemma3 on the shipped QA pairs (CPU).")
     m.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
-                   help="fine-tuning epochs (default: 4; the Flax demo: 3)")
+                   help="fine-tuning epochs (default: 6; the Flax demo: 3)")
     m.add_argument("--no-dry-run", action="store_true",
                    help="skip the Gemma3-4B T4 dry run (its compiles take about a minute)")
     m.add_argument("--flax", action="store_true",
