@@ -5,6 +5,10 @@ accumulates gradients exactly over the rest inside one jitted step, scales the l
 rate by a named rule, and trains.
 """
 
+from .cli._quiet import quiet_command_line as _quiet_command_line
+
+_quiet_command_line()  # only for the `autoaccum` command, before JAX is imported
+
 # First: on a machine without a GPU, ``devices`` quiets JAX's and TensorFlow's start-up before
 # anything imports them (see autoaccum/devices/_quiet.py).
 from . import devices as devices
@@ -14,6 +18,7 @@ from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
 from .adapters.flax import rematerialized as rematerialized
+from .adapters.keras.presets import plan_preset as plan_preset
 from .cli import plot_plan as plot_plan
 from .devices import DetectedDevice as DetectedDevice
 from .devices import DevicelessTarget as DevicelessTarget

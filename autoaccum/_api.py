@@ -16,6 +16,7 @@ from .planning._objective import validate_objective
 from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
+from .planning._reuse import reuse_plan
 from .planning._targets import is_deviceless, resolve_target
 from .planning._validate import (
     as_int,
@@ -313,6 +314,7 @@ def fit(
     drop_remainder: bool = False,
     cache: Any = True,
     depth_variant: Any = None,
+    plan: Plan | None = None,
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
@@ -347,6 +349,10 @@ def fit(
       drop_remainder: ``False`` (default): the examples after the last full effective batch
         of an epoch make a final, smaller optimizer step, normalised by its own count;
         ``True``: they are dropped. The plan report and the result say how many.
+      plan: a :class:`Plan` from :func:`plan` for this model, data and effective batch: fit
+        checks that it matches (sizes of weights, optimizer state and examples, learning-rate
+        rule, device count; not a dry run for another GPU) and trains with it without planning
+        again. Planning options (``budget``, ``device``, ...) are refused next to it.
       **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
         ``class_weight``, ...) get a ``ValueError`` naming the fix.
 
@@ -392,17 +398,29 @@ def fit(
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
                                batch_stats=batch_stats)
-    the_plan, prepared = plan_model(
-        model, data, adapter=adapter, effective_batch=effective_batch, options=options,
-        budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
-        remat_layers=remat_layers, objective=_default_objective(objective, device),
-        method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
-        depth_variant=depth_variant,
-    )
+    if plan is not None:
+        the_plan, prepared = reuse_plan(
+            plan, model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+            remat_layers=remat_layers, data_parallel=data_parallel,
+            planning_options=_given(budget=(budget, None), device=(device, None),
+                                    memory_fraction=(memory_fraction, None),
+                                    remat=(remat, "auto"), objective=(objective, None),
+                                    method=(method, "auto"), depth_variant=(depth_variant, None)),
+        )
+    else:
+        the_plan, prepared = plan_model(
+            model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+            budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
+            remat_layers=remat_layers, objective=_default_objective(objective, device),
+            method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
+            depth_variant=depth_variant,
+        )
     if "validation_split" not in framework_options:
         the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))
     if log is not None and verbose:
-        print(the_plan.report(), file=log, flush=True)
+        print(the_plan.report() if plan is None else
+              f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
+              file=log, flush=True)
     settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
                            elastic=elastic, backup=backup, mesh=prepared.program.mesh,
                            on_nonfinite=on_nonfinite, batch_stats=batch_stats,

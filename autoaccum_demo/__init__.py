@@ -1,12 +1,43 @@
 """autoaccum's demos and their data, kept outside the library's import path.
 
-``make demo`` (``autoaccum demo``) runs :func:`run_default_demo`; ``autoaccum demo --flax`` runs
-:func:`run_flax_demo`. The library never imports this package; only the CLI's ``demo``
-command does.
+``make demo`` (``autoaccum demo``) runs :func:`run_default_demo`: the Colab lab's Gemma3-4B on
+a T4 as a dry run, then a real planned and accumulated LoRA fine-tune of a small Gemma3,
+pretrained offline on the shipped text (:func:`tiny_gemma3`, made by
+``python -m autoaccum_demo.pretrain``), on the shipped QA pairs. ``autoaccum demo --flax`` runs
+:func:`run_flax_demo`. The library never imports this package; only the CLI's ``demo`` command
+(and the notebook's offline path) do.
 """
 
-from ._flax_demo import run_default_demo as run_default_demo
+from ._demo import run_default_demo as run_default_demo
+from ._finetune import FinetuneResult as FinetuneResult
+from ._finetune import answer as answer
+from ._finetune import finetune_demo as finetune_demo
+from ._finetune import lab_optimizer as lab_optimizer
 from ._flax_demo import run_flax_demo as run_flax_demo
 from ._flax_demo import tiny_lm_plan_inputs as tiny_lm_plan_inputs
+from ._gemma_tokenizer import format_answer as format_answer
+from ._gemma_tokenizer import format_prompt as format_prompt
+from ._gemma_tokenizer import load_qa as load_qa
+from ._lab_dry_run import LAB as LAB
+from ._lab_dry_run import lab_dry_run as lab_dry_run
+from ._lab_dry_run import lab_summary as lab_summary
+from ._tiny_gemma import tiny_gemma3 as tiny_gemma3
+from ._tiny_gemma import tiny_gemma3_preprocessor as tiny_gemma3_preprocessor
 
-__all__ = ["run_default_demo", "run_flax_demo", "tiny_lm_plan_inputs"]
+__all__ = [
+    "LAB",
+    "FinetuneResult",
+    "answer",
+    "finetune_demo",
+    "format_answer",
+    "format_prompt",
+    "lab_dry_run",
+    "lab_optimizer",
+    "lab_summary",
+    "load_qa",
+    "run_default_demo",
+    "run_flax_demo",
+    "tiny_gemma3",
+    "tiny_gemma3_preprocessor",
+    "tiny_lm_plan_inputs",
+]

@@ -70,15 +70,3 @@ def tiny_lm_plan_inputs(seq_len: int = 96) -> dict:
         "learning_rate": 1e-4,
         "loss_fn": next_token_loss,
     }
-
-
-def run_default_demo(*, epochs: int | None = None) -> None:
-    """``make demo``: plan and LoRA fine-tune the tiny keras-hub Gemma3 on the shipped QA."""
-    from ._gemma_demo import run_keras_demo
-
-    history = run_keras_demo(epochs=epochs or 5)
-    plan = history.autoaccum_plan
-    losses = ", ".join(f"{v:.3f}" for v in history.history["loss"])
-    print(f"plan: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation steps = "
-          f"{plan.effective_batch}; learning rate {plan.lr_scaling.arithmetic()}")
-    print(f"loss per epoch: {losses}")

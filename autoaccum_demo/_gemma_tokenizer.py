@@ -88,7 +88,7 @@ def train_gemma_proto(
     for text in texts:
         key.update(text.encode("utf-8"))
         key.update(b"\0")
-    cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / f"gemma3-spm-{key.hexdigest()[:16]}.model"
     if target.exists():
         return target.read_bytes()
@@ -131,7 +131,8 @@ def _train(texts: Sequence[str], vocabulary_size: int) -> bytes:
     return model.getvalue()
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """``$AUTOACCUM_CACHE``, else ``$XDG_CACHE_HOME/autoaccum``, else a temporary folder."""
     root = os.environ.get("AUTOACCUM_CACHE") or os.environ.get("XDG_CACHE_HOME")
     if root:
         return Path(root) / "autoaccum"

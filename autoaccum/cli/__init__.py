@@ -1,4 +1,4 @@
-"""The ``autoaccum`` command (``plan``, ``devices``, ``demo``) and its reports and plots."""
+"""The ``autoaccum`` command (``plan``, ``devices``, ``demo``) and its plots."""
 
 from ._main import build_parser as build_parser
 from ._main import main as main

@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from ._errors import CliError, import_error_message, report_error
+from ._quiet import quiet_command_line
+from ._tables import print_table
+
+__all__ = ["build_parser", "load_model_function", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become :class:`CliError` (so ``--json`` can report them as JSON)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see: {self.prog} --help)", 2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _prepare_environment(device: str | None) -> None:
@@ -17,32 +42,67 @@ def _prepare_environment(device: str | None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if device is None or device.lower() == "cpu":
         return
-    from ..devices._detect import detect_device
+    from ..devices import detect_device
 
     if not detect_device().is_gpu:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "JAX_PLATFORMS" not in os.environ:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            if "jax" in sys.modules:  # JAX read the variable at import: tell it directly
+                sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def _plan_parameters() -> set[str]:
+    from .._api import plan
+
+    return {name for name, p in inspect.signature(plan).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def load_model_function(spec: str) -> dict[str, Any]:
     """Imports ``module:function`` and calls it; it returns the keyword arguments of
-    :func:`autoaccum.plan` (at least ``model`` and ``data``)."""
+    :func:`autoaccum.plan` (at least ``model`` and ``data``).
+
+    Example:
+      >>> load_model_function("os.path:no_such_builder")
+      Traceback (most recent call last):
+      ...
+      autoaccum.cli._errors.CliError: --model 'os.path:no_such_builder': module 'os.path' has no attribute 'no_such_builder'
+    """  # noqa: E501
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
-        raise SystemExit(
+        raise CliError(
             f"--model takes module:function, e.g. --model mypkg.models:build. Received: {spec!r}"
         )
     sys.path.insert(0, os.getcwd())
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise SystemExit(f"--model {spec!r}: cannot load it ({error}).") from error
-    built = function()
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        if getattr(error, "name", None) == module_name.split(".")[0]:
+            raise CliError(f"--model {spec!r}: no module named {module_name!r} (run from the "
+                           "folder that holds it, or install it)") from error
+        raise CliError(import_error_message(error, f"--model {spec!r}"), 1) from error
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise CliError(f"--model {spec!r}: module {module_name!r} has no attribute "
+                       f"{function_name!r}")
+    try:
+        built = function()
+    except TypeError as error:
+        raise CliError(f"--model {spec!r}: calling {function_name}() raised TypeError: {error}. "
+                       "The builder must take no required arguments and return "
+                       "dict(model=..., data=..., ...).") from error
     if not isinstance(built, dict) or "model" not in built or "data" not in built:
-        raise SystemExit(
+        raise CliError(
             f"--model {spec!r} must return a dict with at least 'model' and 'data' (and the "
-            "options autoaccum.plan takes: optimizer, loss_fn, learning_rate, ...)."
+            "options autoaccum.plan takes: optimizer, loss_fn, learning_rate, ...). Received: "
+            f"{type(built).__name__}" + (f" with keys {sorted(built)}" if isinstance(built, dict)
+                                         else "")
         )
+    unknown = sorted(set(built) - {"model", "data"} - _plan_parameters())
+    if unknown:
+        raise CliError(f"--model {spec!r} returned options autoaccum.plan does not take: "
+                       f"{', '.join(unknown)}. Received: keys {sorted(built)}")
     return built
 
 
@@ -57,78 +117,133 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    _prepare_environment(args.device)
-    if (args.model is None) == (args.preset is None):
-        raise SystemExit("Give exactly one of --model module:function or --preset NAME.")
-    from .._api import plan
+def _list_presets() -> int:
+    from ..adapters.keras.presets import list_architectures, load_architecture
 
-    log = None if args.quiet else sys.stderr
-    if args.preset is not None:
-        from ..adapters.keras.presets import plan_preset
-
-        result = plan_preset(
-            args.preset,
-            effective_batch=args.effective_batch,
-            lora_rank=args.lora_rank,
-            sequence_length=args.seq_len,
-            dtype=args.dtype,
-            optimizer=args.optimizer,
-            device=args.device,
-            budget=args.budget,
-            memory_fraction=args.memory_fraction,
-            remat=args.remat,
-            log=log,
-            cache=not args.no_cache,
-            **_plan_kwargs(args),
-        )
-    else:
-        built = load_model_function(args.model)
-        built.update(_plan_kwargs(args))
-        model, data = built.pop("model"), built.pop("data")
-        result = plan(model, data, effective_batch=args.effective_batch, device=args.device,
-                      budget=args.budget, memory_fraction=args.memory_fraction, log=log,
-                      remat=args.remat, cache=not args.no_cache, **built)
-    if args.plot:
-        from ._plot import plot_plan
-
-        plot_plan(result, args.plot)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.report())
-        if args.plot:
-            print(f"plot written to {args.plot}")
+    rows = []
+    for name in list_architectures():
+        arch = load_architecture(name)
+        rows.append([name, arch.backbone_class, str(arch.backbone_config.get("num_layers", "")),
+                     f"{arch.parameter_count / 1e9:.2f}B", arch.keras_hub_preset])
+    print("Architectures shipped for `autoaccum plan --preset NAME` (nothing is downloaded):")
+    print_table(["preset", "backbone", "layers", "parameters", "keras-hub preset"], rows)
     return 0
 
 
+def _compute_plan(args: argparse.Namespace) -> Any:
+    log = None if args.quiet else sys.stderr
+    if args.preset is not None:
+        try:
+            from ..adapters.keras.presets import plan_preset
+        except ImportError as error:
+            raise CliError(import_error_message(error, "--preset"), 1) from error
+        try:
+            return plan_preset(
+                args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
+                sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
+                device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
+                remat=args.remat, log=log, cache=not args.no_cache, **_plan_kwargs(args),
+            )
+        except ImportError as error:
+            raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
+    from .._api import plan
+
+    built = load_model_function(args.model)
+    built.update(_plan_kwargs(args))
+    model, data = built.pop("model"), built.pop("data")
+    try:
+        return plan(model, data, effective_batch=args.effective_batch, device=args.device,
+                    budget=args.budget, memory_fraction=args.memory_fraction, log=log,
+                    remat=args.remat, cache=not args.no_cache, **built)
+    except ImportError as error:
+        raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
+
+
+def _plot(result: Any, path: str) -> str | None:
+    """Writes the plot; returns an error line instead of raising (the plan is already out)."""
+    try:
+        from ._plot import plot_plan
+
+        plot_plan(result, path)
+    except ImportError as error:
+        return import_error_message(error, "--plot")
+    except (OSError, ValueError) as error:
+        return f"--plot {path!r}: {error}"
+    return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        return _list_presets()
+    if (args.model is None) == (args.preset is None):
+        raise CliError("Give exactly one of --model module:function or --preset NAME "
+                       "(autoaccum plan --list-presets shows the presets).")
+    if args.effective_batch is None:
+        raise CliError("--effective-batch is required: the examples per optimizer step you "
+                       "want, e.g. --effective-batch 8.")
+    _prepare_environment(args.device)
+    result = _compute_plan(args)
+    if args.json:
+        out = result.to_dict()
+        error = _plot(result, args.plot) if args.plot else None
+        if args.plot:
+            out["plot"] = {"path": None, "error": error} if error else {"path": args.plot}
+        print(json.dumps(out, indent=2), flush=True)
+        return 1 if error else 0
+    print(result.report(), flush=True)  # before the plot: a failing plot loses no plan
+    if args.plot:
+        error = _plot(result, args.plot)
+        if error:
+            return report_error(error, code=1, json_mode=False)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
-    from ..devices._detect import detect_device
+    from ..devices import detect_device, host_memory
     from ..devices._profiles import all_profiles
 
     detected = detect_device()
-    rows = []
+    host = host_memory()
+    profiles = []
     for p in all_profiles():
-        memory = f"{p.memory_mib} MiB" if p.memory_mib else "host RAM"
-        cc = ".".join(map(str, p.gpu.compute_capability)) if p.gpu else "-"
-        rows.append((p.key, p.name, memory, cc, "yes" if p.bf16_native else "no",
-                     f"{p.default_memory_fraction:.2f}"))
+        cc = ".".join(map(str, p.gpu.compute_capability)) if p.gpu else None
+        if p.is_gpu:
+            pool, budget = p.pool_bytes(), p.budget_bytes()
+            memory = (p.memory_mib or 0) * 2**20
+        else:
+            pool = budget = None
+            memory = host.total
+        profiles.append({"key": p.key, "name": p.name, "memory_bytes": memory,
+                         "memory_fraction": p.default_memory_fraction, "pool_bytes": pool,
+                         "budget_bytes": budget, "compute_capability": cc,
+                         "bf16_native": p.bf16_native})
+    here = {"source": detected.source, "name": detected.name,
+            "memory_total_bytes": detected.memory_total_bytes,
+            "profile": detected.profile.key if detected.profile else None,
+            "reason": detected.reason}
     if args.json:
-        print(json.dumps({
-            "detected": {"source": detected.source, "name": detected.name,
-                         "memory_total_bytes": detected.memory_total_bytes,
-                         "profile": detected.profile.key if detected.profile else None,
-                         "reason": detected.reason},
-            "profiles": [dict(zip(("key", "name", "memory", "compute_capability",
-                                   "bf16_native", "memory_fraction"), r, strict=True))
-                         for r in rows],
-        }, indent=2))
+        print(json.dumps({"detected": here, "profiles": profiles}, indent=2))
         return 0
-    print(f"{'profile':<12}{'name':<28}{'memory':>12}{'cc':>6}{'bf16':>6}{'fraction':>10}")
-    for r in rows:
-        print(f"{r[0]:<12}{r[1]:<28}{r[2]:>12}{r[3]:>6}{r[4]:>6}{r[5]:>10}")
+    rows = []
+    for p in profiles:
+        gpu = p["pool_bytes"] is not None
+        rows.append([p["key"], p["name"],
+                     _gib(p["memory_bytes"]) + ("" if gpu else " (host)"),
+                     f"{p['memory_fraction']:.2f}" if gpu else "-",
+                     _gib(p["pool_bytes"]) if gpu else "-",
+                     _gib(p["budget_bytes"]) if gpu else "50% of free RAM",
+                     p["compute_capability"] or "-", "yes" if p["bf16_native"] else "no"])
+    print_table(["profile", "name", "memory", "fraction", "JAX pool", "step budget", "cc",
+                 "bf16"], rows)
+    print("JAX pool = memory x the profile's default fraction (what JAX preallocates); step "
+          "budget = pool - cuBLAS/cuDNN workspace; --memory-fraction changes the fraction.")
     profile = detected.profile.key if detected.profile else "no profile"
-    print(f"\ndetected: {detected.name} ({detected.source}, "
+    print(f"\ndetected here: {detected.name} ({detected.source}, "
           f"{detected.memory_total_bytes / 2**30:.1f} GiB, {profile})"
           + (f"\n  {detected.reason}" if detected.reason else ""))
     return 0
@@ -141,70 +256,140 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.flax:
         require_extra("keras", feature="The default demo (a tiny keras-hub Gemma3; "
                       "`autoaccum demo --flax` needs no extra)")
-    if args.flax:
-        from autoaccum_demo._flax_demo import run_flax_demo
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        if args.flax:
+            from autoaccum_demo import run_flax_demo
 
-        run_flax_demo(epochs=args.epochs or 4)
-        return 0
-    from autoaccum_demo._flax_demo import run_default_demo
+            run_flax_demo(epochs=args.epochs or 3)
+            return 0
+        _prepare_environment("t4")  # no GPU here: the CPU, and deviceless T4 compiles
+        from autoaccum_demo import run_default_demo
 
-    run_default_demo(epochs=args.epochs)
+        run_default_demo(epochs=args.epochs, dry_run=not args.no_dry_run)
+    except ImportError as error:
+        raise CliError(import_error_message(error, "autoaccum demo"), 1) from error
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``autoaccum`` argument parser (``plan``, ``devices``, ``demo``).
+
+    Example:
+      >>> build_parser().parse_args(["demo", "--epochs", "2"]).epochs
+      2
+    """
+    from .. import __version__
+
+    parser = _Parser(
         prog="autoaccum",
         description="The batch you want within the memory you have: plan micro-batch x "
         "accumulation from compiled memory, for this machine or a named GPU.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"autoaccum {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("plan", help="dry-run memory report and plan (compile only)")
-    p.add_argument("--model", help="module:function returning dict(model=..., data=..., ...)")
-    p.add_argument("--preset", help="a keras-hub architecture shipped as data, e.g. gemma3_4b")
-    p.add_argument("--effective-batch", type=int, required=True)
-    p.add_argument("--device", help="device profile, e.g. t4, a100-80gb (see autoaccum devices)")
-    p.add_argument("--budget", help="bytes, '12GiB', or a fraction such as '90%%'")
-    p.add_argument("--memory-fraction", type=float, default=None,
+    p = sub.add_parser("plan", help="dry-run memory report and plan (compile only)",
+                       description="Compile the real accumulated train step with abstract inputs "
+                       "(no weights allocated) and choose micro-batch x accumulation steps.")
+    what = p.add_argument_group("what to plan (one of)")
+    what.add_argument("--model", metavar="MODULE:FUNCTION",
+                      help="a function returning dict(model=..., data=..., optimizer=..., "
+                      "loss_fn=..., ...): the keyword arguments of autoaccum.plan")
+    what.add_argument("--preset", metavar="NAME",
+                      help="a keras-hub architecture shipped as data, e.g. gemma3_4b "
+                      "(see --list-presets); nothing is downloaded")
+    what.add_argument("--list-presets", action="store_true",
+                      help="list the shipped architectures and exit")
+    p.add_argument("--effective-batch", type=_positive_int, metavar="N",
+                   help="examples per optimizer step (required)")
+    p.add_argument("--device", metavar="PROFILE",
+                   help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
+                   "compiled deviceless when it is not here. Default: this machine")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="memory one step may need: bytes, '12GiB', or a fraction such as '90%%'. "
+                   "Default: from the device")
+    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
                    "default: the device profile's")
     p.add_argument("--remat", default="auto",
                    help="rematerialization: auto (only if micro-batch 1 does not fit), none, "
-                   "dots, dots_no_batch, nothing (Keras presets: none or nothing)")
-    p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--base-lr", type=float, default=None)
-    p.add_argument("--base-batch", type=int, default=None)
-    p.add_argument("--lr-rule", choices=["linear", "sqrt", "none"], default=None)
-    p.add_argument("--json", action="store_true", help="print a JSON object")
-    p.add_argument("--plot", help="write need vs micro-batch to this PNG")
-    p.add_argument("--quiet", action="store_true", help="no live probe log on stderr")
+                   "dots, dots_no_batch, nothing (Keras presets: none or nothing). Default: auto")
+    preset = p.add_argument_group("--preset options")
+    preset.add_argument("--lora-rank", type=_positive_int, default=None, metavar="R",
+                        help="train LoRA adapters of this rank instead of every weight")
+    preset.add_argument("--seq-len", type=_positive_int, default=512, metavar="L",
+                        help="tokens per example (default: 512)")
+    preset.add_argument("--dtype", default="bfloat16",
+                        help="weights' dtype policy (default: bfloat16)")
+    preset.add_argument("--optimizer", default="adamw",
+                        help="adamw, adam, sgd, adafactor or lion (default: adamw)")
+    lr = p.add_argument_group("learning rate")
+    lr.add_argument("--base-lr", type=float, default=None, metavar="LR",
+                    help="the learning rate tuned for --base-batch (presets: default 5e-5)")
+    lr.add_argument("--base-batch", type=_positive_int, default=None, metavar="B",
+                    help="the batch size --base-lr was tuned for (default: 1)")
+    lr.add_argument("--lr-rule", choices=["linear", "sqrt", "none"], default=None,
+                    help="how the rate scales from --base-batch to --effective-batch "
+                    "(default: linear)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object (errors too: {\"error\": ...})")
+    out.add_argument("--plot", metavar="FILE.png",
+                     help="also write need vs micro-batch to this image (after the report)")
+    out.add_argument("--quiet", action="store_true", help="no live probe log on stderr")
     p.add_argument("--no-cache", action="store_true",
                    help="compile every probe afresh: neither read nor write the need cache "
                    "($AUTOACCUM_CACHE_DIR, default ~/.cache/autoaccum/needs)")
     p.set_defaults(func=cmd_plan)
 
-    d = sub.add_parser("devices", help="list device profiles and what is detected here")
-    d.add_argument("--json", action="store_true")
+    d = sub.add_parser("devices", help="list device profiles and what is detected here",
+                       description="Device profiles: memory, JAX's pool at the default memory "
+                       "fraction, the step budget, and the device detected on this machine.")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_devices)
 
-    m = sub.add_parser("demo", help="plan and fine-tune the embedded default on this machine")
-    m.add_argument("--flax", action="store_true", help="the tiny Flax LM demo instead")
-    m.add_argument("--epochs", type=int, default=None)
+    m = sub.add_parser("demo", help="the lab's story: a Gemma3-4B T4 dry run, then a real "
+                       "planned and accumulated fine-tune on the shipped data",
+                       description="Dry-runs Gemma3-4B (LoRA) on a T4, then plans and LoRA "
+                       "fine-tunes a small pretrained Gemma3 on the shipped QA pairs (CPU).")
+    m.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
+                   help="fine-tuning epochs (default: 6; the Flax demo: 3)")
+    m.add_argument("--no-dry-run", action="store_true",
+                   help="skip the Gemma3-4B T4 dry run (its compiles take about a minute)")
+    m.add_argument("--flax", action="store_true",
+                   help="the tiny Flax LM demo instead (trained from scratch)")
     m.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``autoaccum`` console script."""
-    from ..devices._extras import MissingExtraError
+    """Entry point of the ``autoaccum`` console script; returns the exit status.
 
-    args = build_parser().parse_args(argv)
+    Example:
+      >>> main(["demo", "--epochs", "0"])
+      2
+    """
+    command_line = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    json_mode = "--json" in argv
+    if command_line:
+        quiet_command_line()  # already on when autoaccum was imported by the command itself
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except (ValueError, MissingExtraError) as error:  # bad input, no fit or a missing extra
-        print(f"autoaccum: error: {error}", file=sys.stderr)
-        return 2
+    except CliError as error:
+        return report_error(str(error), code=error.code, json_mode=json_mode)
+    except ValueError as error:  # DoesNotFitError included: bad input or no fit, explained
+        return report_error(str(error), code=2, json_mode=json_mode)
+    except ImportError as error:
+        return report_error(import_error_message(error, "autoaccum"), code=1,
+                            json_mode=json_mode)
+    except KeyboardInterrupt:
+        return report_error("interrupted", code=130, json_mode=json_mode)
+    except Exception as error:
+        if not json_mode:
+            raise
+        traceback.print_exc()
+        return report_error(f"{type(error).__name__}: {error}", code=1, json_mode=True)

@@ -1,15 +1,70 @@
-"""Need vs micro-batch, with the budget line: ``autoaccum plan --plot FILE.png``."""
+"""Need vs micro-batch, the budget line and the choice: ``autoaccum.plot_plan(plan)`` and
+``autoaccum plan --plot FILE.png``.
+
+Built with matplotlib's object-oriented API (``matplotlib.figure.Figure``): no pyplot state and
+no backend change, so a user's own ``plt.show()`` keeps working.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..devices._extras import require_extra
-from ..planning._plan import Plan
+
+if TYPE_CHECKING:
+    from ..planning import Plan
+
+__all__ = ["plot_plan"]
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-def plot_plan(plan: Plan, path: str | Path) -> Path:
+def _unit(largest: float) -> tuple[str, int]:
+    """The largest binary unit in which ``largest`` is at least 1."""
+    for name, size in _UNITS:
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def _limit(plan: Plan) -> Any:
+    from ..planning import limiting_factor
+
+    return limiting_factor(plan)
+
+
+def _figure_class() -> type:
+    from matplotlib.figure import Figure
+
+    class PlanFigure(Figure):
+        """A Figure that notebooks show as a PNG even when pyplot was never imported."""
+
+        def _repr_png_(self) -> bytes:
+            import io
+
+            buffer = io.BytesIO()
+            self.savefig(buffer, format="png")
+            return buffer.getvalue()
+
+    return PlanFigure
+
+
+def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> Any:
     """Draws each probe's compiled need against its micro-batch, the budget and the choice.
+
+    Probes that fit are dots, probes over the budget are red crosses (one curve per
+    rematerialization policy); the star is the chosen micro-batch, and the subtitle says what
+    limited it: memory (the next micro-batch needs more than the budget) or the effective batch
+    (the whole per-device batch fits in one micro-batch). The y unit follows the figures' size.
+
+    Args:
+      plan: a :class:`~autoaccum.Plan` from :func:`autoaccum.plan` (or ``fit``'s plan).
+      path: if given, the figure is also written there (format from the suffix, e.g. ``.png``).
+      dpi: resolution of the saved file and of the notebook image.
+
+    Returns:
+      A ``matplotlib.figure.Figure`` (shown inline by Jupyter when it is a cell's value).
 
     Needs matplotlib (``pip install 'autoaccum[plot]'``).
 
@@ -22,35 +77,66 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
       >>> p = plan(TinyTransformerLM(layers=1, rngs=nnx.Rngs(0)),
       ...          text_windows("a b c d e f g h " * 8, length=8), effective_batch=4,
       ...          budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=next_token_loss, log=None)
-      >>> out = plot_plan(p, pathlib.Path(tempfile.mkdtemp()) / "need.png")
-      >>> out.read_bytes()[1:4] == b"PNG"
-      True
+      >>> out = pathlib.Path(tempfile.mkdtemp()) / "need.png"
+      >>> fig = plot_plan(p, out)
+      >>> out.read_bytes()[1:4] == b"PNG", type(fig).__name__
+      (True, 'PlanFigure')
     """
     require_extra("plot", feature="plot_plan (autoaccum plan --plot)")
-    import matplotlib
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    gib = 2**30
-    probes = sorted(plan.probes, key=lambda p: p.micro_batch)
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    xs = [p.micro_batch for p in probes]
-    ax.plot(xs, [p.need_bytes / gib for p in probes], "o-", color="tab:blue",
-            label="compiled need")
-    for p in probes:
-        if not p.fits:
-            ax.plot(p.micro_batch, p.need_bytes / gib, "x", color="tab:red", markersize=10)
-    ax.axhline(plan.budget_bytes / gib, color="tab:red", linestyle="--",
-               label=f"budget {plan.budget_bytes / gib:.2f} GiB")
-    ax.plot(plan.micro_batch, plan.need_bytes / gib, "*", color="tab:green", markersize=16,
-            label=f"plan: {plan.micro_batch} x {plan.accum_steps} accumulation")
+    probes = sorted(plan.probes, key=lambda p: (p.remat, p.micro_batch))
+    values = [p.need_bytes for p in probes] + [plan.budget_bytes, plan.need_bytes]
+    unit, size = _unit(max(values))
+    fig = _figure_class()(figsize=(7.5, 4.6), dpi=dpi)
+    ax = fig.add_subplot()
+    policies = sorted({p.remat for p in probes}, key=lambda r: (r != plan.remat, r))
+    colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:gray"]
+    failed_labelled = False
+    for i, policy in enumerate(policies):
+        mine = [p for p in probes if p.remat == policy]
+        by_micro: dict[int, Any] = {}
+        for p in mine:  # the last probe at a micro-batch (the verification) wins
+            by_micro[p.micro_batch] = p
+        points = sorted(by_micro.values(), key=lambda p: p.micro_batch)
+        color = colors[i % len(colors)]
+        label = "compiled need" + (f" (remat {policy})" if len(policies) > 1
+                                   or policy != "none" else "")
+        ax.plot([p.micro_batch for p in points], [p.need_bytes / size for p in points], "-",
+                color=color, alpha=0.6, label=label)
+        fits = [p for p in points if p.fits]
+        ax.plot([p.micro_batch for p in fits], [p.need_bytes / size for p in fits], "o",
+                color=color)
+        over = [p for p in points if not p.fits]
+        if over:
+            ax.plot([p.micro_batch for p in over], [p.need_bytes / size for p in over], "x",
+                    color="tab:red", markersize=10, markeredgewidth=2,
+                    label=None if failed_labelled else "does not fit (over the budget)")
+            failed_labelled = True
+    ax.axhline(plan.budget_bytes / size, color="tab:red", linestyle="--", linewidth=1.2,
+               label=f"budget {plan.budget_bytes / size:.3g} {unit} ({plan.budget.source})")
+    ax.plot(plan.micro_batch, plan.need_bytes / size, "*", color="tab:green", markersize=18,
+            markeredgecolor="black", markeredgewidth=0.6, zorder=5,
+            label=f"chosen: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation")
+    for p in {p.micro_batch: p for p in probes if p.remat == plan.remat}.values():
+        ax.annotate(f"{p.need_bytes / size:.3g}", (p.micro_batch, p.need_bytes / size),
+                    textcoords="offset points", xytext=(0, 9), ha="center", fontsize=7.5,
+                    color="dimgray")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("micro-batch per device")
-    ax.set_ylabel("need per step (GiB)")
-    ax.set_title(f"autoaccum: effective batch {plan.effective_batch}\n{plan.target}", fontsize=9)
+    ax.set_ylabel(f"need per step ({unit})")
+    largest = max([p.micro_batch for p in probes] + [plan.micro_batch])
+    ax.set_xlim(0, largest * 1.08 + 0.4)
+    ax.set_ylim(0, max(values) / size * 1.15)
+    where = plan.target.split(",")[0] + (" (deviceless compile)" if plan.deviceless else "")
+    ax.set_title(f"effective batch {plan.effective_batch} = {plan.micro_batch} x "
+                 f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation on {where}",
+                 fontsize=10)
+    fig.text(0.5, 0.015, f"limited by {_limit(plan).detail}", ha="center", va="bottom",
+             fontsize=8.5, color="dimgray", wrap=True)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    if path is not None:
+        fig.savefig(Path(path))
+    return fig

@@ -34,6 +34,9 @@ from ._planner import plan_program as plan_program
 from ._program import StepMetrics as StepMetrics
 from ._program import TrainProgram as TrainProgram
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
+from ._report import SCHEMA_VERSION as SCHEMA_VERSION
+from ._report import Limit as Limit
+from ._report import limiting_factor as limiting_factor
 from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
@@ -45,6 +48,7 @@ from ._targets import resolve_target as resolve_target
 __all__ = [
     "LR_RULES",
     "REMAT_POLICIES",
+    "SCHEMA_VERSION",
     "Adapter",
     "Budget",
     "Candidate",
@@ -55,6 +59,7 @@ __all__ = [
     "DepthVariants",
     "DoesNotFitError",
     "FitSettings",
+    "Limit",
     "LearningRateScaling",
     "MemoryEstimate",
     "NeedCache",
@@ -69,6 +74,7 @@ __all__ = [
     "auto_plan",
     "backoff_search",
     "choose_fastest",
+    "limiting_factor",
     "measure_all",
     "measure_program",
     "parse_budget",

@@ -17,7 +17,25 @@ from ._validate import validate_effective_batch
 class Plan:
     """How one optimizer step of ``effective_batch`` examples is run within memory.
 
-    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds.
+    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds. In a notebook
+    a plan shows as a table; ``repr`` is one line, ``report()`` the full text, ``to_dict()``
+    the JSON-ready form.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> p = autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
+      ...                    optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
+      ...                    budget="1GiB", log=None)
+      >>> repr(p).startswith("Plan(micro_batch=8, accum_steps=1, data_parallel=1")
+      True
+      >>> p.to_dict()["limited_by"], p.to_dict()["schema_version"]
+      ('effective_batch', 1)
+      >>> "limited by" in p.report() and "<table>" in p._repr_html_()
+      True
     """
 
     micro_batch: int
@@ -67,6 +85,10 @@ class Plan:
             return head + f"the last {r} are dropped each epoch (drop_remainder=True)"
         return head + (f"the last {r} make a final, smaller step (its own compiled program, "
                        "normalised by its own count; drop_remainder=False)")
+    profile: str | None = None
+    """The device profile planned for (``"t4"``, ``"cpu"``, ...), when one applies."""
+    deviceless: bool = False
+    """Whether the step was compiled for a GPU that is not on this machine (a dry run)."""
 
     @property
     def lr_rule(self) -> str:
@@ -92,130 +114,28 @@ class Plan:
     def budget_bytes(self) -> int:
         return self.budget.bytes
 
-    def _real_steps(self) -> bool:
-        return any(p.kind == "real step" for p in self.probes)
+    def report(self, *, rich: bool = True) -> str:
+        """A readable report: the split and what limited it, the learning rate, the memory and a
+        table of probes (drawn by rich when installed; ``rich=False`` for plain columns)."""
+        from ._report import plan_report
 
-    def _need_label(self) -> str:
-        if not self.probes:
-            return ""
-        if all(p.kind == "real step" for p in self.probes):
-            return " [compiled without donation; the step ran on the device]"
-        return " [compile-only estimate]"
-
-    def report(self) -> str:
-        """A readable table: probes, the chosen split, memory items and the learning rate."""
-        b = self.budget
-        lines = [
-            f"autoaccum plan ({self.target})",
-            f"  budget            {format_bytes(b.bytes)}  [{b.source}: {b.detail}]",
-            "  probes (compiled, no weights allocated"
-            f"{'; real steps: ran or oom' if self._real_steps() else ''}):",
-            *probe_table(self.probes, self.budget_bytes),
-        ]
-        if self.candidates:
-            lines.append(f"  candidates ({self.objective} objective):")
-            lines.append(f"    {'remat':>13} {'micro':>6} {'accum':>6} {'need':>10} "
-                         f"{'us/example':>11}  source")
-            for c in self.candidates:
-                mark = "  <- chosen" if (c.remat, c.micro_batch) == (self.remat,
-                                                                      self.micro_batch) else ""
-                lines.append(f"    {c.remat:>13} {c.micro_batch:>6} {c.accum_steps:>6} "
-                             f"{format_bytes(c.need_bytes):>10} "
-                             f"{c.seconds_per_example * 1e6:>11.1f}  {c.source}{mark}")
-        lines += [
-            f"  rematerialization {self.remat}",
-            f"  effective batch   {self.effective_batch} = micro_batch {self.micro_batch} x "
-            f"{self.data_parallel} device(s) x {self.accum_steps} accumulation step(s)",
-            f"  learning rate     {self.lr_scaling.arithmetic()}",
-            f"  need              {format_bytes(self.need_bytes)} of "
-            f"{format_bytes(self.budget_bytes)} ({self.need_bytes / max(self.budget_bytes, 1):.0%})"
-            f"{self._need_label()}",
-        ]
-        lines += [f"  note: {note}" for note in self.notes]
-        if self.leftover_note():
-            lines.append(f"  note: {self.leftover_note()}")
-        return "\n".join(lines)
+        return plan_report(self, rich=rich)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary (learning rates that are schedules become strings)."""
+        """A JSON-ready summary with stable snake_case keys and a ``schema_version``."""
+        from ._report import plan_dict
 
-        def plain(v: Any) -> Any:
-            return v if v is None or isinstance(v, int | float) else str(v)
+        return plan_dict(self)
 
-        return {
-            "device": self.target,
-            "budget_bytes": self.budget_bytes,
-            "budget_source": self.budget.source,
-            "micro_batch": self.micro_batch,
-            "accum_steps": self.accum_steps,
-            "data_parallel": self.data_parallel,
-            "effective_batch": self.effective_batch,
-            "max_micro_batch": self.max_micro_batch,
-            "lr_rule": self.lr_rule,
-            "base_learning_rate": plain(self.base_learning_rate),
-            "learning_rate": plain(self.learning_rate),
-            "lr_factor": self.lr_factor,
-            "lr_arithmetic": self.lr_scaling.arithmetic(),
-            "need_bytes": self.need_bytes,
-            "memory": {k.replace(" ", "_"): v for k, v in self.estimate.items().items()},
-            "remat": self.remat,
-            "objective": self.objective,
-            "candidates": [
-                {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
-                 "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
-                 "source": c.source}
-                for c in self.candidates
-            ],
-            "probes": [
-                {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
-                 "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why,
-                 "compile_seconds": p.estimate.compile_seconds,
-                 "memory": {k.replace(" ", "_"): v for k, v in p.estimate.items().items()}}
-                for p in self.probes
-            ],
-            "notes": list(self.notes),
-            "examples": self.examples,
-            "leftover_examples": self.leftover_examples,
-            "drop_remainder": self.drop_remainder,
-            "plan_seconds": self.plan_seconds,
-        }
+    def __repr__(self) -> str:
+        from ._report import plan_repr
 
+        return plan_repr(self)
 
-_COLUMNS = (
-    ("remat", None), ("micro", None), ("accum", None), ("frozen", "frozen weights"),
-    ("trainable", "trainable weights"), ("optimizer", "optimizer state"),
-    ("grad acc", "gradient accumulator"), ("batch", "batch"),
-    ("act+temp", "activations and temp"), ("total", "total (need)"),
-)  # fmt: skip
+    def _repr_html_(self) -> str:
+        from ._report import plan_html
 
-
-def probe_table(probes: tuple[Probe, ...], budget_bytes: int) -> list[str]:
-    """One itemized row per probe: weights, optimizer, accumulator, batch, temp, total."""
-    head = "".join(f"{name:>10}" for name, _ in _COLUMNS) + f"{'budget':>10}  fits  why"
-    rows = ["    " + head]
-    for p in probes:
-        items = p.estimate.items()
-        cells = [f"{p.remat:>10}", f"{p.micro_batch:>10}", f"{p.accum_steps:>10}"]
-        cells += [f"{format_bytes(items[key]):>10}" for _, key in _COLUMNS[3:]]
-        cells.append(f"{format_bytes(budget_bytes):>10}")
-        rows.append("    " + "".join(cells) + f"  {verdict(p, budget_bytes):<4}  {p.why}")
-    return rows
-
-
-def verdict(probe: Probe, budget_bytes: int) -> str:
-    """The table's fits column: compiles ``yes``/``no`` against the budget; real steps ``ran``
-    or ``oom`` (a real step's row shows its non-donating compile, which can be above the
-    budget although the donating step fits), so ``yes`` never sits beside a need above it.
-
-    Example:
-      >>> from autoaccum.planning._measure import MemoryEstimate
-      >>> e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
-      >>> verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80)
-      'ran'
-    """
-    if probe.kind == "real step":
-        return "ran" if probe.fits else "oom"
-    return "yes" if probe.fits and probe.need_bytes <= budget_bytes else "no"
+        return plan_html(self)
 
 
 def plan_from_search(

@@ -81,10 +81,12 @@ def plan_program(
     notes += tuple(resolved.budget.margin_lines())
     need_cache = resolve_cache(cache)
     if depth_variants is not None and depth_variants.worthwhile and mesh is None:
-        return plan_by_depth(depth_variants, effective_batch=effective_batch,
-                             lr_scaling=lr_scaling, budget=resolved.budget,
-                             target=resolved.compile_target, cache=need_cache, log=log,
-                             notes=notes)
+        by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
+                                 lr_scaling=lr_scaling, budget=resolved.budget,
+                                 target=resolved.compile_target, cache=need_cache, log=log,
+                                 notes=notes)
+        return dataclasses.replace(by_depth, profile=_profile_key(resolved),
+                                   deviceless=resolved.kind == "deviceless")
     built: list[TrainProgram] = []
 
     def the_program() -> TrainProgram:
@@ -105,7 +107,28 @@ def plan_program(
         log=log,
         notes=notes,
     )
-    return dataclasses.replace(plan, probes=label_sources(plan.probes))
+    return _finish(plan, resolved)
+
+
+def _finish(plan: Plan, resolved: ResolvedTarget) -> Plan:
+    """``plan`` with its probes labelled by source, and the profile it is for."""
+    return dataclasses.replace(plan, probes=label_sources(plan.probes),
+                               profile=_profile_key(resolved),
+                               deviceless=resolved.kind == "deviceless")
+
+
+def _profile_key(resolved: ResolvedTarget) -> str | None:
+    """The profile the plan is for: the named one, else this machine's device's."""
+    if resolved.profile is not None:
+        return resolved.profile.key
+    import jax
+
+    from ..devices._detect import detect_device
+
+    if jax.devices()[0].platform == "cpu":
+        return "cpu"
+    detected = detect_device()
+    return detected.profile.key if detected.profile is not None else None
 
 
 def policies_for(adapter: Adapter, remat: str) -> list[str]:

@@ -1,42 +1,65 @@
-"""The ``autoaccum`` command line: plan (JSON schema, plot), devices, and its errors."""
+"""The ``autoaccum`` command line: plan (JSON schema, plot), devices, presets, help, and its
+errors (one clear line, or ``{"error": ...}`` under ``--json``, and a non-zero exit)."""
 
+import argparse
 import json
+import sys
 
 import pytest
 
-from autoaccum.cli._main import main
+import autoaccum
+from autoaccum.cli._main import build_parser, main
 
 TINY = ["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch", "8"]
+SMALL = ["plan", "--model", "tests._plans:builder", "--effective-batch", "16"]
 
 
 @pytest.mark.slow
 def test_plan_json_has_the_documented_schema(capsys):
     assert main([*TINY, "--budget", "64MiB", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key, kind in [("device", str), ("budget_bytes", int), ("micro_batch", int),
+    for key, kind in [("schema_version", int), ("device", str), ("profile", str),
+                      ("deviceless", bool), ("budget_bytes", int), ("micro_batch", int),
                       ("accum_steps", int), ("effective_batch", int), ("learning_rate", float),
-                      ("need_bytes", int), ("probes", list), ("lr_arithmetic", str)]:
+                      ("need_bytes", int), ("probes", list), ("lr_arithmetic", str),
+                      ("limited_by", str)]:
         assert isinstance(out[key], kind), key
     assert out["micro_batch"] * out["accum_steps"] * out["data_parallel"] == 8
-    assert out["budget_bytes"] == 64 * 2**20
+    assert out["budget_bytes"] == 64 * 2**20 and out["profile"] == "cpu"
     for probe in out["probes"]:
         assert {"micro_batch", "need_bytes", "fits"} <= set(probe)
         assert set(probe["memory"]) >= {"frozen_weights", "trainable_weights", "optimizer_state",
                                         "gradient_accumulator", "batch", "activations_and_temp"}
 
 
-@pytest.mark.slow
 def test_plan_table_itemizes_each_probe_and_plots(tmp_path, capsys):
     png = tmp_path / "need.png"
-    assert main([*TINY, "--budget", "64MiB", "--lr-rule", "sqrt", "--base-lr", "1e-4",
+    assert main([*SMALL, "--budget", "64MiB", "--lr-rule", "sqrt", "--base-lr", "1e-4",
                  "--plot", str(png)]) == 0
     captured = capsys.readouterr()
     assert "compiling micro_batch=2" in captured.err  # live progress
     for column in ("frozen", "trainable", "optimizer", "grad acc", "batch", "act+temp",
-                   "total", "budget", "fits"):
+                   "total", "budget", "fits", "limited by"):
         assert column in captured.out
-    assert "sqrt(8/1), sqrt" in captured.out
+    assert "sqrt(16/1), sqrt" in captured.out
+    assert captured.out.index("autoaccum plan") < captured.out.index("plot written to")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failing_plot_loses_no_plan_and_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.ticker", None)
+    assert main([*SMALL, "--budget", "64MiB", "--quiet", "--plot", str(tmp_path / "p.png")]) == 1
+    captured = capsys.readouterr()
+    assert "effective batch   16 = micro_batch" in captured.out  # the plan came first
+    err = captured.err.strip().splitlines()
+    assert err == ["autoaccum: error: --plot needs matplotlib, which is not installed: "
+                   "pip install 'autoaccum[plot]'"]
+    assert main([*SMALL, "--budget", "64MiB", "--quiet", "--json",
+                 "--plot", str(tmp_path / "p.png")]) == 1
+    out = json.loads(capsys.readouterr().out)  # one JSON document: the plan and the plot error
+    assert out["micro_batch"] * out["accum_steps"] == 16
+    assert "autoaccum[plot]" in out["plot"]["error"]
 
 
 @pytest.mark.slow
@@ -44,6 +67,7 @@ def test_plan_for_a_named_gpu_is_deviceless_and_says_so(capsys):
     assert main([*TINY, "--device", "t4", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "deviceless" in out["device"] and out["budget_source"] == "profile"
+    assert out["deviceless"] is True and out["profile"] == "t4"
 
 
 def test_unknown_device_lists_known_ones(capsys):
@@ -52,9 +76,37 @@ def test_unknown_device_lists_known_ones(capsys):
     assert "k80" in err and "t4" in err and "h100" in err
 
 
+def test_errors_under_json_are_one_json_object_on_stdout(capsys):
+    assert main([*TINY, "--device", "k80", "--quiet", "--json"]) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert set(out) == {"error", "exit_code"} and "k80" in out["error"] and out["exit_code"] == 2
+    assert main(["plan", "--effective-batch", "x", "--json"]) == 2  # a usage error too
+    assert "expected a whole number" in json.loads(capsys.readouterr().out)["error"]
+
+
 def test_unknown_architecture_suggests_near_names(capsys):
     assert main(["plan", "--preset", "gemma3-4", "--effective-batch", "8", "--quiet"]) == 2
     assert "gemma3_4b" in capsys.readouterr().err
+
+
+def test_missing_keras_extra_is_one_line_naming_the_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "keras_hub", None)
+    assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["autoaccum: error: --preset gemma3_1b needs keras_hub, which is not "
+                   "installed: pip install 'autoaccum[keras]'"]
+
+
+@pytest.mark.parametrize("builder, expected", [
+    ("builder_needing_an_argument", "calling builder_needing_an_argument() raised TypeError"),
+    ("builder_with_unknown_option", "returned options autoaccum.plan does not take: batch_sise"),
+    ("no_such_builder", "has no attribute 'no_such_builder'"),
+])
+def test_model_builder_mistakes_are_one_clear_line(builder, expected, capsys):
+    assert main(["plan", "--model", f"tests._plans:{builder}", "--effective-batch", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
 
 
 def test_budget_larger_than_device_is_refused(capsys):
@@ -62,15 +114,60 @@ def test_budget_larger_than_device_is_refused(capsys):
     assert "larger than the memory" in capsys.readouterr().err
 
 
-def test_model_and_preset_are_exclusive():
-    with pytest.raises(SystemExit, match="exactly one"):
-        main(["plan", "--effective-batch", "8"])
+def test_model_and_preset_are_exclusive(capsys):
+    assert main(["plan", "--effective-batch", "8"]) == 2
+    assert "exactly one of --model" in capsys.readouterr().err
 
 
-def test_devices_lists_profiles_and_detection(capsys):
+def test_demo_refuses_zero_epochs(capsys):
+    assert main(["demo", "--epochs", "0"]) == 2
+    assert "--epochs: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"autoaccum {autoaccum.__version__}"
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help_text():
+    missing = [f"{p.prog} {a.option_strings or a.dest}" for p in _parsers(build_parser())
+               for a in p._actions
+               if not isinstance(a, argparse._SubParsersAction) and not (a.help or "").strip()]
+    assert missing == []
+
+
+def test_presets_are_listed(capsys):
+    assert main(["plan", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gemma3_4b", "llama3.2_1b", "mistral_7b"):
+        assert name in out
+    assert "gemma3_instruct_4b_text" in out
+
+
+def test_devices_table_shows_memory_and_pool_at_the_default_fraction(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "JAX pool" in out and "fraction" in out and "detected here" in out
+    t4 = next(line for line in out.splitlines() if line.split()[:1] == ["t4"])
+    assert "15.0 GiB" in t4 and "0.90" in t4 and "13.3 GiB" in t4
+
+
+def test_devices_json_lists_profiles_pools_and_detection(capsys):
     assert main(["devices", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     keys = {p["key"] for p in out["profiles"]}
     assert {"t4", "l4", "p100", "v100-16gb", "v100-32gb", "a10g", "a100-40gb", "a100-80gb",
             "h100-80gb", "h200", "rtx3090", "rtx4090", "cpu"} <= keys
+    t4 = next(p for p in out["profiles"] if p["key"] == "t4")
+    assert t4["pool_bytes"] == int(15102 * 2**20 * 0.9) and t4["memory_fraction"] == 0.9
     assert out["detected"]["source"] in ("nvml", "jax", "cpu")

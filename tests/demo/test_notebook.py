@@ -1,6 +1,9 @@
-"""The Colab notebook runs top to bottom offline (embedded tiny model, CPU)."""
+"""The Colab notebook is the lab redone on autoaccum's public API, and runs top to bottom offline
+(the small shipped Gemma3, CPU)."""
 
+import base64
 import os
+import re
 
 import nbformat
 import pytest
@@ -8,24 +11,64 @@ from nbclient import NotebookClient
 
 from tests._paths import REPO
 
-pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
-
 NOTEBOOK = REPO / "notebooks" / "colab_t4_gemma3.ipynb"
 
 
+def _sources() -> list[str]:
+    return [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+            if c.cell_type == "code"]
+
+
+def _index(sources: list[str], text: str) -> int:
+    return next(i for i, s in enumerate(sources) if text in s)
+
+
+def test_notebook_uses_the_public_api_and_keeps_the_labs_order_and_arguments():
+    sources = _sources()
+    code = "\n".join(sources)
+    assert not re.search(r"autoaccum(_demo)?\._", code)  # no private module
+    assert '%pip install -q "autoaccum[keras,dryrun,plot]"' in code  # plotting included
+    configure, keras_import = _index(sources, "autoaccum.configure("), _index(sources,
+                                                                             "import keras")
+    dry_run, weights = _index(sources, "plan_preset("), _index(sources, "from_preset(")
+    assert configure < keras_import < dry_run < weights  # the dry run before any weight
+    model = sources[weights]
+    for argument in ('"gemma3_instruct_4b_text"', "enable_lora(rank=4)", "400, 5e-5",
+                     "beta_2=0.95", "epsilon=1e-6", "clipnorm=0.5"):
+        assert argument in model, argument
+    assert "sequence_length=400" in sources[dry_run] and "lora_rank=4" in sources[dry_run]
+    fit = sources[_index(sources, "autoaccum.fit(")]
+    assert "effective_batch=8" in fit and "plan=plan" in fit and "callbacks=" in fit
+    assert _index(sources, "autoaccum.plan(") < _index(sources, "autoaccum.fit(")
+
+
+@pytest.mark.slow
 def test_colab_notebook_runs_offline_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOACCUM_OFFLINE", "1")
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a user's machine
     monkeypatch.delenv("KERAS_BACKEND", raising=False)  # configure() must set it
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = "\n".join(
-        out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-        for out in cell.get("outputs", []) if out.get("output_type") == "stream"
-    )
-    assert "offline (embedded tiny model): True" in outputs
-    assert "accumulation step(s)" in outputs and "loss per epoch" in outputs
-    assert "deviceless compile" in outputs
-    assert (tmp_path / "plan.png").exists()
+    cells = [c for c in notebook.cells if c.cell_type == "code"]
+    text = {i: "\n".join(o.get("text", "") for o in c.outputs if o.output_type == "stream")
+            for i, c in enumerate(cells)}
+    html = {i: "\n".join(o.get("data", {}).get("text/html", "") for o in c.outputs
+                         if o.output_type == "execute_result") for i, c in enumerate(cells)}
+    pngs = [(i, base64.b64decode(o["data"]["image/png"])) for i, c in enumerate(cells)
+            for o in c.outputs if "image/png" in o.get("data", {})]
+    sources = [c.source for c in cells]
+    assert "offline (the small shipped Gemma3 on this machine): True" in text[0]
+    dry = html[_index(sources, "plan_preset(")]
+    assert "8 = micro_batch 1 x 1 device(s) x 8 accumulation step(s)" in dry
+    assert "deviceless compile" in dry and "memory: micro_batch 2 needs" in dry
+    planned = html[_index(sources, "autoaccum.plan(")]
+    assert "8 = micro_batch 2 x 1 device(s) x 4 accumulation step(s)" in planned
+    assert len(pngs) == 2 and all(png[:8] == b"\x89PNG\r\n\x1a\n" for _, png in pngs)
+    trained = text[_index(sources, "autoaccum.fit(")]
+    assert "[epoch 1]" in trained and "[epoch 6]" in trained
+    result = text[_index(sources, "loss per epoch")]
+    losses = [float(v) for v in re.search(r"loss per epoch: \[(.*)\]", result)[1].split(",")]
+    assert losses[-1] <= 0.5 * losses[0]
+    assert "optimizer steps: 186 (= 6 epochs x 31 steps of 8 examples)" in result
     assert os.environ.get("AUTOACCUM_OFFLINE") == "1"

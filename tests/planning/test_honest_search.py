@@ -10,7 +10,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.planning._measure import MemoryEstimate
-from autoaccum.planning._plan import verdict
+from autoaccum.planning._report import verdict
 from autoaccum.planning._search import search_micro_batch
 from tests._models import TinyLM, ragged_tokens, token_loss
 

@@ -1,0 +1,66 @@
+"""How the command line reports a failure: one line on stderr, or ``{"error": ...}`` on stdout
+under ``--json``, and a non-zero exit status."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["EXTRAS", "CliError", "import_error_message", "report_error"]
+
+EXTRAS = {
+    "keras": "keras",
+    "keras_hub": "keras",
+    "tensorflow": "keras",
+    "sentencepiece": "keras",
+    "matplotlib": "plot",
+    "jax_plugins": "dryrun",
+    "pynvml": "dryrun",
+}
+"""Top-level module -> the ``autoaccum[...]`` extra that installs it."""
+
+
+class CliError(Exception):
+    """A failure the user can fix, with the exit status the command returns.
+
+    Example:
+      >>> CliError("Give --effective-batch.").code
+      2
+    """
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def import_error_message(error: ImportError, what: str) -> str:
+    """One line naming the missing package and the ``pip install`` that fixes it.
+
+    Example:
+      >>> import_error_message(ModuleNotFoundError("No module named 'matplotlib'",
+      ...                                          name="matplotlib"), "--plot")
+      "--plot needs matplotlib, which is not installed: pip install 'autoaccum[plot]'"
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    module = (getattr(error, "name", None) or "").split(".")[0]
+    if "jax-cuda12-plugin" in text or module == "jax_plugins":
+        return f"{what}: {text} (or: pip install 'autoaccum[dryrun]')"
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return f"{what} failed to import a package: {text}"
+    return f"{what} needs {module}, which is not installed: pip install 'autoaccum[{extra}]'"
+
+
+def report_error(message: str, *, code: int, json_mode: bool) -> int:
+    """Prints the error where the mode says and returns ``code``.
+
+    Example:
+      >>> report_error("bad", code=2, json_mode=True)
+      {"error": "bad", "exit_code": 2}
+      2
+    """
+    if json_mode:
+        print(json.dumps({"error": message, "exit_code": code}), flush=True)
+    else:
+        print(f"autoaccum: error: {message}", file=sys.stderr, flush=True)
+    return code

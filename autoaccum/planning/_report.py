@@ -1,0 +1,337 @@
+"""How a :class:`~autoaccum.planning.Plan` shows itself: a short repr, a text report (a rich table
+with a plain fallback), an HTML table for notebooks, a JSON-ready dict, and why the micro-batch
+is what it is."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import io
+import re
+from typing import Any, NamedTuple
+
+from ..devices._units import format_bytes
+from ._search import Probe
+
+Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports this module)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Limit",
+    "limiting_factor",
+    "plan_dict",
+    "plan_html",
+    "plan_repr",
+    "plan_report",
+    "snake_case",
+    "verdict",
+]
+
+SCHEMA_VERSION = 1
+"""Version of :func:`plan_dict`'s layout; raised when a key changes meaning or disappears."""
+
+
+class Limit(NamedTuple):
+    """What capped the micro-batch: ``kind`` and a sentence saying so."""
+
+    kind: str
+    """``"memory"``, ``"effective_batch"``, ``"divisibility"`` or ``"throughput"``."""
+    detail: str
+
+
+def snake_case(name: str) -> str:
+    """A stable JSON key for a report label.
+
+    Example:
+      >>> snake_case("total (need)"), snake_case("activations and temp")
+      ('total_need', 'activations_and_temp')
+    """
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def _per_device(plan: Plan) -> int:
+    return plan.effective_batch // max(plan.data_parallel, 1)
+
+
+def limiting_factor(plan: Plan) -> Limit:
+    """Why the plan's micro-batch is not larger: memory, the effective batch itself,
+    divisibility of the per-device batch, or the throughput objective."""
+    per_device = _per_device(plan)
+    if plan.objective == "throughput" and plan.candidates:
+        return Limit("throughput", f"throughput: the fastest of {len(plan.candidates)} fitting "
+                     "candidates (not necessarily the largest micro-batch)")
+    if plan.micro_batch >= per_device:
+        return Limit("effective_batch", f"effective batch: micro_batch {plan.micro_batch} is the "
+                     f"whole per-device batch of {per_device}, so no accumulation is needed")
+    if plan.max_micro_batch > plan.micro_batch:
+        return Limit("divisibility", f"divisibility: micro_batch {plan.max_micro_batch} fits but "
+                     f"does not divide {per_device}; {plan.micro_batch} is the largest divisor "
+                     "below it")
+    over = [p for p in plan.probes if not p.fits and p.micro_batch > plan.micro_batch
+            and p.remat == plan.remat]
+    if over:
+        first = min(over, key=lambda p: p.micro_batch)
+        if first.need_bytes > plan.budget_bytes:
+            return Limit("memory", f"memory: micro_batch {first.micro_batch} needs "
+                         f"{format_bytes(first.need_bytes)}, over the "
+                         f"{format_bytes(plan.budget_bytes)} budget")
+        return Limit("memory", f"memory: micro_batch {first.micro_batch} did not fit "
+                     f"({first.why or first.error or 'out of memory'})")
+    return Limit("memory", f"memory: the next divisor of {per_device} above "
+                 f"{plan.micro_batch} does not fit the {format_bytes(plan.budget_bytes)} budget")
+
+
+def plan_repr(plan: Plan) -> str:
+    """One line: the split, memory, what limited it, the learning rate and the target (see the
+    :class:`~autoaccum.planning.Plan` example)."""
+    where = plan.profile or plan.target.split(",")[0]
+    if plan.deviceless:
+        where += ", deviceless"
+    lr = plan.learning_rate
+    lr_text = f"{lr:.4g}" if isinstance(lr, int | float) else ("schedule" if lr else "None")
+    return (f"Plan(micro_batch={plan.micro_batch}, accum_steps={plan.accum_steps}, "
+            f"data_parallel={plan.data_parallel}, effective_batch={plan.effective_batch}, "
+            f"need={format_bytes(plan.need_bytes)!r}, budget={format_bytes(plan.budget_bytes)!r}, "
+            f"limited_by={limiting_factor(plan).kind!r}, learning_rate={lr_text}, "
+            f"remat={plan.remat!r}, target={where!r})")
+
+
+def _need_label(plan: Plan) -> str:
+    if not plan.probes:
+        return ""
+    if all(p.kind == "real step" for p in plan.probes):
+        return " [compiled without donation; the step ran on the device]"
+    return " [compile-only estimate]"
+
+
+def _summary(plan: Plan) -> list[tuple[str, str]]:
+    b = plan.budget
+    need = (f"{format_bytes(plan.need_bytes)} of {format_bytes(plan.budget_bytes)} "
+            f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}")
+    return [
+        ("effective batch", f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "
+                            f"{plan.data_parallel} device(s) x {plan.accum_steps} "
+                            "accumulation step(s)"),
+        ("limited by", limiting_factor(plan).detail),
+        ("learning rate", plan.lr_scaling.arithmetic()),
+        ("need", need),
+        ("budget", f"{format_bytes(b.bytes)}  [{b.source}: {b.detail}]"),
+        ("rematerialization", plan.remat),
+    ]
+
+
+_COLUMNS = (
+    ("frozen", "frozen weights"), ("trainable", "trainable weights"),
+    ("optimizer", "optimizer state"), ("other", "other state"),
+    ("grad acc", "gradient accumulator"), ("batch", "batch"),
+    ("act+temp", "activations and temp"), ("total", "total (need)"),
+)  # fmt: skip
+
+
+def _probe_rows(probes: tuple[Probe, ...], budget_bytes: int) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the probe table (the ``other`` column only when some probe has it)."""
+    columns = [c for c in _COLUMNS
+               if c[0] != "other" or any(p.estimate.other_state_bytes for p in probes)]
+    head = ["remat", "micro", "accum", *(name for name, _ in columns), "budget", "fits", "why"]
+    rows = []
+    for p in probes:
+        items = p.estimate.items()
+        rows.append([p.remat, str(p.micro_batch), str(p.accum_steps),
+                     *(format_bytes(items[key]) for _, key in columns),
+                     format_bytes(budget_bytes), verdict(p, budget_bytes), p.why])
+    return head, rows
+
+
+def verdict(probe: Probe, budget_bytes: int) -> str:
+    """The table's fits column: compiles ``yes``/``no`` against the budget; real steps ``ran``
+    or ``oom`` (a real step's row shows its non-donating compile, which can be above the
+    budget although the donating step fits), so ``yes`` never sits beside a need above it.
+
+    Example:
+      >>> from autoaccum.planning._measure import MemoryEstimate
+      >>> e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
+      >>> verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80)
+      'ran'
+    """
+    if probe.kind == "real step":
+        return "ran" if probe.fits else "oom"
+    return "yes" if probe.fits and probe.need_bytes <= budget_bytes else "no"
+
+
+def _candidate_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
+    head = ["remat", "micro", "accum", "need", "us/example", "source", ""]
+    rows = []
+    for c in plan.candidates:
+        chosen = (c.remat, c.micro_batch) == (plan.remat, plan.micro_batch)
+        rows.append([c.remat, str(c.micro_batch), str(c.accum_steps), format_bytes(c.need_bytes),
+                     f"{c.seconds_per_example * 1e6:.1f}", c.source, "<- chosen" if chosen else ""])
+    return head, rows
+
+
+def _plain_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns (the last one left-aligned), indented by four spaces."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    out = []
+    for r in [head, *rows]:
+        cells = [c.rjust(w) for c, w in zip(r[:-1], widths[:-1], strict=True)]
+        out.append("    " + "  ".join([*cells, r[-1]]).rstrip())
+    return out
+
+
+def _rich_table(head: list[str], rows: list[list[str]]) -> list[str] | None:
+    """The same table drawn by rich, or ``None`` when rich is not installed."""
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return None
+    table = Table(*head, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for column in table.columns[:-1]:
+        column.justify = "right"
+    for row in rows:
+        table.add_row(*row)
+    buffer = io.StringIO()
+    Console(file=buffer, width=400, color_system=None, highlight=False,
+            force_terminal=False, force_jupyter=False, soft_wrap=False).print(table)
+    return ["    " + line.rstrip() for line in buffer.getvalue().splitlines() if line.strip()]
+
+
+def plan_report(plan: Plan, *, rich: bool = True) -> str:
+    """The plan as text: the split and why, the learning rate, memory, and a table of probes.
+
+    ``rich=False`` (or rich not installed) draws the tables with plain spaces.
+    """
+    title = f"autoaccum plan ({plan.target})"
+    lines = [title]
+    lines += [f"  {key:<17} {value}" for key, value in _summary(plan)]
+
+    def table(head: list[str], rows: list[list[str]]) -> list[str]:
+        drawn = _rich_table(head, rows) if rich else None
+        return drawn if drawn is not None else _plain_table(head, rows)
+
+    if plan.probes:
+        real = any(p.kind == "real step" for p in plan.probes)
+        lines.append("  probes (compiled, no weights allocated"
+                     f"{'; real steps: ran or oom' if real else ''}):")
+        lines += table(*_probe_rows(plan.probes, plan.budget_bytes))
+    if plan.candidates:
+        lines.append(f"  candidates ({plan.objective} objective):")
+        lines += table(*_candidate_rows(plan))
+    lines += [f"  note: {note}" for note in plan.notes]
+    if plan.leftover_note():
+        lines.append(f"  note: {plan.leftover_note()}")
+    return "\n".join(lines)
+
+
+def _html_table(head: list[str], rows: list[list[str]], *, marks: list[str] | None = None) -> str:
+    style = "padding:2px 8px;text-align:right;font-family:monospace"
+    th = "".join(f'<th style="{style}">{html.escape(h)}</th>' for h in head)
+    body = []
+    for i, row in enumerate(rows):
+        bg = f' style="background:{marks[i]};color:#111"' if marks and marks[i] else ""
+        tds = "".join(f'<td style="{style}">{html.escape(c)}</td>' for c in row)
+        body.append(f"<tr{bg}>{tds}</tr>")
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def plan_html(plan: Plan) -> str:
+    """The report as HTML tables (what a notebook shows for a bare ``plan``)."""
+    summary = "".join(
+        f'<tr><th style="text-align:left;padding:2px 8px">{html.escape(k)}</th>'
+        f'<td style="text-align:left;padding:2px 8px">{html.escape(v)}</td></tr>'
+        for k, v in _summary(plan)
+    )
+    parts = [f"<div><strong>autoaccum plan</strong> ({html.escape(plan.target)})",
+             f"<table>{summary}</table>"]
+    if plan.probes:
+        head, rows = _probe_rows(plan.probes, plan.budget_bytes)
+        chosen = [("#d4f4dd" if (p.micro_batch, p.remat) == (plan.micro_batch, plan.remat)
+                   and p.fits else "" if p.fits else "#fbe3e4") for p in plan.probes]
+        parts += ["<p>probes (compiled, no weights allocated)</p>",
+                  _html_table(head, rows, marks=chosen)]
+    if plan.candidates:
+        parts += [f"<p>candidates ({html.escape(plan.objective)} objective)</p>",
+                  _html_table(*_candidate_rows(plan))]
+    parts += [f"<p>note: {html.escape(n)}</p>" for n in plan.notes]
+    if plan.leftover_note():
+        parts.append(f"<p>note: {html.escape(plan.leftover_note())}</p>")
+    return "".join(parts) + "</div>"
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: numbers, strings, booleans and None as they are, anything else as text."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _memory(estimate: Any) -> dict[str, int]:
+    return {snake_case(k): v for k, v in estimate.items().items()}
+
+
+_HANDLED = {
+    "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
+    "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
+    "objective", "candidates", "profile", "deviceless",
+}  # examples, drop_remainder: the loop below; leftover_examples is added by hand
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """A JSON-ready dict with stable snake_case keys (see :data:`SCHEMA_VERSION`).
+
+    Learning rates that are schedules become strings; memory figures are bytes. Fields added
+    to :class:`Plan` later appear under their own name when their value is JSON-ready.
+    """
+    limit = limiting_factor(plan)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "device": plan.target,
+        "profile": plan.profile,
+        "deviceless": plan.deviceless,
+        "budget_bytes": plan.budget_bytes,
+        "budget_source": plan.budget.source,
+        "budget_detail": plan.budget.detail,
+        "micro_batch": plan.micro_batch,
+        "accum_steps": plan.accum_steps,
+        "data_parallel": plan.data_parallel,
+        "effective_batch": plan.effective_batch,
+        "max_micro_batch": plan.max_micro_batch,
+        "limited_by": limit.kind,
+        "limited_by_detail": limit.detail,
+        "lr_rule": plan.lr_rule,
+        "base_batch": plan.lr_scaling.base_batch,
+        "base_learning_rate": _plain(plan.base_learning_rate),
+        "learning_rate": _plain(plan.learning_rate),
+        "lr_factor": plan.lr_factor,
+        "lr_arithmetic": plan.lr_scaling.arithmetic(),
+        "need_bytes": plan.need_bytes,
+        "memory": _memory(plan.estimate),
+        "remat": plan.remat,
+        "objective": plan.objective,
+        "candidates": [
+            {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
+             "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
+             "source": c.source}
+            for c in plan.candidates
+        ],
+        "probes": [
+            {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+             "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why, "kind": p.kind,
+             "error": p.error, "compile_seconds": p.estimate.compile_seconds,
+             "memory": _memory(p.estimate)}
+            for p in plan.probes
+        ],
+        "notes": list(plan.notes),
+        "plan_seconds": plan.plan_seconds,
+        "leftover_examples": plan.leftover_examples,
+    }
+    for f in dataclasses.fields(plan):
+        if f.name in _HANDLED or f.name in out:
+            continue
+        value = getattr(plan, f.name)
+        if isinstance(value, tuple | list):
+            out[snake_case(f.name)] = [_plain(v) for v in value]
+        else:
+            out[snake_case(f.name)] = _plain(value)
+    return out

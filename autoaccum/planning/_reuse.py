@@ -1,0 +1,128 @@
+"""``autoaccum.fit(..., plan=p)``: train with a plan made earlier, after checking that it was
+made for this model, this data and this effective batch (no second planning)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..devices._mesh import resolve_mesh
+from ..devices._units import format_bytes
+from ._adapter import Adapter, Prepared
+from ._plan import Plan
+from ._planner import prepare
+from ._program import tree_bytes
+from ._validate import check_enough_examples, no_leftovers
+
+__all__ = ["PLANNING_OPTIONS", "reuse_plan"]
+
+PLANNING_OPTIONS = ("budget", "device", "memory_fraction", "remat", "objective", "method")
+"""``fit`` options that only shape planning: refused next to ``plan=``."""
+
+
+def _refuse_planning_options(given: dict[str, Any]) -> None:
+    if given:
+        listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(
+            "plan= reuses a plan as it is; options that shape planning would be ignored. Drop "
+            "them, or plan again with them: autoaccum.plan(model, data, effective_batch=..., "
+            f"{', '.join(given)}=...). Received: {listed}"
+        )
+
+
+def _same_lr(a: Any, b: Any) -> bool:
+    if a.rule != b.rule or a.base_batch != b.base_batch or a.factor != b.factor:
+        return False
+    if callable(a.base_learning_rate) or callable(b.base_learning_rate):
+        return a.base_learning_rate is b.base_learning_rate
+    return a.base_learning_rate == b.base_learning_rate
+
+
+def _check_sizes(plan: Plan, prepared: Prepared) -> None:
+    """The model's weights, optimizer state and one batch are the sizes the plan compiled."""
+    est, program = plan.estimate, prepared.program
+    here = {
+        "trainable weights": tree_bytes(program.parts.get("trainable")),
+        "frozen weights": tree_bytes(program.parts.get("frozen")),
+        "optimizer state": tree_bytes(program.parts.get("optimizer")),
+        "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps)),
+    }
+    planned = {"trainable weights": est.trainable_bytes, "frozen weights": est.frozen_bytes,
+               "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}
+    differ = [f"{k} {format_bytes(here[k])} here vs {format_bytes(planned[k])} in the plan"
+              for k in here if here[k] != planned[k]]
+    if differ:
+        raise ValueError(
+            "plan= was made for another model or data: " + "; ".join(differ) + ". Plan this "
+            "model and data (autoaccum.plan(model, data, effective_batch=...)) and pass that "
+            "plan, or leave plan= out and let fit plan."
+        )
+
+
+def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_batch: int,
+               options: dict, remat_layers: Any = None, data_parallel: Any = "auto",
+               planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
+    """Checks ``plan`` against ``model``, ``data`` and the options; returns it with the
+    prepared step (built abstractly: nothing is compiled here).
+
+    Refused, each with the fix: not a :class:`Plan`; a deviceless plan (made for a GPU that is
+    not here); another effective batch, device count, learning-rate rule or base rate; weights,
+    optimizer state or example sizes other than those the plan compiled; planning options
+    (``budget``, ``device``, ...) given next to it.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> p = autoaccum.plan(model, data, effective_batch=8, optimizer=optax.sgd,
+      ...                    learning_rate=0.1, loss_fn=loss_fn, budget="1GiB", log=None)
+      >>> autoaccum.fit(model, data, effective_batch=4, plan=p, optimizer=optax.sgd,
+      ...               learning_rate=0.1, loss_fn=loss_fn, verbose=0, log=None)
+      Traceback (most recent call last):
+      ...
+      ValueError: plan= was made for effective_batch=8. Plan for 4, or pass effective_batch=8. Received: effective_batch=4
+    """  # noqa: E501
+    if not isinstance(plan, Plan):
+        raise ValueError("plan= takes the Plan that autoaccum.plan(...) returned. Received: "
+                         f"plan of type {type(plan).__name__}")
+    _refuse_planning_options(planning_options or {})
+    if plan.deviceless:
+        raise ValueError(
+            f"plan= is a dry run for {plan.profile or plan.target}, compiled for a GPU that is "
+            "not on this machine; fit trains here. Plan on this machine (autoaccum.plan "
+            "without device=) or run fit where that GPU is. Received: a plan for "
+            f"{plan.target!r}"
+        )
+    if plan.effective_batch != effective_batch:
+        raise ValueError(
+            f"plan= was made for effective_batch={plan.effective_batch}. Plan for "
+            f"{effective_batch}, or pass effective_batch={plan.effective_batch}. Received: "
+            f"effective_batch={effective_batch}"
+        )
+    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    devices = 1 if mesh is None else mesh.size
+    if plan.data_parallel != devices:
+        raise ValueError(
+            f"plan= was made for {plan.data_parallel} data-parallel device(s), fit would use "
+            f"{devices}. Plan with the same data_parallel. Received: data_parallel="
+            f"{data_parallel!r}"
+        )
+    opts = dict(options)
+    prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
+                       remat=plan.remat, remat_layers=remat_layers)
+    if mesh is not None:
+        prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
+    no_leftovers(opts, "fit")
+    check_enough_examples(prepared.data, effective_batch)
+    if not _same_lr(plan.lr_scaling, prepared.lr_scaling):
+        raise ValueError(
+            f"plan= scales the learning rate as {plan.lr_scaling.arithmetic()!r}, but these "
+            f"options give {prepared.lr_scaling.arithmetic()!r}. Pass the learning_rate, "
+            "base_batch and lr_rule the plan was made with (or plan again). Received: "
+            f"lr_rule={prepared.lr_scaling.rule!r}, base_batch={prepared.lr_scaling.base_batch}"
+        )
+    _check_sizes(plan, prepared)
+    return plan, prepared

@@ -1,0 +1,50 @@
+"""Small real plans shared by the report, plot and CLI tests (tiny Flax model, CPU compiles)."""
+
+from __future__ import annotations
+
+import functools
+
+import optax
+from flax import nnx
+
+import autoaccum
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+
+def _inputs() -> dict:
+    return {"model": TinyLM(vocab=64, dim=32, hidden=256, rngs=nnx.Rngs(0)),
+            "data": ragged_tokens(64, 64, vocab=64), "optimizer": optax.adam,
+            "learning_rate": 1e-3, "loss_fn": token_loss}
+
+
+@functools.cache
+def accumulating_plan() -> autoaccum.Plan:
+    """Effective batch 16 under a budget where micro-batch 2 fits and 4 does not."""
+    inputs = _inputs()
+    two = autoaccum.measure(inputs["model"], inputs["data"], micro_batch=2, effective_batch=16,
+                            optimizer=inputs["optimizer"], learning_rate=1e-3,
+                            loss_fn=token_loss)
+    return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=16,
+                          budget=int(two.need_bytes * 1.3), log=None, method="compile",
+                          **inputs)
+
+
+@functools.cache
+def whole_batch_plan() -> autoaccum.Plan:
+    """Effective batch 8 under a large budget: no accumulation, capped by the batch itself."""
+    inputs = _inputs()
+    return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=8,
+                          budget="1GiB", log=None, method="compile", **inputs)
+
+
+def builder() -> dict:
+    """``autoaccum plan --model tests._plans:builder``."""
+    return _inputs()
+
+
+def builder_with_unknown_option() -> dict:
+    return {**_inputs(), "batch_sise": 4}
+
+
+def builder_needing_an_argument(size: int) -> dict:
+    return _inputs()

@@ -1,0 +1,74 @@
+"""``make demo`` learns visibly: the lab's dry run says 1 x 8 on a T4, and the real run's loss
+on the answers falls by more than half while its answers come to match the questions."""
+
+import io
+import re
+
+import pytest
+
+from autoaccum.cli._main import main
+from autoaccum_demo import lab_summary, load_qa
+from autoaccum_demo._finetune import chat_data, demo_questions
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z0-9.]+", text.lower()) if len(w) > 3}
+
+
+def test_chat_data_puts_the_model_turn_in_the_prompt_so_the_loss_is_on_the_answer():
+    data = chat_data(load_qa()[:2])
+    assert all(p.endswith("<end_of_turn>\n<start_of_turn>model\n") for p in data["prompts"])
+    assert all(r.endswith("<end_of_turn>") and "<start_of_turn>" not in r
+               for r in data["responses"])
+    assert [r["category"] for r in demo_questions(load_qa(), 3)] == ["memory", "geography",
+                                                                    "animals"]
+
+
+@pytest.mark.slow  # the 4B dry run's compiles and the fine-tune
+def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    summary = re.search(r"On the T4: micro-batch 1 needs .* \(fits\); micro-batch 2 needs .* "
+                        r"\(does not fit\)\. So 8 = 1 x 8 accumulation steps.*learning rate "
+                        r"0\.0004 = 5e-05 x 8/1, linear\.", out)
+    assert summary, out
+    assert "budget" in out and "1.5 x the compiled need of micro-batch 2" in out
+    assert "effective batch 8 = micro_batch 2 x 4 accumulation steps" in out
+    found = re.search(r"loss on the answers: ([\d.]+) at the first step; per epoch ([\d., ]+):",
+                      out)
+    first, losses = float(found[1]), [float(v) for v in found[2].split(", ")]
+    assert len(losses) == 6 and losses[-1] <= 0.5 * losses[0] and losses[-1] <= 0.25 * first
+    exact, asked = map(int, re.search(r"answered word for word: (\d+) of (\d+)", out).groups())
+    assert asked == 25 and exact >= 8
+    after = out[out.index("after fine-tuning"):]
+    answers = re.findall(r"  Q: (.*)\n  A: (.*)\n     \[(.*)\]", after)
+    assert len(answers) == 3
+    for question, answer, expected in answers:
+        shared = _words(answer) & _words(expected)
+        assert len(shared) >= 4, (question, answer, expected)
+
+
+def test_lab_summary_reads_the_plan():
+    from types import SimpleNamespace as S
+
+    probes = (S(micro_batch=4, need_bytes=3 * 2**30, fits=False, remat="none"),
+              S(micro_batch=2, need_bytes=2 * 2**30, fits=True, remat="none"))
+    plan = S(probes=probes, budget_bytes=int(2.5 * 2**30), micro_batch=2, accum_steps=4,
+             effective_batch=8, remat="none", profile="l4",
+             lr_scaling=S(arithmetic=lambda: "8 = 1 x 8/1, linear"))
+    assert lab_summary(plan).startswith("On the L4: micro-batch 2 needs 2.00 GiB of the 2.50 GiB "
+                                        "budget (fits); micro-batch 4 needs 3.00 GiB (does not "
+                                        "fit). So 8 = 2 x 4 accumulation steps")
+
+
+@pytest.mark.slow  # a keras-hub build and training
+def test_finetune_story_is_printed_to_the_stream_it_is_given():
+    from autoaccum_demo import finetune_demo
+
+    out = io.StringIO()
+    result = finetune_demo(epochs=1, max_examples=16, questions=1, verbose=0, log=None, out=out)
+    text = out.getvalue()
+    assert "before fine-tuning" in text and "after fine-tuning" in text
+    assert result.plan.micro_batch * result.plan.accum_steps == 8
+    assert result.budget_bytes < result.plan.probes[-1].need_bytes or any(
+        not p.fits for p in result.plan.probes)

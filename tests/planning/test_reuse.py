@@ -1,0 +1,76 @@
+"""``autoaccum.fit(..., plan=p)`` trains with a plan made earlier, without planning again, and
+refuses a plan made for another model, data, batch, learning-rate rule or device."""
+
+import dataclasses
+import io
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+OPTIONS = dict(optimizer=optax.adam, learning_rate=1e-3, loss_fn=token_loss)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    data = ragged_tokens(32, 16)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    two = autoaccum.measure(model, data, micro_batch=2, effective_batch=8, **OPTIONS)
+    plan = autoaccum.plan(model, data, effective_batch=8, budget=int(two.need_bytes * 1.3),
+                          method="compile", log=None, **OPTIONS)
+    return plan, data
+
+
+def test_fit_with_a_plan_trains_with_it_and_compiles_no_probe(planned):
+    plan, data = planned
+    assert plan.accum_steps > 1
+    model = TinyLM(rngs=nnx.Rngs(0))
+    log = io.StringIO()
+    result = autoaccum.fit(model, data, effective_batch=8, plan=plan, epochs=2, log=log,
+                           **OPTIONS)
+    assert result.plan is plan and result.steps == 8
+    assert "compiling micro_batch" not in log.getvalue()
+    assert "training with the given plan, not planning again" in log.getvalue()
+    assert np.isfinite(result.losses).all() and result.losses[-1] < result.losses[0]
+
+
+def test_a_plan_for_another_effective_batch_is_refused(planned):
+    plan, data = planned
+    with pytest.raises(ValueError, match=r"made for effective_batch=8.*Received: "
+                                         r"effective_batch=16"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=16, plan=plan, **OPTIONS)
+
+
+def test_a_plan_for_another_model_or_data_is_refused(planned):
+    plan, data = planned
+    with pytest.raises(ValueError, match=r"another model or data: trainable weights"):
+        autoaccum.fit(TinyLM(dim=24, rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,
+                      **OPTIONS)
+    longer = ragged_tokens(32, 24)
+    with pytest.raises(ValueError, match=r"another model or data: batch"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), longer, effective_batch=8, plan=plan, **OPTIONS)
+
+
+def test_a_plan_with_another_learning_rate_rule_is_refused(planned):
+    plan, data = planned
+    with pytest.raises(ValueError, match=r"scales the learning rate as '0.008 = 0.001 x 8/1, "
+                                         r"linear'.*Received: lr_rule='sqrt'"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,
+                      lr_rule="sqrt", **OPTIONS)
+
+
+def test_a_dry_run_plan_and_planning_options_are_refused(planned):
+    plan, data = planned
+    dry = dataclasses.replace(plan, deviceless=True, profile="t4")
+    with pytest.raises(ValueError, match=r"dry run for t4.*fit trains here"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=dry, **OPTIONS)
+    with pytest.raises(ValueError, match=r"would be ignored.*Received: budget='1GiB'"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,
+                      budget="1GiB", **OPTIONS)
+    with pytest.raises(ValueError, match=r"takes the Plan.*Received: plan of type dict"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan.to_dict(),
+                      **OPTIONS)
