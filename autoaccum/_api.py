@@ -88,6 +88,7 @@ def plan(
     drop_remainder: bool = False,
     cache: Any = True,
     depth_variant: Any = None,
+    uneven: bool = True,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -136,6 +137,11 @@ def plan(
       depth_variant: an :class:`autoaccum.DepthVariant` (your model's constructor at other
         depths, and its depth): probes are compiled at two small depths and extrapolated,
         and only the final choice is compiled at full depth.
+      uneven: ``True`` (default): when the largest fitting micro-batch does not divide the
+        per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
+        5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
+        an even split with as few micro-steps is preferred. ``False``: divisors only (1 x 13).
+        Keras models and depth-extrapolated plans use divisors.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -167,7 +173,7 @@ def plan(
                                  remat_layers=remat_layers,
                                  objective=_default_objective(objective, device),
                                  method=method, log=log, data_parallel=data_parallel,
-                                 cache=cache, depth_variant=depth_variant)
+                                 cache=cache, depth_variant=depth_variant, uneven=uneven)
     return _with_examples(plan_, prepared.data, _drops(prepared.adapter, drop_remainder))
 
 
@@ -314,6 +320,7 @@ def fit(
     drop_remainder: bool = False,
     cache: Any = True,
     depth_variant: Any = None,
+    uneven: bool = True,
     plan: Plan | None = None,
     **refused: Any,
 ) -> Any:
@@ -322,7 +329,7 @@ def fit(
     Args:
       model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
         objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
-        lr_rule, adjust_adam, cache, depth_variant: as for :func:`plan`. In a multi-process
+        lr_rule, adjust_adam, cache, depth_variant, uneven: as for :func:`plan`. In a multi-process
         run every process passes the same data and seed.
       epochs: passes over the data.
       shuffle, seed: the example order of each epoch.
@@ -413,7 +420,7 @@ def fit(
             budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
             remat_layers=remat_layers, objective=_default_objective(objective, device),
             method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
-            depth_variant=depth_variant,
+            depth_variant=depth_variant, uneven=uneven,
         )
     if "validation_split" not in framework_options:
         the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))

@@ -128,6 +128,12 @@ def shard_batches(batches: PyTree, mesh: Mesh) -> PyTree:
       True
     """
     sharding = batch_sharding(mesh)
+    if isinstance(batches, tuple) and getattr(batches, "_fields", None) == ("full", "last"):
+        # Uneven batches (autoaccum.planning.UnevenBatches): the last, smaller micro-batch
+        # ``[dp * last, ...]`` is split over the devices along its leading axis.
+        leading = NamedSharding(mesh, P(mesh_axis(mesh)))
+        return type(batches)(jax.tree.map(lambda a: _from_host(a, sharding), batches.full),
+                             jax.tree.map(lambda a: _from_host(a, leading), batches.last))
     return jax.tree.map(lambda a: _from_host(a, sharding), batches)
 
 

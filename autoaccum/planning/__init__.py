@@ -10,6 +10,10 @@ from ._adapter import Prepared as Prepared
 from ._backoff import RealStepRunner as RealStepRunner
 from ._backoff import auto_plan as auto_plan
 from ._backoff import backoff_search as backoff_search
+from ._batches import UnevenBatches as UnevenBatches
+from ._batches import micro_batch_sizes as micro_batch_sizes
+from ._batches import micro_steps as micro_steps
+from ._batches import split_sizes as split_sizes
 from ._budget import Budget as Budget
 from ._budget import parse_budget as parse_budget
 from ._budget import profile_budget as profile_budget
@@ -71,12 +75,15 @@ __all__ = [
     "SearchResult",
     "StepMetrics",
     "TrainProgram",
+    "UnevenBatches",
     "auto_plan",
     "backoff_search",
     "choose_fastest",
     "limiting_factor",
     "measure_all",
     "measure_program",
+    "micro_batch_sizes",
+    "micro_steps",
     "parse_budget",
     "per_device_budget",
     "plan_by_depth",
@@ -86,4 +93,5 @@ __all__ = [
     "resolve_target",
     "scale_learning_rate",
     "search_micro_batch",
+    "split_sizes",
 ]

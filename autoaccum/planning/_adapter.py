@@ -84,7 +84,12 @@ class Adapter(Protocol):
     name: str
     """``"flax"`` or ``"keras"``: how reports and errors name the framework."""
     remat_policies: tuple[str, ...]
-    """Policies ``remat="auto"`` tries, in order of increasing recompute."""
+    """Policies ``remat="auto"`` tries, in order of increasing recompute.
+
+    Optional class attributes, read with ``getattr``: ``trains_leftovers`` (``True``: the
+    examples after the last full effective batch make a final step) and ``uneven_batches``
+    (``True``: the adapter's steps take :class:`~._batches.UnevenBatches`, so plans may end
+    with a smaller micro-batch)."""
 
     def recognizes(self, model: Any) -> bool:
         """Whether ``model`` belongs to this framework."""

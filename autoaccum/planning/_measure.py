@@ -63,6 +63,10 @@ class MemoryEstimate:
     compile_seconds: float
     flops: float = 0.0
     """XLA's cost analysis of the step: floating-point operations."""
+    last_micro_batch: int | None = None
+    """For an uneven step, the size of its smaller last micro-batch (``accum_steps - 1``
+    micro-batches of ``micro_batch``, then this one); ``None`` when every micro-batch is
+    ``micro_batch``."""
     bytes_accessed: float = 0.0
     """XLA's cost analysis of the step: bytes read and written."""
     compile_note: str = ""
@@ -92,15 +96,18 @@ class MemoryEstimate:
 
     def report(self) -> str:
         """A two-column table of :meth:`items`."""
+        last = (f" (last {self.last_micro_batch})" if self.last_micro_batch is not None
+                else "")
         rows = [f"memory of one step at micro_batch={self.micro_batch} x {self.accum_steps} "
-                f"accumulation steps ({self.target}):"]
+                f"accumulation steps{last} ({self.target}):"]
         rows += [f"  {name:<22} {format_bytes(value):>10}" for name, value in self.items().items()]
         return "\n".join(rows)
 
 
 def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
-               target: CompileTarget | None = None) -> Any:
-    """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``.
+               target: CompileTarget | None = None, *, last: int | None = None) -> Any:
+    """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``
+    (with ``last``: an uneven step, ``accum_steps - 1`` micro-batches then one of ``last``).
 
     ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is lowered as
     one SPMD program over its mesh, weights replicated and batches
@@ -124,11 +131,14 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         state = shard_abstract(program.abstract_state, replicated)
         frozen = shard_abstract(program.frozen_args, replicated)
         batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
-                                     sharding=NamedSharding(program.mesh, P(None, axis)))
+                                     sharding=NamedSharding(program.mesh, P(None, axis)),
+                                     last=None if last is None else last * program.data_parallel,
+                                     last_sharding=NamedSharding(program.mesh, P(axis)))
     else:
         state = shard_abstract(program.abstract_state, target.sharding)
         frozen = shard_abstract(program.frozen_args, target.sharding)
-        batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding)
+        batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding,
+                                     last=last)
     with program.lowering_context():
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
 
@@ -143,10 +153,10 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
 
 
 def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
-                 target: CompileTarget | None = None) -> Any:
+                 target: CompileTarget | None = None, *, last: int | None = None) -> Any:
     """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object
     (see :func:`lower_step`)."""
-    lowered = lower_step(program, micro_batch, accum_steps, target)
+    lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
     with program.lowering_context():
         return compile_lowered(lowered, target)
 
@@ -213,8 +223,11 @@ def measure_program(
     micro_batch: int,
     accum_steps: int,
     target: CompileTarget | None = None,
+    *,
+    last: int | None = None,
 ) -> MemoryEstimate:
-    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory.
+    """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory
+    (``last``: an uneven step whose last micro-batch has this size, see :func:`lower_step`).
 
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
     device's (XLA's memory analysis of an SPMD program is per device). To read repeated
@@ -237,10 +250,10 @@ def measure_program(
     """
     target = target or CompileTarget()
     start = time.perf_counter()
-    compiled = compile_step(program, micro_batch, accum_steps, target)
+    compiled = compile_step(program, micro_batch, accum_steps, target, last=last)
     seconds = time.perf_counter() - start
     estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
-                                      target=target.name, seconds=seconds)
+                                      target=target.name, seconds=seconds, last=last)
     if estimate is None:
         raise RuntimeError(
             f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
@@ -250,20 +263,20 @@ def measure_program(
 
 
 def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: int,
-                           accum_steps: int, *, target: str,
-                           seconds: float) -> MemoryEstimate | None:
+                           accum_steps: int, *, target: str, seconds: float,
+                           last: int | None = None) -> MemoryEstimate | None:
     """Itemizes a compiled step of ``program`` (``None`` if XLA reports no memory)."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
     return estimate_from_analysis(program, analysis, _cost(compiled), micro_batch, accum_steps,
-                                  target=target, seconds=seconds,
+                                  target=target, seconds=seconds, last=last,
                                   compile_note=getattr(compiled, "autoaccum_compile_note", ""))
 
 
 def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, micro_batch: int,
                            accum_steps: int, *, target: str, seconds: float,
-                           compile_note: str = "") -> MemoryEstimate:
+                           compile_note: str = "", last: int | None = None) -> MemoryEstimate:
     """Itemizes XLA's ``memory_analysis()`` (and cost analysis) of a step of ``program``."""
     argument = int(analysis.argument_size_in_bytes)
     output = int(analysis.output_size_in_bytes)
@@ -280,7 +293,8 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
         frozen_bytes=tree_bytes(parts.get("frozen")),
         optimizer_bytes=tree_bytes(parts.get("optimizer")),
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
-        batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps)),
+        batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last)),
+        last_micro_batch=last,
         accumulator_bytes=min(accumulator, temp),
         argument_bytes=argument,
         output_bytes=output,

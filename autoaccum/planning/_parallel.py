@@ -49,6 +49,8 @@ class CompileRequest:
     micro_batch: int
     accum_steps: int
     identity: Mapping[str, Any] | None = None
+    last: int | None = None
+    """An uneven step's last micro-batch (see :func:`~._measure.lower_step`), else ``None``."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""
@@ -104,6 +106,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
         if cache is not None and request.identity is not None:
             material = {"identity": request.identity, "micro_batch": request.micro_batch,
                         "accum_steps": request.accum_steps, "target": target.fingerprint,
+                        **({"last": request.last} if request.last is not None else {}),
                         "compiler": compiler}
             keys.append(cache.key(material))
             hit = _from_cache(cache, keys[-1], target)
@@ -112,7 +115,8 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
                 continue
         program = request.build()
         start = time.perf_counter()
-        lowered = lower_step(program, request.micro_batch, request.accum_steps, target)
+        lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
+                             last=request.last)
         lower_seconds = time.perf_counter() - start
         material = {}
         if cache is not None:
@@ -161,6 +165,7 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
             )
         estimate = estimate_from_analysis(program, analysis, _cost(compiled),
                                           request.micro_batch, request.accum_steps,
+                                          last=request.last,
                                           target=target.name,
                                           seconds=seconds + material.get("lower_seconds", 0.0),
                                           compile_note=getattr(compiled, "autoaccum_compile_note",

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..devices._units import format_bytes
+from ._batches import split_sizes
 from ._budget import Budget
 from ._lr import LearningRateScaling
 from ._measure import MemoryEstimate
-from ._search import Probe, SearchResult, search_micro_batch
+from ._search import Probe, SearchResult, divisors, search_micro_batch
 from ._validate import validate_effective_batch
 
 
@@ -17,7 +18,9 @@ from ._validate import validate_effective_batch
 class Plan:
     """How one optimizer step of ``effective_batch`` examples is run within memory.
 
-    ``micro_batch * data_parallel * accum_steps == effective_batch`` always holds. In a notebook
+    ``micro_batch * data_parallel * accum_steps == effective_batch`` holds for an even split;
+    an uneven one (13 = 5 + 5 + 3) ends with a smaller micro-batch, ``last_micro_batch``, and
+    ``sum(micro_batches) * data_parallel == effective_batch``. In a notebook
     a plan shows as a table; ``repr`` is one line, ``report()`` the full text, ``to_dict()``
     the JSON-ready form.
 
@@ -58,9 +61,46 @@ class Plan:
     """For the throughput objective: every timed (policy, micro-batch) candidate."""
     examples: int | None = None
     """Training examples per epoch the plan was made for (``None``: not known)."""
+    last_micro_batch: int | None = None
+    """Per-device size of the last micro-batch when it is smaller than ``micro_batch`` (an
+    uneven split: ``accum_steps - 1`` micro-batches of ``micro_batch``, then this one, inside
+    the same compiled step); ``None`` for an even split."""
     drop_remainder: bool = False
     """What happens to the examples after the last full effective batch of an epoch:
     ``False``, a final smaller step trains them; ``True``, they are dropped."""
+
+    @property
+    def micro_batches(self) -> tuple[int, ...]:
+        """Per-device size of each micro-batch of one step, in order.
+
+        Example:
+          >>> Plan(5, 3, 1, 13, 5, None, None, None, (), "cpu", 0.0,
+          ...      last_micro_batch=3).micro_batches
+          (5, 5, 3)
+        """
+        if self.last_micro_batch is None:
+            return (self.micro_batch,) * self.accum_steps
+        return (self.micro_batch,) * (self.accum_steps - 1) + (self.last_micro_batch,)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the last micro-batch is smaller than the others."""
+        return self.last_micro_batch is not None
+
+    def split_text(self) -> str:
+        """The per-device split as a sum: ``"5 + 5 + 3"``, ``"19 x 5 + 1"`` or ``"3 x 4"``.
+
+        Example:
+          >>> Plan(5, 20, 1, 96, 5, None, None, None, (), "cpu", 0.0,
+          ...      last_micro_batch=1).split_text()
+          '19 x 5 + 1'
+        """
+        m, k, last = self.micro_batch, self.accum_steps, self.last_micro_batch
+        if last is None:
+            return f"{k} x {m}"
+        if k <= 3:
+            return " + ".join(map(str, self.micro_batches))
+        return f"{k - 1} x {m} + {last}"
 
     @property
     def leftover_examples(self) -> int:
@@ -150,9 +190,17 @@ def plan_from_search(
 ) -> Plan:
     """Turns a search result into a :class:`Plan` and explains any compromise."""
     per_device = effective_batch // data_parallel
-    accum = per_device // search.micro_batch
+    accum = search.accum_steps(per_device)
     extra = list(notes)
-    if search.max_micro_batch != search.micro_batch:
+    if search.last_micro_batch is not None:
+        divisor = max(d for d in divisors(per_device) if d <= search.micro_batch)
+        extra.append(
+            f"uneven split: {per_device} = {accum - 1} x {search.micro_batch} + "
+            f"{search.last_micro_batch} per device, {accum} micro-steps (the largest fitting "
+            f"divisor, {divisor}, takes {per_device // divisor}); the last micro-batch runs at "
+            "its own shape in the same compiled step"
+        )
+    elif search.max_micro_batch != search.micro_batch:
         extra.append(
             f"micro_batch {search.max_micro_batch} fits but does not divide the per-device batch "
             f"{per_device}; using its largest divisor below, {search.micro_batch}."
@@ -180,6 +228,7 @@ def plan_from_search(
         target=target,
         plan_seconds=search.seconds,
         notes=tuple(extra),
+        last_micro_batch=search.last_micro_batch,
     )
 
 
@@ -210,7 +259,8 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
     else:
         estimate = measure(agreed, math.ceil(per_device / agreed))
     return (dataclasses.replace(search, micro_batch=agreed, max_micro_batch=agreed,
-                                estimate=estimate), each)
+                                estimate=estimate,
+                                last_micro_batch=split_sizes(per_device, agreed)[1]), each)
 
 
 def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...]) -> str:
@@ -239,8 +289,12 @@ def search_plan(
     target: str,
     log: TextIO | str | None = "stderr",
     notes: tuple[str, ...] = (),
+    measure_uneven: Any = None,
 ) -> Plan:
     """Runs the compile-only search and returns the plan.
+
+    ``measure_uneven(b, k, last)``: compiles an uneven step, so the plan may end with a smaller
+    micro-batch (see :func:`~._search.search_micro_batch`); ``None``: divisors only.
 
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
     device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
@@ -252,6 +306,7 @@ def search_plan(
         per_device_batch=effective_batch // data_parallel,
         budget_bytes=budget.bytes,
         log=log,
+        measure_uneven=measure_uneven,
     )
     if data_parallel > 1 or _process_count() > 1:
         search, agreement = agree_across_processes(search, measure,

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
 from ._adapter import Adapter, Prepared
+from ._batches import split_sizes
 from ._cache import resolve_cache
 from ._depth import DepthVariant, DepthVariants
 from ._depth_plan import label_sources, plan_by_depth
@@ -36,8 +37,12 @@ def plan_program(
     resolved: ResolvedTarget | None = None,
     cache: Any = None,
     depth_variants: DepthVariants | None = None,
+    uneven: bool = False,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
+
+    ``uneven``: the program's step takes :class:`~._batches.UnevenBatches`, so the plan may
+    end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (1 x 13).
 
     ``memory_fraction`` overrides the named device profile's default share of GPU memory
     that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``; when not given, the
@@ -96,9 +101,13 @@ def plan_program(
 
     identity = (depth_variants.key(depth_variants.full_depth)
                 if depth_variants is not None else None)
+    def measure(b: int, k: int, last: int | None = None) -> Any:
+        return measure_all([CompileRequest(the_program, b, k, identity, last=last)],
+                           resolved.compile_target, cache=need_cache, workers=1)[0]
+
     plan = search_plan(
-        lambda b, k: measure_all([CompileRequest(the_program, b, k, identity)],
-                                 resolved.compile_target, cache=need_cache, workers=1)[0],
+        measure,
+        measure_uneven=measure if uneven else None,
         effective_batch=effective_batch,
         data_parallel=1 if mesh is None else int(mesh.size),
         lr_scaling=lr_scaling,
@@ -175,6 +184,7 @@ def plan_model(
     data_parallel: Any = 1,
     cache: Any = True,
     depth_variant: DepthVariant | None = None,
+    uneven: bool = True,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -190,6 +200,9 @@ def plan_model(
 
     ``cache`` (the need cache, see :mod:`._cache`) and ``depth_variant`` (the model at other
     depths, see :class:`~._depth.DepthVariant`) speed up compile-only planning.
+
+    ``uneven``: allow a split whose last micro-batch is smaller (13 = 5 + 5 + 3), where the
+    adapter's steps take one (``adapter.uneven_batches``); ``False``: divisors only.
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
@@ -247,7 +260,8 @@ def plan_model(
                                  effective_batch=effective_batch, remat_layers=remat_layers)
             plan = _plan_one(prepared, model, method=method, effective_batch=effective_batch,
                              resolved=resolved, log=log, cache=cache,
-                             depth_variants=variants)
+                             depth_variants=variants,
+                             uneven=bool(uneven) and getattr(adapter, "uneven_batches", False))
         except DoesNotFitError as error:
             failures.append((policy, error))
             continue
@@ -269,6 +283,8 @@ def plan_model(
         base,
         micro_batch=best.micro_batch,
         accum_steps=best.accum_steps,
+        last_micro_batch=split_sizes(effective_batch // base.data_parallel,
+                                     best.micro_batch)[1],
         estimate=(_estimate_for(base, best.micro_batch)
                   or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
                                      best.accum_steps, resolved.compile_target)),
@@ -311,7 +327,7 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
 
 def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
               resolved: ResolvedTarget, log: TextIO | None, cache: Any = None,
-              depth_variants: DepthVariants | None = None) -> Plan:
+              depth_variants: DepthVariants | None = None, uneven: bool = False) -> Plan:
     """One remat policy's plan by ``method``; real steps only where the target is here."""
     from ._backoff import auto_plan, backoff_plan
 
@@ -333,7 +349,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
             runner.release()
     plan = plan_program(prepared.program, effective_batch=effective_batch,
                         lr_scaling=prepared.lr_scaling, resolved=resolved, log=log,
-                        cache=cache, depth_variants=depth_variants)
+                        cache=cache, depth_variants=depth_variants, uneven=uneven)
     if method == "compile":
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ._batches import UnevenBatches
+
 PyTree = Any
 
 
@@ -86,15 +88,37 @@ class TrainProgram:
             )
         return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh)
 
-    def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None) -> PyTree:
-        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering.
+    def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
+                   last: int | None = None, last_sharding: Any = None) -> PyTree:
+        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering; with
+        ``last``, an :class:`~._batches.UnevenBatches` of ``[accum_steps - 1,
+        micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
 
-        ``micro_batch`` is the global one (``dp * per-device micro-batch``) for a mesh."""
-        return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(
-                (accum_steps, micro_batch, *s.shape), s.dtype, sharding=sharding
-            ),
-            self.example_spec,
+        ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> program = TrainProgram(step=None, abstract_state=(), parts={}, trainable=(),
+          ...                        example_spec={"x": jax.ShapeDtypeStruct((7,), jnp.int32)})
+          >>> spec = program.batch_spec(5, 3, last=3)
+          >>> spec.full["x"].shape, spec.last["x"].shape
+          ((2, 5, 7), (3, 7))
+        """
+        def full(steps: int) -> PyTree:
+            return jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(
+                    (steps, micro_batch, *s.shape), s.dtype, sharding=sharding
+                ),
+                self.example_spec,
+            )
+
+        if last is None or (last == micro_batch and accum_steps > 1) or accum_steps < 2:
+            return full(accum_steps)
+        tail = last_sharding if last_sharding is not None else sharding
+        return UnevenBatches(
+            full=full(accum_steps - 1),
+            last=jax.tree.map(lambda s: jax.ShapeDtypeStruct((last, *s.shape), s.dtype,
+                                                             sharding=tail), self.example_spec),
         )
 
 

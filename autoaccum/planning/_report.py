@@ -89,7 +89,9 @@ def plan_repr(plan: Plan) -> str:
         where += ", deviceless"
     lr = plan.learning_rate
     lr_text = f"{lr:.4g}" if isinstance(lr, int | float) else ("schedule" if lr else "None")
-    return (f"Plan(micro_batch={plan.micro_batch}, accum_steps={plan.accum_steps}, "
+    last = (f"last_micro_batch={plan.last_micro_batch}, "
+            if plan.last_micro_batch is not None else "")
+    return (f"Plan(micro_batch={plan.micro_batch}, accum_steps={plan.accum_steps}, {last}"
             f"data_parallel={plan.data_parallel}, effective_batch={plan.effective_batch}, "
             f"need={format_bytes(plan.need_bytes)!r}, budget={format_bytes(plan.budget_bytes)!r}, "
             f"limited_by={limiting_factor(plan).kind!r}, learning_rate={lr_text}, "
@@ -108,10 +110,15 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
     b = plan.budget
     need = (f"{format_bytes(plan.need_bytes)} of {format_bytes(plan.budget_bytes)} "
             f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}")
+    if plan.last_micro_batch is None:
+        split = (f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "
+                 f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation step(s)")
+    else:
+        split = (f"{plan.effective_batch} = ({plan.split_text()}) x {plan.data_parallel} "
+                 f"device(s): micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps, "
+                 f"the last of {plan.last_micro_batch}")
     return [
-        ("effective batch", f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "
-                            f"{plan.data_parallel} device(s) x {plan.accum_steps} "
-                            "accumulation step(s)"),
+        ("effective batch", split),
         ("limited by", limiting_factor(plan).detail),
         ("learning rate", plan.lr_scaling.arithmetic()),
         ("need", need),
@@ -136,7 +143,9 @@ def _probe_rows(probes: tuple[Probe, ...], budget_bytes: int) -> tuple[list[str]
     rows = []
     for p in probes:
         items = p.estimate.items()
-        rows.append([p.remat, str(p.micro_batch), str(p.accum_steps),
+        micro = (str(p.micro_batch) if p.last_micro_batch is None
+                 else f"{p.micro_batch} (last {p.last_micro_batch})")
+        rows.append([p.remat, micro, str(p.accum_steps),
                      *(format_bytes(items[key]) for _, key in columns),
                      format_bytes(budget_bytes), verdict(p, budget_bytes), p.why])
     return head, rows
@@ -317,6 +326,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         ],
         "probes": [
             {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+             "last_micro_batch": p.last_micro_batch,
              "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why, "kind": p.kind,
              "error": p.error, "compile_seconds": p.estimate.compile_seconds,
              "memory": _memory(p.estimate)}

@@ -45,7 +45,8 @@ def _check_sizes(plan: Plan, prepared: Prepared) -> None:
         "trainable weights": tree_bytes(program.parts.get("trainable")),
         "frozen weights": tree_bytes(program.parts.get("frozen")),
         "optimizer state": tree_bytes(program.parts.get("optimizer")),
-        "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps)),
+        "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps,
+                                               last=est.last_micro_batch)),
     }
     planned = {"trainable weights": est.trainable_bytes, "frozen weights": est.frozen_bytes,
                "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}

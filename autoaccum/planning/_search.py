@@ -37,6 +37,8 @@ class Probe:
     """``"compile"`` (compiled need against the budget) or ``"real step"`` (ran on the device)."""
     error: str = ""
     """For a real step that ran out of memory: the first line of the error."""
+    last_micro_batch: int | None = None
+    """For a compile of an uneven step: the size of its smaller last micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class SearchResult:
     """The outcome of :func:`search_micro_batch`."""
 
     micro_batch: int
-    """Largest fitting divisor of the per-device batch: the micro-batch to use."""
+    """The micro-batch to use: the largest fitting one when an uneven split is allowed (the
+    last micro-batch is then ``last_micro_batch``), else the largest fitting divisor of the
+    per-device batch."""
     max_micro_batch: int
     """Largest fitting micro-batch probed, divisor or not (the search stops refining it once
     the divisor to use is decided)."""
@@ -53,6 +57,12 @@ class SearchResult:
     affine: tuple[float, float] | None
     """(intercept, slope) in bytes of the fit through two probes at b >= 2, if made."""
     seconds: float
+    last_micro_batch: int | None = None
+    """The smaller last micro-batch of an uneven split (13 = 5 + 5 + 3: 3), else ``None``."""
+
+    def accum_steps(self, per_device_batch: int) -> int:
+        """Sequential micro-steps of ``per_device_batch`` examples in this split."""
+        return -(-per_device_batch // self.micro_batch)
 
 
 class DoesNotFitError(ValueError):
@@ -98,8 +108,16 @@ def search_micro_batch(
     budget_bytes: int,
     log: TextIO | str | None = "stderr",
     advice: str = "",
+    measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget.
+
+    With ``measure_uneven(b, k, last)`` (compiles the uneven step: ``k - 1`` micro-batches of
+    ``b``, then one of ``last``), the split may end with a smaller micro-batch: the largest
+    fitting ``b`` is found exactly, ``k = ceil(per_device_batch / b)`` micro-steps, and the
+    even split with the same ``k`` is preferred when there is one (12 with room for 5: 4 x 3,
+    not 5 + 5 + 2); the uneven step is verified by its own compile. Without it only divisors
+    of ``per_device_batch`` are chosen (13 with room for 5: 1 x 13).
 
     ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
     a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as
@@ -122,6 +140,12 @@ def search_micro_batch(
       >>> search_micro_batch(no_loop_is_smaller, per_device_batch=32, budget_bytes=145,
       ...                    log=None).micro_batch
       32
+      >>> def uneven(b, k, last):
+      ...     return fake(b, k)
+      >>> r = search_micro_batch(fake, per_device_batch=13, budget_bytes=150, log=None,
+      ...                        measure_uneven=uneven)
+      >>> r.micro_batch, r.accum_steps(13), r.last_micro_batch
+      (5, 3, 3)
     """
     log = sys.stderr if log == "stderr" else log
     start = time.perf_counter()
@@ -161,7 +185,10 @@ def search_micro_batch(
     all_divisors = divisors(limit)
 
     def undecided(lo: int, hi: int) -> bool:
-        """Whether a divisor lies in (lo, hi): only then does the boundary matter."""
+        """Whether the boundary in (lo, hi) matters: any micro-batch there for an uneven split,
+        else only a divisor."""
+        if measure_uneven is not None:
+            return hi > lo + 1
         return any(lo < d < hi for d in all_divisors)
 
     affine = None
@@ -182,9 +209,13 @@ def search_micro_batch(
     lo, hi = bounds()
     halve_next = False
     while hi > lo + 1 and undecided(lo, hi):
-        if hi > limit:  # nothing failed yet: try the next divisor up
+        if hi > limit and measure_uneven is None:  # nothing failed yet: the next divisor up
             guess = min(d for d in all_divisors if d > lo)
             why = "next divisor"
+        elif hi > limit:  # nothing failed yet: the next micro-batch with fewer micro-steps
+            steps = math.ceil(limit / lo) if lo else limit
+            guess = math.ceil(limit / max(steps - 1, 1)) if steps > 1 else limit
+            why = "fewer micro-steps"
         elif lo and not halve_next:  # interpolate between the bracketing probes
             n_lo, n_hi = probes[lo].need_bytes, probes[hi].need_bytes
             guess = lo + int((budget_bytes - n_lo) * (hi - lo) // max(n_hi - n_lo, 1))
@@ -214,6 +245,19 @@ def search_micro_batch(
             f"or a larger budget/device.{(' ' + advice) if advice else ''}",
             probes=tuple(order),
         )
+    if measure_uneven is not None and lo < limit:
+        steps = math.ceil(limit / lo)
+        last = limit - (steps - 1) * lo
+        if limit % steps and last != lo:  # no even split with as few micro-steps
+            p = _probe_uneven(measure_uneven, lo, steps, last, budget_bytes, log)
+            order.append(p)
+            if p.fits:
+                return SearchResult(micro_batch=lo, max_micro_batch=lo, estimate=p.estimate,
+                                    probes=tuple(order), affine=affine,
+                                    seconds=time.perf_counter() - start,
+                                    last_micro_batch=last)
+        else:
+            lo = limit // steps  # the even split with the same number of micro-steps
     chosen = max(d for d in divisors(limit) if d <= lo)
     # Verify the divisor with its own compile; step down if it surprisingly does not fit.
     candidates = [d for d in divisors(limit) if d <= chosen]
@@ -236,3 +280,20 @@ def search_micro_batch(
         affine=affine,
         seconds=time.perf_counter() - start,
     )
+
+
+def _probe_uneven(measure_uneven: Callable[[int, int, int], MemoryEstimate], b: int, k: int,
+                  last: int, budget_bytes: int, log: TextIO | None) -> Probe:
+    """Compiles the uneven step (``k - 1`` micro-batches of ``b``, then ``last``)."""
+    why = "verify uneven split"
+    if log is not None:
+        print(f"autoaccum: compiling micro_batch={b} x {k} steps, last {last} ({why}) ...",
+              file=log, flush=True)
+    estimate = measure_uneven(b, k, last)
+    p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
+              last_micro_batch=last)
+    if log is not None:
+        print(f"autoaccum:   {b} x {k - 1} + {last:<3} need {format_bytes(p.need_bytes):>10} "
+              f"/ budget {format_bytes(budget_bytes)}  {'fits' if p.fits else 'does not fit'}  "
+              f"(compile {estimate.compile_seconds:.1f} s)", file=log, flush=True)
+    return p

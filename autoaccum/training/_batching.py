@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..planning._batches import UnevenBatches, split_sizes
+
 PyTree = Any
 
 
@@ -134,6 +136,51 @@ def effective_batches(
         yield jax.tree.map(
             lambda a, i=index: a[i].reshape(accum_steps, micro, *a.shape[1:]), tree
         )
+
+
+def step_examples(tree: PyTree, *, effective_batch: int, order: np.ndarray) -> Iterator[PyTree]:
+    """Yields the examples of every full effective batch in ``order``, ``[effective_batch,
+    ...]`` (split into micro-batches later by :func:`split_micro_batches`).
+
+    Example:
+      >>> [b["x"].tolist() for b in step_examples({"x": np.arange(7)}, effective_batch=3,
+      ...                                         order=np.arange(7))]
+      [[0, 1, 2], [3, 4, 5]]
+    """
+    for start in range(0, len(order) - effective_batch + 1, effective_batch):
+        index = order[start : start + effective_batch]
+        yield jax.tree.map(lambda a, i=index: a[i], tree)
+
+
+def split_micro_batches(examples: PyTree, *, micro_batch: int, data_parallel: int = 1) -> PyTree:
+    """One step's examples ``[n, ...]`` as the step's batches: ``[k, dp * micro_batch, ...]``
+    when ``micro_batch`` divides the per-device share, else :class:`UnevenBatches` whose last
+    micro-batch is smaller (same order: the first ``(k - 1) * dp * micro_batch`` examples are
+    the full micro-batches).
+
+    Example:
+      >>> b = split_micro_batches({"x": np.arange(13)}, micro_batch=5)
+      >>> b.full["x"].tolist(), b.last["x"].tolist()
+      ([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], [10, 11, 12])
+      >>> split_micro_batches({"x": np.arange(8)}, micro_batch=2, data_parallel=2)["x"].shape
+      (2, 4)
+    """
+    n = int(np.shape(jax.tree.leaves(examples)[0])[0])
+    if n % data_parallel:
+        raise ValueError(f"{n} examples do not split over {data_parallel} devices. Received: "
+                         f"{n} examples, data_parallel={data_parallel}")
+    steps, last = split_sizes(n // data_parallel, micro_batch)
+    width = n // data_parallel if steps == 1 else micro_batch
+    if last is None:
+        return jax.tree.map(
+            lambda a: np.reshape(np.asarray(a), (steps, width * data_parallel, *np.shape(a)[1:])),
+            examples)
+    cut = (steps - 1) * micro_batch * data_parallel
+    return UnevenBatches(
+        full=jax.tree.map(lambda a: np.reshape(np.asarray(a)[:cut], (
+            steps - 1, micro_batch * data_parallel, *np.shape(a)[1:])), examples),
+        last=jax.tree.map(lambda a: np.asarray(a)[cut:], examples),
+    )
 
 
 @dataclass(frozen=True)

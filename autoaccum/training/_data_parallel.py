@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..devices._mesh import mesh_axis
+from ..planning._batches import UnevenBatches
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
 
 PyTree = Any
@@ -106,9 +107,11 @@ def sum_updates(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
 def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = None) -> Accumulate:
     """A drop-in for :func:`accumulate_gradients` that runs on every device of ``mesh``.
 
-    ``batches`` are ``[accum_steps, dp * micro_batch, ...]`` (global); inside ``shard_map``
-    each device scans its ``[accum_steps, micro_batch, ...]`` slice; ``grad_sum``,
-    ``loss_sum`` and ``count`` are summed across devices once, at the end.
+    ``batches`` are ``[accum_steps, dp * micro_batch, ...]`` (global), or an
+    :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps - 1, dp * micro_batch, ...]``
+    and ``[dp * last_micro_batch, ...]``; inside ``shard_map`` each device scans its
+    ``[accum_steps, micro_batch, ...]`` slice (then its share of the last micro-batch);
+    ``grad_sum``, ``loss_sum`` and ``count`` are summed across devices once, at the end.
     ``micro_grad_sq_norm_sum`` is averaged over devices, so dividing it by ``accum_steps``
     still gives the mean over all ``dp * accum_steps`` micro-batches. ``carry_reduce``
     (default :func:`default_carry_reduce`) makes the carried state agree across devices.
@@ -139,10 +142,12 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             final = unfold_device_keys(carry, local, acc.carry)
             return grad_sum, loss_sum, count, reduce(carry, final, axis), sq
 
+        batch_spec = (UnevenBatches(P(None, axis), P(axis))
+                      if isinstance(batches, UnevenBatches) else P(None, axis))
         sharded = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(), P(None, axis)),
+            in_specs=(P(), P(), batch_spec),
             out_specs=P(),
             check_vma=False,  # params are replicated; gradients stay local until the psum
         )

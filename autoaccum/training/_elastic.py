@@ -43,6 +43,8 @@ class ElasticEvent:
     """The failed allocation's size, where the error names it."""
     data_parallel: int = 1
     """Data-parallel devices: micro-batches are per device."""
+    per_device: int | None = None
+    """Examples per device in the step (``None``: ``micro_batch x accum_steps``, even)."""
 
     def __str__(self) -> str:
         from ..devices._units import format_bytes
@@ -57,13 +59,16 @@ class ElasticEvent:
             "from the same "
             f"state and data at micro_batch {self.new_micro_batch}{devices} x "
             f"{self.new_accum_steps} (effective batch "
-            f"{self.old_micro_batch * dp * self.old_accum_steps} unchanged)"
+            f"{(self.per_device or self.old_micro_batch * self.old_accum_steps) * dp} unchanged)"
         )
 
 
 def shrink(error: BaseException, *, step: int, micro_batch: int,
-           accum_steps: int, data_parallel: int = 1) -> ElasticEvent:
-    """The next split after ``error`` at ``micro_batch x accum_steps``, as an event.
+           accum_steps: int, data_parallel: int = 1,
+           per_device: int | None = None) -> ElasticEvent:
+    """The next split after ``error`` at ``micro_batch x accum_steps``, as an event: the largest
+    divisor of the per-device batch below ``micro_batch`` (``per_device``, when the failed
+    split was uneven; default ``micro_batch x accum_steps``).
 
     Raises:
       DoesNotFitError: ``micro_batch`` was already 1 (raised from ``error``, with advice).
@@ -74,7 +79,8 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
       >>> e.new_micro_batch, e.new_accum_steps
       (4, 3)
     """
-    per_device = micro_batch * accum_steps
+    given = per_device
+    per_device = per_device or micro_batch * accum_steps
     smaller = [d for d in divisors(per_device) if d < micro_batch]
     if not smaller:
         raise DoesNotFitError(
@@ -83,7 +89,7 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
         ) from error
     new = smaller[-1]
     return ElasticEvent(step, micro_batch, accum_steps, new, per_device // new,
-                        first_line(error), requested_bytes(error), data_parallel)
+                        first_line(error), requested_bytes(error), data_parallel, given)
 
 
 def resplit(batches: Any, accum_steps: int, micro_batch: int) -> Any:

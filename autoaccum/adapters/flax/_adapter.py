@@ -38,6 +38,8 @@ class FlaxAdapter:
     remat_policies = tuple(REMAT_POLICIES)
     trains_leftovers = True
     """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""
+    uneven_batches = True
+    """Its steps take :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3)."""
 
     def recognizes(self, model: Any) -> bool:
         return isinstance(model, nnx.Module)

@@ -17,7 +17,12 @@ from ...devices._rlimit import compiling
 from ...planning._plan import Plan
 from ...planning._program import StepMetrics
 from ...planning._search import DoesNotFitError
-from ...training._batching import effective_batches, leftover_batches, leftover_split
+from ...training._batching import (
+    leftover_batches,
+    leftover_split,
+    split_micro_batches,
+    step_examples,
+)
 from ...training._elastic import resplit, shrink
 from ...training._live import LiveState
 from ...training._nonfinite import NonFiniteError
@@ -30,7 +35,9 @@ __all__ = ["StepBatch", "StepRunner", "epoch_steps"]
 
 @dataclass
 class StepBatch:
-    """The host examples of one optimizer step, ``[accum_steps, dp * micro_batch, ...]``."""
+    """The host examples of one optimizer step: ``[examples, ...]`` for a full step (split by
+    the current micro-batch when it runs), ``[accum_steps, dp * micro_batch, ...]`` for the
+    leftover step."""
 
     batches: Any
     examples: int
@@ -47,9 +54,8 @@ def epoch_steps(data: Any, order: np.ndarray, *, plan: Plan, result: FitResult, 
     """Every full effective batch of the epoch in ``order``, then the leftover step (its own,
     smaller split) unless ``drop_remainder``."""
     effective = plan.effective_batch
-    for batches in effective_batches(data, effective_batch=effective,
-                                     accum_steps=plan.accum_steps, order=order):
-        yield StepBatch(batches, effective, plan.accum_steps, plan.micro_batch)
+    for examples in step_examples(data, effective_batch=effective, order=order):
+        yield StepBatch(examples, effective, plan.accum_steps, plan.micro_batch)
     rest = len(order) % effective
     if rest and not drop_remainder:
         split = leftover_split(rest, micro_batch=result.micro_batch or plan.micro_batch,
@@ -82,7 +88,9 @@ class StepRunner:
 
     def _compiled(self, batches: Any, weighted: bool) -> Any:
         data = batches[0] if weighted else batches
-        key = (tuple(jax.tree.leaves(data)[0].shape[:2]), weighted)
+        key = (tuple(leaf.shape[:2] for leaf in jax.tree.leaves(data)[:1])
+               + tuple(leaf.shape[:1] for leaf in jax.tree.leaves(getattr(data, "last", ()))[:1]),
+               weighted)
         if key not in self._executables:
             if weighted not in self._jitted:
                 self._jitted[weighted] = self._make(weighted)
@@ -103,9 +111,10 @@ class StepRunner:
         while True:
             if batch.leftover:
                 micro, accum = batch.micro_batch, batch.accum_steps
+                data = resplit(batch.batches, accum, micro * dp)
             else:
                 micro, accum = result.micro_batch, result.accum_steps
-            data = resplit(batch.batches, accum, micro * dp)
+                data = split_micro_batches(batch.batches, micro_batch=micro, data_parallel=dp)
             placed = data if self.mesh is None else shard_batches(data, self.mesh)
             weighted = batch.weights is not None
             if weighted:
@@ -153,7 +162,8 @@ class StepRunner:
         result = self.result
         try:
             event = shrink(error, step=result.steps + 1, micro_batch=micro, accum_steps=accum,
-                           data_parallel=self.dp)
+                           data_parallel=self.dp,
+                           per_device=None if batch.leftover else batch.examples // self.dp)
         except DoesNotFitError:
             result.events.append(
                 f"step {result.steps + 1}: out of memory at micro_batch 1; model restored to "

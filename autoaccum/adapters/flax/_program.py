@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ...planning._batches import micro_steps
 from ...planning._program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ...training._batch_stats import validate_batch_stats
@@ -145,7 +146,7 @@ def make_flax_step(
             ok, (new_params, new_opt_state), (params, opt_state))
         keep_other = keep_values_if_finite if on_nonfinite == "skip" else keep_if_finite
         new_other = keep_other(ok, new_other, other)
-        accum_steps = jax.tree.leaves(batches)[0].shape[0]
+        accum_steps = micro_steps(batches)
         metrics = StepMetrics(
             loss=loss,
             count=acc.count,
