@@ -3,64 +3,39 @@ planner, back-off and training talk only to that adapter's interface."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, TextIO
 
+from ._api_options import (
+    check_target,
+    default_objective,
+    drops,
+    given,
+    program_options,
+    with_examples,
+)
 from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
 from .planning._adapter import FitSettings
 from .planning._cache import resolve_cache
 from .planning._measure import MemoryEstimate
-from .planning._objective import validate_objective
 from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
 from .planning._reuse import reuse_plan
 from .planning._targets import is_deviceless, resolve_target
 from .planning._validate import (
-    as_int,
     no_leftovers,
     resolve_log,
-    validate_device,
     validate_effective_batch,
-    validate_learning_rate,
-    validate_memory_fraction,
     validate_positive_int,
 )
-from .training._batch_stats import validate_batch_stats
-from .training._batching import num_examples
 from .training._fit_options import refuse_fit_options
 from .training._nonfinite import validate_on_nonfinite
 from .training._snapshot import validate_backup
 
 __all__ = ["fit", "measure", "plan"]
 
-
-
-def _program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
-                     base_batch: int, lr_rule: str, adjust_adam: bool,
-                     batch_stats: str = "effective") -> dict[str, Any]:
-    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
-
-    ``batch_stats`` is passed only when it is not the default (``"effective"``, every
-    adapter's default), so an adapter that keeps no BatchNorm statistics need not read it."""
-    options: dict[str, Any] = {"base_batch": as_int("base_batch", base_batch),
-                               "lr_rule": lr_rule, "adjust_adam": adjust_adam}
-    validate_learning_rate(learning_rate)
-    if validate_batch_stats(batch_stats) != "effective":
-        options["batch_stats"] = batch_stats
-    for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
-                        ("trainable", trainable), ("learning_rate", learning_rate)):
-        if value is not None:
-            options[name] = value
-    return options
-
-
-def _check_target(device: Any, memory_fraction: Any) -> None:
-    """The device and memory-fraction checks every entry point makes before any work."""
-    validate_device(device)
-    validate_memory_fraction(memory_fraction, device)
 
 
 def plan(
@@ -160,9 +135,9 @@ def plan(
       (8, 0.8)
     """
     effective_batch = validate_effective_batch(effective_batch)
-    _check_target(device, memory_fraction)
+    check_target(device, memory_fraction)
     log = resolve_log(log)
-    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
                                batch_stats=batch_stats)
@@ -171,39 +146,10 @@ def plan(
                                  budget=budget, device=device,
                                  memory_fraction=memory_fraction, remat=remat,
                                  remat_layers=remat_layers,
-                                 objective=_default_objective(objective, device),
+                                 objective=default_objective(objective, device),
                                  method=method, log=log, data_parallel=data_parallel,
                                  cache=cache, depth_variant=depth_variant, uneven=uneven)
-    return _with_examples(plan_, prepared.data, _drops(prepared.adapter, drop_remainder))
-
-
-def _drops(adapter: Any, drop_remainder: bool) -> bool:
-    """Whether the leftover examples are dropped: asked for, or the adapter does not train
-    them (an adapter that does sets ``trains_leftovers = True``)."""
-    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
-
-
-def _with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
-    """``plan`` with the number of training examples and the leftover policy (``data``: a
-    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
-    examples = getattr(data, "num_examples", None)
-    if not isinstance(examples, int):
-        try:
-            examples = num_examples(data)
-        except (AttributeError, IndexError, TypeError):  # no leading example axis to read
-            return plan
-    return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
-
-
-def _default_objective(objective: str | None, device: str | None) -> str:
-    """``"throughput"`` when planning for a real accelerator here, else ``"memory"``."""
-    if objective is not None:
-        return validate_objective(objective)
-    if device is not None:
-        return "memory"
-    import jax
-
-    return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
+    return with_examples(plan_, prepared.data, drops(prepared.adapter, drop_remainder))
 
 
 def measure(
@@ -256,7 +202,7 @@ def measure(
       True
     """
     micro_batch = validate_positive_int("micro_batch", micro_batch)
-    _check_target(device, memory_fraction)
+    check_target(device, memory_fraction)
     adapter = adapter_for(model)
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
@@ -267,7 +213,7 @@ def measure(
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     accum_steps = validate_positive_int("accum_steps", accum_steps)
-    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
                                batch_stats=batch_stats)
@@ -384,13 +330,13 @@ def fit(
     validate_backup(backup)
     validate_method(method)
     validate_on_nonfinite(on_nonfinite)
-    _check_target(device, memory_fraction)
+    check_target(device, memory_fraction)
     log = resolve_log(log)
     if not isinstance(drop_remainder, bool):
         raise ValueError(f"drop_remainder must be True or False. "
                          f"Received: drop_remainder={drop_remainder!r}")
     adapter = adapter_for(model)
-    framework_options = _given(
+    framework_options = given(
         callbacks=(callbacks, None), validation_data=(validation_data, None),
         validation_split=(validation_split, 0.0),
         validation_batch_size=(validation_batch_size, None),
@@ -401,7 +347,7 @@ def fit(
     # With method="auto" the first training step is the real verification: elastic training
     # backs off on an out-of-memory there exactly as auto planning would.
     plan_method = "compile" if method == "auto" and elastic else method
-    options = _program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
                                batch_stats=batch_stats)
@@ -409,7 +355,7 @@ def fit(
         the_plan, prepared = reuse_plan(
             plan, model, data, adapter=adapter, effective_batch=effective_batch, options=options,
             remat_layers=remat_layers, data_parallel=data_parallel,
-            planning_options=_given(budget=(budget, None), device=(device, None),
+            planning_options=given(budget=(budget, None), device=(device, None),
                                     memory_fraction=(memory_fraction, None),
                                     remat=(remat, "auto"), objective=(objective, None),
                                     method=(method, "auto"), depth_variant=(depth_variant, None)),
@@ -418,12 +364,12 @@ def fit(
         the_plan, prepared = plan_model(
             model, data, adapter=adapter, effective_batch=effective_batch, options=options,
             budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
-            remat_layers=remat_layers, objective=_default_objective(objective, device),
+            remat_layers=remat_layers, objective=default_objective(objective, device),
             method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
             depth_variant=depth_variant, uneven=uneven,
         )
     if "validation_split" not in framework_options:
-        the_plan = _with_examples(the_plan, prepared.data, _drops(adapter, drop_remainder))
+        the_plan = with_examples(the_plan, prepared.data, drops(adapter, drop_remainder))
     if log is not None and verbose:
         print(the_plan.report() if plan is None else
               f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
@@ -435,9 +381,3 @@ def fit(
     with adapter.remat_context(model, the_plan.remat, remat_layers):
         return adapter.fit(model, prepared, the_plan, settings=settings,
                            options=framework_options)
-
-
-def _given(**pairs: tuple[Any, Any]) -> dict[str, Any]:
-    """The options whose value differs from their default (``name=(value, default)``)."""
-    return {name: value for name, (value, default) in pairs.items()
-            if (value is not None if default is None else value != default)}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ..devices._extras import MissingExtraError
+
 __all__ = ["EXTRAS", "CliError", "import_error_message", "report_error"]
 
 EXTRAS = {
@@ -42,6 +44,8 @@ def import_error_message(error: ImportError, what: str) -> str:
       "--plot needs matplotlib, which is not installed: pip install 'autoaccum[plot]'"
     """
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, MissingExtraError):  # already names the extra and its install
+        return text
     module = (getattr(error, "name", None) or "").split(".")[0]
     if "jax-cuda12-plugin" in text or module == "jax_plugins":
         return f"{what}: {text} (or: pip install 'autoaccum[dryrun]')"

@@ -27,7 +27,7 @@ def test_notebook_uses_the_public_api_and_keeps_the_labs_order_and_arguments():
     sources = _sources()
     code = "\n".join(sources)
     assert not re.search(r"autoaccum(_demo)?\._", code)  # no private module
-    assert '%pip install -q "autoaccum[keras,dryrun,plot]"' in code  # plotting included
+    assert '%pip install -q "autoaccum[keras,cuda12,plot]"' in code  # plotting included
     configure, keras_import = _index(sources, "autoaccum.configure("), _index(sources,
                                                                              "import keras")
     dry_run, weights = _index(sources, "plan_preset("), _index(sources, "from_preset(")

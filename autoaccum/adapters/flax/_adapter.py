@@ -139,8 +139,9 @@ class FlaxAdapter:
             validation = as_arrays(validation, name="validation_data")
         examples = num_examples(data)
         check_enough_examples(data, plan.effective_batch)
-        plan = dataclasses.replace(plan, examples=examples,
-                                   drop_remainder=settings.drop_remainder)
+        if (plan.examples, plan.drop_remainder) != (examples, settings.drop_remainder):
+            plan = dataclasses.replace(plan, examples=examples,
+                                       drop_remainder=settings.drop_remainder)
         return flax_fit(
             model, data, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
             epochs=settings.epochs, shuffle=settings.shuffle, seed=settings.seed,
