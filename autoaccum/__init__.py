@@ -17,6 +17,9 @@ from . import devices as devices
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
+from ._train_step import train_step as train_step
+from .adapters.flax import StepOutput as StepOutput
+from .adapters.flax import TrainStep as TrainStep
 from .adapters.flax import rematerialized as rematerialized
 from .adapters.keras.presets import plan_preset as plan_preset
 from .cli import plot_plan as plot_plan
@@ -49,6 +52,7 @@ from .planning import ResolvedTarget as ResolvedTarget
 from .planning import SearchResult as SearchResult
 from .planning import StepMetrics as StepMetrics
 from .planning import TrainProgram as TrainProgram
+from .planning import UnevenBatches as UnevenBatches
 from .planning import choose_fastest as choose_fastest
 from .planning import measure_program as measure_program
 from .planning import parse_budget as parse_budget

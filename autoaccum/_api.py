@@ -69,7 +69,8 @@ def plan(
 
     Compiles the real accumulated train step with abstract inputs (no weights allocated) at
     a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
-    the largest micro-batch dividing the effective batch that fits.
+    the largest micro-batch that fits (the last micro-batch of a step may be smaller, see
+    ``uneven``).
 
     Args:
       model: a ``flax.nnx.Module`` or a compiled Keras 3 model (JAX backend).

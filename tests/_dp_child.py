@@ -220,8 +220,39 @@ def elastic() -> dict:
             "params_error": diff, "noise": result.noise_scale}
 
 
-MODES = {"flax_exact": flax_exact, "carry_policy": carry_policy, "keras_exact": keras_exact,
-         "plans": plans, "elastic": elastic}
+def flax_uneven(devices: int = 4, per_device: int = 7, micro: int = 3) -> dict:
+    """One DP step whose per-device batch ends with a smaller micro-batch (7 = 3 + 3 + 1 on
+    each device) against the single-device full-batch step."""
+    from autoaccum.training._batching import split_micro_batches
+
+    effective = devices * per_device
+    data = ragged_tokens(effective, 10, seed=5)
+    tx = optax.adam(1e-2)
+    model = TinyLM(rngs=nnx.Rngs(2))
+    graphdef, params, frozen, other = split_model(model, nnx.Param)
+    full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
+    ref_state, ref_metrics = full((params, other, tx.init(params)),
+                                  jax.tree.map(lambda a: a[None], data), frozen)
+    mesh = data_parallel_mesh(jax.devices()[:devices])
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), data)
+    program = flax_program(model, spec, loss_fn=token_loss, tx=tx, mesh=mesh)
+    batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
+    placed = shard_batches(batches, mesh)
+    state = replicate((params, other, tx.init(params)), mesh)
+    new_state, metrics = jax.jit(program.step, donate_argnums=0)(state, placed,
+                                                                 replicate(frozen, mesh))
+    return {
+        "params_error": _max_relative_error(new_state[0], ref_state[0]),
+        "loss": float(metrics.loss), "ref_loss": float(ref_metrics.loss),
+        "count": float(metrics.count), "ref_count": float(ref_metrics.count),
+        "full_shape": list(placed.full["tokens"].shape),
+        "last_shape": list(placed.last["tokens"].shape),
+        "last_sharding": str(placed.last["tokens"].sharding.spec),
+    }
+
+
+MODES = {"flax_exact": flax_exact, "flax_uneven": flax_uneven, "carry_policy": carry_policy,
+         "keras_exact": keras_exact, "plans": plans, "elastic": elastic}
 
 
 if __name__ == "__main__":

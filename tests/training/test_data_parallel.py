@@ -32,7 +32,7 @@ def _result(stdout: str, stderr: str) -> dict:
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
     """Every single-process check, in one child with 4 host-platform devices."""
-    modes = ["flax_exact", "carry_policy", "keras_exact", "plans", "elastic"]
+    modes = ["flax_exact", "flax_uneven", "carry_policy", "keras_exact", "plans", "elastic"]
     done = subprocess.run([sys.executable, "-m", "tests._dp_child", *modes], cwd=REPO,
                           env=_env(4), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
@@ -47,6 +47,14 @@ def test_flax_step_on_four_devices_equals_one_device_full_batch(four_devices):
     assert abs(out["loss"] - out["ref_loss"]) <= 1e-5 * abs(out["ref_loss"])
     assert out["batch_sharding"] == "P(None, 'data')" and out["param_sharding"] == "P()"
     assert out["all_reduces"] >= 1
+
+
+def test_uneven_micro_batches_on_four_devices_equal_one_device_full_batch(four_devices):
+    out = four_devices["flax_uneven"]  # 7 per device = 3 + 3 + 1
+    assert out["full_shape"][:2] == [2, 12] and out["last_shape"][0] == 4
+    assert out["last_sharding"] == "P('data',)"
+    assert out["params_error"] <= 1e-5 and out["count"] == out["ref_count"]
+    assert abs(out["loss"] - out["ref_loss"]) <= 1e-5 * abs(out["ref_loss"])
 
 
 def test_carried_state_agrees_across_devices(four_devices):

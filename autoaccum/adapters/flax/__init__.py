@@ -11,9 +11,13 @@ from ._program import flax_program as flax_program
 from ._program import make_flax_step as make_flax_step
 from ._program import split_model as split_model
 from ._remat import rematerialized as rematerialized
+from ._train_step import StepOutput as StepOutput
+from ._train_step import TrainStep as TrainStep
 
 __all__ = [
     "FlaxAdapter",
+    "StepOutput",
+    "TrainStep",
     "build_optax_optimizer",
     "flax_fit",
     "flax_program",

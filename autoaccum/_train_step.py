@@ -1,0 +1,134 @@
+"""``autoaccum.train_step``: the planned, accumulated step for a training loop you write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._api_options import check_target, default_objective, given, program_options
+from .adapters import adapter_for
+from .adapters.flax._train_step import TrainStep
+from .planning._plan import Plan
+from .planning._planner import plan_model, validate_method
+from .planning._reuse import reuse_plan
+from .planning._validate import resolve_log, validate_effective_batch
+from .training._nonfinite import validate_on_nonfinite
+from .training._snapshot import validate_backup
+
+__all__ = ["train_step"]
+
+
+def train_step(
+    model: Any,
+    data: Any,
+    *,
+    effective_batch: int,
+    optimizer: Any,
+    loss_fn: Any,
+    plan: Plan | None = None,
+    learning_rate: Any = None,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
+    adjust_adam: bool = False,
+    trainable: Any = None,
+    budget: Any = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "compile",
+    data_parallel: Any = 1,
+    batch_stats: str = "effective",
+    on_nonfinite: str = "stop",
+    backup: str = "auto",
+    elastic: bool = False,
+    uneven: bool = True,
+    cache: Any = True,
+    log: Any = "stderr",
+) -> TrainStep:
+    """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
+    batch, it trains one optimizer step and updates ``model`` in place.
+
+    The same program as ``fit``: one jitted, state-donating XLA step that runs the plan's
+    micro-batches (the last one may be smaller), sums losses and valid counts over the whole
+    batch, divides once and applies the optimizer once, at the learning rate scaled by
+    ``lr_rule``, with the plan's rematerialization. Evaluate, log and checkpoint between
+    calls as you like: the model holds the trained weights after every step, and
+    ``step.opt_state`` the optimizer state.
+
+    Args:
+      model: a Flax NNX module (Keras models: use :func:`autoaccum.fit`).
+      data: the training data, or one effective batch of it (its shapes and dtypes are
+        what the step is planned and compiled for).
+      effective_batch: examples per optimizer step (per call).
+      optimizer, loss_fn, learning_rate, base_batch, lr_rule, adjust_adam, trainable,
+        batch_stats: as for :func:`autoaccum.fit`.
+      plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
+        batch (checked, not planned again); ``None``: plan now with ``budget``, ``device``,
+        ``memory_fraction``, ``remat``, ``remat_layers``, ``objective``, ``method``,
+        ``data_parallel``, ``uneven`` and ``cache`` as :func:`autoaccum.plan` takes them.
+      on_nonfinite: ``"stop"`` (raise ``NonFiniteError``; the model keeps the state before
+        the step) or ``"skip"`` (the step changes nothing; ``StepOutput.applied`` is False).
+      backup: host copy of the state before each step (``"auto"``: up to 4 GiB), so a
+        failed or interrupted step leaves the model as it was.
+      elastic: ``True``: an out-of-memory redoes the step at the next smaller micro-batch by
+        itself; ``False`` (default): it is raised, the model and optimizer state are put
+        back as before the step, and ``step.shrink(error)`` gives the re-planned step.
+      log: where planning is logged (``"stderr"``, a stream, or ``None``).
+
+    Returns:
+      A :class:`~autoaccum.adapters.flax.TrainStep`: ``step(batch) -> StepOutput(loss, count,
+      grad_norm, applied, step)``, with ``step.plan``, ``step.steps``, ``step.opt_state``
+      and ``step.shrink(error)``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> data = {"x": np.ones((26, 4), np.float32), "y": np.zeros(26, np.float32)}
+      >>> step = autoaccum.train_step(model, data, effective_batch=13, optimizer=optax.sgd,
+      ...                             learning_rate=0.01, loss_fn=loss_fn, budget="1GiB",
+      ...                             log=None)
+      >>> for start in (0, 13):
+      ...     out = step({k: v[start:start + 13] for k, v in data.items()})
+      >>> out.step, out.count
+      (2, 13.0)
+    """
+    effective_batch = validate_effective_batch(effective_batch)
+    adapter = adapter_for(model)
+    if adapter.name != "flax":
+        raise ValueError(
+            "train_step builds the step of a Flax NNX model for your own loop; a Keras model "
+            "trains with autoaccum.fit (which keeps Keras's callbacks, metrics and History). "
+            f"Received: model of type {type(model).__name__}")
+    check_target(device, memory_fraction)
+    validate_method(method)
+    validate_on_nonfinite(on_nonfinite)
+    validate_backup(backup)
+    log = resolve_log(log)
+    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                              learning_rate=learning_rate, base_batch=base_batch,
+                              lr_rule=lr_rule, adjust_adam=adjust_adam,
+                              batch_stats=batch_stats)
+    if plan is not None:
+        the_plan, prepared = reuse_plan(
+            plan, model, data, adapter=adapter, effective_batch=effective_batch,
+            options=options, remat_layers=remat_layers, data_parallel=data_parallel,
+            planning_options=given(budget=(budget, None), device=(device, None),
+                                   memory_fraction=(memory_fraction, None),
+                                   remat=(remat, "auto"), objective=(objective, None),
+                                   method=(method, "compile")))
+    else:
+        the_plan, prepared = plan_model(
+            model, data, adapter=adapter, effective_batch=effective_batch, options=options,
+            budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
+            remat_layers=remat_layers, objective=default_objective(objective, device),
+            method=method, log=log, where="train_step", data_parallel=data_parallel,
+            cache=cache, uneven=uneven)
+        if log is not None:
+            print(the_plan.report(), file=log, flush=True)
+    return TrainStep(model, prepared, the_plan, mesh=prepared.program.mesh,
+                     remat_layers=remat_layers,
+                     on_nonfinite=on_nonfinite, backup=backup, elastic=elastic, log=log)
