@@ -133,3 +133,25 @@ def test_bad_batches_and_keras_models_are_refused_with_the_fix(plan):
     with pytest.raises(ValueError, match="Keras model trains with autoaccum.fit"):
         autoaccum.train_step(model, {"x": np.zeros((4, 3))}, effective_batch=4,
                              optimizer=optax.sgd, loss_fn=token_loss)
+
+
+def test_the_plan_micro_batch_drives_optax_microbatching_exactly_with_sums():
+    data = ragged_tokens(12, 16, seed=9)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    one = autoaccum.measure(model, data, micro_batch=4, effective_batch=12, **OPTIONS)
+    plan = autoaccum.plan(model, data, effective_batch=12, budget=int(one.need_bytes * 1.02),
+                          method="compile", log=None, uneven=False, **OPTIONS)
+    assert plan.accum_steps > 1 and 12 % plan.micro_batch == 0
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def sums(p, batch):  # gradient of the loss SUM, and the valid count: both add up
+        _, count = token_loss(nnx.merge(graphdef, p, rest), batch)
+        return jax.grad(lambda q: token_loss(nnx.merge(graphdef, q, rest), batch)[0])(p), count
+
+    micro = optax.microbatching.microbatch(sums, argnums=1, microbatch_size=plan.micro_batch)
+    grad_sum, count = micro(params, data)
+    grads = jax.tree.map(lambda g: g / count, grad_sum)
+    full = jax.grad(lambda p: (lambda s, c: s / c)(*token_loss(nnx.merge(graphdef, p, rest),
+                                                               data)))(params)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(full), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
