@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/objective.py
 	$(PY) benchmarks/dryrun.py
 	$(PY) benchmarks/flax_cnn.py
+	$(PY) benchmarks/uneven.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -116,8 +116,8 @@ def plan(
       uneven: ``True`` (default): when the largest fitting micro-batch does not divide the
         per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
         5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
-        an even split with as few micro-steps is preferred. ``False``: divisors only (1 x 13).
-        Keras models and depth-extrapolated plans use divisors.
+        an even split with as few micro-steps is preferred. ``False``: divisors only (13
+        micro-batches of 1). Depth-extrapolated plans use divisors.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and

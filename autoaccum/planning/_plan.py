@@ -88,19 +88,20 @@ class Plan:
         return self.last_micro_batch is not None
 
     def split_text(self) -> str:
-        """The per-device split as a sum: ``"5 + 5 + 3"``, ``"19 x 5 + 1"`` or ``"3 x 4"``.
+        """The per-device split, micro-batch x count: ``"5 + 5 + 3"``, ``"5 x 19 + 1"`` (19
+        micro-batches of 5, then 1) or ``"4 x 3"`` (3 micro-batches of 4).
 
         Example:
           >>> Plan(5, 20, 1, 96, 5, None, None, None, (), "cpu", 0.0,
           ...      last_micro_batch=1).split_text()
-          '19 x 5 + 1'
+          '5 x 19 + 1'
         """
         m, k, last = self.micro_batch, self.accum_steps, self.last_micro_batch
         if last is None:
-            return f"{k} x {m}"
+            return f"{m} x {k}"
         if k <= 3:
             return " + ".join(map(str, self.micro_batches))
-        return f"{k - 1} x {m} + {last}"
+        return f"{m} x {k - 1} + {last}"
 
     @property
     def leftover_examples(self) -> int:
@@ -195,7 +196,7 @@ def plan_from_search(
     if search.last_micro_batch is not None:
         divisor = max(d for d in divisors(per_device) if d <= search.micro_batch)
         extra.append(
-            f"uneven split: {per_device} = {accum - 1} x {search.micro_batch} + "
+            f"uneven split: {per_device} = {search.micro_batch} x {accum - 1} + "
             f"{search.last_micro_batch} per device, {accum} micro-steps (the largest fitting "
             f"divisor, {divisor}, takes {per_device // divisor}); the last micro-batch runs at "
             "its own shape in the same compiled step"

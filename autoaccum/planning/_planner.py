@@ -42,7 +42,7 @@ def plan_program(
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
     ``uneven``: the program's step takes :class:`~._batches.UnevenBatches`, so the plan may
-    end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (1 x 13).
+    end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1).
 
     ``memory_fraction`` overrides the named device profile's default share of GPU memory
     that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``; when not given, the

@@ -117,7 +117,7 @@ def search_micro_batch(
     fitting ``b`` is found exactly, ``k = ceil(per_device_batch / b)`` micro-steps, and the
     even split with the same ``k`` is preferred when there is one (12 with room for 5: 4 x 3,
     not 5 + 5 + 2); the uneven step is verified by its own compile. Without it only divisors
-    of ``per_device_batch`` are chosen (13 with room for 5: 1 x 13).
+    of ``per_device_batch`` are chosen (13 with room for 5: 13 micro-batches of 1).
 
     ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
     a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as

@@ -38,7 +38,7 @@ def _plan(effective_batch: int, *, measure_uneven=uneven_like_even, budget: int 
 @pytest.mark.parametrize(("effective_batch", "split", "sizes"), [
     (7, "5 + 2", (5, 2)),
     (13, "5 + 5 + 3", (5, 5, 3)),
-    (96, "19 x 5 + 1", (5,) * 19 + (1,)),
+    (96, "5 x 19 + 1", (5,) * 19 + (1,)),
 ])
 def test_room_for_five_plans_five_based_splits_with_the_fewest_micro_steps(
         effective_batch, split, sizes):
@@ -55,7 +55,7 @@ def test_room_for_five_plans_five_based_splits_with_the_fewest_micro_steps(
 def test_an_even_split_with_as_few_micro_steps_is_preferred():
     plan = _plan(12)  # 5 + 5 + 2 and 4 + 4 + 4 both take three micro-steps
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (4, 3, None)
-    assert not plan.uneven and plan.split_text() == "3 x 4"
+    assert not plan.uneven and plan.split_text() == "4 x 3"
 
 
 def test_an_uneven_step_that_does_not_fit_falls_back_to_a_divisor():
