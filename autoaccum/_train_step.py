@@ -6,7 +6,7 @@ from typing import Any
 
 from ._api_options import check_target, default_objective, given, program_options
 from .adapters import adapter_for
-from .adapters.flax._train_step import TrainStep
+from .adapters.flax import TrainStep
 from .planning._plan import Plan
 from .planning._planner import plan_model, validate_method
 from .planning._reuse import reuse_plan

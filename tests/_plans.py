@@ -19,12 +19,26 @@ def _inputs() -> dict:
 
 @functools.cache
 def accumulating_plan() -> autoaccum.Plan:
-    """Effective batch 16 under a budget where micro-batch 2 fits and 4 does not."""
+    """Effective batch 16 under a budget where micro-batch 2 fits and 4 does not, divisors
+    only (an even split: 2 x 8)."""
     inputs = _inputs()
     two = autoaccum.measure(inputs["model"], inputs["data"], micro_batch=2, effective_batch=16,
                             optimizer=inputs["optimizer"], learning_rate=1e-3,
                             loss_fn=token_loss)
     return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=16,
+                          budget=int(two.need_bytes * 1.3), log=None, method="compile",
+                          uneven=False, **inputs)
+
+
+@functools.cache
+def uneven_plan() -> autoaccum.Plan:
+    """Effective batch 13 under the budget of :func:`accumulating_plan`: the step ends with a
+    smaller micro-batch."""
+    inputs = _inputs()
+    two = autoaccum.measure(inputs["model"], inputs["data"], micro_batch=2, effective_batch=16,
+                            optimizer=inputs["optimizer"], learning_rate=1e-3,
+                            loss_fn=token_loss)
+    return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=13,
                           budget=int(two.need_bytes * 1.3), log=None, method="compile",
                           **inputs)
 

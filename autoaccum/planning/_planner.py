@@ -18,8 +18,13 @@ from ._measure import measure_program
 from ._objective import Candidate, choose_fastest, cost_model_seconds
 from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
+from ._policies import (
+    label_policy,
+    nothing_fits,
+    policies_for,
+    with_failed_policies,
+)
 from ._program import TrainProgram, tree_bytes
-from ._remat import validate_remat
 from ._search import DoesNotFitError, divisors
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
 from ._validate import check_enough_examples, no_leftovers, validate_effective_batch
@@ -140,31 +145,6 @@ def _profile_key(resolved: ResolvedTarget) -> str | None:
     return detected.profile.key if detected.profile is not None else None
 
 
-def policies_for(adapter: Adapter, remat: str) -> list[str]:
-    """Policies to try, in order of increasing recompute."""
-    validate_remat(remat)
-    if remat != "auto":
-        return [remat]
-    return list(adapter.remat_policies)
-
-
-def label_policy(plan: Plan, policy: str) -> Plan:
-    """``plan`` and its probes marked with the remat ``policy`` they were compiled with."""
-    probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
-    return dataclasses.replace(plan, probes=probes, remat=policy)
-
-
-def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
-    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
-    their policy), and a note saying so."""
-    if not failures:
-        return plan
-    earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
-    note = ("with less rematerialization micro_batch=1 does not fit: "
-            + "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures))
-    return dataclasses.replace(plan, probes=earlier + plan.probes, notes=(*plan.notes, note))
-
-
 def plan_model(
     model: Any,
     data: Any,
@@ -270,7 +250,7 @@ def plan_model(
         if objective != "throughput":
             break
     if not tried:
-        raise _nothing_fits(failures)
+        raise nothing_fits(failures)
     if objective != "throughput":
         chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),
                                      objective="memory")
@@ -359,21 +339,6 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
     finally:
         if runner is not None:
             runner.release()
-
-
-def first_line(error: BaseException) -> str:
-    return str(error).split(". ")[0]
-
-
-def _nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError:
-    if len(failures) == 1:
-        return failures[0][1]
-    tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
-    return DoesNotFitError(
-        f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
-        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
-        "weights), or a larger budget/device."
-    )
 
 
 def _estimate_for(plan: Plan, micro_batch: int) -> Any:

@@ -5,7 +5,7 @@ import json
 import re
 import sys
 
-from tests._plans import accumulating_plan, whole_batch_plan
+from tests._plans import accumulating_plan, uneven_plan, whole_batch_plan
 
 
 def test_repr_is_one_short_line_with_the_split():
@@ -74,3 +74,20 @@ def test_json_has_snake_case_keys_a_schema_version_profile_and_deviceless_flag()
     assert {"frozen_weights", "trainable_weights", "optimizer_state", "gradient_accumulator",
             "batch", "activations_and_temp"} <= set(out["probes"][0]["memory"])
     assert [p["fits"] for p in out["probes"]].count(False) >= 1
+
+
+def test_an_uneven_split_shows_in_the_repr_report_html_and_json():
+    plan = uneven_plan()
+    assert plan.uneven and sum(plan.micro_batches) == 13
+    assert plan.micro_batches[-1] < plan.micro_batch
+    assert f"last_micro_batch={plan.last_micro_batch}" in repr(plan)
+    text = plan.report(rich=False)
+    assert f"13 = ({plan.split_text()}) x 1 device(s)" in text
+    assert f"micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps" in text
+    assert "verify uneven split" in text and "uneven split: 13 = " in text
+    assert f"{plan.micro_batch} (last {plan.last_micro_batch})" in text  # the probe's row
+    assert "verify uneven split" in plan._repr_html_()
+    out = json.loads(json.dumps(plan.to_dict()))
+    assert out["last_micro_batch"] == plan.last_micro_batch
+    assert out["probes"][-1]["last_micro_batch"] == plan.last_micro_batch
+

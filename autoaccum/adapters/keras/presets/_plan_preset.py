@@ -14,7 +14,8 @@ from ....devices._extras import require_extra
 from ....planning._depth import DepthVariants
 from ....planning._lr import scale_learning_rate
 from ....planning._plan import Plan
-from ....planning._planner import label_policy, plan_program, with_failed_policies
+from ....planning._planner import plan_program
+from ....planning._policies import label_policy, with_failed_policies
 from ....planning._search import DoesNotFitError
 from ....planning._validate import validate_effective_batch, validate_positive_int
 from .._remat import keras_remat_program
