@@ -141,8 +141,7 @@ def plan(
         per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
         5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
         an even split with as few micro-steps is preferred. ``False``: divisors only (1 x 13).
-        Flax and Keras models alike (``keras_fit(last_micro_batch=)``); depth-extrapolated
-        plans use divisors.
+        Flax and Keras models alike; depth-extrapolated plans use divisors.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
