@@ -117,7 +117,7 @@ def plan(
         per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
         5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
         an even split with as few micro-steps is preferred. ``False``: divisors only (13
-        micro-batches of 1). Depth-extrapolated plans use divisors.
+        micro-batches of 1). Flax and Keras alike; depth-extrapolated plans use divisors.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and

@@ -28,6 +28,8 @@ class KerasAdapter:
 
     name = "keras"
     remat_policies = KERAS_REMAT_POLICIES
+    uneven_batches = True
+    """Its steps take :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3)."""
 
     def recognizes(self, model: Any) -> bool:
         return is_keras_model(model)
@@ -103,10 +105,11 @@ class KerasAdapter:
         mesh = settings.mesh
         history = keras_fit(
             model, prepared.extras["data"], micro_batch=plan.micro_batch,
-            accum_steps=plan.accum_steps, epochs=settings.epochs, shuffle=settings.shuffle,
-            seed=settings.seed, verbose=settings.verbose, elastic=settings.elastic,
-            backup=settings.backup, data_parallel=1 if mesh is None else mesh,
-            lr_scaling=plan.lr_scaling,
+            accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
+            uneven=getattr(settings, "uneven", True), epochs=settings.epochs,
+            shuffle=settings.shuffle, seed=settings.seed, verbose=settings.verbose,
+            elastic=settings.elastic, backup=settings.backup,
+            data_parallel=1 if mesh is None else mesh, lr_scaling=plan.lr_scaling,
             on_nonfinite=getattr(settings, "on_nonfinite", "stop"),
             batch_stats=getattr(settings, "batch_stats", "effective"),
             drop_remainder=getattr(settings, "drop_remainder", False),

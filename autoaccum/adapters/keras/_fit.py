@@ -38,6 +38,8 @@ def keras_fit(
     *,
     micro_batch: int,
     accum_steps: int,
+    last_micro_batch: int | None = None,
+    uneven: bool = True,
     epochs: int = 1,
     callbacks: list[Any] | None = None,
     verbose: Any = "auto",
@@ -59,6 +61,12 @@ def keras_fit(
     drop_remainder: bool = False,
 ) -> Any:
     """Trains ``model`` for ``epochs`` with ``micro_batch x accum_steps`` examples per step.
+
+    ``last_micro_batch`` (a plan's, smaller than ``micro_batch``): an uneven step of
+    ``accum_steps - 1`` micro-batches of ``micro_batch`` and a last one of this size (13 =
+    5 + 5 + 3), in one compiled step, exactly Keras's step on the 13 examples. ``uneven``: a
+    smaller step (the last of an epoch) or a validation batch that ``micro_batch`` does not
+    divide is split the same way (``False``: at its largest divisor up to ``micro_batch``).
 
     ``data`` is anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays,
     dicts, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a
@@ -100,6 +108,10 @@ def keras_fit(
       (2, 6)
       >>> history.autoaccum_remainder
       {'policy': 'train', 'examples': 4}
+      >>> history = keras_fit(model, data, micro_batch=3, accum_steps=3, last_micro_batch=1,
+      ...                     verbose=0)  # 7 = 3 + 3 + 1 examples per step
+      >>> int(model.optimizer.iterations) - 6, history.autoaccum_remainder["examples"]
+      (3, 6)
     """
     import keras
 
@@ -110,6 +122,7 @@ def keras_fit(
     for name, value in (("micro_batch", micro_batch), ("accum_steps", accum_steps)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    _check_last_micro_batch(last_micro_batch, micro_batch=micro_batch, accum_steps=accum_steps)
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, (int, np.integer))
                                         or steps_per_epoch < 1):
         raise ValueError(
@@ -118,7 +131,8 @@ def keras_fit(
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
     dp = 1 if mesh is None else int(mesh.size)
-    effective = int(micro_batch) * dp * int(accum_steps)
+    last = None if last_micro_batch is None else int(last_micro_batch)
+    effective = (int(micro_batch) * (int(accum_steps) - 1) + (last or int(micro_batch))) * dp
     source = keras_data(model, data)
     source, val_source, val_raw = _validation(model, source, validation_data, validation_split)
     _check_finite_input(source, steps_per_epoch)
@@ -130,13 +144,14 @@ def keras_fit(
     model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
     runner = StepRunner(model, layout, spec, mesh=mesh, micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
-                        batch_stats=batch_stats, backup=backup, elastic=elastic)
+                        batch_stats=batch_stats, backup=backup, elastic=elastic,
+                        last_micro_batch=last, uneven=bool(uneven))
     start = time.perf_counter()
-    runner.compile(int(accum_steps), int(micro_batch))
+    runner.compile(int(accum_steps), int(micro_batch), last)
     model._autoaccum_compile_seconds = time.perf_counter() - start
     validator = None if val_source is None else Validator(
         model, layout, val_source, val_raw, batch_size=validation_batch_size or effective,
-        micro_batch=int(micro_batch), steps=validation_steps)
+        micro_batch=int(micro_batch), steps=validation_steps, uneven=bool(uneven))
 
     callback_list = callbacks
     if not isinstance(callback_list, keras.callbacks.CallbackList):
@@ -283,6 +298,22 @@ def _validation(model: Any, source: KerasData, validation_data: Any,
     return source, val, validation_data
 
 
+def _check_last_micro_batch(last: Any, *, micro_batch: int, accum_steps: int) -> None:
+    """``last_micro_batch``: ``None``, or a positive integer below ``micro_batch`` with at
+    least two micro-steps."""
+    if last is None:
+        return
+    if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or last < 1:
+        raise ValueError("`last_micro_batch` must be a positive integer (or None for an even "
+                         f"split). Received: last_micro_batch={last!r}")
+    if last >= micro_batch or accum_steps < 2:
+        raise ValueError(
+            "`last_micro_batch` is the smaller last micro-batch of an uneven step: it must be "
+            "below `micro_batch`, with `accum_steps` >= 2 (accum_steps - 1 micro-batches of "
+            "micro_batch, then it); pass None for an even split. Received: "
+            f"last_micro_batch={last!r}, micro_batch={micro_batch}, accum_steps={accum_steps}")
+
+
 def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:
     data = getattr(source, "data", None)
     cardinality = getattr(data, "cardinality", None)
@@ -306,6 +337,7 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
     history.autoaccum_events = runner.events
     history.autoaccum_micro_batch = runner.micro_batch
     history.autoaccum_accum_steps = runner.accum_steps
+    history.autoaccum_last_micro_batch = runner.last_micro_batch
     history.autoaccum_data_parallel = dp
     history.autoaccum_skipped_steps = loop.skipped
     history.autoaccum_on_nonfinite = on_nonfinite

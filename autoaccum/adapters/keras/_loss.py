@@ -9,12 +9,14 @@ Keras reduces each compiled loss term ``values`` (per element) as:
 * ``"mean_with_sample_weight"``: ``sum(values * w) / sum(w)`` with ``w`` = sample weight x mask.
 * ``"sum"``: ``sum(values * w)``.
 
-So per micro-batch ``j`` a term is ``S_j / d_j``. When ``d_j`` is the same for every
-micro-batch of the step (no mask, "sum_over_batch_size"), the big-batch value is the plain mean
-of the micro-batch values; when ``d_j`` depends on the data (masks, "mean_with_sample_weight")
-the big-batch value is ``sum_j S_j / sum_j d_j``, so the micro-batch loss is returned as
-``(d_j * value_j, d_j)``. :class:`LossRecorder` wraps the compiled loss terms while the step is
-traced to read ``value_j`` and ``d_j`` exactly as Keras computes them.
+So per micro-batch ``j`` a term is ``S_j / d_j``, and the big-batch value is
+``sum_j S_j / sum_j d_j``: the micro-batch loss is returned as ``(d_j * value_j, d_j)``. When
+``d_j`` is static (no mask, "sum_over_batch_size") it is proportional to the micro-batch's
+size, so micro-batches of different sizes (an uneven split, 13 = 5 + 5 + 3) weigh exactly as
+their examples do; when it depends on the data (masks, "mean_with_sample_weight") it is
+read as Keras computes it. A "sum" term is not divided: each micro-batch adds its own sum.
+:class:`LossRecorder` wraps the compiled loss terms while the step is traced to read
+``value_j`` and ``d_j`` exactly as Keras computes them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class LossTerm:
     value: Any
     """The reduced value Keras returned for this term (before its loss weight)."""
     denominator: Any
-    """What Keras divided by: a python number when static, else a traced scalar."""
+    """What Keras divided by: a python number when static, else a traced scalar; ``None``
+    for a loss that reduces itself (taken as a mean over the micro-batch's examples)."""
     kind: str
     """``"static"`` (scales with the batch), ``"dynamic"`` (data-dependent) or ``"sum"``."""
     weight: float = 1.0
@@ -78,15 +81,32 @@ def accumulation_weights(
     terms: list[LossTerm],
     *,
     micro_batch: int,
-    accum_steps: int,
+    examples: int,
 ) -> tuple[jax.Array, jax.Array, bool]:
-    """``(loss_sum, count, exact)`` for one micro-batch from Keras's loss ``total_loss``.
+    """``(loss_sum, count)`` for one micro-batch from Keras's loss ``total_loss``, and whether
+    the step is exact.
 
-    ``loss_sum / count`` summed over the micro-batches of a step equals the loss Keras would
-    compute on the whole effective batch (``exact``), except when a model has several loss
-    terms and one of them has a data-dependent denominator: then each micro-batch is weighted
-    equally, and ``exact`` is ``False``. ``total_loss`` includes regularization losses; those
-    are averaged over micro-batches (weighted by ``d_j`` in the data-dependent case).
+    Args:
+      total_loss: Keras's loss on the micro-batch (regularization losses included).
+      terms: the compiled loss terms as :class:`LossRecorder` recorded them (no ``None``
+        denominator left).
+      micro_batch: this micro-batch's examples (on this device).
+      examples: the step's examples, over all its micro-batches and devices.
+
+    Returns:
+      ``loss_sum / count`` summed over the micro-batches of a step (``sum loss_sum / sum
+      count``) equals the loss Keras computes on the whole effective batch (``exact``), for
+      micro-batches of any sizes, except when a model has several loss terms and one of them
+      has a data-dependent denominator: then each micro-batch is weighted by its size, and
+      ``exact`` is ``False``. Regularization losses count once, as in one big batch.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> terms = [LossTerm(jnp.float32(2.0), 10.0, "static")]  # 5 examples x 2 outputs
+      >>> loss_sum, count, exact = accumulation_weights(jnp.float32(2.0), terms,
+      ...                                               micro_batch=5, examples=13)
+      >>> float(loss_sum), float(count), exact
+      (20.0, 10.0, True)
     """
     total_loss = jnp.asarray(total_loss, jnp.float32)
     dynamic = [t for t in terms if t.kind == "dynamic"]
@@ -94,10 +114,13 @@ def accumulation_weights(
         d = jnp.asarray(dynamic[0].denominator, jnp.float32)
         return total_loss * d, d, True
     static = [t for t in terms if t.kind == "static"]
+    # Every static denominator is proportional to the micro-batch's size (``count``); a "sum"
+    # term must count once per step, not once per micro-batch: it is scaled by
+    # ``examples / micro_batch`` here, so its share of ``sum loss_sum / sum count`` is its sum.
     count = float(static[0].denominator) if static else float(micro_batch)
     sums = sum((t.weight * jnp.asarray(t.value, jnp.float32) for t in terms if t.kind == "sum"),
                jnp.float32(0.0))
-    loss_sum = count * (total_loss + (accum_steps - 1) * sums)
+    loss_sum = count * (total_loss + (examples / micro_batch - 1.0) * sums)
     return loss_sum, jnp.float32(count), not dynamic
 
 
@@ -126,7 +149,7 @@ class _Recording:
         if not standard or reduction not in ("sum_over_batch_size", "mean", "sum",
                                              "mean_with_sample_weight"):
             value = inner(y_true, y_pred, sample_weight)
-            self.sink.append(LossTerm(value, 1.0, "static", self._weight()))
+            self.sink.append(LossTerm(value, None, "static", self._weight()))
             return value
 
         # keras.losses.Loss.__call__, with the denominator of the reduction kept.
@@ -167,8 +190,8 @@ def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
     size = 1
     for dim in values.shape:
         size *= int(dim)
-    if tuple(values.shape) in ((), (0,)):
-        return "static", 1.0
+    if tuple(values.shape) in ((), (0,)):  # the loss reduced itself: taken as a mean
+        return "static", None
     if reduction == "sum":
         return "sum", 1.0
     if reduction in ("sum_over_batch_size", "mean"):

@@ -8,8 +8,9 @@ denominator (recorded by :class:`~._loss.LossRecorder` as Keras reduces it) are 
 the micro-batches, and each metric is updated once per step with the big batch's value:
 ``sum_j S_j / sum_j d_j`` (``sum_j value_j`` for ``"sum"``), weighted by the step's examples.
 
-The same sums give the big batch's *total* loss (``sum_t weight_t x term_t`` plus the mean
-regularization loss), which is what is logged when the gradient itself cannot be accumulated
+The same sums give the big batch's *total* loss (``sum_t weight_t x term_t`` plus the
+regularization loss averaged over the examples, as Keras divides activity regularization by
+the batch size), which is what is logged when the gradient itself cannot be accumulated
 exactly (several terms, one with a data-dependent denominator; see :mod:`._loss`).
 """
 
@@ -43,14 +44,16 @@ class TermMetrics:
         self.weights: list[float] = []
 
     def zeros(self) -> tuple:
-        """Per term ``(numerator, denominator)`` sums, and the regularization-loss sum."""
+        """Per term ``(numerator, denominator)`` sums, and the regularization-loss sum
+        (weighted by each micro-batch's examples)."""
         return (tuple((jnp.float32(0.0), jnp.float32(0.0)) for _ in self.metrics),
                 jnp.float32(0.0))
 
-    def accumulate(self, acc: tuple, terms: list[LossTerm], total: Any, old: list, new: list
-                   ) -> tuple[tuple, list]:
-        """Adds one micro-batch's terms (``total``: its whole loss, regularization included);
-        the micro-batch's own updates of the metrics are undone."""
+    def accumulate(self, acc: tuple, terms: list[LossTerm], total: Any, old: list, new: list,
+                   *, examples: int) -> tuple[tuple, list]:
+        """Adds one micro-batch's terms (``total``: its whole loss, regularization included;
+        ``examples``: the micro-batch's); the micro-batch's own updates of the metrics are
+        undone."""
         self.mapped = bool(self.metrics) and len(terms) == len(self.metrics)
         if not self.mapped:
             return acc, new
@@ -70,18 +73,19 @@ class TermMetrics:
                 d = jnp.asarray(term.denominator, jnp.float32)
                 out.append((numerator + value * d, denominator + d))
         extra = jnp.asarray(total, jnp.float32) - weighted
-        return (tuple(out), regularization + extra), new
+        return (tuple(out), regularization + extra * examples), new
 
     def values(self, acc: tuple) -> list:
         """Each term's big-batch value."""
         return [jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30),
                           numerator) for numerator, denominator in acc[0]]
 
-    def total(self, acc: tuple, micro_batches: int) -> Any:
-        """The big batch's total loss: weighted terms plus the mean regularization loss."""
+    def total(self, acc: tuple, examples: int) -> Any:
+        """The big batch's total loss (``examples``: the step's): weighted terms plus the
+        regularization loss."""
         terms = sum((w * v for w, v in zip(self.weights, self.values(acc), strict=True)),
                     jnp.float32(0.0))
-        return terms + acc[1] / micro_batches
+        return terms + acc[1] / examples
 
     def update(self, acc: tuple, batch_size: Any) -> None:
         """Inside a ``StatelessScope``: each metric updated once with its big-batch value."""

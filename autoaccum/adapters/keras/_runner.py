@@ -8,9 +8,12 @@ step: the inputs when they are intact, else a host copy (taken before every step
 ``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic`` redoes the
 same step at a smaller micro-batch.
 
-A step of fewer examples than the effective batch (the last of an epoch) runs its own
-compiled program at the largest micro-batch that divides it; it is normalised by its own
-count, as Keras's last partial batch is.
+A step may be uneven: full micro-batches and one smaller last one (13 = 5 + 5 + 3,
+:class:`~autoaccum.planning.UnevenBatches`) in one compiled program. A step of fewer examples
+than the effective batch (the last of an epoch) runs its own compiled program, split the same
+way at the fit's micro-batch (``uneven=False``: at the largest micro-batch that divides it);
+it is normalised by its own count, as Keras's last partial batch is. An out-of-memory with
+``elastic`` goes on at the largest divisor below the failed micro-batch.
 """
 
 from __future__ import annotations
@@ -21,12 +24,22 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ...devices._mesh import batch_sharding, replicate, replicated_sharding, shard_batches
+from ...devices._mesh import (
+    batch_sharding,
+    mesh_axis,
+    replicate,
+    replicated_sharding,
+    shard_batches,
+)
 from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
+from ...planning._batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
+from ...training._batching import split_micro_batches
 from ...training._elastic import shrink
 from ...training._snapshot import HostSnapshot, is_consumed
 from ._interrupts import deferred_interrupts
@@ -53,12 +66,18 @@ class StepResult:
         """Micro-batches the step scanned, over all devices."""
 
 
+Split = tuple[int, int, "int | None"]
+"""``(accum_steps, micro_batch, last_micro_batch)`` of one step, per device; ``last`` is
+``None`` when every micro-batch is ``micro_batch``."""
+
+
 class StepRunner:
     """The compiled steps of one fit (one per batch shape) and how they are run."""
 
     def __init__(self, model: Any, layout: KerasLayout, spec: PyTree, *, mesh: Any,
                  micro_batch: int, accum_steps: int, lr_scaling: Any, batch_stats: str,
-                 backup: str, elastic: bool) -> None:
+                 backup: str, elastic: bool, last_micro_batch: int | None = None,
+                 uneven: bool = True) -> None:
         self.model = model
         self.layout = layout
         self.spec = spec
@@ -66,11 +85,13 @@ class StepRunner:
         self.dp = 1 if mesh is None else int(mesh.size)
         self.micro_batch = micro_batch
         self.accum_steps = accum_steps
+        self.last_micro_batch = last_micro_batch
+        self.uneven = uneven
         self.elastic = elastic
         self.snapshot = HostSnapshot(backup)
         self.events: list[str] = []
-        self._splits: dict[int, tuple[int, int]] = {}
-        self._compiled: dict[tuple[int, int], Any] = {}
+        self._splits: dict[int, Split] = {}
+        self._compiled: dict[Split, Any] = {}
         self._jitted = jax.jit(
             keras_train_step(model, layout, mesh=mesh, lr_scaling=lr_scaling,
                              batch_stats=batch_stats),
@@ -79,20 +100,29 @@ class StepRunner:
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.dp * self.accum_steps
+        last = self.micro_batch if self.last_micro_batch is None else self.last_micro_batch
+        return (self.micro_batch * (self.accum_steps - 1) + last) * self.dp
 
-    def split(self, examples: int) -> tuple[int, int]:
-        """``(accum_steps, micro_batch)`` for a step of ``examples`` (per-device micro)."""
+    def split(self, examples: int) -> Split:
+        """``(accum_steps, micro_batch, last_micro_batch)`` for a step of ``examples``
+        (per device): the fit's own for a full step; for a smaller one, micro-batches of the
+        fit's micro-batch and a smaller last one (``uneven=False``: the largest divisor)."""
         if examples == self.effective_batch:
-            return self.accum_steps, self.micro_batch
+            return self.accum_steps, self.micro_batch, self.last_micro_batch
         if examples not in self._splits:
             per_device = examples // self.dp
-            micro = max(d for d in divisors(per_device) if d <= self.micro_batch)
-            self._splits[examples] = (per_device // micro, micro)
+            if self.uneven:
+                micro = min(self.micro_batch, per_device)
+                accum, last = split_sizes(per_device, micro)
+                self._splits[examples] = (accum, micro, last)
+            else:
+                micro = max(d for d in divisors(per_device) if d <= self.micro_batch)
+                self._splits[examples] = (per_device // micro, micro, None)
         return self._splits[examples]
 
-    def compile(self, accum_steps: int, micro_batch: int) -> Any:
-        key = (accum_steps, micro_batch)
+    def compile(self, accum_steps: int, micro_batch: int, last: int | None = None) -> Any:
+        """The step compiled for ``split`` (abstract inputs; cached per split)."""
+        key = (accum_steps, micro_batch, last)
         if key not in self._compiled:
             state, frozen = keras_state(self.model, self.layout)
             abstract = lambda tree: jax.tree.map(  # noqa: E731
@@ -100,14 +130,27 @@ class StepRunner:
                     np.shape(v), v.dtype,
                     sharding=None if self.mesh is None else replicated_sharding(self.mesh)),
                 tree)
-            sharding = None if self.mesh is None else batch_sharding(self.mesh)
-            batches = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct((accum_steps, micro_batch * self.dp, *s.shape),
-                                               s.dtype, sharding=sharding), self.spec)
+            batches = self._batch_spec(accum_steps, micro_batch, last)
             with compiling(), keras_lowering_scope():
                 self._compiled[key] = self._jitted.lower(
                     abstract(state), batches, abstract(frozen)).compile()
         return self._compiled[key]
+
+    def _batch_spec(self, accum_steps: int, micro_batch: int, last: int | None) -> PyTree:
+        """Abstract batches of a split, sharded as :func:`shard_batches` places them."""
+        mesh, dp = self.mesh, self.dp
+        sharding = None if mesh is None else batch_sharding(mesh)
+
+        def full(steps: int) -> PyTree:
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+                (steps, micro_batch * dp, *s.shape), s.dtype, sharding=sharding), self.spec)
+
+        if last is None:
+            return full(accum_steps)
+        leading = None if mesh is None else NamedSharding(mesh, P(mesh_axis(mesh)))
+        return UnevenBatches(full(accum_steps - 1), jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((last * dp, *s.shape), s.dtype, sharding=leading),
+            self.spec))
 
     def trim(self, packed: tuple) -> tuple:
         """A final batch cut to a multiple of the data-parallel devices (with a warning)."""
@@ -127,11 +170,11 @@ class StepRunner:
         and that next batch."""
         examples = _size(packed)
         while True:
-            accum, micro = self.split(examples)
-            compiled = self.compile(accum, micro)
+            accum, micro, last = self.split(examples)
+            compiled = self.compile(accum, micro, last)
             try:
-                return self._run(compiled, _split(packed, accum, micro * self.dp), following,
-                                 examples, accum * self.dp)
+                return self._run(compiled, _split(packed, accum, micro, last, self.dp),
+                                 following, examples, accum * self.dp)
             except Exception as error:
                 if not (self.elastic and is_out_of_memory(error)) or is_consumed(
                         keras_state(self.model, self.layout)[0]):
@@ -140,13 +183,14 @@ class StepRunner:
 
     def _shrink(self, error: BaseException, examples: int, accum: int, micro: int) -> None:
         event = shrink(error, step=int(self.model.optimizer.iterations) + 1, micro_batch=micro,
-                       accum_steps=accum, data_parallel=self.dp)
+                       accum_steps=accum, data_parallel=self.dp, per_device=examples // self.dp)
         self.events.append(str(event))
         print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
         if examples == self.effective_batch:
             self.micro_batch, self.accum_steps = event.new_micro_batch, event.new_accum_steps
+            self.last_micro_batch = None
         else:
-            self._splits[examples] = (event.new_accum_steps, event.new_micro_batch)
+            self._splits[examples] = (event.new_accum_steps, event.new_micro_batch, None)
 
     def _place(self, tree: PyTree) -> PyTree:
         return tree if self.mesh is None else replicate(tree, self.mesh)
@@ -212,8 +256,11 @@ def _size(packed: tuple) -> int:
     return int(np.shape(jax.tree.leaves(packed)[0])[0])
 
 
-def _split(packed: tuple, accum_steps: int, micro_batch: int) -> tuple:
-    """``[n, ...]`` host arrays as ``[accum_steps, micro_batch, ...]`` (same order)."""
-    return jax.tree.map(
-        lambda a: np.ascontiguousarray(a).reshape(accum_steps, micro_batch, *np.shape(a)[1:]),
-        packed)
+def _split(packed: tuple, accum_steps: int, micro_batch: int, last: int | None,
+           dp: int) -> PyTree:
+    """``[n, ...]`` host arrays as the step's batches (same order): ``[accum_steps, dp *
+    micro_batch, ...]``, or :class:`UnevenBatches` when ``last`` is set."""
+    if last is None:
+        return jax.tree.map(lambda a: np.ascontiguousarray(a).reshape(
+            accum_steps, micro_batch * dp, *np.shape(a)[1:]), packed)
+    return split_micro_batches(packed, micro_batch=micro_batch, data_parallel=dp)

@@ -3,7 +3,9 @@
 Built from the model's own pieces, as Keras's ``JAXTrainer.train_step``/``test_step`` are:
 ``model.compute_loss_and_updates`` (``stateless_call`` + the compiled loss, or a
 ``compute_loss`` override), ``model.compute_metrics`` and ``optimizer.stateless_apply``.
-Micro-batches are scanned; the optimizer is applied once per step (``optimizer.iterations``
+Micro-batches are scanned (an uneven step's smaller last micro-batch,
+:class:`~autoaccum.planning.UnevenBatches`, runs once at its own shape; every micro-batch is
+weighted by its own size); the optimizer is applied once per step (``optimizer.iterations``
 counts optimizer steps, schedules see them), with the learning-rate rule applied while the
 step is traced (:func:`~._lr.scaled_learning_rate`). Losses are weighted as Keras weights one
 big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), and
@@ -24,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ...planning._batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite
@@ -57,12 +60,14 @@ class _Micro:
         return (mutable, metrics_vars, jnp.float32(0.0), self.terms.zeros(), self.stats.zeros())
 
     def __call__(self, params: list, carry: tuple, batch: PyTree, *, frozen: list,
-                 optimizer_vars: list | None, local_micro: int, micro_batches: int
-                 ) -> tuple[tuple, tuple]:
+                 optimizer_vars: list | None, examples: int) -> tuple[tuple, tuple]:
+        """One micro-batch (its examples on this device: the leading axis of ``batch``) of a
+        step of ``examples`` examples in all (every micro-batch, every device)."""
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         model, layout = self.model, self.layout
         mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
+        local_micro = int(jax.tree.leaves(batch)[0].shape[0])
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
         with self.recorder.recording() as terms, self.stats.capturing() as moments:
             _, aux = model.compute_loss_and_updates(
@@ -70,14 +75,18 @@ class _Micro:
                 training=self.training, optimizer_variables=optimizer_vars,
             )
         unscaled, y_pred, non_trainable, new_metrics = aux
+        for term in terms:  # a loss Keras does not reduce itself: a mean over its examples
+            if term.denominator is None:
+                term.denominator = float(local_micro)
         loss_sum, count, exact = accumulation_weights(
-            unscaled, terms, micro_batch=local_micro, accum_steps=micro_batches
+            unscaled, terms, micro_batch=local_micro, examples=examples
         )
         self.exact = exact
         if not exact:
             warn_inexact_once(model)
         term_acc, new_metrics = self.terms.accumulate(
-            term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics))
+            term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics),
+            examples=local_micro)
         new_metrics = _update_compiled_metrics(
             model, new_metrics, x, y, jax.lax.stop_gradient(y_pred), sample_weight
         )
@@ -87,12 +96,12 @@ class _Micro:
                  term_acc, stats_acc)
         return (loss_sum, count), carry
 
-    def loss(self, accumulated: Any, term_acc: tuple, micro_batches: int) -> Any:
-        """The big batch's loss: the accumulated one, or (when the accumulation weights are
-        not exact) the one the per-term sums give."""
+    def loss(self, accumulated: Any, term_acc: tuple, examples: int) -> Any:
+        """The big batch's loss (``examples``: the step's): the accumulated one, or (when the
+        accumulation weights are not exact) the one the per-term sums give."""
         if self.exact or not self.terms.mapped:
             return accumulated
-        return self.terms.total(term_acc, micro_batches)
+        return self.terms.total(term_acc, examples)
 
     def finish(self, metrics_vars: list, loss: Any, batch_size: int, term_acc: tuple
                ) -> tuple[list, dict]:
@@ -131,11 +140,12 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     :class:`~autoaccum.LearningRateScaling`. ``mesh``: a one-axis ``jax.sharding.Mesh`` for a
     data-parallel step; ``batches`` are then ``[accum_steps, dp * micro_batch, ...]``, each
     device scans its own slice, gradients and valid counts are summed across devices once,
-    the optimizer is applied once (replicated).
+    the optimizer is applied once (replicated). ``batches`` may be
+    :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3): the result is still that of
+    Keras's step on all the examples at once.
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
-    dp = 1 if mesh is None else int(mesh.size)
     if mesh is None:
         accumulate = accumulate_gradients
     else:
@@ -146,13 +156,14 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
         trainable, mutable, optimizer_vars, metrics_vars = state
-        accum_steps, micro_batch = jax.tree.leaves(batches)[0].shape[:2]
+        accum_steps = micro_steps(batches)
+        examples = sum(micro_batch_sizes(batches))
         scale = _loss_scale(optimizer, optimizer_vars)
 
         def micro_loss(params: list, carry: tuple, batch: PyTree) -> tuple:
             (loss_sum, count), carry = micro(
                 params, carry, batch, frozen=frozen, optimizer_vars=optimizer_vars,
-                local_micro=micro_batch // dp, micro_batches=accum_steps * dp)
+                examples=examples)
             return (loss_sum if scale is None else loss_sum * scale, count), carry
 
         with optimizer_in_use(model, optimizer):
@@ -163,9 +174,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         with optimizer_in_use(model, optimizer), scaled_learning_rate(optimizer, lr_scaling):
             new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_vars, grads,
                                                                      trainable)
-        loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc,
-                          accum_steps * dp)
-        new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
+        loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc, examples)
+        new_metrics, logs = micro.finish(new_metrics, loss, examples, term_acc)
         unscale = 1.0 if scale is None else 1.0 / scale
         grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
                                   for g in jax.tree.leaves(grads)), jnp.float32)
@@ -188,24 +198,29 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
 def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
     """``step((trainable, mutable, metric vars), batches, frozen) -> ((mutable, metric vars),
     logs)``: ``model.evaluate``'s ``test_step`` on one batch of ``accum_steps x micro_batch``
-    examples, scanned micro-batch by micro-batch, the loss weighted as for the big batch."""
+    examples (or :class:`~autoaccum.planning.UnevenBatches`), scanned micro-batch by
+    micro-batch, the loss weighted as for the big batch."""
     micro = _Micro(model, layout, training=False, batch_stats="micro")
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
         trainable, mutable, metrics_vars = state
-        accum_steps, micro_batch = jax.tree.leaves(batches)[0].shape[:2]
+        examples = sum(micro_batch_sizes(batches))
 
         def body(carry: tuple, batch: PyTree) -> tuple:
             (_, count), carry = micro(trainable, carry, batch, frozen=frozen,
-                                      optimizer_vars=None, local_micro=micro_batch,
-                                      micro_batches=accum_steps)
+                                      optimizer_vars=None, examples=examples)
             return carry, jnp.asarray(count, jnp.float32)
 
-        carry, counts = jax.lax.scan(body, micro.init(mutable, metrics_vars), batches)
+        carry = micro.init(mutable, metrics_vars)
+        count = jnp.float32(0.0)
+        if isinstance(batches, UnevenBatches):  # the smaller micro-batch at its own shape
+            carry, count = body(carry, batches.last)
+            batches = batches.full
+        carry, counts = jax.lax.scan(body, carry, batches)
         new_mutable, new_metrics, unscaled_sum, term_acc, _ = carry
-        loss = micro.loss(unscaled_sum / jnp.maximum(jnp.sum(counts), 1.0), term_acc,
-                          accum_steps)
-        new_metrics, logs = micro.finish(new_metrics, loss, accum_steps * micro_batch, term_acc)
+        loss = micro.loss(unscaled_sum / jnp.maximum(count + jnp.sum(counts), 1.0), term_acc,
+                          examples)
+        new_metrics, logs = micro.finish(new_metrics, loss, examples, term_acc)
         return (new_mutable, new_metrics), logs
 
     return step

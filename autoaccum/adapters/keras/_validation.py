@@ -3,7 +3,9 @@
 The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
 is read in batches of ``validation_batch_size`` (default: the effective batch, as
 ``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by a
-forward-only step that scans micro-batches (:func:`~._step.keras_eval_step`): the logged
+forward-only step that scans micro-batches of the training micro-batch, the last one smaller
+when it does not divide (``uneven``; else the largest divisor)
+(:func:`~._step.keras_eval_step`): the logged
 ``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
 training micro-batch's memory. The model's weights are only read, never donated or purged,
 so a validation that fails or is interrupted leaves the model as it was.
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 
 from ...planning._search import divisors
+from ...training._batching import split_micro_batches
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._sources import KerasData
@@ -32,7 +35,8 @@ class Validator:
     """Evaluates ``model`` on ``data`` with the fit's callbacks (``on_test_*`` hooks)."""
 
     def __init__(self, model: Any, layout: KerasLayout, data: KerasData, raw: Any, *,
-                 batch_size: int, micro_batch: int, steps: int | None) -> None:
+                 batch_size: int, micro_batch: int, steps: int | None,
+                 uneven: bool = True) -> None:
         self.model = model
         self.layout = layout
         self.data = data
@@ -41,6 +45,7 @@ class Validator:
         self.batch_size = batch_size
         self.micro_batch = micro_batch
         self.steps = steps
+        self.uneven = uneven
         self._jitted = jax.jit(keras_eval_step(model, layout))
         self._compiled: dict[tuple, Any] = {}
 
@@ -58,10 +63,7 @@ class Validator:
             callbacks.on_test_batch_begin(step)
             state, frozen = keras_state(model, layout)
             trainable, mutable, _, metrics_vars = state
-            n = int(np.shape(jax.tree.leaves(packed)[0])[0])
-            micro = max(d for d in divisors(n) if d <= self.micro_batch)
-            batches = jax.tree.map(
-                lambda a, k=n // micro, m=micro: np.reshape(a, (k, m, *np.shape(a)[1:])), packed)
+            batches = self._split(packed)
             compiled = self._compile((trainable, mutable, metrics_vars), batches, frozen)
             (_, metrics_vars), out = compiled((trainable, mutable, metrics_vars), batches, frozen)
             for ref, value in zip(model.metrics_variables, metrics_vars, strict=True):
@@ -70,6 +72,15 @@ class Validator:
             callbacks.on_test_batch_end(step, logs)
         callbacks.on_test_end(logs)
         return logs
+
+    def _split(self, packed: Any) -> Any:
+        """One validation batch as micro-batches of at most the training micro-batch."""
+        n = int(np.shape(jax.tree.leaves(packed)[0])[0])
+        if self.uneven:
+            return split_micro_batches(packed, micro_batch=self.micro_batch)
+        micro = max(d for d in divisors(n) if d <= self.micro_batch)
+        return jax.tree.map(
+            lambda a: np.reshape(a, (n // micro, micro, *np.shape(a)[1:])), packed)
 
     def _compile(self, state: tuple, batches: Any, frozen: list) -> Any:
         spec = lambda tree: jax.tree.map(  # noqa: E731
