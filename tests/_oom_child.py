@@ -145,8 +145,10 @@ def _keras_data(vocab: int, length: int, n: int):
 
 
 def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
-                  fail_after: int, headroom_mib: float, epochs: int = 1) -> dict:
-    """An uninterrupted ``keras_fit``, then the same fit whose memory cap drops after a step."""
+                  fail_after: int, headroom_mib: float, epochs: int = 1,
+                  last: int | None = None) -> dict:
+    """An uninterrupted ``keras_fit``, then the same fit whose memory cap drops after a step
+    (``last``: an uneven split's smaller last micro-batch)."""
     import keras
     import numpy as np
 
@@ -158,7 +160,7 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     model = _keras_lm(vocab, length)
     initial = [np.asarray(w) for w in model.get_weights()]
     reference = keras_fit(model, data, micro_batch=micro, accum_steps=accum, epochs=epochs,
-                          seed=3, verbose=0)
+                          seed=3, verbose=0, last_micro_batch=last)
     expected = [np.asarray(w) for w in model.get_weights()]
     model = _keras_lm(vocab, length)
     model.set_weights(initial)
@@ -171,13 +173,14 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
 
     with cap:
         history = keras_fit(model, data, micro_batch=micro, accum_steps=accum, epochs=epochs,
-                            seed=3, verbose=0, callbacks=[LowerCap()])
+                            seed=3, verbose=0, callbacks=[LowerCap()], last_micro_batch=last)
     got = [np.asarray(w) for w in model.get_weights()]
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
     return {
         "iterations": int(model.optimizer.iterations), "events": history.autoaccum_events,
         "micro_batch": history.autoaccum_micro_batch,
         "accum_steps": history.autoaccum_accum_steps, "max_abs_diff": diff,
+        "last_micro_batch": history.autoaccum_last_micro_batch,
         "loss": history.history["loss"], "reference_loss": reference.history["loss"],
         "moved": max(float(np.max(np.abs(a - b))) for a, b in zip(got, initial, strict=True)),
     }

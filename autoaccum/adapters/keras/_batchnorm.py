@@ -10,7 +10,8 @@ uses micro-batch statistics (inherent to micro-batching). The moving averages fo
   whole effective batch, combined exactly from the micro-batch moments (count-weighted, with
   Chan et al.'s parallel variance, across devices too): the moving averages a big batch
   would give.
-* ``"micro"``: one update per micro-batch, in order (``accum_steps`` updates per step).
+* ``"micro"``: one update per micro-batch, in the order the step runs them (``accum_steps``
+  updates per step; an uneven step runs its smaller last micro-batch first).
 
 Layers with ``renorm=True`` keep their own per-micro-batch updates in both modes.
 """
