@@ -378,7 +378,7 @@ def fit(
     settings = FitSettings(epochs=epochs, shuffle=shuffle, seed=seed, verbose=verbose, log=log,
                            elastic=elastic, backup=backup, mesh=prepared.program.mesh,
                            on_nonfinite=on_nonfinite, batch_stats=batch_stats,
-                           drop_remainder=drop_remainder)
+                           drop_remainder=drop_remainder, uneven=uneven)
     with adapter.remat_context(model, the_plan.remat, remat_layers):
         return adapter.fit(model, prepared, the_plan, settings=settings,
                            options=framework_options)

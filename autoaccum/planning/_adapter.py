@@ -67,6 +67,9 @@ class FitSettings:
     """``False``: the examples after the last full effective batch of an epoch make a final,
     smaller step (normalised by its own count); ``True``: they are dropped. Either way the
     result says how many."""
+    uneven: bool = True
+    """Whether steps the adapter splits itself (a leftover step, validation batches) may end
+    with a smaller micro-batch; ``False``: divisors only."""
 
 
 @runtime_checkable

@@ -53,13 +53,16 @@ class ElasticEvent:
                  if self.requested_bytes is not None else "")
         dp = self.data_parallel
         devices = f" x {dp} devices" if dp > 1 else ""
+        per = self.per_device or self.old_micro_batch * self.old_accum_steps
+        last = per - (self.old_accum_steps - 1) * self.old_micro_batch
+        tail = f", the last of {last}" if last != self.old_micro_batch else ""
         return (
             f"step {self.step}: out of memory at micro_batch {self.old_micro_batch}{devices} x "
-            f"{self.old_accum_steps} accumulation ({self.error}{asked}); redone "
+            f"{self.old_accum_steps} accumulation{tail} ({self.error}{asked}); redone "
             "from the same "
             f"state and data at micro_batch {self.new_micro_batch}{devices} x "
             f"{self.new_accum_steps} (effective batch "
-            f"{(self.per_device or self.old_micro_batch * self.old_accum_steps) * dp} unchanged)"
+            f"{per * dp} unchanged)"
         )
 
 

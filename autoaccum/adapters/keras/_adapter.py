@@ -28,6 +28,8 @@ class KerasAdapter:
 
     name = "keras"
     remat_policies = KERAS_REMAT_POLICIES
+    trains_leftovers = True
+    """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""
     uneven_batches = True
     """Its steps take :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3)."""
 
