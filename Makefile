@@ -20,11 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py
