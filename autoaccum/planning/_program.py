@@ -112,7 +112,7 @@ class TrainProgram:
                 self.example_spec,
             )
 
-        if last is None or (last == micro_batch and accum_steps > 1) or accum_steps < 2:
+        if last is None or last == micro_batch or accum_steps < 2:
             return full(accum_steps)
         tail = last_sharding if last_sharding is not None else sharding
         return UnevenBatches(

@@ -30,7 +30,7 @@ from ...training._result import FitResult
 from ._batch_norm import EffectiveBatchNorm
 from ._program import LossFn, accumulate_for, make_flax_step
 
-__all__ = ["StepBatch", "StepRunner", "epoch_steps"]
+__all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step"]
 
 
 @dataclass
@@ -58,11 +58,17 @@ def epoch_steps(data: Any, order: np.ndarray, *, plan: Plan, result: FitResult, 
         yield StepBatch(examples, effective, plan.accum_steps, plan.micro_batch)
     rest = len(order) % effective
     if rest and not drop_remainder:
-        split = leftover_split(rest, micro_batch=result.micro_batch or plan.micro_batch,
-                               data_parallel=dp)
-        batches, weights = leftover_batches(data, order[len(order) - rest:], split, dp)
-        yield StepBatch(batches, rest, split.accum_steps, split.micro_batch, weights,
-                        leftover=True)
+        yield leftover_step(data, order[len(order) - rest:],
+                            micro_batch=result.micro_batch or plan.micro_batch, dp=dp)
+
+
+def leftover_step(data: Any, index: np.ndarray, *, micro_batch: int, dp: int) -> StepBatch:
+    """The examples ``index`` (fewer than an effective batch) as one smaller step, split at
+    most at ``micro_batch`` per device (padding slots weigh 0)."""
+    split = leftover_split(len(index), micro_batch=micro_batch, data_parallel=dp)
+    batches, weights = leftover_batches(data, index, split, dp)
+    return StepBatch(batches, len(index), split.accum_steps, split.micro_batch, weights,
+                     leftover=True)
 
 
 class StepRunner:

@@ -21,13 +21,13 @@ from flax import nnx
 from ...devices._mesh import replicate
 from ...planning._adapter import Prepared
 from ...planning._plan import Plan
-from ...training._batching import as_arrays, leftover_batches, leftover_split, num_examples
+from ...training._batching import as_arrays, num_examples
 from ...training._elastic import ElasticEvent, shrink
 from ...training._live import LiveState
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
 from ._batch_norm import EffectiveBatchNorm
-from ._fit_step import StepBatch, StepRunner
+from ._fit_step import StepBatch, StepRunner, leftover_step
 from ._program import split_model
 from ._remat import rematerialized
 
@@ -190,10 +190,8 @@ class TrainStep:
     def _step_batch(self, data: Any, n: int) -> StepBatch:
         if n == self._plan.effective_batch:
             return StepBatch(data, n, self._result.accum_steps, self._result.micro_batch)
-        split = leftover_split(n, micro_batch=self._result.micro_batch, data_parallel=self._dp)
-        batches, weights = leftover_batches(data, np.arange(n), split, self._dp)
-        return StepBatch(batches, n, split.accum_steps, split.micro_batch, weights,
-                         leftover=True)
+        return leftover_step(data, np.arange(n), micro_batch=self._result.micro_batch,
+                             dp=self._dp)
 
     def _write(self, state: Any) -> None:
         nnx.update(self.model, state[0], state[1])
