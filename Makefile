@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m autoaccum demo
+	$(PY) -m autoaccum_demo
 
 test: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks

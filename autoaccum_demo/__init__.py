@@ -1,11 +1,12 @@
 """autoaccum's demos and their data, kept outside the library's import path.
 
-``make demo`` (``autoaccum demo``) runs :func:`run_default_demo`: the Colab lab's Gemma3-4B on
-a T4 as a dry run, then a real planned and accumulated LoRA fine-tune of a small Gemma3,
-pretrained offline on the shipped text (:func:`tiny_gemma3`, made by
-``python -m autoaccum_demo.pretrain``), on the shipped QA pairs. ``autoaccum demo --flax`` runs
-:func:`run_flax_demo`. The library never imports this package; only the CLI's ``demo`` command
-(and the notebook's offline path) do.
+``make demo`` (``autoaccum-demo``, ``python -m autoaccum_demo``) runs
+:func:`run_default_demo`: the Colab lab's Gemma3-4B on a T4 as a dry run, then a real planned
+and accumulated LoRA fine-tune of a small Gemma3, pretrained offline on the shipped text
+(:func:`tiny_gemma3`, made by ``python -m autoaccum_demo.pretrain``), on the shipped QA pairs.
+``autoaccum-demo --flax`` runs :func:`run_flax_demo`. The library never imports this package:
+the demo has its own console script (:mod:`autoaccum_demo._cli`); the notebook's offline path
+imports it too.
 """
 
 from ._demo import run_default_demo as run_default_demo

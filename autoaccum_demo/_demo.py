@@ -1,4 +1,4 @@
-"""``make demo`` (``autoaccum demo``): the lab's story as a dry run, then a real run that learns.
+"""``make demo`` (``autoaccum-demo``): the lab's story as a dry run, then a real run that learns.
 
 Part (a), the Gemma3-4B dry run for a T4, is a few large compiles on one core; part (b) trains
 on the other. So by default (a) runs in a child process while (b) trains, and its report is
@@ -46,7 +46,7 @@ def _rule(out: TextIO, title: str) -> None:
 
 def _dry_run_environment() -> dict[str, str]:
     """The child's environment: deviceless CUDA compiles on a machine without a GPU."""
-    from autoaccum import detect_device
+    from autoaccum.devices import detect_device
 
     env = dict(os.environ)
     if not detect_device().is_gpu:

@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
-from autoaccum import fit, format_bytes, measure, plan
+from autoaccum import fit, measure, plan
+from autoaccum.devices import format_bytes
 
 from ._gemma_tokenizer import format_prompt, load_qa
 from ._tiny_gemma import tiny_gemma3

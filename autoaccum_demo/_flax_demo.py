@@ -10,7 +10,8 @@ from typing import TextIO
 import optax
 from flax import nnx
 
-from autoaccum import fit, format_bytes
+from autoaccum import fit
+from autoaccum.devices import format_bytes
 
 from ._tiny_lm import TinyTransformerLM, generate, next_token_loss, text_windows
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from autoaccum import format_bytes, plan_preset
+from autoaccum import plan_preset
+from autoaccum.devices import format_bytes
 
 __all__ = ["LAB", "lab_dry_run", "lab_summary"]
 

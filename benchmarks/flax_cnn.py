@@ -100,7 +100,7 @@ def main() -> None:
                               effective_batch=EFFECTIVE, optimizer=optax.adamw,
                               learning_rate=LEARNING_RATE, loss_fn=cnn_loss)
     budget = probe.need_bytes + 1
-    print(f"budget {autoaccum.format_bytes(budget)}: the compiled need of micro-batch "
+    print(f"budget {autoaccum.devices.format_bytes(budget)}: the compiled need of micro-batch "
           f"{args.micro} (+1 byte), effective batch {EFFECTIVE}, {args.train} training and "
           f"{args.test} test examples, {args.epochs} epochs, CPU\n")
 

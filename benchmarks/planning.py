@@ -14,9 +14,9 @@ import optax
 from _common import print_table
 from flax import nnx
 
-from autoaccum import Budget, scale_learning_rate
 from autoaccum.adapters import adapter_for
 from autoaccum.devices._units import format_bytes
+from autoaccum.planning import Budget, scale_learning_rate
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._planner import prepare

@@ -1,4 +1,6 @@
-"""The ``autoaccum`` command: ``plan`` (dry-run memory reports), ``devices`` and ``demo``."""
+"""The ``autoaccum`` command: ``plan`` (dry-run memory reports) and ``devices``.
+
+The demo has its own command, ``autoaccum-demo`` (the library never imports the demo)."""
 
 from __future__ import annotations
 
@@ -249,37 +251,15 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ..devices._extras import require_extra
-
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    if not args.flax:
-        require_extra("keras", feature="The default demo (a tiny keras-hub Gemma3; "
-                      "`autoaccum demo --flax` needs no extra)")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    try:
-        if args.flax:
-            from autoaccum_demo import run_flax_demo
-
-            run_flax_demo(epochs=args.epochs or 3)
-            return 0
-        _prepare_environment("t4")  # no GPU here: the CPU, and deviceless T4 compiles
-        from autoaccum_demo import run_default_demo
-
-        run_default_demo(epochs=args.epochs, dry_run=not args.no_dry_run)
-    except ImportError as error:
-        raise CliError(import_error_message(error, "autoaccum demo"), 1) from error
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``autoaccum`` argument parser (``plan``, ``devices``, ``demo``).
+    """The ``autoaccum`` argument parser (``plan``, ``devices``).
 
     Example:
-      >>> build_parser().parse_args(["demo", "--epochs", "2"]).epochs
-      2
+      >>> build_parser().parse_args(["plan", "--preset", "gemma3_4b", "--effective-batch", "8"]
+      ...                           ).effective_batch
+      8
     """
-    from .. import __version__
+    from .._version import __version__
 
     parser = _Parser(
         prog="autoaccum",
@@ -350,17 +330,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_devices)
 
-    m = sub.add_parser("demo", help="the lab's story: a Gemma3-4B T4 dry run, then a real "
-                       "planned and accumulated fine-tune on the shipped data",
-                       description="Dry-runs Gemma3-4B (LoRA) on a T4, then plans and LoRA "
-                       "fine-tunes a small pretrained Gemma3 on the shipped QA pairs (CPU).")
-    m.add_argument("--epochs", type=_positive_int, default=None, metavar="N",
-                   help="fine-tuning epochs (default: 6; the Flax demo: 3)")
-    m.add_argument("--no-dry-run", action="store_true",
-                   help="skip the Gemma3-4B T4 dry run (its compiles take about a minute)")
-    m.add_argument("--flax", action="store_true",
-                   help="the tiny Flax LM demo instead (trained from scratch)")
-    m.set_defaults(func=cmd_demo)
     return parser
 
 
@@ -368,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoaccum`` console script; returns the exit status.
 
     Example:
-      >>> main(["demo", "--epochs", "0"])
+      >>> main(["plan", "--effective-batch", "0"])
       2
     """
     command_line = argv is None

@@ -39,7 +39,7 @@ def plan_by_depth(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum import scale_learning_rate
+      >>> from autoaccum.planning import scale_learning_rate
       >>> from autoaccum.adapters.flax._program import flax_program
       >>> class Stack(nnx.Module):
       ...     def __init__(self, depth, rngs):

@@ -70,7 +70,7 @@ def plan_program(
       ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
       ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
       ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
-      >>> from autoaccum import scale_learning_rate
+      >>> from autoaccum.planning import scale_learning_rate
       >>> p = plan_program(program, effective_batch=8, budget="1GiB", log=None,
       ...                  lr_scaling=scale_learning_rate(None, effective_batch=8))
       >>> p.micro_batch * p.accum_steps

@@ -121,8 +121,15 @@ def test_model_and_preset_are_exclusive(capsys):
 
 
 def test_demo_refuses_zero_epochs(capsys):
-    assert main(["demo", "--epochs", "0"]) == 2
+    from autoaccum_demo._cli import main as demo_main
+
+    assert demo_main(["--epochs", "0"]) == 2
     assert "--epochs: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_library_command_has_no_demo_subcommand(capsys):
+    assert main(["demo"]) == 2  # the demo is its own command: autoaccum-demo
+    assert "invalid choice: 'demo'" in capsys.readouterr().err
 
 
 def test_version(capsys):

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from autoaccum.cli._main import main
 from autoaccum_demo import lab_summary, load_qa
+from autoaccum_demo._cli import main
 from autoaccum_demo._finetune import chat_data, demo_questions
 
 
@@ -26,7 +26,7 @@ def test_chat_data_puts_the_model_turn_in_the_prompt_so_the_loss_is_on_the_answe
 
 @pytest.mark.slow  # the 4B dry run's compiles and the fine-tune
 def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(capsys):
-    assert main(["demo"]) == 0
+    assert main([]) == 0
     out = capsys.readouterr().out
     summary = re.search(r"On the T4: micro-batch 1 needs .* \(fits\); micro-batch 2 needs .* "
                         r"\(does not fit\)\. So 8 = 1 x 8 accumulation steps.*learning rate "

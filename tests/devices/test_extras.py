@@ -64,13 +64,13 @@ def test_plot_plan_without_matplotlib_says_what_to_install(monkeypatch):
 
 
 def test_the_default_demo_without_keras_hub_says_what_to_install(monkeypatch, capsys):
-    from autoaccum.cli._main import main
+    from autoaccum_demo._cli import main
 
     monkeypatch.setitem(sys.modules, "keras_hub", None)
-    assert main(["demo", "--epochs", "1"]) == 1  # the environment lacks a package: exit 1
+    assert main(["--epochs", "1"]) == 1  # the environment lacks a package: exit 1
     err = capsys.readouterr().err
     assert "keras-hub is not installed" in err and "pip install 'autoaccum[keras]'" in err
-    assert "autoaccum demo --flax" in err
+    assert "autoaccum-demo --flax" in err
 
 
 def test_a_keras_preset_without_keras_hub_says_what_to_install(monkeypatch):

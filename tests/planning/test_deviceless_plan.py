@@ -20,7 +20,7 @@ def _plan(device, **kwargs):
 @pytest.mark.parametrize("device", ["t4", "a100-80gb"])
 def test_deviceless_plan_for_named_gpu_says_so_and_uses_its_pool(device):
     plan = _plan(device)
-    profile = autoaccum.find_profile(device)
+    profile = autoaccum.devices.find_profile(device)
     assert "deviceless" in plan.target and profile.name in plan.target
     assert plan.budget.source == "profile"
     assert plan.budget_bytes == profile.budget_bytes()

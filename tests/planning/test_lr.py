@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from autoaccum import scale_learning_rate
 from autoaccum.adapters.flax._optax_lr import build_optax_optimizer
+from autoaccum.planning import scale_learning_rate
 
 
 def test_linear_rule_multiplies_by_effective_over_base_batch():

@@ -40,7 +40,7 @@ def test_no_candidates_is_an_error():
 
 
 def test_cost_model_uses_the_roofline_of_the_profile():
-    t4 = autoaccum.find_profile("t4")
+    t4 = autoaccum.devices.find_profile("t4")
     assert cost_model_seconds(8.1e12, 1.0, t4, 2) == pytest.approx(0.5, rel=0.01)
     assert cost_model_seconds(1.0, 320e9, t4, 1) == pytest.approx(1.0, rel=0.01)  # bandwidth
 

@@ -56,8 +56,8 @@ def test_planned_micro_batch_equals_brute_force_largest_fitting_divisor(
     cached_measure, sweep, between
 ):
     low, high = between
-    budget = autoaccum.Budget((sweep[low] + sweep[high]) // 2, "user", "test")
-    scaling = autoaccum.scale_learning_rate(1e-3, effective_batch=EFFECTIVE)
+    budget = autoaccum.planning.Budget((sweep[low] + sweep[high]) // 2, "user", "test")
+    scaling = autoaccum.planning.scale_learning_rate(1e-3, effective_batch=EFFECTIVE)
     plan = autoaccum.planning._plan.search_plan(
         cached_measure, effective_batch=EFFECTIVE, lr_scaling=scaling, budget=budget,
         target="cpu", log=None,
@@ -71,8 +71,8 @@ def test_planned_micro_batch_equals_brute_force_largest_fitting_divisor(
 
 
 def test_whole_batch_plan_when_everything_fits(cached_measure, sweep):
-    budget = autoaccum.Budget(sweep[EFFECTIVE] + 1, "user", "test")
-    scaling = autoaccum.scale_learning_rate(None, effective_batch=EFFECTIVE)
+    budget = autoaccum.planning.Budget(sweep[EFFECTIVE] + 1, "user", "test")
+    scaling = autoaccum.planning.scale_learning_rate(None, effective_batch=EFFECTIVE)
     plan = autoaccum.planning._plan.search_plan(
         cached_measure, effective_batch=EFFECTIVE, lr_scaling=scaling, budget=budget,
         target="cpu", log=None,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autoaccum import accumulate_gradients
+from autoaccum.training import accumulate_gradients
 from autoaccum.training._noise_scale import NoiseScaleEstimator, critical_batch_advice
 
 

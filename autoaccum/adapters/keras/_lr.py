@@ -134,7 +134,7 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
       'jax'
       >>> import keras
-      >>> from autoaccum import scale_learning_rate
+      >>> from autoaccum.planning import scale_learning_rate
       >>> opt = keras.optimizers.SGD(0.1)
       >>> with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4)):
       ...     round(float(opt.learning_rate), 6)

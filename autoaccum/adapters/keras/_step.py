@@ -137,8 +137,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
 
     ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
     defaults to the model's (planning passes a built clone); ``lr_scaling`` is the plan's
-    :class:`~autoaccum.LearningRateScaling`. ``mesh``: a one-axis ``jax.sharding.Mesh`` for a
-    data-parallel step; ``batches`` are then ``[accum_steps, dp * micro_batch, ...]``, each
+    :class:`~autoaccum.planning.LearningRateScaling`. ``mesh``: a one-axis ``jax.sharding.Mesh``
+    for a data-parallel step; ``batches`` are then ``[accum_steps, dp * micro_batch, ...]``, each
     device scans its own slice, gradients and valid counts are summed across devices once,
     the optimizer is applied once (replicated). ``batches`` may be
     :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3): the result is still that of

@@ -131,7 +131,7 @@ def test_fit_takes_a_named_gpu_and_its_memory_fraction():
                            optimizer=optax.adam, learning_rate=1e-3, base_batch=8,
                            loss_fn=token_loss, device="t4", memory_fraction=0.5, verbose=0,
                            log=None)
-    t4 = autoaccum.find_profile("t4")
+    t4 = autoaccum.devices.find_profile("t4")
     assert "deviceless" in result.plan.target
     assert result.plan.budget_bytes == t4.budget_bytes(0.5)
     assert result.steps == 2 and np.isfinite(result.losses).all()
