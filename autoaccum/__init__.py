@@ -18,12 +18,9 @@ Example:
   'autoaccum.planning._search'
 """
 
-from .cli._quiet import quiet_command_line as _quiet_command_line
-
-_quiet_command_line()  # only for the `autoaccum` command, before JAX is imported
-
 # First: on a machine without a GPU, ``devices`` quiets JAX's and TensorFlow's start-up before
-# anything imports them (see autoaccum/devices/_quiet.py).
+# anything imports them, and the ``autoaccum`` command's stderr filter starts (see
+# autoaccum/devices/_quiet.py).
 from . import devices as devices
 
 # isort: split

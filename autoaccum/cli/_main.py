@@ -14,8 +14,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ..devices._quiet import quiet_command_line
 from ._errors import CliError, import_error_message, report_error
-from ._quiet import quiet_command_line
 from ._tables import print_table
 
 __all__ = ["build_parser", "load_model_function", "main"]
