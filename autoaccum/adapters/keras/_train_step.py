@@ -213,7 +213,8 @@ class KerasTrainStep:
             raise ValueError(
                 "The batch is not shaped like the data the step was planned and compiled for "
                 f"(per example: {_describe(self._spec)}). Pass batches with the same "
-                "structure, shapes and dtypes, or build another step for this data with "
+                "structure, shapes and dtypes (sample weights in every batch or in none, as "
+                "in that data), or build another step for this data with "
                 "autoaccum.train_step(model, batch, ...). Received: batch of type "
                 f"{type(batch).__name__} with {_describe(spec)} per example")
         return packed
