@@ -239,3 +239,18 @@ def test_a_keras_model_on_another_backend_is_refused_with_the_fix():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300, check=True)
     assert "JAX backend only" in done.stdout and "KERAS_BACKEND=jax" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_keras_hub_task_takes_raw_strings_and_equals_fit():
+    pytest.importorskip("keras_hub")
+    from tests.adapters.keras._models import TEXTS, tiny_gpt2
+
+    fitted, ours = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
+    autoaccum.fit(fitted, TEXTS, effective_batch=4, shuffle=False, base_batch=4,
+                  budget="1GiB", verbose=0, log=None)
+    step = autoaccum.train_step(ours, TEXTS, effective_batch=4, base_batch=4, budget="1GiB",
+                                log=None)
+    outs = [step(TEXTS[:4]), step(TEXTS[4:])]
+    assert [o.step for o in outs] == [1, 2] and set(outs[0].logs) == {"loss", "accuracy"}
+    assert max_diff(fitted, ours) < 1e-5
