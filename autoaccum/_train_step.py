@@ -55,15 +55,16 @@ def train_step(
     batch, divides once and applies the optimizer once, at the learning rate scaled by
     ``lr_rule``, with the plan's rematerialization. Evaluate, log and checkpoint between
     calls as you like: the model holds the trained weights after every step, and
-    ``step.opt_state`` the optimizer state (Keras: the model's optimizer, its metrics too).
+    ``step.opt_state`` the optimizer state (Keras: the model's own optimizer and metrics
+    hold theirs, in place).
 
     Args:
       model: a Flax NNX module, or a compiled Keras model (JAX backend), which trains with
         its own loss, metrics and optimizer, updated in place (``model.optimizer.iterations``
         counts the steps; ``model.save`` is the checkpoint).
       data: the training data, or one effective batch of it (its shapes and dtypes are
-        what the step is planned and compiled for). Keras: in a form ``model.fit`` takes, in
-        memory (a one-shot generator would lose the batches planning reads: pass one of its
+        what the step is planned and compiled for). Keras: in a form ``model.fit`` takes (a
+        one-shot generator is refused, since planning reads from it: pass one of its
         batches).
       effective_batch: examples per optimizer step (per call).
       optimizer, loss_fn, learning_rate, base_batch, lr_rule, adjust_adam, trainable,
