@@ -4,6 +4,7 @@ planned, accumulating step; the model, its optimizer and metrics are updated in 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -221,9 +222,22 @@ def test_flax_options_and_one_shot_iterators_are_refused_with_the_fix():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is Linux")
+def test_a_real_out_of_memory_leaves_the_model_as_before_and_shrink_goes_on_exactly():
+    from tests._oom_child import run_child
+
+    # Micro-batch 32 needs ~60 MiB; after optimizer step 2 the cap drops to VmSize + 45 MiB.
+    out = run_child("keras_train_step_oom", vocab=1024, length=128, n=128, batch=32,
+                    fail_after=2, headroom_mib=45)
+    assert out["failed_steps"] == [3] and out["kept"]  # weights and optimizer as before it
+    assert out["micro_batch"] < 32 and out["micro_batch"] * out["accum_steps"] == 32
+    assert "step 3: out of memory at micro_batch 32 x 1" in out["events"][0]
+    assert out["iterations"] == 4 and out["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow
 def test_a_keras_model_on_another_backend_is_refused_with_the_fix():
     import subprocess
-    import sys
 
     code = (
         "import os; os.environ['KERAS_BACKEND'] = 'numpy'\n"
