@@ -236,6 +236,25 @@ def test_a_real_out_of_memory_leaves_the_model_as_before_and_shrink_goes_on_exac
 
 
 @pytest.mark.slow
+def test_a_data_parallel_step_over_four_devices_equals_train_on_batch_on_one():
+    import json
+    import subprocess
+
+    from tests._paths import REPO
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-m", "tests._dp_child", "keras_train_step"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT "):])["keras_train_step"]
+    assert out["plan"][1] == 4 and out["plan"][0] * 4 * out["plan"][2] == 16
+    np.testing.assert_allclose(out["losses"], out["ref_losses"], rtol=1e-5)
+    assert out["weights_error"] <= 1e-5 and out["iterations"] == 2
+
+
+@pytest.mark.slow
 def test_a_keras_model_on_another_backend_is_refused_with_the_fix():
     import subprocess
 
