@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/dryrun.py
 	$(PY) benchmarks/flax_cnn.py
 	$(PY) benchmarks/uneven.py
+	$(PY) benchmarks/keras_train_step.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

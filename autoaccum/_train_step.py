@@ -7,6 +7,7 @@ from typing import Any
 from ._api_options import check_target, default_objective, given, program_options
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
+from .adapters.keras import KerasTrainStep
 from .planning._plan import Plan
 from .planning._planner import plan_model, validate_method
 from .planning._reuse import reuse_plan
@@ -22,8 +23,8 @@ def train_step(
     data: Any,
     *,
     effective_batch: int,
-    optimizer: Any,
-    loss_fn: Any,
+    optimizer: Any = None,
+    loss_fn: Any = None,
     plan: Plan | None = None,
     learning_rate: Any = None,
     base_batch: int = 1,
@@ -45,7 +46,7 @@ def train_step(
     uneven: bool = True,
     cache: Any = True,
     log: Any = "stderr",
-) -> TrainStep:
+) -> TrainStep | KerasTrainStep:
     """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
     batch, it trains one optimizer step and updates ``model`` in place.
 
@@ -54,15 +55,21 @@ def train_step(
     batch, divides once and applies the optimizer once, at the learning rate scaled by
     ``lr_rule``, with the plan's rematerialization. Evaluate, log and checkpoint between
     calls as you like: the model holds the trained weights after every step, and
-    ``step.opt_state`` the optimizer state.
+    ``step.opt_state`` the optimizer state (Keras: the model's own optimizer and metrics
+    hold theirs, in place).
 
     Args:
-      model: a Flax NNX module (Keras models: use :func:`autoaccum.fit`).
+      model: a Flax NNX module, or a compiled Keras model (JAX backend), which trains with
+        its own loss, metrics and optimizer, updated in place (``model.optimizer.iterations``
+        counts the steps; ``model.save`` is the checkpoint).
       data: the training data, or one effective batch of it (its shapes and dtypes are
-        what the step is planned and compiled for).
+        what the step is planned and compiled for). Keras: in a form ``model.fit`` takes (a
+        one-shot generator is refused, since planning reads from it: pass one of its
+        batches).
       effective_batch: examples per optimizer step (per call).
       optimizer, loss_fn, learning_rate, base_batch, lr_rule, adjust_adam, trainable,
-        batch_stats: as for :func:`autoaccum.fit`.
+        batch_stats: as for :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and
+        ``trainable`` are Flax's: a Keras model uses what it was compiled with).
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
         batch (checked, not planned again); ``None``: plan now with ``budget``, ``device``,
         ``memory_fraction``, ``remat``, ``remat_layers``, ``objective``, ``method``,
@@ -77,9 +84,13 @@ def train_step(
       log: where planning is logged (``"stderr"``, a stream, or ``None``).
 
     Returns:
-      A :class:`~autoaccum.adapters.flax.TrainStep`: ``step(batch) -> StepOutput(loss, count,
-      grad_norm, applied, step)``, with ``step.plan``, ``step.steps``, ``step.opt_state``
-      and ``step.shrink(error)``.
+      Flax: a :class:`~autoaccum.adapters.flax.TrainStep`: ``step(batch) -> StepOutput(loss,
+      count, grad_norm, applied, step)``, with ``step.plan``, ``step.steps``,
+      ``step.opt_state`` and ``step.shrink(error)``. Keras: a
+      :class:`~autoaccum.adapters.keras.KerasTrainStep`: ``step(batch) ->
+      KerasStepOutput(loss, logs, count, grad_norm, applied, step)`` (``logs`` as
+      ``model.train_on_batch(..., return_dict=True)`` gives them), with ``step.plan``,
+      ``step.steps`` and ``step.shrink(error)``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
@@ -95,14 +106,22 @@ def train_step(
       ...     out = step({k: v[start:start + 13] for k, v in data.items()})
       >>> out.step, out.count
       (2, 13.0)
+
+      A compiled Keras model trains with its own loss, metrics and optimizer:
+
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+      >>> net.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+      >>> step = autoaccum.train_step(net, (data["x"], data["y"]), effective_batch=13,
+      ...                             lr_rule="none", budget="1GiB", log=None)
+      >>> out = step((data["x"][:13], data["y"][:13]))
+      >>> sorted(out.logs), int(net.optimizer.iterations)
+      (['loss', 'mae'], 1)
     """
     effective_batch = validate_effective_batch(effective_batch)
     adapter = adapter_for(model)
-    if adapter.name != "flax":
-        raise ValueError(
-            "train_step builds the step of a Flax NNX model for your own loop; a Keras model "
-            "trains with autoaccum.fit (which keeps Keras's callbacks, metrics and History). "
-            f"Received: model of type {type(model).__name__}")
     check_target(device, memory_fraction)
     validate_method(method)
     validate_on_nonfinite(on_nonfinite)
@@ -129,6 +148,10 @@ def train_step(
             cache=cache, uneven=uneven)
         if log is not None:
             print(the_plan.report(), file=log, flush=True)
+    if adapter.name == "keras":
+        return adapter.train_step(model, prepared, the_plan, remat_layers=remat_layers,
+                                  uneven=uneven, on_nonfinite=on_nonfinite,
+                                  batch_stats=batch_stats, backup=backup, elastic=elastic)
     return TrainStep(model, prepared, the_plan, mesh=prepared.program.mesh,
                      remat_layers=remat_layers,
                      on_nonfinite=on_nonfinite, backup=backup, elastic=elastic, log=log)

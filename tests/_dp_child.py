@@ -139,6 +139,41 @@ def keras_exact() -> dict:
     return out
 
 
+def keras_train_step() -> dict:
+    """Keras: ``autoaccum.train_step`` over 4 devices (2 x 4 x 2, and a leftover of 8) equals
+    ``train_on_batch`` on one device."""
+    import keras
+
+    import autoaccum
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 5)).astype("float32")
+    y = rng.normal(size=(24, 1)).astype("float32")
+    w = (rng.random(24) > 0.3).astype("float32")  # unequal weight per device
+    ref, model = build(), build()
+    step = autoaccum.train_step(model, (x, y, w), effective_batch=16, budget="64MiB",
+                                data_parallel=4, base_batch=16, log=None)
+    out: dict = {"plan": [step.plan.micro_batch, step.plan.data_parallel,
+                          step.plan.accum_steps], "losses": [], "ref_losses": []}
+    for part in (slice(0, 16), slice(16, 24)):
+        got = step((x[part], y[part], w[part]))
+        expected = ref.train_on_batch(x[part], y[part], sample_weight=w[part],
+                                      return_dict=True)
+        out["losses"].append(got.logs["loss"])
+        out["ref_losses"].append(expected["loss"])
+    out["weights_error"] = _max_relative_error(
+        [v.value for v in model.trainable_variables], [v.value for v in ref.trainable_variables])
+    out["iterations"] = int(model.optimizer.iterations)
+    return out
+
+
 def plans() -> dict:
     """Plan arithmetic, per-device budgets, the non-multiple error and a DP fit."""
     import autoaccum
@@ -252,7 +287,8 @@ def flax_uneven(devices: int = 4, per_device: int = 7, micro: int = 3) -> dict:
 
 
 MODES = {"flax_exact": flax_exact, "flax_uneven": flax_uneven, "carry_policy": carry_policy,
-         "keras_exact": keras_exact, "plans": plans, "elastic": elastic}
+         "keras_exact": keras_exact, "plans": plans, "elastic": elastic,
+         "keras_train_step": keras_train_step}
 
 
 if __name__ == "__main__":

@@ -186,6 +186,61 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     }
 
 
+def keras_train_step_oom(*, vocab: int, length: int, n: int, batch: int, fail_after: int,
+                         headroom_mib: float) -> dict:
+    """A hand-written loop of ``autoaccum.train_step`` (``elastic=False``) whose memory cap
+    drops after a step: the step raises, the model is as before it, ``shrink`` goes on."""
+    import numpy as np
+
+    import autoaccum
+    from autoaccum.devices._rlimit import AddressSpaceCap
+
+    _setup()
+    x, y = _keras_data(vocab, length, n)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+    model = _keras_lm(vocab, length)
+    initial = model.get_weights()
+    plan = autoaccum.plan(model, (x, y), effective_batch=batch, budget="1GiB",
+                          base_batch=batch, log=None)
+    step = autoaccum.train_step(model, (x, y), effective_batch=batch, plan=plan,
+                                base_batch=batch)
+    for one in batches:
+        step(one)
+    expected = model.get_weights()
+
+    model = _keras_lm(vocab, length)
+    model.set_weights(initial)
+    step = autoaccum.train_step(model, (x, y), effective_batch=batch, plan=plan,
+                                base_batch=batch)
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+    failed, kept = [], False
+    with cap:
+        for i, one in enumerate(batches):
+            if i == fail_after:
+                cap.set_headroom(int(headroom_mib * MIB))
+            before = [np.array(v) for v in (*model.get_weights(), *(
+                o.value for o in model.optimizer.variables))]
+            try:
+                step(one)
+            except Exception as error:
+                if not autoaccum.is_out_of_memory(error):
+                    raise
+                failed.append(i + 1)
+                after = [np.array(v) for v in (*model.get_weights(), *(
+                    o.value for o in model.optimizer.variables))]
+                kept = _same(before, after)
+                step = step.shrink(error)
+                step(one)
+    got = model.get_weights()
+    return {
+        "failed_steps": failed, "kept": kept, "iterations": int(model.optimizer.iterations),
+        "micro_batch": step.plan.micro_batch, "accum_steps": step.plan.accum_steps,
+        "events": step.events,
+        "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected,
+                                                                         strict=True)),
+    }
+
+
 def _probes(search_or_plan) -> list:
     return [{"micro_batch": p.micro_batch, "accum_steps": p.accum_steps, "fits": p.fits,
              "kind": p.kind, "why": p.why, "error": p.error, "need_bytes": p.need_bytes}
@@ -299,6 +354,7 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
 SCENARIOS = {
     "flax_elastic": flax_elastic, "keras_elastic": keras_elastic,
     "flax_backoff": flax_backoff, "keras_backoff": keras_backoff,
+    "keras_train_step_oom": keras_train_step_oom,
 }
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ def _blocks() -> dict[str, str]:
 
 
 def test_the_readme_marks_its_runnable_examples():
-    assert "train_step" in _blocks()
+    assert {"train_step", "keras_train_step"} <= set(_blocks())
 
 
 @pytest.mark.parametrize("name", sorted(_blocks()))
@@ -27,5 +27,10 @@ def test_a_readme_example_runs_as_written(name, tmp_path, monkeypatch, capsys):
     if name == "train_step":
         lines = printed.strip().splitlines()
         assert len(lines) == 4 and (tmp_path / "checkpoint.pkl").exists()
+        losses = [float(line.split()[1]) for line in lines[1:]]
+        assert losses[-1] < losses[0]  # it trains
+    if name == "keras_train_step":
+        lines = printed.strip().splitlines()
+        assert len(lines) == 4 and (tmp_path / "regressor.keras").exists()
         losses = [float(line.split()[1]) for line in lines[1:]]
         assert losses[-1] < losses[0]  # it trains

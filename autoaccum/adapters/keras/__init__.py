@@ -4,7 +4,8 @@ Nothing here imports Keras until a Keras model is handled. The public entry poin
 :class:`KerasAdapter` when :func:`is_keras_model` is true; its parts are usable alone:
 
 * planning: ``program = keras_program(model, data)`` is a :class:`TrainProgram`;
-* training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``;
+* training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``; one step
+  at a time in a loop you write: :class:`KerasTrainStep` (``autoaccum.train_step``);
 * data as ``model.fit`` takes it: ``keras_data(model, data)`` (read by epoch, streamed),
   ``to_keras_arrays(model, data)`` (materialised);
 * learning rate: applied inside the step; ``scale_keras_learning_rate(optimizer, factor)``
@@ -26,11 +27,15 @@ from ._program import keras_program as keras_program
 from ._sources import KerasData as KerasData
 from ._sources import keras_data as keras_data
 from ._sources import to_keras_arrays as to_keras_arrays
+from ._train_step import KerasStepOutput as KerasStepOutput
+from ._train_step import KerasTrainStep as KerasTrainStep
 
 __all__ = [
     "KerasAdapter",
     "KerasArrays",
     "KerasData",
+    "KerasStepOutput",
+    "KerasTrainStep",
     "check_keras_model",
     "is_keras_model",
     "keras_data",

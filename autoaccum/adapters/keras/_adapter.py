@@ -5,6 +5,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
+import jax
+import numpy as np
+
 from ...planning._adapter import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._plan import Plan
@@ -119,3 +122,29 @@ class KerasAdapter:
         )
         history.autoaccum_plan = plan
         return history
+
+    def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
+                   uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
+                   elastic: bool) -> Any:
+        """The planned step for a loop the user writes (``autoaccum.train_step``): the
+        runner ``fit`` trains with, one effective batch per call; the learning rate as
+        ``fit`` sets it (an explicit ``learning_rate=`` becomes the optimizer's base rate,
+        the plan's rule scales it inside the step)."""
+        from ._train_step import KerasTrainStep
+
+        source = prepared.extras["data"]
+        read = sum(int(np.shape(jax.tree.leaves(p)[0])[0])
+                   for p in getattr(source, "_peeked", []))
+        if getattr(source, "_one_shot", False) and read:
+            raise ValueError(
+                f"train_step planned from `data`, a one-shot iterator, and so read its first "
+                f"{read} examples, which your loop would then miss. Pass one batch of it as "
+                "`data` (`first = next(iterator)`; `step = autoaccum.train_step(model, first, "
+                "...)`; then `step(first)` and the rest), or in-memory data. Received: data of "
+                f"type {type(source.data).__name__}")
+        if prepared.extras.get("learning_rate") is not None:
+            set_base_learning_rate(model.optimizer, prepared.extras["learning_rate"])
+        return KerasTrainStep(model, prepared, plan, mesh=prepared.program.mesh,
+                              remat_layers=remat_layers, uneven=uneven,
+                              on_nonfinite=on_nonfinite, batch_stats=batch_stats,
+                              backup=backup, elastic=elastic)

@@ -56,8 +56,10 @@ class StepResult:
     """What one step reported, on the host."""
 
     def __init__(self, logs: dict[str, float], finite: bool, noise: tuple, examples: int,
-                 micro_batches: int) -> None:
+                 micro_batches: int, loss: float = float("nan")) -> None:
         self.logs = logs
+        self.loss = loss
+        """The step's loss over all its examples (Keras's big-batch loss)."""
         self.finite = finite
         self.noise = noise
         """``(|grad|^2, mean |micro grad|^2, valid count)`` for the noise-scale estimate."""
@@ -77,7 +79,7 @@ class StepRunner:
     def __init__(self, model: Any, layout: KerasLayout, spec: PyTree, *, mesh: Any,
                  micro_batch: int, accum_steps: int, lr_scaling: Any, batch_stats: str,
                  backup: str, elastic: bool, last_micro_batch: int | None = None,
-                 uneven: bool = True) -> None:
+                 uneven: bool = True, backup_each_step: bool = False) -> None:
         self.model = model
         self.layout = layout
         self.spec = spec
@@ -88,6 +90,9 @@ class StepRunner:
         self.last_micro_batch = last_micro_batch
         self.uneven = uneven
         self.elastic = elastic
+        self.backup_each_step = backup_each_step
+        """Take the host copy before every step (as ``elastic`` does), so a failed step is
+        undone exactly (``autoaccum.train_step``); else it is refreshed every epoch."""
         self.snapshot = HostSnapshot(backup)
         self.events: list[str] = []
         self._splits: dict[int, Split] = {}
@@ -181,16 +186,31 @@ class StepRunner:
                     raise
                 self._shrink(error, examples, accum, micro)
 
-    def _shrink(self, error: BaseException, examples: int, accum: int, micro: int) -> None:
+    def shrink(self, error: BaseException) -> Any:
+        """After an out-of-memory of a full step: the next smaller micro-batch for it (the
+        same effective batch; smaller steps are split again at it). Returns the
+        :class:`~autoaccum.training._elastic.ElasticEvent`.
+
+        Raises:
+          autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
+        """
+        self._splits.clear()
+        return self._shrink(error, self.effective_batch, self.accum_steps, self.micro_batch,
+                            report=False)
+
+    def _shrink(self, error: BaseException, examples: int, accum: int, micro: int, *,
+                report: bool = True) -> Any:
         event = shrink(error, step=int(self.model.optimizer.iterations) + 1, micro_batch=micro,
                        accum_steps=accum, data_parallel=self.dp, per_device=examples // self.dp)
         self.events.append(str(event))
-        print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
+        if report:
+            print(f"autoaccum: elastic: {event}", file=sys.stderr, flush=True)
         if examples == self.effective_batch:
             self.micro_batch, self.accum_steps = event.new_micro_batch, event.new_accum_steps
             self.last_micro_batch = None
         else:
             self._splits[examples] = (event.new_accum_steps, event.new_micro_batch, None)
+        return event
 
     def _place(self, tree: PyTree) -> PyTree:
         return tree if self.mesh is None else replicate(tree, self.mesh)
@@ -199,7 +219,7 @@ class StepRunner:
              micro_batches: int) -> tuple[StepResult, Any]:
         model, layout = self.model, self.layout
         state, frozen = self._place(keras_state(model, layout))
-        if self.elastic:
+        if self.elastic or self.backup_each_step:
             self.snapshot.take(state)
         placed = batches if self.mesh is None else shard_batches(batches, self.mesh)
         with deferred_interrupts():
@@ -219,6 +239,7 @@ class StepRunner:
                  float(metrics.count)),
                 examples,
                 micro_batches,
+                float(metrics.loss),
             )
         except Exception as error:
             self.recover(state, error)
@@ -237,7 +258,7 @@ class StepRunner:
             return
         if self.snapshot.available:
             write_back(model, layout, self.snapshot.restore())
-            if self.elastic:
+            if self.elastic or self.backup_each_step:
                 return  # exactly the state before the step: nothing lost
             note = ("autoaccum: the failed step had consumed (donated) the training state; the "
                     "model's variables were restored from the host copy taken at the start of "
