@@ -30,7 +30,7 @@ from ...training._result import FitResult
 from ._batch_norm import EffectiveBatchNorm
 from ._program import LossFn, accumulate_for, make_flax_step
 
-__all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step"]
+__all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step", "step_batches"]
 
 
 @dataclass
@@ -60,6 +60,19 @@ def epoch_steps(data: Any, order: np.ndarray, *, plan: Plan, result: FitResult, 
     if rest and not drop_remainder:
         yield leftover_step(data, order[len(order) - rest:],
                             micro_batch=result.micro_batch or plan.micro_batch, dp=dp)
+
+
+def step_batches(batches: Iterator[Any], *, plan: Plan, result: FitResult,
+                 dp: int) -> Iterator[StepBatch]:
+    """Each batch of examples (an effective batch, or a final smaller one) as a step: a full
+    one split by the plan (at run time), a smaller one as :func:`leftover_step`."""
+    for examples in batches:
+        n = int(jax.tree.leaves(examples)[0].shape[0])
+        if n == plan.effective_batch:
+            yield StepBatch(examples, n, plan.accum_steps, plan.micro_batch)
+        else:
+            yield leftover_step(examples, np.arange(n),
+                                micro_batch=result.micro_batch or plan.micro_batch, dp=dp)
 
 
 def leftover_step(data: Any, index: np.ndarray, *, micro_batch: int, dp: int) -> StepBatch:
