@@ -67,6 +67,20 @@ def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
     return _family_of(_part_names(optimizer, set(), 0), built=True)
 
 
+def handles_nonfinite(tx: Any) -> bool:
+    """Whether ``tx`` skips non-finite updates itself (``optax.apply_if_finite`` anywhere in
+    it): then autoaccum lets it, instead of stopping or skipping the step.
+
+    Example:
+      >>> import optax
+      >>> handles_nonfinite(optax.apply_if_finite(optax.adam(1e-3), 3))
+      True
+      >>> handles_nonfinite(optax.adam(1e-3))
+      False
+    """
+    return "apply_if_finite" in _part_names(tx, set(), 0)
+
+
 def _family_of(names: set[str], *, built: bool) -> str | None:
     if names & _OTHER_PARTS:
         return None
