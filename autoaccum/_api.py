@@ -18,6 +18,7 @@ from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
 from .planning._adapter import FitSettings
 from .planning._cache import resolve_cache
+from .planning._lr import announce
 from .planning._measure import MemoryEstimate
 from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
@@ -26,6 +27,7 @@ from .planning._reuse import reuse_plan
 from .planning._targets import is_deviceless, resolve_target
 from .planning._validate import (
     no_leftovers,
+    received,
     resolve_log,
     validate_effective_batch,
     validate_positive_int,
@@ -36,6 +38,12 @@ from .training._snapshot import validate_backup
 
 __all__ = ["fit", "measure", "plan"]
 
+
+
+def _examples_of(prepared: Any) -> Any:
+    """What counts the training examples: a Flax model's data source (a stream has no
+    count), else the prepared data."""
+    return prepared.extras.get("source", prepared.data)
 
 
 def plan(
@@ -56,8 +64,8 @@ def plan(
     loss_fn: Any = None,
     trainable: Any = None,
     learning_rate: Any = None,
-    base_batch: int = 1,
-    lr_rule: str = "linear",
+    base_batch: int | None = None,
+    lr_rule: str | None = None,
     adjust_adam: bool = False,
     batch_stats: str = "effective",
     drop_remainder: bool = False,
@@ -74,8 +82,12 @@ def plan(
 
     Args:
       model: a ``flax.nnx.Module`` or a compiled Keras 3 model (JAX backend).
-      data: the training data (Flax: a dict/tuple of arrays with a leading example axis;
-        Keras: what ``model.fit`` takes).
+      data: the training data. Flax: a dict/tuple of arrays with a leading example axis, a
+        list of per-example records (dicts or tuples, stacked into arrays), or any iterable of
+        batches (a grain ``DataLoader``, ``tf.data`` as numpy, a generator), re-batched into
+        effective batches and never materialised (planning reads its first effective batch;
+        a one-shot iterator's batches read then are trained first). Keras: what
+        ``model.fit`` takes.
       effective_batch: examples per optimizer step.
       budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
         by default from the device (on CPU, half the available RAM).
@@ -99,8 +111,13 @@ def plan(
       loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
       trainable: Flax: an ``nnx`` filter of the trained variables (default ``nnx.Param``).
       learning_rate: the base learning rate (Keras: default the compiled optimizer's).
-      base_batch: the batch size the base learning rate was tuned for.
-      lr_rule: ``"linear"``, ``"sqrt"`` (Adam family) or ``"none"``.
+      base_batch: the batch size the learning rate was tuned for. ``None`` (default): the
+        rate is kept as it is (it was tuned for the batch you ask for). Given: the rate is
+        scaled by ``effective_batch / base_batch`` under ``lr_rule``, and one line says so
+        (``base_batch=1, lr_rule="linear"`` scales by the whole effective batch).
+      lr_rule: ``"linear"`` (SGD, momentum), ``"sqrt"`` (Adam family) or ``"none"``;
+        ``None`` (default): the rule of the optimizer's family (square root for adam, adamw,
+        adafactor, lamb, lion, rmsprop, ...; linear for sgd); needs ``base_batch``.
       adjust_adam: with ``"sqrt"``, Malladi et al.'s b1/b2/eps adjustments too.
       batch_stats: BatchNorm running averages: ``"effective"`` (one update per optimizer
         step, from the whole effective batch's mean and variance) or ``"micro"`` (one per
@@ -133,7 +150,10 @@ def plan(
       >>> p = plan(model, data, effective_batch=8, optimizer=optax.sgd, learning_rate=0.1,
       ...          loss_fn=loss_fn, budget="1GiB", log=None)
       >>> p.micro_batch * p.accum_steps, p.learning_rate
-      (8, 0.8)
+      (8, 0.1)
+      >>> plan(model, data, effective_batch=8, optimizer=optax.sgd, learning_rate=0.1,
+      ...      base_batch=2, loss_fn=loss_fn, budget="1GiB", log=None).learning_rate
+      0.4
     """
     effective_batch = validate_effective_batch(effective_batch)
     check_target(device, memory_fraction)
@@ -150,7 +170,7 @@ def plan(
                                  objective=default_objective(objective, device),
                                  method=method, log=log, data_parallel=data_parallel,
                                  cache=cache, depth_variant=depth_variant, uneven=uneven)
-    return with_examples(plan_, prepared.data, drops(prepared.adapter, drop_remainder))
+    return with_examples(plan_, _examples_of(prepared), drops(prepared.adapter, drop_remainder))
 
 
 def measure(
@@ -169,8 +189,8 @@ def measure(
     loss_fn: Any = None,
     trainable: Any = None,
     learning_rate: Any = None,
-    base_batch: int = 1,
-    lr_rule: str = "linear",
+    base_batch: int | None = None,
+    lr_rule: str | None = None,
     adjust_adam: bool = False,
     batch_stats: str = "effective",
     cache: Any = True,
@@ -251,8 +271,8 @@ def fit(
     loss_fn: Any = None,
     trainable: Any = None,
     learning_rate: Any = None,
-    base_batch: int = 1,
-    lr_rule: str = "linear",
+    base_batch: int | None = None,
+    lr_rule: str | None = None,
     adjust_adam: bool = False,
     callbacks: list[Any] | None = None,
     validation_data: Any = None,
@@ -294,7 +314,9 @@ def fit(
       validation_data, validation_split, validation_batch_size, validation_steps,
         validation_freq, initial_epoch: as ``model.fit`` (Flax too: the validation loss is
         ``loss_fn``'s mean in eval mode, ``history["val_loss"]``).
-      steps_per_epoch: Keras models, as ``model.fit``.
+      steps_per_epoch: optimizer steps per epoch, as ``model.fit`` (Flax and Keras): an
+        epoch ends after that many and the next one continues where it stopped. Needed for
+        an endless stream, and for ``epochs > 1`` over a one-shot iterator or generator.
       on_nonfinite: a step whose loss or gradients are not finite: ``"stop"`` (default: raise
         :class:`autoaccum.NonFiniteError` naming the step; the model keeps the last finite
         state) or ``"skip"`` (the step changes no weight, training goes on, skipped steps
@@ -335,7 +357,7 @@ def fit(
     log = resolve_log(log)
     if not isinstance(drop_remainder, bool):
         raise ValueError(f"drop_remainder must be True or False. "
-                         f"Received: drop_remainder={drop_remainder!r}")
+                         f"Received: {received('drop_remainder', drop_remainder)}")
     adapter = adapter_for(model)
     framework_options = given(
         callbacks=(callbacks, None), validation_data=(validation_data, None),
@@ -361,6 +383,7 @@ def fit(
                                     remat=(remat, "auto"), objective=(objective, None),
                                     method=(method, "auto"), depth_variant=(depth_variant, None)),
         )
+        announce(prepared.lr_scaling, log)
     else:
         the_plan, prepared = plan_model(
             model, data, adapter=adapter, effective_batch=effective_batch, options=options,
@@ -370,7 +393,7 @@ def fit(
             depth_variant=depth_variant, uneven=uneven,
         )
     if "validation_split" not in framework_options:
-        the_plan = with_examples(the_plan, prepared.data, drops(adapter, drop_remainder))
+        the_plan = with_examples(the_plan, _examples_of(prepared), drops(adapter, drop_remainder))
     if log is not None and verbose:
         print(the_plan.report() if plan is None else
               f"autoaccum: training with the given plan, not planning again: {the_plan!r}",

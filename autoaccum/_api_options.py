@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .planning._lr import validate_lr_rule
 from .planning._objective import validate_objective
 from .planning._plan import Plan
 from .planning._validate import (
@@ -23,14 +24,15 @@ __all__ = ["check_target", "default_objective", "drops", "given", "program_optio
 
 
 def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
-                    base_batch: int, lr_rule: str, adjust_adam: bool,
+                    base_batch: int | None, lr_rule: str | None, adjust_adam: bool,
                     batch_stats: str = "effective") -> dict[str, Any]:
     """The options that shape the train step and its learning rate, for ``adapter.prepare``.
 
     ``batch_stats`` is passed only when it is not the default (``"effective"``, every
     adapter's default), so an adapter that keeps no BatchNorm statistics need not read it."""
-    options: dict[str, Any] = {"base_batch": as_int("base_batch", base_batch),
-                               "lr_rule": lr_rule, "adjust_adam": adjust_adam}
+    options: dict[str, Any] = {
+        "base_batch": None if base_batch is None else as_int("base_batch", base_batch),
+        "lr_rule": validate_lr_rule(lr_rule), "adjust_adam": adjust_adam}
     validate_learning_rate(learning_rate)
     if validate_batch_stats(batch_stats) != "effective":
         options["batch_stats"] = batch_stats

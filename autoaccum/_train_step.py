@@ -8,6 +8,7 @@ from ._api_options import check_target, default_objective, given, program_option
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
+from .planning._lr import announce
 from .planning._plan import Plan
 from .planning._planner import plan_model, validate_method
 from .planning._reuse import reuse_plan
@@ -27,8 +28,8 @@ def train_step(
     loss_fn: Any = None,
     plan: Plan | None = None,
     learning_rate: Any = None,
-    base_batch: int = 1,
-    lr_rule: str = "linear",
+    base_batch: int | None = None,
+    lr_rule: str | None = None,
     adjust_adam: bool = False,
     trainable: Any = None,
     budget: Any = None,
@@ -63,9 +64,10 @@ def train_step(
         its own loss, metrics and optimizer, updated in place (``model.optimizer.iterations``
         counts the steps; ``model.save`` is the checkpoint).
       data: the training data, or one effective batch of it (its shapes and dtypes are
-        what the step is planned and compiled for). Keras: in a form ``model.fit`` takes (a
-        one-shot generator is refused, since planning reads from it: pass one of its
-        batches).
+        what the step is planned and compiled for); any form :func:`autoaccum.fit` takes.
+        Flax: a stream's first effective batch is read (a one-shot iterator's are then
+        gone, and the log says so). Keras: a one-shot generator is refused, since planning
+        reads from it: pass one of its batches.
       effective_batch: examples per optimizer step (per call).
       optimizer, loss_fn, learning_rate, base_batch, lr_rule, adjust_adam, trainable,
         batch_stats: as for :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and
@@ -139,6 +141,7 @@ def train_step(
                                    memory_fraction=(memory_fraction, None),
                                    remat=(remat, "auto"), objective=(objective, None),
                                    method=(method, "compile")))
+        announce(prepared.lr_scaling, log)
     else:
         the_plan, prepared = plan_model(
             model, data, adapter=adapter, effective_batch=effective_batch, options=options,
@@ -152,6 +155,12 @@ def train_step(
         return adapter.train_step(model, prepared, the_plan, remat_layers=remat_layers,
                                   uneven=uneven, on_nonfinite=on_nonfinite,
                                   batch_stats=batch_stats, backup=backup, elastic=elastic)
+    held = getattr(prepared.extras.get("source"), "held", 0)
+    if held and log is not None:  # say what planning took from a one-shot iterator
+        print(f"autoaccum: planning read the first {held} example(s) of your one-shot "
+              "iterator for their shapes; train_step does not train them (it trains the "
+              "batches you call it with). Pass one batch, or a re-iterable, as data to keep "
+              "your iterator whole.", file=log, flush=True)
     return TrainStep(model, prepared, the_plan, mesh=prepared.program.mesh,
                      remat_layers=remat_layers,
                      on_nonfinite=on_nonfinite, backup=backup, elastic=elastic, log=log)

@@ -212,6 +212,8 @@ def finetune_demo(
     print(reason, file=out, flush=True)
     # uneven=False keeps the lab's even story (8 = 2 x 4); by default this budget could also
     # end a step with a smaller micro-batch (8 = 3 + 3 + 2, one micro-step fewer).
+    # The lab's story, said explicitly: its rate was tuned for batch 1 and grows linearly with
+    # the effective batch (x8); without base_batch autoaccum would keep the rate as given.
     the_plan = plan(model, data, effective_batch=effective_batch, budget=budget,
                     base_batch=1, lr_rule="linear", method="compile", log=log, uneven=False)
     print(the_plan.report(), file=out, flush=True)

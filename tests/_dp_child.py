@@ -286,9 +286,36 @@ def flax_uneven(devices: int = 4, per_device: int = 7, micro: int = 3) -> dict:
     }
 
 
+def flax_stream(devices: int = 4) -> dict:
+    """autoaccum.fit over 4 devices on a generator of batches of 5 (36 examples, effective
+    batch 8: four steps and a leftover of 4, one example per device) against the same
+    examples in memory on one device."""
+    import autoaccum
+
+    data = ragged_tokens(36, 10, seed=3)
+    options = dict(effective_batch=8, optimizer=optax.sgd(0.1, momentum=0.9),
+                   loss_fn=token_loss, shuffle=False, budget="256MiB", verbose=0, log=None)
+
+    def batches():
+        for start in range(0, 36, 5):
+            yield {k: v[start:start + 5] for k, v in data.items()}
+
+    ref = TinyLM(rngs=nnx.Rngs(4))
+    ref_result = autoaccum.fit(ref, data, data_parallel=1, **options)
+    model = TinyLM(rngs=nnx.Rngs(4))
+    result = autoaccum.fit(model, batches(), data_parallel=devices, **options)
+    return {
+        "params_error": _max_relative_error(nnx.state(model, nnx.Param),
+                                            nnx.state(ref, nnx.Param)),
+        "steps": [result.steps, ref_result.steps],
+        "leftover": result.leftover_examples,
+        "data_parallel": result.plan.data_parallel,
+    }
+
+
 MODES = {"flax_exact": flax_exact, "flax_uneven": flax_uneven, "carry_policy": carry_policy,
          "keras_exact": keras_exact, "plans": plans, "elastic": elastic,
-         "keras_train_step": keras_train_step}
+         "keras_train_step": keras_train_step, "flax_stream": flax_stream}
 
 
 if __name__ == "__main__":

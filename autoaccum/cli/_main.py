@@ -309,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--base-lr", type=float, default=None, metavar="LR",
                     help="the learning rate tuned for --base-batch (presets: default 5e-5)")
     lr.add_argument("--base-batch", type=_positive_int, default=None, metavar="B",
-                    help="the batch size --base-lr was tuned for (default: 1)")
+                    help="the batch size --base-lr was tuned for; without it the rate is "
+                    "kept as given (the lab's story: --base-batch 1 --lr-rule linear)")
     lr.add_argument("--lr-rule", choices=["linear", "sqrt", "none"], default=None,
                     help="how the rate scales from --base-batch to --effective-batch "
-                    "(default: linear)")
+                    "(needs --base-batch; default: sqrt for Adam-family optimizers, linear "
+                    "for sgd)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
                      help="print one JSON object (errors too: {\"error\": ...})")

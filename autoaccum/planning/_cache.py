@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ._validate import received
+
 __all__ = ["CACHE_DIR_ENV", "NeedCache", "compiler_fingerprint", "resolve_cache"]
 
 CACHE_DIR_ENV = "AUTOACCUM_CACHE_DIR"
@@ -129,7 +131,7 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | NeedCache | None) -> Ne
         return NeedCache(cache)
     raise ValueError(
         "cache must be True (the default folder), False (no cache), a folder path or a "
-        f"NeedCache. Received: cache={cache!r}"
+        f"NeedCache. Received: {received('cache', cache)}"
     )
 
 

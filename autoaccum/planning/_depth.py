@@ -35,6 +35,7 @@ from ..devices._units import format_bytes
 from ._measure import CompileTarget, MemoryEstimate
 from ._parallel import CompileRequest, measure_all
 from ._program import TrainProgram
+from ._validate import received
 
 __all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "validate_depths"]
 
@@ -78,7 +79,7 @@ class DepthVariant:
         validate_depths(self.depth, self.depths)
         if not callable(self.build):
             raise ValueError("DepthVariant.build must be a function depth -> model. "
-                             f"Received: build={self.build!r}")
+                             f"Received: {received('build', self.build)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +131,11 @@ def validate_depths(full_depth: int, depths: tuple[int, int]) -> None:
     """Raises a ``ValueError`` naming the fix for impossible depths."""
     if isinstance(full_depth, bool) or not isinstance(full_depth, int) or full_depth < 1:
         raise ValueError(f"full_depth must be a positive int (the number of repeated blocks). "
-                         f"Received: full_depth={full_depth!r}")
+                         f"Received: {received('full_depth', full_depth)}")
     if (len(depths) != 2 or not all(isinstance(d, int) and d >= 1 for d in depths)
             or depths[0] >= depths[1]):
         raise ValueError("depths must be two increasing positive ints, e.g. (2, 3). "
-                         f"Received: depths={depths!r}")
+                         f"Received: {received('depths', depths)}")
 
 
 @dataclasses.dataclass(frozen=True)

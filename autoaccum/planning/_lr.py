@@ -7,6 +7,14 @@
 
 Here k = effective_batch / base_batch, and ``base_batch`` is the batch size the base
 learning rate was tuned for.
+
+A rate is changed only when ``base_batch`` is given (timm's model): without it the rate is the
+one the user tuned for the batch they asked for, and it is kept (factor 1, rule ``"none"``,
+reported as ``none (base_batch not given)``). With ``base_batch`` and no ``lr_rule`` the rule
+is the optimizer family's: :data:`ADAPTIVE` optimizers (Adam and its relatives) get
+``"sqrt"``, :data:`SGD_LIKE` ones (SGD, momentum, Nesterov, LARS) get ``"linear"``; an
+optimizer of neither known family needs ``lr_rule=``. Every change of a rate is announced in
+one line (:meth:`LearningRateScaling.notice`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._validate import received
+
 LR_RULES = ("linear", "sqrt", "none")
+
+ADAPTIVE = "adaptive"
+"""The Adam family (per-coordinate adaptive steps): adam, adamw, adamax, nadam, radam,
+amsgrad, adabelief, adafactor, adagrad, adadelta, adan, lamb, lion, novograd, rmsprop, sm3,
+yogi, ftrl. The square-root rule fits them (Malladi et al. 2022)."""
+SGD_LIKE = "sgd"
+"""Plain SGD, SGD with (Nesterov) momentum, LARS: the linear rule (Goyal et al. 2017)."""
+FAMILY_RULES = {ADAPTIVE: "sqrt", SGD_LIKE: "linear"}
+FAMILY_NAMES = {ADAPTIVE: "Adam-family", SGD_LIKE: "SGD-family"}
+NOT_GIVEN = "base_batch not given"
 
 
 @dataclass(frozen=True)
@@ -34,15 +54,61 @@ class LearningRateScaling:
     """The outcome of a learning-rate rule, with the arithmetic it applied."""
 
     rule: str
-    base_batch: int
+    base_batch: int | None
+    """``None``: not given, so the rate is kept (``rule == "none"``)."""
     effective_batch: int
     factor: float
     base_learning_rate: float | Callable[[Any], Any] | None
     learning_rate: float | Callable[[Any], Any] | None
     adam: AdamAdjustment | None = None
+    reason: str = ""
+    """Why this rule: ``"base_batch not given"``, ``"lr_rule given"``, or the optimizer
+    family it was chosen for (``"Adam-family optimizer"``)."""
+
+    @property
+    def changed(self) -> bool:
+        """Whether the optimizer runs at another rate (or other Adam betas) than it was given."""
+        return self.factor != 1.0 or self.adam is not None
+
+    def rule_text(self) -> str:
+        """The rule with its reason, e.g. ``"none (base_batch not given)"``."""
+        return f"{self.rule} ({self.reason})" if self.reason else self.rule
+
+    def notice(self) -> str | None:
+        """The one line printed when the rate is changed, else ``None``.
+
+        Example:
+          >>> s = scale_learning_rate(1e-3, effective_batch=16, base_batch=4, rule="linear")
+          >>> print(s.notice())  # doctest: +NORMALIZE_WHITESPACE
+          autoaccum: learning rate 0.001 -> 0.004 (linear rule, lr_rule given;
+          effective batch 16 / base batch 4)
+          >>> scale_learning_rate(1e-3, effective_batch=16).notice() is None
+          True
+        """
+        if not self.changed:
+            return None
+        if self.base_learning_rate is None:
+            what = f"learning rate x {self.factor:.4g}"
+        elif callable(self.base_learning_rate):
+            what = f"learning-rate schedule x {self.factor:.4g}"
+        else:
+            what = (f"learning rate {_fmt(self.base_learning_rate)} -> "
+                    f"{_fmt(self.learning_rate)}")
+        why = f", {self.reason}" if self.reason else ""
+        text = (f"autoaccum: {what} ({self.rule} rule{why}; effective batch "
+                f"{self.effective_batch} / base batch {self.base_batch})")
+        if self.adam is not None:
+            text += (f"; Adam b1 -> {self.adam.b1:.6g}, b2 -> {self.adam.b2:.6g}, "
+                     f"eps -> {self.adam.eps:.3g}")
+        return text
 
     def arithmetic(self) -> str:
         """Human-readable arithmetic, e.g. ``"8e-04 = 1e-04 x 8/1, linear"``."""
+        if self.base_batch is None:
+            kept = ("the optimizer's own" if self.base_learning_rate is None
+                    else "schedule" if callable(self.base_learning_rate)
+                    else _fmt(self.base_learning_rate))
+            return f"{kept}, unchanged: {self.rule_text()}"
         ratio = f"{self.effective_batch}/{self.base_batch}"
         how = {"linear": ratio, "sqrt": f"sqrt({ratio})", "none": "1"}[self.rule]
         if self.base_learning_rate is None:
@@ -64,13 +130,22 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, numbers.Real) else str(value)
 
 
-def validate_lr_rule(rule: str) -> str:
-    """Returns ``rule`` if known, else raises a ``ValueError`` listing the rules."""
-    if rule not in LR_RULES:
+def announce(scaling: LearningRateScaling, log: Any) -> None:
+    """Prints ``scaling.notice()`` (one line) to ``log`` when the rate was changed."""
+    line = scaling.notice()
+    if line is not None and log is not None:
+        print(line, file=log, flush=True)
+
+
+def validate_lr_rule(rule: str | None) -> str | None:
+    """Returns ``rule`` if known (or ``None``), else raises a ``ValueError`` listing them."""
+    if rule is None:
+        return None
+    if not isinstance(rule, str) or rule not in LR_RULES:
         raise ValueError(
             f"Unknown lr_rule. Use one of {', '.join(repr(r) for r in LR_RULES)}: 'linear' for "
             f"SGD-like optimizers, 'sqrt' for the Adam family, 'none' to keep the learning "
-            f"rate. Received: lr_rule={rule!r}"
+            f"rate. Received: {received('lr_rule', rule)}"
         )
     return rule
 
@@ -79,8 +154,10 @@ def scale_learning_rate(
     base_learning_rate: float | Callable[[Any], Any] | None,
     *,
     effective_batch: int,
-    base_batch: int = 1,
-    rule: str = "linear",
+    base_batch: int | None = None,
+    rule: str | None = None,
+    family: str | None = None,
+    optimizer_name: str = "the optimizer",
     adjust_adam: bool = False,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -88,18 +165,57 @@ def scale_learning_rate(
 ) -> LearningRateScaling:
     """Scales a learning rate (a float, a schedule, or ``None``) for ``effective_batch``.
 
+    Args:
+      base_learning_rate: the rate tuned for ``base_batch`` (``None``: the optimizer's own,
+        unknown here; only the factor is applied).
+      effective_batch: examples per optimizer step.
+      base_batch: the batch size the rate was tuned for; ``None``: the rate is kept.
+      rule: ``"linear"``, ``"sqrt"`` or ``"none"``; ``None``: the rule of ``family``.
+      family: :data:`ADAPTIVE`, :data:`SGD_LIKE` or ``None`` (unknown).
+      optimizer_name: how error messages name the optimizer (its type, never its repr).
+      adjust_adam, b1, b2, eps: Malladi et al.'s Adam adjustments (with ``"sqrt"``).
+
+    Returns:
+      A :class:`LearningRateScaling`.
+
     Example:
       >>> s = scale_learning_rate(1e-4, effective_batch=8, base_batch=1, rule="linear")
       >>> s.learning_rate, s.arithmetic()
       (0.0008, '0.0008 = 0.0001 x 8/1, linear')
-      >>> scale_learning_rate(1e-4, effective_batch=16, base_batch=4, rule="sqrt").factor
+      >>> scale_learning_rate(1e-4, effective_batch=16, base_batch=4, family=ADAPTIVE).factor
       2.0
+      >>> scale_learning_rate(1e-4, effective_batch=16).arithmetic()
+      '0.0001, unchanged: none (base_batch not given)'
     """
     validate_lr_rule(rule)
+    if base_batch is None:
+        if rule not in (None, "none") or adjust_adam:
+            given = (received("lr_rule", rule) if rule not in (None, "none")
+                     else "adjust_adam=True")
+            raise ValueError(
+                f"{given} scales the learning rate from the batch size it was tuned for, so it "
+                "needs base_batch= too (e.g. base_batch=32 for a rate tuned at batch 32; "
+                "base_batch=1, lr_rule='linear' scales by the whole effective batch). Without "
+                f"base_batch the rate is kept as given. Received: {given}, base_batch=None"
+            )
+        return LearningRateScaling(rule="none", base_batch=None, effective_batch=effective_batch,
+                                   factor=1.0, base_learning_rate=base_learning_rate,
+                                   learning_rate=base_learning_rate, reason=NOT_GIVEN)
     if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
         raise ValueError(
             "base_batch is the batch size the base learning rate was tuned for and must be a "
-            f"positive integer. Received: base_batch={base_batch!r}"
+            f"positive integer. Received: {received('base_batch', base_batch)}"
+        )
+    if rule is not None:
+        reason = "lr_rule given"
+    elif family in FAMILY_RULES:
+        rule, reason = FAMILY_RULES[family], f"{FAMILY_NAMES[family]} optimizer"
+    else:
+        raise ValueError(
+            f"base_batch={base_batch} asks autoaccum to scale the learning rate, but it cannot "
+            f"tell which rule fits {optimizer_name}. Pass lr_rule='linear' (SGD, momentum), "
+            "lr_rule='sqrt' (Adam family) or lr_rule='none'. Received: lr_rule=None, "
+            f"optimizer {optimizer_name}"
         )
     k = effective_batch / base_batch
     factor = {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
@@ -108,7 +224,7 @@ def scale_learning_rate(
         if rule != "sqrt":
             raise ValueError(
                 "adjust_adam applies Malladi et al.'s square-root rule and needs lr_rule='sqrt'. "
-                f"Received: lr_rule={rule!r}, adjust_adam=True"
+                f"Received: {received('lr_rule', rule)}, adjust_adam=True"
             )
         nb1, nb2 = 1 - k * (1 - b1), 1 - k * (1 - b2)
         if not (0 <= nb1 < 1 and 0 <= nb2 < 1):
@@ -132,6 +248,7 @@ def scale_learning_rate(
         base_learning_rate=base_learning_rate,
         learning_rate=scaled,
         adam=adam,
+        reason=reason,
     )
 
 

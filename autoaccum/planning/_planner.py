@@ -13,7 +13,7 @@ from ._batches import split_sizes
 from ._cache import resolve_cache
 from ._depth import DepthVariant, DepthVariants
 from ._depth_plan import label_sources, plan_by_depth
-from ._lr import LearningRateScaling
+from ._lr import LearningRateScaling, announce
 from ._measure import measure_program
 from ._objective import Candidate, choose_fastest, cost_model_seconds
 from ._parallel import CompileRequest, measure_all
@@ -27,7 +27,7 @@ from ._policies import (
 from ._program import TrainProgram, tree_bytes
 from ._search import DoesNotFitError, divisors
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
-from ._validate import check_enough_examples, no_leftovers, validate_effective_batch
+from ._validate import check_enough_examples, no_leftovers, received, validate_effective_batch
 
 
 def plan_program(
@@ -208,7 +208,7 @@ def plan_model(
                          "on one device only)",)
     if depth_variant is not None and not isinstance(depth_variant, DepthVariant):
         raise ValueError("depth_variant must be an autoaccum.DepthVariant(depth=N, build=f). "
-                         f"Received: depth_variant={depth_variant!r}")
+                         f"Received: {received('depth_variant', depth_variant)}")
     original_options = dict(options)
     policies = policies_for(adapter, remat)
     if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
@@ -228,6 +228,7 @@ def plan_model(
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
         if resolved is None:
+            announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
             program = prepared.program
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
@@ -283,7 +284,7 @@ def validate_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(
             "method must be 'auto' (compile-only plan verified by one real step), 'compile' "
-            f"(compile only) or 'backoff' (real steps). Received: method={method!r}"
+            f"(compile only) or 'backoff' (real steps). Received: {received('method', method)}"
         )
     return method
 
@@ -317,7 +318,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
             raise ValueError(
                 "method='backoff' runs real steps, but the target device is not on this machine "
                 "(a dry run). Use method='compile' or 'auto' for a named GPU that is not here. "
-                f"Received: method='backoff', device={resolved.profile.key!r}"
+                f"Received: method='backoff', {received('device', resolved.profile.key)}"
             )
         runner = prepared.adapter.step_runner(model, prepared)
         try:
@@ -391,7 +392,7 @@ def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int, op
         raise ValueError(
             "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
             "optimizer step) instead of `batch_size=`. "
-            f"Received: batch_size={options['batch_size']!r}"
+            f"Received: {received('batch_size', options['batch_size'])}"
         )
     return adapter.prepare(model, data, effective_batch=effective_batch, options=options,
                            remat=remat, remat_layers=remat_layers)

@@ -10,7 +10,7 @@ import io
 import re
 from typing import Any, NamedTuple
 
-from ..devices._units import format_bytes
+from ..devices._units import format_bytes, format_bytes_pair
 from ._search import Probe
 
 Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports this module)
@@ -72,9 +72,9 @@ def limiting_factor(plan: Plan) -> Limit:
     if over:
         first = min(over, key=lambda p: p.micro_batch)
         if first.need_bytes > plan.budget_bytes:
+            need, budget = format_bytes_pair(first.need_bytes, plan.budget_bytes)
             return Limit("memory", f"memory: micro_batch {first.micro_batch} needs "
-                         f"{format_bytes(first.need_bytes)}, over the "
-                         f"{format_bytes(plan.budget_bytes)} budget")
+                         f"{need}, over the {budget} budget")
         return Limit("memory", f"memory: micro_batch {first.micro_batch} did not fit "
                      f"({first.why or first.error or 'out of memory'})")
     return Limit("memory", f"memory: the next divisor of {per_device} above "
@@ -108,7 +108,8 @@ def _need_label(plan: Plan) -> str:
 
 def _summary(plan: Plan) -> list[tuple[str, str]]:
     b = plan.budget
-    need = (f"{format_bytes(plan.need_bytes)} of {format_bytes(plan.budget_bytes)} "
+    need_text, budget_text = format_bytes_pair(plan.need_bytes, plan.budget_bytes)
+    need = (f"{need_text} of {budget_text} "
             f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}")
     if plan.last_micro_batch is None:
         split = (f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "

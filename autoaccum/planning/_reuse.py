@@ -12,7 +12,7 @@ from ._adapter import Adapter, Prepared
 from ._plan import Plan
 from ._planner import prepare
 from ._program import tree_bytes
-from ._validate import check_enough_examples, no_leftovers
+from ._validate import check_enough_examples, no_leftovers, received
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan"]
 
@@ -22,7 +22,7 @@ PLANNING_OPTIONS = ("budget", "device", "memory_fraction", "remat", "objective",
 
 def _refuse_planning_options(given: dict[str, Any]) -> None:
     if given:
-        listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        listed = ", ".join(f"{received(k, v)}" for k, v in given.items())
         raise ValueError(
             "plan= reuses a plan as it is; options that shape planning would be ignored. Drop "
             "them, or plan again with them: autoaccum.plan(model, data, effective_batch=..., "
@@ -123,7 +123,8 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"plan= scales the learning rate as {plan.lr_scaling.arithmetic()!r}, but these "
             f"options give {prepared.lr_scaling.arithmetic()!r}. Pass the learning_rate, "
             "base_batch and lr_rule the plan was made with (or plan again). Received: "
-            f"lr_rule={prepared.lr_scaling.rule!r}, base_batch={prepared.lr_scaling.base_batch}"
+            f"{received('lr_rule', prepared.lr_scaling.rule)}, "
+            f"base_batch={prepared.lr_scaling.base_batch}"
         )
     _check_sizes(plan, prepared)
     return plan, prepared

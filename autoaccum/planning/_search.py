@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from ..devices._units import format_bytes
+from ..devices._units import format_bytes, format_bytes_pair
 from ._measure import MemoryEstimate
 
 
@@ -166,9 +166,10 @@ def search_micro_batch(
         order.append(p)
         if log is not None:
             verdict = "fits" if p.fits else "does not fit"
+            need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
             print(
-                f"autoaccum:   micro_batch={b:<5} need {format_bytes(p.need_bytes):>10} "
-                f"/ budget {format_bytes(budget_bytes)}  {verdict}  "
+                f"autoaccum:   micro_batch={b:<5} need {need:>10} "
+                f"/ budget {budget}  {verdict}  "
                 f"(compile {estimate.compile_seconds:.1f} s)",
                 file=log,
                 flush=True,
@@ -237,9 +238,10 @@ def search_micro_batch(
         lo = limit  # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not
     if lo == 0:
         need = probes[1].need_bytes
+        need_text, budget_text = format_bytes_pair(need, budget_bytes)
         raise DoesNotFitError(
-            f"Even micro_batch=1 needs {format_bytes(need)}, over the budget of "
-            f"{format_bytes(budget_bytes)} by {format_bytes(need - budget_bytes)}. What would "
+            f"Even micro_batch=1 needs {need_text}, over the budget of "
+            f"{budget_text} by {format_bytes(need - budget_bytes)}. What would "
             "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
             "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
             f"or a larger budget/device.{(' ' + advice) if advice else ''}",
@@ -293,7 +295,8 @@ def _probe_uneven(measure_uneven: Callable[[int, int, int], MemoryEstimate], b: 
     p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
               last_micro_batch=last)
     if log is not None:
-        print(f"autoaccum:   {b} x {k - 1} + {last:<3} need {format_bytes(p.need_bytes):>10} "
-              f"/ budget {format_bytes(budget_bytes)}  {'fits' if p.fits else 'does not fit'}  "
+        need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
+        print(f"autoaccum:   {b} x {k - 1} + {last:<3} need {need:>10} "
+              f"/ budget {budget}  {'fits' if p.fits else 'does not fit'}  "
               f"(compile {estimate.compile_seconds:.1f} s)", file=log, flush=True)
     return p

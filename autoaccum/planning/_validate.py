@@ -19,13 +19,13 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
     if isinstance(effective_batch, bool) or not isinstance(effective_batch, numbers.Integral):
         raise ValueError(
             "effective_batch must be a positive integer: the number of examples per optimizer "
-            f"step. Received: effective_batch={effective_batch!r}"
+            f"step. Received: {received('effective_batch', effective_batch)}"
         )
     value = int(effective_batch)
     if value < 1:
         raise ValueError(
             "effective_batch must be a positive integer (at least 1): the number of examples "
-            f"per optimizer step. Received: effective_batch={effective_batch!r}"
+            f"per optimizer step. Received: {received('effective_batch', effective_batch)}"
         )
     if value % data_parallel:
         lower = value - value % data_parallel
@@ -34,7 +34,7 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
         raise ValueError(
             f"effective_batch must be a multiple of the {data_parallel} data-parallel devices so "
             f"every device gets the same micro-batches; nearest valid sizes: {nearest}. "
-            f"Received: effective_batch={effective_batch!r}"
+            f"Received: {received('effective_batch', effective_batch)}"
         )
     return value
 
@@ -42,7 +42,7 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
 def validate_positive_int(name: str, value: object) -> int:
     """Returns ``value`` if it is a positive int, else a ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        raise ValueError(f"{name} must be a positive integer. Received: {received(name, value)}")
     return int(value)
 
 
@@ -80,7 +80,7 @@ def as_int(name: str, value: object, *, minimum: int = 1) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
         bound = "positive" if minimum == 1 else f"at least {minimum}"
-        raise ValueError(f"{name} must be a {bound} integer. Received: {name}={value!r}")
+        raise ValueError(f"{name} must be a {bound} integer. Received: {received(name, value)}")
     return int(value)
 
 
@@ -98,7 +98,7 @@ def validate_device(device: object) -> Any:
     raise ValueError(
         "device is the name of a GPU profile such as 't4', 'a100-80gb' or 'h100-80gb' (see "
         "`autoaccum devices`), or None for this machine's device; a device index is not "
-        f"accepted (JAX picks its default device). Received: device={device!r}"
+        f"accepted (JAX picks its default device). Received: {received('device', device)}"
     )
 
 
@@ -116,7 +116,7 @@ def validate_memory_fraction(memory_fraction: object, device: object = None) -> 
         raise ValueError(
             "memory_fraction is JAX's share of the named GPU's memory "
             "(XLA_PYTHON_CLIENT_MEM_FRACTION), a number in (0, 1] such as 0.9. "
-            f"Received: memory_fraction={memory_fraction!r}"
+            f"Received: {received('memory_fraction', memory_fraction)}"
         )
     if device is None or _is_cpu_profile(device):
         raise ValueError(
@@ -124,7 +124,8 @@ def validate_memory_fraction(memory_fraction: object, device: object = None) -> 
             "the pool JAX gets there. With no GPU device it changes nothing; to limit memory "
             "here pass budget= (e.g. '8GiB' or '80%'), or set XLA_PYTHON_CLIENT_MEM_FRACTION "
             "before JAX starts (autoaccum.configure). "
-            f"Received: memory_fraction={memory_fraction!r}, device={device!r}"
+            f"Received: {received('memory_fraction', memory_fraction)}, "
+            f"{received('device', device)}"
         )
     return float(memory_fraction)
 
@@ -150,13 +151,13 @@ def validate_learning_rate(learning_rate: object) -> Any:
         raise ValueError(
             "learning_rate must be a positive number (e.g. 1e-4) or a schedule, a function of "
             f"the optimizer step (e.g. optax.cosine_decay_schedule(1e-4, 1000)). "
-            f"Received: learning_rate={learning_rate!r}"
+            f"Received: {received('learning_rate', learning_rate)}"
         )
     value = float(learning_rate)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
             "learning_rate must be a positive, finite number (the rate tuned for base_batch, "
-            f"e.g. 1e-4). Received: learning_rate={learning_rate!r}"
+            f"e.g. 1e-4). Received: {received('learning_rate', learning_rate)}"
         )
     return value
 
@@ -180,6 +181,63 @@ def resolve_log(log: object) -> Any:
     if isinstance(log, str) or not callable(getattr(log, "write", None)):
         raise ValueError(
             "log must be 'stderr', 'stdout', an open text stream (anything with write(), e.g. "
-            f"open('plan.log', 'w') or io.StringIO()) or None. Received: log={log!r}"
+            f"open('plan.log', 'w') or io.StringIO()) or None. Received: {received('log', log)}"
         )
     return log
+
+
+def type_name(obj: object) -> str:
+    """How an error message names a user's object: its type (a function by its name), never
+    its ``repr`` (a model, an optimizer or an array can print thousands of lines).
+
+    Example:
+      >>> type_name(len), type_name(3.5), type_name(object())
+      ('function len', 'float', 'object')
+    """
+    import functools
+    import inspect
+
+    if isinstance(obj, functools.partial):
+        return f"functools.partial of {type_name(obj.func)}"
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj):
+        module = getattr(obj, "__module__", None) or ""
+        top = module.split(".")[0]
+        name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
+        return f"function {top + '.' if top not in ('', 'builtins', '__main__') else ''}{name}"
+    cls = type(obj)
+    module = cls.__module__
+    if module in ("builtins", "__main__"):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
+
+
+_LITERALS = (type(None), bool, numbers.Number, str, bytes)
+
+
+def received(name: str, value: object) -> str:
+    """``name=value`` for an error message's "Received:" part: a short literal as written
+    (``effective_batch=0``, ``lr_rule='cubic'``), anything else by its type
+    (``optimizer of type flax.nnx.training.optimizer.Optimizer``), never a long ``repr``.
+
+    Example:
+      >>> received("epochs", 0), received("lr_rule", "x" * 100)[:30]
+      ('epochs=0', 'lr_rule of type str (length 10')
+      >>> received("callbacks", [object()])
+      'callbacks=[object]'
+    """
+    if isinstance(value, _LITERALS):
+        text = repr(value)
+        if len(text) <= 80:
+            return f"{name}={text}"
+        return f"{name} of type {type(value).__name__} (length {len(value)})" if isinstance(
+            value, str | bytes) else f"{name} of type {type(value).__name__}"
+    if isinstance(value, list | tuple) and len(value) <= 8:
+        parts = [repr(v) if isinstance(v, _LITERALS) and len(repr(v)) <= 40 else type_name(v)
+                 for v in value]
+        text = ", ".join(parts)
+        if len(text) <= 120:
+            return f"{name}=" + (f"[{text}]" if isinstance(value, list) else f"({text})")
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple):
+        return f"{name} of type {type_name(value)} with shape {shape}"
+    return f"{name} of type {type_name(value)}"

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..planning._validate import received
+
 __all__ = ["BATCH_STATS_MODES", "Moments", "add_moments", "running_update",
            "validate_batch_stats", "zero_moments"]
 
@@ -48,7 +50,7 @@ def validate_batch_stats(mode: object) -> str:
         raise ValueError(
             "batch_stats must be 'effective' (BatchNorm running averages move once per optimizer "
             "step, from the whole effective batch's mean and variance) or 'micro' (once per "
-            f"micro-batch). Received: batch_stats={mode!r}"
+            f"micro-batch). Received: {received('batch_stats', mode)}"
         )
     return str(mode)
 

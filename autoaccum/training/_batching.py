@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from ..planning._batches import UnevenBatches, split_sizes
+from ..planning._validate import received
 
 PyTree = Any
 
@@ -36,7 +37,7 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
     if not leaves:
         raise ValueError(
             f"{name} is empty: give at least one array with a leading example axis. "
-            f"Received: {name}={data!r}"
+            f"Received: {received(name, data)}"
         )
     arrays = leaves
     for path, array in zip(_paths(tree), arrays, strict=True):

@@ -14,8 +14,10 @@ for a Flax model; objects with some of these methods (duck typing) are accepted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from ..planning._validate import received
 
 __all__ = ["Callback", "CallbackList", "StopTraining", "validate_callbacks"]
 
@@ -82,10 +84,11 @@ def validate_callbacks(callbacks: Iterable[Any] | None) -> list[Any]:
     """
     if callbacks is None:
         return []
-    if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+    if (isinstance(callbacks, Callback | Mapping | str)
+            or not isinstance(callbacks, Iterable)):
         raise ValueError(
             "callbacks must be a list of callbacks, e.g. callbacks=[MyCallback()]. "
-            f"Received: callbacks={callbacks!r}"
+            f"Received: {received('callbacks', callbacks)}"
         )
     out = list(callbacks)
     for cb in out:
@@ -100,7 +103,8 @@ def validate_callbacks(callbacks: Iterable[Any] | None) -> list[Any]:
         if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
             raise ValueError(
                 "Each callback needs at least one of the hooks "
-                f"{', '.join(HOOKS)} (subclass autoaccum.Callback). Received: {cb!r}"
+                f"{', '.join(HOOKS)} (subclass autoaccum.Callback). "
+                f"Received: {received('callback', cb)}"
             )
     return out
 

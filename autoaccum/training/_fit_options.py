@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..planning._validate import received
+
 __all__ = ["REFUSED_FIT_OPTIONS", "refuse_fit_options"]
 
 REFUSED_FIT_OPTIONS = {
@@ -45,6 +47,6 @@ def refuse_fit_options(options: dict[str, Any]) -> None:
     """
     for name, value in options.items():
         if name in REFUSED_FIT_OPTIONS:
-            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {name}={value!r}")
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
     if options:
         raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(sorted(options))}")

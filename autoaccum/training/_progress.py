@@ -54,7 +54,7 @@ class ProgressBar:
     """``epoch 1/3 |#####     | 12/40 [00:08, 1.50step/s, loss=2.3102]``, redrawn in place.
 
     Args:
-      total: optimizer steps in the epoch.
+      total: optimizer steps in the epoch (``None``: not known, as for a stream).
       epoch: the epoch, 0-based.
       epochs: the number of epochs.
       stream: where to draw (default ``sys.stderr``).
@@ -69,7 +69,7 @@ class ProgressBar:
       True
     """
 
-    def __init__(self, *, total: int, epoch: int, epochs: int, stream: TextIO | None = None,
+    def __init__(self, *, total: int | None, epoch: int, epochs: int, stream: TextIO | None = None,
                  width: int = 30) -> None:
         self.total, self.epoch, self.epochs, self.width = total, epoch, epochs, width
         self.stream = sys.stderr if stream is None else stream
@@ -93,11 +93,12 @@ class ProgressBar:
 
     def update(self, done: int, *, loss: float) -> None:
         """Shows ``done`` of ``total`` steps with the latest loss."""
-        filled = int(self.width * done / max(self.total, 1))
+        filled = 0 if self.total is None else int(self.width * done / max(self.total, 1))
         rate = done / max(time.perf_counter() - self.start, 1e-9)
         self._last_line = (
             f"epoch {self.epoch + 1}/{self.epochs} [{'#' * filled}{'.' * (self.width - filled)}] "
-            f"{done}/{self.total}  loss {loss:.4f}  {rate:.2f} steps/s"
+            f"{done}/{'?' if self.total is None else self.total}  loss {loss:.4f}  "
+            f"{rate:.2f} steps/s"
         )
         if not self.interactive:
             return

@@ -35,13 +35,14 @@ def test_plan_json_has_the_documented_schema(capsys):
 def test_plan_table_itemizes_each_probe_and_plots(tmp_path, capsys):
     png = tmp_path / "need.png"
     assert main([*SMALL, "--budget", "64MiB", "--lr-rule", "sqrt", "--base-lr", "1e-4",
-                 "--plot", str(png)]) == 0
+                 "--base-batch", "1", "--plot", str(png)]) == 0
     captured = capsys.readouterr()
     assert "compiling micro_batch=2" in captured.err  # live progress
     for column in ("frozen", "trainable", "optimizer", "grad acc", "batch", "act+temp",
                    "total", "budget", "fits", "limited by"):
         assert column in captured.out
     assert "sqrt(16/1), sqrt" in captured.out
+    assert "autoaccum: learning rate 0.0001 -> 0.0004 (sqrt rule, lr_rule given;" in captured.err
     assert captured.out.index("autoaccum plan") < captured.out.index("plot written to")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -179,3 +180,12 @@ def test_devices_json_lists_profiles_pools_and_detection(capsys):
     t4 = next(p for p in out["profiles"] if p["key"] == "t4")
     assert t4["pool_bytes"] == int(15102 * 2**20 * 0.9) and t4["memory_fraction"] == 0.9
     assert out["detected"]["source"] in ("nvml", "jax", "cpu")
+
+
+def test_without_base_batch_the_rate_is_kept_and_lr_rule_alone_is_refused(capsys):
+    assert main([*SMALL, "--budget", "64MiB", "--base-lr", "1e-4"]) == 0
+    captured = capsys.readouterr()
+    assert "none (base_batch not given)" in captured.out
+    assert "autoaccum: learning rate" not in captured.err
+    assert main([*SMALL, "--budget", "64MiB", "--base-lr", "1e-4", "--lr-rule", "linear"]) != 0
+    assert "needs base_batch= too" in capsys.readouterr().err

@@ -23,13 +23,13 @@ def test_sqrt_rule_uses_square_root_and_base_batch():
 
 
 def test_none_rule_keeps_learning_rate():
-    s = scale_learning_rate(1e-3, effective_batch=64, rule="none")
+    s = scale_learning_rate(1e-3, effective_batch=64, base_batch=1, rule="none")
     assert s.factor == 1.0 and s.learning_rate == 1e-3
 
 
 def test_sqrt_rule_adam_adjustments_follow_malladi():
-    s = scale_learning_rate(1e-4, effective_batch=4, rule="sqrt", adjust_adam=True,
-                            b1=0.9, b2=0.999, eps=1e-8)
+    s = scale_learning_rate(1e-4, effective_batch=4, base_batch=1, rule="sqrt",
+                            adjust_adam=True, b1=0.9, b2=0.999, eps=1e-8)
     assert s.adam.b1 == pytest.approx(1 - 4 * 0.1)
     assert s.adam.b2 == pytest.approx(1 - 4 * 0.001)
     assert s.adam.eps == pytest.approx(1e-8 / math.sqrt(4))
@@ -38,12 +38,13 @@ def test_sqrt_rule_adam_adjustments_follow_malladi():
 
 def test_adam_adjustment_out_of_range_explains():
     with pytest.raises(ValueError, match="outside"):
-        scale_learning_rate(1e-4, effective_batch=64, rule="sqrt", adjust_adam=True)
+        scale_learning_rate(1e-4, effective_batch=64, base_batch=1, rule="sqrt",
+                            adjust_adam=True)
 
 
 def test_schedule_is_scaled_per_optimizer_step():
     schedule = optax.linear_schedule(1.0, 0.0, 10)
-    s = scale_learning_rate(schedule, effective_batch=4, rule="linear")
+    s = scale_learning_rate(schedule, effective_batch=4, base_batch=1, rule="linear")
     assert float(s.learning_rate(5)) == pytest.approx(4 * 0.5)
     assert s.arithmetic().startswith("schedule x 4")
 
@@ -54,7 +55,7 @@ def test_unknown_rule_lists_the_rules():
 
 
 def test_built_transformation_gets_updates_scaled_exactly():
-    s = scale_learning_rate(None, effective_batch=8, rule="linear")
+    s = scale_learning_rate(None, effective_batch=8, base_batch=1, rule="linear")
     params = {"w": jnp.ones(3)}
     grads = {"w": jnp.asarray([1.0, -2.0, 0.5])}
     scaled = build_optax_optimizer(optax.adamw(1e-3, weight_decay=0.1), s)
@@ -65,7 +66,8 @@ def test_built_transformation_gets_updates_scaled_exactly():
 
 
 def test_factory_is_called_with_scaled_rate_and_adjusted_betas():
-    s = scale_learning_rate(1e-3, effective_batch=4, rule="sqrt", adjust_adam=True)
+    s = scale_learning_rate(1e-3, effective_batch=4, base_batch=1, rule="sqrt",
+                            adjust_adam=True)
     tx = build_optax_optimizer(optax.adam, s)
     params = {"w": jnp.ones(2)}
     reference = optax.adam(2e-3, b1=s.adam.b1, b2=s.adam.b2, eps=s.adam.eps)

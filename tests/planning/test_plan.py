@@ -85,10 +85,11 @@ def test_public_plan_reports_probes_split_and_learning_rate(capsys):
     data = ragged_tokens(32, 16)
     plan = autoaccum.plan(
         model, data, effective_batch=8, optimizer=optax.adamw, learning_rate=1e-4,
-        loss_fn=token_loss, budget="2GiB",
+        base_batch=1, lr_rule="linear", loss_fn=token_loss, budget="2GiB",
     )
     live = capsys.readouterr().err
     assert "compiling micro_batch=" in live and "fits" in live
+    assert live.count("autoaccum: learning rate 0.0001 -> 0.0008 (linear rule") == 1
     report = plan.report()
     assert "8 = micro_batch 8 x 1 device(s) x 1 accumulation step(s)" in report
     assert "0.0008 = 0.0001 x 8/1, linear" in report
@@ -118,3 +119,23 @@ def test_budget_too_small_even_for_micro_batch_one_names_what_would_help():
     message = str(info.value)
     for hint in ("micro_batch=1", "rematerialization", "LoRA", "shorter sequences", "dtype"):
         assert hint in message
+
+
+def test_a_need_one_byte_over_the_budget_never_reads_as_the_same_size(cached_measure, sweep):
+    import io
+    import re
+
+    from autoaccum.planning import DoesNotFitError
+
+    budget = autoaccum.Budget(sweep[1] - 1, "user", "test")  # micro_batch 1: 1 byte too many
+    scaling = autoaccum.scale_learning_rate(None, effective_batch=EFFECTIVE)
+    log = io.StringIO()
+    with pytest.raises(DoesNotFitError) as raised:
+        autoaccum.planning._plan.search_plan(
+            cached_measure, effective_batch=EFFECTIVE, lr_scaling=scaling, budget=budget,
+            target="cpu", log=log,
+        )
+    found = re.search(r"needs (.+?), over the budget of (.+?) by", str(raised.value))
+    assert found is not None and found.group(1) != found.group(2), str(raised.value)
+    probe = re.search(r"micro_batch=1 +need +(.+?) / budget (.+?)  does not fit", log.getvalue())
+    assert probe is not None and probe.group(1) != probe.group(2), log.getvalue()

@@ -39,6 +39,15 @@ def four_devices() -> dict:
     return _result(done.stdout, done.stderr)
 
 
+def test_a_flax_stream_on_four_devices_trains_as_memory_on_one_device():
+    done = subprocess.run([sys.executable, "-m", "tests._dp_child", "flax_stream"], cwd=REPO,
+                          env=_env(4), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    out = _result(done.stdout, done.stderr)["flax_stream"]
+    assert out["data_parallel"] == 4 and out["steps"] == [5, 5] and out["leftover"] == 4
+    assert out["params_error"] <= 1e-5
+
+
 def test_flax_step_on_four_devices_equals_one_device_full_batch(four_devices):
     out = four_devices["flax_exact"]
     assert len(set(out["valid_per_device"])) > 1, "devices must see unequal valid tokens"

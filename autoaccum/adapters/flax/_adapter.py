@@ -14,12 +14,14 @@ from ...planning._backoff import RealStepRunner
 from ...planning._lr import scale_learning_rate
 from ...planning._plan import Plan
 from ...planning._remat import REMAT_POLICIES
-from ...planning._validate import check_enough_examples, validate_positive_int
+from ...planning._validate import check_enough_examples, received, type_name, validate_positive_int
 from ...training._batch_stats import validate_batch_stats
 from ...training._batching import as_arrays, example_spec, num_examples
 from ...training._callbacks import validate_callbacks
+from ._data import ArrayData, flax_data
 from ._fit import flax_fit
-from ._optax_lr import build_optax_optimizer
+from ._nnx_optimizer import NnxOptimizerLink, unwrap_optimizer
+from ._optax_lr import build_optax_optimizer, optax_family
 from ._program import flax_program, split_model
 from ._remat import rematerialized, repeated_layers
 
@@ -41,6 +43,11 @@ class FlaxAdapter:
     uneven_batches = True
     """Its steps take :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3)."""
 
+    def __init__(self) -> None:
+        self._sources: list[tuple[Any, Any]] = []
+        """``(sample, source)`` of earlier ``prepare`` calls: the planner hands a policy's
+        sample back as the next policy's data, which must still mean the whole data."""
+
     def recognizes(self, model: Any) -> bool:
         return isinstance(model, nnx.Module)
 
@@ -53,29 +60,51 @@ class FlaxAdapter:
         if optimizer is None:
             raise ValueError(
                 "A Flax model needs optimizer= (an optax transformation such as "
-                "optax.adamw(1e-4), or a factory such as optax.adamw together with "
-                "learning_rate=1e-4). Received: optimizer=None"
+                "optax.adamw(1e-4), a factory such as optax.adamw together with "
+                "learning_rate=1e-4, or an nnx.Optimizer(model, tx, wrt=nnx.Param)). "
+                "Received: optimizer=None"
             )
         if loss_fn is None or not callable(loss_fn):
             raise ValueError(
                 "A Flax model needs loss_fn=fn where fn(model, batch) returns (sum_of_losses, "
-                f"number_of_valid_items). Received: loss_fn={loss_fn!r}"
+                "number_of_valid_items). Received: loss_fn "
+                + ("None" if loss_fn is None else f"of type {type_name(loss_fn)}")
             )
+        optimizer, trainable, nnx_optimizer = unwrap_optimizer(optimizer, trainable)
+        base_lr = options.pop("learning_rate", None)
+        if isinstance(base_lr, nnx.Module):
+            raise ValueError(
+                "learning_rate is a number or a schedule (a function of the optimizer step, "
+                "e.g. optax.cosine_decay_schedule(1e-3, 1000)), not a Flax module. "
+                f"Received: learning_rate of type {type_name(base_lr)}")
+        base_batch = options.pop("base_batch", None)
+        rule = options.pop("lr_rule", None)
+        family = (optax_family(optimizer, base_lr)
+                  if base_batch is not None and rule is None else None)
         scaling = scale_learning_rate(
-            options.pop("learning_rate", None),
+            base_lr,
             effective_batch=effective_batch,
-            base_batch=options.pop("base_batch", 1),
-            rule=options.pop("lr_rule", "linear"),
+            base_batch=base_batch,
+            rule=rule,
+            family=family,
+            optimizer_name=type_name(optimizer),
             adjust_adam=options.pop("adjust_adam", False),
         )
         tx = build_optax_optimizer(optimizer, scaling)
-        tree = as_arrays(data)
+        link = (None if nnx_optimizer is None
+                else NnxOptimizerLink(nnx_optimizer, chained=tx is not optimizer))
+        source = next((src for sample, src in self._sources if sample is data), None)
+        if source is None:
+            source = flax_data(data)  # read once: later policies get its sample back
+        tree = source.sample(effective_batch)
+        self._sources.append((tree, source))
         kwargs = {} if trainable is None else {"trainable": trainable}
         with self.remat_context(model, remat, remat_layers):
             program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx,
                                    batch_stats=batch_stats, **kwargs)
         return Prepared(program, tree, scaling, self, remat,
-                        {"tx": tx, "loss_fn": loss_fn, "batch_stats": batch_stats, **kwargs})
+                        {"tx": tx, "loss_fn": loss_fn, "batch_stats": batch_stats,
+                         "nnx_optimizer": link, "source": source, **kwargs})
 
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:
@@ -103,7 +132,7 @@ class FlaxAdapter:
             raise ValueError(
                 f"{', '.join(refused)}: Keras `model.fit` options that autoaccum.fit does not take "
                 "for a Flax model (it takes " + ", ".join(FIT_OPTIONS) + "). Received: "
-                + ", ".join(f"{k}={options[k]!r}" for k in refused)
+                + ", ".join(f"{received(k, options[k])}" for k in refused)
             )
         validate_callbacks(options.get("callbacks"))
         split = options.get("validation_split", 0.0)
@@ -111,37 +140,46 @@ class FlaxAdapter:
             raise ValueError(
                 "validation_split is the fraction of the data (its last examples, before "
                 "shuffling) held out for validation, in [0, 1). "
-                f"Received: validation_split={split!r}"
+                f"Received: {received('validation_split', split)}"
             )
         if split and "validation_data" in options:
             raise ValueError(
                 "Give validation_data or validation_split, not both. Received: both")
         if options.get("validation_data") is not None:
             as_arrays(options["validation_data"], name="validation_data")  # fail before planning
-        for name in ("validation_batch_size", "validation_steps", "validation_freq"):
+        for name in ("validation_batch_size", "validation_steps", "validation_freq",
+                     "steps_per_epoch"):
             if name in options and options[name] is not None:
                 validate_positive_int(name, options[name])
         if "initial_epoch" in options:
             value = options["initial_epoch"]
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise ValueError("initial_epoch must be a non-negative integer. "
-                                 f"Received: initial_epoch={value!r}")
+                                 f"Received: {received('initial_epoch', value)}")
 
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,
             options: dict) -> Any:
         extras = prepared.extras
-        data = prepared.data
+        source = extras.get("source") or flax_data(prepared.data)
         validation = options.get("validation_data")
         split = options.get("validation_split", 0.0)
         if split:
-            data, validation = split_validation(data, split)
+            if not isinstance(source, ArrayData):
+                raise ValueError(
+                    "validation_split holds out the last examples of in-memory data; a stream "
+                    "has no last examples to hold out. Pass validation_data= (arrays) instead. "
+                    f"Received: validation_split={split} with a stream of batches")
+            train, validation = split_validation(source.tree, split)
+            source = ArrayData(train)
         if validation is not None:
             validation = as_arrays(validation, name="validation_data")
-        examples = num_examples(data)
-        check_enough_examples(data, plan.effective_batch)
-        if (plan.examples, plan.drop_remainder) != (examples, settings.drop_remainder):
-            plan = dataclasses.replace(plan, examples=examples,
-                                       drop_remainder=settings.drop_remainder)
+        if isinstance(source, ArrayData):
+            examples = source.num_examples
+            check_enough_examples(source.tree, plan.effective_batch)
+            if (plan.examples, plan.drop_remainder) != (examples, settings.drop_remainder):
+                plan = dataclasses.replace(plan, examples=examples,
+                                           drop_remainder=settings.drop_remainder)
+        data = source
         return flax_fit(
             model, data, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
             epochs=settings.epochs, shuffle=settings.shuffle, seed=settings.seed,
@@ -154,12 +192,14 @@ class FlaxAdapter:
             validation_steps=options.get("validation_steps"),
             validation_freq=options.get("validation_freq", 1),
             initial_epoch=options.get("initial_epoch", 0),
+            nnx_optimizer=extras.get("nnx_optimizer"),
+            steps_per_epoch=options.get("steps_per_epoch"),
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
 
 
 FIT_OPTIONS = ("callbacks", "validation_data", "validation_split", "validation_batch_size",
-               "validation_steps", "validation_freq", "initial_epoch")
+               "validation_steps", "validation_freq", "initial_epoch", "steps_per_epoch")
 """The ``model.fit``-style options ``autoaccum.fit`` takes for a Flax model."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -13,8 +14,10 @@ import optax
 from flax import nnx
 
 from ...devices._mesh import replicate
+from ...devices._warnings import AutoaccumWarning
 from ...planning._plan import Plan
-from ...training._batching import epoch_order, leftover_split
+from ...planning._validate import type_name
+from ...training._batching import leftover_split
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
 from ...training._live import LiveState
 from ...training._noise_scale import NoiseScaleTracker
@@ -23,8 +26,9 @@ from ...training._progress import ProgressBar
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
 from ._batch_norm import EffectiveBatchNorm
+from ._data import ArrayData, FlaxStream, flax_data
 from ._evaluate import Evaluator, warn_if_eval_mode
-from ._fit_step import StepRunner, epoch_steps
+from ._fit_step import StepRunner, step_batches
 from ._program import LossFn, split_model
 
 __all__ = ["flax_fit"]
@@ -56,13 +60,17 @@ def flax_fit(
     validation_steps: int | None = None,
     validation_freq: int = 1,
     on_step_end: Callable[[int, float], None] | None = None,
+    nnx_optimizer: Any = None,
+    steps_per_epoch: int | None = None,
 ) -> FitResult:
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
     Args:
       model: the Flax NNX module (trained as it is: call ``model.train()`` first if it was
         put in eval mode).
-      data: host arrays with a leading example axis.
+      data: host arrays with a leading example axis, a list of per-example records, or a
+        stream of batches (an :class:`ArrayData` or :class:`FlaxStream`; see
+        ``autoaccum.adapters.flax._data``).
       plan: the plan (micro-batch, accumulation steps, data-parallel devices).
       loss_fn, tx, trainable: the step's loss, optax transformation and trained filter.
       epochs, initial_epoch: train epochs ``initial_epoch .. epochs - 1``.
@@ -83,6 +91,12 @@ def flax_fit(
         (default: the plan's micro-batch x devices), at most that many batches, every that
         many epochs.
       on_step_end: ``on_step_end(step, loss)`` after every step (the callbacks' older form).
+      nnx_optimizer: the user's ``nnx.Optimizer`` (a :class:`NnxOptimizerLink`): training
+        starts from its state, and its state and step count are written back at the end
+        (also when training stops with an error).
+      steps_per_epoch: at most this many optimizer steps per epoch; the next epoch goes on
+        where the last stopped (as Keras's ``steps_per_epoch``). Needed for a stream known to
+        be infinite, and for ``epochs > 1`` over a one-shot iterator or generator.
 
     Returns:
       A :class:`FitResult`. An exception (``KeyboardInterrupt`` included) leaves the model
@@ -103,11 +117,15 @@ def flax_fit(
     warn_if_eval_mode(model)
     graphdef, params, frozen, other = split_model(model, trainable)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
-    state = (params, other, tx.init(params))
+    opt_state = (tx.init(params) if nnx_optimizer is None
+                 else nnx_optimizer.initial(tx, params))
+    state = (params, other, opt_state)
     if mesh is not None:
         state, frozen = replicate(state, mesh), replicate(frozen, mesh)
-    n = int(jax.tree.leaves(data)[0].shape[0])
-    leftover = n % plan.effective_batch
+    source = flax_data(data)
+    check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
+    leftover = (0 if source.num_examples is None
+                else source.num_examples % plan.effective_batch)
     result = FitResult(plan=plan, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
                        leftover_examples=leftover, drop_remainder=drop_remainder)
     live = LiveState(state, HostSnapshot(backup), lambda s: nnx.update(model, s[0], s[1]))
@@ -120,19 +138,26 @@ def flax_fit(
                               batch_size=validation_batch_size or plan.micro_batch * dp,
                               steps=validation_steps, mesh=mesh)
     cbs = CallbackList(callback_list, model=model, result=result)
+
+    def write_back() -> None:
+        if nnx_optimizer is not None:
+            nnx_optimizer.write(live.state[2], result.steps)
     noise = NoiseScaleTracker()
     start = time.perf_counter()
     try:
         cbs.call("on_train_begin", {})
         for epoch in range(initial_epoch, epochs):
             cbs.call("on_epoch_begin", epoch, {})
-            order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
-            steps = epoch_steps(data, order, plan=plan, result=result, dp=dp,
-                                drop_remainder=drop_remainder)
-            total = n // plan.effective_batch + (1 if leftover and not drop_remainder else 0)
+            total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
+            steps = step_batches(
+                source.epoch(batch=plan.effective_batch, drop_remainder=drop_remainder,
+                             shuffle=shuffle, seed=seed, epoch=epoch, steps=steps_per_epoch),
+                plan=plan, result=result, dp=dp)
             bar = ProgressBar(total=total, epoch=epoch, epochs=epochs, stream=stream)
             losses: list[float] = []
+            taken = 0
             for i, batch in enumerate(steps):
+                taken = i + 1
                 metrics, applied = runner.step(batch)
                 loss = float(metrics.loss)
                 if applied:
@@ -148,10 +173,23 @@ def flax_fit(
                           "epoch": epoch})
                 if cbs.stop_requested():
                     break
-            if drop_remainder:
-                result.dropped_examples += leftover
+            result.dropped_examples += source.dropped
+            if source.num_examples is None and source.leftover:
+                result.leftover_examples = source.leftover
             if verbose:
                 bar.close()
+            if not cbs.stop_requested() and (
+                    taken == 0 or (steps_per_epoch is not None and taken < steps_per_epoch)):
+                warnings.warn(
+                    "autoaccum: your input ran out of data; interrupting training. Make sure "
+                    "that your data can give at least `steps_per_epoch * epochs` effective "
+                    "batches (a one-shot iterator is read once in all; pass a re-iterable "
+                    "such as a grain DataLoader, or repeat the stream). "
+                    f"Received: {taken} step(s) in epoch {epoch + 1}",
+                    AutoaccumWarning, stacklevel=2)
+                if taken == 0:
+                    result.stopped = f"the data ran out in epoch {epoch + 1}"
+                    break
             result.epoch_losses.append(sum(losses) / len(losses) if losses else math.nan)
             result.epoch_noise_scale.append(noise.value)
             logs = {"loss": result.epoch_losses[-1], "gradient_noise_scale": noise.value}
@@ -168,9 +206,11 @@ def flax_fit(
                 break
     except StopTraining as request:
         live.settle()
+        write_back()
         result.stopped = f"StopTraining: {request}" if str(request) else "StopTraining"
     except NonFiniteError:
         live.settle()
+        write_back()
         raise
     except BaseException as error:
         try:
@@ -182,7 +222,9 @@ def flax_fit(
         result.events.append(f"training stopped by {type(error).__name__} after step "
                              f"{result.steps}; the model holds the state after that step")
         del result.losses[result.steps:]
+        write_back()
         raise
+    write_back()
     if result.stopped and verbose:
         print(f"autoaccum: training stopped early ({result.stopped})", file=stream, flush=True)
     cbs.call("on_train_end", {"loss": result.losses[-1] if result.losses else math.nan})
@@ -194,6 +236,37 @@ def flax_fit(
             print(f"autoaccum: {_leftover_sentence(result, epochs - initial_epoch)}",
                   file=stream, flush=True)
     return result
+
+
+def check_stream(source: ArrayData | FlaxStream, *, epochs: int,
+                 steps_per_epoch: int | None) -> None:
+    """Refuses, before any step, what a stream cannot do: an endless one without
+    ``steps_per_epoch``, several epochs over a one-shot iterator without it."""
+    if not isinstance(source, FlaxStream) or steps_per_epoch is not None:
+        return
+    if source.infinite:
+        raise ValueError(
+            f"{source.name} never ends (an endless stream: repeat(), itertools.cycle, ...): "
+            "pass steps_per_epoch= (optimizer steps per epoch), as model.fit requires for an "
+            "infinite dataset. Received: steps_per_epoch=None")
+    if source.one_shot and epochs > 1:
+        raise ValueError(
+            f"{source.name} is a one-shot iterator ({type_name(source.data)}): it can be read "
+            f"only once, so {epochs} epochs cannot each read it. Pass a re-iterable whose "
+            "iter() starts a fresh pass (a grain DataLoader, a list of batches, a tf.data "
+            "Dataset's as_numpy_iterator() called per epoch via a class with __iter__), or "
+            "steps_per_epoch= to share the one stream between the epochs. "
+            f"Received: epochs={epochs}, steps_per_epoch=None")
+
+
+def _total(source: ArrayData | FlaxStream, effective: int, drop_remainder: bool,
+           steps_per_epoch: int | None) -> int | None:
+    """Optimizer steps in the coming epoch, when known (for the progress bar)."""
+    if source.num_examples is None:
+        return steps_per_epoch
+    full, rest = divmod(source.num_examples, effective)
+    count = full + (1 if rest and not drop_remainder else 0)
+    return count if steps_per_epoch is None else min(count, steps_per_epoch)
 
 
 class _StepFunction(Callback):

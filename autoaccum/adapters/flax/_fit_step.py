@@ -28,9 +28,10 @@ from ...training._live import LiveState
 from ...training._nonfinite import NonFiniteError
 from ...training._result import FitResult
 from ._batch_norm import EffectiveBatchNorm
+from ._optax_lr import handles_nonfinite
 from ._program import LossFn, accumulate_for, make_flax_step
 
-__all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step"]
+__all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step", "step_batches"]
 
 
 @dataclass
@@ -62,6 +63,19 @@ def epoch_steps(data: Any, order: np.ndarray, *, plan: Plan, result: FitResult, 
                             micro_batch=result.micro_batch or plan.micro_batch, dp=dp)
 
 
+def step_batches(batches: Iterator[Any], *, plan: Plan, result: FitResult,
+                 dp: int) -> Iterator[StepBatch]:
+    """Each batch of examples (an effective batch, or a final smaller one) as a step: a full
+    one split by the plan (at run time), a smaller one as :func:`leftover_step`."""
+    for examples in batches:
+        n = int(jax.tree.leaves(examples)[0].shape[0])
+        if n == plan.effective_batch:
+            yield StepBatch(examples, n, plan.accum_steps, plan.micro_batch)
+        else:
+            yield leftover_step(examples, np.arange(n),
+                                micro_batch=result.micro_batch or plan.micro_batch, dp=dp)
+
+
 def leftover_step(data: Any, index: np.ndarray, *, micro_batch: int, dp: int) -> StepBatch:
     """The examples ``index`` (fewer than an effective batch) as one smaller step, split at
     most at ``micro_batch`` per device (padding slots weigh 0)."""
@@ -77,15 +91,20 @@ class StepRunner:
     def __init__(self, graphdef: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation,
                  trainable: Any, mesh: Any, norms: EffectiveBatchNorm | None,
                  on_nonfinite: str, frozen: Any, live: LiveState, result: FitResult,
-                 elastic: bool, stream: TextIO) -> None:
+                 elastic: bool, stream: TextIO,
+                 optimizer_skips_nonfinite: bool | None = None) -> None:
         self.mesh, self.frozen, self.live, self.result = mesh, frozen, live, result
         self.on_nonfinite, self.elastic, self.stream = on_nonfinite, elastic, stream
         self.dp = 1 if mesh is None else int(mesh.size)
+        if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
+            optimizer_skips_nonfinite = handles_nonfinite(tx)
+        self.optimizer_skips_nonfinite = optimizer_skips_nonfinite
 
         def jitted(weighted: bool) -> Any:
             return jax.jit(make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                                           accumulate=accumulate_for(mesh), norms=norms,
-                                          on_nonfinite=on_nonfinite, weighted=weighted),
+                                          on_nonfinite=on_nonfinite, weighted=weighted,
+                                          optimizer_skips_nonfinite=optimizer_skips_nonfinite),
                            donate_argnums=0)
 
         self._jitted = {False: jitted(False)}
@@ -149,6 +168,11 @@ class StepRunner:
                     f"when nothing is valid. Received: count=0, sum={loss:g}"
                 )
             what = f"step {step}: the loss ({loss:g}) or the gradients were not finite"
+            if self.optimizer_skips_nonfinite:  # the optimizer skipped it, counting it itself
+                result.skipped_steps += 1
+                result.events.append(f"{what}; skipped by the optimizer (optax.apply_if_finite)"
+                                     ", which counts it in its own state")
+                return metrics, False
             if self.on_nonfinite == "stop":
                 result.events.append(f"{what}; training stopped, the model holds the state "
                                      f"after step {result.steps}")

@@ -78,6 +78,7 @@ def make_flax_step(
     norms: EffectiveBatchNorm | None = None,
     on_nonfinite: str = "stop",
     weighted: bool = False,
+    optimizer_skips_nonfinite: bool = False,
 ) -> Callable[..., tuple[Any, StepMetrics]]:
     """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``.
 
@@ -97,6 +98,10 @@ def make_flax_step(
       weighted: ``batches`` is ``(data, weights)`` with ``weights`` of shape ``[accum_steps,
         micro_batch]`` (each micro-batch's first weight counts): a micro-batch of weight 0
         is padding and changes nothing (used to spread a leftover over several devices).
+      optimizer_skips_nonfinite: ``tx`` handles non-finite updates itself
+        (``optax.apply_if_finite``): a non-finite step still runs ``tx.update``, so the
+        optimizer skips it and counts it in its own state; only the other state (batch
+        statistics) keeps its values.
 
     Returns:
       The pure step function (jit it with ``donate_argnums=0``).
@@ -142,9 +147,12 @@ def make_flax_step(
         finite = step_is_finite(loss, grad_sq_norm)
         # A count of 0 with a non-zero sum would be an unnormalised update: never applied.
         ok = finite & ((acc.count > 0) | (acc.loss_sum == 0))
+        counted = (acc.count > 0) | (acc.loss_sum == 0)
         new_params, new_opt_state = keep_if_finite(
-            ok, (new_params, new_opt_state), (params, opt_state))
-        keep_other = keep_values_if_finite if on_nonfinite == "skip" else keep_if_finite
+            counted if optimizer_skips_nonfinite else ok,
+            (new_params, new_opt_state), (params, opt_state))
+        keep_other = (keep_values_if_finite if on_nonfinite == "skip" or optimizer_skips_nonfinite
+                      else keep_if_finite)
         new_other = keep_other(ok, new_other, other)
         accum_steps = micro_steps(batches)
         metrics = StepMetrics(

@@ -86,7 +86,10 @@ class TrainStep:
         graphdef, params, frozen, other = split_model(model, self._trainable)
         norms = (EffectiveBatchNorm(model)
                  if extras.get("batch_stats", "effective") == "effective" else None)
-        state = (params, other, self._tx.init(params))
+        self._link = extras.get("nnx_optimizer")
+        opt_state = (self._tx.init(params) if self._link is None
+                     else self._link.initial(self._tx, params))
+        state = (params, other, opt_state)
         if mesh is not None:
             state, frozen = replicate(state, mesh), replicate(frozen, mesh)
         self._result = FitResult(plan=plan, micro_batch=plan.micro_batch,
@@ -133,6 +136,7 @@ class TrainStep:
         if self._mesh is not None:
             value = replicate(value, self._mesh)
         self._reset((params, other, value))
+        self._write_optimizer(0)
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> StepOutput:
@@ -154,12 +158,15 @@ class TrainStep:
                 f"effective_batch={n}). Received: a batch of {n} examples")
         self._sync_from_model()
         step_batch = self._step_batch(data, n)
+        before = self._result.steps
         try:
             with rematerialized(self.model, self._remat, layers=self._remat_layers):
                 metrics, applied = self._runner.step(step_batch)
         except BaseException:
             self._result.steps = self._live.settle()  # the model holds an intact state
+            self._write_optimizer(self._result.steps - before)
             raise
+        self._write_optimizer(self._result.steps - before)
         grad_sq = float(metrics.grad_sq_norm)
         return StepOutput(loss=float(metrics.loss), count=float(metrics.count),
                           grad_norm=math.sqrt(grad_sq) if grad_sq >= 0 else math.nan,
@@ -195,6 +202,11 @@ class TrainStep:
 
     def _write(self, state: Any) -> None:
         nnx.update(self.model, state[0], state[1])
+
+    def _write_optimizer(self, steps: int) -> None:
+        """The user's ``nnx.Optimizer`` (if one was given) gets the state and the steps."""
+        if self._link is not None:
+            self._link.write(self._live.state[2], steps)
 
     def _reset(self, state: Any) -> None:
         self._live = LiveState(state, self._live.snapshot, self._write,

@@ -11,6 +11,7 @@ import numpy as np
 from ...planning._adapter import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._plan import Plan
+from ...planning._validate import received
 from ._batchnorm import validate_batch_stats
 from ._checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
 from ._data import KerasArrays
@@ -56,7 +57,7 @@ class KerasAdapter:
                 raise ValueError(
                     f"`{name}=` is for Flax models; a Keras model trains with what it was "
                     "compiled with: set it in `model.compile(...)` (trainable weights: "
-                    f"`layer.trainable = False`). Received: {name}={options[name]!r}"
+                    f"`layer.trainable = False`). Received: {received(name, options[name])}"
                 )
             options.pop(name, None)
         explicit = options.get("learning_rate")

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from ...devices._extras import require_extra
+from ...planning._validate import received
 from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
 
@@ -119,24 +120,25 @@ def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
     """
     for name, value in kwargs.items():
         if name in REFUSED_OPTIONS:
-            raise ValueError(f"{REFUSED_OPTIONS[name]}. Received: {name}={value!r}")
+            raise ValueError(f"{REFUSED_OPTIONS[name]}. Received: {received(name, value)}")
         if name not in FIT_OPTIONS:
             raise ValueError(
                 f"Unknown option for training a Keras model with autoaccum: `{name}`. "
-                f"Accepted: {', '.join(FIT_OPTIONS)}. Received: {name}={value!r}"
+                f"Accepted: {', '.join(FIT_OPTIONS)}. Received: {received(name, value)}"
             )
     epochs = kwargs.get("epochs", 1)
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
-        raise ValueError(f"`epochs` must be a non-negative integer. Received: epochs={epochs!r}")
+        raise ValueError("`epochs` must be a non-negative integer. "
+                         f"Received: {received('epochs', epochs)}")
     split = kwargs.get("validation_split", 0.0)
     if not 0.0 <= float(split) < 1.0:
         raise ValueError(
-            f"`validation_split` must be in [0, 1). Received: validation_split={split!r}"
+            f"`validation_split` must be in [0, 1). Received: {received('validation_split', split)}"
         )
     if split and kwargs.get("validation_data") is not None:
         raise ValueError(
             "Pass either `validation_data` or `validation_split`, not both. "
-            f"Received: validation_split={split!r}"
+            f"Received: {received('validation_split', split)}"
         )
     validate_backup(kwargs.get("backup", "auto"))
     return dict(kwargs)

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ...planning._validate import received
+
 __all__ = ["KerasArrays"]
 
 PyTree = Any
@@ -103,7 +105,7 @@ def _check_leading_axis(arrays: KerasArrays, name: str, *, strings: bool = False
                 )
             lengths[where] = int(np.shape(leaf)[0])
     if not lengths:
-        raise ValueError(f"`{name}` holds no arrays. Received: {name}={arrays!r}")
+        raise ValueError(f"`{name}` holds no arrays. Received: {received(name, arrays)}")
     if len(set(lengths.values())) > 1:
         raise ValueError(
             f"All arrays in `{name}` must have the same number of examples (leading axis). "

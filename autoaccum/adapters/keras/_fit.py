@@ -18,6 +18,7 @@ import numpy as np
 
 from ...devices._mesh import resolve_mesh
 from ...devices._warnings import AutoaccumWarning
+from ...planning._validate import received
 from ...training._noise_scale import NoiseScaleTracker
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ._batchnorm import validate_batch_stats
@@ -121,13 +122,14 @@ def keras_fit(
     validate_batch_stats(batch_stats)
     for name, value in (("micro_batch", micro_batch), ("accum_steps", accum_steps)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+            raise ValueError(f"`{name}` must be a positive integer. "
+                             f"Received: {received(name, value)}")
     _check_last_micro_batch(last_micro_batch, micro_batch=micro_batch, accum_steps=accum_steps)
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, (int, np.integer))
                                         or steps_per_epoch < 1):
         raise ValueError(
             f"`steps_per_epoch` must be a positive integer. Received: "
-            f"steps_per_epoch={steps_per_epoch!r}")
+            f"{received('steps_per_epoch', steps_per_epoch)}")
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
     dp = 1 if mesh is None else int(mesh.size)
@@ -305,13 +307,14 @@ def _check_last_micro_batch(last: Any, *, micro_batch: int, accum_steps: int) ->
         return
     if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or last < 1:
         raise ValueError("`last_micro_batch` must be a positive integer (or None for an even "
-                         f"split). Received: last_micro_batch={last!r}")
+                         f"split). Received: {received('last_micro_batch', last)}")
     if last >= micro_batch or accum_steps < 2:
         raise ValueError(
             "`last_micro_batch` is the smaller last micro-batch of an uneven step: it must be "
             "below `micro_batch`, with `accum_steps` >= 2 (accum_steps - 1 micro-batches of "
             "micro_batch, then it); pass None for an even split. Received: "
-            f"last_micro_batch={last!r}, micro_batch={micro_batch}, accum_steps={accum_steps}")
+            f"{received('last_micro_batch', last)}, micro_batch={micro_batch}, "
+            f"accum_steps={accum_steps}")
 
 
 def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:

@@ -24,8 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...planning._lr import LearningRateScaling, scale_learning_rate
+from ...planning._validate import received
 
-__all__ = ["base_learning_rate", "keras_lr_scaling", "leaf_optimizers",
+__all__ = ["base_learning_rate", "keras_family", "keras_lr_scaling", "leaf_optimizers",
            "scale_keras_learning_rate", "scaled_learning_rate", "set_base_learning_rate"]
 
 
@@ -84,14 +85,52 @@ def keras_lr_scaling(model: Any, options: dict, *, effective_batch: int) -> Lear
                 "Received: adjust_adam=True"
             )
         adam = {"b1": float(leaf.beta_1), "b2": float(leaf.beta_2), "eps": float(leaf.epsilon)}
+    base_batch = options.pop("base_batch", None)
+    rule = options.pop("lr_rule", None)
     return scale_learning_rate(
         base,
         effective_batch=effective_batch,
-        base_batch=options.pop("base_batch", 1),
-        rule=options.pop("lr_rule", "linear"),
+        base_batch=base_batch,
+        rule=rule,
+        family=keras_family(model.optimizer),
+        optimizer_name=" and ".join(sorted({type(leaf).__name__
+                                            for leaf in leaf_optimizers(model.optimizer)})),
         adjust_adam=adjust_adam,
         **adam,
     )
+
+
+ADAPTIVE_CLASSES = ("Adam", "AdamW", "Adamax", "Nadam", "Adafactor", "Lamb", "Lion", "RMSprop",
+                    "Adagrad", "Adadelta", "Ftrl")
+"""Keras optimizers of the Adam family (and their subclasses): the square-root rule."""
+SGD_CLASSES = ("SGD",)
+"""Keras's SGD (with or without momentum or Nesterov): the linear rule."""
+
+
+def keras_family(optimizer: Any) -> str | None:
+    """``"adaptive"``, ``"sgd"`` or ``None`` (unknown: ``lr_rule=`` is needed), by the class
+    of each optimizer that computes updates (a ``LossScaleOptimizer``'s inner one).
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> keras_family(keras.optimizers.AdamW(1e-3)), keras_family(keras.optimizers.SGD(0.1))
+      ('adaptive', 'sgd')
+    """
+    from ...planning._lr import ADAPTIVE, SGD_LIKE
+
+    families = set()
+    for leaf in leaf_optimizers(optimizer):
+        names = {cls.__name__ for cls in type(leaf).__mro__
+                 if cls.__module__.startswith("keras")}
+        if names & set(ADAPTIVE_CLASSES):
+            families.add(ADAPTIVE)
+        elif names & set(SGD_CLASSES):
+            families.add(SGD_LIKE)
+        else:
+            return None
+    return families.pop() if len(families) == 1 else None
 
 
 def _check_base(value: Any) -> None:
@@ -104,7 +143,7 @@ def _check_base(value: Any) -> None:
     if not (math.isfinite(number) and number > 0) or isinstance(value, bool):
         raise ValueError(
             "learning_rate must be a positive number or a keras.optimizers.schedules schedule "
-            f"(the base rate for base_batch). Received: learning_rate={value!r}"
+            f"(the base rate for base_batch). Received: {received('learning_rate', value)}"
         )
 
 
@@ -118,7 +157,7 @@ def set_base_learning_rate(optimizer: Any, value: Any) -> None:
             raise ValueError(
                 "The optimizer was created with a learning-rate schedule, so Keras cannot set a "
                 "float rate on it; recompile with the rate you want, or pass a schedule as "
-                f"learning_rate=. Received: learning_rate={value!r}"
+                f"learning_rate=. Received: {received('learning_rate', value)}"
             ) from error
 
 
@@ -136,7 +175,8 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
       >>> import keras
       >>> from autoaccum.planning import scale_learning_rate
       >>> opt = keras.optimizers.SGD(0.1)
-      >>> with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4)):
+      >>> with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4,
+      ...                                                       base_batch=1, rule="linear")):
       ...     round(float(opt.learning_rate), 6)
       0.4
       >>> round(float(opt.learning_rate), 6)

@@ -155,8 +155,11 @@ def test_checkpoints_written_by_a_callback_with_orbax_restore_the_model(tmp_path
 
 
 def test_keras_callbacks_and_keras_only_options_are_refused_for_flax():
-    with pytest.raises(ValueError, match="steps_per_epoch"):
-        _api_fit(NormMLP(rngs=nnx.Rngs(0)), steps_per_epoch=2)
+    # steps_per_epoch is a Flax option too (issue 22), checked like the others.
+    with pytest.raises(ValueError, match="class_weight"):
+        _api_fit(NormMLP(rngs=nnx.Rngs(0)), class_weight={0: 1.0})
+    with pytest.raises(ValueError, match="steps_per_epoch must be a positive integer"):
+        _api_fit(NormMLP(rngs=nnx.Rngs(0)), steps_per_epoch=0)
     with pytest.raises(ValueError, match="list of callbacks"):
         _api_fit(NormMLP(rngs=nnx.Rngs(0)), callbacks=Recorder())
     with pytest.raises(ValueError, match="at least one of the hooks"):

@@ -113,3 +113,41 @@ def test_fit_passes_the_policy_through():
                            optimizer=optax.sgd(1e-2), loss_fn=loss_fn, shuffle=False,
                            on_nonfinite="skip", budget="1GiB", verbose=0, log=None)
     assert result.skipped_steps == 1
+
+
+# -- an optimizer that handles non-finite updates itself (optax.apply_if_finite) ------------
+def _momentum():
+    # Not Adam: linear1's bias feeds a BatchNorm, so its gradient is float noise that Adam
+    # would blow up to +-lr in any two differently compiled programs.
+    return optax.sgd(1e-2, momentum=0.9)
+
+
+def _finite_guarded():
+    return optax.apply_if_finite(_momentum(), max_consecutive_errors=3)
+
+
+def test_apply_if_finite_skips_a_nan_step_itself_and_training_goes_on():
+    model = _model()
+    result = autoaccum.fit(model, _data(poison=9), effective_batch=4, optimizer=_finite_guarded(),
+                           loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+    # The default on_nonfinite="stop" defers to the optimizer: no NonFiniteError.
+    assert result.steps == 3 and result.skipped_steps == 1
+    assert "step 3" in result.events[0] and "apply_if_finite" in result.events[0]
+    clean = jax.tree.map(lambda a: np.concatenate([a[:8], a[12:]]), _data())
+    reference = _model()
+    autoaccum.fit(reference, clean, effective_batch=4, optimizer=_momentum(),
+                  loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+    for a, b in zip(_params(model), _params(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The NaN batch's statistics never reached the BatchNorm running averages.
+    assert np.isfinite(model.norm.mean[...]).all()
+
+
+def test_apply_if_finite_counts_the_skipped_step_in_its_own_state():
+    model = _model()
+    optimizer = nnx.Optimizer(model, _finite_guarded(), wrt=nnx.Param)
+    autoaccum.fit(model, _data(poison=9), effective_batch=4, optimizer=optimizer,
+                  loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+    state = nnx.as_pure(optimizer.opt_state)
+    assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 0
+    assert int(optimizer.step[...]) == 3

@@ -50,7 +50,7 @@ def test_schedule_learning_rate_is_scaled_in_the_step_and_sees_optimizer_steps()
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1e-3, 1e-4])
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     history = autoaccum.fit(model, _data(), effective_batch=16, budget="1GiB", verbose=0,
-                            log=None)
+                            log=None, base_batch=1, lr_rule="linear")
     assert "schedule x 16" in history.autoaccum_plan.lr_scaling.arithmetic()
     assert model.optimizer._learning_rate is schedule  # scaled inside the step only
     assert float(model.optimizer.learning_rate) == pytest.approx(1e-4)  # step 4

@@ -23,8 +23,9 @@ EFFECTIVE = 16  # with base_batch=1 and the linear rule: factor 16
 
 
 def _fit(model, data=None, **options):
+    # The lab's story, said explicitly: the rate was tuned for batch 1 and scales linearly.
     options = {"effective_batch": EFFECTIVE, "budget": "1GiB", "shuffle": False, "verbose": 0,
-               "log": None, **options}
+               "log": None, "base_batch": 1, "lr_rule": "linear", **options}
     return autoaccum.fit(model, data or regression_data(), **options)
 
 
@@ -160,3 +161,48 @@ def test_scale_keras_learning_rate_helper_still_scales_in_place():
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(adam))
     assert float(restored.learning_rate) == pytest.approx(0.2)
     assert np.isclose(restored.get_config()["learning_rate"]["config"]["factor"], 2.0)
+
+
+# -- the rule (issue 22): a rate changes only when base_batch says what it was tuned for ------
+def _plan_lr(optimizer, log, **options):
+    return autoaccum.plan(dense_model(optimizer=optimizer), regression_data(),
+                          effective_batch=EFFECTIVE, budget="1GiB", log=log,
+                          **options).lr_scaling
+
+
+def test_keras_rate_without_base_batch_is_unchanged_and_nothing_is_announced():
+    import io
+
+    log = io.StringIO()
+    model = dense_model(optimizer=keras.optimizers.SGD(1e-3))
+    history = autoaccum.fit(model, regression_data(), effective_batch=EFFECTIVE, budget="1GiB",
+                            shuffle=False, verbose=0, log=log)
+    assert history.autoaccum_plan.lr_scaling.rule_text() == "none (base_batch not given)"
+    assert history.autoaccum_learning_rate_factor == 1.0
+    assert "learning rate 0.001 ->" not in log.getvalue()
+    assert max_diff(model, _native(dense_model(optimizer=keras.optimizers.SGD(1e-3)))) < 1e-6
+
+
+def test_keras_sgd_with_base_batch_scales_linearly_and_says_so_in_one_line():
+    import io
+
+    log = io.StringIO()
+    s = _plan_lr(keras.optimizers.SGD(0.1, momentum=0.9), log, base_batch=4)
+    assert (s.rule, s.factor, s.learning_rate) == ("linear", 4.0, pytest.approx(0.4))
+    lines = [ln for ln in log.getvalue().splitlines() if "learning rate 0.1 -> 0.4" in ln]
+    assert lines == ["autoaccum: learning rate 0.1 -> 0.4 (linear rule, SGD-family optimizer; "
+                     "effective batch 16 / base batch 4)"]
+
+
+def test_keras_adamw_with_base_batch_scales_by_the_square_root():
+    import io
+
+    log = io.StringIO()
+    s = _plan_lr(keras.optimizers.AdamW(1e-3, weight_decay=0.1), log, base_batch=4)
+    assert (s.rule, s.factor) == ("sqrt", 2.0)
+    assert log.getvalue().count("autoaccum: learning rate 0.001 -> 0.002 (sqrt rule") == 1
+
+
+def test_keras_lr_rule_overrides_the_family_rule():
+    s = _plan_lr(keras.optimizers.AdamW(1e-3), None, base_batch=1, lr_rule="linear")
+    assert (s.rule, s.factor) == ("linear", 16.0)

@@ -54,7 +54,7 @@ def test_plan_and_measure_leave_model_optimizer_and_metrics_as_they_were(tmp_pat
     autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None)
     autoaccum.measure(model, (x, y), micro_batch=4, effective_batch=16)
     autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None, lr_rule="sqrt",
-                   method="backoff")
+                   base_batch=1, method="backoff")
     assert _same(before, _state(model))
     assert not model.optimizer.built  # as compile left it: a later fit builds it
     _use_natively(model, x, y, tmp_path)

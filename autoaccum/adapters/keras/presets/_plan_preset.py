@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from ....devices._extras import require_extra
 from ....planning._depth import DepthVariants
-from ....planning._lr import scale_learning_rate
+from ....planning._lr import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._plan import Plan
 from ....planning._planner import plan_program
 from ....planning._policies import label_policy, with_failed_policies
@@ -56,8 +56,8 @@ def plan_preset(
     dtype: str = "bfloat16",
     optimizer: str = "adamw",
     learning_rate: float | None = None,
-    base_batch: int = 1,
-    lr_rule: str = "linear",
+    base_batch: int | None = None,
+    lr_rule: str | None = None,
     device: str | None = None,
     budget: Any = None,
     memory_fraction: float | None = None,
@@ -73,6 +73,10 @@ def plan_preset(
     fit without it; ``"none"`` never does, ``"nothing"`` always does. ``cache`` (default on;
     ``False`` bypasses it) reuses the need figures of an earlier dry run of the same
     configuration without building the model (:mod:`autoaccum.planning._cache`).
+    ``learning_rate`` (default 5e-5) is kept unless ``base_batch`` says which batch it was
+    tuned for; then it is scaled by ``lr_rule`` (default: ``"sqrt"`` for the Adam-family
+    optimizers, ``"linear"`` for ``"sgd"``). The lab's story is ``base_batch=1,
+    lr_rule="linear"``.
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`); ``False`` compiles every probe in full.
@@ -95,11 +99,14 @@ def plan_preset(
     arch = load_architecture(name)
     config = {**arch.backbone_kwargs(), **(backbone_overrides or {})}
     depth = config.get("num_layers")
+    family = {"sgd": SGD_LIKE}.get(optimizer.lower(), ADAPTIVE)  # the rest: the Adam family
     scaling = scale_learning_rate(base_lr, effective_batch=effective_batch,
-                                  base_batch=base_batch, rule=lr_rule)
+                                  base_batch=base_batch, rule=lr_rule, family=family,
+                                  optimizer_name=optimizer)
     policies = ["none", "nothing"] if remat == "auto" else [remat]
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
+    announce(scaling, stream)
     for policy in policies:
         def build(layers: int | None = None, policy: str = policy) -> Any:
             overrides = dict(backbone_overrides or {})
