@@ -87,10 +87,9 @@ class ArraySource(KerasData):
 
     def take(self, index: np.ndarray) -> tuple:
         """The examples at ``index``, packed and (keras-hub) preprocessed, as numpy."""
-        pick = lambda tree: None if tree is None else jax.tree.map(  # noqa: E731
-            lambda a: _pick(a, index), tree, is_leaf=_is_raw_leaf)
-        chosen = KerasArrays(pick(self.arrays.x), pick(self.arrays.y),
-                             pick(self.arrays.sample_weight))
+        # Lists, tuples and dicts are structure here: a keras-hub task's raw list leaves were
+        # already made arrays by ``raw_arrays``.
+        chosen = _take_arrays(self.arrays, index)
         if self.preprocess is None:
             return chosen.packed
         return self.preprocess(chosen.packed)
@@ -294,14 +293,6 @@ def _numpy_arrays(arrays: KerasArrays, name: str) -> KerasArrays:
 def _take_arrays(arrays: KerasArrays, index: np.ndarray) -> KerasArrays:
     pick = lambda t: None if t is None else jax.tree.map(lambda a: a[index], t)  # noqa: E731
     return KerasArrays(pick(arrays.x), pick(arrays.y), pick(arrays.sample_weight))
-
-
-def _pick(array: Any, index: np.ndarray) -> Any:
-    return array[index]
-
-
-def _is_raw_leaf(value: Any) -> bool:
-    return isinstance(value, list)
 
 
 def _length(tree: Any) -> int:
