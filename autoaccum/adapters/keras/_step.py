@@ -31,7 +31,7 @@ from ...planning._program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite
 from ._batchnorm import BatchStats
-from ._loss import LossRecorder, accumulation_weights, warn_inexact_once
+from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
 from ._lr import scaled_learning_rate
 from ._scope import optimizer_in_use
@@ -69,7 +69,8 @@ class _Micro:
         mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
         local_micro = int(jax.tree.leaves(batch)[0].shape[0])
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        with self.recorder.recording() as terms, self.stats.capturing() as moments:
+        with self.recorder.recording() as terms, self.stats.capturing() as moments, \
+                requiring_a_loss(model):
             _, aux = model.compute_loss_and_updates(
                 params, layout.merge(mutable, frozen), metrics_vars, x, y, sample_weight,
                 training=self.training, optimizer_variables=optimizer_vars,
