@@ -87,11 +87,19 @@ def load_model_function(spec: str) -> dict[str, Any]:
         raise CliError(f"--model {spec!r}: module {module_name!r} has no attribute "
                        f"{function_name!r}")
     try:
-        built = function()
+        inspect.signature(function).bind()
     except TypeError as error:
         raise CliError(f"--model {spec!r}: calling {function_name}() raised TypeError: {error}. "
                        "The builder must take no required arguments and return "
                        "dict(model=..., data=..., ...).") from error
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    try:
+        built = function()
+    except ImportError as error:
+        raise CliError(import_error_message(error, f"--model {spec!r}"), 1) from error
+    except Exception as error:
+        raise CliError(_builder_failure(spec, function_name, error), 1) from error
     if not isinstance(built, dict) or "model" not in built or "data" not in built:
         raise CliError(
             f"--model {spec!r} must return a dict with at least 'model' and 'data' (and the "
@@ -104,6 +112,62 @@ def load_model_function(spec: str) -> dict[str, Any]:
         raise CliError(f"--model {spec!r} returned options autoaccum.plan does not take: "
                        f"{', '.join(unknown)}. Received: keys {sorted(built)}")
     return built
+
+
+def _builder_failure(spec: str, function_name: str, error: Exception) -> str:
+    """One paragraph: what the builder raised, where, and how to see the whole traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    text = " ".join(str(error).split()) or "(no message)"
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    module = spec.partition(":")[0]
+    stop = "" if text.endswith((".", "!", "?")) else "."
+    return (f"--model {spec!r}: the builder {function_name}() raised "
+            f"{type(error).__name__}{where}: {text}{stop} Fix the builder; its full traceback: "
+            f"python -c 'import {module}; {module}.{function_name}()'")
+
+
+_FLAG_NAMES = {"effective_batch": "--effective-batch", "device": "--device",
+               "budget": "--budget", "memory_fraction": "--memory-fraction",
+               "remat": "--remat", "cache": "--no-cache", "log": "--quiet",
+               "learning_rate": "--base-lr", "base_batch": "--base-batch",
+               "lr_rule": "--lr-rule"}
+"""The options of :func:`autoaccum.plan` that a flag also sets, and the flag."""
+
+
+def _merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A builder's options with the flags given on the command line: a flag that was given
+    wins over the builder's value for the same option (one line on stderr says so); an option
+    neither gives takes the command's default."""
+    given = {"effective_batch": args.effective_batch, "device": args.device,
+             "budget": args.budget, "memory_fraction": args.memory_fraction,
+             "remat": args.remat, "cache": False if args.no_cache else None,
+             "log": False if args.quiet else None, **_plan_kwargs(args)}
+    merged = dict(built)
+    for key, value in given.items():
+        if value is None:
+            continue
+        value = None if key == "log" else value  # --quiet: no log
+        if key in built and built[key] is not value and built[key] != value:
+            print(f"autoaccum: {_FLAG_NAMES[key]} {_shown(value, key)} given on the command "
+                  f"line wins over {key}={_shown(built[key])} from the --model builder",
+                  file=sys.stderr, flush=True)
+        merged[key] = value
+    defaults = {"remat": "auto", "cache": True, "log": sys.stderr}
+    for key, value in defaults.items():
+        merged.setdefault(key, value)
+    if merged.get("effective_batch") is None:
+        raise CliError("--effective-batch is required: the examples per optimizer step you "
+                       "want, e.g. --effective-batch 8.")
+    return merged
+
+
+def _shown(value: Any, key: str | None = None) -> str:
+    if key in ("cache", "log"):
+        return ""
+    text = repr(value)
+    return text if len(text) <= 40 else f"<{type(value).__name__}>"
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,19 +206,19 @@ def _compute_plan(args: argparse.Namespace) -> Any:
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                 sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
                 device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
-                remat=args.remat, log=log, cache=not args.no_cache, **_plan_kwargs(args),
+                remat=args.remat or "auto", log=log, cache=not args.no_cache,
+                **_plan_kwargs(args),
             )
         except ImportError as error:
             raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
     from .._api import plan
 
-    built = load_model_function(args.model)
-    built.update(_plan_kwargs(args))
+    built = _merge_flags(load_model_function(args.model), args)
     model, data = built.pop("model"), built.pop("data")
+    if args.device is None and isinstance(built.get("device"), str):
+        _prepare_environment(built["device"])
     try:
-        return plan(model, data, effective_batch=args.effective_batch, device=args.device,
-                    budget=args.budget, memory_fraction=args.memory_fraction, log=log,
-                    remat=args.remat, cache=not args.no_cache, **built)
+        return plan(model, data, **built)
     except ImportError as error:
         raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
 
@@ -178,7 +242,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.preset is None):
         raise CliError("Give exactly one of --model module:function or --preset NAME "
                        "(autoaccum plan --list-presets shows the presets).")
-    if args.effective_batch is None:
+    if args.effective_batch is None and args.preset is not None:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
     _prepare_environment(args.device)
@@ -303,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--list-presets", action="store_true",
                       help="list the shipped architectures and exit")
     p.add_argument("--effective-batch", type=_positive_int, metavar="N",
-                   help="examples per optimizer step (required)")
+                   help="examples per optimizer step (required, unless the --model builder "
+                   "returns effective_batch)")
     p.add_argument("--device", metavar="PROFILE",
                    help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
                    "compiled deviceless when it is not here. Default: this machine")
@@ -313,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
                    "default: the device profile's")
-    p.add_argument("--remat", default="auto",
+    p.add_argument("--remat", default=None,
                    help="rematerialization: auto (only if micro-batch 1 does not fit), none, "
                    "dots, dots_no_batch, nothing (Keras presets: none or nothing). Default: auto")
     preset = p.add_argument_group("--preset options")
