@@ -319,7 +319,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("KERAS_BACKEND", "jax")
     if not args.flax:
         require_extra("keras", feature="The default demo (a tiny keras-hub Gemma3; "
-                      "`autoaccum demo --flax` needs no extra)")
+                      "`autoaccum demo --flax` needs no extra)",
+                      packages=("keras", "keras-hub", "sentencepiece"))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         if args.flax:
