@@ -12,6 +12,7 @@ optimizer is not built (a built clone is traced instead).
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from ...planning._program import StepMetrics, TrainProgram
-from ._checks import check_keras_model
+from ._checks import check_keras_model, layers_without_jit
 from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
 from ._sources import keras_data
 from ._step import keras_train_step
@@ -146,13 +147,21 @@ def ensure_built(model: Any, example_spec: PyTree) -> None:
     """Builds the model and its compiled loss and metrics symbolically (deferred variables,
     nothing allocated); the optimizer is left as it is."""
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((2, *s.shape), s.dtype), example_spec)
-    symbolic_build(model, batch)
+    try:
+        symbolic_build(model, batch)
+    except Exception as error:
+        flagged = layers_without_jit(model)
+        if flagged and _is_trace_failure(error):
+            raise _not_traceable(model, flagged, error) from error
+        raise
 
 
 def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> KerasLayout:
-    """Traces one micro-batch to see which non-trainable variables the step writes."""
+    """Traces one micro-batch to see which non-trainable variables the step writes (and, for
+    a model with layers Keras flags as not XLA-compatible, that the step traces at all)."""
     count = len(model.non_trainable_variables)
-    if count == 0:
+    flagged = layers_without_jit(model)
+    if count == 0 and not flagged:
         return KerasLayout((), ())
     from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -170,7 +179,12 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> Kera
     args = (spec(model.trainable_variables), spec(model.non_trainable_variables),
             spec(model.metrics_variables), spec(optimizer.variables), batch)
     with keras_lowering_scope(), optimizer_in_use(model, optimizer):
-        closed = jax.make_jaxpr(probe)(*args)
+        try:
+            closed = jax.make_jaxpr(probe)(*args)
+        except Exception as error:
+            if flagged and _is_trace_failure(error):
+                raise _not_traceable(model, flagged, error) from error
+            raise
     offset = len(model.trainable_variables)
     invars = closed.jaxpr.invars[offset:offset + count]
     outvars = closed.jaxpr.outvars
@@ -183,3 +197,50 @@ def _spec(variable: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(variable.shape), np.dtype(variable.dtype))
 
 
+
+
+def _is_trace_failure(error: BaseException) -> bool:
+    """Whether ``error`` says a traced value was used as a concrete one (under ``jax.jit``)."""
+    if isinstance(error, jax.errors.JAXTypeError | jax.errors.ConcretizationTypeError):
+        return True
+    text = f"{type(error).__name__}: {error}"
+    return any(word in text for word in ("Tracer", "Traced<", "_error_repr", "concrete value"))
+
+
+def _not_traceable(model: Any, flagged: list, error: BaseException) -> ValueError:
+    failing = _failing_layers(error, flagged)
+    culprits = failing or flagged
+    names = ", ".join(f"{type(layer).__name__} {layer.name!r}" for layer in culprits)
+    where = (f"it fails in {names}, which Keras flags as not XLA-compatible" if failing else
+             f"Keras flags these layers as not XLA-compatible: {names}")
+    text = f"{type(error).__name__}: {error}"
+    if "_error_repr" in text:  # Keras re-raising JAX's Tracer*ConversionError with a string
+        reason = ("a traced array was used as a concrete value (`np.asarray`, `float()`, or "
+                  "`if` on an array)")
+    else:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        reason = f"{type(error).__name__}: {first[:300]}"
+    return ValueError(
+        "autoaccum needs an XLA-compiled train step (it measures memory from XLA's compiled "
+        f"program), and this model's step does not trace under `jax.jit`: {reason}; {where} "
+        "(so `compile(jit_compile='auto')` resolved to False). Move them out of the model "
+        "into the data pipeline (e.g. `dataset.map(lambda x, y: (layer(x), y))`), or replace "
+        "them with layers that run under `jax.jit`. Received: jit_compile="
+        f"{model.jit_compile!r} with {len(flagged)} such layer(s)"
+    )
+
+
+def _failing_layers(error: BaseException, flagged: list) -> list:
+    """The flagged layers whose ``call`` is on the failing traceback (innermost last)."""
+    ids = {id(layer): layer for layer in flagged}
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            owner = frame.f_locals.get("self")
+            if id(owner) in ids:
+                found[id(owner)] = ids[id(owner)]
+        current = current.__cause__ or current.__context__
+    return list(found.values())
