@@ -27,6 +27,7 @@ from ._program import ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
+from ._step import handles_nonfinite
 from ._validation import Validator
 
 __all__ = ["keras_fit"]
@@ -81,7 +82,9 @@ def keras_fit(
     keeps its own, base, rate). ``on_nonfinite``: a step with a non-finite loss or gradient
     leaves the state unchanged; ``"stop"`` then raises :class:`NonFiniteError` (unless a
     callback such as ``TerminateOnNaN``, which sees the loss in the logs, stopped training),
-    ``"skip"`` goes on (``history.autoaccum_skipped_steps``). ``batch_stats``:
+    ``"skip"`` goes on (``history.autoaccum_skipped_steps``); an optimizer that handles
+    non-finite gradients itself (a ``LossScaleOptimizer``) is left to, as in ``model.fit``
+    (``history.autoaccum_optimizer_skipped_steps``). ``batch_stats``:
     ``BatchNormalization`` moving statistics updated once per step with the effective
     batch's (``"effective"``) or per micro-batch (``"micro"``).
 
@@ -222,7 +225,10 @@ class _Loop:
         self.source = source
         self.noise = noise
         self.on_nonfinite = on_nonfinite
+        self.defers = handles_nonfinite(model.optimizer)
+        """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.skipped = 0
+        self.optimizer_skipped = 0
         self.remainder = 0
         self.dropped = 0
         self.steps = 0
@@ -248,10 +254,13 @@ class _Loop:
             logs = result.logs
             if result.finite:
                 self.noise.update_from(result.noise, result.micro_batches)
+            elif self.defers:
+                self.optimizer_skipped += 1
             else:
                 self.skipped += 1
             callbacks.on_train_batch_end(step, logs)
-            if not result.finite and self.on_nonfinite == "stop" and not model.stop_training:
+            if (not result.finite and not self.defers and self.on_nonfinite == "stop"
+                    and not model.stop_training):
                 raise NonFiniteError(
                     f"Optimizer step {int(model.optimizer.iterations) + 1} had a non-finite "
                     f"loss or gradient (loss={logs.get('loss')}); training stopped and the "
@@ -340,6 +349,7 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
     history.autoaccum_last_micro_batch = runner.last_micro_batch
     history.autoaccum_data_parallel = dp
     history.autoaccum_skipped_steps = loop.skipped
+    history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
     history.autoaccum_on_nonfinite = on_nonfinite
     history.autoaccum_batch_stats = batch_stats
     history.autoaccum_learning_rate_factor = 1.0 if lr_scaling is None else lr_scaling.factor
