@@ -97,7 +97,10 @@ def keras_fit(
     device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
     is then per device).
 
-    Returns the ``keras.callbacks.History`` of the run.
+    Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
+    logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
+    autoaccum adds is on the object: ``autoaccum_gradient_noise_scale`` (per epoch),
+    ``autoaccum_noise_advice``, ``autoaccum_remainder``, ``autoaccum_skipped_steps``, ...
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -192,9 +195,8 @@ def keras_fit(
                     AutoaccumWarning, stacklevel=2)
                 if loop.steps == 0:
                     break
-            epoch_logs = _epoch_logs(model, logs)
-            if noise.value is not None:
-                epoch_logs["gradient_noise_scale"] = noise.value
+            epoch_logs = _epoch_logs(model, logs)  # Keras's logs, exactly as model.fit's
+            loop.noise_scales.append(noise.value)
             if validator is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = validator(callback_list)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -229,6 +231,8 @@ class _Loop:
         """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.skipped = 0
         self.optimizer_skipped = 0
+        self.noise_scales: list[float | None] = []
+        """The gradient noise scale at the end of each epoch (``None``: not yet estimable)."""
         self.remainder = 0
         self.dropped = 0
         self.steps = 0
@@ -357,6 +361,7 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
         {"policy": "drop", "examples": loop.dropped} if drop_remainder
         else {"policy": "train", "examples": loop.remainder})
     history.autoaccum_noise_advice = noise.advice(runner.effective_batch)
+    history.autoaccum_gradient_noise_scale = list(loop.noise_scales)
 
 
 def _report(history: Any, verbose: Any) -> None:
