@@ -144,9 +144,10 @@ def keras_fit(
     _check_finite_input(source, steps_per_epoch)
 
     spec = source.example_spec()
-    ensure_built(model, spec)
+    first = min(effective, source.num_examples or effective)  # Keras's first batch
+    ensure_built(model, spec, batch_size=first)
     materialize(model)
-    layout = find_layout(model, spec)
+    layout = find_layout(model, spec, batch_size=first)
     model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
     runner = StepRunner(model, layout, spec, mesh=mesh, micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
@@ -195,7 +196,10 @@ def keras_fit(
                     AutoaccumWarning, stacklevel=2)
                 if loop.steps == 0:
                     break
-            epoch_logs = _epoch_logs(model, logs)  # Keras's logs, exactly as model.fit's
+            # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
+            # (on_nonfinite="skip") the metrics hold nothing, and Keras shows the non-finite
+            # values: the last step's.
+            epoch_logs = _epoch_logs(model, logs, any_finite=loop.finite_steps > 0)
             loop.noise_scales.append(noise.value)
             if validator is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = validator(callback_list)
@@ -231,6 +235,8 @@ class _Loop:
         """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.skipped = 0
         self.optimizer_skipped = 0
+        self.finite_steps = 0
+        """Steps of the last epoch whose loss and gradients were finite."""
         self.noise_scales: list[float | None] = []
         """The gradient noise scale at the end of each epoch (``None``: not yet estimable)."""
         self.remainder = 0
@@ -246,6 +252,7 @@ class _Loop:
         logs: dict[str, float] = {}
         packed = next(batches, None)
         step = 0
+        self.finite_steps = 0
         self.remainder = 0
         while packed is not None:
             packed = runner.trim(packed) if _size(packed) < effective else packed
@@ -257,6 +264,7 @@ class _Loop:
                 self.remainder += result.examples
             logs = result.logs
             if result.finite:
+                self.finite_steps += 1
                 self.noise.update_from(result.noise, result.micro_batches)
             elif self.defers:
                 self.optimizer_skipped += 1
@@ -282,13 +290,17 @@ class _Loop:
         return logs
 
 
-def _epoch_logs(model: Any, logs: dict[str, float]) -> dict[str, float]:
+def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
+                ) -> dict[str, float]:
     """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
-    non-finite values are in its batch logs, not in the metrics it left unchanged)."""
+    non-finite values are in its batch logs, not in the metrics it left unchanged; with no
+    step taken, the last skipped step's logs: ``nan`` where ``model.fit`` shows ``nan``)."""
     from keras.src.utils.python_utils import pythonify_logs
 
     if not logs:
         return {}
+    if not any_finite:
+        return pythonify_logs(dict(logs))
     return pythonify_logs(model._get_metrics_result_or_logs(logs))
 
 

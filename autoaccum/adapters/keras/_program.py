@@ -143,10 +143,12 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
         ref.assign(value)
 
 
-def ensure_built(model: Any, example_spec: PyTree) -> None:
+def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
     """Builds the model and its compiled loss and metrics symbolically (deferred variables,
-    nothing allocated); the optimizer is left as it is."""
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((2, *s.shape), s.dtype), example_spec)
+    nothing allocated) on ``batch_size`` examples (so that Keras's own shape errors show the
+    batch the user asked for); the optimizer is left as it is."""
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
+                         example_spec)
     try:
         symbolic_build(model, batch)
     except Exception as error:
@@ -156,13 +158,15 @@ def ensure_built(model: Any, example_spec: PyTree) -> None:
         raise
 
 
-def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> KerasLayout:
-    """Traces one micro-batch to see which non-trainable variables the step writes (and, for
-    a model with layers Keras flags as not XLA-compatible, that the step traces at all)."""
+def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
+                batch_size: int = 1) -> KerasLayout:
+    """Traces the model's loss on ``batch_size`` examples (abstractly, nothing compiled) to
+    see which non-trainable variables the step writes, and that the step traces at all: a
+    mistake in the data (labels of the wrong shape) is reported as Keras reports it for a
+    batch of ``batch_size`` (give the effective batch), and a layer Keras flags as not
+    XLA-compatible whose step does not trace is named."""
     count = len(model.non_trainable_variables)
     flagged = layers_without_jit(model)
-    if count == 0 and not flagged:
-        return KerasLayout((), ())
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     def probe(trainable, non_trainable, metrics_vars, optimizer_vars, batch):
@@ -175,7 +179,8 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> Kera
 
     optimizer = model.optimizer if optimizer is None else optimizer
     spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), example_spec)
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
+                         example_spec)
     args = (spec(model.trainable_variables), spec(model.non_trainable_variables),
             spec(model.metrics_variables), spec(optimizer.variables), batch)
     with keras_lowering_scope(), optimizer_in_use(model, optimizer):

@@ -32,7 +32,8 @@ from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches
 
-__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays"]
+__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays",
+           "with_targets"]
 
 PyTree = Any
 
@@ -267,6 +268,35 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
     raw = raw_arrays(arrays)
     _check_leading_axis(raw, name, strings=True)
     return ArraySource(raw, preprocess)
+
+
+def with_targets(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
+    """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``: ``(x, y)`` or
+    ``(x, y, sample_weight)`` (``x`` alone when neither is given).
+
+    As in ``model.fit``, ``y`` and ``sample_weight`` go with in-memory ``x`` only: a dataset,
+    generator or ``PyDataset`` yields ``(x, y[, sample_weight])`` batches itself.
+
+    Example:
+      >>> import numpy as np
+      >>> data = with_targets(np.zeros((4, 3)), np.ones(4))
+      >>> type(data).__name__, len(data)
+      ('tuple', 2)
+    """
+    from ...training._fit_options import describe_value
+
+    if y is None and sample_weight is None:
+        return x
+    if isinstance(x, KerasData) or is_stream(x):
+        given = "y" if y is not None else "sample_weight"
+        raise ValueError(
+            f"`{given}` goes with in-memory arrays only: a {type(x).__name__} yields "
+            "(x, y[, sample_weight]) batches itself (model.fit refuses this too). Put the "
+            f"targets and weights in the stream's batches. Received: {given}="
+            f"{describe_value(y if y is not None else sample_weight)} next to data of type "
+            f"{type(x).__name__}"
+        )
+    return (x, y) if sample_weight is None else (x, y, sample_weight)
 
 
 def _unpacked(data: Any, name: str, *, raw: bool) -> KerasArrays:

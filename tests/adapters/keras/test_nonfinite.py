@@ -101,3 +101,14 @@ def test_a_loss_scale_optimizer_handles_non_finite_steps_itself_as_in_model_fit(
     assert history.autoaccum_optimizer_skipped_steps == 1
     assert history.autoaccum_skipped_steps == 0
     assert history.history["loss"] == pytest.approx(expected.history["loss"], nan_ok=True)
+
+
+def test_every_step_skipped_logs_nan_as_model_fit_does():
+    y = np.full_like(Y, np.nan)
+    expected = _model().fit(X, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
+    history = keras_fit(_model(), (X, y), micro_batch=4, accum_steps=4, shuffle=False,
+                        verbose=0, epochs=2, on_nonfinite="skip")
+    assert history.autoaccum_skipped_steps == 8
+    assert set(history.history) == set(expected.history)
+    for name, values in expected.history.items():
+        assert np.isnan(values).all() and np.isnan(history.history[name]).all(), name
