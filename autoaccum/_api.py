@@ -13,6 +13,7 @@ from ._api_options import (
     given,
     program_options,
     with_examples,
+    with_targets,
 )
 from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
@@ -49,8 +50,10 @@ def _examples_of(prepared: Any) -> Any:
 def plan(
     model: Any,
     data: Any,
+    y: Any = None,
     *,
     effective_batch: int,
+    sample_weight: Any = None,
     budget: int | float | str | None = None,
     device: str | None = None,
     memory_fraction: float | None = None,
@@ -87,7 +90,11 @@ def plan(
         batches (a grain ``DataLoader``, ``tf.data`` as numpy, a generator), re-batched into
         effective batches and never materialised (planning reads its first effective batch;
         a one-shot iterator's batches read then are trained first). Keras: what
-        ``model.fit`` takes.
+        ``model.fit`` takes: ``(x, y[, sample_weight])``, a dataset, ..., or ``x`` alone
+        with ``y`` next to it.
+      y, sample_weight: Keras models, as ``model.fit(x, y, sample_weight=...)``: the targets
+        and per-example weights of in-memory ``x`` (the same as ``data=(x, y,
+        sample_weight)``). A Flax model takes its data as one argument.
       effective_batch: examples per optimizer step.
       budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
         by default from the device (on CPU, half the available RAM).
@@ -158,6 +165,7 @@ def plan(
     effective_batch = validate_effective_batch(effective_batch)
     check_target(device, memory_fraction)
     log = resolve_log(log)
+    data = with_targets(adapter_for(model), data, y, sample_weight)
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
@@ -176,8 +184,10 @@ def plan(
 def measure(
     model: Any,
     data: Any,
+    y: Any = None,
     *,
     micro_batch: int,
+    sample_weight: Any = None,
     accum_steps: int | None = None,
     effective_batch: int | None = None,
     device: str | None = None,
@@ -198,7 +208,7 @@ def measure(
     """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
 
     Args:
-      model, data: as for :func:`plan`.
+      model, data, y, sample_weight: as for :func:`plan`.
       micro_batch: examples per micro-batch (per device with several data-parallel devices).
       accum_steps: micro-batches per optimizer step; default ``ceil(effective_batch /
         micro_batch)`` when ``effective_batch`` is given, else 1.
@@ -225,6 +235,7 @@ def measure(
     micro_batch = validate_positive_int("micro_batch", micro_batch)
     check_target(device, memory_fraction)
     adapter = adapter_for(model)
+    data = with_targets(adapter, data, y, sample_weight)
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
@@ -249,9 +260,11 @@ def measure(
 
 def fit(
     model: Any,
-    data: Any,
+    data: Any = None,
+    y: Any = None,
     *,
     effective_batch: int,
+    sample_weight: Any = None,
     epochs: int = 1,
     budget: int | float | str | None = None,
     device: str | None = None,
@@ -294,10 +307,10 @@ def fit(
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
 
     Args:
-      model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
-        objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
-        lr_rule, adjust_adam, cache, depth_variant, uneven: as for :func:`plan`. In a multi-process
-        run every process passes the same data and seed.
+      model, data, y, sample_weight, effective_batch, budget, device, memory_fraction, remat,
+        remat_layers, objective, data_parallel, optimizer, loss_fn, trainable, learning_rate,
+        base_batch, lr_rule, adjust_adam, cache, depth_variant, uneven: as for :func:`plan`.
+        In a multi-process run every process passes the same data and seed.
       epochs: passes over the data.
       shuffle, seed: the example order of each epoch.
       verbose: 0 silences the plan report and the progress bar.
@@ -330,7 +343,8 @@ def fit(
         rule, device count; not a dry run for another GPU) and trains with it without planning
         again. Planning options (``budget``, ``device``, ...) are refused next to it.
       **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
-        ``class_weight``, ...) get a ``ValueError`` naming the fix.
+        ``class_weight``, ...) get a ``ValueError`` naming the fix; ``x=`` (next to ``y=``,
+        as ``model.fit(x=..., y=...)`` is often written) is taken as ``data``.
 
     Returns:
       Flax: a :class:`FitResult`. Keras: the ``History`` with ``history.autoaccum_plan``.
@@ -347,7 +361,13 @@ def fit(
       >>> result.steps, result.losses[-1] < result.losses[0]
       (4, True)
     """
+    if data is None and "x" in refused:  # model.fit(x=..., y=...) spelled as in Keras
+        data = refused.pop("x")
     refuse_fit_options(refused)
+    if data is None:
+        raise ValueError("fit needs the training data as its second argument, e.g. "
+                         "`autoaccum.fit(model, (x, y), effective_batch=...)` (Keras models: "
+                         "also `autoaccum.fit(model, x, y, ...)`). Received: data=None")
     effective_batch = validate_effective_batch(effective_batch)
     epochs = validate_positive_int("epochs", epochs)
     validate_backup(backup)
@@ -359,6 +379,7 @@ def fit(
         raise ValueError(f"drop_remainder must be True or False. "
                          f"Received: {received('drop_remainder', drop_remainder)}")
     adapter = adapter_for(model)
+    data = with_targets(adapter, data, y, sample_weight)
     framework_options = given(
         callbacks=(callbacks, None), validation_data=(validation_data, None),
         validation_split=(validation_split, 0.0),

@@ -12,6 +12,7 @@ from .planning._objective import validate_objective
 from .planning._plan import Plan
 from .planning._validate import (
     as_int,
+    received,
     validate_device,
     validate_learning_rate,
     validate_memory_fraction,
@@ -20,7 +21,7 @@ from .training._batch_stats import validate_batch_stats
 from .training._batching import num_examples
 
 __all__ = ["check_target", "default_objective", "drops", "given", "program_options",
-           "with_examples"]
+           "with_examples", "with_targets"]
 
 
 def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
@@ -84,3 +85,21 @@ def given(**pairs: tuple[Any, Any]) -> dict[str, Any]:
     """The options whose value differs from their default (``name=(value, default)``)."""
     return {name: value for name, (value, default) in pairs.items()
             if (value is not None if default is None else value != default)}
+
+
+def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
+    """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
+    sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
+    if y is None and sample_weight is None:
+        return data
+    separate = getattr(adapter, "with_targets", None)  # adapters that take model.fit's x, y
+    if separate is not None:
+        return separate(data, y, sample_weight)
+    given_name = "y" if y is not None else "sample_weight"
+    raise ValueError(
+        f"A {adapter.name.capitalize()} model takes its data as one argument, the batches "
+        "the loss_fn reads: pass `(x, y)` (or a dict such as `{'x': x, 'y': y, 'weight': w}`) as "
+        "`data`, e.g. `autoaccum.fit(model, (x, y), effective_batch=...)`; separate `y` and "
+        "`sample_weight` arguments are for Keras models, as in `model.fit(x, y)`. Received: "
+        f"{received(given_name, y if y is not None else sample_weight)}"
+    )

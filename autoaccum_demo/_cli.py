@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_flax_demo(epochs=args.epochs or 3)
             return 0
         require_extra("keras", feature="The default demo (a tiny keras-hub Gemma3; "
-                      "`autoaccum-demo --flax` needs no extra)")
+                      "`autoaccum-demo --flax` needs no extra)",
+                      packages=("keras", "keras-hub", "sentencepiece"))
         _prepare_cpu_environment()
         from ._demo import run_default_demo
 

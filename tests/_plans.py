@@ -62,3 +62,19 @@ def builder_with_unknown_option() -> dict:
 
 def builder_needing_an_argument(size: int) -> dict:
     return _inputs()
+
+
+def builder_that_raises() -> dict:
+    config = {"layers": 2}
+    return {**_inputs(), "depth": config["depth"]}
+
+
+def builder_that_cannot_import() -> dict:
+    import autoaccum_no_such_package  # noqa: F401
+
+    return _inputs()
+
+
+def builder_with_flag_options() -> dict:
+    """Returns options a flag also sets: ``budget``, ``remat``, ``effective_batch``."""
+    return {**_inputs(), "budget": "64MiB", "remat": "none", "effective_batch": 8}

@@ -13,6 +13,7 @@ __all__ = ["EXTRAS", "CliError", "import_error_message", "report_error"]
 EXTRAS = {
     "keras": "keras",
     "keras_hub": "keras",
+    "keras_nlp": "keras",
     "tensorflow": "keras",
     "sentencepiece": "keras",
     "matplotlib": "plot",

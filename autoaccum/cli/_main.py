@@ -5,8 +5,6 @@ The demo has its own command, ``autoaccum-demo`` (the library never imports the 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import os
 import sys
@@ -15,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from ..devices._quiet import quiet_command_line
+from ._builder import load_model_function as load_model_function
+from ._builder import merge_flags, plan_kwargs
 from ._errors import CliError, import_error_message, report_error
 from ._tables import print_table
 
@@ -54,71 +54,6 @@ def _prepare_environment(device: str | None) -> None:
                 sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
-def _plan_parameters() -> set[str]:
-    from .._api import plan
-
-    return {name for name, p in inspect.signature(plan).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def load_model_function(spec: str) -> dict[str, Any]:
-    """Imports ``module:function`` and calls it; it returns the keyword arguments of
-    :func:`autoaccum.plan` (at least ``model`` and ``data``).
-
-    Example:
-      >>> load_model_function("os.path:no_such_builder")
-      Traceback (most recent call last):
-      ...
-      autoaccum.cli._errors.CliError: --model 'os.path:no_such_builder': module 'os.path' has no attribute 'no_such_builder'
-    """  # noqa: E501
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise CliError(
-            f"--model takes module:function, e.g. --model mypkg.models:build. Received: {spec!r}"
-        )
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        if getattr(error, "name", None) == module_name.split(".")[0]:
-            raise CliError(f"--model {spec!r}: no module named {module_name!r} (run from the "
-                           "folder that holds it, or install it)") from error
-        raise CliError(import_error_message(error, f"--model {spec!r}"), 1) from error
-    function = getattr(module, function_name, None)
-    if function is None:
-        raise CliError(f"--model {spec!r}: module {module_name!r} has no attribute "
-                       f"{function_name!r}")
-    try:
-        built = function()
-    except TypeError as error:
-        raise CliError(f"--model {spec!r}: calling {function_name}() raised TypeError: {error}. "
-                       "The builder must take no required arguments and return "
-                       "dict(model=..., data=..., ...).") from error
-    if not isinstance(built, dict) or "model" not in built or "data" not in built:
-        raise CliError(
-            f"--model {spec!r} must return a dict with at least 'model' and 'data' (and the "
-            "options autoaccum.plan takes: optimizer, loss_fn, learning_rate, ...). Received: "
-            f"{type(built).__name__}" + (f" with keys {sorted(built)}" if isinstance(built, dict)
-                                         else "")
-        )
-    unknown = sorted(set(built) - {"model", "data"} - _plan_parameters())
-    if unknown:
-        raise CliError(f"--model {spec!r} returned options autoaccum.plan does not take: "
-                       f"{', '.join(unknown)}. Received: keys {sorted(built)}")
-    return built
-
-
-def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.base_lr is not None:
-        kwargs["learning_rate"] = args.base_lr
-    if args.base_batch is not None:
-        kwargs["base_batch"] = args.base_batch
-    if args.lr_rule is not None:
-        kwargs["lr_rule"] = args.lr_rule
-    return kwargs
-
-
 def _list_presets() -> int:
     from ..adapters.keras.presets import list_architectures, load_architecture
 
@@ -144,19 +79,19 @@ def _compute_plan(args: argparse.Namespace) -> Any:
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                 sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
                 device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
-                remat=args.remat, log=log, cache=not args.no_cache, **_plan_kwargs(args),
+                remat=args.remat or "auto", log=log, cache=not args.no_cache,
+                **plan_kwargs(args),
             )
         except ImportError as error:
             raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
     from .._api import plan
 
-    built = load_model_function(args.model)
-    built.update(_plan_kwargs(args))
+    built = merge_flags(load_model_function(args.model), args)
     model, data = built.pop("model"), built.pop("data")
+    if args.device is None and isinstance(built.get("device"), str):
+        _prepare_environment(built["device"])
     try:
-        return plan(model, data, effective_batch=args.effective_batch, device=args.device,
-                    budget=args.budget, memory_fraction=args.memory_fraction, log=log,
-                    remat=args.remat, cache=not args.no_cache, **built)
+        return plan(model, data, **built)
     except ImportError as error:
         raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
 
@@ -180,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.preset is None):
         raise CliError("Give exactly one of --model module:function or --preset NAME "
                        "(autoaccum plan --list-presets shows the presets).")
-    if args.effective_batch is None:
+    if args.effective_batch is None and args.preset is not None:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
     _prepare_environment(args.device)
@@ -283,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--list-presets", action="store_true",
                       help="list the shipped architectures and exit")
     p.add_argument("--effective-batch", type=_positive_int, metavar="N",
-                   help="examples per optimizer step (required)")
+                   help="examples per optimizer step (required, unless the --model builder "
+                   "returns effective_batch)")
     p.add_argument("--device", metavar="PROFILE",
                    help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
                    "compiled deviceless when it is not here. Default: this machine")
@@ -293,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
                    "default: the device profile's")
-    p.add_argument("--remat", default="auto",
+    p.add_argument("--remat", default=None,
                    help="rematerialization: auto (only if micro-batch 1 does not fit), none, "
                    "dots, dots_no_batch, nothing (Keras presets: none or nothing). Default: auto")
     preset = p.add_argument_group("--preset options")

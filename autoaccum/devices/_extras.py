@@ -5,7 +5,8 @@ extras (``pyproject.toml`` declares the same requirements as :data:`EXTRAS`; a t
 them equal):
 
 * ``keras``: Keras 3 models, keras-hub presets and the default demo (keras-hub brings
-  TensorFlow through tensorflow-text; no second TensorFlow is added);
+  TensorFlow through tensorflow-text; no second TensorFlow is added), and ``keras_nlp``
+  (keras-nlp, at keras-hub's version: a shim whose models are keras-hub's);
 * ``dryrun``: compiling for a named GPU that is not here (JAX's CUDA plugin at exactly
   JAX's version, without the CUDA libraries: no driver or GPU is needed);
 * ``cuda12``: JAX on an NVIDIA GPU (the plugin at JAX's version with the CUDA libraries):
@@ -36,7 +37,8 @@ __all__ = [
 JAX_RANGE = ">=0.10.2,<0.11"
 
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "keras": ("keras>=3.15.1,<3.16", "keras-hub>=0.32.0", "sentencepiece>=0.2"),
+    "keras": ("keras>=3.15.1,<3.16", "keras-hub>=0.32.0", "keras-nlp>=0.32.0",
+              "sentencepiece>=0.2"),
     "dryrun": (f"jax[cuda12-local]{JAX_RANGE}",),
     "cuda12": (f"jax[cuda12]{JAX_RANGE}",),
     "plot": ("matplotlib>=3.8",),

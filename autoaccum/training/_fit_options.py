@@ -50,3 +50,4 @@ def refuse_fit_options(options: dict[str, Any]) -> None:
             raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
     if options:
         raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(sorted(options))}")
+

@@ -189,3 +189,54 @@ def test_without_base_batch_the_rate_is_kept_and_lr_rule_alone_is_refused(capsys
     assert "autoaccum: learning rate" not in captured.err
     assert main([*SMALL, "--budget", "64MiB", "--base-lr", "1e-4", "--lr-rule", "linear"]) != 0
     assert "needs base_batch= too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("json_mode", [False, True])
+def test_a_builder_that_raises_is_one_paragraph_naming_it_and_where(json_mode, capsys):
+    argv = ["plan", "--model", "tests._plans:builder_that_raises", "--effective-batch", "8"]
+    assert main([*argv, "--json"] if json_mode else argv) == 1
+    captured = capsys.readouterr()
+    if json_mode:
+        out = json.loads(captured.out)  # one JSON document, nothing else on stdout
+        assert set(out) == {"error", "exit_code"} and out["exit_code"] == 1
+        message = out["error"]
+        assert "Traceback" not in captured.err
+    else:
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in captured.err
+        message = lines[0]
+    assert "the builder builder_that_raises() raised KeyError at " in message
+    assert "tests/_plans.py:" in message and "'depth'" in message
+    assert "python -c 'import tests._plans; tests._plans.builder_that_raises()'" in message
+
+
+def test_a_builder_whose_import_fails_names_the_package(capsys):
+    assert main(["plan", "--model", "tests._plans:builder_that_cannot_import",
+                 "--effective-batch", "8"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "autoaccum_no_such_package" in err[0]
+
+
+def test_flags_win_over_the_builders_options_and_say_so(capsys):
+    argv = ["plan", "--model", "tests._plans:builder_with_flag_options", "--json", "--quiet"]
+    assert main(argv) == 0  # the builder's effective_batch, budget and remat: no flag given
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["effective_batch"] == 8 and out["budget_bytes"] == 64 * 2**20
+    assert out["remat"] == "none" and "wins over" not in captured.err
+    assert main([*argv, "--budget", "32MiB", "--effective-batch", "16"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["effective_batch"] == 16 and out["budget_bytes"] == 32 * 2**20
+    notes = [line for line in captured.err.splitlines() if "wins over" in line]
+    assert notes == [
+        "autoaccum: --effective-batch 16 given on the command line wins over effective_batch=8 "
+        "from the --model builder",
+        "autoaccum: --budget '32MiB' given on the command line wins over budget='64MiB' from "
+        "the --model builder",
+    ]
+
+
+def test_effective_batch_is_required_from_the_flag_or_the_builder(capsys):
+    assert main(["plan", "--model", "tests._plans:builder", "--quiet"]) == 2
+    assert "--effective-batch is required" in capsys.readouterr().err

@@ -126,8 +126,8 @@ def test_a_need_one_byte_over_the_budget_never_reads_as_the_same_size(cached_mea
     import re
 
     from autoaccum.planning import DoesNotFitError
-
-    budget = autoaccum.planning.Budget(sweep[1] - 1, "user", "test")  # micro_batch 1: 1 byte too many
+    # micro_batch 1: 1 byte too many
+    budget = autoaccum.planning.Budget(sweep[1] - 1, "user", "test")
     scaling = autoaccum.planning.scale_learning_rate(None, effective_batch=EFFECTIVE)
     log = io.StringIO()
     with pytest.raises(DoesNotFitError) as raised:

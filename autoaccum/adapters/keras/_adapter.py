@@ -45,6 +45,12 @@ class KerasAdapter:
         """``(sample, source)`` of earlier ``prepare`` calls: the planner hands a policy's
         sample back as the next policy's data, which must still mean the whole data."""
 
+    def with_targets(self, data: Any, y: Any, sample_weight: Any) -> Any:
+        """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``."""
+        from ._sources import with_targets
+
+        return with_targets(data, y, sample_weight)
+
     def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
                 remat: str, remat_layers: Any) -> Prepared:
         from ._program import ensure_built, find_layout
@@ -69,10 +75,12 @@ class KerasAdapter:
         if source is None:
             source = keras_data(model, data)  # read once: later policies reuse it
         sample = source.sample(effective_batch)
-        spec = KerasArrays(*(*sample, None, None)[:3]).example_spec()
-        ensure_built(model, spec)
+        arrays = KerasArrays(*(*sample, None, None)[:3])
+        spec = arrays.example_spec()
+        batch = arrays.num_examples  # Keras's first batch: its shape errors name it
+        ensure_built(model, spec, batch_size=batch)
         optimizer = planning_optimizer(model)
-        layout = find_layout(model, spec, optimizer)
+        layout = find_layout(model, spec, optimizer, batch_size=batch)
         program = keras_remat_program(model, spec, remat, layers=remat_layers,
                                       optimizer=optimizer, layout=layout, lr_scaling=scaling,
                                       batch_stats=batch_stats)

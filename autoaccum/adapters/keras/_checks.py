@@ -11,7 +11,7 @@ from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
 
 __all__ = ["FIT_OPTIONS", "REFUSED_OPTIONS", "check_keras_model", "is_keras_model",
-           "validate_keras_fit_kwargs"]
+           "layers_without_jit", "validate_keras_fit_kwargs"]
 
 FIT_OPTIONS = (
     "epochs",
@@ -80,7 +80,9 @@ def check_keras_model(model: Any) -> None:
             "cannot provide. Recompile with `model.compile(..., run_eagerly=False)`. "
             "Received: run_eagerly=True"
         )
-    if model.jit_compile is False:
+    if model.jit_compile is False and not layers_without_jit(model):
+        # Every layer runs under XLA, so jit_compile=False was the user's own choice (with
+        # layers Keras flags, 'auto' resolves to False: their step is traced to see, below).
         raise ValueError(
             "autoaccum needs an XLA-compiled train step (it measures memory from XLA's "
             "compiled program). Recompile with `model.compile(..., jit_compile=True)` (or "
@@ -106,6 +108,25 @@ def check_keras_model(model: Any) -> None:
             "replaces it) and recompile. "
             f"Received: optimizer.gradient_accumulation_steps={steps}"
         )
+
+
+def layers_without_jit(model: Any) -> list[Any]:
+    """The layers of ``model`` that Keras flags ``supports_jit = False`` (``RandomRotation``,
+    ``RandomZoom``, lookups, ...), for which ``compile(jit_compile="auto")`` resolves to
+    ``False`` on every backend. On the JAX backend many of them trace under ``jax.jit`` all
+    the same (their ops are ``keras.ops``); :func:`~._program.find_layout` traces the step to
+    see, and refuses naming them only when it fails.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomRotation(0.1)])
+      >>> [type(layer).__name__ for layer in layers_without_jit(model)], model.jit_compile
+      (['RandomRotation'], False)
+    """
+    return [layer for layer in model._flatten_layers(include_self=False)
+            if not getattr(layer, "supports_jit", True)]
 
 
 def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ._program import ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
+from ._step import handles_nonfinite
 from ._validation import Validator
 
 __all__ = ["keras_fit"]
@@ -82,7 +83,9 @@ def keras_fit(
     keeps its own, base, rate). ``on_nonfinite``: a step with a non-finite loss or gradient
     leaves the state unchanged; ``"stop"`` then raises :class:`NonFiniteError` (unless a
     callback such as ``TerminateOnNaN``, which sees the loss in the logs, stopped training),
-    ``"skip"`` goes on (``history.autoaccum_skipped_steps``). ``batch_stats``:
+    ``"skip"`` goes on (``history.autoaccum_skipped_steps``); an optimizer that handles
+    non-finite gradients itself (a ``LossScaleOptimizer``) is left to, as in ``model.fit``
+    (``history.autoaccum_optimizer_skipped_steps``). ``batch_stats``:
     ``BatchNormalization`` moving statistics updated once per step with the effective
     batch's (``"effective"``) or per micro-batch (``"micro"``).
 
@@ -95,7 +98,10 @@ def keras_fit(
     device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
     is then per device).
 
-    Returns the ``keras.callbacks.History`` of the run.
+    Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
+    logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
+    autoaccum adds is on the object: ``autoaccum_gradient_noise_scale`` (per epoch),
+    ``autoaccum_noise_advice``, ``autoaccum_remainder``, ``autoaccum_skipped_steps``, ...
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -140,9 +146,10 @@ def keras_fit(
     _check_finite_input(source, steps_per_epoch)
 
     spec = source.example_spec()
-    ensure_built(model, spec)
+    first = min(effective, source.num_examples or effective)  # Keras's first batch
+    ensure_built(model, spec, batch_size=first)
     materialize(model)
-    layout = find_layout(model, spec)
+    layout = find_layout(model, spec, batch_size=first)
     model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
     runner = StepRunner(model, layout, spec, mesh=mesh, micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
@@ -191,9 +198,11 @@ def keras_fit(
                     AutoaccumWarning, stacklevel=2)
                 if loop.steps == 0:
                     break
-            epoch_logs = _epoch_logs(model, logs)
-            if noise.value is not None:
-                epoch_logs["gradient_noise_scale"] = noise.value
+            # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
+            # (on_nonfinite="skip") the metrics hold nothing, and Keras shows the non-finite
+            # values: the last step's.
+            epoch_logs = _epoch_logs(model, logs, any_finite=loop.finite_steps > 0)
+            loop.noise_scales.append(noise.value)
             if validator is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = validator(callback_list)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -224,7 +233,14 @@ class _Loop:
         self.source = source
         self.noise = noise
         self.on_nonfinite = on_nonfinite
+        self.defers = handles_nonfinite(model.optimizer)
+        """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.skipped = 0
+        self.optimizer_skipped = 0
+        self.finite_steps = 0
+        """Steps of the last epoch whose loss and gradients were finite."""
+        self.noise_scales: list[float | None] = []
+        """The gradient noise scale at the end of each epoch (``None``: not yet estimable)."""
         self.remainder = 0
         self.dropped = 0
         self.steps = 0
@@ -238,6 +254,7 @@ class _Loop:
         logs: dict[str, float] = {}
         packed = next(batches, None)
         step = 0
+        self.finite_steps = 0
         self.remainder = 0
         while packed is not None:
             packed = runner.trim(packed) if _size(packed) < effective else packed
@@ -249,11 +266,15 @@ class _Loop:
                 self.remainder += result.examples
             logs = result.logs
             if result.finite:
+                self.finite_steps += 1
                 self.noise.update_from(result.noise, result.micro_batches)
+            elif self.defers:
+                self.optimizer_skipped += 1
             else:
                 self.skipped += 1
             callbacks.on_train_batch_end(step, logs)
-            if not result.finite and self.on_nonfinite == "stop" and not model.stop_training:
+            if (not result.finite and not self.defers and self.on_nonfinite == "stop"
+                    and not model.stop_training):
                 raise NonFiniteError(
                     f"Optimizer step {int(model.optimizer.iterations) + 1} had a non-finite "
                     f"loss or gradient (loss={logs.get('loss')}); training stopped and the "
@@ -271,13 +292,17 @@ class _Loop:
         return logs
 
 
-def _epoch_logs(model: Any, logs: dict[str, float]) -> dict[str, float]:
+def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
+                ) -> dict[str, float]:
     """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
-    non-finite values are in its batch logs, not in the metrics it left unchanged)."""
+    non-finite values are in its batch logs, not in the metrics it left unchanged; with no
+    step taken, the last skipped step's logs: ``nan`` where ``model.fit`` shows ``nan``)."""
     from keras.src.utils.python_utils import pythonify_logs
 
     if not logs:
         return {}
+    if not any_finite:
+        return pythonify_logs(dict(logs))
     return pythonify_logs(model._get_metrics_result_or_logs(logs))
 
 
@@ -343,6 +368,7 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
     history.autoaccum_last_micro_batch = runner.last_micro_batch
     history.autoaccum_data_parallel = dp
     history.autoaccum_skipped_steps = loop.skipped
+    history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
     history.autoaccum_on_nonfinite = on_nonfinite
     history.autoaccum_batch_stats = batch_stats
     history.autoaccum_learning_rate_factor = 1.0 if lr_scaling is None else lr_scaling.factor
@@ -350,6 +376,7 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
         {"policy": "drop", "examples": loop.dropped} if drop_remainder
         else {"policy": "train", "examples": loop.remainder})
     history.autoaccum_noise_advice = noise.advice(runner.effective_batch)
+    history.autoaccum_gradient_noise_scale = list(loop.noise_scales)
 
 
 def _report(history: Any, verbose: Any) -> None:

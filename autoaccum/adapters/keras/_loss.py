@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ...devices._warnings import AutoaccumWarning
 
-__all__ = ["LossRecorder", "LossTerm", "accumulation_weights"]
+__all__ = ["LossRecorder", "LossTerm", "accumulation_weights", "requiring_a_loss"]
 
 
 @dataclass
@@ -74,6 +74,44 @@ class LossRecorder:
             yield self.terms
         finally:
             compile_loss._flat_losses = flat
+
+
+@contextmanager
+def requiring_a_loss(model: Any) -> Iterator[None]:
+    """Within the block (a step being traced), the model's default ``compute_loss`` raises as
+    ``model.fit`` does on Keras's TensorFlow and torch backends when nothing supplies a loss.
+
+    Keras's rule (``keras.src.trainers.trainer.Trainer.compute_loss``): "No loss to compute"
+    when neither the compiled loss (``compile(loss=...)``) nor ``add_loss`` (the forward
+    pass's ``model.losses``) gives a term. A ``compute_loss`` override is the user's own and
+    is never checked. On the JAX backend Keras skips the check and trains a constant zero
+    loss (the weights never move); autoaccum refuses that, as the other backends do.
+    """
+    from keras.src.trainers.trainer import Trainer
+
+    default = type(model).compute_loss is Trainer.compute_loss
+    if not default or "compute_loss" in vars(model):
+        yield
+        return
+    original = model.compute_loss
+
+    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+        total = original(*args, **kwargs)
+        compiled = getattr(model, "_compile_loss", None)
+        if (compiled is None or not getattr(compiled, "_flat_losses", None)) and not model.losses:
+            raise ValueError(
+                "No loss to compute. Provide a `loss` argument in `compile()` (or add one "
+                "with `add_loss`, or override `compute_loss`): the model would train on a "
+                "constant zero loss and never change (`model.fit` refuses it on Keras's "
+                "TensorFlow and torch backends). Received: model.compile(loss=None)"
+            )
+        return total
+
+    model.compute_loss = compute_loss
+    try:
+        yield
+    finally:
+        del model.compute_loss
 
 
 def accumulation_weights(

@@ -12,6 +12,7 @@ optimizer is not built (a built clone is traced instead).
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from ...planning._program import StepMetrics, TrainProgram
-from ._checks import check_keras_model
+from ._checks import check_keras_model, layers_without_jit
 from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
 from ._sources import keras_data
 from ._step import keras_train_step
@@ -142,18 +143,30 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
         ref.assign(value)
 
 
-def ensure_built(model: Any, example_spec: PyTree) -> None:
+def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
     """Builds the model and its compiled loss and metrics symbolically (deferred variables,
-    nothing allocated); the optimizer is left as it is."""
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((2, *s.shape), s.dtype), example_spec)
-    symbolic_build(model, batch)
+    nothing allocated) on ``batch_size`` examples (so that Keras's own shape errors show the
+    batch the user asked for); the optimizer is left as it is."""
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
+                         example_spec)
+    try:
+        symbolic_build(model, batch)
+    except Exception as error:
+        flagged = layers_without_jit(model)
+        if flagged and _is_trace_failure(error):
+            raise _not_traceable(model, flagged, error) from error
+        raise
 
 
-def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> KerasLayout:
-    """Traces one micro-batch to see which non-trainable variables the step writes."""
+def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
+                batch_size: int = 1) -> KerasLayout:
+    """Traces the model's loss on ``batch_size`` examples (abstractly, nothing compiled) to
+    see which non-trainable variables the step writes, and that the step traces at all: a
+    mistake in the data (labels of the wrong shape) is reported as Keras reports it for a
+    batch of ``batch_size`` (give the effective batch), and a layer Keras flags as not
+    XLA-compatible whose step does not trace is named."""
     count = len(model.non_trainable_variables)
-    if count == 0:
-        return KerasLayout((), ())
+    flagged = layers_without_jit(model)
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     def probe(trainable, non_trainable, metrics_vars, optimizer_vars, batch):
@@ -166,11 +179,17 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None) -> Kera
 
     optimizer = model.optimizer if optimizer is None else optimizer
     spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), example_spec)
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
+                         example_spec)
     args = (spec(model.trainable_variables), spec(model.non_trainable_variables),
             spec(model.metrics_variables), spec(optimizer.variables), batch)
     with keras_lowering_scope(), optimizer_in_use(model, optimizer):
-        closed = jax.make_jaxpr(probe)(*args)
+        try:
+            closed = jax.make_jaxpr(probe)(*args)
+        except Exception as error:
+            if flagged and _is_trace_failure(error):
+                raise _not_traceable(model, flagged, error) from error
+            raise
     offset = len(model.trainable_variables)
     invars = closed.jaxpr.invars[offset:offset + count]
     outvars = closed.jaxpr.outvars
@@ -183,3 +202,50 @@ def _spec(variable: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(variable.shape), np.dtype(variable.dtype))
 
 
+
+
+def _is_trace_failure(error: BaseException) -> bool:
+    """Whether ``error`` says a traced value was used as a concrete one (under ``jax.jit``)."""
+    if isinstance(error, jax.errors.JAXTypeError | jax.errors.ConcretizationTypeError):
+        return True
+    text = f"{type(error).__name__}: {error}"
+    return any(word in text for word in ("Tracer", "Traced<", "_error_repr", "concrete value"))
+
+
+def _not_traceable(model: Any, flagged: list, error: BaseException) -> ValueError:
+    failing = _failing_layers(error, flagged)
+    culprits = failing or flagged
+    names = ", ".join(f"{type(layer).__name__} {layer.name!r}" for layer in culprits)
+    where = (f"it fails in {names}, which Keras flags as not XLA-compatible" if failing else
+             f"Keras flags these layers as not XLA-compatible: {names}")
+    text = f"{type(error).__name__}: {error}"
+    if "_error_repr" in text:  # Keras re-raising JAX's Tracer*ConversionError with a string
+        reason = ("a traced array was used as a concrete value (`np.asarray`, `float()`, or "
+                  "`if` on an array)")
+    else:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        reason = f"{type(error).__name__}: {first[:300]}"
+    return ValueError(
+        "autoaccum needs an XLA-compiled train step (it measures memory from XLA's compiled "
+        f"program), and this model's step does not trace under `jax.jit`: {reason}; {where} "
+        "(so `compile(jit_compile='auto')` resolved to False). Move them out of the model "
+        "into the data pipeline (e.g. `dataset.map(lambda x, y: (layer(x), y))`), or replace "
+        "them with layers that run under `jax.jit`. Received: jit_compile="
+        f"{model.jit_compile!r} with {len(flagged)} such layer(s)"
+    )
+
+
+def _failing_layers(error: BaseException, flagged: list) -> list:
+    """The flagged layers whose ``call`` is on the failing traceback (innermost last)."""
+    ids = {id(layer): layer for layer in flagged}
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            owner = frame.f_locals.get("self")
+            if id(owner) in ids:
+                found[id(owner)] = ids[id(owner)]
+        current = current.__cause__ or current.__context__
+    return list(found.values())

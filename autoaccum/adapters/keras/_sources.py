@@ -28,11 +28,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from ...planning._validate import received
 from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches
 
-__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays"]
+__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays",
+           "with_targets"]
 
 PyTree = Any
 
@@ -87,10 +89,9 @@ class ArraySource(KerasData):
 
     def take(self, index: np.ndarray) -> tuple:
         """The examples at ``index``, packed and (keras-hub) preprocessed, as numpy."""
-        pick = lambda tree: None if tree is None else jax.tree.map(  # noqa: E731
-            lambda a: _pick(a, index), tree, is_leaf=_is_raw_leaf)
-        chosen = KerasArrays(pick(self.arrays.x), pick(self.arrays.y),
-                             pick(self.arrays.sample_weight))
+        # Lists, tuples and dicts are structure here: a keras-hub task's raw list leaves were
+        # already made arrays by ``raw_arrays``.
+        chosen = _take_arrays(self.arrays, index)
         if self.preprocess is None:
             return chosen.packed
         return self.preprocess(chosen.packed)
@@ -270,6 +271,33 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
     return ArraySource(raw, preprocess)
 
 
+def with_targets(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
+    """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``: ``(x, y)`` or
+    ``(x, y, sample_weight)`` (``x`` alone when neither is given).
+
+    As in ``model.fit``, ``y`` and ``sample_weight`` go with in-memory ``x`` only: a dataset,
+    generator or ``PyDataset`` yields ``(x, y[, sample_weight])`` batches itself.
+
+    Example:
+      >>> import numpy as np
+      >>> data = with_targets(np.zeros((4, 3)), np.ones(4))
+      >>> type(data).__name__, len(data)
+      ('tuple', 2)
+    """
+    if y is None and sample_weight is None:
+        return x
+    if isinstance(x, KerasData) or is_stream(x):
+        given = "y" if y is not None else "sample_weight"
+        raise ValueError(
+            f"`{given}` goes with in-memory arrays only: a {type(x).__name__} yields "
+            "(x, y[, sample_weight]) batches itself (model.fit refuses this too). Put the "
+            f"targets and weights in the stream's batches. Received: "
+            f"{received(given, y if y is not None else sample_weight)} next to data of type "
+            f"{type(x).__name__}"
+        )
+    return (x, y) if sample_weight is None else (x, y, sample_weight)
+
+
 def _unpacked(data: Any, name: str, *, raw: bool) -> KerasArrays:
     """``(x,)``, ``(x, y)``, ``(x, y, sample_weight)`` or a bare ``x``, as ``KerasArrays``.
 
@@ -294,14 +322,6 @@ def _numpy_arrays(arrays: KerasArrays, name: str) -> KerasArrays:
 def _take_arrays(arrays: KerasArrays, index: np.ndarray) -> KerasArrays:
     pick = lambda t: None if t is None else jax.tree.map(lambda a: a[index], t)  # noqa: E731
     return KerasArrays(pick(arrays.x), pick(arrays.y), pick(arrays.sample_weight))
-
-
-def _pick(array: Any, index: np.ndarray) -> Any:
-    return array[index]
-
-
-def _is_raw_leaf(value: Any) -> bool:
-    return isinstance(value, list)
 
 
 def _length(tree: Any) -> int:

@@ -13,9 +13,10 @@ big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), an
 
 A step whose loss or gradients are not finite returns the state it was given (weights,
 optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
-the non-finite loss (so ``TerminateOnNaN`` sees it). Under a ``LossScaleOptimizer`` gradient
-overflow is the optimizer's business (it skips the update and lowers the scale): there only a
-non-finite loss counts.
+the non-finite loss (so ``TerminateOnNaN`` sees it). An optimizer that handles non-finite
+gradients itself (:func:`handles_nonfinite`: a ``LossScaleOptimizer`` skips the update and
+lowers its scale) is left to do so, as ``model.fit`` leaves it: its state is the step's,
+whatever ``on_nonfinite`` says.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from ...planning._program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite
 from ._batchnorm import BatchStats
-from ._loss import LossRecorder, accumulation_weights, warn_inexact_once
+from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
 from ._lr import scaled_learning_rate
 from ._scope import optimizer_in_use
 
-__all__ = ["keras_eval_step", "keras_train_step"]
+__all__ = ["handles_nonfinite", "keras_eval_step", "keras_train_step"]
 
 PyTree = Any
 
@@ -69,7 +70,8 @@ class _Micro:
         mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
         local_micro = int(jax.tree.leaves(batch)[0].shape[0])
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        with self.recorder.recording() as terms, self.stats.capturing() as moments:
+        with self.recorder.recording() as terms, self.stats.capturing() as moments, \
+                requiring_a_loss(model):
             _, aux = model.compute_loss_and_updates(
                 params, layout.merge(mutable, frozen), metrics_vars, x, y, sample_weight,
                 training=self.training, optimizer_variables=optimizer_vars,
@@ -152,7 +154,7 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         from ...training._data_parallel import data_parallel_accumulate
 
         accumulate = data_parallel_accumulate(mesh, carry_reduce=micro.carry_reduce)
-    loss_scaled = _is_loss_scale(optimizer)
+    own_handling = handles_nonfinite(optimizer)
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
         trainable, mutable, optimizer_vars, metrics_vars = state
@@ -179,10 +181,10 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         unscale = 1.0 if scale is None else 1.0 / scale
         grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
                                   for g in jax.tree.leaves(grads)), jnp.float32)
-        finite = jnp.isfinite(loss) if loss_scaled else (
-            jnp.isfinite(loss) & jnp.isfinite(grad_sq))
-        new_state = keep_if_finite(finite, (new_trainable, new_mutable, new_optimizer,
-                                            new_metrics), state)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_sq)
+        new_state = (new_trainable, new_mutable, new_optimizer, new_metrics)
+        if not own_handling:
+            new_state = keep_if_finite(finite, new_state, state)
         metrics = StepMetrics(
             loss=loss,
             count=acc.count,
@@ -230,6 +232,23 @@ def _is_loss_scale(optimizer: Any) -> bool:
     import keras
 
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def handles_nonfinite(optimizer: Any) -> bool:
+    """Whether ``optimizer`` deals with non-finite gradients itself (a Keras
+    ``LossScaleOptimizer``: it skips the update and lowers its loss scale), so that
+    ``on_nonfinite`` leaves such steps to it, as ``model.fit`` does.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> handles_nonfinite(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+      True
+      >>> handles_nonfinite(keras.optimizers.SGD())
+      False
+    """
+    return _is_loss_scale(optimizer)
 
 
 def _loss_scale(optimizer: Any, optimizer_vars: list) -> Any:

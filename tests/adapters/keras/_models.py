@@ -66,9 +66,13 @@ def _byte_symbols() -> list[str]:
     return [chr(c) for c in symbols]
 
 
-def tiny_gpt2(sequence_length: int = 16, *, seed: int = 0, learning_rate: float = 1e-3):
-    """A 2-layer GPT-2 causal LM with a byte-level BPE tokenizer made here, compiled."""
-    import keras_hub
+def tiny_gpt2(sequence_length: int = 16, *, seed: int = 0, learning_rate: float = 1e-3,
+              hub: str = "keras_hub"):
+    """A 2-layer GPT-2 causal LM with a byte-level BPE tokenizer made here, compiled; built
+    through ``hub``: ``"keras_hub"`` or ``"keras_nlp"`` (the older name older guides use)."""
+    import importlib
+
+    keras_hub = importlib.import_module(hub)
 
     keras.utils.set_random_seed(seed)
     merges = ["Ġ t", "h e", "Ġt he", "i n", "a n", "Ġ a", "Ġ h"]

@@ -107,3 +107,54 @@ def test_unbatched_tf_data_trains_like_the_same_numpy_arrays():
 def test_keras_only_options_refused_with_the_fix_through_fit():
     with pytest.raises(ValueError, match=r"\(x, y, sample_weight\).*Received: class_weight="):
         autoaccum.fit(_model(), _data(), effective_batch=16, class_weight={0: 1.0}, log=None)
+
+
+def test_x_y_and_sample_weight_as_model_fit_takes_them_train_like_the_packed_tuple():
+    """``autoaccum.fit(model, x, y, sample_weight=w)`` and ``fit(model, x=x, y=y)``, as
+    ``model.fit(x, y, batch_size=...)`` reads, are the data ``(x, y, w)``."""
+    x, y = _data()
+    weights = np.linspace(0.5, 2.0, 64).astype("float32")
+    options = {"effective_batch": 16, "budget": "1GiB", "shuffle": False, "lr_rule": "none",
+               "verbose": 0, "log": None}
+    packed, positional, keywords = _model(), _model(), _model()
+    keywords.set_weights(packed.get_weights())
+    positional.set_weights(packed.get_weights())
+    autoaccum.fit(packed, (x, y, weights), **options)
+    autoaccum.fit(positional, x, y, sample_weight=weights, **options)
+    autoaccum.fit(keywords, x=x, y=y, sample_weight=weights, **options)
+    for model in (positional, keywords):
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(model.get_weights(), packed.get_weights(), strict=True))
+    plan = autoaccum.plan(_model(), x, y, effective_batch=16, budget="1GiB", log=None)
+    assert plan.micro_batch * plan.accum_steps == 16
+
+
+def test_y_next_to_a_generator_is_refused_as_model_fit_refuses_it():
+    x, y = _data()
+
+    def batches():
+        yield x[:8], y[:8]
+
+    with pytest.raises(ValueError, match=r"`y` goes with in-memory arrays only.*Received: "
+                                         r"y=ndarray of shape \(64, 1\)"):
+        autoaccum.fit(_model(), batches(), y, effective_batch=8, budget="1GiB", verbose=0,
+                      log=None)
+
+
+@pytest.mark.parametrize("loss", ["categorical_crossentropy", "mse"])
+def test_a_label_shape_error_shows_the_batch_s_shape_as_keras_does(loss):
+    def model():
+        classifier = keras.Sequential([keras.Input((16,)), keras.layers.Dense(3)])
+        classifier.compile(optimizer="sgd", loss=loss)
+        return classifier
+
+    x, _ = _data()
+    wrong = np.zeros((64, 2), "float32")  # the model has three outputs
+    with pytest.raises(Exception) as expected:
+        model().fit(x, wrong, batch_size=32, verbose=0)
+    assert "(32, 2)" in str(expected.value)
+    with pytest.raises(type(expected.value)) as ours:
+        autoaccum.fit(model(), x, wrong, effective_batch=32, budget="1GiB", verbose=0,
+                      log=None)
+    assert str(ours.value).splitlines()[0] == str(expected.value).splitlines()[0]
+    assert "(32, 2)" in str(ours.value)

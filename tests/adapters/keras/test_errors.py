@@ -120,3 +120,57 @@ def test_backend_not_jax():
                          timeout=120)
     assert "KERAS_BACKEND=jax" in out.stdout, out.stderr[-2000:]
     assert "Received: keras.backend.backend()='numpy'" in out.stdout
+
+
+def test_model_compiled_without_a_loss_is_refused_as_model_fit_refuses_it():
+    import autoaccum
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd")
+    with pytest.raises(ValueError, match=r"No loss to compute.*Received: model.compile\(loss=None"):
+        autoaccum.fit(model, (X, Y), effective_batch=4, budget="1GiB", verbose=0, log=None)
+    with pytest.raises(ValueError, match="No loss to compute"):
+        keras_fit(model, (X, Y), micro_batch=2, accum_steps=2, verbose=0)
+    assert "compute_loss" not in vars(model)  # the model is left as it was
+
+
+class _AddedLoss(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(keras.ops.mean(inputs**2))
+        return inputs
+
+
+class _OwnLoss(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean((y_pred - y) ** 2)
+
+
+def _added_loss_model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1), _AddedLoss()])
+
+
+def _own_loss_model():
+    inputs = keras.Input((3,))
+    return _OwnLoss(inputs, keras.layers.Dense(1)(inputs))
+
+
+def _regularized_model():
+    return keras.Sequential([keras.Input((3,)),
+                             keras.layers.Dense(1, kernel_regularizer="l2")])
+
+
+@pytest.mark.parametrize("build", [_added_loss_model, _own_loss_model, _regularized_model])
+def test_add_loss_or_compute_loss_override_supplies_the_loss_without_compile_loss(build):
+    keras.utils.set_random_seed(0)
+    model, reference = build(), build()
+    reference.set_weights(model.get_weights())
+    for m in (model, reference):
+        m.compile(optimizer=keras.optimizers.SGD(0.1))
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    history = keras_fit(model, (x, x[:, :1]), micro_batch=2, accum_steps=4, shuffle=False,
+                        verbose=0)
+    expected = reference.fit(x, x[:, :1], batch_size=8, shuffle=False, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(expected.history["loss"][0], rel=1e-5)
+    assert history.history["loss"][0] > 0
+    assert max(float(np.max(np.abs(a - b))) for a, b in
+               zip(model.get_weights(), reference.get_weights(), strict=True)) < 1e-6

@@ -173,3 +173,58 @@ def test_generator_read_for_planning_is_replayed_for_training():
     assert int(model.optimizer.iterations) == 4  # the batches planning read were trained
     assert max_diff(model, _reference()) < 1e-5
     assert history.autoaccum_remainder == {"policy": "train", "examples": 0}
+
+
+def _two_in_two_out():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((10,)), keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], [keras.layers.Dense(1, name="one")(hidden),
+                                 keras.layers.Dense(2, name="two")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mae"],
+                  metrics=[["mae"], ["mse"]])
+    return model
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_list_inputs_outputs_and_sample_weights_train_like_model_fit(container):
+    """``([xa, xb], [y1, y2], [w1, w2])``, as ``model.fit`` takes it, plans, accumulates and
+    trains exactly like ``model.fit(batch_size=effective_batch)``."""
+    import autoaccum
+
+    rng = np.random.default_rng(3)
+    x = container([X[:, :10], X[:, 10:]])
+    y = container([Y, rng.normal(size=(64, 2)).astype("float32")])
+    w = container([rng.uniform(0.5, 2.0, 64).astype("float32"),
+                   rng.uniform(0.5, 2.0, 64).astype("float32")])
+    ours, reference = _two_in_two_out(), _two_in_two_out()
+    budget = autoaccum.measure(ours, (x, y, w), micro_batch=4, effective_batch=16).need_bytes
+    history = autoaccum.fit(ours, (x, y, w), effective_batch=16, budget=budget, epochs=2,
+                            shuffle=False, lr_rule="none", verbose=0, log=None)
+    assert history.autoaccum_plan.accum_steps > 1
+    expected = reference.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False,
+                             verbose=0)
+    assert int(ours.optimizer.iterations) == 8
+    assert max_diff(ours, reference) < 1e-5
+    assert "one_loss" in expected.history and set(history.history) == set(expected.history)
+    for name in expected.history:
+        assert history.history[name] == pytest.approx(expected.history[name], rel=1e-5)
+
+
+def test_nested_dict_of_lists_inputs_train_like_model_fit():
+    """Dicts holding lists (any nesting ``model.fit`` takes) are structure, not leaves."""
+    def build():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((10,), name="a"), keras.Input((6,), name="b")
+        out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+        model = keras.Model({"a": a, "b": b}, {"out": out})
+        model.compile(optimizer="sgd", loss={"out": "mse"})
+        return model
+
+    x = {"a": X[:, :10], "b": X[:, 10:]}
+    ours, reference = build(), build()
+    keras_fit(ours, (x, {"out": Y}, {"out": np.linspace(0.5, 2, 64).astype("float32")}),
+              micro_batch=4, accum_steps=4, shuffle=False, verbose=0)
+    reference.fit(x, {"out": Y}, sample_weight={"out": np.linspace(0.5, 2, 64).astype("float32")},
+                  batch_size=16, shuffle=False, verbose=0)
+    assert max_diff(ours, reference) < 1e-5

@@ -60,3 +60,30 @@ def test_lora_step_matches_native_big_batch(raw, first):
     # LoRA: the base weights are frozen and passed to the step without donation.
     program = keras_program(ours, raw)
     assert len(program.parts["trainable"]) < len(program.frozen_args[0])
+
+
+def test_a_keras_nlp_task_is_planned_and_trained_like_its_own_fit():
+    """``keras_nlp.models...`` (what older guides and the seed's Colab lab import) is accepted
+    everywhere a keras-hub task is: raw strings preprocessed, its blocks found for remat,
+    planned, and trained exactly as its own ``fit`` trains it."""
+    import keras_nlp
+
+    import autoaccum
+    from autoaccum.adapters.keras._remat import keras_blocks
+
+    from ._models import TEXTS, max_diff, tiny_gpt2
+
+    texts = TEXTS * 2
+    ours, native = tiny_gpt2(hub="keras_nlp"), tiny_gpt2(hub="keras_nlp")
+    assert isinstance(ours, keras_nlp.models.CausalLM)
+    assert len(keras_blocks(ours)) == 2
+    plan = autoaccum.plan(ours, texts, effective_batch=8, budget="1GiB", log=None)
+    assert plan.micro_batch * plan.accum_steps == 8
+    budget = autoaccum.measure(ours, texts, micro_batch=2, effective_batch=8).need_bytes
+    history = autoaccum.fit(ours, texts, effective_batch=8, budget=budget, shuffle=False,
+                            lr_rule="none", verbose=0, log=None)
+    assert history.autoaccum_plan.accum_steps > 1
+    expected = native.fit(texts, batch_size=8, shuffle=False, verbose=0)
+    assert int(ours.optimizer.iterations) == 2
+    assert max_diff(ours, native) < 1e-5
+    assert history.history["loss"][0] == pytest.approx(expected.history["loss"][0], rel=1e-5)

@@ -120,3 +120,26 @@ def test_weight_and_activity_regularization_are_accumulated_as_for_one_big_batch
     native_history = native.fit(x, y, batch_size=MICRO * ACCUM, shuffle=False, verbose=0)
     _assert_logs_equal(history.history, native_history.history)
     assert max_diff(ours, native) < 1e-5
+
+
+def test_keras_logs_and_csv_logger_hold_exactly_model_fit_s_keys(tmp_path):
+    """autoaccum's extras (the gradient noise scale) live on the History object, never in
+    the logs Keras's callbacks read."""
+    import csv
+
+    from ._models import dense_model, regression_data
+
+    x, y = regression_data(64)
+    ours, native = dense_model(), dense_model()
+    path = tmp_path / "log.csv"
+    history = keras_fit(ours, (x, y), micro_batch=4, accum_steps=4, epochs=2,
+                        validation_split=0.25, callbacks=[keras.callbacks.CSVLogger(path)],
+                        verbose=0)
+    expected = native.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, verbose=0,
+                          callbacks=[keras.callbacks.CSVLogger(tmp_path / "native.csv")])
+    assert set(history.history) == set(expected.history) == {"loss", "mae", "val_loss",
+                                                              "val_mae"}
+    with open(path) as ours_file, open(tmp_path / "native.csv") as native_file:
+        assert next(csv.reader(ours_file)) == next(csv.reader(native_file))
+    noise = history.autoaccum_gradient_noise_scale
+    assert len(noise) == 2 and noise[-1] is not None and noise[-1] > 0

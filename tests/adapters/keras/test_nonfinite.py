@@ -82,3 +82,33 @@ def test_adapter_reads_the_policy_from_the_fit_settings():
     object.__setattr__(settings, "on_nonfinite", "skip")  # the field issue 11 adds
     history = adapter.fit(model, prepared, plan, settings=settings, options={})
     assert history.autoaccum_skipped_steps == 1 and history.autoaccum_on_nonfinite == "skip"
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_loss_scale_optimizer_handles_non_finite_steps_itself_as_in_model_fit(policy):
+    """A ``LossScaleOptimizer`` skips a non-finite update and halves its scale: autoaccum's
+    ``on_nonfinite`` (default ``"stop"``) defers to it, and training equals ``model.fit``."""
+    def model():
+        return dense_model(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2)))
+
+    ours, native = model(), model()
+    expected = native.fit(X, BAD, batch_size=16, shuffle=False, verbose=0)
+    history = _fit(ours, on_nonfinite=policy)
+    assert int(native.optimizer.iterations) == int(ours.optimizer.iterations) == 3
+    assert float(ours.optimizer.dynamic_scale) == float(native.optimizer.dynamic_scale)
+    assert all_live(ours) and max_diff(ours, native) < 1e-5
+    assert history.autoaccum_optimizer_skipped_steps == 1
+    assert history.autoaccum_skipped_steps == 0
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], nan_ok=True)
+
+
+def test_every_step_skipped_logs_nan_as_model_fit_does():
+    y = np.full_like(Y, np.nan)
+    expected = _model().fit(X, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
+    history = keras_fit(_model(), (X, y), micro_batch=4, accum_steps=4, shuffle=False,
+                        verbose=0, epochs=2, on_nonfinite="skip")
+    assert history.autoaccum_skipped_steps == 8
+    assert set(history.history) == set(expected.history)
+    for name, values in expected.history.items():
+        assert np.isnan(values).all() and np.isnan(history.history[name]).all(), name
