@@ -168,8 +168,8 @@ def test_a_cpu_budget_above_the_machines_ram_is_refused():
 def test_a_second_positional_for_a_flax_model_says_to_pass_x_y_as_one_argument():
     tokens = ragged_tokens(8, 6)
     with pytest.raises(ValueError, match=r"Flax model takes its data as one argument.*"
-                                         r"pass `\(x, y\)`.*Received: y=ndarray of shape "
-                                         r"\(8, 6\) and dtype int32") as info:
+                       r"pass `\(x, y\)`.*Received: y of type "
+                       r"numpy.ndarray with shape \(8, 6\) and dtype int32") as info:
         _fit(data=tokens["tokens"], y=tokens["tokens"])
     assert "[[" not in str(info.value)  # no array printed
 
@@ -179,7 +179,7 @@ def test_a_refused_fit_option_names_the_value_s_type_and_shape_never_the_array()
     with pytest.raises(ValueError) as info:
         _fit(sample_weight=weights)
     message = str(info.value)
-    assert "sample_weight=ndarray of shape (1000,) and dtype float32" in message
+    assert "sample_weight of type numpy.ndarray with shape (1000,) and dtype float32" in message
     assert "999" not in message and len(message) < 600
     with pytest.raises(ValueError, match=r"Received: class_weight=a dict with keys \['0', '1'\]"):
         _fit(class_weight={0: 1.0, 1: 2.0})

@@ -237,7 +237,11 @@ def received(name: str, value: object) -> str:
         text = ", ".join(parts)
         if len(text) <= 120:
             return f"{name}=" + (f"[{text}]" if isinstance(value, list) else f"({text})")
-    shape = getattr(value, "shape", None)
+    if isinstance(value, dict):
+        keys = ", ".join(repr(str(k)) for k in list(value)[:8])
+        return f"{name}=a dict with keys [{keys}{', ...' if len(value) > 8 else ''}]"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if isinstance(shape, tuple):
-        return f"{name} of type {type_name(value)} with shape {shape}"
+        described = f"{name} of type {type_name(value)} with shape {shape}"
+        return described + (f" and dtype {dtype}" if dtype is not None else "")
     return f"{name} of type {type_name(value)}"
