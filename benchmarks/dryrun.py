@@ -2,8 +2,17 @@
 wall time, compiles, depth extrapolation's predicted vs verified need, and the plan; the
 speed-up of concurrent compiles; and extrapolation's accuracy on every shipped architecture.
 
-Targets (issue 14): gemma3_4b on t4 at the lab's settings (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9,
-LoRA 4, seq 400, bf16, effective batch 8) <= 60 s cold and <= 10 s warm; gemma3_27b on
+Where the lab's cold dry run went (issue 20, cProfile and per-compile timing, load ~12): 5
+full programs built (8-12 s each: keras-hub model, optimizer, layout), 5 lowerings, and three
+full-depth compiles (micro-batches 2, 1 and the whole batch of 8; XLA's rematerialization pass
+acts at full depth, so the depth extrapolation cannot answer them): 382 s wall, 178 s CPU. Now
+each depth is built once, the whole batch is not compiled once micro-batch 2 failed by far
+more than its loop costs, and micro-batch 1's full-depth compile runs beside micro-batch 2's
+when 2 is predicted far over the budget. ``--before`` runs the old path beside the new one.
+
+Targets (issues 14 and 20): gemma3_4b on t4 at the lab's settings
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, LoRA 4, seq 400, bf16, effective batch 8 -> 1 x 8)
+<= 60 s cold and <= 5 s warm; gemma3_27b on
 a100-80gb (LoRA 4, seq 2048) <= 120 s cold; extrapolated need within 2% of a full compile on
 every shipped architecture at two micro-batches.
 
