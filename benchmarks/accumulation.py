@@ -2,7 +2,13 @@
 optax.MultiSteps, on the same model and effective batch, from one run.
 
 Targets (issue 2): accumulated >= 0.97 x native examples/s; memory over a plain micro-batch
-step <= one float32 copy of the trainable parameters.
+step <= one float32 copy of the trainable parameters (issue 20 item 4).
+
+The memory table sets the accumulated step's need over a plain micro-batch step side by side
+for the non-finite rollback as it is (the optimizer inside ``lax.cond``:
+``training._nonfinite.update_if_finite``) and as it was before issue 20 (the new and the old
+state both computed, then selected with ``jnp.where``), rebuilt here by swapping that one
+function, so both columns come from the same run.
 
     .venv/bin/python benchmarks/accumulation.py
 """
@@ -17,8 +23,10 @@ import optax
 from _common import median_seconds, print_table
 from flax import nnx
 
+import autoaccum.adapters.flax._program as flax_program_module
 from autoaccum.adapters.flax._program import make_flax_step
 from autoaccum.devices._units import format_bytes
+from autoaccum.training._nonfinite import keep_if_finite
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
@@ -30,6 +38,11 @@ def need(compiled) -> int:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
+
+
+def select_rollback(finite, update, old, *args):
+    """The rollback before issue 20: new and old state side by side, then ``jnp.where``."""
+    return keep_if_finite(finite, update(old, *args), old)
 
 
 def main() -> None:
@@ -44,7 +57,7 @@ def main() -> None:
         p = jax.tree.map(jnp.copy, params)
         return (p, jax.tree.map(jnp.copy, other), tx.init(p))
 
-    rows, results = [], {}
+    rows, results, select_need = [], {}, {}
 
     def plain_step(optimizer):
         """One value_and_grad over the whole given batch, then ``optimizer``: no scan."""
@@ -95,6 +108,14 @@ def main() -> None:
         t = median_seconds(run_accum)
         n = need(step.lower(fresh_state(), stacked, frozen).compile())
         results[f"autoaccum {micro}x{k}"] = (t, n, micro)
+        now = flax_program_module.update_if_finite
+        flax_program_module.update_if_finite = select_rollback
+        try:
+            before = jax.jit(make_flax_step(graphdef, loss_fn=next_token_loss, tx=tx,
+                                            trainable=nnx.Param), donate_argnums=0)
+            select_need[micro] = need(before.lower(fresh_state(), stacked, frozen).compile())
+        finally:
+            flax_program_module.update_if_finite = now
 
     # optax.MultiSteps: k separate calls per optimizer step.
     for micro in (8, 4):
@@ -130,6 +151,21 @@ def main() -> None:
                  "need over plain micro-batch step"], rows)
     print("\nplain micro-batch step need: "
           + ", ".join(f"b={m}: {format_bytes(v)}" for m, v in plain_need.items()))
+    f32 = 4 * n_params
+    memory_rows = []
+    for micro in (8, 4):
+        k = EFFECTIVE // micro
+        now_over = results[f"autoaccum {micro}x{k}"][1] - plain_need[micro]
+        before_over = select_need[micro] - plain_need[micro]
+        ms_over = results[f"optax.MultiSteps {micro}x{k}"][1] - plain_need[micro]
+        memory_rows.append([f"{micro}x{k}", format_bytes(plain_need[micro]),
+                            f"{format_bytes(before_over)} ({before_over / f32:.2f} x)",
+                            f"{format_bytes(now_over)} ({now_over / f32:.2f} x)",
+                            f"{format_bytes(ms_over)} ({ms_over / f32:.2f} x)"])
+    print(f"\nneed over a plain micro-batch step, in float32 trainable parameters "
+          f"({format_bytes(f32)}); target <= 1.00 x")
+    print_table(["micro x accum", "plain step", "autoaccum, where-rollback (before)",
+                 "autoaccum, cond-rollback (now)", "optax.MultiSteps"], memory_rows)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,17 @@
 wall time, compiles, depth extrapolation's predicted vs verified need, and the plan; the
 speed-up of concurrent compiles; and extrapolation's accuracy on every shipped architecture.
 
-Targets (issue 14): gemma3_4b on t4 at the lab's settings (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9,
-LoRA 4, seq 400, bf16, effective batch 8) <= 60 s cold and <= 10 s warm; gemma3_27b on
+Where the lab's cold dry run went (issue 20, cProfile and per-compile timing, load ~12): 5
+full programs built (8-12 s each: keras-hub model, optimizer, layout), 5 lowerings, and three
+full-depth compiles (micro-batches 2, 1 and the whole batch of 8; XLA's rematerialization pass
+acts at full depth, so the depth extrapolation cannot answer them): 382 s wall, 178 s CPU. Now
+each depth is built once, the whole batch is not compiled once micro-batch 2 failed by far
+more than its loop costs, and micro-batch 1's full-depth compile runs beside micro-batch 2's
+when 2 is predicted far over the budget. ``--before`` runs the old path beside the new one.
+
+Targets (issues 14 and 20): gemma3_4b on t4 at the lab's settings
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, LoRA 4, seq 400, bf16, effective batch 8 -> 1 x 8)
+<= 60 s cold and <= 5 s warm; gemma3_27b on
 a100-80gb (LoRA 4, seq 2048) <= 120 s cold; extrapolated need within 2% of a full compile on
 every shipped architecture at two micro-batches.
 
@@ -14,6 +23,8 @@ printed with each row: on a shared 2-core machine it dominates wall times, so CP
 
     .venv/bin/python benchmarks/dryrun.py                     # all parts
     .venv/bin/python benchmarks/dryrun.py --part plans        # the dry-run table only
+    .venv/bin/python benchmarks/dryrun.py --part plans --arch gemma3_4b --before
+                                            # the lab's dry run, before/after issue 20
     .venv/bin/python benchmarks/dryrun.py --part accuracy --arch gemma3_1b llama3.2_1b
 """
 
@@ -49,11 +60,36 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
+def restore_before_issue20() -> None:
+    """The dry run as it was before issue 20's speed work, for a side-by-side table: every
+    probe rebuilds its programs (no reuse across micro-batches), and the whole batch is
+    compiled whenever no affine fit exists (even after a smaller micro-batch failed by far
+    more than the accumulation loop costs)."""
+    import autoaccum.planning._search as search
+    from autoaccum.planning._depth import DepthVariants
+
+    def program(self, depth):
+        if depth == self.full_depth and self.full is not None:
+            return self.full
+        return lambda: self.build(depth)
+
+    DepthVariants.program = program
+    fits = search._whole_batch_may_fit
+
+    def whole_batch_may_fit(affine, limit, budget_bytes, failed=None):
+        return fits(affine, limit, budget_bytes)
+
+    search._whole_batch_may_fit = whole_batch_may_fit
+
+
 def child_plan(args: argparse.Namespace) -> None:
     """One dry-run plan in this process; prints one JSON line."""
     start = time.perf_counter()
     import autoaccum.planning._parallel as parallel
     from autoaccum.adapters.keras.presets import plan_preset
+
+    if args.before:
+        restore_before_issue20()
 
     compiles = []
     original = parallel.compile_lowered
@@ -100,27 +136,34 @@ def _gib(n) -> str:
 
 def part_plans(args: argparse.Namespace) -> None:
     rows = []
+    modes = [("before", ("--before",)), ("now", ())] if args.before else [("now", ())]
     for arch, device, rank, seq, env in PLANS:
         if args.arch and arch not in args.arch:
             continue
-        cache_dir = Path(tempfile.mkdtemp(prefix="autoaccum-bench-"))
-        load = os.getloadavg()[0]
-        cold = _run_child(arch, device, rank, seq, env, cache_dir)
-        warm = _run_child(arch, device, rank, seq, env, cache_dir)
-        error = (None if cold["predicted"] is None or cold["verified"] is None
-                 else (cold["predicted"] - cold["verified"]) / cold["verified"])
-        rows.append([arch, device, f"{load:.1f}", f"{cold['seconds']:.0f}", f"{cold['cpu']:.0f}",
-                     f"{warm['seconds']:.1f}", cold["compiles"], warm["compiles"],
-                     _gib(cold["predicted"]), _gib(cold["verified"]),
-                     "-" if error is None else f"{error:+.2%}",
-                     f"{cold['micro']} x {cold['accum']} ({cold['remat']})",
-                     f"{_gib(cold['need'])} / {_gib(cold['budget'])}", " ".join(cold["probes"])])
-        print(f"[{arch} {device}] cold notes: {cold['notes']}", flush=True)
-    print("\ndry-run plans (fresh process each; probes 'b:GiB', '!' does not fit, 'e' "
-          "extrapolated, 'c' cached)")
-    print_table(["architecture", "device", "load", "cold s", "cold cpu s", "warm s",
-                 "compiles", "warm compiles", "predicted", "verified", "error", "plan",
-                 "need / budget", "probes (cold)"], rows)
+        for mode, extra in modes:
+            cache_dir = Path(tempfile.mkdtemp(prefix="autoaccum-bench-"))
+            load = os.getloadavg()[0]
+            cold = _run_child(arch, device, rank, seq, env, cache_dir, extra=extra)
+            warm = _run_child(arch, device, rank, seq, env, cache_dir, extra=extra)
+            error = (None if cold["predicted"] is None or cold["verified"] is None
+                     else (cold["predicted"] - cold["verified"]) / cold["verified"])
+            rows.append([arch, device, mode, f"{load:.1f}", f"{cold['seconds']:.0f}",
+                         f"{cold['cpu']:.0f}", f"{warm['seconds']:.1f}", f"{warm['cpu']:.1f}",
+                         cold["compiles"], warm["compiles"],
+                         _gib(cold["predicted"]), _gib(cold["verified"]),
+                         "-" if error is None else f"{error:+.2%}",
+                         f"{cold['micro']} x {cold['accum']} ({cold['remat']})",
+                         f"{_gib(cold['need'])} / {_gib(cold['budget'])}",
+                         " ".join(cold["probes"])])
+            print(f"[{arch} {device} {mode}] cold notes: {cold['notes']}", flush=True)
+            print(" | ".join(map(str, rows[-1])), flush=True)
+    print("\ndry-run plans (fresh process each, imports included; cpu s = user + system of "
+          "the process and its children; 'before' = issue 20's speed work undone, see "
+          "restore_before_issue20; probes 'b:GiB', '!' does not fit, 'e' extrapolated, "
+          "'c' cached)")
+    print_table(["architecture", "device", "mode", "load", "cold s", "cold cpu s", "warm s",
+                 "warm cpu s", "compiles", "warm compiles", "predicted", "verified", "error",
+                 "plan", "need / budget", "probes (cold)"], rows)
 
 
 def part_parallel(args: argparse.Namespace) -> None:
@@ -202,6 +245,9 @@ def main() -> None:
     parser.add_argument("--effective-batch", type=int, default=8)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--no-extrapolate", action="store_true")
+    parser.add_argument("--before", action="store_true",
+                        help="also run the plans as before issue 20 (rebuilt programs, "
+                             "whole-batch probe) for a side-by-side table")
     args = parser.parse_args()
     if args.child:
         child_plan(args)

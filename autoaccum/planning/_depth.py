@@ -33,7 +33,7 @@ from typing import Any, TextIO
 
 from ..devices._units import format_bytes
 from ._measure import CompileTarget, MemoryEstimate
-from ._parallel import CompileRequest, measure_all
+from ._parallel import CompileRequest, default_workers, measure_all
 from ._program import TrainProgram
 from ._validate import received
 
@@ -108,14 +108,29 @@ class DepthVariants:
     """Largest relative difference between the prediction and the full-depth compile of the
     final choice for the extrapolation to count as holding."""
 
+    _built: dict[int, TrainProgram] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """Programs built so far, by depth: one build serves every micro-batch (building a
+    keras-hub model and finding its layout took 8-12 s per probe for Gemma3-4B)."""
+
     def __post_init__(self) -> None:
         validate_depths(self.full_depth, self.depths)
 
     def program(self, depth: int) -> TrainProgram | Callable[[], TrainProgram]:
-        """The program at ``depth`` (lazily: a function for the cache to call on a miss)."""
-        if depth == self.full_depth and self.full is not None:
+        """The program at ``depth`` (lazily: a function for the cache to call on a miss;
+        built once, then reused for every micro-batch)."""
+        if depth == self.full_depth and isinstance(self.full, TrainProgram):
             return self.full
-        return lambda: self.build(depth)
+
+        def built() -> TrainProgram:
+            if depth not in self._built:
+                if depth == self.full_depth and self.full is not None:
+                    self._built[depth] = self.full()
+                else:
+                    self._built[depth] = self.build(depth)
+            return self._built[depth]
+
+        return built
 
     def key(self, depth: int) -> Mapping[str, Any] | None:
         """Cache identity of the model at ``depth``."""
@@ -188,12 +203,18 @@ class DepthExtrapolator:
     """
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
-                 log: TextIO | str | None = None, workers: int | None = None) -> None:
+                 log: TextIO | str | None = None, workers: int | None = None,
+                 per_device_batch: int | None = None, budget_bytes: int | None = None
+                 ) -> None:
         self.variants = variants
         self.target = target
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.workers = workers
+        self.per_device_batch = per_device_batch
+        """With ``budget_bytes``: lets a full-depth compile that will very likely not fit
+        bring micro-batch 1's full-depth compile along, side by side (see :meth:`measure`)."""
+        self.budget_bytes = budget_bytes
         self.checks: dict[int, DepthCheck] = {}
         self._full: dict[tuple[int, int], MemoryEstimate] = {}
         self._full_from: int | None = None
@@ -242,18 +263,52 @@ class DepthExtrapolator:
             limit = self._remat_target(predicted)
             if limit is not None and predicted.temp_bytes > limit:
                 self._active = (micro_batch, predicted.temp_bytes, limit)
-            return self.full(micro_batch, accum_steps, why=why)
+            return self.full(micro_batch, accum_steps, why=why,
+                             along=self._micro_batch_one_along(micro_batch, predicted, limit))
         return predicted
 
-    def full(self, micro_batch: int, accum_steps: int, *, why: str = "") -> MemoryEstimate:
-        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached)."""
+    SPECULATE_OVER = 1.5
+    """A full-depth compile brings micro-batch 1's along when the linear prediction (before
+    XLA's rematerialization) is over the budget by more than this factor."""
+
+    def _micro_batch_one_along(self, micro_batch: int, predicted: MemoryEstimate,
+                               limit: float | None) -> tuple[int, int] | None:
+        """Micro-batch 1's full-depth compile, to run beside this probe's, when the search
+        will almost surely need it next: this micro-batch is predicted far over the budget
+        (its compile only says by how much, after XLA's rematerialization), and micro-batch
+        1's temp (at least this one's / ``micro_batch``) also puts it past the
+        rematerialization pass's target, so it too would be compiled at full depth.
+
+        Two compiles side by side use both cores of a 2-core machine (XLA's passes are
+        single-threaded); Gemma3-4B LoRA on a T4: micro-batches 2 and 1, 4B parameters each.
+        """
+        workers = default_workers() if self.workers is None else self.workers
+        if (micro_batch < 2 or self.per_device_batch is None or self.budget_bytes is None
+                or limit is None or workers < 2):
+            return None
+        if predicted.need_bytes <= self.SPECULATE_OVER * self.budget_bytes:
+            return None
+        if predicted.temp_bytes / micro_batch <= limit:
+            return None
+        return (1, self.per_device_batch)
+
+    def full(self, micro_batch: int, accum_steps: int, *, why: str = "",
+             along: tuple[int, int] | None = None) -> MemoryEstimate:
+        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached); ``along``:
+        another (micro-batch, accumulation steps) compiled beside it and kept for later."""
         key = (micro_batch, accum_steps)
         if key not in self._full:
             depth = self.variants.full_depth
-            self._full[key] = measure_all(
-                [CompileRequest(self.variants.program(depth), micro_batch, accum_steps,
-                                self.variants.key(depth))],
-                self.target, cache=self.cache, workers=1)[0]
+            keys = [key] + ([along] if along is not None and along not in self._full
+                            and along != key else [])
+            if len(keys) > 1:
+                self._say(f"micro_batch={micro_batch} is predicted far over the budget: "
+                          f"compiling micro_batch={keys[1][0]} at full depth beside it")
+            estimates = measure_all(
+                [CompileRequest(self.variants.program(depth), b, k, self.variants.key(depth))
+                 for b, k in keys],
+                self.target, cache=self.cache, workers=self.workers if len(keys) > 1 else 1)
+            self._full.update(zip(keys, estimates, strict=True))
         return self._full[key]
 
     def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:

@@ -62,7 +62,8 @@ def plan_by_depth(
       >>> plan.micro_batch, plan.estimate.source  # the whole batch (k=1) compiles in full
       (8, 'compiled')
     """
-    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers)
+    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers,
+                                     per_device_batch=effective_batch, budget_bytes=budget.bytes)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log)
     try:

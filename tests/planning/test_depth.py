@@ -111,6 +111,26 @@ def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_fu
     assert extrapolator.measure(4, 2).source == "compiled"
 
 
+@pytest.mark.parametrize("budget_bytes, along", [(1, True), (2**40, False)])
+def test_a_probe_far_over_the_budget_compiles_micro_batch_one_beside_it(budget_bytes, along):
+    # XLA's pass would act (tiny pool): micro-batch 2 goes to a full-depth compile. Far over
+    # the budget, micro-batch 1 (which the search needs next) is compiled beside it; each
+    # depth's program is built once for every micro-batch.
+    builds = []
+
+    def build(depth):
+        builds.append(depth)
+        return _build(depth)
+
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), target,
+                                     per_device_batch=8, budget_bytes=budget_bytes)
+    extrapolator.measure(2, 4)
+    assert ((1, 8) in extrapolator._full) is along
+    assert extrapolator.measure(1, 8).source == "compiled"
+    assert sorted(builds) == [2, 3, 8]
+
+
 def test_a_shallow_model_is_compiled_in_full():
     assert not DepthVariants(full_depth=4, build=_build).worthwhile
     assert DepthVariants(full_depth=6, build=_build).worthwhile

@@ -38,6 +38,34 @@ def test_whole_batch_is_not_compiled_when_the_fit_puts_it_far_above_the_budget()
     assert 64 not in [p.micro_batch for p in result.probes]
 
 
+def _itemized(b, k, need, *, loop):
+    """An estimate whose accumulation loop (accumulator + stacked batch) is ``loop`` bytes."""
+    acc = 0 if k == 1 else loop // 2
+    batch = b * k * 10 if k == 1 else loop - acc
+    return MemoryEstimate(b, k, 0, 0, 0, 0, batch, acc, need, 0, 0, need, need, "fake", 0.0)
+
+
+def test_whole_batch_is_not_compiled_when_a_smaller_micro_batch_fails_beyond_its_loop():
+    # micro-batch 2 (k=4) needs 1700 of 1340 and its loop costs 10: dropping the loop at
+    # 8 examples cannot bring 4 times the work under the budget (Gemma3-4B LoRA on a T4).
+    def measure(b, k):
+        return _itemized(b, k, 1330 if b == 1 else 1500 + 100 * b, loop=10)
+
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=1340, log=None)
+    assert result.micro_batch == 1
+    assert [p.micro_batch for p in result.probes] == [2, 1]
+
+
+def test_whole_batch_is_compiled_when_the_smaller_micro_batch_fails_within_its_loop():
+    # micro-batch 2 is over by 40 and its loop costs 100: the loop-free step may fit.
+    def measure(b, k):
+        return _itemized(b, k, 900 if k == 1 else 1000 + b, loop=100)
+
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=960, log=None)
+    assert result.micro_batch == 8
+    assert 8 in [p.micro_batch for p in result.probes]
+
+
 def _linear_case():
     model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
 

@@ -31,6 +31,7 @@ from ...training._nonfinite import (
     keep_if_finite,
     keep_values_if_finite,
     step_is_finite,
+    update_if_finite,
     validate_on_nonfinite,
 )
 from ._batch_norm import EffectiveBatchNorm
@@ -137,20 +138,28 @@ def make_flax_step(
         new_other, moments = acc.carry
         if effective:
             new_other = norms.finish(new_other, moments)
-        grads = mean_gradients(acc, params)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
         loss = mean_loss(acc)
         grad_sq_norm = sum(
-            jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)
+            jnp.sum(jnp.square(g.astype(jnp.float32)))
+            for g in jax.tree.leaves(mean_gradients(acc, params))
         )
         finite = step_is_finite(loss, grad_sq_norm)
         # A count of 0 with a non-zero sum would be an unnormalised update: never applied.
         ok = finite & ((acc.count > 0) | (acc.loss_sum == 0))
         counted = (acc.count > 0) | (acc.loss_sum == 0)
-        new_params, new_opt_state = keep_if_finite(
-            counted if optimizer_skips_nonfinite else ok,
-            (new_params, new_opt_state), (params, opt_state))
+
+        def apply(old: Any, grad_sum: Any) -> Any:
+            params, opt_state = old
+            grads = mean_gradients(acc._replace(grad_sum=grad_sum), params)
+            updates, new_opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        # The optimizer runs only for a finite step (lax.cond): the new weights and moments
+        # take the donated buffers of the old ones (no second copy, see _nonfinite). An
+        # optimizer that skips non-finite updates itself (optax.apply_if_finite) always runs.
+        new_params, new_opt_state = update_if_finite(
+            counted if optimizer_skips_nonfinite else ok, apply, (params, opt_state),
+            acc.grad_sum)
         keep_other = (keep_values_if_finite if on_nonfinite == "skip" or optimizer_skips_nonfinite
                       else keep_if_finite)
         new_other = keep_other(ok, new_other, other)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from ...planning._batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
-from ...training._nonfinite import keep_if_finite
+from ...training._nonfinite import keep_if_finite, update_if_finite
 from ._batchnorm import BatchStats
 from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
@@ -173,18 +173,31 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         new_mutable, new_metrics, unscaled_sum, term_acc, stats_acc = acc.carry
         new_mutable = micro.stats.apply(stats_acc, new_mutable)
         grads = mean_gradients(acc, trainable)
-        with optimizer_in_use(model, optimizer), scaled_learning_rate(optimizer, lr_scaling):
-            new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_vars, grads,
-                                                                     trainable)
         loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc, examples)
         new_metrics, logs = micro.finish(new_metrics, loss, examples, term_acc)
         unscale = 1.0 if scale is None else 1.0 / scale
         grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
                                   for g in jax.tree.leaves(grads)), jnp.float32)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_sq)
+
+        def apply(old: tuple, grad_sum: Any) -> tuple:
+            params, opt_vars = old
+            grads = mean_gradients(acc._replace(grad_sum=grad_sum), params)
+            with optimizer_in_use(model, optimizer), scaled_learning_rate(optimizer,
+                                                                          lr_scaling):
+                new_params, new_opt_vars = optimizer.stateless_apply(opt_vars, grads, params)
+            return list(new_params), list(new_opt_vars)
+
+        old = (list(trainable), list(optimizer_vars))
+        if own_handling:  # e.g. a LossScaleOptimizer: it skips a non-finite update itself
+            new_trainable, new_optimizer = apply(old, acc.grad_sum)
+        else:
+            # The optimizer runs only for a finite step (lax.cond): the new weights and
+            # optimizer variables take the donated buffers of the old ones (see _nonfinite).
+            new_trainable, new_optimizer = update_if_finite(finite, apply, old, acc.grad_sum)
+            new_mutable, new_metrics = keep_if_finite(finite, (new_mutable, new_metrics),
+                                                      (mutable, metrics_vars))
         new_state = (new_trainable, new_mutable, new_optimizer, new_metrics)
-        if not own_handling:
-            new_state = keep_if_finite(finite, new_state, state)
         metrics = StepMetrics(
             loss=loss,
             count=acc.count,
