@@ -14,6 +14,7 @@ _quiet_command_line()  # only for the `autoaccum` command, before JAX is importe
 from . import devices as devices
 
 # isort: split
+from ._advise_api import advise as advise
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
@@ -21,6 +22,7 @@ from ._train_step import train_step as train_step
 from .adapters.flax import StepOutput as StepOutput
 from .adapters.flax import TrainStep as TrainStep
 from .adapters.flax import rematerialized as rematerialized
+from .adapters.keras.presets import advise_preset as advise_preset
 from .adapters.keras.presets import plan_preset as plan_preset
 from .cli import plot_plan as plot_plan
 from .devices import DetectedDevice as DetectedDevice
@@ -38,6 +40,8 @@ from .devices import replicate as replicate
 from .devices import shard_batches as shard_batches
 from .planning import LR_RULES as LR_RULES
 from .planning import REMAT_POLICIES as REMAT_POLICIES
+from .planning import Advice as Advice
+from .planning import Alternative as Alternative
 from .planning import Budget as Budget
 from .planning import Candidate as Candidate
 from .planning import CompileTarget as CompileTarget
@@ -48,6 +52,7 @@ from .planning import MemoryEstimate as MemoryEstimate
 from .planning import NeedCache as NeedCache
 from .planning import Plan as Plan
 from .planning import Probe as Probe
+from .planning import Resident as Resident
 from .planning import ResolvedTarget as ResolvedTarget
 from .planning import SearchResult as SearchResult
 from .planning import StepMetrics as StepMetrics

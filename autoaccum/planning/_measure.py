@@ -9,6 +9,7 @@ not used: on CPU it ignores temp.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -143,9 +144,28 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
 
 
+_COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()
+
+
+def compile_count() -> int:
+    """How many steps autoaccum's planning has compiled in this process (every compile of a
+    step goes through :func:`compile_lowered`), for tests and benchmarks that check no
+    compile is wasted.
+
+    Example:
+      >>> compile_count() >= 0
+      True
+    """
+    return _COMPILES[0]
+
+
 def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
-    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`."""
+    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
+    :func:`compile_count`."""
+    with _COMPILES_LOCK:
+        _COMPILES[0] += 1
     options = dict(target.compiler_options) if target is not None else {}
     if target is not None and target.deviceless:
         return compile_deviceless(lowered, target.name, options)
