@@ -116,7 +116,9 @@ def advise(
             target = dict(device=change["device"], budget=None, memory_fraction=None)
         plan, _ = plan_model(
             the_model, data, options=opts, **common, **target,
-            remat=change.get("remat", remat),
+            # Rows without remat in the change plan without it (cheapest first); the
+            # remat stage combines the changes that failed with the most thorough policy.
+            remat=change.get("remat", remat if not change or remat != "auto" else "none"),
             objective=default_objective(objective, target["device"]) if not change
             else "memory",
             method=method if not change else "compile", log=log if not change else None,
@@ -132,7 +134,7 @@ def advise(
         framework = list(changes(model, options)) if changes is not None else []
         floor = error.resident.state_bytes if shapes else 0
         stages: list[Stage] = [lambda found, failed: singles + framework]
-        if not shapes and framework and adapter.has_remat_layers(model, remat_layers):
+        if framework and adapter.has_remat_layers(model, remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
         stages.append(first_fit_stage(larger_devices(error.budget_bytes or 0, floor,
                                                      memory_fraction=memory_fraction)))

@@ -164,8 +164,10 @@ def run_advisor(
             t0 = time.perf_counter()
             try:
                 plan = plan_with(change)
-            except DoesNotFitError as why:
-                first = str(why).splitlines()[0]
+            except Exception as why:  # DoesNotFitError, or a change this model cannot take
+                first = (str(why) or type(why).__name__).splitlines()[0]
+                if not isinstance(why, DoesNotFitError):
+                    first = f"could not plan: {type(why).__name__}: {first}"
                 failed.append((change, first[:240]))
                 if stream is not None:
                     print(f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "

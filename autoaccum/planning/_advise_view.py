@@ -50,7 +50,9 @@ class Alternative:
     def to_dict(self) -> dict[str, Any]:
         return {"change": dict(self.change), "micro_batch": self.micro_batch,
                 "accum_steps": self.accum_steps, "need_bytes": self.need_bytes,
-                "budget_bytes": self.budget_bytes, "relative_flops": self.relative_flops,
+                "budget_bytes": self.budget_bytes,
+                "relative_flops": (None if self.relative_flops != self.relative_flops
+                                   else self.relative_flops),  # NaN (no count): null
                 "flops": self.flops, "source": self.source}
 
 

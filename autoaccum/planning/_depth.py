@@ -188,8 +188,12 @@ class DepthExtrapolator:
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
                  log: TextIO | str | None = None, workers: int | None = None,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, full_compiles: bool = True) -> None:
         self.variants = variants
+        self.full_compiles = full_compiles
+        """``False`` (the advisor's quick rows): where XLA's rematerialization pass may act,
+        answer with the linear prediction instead of a full-depth compile. The pass only
+        lowers temp, so the prediction is an upper bound: a probe it says fits does fit."""
         self.budget_bytes = budget_bytes
         """With a budget, a probe whose extrapolated arguments and outputs alone exceed it
         is answered by the extrapolation (it cannot fit) instead of a full-depth compile."""
@@ -240,7 +244,13 @@ class DepthExtrapolator:
                   f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
                   f"depth {self.variants.full_depth} predicted "
                   f"{format_bytes(predicted.need_bytes)}"
-                  + (f" ({why}: compiling full depth)" if why and not io_over else ""))
+                  + (f" ({why}: compiling full depth)"
+                     if why and not io_over and self.full_compiles else ""))
+        if why and not self.full_compiles:
+            self.checks[micro_batch] = DepthCheck(
+                micro_batch, accum_steps, predicted.need_bytes, per_block, False,
+                f"{why}: the linear prediction, an upper bound, stands (no full-depth compile)")
+            return predicted
         if why and io_over:
             self._say(f"micro_batch={micro_batch}: arguments and outputs alone "
                       f"{format_bytes(io_bytes(predicted))} exceed the budget "

@@ -33,7 +33,9 @@ def plan_by_depth(
     verify: bool = True,
 ) -> Plan:
     """Plans from depth-extrapolated needs; the chosen micro-batch is compiled at full depth
-    (``verify=False``: not, and a note says so; the advisor's quick rows).
+    (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
+    where XLA's rematerialization pass may act the linear prediction, an upper bound, is
+    used; the advisor's quick rows).
 
     The plan stands when that compile fits and is within ``variants.tolerance`` of the
     prediction; otherwise the search is redone with full-depth compiles and the report says
@@ -66,7 +68,7 @@ def plan_by_depth(
       (8, 'compiled')
     """
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers,
-                                     budget_bytes=budget.bytes)
+                                     budget_bytes=budget.bytes, full_compiles=verify)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor)
     try:
@@ -78,7 +80,7 @@ def plan_by_depth(
         close = (smallest and smallest[-1].estimate.source == "extrapolated"
                  and smallest[-1].need_bytes <= budget.bytes * (1 + variants.tolerance)
                  and io_bytes(smallest[-1].estimate) <= budget.bytes)
-        if not close:  # over the budget by more than the extrapolation's tolerance
+        if not close or not verify:  # over by more than the extrapolation's tolerance
             error.probes = label_sources(error.probes)
             raise
         # Within the tolerance of the budget: only a full-depth compile can say.

@@ -41,8 +41,8 @@ def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]
       >>> model = nnx.Sequential(nnx.LoRALinear(4, 4, lora_rank=8, rngs=nnx.Rngs(0)))
       >>> [c for c in flax_advice_changes(model, {"optimizer": optax.adam(1e-3)})
       ...  if "lora_rank" in c or "trainable" in c]
-      [{'trainable': 'lora'}, {'trainable': 'lora', 'lora_rank': 4}, {'trainable': 'lora', 'lora_rank': 2}]
-    """  # noqa: E501
+      [{'trainable': 'lora'}, {'trainable': 'lora', 'lora_rank': 2}]
+    """
     changes: list[dict[str, Any]] = []
     loras = _lora_modules(model)
     if loras:
@@ -50,9 +50,8 @@ def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]
         only = _trains_only_lora(options.get("trainable"))
         if not only:
             changes.append({"trainable": "lora"})
-        for r in (rank // 2, rank // 4):
-            if r >= 1:
-                changes.append({"trainable": "lora", "lora_rank": r})
+        if rank >= 4:  # a smaller rank (the adapters are small already: one row)
+            changes.append({"trainable": "lora", "lora_rank": rank // 4})
     if options.get("optimizer") is not None:
         changes += [{"optimizer": "adamw", "mu_dtype": "bfloat16"}, {"optimizer": "adafactor"},
                     {"optimizer": "lion", "mu_dtype": "bfloat16"}, {"optimizer": "sgd"}]

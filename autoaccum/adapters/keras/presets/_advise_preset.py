@@ -74,11 +74,15 @@ def advise_preset(
 
     def plan_with(change: dict[str, Any]) -> Any:
         settings = {**given, **{k: v for k, v in change.items() if k in given}}
+        if change and "remat" not in change and "device" not in change and remat == "auto":
+            # One policy per row: every block rematerialized, the one most likely to fit
+            # (the row says so; plan it without remat to see whether less recompute fits).
+            settings["remat"] = "nothing"
         target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
         if "device" in change:
             target = dict(device=change["device"], budget=None, memory_fraction=None)
         return plan_preset(name, effective_batch=effective_batch, **settings, **target,
-                           log=stream if not change else None, cache=cache,
+                           log=stream, cache=cache,
                            backbone_overrides=backbone_overrides,
                            verify_depth=not change, **plan_options)
 
@@ -101,13 +105,13 @@ def advise_preset(
         if lora_rank is None:
             stages.append(first_fit_stage([{"lora_rank": r} for r in LORA_RANKS]))
         stages.append(_qlora(lora_rank))
+        stages.append(first_fit_stage(larger_devices(budget_bytes, floor,
+                                                     memory_fraction=memory_fraction)))
         stages.append(lambda found, failed: list(singles))
         if not shapes:
             stages.append(bisect_stage("sequence_length", 16, sequence_length,
                                        step=_step(sequence_length)))
         stages.append(_combined_with_shorter_sequences(sequence_length))
-        stages.append(first_fit_stage(larger_devices(budget_bytes, floor,
-                                                     memory_fraction=memory_fraction)))
         return stages
 
     return run_advisor(plan_with, stages_for, log=stream, target=f"{name}, {device or 'here'}")
