@@ -28,7 +28,7 @@ from ._resident import Resident
 from ._search import DoesNotFitError
 
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
-           "first_fit_stage", "larger_devices", "run_advisor"]
+           "first_fit_stage", "larger_devices", "run_advisor", "step_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +177,7 @@ def run_advisor(
             change = {**change, **({"remat": plan.remat} if plan.remat != "none"
                                    and "remat" not in change else {})}
             found.append(Alternative(change, plan.micro_batch, plan.accum_steps,
-                                     plan.need_bytes, plan.budget_bytes, plan.estimate.flops,
+                                     plan.need_bytes, plan.budget_bytes, step_flops(plan),
                                      0.0, plan.estimate.source, plan))
             if stream is not None:
                 print(f"autoaccum: advise:   fits at {plan.split_text()}, need "
@@ -187,6 +187,20 @@ def run_advisor(
                     alternatives=_ranked(_longest_sequences(found)), tried=tuple(failed),
                     seconds=time.perf_counter() - start)
     return dataclasses.replace(advice, error=error.with_advice(advice))
+
+
+def step_flops(plan: Plan) -> float:
+    """Flops of one optimizer step of ``plan``: XLA's cost analysis counts the body of the
+    accumulation loop once, so the compiled figure is scaled by the micro-steps (exact for
+    the micro-batches; the optimizer update, outside the loop, is counted ``k`` times, small
+    beside a forward and backward pass over a micro-batch).
+
+    Example:
+      >>> from types import SimpleNamespace as NS
+      >>> step_flops(NS(accum_steps=4, estimate=NS(flops=10.0)))
+      40.0
+    """
+    return float(plan.estimate.flops) * max(int(plan.accum_steps), 1)
 
 
 def _longest_sequences(found: list[Alternative]) -> list[Alternative]:

@@ -3,8 +3,8 @@ fit, each row planned (compiled, depth-extrapolated) with its change.
 
 Changes a preset can take: ``lora_rank`` (LoRA instead of a full fine-tune, or a smaller
 rank), ``quantize: "int8"`` with LoRA (int8 frozen weights: QLoRA), ``optimizer``
-(``adafactor``, ``sgd``, ``lion``; Keras optimizers keep their moments in the weights'
-dtype, so there is no separate moment dtype), ``dtype`` (``bfloat16`` weights when they were
+(``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype, so there is
+no separate moment dtype, and Keras's Adafactor keeps a full-size velocity), ``dtype`` (``bfloat16`` weights when they were
 ``float32``), ``remat`` (``nothing``: rematerialize every block), ``sequence_length`` (the
 longest that fits, by bisection) and ``device`` (the smallest shipped GPU profile where the
 configuration as given fits). Changes that cannot shrink the weights and optimizer state
@@ -96,7 +96,9 @@ def advise_preset(
         if dtype == "float32":
             singles.append({"dtype": "bfloat16"})
         if lora_rank is None:
-            for other in ("adafactor", "sgd", "lion"):
+            # Not adafactor: Keras's keeps a full-size velocity per weight (little saved over
+            # AdamW) and its concrete placeholders cannot be built abstractly.
+            for other in ("sgd", "lion"):
                 if other != optimizer.lower():
                     singles.append({"optimizer": other})
         elif lora_rank >= 4:
