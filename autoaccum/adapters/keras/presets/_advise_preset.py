@@ -5,8 +5,8 @@ Changes a preset can take: ``lora_rank`` (LoRA instead of a full fine-tune, or a
 rank), ``quantize: "int8"`` with LoRA (int8 frozen weights: QLoRA), ``optimizer``
 (``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype, so there is
 no separate moment dtype, and Keras's Adafactor keeps a full-size velocity), ``dtype``
-(``bfloat16`` weights when they were ``float32``), ``remat`` (``nothing``: rematerialize every block), ``sequence_length`` (the
-longest that fits, by bisection) and ``device`` (the smallest shipped GPU profile where the
+(``bfloat16`` weights when they were ``float32``), ``remat`` (``nothing``: rematerialize
+every block), ``sequence_length`` (the longest that fits, by bisection) and ``device`` (the smallest shipped GPU profile where the
 configuration as given fits). Changes that cannot shrink the weights and optimizer state
 are not tried when those alone are over the budget.
 """
