@@ -6,9 +6,10 @@ rank), ``quantize: "int8"`` with LoRA (int8 frozen weights: QLoRA), ``optimizer`
 (``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype, so there is
 no separate moment dtype, and Keras's Adafactor keeps a full-size velocity), ``dtype``
 (``bfloat16`` weights when they were ``float32``), ``remat`` (``nothing``: rematerialize
-every block), ``sequence_length`` (the longest that fits, by bisection) and ``device`` (the smallest shipped GPU profile where the
-configuration as given fits). Changes that cannot shrink the weights and optimizer state
-are not tried when those alone are over the budget.
+every block), ``sequence_length`` (the longest that fits, by bisection) and ``device``
+(the smallest shipped GPU profile where the configuration as given fits). Changes that
+cannot shrink the weights and optimizer state are not tried when those alone are over the
+budget.
 """
 
 from __future__ import annotations
