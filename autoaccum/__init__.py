@@ -26,6 +26,7 @@ from . import devices as devices
 # isort: split
 from . import planning as planning
 from . import training as training
+from ._advise_api import advise as advise
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
@@ -34,6 +35,7 @@ from ._version import __version__ as __version__
 from .adapters.flax import StepOutput as StepOutput
 from .adapters.flax import TrainStep as TrainStep
 from .adapters.flax import rematerialized as rematerialized
+from .adapters.keras.presets import advise_preset as advise_preset
 from .adapters.keras.presets import plan_preset as plan_preset
 from .cli import plot_plan as plot_plan
 from .devices import MissingExtraError as MissingExtraError
@@ -41,6 +43,7 @@ from .devices import configure as configure
 from .devices import is_out_of_memory as is_out_of_memory
 from .planning import LR_RULES as LR_RULES
 from .planning import REMAT_POLICIES as REMAT_POLICIES
+from .planning import Advice as Advice
 from .planning import DepthVariant as DepthVariant
 from .planning import DoesNotFitError as DoesNotFitError
 from .planning import Plan as Plan
@@ -54,6 +57,8 @@ from .training import StopTraining as StopTraining
 
 __all__ = [
     # entry points
+    "advise",
+    "advise_preset",
     "configure",
     "fit",
     "measure",
@@ -62,6 +67,7 @@ __all__ = [
     "plot_plan",
     "train_step",
     # plans, steps and results
+    "Advice",
     "DepthVariant",
     "FitResult",
     "Plan",

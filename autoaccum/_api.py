@@ -25,6 +25,7 @@ from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
 from .planning._planner import plan_model, prepare, validate_method
 from .planning._reuse import reuse_plan
+from .planning._search import DoesNotFitError
 from .planning._targets import is_deviceless, resolve_target
 from .planning._validate import (
     no_leftovers,
@@ -75,6 +76,7 @@ def plan(
     cache: Any = True,
     depth_variant: Any = None,
     uneven: bool = True,
+    advise: bool = False,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -142,6 +144,9 @@ def plan(
         5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
         an even split with as few micro-steps is preferred. ``False``: divisors only (13
         micro-batches of 1). Flax and Keras alike; depth-extrapolated plans use divisors.
+      advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
+        ``DoesNotFitError`` then carries the compile-verified changes that fit
+        (``error.alternatives``, and a table in its message).
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -170,14 +175,29 @@ def plan(
                                learning_rate=learning_rate, base_batch=base_batch,
                                lr_rule=lr_rule, adjust_adam=adjust_adam,
                                batch_stats=batch_stats)
-    plan_, prepared = plan_model(model, data, adapter=adapter_for(model),
-                                 effective_batch=effective_batch, options=options,
-                                 budget=budget, device=device,
-                                 memory_fraction=memory_fraction, remat=remat,
-                                 remat_layers=remat_layers,
-                                 objective=default_objective(objective, device),
-                                 method=method, log=log, data_parallel=data_parallel,
-                                 cache=cache, depth_variant=depth_variant, uneven=uneven)
+    try:
+        plan_, prepared = plan_model(model, data, adapter=adapter_for(model),
+                                     effective_batch=effective_batch, options=options,
+                                     budget=budget, device=device,
+                                     memory_fraction=memory_fraction, remat=remat,
+                                     remat_layers=remat_layers,
+                                     objective=default_objective(objective, device),
+                                     method=method, log=log, data_parallel=data_parallel,
+                                     cache=cache, depth_variant=depth_variant, uneven=uneven)
+    except DoesNotFitError as error:
+        if not advise:
+            raise
+        from ._advise_api import advise as run_advisor
+
+        advice = run_advisor(
+            model, data, effective_batch=effective_batch, budget=budget, device=device,
+            memory_fraction=memory_fraction, remat=remat, remat_layers=remat_layers,
+            objective=objective, method=method, log=log, data_parallel=data_parallel,
+            optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+            learning_rate=learning_rate, base_batch=base_batch, lr_rule=lr_rule,
+            adjust_adam=adjust_adam, batch_stats=batch_stats, drop_remainder=drop_remainder,
+            cache=cache, depth_variant=depth_variant, uneven=uneven, _original=error)
+        raise advice.error from None
     return with_examples(plan_, _examples_of(prepared), drops(prepared.adapter, drop_remainder))
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from ..devices._extras import MissingExtraError
 
-__all__ = ["EXTRAS", "CliError", "import_error_message", "report_error"]
+__all__ = ["EXTRAS", "CliError", "import_error_message", "report_does_not_fit", "report_error"]
 
 EXTRAS = {
     "keras": "keras",
@@ -54,6 +55,22 @@ def import_error_message(error: ImportError, what: str) -> str:
     if extra is None:
         return f"{what} failed to import a package: {text}"
     return f"{what} needs {module}, which is not installed: pip install 'autoaccum[{extra}]'"
+
+
+def report_does_not_fit(error: Any, *, json_mode: bool) -> int:
+    """A ``DoesNotFitError``: its message on stderr, or with ``--json`` its JSON form
+    (``{"fits": false, "resident": {...}, "alternatives": [...], "error": ...}``); exit 2.
+
+    Example:
+      >>> from autoaccum.planning import DoesNotFitError
+      >>> report_does_not_fit(DoesNotFitError("no room", budget_bytes=1), json_mode=False)
+      2
+    """
+    if json_mode:
+        print(json.dumps({**error.to_dict(), "exit_code": 2}, indent=2, default=str),
+              flush=True)
+        return 2
+    return report_error(str(error), code=2, json_mode=False)
 
 
 def report_error(message: str, *, code: int, json_mode: bool) -> int:

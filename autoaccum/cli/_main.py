@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from ..devices._quiet import quiet_command_line
+from ._advise import cmd_advise, without_tensorflow
 from ._builder import load_model_function as load_model_function
 from ._builder import merge_flags, plan_kwargs
-from ._errors import CliError, import_error_message, report_error
+from ._errors import CliError, import_error_message, report_does_not_fit, report_error
 from ._tables import print_table
 
 __all__ = ["build_parser", "load_model_function", "main"]
@@ -70,6 +71,7 @@ def _list_presets() -> int:
 def _compute_plan(args: argparse.Namespace) -> Any:
     log = None if args.quiet else sys.stderr
     if args.preset is not None:
+        without_tensorflow()
         try:
             from ..adapters.keras.presets import plan_preset
         except ImportError as error:
@@ -119,6 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
     _prepare_environment(args.device)
+    if args.advise:
+        return cmd_advise(args)
     result = _compute_plan(args)
     if args.json:
         out = result.to_dict()
@@ -257,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", metavar="FILE.png",
                      help="also write need vs micro-batch to this image (after the report)")
     out.add_argument("--quiet", action="store_true", help="no live probe log on stderr")
+    out.add_argument("--advise", action="store_true",
+                     help="when it does not fit: plan again with each change that could help "
+                     "(remat, LoRA rank, int8 frozen weights, optimizer, dtype, sequence "
+                     "length, a larger GPU) and print those that fit, each compiled")
     p.add_argument("--no-cache", action="store_true",
                    help="compile every probe afresh: neither read nor write the need cache "
                    "($AUTOACCUM_CACHE_DIR, default ~/.cache/autoaccum/needs)")
@@ -289,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as error:
         return report_error(str(error), code=error.code, json_mode=json_mode)
     except ValueError as error:  # DoesNotFitError included: bad input or no fit, explained
+        from ..planning import DoesNotFitError
+
+        if isinstance(error, DoesNotFitError):
+            return report_does_not_fit(error, json_mode=json_mode)
         return report_error(str(error), code=2, json_mode=json_mode)
     except ImportError as error:
         return report_error(import_error_message(error, "autoaccum"), code=1,

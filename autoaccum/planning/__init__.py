@@ -7,6 +7,8 @@ Imports only :mod:`autoaccum.devices`; frameworks are reached through :class:`Ad
 from ._adapter import Adapter as Adapter
 from ._adapter import FitSettings as FitSettings
 from ._adapter import Prepared as Prepared
+from ._advise import Advice as Advice
+from ._advise import Alternative as Alternative
 from ._backoff import RealStepRunner as RealStepRunner
 from ._backoff import auto_plan as auto_plan
 from ._backoff import backoff_search as backoff_search
@@ -41,6 +43,8 @@ from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._report import SCHEMA_VERSION as SCHEMA_VERSION
 from ._report import Limit as Limit
 from ._report import limiting_factor as limiting_factor
+from ._resident import Resident as Resident
+from ._resident import resident_of as resident_of
 from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
@@ -54,6 +58,8 @@ __all__ = [
     "REMAT_POLICIES",
     "SCHEMA_VERSION",
     "Adapter",
+    "Advice",
+    "Alternative",
     "Budget",
     "Candidate",
     "CompileRequest",
@@ -71,6 +77,7 @@ __all__ = [
     "Prepared",
     "Probe",
     "RealStepRunner",
+    "Resident",
     "ResolvedTarget",
     "SearchResult",
     "StepMetrics",
@@ -90,6 +97,7 @@ __all__ = [
     "plan_program",
     "profile_budget",
     "resolve_cache",
+    "resident_of",
     "resolve_target",
     "scale_learning_rate",
     "search_micro_batch",

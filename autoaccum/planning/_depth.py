@@ -204,17 +204,23 @@ class DepthExtrapolator:
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
                  log: TextIO | str | None = None, workers: int | None = None,
-                 per_device_batch: int | None = None, budget_bytes: int | None = None
-                 ) -> None:
+                 per_device_batch: int | None = None, budget_bytes: int | None = None,
+                 full_compiles: bool = True) -> None:
         self.variants = variants
+        self.full_compiles = full_compiles
+        """``False`` (the advisor's quick rows): where XLA's rematerialization pass may act,
+        answer with the linear prediction instead of a full-depth compile. The pass only
+        lowers temp, so the prediction is an upper bound: a probe it says fits does fit."""
+        self.budget_bytes = budget_bytes
+        """With a budget, a probe whose extrapolated arguments and outputs alone exceed it
+        is answered by the extrapolation (it cannot fit) instead of a full-depth compile;
+        with ``per_device_batch`` too, a full-depth compile that will very likely not fit
+        brings micro-batch 1's full-depth compile along, side by side (see :meth:`measure`)."""
         self.target = target
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.workers = workers
         self.per_device_batch = per_device_batch
-        """With ``budget_bytes``: lets a full-depth compile that will very likely not fit
-        bring micro-batch 1's full-depth compile along, side by side (see :meth:`measure`)."""
-        self.budget_bytes = budget_bytes
         self.checks: dict[int, DepthCheck] = {}
         self._full: dict[tuple[int, int], MemoryEstimate] = {}
         self._full_from: int | None = None
@@ -251,13 +257,29 @@ class DepthExtrapolator:
             return self.full(micro_batch, accum_steps, why=why)
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
         why = self._fails(small, predicted)
+        io_over = self.budget_bytes is not None and io_bytes(predicted) > self.budget_bytes
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
                                               per_block, why == "", why or "linear in depth")
         self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
                   f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
                   f"depth {self.variants.full_depth} predicted "
                   f"{format_bytes(predicted.need_bytes)}"
-                  + (f" ({why}: compiling full depth)" if why else ""))
+                  + (f" ({why}: compiling full depth)"
+                     if why and not io_over and self.full_compiles else ""))
+        if why and not self.full_compiles:
+            self.checks[micro_batch] = DepthCheck(
+                micro_batch, accum_steps, predicted.need_bytes, per_block, False,
+                f"{why}: the linear prediction, an upper bound, stands (no full-depth compile)")
+            return predicted
+        if why and io_over:
+            self._say(f"micro_batch={micro_batch}: arguments and outputs alone "
+                      f"{format_bytes(io_bytes(predicted))} exceed the budget "
+                      f"{format_bytes(self.budget_bytes)}, which rematerialization cannot "
+                      "shrink: no full-depth compile")
+            self.checks[micro_batch] = DepthCheck(
+                micro_batch, accum_steps, predicted.need_bytes, per_block, False,
+                "arguments and outputs alone exceed the budget (not compiled at full depth)")
+            return predicted
         if why:
             self._full_from = min(self._full_from or micro_batch, micro_batch)
             limit = self._remat_target(predicted)
@@ -367,6 +389,17 @@ class DepthExtrapolator:
                 out.append(f"depth extrapolation: micro_batch {check.micro_batch} compiled at "
                            f"full depth ({check.why})")
         return tuple(out)
+
+
+def io_bytes(estimate: MemoryEstimate) -> int:
+    """Arguments + outputs - aliased: the part of a step's need that XLA's rematerialization
+    cannot shrink (weights, optimizer state, batch, results).
+
+    Example:
+      >>> io_bytes(MemoryEstimate(2, 4, 0, 0, 0, 0, 0, 0, 100, 90, 80, 50, 160, "t", 0.0))
+      110
+    """
+    return estimate.argument_bytes + estimate.output_bytes - estimate.alias_bytes
 
 
 def extrapolate(low: MemoryEstimate, high: MemoryEstimate, d1: int, d2: int,

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from ..devices._units import format_bytes
 from ._budget import Budget
-from ._depth import DepthExtrapolator, DepthVariants
+from ._depth import DepthExtrapolator, DepthVariants, io_bytes
 from ._lr import LearningRateScaling
 from ._measure import CompileTarget
 from ._plan import Plan, search_plan
@@ -29,8 +29,13 @@ def plan_by_depth(
     log: TextIO | str | None = "stderr",
     notes: tuple[str, ...] = (),
     workers: int | None = None,
+    accumulating_floor: int = 0,
+    verify: bool = True,
 ) -> Plan:
-    """Plans from depth-extrapolated needs; the chosen micro-batch is compiled at full depth.
+    """Plans from depth-extrapolated needs; the chosen micro-batch is compiled at full depth
+    (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
+    where XLA's rematerialization pass may act the linear prediction, an upper bound, is
+    used; the advisor's quick rows).
 
     The plan stands when that compile fits and is within ``variants.tolerance`` of the
     prediction; otherwise the search is redone with full-depth compiles and the report says
@@ -63,16 +68,20 @@ def plan_by_depth(
       (8, 'compiled')
     """
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers,
-                                     per_device_batch=effective_batch, budget_bytes=budget.bytes)
+                                     per_device_batch=effective_batch, budget_bytes=budget.bytes,
+                                     full_compiles=verify)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
-                  target=target.name, log=log)
+                  target=target.name, log=log, accumulating_floor=accumulating_floor)
     try:
         plan = search_plan(extrapolator.measure, notes=notes, **common)
     except DoesNotFitError as error:
         smallest = [p for p in error.probes if p.micro_batch == 1]
+        # Arguments and outputs (weights, optimizer state, batch) are what XLA's
+        # rematerialization cannot shrink: over the budget, no full-depth compile can fit.
         close = (smallest and smallest[-1].estimate.source == "extrapolated"
-                 and smallest[-1].need_bytes <= budget.bytes * (1 + variants.tolerance))
-        if not close:  # over the budget by more than the extrapolation's tolerance
+                 and smallest[-1].need_bytes <= budget.bytes * (1 + variants.tolerance)
+                 and io_bytes(smallest[-1].estimate) <= budget.bytes)
+        if not close or not verify:  # over by more than the extrapolation's tolerance
             error.probes = label_sources(error.probes)
             raise
         # Within the tolerance of the budget: only a full-depth compile can say.
@@ -82,6 +91,10 @@ def plan_by_depth(
     if plan.estimate.source != "extrapolated":  # the choice was compiled at full depth
         return dataclasses.replace(plan, probes=label_sources(plan.probes),
                                    notes=(*plan.notes, *extrapolator.notes()))
+    if not verify:  # the advisor's quick rows: extrapolated, and they say so
+        return dataclasses.replace(plan, probes=label_sources(plan.probes),
+                                   notes=(*plan.notes, *extrapolator.notes(),
+                                          "depth-extrapolated, not verified at full depth"))
     verified = extrapolator.verify(plan.micro_batch, plan.accum_steps)
     check = Probe(plan.micro_batch, plan.accum_steps, verified.need_bytes,
                   verified.need_bytes <= budget.bytes, "verify at full depth", verified)

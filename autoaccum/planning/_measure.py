@@ -9,6 +9,7 @@ not used: on CPU it ignores temp.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -143,9 +144,28 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
 
 
+_COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()
+
+
+def compile_count() -> int:
+    """How many steps autoaccum's planning has compiled in this process (every compile of a
+    step goes through :func:`compile_lowered`), for tests and benchmarks that check no
+    compile is wasted.
+
+    Example:
+      >>> compile_count() >= 0
+      True
+    """
+    return _COMPILES[0]
+
+
 def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
-    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`."""
+    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
+    :func:`compile_count`."""
+    with _COMPILES_LOCK:
+        _COMPILES[0] += 1
     options = dict(target.compiler_options) if target is not None else {}
     if target is not None and target.deviceless:
         return compile_deviceless(lowered, target.name, options)
@@ -250,10 +270,13 @@ def measure_program(
     """
     target = target or CompileTarget()
     start = time.perf_counter()
-    compiled = compile_step(program, micro_batch, accum_steps, target, last=last)
+    lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
+    with program.lowering_context():
+        compiled = compile_lowered(lowered, target)
     seconds = time.perf_counter() - start
     estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
-                                      target=target.name, seconds=seconds, last=last)
+                                      target=target.name, seconds=seconds, last=last,
+                                      lowered=lowered)
     if estimate is None:
         raise RuntimeError(
             f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
@@ -264,12 +287,14 @@ def measure_program(
 
 def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: int,
                            accum_steps: int, *, target: str, seconds: float,
-                           last: int | None = None) -> MemoryEstimate | None:
+                           last: int | None = None, lowered: Any = None
+                           ) -> MemoryEstimate | None:
     """Itemizes a compiled step of ``program`` (``None`` if XLA reports no memory)."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
-    return estimate_from_analysis(program, analysis, _cost(compiled), micro_batch, accum_steps,
+    return estimate_from_analysis(program, analysis, _cost(compiled, lowered), micro_batch,
+                                  accum_steps,
                                   target=target, seconds=seconds, last=last,
                                   compile_note=getattr(compiled, "autoaccum_compile_note", ""))
 
@@ -308,14 +333,35 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
     )
 
 
-def _cost(compiled: Any) -> dict:
+def _cost(compiled: Any, lowered: Any = None) -> dict:
+    """XLA's cost analysis of the compiled step; where the backend gives none (a deviceless
+    GPU compile reports no flops), XLA's HLO cost analysis of the lowered step on the CPU
+    client (the same program before backend passes; rematerialized blocks count twice, as
+    they run)."""
     try:
         analysis = compiled.cost_analysis()
     except Exception:  # some backends have no cost model
-        return {}
+        analysis = {}
     if isinstance(analysis, list | tuple):
         analysis = analysis[0] if analysis else {}
-    return dict(analysis or {})
+    cost = dict(analysis or {})
+    if not cost.get("flops") and lowered is not None:
+        cost = {**cost, **_hlo_cost(lowered)}
+    return cost
+
+
+def _hlo_cost(lowered: Any) -> dict:
+    """``flops`` and ``bytes accessed`` of a lowered step from its HLO (``{}`` if XLA's
+    analysis is not reachable in this jaxlib)."""
+    try:
+        from jax._src.lib import xla_client
+
+        module = lowered.compiler_ir("hlo").get_hlo_module()
+        client = jax.devices("cpu")[0].client
+        cost = xla_client._xla.hlo_module_cost_analysis(client, module)
+    except Exception:
+        return {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
 
 
 def _elements(tree: Any) -> int:

@@ -153,8 +153,8 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
             outputs = list(pool.map(compile_one, pending))
     else:
         outputs = [compile_one(item) for item in pending]
-    for (i, program, _, keys, material), (compiled, seconds) in zip(pending, outputs,
-                                                                      strict=True):
+    for (i, program, lowered, keys, material), (compiled, seconds) in zip(pending, outputs,
+                                                                            strict=True):
         request = requests[i]
         analysis = compiled.memory_analysis()
         if analysis is None:
@@ -163,7 +163,7 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
                 "backend that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA "
                 "target)."
             )
-        estimate = estimate_from_analysis(program, analysis, _cost(compiled),
+        estimate = estimate_from_analysis(program, analysis, _cost(compiled, lowered),
                                           request.micro_batch, request.accum_steps,
                                           last=request.last,
                                           target=target.name,

@@ -291,11 +291,15 @@ def search_plan(
     log: TextIO | str | None = "stderr",
     notes: tuple[str, ...] = (),
     measure_uneven: Any = None,
+    accumulating_floor: int = 0,
 ) -> Plan:
     """Runs the compile-only search and returns the plan.
 
     ``measure_uneven(b, k, last)``: compiles an uneven step, so the plan may end with a smaller
     micro-batch (see :func:`~._search.search_micro_batch`); ``None``: divisors only.
+    ``accumulating_floor``: bytes every accumulating step needs at least (state and gradient
+    accumulator, :class:`~._resident.Resident`); over the budget, only the whole batch is
+    compiled.
 
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
     device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
@@ -308,6 +312,7 @@ def search_plan(
         budget_bytes=budget.bytes,
         log=log,
         measure_uneven=measure_uneven,
+        accumulating_floor=accumulating_floor,
     )
     if data_parallel > 1 or _process_count() > 1:
         search, agreement = agree_across_processes(search, measure,

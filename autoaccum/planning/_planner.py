@@ -25,6 +25,7 @@ from ._policies import (
     with_failed_policies,
 )
 from ._program import TrainProgram, tree_bytes
+from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, divisors
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
 from ._validate import check_enough_examples, no_leftovers, received, validate_effective_batch
@@ -43,6 +44,8 @@ def plan_program(
     cache: Any = None,
     depth_variants: DepthVariants | None = None,
     uneven: bool = False,
+    verify_depth: bool = True,
+    resident: Resident | Callable[[], Resident] | None = None,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -58,7 +61,11 @@ def plan_program(
     :class:`~autoaccum.planning._cache.NeedCache`) that answers repeated compiles.
     ``depth_variants``: the same model at other depths (:mod:`._depth`); the search then
     runs on needs extrapolated from two small depths and one full-depth compile verifies the
-    choice. ``program`` may be a function building it (called only when needed).
+    choice (``verify_depth=False``: not; the advisor's quick rows). ``program`` may be a
+    function building it (called only when needed). ``resident``: the program's
+    :class:`~._resident.Resident` memory (or a function computing it more cheaply than
+    building the program); by default read from the program. When its weights and
+    optimizer state exceed the budget, planning stops before any compile.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -81,23 +88,30 @@ def plan_program(
         program = program()
     mesh = program.mesh if isinstance(program, TrainProgram) else None
     if resolved is None:
-        resident = 0
+        weights = 0
         if isinstance(program, TrainProgram):
-            resident = (tree_bytes(program.parts.get("trainable"))
-                        + tree_bytes(program.parts.get("frozen")))
-        resolved = resolve_target(device, budget, resident_bytes=resident,
+            weights = (tree_bytes(program.parts.get("trainable"))
+                       + tree_bytes(program.parts.get("frozen")))
+        resolved = resolve_target(device, budget, resident_bytes=weights,
                                   memory_fraction=memory_fraction, mesh=mesh)
     notes = (f"device advice: {resolved.advice}",) if resolved.advice else ()
     notes += tuple(resolved.budget.margin_lines())
     need_cache = resolve_cache(cache)
+    built: list[TrainProgram] = [program] if isinstance(program, TrainProgram) else []
+    resident = program_resident(program, built, depth_variants, need_cache, resident)
+    check_resident(resident, resolved.budget.bytes, memory_fraction=memory_fraction,
+                   target=resolved.compile_target.name)
+    if built and depth_variants is not None and depth_variants.full is program:
+        depth_variants = dataclasses.replace(depth_variants, full=built[0])
+    floor = resident.accumulating_bytes
     if depth_variants is not None and depth_variants.worthwhile and mesh is None:
         by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
                                  lr_scaling=lr_scaling, budget=resolved.budget,
                                  target=resolved.compile_target, cache=need_cache, log=log,
-                                 notes=notes)
+                                 notes=notes, accumulating_floor=floor,
+                                 verify=verify_depth)
         return dataclasses.replace(by_depth, profile=_profile_key(resolved),
                                    deviceless=resolved.kind == "deviceless")
-    built: list[TrainProgram] = []
 
     def the_program() -> TrainProgram:
         if not built:
@@ -120,6 +134,7 @@ def plan_program(
         target=resolved.compile_target.name,
         log=log,
         notes=notes,
+        accumulating_floor=floor,
     )
     return _finish(plan, resolved)
 
@@ -234,6 +249,10 @@ def plan_model(
                         + tree_bytes(program.parts.get("frozen")))
             resolved = resolve_target(device, budget, resident_bytes=resident,
                                       memory_fraction=memory_fraction, mesh=mesh)
+            # Weights and optimizer state over the budget: no policy, no micro-batch can help.
+            check_resident(resident_of(program), resolved.budget.bytes,
+                           memory_fraction=memory_fraction,
+                           target=resolved.compile_target.name)
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         try:

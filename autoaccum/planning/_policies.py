@@ -50,5 +50,6 @@ def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError
     return DoesNotFitError(
         f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
         "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
-        "weights), or a larger budget/device."
+        "weights), or a larger budget/device. autoaccum.advise(...) (same arguments; CLI: "
+        "--advise) lists compile-verified changes that fit."
     )

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..devices._units import format_bytes, format_bytes_pair
 from ._measure import MemoryEstimate
@@ -66,12 +66,53 @@ class SearchResult:
 
 
 class DoesNotFitError(ValueError):
-    """Even micro-batch 1 needs more memory than the budget."""
+    """Even micro-batch 1 needs more memory than the budget.
 
-    def __init__(self, message: str, *, probes: tuple[Probe, ...] = ()) -> None:
+    ``resident`` (a :class:`~._resident.Resident`, when the verdict came from shapes alone,
+    before any compile), ``budget_bytes``, ``smallest_profile`` (the smallest shipped GPU
+    profile whose budget holds the resident state) and ``alternatives`` (compile-verified
+    changes that fit, from :func:`autoaccum.advise`; empty unless the advisor ran) say why
+    and what would help; :meth:`to_dict` is the JSON form, and a notebook shows it as tables.
+    """
+
+    def __init__(self, message: str, *, probes: tuple[Probe, ...] = (), resident: Any = None,
+                 budget_bytes: int | None = None, smallest_profile: str | None = None,
+                 alternatives: tuple[Any, ...] = ()) -> None:
         super().__init__(message)
         self.probes = probes
         """The probes that led to the verdict."""
+        self.resident = resident
+        """Bytes the step holds whatever the micro-batch, per category (``None`` when the
+        verdict came from compiles)."""
+        self.budget_bytes = budget_bytes
+        self.smallest_profile = smallest_profile
+        """Key of the smallest shipped GPU profile whose budget holds the resident state."""
+        self.alternatives = tuple(alternatives)
+        """Compile-verified changes that fit (:class:`~._advise.Alternative`), best first."""
+        self.advice: Any = None
+        """The whole :class:`~._advise.Advice` when the advisor ran."""
+
+    def with_advice(self, advice: Any) -> DoesNotFitError:
+        """This error with the advisor's table attached (attribute and message)."""
+        error = DoesNotFitError(f"{self.args[0]}\n{advice.table_text()}", probes=self.probes,
+                                resident=self.resident if self.resident is not None
+                                else advice.resident,
+                                budget_bytes=self.budget_bytes or advice.budget_bytes,
+                                smallest_profile=self.smallest_profile,
+                                alternatives=advice.alternatives)
+        error.advice = advice
+        return error
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"fits": false, "error": ..., "resident": {...}, "alternatives": [...]}``."""
+        from ._advise_view import error_dict
+
+        return error_dict(self)
+
+    def _repr_html_(self) -> str:
+        from ._advise_view import error_html
+
+        return error_html(self)
 
 
 def divisors(n: int) -> list[int]:
@@ -113,6 +154,23 @@ def _whole_batch_may_fit(affine: tuple[float, float] | None, limit: int,
     return loop <= 0 or failed.need_bytes - 2 * loop <= budget_bytes
 
 
+LOOP_ALLOWANCE = 2**20
+"""Bytes of the accumulation loop's own buffers (besides the gradient accumulator) that a
+step without the loop may also drop; on tiny models they decide whether the whole batch
+fits where micro-batch 1 does not."""
+
+
+def _whole_batch_after_one(one: Probe | None, budget_bytes: int) -> bool:
+    """Whether the whole batch is worth a compile given micro-batch 1's probe: only if that
+    need, less what the loop-free step may drop (the gradient accumulator and
+    :data:`LOOP_ALLOWANCE`), fits; the whole batch's arguments (the same examples) and
+    activations are at least micro-batch 1's."""
+    if one is None or one.fits:
+        return True
+    droppable = one.estimate.accumulator_bytes + LOOP_ALLOWANCE
+    return one.need_bytes - droppable <= budget_bytes
+
+
 def search_micro_batch(
     measure: Callable[[int, int], MemoryEstimate],
     *,
@@ -121,6 +179,7 @@ def search_micro_batch(
     log: TextIO | str | None = "stderr",
     advice: str = "",
     measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
+    accumulating_floor: int = 0,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget.
 
@@ -130,6 +189,13 @@ def search_micro_batch(
     even split with the same ``k`` is preferred when there is one (12 with room for 5: 4 x 3,
     not 5 + 5 + 2); the uneven step is verified by its own compile. Without it only divisors
     of ``per_device_batch`` are chosen (13 with room for 5: 13 micro-batches of 1).
+
+    ``accumulating_floor``: bytes every step with ``k > 1`` needs at least (weights,
+    optimizer state and the gradient accumulator, known from shapes); when it exceeds the
+    budget only the whole batch (``k = 1``) is compiled. Once micro-batch 1 does not fit, the
+    whole batch is compiled only if micro-batch 1's need less its gradient accumulator (what
+    ``k = 1`` can drop, and :data:`LOOP_ALLOWANCE`) fits: activations only grow with the
+    micro-batch.
 
     ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
     a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as
@@ -149,7 +215,8 @@ def search_micro_batch(
       (7, 4, [2, 4, 7, 8])
       >>> def no_loop_is_smaller(b, k):  # a tiny model: k = 1 drops the loop's buffers
       ...     n = 140 if k == 1 else 150 + b
-      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
+      ...     acc = 0 if k == 1 else 20  # its float32 gradient accumulator
+      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, n, 0, 0, 0, n, "fake", 0.0)
       >>> search_micro_batch(no_loop_is_smaller, per_device_batch=32, budget_bytes=145,
       ...                    log=None).micro_batch
       32
@@ -197,6 +264,19 @@ def search_micro_batch(
         return max(fitting, default=0), min(failing, default=limit + 1)
 
     all_divisors = divisors(limit)
+    if limit > 1 and accumulating_floor > budget_bytes:
+        p = probe(limit, "whole batch: no accumulating step can fit")
+        if p.fits:
+            return SearchResult(micro_batch=limit, max_micro_batch=limit, estimate=p.estimate,
+                                probes=tuple(order), affine=None,
+                                seconds=time.perf_counter() - start)
+        raise DoesNotFitError(
+            f"No micro-batch fits: every accumulating step needs at least "
+            f"{format_bytes(accumulating_floor)} (weights, optimizer state and the float32 "
+            f"gradient accumulator, known from shapes), over the budget of "
+            f"{format_bytes(budget_bytes)}, and the whole batch of {limit} in one step needs "
+            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''}",
+            probes=tuple(order), budget_bytes=budget_bytes)
 
     def undecided(lo: int, hi: int) -> bool:
         """Whether the boundary in (lo, hi) matters: any micro-batch there for an uneven split,
@@ -247,8 +327,9 @@ def search_micro_batch(
         lo = 1 if p1.fits else 0
     failed = min((p for p in order if not p.fits and p.micro_batch < limit),
                  key=lambda p: p.micro_batch, default=None)
-    if lo < limit and limit not in probes and _whole_batch_may_fit(affine, limit, budget_bytes,
-                                                                   failed):
+    if (lo < limit and limit not in probes
+            and _whole_batch_may_fit(affine, limit, budget_bytes, failed)
+            and _whole_batch_after_one(probes.get(1), budget_bytes)):
         probe(limit, "whole batch (no accumulation loop)")
     if limit in probes and probes[limit].fits:
         lo = limit  # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not
@@ -260,8 +341,10 @@ def search_micro_batch(
             f"{budget_text} by {format_bytes(need - budget_bytes)}. What would "
             "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
             "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
-            f"or a larger budget/device.{(' ' + advice) if advice else ''}",
-            probes=tuple(order),
+            f"or a larger budget/device.{(' ' + advice) if advice else ''} "
+            "autoaccum.advise(...) (same arguments; CLI: --advise) lists compile-verified "
+            "changes that fit.",
+            probes=tuple(order), budget_bytes=budget_bytes,
         )
     if measure_uneven is not None and lo < limit:
         steps = math.ceil(limit / lo)

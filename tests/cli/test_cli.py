@@ -240,3 +240,22 @@ def test_flags_win_over_the_builders_options_and_say_so(capsys):
 def test_effective_batch_is_required_from_the_flag_or_the_builder(capsys):
     assert main(["plan", "--model", "tests._plans:builder", "--quiet"]) == 2
     assert "--effective-batch is required" in capsys.readouterr().err
+
+
+def test_a_model_over_the_budget_from_shapes_is_a_json_no_with_the_breakdown(capsys):
+    assert main([*TINY, "--budget", "4KiB", "--json", "--quiet"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["probes"] == []
+    assert out["resident"]["trainable_weights_bytes"] > 0
+    assert out["resident"]["state_bytes"] > out["budget_bytes"] == 4096
+    assert out["smallest_profile"] == "t4" and "nothing compiled" in out["error"]
+
+
+@pytest.mark.slow  # the advisor plans a dozen rows, one of them for a deviceless T4
+def test_advise_prints_rows_that_fit_as_json(capsys):
+    assert main([*TINY, "--budget", "200KiB", "--json", "--quiet", "--advise"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["alternatives"]
+    for row in out["alternatives"]:
+        assert row["need_bytes"] <= row["budget_bytes"]
+        assert set(row) >= {"change", "micro_batch", "accum_steps", "relative_flops"}

@@ -113,11 +113,19 @@ def test_measure_itemizes_the_step(program):
 
 def test_budget_too_small_even_for_micro_batch_one_names_what_would_help():
     model = TinyLM(rngs=nnx.Rngs(0))
-    with pytest.raises(autoaccum.DoesNotFitError) as info:
+    with pytest.raises(autoaccum.DoesNotFitError) as info:  # weights over it: from shapes
         autoaccum.plan(model, ragged_tokens(8, 8), effective_batch=8, optimizer=optax.sgd(0.1),
                        loss_fn=token_loss, budget="4KiB", log=None)
     message = str(info.value)
-    for hint in ("micro_batch=1", "rematerialization", "LoRA", "shorter sequences", "dtype"):
+    for hint in ("nothing compiled", "trainable weights", "optimizer state", "advise"):
+        assert hint in message
+    budget = info.value.resident.accumulating_bytes + 256  # state fits, no step does
+    with pytest.raises(autoaccum.DoesNotFitError) as info:
+        autoaccum.plan(model, ragged_tokens(8, 8), effective_batch=8, optimizer=optax.sgd(0.1),
+                       loss_fn=token_loss, budget=budget, log=None)
+    message = str(info.value)
+    for hint in ("micro_batch=1", "rematerialization", "LoRA", "shorter sequences", "dtype",
+                 "advise"):
         assert hint in message
 
 

@@ -106,6 +106,19 @@ class FlaxAdapter:
                         {"tx": tx, "loss_fn": loss_fn, "batch_stats": batch_stats,
                          "nnx_optimizer": link, "source": source, **kwargs})
 
+    def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
+        """Changes the advisor may plan for this model (see :mod:`._advise`)."""
+        from ._advise import flax_advice_changes
+
+        return flax_advice_changes(model, options)
+
+    def apply_change(self, model: Any, options: dict,
+                     change: dict[str, Any]) -> tuple[Any, dict]:
+        """An abstract copy of ``model`` and new options with ``change`` applied."""
+        from ._advise import flax_apply_change
+
+        return flax_apply_change(model, options, change)
+
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:
         return rematerialized(model, policy, layers=layers)

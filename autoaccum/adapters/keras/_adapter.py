@@ -22,6 +22,10 @@ from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, ker
 __all__ = ["KerasAdapter"]
 
 
+KERAS_OPTIMIZERS = ("adafactor", "sgd", "lion")
+"""Optimizers the advisor tries for a Keras model."""
+
+
 class KerasAdapter:
     """Compiled ``keras.Model``\\ s (JAX backend), trained with their own loss and optimizer.
 
@@ -54,7 +58,7 @@ class KerasAdapter:
     def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
                 remat: str, remat_layers: Any) -> Prepared:
         from ._program import ensure_built, find_layout
-        from ._scope import planning_optimizer
+        from ._scope import built_for_planning, planning_optimizer
         from ._sources import keras_data
 
         check_keras_model(model)
@@ -79,7 +83,9 @@ class KerasAdapter:
         spec = arrays.example_spec()
         batch = arrays.num_examples  # Keras's first batch: its shape errors name it
         ensure_built(model, spec, batch_size=batch)
-        optimizer = planning_optimizer(model)
+        replacement = options.pop("advice_optimizer", None)
+        optimizer = (planning_optimizer(model) if replacement is None
+                     else built_for_planning(replacement, model))
         layout = find_layout(model, spec, optimizer, batch_size=batch)
         program = keras_remat_program(model, spec, remat, layers=remat_layers,
                                       optimizer=optimizer, layout=layout, lr_scaling=scaling,
@@ -88,6 +94,32 @@ class KerasAdapter:
         extras = {"data": source, "optimizer": optimizer, "layout": layout,
                   "learning_rate": explicit}
         return Prepared(program, sample, scaling, self, remat, extras)
+
+    def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
+        """Changes the advisor may plan for a Keras model: another optimizer (Keras keeps
+        moments in the weights' dtype). LoRA, dtype and int8 changes would rebuild or
+        rewrite the user's model; they are offered for keras-hub presets
+        (``autoaccum plan --preset NAME --advise``).
+
+        Example:
+          >>> KerasAdapter().advice_changes(None, {})[0]
+          {'optimizer': 'adafactor'}
+        """
+        current = type(getattr(model, "optimizer", None)).__name__.lower()
+        return [{"optimizer": name} for name in KERAS_OPTIMIZERS if name != current]
+
+    def apply_change(self, model: Any, options: dict,
+                     change: dict[str, Any]) -> tuple[Any, dict]:
+        """``model`` unchanged and options that make :meth:`prepare` trace the step with
+        another optimizer (a fresh one; the model's own is not touched)."""
+        import keras
+
+        if set(change) != {"optimizer"} or change["optimizer"] not in KERAS_OPTIMIZERS:
+            raise ValueError("The Keras adapter can apply only {'optimizer': one of "
+                             f"{KERAS_OPTIMIZERS}}}. Received: change={change!r}")
+        classes = {"adafactor": keras.optimizers.Adafactor, "sgd": keras.optimizers.SGD,
+                   "lion": keras.optimizers.Lion}
+        return model, {**options, "advice_optimizer": classes[change["optimizer"]]()}
 
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:

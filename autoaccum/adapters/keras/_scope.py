@@ -86,6 +86,14 @@ def planning_optimizer(model: Any) -> Any:
     return clone
 
 
+def built_for_planning(optimizer: Any, model: Any) -> Any:
+    """``optimizer`` (made outside any stateless scope) built for ``model``'s trainable
+    variables with deferred variables: its slots are never allocated."""
+    with keras_lowering_scope():
+        optimizer.build(model.trainable_variables)
+    return optimizer
+
+
 @contextlib.contextmanager
 def optimizer_in_use(model: Any, optimizer: Any) -> Iterator[None]:
     """Within the block ``model.optimizer`` is ``optimizer`` (Keras's loss scaling reads it)."""

@@ -4,6 +4,7 @@ allocated, and dry-run plans for them: ``autoaccum plan --preset gemma3_4b``."""
 from ._abstract_lm import abstract_state as abstract_state
 from ._abstract_lm import abstract_token_batch as abstract_token_batch
 from ._abstract_lm import build_abstract_causal_lm as build_abstract_causal_lm
+from ._advise_preset import advise_preset as advise_preset
 from ._architectures import Architecture as Architecture
 from ._architectures import architectures_dir as architectures_dir
 from ._architectures import list_architectures as list_architectures
@@ -13,6 +14,7 @@ from ._plan_preset import plan_preset as plan_preset
 __all__ = [
     "Architecture",
     "abstract_state",
+    "advise_preset",
     "abstract_token_batch",
     "architectures_dir",
     "build_abstract_causal_lm",

@@ -82,6 +82,7 @@ def build_abstract_causal_lm(
     lora_rank: int | None = None,
     optimizer: Any = None,
     backbone_overrides: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> Any:
     """The keras-hub ``CausalLM`` of ``architecture``, compiled, with no weight allocated.
 
@@ -89,7 +90,11 @@ def build_abstract_causal_lm(
     default targets (attention query and value); ``optimizer`` defaults to
     :func:`default_optimizer` and, if given, must have been made outside any stateless scope;
     ``backbone_overrides`` replace entries of the shipped backbone config (e.g. a smaller
-    ``num_layers`` for a quick test). No preprocessor is attached. The model's variables have
+    ``num_layers`` for a quick test). ``quantize="int8"`` builds the backbone's dense
+    projections (every ``Dense``/``EinsumDense`` in its blocks) with int8 kernels and a
+    scale, as ``model.quantize("int8")`` leaves them, so LoRA on top is the QLoRA route;
+    built from a quantized dtype policy, no float kernel is ever made. No preprocessor is
+    attached. The model's variables have
     no values (see the module docstring): lower ``model.stateless_call`` with
     :func:`abstract_state`; do not call the model, ``fit`` it, or read ``variable.value``.
 
@@ -135,7 +140,11 @@ def build_abstract_causal_lm(
     kwargs.update(backbone_overrides or {})
     kwargs["dtype"] = dtype
 
+    if quantize is not None and quantize != "int8":
+        raise ValueError(f"quantize must be None or 'int8'. Received: quantize={quantize!r}")
     pending_before = _pending_ids(global_state)
+    if quantize is not None:
+        kwargs["dtype"] = _quantized_policy(backbone_cls, kwargs, dtype, global_state)
     with keras.StatelessScope(initialize_variables=False):
         backbone = backbone_cls(**kwargs)
         model = task_cls(backbone=backbone, preprocessor=None, compile=False)
@@ -145,6 +154,35 @@ def build_abstract_causal_lm(
         optimizer.build(model.trainable_variables)
     _forget_pending(global_state, keep=pending_before)
     return model
+
+
+QUANTIZABLE = ("Dense", "EinsumDense")
+
+
+def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str, global_state: Any) -> Any:
+    """A ``DTypePolicyMap``: ``int8_from_<dtype>`` for every dense projection inside the
+    backbone's blocks (found by building it once, abstractly), ``dtype`` elsewhere."""
+    import re
+
+    import keras
+    from keras.dtype_policies import DTypePolicyMap
+
+    keep = _pending_ids(global_state)
+    small = {**kwargs}
+    if isinstance(small.get("num_layers"), int):  # the names repeat block after block
+        small["num_layers"] = min(small["num_layers"], 2)
+    with keras.StatelessScope(initialize_variables=False):
+        probe = backbone_cls(**small)
+    paths = sorted({re.sub(r"\d+", r"\\d+", re.escape(layer.path))
+                    for layer in probe._flatten_layers()
+                    if type(layer).__name__ in QUANTIZABLE and "/" in layer.path})
+    _forget_pending(global_state, keep=keep)
+    if not paths:
+        raise ValueError(f"{backbone_cls.__name__} has no Dense/EinsumDense layer inside its "
+                         "blocks to quantize. Received: quantize='int8'")
+    policy = keras.dtype_policies.get(f"int8_from_{dtype}")
+    pattern = "|".join(paths)
+    return DTypePolicyMap(default_policy=dtype, policy_map={f"({pattern})": policy})
 
 
 def abstract_state(model: Any) -> AbstractState:

@@ -16,6 +16,8 @@ from ....planning._lr import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._plan import Plan
 from ....planning._planner import plan_program
 from ....planning._policies import label_policy, with_failed_policies
+from ....planning._program import tree_bytes
+from ....planning._resident import Resident
 from ....planning._search import DoesNotFitError
 from ....planning._validate import validate_effective_batch, validate_positive_int
 from .._remat import keras_remat_program
@@ -66,6 +68,8 @@ def plan_preset(
     remat: str = "auto",
     cache: Any = True,
     extrapolate: bool = True,
+    quantize: str | None = None,
+    verify_depth: bool = True,
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
 
@@ -79,7 +83,10 @@ def plan_preset(
     lr_rule="linear"``.
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
-    compile (:mod:`autoaccum.planning._depth`); ``False`` compiles every probe in full.
+    compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
+    as the advisor's quick rows do); ``False`` compiles every probe in full.
+    ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
+    ``lora_rank``: QLoRA; see :func:`._abstract_lm.build_abstract_causal_lm`).
 
     Example:
       >>> p = plan_preset("gemma3_1b", effective_batch=4, lora_rank=4, sequence_length=16,
@@ -115,37 +122,67 @@ def plan_preset(
             return _preset_program(arch, dtype=dtype, lora_rank=lora_rank,
                                    optimizer=optimizer, learning_rate=base_lr,
                                    overrides=overrides, sequence_length=sequence_length,
-                                   policy=policy)
+                                   policy=policy, quantize=quantize)
 
         identity = {"kind": "keras-hub architecture", "backbone": arch.backbone_class,
                     "task": arch.causal_lm_class,
                     "config": {k: v for k, v in config.items() if k != "num_layers"},
                     "dtype": dtype, "lora_rank": lora_rank, "sequence_length": sequence_length,
-                    "optimizer": optimizer.lower(), "learning_rate": base_lr, "remat": policy}
+                    "optimizer": optimizer.lower(), "learning_rate": base_lr, "remat": policy,
+                    **({"quantize": quantize} if quantize is not None else {})}
         variants = None
         if extrapolate and isinstance(depth, int):
             variants = DepthVariants(full_depth=depth, build=build, full=build,
                                      identity=identity)
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
+        def resident() -> Resident:  # the abstract model alone: no symbolic build
+            return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank,
+                                    optimizer=optimizer, learning_rate=base_lr,
+                                    overrides=dict(backbone_overrides or {}),
+                                    quantize=quantize)
+
         try:
             plan = plan_program(build, effective_batch=effective_batch, lr_scaling=scaling,
+                                resident=resident,
                                 budget=budget, device=device, memory_fraction=memory_fraction,
-                                log=log, cache=cache, depth_variants=variants)
+                                log=log, cache=cache, depth_variants=variants,
+                                verify_depth=verify_depth)
         except DoesNotFitError as error:
+            if error.resident is not None:  # known from shapes: no policy can help
+                raise
             failures.append((policy, error))
             continue
         return with_failed_policies(label_policy(plan, policy), failures)
     raise failures[-1][1]
 
 
+def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
+                     learning_rate: float, overrides: dict[str, Any],
+                     quantize: str | None = None) -> Resident:
+    """The resident memory of ``arch`` from its abstract variables (no step is traced)."""
+    import math
+
+    from ._abstract_lm import abstract_state, build_abstract_causal_lm
+
+    model = build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
+                                     optimizer=_optimizer(optimizer, learning_rate),
+                                     backbone_overrides=overrides, quantize=quantize)
+    state = abstract_state(model)
+    return Resident(frozen_bytes=tree_bytes(state.non_trainable),
+                    trainable_bytes=tree_bytes(state.trainable),
+                    gradient_bytes=4 * sum(math.prod(s.shape) for s in state.trainable),
+                    optimizer_bytes=tree_bytes(state.optimizer),
+                    other_bytes=tree_bytes(state.metrics))
+
+
 def _preset_program(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
                     learning_rate: float, overrides: dict[str, Any], sequence_length: int,
-                    policy: str) -> Any:
+                    policy: str, quantize: str | None = None) -> Any:
     """The accumulated Keras step of ``arch`` (with ``overrides``), built with no weights."""
     from ._abstract_lm import build_abstract_causal_lm
 
     model = build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
                                      optimizer=_optimizer(optimizer, learning_rate),
-                                     backbone_overrides=overrides)
+                                     backbone_overrides=overrides, quantize=quantize)
     return keras_remat_program(model, token_example_spec(sequence_length), policy)

@@ -1,0 +1,107 @@
+"""The Flax adapter's side of the advisor: which changes a Flax NNX model can take, and how
+each is applied to an abstract copy (the user's model is never touched).
+
+Changes (keys of the change dict):
+
+* ``optimizer`` (``"adafactor"``, ``"sgd"``, ``"lion"``, ``"adamw"``) with ``mu_dtype``
+  (``"bfloat16"``: optax keeps the first moment in bfloat16; ``nu`` stays float32);
+* ``trainable: "lora"``: train only the ``nnx.LoRAParam`` adapters of a model that has
+  ``nnx.LoRA`` / ``nnx.LoRALinear`` layers, and ``lora_rank``: those layers at another rank;
+* ``weight_dtype: "bfloat16"``: every float32 parameter stored in bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = ["flax_advice_changes", "flax_apply_change"]
+
+_OPTIMIZERS = {"adafactor": optax.adafactor, "sgd": optax.sgd, "lion": optax.lion,
+               "adamw": optax.adamw, "adam": optax.adam}
+
+
+def _lora_modules(model: nnx.Module) -> list[nnx.LoRA]:
+    return [m for _, m in model.iter_modules() if isinstance(m, nnx.LoRA)]
+
+
+def _trains_only_lora(trainable: Any) -> bool:
+    return trainable is nnx.LoRAParam
+
+
+def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]]:
+    """The framework changes worth planning for ``model`` with ``options`` (plan's options).
+
+    Example:
+      >>> model = nnx.Sequential(nnx.LoRALinear(4, 4, lora_rank=8, rngs=nnx.Rngs(0)))
+      >>> [c for c in flax_advice_changes(model, {"optimizer": optax.adam(1e-3)})
+      ...  if "lora_rank" in c or "trainable" in c]
+      [{'trainable': 'lora'}, {'trainable': 'lora', 'lora_rank': 2}]
+    """
+    changes: list[dict[str, Any]] = []
+    loras = _lora_modules(model)
+    if loras:
+        rank = max(int(m.lora_a.value.shape[-1]) for m in loras)
+        only = _trains_only_lora(options.get("trainable"))
+        if not only:
+            changes.append({"trainable": "lora"})
+        if rank >= 4:  # a smaller rank (the adapters are small already: one row)
+            changes.append({"trainable": "lora", "lora_rank": rank // 4})
+    if options.get("optimizer") is not None:
+        changes += [{"optimizer": "adamw", "mu_dtype": "bfloat16"}, {"optimizer": "adafactor"},
+                    {"optimizer": "lion", "mu_dtype": "bfloat16"}, {"optimizer": "sgd"}]
+    params = nnx.state(model, nnx.Param)
+    if any(getattr(leaf, "dtype", None) == jnp.float32 for leaf in jax.tree.leaves(params)):
+        changes.append({"weight_dtype": "bfloat16"})
+    return changes
+
+
+def flax_apply_change(model: nnx.Module, options: dict,
+                      change: dict[str, Any]) -> tuple[nnx.Module, dict]:
+    """An abstract copy of ``model`` and a copy of ``options`` with ``change`` applied.
+
+    Example:
+      >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      >>> new, _ = flax_apply_change(model, {}, {"weight_dtype": "bfloat16"})
+      >>> new.kernel.value.dtype, model.kernel.value.dtype
+      (dtype(bfloat16), dtype('float32'))
+    """
+    unknown = set(change) - {"optimizer", "mu_dtype", "trainable", "lora_rank", "weight_dtype"}
+    if unknown:
+        raise ValueError(f"The Flax adapter cannot apply {sorted(unknown)}. Received: "
+                         f"change={change!r}")
+    options = dict(options)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    dtype = jnp.dtype(change["weight_dtype"]) if "weight_dtype" in change else None
+
+    def abstract(leaf: Any, cast: Any = None) -> Any:
+        if not hasattr(leaf, "shape"):
+            return leaf
+        wanted = cast if cast is not None and leaf.dtype == jnp.float32 else leaf.dtype
+        return jax.ShapeDtypeStruct(leaf.shape, wanted)
+
+    copy = nnx.merge(graphdef, jax.tree.map(lambda x: abstract(x, dtype), params),
+                     jax.tree.map(abstract, rest))
+    if change.get("trainable") == "lora":
+        options["trainable"] = nnx.LoRAParam
+    if "lora_rank" in change:
+        rank = int(change["lora_rank"])
+        for module in _lora_modules(copy):
+            a, b = module.lora_a.value, module.lora_b.value
+            module.lora_a = nnx.LoRAParam(jax.ShapeDtypeStruct((*a.shape[:-1], rank), a.dtype))
+            module.lora_b = nnx.LoRAParam(jax.ShapeDtypeStruct((rank, *b.shape[1:]), b.dtype))
+    if "optimizer" in change:
+        factory = _OPTIMIZERS[change["optimizer"]]
+        if change.get("mu_dtype"):
+            factory = functools.partial(factory, mu_dtype=jnp.dtype(change["mu_dtype"]))
+        # The rate does not change memory; a factory keeps the user's rate and its scaling.
+        if options.get("learning_rate") is not None:
+            options["optimizer"] = factory
+        else:
+            options["optimizer"] = factory(1e-3)
+    return copy, options

@@ -1,0 +1,307 @@
+"""What would fit: single changes and the cheapest combinations, each verified by planning.
+
+The advisor is framework-free. It receives the changes worth trying (each a small dict such
+as ``{"remat": "nothing"}``, ``{"lora_rank": 8}``, ``{"optimizer": "adafactor"}``,
+``{"device": "a100-40gb"}``) and a function that plans with a change applied; what a change
+means for a model (a new LoRA rank, another optimizer, int8 frozen weights) is the
+adapter's business (``Adapter.advice_changes`` / ``Adapter.apply_change``) or the preset
+planner's. A row is only ever listed when planning with its change succeeded, i.e. its
+step was compiled (or, for a model of repeated blocks, depth-extrapolated and verified as
+the planner always does) and fits the same budget; its cost is the compiled program's
+``cost_analysis()`` flops relative to the cheapest row. Changes whose resident state is
+over the budget are refused from shapes alone (no compile), as planning always does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TextIO
+
+from ..devices._units import format_bytes
+from ._advise_view import Alternative, describe_change, render_html
+from ._plan import Plan
+from ._resident import Resident
+from ._search import DoesNotFitError
+
+__all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
+           "first_fit_stage", "larger_devices", "run_advisor", "step_flops"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """The advisor's answer: whether the configuration fits as given, what it holds whatever
+    the micro-batch, and the changes that fit (cheapest step first).
+
+    ``tried`` lists the changes planned that did not fit, with the first line of why. In a
+    notebook it shows as a table; ``report()`` is the text, ``to_dict()`` the JSON form.
+    """
+
+    fits: bool
+    budget_bytes: int
+    target: str
+    resident: Resident | None = None
+    alternatives: tuple[Alternative, ...] = ()
+    tried: tuple[tuple[dict[str, Any], str], ...] = ()
+    plan: Plan | None = dataclasses.field(default=None, repr=False)
+    """The plan of the configuration as given, when it fits."""
+    error: DoesNotFitError | None = dataclasses.field(default=None, repr=False)
+    """Why the configuration as given does not fit (with this advice attached)."""
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    def table_text(self) -> str:
+        """The alternatives as a plain table (what ``DoesNotFitError``'s message shows)."""
+        if not self.alternatives:
+            return ("What would fit (each row planned and compiled): nothing among the "
+                    f"{len(self.tried)} changes tried.")
+        head = ["change", "micro x accum", "need / budget", "rel. flops", "source"]
+        rows = [[a.describe(), a.split,
+                 f"{format_bytes(a.need_bytes)} / {format_bytes(a.budget_bytes)}",
+                 f"{a.relative_flops:.2f}", a.source] for a in self.alternatives]
+        widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+        lines = ["What would fit (each row planned with its change and compiled; relative "
+                 "flops per optimizer step, 1.00 = cheapest row):"]
+        for r in [head, *rows]:
+            lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths,
+                                                                            strict=True)))
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        """The verdict, the resident breakdown, the table, and the changes that did not fit."""
+        lines = [f"autoaccum advice ({self.target}): the configuration as given "
+                 + ("fits" if self.fits else "does not fit")
+                 + (f": {self.plan!r}" if self.fits and self.plan is not None else "")]
+        if self.resident is not None:
+            lines += ["memory held whatever the micro-batch (from shapes):",
+                      self.resident.table(self.budget_bytes)]
+        lines.append(self.table_text())
+        if self.tried:
+            lines.append("tried, does not fit:")
+            lines += [f"  {describe_change(c)}: {why}" for c, why in self.tried]
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"advisor time: {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"fits": ..., "resident": {...}, "alternatives": [...], ...}`` (JSON-ready)."""
+        return {"fits": self.fits, "target": self.target, "budget_bytes": self.budget_bytes,
+                "resident": self.resident.to_dict() if self.resident is not None else None,
+                "alternatives": [a.to_dict() for a in self.alternatives],
+                "tried": [{"change": dict(c), "why": why} for c, why in self.tried],
+                "plan": self.plan.to_dict() if self.plan is not None else None,
+                "notes": list(self.notes), "advise_seconds": self.seconds}
+
+    def _repr_html_(self) -> str:
+        return render_html(self.fits, self.resident, self.budget_bytes, self.alternatives,
+                     title=f"autoaccum advice ({html.escape(self.target)})")
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+PlanWith = Callable[[dict[str, Any]], Plan]
+"""Plans the configuration with a change applied (``{}``: as given); raises
+``DoesNotFitError`` when nothing fits."""
+
+Stage = Callable[[list["Alternative"], list[tuple[dict, str]]], Iterable[dict[str, Any]]]
+"""Proposes changes to try, given the live lists of rows found so far and of changes that did
+not fit (a generator sees each result before proposing the next: bisection, early stops)."""
+
+
+def run_advisor(
+    plan_with: PlanWith,
+    stages_for: Callable[[DoesNotFitError], Sequence[Stage]],
+    *,
+    target: str = "",
+    log: TextIO | str | None = "stderr",
+    original: Plan | DoesNotFitError | None = None,
+) -> Advice:
+    """Plans the configuration as given; if it does not fit, each change the stages propose.
+
+    ``stages_for(error)`` gets the original verdict (with ``error.resident`` when the weights
+    and optimizer state alone were over the budget, so changes that cannot shrink them are
+    not proposed). A change is planned once; a row is kept only when its plan succeeded.
+
+    Example:
+      >>> from autoaccum.planning._search import DoesNotFitError
+      >>> def plan_with(change):  # a stand-in where nothing fits
+      ...     raise DoesNotFitError("no", budget_bytes=1)
+      >>> def stages_for(error):
+      ...     return [lambda found, failed: [{"lora_rank": 8}, {"lora_rank": 8}]]
+      >>> advice = run_advisor(plan_with, stages_for, log=None)
+      >>> advice.fits, advice.alternatives, [c for c, _ in advice.tried]
+      (False, (), [{'lora_rank': 8}])
+      >>> "lora_rank=8" in advice.error.args[0]
+      False
+    """
+    stream = sys.stderr if log == "stderr" else log
+    start = time.perf_counter()
+    if original is None:
+        try:
+            original = plan_with({})
+        except DoesNotFitError as error:
+            original = error
+    if isinstance(original, Plan):
+        return Advice(True, original.budget_bytes, original.target, plan=original,
+                      seconds=time.perf_counter() - start)
+    error = original
+    found: list[Alternative] = []
+    failed: list[tuple[dict, str]] = []
+    seen: list[dict] = []
+    budget = error.budget_bytes or 0
+    for stage in stages_for(error):
+        for change in stage(found, failed):
+            if change in seen:
+                continue
+            seen.append(change)
+            if stream is not None:
+                print(f"autoaccum: advise: trying {describe_change(change)} ...", file=stream,
+                      flush=True)
+            t0 = time.perf_counter()
+            try:
+                plan = plan_with(change)
+            except Exception as why:  # DoesNotFitError, or a change this model cannot take
+                first = (str(why) or type(why).__name__).splitlines()[0]
+                if not isinstance(why, DoesNotFitError):
+                    first = f"could not plan: {type(why).__name__}: {first}"
+                failed.append((change, first[:240]))
+                if stream is not None:
+                    print(f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "
+                          f"s): {first[:160]}", file=stream, flush=True)
+                continue
+            budget = budget or plan.budget_bytes
+            change = {**change, **({"remat": plan.remat} if plan.remat != "none"
+                                   and "remat" not in change else {})}
+            found.append(Alternative(change, plan.micro_batch, plan.accum_steps,
+                                     plan.need_bytes, plan.budget_bytes, step_flops(plan),
+                                     0.0, plan.estimate.source, plan))
+            if stream is not None:
+                print(f"autoaccum: advise:   fits at {plan.split_text()}, need "
+                      f"{format_bytes(plan.need_bytes)} ({time.perf_counter() - t0:.1f} s)",
+                      file=stream, flush=True)
+    advice = Advice(False, budget, target, resident=error.resident,
+                    alternatives=_ranked(_longest_sequences(found)), tried=tuple(failed),
+                    seconds=time.perf_counter() - start)
+    return dataclasses.replace(advice, error=error.with_advice(advice))
+
+
+def step_flops(plan: Plan) -> float:
+    """Flops of one optimizer step of ``plan``: XLA's cost analysis counts the body of the
+    accumulation loop once, so the compiled figure is scaled by the micro-steps (exact for
+    the micro-batches; the optimizer update, outside the loop, is counted ``k`` times, small
+    beside a forward and backward pass over a micro-batch).
+
+    Example:
+      >>> from types import SimpleNamespace as NS
+      >>> step_flops(NS(accum_steps=4, estimate=NS(flops=10.0)))
+      40.0
+    """
+    return float(plan.estimate.flops) * max(int(plan.accum_steps), 1)
+
+
+def _longest_sequences(found: list[Alternative]) -> list[Alternative]:
+    """Of rows that differ only in ``sequence_length`` (a bisection), the longest."""
+    best: dict[str, Alternative] = {}
+    out: list[Alternative] = []
+    for a in found:
+        if "sequence_length" not in a.change:
+            out.append(a)
+            continue
+        rest = describe_change({k: v for k, v in a.change.items() if k != "sequence_length"})
+        if rest not in best or (a.change["sequence_length"]
+                                > best[rest].change["sequence_length"]):
+            best[rest] = a
+    return out + list(best.values())
+
+
+def bisect_stage(key: str, low: int, high: int, *, base: dict[str, Any] | None = None,
+                 step: int = 8, max_tries: int = 6) -> Stage:
+    """A stage that bisects ``key`` (e.g. ``"sequence_length"``) for the largest value in
+    ``[low, high)`` that fits, in multiples of ``step``, at most ``max_tries`` plans.
+
+    Example:
+      >>> stage = bisect_stage("sequence_length", 8, 64)
+      >>> found, failed = [], []
+      >>> tried = []
+      >>> for change in stage(found, failed):  # pretend up to 40 fits
+      ...     tried.append(change["sequence_length"])
+      ...     if change["sequence_length"] <= 40:
+      ...         found.append(Alternative(change, 1, 1, 0, 0, 0.0, 0.0, "t"))
+      >>> tried
+      [32, 48, 40]
+    """
+    base = dict(base or {})
+
+    def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> Iterator[dict]:
+        lo, hi = 0, -(-high // step)  # in steps: lo fits (0: none yet), hi does not
+        low_steps = max(1, -(-low // step))
+        tries = 0
+        while hi - lo > 1 and tries < max_tries:
+            mid = (max(lo, low_steps - 1) + hi) // 2
+            if mid <= lo or mid < low_steps:
+                break
+            change = {**base, key: mid * step}
+            tries += 1
+            yield change
+            if found and found[-1].change.get(key) == mid * step and all(
+                    found[-1].change.get(k) == v for k, v in base.items()):
+                lo = mid
+            else:
+                hi = mid
+
+    return stage
+
+
+def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
+    """A stage that tries ``changes`` in order and stops at the first that fits (the
+    smallest device where the configuration fits, the largest LoRA rank, ...).
+
+    Example:
+      >>> stage = first_fit_stage([{"device": "l4"}, {"device": "a100-40gb"}])
+      >>> found = []
+      >>> [c for c in stage(found, [])]
+      [{'device': 'l4'}, {'device': 'a100-40gb'}]
+    """
+    def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> Iterator[dict]:
+        for change in changes:
+            count = len(found)
+            yield change
+            if len(found) > count:
+                return
+
+    return stage
+
+
+def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
+                   memory_fraction: float | None = None) -> list[dict[str, Any]]:
+    """``{"device": key}`` for each shipped GPU profile whose budget is above both
+    ``budget_bytes`` and ``floor_bytes``, smallest budget first.
+
+    Example:
+      >>> [c["device"] for c in larger_devices(30 * 2**30)][:1]
+      ['a100-40gb']
+    """
+    from ..devices._profiles import all_profiles
+    from ._budget import profile_budget
+
+    rows = []
+    for profile in all_profiles():
+        if not profile.is_gpu:
+            continue
+        b = profile_budget(profile, memory_fraction).bytes
+        if b > budget_bytes and b >= floor_bytes:
+            rows.append((b, profile.key))
+    return [{"device": key} for _, key in sorted(rows)]
+
+
+def _ranked(found: list[Alternative]) -> tuple[Alternative, ...]:
+    """Rows cheapest first, with flops relative to the cheapest row that has a count."""
+    counted = [a.flops for a in found if a.flops > 0]
+    base = min(counted) if counted else 0.0
+    rows = [dataclasses.replace(a, relative_flops=(a.flops / base if base and a.flops > 0
+                                                   else float("nan"))) for a in found]
+    return tuple(sorted(rows, key=lambda a: (a.flops <= 0, a.flops, -a.micro_batch)))

@@ -1,0 +1,127 @@
+"""When it does not fit: the "no" from shapes, and the advisor's compile-verified table.
+
+Targets (issue 20), on this CPU, each command in a fresh process (imports included) against
+its own cache folder ("cold": empty; "warm": the same command again):
+
+* ``autoaccum plan --preset gemma3_4b --seq-len 400 --device t4 --effective-batch 8`` (a
+  full fine-tune) says "no" with the resident breakdown in <= 20 s cold (it compiled six
+  full-depth programs for 14 min 44 s before);
+* its ``--advise`` table in <= 3 min cold;
+* the table for gemma3_12b with LoRA 4 on a T4.
+
+The machine's load average is printed with each row: on a shared 2-core machine it dominates
+wall times, so CPU seconds (user + system of the process and its children) are printed
+beside them.
+
+    .venv/bin/python benchmarks/advise.py                  # all parts
+    .venv/bin/python benchmarks/advise.py --part no        # the "no" only (cold, warm)
+    .venv/bin/python benchmarks/advise.py --part advise --case gemma3_12b
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import print_table
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {  # name: the CLI arguments
+    "gemma3_4b": ["--preset", "gemma3_4b", "--seq-len", "400", "--device", "t4",
+                  "--effective-batch", "8"],
+    "gemma3_12b": ["--preset", "gemma3_12b", "--seq-len", "400", "--device", "t4",
+                   "--effective-batch", "8", "--lora-rank", "4"],
+}
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(args: list[str], cache: str) -> tuple[dict, float, float, float]:
+    """``autoaccum plan ARGS --json`` in a fresh process: (its JSON, wall s, CPU s, load)."""
+    env = {**os.environ, "AUTOACCUM_CACHE_DIR": cache,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    load = os.getloadavg()[0]
+    cpu0, start = _children_cpu(), time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "autoaccum", "plan", *args, "--json"],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu0
+    try:
+        out = json.loads(done.stdout)
+    except ValueError:
+        raise SystemExit(f"autoaccum plan {' '.join(args)} printed no JSON "
+                         f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+                         f"{done.stderr[-4000:]}") from None
+    return out, wall, cpu, load
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def part_no() -> None:
+    print("## The 'no' from shapes: gemma3_4b full fine-tune on a T4 (seq 400, batch 8)\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("cold", "warm"):
+            out, wall, cpu, load = run(CASES["gemma3_4b"], cache)
+            rows.append([label, f"{wall:.1f}", f"{cpu:.1f}", f"{load:.1f}",
+                         "no" if out.get("fits") is False else "yes",
+                         len(out.get("probes", [])), out.get("smallest_profile")])
+    print_table(["run", "wall s", "CPU s", "load", "fits", "compiles", "smallest profile"],
+                rows)
+    resident = out.get("resident") or {}
+    print()
+    print_table(["resident (from shapes)", "bytes"],
+                [[k.removesuffix("_bytes").replace("_", " "), _gib(v)]
+                 for k, v in resident.items()] + [["budget", _gib(out.get("budget_bytes"))]])
+    print()
+
+
+def part_advise(cases: list[str]) -> None:
+    for case in cases:
+        print(f"## Advisor table: {' '.join(CASES[case])} --advise (cold)\n")
+        with tempfile.TemporaryDirectory() as cache:
+            out, wall, cpu, load = run([*CASES[case], "--advise"], cache)
+        rows = [[", ".join(f"{k}={v}" for k, v in a["change"].items()),
+                 f"{a['micro_batch']} x {a['accum_steps']}",
+                 f"{_gib(a['need_bytes'])} / {_gib(a['budget_bytes'])}",
+                 "-" if a["relative_flops"] is None else f"{a['relative_flops']:.2f}",
+                 a["source"]] for a in out["alternatives"]]
+        print_table(["change", "micro x accum", "need / budget", "rel. flops", "source"],
+                    rows)
+        print("\ntried, does not fit:")
+        for t in out["tried"]:
+            print(f"  {', '.join(f'{k}={v}' for k, v in t['change'].items())}: "
+                  f"{t['why'][:150]}")
+        print(f"\nfits as given: {out['fits']}; wall {wall:.1f} s, CPU {cpu:.1f} s, "
+              f"load average at start {load:.1f}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "no", "advise"], default="all")
+    parser.add_argument("--case", nargs="*", choices=sorted(CASES), default=sorted(CASES))
+    args = parser.parse_args()
+    if args.part in ("all", "no"):
+        part_no()
+    if args.part in ("all", "advise"):
+        part_advise(args.case)
+
+
+if __name__ == "__main__":
+    main()

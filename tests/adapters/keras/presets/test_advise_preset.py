@@ -1,0 +1,57 @@
+"""The preset advisor: a full fine-tune refused from shapes gets LoRA, int8-frozen (QLoRA),
+optimizer and device rows, each of which fits when the preset is planned with that change."""
+
+import pytest
+
+from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
+from autoaccum.adapters.keras.presets._advise_preset import advise_preset
+from autoaccum.adapters.keras.presets._plan_preset import plan_preset
+from autoaccum.planning._measure import compile_count
+from autoaccum.planning._search import DoesNotFitError
+
+pytestmark = pytest.mark.slow  # keras-hub builds and compiles
+
+SMALL = {"num_layers": 1, "vocabulary_size": 512}
+BUDGET = 150 * 2**20  # 1 block of gemma3_1b: 52 MiB of bf16 weights, 157 MiB with AdamW
+
+
+def test_int8_frozen_weights_are_built_without_float_kernels():
+    model = build_abstract_causal_lm("gemma3_1b", lora_rank=4, quantize="int8",
+                                     backbone_overrides=SMALL)
+    state = abstract_state(model)
+    kinds = {str(s.dtype) for s in state.non_trainable}
+    assert "int8" in kinds
+    plain = abstract_state(build_abstract_causal_lm("gemma3_1b", lora_rank=4,
+                                                    backbone_overrides=SMALL))
+    size = lambda structs: sum(s.size * s.dtype.itemsize for s in structs)  # noqa: E731
+    assert size(state.non_trainable) < 0.7 * size(plain.non_trainable)
+    assert [s.shape for s in state.trainable] == [s.shape for s in plain.trainable]
+
+
+def test_full_fine_tune_refused_from_shapes_before_any_compile():
+    before = compile_count()
+    with pytest.raises(DoesNotFitError) as info:
+        plan_preset("gemma3_1b", effective_batch=2, sequence_length=16, budget=BUDGET,
+                    device="t4", backbone_overrides=SMALL, log=None, cache=False)
+    assert compile_count() == before
+    assert info.value.resident.state_bytes > BUDGET
+
+
+def test_every_preset_row_fits_when_planned_with_its_change():
+    advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16, budget=BUDGET,
+                           device="t4", backbone_overrides=SMALL, log=None, cache=False)
+    assert not advice.fits
+    changes = [a.change for a in advice.alternatives]
+    assert any("lora_rank" in c and "quantize" not in c for c in changes)
+    assert any(c.get("quantize") == "int8" for c in changes)
+    for row in advice.alternatives:
+        change = dict(row.change)
+        target = {"budget": BUDGET, "device": "t4"}
+        if "device" in change:
+            target = {"device": change.pop("device")}
+        kwargs = {"sequence_length": 16, **change}
+        plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=SMALL,
+                           log=None, cache=False, **target, **kwargs)
+        assert plan.need_bytes <= plan.budget_bytes
+        assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)
+    assert "What would fit" in str(advice.error)
