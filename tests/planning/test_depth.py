@@ -13,7 +13,7 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters.flax._program import flax_program
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._depth import DepthExtrapolator, DepthVariant, DepthVariants
+from autoaccum.planning._depth import DepthExtrapolator, DepthVariant, DepthVariants, io_bytes
 from autoaccum.planning._depth_plan import plan_by_depth
 from autoaccum.planning._lr import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, measure_program
@@ -111,11 +111,18 @@ def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_fu
     assert extrapolator.measure(4, 2).source == "compiled"
 
 
-@pytest.mark.parametrize("budget_bytes, along", [(1, True), (2**40, False)])
-def test_a_probe_far_over_the_budget_compiles_micro_batch_one_beside_it(budget_bytes, along):
+@pytest.mark.parametrize("far_over", [True, False])
+def test_a_probe_far_over_the_budget_compiles_micro_batch_one_beside_it(far_over):
     # XLA's pass would act (tiny pool): micro-batch 2 goes to a full-depth compile. Far over
-    # the budget, micro-batch 1 (which the search needs next) is compiled beside it; each
-    # depth's program is built once for every micro-batch.
+    # the budget (yet with arguments and outputs under it, or no compile would be needed at
+    # all), micro-batch 1 (which the search needs next) is compiled beside it; each depth's
+    # program is built once for every micro-batch.
+    full = measure_program(_build(8), 2, 4)
+    io = io_bytes(full)
+    assert io < full.need_bytes / DepthExtrapolator.SPECULATE_OVER
+    over = int(full.need_bytes / DepthExtrapolator.SPECULATE_OVER)
+    budget_bytes = (io + over) // 2 if far_over else 2**40
+    along = far_over
     builds = []
 
     def build(depth):
