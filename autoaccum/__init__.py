@@ -34,11 +34,9 @@ from ._train_step import train_step as train_step
 from ._version import __version__ as __version__
 from .adapters.flax import StepOutput as StepOutput
 from .adapters.flax import TrainStep as TrainStep
-from .adapters.flax import rematerialized as rematerialized
 from .adapters.keras.presets import advise_preset as advise_preset
 from .adapters.keras.presets import plan_preset as plan_preset
 from .cli import plot_plan as plot_plan
-from .devices import MissingExtraError as MissingExtraError
 from .devices import configure as configure
 from .devices import is_out_of_memory as is_out_of_memory
 from .planning import LR_RULES as LR_RULES
@@ -47,7 +45,6 @@ from .planning import Advice as Advice
 from .planning import DepthVariant as DepthVariant
 from .planning import DoesNotFitError as DoesNotFitError
 from .planning import Plan as Plan
-from .planning import UnevenBatches as UnevenBatches
 from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
 from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
 from .training import Callback as Callback
@@ -73,11 +70,8 @@ __all__ = [
     "Plan",
     "StepOutput",
     "TrainStep",
-    "UnevenBatches",
-    "rematerialized",
     # errors
     "DoesNotFitError",
-    "MissingExtraError",
     "NonFiniteError",
     "is_out_of_memory",
     # callbacks
