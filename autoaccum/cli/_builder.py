@@ -113,9 +113,10 @@ def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         if value is None:
             continue
         value = None if key == "log" else value  # --quiet: no log
-        if key in built and built[key] is not value and built[key] != value:
-            print(f"autoaccum: {_FLAG_NAMES[key]} {_shown(value, key)} given on the command "
-                  f"line wins over {key}={_shown(built[key])} from the --model builder",
+        if key in built and not _same(built[key], value):
+            flag = " ".join(filter(None, (_FLAG_NAMES[key], _shown(value, key))))
+            print(f"autoaccum: {flag} given on the command line wins over "
+                  f"{key}={_shown(built[key])} from the --model builder",
                   file=sys.stderr, flush=True)
         merged[key] = value
     defaults = {"remat": "auto", "cache": True, "log": sys.stderr}
@@ -125,6 +126,13 @@ def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
     return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an array or an object without a plain truth value
+        return False
 
 
 def _shown(value: Any, key: str | None = None) -> str:

@@ -46,6 +46,7 @@ def image_classifier(augmentation, *, dropout: float = 0.25, batch_norm: bool = 
     return model
 
 
+@pytest.mark.slow  # convolution compiles: measure, plan and train
 def test_keras_io_augmentation_layers_are_planned_and_trained():
     model = image_classifier(lambda: [keras.layers.RandomFlip("horizontal"),
                                       keras.layers.RandomRotation(0.1)])
@@ -60,6 +61,7 @@ def test_keras_io_augmentation_layers_are_planned_and_trained():
     assert max_diff(model, before) > 0
 
 
+@pytest.mark.slow  # convolution compiles
 def test_augmentation_layers_step_equals_model_fit_when_they_are_deterministic():
     """Factor 0 makes the flagged layers identities: the accumulated step is then exactly
     ``model.fit``'s (which runs without XLA here) at the effective batch. (No batch norm: it
