@@ -116,6 +116,15 @@ def main() -> None:
             select_need[micro] = need(before.lower(fresh_state(), stacked, frozen).compile())
         finally:
             flax_program_module.update_if_finite = now
+        before_state = [fresh_state()]
+
+        def run_before(stacked=stacked, state=before_state, before=before):
+            state[0], metrics = before(state[0], stacked, frozen)
+            metrics.loss.block_until_ready()
+
+        t = median_seconds(run_before)
+        results[f"autoaccum {micro}x{k} where-rollback (before)"] = (t, select_need[micro],
+                                                                    micro)
 
     # optax.MultiSteps: k separate calls per optimizer step.
     for micro in (8, 4):

@@ -9,6 +9,11 @@ acts at full depth, so the depth extrapolation cannot answer them): 382 s wall, 
 each depth is built once, the whole batch is not compiled once micro-batch 2 failed by far
 more than its loop costs, and micro-batch 1's full-depth compile runs beside micro-batch 2's
 when 2 is predicted far over the budget. ``--before`` runs the old path beside the new one.
+Measured here (load 7.5-8.5): before 344 s wall / 150 s CPU, now 200 s / 107 s, warm 1.7 ->
+2.1 s, same plan (1 x 8, 13.31 GiB). Side by side at load ~7, micro-batch 1's compile beside
+micro-batch 2's (AUTOACCUM_COMPILE_WORKERS=2) vs one after the other (=1): 141 s / 96 s CPU vs
+143 s / 94 s CPU: no gain while other processes keep both cores busy; it can only gain when
+a core is free.
 
 Targets (issues 14 and 20): gemma3_4b on t4 at the lab's settings
 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, LoRA 4, seq 400, bf16, effective batch 8 -> 1 x 8)
