@@ -250,7 +250,10 @@ def _known_infinite(data: Any) -> bool:
     if isinstance(data, itertools.count | itertools.cycle):
         return True
     if isinstance(data, itertools.repeat):
-        return "," not in repr(data)  # repeat(x) is endless, repeat(x, n) is not
+        try:
+            data.__length_hint__()  # repeat(x, n) knows its length
+        except TypeError:
+            return True  # repeat(x) does not: it is endless
     for holder in (data, getattr(data, "_dataset", None)):
         cardinality = getattr(holder, "cardinality", None)
         if callable(cardinality):
