@@ -224,6 +224,8 @@ def received(name: str, value: object) -> str:
       ('epochs=0', 'lr_rule of type str (length 10')
       >>> received("callbacks", [object()])
       'callbacks=[object]'
+      >>> received("class_weight", {0: 1.0})
+      'class_weight={0: 1.0}'
     """
     if isinstance(value, _LITERALS):
         text = repr(value)
@@ -231,6 +233,10 @@ def received(name: str, value: object) -> str:
             return f"{name}={text}"
         return f"{name} of type {type(value).__name__} (length {len(value)})" if isinstance(
             value, str | bytes) else f"{name} of type {type(value).__name__}"
+    if (isinstance(value, dict) and len(value) <= 8
+            and all(isinstance(v, _LITERALS) for v in (*value, *value.values()))
+            and len(repr(value)) <= 80):
+        return f"{name}={value!r}"  # a small dict of literals, e.g. class_weight={0: 1.0}
     if isinstance(value, list | tuple) and len(value) <= 8:
         parts = [repr(v) if isinstance(v, _LITERALS) and len(repr(v)) <= 40 else type_name(v)
                  for v in value]

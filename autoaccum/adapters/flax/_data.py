@@ -250,7 +250,10 @@ def _known_infinite(data: Any) -> bool:
     if isinstance(data, itertools.count | itertools.cycle):
         return True
     if isinstance(data, itertools.repeat):
-        return "," not in repr(data)  # repeat(x) is endless, repeat(x, n) is not
+        try:
+            data.__length_hint__()  # repeat(x, n) knows its length
+        except TypeError:
+            return True  # repeat(x) does not: it is endless
     for holder in (data, getattr(data, "_dataset", None)):
         cardinality = getattr(holder, "cardinality", None)
         if callable(cardinality):
@@ -290,6 +293,16 @@ def _has_scalar(record: Any) -> bool:
     return any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(record))
 
 
+def _record(obj: Any) -> PyTree:
+    """One record with dicts and tuples as containers and anything else (a list of token ids
+    included) as one array, as in-memory data is read."""
+    if isinstance(obj, Mapping):
+        return {str(k): _record(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_record(v) for v in obj)
+    return np.asarray(obj)
+
+
 def stack_records(records: list, *, name: str = "data") -> PyTree:
     """A list of per-example records as arrays with a leading example axis.
 
@@ -298,6 +311,7 @@ def stack_records(records: list, *, name: str = "data") -> PyTree:
       >>> tree["x"].shape, tree["y"].tolist()
       ((2, 2), [0, 1])
     """
+    records = [_record(r) for r in records]
     first = jax.tree.structure(records[0])
     leaves = []
     for i, record in enumerate(records):

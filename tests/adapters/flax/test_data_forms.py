@@ -163,7 +163,8 @@ def test_batches_that_change_shape_are_refused_with_the_fix():
         yield {"x": np.zeros((8, 3), np.float32), "y": Y[:8]}
 
     with pytest.raises(ValueError, match=r"change shape.*pad every batch.*Received: examples "
-                                         r"of shapes \(\), \(4,\) .*then \(\), \(3,\)"):
+                                         r"of shapes \(4,\), \(\) .*then \(3,\), \(\) "
+                                         r"in data batch 2"):
         _fit(ragged())
 
 
@@ -179,3 +180,10 @@ def test_train_step_says_what_planning_read_from_a_one_shot_iterator():
     autoaccum.train_step(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), _batches(4), effective_batch=8,
                          optimizer=optax.sgd(0.1), loss_fn=loss_fn, budget="1GiB", log=log)
     assert "planning read the first 8 example(s) of your one-shot iterator" in log.getvalue()
+
+
+def test_records_holding_python_lists_are_stacked_like_arrays():
+    records = [{"x": X[i].tolist(), "y": float(Y[i])} for i in range(N)]
+    kernel, result = _fit(records)
+    assert result.steps == 5
+    np.testing.assert_allclose(kernel, _reference()[0], rtol=1e-6, atol=1e-7)
