@@ -16,6 +16,24 @@ beside them.
     .venv/bin/python benchmarks/advise.py                  # all parts
     .venv/bin/python benchmarks/advise.py --part no        # the "no" only (cold, warm)
     .venv/bin/python benchmarks/advise.py --part advise --case gemma3_12b
+
+Closing note (2026-11-24, this shared 2-core machine, load average 7-11 throughout):
+
+* The "no" for the gemma3_4b full fine-tune: 0 compiles; 4.3 s of CPU cold (38.1 s wall at
+  load 7.2 beside two advisor runs; 13.2 s wall at load 10.7 alone), warm 1.7 s CPU / 7.0 s
+  wall. Before: six full-depth compiles, 14 min 44 s. Resident: 7.23 GiB weights, 14.5 GiB
+  AdamW state, 14.5 GiB float32 accumulator, budget 13.4 GiB; smallest profile a100-40gb.
+* Its advisor table (README, "When it does not fit"): LoRA 16 (2 x 4), QLoRA 16 (8 x 1) and
+  a100-40gb (8 x 1) fit, sgd/lion do not; 1433.6 s wall, 351 s CPU at load 8.2: far over
+  the 3-minute target. Where the time went: each pair of small-depth (2 and 3 block) T4
+  compiles of the 4B model took ~100-180 s wall under this load (~25 s of CPU), a row takes
+  3-4 pairs, and the v100-32gb row ran for minutes before the deviceless compile failed
+  ("ptxas too old" for that target here).
+* gemma3_12b LoRA 4 on a T4 (partial: the run was still bisecting the sequence length at the
+  deadline): refused from shapes (22 GiB of bf16 weights); int8 frozen weights (QLoRA 4)
+  still need 26.9 GiB at micro-batch 1 with every block rematerialized (depth-extrapolated
+  upper bound); v100-32gb could not be compiled here; a100-40gb fits at 2 x 4 (33.7 GiB of
+  37.4 GiB); lora_rank=1 refused from shapes.
 """
 
 from __future__ import annotations
