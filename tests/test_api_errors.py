@@ -181,5 +181,5 @@ def test_a_refused_fit_option_names_the_value_s_type_and_shape_never_the_array()
     message = str(info.value)
     assert "sample_weight of type numpy.ndarray with shape (1000,) and dtype float32" in message
     assert "999" not in message and len(message) < 600
-    with pytest.raises(ValueError, match=r"Received: class_weight=a dict with keys \['0', '1'\]"):
+    with pytest.raises(ValueError, match=r"Received: class_weight=\{0: 1.0, 1: 2.0\}"):
         _fit(class_weight={0: 1.0, 1: 2.0})
