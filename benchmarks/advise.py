@@ -29,11 +29,12 @@ Closing note (2026-11-24, this shared 2-core machine, load average 7-11 througho
   compiles of the 4B model took ~100-180 s wall under this load (~25 s of CPU), a row takes
   3-4 pairs, and the v100-32gb row ran for minutes before the deviceless compile failed
   ("ptxas too old" for that target here).
-* gemma3_12b LoRA 4 on a T4 (partial: the run was still bisecting the sequence length at the
-  deadline): refused from shapes (22 GiB of bf16 weights); int8 frozen weights (QLoRA 4)
-  still need 26.9 GiB at micro-batch 1 with every block rematerialized (depth-extrapolated
-  upper bound); v100-32gb could not be compiled here; a100-40gb fits at 2 x 4 (33.7 GiB of
-  37.4 GiB); lora_rank=1 refused from shapes.
+* gemma3_12b LoRA 4 on a T4 (the CLI, cold; 1150.8 s wall, 198 s CPU): refused from shapes
+  (21.9 GiB of bf16 frozen weights; smallest profile holding it: v100-32gb); only
+  a100-40gb fits (2 x 4, 33.7 GiB of 37.4 GiB, extrapolated). Tried, does not fit: int8
+  frozen weights (QLoRA 4, every block rematerialized) need 26.9 GiB at micro-batch 1
+  (depth-extrapolated upper bound); v100-32gb could not be compiled here; lora_rank=1
+  refused from shapes.
 """
 
 from __future__ import annotations
