@@ -136,7 +136,7 @@ def test_y_next_to_a_generator_is_refused_as_model_fit_refuses_it():
         yield x[:8], y[:8]
 
     with pytest.raises(ValueError, match=r"`y` goes with in-memory arrays only.*Received: "
-                                         r"y=ndarray of shape \(64, 1\)"):
+                                         r"y of type numpy.ndarray with shape \(64, 1\)"):
         autoaccum.fit(_model(), batches(), y, effective_batch=8, budget="1GiB", verbose=0,
                       log=None)
 
