@@ -51,7 +51,8 @@ def test_colab_notebook_runs_offline_top_to_bottom(tmp_path, monkeypatch):
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     cells = [c for c in notebook.cells if c.cell_type == "code"]
-    text = {i: "\n".join(o.get("text", "") for o in c.outputs if o.output_type == "stream")
+    # Stream chunks are joined as they came: a line may be split across two chunks.
+    text = {i: "".join(o.get("text", "") for o in c.outputs if o.output_type == "stream")
             for i, c in enumerate(cells)}
     html = {i: "\n".join(o.get("data", {}).get("text/html", "") for o in c.outputs
                          if o.output_type == "execute_result") for i, c in enumerate(cells)}
