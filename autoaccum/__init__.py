@@ -26,11 +26,11 @@ from . import devices as devices
 # isort: split
 from . import planning as planning
 from . import training as training
-from ._advise_api import advise as advise
+from ._api import advise as advise
 from ._api import fit as fit
 from ._api import measure as measure
 from ._api import plan as plan
-from ._train_step import train_step as train_step
+from ._train_step_api import train_step as train_step
 from ._version import __version__ as __version__
 from .adapters.flax import StepOutput as StepOutput
 from .adapters.flax import TrainStep as TrainStep

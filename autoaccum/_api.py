@@ -3,37 +3,44 @@ planner, back-off and training talk only to that adapter's interface."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, TextIO
 
-from ._api_options import (
-    check_target,
-    default_objective,
-    drops,
-    given,
-    program_options,
-    with_examples,
-    with_targets,
-)
 from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
 from .planning._adapter import FitSettings
+from .planning._advise import (
+    Advice,
+    Alternative,
+    Stage,
+    first_fit_stage,
+    larger_devices,
+    run_advisor,
+)
 from .planning._cache import resolve_cache
-from .planning._lr import announce
+from .planning._lr import announce, validate_lr_rule
 from .planning._measure import MemoryEstimate
-from .planning._parallel import CompileRequest, measure_all
-from .planning._plan import Plan
-from .planning._planner import plan_model, prepare, validate_method
-from .planning._reuse import reuse_plan
-from .planning._search import DoesNotFitError
-from .planning._targets import is_deviceless, resolve_target
-from .planning._validate import (
+from .planning._objective import validate_objective
+from .planning._option_checks import (
+    as_int,
     no_leftovers,
     received,
     resolve_log,
+    validate_device,
     validate_effective_batch,
+    validate_learning_rate,
+    validate_memory_fraction,
     validate_positive_int,
 )
+from .planning._parallel import CompileRequest, measure_all
+from .planning._plan import Plan
+from .planning._plan_model import plan_model, prepare, validate_method
+from .planning._reuse import reuse_plan
+from .planning._search import DoesNotFitError
+from .planning._targets import is_deviceless, resolve_target
+from .training._batch_stats import validate_batch_stats
+from .training._epoch_batches import num_examples
 from .training._fit_options import refuse_fit_options
 from .training._nonfinite import validate_on_nonfinite
 from .training._snapshot import validate_backup
@@ -187,9 +194,7 @@ def plan(
     except DoesNotFitError as error:
         if not advise:
             raise
-        from ._advise_api import advise as run_advisor
-
-        advice = run_advisor(
+        advice = _advise(
             model, data, effective_batch=effective_batch, budget=budget, device=device,
             memory_fraction=memory_fraction, remat=remat, remat_layers=remat_layers,
             objective=objective, method=method, log=log, data_parallel=data_parallel,
@@ -446,3 +451,236 @@ def fit(
     with adapter.remat_context(model, the_plan.remat, remat_layers):
         return adapter.fit(model, prepared, the_plan, settings=settings,
                            options=framework_options)
+
+
+# How the public entry points turn their keyword arguments into the planner's inputs: the
+# program options, the default objective, the leftover policy, which planning options were
+# given.
+
+__all__ = ["check_target", "default_objective", "drops", "given", "program_options",
+           "with_examples", "with_targets"]
+
+
+def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: Any,
+                    base_batch: int | None, lr_rule: str | None, adjust_adam: bool,
+                    batch_stats: str = "effective") -> dict[str, Any]:
+    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
+
+    ``batch_stats`` is passed only when it is not the default (``"effective"``, every
+    adapter's default), so an adapter that keeps no BatchNorm statistics need not read it."""
+    options: dict[str, Any] = {
+        "base_batch": None if base_batch is None else as_int("base_batch", base_batch),
+        "lr_rule": validate_lr_rule(lr_rule), "adjust_adam": adjust_adam}
+    validate_learning_rate(learning_rate)
+    if validate_batch_stats(batch_stats) != "effective":
+        options["batch_stats"] = batch_stats
+    for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
+                        ("trainable", trainable), ("learning_rate", learning_rate)):
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def check_target(device: Any, memory_fraction: Any) -> None:
+    """The device and memory-fraction checks every entry point makes before any work."""
+    validate_device(device)
+    validate_memory_fraction(memory_fraction, device)
+
+
+def drops(adapter: Any, drop_remainder: bool) -> bool:
+    """Whether the leftover examples are dropped: asked for, or the adapter does not train
+    them (an adapter that does sets ``trains_leftovers = True``)."""
+    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
+
+
+def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
+    """``plan`` with the number of training examples and the leftover policy (``data``: a
+    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
+    examples = getattr(data, "num_examples", None)
+    if not isinstance(examples, int):
+        try:
+            examples = num_examples(data)
+        except (AttributeError, IndexError, TypeError):  # no leading example axis to read
+            return plan
+    if (plan.examples, plan.drop_remainder) == (examples, drop_remainder):
+        return plan  # a plan passed in with plan= comes back as itself
+    return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
+
+
+def default_objective(objective: str | None, device: str | None) -> str:
+    """``"throughput"`` when planning for a real accelerator here, else ``"memory"``."""
+    if objective is not None:
+        return validate_objective(objective)
+    if device is not None:
+        return "memory"
+    import jax
+
+    return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
+
+
+def given(**pairs: tuple[Any, Any]) -> dict[str, Any]:
+    """The options whose value differs from their default (``name=(value, default)``)."""
+    return {name: value for name, (value, default) in pairs.items()
+            if (value is not None if default is None else value != default)}
+
+
+def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
+    """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
+    sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
+    if y is None and sample_weight is None:
+        return data
+    separate = getattr(adapter, "with_targets", None)  # adapters that take model.fit's x, y
+    if separate is not None:
+        return separate(data, y, sample_weight)
+    given_name = "y" if y is not None else "sample_weight"
+    raise ValueError(
+        f"A {adapter.name.capitalize()} model takes its data as one argument, the batches "
+        "the loss_fn reads: pass `(x, y)` (or a dict such as `{'x': x, 'y': y, 'weight': w}`) as "
+        "`data`, e.g. `autoaccum.fit(model, (x, y), effective_batch=...)`; separate `y` and "
+        "`sample_weight` arguments are for Keras models, as in `model.fit(x, y)`. Received: "
+        f"{received(given_name, y if y is not None else sample_weight)}"
+    )
+
+
+# ``autoaccum.advise``: when a model does not fit, the changes that would, each verified by
+# planning (compiling) with the change applied.
+
+__all__ = ["advise"]
+
+
+def advise(
+    model: Any,
+    data: Any,
+    *,
+    effective_batch: int,
+    budget: int | float | str | None = None,
+    device: str | None = None,
+    memory_fraction: float | None = None,
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "compile",
+    log: TextIO | str | None = "stderr",
+    data_parallel: int | str | Any = "auto",
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: Any = None,
+    base_batch: int = 1,
+    lr_rule: str = "linear",
+    adjust_adam: bool = False,
+    batch_stats: str = "effective",
+    drop_remainder: bool = False,
+    cache: Any = True,
+    depth_variant: Any = None,
+    uneven: bool = True,
+    _original: Any = None,
+) -> Advice:
+    """Plans ``model`` as :func:`autoaccum.plan` would; when nothing fits, plans it again with
+    each change that could help and lists the ones that fit.
+
+    Changes: rematerialization policies (when ``remat`` was not ``"auto"``, which tries them
+    already); the framework's own (Flax: another optimizer, moments in bfloat16, training
+    only the ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank,
+    bfloat16 weights; Keras: another optimizer); the smallest shipped GPU profile where the
+    configuration as given fits. Every row's plan succeeded under the same budget (its own
+    for a device row), so its step was compiled and fits; ``relative_flops`` is its compiled
+    step's ``cost_analysis()`` flops over the cheapest row's. When the weights and optimizer
+    state alone are over the budget (known from shapes, before any compile), changes that
+    cannot shrink them are not tried. For keras-hub architectures, ``autoaccum plan --preset
+    NAME --advise`` also tries LoRA ranks, int8 frozen weights under LoRA (QLoRA) and the
+    longest sequence that fits.
+
+    Args:
+      model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
+        objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
+        lr_rule, adjust_adam, batch_stats, drop_remainder, cache, depth_variant, uneven: as
+        for :func:`autoaccum.plan`.
+      method: as for :func:`autoaccum.plan`; the rows are always planned compile-only.
+      log: where the original plan's probes and each row's verdict are logged.
+
+    Returns:
+      An :class:`~autoaccum.planning._advise.Advice`: ``fits`` (the configuration as given),
+      ``plan`` (its plan when it fits), ``resident``, ``alternatives`` (cheapest first),
+      ``tried`` (changes that did not fit) and ``error`` (the ``DoesNotFitError``, with the
+      table attached, when it does not fit). ``report()``, ``to_dict()``, and a table in a
+      notebook.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((8, 64), np.float32), "y": np.zeros((8, 64), np.float32)}
+      >>> advice = advise(model, data, effective_batch=8, optimizer=optax.adam,
+      ...                 learning_rate=1e-3, loss_fn=loss_fn, budget="40KiB", log=None,
+      ...                 cache=False)
+      >>> advice.fits, advice.resident.state_bytes > advice.budget_bytes
+      (False, True)
+      >>> [a.change for a in advice.alternatives][:1]
+      [{'optimizer': 'sgd'}]
+    """
+    effective_batch = validate_effective_batch(effective_batch)
+    check_target(device, memory_fraction)
+    log = resolve_log(log)
+    adapter = adapter_for(model)
+    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                              learning_rate=learning_rate, base_batch=base_batch,
+                              lr_rule=lr_rule, adjust_adam=adjust_adam,
+                              batch_stats=batch_stats)
+    common = dict(effective_batch=effective_batch, remat_layers=remat_layers,
+                  data_parallel=data_parallel, cache=cache, uneven=uneven, adapter=adapter)
+
+    def plan_with(change: dict[str, Any]) -> Any:
+        framework = {k: v for k, v in change.items() if k not in ("remat", "device")}
+        the_model, opts = model, dict(options)
+        if framework:
+            the_model, opts = adapter.apply_change(model, opts, framework)
+        target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
+        if "device" in change:
+            target = dict(device=change["device"], budget=None, memory_fraction=None)
+        plan, _ = plan_model(
+            the_model, data, options=opts, **common, **target,
+            # Rows without remat in the change plan without it (cheapest first); the
+            # remat stage combines the changes that failed with the most thorough policy.
+            remat=change.get("remat", remat if not change or remat != "auto" else "none"),
+            objective=default_objective(objective, target["device"]) if not change
+            else "memory",
+            method=method if not change else "compile", log=log if not change else None,
+            depth_variant=depth_variant if not framework else None)
+        return plan
+
+    def stages_for(error: DoesNotFitError) -> list[Stage]:
+        shapes = error.resident is not None
+        singles: list[dict[str, Any]] = []
+        if not shapes and remat != "auto":
+            singles += [{"remat": p} for p in adapter.remat_policies if p != remat]
+        changes = getattr(adapter, "advice_changes", None)
+        framework = list(changes(model, options)) if changes is not None else []
+        floor = error.resident.state_bytes if shapes else 0
+        stages: list[Stage] = [lambda found, failed: singles + framework]
+        if framework and adapter.has_remat_layers(model, remat_layers):
+            stages.append(_with_remat(adapter.remat_policies[-1]))
+        stages.append(first_fit_stage(larger_devices(error.budget_bytes or 0, floor,
+                                                     memory_fraction=memory_fraction)))
+        return stages
+
+    return run_advisor(plan_with, stages_for, log=log, original=_original,
+                       target=f"{adapter.name} {type(model).__name__}, {device or 'here'}")
+
+
+def _with_remat(policy: str) -> Stage:
+    """When no single change fits: the framework changes that failed, with ``policy``."""
+    def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> list[dict]:
+        if found:
+            return []
+        return [{**change, "remat": policy} for change, why in list(failed)
+                if "remat" not in change and "device" not in change
+                and "known from shapes" not in why]
+
+    return stage
+
+
+# ``plan(advise=True)`` calls the advisor; its ``advise`` flag shadows the function's name.
+_advise = advise

@@ -55,7 +55,7 @@ def _child(method: str, args: argparse.Namespace) -> dict:
     from autoaccum.planning._lr import scale_learning_rate
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._plan import search_plan
-    from autoaccum.training._batching import example_spec
+    from autoaccum.training._epoch_batches import example_spec
     from tests._models import TinyLM, ragged_tokens, token_loss
 
     per = args.batch

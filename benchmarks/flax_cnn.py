@@ -29,7 +29,7 @@ from _common import print_table
 from flax import nnx
 
 import autoaccum
-from autoaccum.training._batching import epoch_order
+from autoaccum.training._epoch_batches import epoch_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.adapters.flax._stateful import TutorialCNN, cnn_loss, digits

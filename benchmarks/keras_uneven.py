@@ -38,7 +38,7 @@ from autoaccum.adapters.keras._runner import StepRunner, _split
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program
-from autoaccum.planning._planner import prepare
+from autoaccum.planning._plan_model import prepare
 from benchmarks._common import median_seconds, print_table
 
 

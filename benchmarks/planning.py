@@ -19,7 +19,7 @@ from autoaccum.devices._units import format_bytes
 from autoaccum.planning import Budget, scale_learning_rate
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan import search_plan
-from autoaccum.planning._planner import prepare
+from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._search import divisors
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows

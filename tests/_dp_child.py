@@ -258,7 +258,7 @@ def elastic() -> dict:
 def flax_uneven(devices: int = 4, per_device: int = 7, micro: int = 3) -> dict:
     """One DP step whose per-device batch ends with a smaller micro-batch (7 = 3 + 3 + 1 on
     each device) against the single-device full-batch step."""
-    from autoaccum.training._batching import split_micro_batches
+    from autoaccum.training._epoch_batches import split_micro_batches
 
     effective = devices * per_device
     data = ragged_tokens(effective, 10, seed=5)

@@ -281,7 +281,7 @@ def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._plan import search_plan
     from autoaccum.planning._search import DoesNotFitError
-    from autoaccum.training._batching import example_spec
+    from autoaccum.training._epoch_batches import example_spec
     from tests._models import token_loss
 
     _setup()

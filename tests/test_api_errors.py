@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._validate import validate_effective_batch
+from autoaccum.planning._option_checks import validate_effective_batch
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 

@@ -41,7 +41,7 @@ def _compute_advice(args: argparse.Namespace) -> Any:
             device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
             remat=args.remat, log=log, cache=not args.no_cache, **plan_kwargs(args),
         )
-    from .._advise_api import advise
+    from .._api import advise
 
     built = merge_flags(load_model_function(args.model), args)  # flags win, as for a plan
     model, data = built.pop("model"), built.pop("data")

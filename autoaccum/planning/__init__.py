@@ -12,10 +12,6 @@ from ._advise import Alternative as Alternative
 from ._backoff import RealStepRunner as RealStepRunner
 from ._backoff import auto_plan as auto_plan
 from ._backoff import backoff_search as backoff_search
-from ._batches import UnevenBatches as UnevenBatches
-from ._batches import micro_batch_sizes as micro_batch_sizes
-from ._batches import micro_steps as micro_steps
-from ._batches import split_sizes as split_sizes
 from ._budget import Budget as Budget
 from ._budget import parse_budget as parse_budget
 from ._budget import profile_budget as profile_budget
@@ -24,21 +20,23 @@ from ._cache import resolve_cache as resolve_cache
 from ._depth import DepthExtrapolator as DepthExtrapolator
 from ._depth import DepthVariant as DepthVariant
 from ._depth import DepthVariants as DepthVariants
-from ._depth_plan import plan_by_depth as plan_by_depth
+from ._depth import plan_by_depth as plan_by_depth
 from ._lr import LR_RULES as LR_RULES
 from ._lr import LearningRateScaling as LearningRateScaling
 from ._lr import scale_learning_rate as scale_learning_rate
 from ._measure import CompileTarget as CompileTarget
 from ._measure import MemoryEstimate as MemoryEstimate
 from ._measure import measure_program as measure_program
+from ._micro_batches import UnevenBatches as UnevenBatches
+from ._micro_batches import micro_batch_sizes as micro_batch_sizes
+from ._micro_batches import micro_steps as micro_steps
+from ._micro_batches import split_sizes as split_sizes
 from ._objective import Candidate as Candidate
 from ._objective import choose_fastest as choose_fastest
 from ._parallel import CompileRequest as CompileRequest
 from ._parallel import measure_all as measure_all
 from ._plan import Plan as Plan
-from ._planner import plan_program as plan_program
-from ._program import StepMetrics as StepMetrics
-from ._program import TrainProgram as TrainProgram
+from ._plan_model import plan_program as plan_program
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._report import SCHEMA_VERSION as SCHEMA_VERSION
 from ._report import Limit as Limit
@@ -52,6 +50,8 @@ from ._search import search_micro_batch as search_micro_batch
 from ._targets import ResolvedTarget as ResolvedTarget
 from ._targets import per_device_budget as per_device_budget
 from ._targets import resolve_target as resolve_target
+from ._train_program import StepMetrics as StepMetrics
+from ._train_program import TrainProgram as TrainProgram
 
 __all__ = [
     "LR_RULES",

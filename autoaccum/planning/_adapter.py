@@ -3,7 +3,7 @@
 The planner, back-off and ``fit`` talk only to an :class:`Adapter`; only the public entry points
 (``autoaccum.plan``, ``measure``, ``fit``) pick one for the model they are given
 (:func:`autoaccum.adapters.adapter_for`). An adapter recognises its models, builds their
-accumulated train step as a :class:`~autoaccum.planning._program.TrainProgram`, runs real
+accumulated train step as a :class:`~autoaccum.planning._train_program.TrainProgram`, runs real
 steps for back-off, applies a rematerialization policy to the model's blocks, and trains.
 Imports point one way: adapters -> training / planning -> devices.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO, runtime_checkable
 
 from ._lr import LearningRateScaling
-from ._program import TrainProgram
+from ._train_program import TrainProgram
 
 if TYPE_CHECKING:
     from ._backoff import RealStepRunner
@@ -91,7 +91,7 @@ class Adapter(Protocol):
 
     Optional class attributes, read with ``getattr``: ``trains_leftovers`` (``True``: the
     examples after the last full effective batch make a final step) and ``uneven_batches``
-    (``True``: the adapter's steps take :class:`~._batches.UnevenBatches`, so plans may end
+    (``True``: the adapter's steps take :class:`~._micro_batches.UnevenBatches`, so plans may end
     with a smaller micro-batch)."""
 
     def recognizes(self, model: Any) -> bool:

@@ -30,8 +30,8 @@ from ..devices._units import format_bytes
 from ._lr import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled
 from ._plan import Plan, plan_from_search
-from ._program import TrainProgram
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
+from ._train_program import TrainProgram
 
 __all__ = [
     "RealStepRunner", "auto_plan", "backoff_plan", "backoff_search", "real_step_runner",

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._validate import received
+from ._option_checks import received
 
 __all__ = ["CACHE_DIR_ENV", "NeedCache", "compiler_fingerprint", "resolve_cache"]
 

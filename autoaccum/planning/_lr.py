@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._validate import received
+from ._option_checks import received
 
 LR_RULES = ("linear", "sqrt", "none")
 

@@ -18,7 +18,7 @@ import jax
 
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
-from ._program import TrainProgram, tree_bytes
+from ._train_program import TrainProgram, tree_bytes
 
 
 @dataclass(frozen=True)

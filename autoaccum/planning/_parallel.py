@@ -28,7 +28,7 @@ from ._measure import (
     estimate_from_analysis,
     lower_step,
 )
-from ._program import TrainProgram
+from ._train_program import TrainProgram
 
 __all__ = ["CompileRequest", "default_workers", "measure_all"]
 

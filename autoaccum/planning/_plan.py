@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..devices._units import format_bytes
-from ._batches import split_sizes
 from ._budget import Budget
 from ._lr import LearningRateScaling
 from ._measure import MemoryEstimate
+from ._micro_batches import split_sizes
+from ._option_checks import validate_effective_batch
 from ._search import Probe, SearchResult, divisors, search_micro_batch
-from ._validate import validate_effective_batch
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,14 @@ step fits. Each adapter applies a policy to its model's repeated blocks
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
+
+from ._adapter import Adapter
+from ._plan import Plan
+from ._search import DoesNotFitError
 
 __all__ = ["REMAT_POLICIES", "validate_remat"]
 
@@ -39,3 +44,51 @@ def validate_remat(policy: str) -> str:
             f" Received: remat={policy!r}"
         )
     return policy
+
+
+# Rematerialization policies during planning: which are tried, in order, and how the plans
+# and failures of each are labelled and reported.
+
+__all__ = ["first_line", "label_policy", "nothing_fits", "policies_for",
+           "with_failed_policies"]
+
+
+def policies_for(adapter: Adapter, remat: str) -> list[str]:
+    """Policies to try, in order of increasing recompute."""
+    validate_remat(remat)
+    if remat != "auto":
+        return [remat]
+    return list(adapter.remat_policies)
+
+
+def label_policy(plan: Plan, policy: str) -> Plan:
+    """``plan`` and its probes marked with the remat ``policy`` they were compiled with."""
+    probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
+    return dataclasses.replace(plan, probes=probes, remat=policy)
+
+
+def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
+    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
+    their policy), and a note saying so."""
+    if not failures:
+        return plan
+    earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
+    note = ("with less rematerialization micro_batch=1 does not fit: "
+            + "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures))
+    return dataclasses.replace(plan, probes=earlier + plan.probes, notes=(*plan.notes, note))
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).split(". ")[0]
+
+
+def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError:
+    if len(failures) == 1:
+        return failures[0][1]
+    tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
+    return DoesNotFitError(
+        f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
+        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
+        "weights), or a larger budget/device. autoaccum.advise(...) (same arguments; CLI: "
+        "--advise) lists compile-verified changes that fit."
+    )

@@ -6,7 +6,7 @@ them, whatever the micro-batch. While it accumulates (more than one micro-batch 
 optimizer step) it also carries one float32 gradient accumulator the size of the trainable
 weights. All of it is known from shapes: the abstract model (``nnx.eval_shape``, Keras's
 deferred variables) and the optimizer state initialised on abstract parameters
-(``jax.eval_shape(tx.init, params)``), which every :class:`~._program.TrainProgram` already
+(``jax.eval_shape(tx.init, params)``), which every :class:`~._train_program.TrainProgram` already
 holds in ``parts``. When that exceeds the budget, planning stops before compiling anything
 (:func:`check_resident`) and names the smallest shipped GPU profile whose budget holds it.
 
@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from ..devices._units import format_bytes
-from ._program import TrainProgram, tree_bytes
+from ._train_program import TrainProgram, tree_bytes
 
 __all__ = ["Resident", "check_resident", "program_resident", "resident_of", "smallest_profile"]
 

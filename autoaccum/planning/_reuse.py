@@ -9,10 +9,10 @@ from typing import Any
 from ..devices._mesh import resolve_mesh
 from ..devices._units import format_bytes
 from ._adapter import Adapter, Prepared
+from ._option_checks import check_enough_examples, no_leftovers, received
 from ._plan import Plan
-from ._planner import prepare
-from ._program import tree_bytes
-from ._validate import check_enough_examples, no_leftovers, received
+from ._plan_model import prepare
+from ._train_program import tree_bytes
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan"]
 

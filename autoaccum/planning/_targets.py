@@ -199,7 +199,7 @@ def resolve_target(
       >>> resolve_target(None, "1GiB").budget.bytes
       1073741824
     """
-    from ._validate import validate_device, validate_memory_fraction
+    from ._option_checks import validate_device, validate_memory_fraction
 
     validate_device(device)
     validate_memory_fraction(memory_fraction, device)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..planning._batches import UnevenBatches, micro_steps
+from ..planning._micro_batches import UnevenBatches, micro_steps
 
 PyTree = Any
 

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..planning._validate import received
+from ..planning._option_checks import received
 
 __all__ = ["BATCH_STATS_MODES", "Moments", "add_moments", "running_update",
            "validate_batch_stats", "zero_moments"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..planning._validate import received
+from ..planning._option_checks import received
 
 __all__ = ["Callback", "CallbackList", "StopTraining", "validate_callbacks"]
 

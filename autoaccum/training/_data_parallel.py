@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..devices._mesh import mesh_axis
-from ..planning._batches import UnevenBatches
+from ..planning._micro_batches import UnevenBatches
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
 
 PyTree = Any

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planning._validate import received
+from ..planning._option_checks import received
 
 __all__ = ["REFUSED_FIT_OPTIONS", "refuse_fit_options"]
 

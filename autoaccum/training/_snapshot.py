@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ..devices._units import GiB
-from ..planning._program import tree_bytes
+from ..planning._train_program import tree_bytes
 
 PyTree = Any
 BACKUPS = ("auto", "host", "none")

@@ -13,8 +13,13 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters.flax._program import flax_program
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._depth import DepthExtrapolator, DepthVariant, DepthVariants, io_bytes
-from autoaccum.planning._depth_plan import plan_by_depth
+from autoaccum.planning._depth import (
+    DepthExtrapolator,
+    DepthVariant,
+    DepthVariants,
+    io_bytes,
+    plan_by_depth,
+)
 from autoaccum.planning._lr import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, measure_program
 from tests._models import ragged_tokens, token_loss

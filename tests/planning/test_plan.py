@@ -10,7 +10,7 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters import adapter_for
 from autoaccum.planning._measure import measure_program
-from autoaccum.planning._planner import prepare
+from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._search import divisors
 from tests._models import TinyLM, ragged_tokens, token_loss
 

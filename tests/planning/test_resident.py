@@ -15,8 +15,7 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters.flax._program import flax_program
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._depth import DepthVariants
-from autoaccum.planning._depth_plan import plan_by_depth
+from autoaccum.planning._depth import DepthVariants, plan_by_depth
 from autoaccum.planning._lr import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, compile_count
 from autoaccum.planning._resident import resident_of, smallest_profile

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from autoaccum.training._batching import (
+from autoaccum.training._epoch_batches import (
     effective_batches,
     leftover_batches,
     leftover_split,

@@ -12,12 +12,17 @@ from flax import nnx
 from ...planning._adapter import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._lr import scale_learning_rate
+from ...planning._option_checks import (
+    check_enough_examples,
+    received,
+    type_name,
+    validate_positive_int,
+)
 from ...planning._plan import Plan
 from ...planning._remat import REMAT_POLICIES
-from ...planning._validate import check_enough_examples, received, type_name, validate_positive_int
 from ...training._batch_stats import validate_batch_stats
-from ...training._batching import as_arrays, example_spec, num_examples
 from ...training._callbacks import validate_callbacks
+from ...training._epoch_batches import as_arrays, example_spec, num_examples
 from ._data import ArrayData, flax_data
 from ._fit import flax_fit
 from ._nnx_optimizer import NnxOptimizerLink, unwrap_optimizer

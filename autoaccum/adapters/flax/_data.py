@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._validate import received, type_name
-from ...training._batching import as_arrays, epoch_order, num_examples
+from ...planning._option_checks import received, type_name
+from ...training._epoch_batches import as_arrays, epoch_order, num_examples
 
 __all__ = ["ArrayData", "FlaxStream", "flax_data", "is_records", "stack_records"]
 

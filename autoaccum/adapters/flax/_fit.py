@@ -15,17 +15,17 @@ from flax import nnx
 
 from ...devices._mesh import replicate
 from ...devices._warnings import AutoaccumWarning
+from ...planning._option_checks import type_name
 from ...planning._plan import Plan
-from ...planning._validate import type_name
-from ...training._batching import leftover_split
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
+from ...training._epoch_batches import leftover_split
 from ...training._live import LiveState
 from ...training._noise_scale import NoiseScaleTracker
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
-from ._batch_norm import EffectiveBatchNorm
+from ._batch_stats import EffectiveBatchNorm
 from ._data import ArrayData, FlaxStream, flax_data
 from ._evaluate import Evaluator, warn_if_eval_mode
 from ._fit_step import StepRunner, step_batches

@@ -15,19 +15,19 @@ from ...devices._mesh import shard_batches
 from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...planning._plan import Plan
-from ...planning._program import StepMetrics
 from ...planning._search import DoesNotFitError
-from ...training._batching import (
+from ...planning._train_program import StepMetrics
+from ...training._elastic import resplit, shrink
+from ...training._epoch_batches import (
     leftover_batches,
     leftover_split,
     split_micro_batches,
     step_examples,
 )
-from ...training._elastic import resplit, shrink
 from ...training._live import LiveState
 from ...training._nonfinite import NonFiniteError
 from ...training._result import FitResult
-from ._batch_norm import EffectiveBatchNorm
+from ._batch_stats import EffectiveBatchNorm
 from ._optax_lr import handles_nonfinite
 from ._program import LossFn, accumulate_for, make_flax_step
 

@@ -14,7 +14,7 @@ import jax
 import optax
 from flax import nnx
 
-from ...planning._validate import type_name
+from ...planning._option_checks import type_name
 
 __all__ = ["NnxOptimizerLink", "unwrap_optimizer"]
 

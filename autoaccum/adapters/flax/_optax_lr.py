@@ -10,7 +10,7 @@ from typing import Any
 import optax
 
 from ...planning._lr import ADAPTIVE, SGD_LIKE, LearningRateScaling
-from ...planning._validate import received, type_name
+from ...planning._option_checks import received, type_name
 
 # What optax builds its optimizers from (the functions named in a transformation's closures).
 _ADAPTIVE_PARTS = frozenset({

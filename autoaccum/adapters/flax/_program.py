@@ -9,7 +9,7 @@ micro-batch: each micro-batch's model is merged *inside* the differentiated func
 the carried state (fresh variables of that trace) and its new state is returned as aux, so
 dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
 once per optimizer step by default (``batch_stats="effective"``, see
-:mod:`._batch_norm`).
+:mod:`._batch_stats`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ...planning._batches import micro_steps
-from ...planning._program import StepMetrics, TrainProgram, abstract
+from ...planning._micro_batches import micro_steps
+from ...planning._train_program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ...training._batch_stats import validate_batch_stats
 from ...training._data_parallel import data_parallel_accumulate
@@ -34,7 +34,7 @@ from ...training._nonfinite import (
     update_if_finite,
     validate_on_nonfinite,
 )
-from ._batch_norm import EffectiveBatchNorm
+from ._batch_stats import EffectiveBatchNorm
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 

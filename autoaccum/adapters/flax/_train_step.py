@@ -21,12 +21,12 @@ from flax import nnx
 from ...devices._mesh import replicate
 from ...planning._adapter import Prepared
 from ...planning._plan import Plan
-from ...training._batching import as_arrays, num_examples
 from ...training._elastic import ElasticEvent, shrink
+from ...training._epoch_batches import as_arrays, num_examples
 from ...training._live import LiveState
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
-from ._batch_norm import EffectiveBatchNorm
+from ._batch_stats import EffectiveBatchNorm
 from ._fit_step import StepBatch, StepRunner, leftover_step
 from ._program import split_model
 from ._remat import rematerialized

@@ -16,12 +16,12 @@ Nothing here imports Keras until a Keras model is handled. The public entry poin
 from __future__ import annotations
 
 from ._adapter import KerasAdapter as KerasAdapter
-from ._checks import check_keras_model as check_keras_model
-from ._checks import is_keras_model as is_keras_model
-from ._checks import validate_keras_fit_kwargs as validate_keras_fit_kwargs
 from ._data import KerasArrays as KerasArrays
 from ._fit import keras_fit as keras_fit
 from ._lr import scale_keras_learning_rate as scale_keras_learning_rate
+from ._model_checks import check_keras_model as check_keras_model
+from ._model_checks import is_keras_model as is_keras_model
+from ._model_checks import validate_keras_fit_kwargs as validate_keras_fit_kwargs
 from ._program import keras_lowering_scope as keras_lowering_scope
 from ._program import keras_program as keras_program
 from ._sources import KerasData as KerasData

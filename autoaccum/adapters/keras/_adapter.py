@@ -10,13 +10,13 @@ import numpy as np
 
 from ...planning._adapter import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
+from ...planning._option_checks import received
 from ...planning._plan import Plan
-from ...planning._validate import received
-from ._batchnorm import validate_batch_stats
-from ._checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
+from ._batch_stats import validate_batch_stats
 from ._data import KerasArrays
 from ._distribution import keras_auto_mesh
 from ._lr import keras_lr_scaling, set_base_learning_rate
+from ._model_checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
 from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, keras_rematerialized
 
 __all__ = ["KerasAdapter"]

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._validate import received
+from ...planning._option_checks import received
 
 __all__ = ["KerasArrays"]
 

@@ -18,18 +18,18 @@ import numpy as np
 
 from ...devices._mesh import resolve_mesh
 from ...devices._warnings import AutoaccumWarning
-from ...planning._validate import received
+from ...planning._option_checks import received
 from ...training._noise_scale import NoiseScaleTracker
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
-from ._batchnorm import validate_batch_stats
-from ._checks import check_keras_model, validate_keras_fit_kwargs
+from ._batch_stats import validate_batch_stats
 from ._distribution import keras_auto_mesh, keras_distribution_mesh
+from ._evaluate import Validator
+from ._model_checks import check_keras_model, validate_keras_fit_kwargs
 from ._program import ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
 from ._step import handles_nonfinite
-from ._validation import Validator
 
 __all__ = ["keras_fit"]
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...planning._lr import LearningRateScaling, scale_learning_rate
-from ...planning._validate import received
+from ...planning._option_checks import received
 
 __all__ = ["base_learning_rate", "keras_family", "keras_lr_scaling", "leaf_optimizers",
            "scale_keras_learning_rate", "scaled_learning_rate", "set_base_learning_rate"]

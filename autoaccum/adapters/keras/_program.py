@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._program import StepMetrics, TrainProgram
-from ._checks import check_keras_model, layers_without_jit
+from ...planning._train_program import StepMetrics, TrainProgram
+from ._model_checks import check_keras_model, layers_without_jit
 from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
 from ._sources import keras_data
 from ._step import keras_train_step

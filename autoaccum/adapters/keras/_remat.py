@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...planning._program import TrainProgram
+from ...planning._train_program import TrainProgram
 
 KERAS_REMAT_POLICIES = ("none", "nothing")
 

@@ -37,10 +37,10 @@ from ...devices._mesh import (
 from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
-from ...planning._batches import UnevenBatches, split_sizes
+from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
-from ...training._batching import split_micro_batches
 from ...training._elastic import shrink
+from ...training._epoch_batches import split_micro_batches
 from ...training._snapshot import HostSnapshot, is_consumed
 from ._interrupts import deferred_interrupts
 from ._program import KerasLayout, keras_state, write_back

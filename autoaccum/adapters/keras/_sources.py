@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._validate import received
+from ...planning._option_checks import received
 from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches

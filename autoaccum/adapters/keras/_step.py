@@ -9,7 +9,7 @@ weighted by its own size); the optimizer is applied once per step (``optimizer.i
 counts optimizer steps, schedules see them), with the learning-rate rule applied while the
 step is traced (:func:`~._lr.scaled_learning_rate`). Losses are weighted as Keras weights one
 big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), and
-``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._batchnorm`).
+``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._batch_stats`).
 
 A step whose loss or gradients are not finite returns the state it was given (weights,
 optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
@@ -27,11 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ...planning._batches import UnevenBatches, micro_batch_sizes, micro_steps
-from ...planning._program import StepMetrics
+from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
+from ...planning._train_program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
-from ._batchnorm import BatchStats
+from ._batch_stats import BatchStats
 from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
 from ._lr import scaled_learning_rate

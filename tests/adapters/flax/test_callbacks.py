@@ -10,7 +10,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._fit import flax_fit
-from autoaccum.training._batching import as_arrays
+from autoaccum.training._epoch_batches import as_arrays
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
 

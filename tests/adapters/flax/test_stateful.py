@@ -12,7 +12,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._fit import flax_fit
-from autoaccum.planning._program import tree_bytes
+from autoaccum.planning._train_program import tree_bytes
 from tests._models import ragged_tokens, token_loss
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import (

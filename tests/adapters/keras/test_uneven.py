@@ -17,7 +17,7 @@ from autoaccum.adapters import adapter_for
 from autoaccum.adapters.keras import keras_fit
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program
-from autoaccum.planning._planner import prepare
+from autoaccum.planning._plan_model import prepare
 
 from ._models import dense_model, regression_data
 from .test_accumulation import padded_data, token_model

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from ...planning._search import divisors
-from ...training._batching import split_micro_batches
+from ...training._epoch_batches import split_micro_batches
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._sources import KerasData

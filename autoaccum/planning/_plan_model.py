@@ -9,26 +9,25 @@ from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
 from ._adapter import Adapter, Prepared
-from ._batches import split_sizes
 from ._cache import resolve_cache
-from ._depth import DepthVariant, DepthVariants
-from ._depth_plan import label_sources, plan_by_depth
+from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr import LearningRateScaling, announce
 from ._measure import measure_program
+from ._micro_batches import split_sizes
 from ._objective import Candidate, choose_fastest, cost_model_seconds
+from ._option_checks import check_enough_examples, no_leftovers, received, validate_effective_batch
 from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
-from ._policies import (
+from ._remat import (
     label_policy,
     nothing_fits,
     policies_for,
     with_failed_policies,
 )
-from ._program import TrainProgram, tree_bytes
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, divisors
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
-from ._validate import check_enough_examples, no_leftovers, received, validate_effective_batch
+from ._train_program import TrainProgram, tree_bytes
 
 
 def plan_program(
@@ -49,7 +48,7 @@ def plan_program(
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
-    ``uneven``: the program's step takes :class:`~._batches.UnevenBatches`, so the plan may
+    ``uneven``: the program's step takes :class:`~._micro_batches.UnevenBatches`, so the plan may
     end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1).
 
     ``memory_fraction`` overrides the named device profile's default share of GPU memory

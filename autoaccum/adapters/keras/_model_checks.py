@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from ...devices._extras import require_extra
-from ...planning._validate import received
+from ...planning._option_checks import received
 from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
 

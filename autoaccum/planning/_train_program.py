@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._batches import UnevenBatches
+from ._micro_batches import UnevenBatches
 
 PyTree = Any
 
@@ -91,7 +91,7 @@ class TrainProgram:
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
                    last: int | None = None, last_sharding: Any = None) -> PyTree:
         """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering; with
-        ``last``, an :class:`~._batches.UnevenBatches` of ``[accum_steps - 1,
+        ``last``, an :class:`~._micro_batches.UnevenBatches` of ``[accum_steps - 1,
         micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
 
         ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..planning._batches import UnevenBatches, split_sizes
-from ..planning._validate import received
+from ..planning._micro_batches import UnevenBatches, split_sizes
+from ..planning._option_checks import received
 
 PyTree = Any
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._api_options import check_target, default_objective, given, program_options
+from ._api import check_target, default_objective, given, program_options
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
 from .planning._lr import announce
+from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
-from .planning._planner import plan_model, validate_method
+from .planning._plan_model import plan_model, validate_method
 from .planning._reuse import reuse_plan
-from .planning._validate import resolve_log, validate_effective_batch
 from .training._nonfinite import validate_on_nonfinite
 from .training._snapshot import validate_backup
 
