@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._remat import carried_out_of_checkpoints
+
 __all__ = ["BATCH_STATS", "BatchStats", "validate_batch_stats"]
 
 BATCH_STATS = ("effective", "micro")
@@ -92,7 +94,8 @@ class BatchStats:
         for norm, sink in zip(self.norms, records, strict=True):
             norm.layer.__dict__["_moments"] = _recording(norm.layer, sink)
         try:
-            yield records
+            with carried_out_of_checkpoints(*records):
+                yield records
         finally:
             for norm in self.norms:
                 norm.layer.__dict__.pop("_moments", None)

@@ -1,10 +1,16 @@
-"""Per-layer rematerialization for Keras models, through the hook Keras 3 layers offer.
+"""Per-layer rematerialization for Keras models, with every policy Flax models get.
 
-Keras layers carry a ``_remat_mode`` (set by ``keras.RematScope`` at construction) that
-makes ``Layer.__call__`` run ``call`` under ``jax.checkpoint``. autoaccum sets it, for the
-duration of planning or training, on the repeated blocks of the model: a keras-hub
-backbone's ``transformer_layers``, else the layers passed as ``layers=``. Keras's hook keeps
-nothing of a block but its inputs, which is autoaccum's ``"nothing"`` policy.
+Keras layers carry a ``_remat_mode`` (set by ``keras.RematScope`` at construction) that makes
+``Layer.__call__`` run ``call`` through ``layer.rematerialized_call``. autoaccum sets both, for
+the duration of planning or training, on the repeated blocks of the model (a keras-hub
+backbone's ``transformer_layers``, else the layers passed as ``layers=``), with its own
+``rematerialized_call``: ``jax.checkpoint`` with the named policy (:data:`REMAT_POLICIES
+<autoaccum.planning.REMAT_POLICIES>`) over the call's array arguments only. Keras's own
+``"full"`` mode checkpoints every argument, so a block called with ``training=True`` fails
+(``if training:`` on a tracer: keras-hub's ``TransformerDecoder``), and offers no policy.
+State a block writes while it runs (a dropout seed, BatchNorm statistics, added losses) is
+returned from the checkpointed function and written into Keras's stateless scope outside it,
+so no value of the inner trace escapes.
 """
 
 from __future__ import annotations
@@ -14,9 +20,30 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+
+from ...planning._remat import REMAT_POLICIES
 from ...planning._train_program import TrainProgram
 
-KERAS_REMAT_POLICIES = ("none", "nothing")
+KERAS_REMAT_POLICIES = tuple(REMAT_POLICIES)
+
+_CARRIED: list[list] = []  # lists blocks append traced values to while they run
+
+
+@contextlib.contextmanager
+def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
+    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
+    recorded for ``batch_stats="effective"``, :mod:`._batch_stats`) are returned from its
+    checkpointed call and appended outside it, so no value of the inner trace escapes."""
+    _CARRIED.extend(sinks)
+    try:
+        yield
+    finally:
+        for sink in sinks:
+            for i, registered in enumerate(_CARRIED):
+                if registered is sink:
+                    del _CARRIED[i]
+                    break
 
 
 def keras_blocks(model: Any) -> list[Any]:
@@ -49,8 +76,8 @@ def keras_rematerialized(
         return
     if policy not in KERAS_REMAT_POLICIES:
         raise ValueError(
-            "Keras layers offer full-block rematerialization only (they keep a block's inputs "
-            f"and recompute the rest): use remat='nothing' or 'none'. Received: remat={policy!r}"
+            f"Unknown remat policy. Use 'auto' or one of "
+            f"{', '.join(map(repr, KERAS_REMAT_POLICIES))}. Received: remat={policy!r}"
         )
     from keras.src.backend.common.remat import RematMode
 
@@ -60,17 +87,90 @@ def keras_rematerialized(
         chosen = keras_blocks(model)
     if not chosen:
         raise ValueError(
-            "remat='nothing' found no blocks to checkpoint: the model has no "
+            f"remat={policy!r} found no blocks to checkpoint: the model has no "
             "`transformer_layers`. Pass layers=lambda layer: isinstance(layer, MyBlock)."
         )
-    saved = [(layer, getattr(layer, "_remat_mode", None)) for layer in chosen]
+    saved = [(layer, getattr(layer, "_remat_mode", None), layer.__dict__.get("rematerialized_call"))
+             for layer in chosen]
+    checkpoint_policy = REMAT_POLICIES[policy]
     try:
-        for layer, _ in saved:
+        for layer, _, _ in saved:
             layer._remat_mode = RematMode("full", None, None)
+            layer.rematerialized_call = _checkpointing(checkpoint_policy)
         yield len(saved)
     finally:
-        for layer, mode in saved:
+        for layer, mode, own in saved:
             layer._remat_mode = mode
+            if own is None:
+                layer.__dict__.pop("rematerialized_call", None)
+            else:
+                layer.rematerialized_call = own
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                           and not hasattr(leaf, "_keras_history"))
+
+
+def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., Any]]:
+    """A ``rematerialized_call`` for one layer: ``call`` under ``jax.checkpoint(policy=...)``,
+    differentiating through array arguments only (``training=True``, ``mask=None`` and other
+    Python values stay Python values), with the layer's state writes carried out."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    def rematerialized_call(layer_call: Callable[..., Any], *_: Any, **__: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+            written: list[int] = []
+            scope = get_stateless_scope()
+
+            sinks = list(_CARRIED)
+
+            def run(arrays: list[Any]) -> tuple[Any, list[Any], list[Any], list[list]]:
+                full = list(leaves)
+                for i, value in zip(where, arrays, strict=True):
+                    full[i] = value
+                inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
+                lengths = [len(sink) for sink in sinks]
+                before = {} if scope is None else dict(scope.state_mapping)
+                losses_before = 0 if scope is None else len(scope.losses)
+                out = layer_call(*inner_args, **inner_kwargs)
+                appended = [sink[n:] for sink, n in zip(sinks, lengths, strict=True)]
+                for sink, n in zip(sinks, lengths, strict=True):
+                    del sink[n:]
+                if scope is None:
+                    return out, [], [], appended
+                written[:] = [key for key, value in scope.state_mapping.items()
+                              if before.get(key) is not value]
+                updates = [scope.state_mapping[key] for key in written]
+                losses = scope.losses[losses_before:]
+                del scope.losses[losses_before:]
+                for key in written:  # no inner value stays behind
+                    if key in before:
+                        scope.state_mapping[key] = before[key]
+                    else:
+                        del scope.state_mapping[key]
+                return out, updates, losses, appended
+
+            arrays = [leaves[i] for i in where]
+            # Values the block closes over (Keras's seed increments are NumPy constants) become
+            # explicit arguments: constants captured inside ``jax.checkpoint`` are hoisted into
+            # the compiled step's arguments, which an ahead-of-time compiled call then lacks.
+            converted, captured = jax.closure_convert(run, arrays)
+            out, updates, losses, appended = jax.checkpoint(converted, policy=policy)(
+                arrays, *captured)
+            for sink, values in zip(sinks, appended, strict=True):
+                sink.extend(values)
+            if scope is not None:
+                for key, value in zip(written, updates, strict=True):
+                    scope.state_mapping[key] = value
+                scope.losses.extend(losses)
+            return out
+
+        return call
+
+    return rematerialized_call
 
 
 def keras_remat_program(model: Any, example_spec: Any, remat: str, *,

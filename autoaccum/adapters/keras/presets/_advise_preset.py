@@ -97,8 +97,8 @@ def advise_preset(
         if dtype == "float32":
             singles.append({"dtype": "bfloat16"})
         if lora_rank is None:
-            # Not adafactor: Keras's keeps a full-size velocity per weight (little saved over
-            # AdamW) and its concrete placeholders cannot be built abstractly.
+            # Not adafactor: Keras's keeps a full-size velocity per weight besides its factored
+            # second moments, so it saves little over AdamW (it plans: optimizer="adafactor").
             for other in ("sgd", "lion"):
                 if other != optimizer.lower():
                     singles.append({"optimizer": other})

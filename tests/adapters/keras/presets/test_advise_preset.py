@@ -55,3 +55,15 @@ def test_every_preset_row_fits_when_planned_with_its_change():
         assert plan.need_bytes <= plan.budget_bytes
         assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)
     assert "What would fit" in str(advice.error)
+
+
+def test_a_preset_full_fine_tune_plans_with_adafactor():
+    """Keras's Adafactor creates scalar placeholders from concrete values (``Variable(0)``),
+    which an abstract build's stateless scope refuses; they are deferred like every other
+    variable, and its factored moments make the resident state smaller than AdamW's."""
+    options = dict(effective_batch=2, sequence_length=16, budget=2**31, device="t4",
+                   backbone_overrides=SMALL, log=None, cache=False)
+    adafactor = plan_preset("gemma3_1b", optimizer="adafactor", **options)
+    adamw = plan_preset("gemma3_1b", optimizer="adamw", **options)
+    assert adafactor.need_bytes <= adafactor.budget_bytes
+    assert adafactor.need_bytes < adamw.need_bytes

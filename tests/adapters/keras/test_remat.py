@@ -1,0 +1,71 @@
+"""Rematerialization of a Keras model's blocks: every policy Flax models get, exact, and
+state the blocks write (dropout seeds, BatchNorm statistics) carried out of the checkpoint."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import autoaccum
+from autoaccum.adapters.keras._remat import KERAS_REMAT_POLICIES
+from autoaccum.planning import REMAT_POLICIES
+
+from ._models import TEXTS, max_diff, tiny_gpt2
+
+
+def test_keras_models_offer_every_remat_policy():
+    assert KERAS_REMAT_POLICIES == tuple(REMAT_POLICIES)
+
+
+@pytest.mark.slow
+def test_a_keras_hub_decoder_called_with_training_true_trains_under_remat_as_without():
+    """keras-hub's ``TransformerDecoder`` branches on ``training``: Keras's own full-block
+    remat traces that flag and fails (``'str' object has no attribute '_error_repr'``);
+    autoaccum's keeps it a Python value, and the trained weights match remat='none'."""
+    texts = TEXTS * 2
+    plain, remat_model = tiny_gpt2(), tiny_gpt2()
+    for model, policy in ((plain, "none"), (remat_model, "dots")):
+        autoaccum.fit(model, texts, effective_batch=8, remat=policy, budget="1GiB",
+                      shuffle=False, verbose=0, log=None)
+    assert max_diff(plain, remat_model) < 1e-5
+
+
+class _Block(keras.layers.Layer):
+    """A residual block with dropout and BatchNorm: both write state while it runs."""
+
+    def __init__(self, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(width, activation="relu")
+        self.norm = keras.layers.BatchNormalization()
+        self.drop = keras.layers.Dropout(0.25, seed=3)
+
+    def call(self, x, training=None):
+        return x + self.drop(self.norm(self.dense(x), training=training), training=training)
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    x = _Block(8)(inputs)
+    x = _Block(8)(x)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def test_dropout_and_batchnorm_state_written_inside_a_checkpointed_block_is_kept():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    blocks = lambda layer: isinstance(layer, _Block)  # noqa: E731
+    models = {}
+    for policy in ("none", "nothing"):
+        model = _model()
+        autoaccum.fit(model, x, y, effective_batch=16, remat=policy, remat_layers=blocks,
+                      budget="1GiB", shuffle=False, verbose=0, log=None, epochs=2)
+        models[policy] = model
+    plain, remat = models["none"], models["nothing"]
+    assert max_diff(plain, remat) < 1e-5  # the same dropout masks, the same BatchNorm updates
+    norm = plain.layers[1].norm
+    assert not np.allclose(keras.ops.convert_to_numpy(norm.moving_mean), 0.0)
