@@ -1,10 +1,10 @@
 """Running a Keras fit's accumulated steps so the model always holds one whole state.
 
 Each step is dispatched and its outputs written into the model's variables with Ctrl-C held
-back (:mod:`._interrupts`), so at any moment the variables hold the state of one optimizer
-step: before the swap the old one, after it the new one (still being computed, which is
-fine). If the device reports a failure, the variables are put back to the state before the
-step: the inputs when they are intact, else a host copy (taken before every step when
+back (:mod:`autoaccum.training._interrupts`), so at any moment the variables hold the state
+of one optimizer step: before the swap the old one, after it the new one (still being
+computed, which is fine). If the device reports a failure, the variables are put back to the
+state before the step: the inputs when they are intact, else a host copy (taken before every step when
 ``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic`` redoes the
 same step at a smaller micro-batch.
 
@@ -41,8 +41,8 @@ from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
 from ...training._elastic import shrink
 from ...training._epoch_batches import split_micro_batches
+from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
-from ._interrupts import deferred_interrupts
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._step import keras_train_step

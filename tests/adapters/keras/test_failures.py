@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import keras_fit
+from tests._random_interrupts import send_ctrl_c_after
 
 from ._models import all_live, dense_model, max_diff, regression_data
 
@@ -114,3 +115,38 @@ def test_ctrl_c_during_a_step_leaves_that_step_whole():
     reference = _after_steps(steps)
     assert max_diff(model, reference) < 1e-5
     np.testing.assert_array_equal(np.isfinite(model.predict(X, verbose=0)), True)
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Keeps the weights after every optimizer step; at step ``arm_at`` starts a thread that
+    sends Ctrl-C after ``delay`` seconds."""
+
+    def __init__(self, arm_at=None, delay=0.0):
+        super().__init__()
+        self.states, self.seen, self.arm_at, self.delay = {}, 0, arm_at, delay
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen = int(self.model.optimizer.iterations)
+        if self.arm_at is None:
+            self.states[self.seen] = self.model.get_weights()
+        elif self.seen == self.arm_at:
+            send_ctrl_c_after(self.delay)
+
+
+def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
+    epochs = 20  # 80 steps: the Ctrl-C always lands while fit runs
+    trajectory = _Recorder()
+    _fit(_model(), epochs=epochs, callbacks=[trajectory])
+    trajectory.states[0] = _model().get_weights()
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        model = _model()
+        recorder = _Recorder(arm_at=int(rng.integers(1, 8)), delay=float(rng.uniform(0, 3e-3)))
+        with pytest.raises(KeyboardInterrupt):
+            _fit(model, epochs=epochs, callbacks=[recorder])
+        assert all_live(model)
+        steps = int(model.optimizer.iterations)
+        assert steps in (recorder.seen, recorder.seen + 1), (trial, steps, recorder.seen)
+        assert all(np.array_equal(a, b) for a, b in zip(
+            model.get_weights(), trajectory.states[steps], strict=True)), (
+            f"trial {trial}: after Ctrl-C the weights are not those of step {steps}")
