@@ -4,9 +4,9 @@ Each step is dispatched and its outputs written into the model's variables with 
 back (:mod:`autoaccum.training._interrupts`), so at any moment the variables hold the state
 of one optimizer step: before the swap the old one, after it the new one (still being
 computed, which is fine). If the device reports a failure, the variables are put back to the
-state before the step: the inputs when they are intact, else a host copy (taken before every step when
-``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic`` redoes the
-same step at a smaller micro-batch.
+state before the step: the inputs when they are intact, else a host copy (taken before every
+step when ``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic``
+redoes the same step at a smaller micro-batch.
 
 A step may be uneven: full micro-batches and one smaller last one (13 = 5 + 5 + 3,
 :class:`~autoaccum.planning.UnevenBatches`) in one compiled program. A step of fewer examples
