@@ -6,6 +6,10 @@ non-finite policy (a non-finite step under ``on_nonfinite="stop"`` ends training
 callback already stopped it), stopping early, an input that runs out of data, the leftover
 steps (fewer examples than the effective batch) and what an exception leaves behind.
 
+After an exception (a ``KeyboardInterrupt`` included) the adapter puts the model back on
+the state of one whole step with Ctrl-C held back, so a second Ctrl-C cannot stop that
+halfway; it is delivered once the model is whole.
+
 An adapter supplies only what differs, as a :class:`FitHooks` subclass: the epoch's batches,
 how its compiled step runs on one of them (and writes the new state into the model, with
 Ctrl-C held back, :mod:`._interrupts`), its framework's callbacks and history, its
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..devices._warnings import AutoaccumWarning
+from ._interrupts import deferred_interrupts
 from ._noise_scale import NoiseScaleTracker
 from ._nonfinite import NonFiniteError, validate_on_nonfinite
 
@@ -264,7 +269,9 @@ def run_fit_loop(
                     hooks.stopped(stop)
                     break
         except BaseException as error:
-            if not hooks.failed(error):
+            with deferred_interrupts():  # a second Ctrl-C waits until the model is whole
+                handled = hooks.failed(error)
+            if not handled:
                 raise
         hooks.train_end(loop.logs)
     finally:
