@@ -1,4 +1,11 @@
-"""Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``)."""
+"""Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``).
+
+The loop is :func:`autoaccum.training.run_fit_loop`; what Flax brings to it is
+:class:`_FlaxHooks`: the compiled step on the :class:`~autoaccum.training.LiveState` (which
+writes each step's state into the model with Ctrl-C held back), autoaccum's callbacks, the
+:class:`~autoaccum.training.FitResult`, the evaluator, and putting the model back on one
+whole step after an exception.
+"""
 
 from __future__ import annotations
 

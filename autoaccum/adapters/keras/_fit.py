@@ -5,6 +5,9 @@ step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the
 applied once). The model's variables hold the current state after every step, so callbacks
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
 point leaves the variables holding the state of one optimizer step (:mod:`._runner`).
+
+The loop is :func:`autoaccum.training.run_fit_loop`; what Keras brings to it is
+:class:`_KerasHooks`.
 """
 
 from __future__ import annotations

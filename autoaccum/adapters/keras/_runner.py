@@ -34,12 +34,11 @@ from ...devices._mesh import (
     replicated_sharding,
     shard_batches,
 )
-from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
 from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
-from ...training._elastic import shrink
+from ...training._elastic import retry_smaller, shrink
 from ...training._epoch_batches import split_micro_batches
 from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
@@ -174,17 +173,23 @@ class StepRunner:
         ``following()`` fetches the next batch while the device works. Returns the result
         and that next batch."""
         examples = _size(packed)
-        while True:
-            accum, micro, last = self.split(examples)
-            compiled = self.compile(accum, micro, last)
-            try:
-                return self._run(compiled, _split(packed, accum, micro, last, self.dp),
-                                 following, examples, accum * self.dp)
-            except Exception as error:
-                if not (self.elastic and is_out_of_memory(error)) or is_consumed(
-                        keras_state(self.model, self.layout)[0]):
-                    raise
-                self._shrink(error, examples, accum, micro)
+        split = self.split(examples)
+        compiled = [self.compile(*split)]
+
+        def attempt() -> tuple[StepResult, Any]:
+            accum, micro, last = split
+            return self._run(compiled[0], _split(packed, accum, micro, last, self.dp),
+                             following, examples, accum * self.dp)
+
+        def recover(error: BaseException) -> None:
+            nonlocal split
+            if is_consumed(keras_state(self.model, self.layout)[0]):
+                raise error
+            self._shrink(error, examples, split[0], split[1])
+            split = self.split(examples)
+            compiled[0] = self.compile(*split)
+
+        return retry_smaller(attempt, elastic=self.elastic, recover=recover)
 
     def shrink(self, error: BaseException) -> Any:
         """After an out-of-memory of a full step: the next smaller micro-batch for it (the
