@@ -10,7 +10,6 @@ from ._budget import Budget
 from ._lr import LearningRateScaling
 from ._measure import MemoryEstimate
 from ._micro_batches import split_sizes
-from ._option_checks import validate_effective_batch
 from ._search import Probe, SearchResult, divisors, search_micro_batch
 
 
@@ -305,7 +304,6 @@ def search_plan(
     device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
     that fits on all of them (:func:`agree_across_processes`), so they run the same program.
     """
-    validate_effective_batch(effective_batch, data_parallel=data_parallel)
     search = search_micro_batch(
         measure,
         per_device_batch=effective_batch // data_parallel,

@@ -86,7 +86,9 @@ def plan_program(
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
     mesh = program.mesh if isinstance(program, TrainProgram) else None
-    if resolved is None:
+    if resolved is None:  # called directly (plan_model resolves the target, and validated)
+        effective_batch = validate_effective_batch(
+            effective_batch, data_parallel=1 if mesh is None else int(mesh.size))
         weights = 0
         if isinstance(program, TrainProgram):
             weights = (tree_bytes(program.parts.get("trainable"))

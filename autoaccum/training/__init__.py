@@ -1,5 +1,7 @@
-"""The training engine: exact accumulation (one device or data-parallel), batching, elastic
-recovery, host snapshots, progress, the gradient noise scale, and what ``fit`` returns.
+"""The training engine: the one training loop both adapters run (:func:`run_fit_loop`, each
+framework supplying its :class:`FitHooks`), exact accumulation (one device or data-parallel),
+batching and stream re-batching, elastic recovery, host snapshots, Ctrl-C held back while
+state is written, progress, the gradient noise scale, and what ``fit`` returns.
 
 Imports :mod:`autoaccum.planning` and :mod:`autoaccum.devices`; never a framework adapter.
 """
@@ -12,11 +14,18 @@ from ._batch_stats import BATCH_STATS_MODES as BATCH_STATS_MODES
 from ._callbacks import Callback as Callback
 from ._callbacks import StopTraining as StopTraining
 from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
+from ._fit_loop import EpochTally as EpochTally
+from ._fit_loop import FitHooks as FitHooks
+from ._fit_loop import FitLoop as FitLoop
+from ._fit_loop import StepOutcome as StepOutcome
+from ._fit_loop import run_fit_loop as run_fit_loop
+from ._interrupts import deferred_interrupts as deferred_interrupts
 from ._live import LiveState as LiveState
 from ._live import StateLostError as StateLostError
 from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
 from ._nonfinite import NONFINITE_POLICIES as NONFINITE_POLICIES
 from ._nonfinite import NonFiniteError as NonFiniteError
+from ._rebatch import Rebatcher as Rebatcher
 from ._result import FitResult as FitResult
 from ._snapshot import HostSnapshot as HostSnapshot
 
@@ -25,6 +34,9 @@ __all__ = [
     "NONFINITE_POLICIES",
     "AccumulatedGradients",
     "Callback",
+    "EpochTally",
+    "FitHooks",
+    "FitLoop",
     "LiveState",
     "StateLostError",
     "StopTraining",
@@ -32,8 +44,12 @@ __all__ = [
     "HostSnapshot",
     "NoiseScaleEstimator",
     "NonFiniteError",
+    "Rebatcher",
+    "StepOutcome",
     "accumulate_gradients",
     "data_parallel_accumulate",
+    "deferred_interrupts",
     "mean_gradients",
     "mean_loss",
+    "run_fit_loop",
 ]

@@ -1,6 +1,7 @@
 """Elastic recovery: after a real out-of-memory mid-training, redo the same step smaller.
 
-The fit loops (Flax and Keras) restore the state from before the failed step, then call
+Both adapters' step runners run a step through :func:`retry_smaller`: after a real
+out-of-memory they restore the state from before the failed step, then call
 :func:`shrink` for the next split: the largest divisor of the per-device effective batch
 below the failed micro-batch, with accumulation raised so the effective batch is unchanged.
 The same examples, in the same order, are re-split into more micro-batches
@@ -10,16 +11,44 @@ equal to float rounding). Step count, learning-rate schedule and data order are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
-from ..devices._oom import first_line, no_micro_batch_fits, requested_bytes
+from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits, requested_bytes
 from ..planning._search import DoesNotFitError, divisors
 
-__all__ = ["ElasticEvent", "resplit", "shrink"]
+__all__ = ["ElasticEvent", "resplit", "retry_smaller", "shrink"]
+
+T = TypeVar("T")
+
+
+def retry_smaller(attempt: Callable[[], T], *, elastic: bool,
+                  recover: Callable[[BaseException], None]) -> T:
+    """``attempt()`` (one optimizer step at the current split) until it does not run out of
+    memory: after a real out-of-memory with ``elastic``, ``recover(error)`` puts the state
+    from before the step back and shrinks the split (it raises when it cannot: the state was
+    consumed, or the micro-batch was already 1); any other error propagates.
+
+    Example:
+      >>> splits = [8]
+      >>> def attempt():
+      ...     if splits[-1] > 2:
+      ...         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+      ...     return splits[-1]
+      >>> retry_smaller(attempt, elastic=True, recover=lambda e: splits.append(splits[-1] // 2))
+      2
+    """
+    while True:
+        try:
+            return attempt()
+        except Exception as error:
+            if not (elastic and is_out_of_memory(error)):
+                raise
+            recover(error)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ between the step and the model update, inside a callback or validation) :meth:`s
 writes into the model the newest intact state: the committed state if it is alive, else the
 host copy (the state before the failed step), else the uncommitted output if it is alive;
 with none of these (``backup="none"`` and a consumed state) it says so and how to recover.
+
+Ctrl-C is held back (:func:`~autoaccum.training._interrupts.deferred_interrupts`) while a step
+is dispatched and its output taken, and while a state is written into the model, so neither
+ever stops halfway: the model holds one step's state, never a mix of two.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._interrupts import deferred_interrupts
 from ._snapshot import HostSnapshot, is_consumed
 
 __all__ = ["LiveState", "StateLostError"]
@@ -64,8 +69,9 @@ class LiveState:
         """``executable(state, *args) -> (new_state, metrics)``; ``new_state`` is held (not
         yet committed) as soon as the call returns. Returns ``metrics``."""
         self.pending = True
-        new_state, metrics = executable(self.state, *args)
-        self.state, self.pending = new_state, metrics
+        with deferred_interrupts():
+            new_state, metrics = executable(self.state, *args)
+            self.state, self.pending = new_state, metrics
         return metrics
 
     def commit(self, steps: int) -> None:
@@ -73,7 +79,7 @@ class LiveState:
         and write it into the model."""
         self.steps, self.pending = steps, None
         self.snapshot.take(self.state, step=steps)
-        self.apply(self.state)
+        self._write()
 
     def recover(self) -> PyTree:
         """After a failed step: the state before it, live, written into the model.
@@ -91,7 +97,7 @@ class LiveState:
                 "backup='auto'); reload the weights from a checkpoint, or pass backup='host'."
             )
         self.pending = None
-        self.apply(self.state)
+        self._write()
         return self.state
 
     def settle(self, ok: Callable[[Any], bool] | None = None) -> int:
@@ -103,7 +109,7 @@ class LiveState:
         (or, without one, the output if alive) is used.
         """
         if self.pending is None and not is_consumed(self.state):
-            self.apply(self.state)  # redo: an interrupted update may have left it half done
+            self._write()  # redo: an interrupted update may have left it half done
             return self.steps
         metrics = self.pending
         if self.snapshot.available:
@@ -118,5 +124,10 @@ class LiveState:
         if metrics is not True and metrics is not None and ok is not None and ok(metrics):
             self.steps += 1
         self.pending = None
-        self.apply(self.state)
+        self._write()
         return self.steps
+
+    def _write(self) -> None:
+        """Writes the held state into the model, with Ctrl-C held back until it is whole."""
+        with deferred_interrupts():
+            self.apply(self.state)

@@ -36,6 +36,7 @@ import numpy as np
 
 from ...planning._option_checks import received, type_name
 from ...training._epoch_batches import as_arrays, epoch_order, num_examples
+from ...training._rebatch import Rebatcher, concat
 
 __all__ = ["ArrayData", "FlaxStream", "flax_data", "is_records", "stack_records"]
 
@@ -103,13 +104,9 @@ class FlaxStream:
         self.one_shot = iter(data) is data if hasattr(data, "__next__") else False
         self.infinite = _known_infinite(data)
         self._peeked: list[PyTree] = []
-        self._iterator: Iterator[PyTree] | None = None
-        self._buffer = _Buffer()
+        self._rebatch = Rebatcher()
         self._structure: Any = None
         self._read = 0
-        self.dropped = 0
-        self.leftover = 0
-        """Examples in the last epoch's final smaller batch (0 when it was full)."""
         self.ended = False
         """A one-shot stream has been read to its end."""
 
@@ -177,66 +174,30 @@ class FlaxStream:
             raise ValueError(
                 f"{self.name} yielded no batch (an empty or already exhausted iterator). Pass "
                 f"data that yields batches. Received: an empty {type_name(self.data)}")
-        return _slice(_concat(taken), 0, min(n, count))
+        whole = concat(taken)
+        return jax.tree.map(lambda a: a[:min(n, count)], whole)
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, steps: int | None = None,
               **_: Any) -> Iterator[PyTree]:
         """The epoch's effective batches of ``batch`` examples, then (at the end of the data)
         the smaller rest unless ``drop_remainder``. With ``steps``, at most that many, and the
         next epoch continues where this one stopped."""
-        if steps is None or self._iterator is None:
+        def start() -> Iterator[PyTree]:
             replay, self._peeked = self._peeked, []
-            self._iterator = itertools.chain(replay, self._fresh())
-            self._buffer = _Buffer()
-        self.dropped = 0
-        self.leftover = 0
-        taken = 0
-        while steps is None or taken < steps:
-            while self._buffer.count < batch:
-                part = next(self._iterator, None)
-                if part is None:
-                    break
-                self._buffer.push(part)
-            if self._buffer.count >= batch:
-                taken += 1
-                yield self._buffer.pop(batch)
-                continue
-            self._iterator = None  # the data ended: the next epoch starts a new pass
-            rest, self._buffer = self._buffer, _Buffer()
-            self.leftover = rest.count
-            if rest.count and drop_remainder:
-                self.dropped = rest.count
-            elif rest.count:
-                yield rest.pop(rest.count)
-            return
+            return itertools.chain(replay, self._fresh())
 
+        return self._rebatch.epoch(start, batch=batch, drop_remainder=drop_remainder,
+                                   steps=steps)
 
-class _Buffer:
-    """Examples received but not yet batched."""
+    @property
+    def dropped(self) -> int:
+        """Examples left out of the last epoch (``drop_remainder=True``)."""
+        return self._rebatch.dropped
 
-    def __init__(self) -> None:
-        self.parts: list[PyTree] = []
-        self.count = 0
-
-    def push(self, part: PyTree) -> None:
-        self.parts.append(part)
-        self.count += num_examples(part)
-
-    def pop(self, n: int) -> PyTree:
-        whole = _concat(self.parts)
-        self.parts = [_slice(whole, n, self.count)] if self.count > n else []
-        self.count -= n
-        return _slice(whole, 0, n)
-
-
-def _concat(parts: list[PyTree]) -> PyTree:
-    if len(parts) == 1:
-        return parts[0]
-    return jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *parts)
-
-
-def _slice(tree: PyTree, start: int, stop: int) -> PyTree:
-    return jax.tree.map(lambda a: a[start:stop], tree)
+    @property
+    def leftover(self) -> int:
+        """Examples in the last epoch's final smaller batch (0 when it was full)."""
+        return self._rebatch.leftover
 
 
 def _shapes(structure: Any) -> str:

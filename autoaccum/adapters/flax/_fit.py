@@ -1,12 +1,18 @@
-"""Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``)."""
+"""Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``).
+
+The loop is :func:`autoaccum.training.run_fit_loop`; what Flax brings to it is
+:class:`_FlaxHooks`: the compiled step on the :class:`~autoaccum.training.LiveState` (which
+writes each step's state into the model with Ctrl-C held back), autoaccum's callbacks, the
+:class:`~autoaccum.training.FitResult`, the evaluator, and putting the model back on one
+whole step after an exception.
+"""
 
 from __future__ import annotations
 
 import math
 import sys
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import jax
@@ -14,13 +20,13 @@ import optax
 from flax import nnx
 
 from ...devices._mesh import replicate
-from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
 from ...training._epoch_batches import leftover_split
+from ...training._fit_loop import EpochTally, FitHooks, StepOutcome, run_fit_loop
+from ...training._interrupts import deferred_interrupts
 from ...training._live import LiveState
-from ...training._noise_scale import NoiseScaleTracker
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
@@ -28,7 +34,7 @@ from ...training._snapshot import HostSnapshot
 from ._batch_stats import EffectiveBatchNorm
 from ._data import ArrayData, FlaxStream, flax_data
 from ._evaluate import Evaluator, warn_if_eval_mode
-from ._fit_step import StepRunner, step_batches
+from ._fit_step import StepBatch, StepRunner, step_batches
 from ._program import LossFn, split_model
 
 __all__ = ["flax_fit"]
@@ -139,80 +145,128 @@ def flax_fit(
                               steps=validation_steps, mesh=mesh)
     cbs = CallbackList(callback_list, model=model, result=result)
 
-    def write_back() -> None:
-        if nnx_optimizer is not None:
-            nnx_optimizer.write(live.state[2], result.steps)
-    noise = NoiseScaleTracker()
+    hooks = _FlaxHooks(
+        model, source, runner, live, result, cbs, frozen=frozen, evaluator=evaluator,
+        plan=plan, dp=dp, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+        steps_per_epoch=steps_per_epoch, verbose=verbose, stream=stream, epochs=epochs,
+        nnx_optimizer=nnx_optimizer)
+
+    def progress(epoch: int) -> ProgressBar:
+        total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
+        return ProgressBar(total=total, epoch=epoch, epochs=epochs, stream=stream)
+
     start = time.perf_counter()
-    try:
-        cbs.call("on_train_begin", {})
-        for epoch in range(initial_epoch, epochs):
-            cbs.call("on_epoch_begin", epoch, {})
-            total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
-            steps = step_batches(
-                source.epoch(batch=plan.effective_batch, drop_remainder=drop_remainder,
-                             shuffle=shuffle, seed=seed, epoch=epoch, steps=steps_per_epoch),
-                plan=plan, result=result, dp=dp)
-            bar = ProgressBar(total=total, epoch=epoch, epochs=epochs, stream=stream)
-            losses: list[float] = []
-            taken = 0
-            for i, batch in enumerate(steps):
-                taken = i + 1
-                metrics, applied = runner.step(batch)
-                loss = float(metrics.loss)
-                if applied:
-                    losses.append(loss)
-                    if batch.weights is None:
-                        result.noise_scale.append(noise.update_from(
-                            (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
-                             float(metrics.count)), batch.accum_steps * dp))
-                if verbose:
-                    bar.update(i + 1, loss=loss)
-                cbs.call("on_step_end", result.steps,
-                         {"loss": loss, "examples": batch.examples, "skipped": not applied,
-                          "epoch": epoch})
-                if cbs.stop_requested():
-                    break
-            result.dropped_examples += source.dropped
-            if source.num_examples is None and source.leftover:
-                result.leftover_examples = source.leftover
-            if verbose:
-                bar.close()
-            if not cbs.stop_requested() and (
-                    taken == 0 or (steps_per_epoch is not None and taken < steps_per_epoch)):
-                warnings.warn(
-                    "autoaccum: your input ran out of data; interrupting training. Make sure "
-                    "that your data can give at least `steps_per_epoch * epochs` effective "
-                    "batches (a one-shot iterator is read once in all; pass a re-iterable "
-                    "such as a grain DataLoader, or repeat the stream). "
-                    f"Received: {taken} step(s) in epoch {epoch + 1}",
-                    AutoaccumWarning, stacklevel=2)
-                if taken == 0:
-                    result.stopped = f"the data ran out in epoch {epoch + 1}"
-                    break
-            result.epoch_losses.append(sum(losses) / len(losses) if losses else math.nan)
-            result.epoch_noise_scale.append(noise.value)
-            logs = {"loss": result.epoch_losses[-1], "gradient_noise_scale": noise.value}
-            if evaluator is not None and (epoch + 1) % validation_freq == 0:
-                result.val_losses.append(evaluator(live.state, frozen))
-                logs["val_loss"] = result.val_losses[-1]
-                if verbose:
-                    print(f"autoaccum: epoch {epoch + 1}/{epochs} val_loss "
-                          f"{logs['val_loss']:.4f}", file=stream, flush=True)
-            cbs.call("on_epoch_end", epoch, logs)
-            stop = cbs.stop_requested()
-            if stop:
-                result.stopped = stop
-                break
-    except StopTraining as request:
-        live.settle()
-        write_back()
-        result.stopped = f"StopTraining: {request}" if str(request) else "StopTraining"
-    except NonFiniteError:
-        live.settle()
-        write_back()
-        raise
-    except BaseException as error:
+    loop = run_fit_loop(hooks, epochs=epochs, initial_epoch=initial_epoch,
+                        steps_per_epoch=steps_per_epoch, validation=evaluator is not None,
+                        validation_freq=validation_freq, on_nonfinite=on_nonfinite,
+                        progress=progress if verbose else None)
+    result.seconds = time.perf_counter() - start
+    result.noise_advice = loop.noise.advice(plan.effective_batch)
+    if verbose:
+        print(f"autoaccum: {result.noise_advice}", file=stream, flush=True)
+        if leftover:
+            print(f"autoaccum: {_leftover_sentence(result, epochs - initial_epoch)}",
+                  file=stream, flush=True)
+    return result
+
+
+class _FlaxHooks(FitHooks):
+    """What a Flax NNX model brings to the training loop: its compiled step on the
+    :class:`LiveState`, autoaccum's callbacks, the :class:`FitResult`, the evaluator."""
+
+    def __init__(self, model: nnx.Module, source: ArrayData | FlaxStream, runner: StepRunner,
+                 live: LiveState, result: FitResult, callbacks: CallbackList, *, frozen: Any,
+                 evaluator: Evaluator | None, plan: Plan, dp: int, shuffle: bool, seed: int,
+                 drop_remainder: bool, steps_per_epoch: int | None, verbose: int,
+                 stream: TextIO, epochs: int, nnx_optimizer: Any) -> None:
+        self.model, self.source, self.runner, self.live = model, source, runner, live
+        self.result, self.callbacks, self.frozen, self.evaluator = (result, callbacks, frozen,
+                                                                    evaluator)
+        self.plan, self.dp, self.shuffle, self.seed = plan, dp, shuffle, seed
+        self.drop_remainder, self.steps_per_epoch = drop_remainder, steps_per_epoch
+        self.verbose, self.stream, self.epochs = verbose, stream, epochs
+        self.nnx_optimizer = nnx_optimizer
+        self.epoch = 0
+
+    def train_begin(self) -> None:
+        self.callbacks.call("on_train_begin", {})
+
+    def epoch_batches(self, epoch: int) -> Iterator[StepBatch]:
+        self.epoch = epoch
+        self.callbacks.call("on_epoch_begin", epoch, {})
+        plan = self.plan
+        return step_batches(
+            self.source.epoch(batch=plan.effective_batch, drop_remainder=self.drop_remainder,
+                              shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                              steps=self.steps_per_epoch),
+            plan=plan, result=self.result, dp=self.dp)
+
+    def run_step(self, batch: StepBatch, following: Callable[[], Any]) -> StepOutcome:
+        metrics, applied = self.runner.step(batch)
+        noise = None
+        if applied and batch.weights is None:
+            noise = (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
+                     float(metrics.count))
+        skipped_by_optimizer = not applied and self.runner.optimizer_skips_nonfinite
+        return StepOutcome(loss=float(metrics.loss), examples=batch.examples, applied=applied,
+                           finite=applied, optimizer_skipped=skipped_by_optimizer,
+                           full=not batch.leftover, noise=noise,
+                           micro_batches=batch.accum_steps * self.dp)
+
+    def step_end(self, index: int, outcome: StepOutcome) -> None:
+        if outcome.noise is not None:
+            self.result.noise_scale.append(outcome.noise_scale)
+        self.callbacks.call("on_step_end", self.result.steps,
+                            {"loss": outcome.loss, "examples": outcome.examples,
+                             "skipped": not outcome.applied, "epoch": self.epoch})
+
+    def stop_requested(self) -> str | None:
+        return self.callbacks.stop_requested()
+
+    def epoch_steps_end(self, tally: EpochTally) -> None:
+        result, source = self.result, self.source
+        result.dropped_examples += source.dropped
+        if source.num_examples is None and source.leftover:
+            result.leftover_examples = source.leftover
+
+    def out_of_data(self, tally: EpochTally) -> str:
+        return ("autoaccum: your input ran out of data; interrupting training. Make sure "
+                "that your data can give at least `steps_per_epoch * epochs` effective "
+                "batches (a one-shot iterator is read once in all; pass a re-iterable "
+                "such as a grain DataLoader, or repeat the stream). "
+                f"Received: {tally.steps} step(s) in epoch {tally.epoch + 1}")
+
+    def stopped(self, reason: str) -> None:
+        self.result.stopped = reason
+
+    def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
+        self.result.epoch_losses.append(tally.mean_loss)
+        self.result.epoch_noise_scale.append(noise_scale)
+        return {"loss": tally.mean_loss, "gradient_noise_scale": noise_scale}
+
+    def validate(self, epoch: int) -> dict[str, Any]:
+        assert self.evaluator is not None
+        self.result.val_losses.append(self.evaluator(self.live.state, self.frozen))
+        val_loss = self.result.val_losses[-1]
+        if self.verbose:
+            print(f"autoaccum: epoch {epoch + 1}/{self.epochs} val_loss {val_loss:.4f}",
+                  file=self.stream, flush=True)
+        return {"val_loss": val_loss}
+
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        self.callbacks.call("on_epoch_end", epoch, logs)
+
+    def failed(self, error: BaseException) -> bool:
+        live, result = self.live, self.result
+        if isinstance(error, StopTraining):
+            live.settle()
+            self._write_back()
+            result.stopped = f"StopTraining: {error}" if str(error) else "StopTraining"
+            return True
+        if isinstance(error, NonFiniteError):
+            live.settle()
+            self._write_back()
+            return False
         try:
             result.steps = live.settle(_applied)
         except BaseException as lost:
@@ -222,20 +276,23 @@ def flax_fit(
         result.events.append(f"training stopped by {type(error).__name__} after step "
                              f"{result.steps}; the model holds the state after that step")
         del result.losses[result.steps:]
-        write_back()
-        raise
-    write_back()
-    if result.stopped and verbose:
-        print(f"autoaccum: training stopped early ({result.stopped})", file=stream, flush=True)
-    cbs.call("on_train_end", {"loss": result.losses[-1] if result.losses else math.nan})
-    result.seconds = time.perf_counter() - start
-    result.noise_advice = noise.advice(plan.effective_batch)
-    if verbose:
-        print(f"autoaccum: {result.noise_advice}", file=stream, flush=True)
-        if leftover:
-            print(f"autoaccum: {_leftover_sentence(result, epochs - initial_epoch)}",
-                  file=stream, flush=True)
-    return result
+        self._write_back()
+        return False
+
+    def train_end(self, logs: dict[str, Any]) -> None:
+        self._write_back()
+        result = self.result
+        if result.stopped and self.verbose:
+            print(f"autoaccum: training stopped early ({result.stopped})", file=self.stream,
+                  flush=True)
+        self.callbacks.call("on_train_end",
+                            {"loss": result.losses[-1] if result.losses else math.nan})
+
+    def _write_back(self) -> None:
+        """The user's ``nnx.Optimizer`` receives the optimizer state and step count."""
+        if self.nnx_optimizer is not None:
+            with deferred_interrupts():
+                self.nnx_optimizer.write(self.live.state[2], self.result.steps)
 
 
 def check_stream(source: ArrayData | FlaxStream, *, epochs: int,

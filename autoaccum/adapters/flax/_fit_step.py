@@ -12,12 +12,11 @@ import numpy as np
 import optax
 
 from ...devices._mesh import shard_batches
-from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...planning._plan import Plan
 from ...planning._search import DoesNotFitError
 from ...planning._train_program import StepMetrics
-from ...training._elastic import resplit, shrink
+from ...training._elastic import resplit, retry_smaller, shrink
 from ...training._epoch_batches import (
     leftover_batches,
     leftover_split,
@@ -133,29 +132,31 @@ class StepRunner:
           ValueError: ``loss_fn`` gave a count of 0 with a non-zero loss sum.
         """
         result, live, dp = self.result, self.live, self.dp
-        while True:
+        split: list[int] = []
+
+        def attempt() -> tuple[StepMetrics, tuple[Any, Any, Any]]:
             if batch.leftover:
                 micro, accum = batch.micro_batch, batch.accum_steps
                 data = resplit(batch.batches, accum, micro * dp)
             else:
                 micro, accum = result.micro_batch, result.accum_steps
                 data = split_micro_batches(batch.batches, micro_batch=micro, data_parallel=dp)
+            split[:] = [micro, accum]
             placed = data if self.mesh is None else shard_batches(data, self.mesh)
             weighted = batch.weights is not None
             if weighted:
                 weights = np.reshape(batch.weights, (accum, micro * dp))
                 placed = (placed, weights if self.mesh is None
                           else shard_batches(weights, self.mesh))
-            try:
-                metrics = live.run(self._compiled(placed, weighted), placed, self.frozen)
-                finite, count, loss = jax.device_get(
-                    (metrics.finite, metrics.count, metrics.loss))
-                break
-            except Exception as error:
-                if not (self.elastic and is_out_of_memory(error)):
-                    raise
-                live.recover()
-                self._shrink(error, batch, micro, accum)
+            metrics = live.run(self._compiled(placed, weighted), placed, self.frozen)
+            return metrics, jax.device_get((metrics.finite, metrics.count, metrics.loss))
+
+        def recover(error: BaseException) -> None:
+            live.recover()
+            self._shrink(error, batch, *split)
+
+        metrics, (finite, count, loss) = retry_smaller(attempt, elastic=self.elastic,
+                                                       recover=recover)
         count, loss = float(count), float(loss)
         step = result.steps + 1
         if not finite or (count == 0 and loss != 0):

@@ -5,21 +5,23 @@ step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the
 applied once). The model's variables hold the current state after every step, so callbacks
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
 point leaves the variables holding the state of one optimizer step (:mod:`._runner`).
+
+The loop is :func:`autoaccum.training.run_fit_loop`; what Keras brings to it is
+:class:`_KerasHooks`.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from ...devices._mesh import resolve_mesh
-from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
-from ...training._noise_scale import NoiseScaleTracker
+from ...training._fit_loop import EpochTally, FitHooks, FitLoop, StepOutcome, run_fit_loop
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ._batch_stats import validate_batch_stats
 from ._distribution import keras_auto_mesh, keras_distribution_mesh
@@ -169,127 +171,130 @@ def keras_fit(
             epochs=epochs, steps=source.steps(effective, drop_remainder, steps_per_epoch),
             model=model,
         )
-    noise = NoiseScaleTracker()
     runner.refresh()
-    rng = np.random.default_rng(seed)
-    loop = _Loop(model, runner, source, noise, on_nonfinite=on_nonfinite)
     model.stop_training = False
-    training_logs: dict[str, float] = {}
-    callback_list.on_train_begin()
-    resumed = getattr(model, "_initial_epoch", None)  # set by BackupAndRestore
-    model._initial_epoch = None
-    history = next((c for c in callback_list.callbacks
+    history = next((c for c in getattr(callback_list, "callbacks", [])
                     if isinstance(c, keras.callbacks.History)), None)
-    if history is not None:
-        model.history = history
-    try:
-        for epoch in range(resumed or initial_epoch, epochs):
-            model.reset_metrics()
-            callback_list.on_epoch_begin(epoch)
-            logs = loop.epoch(callback_list, effective, drop_remainder=drop_remainder,
-                              shuffle=shuffle, rng=rng, steps=steps_per_epoch)
-            short = steps_per_epoch and loop.steps < steps_per_epoch
-            if not model.stop_training and (loop.steps == 0 or short):
-                warnings.warn(
-                    "autoaccum: your input ran out of data; interrupting training. Make sure "
-                    "that your dataset or generator can generate at least `steps_per_epoch * "
-                    "epochs` effective batches (you may need `.repeat()` on a dataset). "
-                    f"Received: {loop.steps} step(s) in epoch {epoch + 1}",
-                    AutoaccumWarning, stacklevel=2)
-                if loop.steps == 0:
-                    break
-            # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
-            # (on_nonfinite="skip") the metrics hold nothing, and Keras shows the non-finite
-            # values: the last step's.
-            epoch_logs = _epoch_logs(model, logs, any_finite=loop.finite_steps > 0)
-            loop.noise_scales.append(noise.value)
-            if validator is not None and (epoch + 1) % validation_freq == 0:
-                val_logs = validator(callback_list)
-                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            runner.refresh()
-            callback_list.on_epoch_end(epoch, epoch_logs)
-            training_logs = epoch_logs
-            if model.stop_training:
-                break
-        if epochs > 0:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
-        callback_list.on_train_end(logs=training_logs)
-    finally:
-        _record(history, runner, loop, dp=dp, drop_remainder=drop_remainder,
-                lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats,
-                noise=noise)
+    record = FitLoop()
+    hooks = _KerasHooks(
+        model, runner, source, callback_list, record, history=history, validator=validator,
+        effective=effective, shuffle=shuffle, rng=np.random.default_rng(seed),
+        steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
+        report=lambda: _record(history, runner, record, hooks, dp=dp,
+                               drop_remainder=drop_remainder, lr_scaling=lr_scaling,
+                               on_nonfinite=on_nonfinite, batch_stats=batch_stats))
+    run_fit_loop(hooks, epochs=epochs, initial_epoch=initial_epoch,
+                 steps_per_epoch=steps_per_epoch, validation=validator is not None,
+                 validation_freq=validation_freq, on_nonfinite=on_nonfinite, record=record)
     _report(history, verbose)
     return history
 
 
-class _Loop:
-    """The batches of one epoch through the runner, with the callbacks and the non-finite
-    policy."""
+class _KerasHooks(FitHooks):
+    """What a Keras model brings to the training loop: its compiled step (:mod:`._runner`),
+    Keras's callbacks, progress bar and ``History``, its metrics as the epoch's logs."""
 
-    def __init__(self, model: Any, runner: StepRunner, source: KerasData,
-                 noise: NoiseScaleTracker, *, on_nonfinite: str) -> None:
-        self.model = model
-        self.runner = runner
-        self.source = source
-        self.noise = noise
-        self.on_nonfinite = on_nonfinite
+    def __init__(self, model: Any, runner: StepRunner, source: KerasData, callbacks: Any,
+                 record: FitLoop, *, history: Any, validator: Validator | None,
+                 effective: int, shuffle: bool, rng: np.random.Generator,
+                 steps_per_epoch: int | None, drop_remainder: bool, epochs: int,
+                 report: Callable[[], None]) -> None:
+        self.model, self.runner, self.source, self.callbacks = model, runner, source, callbacks
+        self.record, self.history, self.validator = record, history, validator
+        self.effective, self.shuffle, self.rng = effective, shuffle, rng
+        self.steps_per_epoch, self.drop_remainder = steps_per_epoch, drop_remainder
+        self.epochs, self.report = epochs, report
         self.defers = handles_nonfinite(model.optimizer)
         """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
-        self.skipped = 0
-        self.optimizer_skipped = 0
-        self.finite_steps = 0
-        """Steps of the last epoch whose loss and gradients were finite."""
-        self.noise_scales: list[float | None] = []
-        """The gradient noise scale at the end of each epoch (``None``: not yet estimable)."""
-        self.remainder = 0
         self.dropped = 0
-        self.steps = 0
-        """Steps taken in the last epoch."""
+        """Examples left out of the last epoch (``drop_remainder=True``)."""
 
-    def epoch(self, callbacks: Any, effective: int, *, drop_remainder: bool, shuffle: bool,
-              rng: np.random.Generator, steps: int | None) -> dict[str, float]:
-        model, runner = self.model, self.runner
-        batches = self.source.epoch(batch=effective, drop_remainder=drop_remainder,
-                                    shuffle=shuffle, rng=rng, steps=steps)
-        logs: dict[str, float] = {}
-        packed = next(batches, None)
-        step = 0
-        self.finite_steps = 0
-        self.remainder = 0
-        while packed is not None:
-            packed = runner.trim(packed) if _size(packed) < effective else packed
-            if _size(packed) == 0:  # fewer than one example per data-parallel device
-                break
-            callbacks.on_train_batch_begin(step)
-            result, packed = runner.run(packed, lambda: next(batches, None))
-            if result.examples < effective:
-                self.remainder += result.examples
-            logs = result.logs
-            if result.finite:
-                self.finite_steps += 1
-                self.noise.update_from(result.noise, result.micro_batches)
-            elif self.defers:
-                self.optimizer_skipped += 1
-            else:
-                self.skipped += 1
-            callbacks.on_train_batch_end(step, logs)
-            if (not result.finite and not self.defers and self.on_nonfinite == "stop"
-                    and not model.stop_training):
-                raise NonFiniteError(
-                    f"Optimizer step {int(model.optimizer.iterations) + 1} had a non-finite "
-                    f"loss or gradient (loss={logs.get('loss')}); training stopped and the "
-                    "model keeps the state from before that step. Look for NaN/inf in the "
-                    "data or a learning rate that is too high; on_nonfinite='skip' skips such "
-                    "steps instead.",
-                    step=int(model.optimizer.iterations) + 1,
-                )
-            step += 1
-            if model.stop_training:
-                batches.close()
-                break
+    def train_begin(self) -> None:
+        self.callbacks.on_train_begin()
+
+    def first_epoch(self, initial_epoch: int) -> int:
+        model = self.model
+        resumed = getattr(model, "_initial_epoch", None)  # set by BackupAndRestore
+        model._initial_epoch = None
+        if self.history is not None:
+            model.history = self.history
+        return resumed or initial_epoch
+
+    def epoch_batches(self, epoch: int) -> Iterator[Any]:
+        self.model.reset_metrics()
+        self.callbacks.on_epoch_begin(epoch)
+        return self._trimmed(self.source.epoch(
+            batch=self.effective, drop_remainder=self.drop_remainder, shuffle=self.shuffle,
+            rng=self.rng, steps=self.steps_per_epoch))
+
+    def _trimmed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """A final batch cut to a multiple of the data-parallel devices (none left: the end)."""
+        try:
+            for packed in batches:
+                packed = self.runner.trim(packed) if _size(packed) < self.effective else packed
+                if _size(packed) == 0:  # fewer than one example per data-parallel device
+                    return
+                yield packed
+        finally:
+            batches.close()
+
+    def step_begin(self, index: int) -> None:
+        self.callbacks.on_train_batch_begin(index)
+
+    def run_step(self, batch: Any, following: Callable[[], Any]) -> StepOutcome:
+        result, _ = self.runner.run(batch, following)
+        return StepOutcome(
+            loss=result.loss, examples=result.examples, applied=result.finite,
+            finite=result.finite, optimizer_skipped=not result.finite and self.defers,
+            full=result.examples >= self.effective,
+            noise=result.noise if result.finite else None,
+            micro_batches=result.micro_batches, logs=result.logs)
+
+    def step_end(self, index: int, outcome: StepOutcome) -> None:
+        self.callbacks.on_train_batch_end(index, outcome.logs)
+
+    def stop_requested(self) -> str | None:
+        return "a callback set model.stop_training" if self.model.stop_training else None
+
+    def nonfinite_error(self, outcome: StepOutcome, step: int) -> NonFiniteError:
+        step = int(self.model.optimizer.iterations) + 1  # Keras's count
+        return NonFiniteError(
+            f"Optimizer step {step} had a non-finite loss or gradient "
+            f"(loss={outcome.logs.get('loss')}); training stopped and the model keeps the "
+            "state from before that step. Look for NaN/inf in the data or a learning rate "
+            "that is too high; on_nonfinite='skip' skips such steps instead.",
+            step=step)
+
+    def epoch_steps_end(self, tally: EpochTally) -> None:
         self.dropped = self.source.dropped
-        self.steps = step
-        return logs
+
+    def out_of_data(self, tally: EpochTally) -> str:
+        return ("autoaccum: your input ran out of data; interrupting training. Make sure "
+                "that your dataset or generator can generate at least `steps_per_epoch * "
+                "epochs` effective batches (you may need `.repeat()` on a dataset). "
+                f"Received: {tally.steps} step(s) in epoch {tally.epoch + 1}")
+
+    def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
+        # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
+        # (on_nonfinite="skip") the metrics hold nothing, and Keras shows the non-finite
+        # values: the last step's.
+        return _epoch_logs(self.model, tally.logs, any_finite=tally.finite_steps > 0)
+
+    def validate(self, epoch: int) -> dict[str, Any]:
+        assert self.validator is not None
+        return {f"val_{k}": v for k, v in self.validator(self.callbacks).items()}
+
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        self.runner.refresh()
+        self.callbacks.on_epoch_end(epoch, logs)
+
+    def train_end(self, logs: dict[str, Any]) -> None:
+        if self.epochs > 0:
+            self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
+        self.callbacks.on_train_end(logs=logs)
+
+    def close(self) -> None:
+        self.report()
 
 
 def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
@@ -356,9 +361,9 @@ def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:
             )
 
 
-def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_remainder: bool,
-            lr_scaling: Any, on_nonfinite: str, batch_stats: str,
-            noise: NoiseScaleTracker) -> None:
+def _record(history: Any, runner: StepRunner, record: FitLoop, hooks: _KerasHooks, *,
+            dp: int, drop_remainder: bool, lr_scaling: Any, on_nonfinite: str,
+            batch_stats: str) -> None:
     """Keeps what autoaccum did on the run's ``History`` (also when training failed)."""
     if history is None:
         return
@@ -367,16 +372,17 @@ def _record(history: Any, runner: StepRunner, loop: _Loop, *, dp: int, drop_rema
     history.autoaccum_accum_steps = runner.accum_steps
     history.autoaccum_last_micro_batch = runner.last_micro_batch
     history.autoaccum_data_parallel = dp
-    history.autoaccum_skipped_steps = loop.skipped
-    history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
+    history.autoaccum_skipped_steps = record.skipped
+    history.autoaccum_optimizer_skipped_steps = record.optimizer_skipped
     history.autoaccum_on_nonfinite = on_nonfinite
     history.autoaccum_batch_stats = batch_stats
     history.autoaccum_learning_rate_factor = 1.0 if lr_scaling is None else lr_scaling.factor
+    remainder = record.tallies[-1].remainder if record.tallies else 0
     history.autoaccum_remainder = (
-        {"policy": "drop", "examples": loop.dropped} if drop_remainder
-        else {"policy": "train", "examples": loop.remainder})
-    history.autoaccum_noise_advice = noise.advice(runner.effective_batch)
-    history.autoaccum_gradient_noise_scale = list(loop.noise_scales)
+        {"policy": "drop", "examples": hooks.dropped} if drop_remainder
+        else {"policy": "train", "examples": remainder})
+    history.autoaccum_noise_advice = record.noise.advice(runner.effective_batch)
+    history.autoaccum_gradient_noise_scale = list(record.noise_scales)
 
 
 def _report(history: Any, verbose: Any) -> None:

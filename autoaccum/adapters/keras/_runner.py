@@ -1,12 +1,12 @@
 """Running a Keras fit's accumulated steps so the model always holds one whole state.
 
 Each step is dispatched and its outputs written into the model's variables with Ctrl-C held
-back (:mod:`._interrupts`), so at any moment the variables hold the state of one optimizer
-step: before the swap the old one, after it the new one (still being computed, which is
-fine). If the device reports a failure, the variables are put back to the state before the
-step: the inputs when they are intact, else a host copy (taken before every step when
-``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic`` redoes the
-same step at a smaller micro-batch.
+back (:mod:`autoaccum.training._interrupts`), so at any moment the variables hold the state
+of one optimizer step: before the swap the old one, after it the new one (still being
+computed, which is fine). If the device reports a failure, the variables are put back to the
+state before the step: the inputs when they are intact, else a host copy (taken before every
+step when ``elastic``, else every epoch; see ``backup``). An out-of-memory with ``elastic``
+redoes the same step at a smaller micro-batch.
 
 A step may be uneven: full micro-batches and one smaller last one (13 = 5 + 5 + 3,
 :class:`~autoaccum.planning.UnevenBatches`) in one compiled program. A step of fewer examples
@@ -34,15 +34,14 @@ from ...devices._mesh import (
     replicated_sharding,
     shard_batches,
 )
-from ...devices._oom import is_out_of_memory
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
 from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
-from ...training._elastic import shrink
+from ...training._elastic import retry_smaller, shrink
 from ...training._epoch_batches import split_micro_batches
+from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
-from ._interrupts import deferred_interrupts
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._step import keras_train_step
@@ -174,17 +173,23 @@ class StepRunner:
         ``following()`` fetches the next batch while the device works. Returns the result
         and that next batch."""
         examples = _size(packed)
-        while True:
-            accum, micro, last = self.split(examples)
-            compiled = self.compile(accum, micro, last)
-            try:
-                return self._run(compiled, _split(packed, accum, micro, last, self.dp),
-                                 following, examples, accum * self.dp)
-            except Exception as error:
-                if not (self.elastic and is_out_of_memory(error)) or is_consumed(
-                        keras_state(self.model, self.layout)[0]):
-                    raise
-                self._shrink(error, examples, accum, micro)
+        split = self.split(examples)
+        compiled = [self.compile(*split)]
+
+        def attempt() -> tuple[StepResult, Any]:
+            accum, micro, last = split
+            return self._run(compiled[0], _split(packed, accum, micro, last, self.dp),
+                             following, examples, accum * self.dp)
+
+        def recover(error: BaseException) -> None:
+            nonlocal split
+            if is_consumed(keras_state(self.model, self.layout)[0]):
+                raise error
+            self._shrink(error, examples, split[0], split[1])
+            split = self.split(examples)
+            compiled[0] = self.compile(*split)
+
+        return retry_smaller(attempt, elastic=self.elastic, recover=recover)
 
     def shrink(self, error: BaseException) -> Any:
         """After an out-of-memory of a full step: the next smaller micro-batch for it (the

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
+from ...training._rebatch import Rebatcher, concat
 from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches
@@ -150,8 +151,7 @@ class StreamSource(KerasData):
         self.data = data
         self._one_shot = iter(data) is data if hasattr(data, "__next__") else False
         self._peeked: list[tuple] = []
-        self._buffer = _Buffer()
-        self._iterator: Iterator[tuple] | None = None
+        self._rebatch = Rebatcher()
         self._structure: Any = None
 
     def _fresh(self, shuffle: bool) -> Iterator[tuple]:
@@ -195,54 +195,24 @@ class StreamSource(KerasData):
                     break
         if not taken:
             raise ValueError(f"`{self.name}` yielded no batch. Received: an empty {self.name}")
-        return _concat(taken, min(n, count))
+        return _slice(concat(taken), 0, min(n, count))
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
               rng: np.random.Generator | None = None, steps: int | None = None
               ) -> Iterator[tuple]:
         del rng  # a stream is shuffled by its producer, as in Keras
-        if steps is None or self._iterator is None:
+
+        def start() -> Iterator[tuple]:
             replay, self._peeked = self._peeked, []
-            self._iterator = itertools.chain(replay, self._fresh(shuffle))
-            self._buffer = _Buffer()
-        self.dropped = 0
-        taken = 0
-        while steps is None or taken < steps:
-            while self._buffer.count < batch:
-                packed = next(self._iterator, None)
-                if packed is None:
-                    break
-                self._buffer.push(packed)
-            if self._buffer.count >= batch:
-                taken += 1
-                yield self._buffer.pop(batch)
-                continue
-            self._iterator = None  # the data ended: the next epoch starts it again
-            rest, self._buffer = self._buffer, _Buffer()
-            if rest.count and drop_remainder:
-                self.dropped = rest.count
-            elif rest.count:
-                yield rest.pop(rest.count)
-            return
+            return itertools.chain(replay, self._fresh(shuffle))
 
+        return self._rebatch.epoch(start, batch=batch, drop_remainder=drop_remainder,
+                                   steps=steps)
 
-class _Buffer:
-    """Examples received but not yet batched."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple] = []
-        self.count = 0
-
-    def push(self, packed: tuple) -> None:
-        self.parts.append(packed)
-        self.count += _size(packed)
-
-    def pop(self, n: int) -> tuple:
-        """The first ``n`` examples received (the rest stay)."""
-        whole = _concat(self.parts, self.count)
-        self.parts = [_slice(whole, n, self.count)] if self.count > n else []
-        self.count -= n
-        return _slice(whole, 0, n)
+    @property
+    def dropped(self) -> int:  # type: ignore[override]
+        """Examples left out of the last epoch (``drop_remainder=True``)."""
+        return self._rebatch.dropped
 
 
 def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
@@ -340,14 +310,6 @@ def _unpack(packed: tuple) -> tuple:
 
 def _size(packed: tuple) -> int:
     return int(np.shape(jax.tree.leaves(packed)[0])[0])
-
-
-def _concat(parts: list[tuple], n: int) -> tuple:
-    """The first ``n`` examples of ``parts`` (packed batches) as one packed batch."""
-    if len(parts) == 1:
-        return _slice(parts[0], 0, n)
-    merged = jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *parts)
-    return _slice(merged, 0, n)
 
 
 def _slice(packed: tuple, start: int, stop: int) -> tuple:

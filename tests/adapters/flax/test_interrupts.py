@@ -13,6 +13,7 @@ from autoaccum.adapters.flax import _evaluate
 from autoaccum.adapters.flax._fit import flax_fit
 from autoaccum.training import _live, _snapshot
 from tests._oom_child import plan_at
+from tests._random_interrupts import ctrl_c_inside, ctrl_c_sender
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
 
 DATA = regression(16)
@@ -140,3 +141,50 @@ def test_interrupt_inside_the_step_without_a_host_copy_says_how_to_recover():
                  backup="none")
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "reload the weights from a checkpoint, or pass backup='host'" in notes
+
+
+class _Recorder(autoaccum.Callback):
+    """Keeps a host copy of the model after every step; at step ``arm_at`` starts a thread
+    that sends Ctrl-C after each of ``delays`` seconds."""
+
+    def __init__(self, arm_at=None, delays=()):
+        self.states, self.seen, self.arm_at, self.delays = {}, 0, arm_at, delays
+        self.sender = None
+
+    def on_step_end(self, step, logs):
+        self.seen = step
+        if self.arm_at is None:
+            self.states[step] = _host(self.model)
+        elif step == self.arm_at:
+            self.sender = ctrl_c_sender(*self.delays)
+            self.sender.start()
+
+
+def _host(model):
+    return [np.array(leaf) for leaf in jax.tree.leaves(nnx.state(model))
+            if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)]
+
+
+def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
+    epochs = 8  # 32 steps: the Ctrl-Cs (armed by step 7, within 4 ms) land while fit runs
+    clean = _model()
+    trajectory = _Recorder()
+    _fit(clean, epochs=epochs, callbacks=[trajectory])
+    trajectory.states[0] = _host(_model())
+    rng = np.random.default_rng(0)
+    for trial in range(5):
+        model = _model()
+        recorder = _Recorder(arm_at=int(rng.integers(1, 8)),
+                             delays=tuple(rng.uniform(0, 2e-3, size=int(rng.integers(1, 3)))))
+        with ctrl_c_inside("run_fit_loop"):  # a Ctrl-C after fit ended is dropped
+            with pytest.raises(KeyboardInterrupt):
+                _fit(model, epochs=epochs, callbacks=[recorder])
+            recorder.sender.join()
+        leaves = jax.tree.leaves(nnx.state(model))
+        assert all(not leaf.is_deleted() for leaf in leaves if isinstance(leaf, jax.Array))
+        now = _host(model)
+        matches = [step for step in (recorder.seen, recorder.seen + 1)
+                   if all(np.array_equal(a, b) for a, b in zip(now, trajectory.states[step],
+                                                                strict=True))]
+        assert matches, (f"trial {trial}: after Ctrl-C past step {recorder.seen} the model is "
+                         "neither that step's nor the next one's")

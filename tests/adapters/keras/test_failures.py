@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import keras_fit
+from tests._random_interrupts import ctrl_c_inside, ctrl_c_sender
 
 from ._models import all_live, dense_model, max_diff, regression_data
 
@@ -114,3 +115,43 @@ def test_ctrl_c_during_a_step_leaves_that_step_whole():
     reference = _after_steps(steps)
     assert max_diff(model, reference) < 1e-5
     np.testing.assert_array_equal(np.isfinite(model.predict(X, verbose=0)), True)
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Keeps the weights after every optimizer step; at step ``arm_at`` starts a thread that
+    sends Ctrl-C after each of ``delays`` seconds."""
+
+    def __init__(self, arm_at=None, delays=()):
+        super().__init__()
+        self.states, self.seen, self.arm_at, self.delays = {}, 0, arm_at, delays
+        self.sender = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen = int(self.model.optimizer.iterations)
+        if self.arm_at is None:
+            self.states[self.seen] = self.model.get_weights()
+        elif self.seen == self.arm_at:
+            self.sender = ctrl_c_sender(*self.delays)
+            self.sender.start()
+
+
+def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
+    epochs = 8  # 32 steps: the Ctrl-Cs (armed by step 7, within 4 ms) land while fit runs
+    trajectory = _Recorder()
+    _fit(_model(), epochs=epochs, callbacks=[trajectory])
+    trajectory.states[0] = _model().get_weights()
+    rng = np.random.default_rng(0)
+    for trial in range(5):
+        model = _model()
+        recorder = _Recorder(arm_at=int(rng.integers(1, 8)),
+                             delays=tuple(rng.uniform(0, 2e-3, size=int(rng.integers(1, 3)))))
+        with ctrl_c_inside("run_fit_loop"):  # a Ctrl-C after fit ended is dropped
+            with pytest.raises(KeyboardInterrupt):
+                _fit(model, epochs=epochs, callbacks=[recorder])
+            recorder.sender.join()
+        assert all_live(model)
+        steps = int(model.optimizer.iterations)
+        assert steps in (recorder.seen, recorder.seen + 1), (trial, steps, recorder.seen)
+        assert all(np.array_equal(a, b) for a, b in zip(
+            model.get_weights(), trajectory.states[steps], strict=True)), (
+            f"trial {trial}: after Ctrl-C the weights are not those of step {steps}")

@@ -1,0 +1,39 @@
+"""Ctrl-C held back: a SIGINT inside ``deferred_interrupts`` is delivered when the block ends,
+never inside it; outside the main thread the block is a no-op."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+from autoaccum.training._interrupts import deferred_interrupts
+
+
+def test_ctrl_c_inside_the_block_is_raised_when_it_ends():
+    done = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():
+        os.kill(os.getpid(), signal.SIGINT)
+        for i in range(1000):  # many bytecodes: the handler would have run here
+            done.append(i)
+    assert len(done) == 1000
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_without_ctrl_c_the_block_runs_and_the_handler_is_put_back():
+    with deferred_interrupts():
+        pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_outside_the_main_thread_it_does_nothing():
+    seen = []
+
+    def work():
+        with deferred_interrupts():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]
