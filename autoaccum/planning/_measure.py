@@ -129,7 +129,9 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 
         axis = program.mesh.axis_names[0]
         replicated = NamedSharding(program.mesh, P())
-        state = shard_abstract(program.abstract_state, replicated)
+        state = (shard_abstract(program.abstract_state, replicated)
+                 if program.state_shardings is None
+                 else _shard_each(program.abstract_state, program.state_shardings))
         frozen = shard_abstract(program.frozen_args, replicated)
         batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
                                      sharding=NamedSharding(program.mesh, P(None, axis)),
@@ -142,6 +144,14 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                                      last=last)
     with program.lowering_context():
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+def _shard_each(tree: Any, shardings: Any) -> Any:
+    """Each array leaf of ``tree`` as a ``jax.ShapeDtypeStruct`` with its own sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if hasattr(x, "shape") else x
+        for x, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
 
 
 _COMPILES = [0]
