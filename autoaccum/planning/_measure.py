@@ -111,7 +111,8 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     (with ``last``: an uneven step, ``accum_steps - 1`` micro-batches then one of ``last``).
 
     ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is lowered as
-    one SPMD program over its mesh, weights replicated and batches
+    one SPMD program over its mesh, the state laid out by its sharding strategy
+    (``program.state_shardings``; replicated by default), frozen weights replicated and batches
     ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
     analysis is that of one device.
     """
@@ -320,13 +321,21 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
     parts = program.parts
     accumulator = 4 * _elements(program.trainable)
     known = {"trainable", "frozen", "optimizer"}
+    trainable_bytes = tree_bytes(parts.get("trainable"))
+    optimizer_bytes = tree_bytes(parts.get("optimizer"))
+    if getattr(program, "layout", None) is not None:  # one device's share of split state
+        from ._resident import resident_of
+
+        resident = resident_of(program)
+        trainable_bytes, optimizer_bytes = resident.trainable_bytes, resident.optimizer_bytes
+        accumulator = resident.gradient_bytes
     return MemoryEstimate(
         compile_note=compile_note,
         micro_batch=micro_batch,
         accum_steps=accum_steps,
-        trainable_bytes=tree_bytes(parts.get("trainable")),
+        trainable_bytes=trainable_bytes,
         frozen_bytes=tree_bytes(parts.get("frozen")),
-        optimizer_bytes=tree_bytes(parts.get("optimizer")),
+        optimizer_bytes=optimizer_bytes,
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
         batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last)),
         last_micro_batch=last,

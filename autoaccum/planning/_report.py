@@ -344,7 +344,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for c in plan.candidates
         ],
         "probes": [
-            {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+            {"remat": p.remat, "strategy": p.strategy, "micro_batch": p.micro_batch,
+             "accum_steps": p.accum_steps,
              "last_micro_batch": p.last_micro_batch,
              "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why, "kind": p.kind,
              "error": p.error, "compile_seconds": p.estimate.compile_seconds,
