@@ -323,12 +323,13 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
     known = {"trainable", "frozen", "optimizer"}
     trainable_bytes = tree_bytes(parts.get("trainable"))
     optimizer_bytes = tree_bytes(parts.get("optimizer"))
-    if getattr(program, "layout", None) is not None:  # one device's share of split state
-        from ._resident import resident_of
-
-        resident = resident_of(program)
-        trainable_bytes, optimizer_bytes = resident.trainable_bytes, resident.optimizer_bytes
-        accumulator = resident.gradient_bytes
+    layout = getattr(program, "layout", None)
+    if layout is not None:  # one device's share of the split state
+        trainable_bytes = layout.split_bytes(parts.get("trainable"), layout.params)
+        optimizer_bytes = layout.split_bytes(parts.get("optimizer"), layout.optimizer)
+        accumulator = layout.split_bytes(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32"),
+                         parts.get("trainable")), layout.grads)
     return MemoryEstimate(
         compile_note=compile_note,
         micro_batch=micro_batch,

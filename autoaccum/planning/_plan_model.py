@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
+from ..devices._units import format_bytes
 from ._adapter import Adapter, Prepared
 from ._cache import resolve_cache
 from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
@@ -261,8 +262,11 @@ def plan_model(
                                       memory_fraction=memory_fraction, mesh=mesh)
             # Weights and optimizer state over the budget (per device, with the most sharded
             # strategy tried): no policy, no micro-batch can help.
-            strategies = _resident_strategies(strategies, by_strategy, resolved,
-                                              memory_fraction=memory_fraction)
+            strategies, over_budget = _resident_strategies(strategies, by_strategy, resolved,
+                                                           memory_fraction=memory_fraction)
+            if over_budget:
+                dp_notes += (f"sharding: over the budget of {format_bytes(resolved.budget.bytes)}"
+                             " per device before any compile: " + "; ".join(over_budget),)
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         skipped: list[tuple[str, DoesNotFitError]] = []
@@ -332,15 +336,19 @@ def candidate_strategies(strategy: str, mesh: Any) -> tuple[str, ...]:
 
 def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Prepared],
                          resolved: ResolvedTarget, *,
-                         memory_fraction: float | None) -> tuple[str, ...]:
-    """The strategies whose state alone fits one device's budget; when none does, the
-    resident-memory error of the last (most sharded) one, before any compile."""
-    fitting = tuple(s for s in strategies
-                    if resident_of(by_strategy[s].program).state_bytes <= resolved.budget.bytes)
+                         memory_fraction: float | None) -> tuple[tuple[str, ...], list[str]]:
+    """The strategies whose state alone fits one device's budget, and a line for each that
+    does not; when none does, the resident-memory error of the last (most sharded) one,
+    before any compile."""
+    states = {s: resident_of(by_strategy[s].program).state_bytes for s in strategies}
+    fitting = tuple(s for s in strategies if states[s] <= resolved.budget.bytes)
     if not fitting:
         check_resident(resident_of(by_strategy[strategies[-1]].program), resolved.budget.bytes,
                        memory_fraction=memory_fraction, target=resolved.compile_target.name)
-    return fitting or strategies
+    skipped = [f"{s}: its weights and optimizer state alone need {format_bytes(states[s])} per "
+               "device (known from shapes, nothing compiled)" for s in strategies
+               if s not in fitting]
+    return fitting, skipped
 
 
 def with_strategy(plan: Plan, strategy: str,

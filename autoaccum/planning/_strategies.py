@@ -144,15 +144,13 @@ class StateLayout:
 
     def split_bytes(self, tree: PyTree, specs: PyTree) -> int:
         """Bytes of ``tree`` on one device when laid out by ``specs``."""
-        from ._train_program import itemsize
-
         n = self.mesh.size
         total = 0
         for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(
                 specs, is_leaf=lambda s: isinstance(s, P)), strict=True):
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 continue
-            size = math.prod(leaf.shape) * itemsize(leaf.dtype)
+            size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
             total += size // n if any(a is not None for a in spec) else size
         return total
 
@@ -189,3 +187,11 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         grads=split_params if rank >= 2 else copied_params,
         optimizer=split_opt if rank >= 1 else copied_opt,
     )
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element, extended dtypes (PRNG keys) included."""
+    import numpy as np
+
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else np.dtype(dtype).itemsize
