@@ -79,11 +79,11 @@ def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
 
     Example:
       >>> leaf_spec((512, 768), 4, "data")
-      PartitionSpec(None, 'data')
+      P(None, 'data')
       >>> leaf_spec((6, 1000), 4, "data")
-      PartitionSpec(None, 'data')
+      P(None, 'data')
       >>> leaf_spec((3, 5001), 4, "data"), leaf_spec((64,), 4, "data")
-      (PartitionSpec(), PartitionSpec())
+      (P(), P())
     """
     if devices <= 1 or math.prod(shape) < max(min_elements, devices):
         return P()
@@ -167,7 +167,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
       >>> layout = state_layout("fsdp", mesh, params={"w": np.zeros((64, 64))},
       ...                       optimizer={"mu": np.zeros((64, 64))})
       >>> layout.params["w"]  # one device: nothing to split
-      PartitionSpec()
+      P()
     """
     validate_strategy(strategy, allow_auto=False)
     if len(mesh.axis_names) != 1:
