@@ -162,10 +162,10 @@ def planned() -> dict:
     expected = next(s for s in STRATEGIES if needs[s] <= budget)
     options = dict(effective_batch=32, optimizer=tx_factory, learning_rate=0.1,
                    loss_fn=token_loss, log=None, cache=False)
-    plan = autoaccum.plan(_lm(), data, budget=budget, **options)
     model = _lm()
     result = autoaccum.fit(model, data, budget=budget, epochs=1, shuffle=False, verbose=0,
                            **options)
+    plan = result.plan
     ref = _lm()
     ref_result = autoaccum.fit(ref, data, budget="1GiB", data_parallel=1, epochs=1,
                                shuffle=False, verbose=0, **options)
