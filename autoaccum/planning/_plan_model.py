@@ -214,6 +214,8 @@ def plan_model(
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here plans one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
         validate_effective_batch(effective_batch, data_parallel=mesh.size)
@@ -256,6 +258,11 @@ def plan_model(
         if resolved is None:
             announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
             program = by_strategy[strategies[0]].program
+            own = [s for s in (program.own_specs or ()) if s is not None]
+            if own:
+                dp_notes += (f"sharding: the model's own sharding is kept for {len(own)} "
+                             f"weight(s) (split over mesh axis {mesh.axis_names[0]!r} under "
+                             "every strategy); the strategy applies to the others",)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
             resolved = resolve_target(device, budget, resident_bytes=resident,

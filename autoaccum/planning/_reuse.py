@@ -106,6 +106,8 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"effective_batch={effective_batch}"
         )
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh"):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     devices = 1 if mesh is None else mesh.size
     if plan.data_parallel != devices:
         raise ValueError(

@@ -156,9 +156,16 @@ class StateLayout:
 
 
 def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
+                 fixed: tuple[P | None, ...] | None = None,
                  min_elements: int = MIN_SHARDED_ELEMENTS) -> StateLayout:
     """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
     ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
+
+    ``fixed``: for each leaf of ``params`` (``jax.tree.leaves`` order), the spec the user's
+    model already splits it by, or ``None``. A fixed leaf keeps its spec under every strategy
+    (weights, gradient accumulator, and the optimizer state's copies of it: sub-trees of the
+    optimizer state with the structure of ``params``, as optax's moments have); the others
+    follow ``strategy``.
 
     Example:
       >>> import numpy as np
@@ -180,12 +187,31 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
     split_opt = tree_specs(optimizer, n, axis, min_elements=min_elements)
     copied_opt = jax.tree.map(lambda _: P(), split_opt, is_leaf=lambda s: isinstance(s, P))
     rank = STRATEGIES.index(strategy)
+    param_specs = split_params if rank >= 3 else copied_params
+    grad_specs = split_params if rank >= 2 else copied_params
+    opt_specs = split_opt if rank >= 1 else copied_opt
+    if fixed is not None and any(f is not None for f in fixed):
+        treedef = jax.tree.structure(params)
+
+        def pin(specs: PyTree) -> PyTree:
+            leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+            return jax.tree.unflatten(treedef, [f if f is not None else s
+                                                for f, s in zip(fixed, leaves, strict=True)])
+
+        param_specs, grad_specs = pin(param_specs), pin(grad_specs)
+
+        def mirrors(x: Any) -> bool:  # an optimizer sub-tree shaped like the weights
+            return treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
+
+        opt_specs = jax.tree.map(
+            lambda sub, spec: pin(spec) if mirrors(sub) else spec,
+            optimizer, opt_specs, is_leaf=mirrors)
     return StateLayout(
         strategy=strategy,
         mesh=mesh,
-        params=split_params if rank >= 3 else copied_params,
-        grads=split_params if rank >= 2 else copied_params,
-        optimizer=split_opt if rank >= 1 else copied_opt,
+        params=param_specs,
+        grads=grad_specs,
+        optimizer=opt_specs,
     )
 
 

@@ -73,6 +73,9 @@ class TrainProgram:
     device of the mesh)."""
     layout: Any = None
     """The :class:`~._strategies.StateLayout` of a sharded strategy, else ``None``."""
+    own_specs: tuple[Any, ...] | None = None
+    """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
+    the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
 
     @property
     def data_parallel(self) -> int:
@@ -106,7 +109,8 @@ class TrainProgram:
                 "This TrainProgram has no data-parallel step; build it with flax_program or "
                 f"keras_program. Received: a program for {self.description or 'a custom step'}"
             )
-        if strategy == "replicated":
+        own = self.own_specs is not None and any(s is not None for s in self.own_specs)
+        if strategy == "replicated" and not own:
             return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh,
                                        strategy=strategy, state_shardings=None, layout=None)
         if self.sharded_step is None:
@@ -115,7 +119,7 @@ class TrainProgram:
                 "parallelism only; autoaccum cannot shard its state yet. Pass "
                 f"strategy='replicated'. Received: strategy={strategy!r}")
         layout = state_layout(strategy, mesh, params=self.parts.get("trainable"),
-                              optimizer=self.parts.get("optimizer"))
+                              optimizer=self.parts.get("optimizer"), fixed=self.own_specs)
         step, shardings = self.sharded_step(layout)
         return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
                                    state_shardings=shardings, layout=layout)

@@ -36,6 +36,7 @@ from ...training._nonfinite import (
     validate_on_nonfinite,
 )
 from ._batch_stats import EffectiveBatchNorm
+from ._sharding import own_specs
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -221,6 +222,7 @@ def flax_program(
     """
     validate_batch_stats(batch_stats)
     graphdef, params, frozen, other = split_model(model, trainable)
+    fixed = own_specs(params)  # weights the user's model splits over devices itself
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     opt_state = jax.eval_shape(tx.init, params)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
@@ -246,6 +248,7 @@ def flax_program(
         description=f"flax nnx {type(model).__name__}",
         data_parallel_step=step_for,
         sharded_step=sharded_step,
+        own_specs=fixed if any(f is not None for f in fixed) else None,
     )
     return program.on_mesh(mesh, strategy)
 
@@ -261,6 +264,9 @@ def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any) -> StateLa
     """The state layout of ``plan.strategy`` on ``mesh`` (``None``: replicated or one
     device), for weights ``params`` and optimizer state ``opt_state``."""
     strategy = getattr(plan, "strategy", "replicated")
-    if mesh is None or mesh.size == 1 or strategy == "replicated":
+    fixed = own_specs(params)
+    own = any(f is not None for f in fixed)
+    if mesh is None or mesh.size == 1 or (strategy == "replicated" and not own):
         return None
-    return state_layout(strategy, mesh, params=params, optimizer=opt_state)
+    return state_layout(strategy, mesh, params=params, optimizer=opt_state,
+                        fixed=fixed if own else None)
