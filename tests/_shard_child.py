@@ -243,7 +243,93 @@ def exact_uneven_sharded() -> dict:
     return exact(strategies=("zero2", "fsdp"), splits=(("uneven", 7, 3),), needs=False)
 
 
-MODES = {"exact": exact, "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
+class _AnnotatedLM(nnx.Module):
+    """TinyLM's layers with FSDP annotations (``nnx.with_partitioning``), as the JAX AI stack
+    tutorials write them; built under ``jax.set_mesh`` the weights arrive split."""
+
+    def __init__(self, rngs: nnx.Rngs, *, annotate: bool = True):
+        normal, lecun = nnx.initializers.normal(), nnx.initializers.lecun_normal()
+
+        def part(init, spec):
+            return nnx.with_partitioning(init, spec) if annotate else init
+
+        self.embed = nnx.Embed(64, 32, embedding_init=part(normal, ("fsdp", None)), rngs=rngs)
+        self.up = nnx.Linear(32, 64, kernel_init=part(lecun, (None, "fsdp")), rngs=rngs)
+        self.down = nnx.Linear(64, 64, kernel_init=part(lecun, ("fsdp", None)), rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.down(jax.nn.gelu(self.up(self.embed(tokens))))
+
+
+def own_sharding() -> dict:
+    """A model whose weights arrive split over a one-axis ('fsdp',) mesh keeps that sharding
+    through plan and fit, and trains as the same model on one device; a ('batch', 'model')
+    mesh and a one-device plan are refused with a clear error."""
+    import autoaccum
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
+    with jax.set_mesh(mesh):
+        model = _AnnotatedLM(nnx.Rngs(0))
+    before = {k: _spec_text(v) for k, v in _weights(model).items()}
+    ref = _AnnotatedLM(nnx.Rngs(0), annotate=False)
+    data = ragged_tokens(64, 10, seed=1)
+
+    def sgd(rate):
+        return optax.sgd(rate, momentum=0.9)
+
+    opts = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1, loss_fn=token_loss,
+                log=None, cache=False, budget="1GiB")
+    plan = autoaccum.plan(model, data, **opts)
+    result = autoaccum.fit(model, data, shuffle=False, verbose=0, plan=plan,
+                           **{k: v for k, v in opts.items() if k not in ("budget", "cache")})
+    ref_result = autoaccum.fit(ref, data, data_parallel=1, shuffle=False, verbose=0, **opts)
+    after = {k: _spec_text(v) for k, v in _weights(model).items()}
+    axes = sorted({str(v.sharding.mesh.axis_names) for v in _weights(model).values()})
+    errors = {}
+    try:
+        autoaccum.plan(model, data, data_parallel=1, **opts)
+    except ValueError as error:
+        errors["one_device"] = str(error)
+    with jax.set_mesh(jax.make_mesh((2, len(jax.devices()) // 2), ("batch", "model"))):
+        tp = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), (None, "model")), rngs=nnx.Rngs(0))
+
+    def mse(m, b):
+        return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
+
+    try:
+        autoaccum.plan(tp, {"x": np.ones((16, 32), np.float32)}, effective_batch=8,
+                       optimizer=optax.sgd, learning_rate=0.1, loss_fn=mse, log=None,
+                       budget="1GiB")
+    except ValueError as error:
+        errors["two_axes"] = str(error)
+    return {
+        "before": before, "after": after, "axes": axes,
+        "plan_devices": plan.data_parallel, "notes": [n for n in plan.notes if "own" in n],
+        "steps": [result.steps, ref_result.steps],
+        # (leaves: the annotated model's variables carry sharding metadata the plain one lacks)
+        "params_error": _max_relative_error(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                                            jax.tree.leaves(nnx.state(ref, nnx.Param))),
+        "errors": errors,
+    }
+
+
+def _spec_text(array) -> str:
+    """The array's PartitionSpec without trailing ``None`` (``P('fsdp', None)`` is
+    ``P('fsdp',)``), as text."""
+    spec = list(array.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(jax.sharding.PartitionSpec(*spec))
+
+
+def _weights(model) -> dict:
+    return {".".join(map(str, path)): v.get_value()
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+MODES = {"exact": exact, "own_sharding": own_sharding,
+         "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
          "train_step_and_elastic": train_step_and_elastic}
 

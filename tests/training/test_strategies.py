@@ -174,3 +174,18 @@ def test_train_step_and_elastic_recovery_with_sharded_state():
     assert elastic["strategy"] == "zero2" and elastic["end"] == [2, 4]
     assert elastic["events"] == 2 and elastic["steps"] == [2, 2]
     assert elastic["params_error"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_and_fit():
+    out = _child(4, "own_sharding")["own_sharding"]
+    assert out["before"]["up.kernel"] == "P(None, 'fsdp')"
+    assert out["before"]["embed.embedding"] == "P('fsdp',)"
+    assert out["after"] == out["before"], (out["before"], out["after"])
+    assert out["axes"] == ["('fsdp',)"] and out["plan_devices"] == 4
+    assert out["notes"] and "own sharding is kept for 3 weight(s)" in out["notes"][0]
+    assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
+    assert "plan is for one device" in out["errors"]["one_device"]
+    assert "data_parallel='auto'" in out["errors"]["one_device"]
+    assert "axes ('batch', 'model')" in out["errors"]["two_axes"]
+    assert "Received: kernel: P(None, 'model')" in out["errors"]["two_axes"]
