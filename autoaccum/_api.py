@@ -84,6 +84,7 @@ def plan(
     depth_variant: Any = None,
     uneven: bool = True,
     advise: bool = False,
+    strategy: str = "auto",
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -154,6 +155,12 @@ def plan(
       advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
         ``DoesNotFitError`` then carries the compile-verified changes that fit
         (``error.alternatives``, and a table in its message).
+      strategy: with more than one device, what the devices split instead of copying:
+        ``"auto"`` (default: the least communication that fits one device's budget, tried
+        in the order of ``autoaccum.planning.STRATEGIES``), ``"replicated"``, ``"zero1"``
+        (optimizer state), ``"zero2"`` (and the gradient accumulator) or ``"fsdp"`` (and
+        the weights). ``plan.strategy`` says which was chosen. Flax models; Keras models
+        plan ``"replicated"``.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -190,7 +197,8 @@ def plan(
                                      remat_layers=remat_layers,
                                      objective=default_objective(objective, device),
                                      method=method, log=log, data_parallel=data_parallel,
-                                     cache=cache, depth_variant=depth_variant, uneven=uneven)
+                                     cache=cache, depth_variant=depth_variant, uneven=uneven,
+                                     strategy=strategy)
     except DoesNotFitError as error:
         if not advise:
             raise
@@ -327,6 +335,7 @@ def fit(
     depth_variant: Any = None,
     uneven: bool = True,
     plan: Plan | None = None,
+    strategy: str = "auto",
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
@@ -334,7 +343,8 @@ def fit(
     Args:
       model, data, y, sample_weight, effective_batch, budget, device, memory_fraction, remat,
         remat_layers, objective, data_parallel, optimizer, loss_fn, trainable, learning_rate,
-        base_batch, lr_rule, adjust_adam, cache, depth_variant, uneven: as for :func:`plan`.
+        base_batch, lr_rule, adjust_adam, cache, depth_variant, uneven, strategy: as for
+        :func:`plan`.
         In a multi-process run every process passes the same data and seed.
       epochs: passes over the data.
       shuffle, seed: the example order of each epoch.
@@ -427,7 +437,8 @@ def fit(
             planning_options=given(budget=(budget, None), device=(device, None),
                                     memory_fraction=(memory_fraction, None),
                                     remat=(remat, "auto"), objective=(objective, None),
-                                    method=(method, "auto"), depth_variant=(depth_variant, None)),
+                                    method=(method, "auto"), depth_variant=(depth_variant, None),
+                                    strategy=(strategy, "auto")),
         )
         announce(prepared.lr_scaling, log)
     else:
@@ -436,7 +447,7 @@ def fit(
             budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
             remat_layers=remat_layers, objective=default_objective(objective, device),
             method=plan_method, log=log, where="fit", data_parallel=data_parallel, cache=cache,
-            depth_variant=depth_variant, uneven=uneven,
+            depth_variant=depth_variant, uneven=uneven, strategy=strategy,
         )
     if "validation_split" not in framework_options:
         the_plan = with_examples(the_plan, _examples_of(prepared), drops(adapter, drop_remainder))

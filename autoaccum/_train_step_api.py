@@ -47,6 +47,7 @@ def train_step(
     uneven: bool = True,
     cache: Any = True,
     log: Any = "stderr",
+    strategy: str = "auto",
 ) -> TrainStep | KerasTrainStep:
     """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
     batch, it trains one optimizer step and updates ``model`` in place.
@@ -75,7 +76,8 @@ def train_step(
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
         batch (checked, not planned again); ``None``: plan now with ``budget``, ``device``,
         ``memory_fraction``, ``remat``, ``remat_layers``, ``objective``, ``method``,
-        ``data_parallel``, ``uneven`` and ``cache`` as :func:`autoaccum.plan` takes them.
+        ``data_parallel``, ``uneven``, ``cache`` and ``strategy`` as :func:`autoaccum.plan`
+        takes them.
       on_nonfinite: ``"stop"`` (raise ``NonFiniteError``; the model keeps the state before
         the step) or ``"skip"`` (the step changes nothing; ``StepOutput.applied`` is False).
       backup: host copy of the state before each step (``"auto"``: up to 4 GiB), so a
@@ -140,7 +142,7 @@ def train_step(
             planning_options=given(budget=(budget, None), device=(device, None),
                                    memory_fraction=(memory_fraction, None),
                                    remat=(remat, "auto"), objective=(objective, None),
-                                   method=(method, "compile")))
+                                   method=(method, "compile"), strategy=(strategy, "auto")))
         announce(prepared.lr_scaling, log)
     else:
         the_plan, prepared = plan_model(
@@ -148,7 +150,7 @@ def train_step(
             budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
             remat_layers=remat_layers, objective=default_objective(objective, device),
             method=method, log=log, where="train_step", data_parallel=data_parallel,
-            cache=cache, uneven=uneven)
+            cache=cache, uneven=uneven, strategy=strategy)
         if log is not None:
             print(the_plan.report(), file=log, flush=True)
     if adapter.name == "keras":

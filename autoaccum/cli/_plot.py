@@ -85,23 +85,24 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     require_extra("plot", feature="plot_plan (autoaccum plan --plot)")
     from matplotlib.ticker import MaxNLocator
 
-    probes = sorted(plan.probes, key=lambda p: (p.remat, p.micro_batch))
+    probes = sorted(plan.probes, key=lambda p: (p.remat, _strategy(p), p.micro_batch))
     values = [p.need_bytes for p in probes] + [plan.budget_bytes, plan.need_bytes]
     unit, size = _unit(max(values))
     fig = _figure_class()(figsize=(7.5, 4.6), dpi=dpi)
     ax = fig.add_subplot()
-    policies = sorted({p.remat for p in probes}, key=lambda r: (r != plan.remat, r))
+    chosen = (plan.remat, getattr(plan, "strategy", "replicated"))
+    policies = sorted({(p.remat, _strategy(p)) for p in probes},
+                      key=lambda r: (r != chosen, r))
     colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:gray"]
     failed_labelled = False
     for i, policy in enumerate(policies):
-        mine = [p for p in probes if p.remat == policy]
+        mine = [p for p in probes if (p.remat, _strategy(p)) == policy]
         by_micro: dict[int, Any] = {}
         for p in mine:  # the last probe at a micro-batch (the verification) wins
             by_micro[p.micro_batch] = p
         points = sorted(by_micro.values(), key=lambda p: p.micro_batch)
         color = colors[i % len(colors)]
-        label = "compiled need" + (f" (remat {policy})" if len(policies) > 1
-                                   or policy != "none" else "")
+        label = "compiled need" + _group_label(policy, many=len(policies) > 1)
         ax.plot([p.micro_batch for p in points], [p.need_bytes / size for p in points], "-",
                 color=color, alpha=0.6, label=label)
         fits = [p for p in points if p.fits]
@@ -118,7 +119,7 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     ax.plot(plan.micro_batch, plan.need_bytes / size, "*", color="tab:green", markersize=18,
             markeredgecolor="black", markeredgewidth=0.6, zorder=5,
             label=f"chosen: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation")
-    for p in {p.micro_batch: p for p in probes if p.remat == plan.remat}.values():
+    for p in {p.micro_batch: p for p in probes if (p.remat, _strategy(p)) == chosen}.values():
         ax.annotate(f"{p.need_bytes / size:.3g}", (p.micro_batch, p.need_bytes / size),
                     textcoords="offset points", xytext=(0, 9), ha="center", fontsize=7.5,
                     color="dimgray")
@@ -130,7 +131,8 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     ax.set_ylim(0, max(values) / size * 1.15)
     where = plan.target.split(",")[0] + (" (deviceless compile)" if plan.deviceless else "")
     ax.set_title(f"effective batch {plan.effective_batch} = {plan.micro_batch} x "
-                 f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation on {where}",
+                 f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation on {where}"
+                 + (f", {chosen[1]}" if plan.data_parallel > 1 else ""),
                  fontsize=10)
     fig.text(0.5, 0.015, f"limited by {_limit(plan).detail}", ha="center", va="bottom",
              fontsize=8.5, color="dimgray", wrap=True)
@@ -140,3 +142,15 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     if path is not None:
         fig.savefig(Path(path))
     return fig
+
+
+def _strategy(probe: Any) -> str:
+    return getattr(probe, "strategy", "replicated")
+
+
+def _group_label(group: tuple[str, str], *, many: bool) -> str:
+    """`` (remat full, zero1)`` for a line of probes, or ``""`` for the one plain line."""
+    remat, strategy = group
+    parts = ([f"remat {remat}"] if many or remat != "none" else []) + (
+        [strategy] if many or strategy != "replicated" else [])
+    return f" ({', '.join(parts)})" if parts else ""

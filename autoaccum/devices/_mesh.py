@@ -26,6 +26,7 @@ __all__ = [
     "DATA_AXIS",
     "mesh_axis",
     "agree_micro_batch",
+    "place",
     "batch_sharding",
     "data_parallel_mesh",
     "replicate",
@@ -148,6 +149,22 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     """
     sharding = replicated_sharding(mesh)
     return jax.tree.map(lambda a: _from_host(a, sharding), tree)
+
+
+def place(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Places every leaf of ``tree`` with its own sharding from ``shardings`` (a tree of the
+    same structure), e.g. a sharding strategy's state layout.
+
+    Example:
+      >>> import numpy as np
+      >>> mesh = data_parallel_mesh()
+      >>> placed = place({"w": np.ones(3)}, {"w": replicated_sharding(mesh)})
+      >>> placed["w"].sharding.is_fully_replicated
+      True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        _from_host(a, s) for a, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
 
 
 def agree_micro_batch(micro_batch: int) -> tuple[int, tuple[int, ...]]:

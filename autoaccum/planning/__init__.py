@@ -47,6 +47,9 @@ from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
 from ._search import search_micro_batch as search_micro_batch
+from ._strategies import STRATEGIES as STRATEGIES
+from ._strategies import StateLayout as StateLayout
+from ._strategies import state_layout as state_layout
 from ._targets import ResolvedTarget as ResolvedTarget
 from ._targets import per_device_budget as per_device_budget
 from ._targets import resolve_target as resolve_target
@@ -57,6 +60,7 @@ __all__ = [
     "LR_RULES",
     "REMAT_POLICIES",
     "SCHEMA_VERSION",
+    "STRATEGIES",
     "Adapter",
     "Advice",
     "Alternative",
@@ -78,6 +82,7 @@ __all__ = [
     "Probe",
     "RealStepRunner",
     "Resident",
+    "StateLayout",
     "ResolvedTarget",
     "SearchResult",
     "StepMetrics",
@@ -102,4 +107,5 @@ __all__ = [
     "scale_learning_rate",
     "search_micro_batch",
     "split_sizes",
+    "state_layout",
 ]

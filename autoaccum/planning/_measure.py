@@ -111,7 +111,8 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     (with ``last``: an uneven step, ``accum_steps - 1`` micro-batches then one of ``last``).
 
     ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is lowered as
-    one SPMD program over its mesh, weights replicated and batches
+    one SPMD program over its mesh, the state laid out by its sharding strategy
+    (``program.state_shardings``; replicated by default), frozen weights replicated and batches
     ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
     analysis is that of one device.
     """
@@ -129,7 +130,9 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 
         axis = program.mesh.axis_names[0]
         replicated = NamedSharding(program.mesh, P())
-        state = shard_abstract(program.abstract_state, replicated)
+        state = (shard_abstract(program.abstract_state, replicated)
+                 if program.state_shardings is None
+                 else _shard_each(program.abstract_state, program.state_shardings))
         frozen = shard_abstract(program.frozen_args, replicated)
         batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
                                      sharding=NamedSharding(program.mesh, P(None, axis)),
@@ -142,6 +145,14 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                                      last=last)
     with program.lowering_context():
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+def _shard_each(tree: Any, shardings: Any) -> Any:
+    """Each array leaf of ``tree`` as a ``jax.ShapeDtypeStruct`` with its own sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if hasattr(x, "shape") else x
+        for x, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
 
 
 _COMPILES = [0]
@@ -310,13 +321,22 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
     parts = program.parts
     accumulator = 4 * _elements(program.trainable)
     known = {"trainable", "frozen", "optimizer"}
+    trainable_bytes = tree_bytes(parts.get("trainable"))
+    optimizer_bytes = tree_bytes(parts.get("optimizer"))
+    layout = getattr(program, "layout", None)
+    if layout is not None:  # one device's share of the split state
+        trainable_bytes = layout.split_bytes(parts.get("trainable"), layout.params)
+        optimizer_bytes = layout.split_bytes(parts.get("optimizer"), layout.optimizer)
+        accumulator = layout.split_bytes(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32"),
+                         parts.get("trainable")), layout.grads)
     return MemoryEstimate(
         compile_note=compile_note,
         micro_batch=micro_batch,
         accum_steps=accum_steps,
-        trainable_bytes=tree_bytes(parts.get("trainable")),
+        trainable_bytes=trainable_bytes,
         frozen_bytes=tree_bytes(parts.get("frozen")),
-        optimizer_bytes=tree_bytes(parts.get("optimizer")),
+        optimizer_bytes=optimizer_bytes,
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
         batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last)),
         last_micro_batch=last,

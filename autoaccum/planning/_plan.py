@@ -129,6 +129,20 @@ class Plan:
     """The device profile planned for (``"t4"``, ``"cpu"``, ...), when one applies."""
     deviceless: bool = False
     """Whether the step was compiled for a GPU that is not on this machine (a dry run)."""
+    strategy: str = "replicated"
+    """What the data-parallel devices split instead of copying: ``"replicated"`` (nothing),
+    ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradient accumulator) or ``"fsdp"``
+    (+ weights); see ``autoaccum.planning.STRATEGIES``. Always ``"replicated"`` on one device."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Shape of the device mesh the plan runs on: ``(data_parallel,)``.
+
+        Example:
+          >>> Plan(4, 2, 4, 32, 4, None, None, None, (), "cpu", 0.0).mesh_shape
+          (4,)
+        """
+        return (self.data_parallel,)
 
     @property
     def lr_rule(self) -> str:

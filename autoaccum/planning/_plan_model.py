@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
+from ..devices._units import format_bytes
 from ._adapter import Adapter, Prepared
 from ._cache import resolve_cache
 from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
@@ -19,6 +20,7 @@ from ._option_checks import check_enough_examples, no_leftovers, received, valid
 from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
 from ._remat import (
+    first_line,
     label_policy,
     nothing_fits,
     policies_for,
@@ -26,6 +28,7 @@ from ._remat import (
 )
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, divisors
+from ._strategies import STRATEGIES, validate_strategy
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
 from ._train_program import TrainProgram, tree_bytes
 
@@ -181,6 +184,7 @@ def plan_model(
     cache: Any = True,
     depth_variant: DepthVariant | None = None,
     uneven: bool = True,
+    strategy: str = "auto",
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -199,12 +203,21 @@ def plan_model(
 
     ``uneven``: allow a split whose last micro-batch is smaller (13 = 5 + 5 + 3), where the
     adapter's steps take one (``adapter.uneven_batches``); ``False``: divisors only.
+
+    ``strategy`` (with more than one device): ``"auto"`` tries the sharding strategies in
+    :data:`~._strategies.STRATEGIES` order (least communication first) under each remat
+    policy and keeps the first under which micro-batch 1 fits one device's budget, with its
+    largest fitting micro-batch; a name plans that strategy only. Each is measured from the
+    partitioned program's per-device memory analysis. On one device it is ignored.
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
+    validate_strategy(strategy)
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here plans one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
         validate_effective_batch(effective_batch, data_parallel=mesh.size)
@@ -229,6 +242,7 @@ def plan_model(
     policies = policies_for(adapter, remat)
     if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
+    strategies = candidate_strategies(strategy, mesh)
     tried: list[Plan] = []
     prepared_by_policy: dict[str, Prepared] = {}
     failures: list[tuple[str, DoesNotFitError]] = []
@@ -237,33 +251,58 @@ def plan_model(
         opts = dict(options)
         prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                            remat=policy, remat_layers=remat_layers)
-        if mesh is not None:
-            prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
         no_leftovers(opts, where)
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
+        by_strategy = {s: prepared if mesh is None else dataclasses.replace(
+            prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
             announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
-            program = prepared.program
+            program = by_strategy[strategies[0]].program
+            own = [s for s in (program.own_specs or ()) if s is not None]
+            if own:
+                dp_notes += (f"sharding: the model's own sharding is kept for {len(own)} "
+                             f"weight(s) (split over mesh axis {mesh.axis_names[0]!r} under "
+                             "every strategy); the strategy applies to the others",)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
             resolved = resolve_target(device, budget, resident_bytes=resident,
                                       memory_fraction=memory_fraction, mesh=mesh)
-            # Weights and optimizer state over the budget: no policy, no micro-batch can help.
-            check_resident(resident_of(program), resolved.budget.bytes,
-                           memory_fraction=memory_fraction,
-                           target=resolved.compile_target.name)
+            # Weights and optimizer state over the budget (per device, with the most sharded
+            # strategy tried): no policy, no micro-batch can help.
+            strategies, over_budget = _resident_strategies(strategies, by_strategy, resolved,
+                                                           memory_fraction=memory_fraction)
+            if over_budget:
+                dp_notes += (f"sharding: over the budget of {format_bytes(resolved.budget.bytes)}"
+                             " per device before any compile: " + "; ".join(over_budget),)
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
-        try:
-            variants = _variants(depth_variant, adapter, prepared, data, original_options,
-                                 effective_batch=effective_batch, remat_layers=remat_layers)
-            plan = _plan_one(prepared, model, method=method, effective_batch=effective_batch,
-                             resolved=resolved, log=log, cache=cache,
-                             depth_variants=variants,
-                             uneven=bool(uneven) and getattr(adapter, "uneven_batches", False))
-        except DoesNotFitError as error:
+        skipped: list[tuple[str, DoesNotFitError]] = []
+        plan = None
+        for name in strategies:
+            prepared = by_strategy[name]
+            if log is not None and len(strategies) > 1:
+                print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
+            try:
+                variants = _variants(depth_variant, adapter, prepared, data, original_options,
+                                     effective_batch=effective_batch, remat_layers=remat_layers)
+                plan = _plan_one(prepared, model, method=method,
+                                 effective_batch=effective_batch, resolved=resolved, log=log,
+                                 cache=cache, depth_variants=variants,
+                                 uneven=bool(uneven) and getattr(adapter, "uneven_batches",
+                                                                 False))
+            except DoesNotFitError as error:
+                skipped.append((name, error))
+                continue
+            plan = with_strategy(plan, name, skipped)
+            break
+        if plan is None:
+            error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
+                "micro_batch=1 fits under no sharding strategy ("
+                + "; ".join(f"{n}: {first_line(e)}" for n, e in skipped) + ")",
+                probes=tuple(dataclasses.replace(p, strategy=n)
+                             for n, e in skipped for p in e.probes))
             failures.append((policy, error))
             continue
         tried.append(label_policy(plan, policy))
@@ -294,6 +333,46 @@ def plan_model(
         candidates=tuple(candidates),
     )
     return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
+
+
+def candidate_strategies(strategy: str, mesh: Any) -> tuple[str, ...]:
+    """The strategies to try, in order: one device: replicated; ``"auto"``: all of
+    :data:`STRATEGIES`; a name: that one."""
+    if mesh is None or mesh.size == 1:
+        return ("replicated",)
+    return STRATEGIES if strategy == "auto" else (strategy,)
+
+
+def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Prepared],
+                         resolved: ResolvedTarget, *,
+                         memory_fraction: float | None) -> tuple[tuple[str, ...], list[str]]:
+    """The strategies whose state alone fits one device's budget, and a line for each that
+    does not; when none does, the resident-memory error of the last (most sharded) one,
+    before any compile."""
+    states = {s: resident_of(by_strategy[s].program).state_bytes for s in strategies}
+    fitting = tuple(s for s in strategies if states[s] <= resolved.budget.bytes)
+    if not fitting:
+        check_resident(resident_of(by_strategy[strategies[-1]].program), resolved.budget.bytes,
+                       memory_fraction=memory_fraction, target=resolved.compile_target.name)
+    skipped = [f"{s}: its weights and optimizer state alone need {format_bytes(states[s])} per "
+               "device (known from shapes, nothing compiled)" for s in strategies
+               if s not in fitting]
+    return fitting, skipped
+
+
+def with_strategy(plan: Plan, strategy: str,
+                  skipped: list[tuple[str, DoesNotFitError]]) -> Plan:
+    """``plan`` marked with its sharding ``strategy``, preceded by the probes of the
+    strategies under which micro-batch 1 did not fit, and a note saying so."""
+    probes = tuple(dataclasses.replace(p, strategy=strategy) for p in plan.probes)
+    earlier = tuple(dataclasses.replace(p, strategy=name)
+                    for name, error in skipped for p in error.probes)
+    notes = plan.notes
+    if skipped:
+        notes = (*notes, f"sharding strategy {strategy}: micro_batch=1 does not fit with less "
+                 "sharding (" + "; ".join(f"{name}: {first_line(error)}"
+                                          for name, error in skipped) + ")")
+    return dataclasses.replace(plan, strategy=strategy, probes=earlier + probes, notes=notes)
 
 
 METHODS = ("auto", "compile", "backoff")

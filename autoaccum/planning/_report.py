@@ -92,7 +92,9 @@ def plan_repr(plan: Plan) -> str:
     last = (f"last_micro_batch={plan.last_micro_batch}, "
             if plan.last_micro_batch is not None else "")
     return (f"Plan(micro_batch={plan.micro_batch}, accum_steps={plan.accum_steps}, {last}"
-            f"data_parallel={plan.data_parallel}, effective_batch={plan.effective_batch}, "
+            f"data_parallel={plan.data_parallel}, "
+            + (f"strategy={plan.strategy!r}, " if plan.strategy != "replicated" else "")
+            + f"effective_batch={plan.effective_batch}, "
             f"need={format_bytes(plan.need_bytes)!r}, budget={format_bytes(plan.budget_bytes)!r}, "
             f"limited_by={limiting_factor(plan).kind!r}, learning_rate={lr_text}, "
             f"remat={plan.remat!r}, target={where!r})")
@@ -125,7 +127,20 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
         ("need", need),
         ("budget", f"{format_bytes(b.bytes)}  [{b.source}: {b.detail}]"),
         ("rematerialization", plan.remat),
+        *([("sharding", _strategy_text(plan))] if plan.data_parallel > 1 else []),
     ]
+
+
+_STRATEGY_TEXT = {
+    "replicated": "replicated: every device holds all weights, gradients and optimizer state",
+    "zero1": "zero1: optimizer state split over the devices (ZeRO-1)",
+    "zero2": "zero2: optimizer state and gradient accumulator split over the devices (ZeRO-2)",
+    "fsdp": "fsdp: weights, gradients and optimizer state split over the devices (ZeRO-3)",
+}
+
+
+def _strategy_text(plan: Plan) -> str:
+    return f"{_STRATEGY_TEXT.get(plan.strategy, plan.strategy)}; mesh {plan.mesh_shape}"
 
 
 _COLUMNS = (
@@ -283,7 +298,7 @@ def _memory(estimate: Any) -> dict[str, int]:
 _HANDLED = {
     "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
     "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
-    "objective", "candidates", "profile", "deviceless",
+    "objective", "candidates", "profile", "deviceless", "strategy",
 }  # examples, drop_remainder: the loop below; leftover_examples is added by hand
 
 
@@ -305,6 +320,9 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "micro_batch": plan.micro_batch,
         "accum_steps": plan.accum_steps,
         "data_parallel": plan.data_parallel,
+        "devices": plan.data_parallel,
+        "mesh_shape": list(plan.mesh_shape),
+        "strategy": plan.strategy,
         "effective_batch": plan.effective_batch,
         "max_micro_batch": plan.max_micro_batch,
         "limited_by": limit.kind,
@@ -326,7 +344,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for c in plan.candidates
         ],
         "probes": [
-            {"remat": p.remat, "micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+            {"remat": p.remat, "strategy": p.strategy, "micro_batch": p.micro_batch,
+             "accum_steps": p.accum_steps,
              "last_micro_batch": p.last_micro_batch,
              "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why, "kind": p.kind,
              "error": p.error, "compile_seconds": p.estimate.compile_seconds,

@@ -111,6 +111,19 @@ def resident_of(program: TrainProgram) -> Resident:
     """
     parts = program.parts
     known = {"trainable", "frozen", "optimizer"}
+    layout = getattr(program, "layout", None)
+    if layout is not None:  # a sharding strategy: one device's share of the split parts
+        import jax
+
+        f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
+                           if hasattr(x, "shape") else x, parts.get("trainable"))
+        return Resident(
+            frozen_bytes=tree_bytes(parts.get("frozen")),
+            trainable_bytes=layout.split_bytes(parts.get("trainable"), layout.params),
+            gradient_bytes=layout.split_bytes(f32, layout.grads),
+            optimizer_bytes=layout.split_bytes(parts.get("optimizer"), layout.optimizer),
+            other_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
+        )
     elements = sum(math.prod(leaf.shape) for leaf in _leaves(program.trainable))
     return Resident(
         frozen_bytes=tree_bytes(parts.get("frozen")),

@@ -12,6 +12,7 @@ from ._adapter import Adapter, Prepared
 from ._option_checks import check_enough_examples, no_leftovers, received
 from ._plan import Plan
 from ._plan_model import prepare
+from ._resident import resident_of
 from ._train_program import tree_bytes
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan"]
@@ -41,10 +42,11 @@ def _same_lr(a: Any, b: Any) -> bool:
 def _check_sizes(plan: Plan, prepared: Prepared) -> None:
     """The model's weights, optimizer state and one batch are the sizes the plan compiled."""
     est, program = plan.estimate, prepared.program
+    resident = resident_of(program)  # one device's share under a sharding strategy
     here = {
-        "trainable weights": tree_bytes(program.parts.get("trainable")),
+        "trainable weights": resident.trainable_bytes,
         "frozen weights": tree_bytes(program.parts.get("frozen")),
-        "optimizer state": tree_bytes(program.parts.get("optimizer")),
+        "optimizer state": resident.optimizer_bytes,
         "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps,
                                                last=est.last_micro_batch)),
     }
@@ -104,6 +106,8 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"effective_batch={effective_batch}"
         )
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh"):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     devices = 1 if mesh is None else mesh.size
     if plan.data_parallel != devices:
         raise ValueError(
@@ -115,7 +119,9 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
     prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                        remat=plan.remat, remat_layers=remat_layers)
     if mesh is not None:
-        prepared = dataclasses.replace(prepared, program=prepared.program.on_mesh(mesh))
+        prepared = dataclasses.replace(
+            prepared, program=prepared.program.on_mesh(mesh, getattr(plan, "strategy",
+                                                                     "replicated")))
     no_leftovers(opts, "fit")
     check_enough_examples(prepared.data, effective_batch)
     if not _same_lr(plan.lr_scaling, prepared.lr_scaling):

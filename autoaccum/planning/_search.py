@@ -39,6 +39,8 @@ class Probe:
     """For a real step that ran out of memory: the first line of the error."""
     last_micro_batch: int | None = None
     """For a compile of an uneven step: the size of its smaller last micro-batch."""
+    strategy: str = "replicated"
+    """The sharding strategy the step was compiled with (see ``autoaccum.planning.STRATEGIES``)."""
 
 
 @dataclass(frozen=True)

@@ -61,14 +61,30 @@ class TrainProgram:
     data_parallel_step: Callable[[Any], Callable[..., tuple[PyTree, StepMetrics]]] | None = None
     """``data_parallel_step(mesh)`` builds the step for a data-parallel mesh, or the
     single-device step for ``None`` (set by the Flax and Keras adapters)."""
+    sharded_step: Callable[[Any], tuple[Callable[..., Any], PyTree]] | None = None
+    """``sharded_step(layout)`` builds the step for a :class:`~._strategies.StateLayout`
+    (a strategy other than ``"replicated"``) and returns it with the shardings of the state
+    (a tree of ``NamedSharding`` with the structure of ``abstract_state``); ``None``: this
+    program runs replicated data parallelism only."""
+    strategy: str = "replicated"
+    """The sharding strategy of the step on its mesh (see :mod:`._strategies`)."""
+    state_shardings: PyTree = None
+    """Shardings of ``abstract_state`` for a sharded strategy (``None``: copied on every
+    device of the mesh)."""
+    layout: Any = None
+    """The :class:`~._strategies.StateLayout` of a sharded strategy, else ``None``."""
+    own_specs: tuple[Any, ...] | None = None
+    """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
+    the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
 
     @property
     def data_parallel(self) -> int:
         """Number of data-parallel devices (1 without a mesh)."""
         return 1 if self.mesh is None else int(self.mesh.size)
 
-    def on_mesh(self, mesh: Any) -> TrainProgram:
-        """This program, data-parallel over ``mesh`` (``None``: single device).
+    def on_mesh(self, mesh: Any, strategy: str = "replicated") -> TrainProgram:
+        """This program, data-parallel over ``mesh`` (``None``: single device), with the
+        sharding ``strategy`` (see :mod:`._strategies`; ignored on one device).
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -77,16 +93,36 @@ class TrainProgram:
           >>> program.on_mesh(None).data_parallel
           1
         """
+        from ._strategies import state_layout, validate_strategy
+
+        validate_strategy(strategy, allow_auto=False)
         if mesh is not None and mesh.size == 1:
             mesh = None
+        if mesh is None:
+            strategy = "replicated"
         if mesh is None and self.mesh is None:
+            return self
+        if mesh is self.mesh and strategy == self.strategy:
             return self
         if self.data_parallel_step is None:
             raise ValueError(
                 "This TrainProgram has no data-parallel step; build it with flax_program or "
                 f"keras_program. Received: a program for {self.description or 'a custom step'}"
             )
-        return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh)
+        own = self.own_specs is not None and any(s is not None for s in self.own_specs)
+        if strategy == "replicated" and not own:
+            return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh,
+                                       strategy=strategy, state_shardings=None, layout=None)
+        if self.sharded_step is None:
+            raise ValueError(
+                f"This program ({self.description or 'a custom step'}) runs replicated data "
+                "parallelism only; autoaccum cannot shard its state yet. Pass "
+                f"strategy='replicated'. Received: strategy={strategy!r}")
+        layout = state_layout(strategy, mesh, params=self.parts.get("trainable"),
+                              optimizer=self.parts.get("optimizer"), fixed=self.own_specs)
+        step, shardings = self.sharded_step(layout)
+        return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
+                                   state_shardings=shardings, layout=layout)
 
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
                    last: int | None = None, last_sharding: Any = None) -> PyTree:

@@ -14,10 +14,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..planning._micro_batches import UnevenBatches, micro_steps
 
 PyTree = Any
+GATHERED = "autoaccum_gathered_weights"
+"""``checkpoint_name`` of weights gathered from their shards (never saved for backward)."""
 
 MicroLoss = Callable[[PyTree, PyTree, PyTree], tuple[tuple[jax.Array, jax.Array], PyTree]]
 """``micro_loss(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``.
@@ -47,6 +50,11 @@ def accumulate_gradients(
     trainable: PyTree,
     carry: PyTree,
     batches: PyTree,
+    *,
+    gather: Callable[[PyTree], PyTree] | None = None,
+    scatter: Callable[[PyTree], PyTree] | None = None,
+    accumulator: PyTree = None,
+    sq_norm: Callable[[PyTree, jax.Array], jax.Array] | None = None,
 ) -> AccumulatedGradients:
     """Scans ``micro_loss`` over the leading axis of ``batches`` and sums gradients in float32.
 
@@ -57,6 +65,14 @@ def accumulate_gradients(
       batches: a pytree whose leaves have shape ``[accum_steps, micro_batch, ...]``, or an
         :class:`UnevenBatches` (one call at the smaller micro-batch's shape, then the full
         micro-batches scanned).
+      gather: inside ``shard_map``, builds the whole weights from this device's shard
+        (``fsdp``), run inside each micro-step so the whole weights live only there.
+      scatter: inside ``shard_map``, turns one micro-batch's float32 gradients into this
+        device's share of their sum over devices (a reduce-scatter, ``zero2``/``fsdp``).
+      accumulator: abstract leaves (shape) of the gradient accumulator when ``scatter``
+        changes the shapes (default: the shapes of ``trainable``).
+      sq_norm: ``sq_norm(grads, count)``, the squared norm of a micro-batch's mean gradient
+        from the gradients ``grad_fn`` gave (default: local, ``|grads|^2 / count^2``).
 
     Returns:
       An :class:`AccumulatedGradients` of unnormalised float32 sums.
@@ -76,20 +92,43 @@ def accumulate_gradients(
         return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(count, jnp.float32), new_state)
 
     grad_fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+    if gather is not None:
+        # Differentiated with respect to this device's shards: the transpose of the gather is
+        # a reduce-scatter, and the gathered weights are no residual of the forward pass (the
+        # backward pass gathers them again), so XLA may hold one layer's whole weights at a
+        # time rather than the whole model's (ZeRO-3).
+        def on_shards(shards: PyTree, state: PyTree, micro_batch: PyTree) -> Any:
+            # Tied to this micro-batch, so XLA cannot hoist the gather out of the loop.
+            shards, micro_batch = jax.lax.optimization_barrier((shards, micro_batch))
+            whole = jax.tree.map(lambda x: checkpoint_name(x, GATHERED), gather(shards))
+            return loss_with_aux(whole, state, micro_batch)
+
+        grad_fn = jax.value_and_grad(
+            jax.checkpoint(on_shards,
+                           policy=jax.checkpoint_policies.save_anything_except_these_names(
+                               GATHERED)),
+            has_aux=True)
 
     def body(scan_carry, micro_batch, params=trainable):
         grad_acc, loss_acc, count_acc, state, sq_acc = scan_carry
         (loss_sum, (count, state)), grads = grad_fn(params, state, micro_batch)
-        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-        safe = jnp.maximum(count, 1.0)
-        # Scale the scalar, not the tree, so no gradient-sized temporary is needed.
-        micro_sq = sum(
-            jnp.vdot(g, g, preferred_element_type=jnp.float32) for g in jax.tree.leaves(grads)
-        )
-        micro_sq = micro_sq / (safe * safe)
+        summed = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if scatter is not None:
+            summed = scatter(summed)
+        grad_acc = jax.tree.map(lambda a, g: a + g, grad_acc, summed)
+        if sq_norm is not None:
+            micro_sq = sq_norm(grads, count)
+        else:
+            safe = jnp.maximum(count, 1.0)
+            # Scale the scalar, not the tree, so no gradient-sized temporary is needed.
+            micro_sq = sum(
+                jnp.vdot(g, g, preferred_element_type=jnp.float32)
+                for g in jax.tree.leaves(grads))
+            micro_sq = micro_sq / (safe * safe)
         return (grad_acc, loss_acc + loss_sum, count_acc + count, state, sq_acc + micro_sq), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), trainable)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
+                         trainable if accumulator is None else accumulator)
     init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
     params = trainable
     if isinstance(batches, UnevenBatches) and micro_steps(batches) == 2:

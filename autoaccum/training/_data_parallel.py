@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..devices._mesh import mesh_axis
-from ..planning._micro_batches import UnevenBatches
+from ..planning._micro_batches import UnevenBatches, micro_steps
+from ..planning._strategies import StateLayout
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
 
 PyTree = Any
@@ -104,7 +105,8 @@ def sum_updates(initial: PyTree, local: PyTree, axis_name: str) -> PyTree:
     return jax.tree.map(one, initial, local)
 
 
-def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = None) -> Accumulate:
+def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = None,
+                             layout: StateLayout | None = None) -> Accumulate:
     """A drop-in for :func:`accumulate_gradients` that runs on every device of ``mesh``.
 
     ``batches`` are ``[accum_steps, dp * micro_batch, ...]`` (global), or an
@@ -115,6 +117,13 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     ``micro_grad_sq_norm_sum`` is averaged over devices, so dividing it by ``accum_steps``
     still gives the mean over all ``dp * accum_steps`` micro-batches. ``carry_reduce``
     (default :func:`default_carry_reduce`) makes the carried state agree across devices.
+
+    ``layout`` (a :class:`~autoaccum.planning.StateLayout`; default: everything copied) says
+    which weights arrive split over the devices (``fsdp``: each micro-step gathers them,
+    inside the loop) and which gradient leaves are accumulated split (``zero2``, ``fsdp``:
+    each micro-batch's gradients are reduce-scattered into this device's share, so the
+    float32 accumulator is ``1 / devices`` of the weights; ``grad_sum`` comes back split
+    by ``layout.grads``). Leaves the layout copies are summed once at the end as before.
 
     Example:
       >>> import jax.numpy as jnp
@@ -129,16 +138,82 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     """
     axis = mesh_axis(mesh)
     reduce = default_carry_reduce if carry_reduce is None else carry_reduce
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
     def accumulate(micro_loss: MicroLoss, trainable: PyTree, carry: PyTree,
                    batches: PyTree) -> AccumulatedGradients:
+        copied = jax.tree.map(lambda _: P(), trainable)
+        param_specs = copied if layout is None else layout.params
+        grad_specs = copied if layout is None else layout.grads
+        split_grads = [_split_dim(s) for s in jax.tree.leaves(grad_specs, is_leaf=is_spec)]
+        split_params = [_split_dim(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec)]
+        treedef = jax.tree.structure(trainable)
+        devices = int(mesh.size)
+
+        def gather(shards: PyTree) -> PyTree:
+            leaves = [x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
+                      for x, d in zip(jax.tree.leaves(shards), split_params, strict=True)]
+            return jax.tree.unflatten(treedef, leaves)
+
+        def scatter(grads: PyTree) -> PyTree:
+            leaves = [g if d is None else jax.lax.psum_scatter(g, axis, scatter_dimension=d,
+                                                               tiled=True)
+                      for g, d in zip(jax.tree.leaves(grads), split_grads, strict=True)]
+            return jax.tree.unflatten(treedef, leaves)
+
+        def shard_shape(leaf: Any, d: int | None) -> Any:
+            shape = list(jnp.shape(leaf))
+            if d is not None:
+                shape[d] //= devices
+            return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+
+        # Shapes of the whole weights (as the user's trainable tree, before any split).
+        accumulator = jax.tree.unflatten(treedef, [
+            shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), split_grads,
+                                              strict=True)])
+        any_split_grads = any(d is not None for d in split_grads)
+        any_split_params = any(d is not None for d in split_params)
+
+        def summed_sq(grads: PyTree) -> jax.Array:
+            # fsdp: split leaves arrive summed over the devices' micro-batches (the gather's
+            # transpose); copied leaves are summed here. |sum over devices|^2.
+            sq = jnp.float32(0)
+            for g, d in zip(jax.tree.leaves(grads), split_params, strict=True):
+                if d is None:
+                    g = jax.lax.psum(g, axis)
+                    sq = sq + jnp.vdot(g, g, preferred_element_type=jnp.float32) / devices
+                else:
+                    sq = sq + jnp.vdot(g, g, preferred_element_type=jnp.float32)
+            return jax.lax.psum(sq, axis)
+
+        def summed_sq_norm(grads: PyTree, count: jax.Array) -> jax.Array:
+            # The mean gradient of the dp micro-batches together (a dp x larger batch).
+            total = jnp.maximum(jax.lax.psum(count, axis), 1.0)
+            return summed_sq(grads) / (total * total)
+
         def per_device(trainable: PyTree, carry: PyTree, batches: PyTree) -> tuple:
             local = fold_device_keys(carry, jax.lax.axis_index(axis))
-            acc = accumulate_gradients(micro_loss, trainable, local, batches)
-            # The one cross-device reduction of the optimizer step.
-            grad_sum, loss_sum, count = jax.lax.psum(
-                (acc.grad_sum, acc.loss_sum, acc.count), axis)
+            acc = accumulate_gradients(
+                micro_loss, trainable, local, batches,
+                gather=gather if any_split_params else None,
+                scatter=scatter if any_split_grads and not any_split_params else None,
+                accumulator=accumulator if any_split_grads else None,
+                sq_norm=summed_sq_norm if any_split_params else None)
             sq = jax.lax.pmean(acc.micro_grad_sq_norm_sum, axis)
+            if any_split_params and devices > 1:
+                # Each term is |g|^2 of a dp x micro-batch; E|g_b|^2 = |G|^2 + tr(S)/b, so
+                # dp x (term - |G|^2) + |G|^2 has the expectation of one device's micro-batch
+                # (what the noise-scale estimate reads), |G|^2 from the step's whole sums.
+                total = jnp.maximum(jax.lax.psum(acc.count, axis), 1.0)
+                big = summed_sq(acc.grad_sum) / (total * total)
+                steps = micro_steps(batches)
+                sq = devices * sq - (devices - 1) * steps * big
+            # The one cross-device reduction of the optimizer step (split leaves were
+            # reduce-scattered at every micro-batch already).
+            grad_sum = jax.tree.unflatten(treedef, [
+                g if d is not None else jax.lax.psum(g, axis)
+                for g, d in zip(jax.tree.leaves(acc.grad_sum), split_grads, strict=True)])
+            loss_sum, count = jax.lax.psum((acc.loss_sum, acc.count), axis)
             final = unfold_device_keys(carry, local, acc.carry)
             return grad_sum, loss_sum, count, reduce(carry, final, axis), sq
 
@@ -147,12 +222,18 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         sharded = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(), batch_spec),
-            out_specs=P(),
-            check_vma=False,  # params are replicated; gradients stay local until the psum
+            in_specs=(param_specs, P(), batch_spec),
+            out_specs=(grad_specs, P(), P(), P(), P()),
+            check_vma=False,  # gradients stay local until the psum (or reduce-scatter)
         )
         return AccumulatedGradients(*sharded(trainable, carry, batches))
 
     return accumulate
 
 
+def _split_dim(spec: P) -> int | None:
+    """The dimension a one-axis ``PartitionSpec`` splits, or ``None`` (copied)."""
+    for i, name in enumerate(spec):
+        if name is not None:
+            return i
+    return None

@@ -136,6 +136,13 @@ class FlaxAdapter:
 
         return resolve_mesh("auto")
 
+    def own_mesh(self, model: Any, mesh: Any) -> Any:
+        """The training mesh: ``mesh``, or the one-axis mesh the model's weights are split
+        over (see ``autoaccum.adapters.flax._sharding``)."""
+        from ._sharding import own_mesh
+
+        return own_mesh(model, mesh)
+
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
         """The live weights and a fresh optimizer state (freed with the runner)."""
         trainable = prepared.extras.get("trainable", nnx.Param)

@@ -19,7 +19,8 @@ import jax
 import optax
 from flax import nnx
 
-from ...devices._mesh import replicate
+from ...devices._mesh import place, replicate
+from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
@@ -35,7 +36,7 @@ from ._batch_stats import EffectiveBatchNorm
 from ._data import ArrayData, FlaxStream, flax_data
 from ._evaluate import Evaluator, warn_if_eval_mode
 from ._fit_step import StepBatch, StepRunner, step_batches
-from ._program import LossFn, split_model
+from ._program import LossFn, sharded_layout, split_model
 
 __all__ = ["flax_fit"]
 
@@ -126,8 +127,11 @@ def flax_fit(
     opt_state = (tx.init(params) if nnx_optimizer is None
                  else nnx_optimizer.initial(tx, params))
     state = (params, other, opt_state)
+    layout = sharded_layout(plan, mesh, params, opt_state)
     if mesh is not None:
-        state, frozen = replicate(state, mesh), replicate(frozen, mesh)
+        state = (replicate(state, mesh) if layout is None
+                 else place(state, layout.state_shardings(other)))
+        frozen = replicate(frozen, mesh)
     source = flax_data(data)
     check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
     leftover = (0 if source.num_examples is None
@@ -137,7 +141,7 @@ def flax_fit(
     live = LiveState(state, HostSnapshot(backup), lambda s: nnx.update(model, s[0], s[1]))
     runner = StepRunner(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable, mesh=mesh,
                         norms=norms, on_nonfinite=on_nonfinite, frozen=frozen, live=live,
-                        result=result, elastic=elastic, stream=stream)
+                        result=result, elastic=elastic, stream=stream, layout=layout)
     evaluator = None
     if validation_data is not None:
         evaluator = Evaluator(model, validation_data, loss_fn=loss_fn, trainable=trainable,

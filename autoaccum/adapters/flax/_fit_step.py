@@ -15,6 +15,7 @@ from ...devices._mesh import shard_batches
 from ...devices._rlimit import compiling
 from ...planning._plan import Plan
 from ...planning._search import DoesNotFitError
+from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
 from ...training._elastic import resplit, retry_smaller, shrink
 from ...training._epoch_batches import (
@@ -91,7 +92,8 @@ class StepRunner:
                  trainable: Any, mesh: Any, norms: EffectiveBatchNorm | None,
                  on_nonfinite: str, frozen: Any, live: LiveState, result: FitResult,
                  elastic: bool, stream: TextIO,
-                 optimizer_skips_nonfinite: bool | None = None) -> None:
+                 optimizer_skips_nonfinite: bool | None = None,
+                 layout: StateLayout | None = None) -> None:
         self.mesh, self.frozen, self.live, self.result = mesh, frozen, live, result
         self.on_nonfinite, self.elastic, self.stream = on_nonfinite, elastic, stream
         self.dp = 1 if mesh is None else int(mesh.size)
@@ -101,8 +103,9 @@ class StepRunner:
 
         def jitted(weighted: bool) -> Any:
             return jax.jit(make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                                          accumulate=accumulate_for(mesh), norms=norms,
-                                          on_nonfinite=on_nonfinite, weighted=weighted,
+                                          accumulate=accumulate_for(mesh, layout),
+                                          norms=norms, on_nonfinite=on_nonfinite,
+                                          weighted=weighted, layout=layout,
                                           optimizer_skips_nonfinite=optimizer_skips_nonfinite),
                            donate_argnums=0)
 

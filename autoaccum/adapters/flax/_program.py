@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from ...planning._micro_batches import micro_steps
+from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ...training._batch_stats import validate_batch_stats
@@ -35,6 +36,7 @@ from ...training._nonfinite import (
     validate_on_nonfinite,
 )
 from ._batch_stats import EffectiveBatchNorm
+from ._sharding import own_specs
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -80,6 +82,7 @@ def make_flax_step(
     on_nonfinite: str = "stop",
     weighted: bool = False,
     optimizer_skips_nonfinite: bool = False,
+    layout: StateLayout | None = None,
 ) -> Callable[..., tuple[Any, StepMetrics]]:
     """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``.
 
@@ -103,6 +106,9 @@ def make_flax_step(
         (``optax.apply_if_finite``): a non-finite step still runs ``tx.update``, so the
         optimizer skips it and counts it in its own state; only the other state (batch
         statistics) keeps its values.
+      layout: a sharding strategy's :class:`~autoaccum.planning.StateLayout` (pass
+        ``accumulate=data_parallel_accumulate(mesh, layout=layout)`` with it): the new state
+        keeps the layout's shardings (weights, optimizer state split or copied).
 
     Returns:
       The pure step function (jit it with ``donate_argnums=0``).
@@ -163,6 +169,11 @@ def make_flax_step(
         keep_other = (keep_values_if_finite if on_nonfinite == "skip" or optimizer_skips_nonfinite
                       else keep_if_finite)
         new_other = keep_other(ok, new_other, other)
+        if layout is not None:
+            wsc = jax.lax.with_sharding_constraint
+            new_params = wsc(new_params, layout.shardings(layout.params))
+            new_opt_state = wsc(new_opt_state, layout.shardings(layout.optimizer))
+            new_other = wsc(new_other, jax.tree.map(lambda _: layout.replicated, new_other))
         accum_steps = micro_steps(batches)
         metrics = StepMetrics(
             loss=loss,
@@ -184,6 +195,7 @@ def flax_program(
     tx: optax.GradientTransformation,
     trainable: Any = nnx.Param,
     mesh: Any = None,
+    strategy: str = "replicated",
     batch_stats: str = "effective",
     on_nonfinite: str = "stop",
 ) -> TrainProgram:
@@ -192,6 +204,8 @@ def flax_program(
     ``model`` may be concrete or abstract (``nnx.eval_shape(lambda: Model(...))``).
     ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (see
     ``autoaccum.training._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
+    ``strategy``: what the devices of ``mesh`` split instead of copying (``"replicated"``,
+    ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
     :mod:`autoaccum.training._batch_stats`); ``on_nonfinite``: as :func:`make_flax_step`.
 
@@ -208,6 +222,7 @@ def flax_program(
     """
     validate_batch_stats(batch_stats)
     graphdef, params, frozen, other = split_model(model, trainable)
+    fixed = own_specs(params)  # weights the user's model splits over devices itself
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     opt_state = jax.eval_shape(tx.init, params)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
@@ -216,6 +231,12 @@ def flax_program(
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                               accumulate=accumulate_for(mesh), norms=norms,
                               on_nonfinite=on_nonfinite)
+
+    def sharded_step(layout: StateLayout) -> tuple[Callable[..., Any], Any]:
+        step = make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                              accumulate=accumulate_for(layout.mesh, layout), norms=norms,
+                              on_nonfinite=on_nonfinite, layout=layout)
+        return step, layout.state_shardings(other)
 
     program = TrainProgram(
         step=step_for(None),
@@ -226,9 +247,26 @@ def flax_program(
         frozen_args=(frozen,),
         description=f"flax nnx {type(model).__name__}",
         data_parallel_step=step_for,
+        sharded_step=sharded_step,
+        own_specs=fixed if any(f is not None for f in fixed) else None,
     )
-    return program.on_mesh(mesh)
+    return program.on_mesh(mesh, strategy)
 
 
-def accumulate_for(mesh: Any) -> Callable[..., Any]:
-    return accumulate_gradients if mesh is None else data_parallel_accumulate(mesh)
+def accumulate_for(mesh: Any, layout: StateLayout | None = None) -> Callable[..., Any]:
+    """The accumulation of a step on ``mesh`` (``None``: one device) with ``layout``."""
+    if mesh is None:
+        return accumulate_gradients
+    return data_parallel_accumulate(mesh, layout=layout)
+
+
+def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any) -> StateLayout | None:
+    """The state layout of ``plan.strategy`` on ``mesh`` (``None``: replicated or one
+    device), for weights ``params`` and optimizer state ``opt_state``."""
+    strategy = getattr(plan, "strategy", "replicated")
+    fixed = own_specs(params)
+    own = any(f is not None for f in fixed)
+    if mesh is None or mesh.size == 1 or (strategy == "replicated" and not own):
+        return None
+    return state_layout(strategy, mesh, params=params, optimizer=opt_state,
+                        fixed=fixed if own else None)

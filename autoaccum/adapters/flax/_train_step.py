@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ...devices._mesh import replicate
+from ...devices._mesh import place, replicate
 from ...planning._adapter import Prepared
 from ...planning._plan import Plan
 from ...training._elastic import ElasticEvent, shrink
@@ -28,7 +28,7 @@ from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
 from ._batch_stats import EffectiveBatchNorm
 from ._fit_step import StepBatch, StepRunner, leftover_step
-from ._program import split_model
+from ._program import sharded_layout, split_model
 from ._remat import rematerialized
 
 __all__ = ["StepOutput", "TrainStep"]
@@ -90,8 +90,9 @@ class TrainStep:
         opt_state = (self._tx.init(params) if self._link is None
                      else self._link.initial(self._tx, params))
         state = (params, other, opt_state)
+        self._layout = sharded_layout(plan, mesh, params, opt_state)
         if mesh is not None:
-            state, frozen = replicate(state, mesh), replicate(frozen, mesh)
+            state, frozen = self._placed(state), replicate(frozen, mesh)
         self._result = FitResult(plan=plan, micro_batch=plan.micro_batch,
                                  accum_steps=plan.accum_steps)
         self._live = LiveState(state, HostSnapshot(backup), self._write)
@@ -99,7 +100,8 @@ class TrainStep:
                                   trainable=self._trainable, mesh=mesh, norms=norms,
                                   on_nonfinite=on_nonfinite, frozen=frozen, live=self._live,
                                   result=self._result, elastic=elastic,
-                                  stream=sys.stderr if log is None else log)
+                                  stream=sys.stderr if log is None else log,
+                                  layout=self._layout)
         self._write(state)
 
     # -- what a loop reads -------------------------------------------------------------------
@@ -133,9 +135,10 @@ class TrainStep:
                 f"structure {jax.tree.structure(value)}, expected {expected}")
         self._sync_from_model()  # weights written into the model stay
         params, other, _ = self._live.state
+        state = (params, other, value)
         if self._mesh is not None:
-            value = replicate(value, self._mesh)
-        self._reset((params, other, value))
+            state = self._placed(state)
+        self._reset(state)
         self._write_optimizer(0)
 
     # -- the step ------------------------------------------------------------------------------
@@ -222,8 +225,14 @@ class TrainStep:
         held = jax.tree.leaves((live_params, live_other, self._runner.frozen))
         if len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True)):
             return
+        state = (params, other, opt_state)
         if self._mesh is not None:
-            params, other, frozen = (replicate(params, self._mesh), replicate(other, self._mesh),
-                                     replicate(frozen, self._mesh))
+            state, frozen = self._placed(state), replicate(frozen, self._mesh)
         self._runner.frozen = frozen
-        self._reset((params, other, opt_state))
+        self._reset(state)
+
+    def _placed(self, state: Any) -> Any:
+        """``state`` on the mesh: replicated, or split as the plan's strategy says."""
+        if self._layout is None:
+            return replicate(state, self._mesh)
+        return place(state, self._layout.state_shardings(state[1]))

@@ -1,0 +1,223 @@
+"""Sharding strategies for a data-parallel mesh: what each device holds of the train state.
+
+Every strategy is data parallelism over the mesh's one axis (each device scans its own
+micro-batches, see ``autoaccum.training._data_parallel``); they differ in what is split over
+the same devices instead of being copied on each:
+
+==============  ==========  ==================  =================  ============================
+strategy        weights     gradient            optimizer state    communication per opt. step
+                            accumulator
+==============  ==========  ==================  =================  ============================
+``replicated``  copied      copied              copied             one all-reduce of gradients
+``zero1``       copied      copied              split (ZeRO-1)     + all-gather of new weights
+``zero2``       copied      split (ZeRO-2)      split              a reduce-scatter per
+                                                                   micro-batch + all-gather
+``fsdp``        split       split               split (ZeRO-3)     + an all-gather of the
+                                                                   weights per micro-batch
+==============  ==========  ==================  =================  ============================
+
+:data:`STRATEGIES` is in that order: least communication first. A leaf is split along its
+largest axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,
+scalars, step counters) and leaves with no divisible axis stay copied on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._option_checks import received
+
+PyTree = Any
+
+STRATEGIES = ("replicated", "zero1", "zero2", "fsdp")
+"""Sharding strategies, least communication (and most memory per device) first."""
+
+MIN_SHARDED_ELEMENTS = 1024
+"""Leaves with fewer elements stay copied on every device (splitting them saves nothing
+worth a collective)."""
+
+__all__ = ["MIN_SHARDED_ELEMENTS", "STRATEGIES", "StateLayout", "leaf_spec", "state_layout",
+           "tree_specs", "validate_strategy"]
+
+
+def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
+    """Returns ``strategy`` if it names a strategy (or ``"auto"``), else a ``ValueError``.
+
+    Example:
+      >>> validate_strategy("zero1")
+      'zero1'
+      >>> try:
+      ...     validate_strategy("zero3")
+      ... except ValueError as error:
+      ...     print(str(error).split(". ")[-1])
+      Received: strategy='zero3'
+    """
+    names = (("auto",) if allow_auto else ()) + STRATEGIES
+    if not isinstance(strategy, str) or strategy not in names:
+        raise ValueError(
+            "strategy must be " + ("'auto' (the least communication that fits), " if allow_auto
+                                   else "")
+            + "'replicated' (every device holds everything), 'zero1' (optimizer state split "
+            "over the devices), 'zero2' (optimizer state and gradient accumulator split) or "
+            "'fsdp' (weights too; ZeRO-3). Use 'fsdp' for ZeRO-3. "
+            f"Received: {received('strategy', strategy)}"
+        )
+    return strategy
+
+
+def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
+              min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
+    """The ``PartitionSpec`` splitting the largest axis of ``shape`` that ``devices`` divides
+    over the mesh axis ``axis`` (ties: the first such axis); ``P()`` (copied on every device)
+    for small leaves, scalars, or when no axis divides.
+
+    Example:
+      >>> leaf_spec((512, 768), 4, "data")
+      P(None, 'data')
+      >>> leaf_spec((6, 1000), 4, "data")
+      P(None, 'data')
+      >>> leaf_spec((3, 5001), 4, "data"), leaf_spec((64,), 4, "data")
+      (P(), P())
+    """
+    if devices <= 1 or math.prod(shape) < max(min_elements, devices):
+        return P()
+    best = None
+    for i, n in enumerate(shape):
+        if n % devices == 0 and (best is None or n > shape[best]):
+            best = i
+    if best is None:
+        return P()
+    return P(*([None] * best), axis)
+
+
+def tree_specs(tree: PyTree, devices: int, axis: str, *,
+               min_elements: int = MIN_SHARDED_ELEMENTS) -> PyTree:
+    """:func:`leaf_spec` of every array leaf (real or abstract) of ``tree``; ``P()`` for
+    leaves without a shape (typed PRNG keys count by their shape)."""
+    def one(leaf: Any) -> P:
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            return P()
+        return leaf_spec(tuple(shape), devices, axis, min_elements=min_elements)
+
+    return jax.tree.map(one, tree)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where a strategy puts the train state on ``mesh``: ``PartitionSpec`` trees for the
+    trained weights at rest (``params``), the float32 gradient accumulator (``grads``, the
+    structure of ``params``) and the optimizer state (``optimizer``). Everything else (frozen
+    weights, batch statistics, RNG state) is copied on every device."""
+
+    strategy: str
+    mesh: Mesh
+    params: PyTree
+    grads: PyTree
+    optimizer: PyTree
+
+    @property
+    def axis(self) -> str:
+        """The mesh's data axis."""
+        return self.mesh.axis_names[0]
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def shardings(self, specs: PyTree) -> PyTree:
+        """``NamedSharding`` on this mesh for every spec of ``specs``."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda s: isinstance(s, P))
+
+    def state_shardings(self, other: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+        """Shardings of the state ``(params, other, optimizer state)`` (``other`` copied)."""
+        return (self.shardings(self.params),
+                jax.tree.map(lambda _: self.replicated, other),
+                self.shardings(self.optimizer))
+
+    def split_bytes(self, tree: PyTree, specs: PyTree) -> int:
+        """Bytes of ``tree`` on one device when laid out by ``specs``."""
+        n = self.mesh.size
+        total = 0
+        for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(
+                specs, is_leaf=lambda s: isinstance(s, P)), strict=True):
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                continue
+            size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
+            total += size // n if any(a is not None for a in spec) else size
+        return total
+
+
+def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
+                 fixed: tuple[P | None, ...] | None = None,
+                 min_elements: int = MIN_SHARDED_ELEMENTS) -> StateLayout:
+    """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
+    ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
+
+    ``fixed``: for each leaf of ``params`` (``jax.tree.leaves`` order), the spec the user's
+    model already splits it by, or ``None``. A fixed leaf keeps its spec under every strategy
+    (weights, gradient accumulator, and the optimizer state's copies of it: sub-trees of the
+    optimizer state with the structure of ``params``, as optax's moments have); the others
+    follow ``strategy``.
+
+    Example:
+      >>> import numpy as np
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> mesh = data_parallel_mesh(jax.devices()[:1])
+      >>> layout = state_layout("fsdp", mesh, params={"w": np.zeros((64, 64))},
+      ...                       optimizer={"mu": np.zeros((64, 64))})
+      >>> layout.params["w"]  # one device: nothing to split
+      P()
+    """
+    validate_strategy(strategy, allow_auto=False)
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            "A sharding strategy runs on a one-axis (data) mesh. Received: a mesh with axes "
+            f"{mesh.axis_names}")
+    axis, n = mesh.axis_names[0], int(mesh.size)
+    split_params = tree_specs(params, n, axis, min_elements=min_elements)
+    copied_params = jax.tree.map(lambda _: P(), split_params, is_leaf=lambda s: isinstance(s, P))
+    split_opt = tree_specs(optimizer, n, axis, min_elements=min_elements)
+    copied_opt = jax.tree.map(lambda _: P(), split_opt, is_leaf=lambda s: isinstance(s, P))
+    rank = STRATEGIES.index(strategy)
+    param_specs = split_params if rank >= 3 else copied_params
+    grad_specs = split_params if rank >= 2 else copied_params
+    opt_specs = split_opt if rank >= 1 else copied_opt
+    if fixed is not None and any(f is not None for f in fixed):
+        treedef = jax.tree.structure(params)
+
+        def pin(specs: PyTree) -> PyTree:
+            leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+            return jax.tree.unflatten(treedef, [f if f is not None else s
+                                                for f, s in zip(fixed, leaves, strict=True)])
+
+        param_specs, grad_specs = pin(param_specs), pin(grad_specs)
+
+        def mirrors(x: Any) -> bool:  # an optimizer sub-tree shaped like the weights
+            return treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
+
+        opt_specs = jax.tree.map(
+            lambda sub, spec: pin(spec) if mirrors(sub) else spec,
+            optimizer, opt_specs, is_leaf=mirrors)
+    return StateLayout(
+        strategy=strategy,
+        mesh=mesh,
+        params=param_specs,
+        grads=grad_specs,
+        optimizer=opt_specs,
+    )
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element, extended dtypes (PRNG keys) included."""
+    import numpy as np
+
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else np.dtype(dtype).itemsize

@@ -1,0 +1,339 @@
+"""Child process for tests/training/test_strategies.py: sharding strategies on several
+host-platform CPU devices.
+
+Usage: ``python -m tests._shard_child MODE...`` under
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set by the parent). Prints one JSON line
+``RESULT {...}`` that the parent asserts on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
+from autoaccum.devices._mesh import data_parallel_mesh, place, replicate, shard_batches
+from autoaccum.planning import STRATEGIES
+from autoaccum.planning._measure import measure_program
+from autoaccum.training._epoch_batches import split_micro_batches
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+
+def _max_relative_error(a, b) -> float:
+    """Largest relative error over the floating leaves (RNG keys and counters skipped)."""
+    def one(x, y):
+        if not jnp.issubdtype(jnp.asarray(y).dtype, jnp.floating):
+            return 0.0
+        return float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - y))
+                     / (jnp.max(jnp.abs(jnp.asarray(y, jnp.float32))) + 1e-30))
+
+    return max(jax.tree.leaves(jax.tree.map(one, a, b)))
+
+
+def _specs(tree) -> list[str]:
+    return sorted({str(x.sharding.spec) for x in jax.tree.leaves(tree)})
+
+
+def _lm() -> TinyLM:
+    # Every weight matrix has >= 1024 elements and a dimension 4 and 8 divide: all are split.
+    return TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(1))
+
+
+def _sharded_step(model, data, tx, loss_fn, mesh, strategy, batches):
+    """One step of ``strategy`` on ``mesh``; returns (new state, metrics, HLO text)."""
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), data)
+    program = flax_program(model, spec, loss_fn=loss_fn, tx=tx, mesh=mesh, strategy=strategy)
+    _, params, frozen, other = split_model(model, nnx.Param)
+    state = (params, other, tx.init(params))
+    state = (replicate(state, mesh) if program.state_shardings is None
+             else place(state, program.state_shardings))
+    placed = shard_batches(batches, mesh)
+    step = jax.jit(program.step, donate_argnums=0)
+    compiled = step.lower(state, placed, replicate(frozen, mesh)).compile()
+    new_state, metrics = compiled(state, placed, replicate(frozen, mesh))
+    return new_state, metrics, compiled.as_text()
+
+
+def exact(strategies=STRATEGIES, splits=(("even", 4, 2), ("uneven", 7, 3)),
+          needs: bool = True) -> dict:
+    """Every strategy's step (N devices x micro 2 x accum 2, and an uneven 7 = 3 + 3 + 1 per
+    device) against the single-device full-batch step; shardings of the new state; the
+    per-device need of each strategy."""
+    devices = len(jax.devices())
+    mesh = data_parallel_mesh()
+    tx = optax.adam(1e-2)
+    out: dict = {"devices": devices}
+    for name, per_device, micro in splits:
+        data = ragged_tokens(devices * per_device, 10, seed=3)
+        model = _lm()
+        graphdef, params, frozen, other = split_model(model, nnx.Param)
+        full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
+        ref_state, ref_metrics = full((params, other, tx.init(params)),
+                                      jax.tree.map(lambda a: a[None], data), frozen)
+        batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
+        for strategy in strategies:
+            state, metrics, hlo = _sharded_step(_lm(), data, tx, token_loss, mesh, strategy,
+                                                batches)
+            out[f"{name}/{strategy}"] = {
+                "params_error": _max_relative_error(state[0], ref_state[0]),
+                "opt_error": _max_relative_error(state[2], ref_state[2]),
+                "loss_error": abs(float(metrics.loss) - float(ref_metrics.loss))
+                / abs(float(ref_metrics.loss)),
+                "count": [float(metrics.count), float(ref_metrics.count)],
+                "param_specs": _specs(state[0]), "opt_specs": _specs(state[2]),
+                "reduce_scatters": hlo.count("reduce-scatter"),
+                "all_gathers": hlo.count("all-gather"),
+            }
+    spec = {"tokens": jax.ShapeDtypeStruct((10,), jnp.int32),
+            "mask": jax.ShapeDtypeStruct((10,), jnp.int32)}
+    for strategy in strategies if needs else ():
+        program = flax_program(_lm(), spec, loss_fn=token_loss, tx=tx, mesh=mesh,
+                               strategy=strategy)
+        est = measure_program(program, 2, 4)
+        out[f"need/{strategy}"] = est.need_bytes
+    return out
+
+
+def batchnorm() -> dict:
+    """A BatchNorm model: each strategy over 4 devices equals one device running the same
+    micro-batches (weights, optimizer state, and the effective batch statistics)."""
+    from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
+
+    devices = len(jax.devices())
+    mesh = data_parallel_mesh()
+    data = regression(devices * 6, features=32, seed=2)
+    tx = optax.adam(1e-2)
+    make = lambda: NormMLP(features=32, hidden=64, dropout=0.0, rngs=nnx.Rngs(3))  # noqa: E731
+    micro = 2
+    batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
+    # One device, the same micro-batches ([accum, devices * micro] -> [accum * devices, micro]).
+    single = jax.tree.map(lambda a: a.reshape(-1, micro, *a.shape[2:]), batches)
+    model = make()
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), data)
+    one = flax_program(model, spec, loss_fn=mse_loss, tx=tx)
+    _, params, frozen, other = split_model(model, nnx.Param)
+    ref_state, _ = jax.jit(one.step)((params, other, tx.init(params)), single, frozen)
+    out = {}
+    for strategy in STRATEGIES:
+        state, _, _ = _sharded_step(make(), data, tx, mse_loss, mesh, strategy, batches)
+        out[strategy] = {"params_error": _max_relative_error(state[0], ref_state[0]),
+                         "stats_error": _max_relative_error(state[1], ref_state[1]),
+                         "stats_changed": _max_relative_error(state[1], other) > 1e-3}
+    return out
+
+
+def planned() -> dict:
+    """A budget the replicated step exceeds on every device: the planner picks the cheapest
+    strategy that fits, fit trains with it exactly as one device does, and the trained
+    weights keep the strategy's sharding."""
+    import autoaccum
+
+    # SGD with momentum: linear in the gradients, so two runs that sum in another order agree
+    # to float32 rounding after several steps (Adam's g / sqrt(v) turns rounding noise of
+    # near-zero gradients into whole learning-rate steps). Its state is a weight-sized tree.
+    def tx_factory(rate):
+        return optax.sgd(rate, momentum=0.9)
+
+    data = ragged_tokens(64, 10, seed=7)
+    mesh = data_parallel_mesh()
+    spec = {"tokens": jax.ShapeDtypeStruct((10,), jnp.int32),
+            "mask": jax.ShapeDtypeStruct((10,), jnp.int32)}
+    per_device = 32 // mesh.size
+    needs = {}
+    for strategy in STRATEGIES:  # micro-batch 1, what the planner asks of each strategy
+        program = flax_program(_lm(), spec, loss_fn=token_loss, tx=tx_factory(0.1),
+                               mesh=mesh, strategy=strategy)
+        needs[strategy] = measure_program(program, 1, per_device).need_bytes
+    best = min(needs.values())
+    # Over what replicated, zero1 and zero2 need, above the least: the answer is the most
+    # sharded strategy when it needs the least.
+    budget = int((best + min(v for k, v in needs.items() if needs[k] > best)) / 2)
+    expected = next(s for s in STRATEGIES if needs[s] <= budget)
+    options = dict(effective_batch=32, optimizer=tx_factory, learning_rate=0.1,
+                   loss_fn=token_loss, log=None, cache=False)
+    model = _lm()
+    result = autoaccum.fit(model, data, budget=budget, epochs=1, shuffle=False, verbose=0,
+                           **options)
+    plan = result.plan
+    ref = _lm()
+    ref_result = autoaccum.fit(ref, data, budget="1GiB", data_parallel=1, epochs=1,
+                               shuffle=False, verbose=0, **options)
+    return {
+        "needs": needs, "budget": budget, "expected": expected,
+        "strategy": plan.strategy, "fit_strategy": result.plan.strategy,
+        "micro_batch": plan.micro_batch, "need": plan.need_bytes,
+        "json": {k: plan.to_dict()[k] for k in ("strategy", "devices", "mesh_shape")},
+        "probe_strategies": sorted({p.strategy for p in plan.probes}),
+        "report_has_strategy": f"{plan.strategy}:" in plan.report(),
+        "params_error": _max_relative_error(nnx.state(model, nnx.Param),
+                                            nnx.state(ref, nnx.Param)),
+        "steps": [result.steps, ref_result.steps],
+        "param_specs": _specs(nnx.state(model, nnx.Param)),
+    }
+
+
+def train_step_and_elastic() -> dict:
+    """``autoaccum.train_step`` with ``strategy="fsdp"`` equals one device; an out-of-memory
+    in a sharded fit is redone at a smaller micro-batch from the restored sharded state."""
+    import autoaccum
+    from autoaccum.adapters.flax._fit import flax_fit
+
+    data = ragged_tokens(64, 10, seed=4)
+    def sgd(rate):  # linear in the gradients (see planned())
+        return optax.sgd(rate, momentum=0.9)
+
+    options = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1,
+                   loss_fn=token_loss, log=None, cache=False, budget="1GiB")
+    model, ref = _lm(), _lm()
+    step = autoaccum.train_step(model, data, strategy="fsdp", data_parallel=4, **options)
+    ref_step = autoaccum.train_step(ref, data, data_parallel=1, **options)
+    for start in (0, 32):
+        batch = {k: v[start:start + 32] for k, v in data.items()}
+        out, ref_out = step(batch), ref_step(batch)
+    train_step = {
+        "strategy": step.plan.strategy, "steps": [out.step, ref_out.step],
+        "loss_error": abs(out.loss - ref_out.loss) / abs(ref_out.loss),
+        "params_error": _max_relative_error(nnx.state(model, nnx.Param),
+                                            nnx.state(ref, nnx.Param)),
+        "param_specs": _specs(nnx.state(model, nnx.Param)),
+        "opt_specs": _specs(step.opt_state),
+    }
+
+    def check(tokens):
+        if tokens.shape[0] > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1234 bytes (fake)")
+        return np.float32(0)
+
+    def failing_loss(model, batch):
+        total, count = token_loss(model, batch)
+        zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32), batch["tokens"])
+        return total + zero, count
+
+    plan = autoaccum.plan(_lm(), data, strategy="zero2", method="compile", remat="none",
+                          **{k: v for k, v in options.items() if k != "log"}, log=None)
+    plan = dataclasses.replace(plan, micro_batch=8, accum_steps=1)
+    mesh = data_parallel_mesh()
+    model, ref = _lm(), _lm()
+    ref_result = flax_fit(ref, data, plan=plan, loss_fn=token_loss, tx=sgd(0.1),
+                          verbose=0, mesh=mesh, shuffle=False)
+    result = flax_fit(model, data, plan=plan, loss_fn=failing_loss, tx=sgd(0.1),
+                      verbose=0, stream=io.StringIO(), mesh=mesh, shuffle=False)
+    elastic = {
+        "strategy": plan.strategy, "end": [result.micro_batch, result.accum_steps],
+        "events": len(result.events), "steps": [result.steps, ref_result.steps],
+        "params_error": _max_relative_error(nnx.state(model, nnx.Param),
+                                            nnx.state(ref, nnx.Param)),
+    }
+    return {"train_step": train_step, "elastic": elastic}
+
+
+def exact_uneven_sharded() -> dict:
+    """The sharded strategies on an uneven split (for 8 devices: one compile each)."""
+    return exact(strategies=("zero2", "fsdp"), splits=(("uneven", 7, 3),), needs=False)
+
+
+class _AnnotatedLM(nnx.Module):
+    """TinyLM's layers with FSDP annotations (``nnx.with_partitioning``), as the JAX AI stack
+    tutorials write them; built under ``jax.set_mesh`` the weights arrive split."""
+
+    def __init__(self, rngs: nnx.Rngs, *, annotate: bool = True):
+        normal, lecun = nnx.initializers.normal(), nnx.initializers.lecun_normal()
+
+        def part(init, spec):
+            return nnx.with_partitioning(init, spec) if annotate else init
+
+        self.embed = nnx.Embed(64, 32, embedding_init=part(normal, ("fsdp", None)), rngs=rngs)
+        self.up = nnx.Linear(32, 64, kernel_init=part(lecun, (None, "fsdp")), rngs=rngs)
+        self.down = nnx.Linear(64, 64, kernel_init=part(lecun, ("fsdp", None)), rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.down(jax.nn.gelu(self.up(self.embed(tokens))))
+
+
+def own_sharding() -> dict:
+    """A model whose weights arrive split over a one-axis ('fsdp',) mesh keeps that sharding
+    through plan and fit, and trains as the same model on one device; a ('batch', 'model')
+    mesh and a one-device plan are refused with a clear error."""
+    import autoaccum
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
+    with jax.set_mesh(mesh):
+        model = _AnnotatedLM(nnx.Rngs(0))
+    before = {k: _spec_text(v) for k, v in _weights(model).items()}
+    ref = _AnnotatedLM(nnx.Rngs(0), annotate=False)
+    data = ragged_tokens(64, 10, seed=1)
+
+    def sgd(rate):
+        return optax.sgd(rate, momentum=0.9)
+
+    opts = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1, loss_fn=token_loss,
+                log=None, cache=False, budget="1GiB")
+    plan = autoaccum.plan(model, data, **opts)
+    result = autoaccum.fit(model, data, shuffle=False, verbose=0, plan=plan,
+                           **{k: v for k, v in opts.items() if k not in ("budget", "cache")})
+    ref_result = autoaccum.fit(ref, data, data_parallel=1, shuffle=False, verbose=0, **opts)
+    after = {k: _spec_text(v) for k, v in _weights(model).items()}
+    axes = sorted({str(v.sharding.mesh.axis_names) for v in _weights(model).values()})
+    errors = {}
+    try:
+        autoaccum.plan(model, data, data_parallel=1, **opts)
+    except ValueError as error:
+        errors["one_device"] = str(error)
+    with jax.set_mesh(jax.make_mesh((2, len(jax.devices()) // 2), ("batch", "model"))):
+        tp = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), (None, "model")), rngs=nnx.Rngs(0))
+
+    def mse(m, b):
+        return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
+
+    try:
+        autoaccum.plan(tp, {"x": np.ones((16, 32), np.float32)}, effective_batch=8,
+                       optimizer=optax.sgd, learning_rate=0.1, loss_fn=mse, log=None,
+                       budget="1GiB")
+    except ValueError as error:
+        errors["two_axes"] = str(error)
+    return {
+        "before": before, "after": after, "axes": axes,
+        "plan_devices": plan.data_parallel, "notes": [n for n in plan.notes if "own" in n],
+        "steps": [result.steps, ref_result.steps],
+        # (leaves: the annotated model's variables carry sharding metadata the plain one lacks)
+        "params_error": _max_relative_error(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                                            jax.tree.leaves(nnx.state(ref, nnx.Param))),
+        "errors": errors,
+    }
+
+
+def _spec_text(array) -> str:
+    """The array's PartitionSpec without trailing ``None`` (``P('fsdp', None)`` is
+    ``P('fsdp',)``), as text."""
+    spec = list(array.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(jax.sharding.PartitionSpec(*spec))
+
+
+def _weights(model) -> dict:
+    return {".".join(map(str, path)): v.get_value()
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+MODES = {"exact": exact, "own_sharding": own_sharding,
+         "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
+         "planned": planned,
+         "train_step_and_elastic": train_step_and_elastic}
+
+
+if __name__ == "__main__":
+    results = {name: MODES[name]() for name in sys.argv[1:]}
+    print("RESULT " + json.dumps(results), flush=True)

@@ -1,0 +1,191 @@
+"""Sharding strategies (replicated, zero1, zero2, fsdp): the layout rule, option checks, and
+(in child processes with 4 and 8 host-platform CPU devices: the device count is fixed when
+JAX starts) exact steps, planning under a per-device budget, fit, train_step and elastic
+recovery with sharded state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from autoaccum.planning import STRATEGIES, state_layout
+from autoaccum.planning._strategies import leaf_spec, tree_specs, validate_strategy
+from tests._paths import REPO
+
+
+def _child(devices: int, *modes: str) -> dict:
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-m", "tests._shard_child", *modes], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# -- the layout rule (in process) -----------------------------------------------------------
+
+def test_strategies_are_ordered_by_communication():
+    assert STRATEGIES == ("replicated", "zero1", "zero2", "fsdp")
+
+
+def test_a_leaf_is_split_along_its_largest_divisible_axis():
+    assert leaf_spec((512, 768), 4, "data") == P(None, "data")
+    assert leaf_spec((768, 512), 4, "data") == P("data")
+    assert leaf_spec((6, 1000), 4, "data") == P(None, "data")  # 6 is not divisible by 4
+
+
+def test_small_scalar_and_indivisible_leaves_are_copied():
+    assert leaf_spec((64,), 4, "data") == P()  # a bias: fewer than 1024 elements
+    assert leaf_spec((), 4, "data") == P()  # a step counter
+    assert leaf_spec((3, 5001), 4, "data") == P()  # no axis divisible by 4
+    assert leaf_spec((4096,), 1, "data") == P()  # one device: nothing to split
+
+
+def test_tree_specs_read_shapes_of_abstract_leaves():
+    tree = {"w": jax.ShapeDtypeStruct((256, 64), np.float32), "b": np.zeros(64)}
+    assert tree_specs(tree, 8, "d") == {"w": P("d"), "b": P()}
+
+
+def test_each_strategy_splits_more_of_the_state():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    params = {"w": jax.ShapeDtypeStruct((256, 64), np.float32)}
+    opt = {"mu": params["w"], "count": jax.ShapeDtypeStruct((), np.int32)}
+    for strategy in STRATEGIES:  # one device: every layout copies everything
+        layout = state_layout(strategy, mesh, params=params, optimizer=opt)
+        assert layout.params == {"w": P()} and layout.optimizer["mu"] == P()
+
+
+def test_unknown_strategy_names_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"'fsdp'.*Received: strategy='zero3'"):
+        validate_strategy("zero3")
+    with pytest.raises(ValueError, match=r"Received: strategy=3$"):
+        validate_strategy(3)
+    with pytest.raises(ValueError, match="Received: strategy='auto'"):
+        validate_strategy("auto", allow_auto=False)
+
+
+def test_plan_refuses_an_unknown_strategy_before_compiling():
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import autoaccum
+
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+
+    data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
+    with pytest.raises(ValueError, match="Received: strategy='zero-1'"):
+        autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
+                       optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
+                       budget="1GiB", log=None, strategy="zero-1")
+
+
+def test_a_single_device_plan_is_replicated_in_its_json():
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import autoaccum
+
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+
+    data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
+    plan = autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
+                          optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
+                          budget="1GiB", log=None, strategy="fsdp", data_parallel=1)
+    out = plan.to_dict()
+    assert (plan.strategy, plan.mesh_shape) == ("replicated", (1,))
+    assert (out["strategy"], out["devices"], out["mesh_shape"]) == ("replicated", 1, [1])
+    assert {p["strategy"] for p in out["probes"]} == {"replicated"}
+
+
+# -- several devices (child processes) ------------------------------------------------------
+
+@pytest.mark.slow
+def test_every_strategy_step_on_four_devices_equals_one_device_full_batch():
+    out = _child(4, "exact")["exact"]
+    for split in ("even", "uneven"):
+        for strategy in STRATEGIES:
+            r = out[f"{split}/{strategy}"]
+            assert r["params_error"] <= 1e-5 and r["opt_error"] <= 1e-5, (split, strategy, r)
+            assert r["loss_error"] <= 1e-5 and r["count"][0] == r["count"][1]
+            split_params = any("data" in s for s in r["param_specs"])
+            split_opt = any("data" in s for s in r["opt_specs"])
+            assert split_params == (strategy == "fsdp"), (strategy, r["param_specs"])
+            assert split_opt == (strategy != "replicated"), (strategy, r["opt_specs"])
+            # zero2/fsdp reduce-scatter each micro-batch's gradients into a split accumulator.
+            assert (r["reduce_scatters"] > 0) == (strategy in ("zero2", "fsdp"))
+    needs = [out[f"need/{s}"] for s in STRATEGIES]
+    assert needs[0] > needs[1] > needs[2] >= needs[3], needs  # per device
+
+
+@pytest.mark.slow
+def test_sharded_strategies_on_eight_devices_equal_one_device():
+    out = _child(8, "exact_uneven_sharded")["exact_uneven_sharded"]
+    assert out["devices"] == 8
+    for strategy in ("zero2", "fsdp"):
+        r = out[f"uneven/{strategy}"]
+        assert r["params_error"] <= 1e-5 and r["opt_error"] <= 1e-5, (strategy, r)
+        assert r["count"][0] == r["count"][1]
+
+
+@pytest.mark.slow
+def test_batchnorm_model_under_every_strategy_equals_one_device_on_the_same_micro_batches():
+    out = _child(4, "batchnorm")["batchnorm"]
+    for strategy in STRATEGIES:
+        r = out[strategy]
+        assert r["params_error"] <= 1e-5 and r["stats_error"] <= 1e-5, (strategy, r)
+        assert r["stats_changed"]
+
+
+@pytest.mark.slow
+def test_a_budget_replicated_exceeds_is_planned_with_the_cheapest_fitting_strategy():
+    out = _child(4, "planned")["planned"]
+    assert out["needs"]["replicated"] > out["budget"]
+    assert out["strategy"] == out["expected"] != "replicated"
+    assert out["fit_strategy"] == out["strategy"] and out["need"] <= out["budget"]
+    assert out["json"] == {"strategy": out["strategy"], "devices": 4, "mesh_shape": [4]}
+    assert out["report_has_strategy"]
+    assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
+    # the trained weights keep the strategy's layout (fsdp: split over the devices)
+    if out["strategy"] == "fsdp":
+        assert any("data" in s for s in out["param_specs"])
+
+
+@pytest.mark.slow
+def test_train_step_and_elastic_recovery_with_sharded_state():
+    out = _child(4, "train_step_and_elastic")
+    step, elastic = out["train_step_and_elastic"]["train_step"], \
+        out["train_step_and_elastic"]["elastic"]
+    assert step["strategy"] == "fsdp" and step["steps"] == [2, 2]
+    assert step["params_error"] <= 1e-5 and step["loss_error"] <= 1e-5
+    assert any("data" in s for s in step["param_specs"] + step["opt_specs"])
+    assert elastic["strategy"] == "zero2" and elastic["end"] == [2, 4]
+    assert elastic["events"] == 2 and elastic["steps"] == [2, 2]
+    assert elastic["params_error"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_and_fit():
+    out = _child(4, "own_sharding")["own_sharding"]
+    assert out["before"]["up.kernel"] == "P(None, 'fsdp')"
+    assert out["before"]["embed.embedding"] == "P('fsdp',)"
+    assert out["after"] == out["before"], (out["before"], out["after"])
+    assert out["axes"] == ["('fsdp',)"] and out["plan_devices"] == 4
+    assert out["notes"] and "own sharding is kept for 3 weight(s)" in out["notes"][0]
+    assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
+    assert "plan is for one device" in out["errors"]["one_device"]
+    assert "data_parallel='auto'" in out["errors"]["one_device"]
+    assert "axes ('batch', 'model')" in out["errors"]["two_axes"]
+    assert "Received: kernel: P(None, 'model')" in out["errors"]["two_axes"]
