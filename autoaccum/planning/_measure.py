@@ -18,7 +18,7 @@ import jax
 
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
-from ._train_program import TrainProgram, tree_bytes
+from ._train_program import TrainProgram, local_shape, tree_bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,8 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     analysis is that of one device.
     """
     target = target or CompileTarget()
+    if program.placement is not None:
+        return _lower_placed(program, micro_batch, accum_steps, target, last=last)
     if program.mesh is not None:
         if target.deviceless:
             raise ValueError(
@@ -142,6 +144,31 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                                      last=last)
     with program.lowering_context():
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
+                  target: CompileTarget, *, last: int | None) -> Any:
+    """Lowers a program whose state keeps the user's layout (``program.placement``): the
+    placement's shardings are the step's input and output shardings, batches are split over
+    its data axis, and XLA partitions the rest."""
+    placement = program.placement
+    if target.deviceless:
+        raise ValueError(
+            f"This model's variables are laid out by {placement.source or 'the user'} over "
+            f"this machine's devices (mesh {dict(placement.mesh.shape)}); a dry run for a GPU "
+            "that is not here cannot keep that layout. Plan on the machine that has the "
+            "devices (device=None), or build the model without the distribution for a dry "
+            f"run. Received: target={target.name!r}")
+    dp = placement.data_parallel
+    state = placement.abstract(program.abstract_state, placement.state)
+    frozen = placement.abstract(program.frozen_args, placement.frozen)
+    batches = program.batch_spec(micro_batch * dp, accum_steps,
+                                 sharding=placement.batch_sharding(),
+                                 last=None if last is None else last * dp,
+                                 last_sharding=placement.last_sharding())
+    with program.lowering_context():
+        return jax.jit(program.step, donate_argnums=0,
+                       out_shardings=(placement.state, None)).lower(state, batches, *frozen)
 
 
 _COMPILES = [0]
@@ -365,4 +392,5 @@ def _hlo_cost(lowered: Any) -> dict:
 
 
 def _elements(tree: Any) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))
+    return sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(tree)
+               if hasattr(leaf, "shape"))

@@ -85,7 +85,7 @@ def plan_program(
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
-    mesh = program.mesh if isinstance(program, TrainProgram) else None
+    mesh = program.device_mesh if isinstance(program, TrainProgram) else None
     if resolved is None:
         weights = 0
         if isinstance(program, TrainProgram):
@@ -127,7 +127,7 @@ def plan_program(
         measure,
         measure_uneven=measure if uneven else None,
         effective_batch=effective_batch,
-        data_parallel=1 if mesh is None else int(mesh.size),
+        data_parallel=program.data_parallel if isinstance(program, TrainProgram) else 1,
         lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
@@ -244,10 +244,14 @@ def plan_model(
         if resolved is None:
             announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
             program = prepared.program
+            if program.placement is not None:  # the user's own layout (e.g. ModelParallel)
+                method, objective, dp_notes = placed_plan_options(
+                    program.placement, effective_batch, method, objective, dp_notes)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
             resolved = resolve_target(device, budget, resident_bytes=resident,
-                                      memory_fraction=memory_fraction, mesh=mesh)
+                                      memory_fraction=memory_fraction,
+                                      mesh=program.device_mesh)
             # Weights and optimizer state over the budget: no policy, no micro-batch can help.
             check_resident(resident_of(program), resolved.budget.bytes,
                            memory_fraction=memory_fraction,
@@ -294,6 +298,28 @@ def plan_model(
     return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
 
 
+def placed_plan_options(placement: Any, effective_batch: int, method: str,
+                        objective: str | None, notes: tuple[str, ...]
+                        ) -> tuple[str, str | None, tuple[str, ...]]:
+    """``(method, objective, notes)`` for a program that keeps the user's layout over several
+    devices: compile-only, by memory (real steps and timings run on one device)."""
+    validate_effective_batch(effective_batch, data_parallel=placement.data_parallel)
+    notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
+             f"{dict(placement.mesh.shape)}, batches split over "
+             f"{placement.data_axis!r}); memory per device")
+    if method == "backoff":
+        raise ValueError(
+            "method='backoff' runs real single-device steps; a model laid out over several "
+            "devices is planned compile-only. Use method='compile' (or 'auto'). Received: "
+            f"method='backoff' with {placement.source}")
+    if method == "auto":
+        method = "compile"
+        notes = (*notes, "layout: compile-only plan (no real verification step)")
+    if objective == "throughput":
+        objective = "memory"
+    return method, objective, notes
+
+
 METHODS = ("auto", "compile", "backoff")
 
 
@@ -311,7 +337,7 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
               data: Any, options: dict, *, effective_batch: int,
               remat_layers: Any) -> DepthVariants | None:
     """The prepared program's model at other depths, built by the user's factory."""
-    if depth_variant is None or prepared.program.mesh is not None:
+    if depth_variant is None or prepared.program.device_mesh is not None:
         return None
 
     def build(depth: int) -> TrainProgram:
