@@ -84,6 +84,8 @@ def plan(
     depth_variant: Any = None,
     uneven: bool = True,
     advise: bool = False,
+    devices: int | None = None,
+    hosts: int | None = None,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -154,6 +156,12 @@ def plan(
       advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
         ``DoesNotFitError`` then carries the compile-verified changes that fit
         (``error.alternatives``, and a table in its message).
+      devices: how many GPUs the plan is for. With ``device=`` naming a GPU that is not
+        here, a dry run compiled for that many of it (deviceless, data-parallel, the
+        micro-batch per device and one GPU's budget; the report names the profile's
+        interconnect); on this machine the same as ``data_parallel=devices``.
+      hosts: the machines those ``devices`` are spread over (the same number on each; JAX's
+        CUDA topology ``"1 x hosts x devices/hosts"``), default 1.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -190,7 +198,8 @@ def plan(
                                      remat_layers=remat_layers,
                                      objective=default_objective(objective, device),
                                      method=method, log=log, data_parallel=data_parallel,
-                                     cache=cache, depth_variant=depth_variant, uneven=uneven)
+                                     cache=cache, depth_variant=depth_variant, uneven=uneven,
+                                     devices=devices, hosts=1 if hosts is None else hosts)
     except DoesNotFitError as error:
         if not advise:
             raise

@@ -119,11 +119,12 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     if program.placement is not None:
         return _lower_placed(program, micro_batch, accum_steps, target, last=last)
     if program.mesh is not None:
-        if target.deviceless:
+        if target.deviceless and not _on_target(program.mesh, target):
             raise ValueError(
-                "A data-parallel plan compiles for the devices of this machine; a deviceless "
-                "target (a named GPU that is not here) is planned for one device. Pass "
-                f"data_parallel=1. Received: target={target.name!r}, "
+                "A data-parallel plan over this machine's devices cannot be compiled for a "
+                "named GPU that is not here; a dry run makes its own mesh over that many "
+                "deviceless GPUs. Pass data_parallel=1 and devices=N (autoaccum.plan(..., "
+                f"device=..., devices=N)). Received: target={target.name!r}, "
                 f"data_parallel={program.data_parallel}"
             )
         from jax.sharding import NamedSharding
@@ -144,6 +145,12 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                                      last=last)
     with program.lowering_context():
         return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+def _on_target(mesh: Any, target: CompileTarget) -> bool:
+    """Whether ``mesh`` is made of the deviceless target's own devices (a multi-GPU dry run)."""
+    own = getattr(target.sharding, "mesh", None)
+    return own is not None and set(mesh.devices.flat) <= set(own.devices.flat)
 
 
 def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,

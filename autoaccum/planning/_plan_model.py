@@ -15,7 +15,13 @@ from ._lr import LearningRateScaling, announce
 from ._measure import measure_program
 from ._micro_batches import split_sizes
 from ._objective import Candidate, choose_fastest, cost_model_seconds
-from ._option_checks import check_enough_examples, no_leftovers, received, validate_effective_batch
+from ._option_checks import (
+    check_enough_examples,
+    no_leftovers,
+    received,
+    validate_devices,
+    validate_effective_batch,
+)
 from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
 from ._remat import (
@@ -45,6 +51,8 @@ def plan_program(
     uneven: bool = False,
     verify_depth: bool = True,
     resident: Resident | Callable[[], Resident] | None = None,
+    devices: int | None = None,
+    hosts: int = 1,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -65,6 +73,9 @@ def plan_program(
     :class:`~._resident.Resident` memory (or a function computing it more cheaply than
     building the program); by default read from the program. When its weights and
     optimizer state exceed the budget, planning stops before any compile.
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU ``device``,
+    data-parallel (replicated weights) over their deviceless devices; the programs (and the
+    depth variants) are put on that mesh here.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -82,10 +93,18 @@ def plan_program(
       >>> p.micro_batch * p.accum_steps
       8
     """
+    devices, hosts = validate_devices(devices, hosts)
+    if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
+        resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
+                                  devices=devices, hosts=hosts)
+    if resolved is not None and resolved.mesh is not None:  # several GPUs, not here
+        program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh)
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
     mesh = program.device_mesh if isinstance(program, TrainProgram) else None
+    if resolved is not None and resolved.mesh is not None:
+        mesh = resolved.mesh
     if resolved is None:
         weights = 0
         if isinstance(program, TrainProgram):
@@ -103,12 +122,17 @@ def plan_program(
     if built and depth_variants is not None and depth_variants.full is program:
         depth_variants = dataclasses.replace(depth_variants, full=built[0])
     floor = resident.accumulating_bytes
-    if depth_variants is not None and depth_variants.worthwhile and mesh is None:
+    dry_mesh = resolved.mesh  # a multi-GPU dry run's mesh: depth variants are on it too
+    dp = int(dry_mesh.size) if dry_mesh is not None else None
+    if dry_mesh is not None and resolved.profile is not None:
+        notes += (f"interconnect: {resolved.profile.interconnect_line()}",)
+    if depth_variants is not None and depth_variants.worthwhile and (mesh is None
+                                                                      or dry_mesh is not None):
         by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
                                  lr_scaling=lr_scaling, budget=resolved.budget,
                                  target=resolved.compile_target, cache=need_cache, log=log,
                                  notes=notes, accumulating_floor=floor,
-                                 verify=verify_depth)
+                                 verify=verify_depth, data_parallel=dp or 1)
         return dataclasses.replace(by_depth, profile=_profile_key(resolved),
                                    deviceless=resolved.kind == "deviceless")
 
@@ -127,7 +151,8 @@ def plan_program(
         measure,
         measure_uneven=measure if uneven else None,
         effective_batch=effective_batch,
-        data_parallel=program.data_parallel if isinstance(program, TrainProgram) else 1,
+        data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
+                              else 1)),
         lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
@@ -136,6 +161,18 @@ def plan_program(
         accumulating_floor=floor,
     )
     return _finish(plan, resolved)
+
+
+def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any) -> tuple[Any, Any]:
+    """``program`` (or the function building it) and the depth variants, on ``mesh``."""
+    if isinstance(program, TrainProgram):
+        program = program.on_mesh(mesh)
+    elif callable(program):
+        build = program
+        program = lambda: build().on_mesh(mesh)  # noqa: E731
+    if variants is not None:
+        variants = variants.on_mesh(mesh)
+    return program, variants
 
 
 def _finish(plan: Plan, resolved: ResolvedTarget) -> Plan:
@@ -179,6 +216,8 @@ def plan_model(
     cache: Any = True,
     depth_variant: DepthVariant | None = None,
     uneven: bool = True,
+    devices: int | None = None,
+    hosts: int = 1,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -197,12 +236,25 @@ def plan_model(
 
     ``uneven``: allow a split whose last micro-batch is smaller (13 = 5 + 5 + 3), where the
     adapter's steps take one (``adapter.uneven_batches``); ``False``: divisors only.
+
+    ``devices`` (over ``hosts`` hosts): how many GPUs the plan is for. For a named GPU that
+    is not here, a dry run compiled for that many deviceless GPUs, data-parallel (the mesh
+    comes with the resolved target, :func:`~._targets.resolve_target`); on this machine,
+    ``data_parallel=devices``.
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
-    if data_parallel == "auto" and is_deviceless(device):
-        data_parallel = 1  # a dry run for a GPU that is not here plans one device
-    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    devices, hosts = validate_devices(devices, hosts, data_parallel=data_parallel)
+    early: ResolvedTarget | None = None
+    if is_deviceless(device):
+        data_parallel = 1  # a dry run for GPUs that are not here makes its own mesh
+        if devices is not None and devices > 1:
+            early = resolve_target(device, budget, memory_fraction=memory_fraction,
+                                   devices=devices, hosts=hosts)
+    elif devices is not None:
+        data_parallel = devices
+    mesh = early.mesh if early is not None else resolve_mesh(data_parallel,
+                                                             auto=adapter.auto_mesh)
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
         validate_effective_batch(effective_batch, data_parallel=mesh.size)
@@ -249,9 +301,9 @@ def plan_model(
                     program.placement, effective_batch, method, objective, dp_notes)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
-            resolved = resolve_target(device, budget, resident_bytes=resident,
-                                      memory_fraction=memory_fraction,
-                                      mesh=program.device_mesh)
+            resolved = early or resolve_target(device, budget, resident_bytes=resident,
+                                               memory_fraction=memory_fraction,
+                                               mesh=program.device_mesh)
             # Weights and optimizer state over the budget: no policy, no micro-batch can help.
             check_resident(resident_of(program), resolved.budget.bytes,
                            memory_fraction=memory_fraction,
