@@ -471,8 +471,8 @@ def plan_by_depth(
     data_parallel: int = 1,
 ) -> Plan:
     """Plans from depth-extrapolated needs (``data_parallel``: the programs run on a mesh of
-    that many devices, the micro-batch is per device); the chosen micro-batch is compiled at full depth
-    (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
+    that many devices, the micro-batch is per device); the chosen micro-batch is compiled at
+    full depth (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
     where XLA's rematerialization pass may act the linear prediction, an upper bound, is
     used; the advisor's quick rows).
 
