@@ -37,7 +37,7 @@ class Placement:
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
       >>> p = Placement(mesh, state=[NamedSharding(mesh, P())], frozen=(), data_axis="batch")
       >>> p.data_parallel, p.batch_sharding().spec
-      (1, PartitionSpec(None, 'batch'))
+      (1, P(None, 'batch'))
     """
 
     mesh: Mesh
@@ -87,7 +87,7 @@ def place(tree: PyTree, shardings: PyTree) -> PyTree:
     Example:
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
       >>> place({"w": np.ones(2)}, NamedSharding(mesh, P()))["w"].sharding.spec
-      PartitionSpec()
+      P()
     """
     if isinstance(shardings, NamedSharding):
         return jax.tree.map(lambda a: _put(a, shardings), tree)
