@@ -74,10 +74,12 @@ def _versus_keras(distribution, *, budget: str, batch_norm: bool = True) -> dict
         model = _build(distribution, batch_norm=batch_norm)
         before = _specs(model.variables)
         shardings = [v.value.sharding for v in model.variables]
-        ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        validation = (x[:20], y[:20])
+        ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                validation_data=validation)
         log = io.StringIO()
         history = autoaccum.fit(model, (x, y), effective_batch=16, epochs=2, shuffle=False,
-                                verbose=0, budget=budget, log=log)
+                                verbose=0, budget=budget, log=log, validation_data=validation)
         plan = history.autoaccum_plan
         return {
             "before": before, "after": _specs(model.variables),
@@ -133,6 +135,15 @@ def model_parallel() -> dict:
         out["uneven_error"] = _error(model, ref)
         out["uneven_loss"] = [history.history["loss"], ref.history.history["loss"]]
         out["uneven_equal"] = [str(v.value.sharding.spec) for v in model.variables]
+        # autoaccum.train_step (a loop the user writes) keeps the layout too.
+        ref = _build(distribution, batch_norm=False)
+        model = _build(distribution, batch_norm=False)
+        ref.train_on_batch(x[:16], y[:16])
+        step = autoaccum.train_step(model, (x[:16], y[:16]), effective_batch=16, log=None,
+                                    budget="120KiB")
+        step((x[:16], y[:16]))
+        out["train_step_error"] = _error(model, ref)
+        out["train_step_specs"] = [str(v.value.sharding.spec) for v in model.variables]
     finally:
         keras.distribution.set_distribution(None)
     return out

@@ -58,11 +58,21 @@ def test_model_parallel_accumulated_uneven_step_equals_keras_fit(four_devices):
     assert out["uneven_equal"][0] == "P(None, 'model')"
 
 
+def test_model_parallel_train_step_keeps_the_layout_and_equals_keras(four_devices):
+    out = four_devices["model_parallel"]
+    assert out["train_step_error"] <= 1e-5
+    assert out["train_step_specs"][0] == "P(None, 'model')"
+
+
 def test_data_parallel_distribution_keeps_replicated_variables_and_equals_keras_fit(
         four_devices):
     out = four_devices["data_parallel"]
     assert all(out["equivalent"])  # replicated before and after
     assert out["error"] <= 1e-5
+    assert "val_loss" in out["history"]  # validation runs on the replicated variables
+    for name, values in out["ref_history"].items():
+        for a, b in zip(out["history"][name], values, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b)
     micro, accum, dp, _last = out["plan"]
     assert dp == 4 and micro * accum * dp == 16
 
