@@ -252,6 +252,14 @@ def plan_model(
             early = resolve_target(device, budget, memory_fraction=memory_fraction,
                                    devices=devices, hosts=hosts)
     elif devices is not None:
+        import jax
+
+        here = len(jax.devices())
+        if devices > here:
+            raise ValueError(
+                f"devices={devices} asks for more devices than this machine has ({here}). For "
+                "a dry run of GPUs that are not here, name them: device='t4', 'l4', "
+                f"'a100-80gb', ... Received: devices={devices}, device={device!r}")
         data_parallel = devices
     mesh = early.mesh if early is not None else resolve_mesh(data_parallel,
                                                              auto=adapter.auto_mesh)

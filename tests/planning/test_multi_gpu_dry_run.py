@@ -56,6 +56,21 @@ def test_cli_devices_flag_plans_n_gpus(capsys):
 
 
 @pytest.mark.slow
+def test_a_keras_model_is_planned_for_two_named_gpus():
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    data = (np.ones((16, 32), "float32"), np.zeros((16, 1), "float32"))
+    plan = autoaccum.plan(model, data, effective_batch=16, device="t4", devices=2, log=None,
+                          cache=False)
+    assert plan.data_parallel == 2 and plan.micro_batch * 2 * plan.accum_steps == 16
+    assert plan.target.startswith("2 x NVIDIA T4") and not model.optimizer.built
+
+
+@pytest.mark.slow
 def test_the_cuda_topology_has_the_devices_asked_for():
     target = deviceless_target("t4", device_memory_bytes=2**30, devices=4, hosts=2)
     assert target.count == 4 and target.hosts == 2
@@ -81,6 +96,11 @@ def test_topology_text_follows_jax_cuda_shape():
 def test_bad_devices_are_refused_before_any_compile(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _plan(**kwargs)
+
+
+def test_more_local_devices_than_there_are_names_the_dry_run():
+    with pytest.raises(ValueError, match=r"name them: device='t4'.*Received: devices=64"):
+        _plan(None, devices=64)
 
 
 def test_cli_devices_must_be_a_positive_whole_number(capsys):
