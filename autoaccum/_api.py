@@ -85,6 +85,8 @@ def plan(
     uneven: bool = True,
     advise: bool = False,
     strategy: str = "auto",
+    devices: int | None = None,
+    hosts: int | None = None,
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -161,6 +163,12 @@ def plan(
         (optimizer state), ``"zero2"`` (and the gradient accumulator) or ``"fsdp"`` (and
         the weights). ``plan.strategy`` says which was chosen. Flax models; Keras models
         plan ``"replicated"``.
+      devices: how many GPUs the plan is for. With ``device=`` naming a GPU that is not
+        here, a dry run compiled for that many of it (deviceless, data-parallel, the
+        micro-batch per device and one GPU's budget; the report names the profile's
+        interconnect); on this machine the same as ``data_parallel=devices``.
+      hosts: the machines those ``devices`` are spread over (the same number on each; JAX's
+        CUDA topology ``"1 x hosts x devices/hosts"``), default 1.
 
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
@@ -198,7 +206,8 @@ def plan(
                                      objective=default_objective(objective, device),
                                      method=method, log=log, data_parallel=data_parallel,
                                      cache=cache, depth_variant=depth_variant, uneven=uneven,
-                                     strategy=strategy)
+                                     strategy=strategy, devices=devices,
+                                     hosts=1 if hosts is None else hosts)
     except DoesNotFitError as error:
         if not advise:
             raise

@@ -96,7 +96,7 @@ _FLAG_NAMES = {"effective_batch": "--effective-batch", "device": "--device",
                "budget": "--budget", "memory_fraction": "--memory-fraction",
                "remat": "--remat", "cache": "--no-cache", "log": "--quiet",
                "learning_rate": "--base-lr", "base_batch": "--base-batch",
-               "lr_rule": "--lr-rule"}
+               "lr_rule": "--lr-rule", "devices": "--devices", "hosts": "--hosts"}
 """The options of :func:`autoaccum.plan` that a flag also sets, and the flag."""
 
 
@@ -150,4 +150,7 @@ def plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["base_batch"] = args.base_batch
     if args.lr_rule is not None:
         kwargs["lr_rule"] = args.lr_rule
+    for name in ("devices", "hosts"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
     return kwargs

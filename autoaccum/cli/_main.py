@@ -227,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="PROFILE",
                    help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
                    "compiled deviceless when it is not here. Default: this machine")
+    p.add_argument("--devices", type=_positive_int, default=None, metavar="N",
+                   help="plan for N of --device (a dry run compiles for N GPUs, data "
+                   "parallel, the micro-batch per GPU); without --device: data_parallel=N")
+    p.add_argument("--hosts", type=_positive_int, default=None, metavar="H",
+                   help="the --devices are spread over H machines (the same number on each)")
     p.add_argument("--budget", metavar="SIZE",
                    help="memory one step may need: bytes, '12GiB', or a fraction such as '90%%'. "
                    "Default: from the device")

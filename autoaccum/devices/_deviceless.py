@@ -26,7 +26,10 @@ _SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 
 @dataclasses.dataclass(frozen=True)
 class DevicelessTarget:
-    """A one-GPU compile target: ``topology``, a 1-device ``mesh`` and a replicated ``sharding``.
+    """A compile target of ``count`` GPUs on ``hosts`` hosts (default one GPU): ``topology``,
+    a ``mesh`` over its devices and a replicated ``sharding``. Several GPUs: ``devices`` are
+    the deviceless devices a data-parallel mesh is made over
+    (``autoaccum.devices.data_parallel_mesh(target.devices)``).
 
     Compile for it by giving every argument its ``sharding``::
 
@@ -41,6 +44,17 @@ class DevicelessTarget:
     topology: Any  # jax.experimental.topologies.TopologyDescription
     mesh: Any  # jax.sharding.Mesh
     sharding: Any  # jax.sharding.NamedSharding
+    hosts: int = 1
+
+    @property
+    def devices(self) -> tuple:
+        """The topology's deviceless devices, every host's."""
+        return tuple(self.topology.devices)
+
+    @property
+    def count(self) -> int:
+        """Number of GPUs, over every host."""
+        return len(self.topology.devices)
 
     def shard(self, tree: Any) -> Any:
         """``shard_abstract(tree, self.sharding)``."""
@@ -48,9 +62,13 @@ class DevicelessTarget:
 
 
 def deviceless_target(
-    profile: DeviceProfile | str, *, device_memory_bytes: int | None = None
+    profile: DeviceProfile | str, *, device_memory_bytes: int | None = None,
+    devices: int = 1, hosts: int = 1,
 ) -> DevicelessTarget:
     """A :class:`DevicelessTarget` for ``profile``'s GPU, usable on a machine without one.
+
+    ``devices``: how many of them, over ``hosts`` hosts (``devices`` a multiple of
+    ``hosts``): JAX's CUDA topology ``"1 x hosts x devices/hosts"``.
 
     ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
     :func:`autoaccum.devices._target_config.gpu_target_config`). Needs the jax-cuda12-plugin at
@@ -65,6 +83,8 @@ def deviceless_target(
     >>> analysis = jax.jit(lambda a: a @ a).lower(x).compile().memory_analysis()
     >>> analysis.argument_size_in_bytes, analysis.output_size_in_bytes
     (262144, 262144)
+    >>> deviceless_target("t4", device_memory_bytes=2**30, devices=4, hosts=2).count
+    4
     """
     if isinstance(profile, str):
         profile = find_profile(profile)
@@ -72,7 +92,7 @@ def deviceless_target(
         device_memory_bytes = profile.pool_bytes()
     text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes)
     _require_cuda_plugin()
-    topology, mesh, sharding = _make_target(text)
+    topology, mesh, sharding = _make_target(text, topology_text(devices, hosts))
     return DevicelessTarget(
         profile=profile,
         device_memory_bytes=int(device_memory_bytes),
@@ -80,7 +100,21 @@ def deviceless_target(
         topology=topology,
         mesh=mesh,
         sharding=sharding,
+        hosts=int(hosts),
     )
+
+
+def topology_text(devices: int = 1, hosts: int = 1) -> str:
+    """JAX's CUDA topology string for ``devices`` GPUs over ``hosts`` hosts.
+
+    >>> topology_text(2), topology_text(8, hosts=2)
+    ('1x1x2', '1x2x4')
+    """
+    if hosts < 1 or devices < hosts or devices % hosts:
+        raise ValueError(
+            f"devices must be a positive multiple of hosts (the same number of GPUs on every "
+            f"host). Received: devices={devices}, hosts={hosts}")
+    return f"1x{hosts}x{devices // hosts}"
 
 
 def shard_abstract(tree: Any, sharding: Any) -> Any:
@@ -115,7 +149,7 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _make_target(text: str) -> tuple[Any, Any, Any]:
+def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
     # Cached: a fresh topology means fresh device objects, and jit would recompile.
     _allow_cuda_plugin_without_driver()
     import jax
@@ -126,7 +160,7 @@ def _make_target(text: str) -> tuple[Any, Any, Any]:
     try:
         with quiet:
             topology = topologies.get_topology_desc(
-                platform="cuda", target_config=text, topology="1x1x1"
+                platform="cuda", target_config=text, topology=shape
             )
     except NotImplementedError as e:
         raise RuntimeError(
@@ -136,7 +170,8 @@ def _make_target(text: str) -> tuple[Any, Any, Any]:
             "os.environ['JAX_PLATFORMS'] = 'cpu' as the first line of the script, or run the "
             "planning in a fresh process."
         ) from e
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    count = len(topology.devices)
+    mesh = topologies.make_mesh(topology, (count,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return topology, mesh, sharding
 

@@ -128,6 +128,25 @@ class DeviceProfile:
     """The explicit allowances of this device's memory arithmetic, each with its source: the
     defaults from ``cuda_context_reserve_mib`` and ``workspace_margin_mib``, plus the
     profile's ``[[margins]]`` tables (which replace a default of the same name)."""
+    interconnect: str = ""
+    """How several of these GPUs talk to each other (``"PCIe Gen3 x16, no NVLink"``), shown
+    in multi-GPU plans: it decides how costly sharding the weights across them is."""
+    interconnect_gbps: float | None = None
+    """GPU-to-GPU bandwidth per GPU in GB/s, both directions together, as vendors quote it
+    (PCIe Gen3 x16: 32, Gen4: 64; NVLink 3: 600, NVLink 4: 900)."""
+
+    def interconnect_line(self) -> str:
+        """One line for reports, e.g. ``"PCIe Gen3 x16, no NVLink (32 GB/s per GPU)"``.
+
+        >>> from autoaccum.devices._profiles import find_profile
+        >>> find_profile("t4").interconnect_line()
+        'PCIe Gen3 x16, no NVLink (32 GB/s per GPU, both directions)'
+        """
+        if not self.interconnect:
+            return "not stated in the profile"
+        rate = (f" ({self.interconnect_gbps:g} GB/s per GPU, both directions)"
+                if self.interconnect_gbps else "")
+        return f"{self.interconnect}{rate}"
 
     @property
     def is_gpu(self) -> bool:
@@ -307,6 +326,8 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "environment": dict,
     "gpu": dict,
     "margins": list,
+    "interconnect": str,
+    "interconnect_gbps": (int, float),
 }
 
 
@@ -370,6 +391,9 @@ def _parse(path: Path) -> DeviceProfile:
         gpu=gpu,
         path=path,
         margins=profile_margins(path, data) if gpu is not None else (),
+        interconnect=" ".join(data.get("interconnect", "").split()),
+        interconnect_gbps=(float(data["interconnect_gbps"]) if "interconnect_gbps" in data
+                           else None),
     )
 
 

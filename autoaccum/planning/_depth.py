@@ -120,6 +120,21 @@ class DepthVariants:
     def __post_init__(self) -> None:
         validate_depths(self.full_depth, self.depths)
 
+    def on_mesh(self, mesh: Any) -> DepthVariants:
+        """The same variants, each program data-parallel over ``mesh`` (``None``: as is)."""
+        if mesh is None:
+            return self
+        full = self.full
+        if isinstance(full, TrainProgram):
+            full = full.on_mesh(mesh)
+        elif full is not None:
+            made = full
+            full = lambda: made().on_mesh(mesh)  # noqa: E731
+        build = self.build
+        return DepthVariants(full_depth=self.full_depth,
+                             build=lambda depth: build(depth).on_mesh(mesh), depths=self.depths,
+                             full=full, identity=self.identity, tolerance=self.tolerance)
+
     def program(self, depth: int) -> TrainProgram | Callable[[], TrainProgram]:
         """The program at ``depth`` (lazily: a function for the cache to call on a miss;
         built once, then reused for every micro-batch)."""
@@ -453,9 +468,11 @@ def plan_by_depth(
     workers: int | None = None,
     accumulating_floor: int = 0,
     verify: bool = True,
+    data_parallel: int = 1,
 ) -> Plan:
-    """Plans from depth-extrapolated needs; the chosen micro-batch is compiled at full depth
-    (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
+    """Plans from depth-extrapolated needs (``data_parallel``: the programs run on a mesh of
+    that many devices, the micro-batch is per device); the chosen micro-batch is compiled at
+    full depth (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
     where XLA's rematerialization pass may act the linear prediction, an upper bound, is
     used; the advisor's quick rows).
 
@@ -490,10 +507,11 @@ def plan_by_depth(
       (8, 'compiled')
     """
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers,
-                                     per_device_batch=effective_batch, budget_bytes=budget.bytes,
-                                     full_compiles=verify)
+                                     per_device_batch=effective_batch // data_parallel,
+                                     budget_bytes=budget.bytes, full_compiles=verify)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
-                  target=target.name, log=log, accumulating_floor=accumulating_floor)
+                  target=target.name, log=log, accumulating_floor=accumulating_floor,
+                  data_parallel=data_parallel)
     try:
         plan = search_plan(extrapolator.measure, notes=notes, **common)
     except DoesNotFitError as error:

@@ -18,7 +18,7 @@ import jax
 
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
-from ._train_program import TrainProgram, tree_bytes
+from ._train_program import TrainProgram, local_shape, tree_bytes
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,15 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     analysis is that of one device.
     """
     target = target or CompileTarget()
+    if program.placement is not None:
+        return _lower_placed(program, micro_batch, accum_steps, target, last=last)
     if program.mesh is not None:
-        if target.deviceless:
+        if target.deviceless and not _on_target(program.mesh, target):
             raise ValueError(
-                "A data-parallel plan compiles for the devices of this machine; a deviceless "
-                "target (a named GPU that is not here) is planned for one device. Pass "
-                f"data_parallel=1. Received: target={target.name!r}, "
+                "A data-parallel plan over this machine's devices cannot be compiled for a "
+                "named GPU that is not here; a dry run makes its own mesh over that many "
+                "deviceless GPUs. Pass data_parallel=1 and devices=N (autoaccum.plan(..., "
+                f"device=..., devices=N)). Received: target={target.name!r}, "
                 f"data_parallel={program.data_parallel}"
             )
         from jax.sharding import NamedSharding
@@ -153,6 +156,35 @@ def _shard_each(tree: Any, shardings: Any) -> Any:
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if hasattr(x, "shape") else x
         for x, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
+def _on_target(mesh: Any, target: CompileTarget) -> bool:
+    """Whether ``mesh`` is made of the deviceless target's own devices (a multi-GPU dry run)."""
+    own = getattr(target.sharding, "mesh", None)
+    return own is not None and set(mesh.devices.flat) <= set(own.devices.flat)
+
+
+def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
+                  target: CompileTarget, *, last: int | None) -> Any:
+    """Lowers a program whose state keeps the user's layout (``program.placement``): the
+    placement's shardings are the step's input and output shardings, batches are split over
+    its data axis, and XLA partitions the rest."""
+    placement = program.placement
+    if target.deviceless:
+        raise ValueError(
+            f"This model's variables are laid out by {placement.source or 'the user'} over "
+            f"this machine's devices (mesh {dict(placement.mesh.shape)}); a dry run for a GPU "
+            "that is not here cannot keep that layout. Plan on the machine that has the "
+            "devices (device=None), or build the model without the distribution for a dry "
+            f"run. Received: target={target.name!r}")
+    dp = placement.data_parallel
+    state = placement.abstract(program.abstract_state, placement.state)
+    frozen = placement.abstract(program.frozen_args, placement.frozen)
+    batches = program.batch_spec(micro_batch * dp, accum_steps,
+                                 sharding=placement.batch_sharding(),
+                                 last=None if last is None else last * dp,
+                                 last_sharding=placement.last_sharding())
+    with program.lowering_context():
+        return jax.jit(program.step, donate_argnums=0,
+                       out_shardings=(placement.state, None)).lower(state, batches, *frozen)
 
 
 _COMPILES = [0]
@@ -385,4 +417,5 @@ def _hlo_cost(lowered: Any) -> dict:
 
 
 def _elements(tree: Any) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape"))
+    return sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(tree)
+               if hasattr(leaf, "shape"))

@@ -46,6 +46,48 @@ def validate_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def validate_devices(devices: object, hosts: object = None, *,
+                     data_parallel: object = "auto") -> tuple[int | None, int]:
+    """``(devices, hosts)`` checked: ``devices`` ``None`` or a positive int (how many GPUs a
+    plan is for), ``hosts`` ``None`` (1) or a positive int dividing ``devices``; a
+    ``data_parallel`` other than its default or ``1`` must agree with ``devices``.
+
+    Example:
+      >>> validate_devices(2), validate_devices(None), validate_devices(8, 2)
+      ((2, 1), (None, 1), (8, 2))
+    """
+    fix = ("Pass devices=N, a positive integer: the number of GPUs the plan is for (with "
+           "device='t4', ... a dry run compiles for N of them)")
+    if devices is not None and (isinstance(devices, bool)
+                                or not isinstance(devices, numbers.Integral) or devices < 1):
+        raise ValueError(f"{fix}. Received: {received('devices', devices)}")
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, numbers.Integral)
+                              or hosts < 1):
+        raise ValueError("hosts must be a positive integer: the number of machines the GPUs "
+                         f"are spread over (the same number on each). Received: "
+                         f"{received('hosts', hosts)}")
+    hosts = 1 if hosts is None else int(hosts)
+    if devices is None:
+        if hosts != 1:
+            raise ValueError(f"hosts= needs devices= (the GPUs over every host). {fix}. "
+                             f"Received: devices=None, hosts={hosts}")
+        return None, 1
+    devices = int(devices)
+    if devices % hosts:
+        raise ValueError(
+            f"devices must be a multiple of hosts (the same number of GPUs on every host); "
+            f"e.g. devices={hosts * max(1, devices // hosts)}. Received: devices={devices}, "
+            f"hosts={hosts}")
+    if not (isinstance(data_parallel, str) and data_parallel == "auto") and not (
+            isinstance(data_parallel, numbers.Integral) and not isinstance(data_parallel, bool)
+            and int(data_parallel) in (1, devices)):
+        raise ValueError(
+            f"devices={devices} says how many GPUs the plan is for; data_parallel must then "
+            f"be left out (or be {devices}). Received: "
+            f"{received('data_parallel', data_parallel)}")
+    return devices, hosts
+
+
 def no_leftovers(options: dict, where: str) -> None:
     """Raises ``TypeError`` naming options that nothing consumed, as Python does.
 

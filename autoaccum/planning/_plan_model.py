@@ -16,7 +16,13 @@ from ._lr import LearningRateScaling, announce
 from ._measure import measure_program
 from ._micro_batches import split_sizes
 from ._objective import Candidate, choose_fastest, cost_model_seconds
-from ._option_checks import check_enough_examples, no_leftovers, received, validate_effective_batch
+from ._option_checks import (
+    check_enough_examples,
+    no_leftovers,
+    received,
+    validate_devices,
+    validate_effective_batch,
+)
 from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, search_plan
 from ._remat import (
@@ -48,6 +54,8 @@ def plan_program(
     uneven: bool = False,
     verify_depth: bool = True,
     resident: Resident | Callable[[], Resident] | None = None,
+    devices: int | None = None,
+    hosts: int = 1,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -68,6 +76,9 @@ def plan_program(
     :class:`~._resident.Resident` memory (or a function computing it more cheaply than
     building the program); by default read from the program. When its weights and
     optimizer state exceed the budget, planning stops before any compile.
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU ``device``,
+    data-parallel (replicated weights) over their deviceless devices; the programs (and the
+    depth variants) are put on that mesh here.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -85,10 +96,18 @@ def plan_program(
       >>> p.micro_batch * p.accum_steps
       8
     """
+    devices, hosts = validate_devices(devices, hosts)
+    if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
+        resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
+                                  devices=devices, hosts=hosts)
+    if resolved is not None and resolved.mesh is not None:  # several GPUs, not here
+        program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh)
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
-    mesh = program.mesh if isinstance(program, TrainProgram) else None
+    mesh = program.device_mesh if isinstance(program, TrainProgram) else None
+    if resolved is not None and resolved.mesh is not None:
+        mesh = resolved.mesh
     if resolved is None:  # called directly (plan_model resolves the target, and validated)
         effective_batch = validate_effective_batch(
             effective_batch, data_parallel=1 if mesh is None else int(mesh.size))
@@ -108,12 +127,17 @@ def plan_program(
     if built and depth_variants is not None and depth_variants.full is program:
         depth_variants = dataclasses.replace(depth_variants, full=built[0])
     floor = resident.accumulating_bytes
-    if depth_variants is not None and depth_variants.worthwhile and mesh is None:
+    dry_mesh = resolved.mesh  # a multi-GPU dry run's mesh: depth variants are on it too
+    dp = int(dry_mesh.size) if dry_mesh is not None else None
+    if dry_mesh is not None and resolved.profile is not None:
+        notes += (f"interconnect: {resolved.profile.interconnect_line()}",)
+    if depth_variants is not None and depth_variants.worthwhile and (mesh is None
+                                                                      or dry_mesh is not None):
         by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
                                  lr_scaling=lr_scaling, budget=resolved.budget,
                                  target=resolved.compile_target, cache=need_cache, log=log,
                                  notes=notes, accumulating_floor=floor,
-                                 verify=verify_depth)
+                                 verify=verify_depth, data_parallel=dp or 1)
         return dataclasses.replace(by_depth, profile=_profile_key(resolved),
                                    deviceless=resolved.kind == "deviceless")
 
@@ -132,7 +156,8 @@ def plan_program(
         measure,
         measure_uneven=measure if uneven else None,
         effective_batch=effective_batch,
-        data_parallel=1 if mesh is None else int(mesh.size),
+        data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
+                              else 1)),
         lr_scaling=lr_scaling,
         budget=resolved.budget,
         target=resolved.compile_target.name,
@@ -141,6 +166,18 @@ def plan_program(
         accumulating_floor=floor,
     )
     return _finish(plan, resolved)
+
+
+def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any) -> tuple[Any, Any]:
+    """``program`` (or the function building it) and the depth variants, on ``mesh``."""
+    if isinstance(program, TrainProgram):
+        program = program.on_mesh(mesh)
+    elif callable(program):
+        build = program
+        program = lambda: build().on_mesh(mesh)  # noqa: E731
+    if variants is not None:
+        variants = variants.on_mesh(mesh)
+    return program, variants
 
 
 def _finish(plan: Plan, resolved: ResolvedTarget) -> Plan:
@@ -185,6 +222,8 @@ def plan_model(
     depth_variant: DepthVariant | None = None,
     uneven: bool = True,
     strategy: str = "auto",
+    devices: int | None = None,
+    hosts: int = 1,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -209,13 +248,34 @@ def plan_model(
     policy and keeps the first under which micro-batch 1 fits one device's budget, with its
     largest fitting micro-batch; a name plans that strategy only. Each is measured from the
     partitioned program's per-device memory analysis. On one device it is ignored.
+
+    ``devices`` (over ``hosts`` hosts): how many GPUs the plan is for. For a named GPU that
+    is not here, a dry run compiled for that many deviceless GPUs, data-parallel (the mesh
+    comes with the resolved target, :func:`~._targets.resolve_target`); on this machine,
+    ``data_parallel=devices``.
     """
     log = sys.stderr if log == "stderr" else log
     validate_method(method)
     validate_strategy(strategy)
-    if data_parallel == "auto" and is_deviceless(device):
-        data_parallel = 1  # a dry run for a GPU that is not here plans one device
-    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    devices, hosts = validate_devices(devices, hosts, data_parallel=data_parallel)
+    early: ResolvedTarget | None = None
+    if is_deviceless(device):
+        data_parallel = 1  # a dry run for GPUs that are not here makes its own mesh
+        if devices is not None and devices > 1:
+            early = resolve_target(device, budget, memory_fraction=memory_fraction,
+                                   devices=devices, hosts=hosts)
+    elif devices is not None:
+        import jax
+
+        here = len(jax.devices())
+        if devices > here:
+            raise ValueError(
+                f"devices={devices} asks for more devices than this machine has ({here}). For "
+                "a dry run of GPUs that are not here, name them: device='t4', 'l4', "
+                f"'a100-80gb', ... Received: devices={devices}, device={device!r}")
+        data_parallel = devices
+    mesh = early.mesh if early is not None else resolve_mesh(data_parallel,
+                                                             auto=adapter.auto_mesh)
     if hasattr(adapter, "own_mesh") and not is_deviceless(device):
         mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp_notes: tuple[str, ...] = ()
@@ -255,11 +315,16 @@ def plan_model(
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
+        if strategy == "auto" and prepared.program.sharded_step is None:
+            strategies = ("replicated",)  # a program that runs replicated data parallelism only
         by_strategy = {s: prepared if mesh is None else dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
             announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
             program = by_strategy[strategies[0]].program
+            if program.placement is not None:  # the user's own layout (e.g. ModelParallel)
+                method, objective, dp_notes = placed_plan_options(
+                    program.placement, effective_batch, method, objective, dp_notes)
             own = [s for s in (program.own_specs or ()) if s is not None]
             if own:
                 dp_notes += (f"sharding: the model's own sharding is kept for {len(own)} "
@@ -267,8 +332,9 @@ def plan_model(
                              "every strategy); the strategy applies to the others",)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
-            resolved = resolve_target(device, budget, resident_bytes=resident,
-                                      memory_fraction=memory_fraction, mesh=mesh)
+            resolved = early or resolve_target(device, budget, resident_bytes=resident,
+                                               memory_fraction=memory_fraction,
+                                               mesh=program.device_mesh)
             # Weights and optimizer state over the budget (per device, with the most sharded
             # strategy tried): no policy, no micro-batch can help.
             strategies, over_budget = _resident_strategies(strategies, by_strategy, resolved,
@@ -373,6 +439,26 @@ def with_strategy(plan: Plan, strategy: str,
                  "sharding (" + "; ".join(f"{name}: {first_line(error)}"
                                           for name, error in skipped) + ")")
     return dataclasses.replace(plan, strategy=strategy, probes=earlier + probes, notes=notes)
+def placed_plan_options(placement: Any, effective_batch: int, method: str,
+                        objective: str | None, notes: tuple[str, ...]
+                        ) -> tuple[str, str | None, tuple[str, ...]]:
+    """``(method, objective, notes)`` for a program that keeps the user's layout over several
+    devices: compile-only, by memory (real steps and timings run on one device)."""
+    validate_effective_batch(effective_batch, data_parallel=placement.data_parallel)
+    notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
+             f"{dict(placement.mesh.shape)}, batches split over "
+             f"{placement.data_axis!r}); memory per device")
+    if method == "backoff":
+        raise ValueError(
+            "method='backoff' runs real single-device steps; a model laid out over several "
+            "devices is planned compile-only. Use method='compile' (or 'auto'). Received: "
+            f"method='backoff' with {placement.source}")
+    if method == "auto":
+        method = "compile"
+        notes = (*notes, "layout: compile-only plan (no real verification step)")
+    if objective == "throughput":
+        objective = "memory"
+    return method, objective, notes
 
 
 METHODS = ("auto", "compile", "backoff")
@@ -392,7 +478,7 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
               data: Any, options: dict, *, effective_batch: int,
               remat_layers: Any) -> DepthVariants | None:
     """The prepared program's model at other depths, built by the user's factory."""
-    if depth_variant is None or prepared.program.mesh is not None:
+    if depth_variant is None or prepared.program.device_mesh is not None:
         return None
 
     def build(depth: int) -> TrainProgram:

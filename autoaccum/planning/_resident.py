@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from ..devices._units import format_bytes
-from ._train_program import TrainProgram, tree_bytes
+from ._train_program import TrainProgram, local_shape, tree_bytes
 
 __all__ = ["Resident", "check_resident", "program_resident", "resident_of", "smallest_profile"]
 
@@ -124,7 +124,7 @@ def resident_of(program: TrainProgram) -> Resident:
             optimizer_bytes=layout.split_bytes(parts.get("optimizer"), layout.optimizer),
             other_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
         )
-    elements = sum(math.prod(leaf.shape) for leaf in _leaves(program.trainable))
+    elements = sum(math.prod(local_shape(leaf)) for leaf in _leaves(program.trainable))
     return Resident(
         frozen_bytes=tree_bytes(parts.get("frozen")),
         trainable_bytes=tree_bytes(parts.get("trainable")),

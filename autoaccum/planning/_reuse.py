@@ -108,13 +108,6 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
     if hasattr(adapter, "own_mesh"):
         mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
-    devices = 1 if mesh is None else mesh.size
-    if plan.data_parallel != devices:
-        raise ValueError(
-            f"plan= was made for {plan.data_parallel} data-parallel device(s), fit would use "
-            f"{devices}. Plan with the same data_parallel. Received: data_parallel="
-            f"{data_parallel!r}"
-        )
     opts = dict(options)
     prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                        remat=plan.remat, remat_layers=remat_layers)
@@ -122,6 +115,13 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
         prepared = dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, getattr(plan, "strategy",
                                                                      "replicated")))
+    devices = prepared.program.data_parallel  # a kept user layout splits over its data axis
+    if plan.data_parallel != devices:
+        raise ValueError(
+            f"plan= was made for {plan.data_parallel} data-parallel device(s), fit would use "
+            f"{devices}. Plan with the same data_parallel. Received: data_parallel="
+            f"{data_parallel!r}"
+        )
     no_leftovers(opts, "fit")
     check_enough_examples(prepared.data, effective_batch)
     if not _same_lr(plan.lr_scaling, prepared.lr_scaling):

@@ -30,6 +30,9 @@ class ResolvedTarget:
     """``"local"`` (this machine's device), ``"real"`` (the named GPU is here) or
     ``"deviceless"`` (compiled for the named GPU without it)."""
     profile: DeviceProfile | None = None
+    mesh: Any = None
+    """A dry run for several GPUs: the data-parallel mesh over their deviceless devices
+    (``None`` for one device, or when planning on this machine's devices)."""
 
     @property
     def advice(self) -> str:
@@ -180,8 +183,16 @@ def resolve_target(
     resident_bytes: int = 0,
     memory_fraction: float | None = None,
     mesh: Any = None,
+    devices: int = 1,
+    hosts: int = 1,
 ) -> ResolvedTarget:
     """Chooses the compile target and budget for ``device`` (a profile name, or ``None``).
+
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU, which is
+    not here: compiled deviceless for all of them (JAX's CUDA topology ``"1 x hosts x
+    devices/hosts"``), data-parallel over the mesh the result carries
+    (:attr:`ResolvedTarget.mesh`, made by ``autoaccum.devices.data_parallel_mesh``), with one
+    GPU's budget (memory analysis is per device).
 
     ``mesh`` (a data-parallel ``jax.sharding.Mesh``): the target is this machine's devices
     and the budget is per device (see :func:`per_device_budget`); a named GPU that is not
@@ -215,10 +226,11 @@ def resolve_target(
     if mesh is not None:
         raise ValueError(
             f"A data-parallel plan compiles for this machine's devices, but no {profile.name} is "
-            f"here (a dry run compiles for one device). Pass data_parallel=1 to plan one "
-            f"{profile.name}. Received: device={device!r}, data_parallel={mesh.size}"
+            f"here (a dry run compiles for GPUs that are not here). Pass data_parallel=1 and "
+            f"devices={mesh.size} to plan {mesh.size} x {profile.name}. Received: "
+            f"device={device!r}, data_parallel={mesh.size}"
         )
-    from ..devices._deviceless import deviceless_target
+    from ..devices._deviceless import deviceless_target, topology_text
 
     fraction, _ = resolve_fraction(profile, memory_fraction)
     pool = profile.pool_bytes(fraction)
@@ -226,7 +238,8 @@ def resolve_target(
     # (0.8 x pool - inputs/outputs) x 0.95 (GetSchedulerMemoryLimit). On a device JAX passes
     # the pool itself as the module's memory size; measured on Gemma3-4B (T4, 0.9), that
     # setting puts the lab's batch-1 step 2.7% over the pool it trains in, this one 0.08%.
-    target = deviceless_target(profile, device_memory_bytes=pool)
+    target = deviceless_target(profile, device_memory_bytes=pool, devices=devices,
+                               hosts=hosts)
     if budget is None:
         resolved = profile_budget(profile, memory_fraction)
     else:
@@ -239,11 +252,22 @@ def resolve_target(
                 f"device. Received: budget={budget!r}"
             )
     name = f"{profile.name}, deviceless compile (no {profile.name} on this machine)"
+    dp_mesh = None
+    fingerprint = target.target_config
+    if target.count > 1:
+        from ..devices._mesh import data_parallel_mesh
+
+        dp_mesh = data_parallel_mesh(target.devices)  # the one place meshes are made
+        where = f" on {hosts} hosts" if hosts > 1 else ""
+        name = (f"{target.count} x {profile.name}{where}, deviceless compile (no "
+                f"{profile.name} on this machine), per device")
+        fingerprint += f"\ntopology {topology_text(devices, hosts)}"
     return ResolvedTarget(
         CompileTarget(name=name, sharding=target.sharding, deviceless=True,
-                      fingerprint=target.target_config,
+                      fingerprint=fingerprint,
                       remat_pass_base_bytes=int(pool * 0.8)),
         resolved,
         "deviceless",
         profile,
+        dp_mesh,
     )

@@ -76,11 +76,25 @@ class TrainProgram:
     own_specs: tuple[Any, ...] | None = None
     """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
+    placement: Any = None
+    """The user's own layout of the state (an ``autoaccum.devices._placement.Placement``: a
+    Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,
+    ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
+    compiled with the placement's shardings as input and output shardings (XLA partitions
+    it); ``mesh`` is then ``None``."""
 
     @property
     def data_parallel(self) -> int:
-        """Number of data-parallel devices (1 without a mesh)."""
+        """Number of data-parallel devices (1 without a mesh): the batch is split over them."""
+        if self.placement is not None:
+            return self.placement.data_parallel
         return 1 if self.mesh is None else int(self.mesh.size)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh of every device the step runs on (a placement's or the data-parallel
+        one), or ``None`` for one device: the per-device budget is that of its devices."""
+        return self.placement.mesh if self.placement is not None else self.mesh
 
     def on_mesh(self, mesh: Any, strategy: str = "replicated") -> TrainProgram:
         """This program, data-parallel over ``mesh`` (``None``: single device), with the
@@ -104,6 +118,15 @@ class TrainProgram:
             return self
         if mesh is self.mesh and strategy == self.strategy:
             return self
+        if self.placement is not None:
+            raise ValueError(
+                f"This model's variables are laid out by {self.placement.source or 'the user'} "
+                f"over a mesh {dict(self.placement.mesh.shape)}; autoaccum keeps that layout and "
+                f"splits batches over its data axis ({self.placement.data_axis!r}), so it "
+                "cannot also replicate the model over another data-parallel mesh. Leave "
+                "data_parallel at its default ('auto') with the framework's distribution set "
+                "(Keras: keras.distribution.set_distribution), or pass data_parallel=1. "
+                f"Received: data_parallel={mesh.size if mesh is not None else 1}")
         if self.data_parallel_step is None:
             raise ValueError(
                 "This TrainProgram has no data-parallel step; build it with flax_program or "
@@ -172,11 +195,31 @@ def tree_bytes(tree: PyTree) -> int:
     """
     return int(
         sum(
-            int(np.prod(leaf.shape)) * itemsize(leaf.dtype)
+            int(np.prod(local_shape(leaf))) * itemsize(leaf.dtype)
             for leaf in jax.tree.leaves(tree)
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
         )
     )
+
+
+def local_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape one device holds of ``leaf``: an abstract leaf (``jax.ShapeDtypeStruct``)
+    carrying a sharding gives its shard's shape (so :func:`tree_bytes` of a sharded abstract
+    state is per device); anything else its whole shape.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+      >>> local_shape(jax.ShapeDtypeStruct((4, 2), jnp.float32,
+      ...                                  sharding=NamedSharding(mesh, P("x"))))
+      (4, 2)
+    """
+    shape = tuple(leaf.shape)
+    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
+    if sharding is not None and hasattr(sharding, "shard_shape"):
+        return tuple(sharding.shard_shape(shape))
+    return shape
 
 
 def itemsize(dtype: Any) -> int:

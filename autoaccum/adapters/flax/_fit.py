@@ -20,7 +20,6 @@ import optax
 from flax import nnx
 
 from ...devices._mesh import place, replicate
-from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks

@@ -14,7 +14,7 @@ from ...planning._option_checks import received
 from ...planning._plan import Plan
 from ._batch_stats import validate_batch_stats
 from ._data import KerasArrays
-from ._distribution import keras_auto_mesh
+from ._distribution import keras_auto_mesh, keras_placement, placed_program
 from ._lr import keras_lr_scaling, set_base_learning_rate
 from ._model_checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
 from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, keras_rematerialized
@@ -90,6 +90,8 @@ class KerasAdapter:
         program = keras_remat_program(model, spec, remat, layers=remat_layers,
                                       optimizer=optimizer, layout=layout, lr_scaling=scaling,
                                       batch_stats=batch_stats)
+        # A model laid out by the user (keras.distribution.ModelParallel) keeps its layout.
+        program = placed_program(program, keras_placement(model, layout, optimizer))
         self._sources.append((sample, source))
         extras = {"data": source, "optimizer": optimizer, "layout": layout,
                   "learning_rate": explicit}

@@ -1,12 +1,17 @@
-"""The mesh of a ``keras.distribution.DataParallel``: Keras's own way to say "data parallel"."""
+"""Keras's own distribution: the mesh of a ``keras.distribution.DataParallel`` (Keras's way to
+say "data parallel"), and the layout of a model under ``ModelParallel`` (kept as it is)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...devices._mesh import data_parallel_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["keras_auto_mesh", "keras_distribution_mesh"]
+from ...devices._mesh import data_parallel_mesh
+from ...devices._placement import Placement, same_mesh
+
+__all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement"]
 
 
 def keras_distribution_mesh() -> Any:
@@ -51,3 +56,119 @@ def keras_auto_mesh() -> Any:
     if _keras_distribution_set():
         return None
     return data_parallel_mesh() if len(jax.devices()) > 1 else None
+
+
+def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement | None:
+    """The layout the user gave the model's state, as a :class:`Placement`, or ``None``.
+
+    A model built under ``keras.distribution.ModelParallel`` (a ``LayoutMap``; keras-hub
+    backbones have ``get_layout_map(device_mesh)``), or whose variables arrive sharded over
+    several devices, keeps that layout: every variable (weights, optimizer moments, metric
+    totals) has the sharding Keras gave it (``variable.value.sharding``; a variable not yet
+    initialized: its layout), and batches are split over the distribution's
+    ``batch_dim_name`` (none set: not split, as ``model.fit`` does without a distribution).
+    A variable with no layout is replicated over the mesh, as Keras places it. Under a
+    ``keras.distribution.DataParallel`` (every variable replicated) or with no sharded
+    variable, ``None``: the data-parallel or single-device step is used.
+
+    Raises:
+      ValueError: naming the variable, where its layout cannot be kept (another mesh than the
+        others', or a sharding that is not a ``jax.sharding.NamedSharding``).
+    """
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if isinstance(distribution, keras.distribution.DataParallel):
+        return None
+    optimizer = model.optimizer if optimizer is None else optimizer
+    groups = {
+        "trainable": list(model.trainable_variables),
+        "non_trainable": list(model.non_trainable_variables),
+        "optimizer": list(optimizer.variables),
+        "metrics": list(model.metrics_variables),
+    }
+    found = {name: [_sharding_of(v, distribution) for v in variables]
+             for name, variables in groups.items()}
+    pairs = [(v, s) for name in groups for v, s in zip(groups[name], found[name], strict=True)]
+    spread = [(v, s) for v, s in pairs if s is not None and len(s.device_set) > 1]
+    if distribution is None and not spread:
+        return None
+    if distribution is not None:
+        mesh = distribution.device_mesh.backend_mesh
+        source = f"keras.distribution.{type(distribution).__name__}"
+        data_axis = distribution.batch_dim_name
+    else:
+        mesh = spread[0][1].mesh
+        source = f"the sharding of variable {spread[0][0].path!r}"
+        data_axis = None
+    for variable, sharding in pairs:
+        if sharding is not None and not same_mesh(sharding.mesh, mesh):
+            raise ValueError(
+                f"autoaccum keeps the layout of every variable of a distributed Keras model on "
+                f"one mesh, but variable {variable.path!r} is on mesh "
+                f"{dict(sharding.mesh.shape)} (devices {_ids(sharding.mesh)}) while "
+                f"{source} uses mesh {dict(mesh.shape)} (devices {_ids(mesh)}). Build the "
+                "model, its optimizer and metrics under one distribution "
+                "(`with distribution.scope():` or keras.distribution.set_distribution) and "
+                f"train under the same one. Received: {variable.path!r} with sharding "
+                f"{sharding.spec}")
+    replicated = NamedSharding(mesh, P())
+
+    def shardings(name: str) -> list:
+        return [replicated if s is None else s for s in found[name]]
+
+    mutable, frozen = layout.split(shardings("non_trainable"))
+    state = (shardings("trainable"), mutable, shardings("optimizer"), shardings("metrics"))
+    return Placement(mesh=mesh, state=state, frozen=(frozen,), data_axis=data_axis,
+                     source=source)
+
+
+def _ids(mesh: Any) -> list[int]:
+    return [int(d.id) for d in mesh.devices.flat]
+
+
+def _sharding_of(variable: Any, distribution: Any) -> NamedSharding | None:
+    """The ``NamedSharding`` a Keras variable has (its value's; a variable not yet
+    initialized: its layout, or the distribution's for it), or ``None`` (no layout: one
+    device, or replicated on the mesh)."""
+    import jax
+
+    value = getattr(variable, "_value", None)
+    if isinstance(value, jax.Array):
+        sharding = value.sharding
+        if isinstance(sharding, NamedSharding):
+            return sharding
+        if len(sharding.device_set) == 1:
+            return None
+        raise ValueError(
+            f"autoaccum keeps each variable's sharding, which must be a "
+            f"jax.sharding.NamedSharding (a mesh and a PartitionSpec, as keras.distribution "
+            f"gives); variable {variable.path!r} has a {type(sharding).__name__} over "
+            f"{len(sharding.device_set)} devices. Lay the model out with "
+            "keras.distribution.ModelParallel and a LayoutMap (or place the value with a "
+            f"NamedSharding). Received: {variable.path!r} with {type(sharding).__name__}")
+    layout = getattr(variable, "_layout", None)
+    if layout is None and distribution is not None:
+        layout = distribution.get_variable_layout(variable)
+    if layout is None:
+        return None
+    backend = getattr(layout, "backend_layout", layout)
+    return backend if isinstance(backend, NamedSharding) else None
+
+
+def placed_program(program: Any, placement: Placement | None) -> Any:
+    """A Keras :class:`~autoaccum.planning.TrainProgram` (from ``keras_program``) that keeps
+    ``placement``: its abstract state carries the shardings, so the resident memory the
+    planner checks before compiling is that of one device."""
+    if placement is None:
+        return program
+    import dataclasses
+
+    trainable, mutable, optimizer, metrics = placement.abstract(program.abstract_state,
+                                                                placement.state)
+    (frozen,) = placement.abstract(program.frozen_args, placement.frozen)
+    parts = {"trainable": trainable, "frozen": frozen, "optimizer": optimizer,
+             "mutable": mutable, "metrics": metrics}
+    return dataclasses.replace(
+        program, abstract_state=(trainable, mutable, optimizer, metrics), trainable=trainable,
+        frozen_args=(frozen,), parts={**program.parts, **parts}, placement=placement)

@@ -83,9 +83,11 @@ class Validator:
             lambda a: np.reshape(a, (n // micro, micro, *np.shape(a)[1:])), packed)
 
     def _compile(self, state: tuple, batches: Any, frozen: list) -> Any:
+        # Variables keep where they are (a Keras distribution's layout, a data-parallel mesh).
         spec = lambda tree: jax.tree.map(  # noqa: E731
             lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype
-                                           if not hasattr(v, "dtype") else v.dtype), tree)
+                                           if not hasattr(v, "dtype") else v.dtype,
+                                           sharding=_sharding(v)), tree)
         key = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batches))
         if key not in self._compiled:
             with keras_lowering_scope():
@@ -109,3 +111,9 @@ class Validator:
             model._jax_state = None
             write_back(model, layout, held)
             raise
+
+
+def _sharding(value: Any) -> Any:
+    """A committed array's sharding when it spans several devices, else ``None``."""
+    sharding = getattr(value, "sharding", None) if isinstance(value, jax.Array) else None
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None

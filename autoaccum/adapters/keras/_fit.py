@@ -24,10 +24,10 @@ from ...planning._option_checks import received
 from ...training._fit_loop import EpochTally, FitHooks, FitLoop, StepOutcome, run_fit_loop
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ._batch_stats import validate_batch_stats
-from ._distribution import keras_auto_mesh, keras_distribution_mesh
+from ._distribution import keras_auto_mesh, keras_distribution_mesh, keras_placement
 from ._evaluate import Validator
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
-from ._program import ensure_built, find_layout
+from ._program import KerasLayout, ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
@@ -140,7 +140,18 @@ def keras_fit(
             f"{received('steps_per_epoch', steps_per_epoch)}")
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
-    dp = 1 if mesh is None else int(mesh.size)
+    placement = keras_placement(model, KerasLayout(
+        tuple(range(len(model.non_trainable_variables))), ()))
+    if placement is not None:  # the user's layout (ModelParallel) is kept; see _distribution
+        if mesh is not None:
+            raise ValueError(
+                f"This model's variables are laid out by {placement.source} over a mesh "
+                f"{dict(placement.mesh.shape)}; autoaccum keeps that layout and splits batches "
+                f"over its batch axis ({placement.data_axis!r}), so it cannot also replicate "
+                "the model over another data-parallel mesh. Leave data_parallel at its default "
+                f"(None). Received: data_parallel={mesh.size}")
+        mesh = None
+    dp = placement.data_parallel if placement is not None else 1 if mesh is None else mesh.size
     last = None if last_micro_batch is None else int(last_micro_batch)
     effective = (int(micro_batch) * (int(accum_steps) - 1) + (last or int(micro_batch))) * dp
     source = keras_data(model, data)
@@ -153,7 +164,10 @@ def keras_fit(
     materialize(model)
     layout = find_layout(model, spec, batch_size=first)
     model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
-    runner = StepRunner(model, layout, spec, mesh=mesh, micro_batch=int(micro_batch),
+    if placement is not None:  # built now (optimizer and all): its layout as it is
+        placement = keras_placement(model, layout)
+    runner = StepRunner(model, layout, spec, mesh=mesh, placement=placement,
+                        micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
                         batch_stats=batch_stats, backup=backup, elastic=elastic,
                         last_micro_batch=last, uneven=bool(uneven))

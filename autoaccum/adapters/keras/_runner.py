@@ -34,6 +34,7 @@ from ...devices._mesh import (
     replicated_sharding,
     shard_batches,
 )
+from ...devices._placement import place
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
 from ...planning._micro_batches import UnevenBatches, split_sizes
@@ -78,12 +79,17 @@ class StepRunner:
     def __init__(self, model: Any, layout: KerasLayout, spec: PyTree, *, mesh: Any,
                  micro_batch: int, accum_steps: int, lr_scaling: Any, batch_stats: str,
                  backup: str, elastic: bool, last_micro_batch: int | None = None,
-                 uneven: bool = True, backup_each_step: bool = False) -> None:
+                 uneven: bool = True, backup_each_step: bool = False,
+                 placement: Any = None) -> None:
         self.model = model
         self.layout = layout
         self.spec = spec
-        self.mesh = mesh
-        self.dp = 1 if mesh is None else int(mesh.size)
+        self.placement = placement
+        """The user's layout of the state (``keras.distribution.ModelParallel``), kept: the
+        step's input and output shardings (then ``mesh`` is ``None``)."""
+        self.mesh = None if placement is not None else mesh
+        self.dp = (placement.data_parallel if placement is not None
+                   else 1 if mesh is None else int(mesh.size))
         self.micro_batch = micro_batch
         self.accum_steps = accum_steps
         self.last_micro_batch = last_micro_batch
@@ -97,9 +103,10 @@ class StepRunner:
         self._splits: dict[int, Split] = {}
         self._compiled: dict[Split, Any] = {}
         self._jitted = jax.jit(
-            keras_train_step(model, layout, mesh=mesh, lr_scaling=lr_scaling,
+            keras_train_step(model, layout, mesh=self.mesh, lr_scaling=lr_scaling,
                              batch_stats=batch_stats),
             donate_argnums=0,
+            out_shardings=None if placement is None else (placement.state, None, None),
         )
 
     @property
@@ -134,16 +141,22 @@ class StepRunner:
                     np.shape(v), v.dtype,
                     sharding=None if self.mesh is None else replicated_sharding(self.mesh)),
                 tree)
+            if self.placement is not None:
+                state = self.placement.abstract(state, self.placement.state)
+                (frozen,) = self.placement.abstract((frozen,), self.placement.frozen)
+            else:
+                state, frozen = abstract(state), abstract(frozen)
             batches = self._batch_spec(accum_steps, micro_batch, last)
             with compiling(), keras_lowering_scope():
-                self._compiled[key] = self._jitted.lower(
-                    abstract(state), batches, abstract(frozen)).compile()
+                self._compiled[key] = self._jitted.lower(state, batches, frozen).compile()
         return self._compiled[key]
 
     def _batch_spec(self, accum_steps: int, micro_batch: int, last: int | None) -> PyTree:
         """Abstract batches of a split, sharded as :func:`shard_batches` places them."""
         mesh, dp = self.mesh, self.dp
         sharding = None if mesh is None else batch_sharding(mesh)
+        if self.placement is not None:
+            sharding = self.placement.batch_sharding()
 
         def full(steps: int) -> PyTree:
             return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
@@ -152,6 +165,8 @@ class StepRunner:
         if last is None:
             return full(accum_steps)
         leading = None if mesh is None else NamedSharding(mesh, P(mesh_axis(mesh)))
+        if self.placement is not None:
+            leading = self.placement.last_sharding()
         return UnevenBatches(full(accum_steps - 1), jax.tree.map(
             lambda s: jax.ShapeDtypeStruct((last * dp, *s.shape), s.dtype, sharding=leading),
             self.spec))
@@ -218,6 +233,10 @@ class StepRunner:
         return event
 
     def _place(self, tree: PyTree) -> PyTree:
+        if self.placement is not None:
+            state, frozen = tree
+            return (place(state, self.placement.state),
+                    place((frozen,), self.placement.frozen)[0])
         return tree if self.mesh is None else replicate(tree, self.mesh)
 
     def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,
@@ -226,7 +245,8 @@ class StepRunner:
         state, frozen = self._place(keras_state(model, layout))
         if self.elastic or self.backup_each_step:
             self.snapshot.take(state)
-        placed = batches if self.mesh is None else shard_batches(batches, self.mesh)
+        placed = (self.placement.place_batches(batches) if self.placement is not None
+                  else batches if self.mesh is None else shard_batches(batches, self.mesh))
         with deferred_interrupts():
             try:
                 new_state, metrics, logs = compiled(state, placed, frozen)

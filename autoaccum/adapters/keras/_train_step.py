@@ -24,6 +24,7 @@ from ...planning._adapter import Prepared
 from ...planning._plan import Plan
 from ...training._nonfinite import NonFiniteError
 from ._data import KerasArrays
+from ._distribution import keras_placement
 from ._program import ensure_built
 from ._remat import keras_rematerialized
 from ._runner import StepRunner
@@ -99,7 +100,9 @@ class KerasTrainStep:
         materialize(model)
         self._spec = spec
         self._runner = StepRunner(
-            model, prepared.extras["layout"], spec, mesh=mesh, micro_batch=plan.micro_batch,
+            model, prepared.extras["layout"], spec, mesh=mesh,
+            placement=keras_placement(model, prepared.extras["layout"]),
+            micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
             uneven=uneven, lr_scaling=plan.lr_scaling, batch_stats=batch_stats, backup=backup,
             elastic=elastic, backup_each_step=not elastic)

@@ -70,6 +70,8 @@ def plan_preset(
     extrapolate: bool = True,
     quantize: str | None = None,
     verify_depth: bool = True,
+    devices: int | None = None,
+    hosts: int | None = None,
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
 
@@ -85,6 +87,8 @@ def plan_preset(
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
     as the advisor's quick rows do); ``False`` compiles every probe in full.
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel
+    with replicated weights; the micro-batch is per device, the budget one GPU's.
     ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
     ``lora_rank``: QLoRA; see :func:`._abstract_lm.build_abstract_causal_lm`).
 
@@ -147,7 +151,8 @@ def plan_preset(
                                 resident=resident,
                                 budget=budget, device=device, memory_fraction=memory_fraction,
                                 log=log, cache=cache, depth_variants=variants,
-                                verify_depth=verify_depth)
+                                verify_depth=verify_depth, devices=devices,
+                                hosts=1 if hosts is None else hosts)
         except DoesNotFitError as error:
             if error.resident is not None:  # known from shapes: no policy can help
                 raise

@@ -1,0 +1,118 @@
+"""Which Gemma 3 fine-tunes fit on which multi-GPU box, with replicated data parallelism (issue
+21 item 3): gemma3_4b full fine-tune, gemma3_12b LoRA and gemma3_27b LoRA (sequence 400, bf16
+weights, AdamW, effective batch 8) on 1 x T4, 2 x T4 (Kaggle), 4 x L4 and 8 x A100-80GB.
+
+Every row is a dry run on this CPU: ``plan_preset(..., device=..., devices=N)`` compiles the real
+accumulated Keras step deviceless for N GPUs (JAX's CUDA topology ``"1x1xN"``), weights and
+optimizer state replicated on every GPU, each GPU scanning its own micro-batches; memory is per
+GPU against one GPU's budget. Depth extrapolation (depths 2 and 3, then one full-depth compile
+of the choice) keeps it cheap, and a model whose weights and optimizer state alone exceed one
+GPU is refused from shapes, before any compile. The wall time of each row (this shared 2-core
+machine; the load average is printed) and its compiles are in the table.
+
+With the replicated strategy more GPUs only split the batch: a model that does not fit one GPU
+does not fit N of them. That is what the sharded strategies (ZeRO/FSDP, branch ``shard``)
+change; this table is their baseline.
+
+    .venv/bin/python benchmarks/multi_gpu_story.py            # the whole table
+    .venv/bin/python benchmarks/multi_gpu_story.py --rows 4b  # rows whose model contains '4b'
+
+Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; load average 17-20 on 2 shared
+cores, so wall times are ~8x what an idle machine gives), one run, 9 compiles in all:
+
+    model                     GPUs           fits  micro x GPUs x accum  need / why not
+    gemma3_4b full fine-tune  1 x T4         no    -   weights + optimizer 21.7 GiB > 13.4 GiB
+    gemma3_4b full fine-tune  2 x T4         no    -   (the same per GPU: replicated)
+    gemma3_4b full fine-tune  4 x L4         no    -   21.7 GiB > 20.2 GiB
+    gemma3_4b full fine-tune  8 x A100 80GB  yes   1 x 8 x 1   57.8 GiB of 75.3 GiB  (576 s)
+    gemma3_12b LoRA 4         1/2 x T4, 4 x L4  no  -  weights + optimizer 22.1 GiB > 13.4 / 20.2
+    gemma3_12b LoRA 4         8 x A100 80GB  yes   1 x 8 x 1   29.3 GiB of 75.3 GiB  (255 s)
+    gemma3_27b LoRA 4         1/2 x T4, 4 x L4  no  -  weights + optimizer 51.0 GiB > 13.4 / 20.2
+    gemma3_27b LoRA 4         8 x A100 80GB  yes   1 x 8 x 1   62.5 GiB of 75.3 GiB  (280 s)
+
+The "no" rows are answered from shapes in 0-13 s with no compile; each "yes" row took 3
+compiles (depths 2 and 3, then one full-depth verification) over 8 deviceless GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import sys
+import time
+
+from _common import print_table
+
+MODELS = [  # (label, architecture, LoRA rank or None for a full fine-tune)
+    ("gemma3_4b full fine-tune", "gemma3_4b", None),
+    ("gemma3_12b LoRA 4", "gemma3_12b", 4),
+    ("gemma3_27b LoRA 4", "gemma3_27b", 4),
+]
+BOXES = [("t4", 1), ("t4", 2), ("l4", 4), ("a100-80gb", 8)]
+SEQUENCE, EFFECTIVE_BATCH, DTYPE = 400, 8, "bfloat16"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) -> list[str]:
+    from autoaccum.adapters.keras.presets import plan_preset
+    from autoaccum.devices import find_profile
+    from autoaccum.planning import DoesNotFitError
+    from autoaccum.planning._measure import compile_count
+
+    profile = find_profile(device)
+    box = f"{devices} x {profile.name.removeprefix('NVIDIA ')}"
+    start, compiles = time.perf_counter(), compile_count()
+    try:
+        plan = plan_preset(arch, effective_batch=EFFECTIVE_BATCH, lora_rank=rank,
+                           sequence_length=SEQUENCE, dtype=DTYPE, device=device,
+                           devices=devices if devices > 1 else None, log=None)
+    except DoesNotFitError as error:
+        seconds = time.perf_counter() - start
+        if error.resident is not None:
+            why = (f"weights + optimizer state {_gib(error.resident.state_bytes)} > "
+                   f"{_gib(error.budget_bytes or 0)} per GPU (from shapes)")
+        else:
+            smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
+            why = ("micro-batch 1 needs " + _gib(smallest.need_bytes) if smallest else
+                   str(error).splitlines()[0][:80])
+        return [label, box, "no", "-", why, f"{seconds:.0f}",
+                str(compile_count() - compiles)]
+    seconds = time.perf_counter() - start
+    split = f"{plan.micro_batch} x {plan.data_parallel} x {plan.accum_steps}"
+    need = f"{_gib(plan.need_bytes)} of {_gib(plan.budget_bytes)} per GPU"
+    return [label, box, "yes", split, need, f"{seconds:.0f}", str(compile_count() - compiles)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="", help="only models whose label contains this")
+    args = parser.parse_args()
+    rows = []
+    for label, arch, rank in MODELS:
+        if args.rows not in label:
+            continue
+        for device, devices in BOXES:
+            row = one_row(label, arch, rank, device, devices)
+            rows.append(row)
+            load = os.getloadavg()[0]
+            print(f"# {row} (load {load:.1f})", file=sys.stderr, flush=True)
+    print(f"Gemma 3, sequence {SEQUENCE}, {DTYPE} weights, AdamW, effective batch "
+          f"{EFFECTIVE_BATCH}, replicated data parallelism (micro-batch x GPUs x accumulation "
+          "steps), deviceless compiles on this CPU:")
+    print_table(["model", "GPUs", "fits", "micro x GPUs x accum", "need / why not",
+                 "wall s", "compiles"], rows)
+    print("Replicated: every GPU holds the whole model and optimizer state, so more GPUs only "
+          "split the batch; what does not fit one GPU does not fit N. Sharded strategies "
+          "(ZeRO/FSDP) are what would change the 'no' rows.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Dry runs for several named GPUs that are not here: ``plan(device="t4", devices=2)`` and
+``autoaccum plan --device t4 --devices 2`` compile deviceless for N GPUs (JAX's CUDA topology
+``"1 x hosts x N/hosts"``), data-parallel with one GPU's budget, and say how the GPUs connect."""
+
+import json
+
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.cli._main import main
+from autoaccum.devices._deviceless import deviceless_target, topology_text
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+
+def _plan(device="t4", **kwargs):
+    model = TinyLM(vocab=512, dim=64, hidden=256, rngs=nnx.Rngs(0))
+    return autoaccum.plan(model, ragged_tokens(16, 64, vocab=512), effective_batch=16,
+                          optimizer=optax.adamw, learning_rate=1e-4, loss_fn=token_loss,
+                          device=device, log=None, cache=False, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_named_gpus_are_planned_per_device_with_one_gpus_budget_and_the_interconnect():
+    one, two = _plan(), _plan(devices=2)
+    profile = autoaccum.devices.find_profile("t4")
+    assert two.data_parallel == 2 and two.micro_batch * 2 * two.accum_steps == 16
+    assert two.target.startswith("2 x NVIDIA T4") and "deviceless" in two.target
+    assert two.deviceless and two.profile == "t4"
+    assert two.budget_bytes == one.budget_bytes == profile.budget_bytes()
+    assert 0 < two.need_bytes <= two.budget_bytes
+    report = two.report()
+    assert "micro_batch" in report and "2 device(s)" in report
+    assert "interconnect: PCIe Gen3 x16, no NVLink (32 GB/s per GPU" in report
+    # Per device: a replica's weights and optimizer state, as on one T4.
+    assert two.estimate.trainable_bytes == one.estimate.trainable_bytes
+
+
+@pytest.mark.slow
+def test_several_hosts_compile_for_every_gpu_and_name_the_hosts():
+    plan = _plan("a100-80gb", devices=4, hosts=2)
+    assert plan.data_parallel == 4 and plan.micro_batch * 4 * plan.accum_steps == 16
+    assert plan.target.startswith("4 x NVIDIA A100 80GB on 2 hosts")
+    assert "interconnect: NVLink 3" in plan.report()
+
+
+@pytest.mark.slow
+def test_cli_devices_flag_plans_n_gpus(capsys):
+    assert main(["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch",
+                 "8", "--device", "l4", "--devices", "2", "--json", "--quiet", "--no-cache"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data_parallel"] == 2 and out["deviceless"] is True and out["profile"] == "l4"
+    assert out["device"].startswith("2 x NVIDIA L4")
+    assert out["micro_batch"] * out["accum_steps"] * 2 == 8
+
+
+@pytest.mark.slow
+def test_a_keras_model_is_planned_for_two_named_gpus():
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    data = (np.ones((16, 32), "float32"), np.zeros((16, 1), "float32"))
+    plan = autoaccum.plan(model, data, effective_batch=16, device="t4", devices=2, log=None,
+                          cache=False)
+    assert plan.data_parallel == 2 and plan.micro_batch * 2 * plan.accum_steps == 16
+    assert plan.target.startswith("2 x NVIDIA T4") and not model.optimizer.built
+
+
+@pytest.mark.slow
+def test_the_cuda_topology_has_the_devices_asked_for():
+    target = deviceless_target("t4", device_memory_bytes=2**30, devices=4, hosts=2)
+    assert target.count == 4 and target.hosts == 2
+    assert sorted({d.process_index for d in target.devices}) == [0, 1]
+
+
+def test_topology_text_follows_jax_cuda_shape():
+    assert topology_text() == "1x1x1"
+    assert topology_text(2) == "1x1x2"
+    assert topology_text(8, 2) == "1x2x4"
+    with pytest.raises(ValueError, match=r"Received: devices=3, hosts=2"):
+        topology_text(3, 2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"devices": 0}, r"positive integer.*Received: devices=0"),
+    ({"devices": "2"}, r"Received: devices='2'"),
+    ({"devices": True}, r"Received: devices=True"),
+    ({"devices": 3, "hosts": 2}, r"multiple of hosts.*Received: devices=3, hosts=2"),
+    ({"hosts": 2}, r"hosts= needs devices="),
+    ({"devices": 2, "data_parallel": 4}, r"Received: data_parallel=4"),
+])
+def test_bad_devices_are_refused_before_any_compile(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(**kwargs)
+
+
+def test_more_local_devices_than_there_are_names_the_dry_run():
+    with pytest.raises(ValueError, match=r"name them: device='t4'.*Received: devices=64"):
+        _plan(None, devices=64)
+
+
+def test_cli_devices_must_be_a_positive_whole_number(capsys):
+    assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--device", "t4",
+                 "--devices", "0"]) == 2
+    assert "--devices" in capsys.readouterr().err
