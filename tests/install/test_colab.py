@@ -31,33 +31,50 @@ def test_the_shipped_freeze_is_colab_s_gpu_runtime():
     assert len(packages) > 600
 
 
-def _check(tmp_path, readme) -> subprocess.CompletedProcess:
-    out = tmp_path / "findings.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--readme", str(readme), "--json",
-                           str(out)], capture_output=True, text=True, timeout=3000, cwd=REPO)
+@pytest.fixture(scope="module")
+def colab_runs(tmp_path_factory) -> dict[str, tuple[str, dict | None]]:
+    """One run of the resolver for both commands (the README's and a bad one): they share the
+    wheel, the emulated environment and the fetched metadata, the slow part. Gives each
+    command's section of the output and its findings."""
+    work = tmp_path_factory.mktemp("colab")
+    bad = work / "bad" / "README.md"
+    bad.parent.mkdir()
+    # What the issue describes: `autoaccum[keras]` alone moves jax but not Colab's plugin;
+    # tensorflow-cpu next to Colab's tensorflow is a second distribution in one folder.
+    bad.write_text('```\n%pip install -q "autoaccum[keras]" tensorflow-cpu\n```\n')
+    readmes = {"readme": REPO / "README.md", "bad": bad}
+    command = [sys.executable, str(SCRIPT)]
+    for name, readme in readmes.items():
+        command += ["--readme", str(readme), "--json", str(work / f"{name}.json")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=3000, cwd=REPO)
     if proc.returncode == 3:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     print(proc.stdout)
-    return proc
+    # The README's command passes and the bad one fails: exit 1, one section per command.
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sections = proc.stdout.split("\n=== ")[1:]
+    assert [s.splitlines()[0] for s in sections] == [str(r) for r in readmes.values()], (
+        proc.stdout[-3000:] + proc.stderr[-3000:])
+    runs = {}
+    for (name, _), section in zip(readmes.items(), sections, strict=True):
+        found = work / f"{name}.json"
+        runs[name] = (section, json.loads(found.read_text()) if found.exists() else None)
+    return runs
 
 
 @pytest.mark.slow
-def test_the_colab_command_keeps_jax_and_its_plugin_together_and_one_tensorflow(tmp_path):
-    proc = _check(tmp_path, REPO / "README.md")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "PASS" in proc.stdout
-    findings = json.loads((tmp_path / "findings.json").read_text())
+def test_the_colab_command_keeps_jax_and_its_plugin_together_and_one_tensorflow(colab_runs):
+    out, findings = colab_runs["readme"]
+    assert "PASS" in out and "FAIL" not in out, out
+    assert findings["failures"] == []
     assert len(set(findings["jax"].values())) == 1
     assert list(findings["tensorflow"]) == ["tensorflow"]
 
 
 @pytest.mark.slow
-def test_the_check_fails_when_the_plugin_is_left_behind_and_tensorflow_cpu_is_added(tmp_path):
-    # What the issue describes: `autoaccum[keras]` alone moves jax but not Colab's plugin;
-    # tensorflow-cpu next to Colab's tensorflow is a second distribution in one folder.
-    readme = tmp_path / "README.md"
-    readme.write_text('```\n%pip install -q "autoaccum[keras]" tensorflow-cpu\n```\n')
-    proc = _check(tmp_path, readme)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "the CUDA plugin/PJRT must match jax" in proc.stdout
-    assert "more than one TensorFlow distribution" in proc.stdout
+def test_the_check_fails_when_the_plugin_is_left_behind_and_tensorflow_cpu_is_added(colab_runs):
+    out, findings = colab_runs["bad"]
+    assert "the CUDA plugin/PJRT must match jax" in out, out
+    assert "more than one TensorFlow distribution" in out
+    assert "PASS" not in out
+    assert len(findings["failures"]) >= 2
