@@ -24,8 +24,9 @@ def test_chat_data_puts_the_model_turn_in_the_prompt_so_the_loss_is_on_the_answe
                                                                     "animals"]
 
 
-@pytest.mark.slow  # the 4B dry run's compiles and the fine-tune
-def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(capsys):
+@pytest.mark.slow  # the fine-tune (the 4B dry run's compiles: once per session, see conftest)
+def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(
+        capsys, lab_dry_run_report):
     assert main([]) == 0
     out = capsys.readouterr().out
     summary = re.search(r"On the T4: micro-batch 1 needs .* \(fits\); micro-batch 2 needs .* "

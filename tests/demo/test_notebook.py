@@ -43,7 +43,8 @@ def test_notebook_uses_the_public_api_and_keeps_the_labs_order_and_arguments():
 
 
 @pytest.mark.slow
-def test_colab_notebook_runs_offline_top_to_bottom(tmp_path, monkeypatch):
+def test_colab_notebook_runs_offline_top_to_bottom(tmp_path, monkeypatch, lab_dry_run_report):
+    # lab_dry_run_report: its plan_preset cell is the lab's dry run, compiled once per session
     monkeypatch.setenv("AUTOACCUM_OFFLINE", "1")
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a user's machine
     monkeypatch.delenv("KERAS_BACKEND", raising=False)  # configure() must set it

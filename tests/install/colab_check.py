@@ -2,6 +2,9 @@
 
     python tests/install/colab_check.py [--freeze FILE] [--readme README.md] [--json OUT]
 
+(``--readme``/``--json`` may be repeated: several commands checked in one run share the
+wheel, the environment and the fetched metadata.)
+
 Colab ships jax, jax-cuda12-plugin/-pjrt, keras, keras-hub and tensorflow. A command that
 moves jax but not its CUDA plugin breaks the GPU (PJRT mismatch); one that adds
 ``tensorflow-cpu`` next to ``tensorflow`` makes two distributions write one folder. This
@@ -225,47 +228,73 @@ def walk(roots: list[Requirement], versions: dict[str, str],
 
 def check(freeze_path: Path, readme: Path, *, log=print) -> dict[str, Any]:
     """Resolve the README's Colab command against the freeze; return the findings."""
+    (result,) = check_all(freeze_path, [readme], log=log)
+    if isinstance(result, ResolutionError):
+        raise result
+    return result
+
+
+def check_all(freeze_path: Path, readmes: list[Path], *,
+              log=print) -> list[dict[str, Any] | ResolutionError]:
+    """:func:`check` for several READMEs in one go: the wheel, the environment and the real
+    metadata fetched for Colab's packages (the slow part) are shared; a command pip cannot
+    resolve gives its :class:`ResolutionError` in place of findings."""
     freeze, python = read_freeze(freeze_path)
-    command = colab_command(readme)
+    commands = [colab_command(readme) for readme in readmes]
     _require_index()
+    results: list[dict[str, Any] | ResolutionError] = []
     with tempfile.TemporaryDirectory(prefix="colab-check-") as tmp:
         work = Path(tmp)
         wheel = build_wheel(work)
-        requirements = []
-        roots = []
-        for text in command:
-            requirement = Requirement(text)
-            if canonicalize_name(requirement.name) == "autoaccum":
-                extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
-                requirements.append(f"autoaccum{extras} @ {wheel.as_uri()}")
-            else:
-                requirements.append(text)
-            roots.append(requirement)
         site = make_environment(work)
-        venv_python = site.parents[2] / "bin" / "python"
         metadata: dict[str, dict[str, Any]] = {}
-        for round_number in range(1, 8):
-            write_installed(site, freeze, metadata)
-            report = resolve(venv_python, requirements, python, work)
-            installs = {canonicalize_name(i["metadata"]["name"]): i["metadata"]
-                        for i in report["install"]}
-            versions = {key: version for key, (_, version) in freeze.items()}
-            versions.update({key: meta["version"] for key, meta in installs.items()})
-            known = {**metadata, **installs}
-            reached, _ = walk(roots, versions, known, python)
-            to_fetch = sorted(k for k in reached if k not in known and k in freeze)
-            log(f"round {round_number}: pip would install {len(installs)} package(s); "
-                f"{len(to_fetch)} kept Colab package(s) need their real metadata")
-            if not to_fetch:
-                break
-            pins = [f"{freeze[k][0]}=={freeze[k][1].split('+')[0]}" for k in to_fetch]
-            fetched = fetch_metadata(pins, python, work)
-            for key in to_fetch:
-                metadata[key] = fetched.get(key, {"name": freeze[key][0], "requires_dist": []})
-                if key not in fetched:
-                    log(f"  no metadata found for {freeze[key][0]}=={freeze[key][1]}")
+        for command in commands:
+            try:
+                results.append(_check_command(command, freeze, python, wheel, site, metadata,
+                                              work, log, freeze_path.name))
+            except ResolutionError as error:
+                results.append(error)
+    return results
+
+
+def _check_command(command: list[str], freeze: dict[str, tuple[str, str]], python: str,
+                   wheel: Path, site: Path, metadata: dict[str, dict[str, Any]], work: Path,
+                   log, freeze_name: str) -> dict[str, Any]:
+    """Rounds of resolve, walk and fetch for one command; ``metadata`` (exact versions of
+    Colab's packages, the same for every command) is filled in place."""
+    requirements = []
+    roots = []
+    for text in command:
+        requirement = Requirement(text)
+        if canonicalize_name(requirement.name) == "autoaccum":
+            extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+            requirements.append(f"autoaccum{extras} @ {wheel.as_uri()}")
         else:
-            raise SystemExit("The installed set did not settle after 7 rounds.")
+            requirements.append(text)
+        roots.append(requirement)
+    venv_python = site.parents[2] / "bin" / "python"
+    for round_number in range(1, 8):
+        write_installed(site, freeze, metadata)
+        report = resolve(venv_python, requirements, python, work)
+        installs = {canonicalize_name(i["metadata"]["name"]): i["metadata"]
+                    for i in report["install"]}
+        versions = {key: version for key, (_, version) in freeze.items()}
+        versions.update({key: meta["version"] for key, meta in installs.items()})
+        known = {**metadata, **installs}
+        reached, _ = walk(roots, versions, known, python)
+        to_fetch = sorted(k for k in reached if k not in known and k in freeze)
+        log(f"round {round_number}: pip would install {len(installs)} package(s); "
+            f"{len(to_fetch)} kept Colab package(s) need their real metadata")
+        if not to_fetch:
+            break
+        pins = [f"{freeze[k][0]}=={freeze[k][1].split('+')[0]}" for k in to_fetch]
+        fetched = fetch_metadata(pins, python, work)
+        for key in to_fetch:
+            metadata[key] = fetched.get(key, {"name": freeze[key][0], "requires_dist": []})
+            if key not in fetched:
+                log(f"  no metadata found for {freeze[key][0]}=={freeze[key][1]}")
+    else:
+        raise SystemExit("The installed set did not settle after 7 rounds.")
     _, unmet = walk(roots, versions, known, python)
     changes = []
     for key, meta in sorted(installs.items()):
@@ -283,7 +312,7 @@ def check(freeze_path: Path, readme: Path, *, log=print) -> dict[str, Any]:
         failures.append(f"more than one TensorFlow distribution: {tensorflows}")
     failures += [f"unmet: {u}" for u in unmet]
     return {"command": "%pip install " + " ".join(shlex.quote(c) for c in command),
-            "python": python, "freeze": str(freeze_path.name), "changes": changes,
+            "python": python, "freeze": freeze_name, "changes": changes,
             "jax": jax_versions, "tensorflow": tensorflows, "failures": failures}
 
 
@@ -308,21 +337,34 @@ def print_findings(findings: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--freeze", type=Path, default=FREEZE)
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
-    parser.add_argument("--json", type=Path, help="also write the findings here")
+    parser.add_argument("--readme", type=Path, action="append",
+                        help="README.md of this checkout by default; repeat to check several "
+                        "in one run (each gets a '=== README' header)")
+    parser.add_argument("--json", type=Path, action="append",
+                        help="also write the findings here (once per --readme)")
     args = parser.parse_args(argv)
+    readmes = args.readme or [REPO / "README.md"]
+    if args.json and len(args.json) != len(readmes):
+        parser.error(f"give one --json per --readme. Received: {len(args.json)} --json for "
+                     f"{len(readmes)} README(s)")
     try:
-        findings = check(args.freeze, args.readme, log=lambda m: print(m, file=sys.stderr))
+        results = check_all(args.freeze, readmes, log=lambda m: print(m, file=sys.stderr))
     except IndexUnreachableError as error:
         print(f"SKIP: {error}", file=sys.stderr)
         return 3
-    except ResolutionError as error:
-        print(f"FAIL: pip cannot resolve the Colab command on Colab's packages:\n{error}")
-        return 1
-    print_findings(findings)
-    if args.json:
-        args.json.write_text(json.dumps(findings, indent=2))
-    return 1 if findings["failures"] else 0
+    status = 0
+    for i, (readme, findings) in enumerate(zip(readmes, results, strict=True)):
+        if len(readmes) > 1:
+            print(f"\n=== {readme}")
+        if isinstance(findings, ResolutionError):
+            print(f"FAIL: pip cannot resolve the Colab command on Colab's packages:\n{findings}")
+            status = 1
+            continue
+        print_findings(findings)
+        if args.json:
+            args.json[i].write_text(json.dumps(findings, indent=2))
+        status = max(status, 1 if findings["failures"] else 0)
+    return status
 
 
 def _require_index() -> None:

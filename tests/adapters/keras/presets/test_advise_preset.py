@@ -37,9 +37,12 @@ def test_full_fine_tune_refused_from_shapes_before_any_compile():
     assert info.value.resident.state_bytes > BUDGET
 
 
-def test_every_preset_row_fits_when_planned_with_its_change():
+def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
+    # One need cache for the advisor and the re-plans: a row planned with its change is the
+    # configuration the advisor compiled (the key hashes it), so its figures are found there;
+    # a re-plan that built anything else would miss and compile.
     advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16, budget=BUDGET,
-                           device="t4", backbone_overrides=SMALL, log=None, cache=False)
+                           device="t4", backbone_overrides=SMALL, log=None, cache=str(tmp_path))
     assert not advice.fits
     changes = [a.change for a in advice.alternatives]
     assert any("lora_rank" in c and "quantize" not in c for c in changes)
@@ -51,7 +54,7 @@ def test_every_preset_row_fits_when_planned_with_its_change():
             target = {"device": change.pop("device")}
         kwargs = {"sequence_length": 16, **change}
         plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=SMALL,
-                           log=None, cache=False, **target, **kwargs)
+                           log=None, cache=str(tmp_path), **target, **kwargs)
         assert plan.need_bytes <= plan.budget_bytes
         assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)
     assert "What would fit" in str(advice.error)
