@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._remat import carried_out_of_checkpoints
+from ._carried import carried_out_of_checkpoints
 
 __all__ = ["BATCH_STATS", "BatchStats", "validate_batch_stats"]
 

@@ -24,26 +24,9 @@ import jax
 
 from ...planning._remat import REMAT_POLICIES
 from ...planning._train_program import TrainProgram
+from ._carried import CARRIED_SINKS
 
 KERAS_REMAT_POLICIES = tuple(REMAT_POLICIES)
-
-_CARRIED: list[list] = []  # lists blocks append traced values to while they run
-
-
-@contextlib.contextmanager
-def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
-    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
-    recorded for ``batch_stats="effective"``, :mod:`._batch_stats`) are returned from its
-    checkpointed call and appended outside it, so no value of the inner trace escapes."""
-    _CARRIED.extend(sinks)
-    try:
-        yield
-    finally:
-        for sink in sinks:
-            for i, registered in enumerate(_CARRIED):
-                if registered is sink:
-                    del _CARRIED[i]
-                    break
 
 
 def keras_blocks(model: Any) -> list[Any]:
@@ -125,7 +108,7 @@ def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., A
             written: list[int] = []
             scope = get_stateless_scope()
 
-            sinks = list(_CARRIED)
+            sinks = list(CARRIED_SINKS)
 
             def run(arrays: list[Any]) -> tuple[Any, list[Any], list[Any], list[list]]:
                 full = list(leaves)
