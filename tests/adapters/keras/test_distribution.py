@@ -38,6 +38,7 @@ def test_model_parallel_layout_is_kept_through_fit_and_equals_keras_fit(four_dev
     micro, accum, dp, _last = out["plan"]
     assert dp == 2 and micro * accum * dp == 16  # batches split over the 'batch' axis
     assert "layout: kept as keras.distribution.ModelParallel" in out["report"]
+    assert "on mesh {'batch': 2, 'model': 2}" in out["report"]
 
 
 def test_model_parallel_compiled_step_state_shardings_follow_the_layout(four_devices):
