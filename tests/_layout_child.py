@@ -188,7 +188,55 @@ def errors() -> dict:
     return out
 
 
-MODES = {"model_parallel": model_parallel, "data_parallel": data_parallel, "errors": errors}
+def keras_hub_layout_map() -> dict:
+    """A keras-hub backbone laid out by its own ``get_layout_map`` (Gemma: weights split over
+    both mesh axes), trained with accumulation: the same as ``model.fit``."""
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    distribution = keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=128, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+            hidden_dim=32, intermediate_dim=64, head_dim=8)
+        model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 128, size=(16, 12)).astype("int32")
+    mask = np.ones((16, 12), bool)
+    mask[::3, 8:] = False  # padded examples: unequal valid tokens per device
+    x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
+    y, w = ids[:, 1:], mask[:, 1:].astype("float32")
+    keras.distribution.set_distribution(distribution)
+    try:
+        ref, model = build(), build()
+        shardings = [v.value.sharding for v in model.variables]
+        ref.fit(x, y, sample_weight=w, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        history = autoaccum.fit(model, x, y, sample_weight=w, effective_batch=8, epochs=1,
+                                shuffle=False, verbose=0, log=None, budget="256KiB")
+        plan = history.autoaccum_plan
+        return {
+            "specs": [str(s.spec) for s in shardings],
+            "kept": all(v.value.sharding == s for v, s in zip(model.variables, shardings,
+                                                              strict=True)),
+            "error": _error(model, ref),
+            "loss": [history.history["loss"][0], ref.history.history["loss"][0]],
+            "plan": [plan.micro_batch, plan.accum_steps, plan.data_parallel],
+        }
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+MODES = {"model_parallel": model_parallel, "data_parallel": data_parallel, "errors": errors,
+         "keras_hub_layout_map": keras_hub_layout_map}
 
 
 if __name__ == "__main__":

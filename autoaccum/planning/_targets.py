@@ -53,8 +53,10 @@ def _local_target(mesh: Any = None) -> CompileTarget:
 
     if mesh is not None:
         device = _mesh_local_devices(mesh)[0]
+        how = ("data-parallel" if len(mesh.axis_names) == 1 else
+               f"on mesh {dict(mesh.shape)}")  # a user's own layout (keras ModelParallel)
         return CompileTarget(
-            name=f"{mesh.size} x {device.platform} ({device.device_kind}) data-parallel over "
+            name=f"{mesh.size} x {device.platform} ({device.device_kind}) {how} over "
                  f"{jax.process_count()} process(es), per device",
             fingerprint=_device_fingerprint(device, mesh.size))
     device = jax.devices()[0]

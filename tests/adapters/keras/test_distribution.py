@@ -38,6 +38,7 @@ def test_model_parallel_layout_is_kept_through_fit_and_equals_keras_fit(four_dev
     micro, accum, dp, _last = out["plan"]
     assert dp == 2 and micro * accum * dp == 16  # batches split over the 'batch' axis
     assert "layout: kept as keras.distribution.ModelParallel" in out["report"]
+    assert "on mesh {'batch': 2, 'model': 2}" in out["report"]
 
 
 def test_model_parallel_compiled_step_state_shardings_follow_the_layout(four_devices):
@@ -84,3 +85,17 @@ def test_layouts_autoaccum_cannot_keep_are_errors_naming_the_variable_or_option(
     assert "'sequential" in out["other_mesh"] and "/out/kernel'" in out["other_mesh"]
     assert "one distribution" in out["other_mesh"]
     assert "multiple of the 2 data-parallel devices" in out["effective_batch"]
+
+
+def test_a_keras_hub_backbones_own_layout_map_is_kept_with_accumulation():
+    done = subprocess.run([sys.executable, "-m", "tests._layout_child", "keras_hub_layout_map"],
+                          cwd=REPO, env=_env(4), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    out = _result(done.stdout, done.stderr)["keras_hub_layout_map"]
+    assert "P('model', 'batch')" in out["specs"]  # weights split over both mesh axes
+    assert out["kept"]
+    micro, accum, dp = out["plan"]
+    assert dp == 2 and micro * accum * dp == 8 and accum > 1
+    assert out["error"] <= 1e-5
+    loss, ref = out["loss"]
+    assert abs(loss - ref) <= 1e-5 * abs(ref)
