@@ -60,17 +60,10 @@ def plan(
     data: Any,
     y: Any = None,
     *,
+    # What to train
     effective_batch: int,
     sample_weight: Any = None,
-    budget: int | float | str | None = None,
-    device: str | None = None,
-    memory_fraction: float | None = None,
-    remat: str = "auto",
-    remat_layers: Any = None,
-    objective: str | None = None,
-    method: str = "auto",
-    log: TextIO | str | None = "stderr",
-    data_parallel: int | str | Any = "auto",
+    # The optimizer and its learning rate (Flax models; a Keras model brings its own)
     optimizer: Any = None,
     loss_fn: Any = None,
     trainable: Any = None,
@@ -78,15 +71,28 @@ def plan(
     base_batch: int | None = None,
     lr_rule: str | None = None,
     adjust_adam: bool = False,
-    batch_stats: str = "effective",
-    drop_remainder: bool = False,
-    cache: Any = True,
-    depth_variant: Any = None,
-    uneven: bool = True,
-    advise: bool = False,
+    # Where it runs
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    memory_fraction: float | None = None,
+    data_parallel: int | str | Any = "auto",
     strategy: str = "auto",
     devices: int | None = None,
     hosts: int | None = None,
+    # How to plan
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "auto",
+    uneven: bool = True,
+    cache: Any = True,
+    depth_variant: Any = None,
+    advise: bool = False,
+    # How training will treat the data
+    batch_stats: str = "effective",
+    drop_remainder: bool = False,
+    # What it prints
+    log: TextIO | str | None = "stderr",
 ) -> Plan:
     """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
 
@@ -108,24 +114,8 @@ def plan(
         and per-example weights of in-memory ``x`` (the same as ``data=(x, y,
         sample_weight)``). A Flax model takes its data as one argument.
       effective_batch: examples per optimizer step.
-      budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
-        by default from the device (on CPU, half the available RAM).
-      device: a profile name (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``); on a
-        machine without that GPU the step is compiled deviceless for it.
-      memory_fraction: JAX's share of that GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
-      remat: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit without
-        it), ``"none"``, or a policy of ``autoaccum.REMAT_POLICIES``.
-      remat_layers: which layers to rematerialize when the model has no sequence of blocks.
-      objective: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
-        fitting plan, timed); default throughput on a GPU/TPU here, memory otherwise.
-      method: ``"auto"`` (compile-only plan, then one real verification step when the target
-        is on this machine, backing off on a real out-of-memory), ``"compile"`` or
-        ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
-      log: where probes are logged live (``"stderr"``, a stream, or ``None``).
-      data_parallel: ``"auto"`` (every device; for Keras the mesh of a
-        ``keras.distribution.DataParallel`` if one is set), an int, ``1``, or a one-axis
-        ``jax.sharding.Mesh``. The micro-batch is then per device, planned against one
-        device's budget, and ``micro_batch x data_parallel x accum_steps == effective_batch``.
+
+    The optimizer and its learning rate (Flax models; a Keras model brings its own):
       optimizer: Flax: an optax transformation, or a factory called with the scaled rate.
       loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
       trainable: Flax: an ``nnx`` filter of the trained variables (default ``nnx.Param``).
@@ -138,25 +128,17 @@ def plan(
         ``None`` (default): the rule of the optimizer's family (square root for adam, adamw,
         adafactor, lamb, lion, rmsprop, ...; linear for sgd); needs ``base_batch``.
       adjust_adam: with ``"sqrt"``, Malladi et al.'s b1/b2/eps adjustments too.
-      batch_stats: BatchNorm running averages: ``"effective"`` (one update per optimizer
-        step, from the whole effective batch's mean and variance) or ``"micro"`` (one per
-        micro-batch).
-      drop_remainder: what the plan reports for the examples after the last full effective
-        batch: ``False``, trained in a final smaller step; ``True``, dropped.
-      cache: the need cache (compiled figures keyed by everything that changes the
-        program): ``True`` (``$AUTOACCUM_CACHE_DIR`` or ``~/.cache/autoaccum/needs``), a
-        folder, or ``False`` to compile everything afresh.
-      depth_variant: an :class:`autoaccum.DepthVariant` (your model's constructor at other
-        depths, and its depth): probes are compiled at two small depths and extrapolated,
-        and only the final choice is compiled at full depth.
-      uneven: ``True`` (default): when the largest fitting micro-batch does not divide the
-        per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
-        5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
-        an even split with as few micro-steps is preferred. ``False``: divisors only (13
-        micro-batches of 1). Flax and Keras alike; depth-extrapolated plans use divisors.
-      advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
-        ``DoesNotFitError`` then carries the compile-verified changes that fit
-        (``error.alternatives``, and a table in its message).
+
+    Where it runs:
+      device: a profile name (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``); on a
+        machine without that GPU the step is compiled deviceless for it.
+      budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
+        by default from the device (on CPU, half the available RAM).
+      memory_fraction: JAX's share of that GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+      data_parallel: ``"auto"`` (every device; for Keras the mesh of a
+        ``keras.distribution.DataParallel`` if one is set), an int, ``1``, or a one-axis
+        ``jax.sharding.Mesh``. The micro-batch is then per device, planned against one
+        device's budget, and ``micro_batch x data_parallel x accum_steps == effective_batch``.
       strategy: with more than one device, what the devices split instead of copying:
         ``"auto"`` (default: the least communication that fits one device's budget, tried
         in the order of ``autoaccum.planning.STRATEGIES``), ``"replicated"``, ``"zero1"``
@@ -170,6 +152,39 @@ def plan(
       hosts: the machines those ``devices`` are spread over (the same number on each; JAX's
         CUDA topology ``"1 x hosts x devices/hosts"``), default 1.
 
+    How to plan:
+      remat: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit without
+        it), ``"none"``, or a policy of ``autoaccum.REMAT_POLICIES``.
+      remat_layers: which layers to rematerialize when the model has no sequence of blocks.
+      objective: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
+        fitting plan, timed); default throughput on a GPU/TPU here, memory otherwise.
+      method: ``"auto"`` (compile-only plan, then one real verification step when the target
+        is on this machine, backing off on a real out-of-memory), ``"compile"`` or
+        ``"backoff"`` (real steps, bisecting between the last fit and the first OOM).
+      uneven: ``True`` (default): when the largest fitting micro-batch does not divide the
+        per-device batch, the step may end with a smaller micro-batch (13 with room for 5:
+        5 + 5 + 3, ``plan.last_micro_batch == 3``) in the same compiled step, exact as ever;
+        an even split with as few micro-steps is preferred. ``False``: divisors only (13
+        micro-batches of 1). Flax and Keras alike; depth-extrapolated plans use divisors.
+      cache: the need cache (compiled figures keyed by everything that changes the
+        program): ``True`` (``$AUTOACCUM_CACHE_DIR`` or ``~/.cache/autoaccum/needs``), a
+        folder, or ``False`` to compile everything afresh.
+      depth_variant: an :class:`autoaccum.DepthVariant` (your model's constructor at other
+        depths, and its depth): probes are compiled at two small depths and extrapolated,
+        and only the final choice is compiled at full depth.
+      advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
+        ``DoesNotFitError`` then carries the compile-verified changes that fit
+        (``error.alternatives``, and a table in its message).
+
+    How training will treat the data:
+      batch_stats: BatchNorm running averages: ``"effective"`` (one update per optimizer
+        step, from the whole effective batch's mean and variance) or ``"micro"`` (one per
+        micro-batch).
+      drop_remainder: what the plan reports for the examples after the last full effective
+        batch: ``False``, trained in a final smaller step; ``True``, dropped.
+
+    What it prints:
+      log: where probes are logged live (``"stderr"``, a stream, or ``None``).
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
       ``report()``.
@@ -305,23 +320,11 @@ def fit(
     data: Any = None,
     y: Any = None,
     *,
+    # What to train
     effective_batch: int,
     sample_weight: Any = None,
     epochs: int = 1,
-    budget: int | float | str | None = None,
-    device: str | None = None,
-    memory_fraction: float | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    verbose: int | str = 1,
-    log: TextIO | str | None = "stderr",
-    remat: str = "auto",
-    remat_layers: Any = None,
-    objective: str | None = None,
-    method: str = "auto",
-    elastic: bool = True,
-    backup: str = "auto",
-    data_parallel: int | str | Any = "auto",
+    # The optimizer and its learning rate (Flax models; a Keras model brings its own)
     optimizer: Any = None,
     loss_fn: Any = None,
     trainable: Any = None,
@@ -329,6 +332,24 @@ def fit(
     base_batch: int | None = None,
     lr_rule: str | None = None,
     adjust_adam: bool = False,
+    # Where it runs (as for plan)
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    memory_fraction: float | None = None,
+    data_parallel: int | str | Any = "auto",
+    strategy: str = "auto",
+    # How to plan (as for plan)
+    remat: str = "auto",
+    remat_layers: Any = None,
+    objective: str | None = None,
+    method: str = "auto",
+    uneven: bool = True,
+    cache: Any = True,
+    depth_variant: Any = None,
+    plan: Plan | None = None,
+    # How to train
+    shuffle: bool = True,
+    seed: int = 0,
     callbacks: list[Any] | None = None,
     validation_data: Any = None,
     validation_split: float = 0.0,
@@ -340,31 +361,36 @@ def fit(
     on_nonfinite: str = "stop",
     batch_stats: str = "effective",
     drop_remainder: bool = False,
-    cache: Any = True,
-    depth_variant: Any = None,
-    uneven: bool = True,
-    plan: Plan | None = None,
-    strategy: str = "auto",
+    elastic: bool = True,
+    backup: str = "auto",
+    # What it prints
+    verbose: int | str = 1,
+    log: TextIO | str | None = "stderr",
     **refused: Any,
 ) -> Any:
     """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
 
     Args:
-      model, data, y, sample_weight, effective_batch, budget, device, memory_fraction, remat,
-        remat_layers, objective, data_parallel, optimizer, loss_fn, trainable, learning_rate,
-        base_batch, lr_rule, adjust_adam, cache, depth_variant, uneven, strategy: as for
-        :func:`plan`.
-        In a multi-process run every process passes the same data and seed.
+      model, data, y, sample_weight, effective_batch: as for :func:`plan`. In a
+        multi-process run every process passes the same data and seed.
       epochs: passes over the data.
-      shuffle, seed: the example order of each epoch.
-      verbose: 0 silences the plan report and the progress bar.
-      log: where the plan and probes are printed.
+
+    The optimizer and its learning rate (Flax models; a Keras model brings its own):
+      optimizer, loss_fn, trainable, learning_rate, base_batch, lr_rule, adjust_adam: as for
+        :func:`plan`.
+
+    Where it runs and how to plan:
+      device, budget, memory_fraction, data_parallel, strategy, remat, remat_layers,
+        objective, uneven, cache, depth_variant: as for :func:`plan`.
       method: as for :func:`plan`; with ``"auto"`` the first training step is the real
         verification.
-      elastic: on a real out-of-memory during training, lower the micro-batch, raise
-        accumulation (same effective batch) and redo the same step from the same state.
-      backup: host copy of the donated state so a failed step loses nothing: ``"auto"`` (up
-        to 4 GiB), ``"host"``, ``"none"``.
+      plan: a :class:`Plan` from :func:`plan` for this model, data and effective batch: fit
+        checks that it matches (sizes of weights, optimizer state and examples, learning-rate
+        rule, device count; not a dry run for another GPU) and trains with it without planning
+        again. Planning options (``budget``, ``device``, ...) are refused next to it.
+
+    How to train:
+      shuffle, seed: the example order of each epoch.
       callbacks: Keras models, Keras callbacks; Flax models, :class:`autoaccum.Callback`
         objects (``on_step_end(step, logs)``, ``on_epoch_end(epoch, logs)``; set
         ``self.stop_training = True`` or raise :class:`autoaccum.StopTraining` to stop).
@@ -382,10 +408,14 @@ def fit(
       drop_remainder: ``False`` (default): the examples after the last full effective batch
         of an epoch make a final, smaller optimizer step, normalised by its own count;
         ``True``: they are dropped. The plan report and the result say how many.
-      plan: a :class:`Plan` from :func:`plan` for this model, data and effective batch: fit
-        checks that it matches (sizes of weights, optimizer state and examples, learning-rate
-        rule, device count; not a dry run for another GPU) and trains with it without planning
-        again. Planning options (``budget``, ``device``, ...) are refused next to it.
+      elastic: on a real out-of-memory during training, lower the micro-batch, raise
+        accumulation (same effective batch) and redo the same step from the same state.
+      backup: host copy of the donated state so a failed step loses nothing: ``"auto"`` (up
+        to 4 GiB), ``"host"``, ``"none"``.
+
+    What it prints:
+      verbose: 0 silences the plan report and the progress bar.
+      log: where the plan and probes are printed.
       **refused: ``model.fit`` options autoaccum does not take (``batch_size``,
         ``class_weight``, ...) get a ``ValueError`` naming the fix; ``x=`` (next to ``y=``,
         as ``model.fit(x=..., y=...)`` is often written) is taken as ``data``.
