@@ -255,6 +255,8 @@ def plan_model(
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
+        if strategy == "auto" and prepared.program.sharded_step is None:
+            strategies = ("replicated",)  # a program that runs replicated data parallelism only
         by_strategy = {s: prepared if mesh is None else dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
