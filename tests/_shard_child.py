@@ -328,7 +328,28 @@ def _weights(model) -> dict:
             for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-MODES = {"exact": exact, "own_sharding": own_sharding,
+def keras_replicated() -> dict:
+    """A Keras model (no sharded step yet) plans replicated under strategy='auto' on 4 devices
+    and refuses a named sharded strategy with the fix."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    import autoaccum
+
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+    net.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.float32)
+    plan = autoaccum.plan(net, (x, y), effective_batch=8, budget="1GiB", log=None)
+    try:
+        autoaccum.plan(net, (x, y), effective_batch=8, budget="1GiB", log=None,
+                       strategy="zero1")
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"strategy": plan.strategy, "devices": plan.data_parallel, "error": error}
+
+
+MODES = {"exact": exact, "own_sharding": own_sharding, "keras_replicated": keras_replicated,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
          "train_step_and_elastic": train_step_and_elastic}

@@ -305,6 +305,7 @@ def search_plan(
     notes: tuple[str, ...] = (),
     measure_uneven: Any = None,
     accumulating_floor: int = 0,
+    agree: bool = True,
 ) -> Plan:
     """Runs the compile-only search and returns the plan.
 
@@ -316,7 +317,8 @@ def search_plan(
 
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
     device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
-    that fits on all of them (:func:`agree_across_processes`), so they run the same program.
+    that fits on all of them (:func:`agree_across_processes`), so they run the same program
+    (``agree=False``: not, for a trial whose result is agreed on later).
     """
     search = search_micro_batch(
         measure,
@@ -326,7 +328,7 @@ def search_plan(
         measure_uneven=measure_uneven,
         accumulating_floor=accumulating_floor,
     )
-    if data_parallel > 1 or _process_count() > 1:
+    if agree and (data_parallel > 1 or _process_count() > 1):
         search, agreement = agree_across_processes(search, measure,
                                                    per_device=effective_batch // data_parallel)
         notes = (*notes, agreement_note(search.micro_batch, data_parallel, agreement))

@@ -56,6 +56,7 @@ def plan_program(
     resident: Resident | Callable[[], Resident] | None = None,
     devices: int | None = None,
     hosts: int = 1,
+    agree: bool = True,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -164,6 +165,7 @@ def plan_program(
         log=log,
         notes=notes,
         accumulating_floor=floor,
+        agree=agree,
     )
     return _finish(plan, resolved)
 
@@ -346,23 +348,45 @@ def plan_model(
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         skipped: list[tuple[str, DoesNotFitError]] = []
         plan = None
-        for name in strategies:
+        # Several processes choosing among strategies: each tries them without agreeing on
+        # a micro-batch (the agreement is a collective every process must join), then all
+        # take the most sharded choice and plan it once more, agreeing (see below).
+        trial = len(strategies) > 1 and _process_count() > 1
+
+        def plan_strategy(name: str, agree: bool, by_strategy: dict = by_strategy,
+                          data: Any = data, resolved: Any = resolved,
+                          method: str = method) -> Plan:
             prepared = by_strategy[name]
+            variants = _variants(depth_variant, adapter, prepared, data, original_options,
+                                 effective_batch=effective_batch, remat_layers=remat_layers)
+            return _plan_one(prepared, model, method=method, effective_batch=effective_batch,
+                             resolved=resolved, log=log, cache=cache, depth_variants=variants,
+                             uneven=bool(uneven) and getattr(adapter, "uneven_batches", False),
+                             agree=agree)
+
+        for name in strategies:
             if log is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
             try:
-                variants = _variants(depth_variant, adapter, prepared, data, original_options,
-                                     effective_batch=effective_batch, remat_layers=remat_layers)
-                plan = _plan_one(prepared, model, method=method,
-                                 effective_batch=effective_batch, resolved=resolved, log=log,
-                                 cache=cache, depth_variants=variants,
-                                 uneven=bool(uneven) and getattr(adapter, "uneven_batches",
-                                                                 False))
+                plan = plan_strategy(name, agree=not trial)
             except DoesNotFitError as error:
                 skipped.append((name, error))
                 continue
             plan = with_strategy(plan, name, skipped)
             break
+        if trial:
+            agreed = agree_strategy(plan.strategy if plan is not None else None)
+            if agreed is None:
+                plan = None  # nothing fits on some process: the next policy, or the error
+            else:
+                skipped = [(n, e) for n, e in skipped if STRATEGIES.index(n) <
+                           STRATEGIES.index(agreed)]
+                try:
+                    plan = with_strategy(plan_strategy(agreed, agree=True), agreed, skipped)
+                except DoesNotFitError as error:
+                    skipped.append((agreed, error))
+                    plan = None
+        prepared = by_strategy[plan.strategy] if plan is not None else prepared
         if plan is None:
             error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
                 "micro_batch=1 fits under no sharding strategy ("
@@ -399,6 +423,27 @@ def plan_model(
         candidates=tuple(candidates),
     )
     return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
+
+
+def _process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def agree_strategy(mine: str | None) -> str | None:
+    """The strategy every process runs: the most sharded one any process chose (a process's
+    less sharded choice then fits too, having more room), or ``None`` when some process
+    found none that fits. One process: ``mine``."""
+    if _process_count() == 1:
+        return mine
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    rank = len(STRATEGIES) if mine is None else STRATEGIES.index(mine)
+    ranks = np.asarray(multihost_utils.process_allgather(np.int64(rank))).reshape(-1)
+    top = int(ranks.max())
+    return None if top >= len(STRATEGIES) else STRATEGIES[top]
 
 
 def candidate_strategies(strategy: str, mesh: Any) -> tuple[str, ...]:
@@ -493,7 +538,8 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
 
 def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
               resolved: ResolvedTarget, log: TextIO | None, cache: Any = None,
-              depth_variants: DepthVariants | None = None, uneven: bool = False) -> Plan:
+              depth_variants: DepthVariants | None = None, uneven: bool = False,
+              agree: bool = True) -> Plan:
     """One remat policy's plan by ``method``; real steps only where the target is here."""
     from ._backoff import auto_plan, backoff_plan
 
@@ -515,7 +561,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
             runner.release()
     plan = plan_program(prepared.program, effective_batch=effective_batch,
                         lr_scaling=prepared.lr_scaling, resolved=resolved, log=log,
-                        cache=cache, depth_variants=depth_variants, uneven=uneven)
+                        cache=cache, depth_variants=depth_variants, uneven=uneven, agree=agree)
     if method == "compile":
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None

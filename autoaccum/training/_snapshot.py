@@ -100,7 +100,14 @@ class HostSnapshot:
         impls = jax.tree.map(_key_impl, tree)
         raw = jax.tree.map(_key_data, tree)
         # np.array copies: on CPU device_get can alias buffers that a donation later frees.
-        host = jax.tree.map(np.array, jax.device_get(raw))
+        # An array split over several processes' devices: this process's shards only.
+        leaves, treedef = jax.tree.flatten(raw)
+        local = [_LocalShards(x) if _spans_processes(x) else None for x in leaves]
+        fetched = jax.device_get([x for x, mine in zip(leaves, local, strict=True)
+                                  if mine is None])
+        it = iter(fetched)
+        host = jax.tree.unflatten(treedef, [mine if mine is not None else np.array(next(it))
+                                            for mine in local])
         self._held = (host, shardings, impls, step)
 
     def restore(self) -> PyTree:
@@ -131,8 +138,26 @@ def _key_data(x: Any) -> Any:
     return x
 
 
+def _spans_processes(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+class _LocalShards:
+    """Host copies of this process's shards of an array split over several processes."""
+
+    def __init__(self, x: jax.Array) -> None:
+        self.shape = x.shape
+        self.parts = [(shard.device, np.array(shard.data)) for shard in x.addressable_shards]
+
+
 def _placed(host: Any, sharding: Any, impl: Any) -> Any:
-    array = jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
+    if isinstance(host, _LocalShards):
+        array = jax.make_array_from_single_device_arrays(
+            host.shape, sharding, [jax.device_put(data, device) for device, data in host.parts])
+    elif sharding is not None:
+        array = jax.device_put(host, sharding)
+    else:
+        array = jax.numpy.asarray(host)
     if impl is not None:
         return jax.random.wrap_key_data(array, impl=impl.impl)
     return array

@@ -189,3 +189,50 @@ def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_a
     assert "data_parallel='auto'" in out["errors"]["one_device"]
     assert "axes ('batch', 'model')" in out["errors"]["two_axes"]
     assert "Received: kernel: P(None, 'model')" in out["errors"]["two_axes"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo collectives on Linux")
+def test_two_processes_train_with_fsdp_as_one_device_does():
+    port = str(_free_port())
+    env = dict(os.environ)
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests._shard_multiprocess", str(i), port],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, stderr[-5000:]
+            outs.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for out in outs:
+        assert out["process_count"] == 2 and out["devices"] == 4
+        assert out["strategy"] == "fsdp" and out["data_parallel"] == 4
+        # split weights: each process holds only its 2 of the 4 shards
+        assert out["split"] >= 3 and set(out["addressable"]) == {2}
+        assert out["steps"] == 2 and out["params_error"] <= 1e-5
+    assert outs[0]["checksum"] == outs[1]["checksum"]
+    assert outs[0]["losses"] == outs[1]["losses"]
+
+
+@pytest.mark.slow
+def test_a_keras_model_plans_replicated_and_refuses_a_sharded_strategy():
+    out = _child(4, "keras_replicated")["keras_replicated"]
+    assert out["strategy"] == "replicated" and out["devices"] == 4
+    assert "cannot shard its state yet" in out["error"]
+    assert "Received: strategy='zero1'" in out["error"]

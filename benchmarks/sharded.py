@@ -1,0 +1,137 @@
+"""Per-device need of each sharding strategy (replicated, zero1, zero2, fsdp) by micro-batch,
+on 4 host-platform CPU devices, and the time to plan with ``strategy="auto"``.
+
+A 4-layer transformer LM (dim 256, seq 64, AdamW: the optimizer state is twice the weights),
+effective batch 32 over 4 devices. Every figure is XLA's memory analysis of the partitioned
+(SPMD) step, which is per device: need = arguments + outputs - aliased + temp. Then the
+planner is given a per-device budget that the replicated step exceeds and is timed choosing
+the strategy and the micro-batch together (compile-only). Runs in a child process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (the device count is fixed when JAX
+starts). CPU figures: XLA:CPU has no rematerialization pass and upcasts nothing here (f32).
+
+    .venv/bin/python benchmarks/sharded.py
+
+Measured here (2 shared CPU cores, 7 minutes in all, ~15 s per compile under load):
+per-device need at micro-batch 1 / 8: replicated 63.1 / 98.6 MiB, zero1 44.2 / 79.8,
+zero2 34.5 / 80.0, fsdp 33.4 / 71.8 (one device, whole batch: 63.1 / 111); with a
+48.2 MiB budget the planner chose zero1, micro-batch 1 x 4 x 8 (44.2 MiB), in 4 compiles.
+
+Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
+issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEVICES = 4
+EFFECTIVE = 32
+SEQ = 64
+MICROS = (1, 2, 4, 8)
+
+
+def child() -> dict:
+    import _common  # noqa: F401  (environment first)
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import autoaccum
+    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.devices._mesh import data_parallel_mesh
+    from autoaccum.planning import STRATEGIES
+    from autoaccum.planning._measure import compile_count, measure_program
+    from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+
+    def build() -> TinyTransformerLM:
+        return TinyTransformerLM(dim=256, heads=4, layers=4, max_len=SEQ, rngs=nnx.Rngs(0))
+
+    model = nnx.eval_shape(build)  # abstract: no weights allocated for the table
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(0, 256, size=(2 * EFFECTIVE, SEQ + 1)).astype(np.int32),
+            "mask": np.ones((2 * EFFECTIVE, SEQ + 1), np.int32)}
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), data)
+    mesh = data_parallel_mesh()
+    per_device = EFFECTIVE // DEVICES
+    needs: dict[str, dict[int, int]] = {}
+    seconds: dict[str, float] = {}
+    for strategy in ("one device", *STRATEGIES):
+        program = flax_program(model, spec, loss_fn=next_token_loss, tx=optax.adamw(1e-4),
+                               mesh=None if strategy == "one device" else mesh,
+                               strategy="replicated" if strategy == "one device" else strategy)
+        needs[strategy] = {}
+        start = time.perf_counter()
+        for micro in MICROS:
+            if strategy == "one device":  # the whole effective batch on one device
+                est = measure_program(program, micro, EFFECTIVE // micro)
+            else:
+                est = measure_program(program, micro, per_device // micro)
+            needs[strategy][micro] = est.need_bytes
+        seconds[strategy] = (time.perf_counter() - start) / len(MICROS)
+    # A per-device budget the replicated step exceeds at micro-batch 1, which the most
+    # sharded strategy meets with room to spare.
+    budget = (needs["replicated"][1] + min(needs[s][1] for s in STRATEGIES)) // 2
+    compiles = compile_count()
+    start = time.perf_counter()
+    plan = autoaccum.plan(build(), data, effective_batch=EFFECTIVE, optimizer=optax.adamw,
+                          learning_rate=1e-4, loss_fn=next_token_loss, budget=budget,
+                          log=None, cache=False)
+    plan_seconds = time.perf_counter() - start
+    return {"needs": needs, "compile_seconds": seconds, "budget": budget,
+            "plan": {"strategy": plan.strategy, "micro_batch": plan.micro_batch,
+                     "accum_steps": plan.accum_steps, "need": plan.need_bytes,
+                     "seconds": plan_seconds, "compiles": compile_count() - compiles,
+                     "strategies_probed": sorted({p.strategy for p in plan.probes})},
+            "weights": int(sum(x.size * x.dtype.itemsize
+                               for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
+
+
+def main() -> None:
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+               JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env,
+                          capture_output=True, text=True, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"child failed:\n{done.stderr[-4000:]}")
+    out = json.loads(lines[-1][7:])
+    sys.path.insert(0, str(here))
+    from _common import print_table
+
+    from autoaccum.devices._units import format_bytes
+
+    print(f"TinyTransformerLM dim 256 x 4 layers, seq {SEQ}, AdamW, weights "
+          f"{format_bytes(out['weights'])}; effective batch {EFFECTIVE} on {DEVICES} host "
+          "devices (per-device need, XLA memory analysis of the partitioned step)")
+    rows = []
+    for strategy, by_micro in out["needs"].items():
+        ref = out["needs"]["replicated"]
+        rows.append([strategy] + [
+            format_bytes(by_micro[str(m)]) + ("" if strategy == "one device" else
+                                              f" ({by_micro[str(m)] / ref[str(m)]:.2f}x)")
+            for m in MICROS] + [f"{out['compile_seconds'][strategy]:.2f}"])
+    print_table(["strategy"] + [f"micro {m}" for m in MICROS] + ["s/compile"], rows)
+    p = out["plan"]
+    print(f"\nautoaccum.plan(strategy='auto') with a per-device budget of "
+          f"{format_bytes(out['budget'])} (replicated needs "
+          f"{format_bytes(out['needs']['replicated']['1'])} at micro-batch 1): "
+          f"{p['strategy']}, micro_batch {p['micro_batch']} x {DEVICES} x {p['accum_steps']}, "
+          f"need {format_bytes(p['need'])}; planned in {p['seconds']:.1f} s with "
+          f"{p['compiles']} compiles (strategies probed: {', '.join(p['strategies_probed'])})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(child()), flush=True)
+    else:
+        main()
