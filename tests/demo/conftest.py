@@ -10,34 +10,26 @@ unchanged (the cached figures are the compiled ones).
 
 from __future__ import annotations
 
-import fcntl
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests._paths import REPO
+from tests._session import once_per_session
 
 
 @pytest.fixture(scope="session")
 def lab_dry_run_report() -> str:
-    """The lab dry run's output, run at most once per session (workers share the folder: a
-    lock keeps a second one from compiling it again)."""
-    from autoaccum.planning._cache import CACHE_DIR_ENV
+    """The lab dry run's output, run at most once per session (by the first worker to ask)."""
     from autoaccum_demo._demo import _dry_run_environment
 
-    folder = Path(os.environ[CACHE_DIR_ENV])
-    folder.mkdir(parents=True, exist_ok=True)
-    done = folder / "lab-dry-run.out"
-    with open(folder / "lab-dry-run.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            # The demo's own child command and environment, so the cache keys are the demo's.
-            proc = subprocess.run([sys.executable, "-m", "autoaccum_demo._lab_dry_run"],
-                                  env=_dry_run_environment(), capture_output=True, text=True,
-                                  timeout=1800, cwd=REPO)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            done.write_text(proc.stdout)
-    return done.read_text()
+    def dry_run() -> str:
+        # The demo's own child command and environment, so the cache keys are the demo's.
+        proc = subprocess.run([sys.executable, "-m", "autoaccum_demo._lab_dry_run"],
+                              env=_dry_run_environment(), capture_output=True, text=True,
+                              timeout=1800, cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    return once_per_session("lab-dry-run", dry_run)

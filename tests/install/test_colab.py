@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from tests._paths import REPO
+from tests._session import once_per_session, session_dir
 from tests.install.colab_check import FREEZE, colab_command, read_freeze
 
 SCRIPT = REPO / "tests" / "install" / "colab_check.py"
@@ -32,13 +34,13 @@ def test_the_shipped_freeze_is_colab_s_gpu_runtime():
 
 
 @pytest.fixture(scope="module")
-def colab_runs(tmp_path_factory) -> dict[str, tuple[str, dict | None]]:
-    """One run of the resolver for both commands (the README's and a bad one): they share the
-    wheel, the emulated environment and the fetched metadata, the slow part. Gives each
-    command's section of the output and its findings."""
-    work = tmp_path_factory.mktemp("colab")
+def colab_runs() -> dict[str, tuple[str, dict | None]]:
+    """One run of the resolver for both commands (the README's and a bad one), once per
+    session: they share the wheel, the emulated environment and the fetched metadata, the
+    slow part. Gives each command's section of the output and its findings."""
+    work = session_dir() / "colab"  # the same paths in every worker (they are printed)
     bad = work / "bad" / "README.md"
-    bad.parent.mkdir()
+    bad.parent.mkdir(parents=True, exist_ok=True)
     # What the issue describes: `autoaccum[keras]` alone moves jax but not Colab's plugin;
     # tensorflow-cpu next to Colab's tensorflow is a second distribution in one folder.
     bad.write_text('```\n%pip install -q "autoaccum[keras]" tensorflow-cpu\n```\n')
@@ -46,7 +48,17 @@ def colab_runs(tmp_path_factory) -> dict[str, tuple[str, dict | None]]:
     command = [sys.executable, str(SCRIPT)]
     for name, readme in readmes.items():
         command += ["--readme", str(readme), "--json", str(work / f"{name}.json")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=3000, cwd=REPO)
+
+    def resolve() -> str:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=3000, cwd=REPO)
+        return json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                           "stderr": proc.stderr,
+                           "findings": {name: json.loads((work / f"{name}.json").read_text())
+                                        for name in readmes
+                                        if (work / f"{name}.json").exists()}})
+
+    # Once per session: the other xdist worker, if it runs the other test, reads this run.
+    proc = SimpleNamespace(**json.loads(once_per_session("colab-check", resolve)))
     if proc.returncode == 3:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     print(proc.stdout)
@@ -55,11 +67,8 @@ def colab_runs(tmp_path_factory) -> dict[str, tuple[str, dict | None]]:
     sections = proc.stdout.split("\n=== ")[1:]
     assert [s.splitlines()[0] for s in sections] == [str(r) for r in readmes.values()], (
         proc.stdout[-3000:] + proc.stderr[-3000:])
-    runs = {}
-    for (name, _), section in zip(readmes.items(), sections, strict=True):
-        found = work / f"{name}.json"
-        runs[name] = (section, json.loads(found.read_text()) if found.exists() else None)
-    return runs
+    return {name: (section, proc.findings.get(name))
+            for name, section in zip(readmes, sections, strict=True)}
 
 
 @pytest.mark.slow

@@ -28,7 +28,9 @@ def test_core_install_plans_and_fits_a_flax_model_in_a_fresh_venv(tmp_path):
     python = str(venv / "bin" / "python")
     env = _clean_env()
     for command in ([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-                    [python, "-m", "pip", "install", "--quiet", str(REPO)]):
+                    # --no-compile: no .pyc for every module of jax, scipy, numpy... up
+                    # front (a good part of the install's CPU); imports compile what they use.
+                    [python, "-m", "pip", "install", "--quiet", "--no-compile", str(REPO)]):
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=2400)
         if proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in NETWORK):
             pytest.skip(f"the package index is unreachable: {proc.stderr.strip()[-300:]}")

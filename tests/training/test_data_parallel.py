@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests._paths import REPO
+from tests._session import once_per_session
 
 pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
 
@@ -33,10 +34,15 @@ def _result(stdout: str, stderr: str) -> dict:
 def four_devices() -> dict:
     """Every single-process check, in one child with 4 host-platform devices."""
     modes = ["flax_exact", "flax_uneven", "carry_policy", "keras_exact", "plans", "elastic"]
-    done = subprocess.run([sys.executable, "-m", "tests._dp_child", *modes], cwd=REPO,
-                          env=_env(4), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    return _result(done.stdout, done.stderr)
+
+    def child() -> str:
+        done = subprocess.run([sys.executable, "-m", "tests._dp_child", *modes], cwd=REPO,
+                              env=_env(4), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-5000:]
+        return json.dumps(_result(done.stdout, done.stderr))
+
+    # Once per session: the other xdist worker, if it runs tests of this module, reads it.
+    return json.loads(once_per_session("dp-four-devices", child))
 
 
 def test_a_flax_stream_on_four_devices_trains_as_memory_on_one_device():

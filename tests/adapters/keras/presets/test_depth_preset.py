@@ -14,11 +14,14 @@ pytestmark = pytest.mark.slow  # keras-hub builds and compiles
 
 SMALL = {"vocabulary_size": 512, "hidden_dim": 256, "intermediate_dim": 1024,
          "num_query_heads": 4, "num_key_value_heads": 1, "head_dim": 64}
+FULL_DEPTH = 6
+"""Twice the larger small depth (3), the least at which a preset plan extrapolates; Gemma3's
+sliding/global pattern (a global block every sixth) still shows once."""
 
 
 def _build(arch, depth=None):
     overrides = dict(SMALL)
-    overrides["num_layers"] = 8 if depth is None else depth
+    overrides["num_layers"] = FULL_DEPTH if depth is None else depth
     return _preset_program(arch, dtype="bfloat16", lora_rank=4, optimizer="adamw",
                            learning_rate=5e-5, overrides=overrides, sequence_length=64,
                            policy="none")
@@ -29,7 +32,7 @@ def test_keras_extrapolation_agrees_with_a_full_compile_within_two_percent(name)
     arch = load_architecture(name)
     target = resolve_target("a100-80gb", memory_fraction=0.9).compile_target
     extrapolator = DepthExtrapolator(
-        DepthVariants(full_depth=8, build=lambda d: _build(arch, d)), target)
+        DepthVariants(full_depth=FULL_DEPTH, build=lambda d: _build(arch, d)), target)
     full_program = _build(arch)
     for micro_batch, accum_steps in ((1, 4), (2, 2)):
         predicted = extrapolator.measure(micro_batch, accum_steps)
@@ -41,7 +44,8 @@ def test_keras_extrapolation_agrees_with_a_full_compile_within_two_percent(name)
 
 def test_a_warm_preset_dry_run_builds_no_model(tmp_path, monkeypatch):
     options = dict(effective_batch=4, lora_rank=4, sequence_length=32, device="t4",
-                   backbone_overrides={**SMALL, "num_layers": 8}, log=None, cache=str(tmp_path))
+                   backbone_overrides={**SMALL, "num_layers": FULL_DEPTH}, log=None,
+                   cache=str(tmp_path))
     cold = plan_preset("gemma3_1b", **options)
     assert cold.probes[-1].why == "verify at full depth"
 
