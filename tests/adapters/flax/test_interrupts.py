@@ -145,11 +145,12 @@ def test_interrupt_inside_the_step_without_a_host_copy_says_how_to_recover():
 
 class _Recorder(autoaccum.Callback):
     """Keeps a host copy of the model after every step; at step ``arm_at`` starts a thread
-    that sends Ctrl-C after each of ``delays`` seconds."""
+    that sends Ctrl-C after each of ``delays`` seconds; from step ``wait_from`` on it waits for
+    them (so they land before fit ends however busy the machine is)."""
 
-    def __init__(self, arm_at=None, delays=()):
+    def __init__(self, arm_at=None, delays=(), wait_from=30):
         self.states, self.seen, self.arm_at, self.delays = {}, 0, arm_at, delays
-        self.sender = None
+        self.sender, self.wait_from = None, wait_from
 
     def on_step_end(self, step, logs):
         self.seen = step
@@ -158,6 +159,8 @@ class _Recorder(autoaccum.Callback):
         elif step == self.arm_at:
             self.sender = ctrl_c_sender(*self.delays)
             self.sender.start()
+        elif self.sender is not None and step >= self.wait_from:
+            self.sender.join()  # the Ctrl-C is raised here, at the latest
 
 
 def _host(model):
@@ -166,7 +169,7 @@ def _host(model):
 
 
 def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
-    epochs = 8  # 32 steps: the Ctrl-Cs (armed by step 7, within 4 ms) land while fit runs
+    epochs = 8  # 32 steps; the Ctrl-Cs are armed by step 7 and land by step 30
     clean = _model()
     trajectory = _Recorder()
     _fit(clean, epochs=epochs, callbacks=[trajectory])

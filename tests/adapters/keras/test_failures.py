@@ -119,12 +119,13 @@ def test_ctrl_c_during_a_step_leaves_that_step_whole():
 
 class _Recorder(keras.callbacks.Callback):
     """Keeps the weights after every optimizer step; at step ``arm_at`` starts a thread that
-    sends Ctrl-C after each of ``delays`` seconds."""
+    sends Ctrl-C after each of ``delays`` seconds; from step ``wait_from`` on it waits for them
+    (so they land before fit ends however busy the machine is)."""
 
-    def __init__(self, arm_at=None, delays=()):
+    def __init__(self, arm_at=None, delays=(), wait_from=30):
         super().__init__()
         self.states, self.seen, self.arm_at, self.delays = {}, 0, arm_at, delays
-        self.sender = None
+        self.sender, self.wait_from = None, wait_from
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen = int(self.model.optimizer.iterations)
@@ -133,10 +134,12 @@ class _Recorder(keras.callbacks.Callback):
         elif self.seen == self.arm_at:
             self.sender = ctrl_c_sender(*self.delays)
             self.sender.start()
+        elif self.sender is not None and self.seen >= self.wait_from:
+            self.sender.join()  # the Ctrl-C is raised here, at the latest
 
 
 def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
-    epochs = 8  # 32 steps: the Ctrl-Cs (armed by step 7, within 4 ms) land while fit runs
+    epochs = 8  # 32 steps; the Ctrl-Cs are armed by step 7 and land by step 30
     trajectory = _Recorder()
     _fit(_model(), epochs=epochs, callbacks=[trajectory])
     trajectory.states[0] = _model().get_weights()
