@@ -16,6 +16,7 @@ from typing import Any
 from ._detect import jax_started
 from ._extras import MissingExtraError, installed_version, missing_from_extra
 from ._profiles import DeviceProfile, find_profile
+from ._ptxas import deviceless_blocker
 from ._quiet import nvidia_gpu_absent, quiet_native_logs
 from ._target_config import gpu_target_config
 
@@ -92,6 +93,10 @@ def deviceless_target(
         device_memory_bytes = profile.pool_bytes()
     text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes)
     _require_cuda_plugin()
+    blocker = deviceless_blocker(profile)
+    if blocker is not None:
+        raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
+                           f"Received: device={profile.key!r}")
     topology, mesh, sharding = _make_target(text, topology_text(devices, hosts))
     return DevicelessTarget(
         profile=profile,
