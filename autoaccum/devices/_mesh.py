@@ -106,7 +106,10 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _from_host(value: Any, sharding: NamedSharding) -> jax.Array:
+def from_host(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` as a ``jax.Array`` laid out by ``sharding``: kept when it already is, moved
+    when it is on this process's devices, else built from the host copy, each device (of every
+    process) taking its own slice."""
     if isinstance(value, jax.Array) and value.sharding == sharding:
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable:
@@ -133,9 +136,9 @@ def shard_batches(batches: PyTree, mesh: Mesh) -> PyTree:
         # Uneven batches (autoaccum.planning.UnevenBatches): the last, smaller micro-batch
         # ``[dp * last, ...]`` is split over the devices along its leading axis.
         leading = NamedSharding(mesh, P(mesh_axis(mesh)))
-        return type(batches)(jax.tree.map(lambda a: _from_host(a, sharding), batches.full),
-                             jax.tree.map(lambda a: _from_host(a, leading), batches.last))
-    return jax.tree.map(lambda a: _from_host(a, sharding), batches)
+        return type(batches)(jax.tree.map(lambda a: from_host(a, sharding), batches.full),
+                             jax.tree.map(lambda a: from_host(a, leading), batches.last))
+    return jax.tree.map(lambda a: from_host(a, sharding), batches)
 
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -148,7 +151,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
       True
     """
     sharding = replicated_sharding(mesh)
-    return jax.tree.map(lambda a: _from_host(a, sharding), tree)
+    return jax.tree.map(lambda a: from_host(a, sharding), tree)
 
 
 def place(tree: PyTree, shardings: PyTree) -> PyTree:
@@ -164,7 +167,7 @@ def place(tree: PyTree, shardings: PyTree) -> PyTree:
     """
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, [
-        _from_host(a, s) for a, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
+        from_host(a, s) for a, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
 
 
 def agree_micro_batch(micro_batch: int) -> tuple[int, tuple[int, ...]]:

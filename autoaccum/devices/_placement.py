@@ -22,6 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._mesh import from_host
+
 __all__ = ["Placement", "place", "same_mesh"]
 
 PyTree = Any
@@ -90,18 +92,9 @@ def place(tree: PyTree, shardings: PyTree) -> PyTree:
       P()
     """
     if isinstance(shardings, NamedSharding):
-        return jax.tree.map(lambda a: _put(a, shardings), tree)
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda a: _put(a, s), sub),
+        return jax.tree.map(lambda a: from_host(a, shardings), tree)
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda a: from_host(a, s), sub),
                         shardings, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
-
-
-def _put(value: Any, sharding: NamedSharding) -> jax.Array:
-    if isinstance(value, jax.Array) and value.sharding == sharding:
-        return value
-    if isinstance(value, jax.Array) and value.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:
