@@ -304,7 +304,7 @@ def plan_model(
     policies = policies_for(adapter, remat)
     if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
-    strategies = candidate_strategies(strategy, mesh)
+    strategies: tuple[str, ...] | None = None  # known once the first program is built
     tried: list[Plan] = []
     prepared_by_policy: dict[str, Prepared] = {}
     failures: list[tuple[str, DoesNotFitError]] = []
@@ -317,8 +317,8 @@ def plan_model(
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
-        if strategy == "auto" and prepared.program.sharded_step is None:
-            strategies = ("replicated",)  # a program that runs replicated data parallelism only
+        if strategies is None:
+            strategies = candidate_strategies(strategy, mesh, prepared.program)
         by_strategy = {s: prepared if mesh is None else dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
@@ -446,10 +446,14 @@ def agree_strategy(mine: str | None) -> str | None:
     return None if top >= len(STRATEGIES) else STRATEGIES[top]
 
 
-def candidate_strategies(strategy: str, mesh: Any) -> tuple[str, ...]:
-    """The strategies to try, in order: one device: replicated; ``"auto"``: all of
-    :data:`STRATEGIES`; a name: that one."""
+def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tuple[str, ...]:
+    """The strategies to try, in order: one device, or ``"auto"`` for a program that runs
+    replicated data parallelism only (no ``sharded_step``, e.g. Keras): replicated;
+    ``"auto"``: all of :data:`STRATEGIES`; a name: that one (``program.on_mesh`` refuses a
+    sharded one it cannot run, with the fix)."""
     if mesh is None or mesh.size == 1:
+        return ("replicated",)
+    if strategy == "auto" and program.sharded_step is None:
         return ("replicated",)
     return STRATEGIES if strategy == "auto" else (strategy,)
 

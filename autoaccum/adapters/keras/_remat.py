@@ -136,13 +136,8 @@ def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., A
                         del scope.state_mapping[key]
                 return out, updates, losses, appended
 
-            arrays = [leaves[i] for i in where]
-            # Values the block closes over (Keras's seed increments are NumPy constants) become
-            # explicit arguments: constants captured inside ``jax.checkpoint`` are hoisted into
-            # the compiled step's arguments, which an ahead-of-time compiled call then lacks.
-            converted, captured = jax.closure_convert(run, arrays)
-            out, updates, losses, appended = jax.checkpoint(converted, policy=policy)(
-                arrays, *captured)
+            out, updates, losses, appended = jax.checkpoint(run, policy=policy)(
+                [leaves[i] for i in where])
             for sink, values in zip(sinks, appended, strict=True):
                 sink.extend(values)
             if scope is not None:
