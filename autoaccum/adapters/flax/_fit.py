@@ -226,6 +226,9 @@ class _FlaxHooks(FitHooks):
     def stop_requested(self) -> str | None:
         return self.callbacks.stop_requested()
 
+    def nonfinite_error(self, outcome: StepOutcome, step: int) -> NonFiniteError:
+        return self.runner.nonfinite_stop(outcome.loss)
+
     def epoch_steps_end(self, tally: EpochTally) -> None:
         result, source = self.result, self.source
         result.dropped_examples += source.dropped

@@ -130,8 +130,6 @@ class StepRunner:
         """Runs ``batch`` as one optimizer step; returns its metrics and whether it was applied.
 
         Raises:
-          NonFiniteError: ``on_nonfinite="stop"`` and the loss or gradients were not finite
-            (the model holds the state before this step).
           ValueError: ``loss_fn`` gave a count of 0 with a non-zero loss sum.
         """
         result, live, dp = self.result, self.live, self.dp
@@ -178,12 +176,7 @@ class StepRunner:
                                      ", which counts it in its own state")
                 return metrics, False
             if self.on_nonfinite == "stop":
-                result.events.append(f"{what}; training stopped, the model holds the state "
-                                     f"after step {result.steps}")
-                raise NonFiniteError(
-                    f"{what}. Training stopped; the model holds the last finite state (after "
-                    f"step {result.steps}). Lower the learning rate, check the data for NaN/inf, "
-                    "or pass on_nonfinite='skip' to skip such steps.", step=step)
+                return metrics, False  # the caller stops: see nonfinite_stop
             result.skipped_steps += 1
             result.events.append(f"{what}; skipped (weights and optimizer state unchanged)")
             return metrics, False
@@ -191,6 +184,19 @@ class StepRunner:
         result.steps = step
         result.losses.append(loss)
         return metrics, True
+
+    def nonfinite_stop(self, loss: float) -> NonFiniteError:
+        """The error that stops training after a non-finite step under
+        ``on_nonfinite="stop"`` (the step was not applied: the model holds the state after
+        the last finite step); the reason is added to the result's events."""
+        result = self.result
+        what = f"step {result.steps + 1}: the loss ({loss:g}) or the gradients were not finite"
+        result.events.append(f"{what}; training stopped, the model holds the state after "
+                             f"step {result.steps}")
+        return NonFiniteError(
+            f"{what}. Training stopped; the model holds the last finite state (after step "
+            f"{result.steps}). Lower the learning rate, check the data for NaN/inf, or pass "
+            "on_nonfinite='skip' to skip such steps.", step=result.steps + 1)
 
     def _shrink(self, error: BaseException, batch: StepBatch, micro: int, accum: int) -> None:
         result = self.result

@@ -170,6 +170,9 @@ class TrainStep:
             self._write_optimizer(self._result.steps - before)
             raise
         self._write_optimizer(self._result.steps - before)
+        runner = self._runner
+        if not applied and runner.on_nonfinite == "stop" and not runner.optimizer_skips_nonfinite:
+            raise runner.nonfinite_stop(float(metrics.loss))
         grad_sq = float(metrics.grad_sq_norm)
         return StepOutput(loss=float(metrics.loss), count=float(metrics.count),
                           grad_norm=math.sqrt(grad_sq) if grad_sq >= 0 else math.nan,

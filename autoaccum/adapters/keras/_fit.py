@@ -12,6 +12,7 @@ The loop is :func:`autoaccum.training.run_fit_loop`; what Keras brings to it is
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +32,6 @@ from ._program import KerasLayout, ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
-from ._step import handles_nonfinite
 
 __all__ = ["keras_fit"]
 
@@ -218,8 +218,6 @@ class _KerasHooks(FitHooks):
         self.effective, self.shuffle, self.rng = effective, shuffle, rng
         self.steps_per_epoch, self.drop_remainder = steps_per_epoch, drop_remainder
         self.epochs, self.report = epochs, report
-        self.defers = handles_nonfinite(model.optimizer)
-        """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.dropped = 0
         """Examples left out of the last epoch (``drop_remainder=True``)."""
 
@@ -256,13 +254,8 @@ class _KerasHooks(FitHooks):
         self.callbacks.on_train_batch_begin(index)
 
     def run_step(self, batch: Any, following: Callable[[], Any]) -> StepOutcome:
-        result, _ = self.runner.run(batch, following)
-        return StepOutcome(
-            loss=result.loss, examples=result.examples, applied=result.finite,
-            finite=result.finite, optimizer_skipped=not result.finite and self.defers,
-            full=result.examples >= self.effective,
-            noise=result.noise if result.finite else None,
-            micro_batches=result.micro_batches, logs=result.logs)
+        outcome = self.runner.run(batch, following)
+        return outcome if outcome.finite else dataclasses.replace(outcome, noise=None)
 
     def step_end(self, index: int, outcome: StepOutcome) -> None:
         self.callbacks.on_train_batch_end(index, outcome.logs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,31 +42,16 @@ from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
 from ...training._elastic import retry_smaller, shrink
 from ...training._epoch_batches import split_micro_batches
+from ...training._fit_loop import StepOutcome
 from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
-from ._step import keras_train_step
+from ._step import handles_nonfinite, keras_train_step
 
-__all__ = ["StepRunner", "StepResult"]
+__all__ = ["StepRunner"]
 
 PyTree = Any
-
-
-class StepResult:
-    """What one step reported, on the host."""
-
-    def __init__(self, logs: dict[str, float], finite: bool, noise: tuple, examples: int,
-                 micro_batches: int, loss: float = float("nan")) -> None:
-        self.logs = logs
-        self.loss = loss
-        """The step's loss over all its examples (Keras's big-batch loss)."""
-        self.finite = finite
-        self.noise = noise
-        """``(|grad|^2, mean |micro grad|^2, valid count)`` for the noise-scale estimate."""
-        self.examples = examples
-        self.micro_batches = micro_batches
-        """Micro-batches the step scanned, over all devices."""
 
 
 Split = tuple[int, int, "int | None"]
@@ -99,6 +85,8 @@ class StepRunner:
         """Take the host copy before every step (as ``elastic`` does), so a failed step is
         undone exactly (``autoaccum.train_step``); else it is refreshed every epoch."""
         self.snapshot = HostSnapshot(backup)
+        self.defers = handles_nonfinite(model.optimizer)
+        """The optimizer handles non-finite gradients itself (``LossScaleOptimizer``)."""
         self.events: list[str] = []
         self._splits: dict[int, Split] = {}
         self._compiled: dict[Split, Any] = {}
@@ -183,15 +171,15 @@ class StepRunner:
             AutoaccumWarning, stacklevel=3)
         return jax.tree.map(lambda a: a[:keep], packed)
 
-    def run(self, packed: tuple, following: Any) -> tuple[StepResult, Any]:
+    def run(self, packed: tuple, following: Callable[[], Any]) -> StepOutcome:
         """One optimizer step on ``packed`` (host arrays, leading axis = its examples);
-        ``following()`` fetches the next batch while the device works. Returns the result
-        and that next batch."""
+        ``following()`` fetches the next batch while the device works. Returns what the
+        step reported (an unapplied non-finite step reports ``applied=False``)."""
         examples = _size(packed)
         split = self.split(examples)
         compiled = [self.compile(*split)]
 
-        def attempt() -> tuple[StepResult, Any]:
+        def attempt() -> StepOutcome:
             accum, micro, last = split
             return self._run(compiled[0], _split(packed, accum, micro, last, self.dp),
                              following, examples, accum * self.dp)
@@ -240,7 +228,7 @@ class StepRunner:
         return tree if self.mesh is None else replicate(tree, self.mesh)
 
     def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,
-             micro_batches: int) -> tuple[StepResult, Any]:
+             micro_batches: int) -> StepOutcome:
         model, layout = self.model, self.layout
         state, frozen = self._place(keras_state(model, layout))
         if self.elastic or self.backup_each_step:
@@ -254,22 +242,22 @@ class StepRunner:
                 self.recover(state, error)
                 raise
             write_back(model, layout, new_state)
-        next_batch = following()  # prepared on the host while the device works
+        following()  # the next batch is prepared on the host while the device works
         try:
             jax.block_until_ready(metrics.loss)
-            result = StepResult(
-                {name: float(value) for name, value in logs.items()},
-                bool(metrics.finite),
-                (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
-                 float(metrics.count)),
-                examples,
-                micro_batches,
-                float(metrics.loss),
-            )
+            finite = bool(metrics.finite)
+            outcome = StepOutcome(
+                loss=float(metrics.loss), examples=examples, applied=finite, finite=finite,
+                optimizer_skipped=not finite and self.defers,
+                full=examples >= self.effective_batch,
+                noise=(float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
+                       float(metrics.count)),
+                micro_batches=micro_batches,
+                logs={name: float(value) for name, value in logs.items()})
         except Exception as error:
             self.recover(state, error)
             raise
-        return result, next_batch
+        return outcome
 
     def refresh(self) -> None:
         """Takes the host copy of the current state (each epoch)."""

@@ -158,7 +158,7 @@ class KerasTrainStep:
             model.reset_metrics()
         model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
         with keras_rematerialized(model, self._remat, layers=self._remat_layers):
-            result, _ = self._runner.run(packed, lambda: None)
+            result = self._runner.run(packed, lambda: None)
         iterations = int(model.optimizer.iterations)
         if not result.finite and self._on_nonfinite == "stop":
             raise NonFiniteError(
