@@ -1,6 +1,7 @@
 """Test environment: CPU JAX, Keras on JAX, quiet TensorFlow; set before any import of them."""
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -10,6 +11,17 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The need cache of this test session (never the user's ~/.cache): every session starts cold.
 os.environ.setdefault("AUTOACCUM_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-test-cache-"))
+# JAX's own compilation cache, shared by the xdist workers and every child process of this
+# session: many tests compile the same tiny programs (the same model at the same shapes), and a
+# program compiled once is read back by the others. Fresh per session unless you export
+# JAX_COMPILATION_CACHE_DIR yourself (then later sessions reuse it).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-test-jax-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# The Ctrl-C tests need Python's own SIGINT handler. A shell that starts a job in the
+# background (``make test &``, some CI runners) ignores SIGINT, and Python then installs none.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SLOW_DOCTESTS = ("autoaccum/cli/_plot.py", "autoaccum/adapters/keras/presets/_plan_preset.py")
 """Doctests that compile a model for seconds: ``make test-fast`` skips them like slow tests."""
