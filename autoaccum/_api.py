@@ -16,6 +16,7 @@ from .planning._advise import (
     Stage,
     first_fit_stage,
     larger_devices,
+    more_devices,
     run_advisor,
 )
 from .planning._cache import resolve_cache
@@ -233,7 +234,8 @@ def plan(
             optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
             learning_rate=learning_rate, base_batch=base_batch, lr_rule=lr_rule,
             adjust_adam=adjust_adam, batch_stats=batch_stats, drop_remainder=drop_remainder,
-            cache=cache, depth_variant=depth_variant, uneven=uneven, _original=error)
+            cache=cache, depth_variant=depth_variant, uneven=uneven, strategy=strategy,
+            devices=devices, hosts=hosts, _original=error)
         raise advice.error from None
     return with_examples(plan_, _examples_of(prepared), drops(prepared.adapter, drop_remainder))
 
@@ -624,6 +626,9 @@ def advise(
     cache: Any = True,
     depth_variant: Any = None,
     uneven: bool = True,
+    strategy: str = "auto",
+    devices: int | None = None,
+    hosts: int | None = None,
     _original: Any = None,
 ) -> Advice:
     """Plans ``model`` as :func:`autoaccum.plan` would; when nothing fits, plans it again with
@@ -633,8 +638,10 @@ def advise(
     already); the framework's own (Flax: another optimizer, moments in bfloat16, training
     only the ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank,
     bfloat16 weights; Keras: another optimizer); the smallest shipped GPU profile where the
-    configuration as given fits. Every row's plan succeeded under the same budget (its own
-    for a device row), so its step was compiled and fits; ``relative_flops`` is its compiled
+    configuration as given fits; for a named GPU (``device=``), more of the same GPU (2, 4 or
+    8, each planned with the cheapest sharding strategy that fits, shown in the row). Every
+    row's plan succeeded under the same budget (its own for a device row), so its step was
+    compiled and fits; ``relative_flops`` is its compiled
     step's ``cost_analysis()`` flops over the cheapest row's. When the weights and optimizer
     state alone are over the budget (known from shapes, before any compile), changes that
     cannot shrink them are not tried. For keras-hub architectures, ``autoaccum plan --preset
@@ -644,8 +651,8 @@ def advise(
     Args:
       model, data, effective_batch, budget, device, memory_fraction, remat, remat_layers,
         objective, data_parallel, optimizer, loss_fn, trainable, learning_rate, base_batch,
-        lr_rule, adjust_adam, batch_stats, drop_remainder, cache, depth_variant, uneven: as
-        for :func:`autoaccum.plan`.
+        lr_rule, adjust_adam, batch_stats, drop_remainder, cache, depth_variant, uneven,
+        strategy, devices, hosts: as for :func:`autoaccum.plan`.
       method: as for :func:`autoaccum.plan`; the rows are always planned compile-only.
       log: where the original plan's probes and each row's verdict are logged.
 
@@ -683,15 +690,18 @@ def advise(
                   data_parallel=data_parallel, cache=cache, uneven=uneven, adapter=adapter)
 
     def plan_with(change: dict[str, Any]) -> Any:
-        framework = {k: v for k, v in change.items() if k not in ("remat", "device")}
+        framework = {k: v for k, v in change.items()
+                     if k not in ("remat", "device", "devices", "strategy")}
         the_model, opts = model, dict(options)
         if framework:
             the_model, opts = adapter.apply_change(model, opts, framework)
         target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
         if "device" in change:
             target = dict(device=change["device"], budget=None, memory_fraction=None)
+        spread = dict(devices=change.get("devices", devices), hosts=1 if hosts is None else hosts,
+                      strategy="auto" if "devices" in change else strategy)
         plan, _ = plan_model(
-            the_model, data, options=opts, **common, **target,
+            the_model, data, options=opts, **common, **target, **spread,
             # Rows without remat in the change plan without it (cheapest first); the
             # remat stage combines the changes that failed with the most thorough policy.
             remat=change.get("remat", remat if not change or remat != "auto" else "none"),
@@ -712,6 +722,8 @@ def advise(
         stages: list[Stage] = [lambda found, failed: singles + framework]
         if framework and adapter.has_remat_layers(model, remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
+        if is_deviceless(device):  # the same GPU, more of them
+            stages.append(first_fit_stage(more_devices(devices or 1)))
         stages.append(first_fit_stage(larger_devices(error.budget_bytes or 0, floor,
                                                      memory_fraction=memory_fraction)))
         return stages

@@ -134,3 +134,32 @@ def test_a_model_that_fits_needs_no_advice():
                               optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
                               budget="64MiB", log=None, cache=False)
     assert advice.fits and advice.plan is not None and advice.alternatives == ()
+
+
+class MLP(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(DEPTH)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x
+
+
+@pytest.mark.slow
+def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits():
+    # Weights + Adam's moments (1.6 MB) are over one T4's budget here: more T4s fit only when
+    # they split the state (a replica per device could not).
+    kwargs = dict(effective_batch=16, optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
+                  device="t4", budget=BUDGET, log=None, cache=False)
+    advice = autoaccum.advise(MLP(rngs=nnx.Rngs(0)), DATA, **kwargs)
+    assert not advice.fits and advice.resident.state_bytes > BUDGET
+    rows = [a for a in advice.alternatives if "devices" in a.change]
+    assert len(rows) == 1, [a.change for a in advice.alternatives]
+    row = rows[0]
+    assert row.change["strategy"] in ("zero1", "zero2", "fsdp"), row.change
+    assert "strategy=" in advice.report() and f"devices={row.change['devices']}" in advice.report()
+    again = autoaccum.plan(MLP(rngs=nnx.Rngs(0)), DATA, devices=row.change["devices"],
+                           strategy=row.change["strategy"], **kwargs)
+    assert again.need_bytes <= BUDGET and again.data_parallel == row.change["devices"]
+    assert (again.micro_batch, again.accum_steps) == (row.micro_batch, row.accum_steps)

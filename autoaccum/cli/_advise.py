@@ -54,10 +54,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.plot:
         raise CliError("--plot draws a plan; --advise prints a table of alternatives. Drop "
                        "one of them.")
-    if getattr(args, "devices", None) is not None or getattr(args, "hosts", None) is not None:
-        raise CliError("--advise plans one device; multi-GPU advice (--devices) is not "
-                       "there yet. Drop --advise to see the plan for --devices N, or drop "
-                       "--devices.")
     advice = _compute_advice(args)
     if args.json:
         print(json.dumps(advice.to_dict(), indent=2, default=str), flush=True)

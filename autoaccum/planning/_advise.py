@@ -28,7 +28,7 @@ from ._resident import Resident
 from ._search import DoesNotFitError
 
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
-           "first_fit_stage", "larger_devices", "run_advisor", "step_flops"]
+           "first_fit_stage", "larger_devices", "more_devices", "run_advisor", "step_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +176,8 @@ def run_advisor(
             budget = budget or plan.budget_bytes
             change = {**change, **({"remat": plan.remat} if plan.remat != "none"
                                    and "remat" not in change else {})}
+            if "devices" in change and "strategy" not in change:  # how they share the work
+                change["strategy"] = getattr(plan, "strategy", "replicated")
             found.append(Alternative(change, plan.micro_batch, plan.accum_steps,
                                      plan.need_bytes, plan.budget_bytes, step_flops(plan),
                                      0.0, plan.estimate.source, plan))
@@ -274,6 +276,18 @@ def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
                 return
 
     return stage
+
+
+def more_devices(current: int, *, most: int = 8) -> list[dict[str, Any]]:
+    """``{"devices": n}`` for the device counts above ``current`` (2, 4 and 8, at most
+    ``most``), fewest first: the same GPU, more of them, each planned with the cheapest
+    sharding strategy that fits (``strategy="auto"``).
+
+    Example:
+      >>> more_devices(1), more_devices(2), more_devices(8)
+      ([{'devices': 2}, {'devices': 4}, {'devices': 8}], [{'devices': 4}, {'devices': 8}], [])
+    """
+    return [{"devices": n} for n in (2, 4, 8) if current < n <= most]
 
 
 def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,

@@ -171,9 +171,10 @@ def plan_program(
 
 
 def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any) -> tuple[Any, Any]:
-    """``program`` (or the function building it) and the depth variants, on ``mesh``."""
+    """``program`` (or the function building it) and the depth variants, on ``mesh``; a
+    program keeps its sharding strategy."""
     if isinstance(program, TrainProgram):
-        program = program.on_mesh(mesh)
+        program = program.on_mesh(mesh, program.strategy)
     elif callable(program):
         build = program
         program = lambda: build().on_mesh(mesh)  # noqa: E731
