@@ -373,6 +373,10 @@ def plan_model(
                 skipped.append((name, error))
                 continue
             plan = with_strategy(plan, name, skipped)
+            placement = by_strategy[name].program.placement
+            if placement is not None:  # the user's own layout: its mesh, every axis
+                plan = dataclasses.replace(plan, mesh_axes=tuple(
+                    (str(a), int(n)) for a, n in placement.mesh.shape.items()))
             break
         if trial:
             agreed = agree_strategy(plan.strategy if plan is not None else None)
@@ -447,10 +451,23 @@ def agree_strategy(mine: str | None) -> str | None:
 
 
 def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tuple[str, ...]:
-    """The strategies to try, in order: one device, or ``"auto"`` for a program that runs
-    replicated data parallelism only (no ``sharded_step``, e.g. Keras): replicated;
+    """The strategies to try, in order: a program that keeps the user's own layout
+    (``program.placement``): ``"own"`` (a named strategy is refused); one device, or
+    ``"auto"`` for a program that runs replicated data parallelism only (no
+    ``sharded_step``, e.g. Keras): replicated;
     ``"auto"``: all of :data:`STRATEGIES`; a name: that one (``program.on_mesh`` refuses a
     sharded one it cannot run, with the fix)."""
+    if program.placement is not None and mesh is None:
+        if strategy != "auto":
+            placement = program.placement
+            raise ValueError(
+                f"This model's variables are laid out by {placement.source} (mesh "
+                f"{dict(placement.mesh.shape)}); autoaccum keeps that layout as it is "
+                f"(plan.strategy 'own'), so it cannot lay the state out by strategy "
+                f"{strategy!r} as well. Pass strategy='auto' (the default) to train with your "
+                "layout, or build the model without sharding annotations to let autoaccum "
+                f"shard it. Received: strategy={strategy!r}")
+        return ("own",)
     if mesh is None or mesh.size == 1:
         return ("replicated",)
     if strategy == "auto" and program.sharded_step is None:
