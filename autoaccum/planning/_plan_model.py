@@ -511,9 +511,10 @@ def placed_plan_options(placement: Any, effective_batch: int, method: str,
     """``(method, objective, notes)`` for a program that keeps the user's layout over several
     devices: compile-only, by memory (real steps and timings run on one device)."""
     validate_effective_batch(effective_batch, data_parallel=placement.data_parallel)
+    split = (f"batches split over {placement.data_axis!r}" if placement.data_axis is not None
+             else "batches not split: every device reads the whole micro-batch")
     notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
-             f"{dict(placement.mesh.shape)}, batches split over "
-             f"{placement.data_axis!r}); memory per device")
+             f"{dict(placement.mesh.shape)}, {split}); memory per device")
     if method == "backoff":
         raise ValueError(
             "method='backoff' runs real single-device steps; a model laid out over several "

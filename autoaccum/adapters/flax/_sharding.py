@@ -225,7 +225,7 @@ def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
         state=(param_shardings, jax.tree.map(own, other), opt_shardings),
         frozen=(jax.tree.map(own, frozen),),
         data_axis=axis,
-        source=f"the model's own sharding (nnx.with_partitioning, mesh {dict(user.shape)})",
+        source="the model's own weight shardings",
     )
 
 
