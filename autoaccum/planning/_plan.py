@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -282,6 +281,7 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
     measured here (its estimate reported) unless it was probed already.
     """
     import dataclasses
+
     from ..devices._mesh import agree_micro_batch
 
     agreed, each = agree_micro_batch(search.micro_batch)
