@@ -296,7 +296,10 @@ def measure(
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp = 1 if mesh is None else mesh.size
+    given_accum = accum_steps
     if effective_batch is not None:
         effective_batch = validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
@@ -310,8 +313,18 @@ def measure(
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
     no_leftovers(options, "measure")
-    resolved = resolve_target(device, None, memory_fraction=memory_fraction, mesh=mesh)
-    request = CompileRequest(prepared.program.on_mesh(mesh), micro_batch, accum_steps)
+    program = prepared.program.on_mesh(mesh)
+    placement = program.placement
+    if placement is not None and placement.data_parallel != dp:
+        # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
+        dp = placement.data_parallel
+        if effective_batch is not None:
+            validate_effective_batch(effective_batch, data_parallel=dp)
+            if given_accum is None:
+                accum_steps = math.ceil(effective_batch / dp / micro_batch)
+    resolved = resolve_target(device, None, memory_fraction=memory_fraction,
+                              mesh=program.device_mesh)
+    request = CompileRequest(program, micro_batch, accum_steps)
     return measure_all([request], resolved.compile_target, cache=resolve_cache(cache))[0]
 
 

@@ -432,6 +432,17 @@ def own_mesh() -> dict:
                       if k in ("tokens.embedding", "blocks.0.linear1.kernel",
                                "blocks.0.linear2.kernel", "blocks.0.norm1.scale")},
         }
+    # autoaccum.train_step (your own loop) runs the same kept-layout step.
+    with jax.set_mesh(mesh):
+        model = _MiniGPT(nnx.Rngs(0))
+    step = autoaccum.train_step(model, data, **opts)
+    output = step(data)
+    out["train_step"] = {
+        "step": output.step, "strategy": step.plan.strategy,
+        "params_error": _tree_relative_error(nnx.state(model, nnx.Param), expected),
+        "specs": sorted({_spec_text(x) for x in jax.tree.leaves(step.opt_state)
+                         if getattr(x, "ndim", 0) == 2}),
+    }
     # The optimizer moments and the per-device need: the placed program's own view.
     spec = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in data.items()}
     program = flax_program(probe, spec, loss_fn=token_loss, tx=optax.adam(1e-3))
@@ -442,6 +453,11 @@ def own_mesh() -> dict:
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state)
                 if jnp.issubdtype(x.dtype, jnp.floating))
     out["moments_like_weights"] = mu == weights
+    measured = autoaccum.measure(probe, data, micro_batch=2, effective_batch=8,
+                                 **{k: v for k, v in opts.items()
+                                    if k not in ("effective_batch", "budget", "log")})
+    out["measure"] = [measured.micro_batch, measured.accum_steps,
+                      measured.need_bytes > 0]
     out["argument_bytes"], out["whole_state_bytes"] = est.argument_bytes, whole
     # Tensor parallelism alone: every device reads the whole batch.
     with jax.set_mesh(jax.make_mesh((1, 4), ("batch", "model"))):

@@ -217,9 +217,13 @@ def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_
                                 "blocks.0.linear1.kernel": "P(None, 'model')",
                                 "blocks.0.linear2.kernel": "P('model',)",
                                 "blocks.0.norm1.scale": "P()"}
+    step = out["train_step"]  # autoaccum.train_step: the same step, the same layout
+    assert step["step"] == 1 and step["strategy"] == "own" and step["params_error"] <= 1e-5
+    assert step["specs"] == ["P('model',)", "P(None, 'model')"]
     # optimizer moments laid out like the weights; one device holds less than the state
     assert out["moments_like_weights"]
     assert out["argument_bytes"] < out["whole_state_bytes"]
+    assert out["measure"] == [2, 2, True]  # autoaccum.measure: 8 = 2 x 2 (batch axis) x 2
     assert out["tp"] == {"strategy": "own", "devices": 4, "mesh_shape": [1, 4],
                          "data_parallel": 1}
     assert "strategy='auto'" in out["errors"]["strategy"]
