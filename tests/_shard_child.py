@@ -435,7 +435,7 @@ def own_mesh() -> dict:
     # autoaccum.train_step (your own loop) runs the same kept-layout step.
     with jax.set_mesh(mesh):
         model = _MiniGPT(nnx.Rngs(0))
-    step = autoaccum.train_step(model, data, **opts)
+    step = autoaccum.train_step(model, data, data_parallel="auto", **opts)
     output = step(data)
     out["train_step"] = {
         "step": output.step, "strategy": step.plan.strategy,
