@@ -208,6 +208,8 @@ def flax_program(
     ``autoaccum.training._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
     ``strategy``: what the devices of ``mesh`` split instead of copying (``"replicated"``,
     ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`).
+    A model whose weights are split over a mesh of several axes keeps that layout instead
+    (``program.placement``, see :mod:`._sharding`; ``mesh`` and ``strategy`` do not apply).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
     :mod:`autoaccum.training._batch_stats`); ``on_nonfinite``: as :func:`make_flax_step`.
 
