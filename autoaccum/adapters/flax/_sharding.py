@@ -135,8 +135,9 @@ def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
 def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     """The data-parallel training mesh for ``model``: ``mesh`` when no weight of the model
     is split over devices, the one-axis mesh its split weights live on, or ``None`` when
-    they live on a mesh of several axes (its layout is then kept by :func:`own_placement`;
-    the devices are checked against ``mesh``, the devices autoaccum would train on).
+    they live on a mesh of several axes (its layout is then kept by :func:`own_placement`).
+    The devices are checked against ``mesh``, the devices autoaccum would train on: the
+    same, in the same order, for a one-axis mesh; among them for several axes.
 
     Raises:
       ValueError: the model's own sharding cannot be kept (the message says why and what
@@ -161,13 +162,16 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
         axis = data_axis(user, [a.sharding.spec for _, a in split]) if several else None
         if several and (axis is None or user.shape[axis] == 1):
             return None  # the batch is not split: one data-parallel "device" is right
+        fix = (f"data_parallel='auto': your layout is kept and the batch split over its "
+               f"{axis!r} axis" if several else
+               "data_parallel='auto' (every device) or data_parallel=<that mesh>")
         raise ValueError(
             f"This model's weights are split over {user.size} devices, but the plan is for one "
-            "device. Pass data_parallel='auto' (every device) or data_parallel=<that mesh>, "
-            f"so they stay split. Received: {example}")
+            f"device. Pass {fix}, so they stay split. Received: {example}")
     ours = tuple(d.id for d in mesh.devices.flat)
     theirs = tuple(d.id for d in user.devices.flat)
-    if sorted(ours) != sorted(theirs) or (not several and ours != theirs):
+    # Several axes: the layout decides the devices, which must be among those asked for.
+    if (not set(theirs) <= set(ours)) if several else ours != theirs:
         raise ValueError(
             f"This model's weights are split over devices {list(theirs)}, but autoaccum would "
             f"train on devices {list(ours)}. Pass data_parallel='auto'"
