@@ -470,6 +470,10 @@ def own_mesh() -> dict:
         autoaccum.plan(probe, data, strategy="fsdp", **opts)
     except ValueError as error:
         errors["strategy"] = str(error)
+    try:
+        autoaccum.plan(probe, data, data_parallel=1, **opts)
+    except ValueError as error:
+        errors["one_device"] = str(error)
     with jax.set_mesh(jax.make_mesh((2, 2), ("data", "batch"))):
         both = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
             nnx.initializers.lecun_normal(), (None, "batch")), rngs=nnx.Rngs(0))

@@ -229,6 +229,8 @@ def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_
     assert "strategy='auto'" in out["errors"]["strategy"]
     assert "Received: strategy='fsdp'" in out["errors"]["strategy"]
     assert "both a 'batch' and a 'data' axis" in out["errors"]["ambiguous"]
+    assert "plan is for one device" in out["errors"]["one_device"]
+    assert "split over its 'batch' axis" in out["errors"]["one_device"]
 
 
 def _free_port() -> int:
