@@ -145,7 +145,10 @@ def plan(
         in the order of ``autoaccum.planning.STRATEGIES``), ``"replicated"``, ``"zero1"``
         (optimizer state), ``"zero2"`` (and the gradient accumulator) or ``"fsdp"`` (and
         the weights). ``plan.strategy`` says which was chosen. Flax models; Keras models
-        plan ``"replicated"``.
+        plan ``"replicated"``. A model that keeps its own layout over a mesh of several axes
+        (a Flax model split by ``nnx.with_partitioning`` over e.g. a ``('batch', 'model')``
+        mesh, a Keras model under ``keras.distribution.ModelParallel``) plans ``"own"``
+        (``plan.mesh_shape`` is its mesh's shape); a named strategy is refused for it.
       devices: how many GPUs the plan is for. With ``device=`` naming a GPU that is not
         here, a dry run compiled for that many of it (deviceless, data-parallel, the
         micro-batch per device and one GPU's budget; the report names the profile's
@@ -298,7 +301,10 @@ def measure(
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
     mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
+        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp = 1 if mesh is None else mesh.size
+    given_accum = accum_steps
     if effective_batch is not None:
         effective_batch = validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
@@ -312,8 +318,18 @@ def measure(
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=remat_layers)
     no_leftovers(options, "measure")
-    resolved = resolve_target(device, None, memory_fraction=memory_fraction, mesh=mesh)
-    request = CompileRequest(prepared.program.on_mesh(mesh), micro_batch, accum_steps)
+    program = prepared.program.on_mesh(mesh)
+    placement = program.placement
+    if placement is not None and placement.data_parallel != dp:
+        # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
+        dp = placement.data_parallel
+        if effective_batch is not None:
+            validate_effective_batch(effective_batch, data_parallel=dp)
+            if given_accum is None:
+                accum_steps = math.ceil(effective_batch / dp / micro_batch)
+    resolved = resolve_target(device, None, memory_fraction=memory_fraction,
+                              mesh=program.device_mesh)
+    request = CompileRequest(program, micro_batch, accum_steps)
     return measure_all([request], resolved.compile_target, cache=resolve_cache(cache))[0]
 
 

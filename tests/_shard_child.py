@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
 from autoaccum.devices._mesh import data_parallel_mesh, place, replicate, shard_batches
@@ -263,8 +264,9 @@ class _AnnotatedLM(nnx.Module):
 
 def own_sharding() -> dict:
     """A model whose weights arrive split over a one-axis ('fsdp',) mesh keeps that sharding
-    through plan and fit, and trains as the same model on one device; a ('batch', 'model')
-    mesh and a one-device plan are refused with a clear error."""
+    through plan and fit, and trains as the same model on one device; a one-device plan,
+    and a ('batch', 'model') mesh over other devices than asked for, are refused with a
+    clear error."""
     import autoaccum
 
     mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
@@ -297,12 +299,12 @@ def own_sharding() -> dict:
     def mse(m, b):
         return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
 
-    try:
+    try:  # kept over a ('batch', 'model') mesh, but not on the devices asked for
         autoaccum.plan(tp, {"x": np.ones((16, 32), np.float32)}, effective_batch=8,
                        optimizer=optax.sgd, learning_rate=0.1, loss_fn=mse, log=None,
-                       budget="1GiB")
+                       budget="1GiB", data_parallel=2)
     except ValueError as error:
-        errors["two_axes"] = str(error)
+        errors["other_devices"] = str(error)
     return {
         "before": before, "after": after, "axes": axes,
         "plan_devices": plan.data_parallel, "notes": [n for n in plan.notes if "own" in n],
@@ -312,6 +314,177 @@ def own_sharding() -> dict:
                                             jax.tree.leaves(nnx.state(ref, nnx.Param))),
         "errors": errors,
     }
+
+
+class _Block(nnx.Module):
+    """A transformer block written as the JAX AI stack's miniGPT tutorial writes it:
+    attention and MLP kernels split over the mesh's 'model' axis with
+    ``nnx.with_partitioning``, layer norms replicated (no dropout, for exact comparisons)."""
+
+    def __init__(self, dim: int, heads: int, ff: int, *, rngs: nnx.Rngs, annotate: bool):
+        xavier, zeros = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
+
+        def part(init, spec):
+            return nnx.with_partitioning(init, spec) if annotate else init
+
+        self.mha = nnx.MultiHeadAttention(
+            num_heads=heads, in_features=dim, kernel_init=part(xavier, (None, "model")),
+            bias_init=part(zeros, ("model",)), decode=False, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(dim, epsilon=1e-6, rngs=rngs)
+        self.linear1 = nnx.Linear(dim, ff, kernel_init=part(xavier, (None, "model")),
+                                  bias_init=part(zeros, ("model",)), rngs=rngs)
+        self.linear2 = nnx.Linear(ff, dim, kernel_init=part(xavier, ("model", None)),
+                                  rngs=rngs)
+        self.norm2 = nnx.LayerNorm(dim, epsilon=1e-6, rngs=rngs)
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = self.norm1(x + self.mha(x, mask=mask))
+        return self.norm2(x + self.linear2(nnx.relu(self.linear1(x))))
+
+
+class _MiniGPT(nnx.Module):
+    """A tiny miniGPT (token and position embeddings split (None, 'model'), blocks, an
+    output layer split (None, 'model')); built under ``jax.set_mesh`` its weights arrive
+    split over a ('batch', 'model') mesh."""
+
+    def __init__(self, rngs: nnx.Rngs, *, annotate: bool = True, vocab: int = 32,
+                 maxlen: int = 16, dim: int = 16, heads: int = 4, ff: int = 32,
+                 blocks: int = 1):
+        normal = nnx.initializers.normal()
+
+        def part(init, spec):
+            return nnx.with_partitioning(init, spec) if annotate else init
+
+        self.tokens = nnx.Embed(vocab, dim, embedding_init=part(normal, (None, "model")),
+                                rngs=rngs)
+        self.positions = nnx.Embed(maxlen, dim, embedding_init=part(normal, (None, "model")),
+                                   rngs=rngs)
+        self.blocks = nnx.List([_Block(dim, heads, ff, rngs=rngs, annotate=annotate)
+                                for _ in range(blocks)])
+        self.out = nnx.Linear(dim, vocab, kernel_init=part(nnx.initializers.xavier_uniform(),
+                                                           (None, "model")), rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1])[None])
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _tree_relative_error(a, b) -> float:
+    """max |a - b| / max |b| over all the leaves together. (Per leaf it would divide by the
+    attention key bias's update, which is 0 up to rounding: softmax ignores it.)"""
+    diff = max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return diff / max(float(jnp.max(jnp.abs(jnp.asarray(y)))) for y in jax.tree.leaves(b))
+
+
+def _full_batch_sgd(model, data, rate):
+    """One full-batch optax step (SGD with momentum) on one device: the reference."""
+    tx = optax.sgd(rate, momentum=0.9)
+    params = nnx.state(model, nnx.Param)
+
+    def mean_loss(p):
+        m = nnx.merge(nnx.graphdef(model), p, nnx.state(model, nnx.Not(nnx.Param)))
+        total, count = token_loss(m, data)
+        return total / count
+
+    grads = jax.grad(mean_loss)(params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return optax.apply_updates(params, updates)
+
+
+def own_mesh() -> dict:
+    """A miniGPT-like model split over a 2 x 2 ('batch', 'model') mesh keeps its layout
+    through plan and fit (batches split over 'batch'), and one accumulated step (even and
+    uneven micro-batches) equals one full-batch step on one device; a (1, 4) mesh plans
+    tensor parallelism alone; a named strategy and an ambiguous data axis are refused."""
+    import autoaccum
+    from autoaccum.adapters.flax._program import flax_program
+
+    mesh = jax.make_mesh((2, 2), ("batch", "model"))
+    data = ragged_tokens(8, 10, seed=5)
+    opts = dict(effective_batch=8, optimizer=lambda r: optax.sgd(r, momentum=0.9),
+                learning_rate=0.1, loss_fn=token_loss, log=None, cache=False, budget="1GiB")
+    with jax.set_mesh(mesh):
+        probe = _MiniGPT(nnx.Rngs(0))
+    plan = autoaccum.plan(probe, data, **opts)
+    out: dict = {"plan": {k: plan.to_dict()[k] for k in ("strategy", "devices", "mesh_shape",
+                                                         "mesh_axes", "data_parallel")},
+                 "report": "own: the model's own layout" in plan.report(),
+                 "notes": [n for n in plan.notes if n.startswith("layout:")]}
+    expected = _full_batch_sgd(_MiniGPT(nnx.Rngs(0), annotate=False), data, 0.1)
+    fit_opts = {k: v for k, v in opts.items() if k not in ("budget", "cache")}
+    for name, micro, accum, last in (("even", 2, 2, None), ("uneven", 3, 2, 1)):
+        with jax.set_mesh(mesh):
+            model = _MiniGPT(nnx.Rngs(0))
+        before = {k: v.sharding for k, v in _weights(model).items()}
+        forced = dataclasses.replace(plan, micro_batch=micro, accum_steps=accum,
+                                     last_micro_batch=last)
+        result = autoaccum.fit(model, data, plan=forced, shuffle=False, verbose=0, **fit_opts)
+        after = {k: v.sharding for k, v in _weights(model).items()}
+        out[name] = {
+            "steps": result.steps, "split": [result.micro_batch, result.accum_steps],
+            "params_error": _tree_relative_error(nnx.state(model, nnx.Param), expected),
+            "same_shardings": after == before,
+            "specs": {k: _spec_text(v) for k, v in _weights(model).items()
+                      if k in ("tokens.embedding", "blocks.0.linear1.kernel",
+                               "blocks.0.linear2.kernel", "blocks.0.norm1.scale")},
+        }
+    # autoaccum.train_step (your own loop) runs the same kept-layout step.
+    with jax.set_mesh(mesh):
+        model = _MiniGPT(nnx.Rngs(0))
+    step = autoaccum.train_step(model, data, data_parallel="auto", **opts)
+    output = step(data)
+    out["train_step"] = {
+        "step": output.step, "strategy": step.plan.strategy,
+        "params_error": _tree_relative_error(nnx.state(model, nnx.Param), expected),
+        "specs": sorted({_spec_text(x) for x in jax.tree.leaves(step.opt_state)
+                         if getattr(x, "ndim", 0) == 2}),
+    }
+    # The optimizer moments and the per-device need: the placed program's own view.
+    spec = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in data.items()}
+    program = flax_program(probe, spec, loss_fn=token_loss, tx=optax.adam(1e-3))
+    shardings = jax.tree.map(lambda s: s.spec, program.placement.state)
+    mu = jax.tree.leaves(shardings[2][0].mu, is_leaf=lambda x: isinstance(x, P))
+    weights = jax.tree.leaves(shardings[0], is_leaf=lambda x: isinstance(x, P))
+    est = measure_program(program, 2, 2)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state)
+                if jnp.issubdtype(x.dtype, jnp.floating))
+    out["moments_like_weights"] = mu == weights
+    measured = autoaccum.measure(probe, data, micro_batch=2, effective_batch=8,
+                                 **{k: v for k, v in opts.items()
+                                    if k not in ("effective_batch", "budget", "log")})
+    out["measure"] = [measured.micro_batch, measured.accum_steps,
+                      measured.need_bytes > 0]
+    out["argument_bytes"], out["whole_state_bytes"] = est.argument_bytes, whole
+    # Tensor parallelism alone: every device reads the whole batch.
+    with jax.set_mesh(jax.make_mesh((1, 4), ("batch", "model"))):
+        tp = _MiniGPT(nnx.Rngs(0))
+    tp_plan = autoaccum.plan(tp, data, **opts)
+    out["tp"] = {k: tp_plan.to_dict()[k] for k in ("strategy", "devices", "mesh_shape",
+                                                   "data_parallel")}
+    errors = {}
+    try:
+        autoaccum.plan(probe, data, strategy="fsdp", **opts)
+    except ValueError as error:
+        errors["strategy"] = str(error)
+    try:
+        autoaccum.plan(probe, data, data_parallel=1, **opts)
+    except ValueError as error:
+        errors["one_device"] = str(error)
+    with jax.set_mesh(jax.make_mesh((2, 2), ("data", "batch"))):
+        both = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), (None, "batch")), rngs=nnx.Rngs(0))
+    try:
+        autoaccum.plan(both, {"x": np.ones((8, 16), np.float32)}, effective_batch=8,
+                       optimizer=optax.sgd, learning_rate=0.1, log=None, budget="1GiB",
+                       loss_fn=lambda m, b: (jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]))
+    except ValueError as error:
+        errors["ambiguous"] = str(error)
+    out["errors"] = errors
+    return out
 
 
 def _spec_text(array) -> str:
@@ -349,7 +522,8 @@ def keras_replicated() -> dict:
     return {"strategy": plan.strategy, "devices": plan.data_parallel, "error": error}
 
 
-MODES = {"exact": exact, "own_sharding": own_sharding, "keras_replicated": keras_replicated,
+MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
+         "keras_replicated": keras_replicated,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
          "train_step_and_elastic": train_step_and_elastic}

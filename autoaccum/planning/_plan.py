@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -132,17 +133,37 @@ class Plan:
     strategy: str = "replicated"
     """What the data-parallel devices split instead of copying: ``"replicated"`` (nothing),
     ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradient accumulator) or ``"fsdp"``
-    (+ weights); see ``autoaccum.planning.STRATEGIES``. Always ``"replicated"`` on one device."""
+    (+ weights); see ``autoaccum.planning.STRATEGIES``. Always ``"replicated"`` on one device.
+    ``"own"``: the model's own layout is kept as the user made it (a Flax model's weights
+    split over a mesh of several axes by ``nnx.with_partitioning``, a Keras model under
+    ``keras.distribution.ModelParallel``); ``mesh_axes`` names its mesh."""
+    mesh_axes: tuple[tuple[str, int], ...] = ()
+    """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
+    (e.g. ``(("batch", 2), ("model", 2))``; the batch is split over its data axis, so
+    ``data_parallel`` is that axis's size); else ``()``."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """Shape of the device mesh the plan runs on: ``(data_parallel,)``.
+        """Shape of the device mesh the plan runs on: ``(data_parallel,)``, or the shape of
+        the user's own mesh (``mesh_axes``).
 
         Example:
           >>> Plan(4, 2, 4, 32, 4, None, None, None, (), "cpu", 0.0).mesh_shape
           (4,)
         """
+        if self.mesh_axes:
+            return tuple(n for _, n in self.mesh_axes)
         return (self.data_parallel,)
+
+    @property
+    def devices(self) -> int:
+        """Devices the plan runs on (every device of its mesh).
+
+        Example:
+          >>> Plan(4, 2, 4, 32, 4, None, None, None, (), "cpu", 0.0).devices
+          4
+        """
+        return math.prod(self.mesh_shape)
 
     @property
     def lr_rule(self) -> str:
@@ -260,7 +281,6 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
     measured here (its estimate reported) unless it was probed already.
     """
     import dataclasses
-    import math
 
     from ..devices._mesh import agree_micro_batch
 

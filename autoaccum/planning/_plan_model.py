@@ -374,6 +374,10 @@ def plan_model(
                 skipped.append((name, error))
                 continue
             plan = with_strategy(plan, name, skipped)
+            placement = by_strategy[name].program.placement
+            if placement is not None:  # the user's own layout: its mesh, every axis
+                plan = dataclasses.replace(plan, mesh_axes=tuple(
+                    (str(a), int(n)) for a, n in placement.mesh.shape.items()))
             break
         if trial:
             agreed = agree_strategy(plan.strategy if plan is not None else None)
@@ -448,10 +452,23 @@ def agree_strategy(mine: str | None) -> str | None:
 
 
 def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tuple[str, ...]:
-    """The strategies to try, in order: one device, or ``"auto"`` for a program that runs
-    replicated data parallelism only (no ``sharded_step``, e.g. Keras): replicated;
+    """The strategies to try, in order: a program that keeps the user's own layout
+    (``program.placement``): ``"own"`` (a named strategy is refused); one device, or
+    ``"auto"`` for a program that runs replicated data parallelism only (no
+    ``sharded_step``, e.g. Keras): replicated;
     ``"auto"``: all of :data:`STRATEGIES`; a name: that one (``program.on_mesh`` refuses a
     sharded one it cannot run, with the fix)."""
+    if program.placement is not None and mesh is None:
+        if strategy != "auto":
+            placement = program.placement
+            raise ValueError(
+                f"This model's variables are laid out by {placement.source} (mesh "
+                f"{dict(placement.mesh.shape)}); autoaccum keeps that layout as it is "
+                f"(plan.strategy 'own'), so it cannot lay the state out by strategy "
+                f"{strategy!r} as well. Pass strategy='auto' (the default) to train with your "
+                "layout, or build the model without sharding annotations to let autoaccum "
+                f"shard it. Received: strategy={strategy!r}")
+        return ("own",)
     if mesh is None or mesh.size == 1:
         return ("replicated",)
     if strategy == "auto" and program.sharded_step is None:
@@ -495,9 +512,10 @@ def placed_plan_options(placement: Any, effective_batch: int, method: str,
     """``(method, objective, notes)`` for a program that keeps the user's layout over several
     devices: compile-only, by memory (real steps and timings run on one device)."""
     validate_effective_batch(effective_batch, data_parallel=placement.data_parallel)
+    split = (f"batches split over {placement.data_axis!r}" if placement.data_axis is not None
+             else "batches not split: every device reads the whole micro-batch")
     notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
-             f"{dict(placement.mesh.shape)}, batches split over "
-             f"{placement.data_axis!r}); memory per device")
+             f"{dict(placement.mesh.shape)}, {split}); memory per device")
     if method == "backoff":
         raise ValueError(
             "method='backoff' runs real single-device steps; a model laid out over several "

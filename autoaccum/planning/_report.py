@@ -127,7 +127,7 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
         ("need", need),
         ("budget", f"{format_bytes(b.bytes)}  [{b.source}: {b.detail}]"),
         ("rematerialization", plan.remat),
-        *([("sharding", _strategy_text(plan))] if plan.data_parallel > 1 else []),
+        *([("sharding", _strategy_text(plan))] if plan.devices > 1 else []),
     ]
 
 
@@ -136,11 +136,14 @@ _STRATEGY_TEXT = {
     "zero1": "zero1: optimizer state split over the devices (ZeRO-1)",
     "zero2": "zero2: optimizer state and gradient accumulator split over the devices (ZeRO-2)",
     "fsdp": "fsdp: weights, gradients and optimizer state split over the devices (ZeRO-3)",
+    "own": "own: the model's own layout, kept as it is (weights, gradient accumulator and "
+           "optimizer moments laid out like the weights)",
 }
 
 
 def _strategy_text(plan: Plan) -> str:
-    return f"{_STRATEGY_TEXT.get(plan.strategy, plan.strategy)}; mesh {plan.mesh_shape}"
+    mesh = (dict(plan.mesh_axes) if plan.mesh_axes else plan.mesh_shape)
+    return f"{_STRATEGY_TEXT.get(plan.strategy, plan.strategy)}; mesh {mesh}"
 
 
 _COLUMNS = (
@@ -298,7 +301,7 @@ def _memory(estimate: Any) -> dict[str, int]:
 _HANDLED = {
     "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
     "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
-    "objective", "candidates", "profile", "deviceless", "strategy",
+    "objective", "candidates", "profile", "deviceless", "strategy", "mesh_axes",
 }  # examples, drop_remainder: the loop below; leftover_examples is added by hand
 
 
@@ -320,8 +323,9 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "micro_batch": plan.micro_batch,
         "accum_steps": plan.accum_steps,
         "data_parallel": plan.data_parallel,
-        "devices": plan.data_parallel,
+        "devices": plan.devices,
         "mesh_shape": list(plan.mesh_shape),
+        "mesh_axes": [name for name, _ in plan.mesh_axes] or None,
         "strategy": plan.strategy,
         "effective_batch": plan.effective_batch,
         "max_micro_batch": plan.max_micro_batch,

@@ -55,6 +55,7 @@ def accumulate_gradients(
     scatter: Callable[[PyTree], PyTree] | None = None,
     accumulator: PyTree = None,
     sq_norm: Callable[[PyTree, jax.Array], jax.Array] | None = None,
+    accumulator_sharding: PyTree = None,
 ) -> AccumulatedGradients:
     """Scans ``micro_loss`` over the leading axis of ``batches`` and sums gradients in float32.
 
@@ -73,6 +74,8 @@ def accumulate_gradients(
         changes the shapes (default: the shapes of ``trainable``).
       sq_norm: ``sq_norm(grads, count)``, the squared norm of a micro-batch's mean gradient
         from the gradients ``grad_fn`` gave (default: local, ``|grads|^2 / count^2``).
+      accumulator_sharding: under ``jax.jit`` over several devices (GSPMD), a sharding per
+        leaf of the float32 accumulator (e.g. the weights' own), kept through the scan.
 
     Returns:
       An :class:`AccumulatedGradients` of unnormalised float32 sums.
@@ -116,6 +119,8 @@ def accumulate_gradients(
         if scatter is not None:
             summed = scatter(summed)
         grad_acc = jax.tree.map(lambda a, g: a + g, grad_acc, summed)
+        if accumulator_sharding is not None:
+            grad_acc = jax.lax.with_sharding_constraint(grad_acc, accumulator_sharding)
         if sq_norm is not None:
             micro_sq = sq_norm(grads, count)
         else:
@@ -129,6 +134,8 @@ def accumulate_gradients(
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          trainable if accumulator is None else accumulator)
+    if accumulator_sharding is not None:
+        zeros = jax.lax.with_sharding_constraint(zeros, accumulator_sharding)
     init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
     params = trainable
     if isinstance(batches, UnevenBatches) and micro_steps(batches) == 2:

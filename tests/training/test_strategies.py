@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from autoaccum.planning import STRATEGIES, state_layout
 from autoaccum.planning._strategies import leaf_spec, tree_specs, validate_strategy
 from tests._paths import REPO
+from tests._session import once_per_session
 
 
 def _child(devices: int, *modes: str) -> dict:
@@ -176,9 +177,18 @@ def test_train_step_and_elastic_recovery_with_sharded_state():
     assert elastic["params_error"] <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def own_layouts() -> dict:
+    """The own-sharding checks (a one-axis mesh, a ('batch', 'model') mesh) in one child with
+    4 host-platform devices, once per session."""
+    return json.loads(once_per_session(
+        "shard-own-layouts", lambda: json.dumps(_child(4, "own_sharding", "own_mesh"))))
+
+
 @pytest.mark.slow
-def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_and_fit():
-    out = _child(4, "own_sharding")["own_sharding"]
+def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_and_fit(
+        own_layouts):
+    out = own_layouts["own_sharding"]
     assert out["before"]["up.kernel"] == "P(None, 'fsdp')"
     assert out["before"]["embed.embedding"] == "P('fsdp',)"
     assert out["after"] == out["before"], (out["before"], out["after"])
@@ -187,8 +197,40 @@ def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_a
     assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
     assert "plan is for one device" in out["errors"]["one_device"]
     assert "data_parallel='auto'" in out["errors"]["one_device"]
-    assert "axes ('batch', 'model')" in out["errors"]["two_axes"]
-    assert "Received: kernel: P(None, 'model')" in out["errors"]["two_axes"]
+    assert "would train on devices [0, 1]" in out["errors"]["other_devices"]
+    assert "Received: kernel: P(None, 'model')" in out["errors"]["other_devices"]
+
+
+@pytest.mark.slow
+def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_exactly(
+        own_layouts):
+    out = own_layouts["own_mesh"]
+    assert out["plan"] == {"strategy": "own", "devices": 4, "mesh_shape": [2, 2],
+                           "mesh_axes": ["batch", "model"], "data_parallel": 2}
+    assert out["report"] and "batches split over 'batch'" in out["notes"][0]
+    for split, expected in (("even", [2, 2]), ("uneven", [3, 2])):  # 4 per device: 2+2, 3+1
+        fit = out[split]
+        assert fit["steps"] == 1 and fit["split"] == expected
+        assert fit["params_error"] <= 1e-5, (split, fit["params_error"])
+        assert fit["same_shardings"]  # spec and mesh of every weight, as before fit
+        assert fit["specs"] == {"tokens.embedding": "P(None, 'model')",
+                                "blocks.0.linear1.kernel": "P(None, 'model')",
+                                "blocks.0.linear2.kernel": "P('model',)",
+                                "blocks.0.norm1.scale": "P()"}
+    step = out["train_step"]  # autoaccum.train_step: the same step, the same layout
+    assert step["step"] == 1 and step["strategy"] == "own" and step["params_error"] <= 1e-5
+    assert step["specs"] == ["P('model',)", "P(None, 'model')"]
+    # optimizer moments laid out like the weights; one device holds less than the state
+    assert out["moments_like_weights"]
+    assert out["argument_bytes"] < out["whole_state_bytes"]
+    assert out["measure"] == [2, 2, True]  # autoaccum.measure: 8 = 2 x 2 (batch axis) x 2
+    assert out["tp"] == {"strategy": "own", "devices": 4, "mesh_shape": [1, 4],
+                         "data_parallel": 1}
+    assert "strategy='auto'" in out["errors"]["strategy"]
+    assert "Received: strategy='fsdp'" in out["errors"]["strategy"]
+    assert "both a 'batch' and a 'data' axis" in out["errors"]["ambiguous"]
+    assert "plan is for one device" in out["errors"]["one_device"]
+    assert "split over its 'batch' axis" in out["errors"]["one_device"]
 
 
 def _free_port() -> int:

@@ -137,8 +137,9 @@ class FlaxAdapter:
         return resolve_mesh("auto")
 
     def own_mesh(self, model: Any, mesh: Any) -> Any:
-        """The training mesh: ``mesh``, or the one-axis mesh the model's weights are split
-        over (see ``autoaccum.adapters.flax._sharding``)."""
+        """The data-parallel training mesh: ``mesh``, the one-axis mesh the model's weights
+        are split over, or ``None`` for weights split over a mesh of several axes (that
+        layout is kept by the program's placement; see ``autoaccum.adapters.flax._sharding``)."""
         from ._sharding import own_mesh
 
         return own_mesh(model, mesh)
@@ -219,6 +220,7 @@ class FlaxAdapter:
             initial_epoch=options.get("initial_epoch", 0),
             nnx_optimizer=extras.get("nnx_optimizer"),
             steps_per_epoch=options.get("steps_per_epoch"),
+            placement=prepared.program.placement,
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
 

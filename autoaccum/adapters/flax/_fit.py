@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from ...devices._mesh import place, replicate
+from ...devices._placement import place as place_each
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
@@ -36,6 +37,7 @@ from ._data import ArrayData, FlaxStream, flax_data
 from ._evaluate import Evaluator, warn_if_eval_mode
 from ._fit_step import StepBatch, StepRunner, step_batches
 from ._program import LossFn, sharded_layout, split_model
+from ._sharding import home_shardings, rehome
 
 __all__ = ["flax_fit"]
 
@@ -68,6 +70,7 @@ def flax_fit(
     on_step_end: Callable[[int, float], None] | None = None,
     nnx_optimizer: Any = None,
     steps_per_epoch: int | None = None,
+    placement: Any = None,
 ) -> FitResult:
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
@@ -103,6 +106,11 @@ def flax_fit(
       steps_per_epoch: at most this many optimizer steps per epoch; the next epoch goes on
         where the last stopped (as Keras's ``steps_per_epoch``). Needed for a stream known to
         be infinite, and for ``epochs > 1`` over a one-shot iterator or generator.
+      placement: the model's own layout over a mesh of several axes (a
+        :class:`~autoaccum.devices._placement.Placement` from
+        :func:`._sharding.own_placement`, with ``mesh=None``): the state keeps it, batches
+        are split over its data axis, and after training the model's arrays are back on the
+        user's own mesh.
 
     Returns:
       A :class:`FitResult`. An exception (``KeyboardInterrupt`` included) leaves the model
@@ -110,7 +118,12 @@ def flax_fit(
     """
     stream = sys.stderr if stream is None else stream
     validate_on_nonfinite(on_nonfinite)
-    dp = 1 if mesh is None else int(mesh.size)
+    if placement is not None and mesh is not None:
+        raise ValueError(
+            f"This model keeps its own layout ({placement.source}); it cannot also run "
+            f"data-parallel over another mesh. Received: mesh {dict(mesh.shape)}")
+    dp = (placement.data_parallel if placement is not None
+          else 1 if mesh is None else int(mesh.size))
     if plan.data_parallel != dp:
         raise ValueError(
             f"The plan is for {plan.data_parallel} data-parallel device(s) but the mesh has "
@@ -121,12 +134,21 @@ def flax_fit(
     if on_step_end is not None:
         callback_list.append(_StepFunction(on_step_end))
     warn_if_eval_mode(model)
+    home = home_shardings(model) if placement is not None else None
     graphdef, params, frozen, other = split_model(model, trainable)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
-    opt_state = (tx.init(params) if nnx_optimizer is None
-                 else nnx_optimizer.initial(tx, params))
+    if placement is not None:  # the user's own layout, kept as it is
+        params, other = place_each((params, other), placement.state[:2])
+        (frozen,) = place_each((frozen,), placement.frozen)
+        # Each device makes only its own share of the optimizer state.
+        opt_state = (jax.jit(tx.init, out_shardings=placement.state[2])(params)
+                     if nnx_optimizer is None
+                     else place_each(nnx_optimizer.initial(tx, params), placement.state[2]))
+    else:
+        opt_state = (tx.init(params) if nnx_optimizer is None
+                     else nnx_optimizer.initial(tx, params))
     state = (params, other, opt_state)
-    layout = sharded_layout(plan, mesh, params, opt_state)
+    layout = None if placement is not None else sharded_layout(plan, mesh, params, opt_state)
     if mesh is not None:
         state = (replicate(state, mesh) if layout is None
                  else place(state, layout.state_shardings(other)))
@@ -140,7 +162,8 @@ def flax_fit(
     live = LiveState(state, HostSnapshot(backup), lambda s: nnx.update(model, s[0], s[1]))
     runner = StepRunner(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable, mesh=mesh,
                         norms=norms, on_nonfinite=on_nonfinite, frozen=frozen, live=live,
-                        result=result, elastic=elastic, stream=stream, layout=layout)
+                        result=result, elastic=elastic, stream=stream, layout=layout,
+                        placement=placement)
     evaluator = None
     if validation_data is not None:
         evaluator = Evaluator(model, validation_data, loss_fn=loss_fn, trainable=trainable,
@@ -152,7 +175,7 @@ def flax_fit(
         model, source, runner, live, result, cbs, frozen=frozen, evaluator=evaluator,
         plan=plan, dp=dp, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
         steps_per_epoch=steps_per_epoch, verbose=verbose, stream=stream, epochs=epochs,
-        nnx_optimizer=nnx_optimizer)
+        nnx_optimizer=nnx_optimizer, home=home)
 
     def progress(epoch: int) -> ProgressBar:
         total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
@@ -181,7 +204,7 @@ class _FlaxHooks(FitHooks):
                  live: LiveState, result: FitResult, callbacks: CallbackList, *, frozen: Any,
                  evaluator: Evaluator | None, plan: Plan, dp: int, shuffle: bool, seed: int,
                  drop_remainder: bool, steps_per_epoch: int | None, verbose: int,
-                 stream: TextIO, epochs: int, nnx_optimizer: Any) -> None:
+                 stream: TextIO, epochs: int, nnx_optimizer: Any, home: Any = None) -> None:
         self.model, self.source, self.runner, self.live = model, source, runner, live
         self.result, self.callbacks, self.frozen, self.evaluator = (result, callbacks, frozen,
                                                                     evaluator)
@@ -189,6 +212,9 @@ class _FlaxHooks(FitHooks):
         self.drop_remainder, self.steps_per_epoch = drop_remainder, steps_per_epoch
         self.verbose, self.stream, self.epochs = verbose, stream, epochs
         self.nnx_optimizer = nnx_optimizer
+        self.home = home
+        """The shardings the model's arrays had before training (a kept layout), put back
+        at the end (see :func:`._sharding.rehome`)."""
         self.epoch = 0
 
     def train_begin(self) -> None:
@@ -295,7 +321,11 @@ class _FlaxHooks(FitHooks):
                             {"loss": result.losses[-1] if result.losses else math.nan})
 
     def _write_back(self) -> None:
-        """The user's ``nnx.Optimizer`` receives the optimizer state and step count."""
+        """The user's ``nnx.Optimizer`` receives the optimizer state and step count; the
+        model's arrays go back on the user's own mesh (a kept layout)."""
+        if self.home is not None:
+            with deferred_interrupts():
+                rehome(self.model, self.home)
         if self.nnx_optimizer is not None:
             with deferred_interrupts():
                 self.nnx_optimizer.write(self.live.state[2], self.result.steps)

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from ...devices._mesh import shard_batches
+from ...devices._placement import Placement
 from ...devices._rlimit import compiling
 from ...planning._plan import Plan
 from ...planning._search import DoesNotFitError
@@ -29,7 +30,7 @@ from ...training._nonfinite import NonFiniteError
 from ...training._result import FitResult
 from ._batch_stats import EffectiveBatchNorm
 from ._optax_lr import handles_nonfinite
-from ._program import LossFn, accumulate_for, make_flax_step
+from ._program import LossFn, accumulate_for, make_flax_step, placed_accumulate
 
 __all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step", "step_batches"]
 
@@ -93,21 +94,28 @@ class StepRunner:
                  on_nonfinite: str, frozen: Any, live: LiveState, result: FitResult,
                  elastic: bool, stream: TextIO,
                  optimizer_skips_nonfinite: bool | None = None,
-                 layout: StateLayout | None = None) -> None:
+                 layout: StateLayout | None = None, placement: Placement | None = None) -> None:
         self.mesh, self.frozen, self.live, self.result = mesh, frozen, live, result
         self.on_nonfinite, self.elastic, self.stream = on_nonfinite, elastic, stream
-        self.dp = 1 if mesh is None else int(mesh.size)
+        self.placement = placement
+        self.dp = (placement.data_parallel if placement is not None
+                   else 1 if mesh is None else int(mesh.size))
         if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
             optimizer_skips_nonfinite = handles_nonfinite(tx)
         self.optimizer_skips_nonfinite = optimizer_skips_nonfinite
 
+        accumulate = (placed_accumulate(placement) if placement is not None
+                      else accumulate_for(mesh, layout))
+        # A kept layout: the state keeps its shardings (GSPMD partitions the step).
+        out = {} if placement is None else {"out_shardings": (placement.state, None)}
+
         def jitted(weighted: bool) -> Any:
             return jax.jit(make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                                          accumulate=accumulate_for(mesh, layout),
+                                          accumulate=accumulate,
                                           norms=norms, on_nonfinite=on_nonfinite,
                                           weighted=weighted, layout=layout,
                                           optimizer_skips_nonfinite=optimizer_skips_nonfinite),
-                           donate_argnums=0)
+                           donate_argnums=0, **out)
 
         self._jitted = {False: jitted(False)}
         self._make = jitted
@@ -143,12 +151,11 @@ class StepRunner:
                 micro, accum = result.micro_batch, result.accum_steps
                 data = split_micro_batches(batch.batches, micro_batch=micro, data_parallel=dp)
             split[:] = [micro, accum]
-            placed = data if self.mesh is None else shard_batches(data, self.mesh)
+            placed = self._place(data)
             weighted = batch.weights is not None
             if weighted:
                 weights = np.reshape(batch.weights, (accum, micro * dp))
-                placed = (placed, weights if self.mesh is None
-                          else shard_batches(weights, self.mesh))
+                placed = (placed, self._place(weights))
             metrics = live.run(self._compiled(placed, weighted), placed, self.frozen)
             return metrics, jax.device_get((metrics.finite, metrics.count, metrics.loss))
 
@@ -197,6 +204,11 @@ class StepRunner:
             f"{what}. Training stopped; the model holds the last finite state (after step "
             f"{result.steps}). Lower the learning rate, check the data for NaN/inf, or pass "
             "on_nonfinite='skip' to skip such steps.", step=result.steps + 1)
+    def _place(self, batches: Any) -> Any:
+        """Host batches ``[accum_steps, dp * micro, ...]`` placed as the step takes them."""
+        if self.placement is not None:
+            return self.placement.place_batches(batches)
+        return batches if self.mesh is None else shard_batches(batches, self.mesh)
 
     def _shrink(self, error: BaseException, batch: StepBatch, micro: int, accum: int) -> None:
         result = self.result

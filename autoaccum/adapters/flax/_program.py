@@ -14,6 +14,7 @@ once per optimizer step by default (``batch_stats="effective"``, see
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ...devices._placement import Placement
 from ...planning._micro_batches import micro_steps
 from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
@@ -36,7 +38,7 @@ from ...training._nonfinite import (
     validate_on_nonfinite,
 )
 from ._batch_stats import EffectiveBatchNorm
-from ._sharding import own_specs
+from ._sharding import own_placement, own_specs
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -206,6 +208,8 @@ def flax_program(
     ``autoaccum.training._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
     ``strategy``: what the devices of ``mesh`` split instead of copying (``"replicated"``,
     ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`).
+    A model whose weights are split over a mesh of several axes keeps that layout instead
+    (``program.placement``, see :mod:`._sharding`; ``mesh`` and ``strategy`` do not apply).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
     :mod:`autoaccum.training._batch_stats`); ``on_nonfinite``: as :func:`make_flax_step`.
 
@@ -222,10 +226,17 @@ def flax_program(
     """
     validate_batch_stats(batch_stats)
     graphdef, params, frozen, other = split_model(model, trainable)
+    opt_state = jax.eval_shape(tx.init, abstract(params))
+    # The user's own layout over a mesh of several axes, kept as it is (see ._sharding).
+    placement = own_placement(model, (params, other, opt_state), frozen)
     fixed = own_specs(params)  # weights the user's model splits over devices itself
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
-    opt_state = jax.eval_shape(tx.init, params)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
+    if placement is not None:
+        return placed_program(
+            model, graphdef, placement, example_spec, loss_fn=loss_fn, tx=tx,
+            trainable=trainable, norms=norms, on_nonfinite=on_nonfinite,
+            state=(params, other, opt_state), frozen=frozen)
 
     def step_for(mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
@@ -251,6 +262,37 @@ def flax_program(
         own_specs=fixed if any(f is not None for f in fixed) else None,
     )
     return program.on_mesh(mesh, strategy)
+
+
+def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, example_spec: Any,
+                   *, loss_fn: LossFn, tx: optax.GradientTransformation, trainable: Any,
+                   norms: EffectiveBatchNorm | None, on_nonfinite: str, state: Any,
+                   frozen: Any) -> TrainProgram:
+    """The program of a model whose layout is kept as the user made it (``placement``, see
+    :func:`._sharding.own_placement`): the single-device step on global batches, compiled
+    with the placement's shardings (its abstract state carries them, so the resident memory
+    the planner checks first is one device's)."""
+    step = make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                          accumulate=placed_accumulate(placement), norms=norms,
+                          on_nonfinite=on_nonfinite)
+    params, other, opt_state = placement.abstract(state, placement.state)
+    (frozen,) = placement.abstract((frozen,), placement.frozen)
+    return TrainProgram(
+        step=step,
+        abstract_state=(params, other, opt_state),
+        example_spec=example_spec,
+        parts={"trainable": params, "frozen": frozen, "optimizer": opt_state, "other": other},
+        trainable=params,
+        frozen_args=(frozen,),
+        description=f"flax nnx {type(model).__name__}",
+        placement=placement,
+    )
+
+
+def placed_accumulate(placement: Placement) -> Callable[..., Any]:
+    """:func:`accumulate_gradients` whose float32 gradient accumulator is laid out like the
+    weights of ``placement`` (XLA would mostly infer it; this makes it certain)."""
+    return functools.partial(accumulate_gradients, accumulator_sharding=placement.state[0])
 
 
 def accumulate_for(mesh: Any, layout: StateLayout | None = None) -> Callable[..., Any]:

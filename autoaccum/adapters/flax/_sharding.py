@@ -2,13 +2,40 @@
 ``jax.set_mesh`` with ``nnx.with_partitioning``, or placed by the user) are trained split the
 same way, never silently copied onto every device.
 
-autoaccum runs data parallelism over a one-axis mesh, so it keeps a model's own sharding when
-that sharding is FSDP-like: every split weight lives on one one-axis mesh over the devices
-autoaccum trains on, split along one dimension by that axis. That mesh then becomes the
-training mesh (the batch is split over its axis too), the split weights keep their specs
-under every strategy, and the other weights follow the plan's strategy. Anything else (a
-``('batch', 'model')`` mesh for tensor parallelism, a weight split over two axes, weights on
-other devices) is refused with a ``ValueError`` that says what autoaccum can keep.
+Two cases, told apart by the mesh the split weights live on:
+
+* **A one-axis mesh** (FSDP-like, e.g. ``jax.make_mesh((n,), ('fsdp',))`` and
+  ``nnx.with_partitioning(init, (None, 'fsdp'))``): that mesh becomes autoaccum's
+  data-parallel mesh (the batch is split over its axis too); the split weights keep their
+  specs under every strategy (``zero1``, ``fsdp``, ...) and the other weights follow the
+  plan's strategy (:func:`own_mesh`, :func:`own_specs`).
+* **A mesh of several axes** (tensor parallelism as in the JAX AI stack's miniGPT:
+  ``jax.make_mesh((2, 2), ('batch', 'model'))``, kernels split over ``'model'``): the
+  model's layout is kept as it is (:func:`own_placement`, an
+  ``autoaccum.devices._placement.Placement``). Every variable keeps its sharding (a variable
+  not on that mesh is copied over it), the optimizer's moments (sub-trees shaped like the
+  weights, as optax's are) and the float32 gradient accumulator are laid out like the
+  weights, and the batch is split over the mesh's data axis (:func:`data_axis`). The one
+  accumulated step (micro-batch scan, one optimizer update) is compiled with those
+  shardings as its input and output shardings and XLA partitions it (GSPMD): exact by
+  construction, and its ``memory_analysis()`` is one device's. ``Plan.strategy`` is then
+  ``"own"`` and ``Plan.mesh_shape`` the mesh's shape; the sharding strategies, which lay the
+  state out themselves, are refused on such a mesh (``strategy="auto"`` keeps the layout).
+
+The data axis of a mesh of several axes: the axis named ``'batch'`` or ``'data'`` when the
+mesh has one of them (miniGPT's ``'batch'``; weights may be split over it too, FSDP-style),
+else the one axis of more than one device that no weight is split over; when no axis is free
+of weights, the batch is not split (every device reads the whole micro-batch: pure model
+parallelism, said in the plan's notes). Two candidates are ambiguous: a ``ValueError`` asks to
+name the batch axis ``'batch'``.
+
+The step runs on a copy of the user's mesh with automatic axes (``jax.make_mesh`` gives
+``Explicit`` axes, under which a model's gathers and matmuls need explicit output
+shardings); the devices, axis names and specs are the user's, and after ``fit`` the model's
+arrays are put back on the user's own mesh (the same buffers, no copy).
+
+Anything else (weights split over different meshes, over devices autoaccum does not train
+on) is refused with a ``ValueError`` that says what autoaccum can keep.
 """
 
 from __future__ import annotations
@@ -20,7 +47,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["own_mesh", "own_specs"]
+from ...devices._placement import Placement, same_mesh
+
+__all__ = ["DATA_AXIS_NAMES", "data_axis", "home_shardings", "own_mesh", "own_placement",
+           "own_specs", "rehome"]
+
+DATA_AXIS_NAMES = ("batch", "data")
+"""Mesh axis names taken as the data (batch) axis of a mesh of several axes."""
 
 
 def _split_arrays(model: nnx.Module) -> list[tuple[str, Any]]:
@@ -35,15 +68,76 @@ def _split_arrays(model: nnx.Module) -> list[tuple[str, Any]]:
 
 
 def _plain_mesh(mesh: Any) -> Mesh:
-    """``mesh`` with automatic axes (what autoaccum's ``shard_map`` step runs on); the same
-    devices in the same order and the same axis name."""
+    """``mesh`` with automatic axes (what autoaccum's steps run on); the same devices in the
+    same order and the same axis names."""
     return Mesh(mesh.devices, mesh.axis_names)
 
 
+def _example(path: str, array: Any) -> str:
+    return f"{path}: {array.sharding.spec} on mesh {dict(array.sharding.mesh.shape)}"
+
+
+_KEEPS = ("autoaccum keeps a model's own sharding when every split weight lives on one mesh "
+          "over the devices it trains on: a one-axis mesh (FSDP-like; e.g. "
+          "jax.make_mesh((n,), ('fsdp',)) and nnx.with_partitioning(init, (None, 'fsdp'))) "
+          "or a mesh of several axes whose layout is kept as it is (e.g. "
+          "jax.make_mesh((2, 2), ('batch', 'model')), the batch split over 'batch'); "
+          "replicating your weights silently is not an option.")
+
+
+def _user_mesh(split: list[tuple[str, Any]]) -> Mesh:
+    """The one mesh every split weight lives on, or a ``ValueError``."""
+    meshes = [a.sharding.mesh for _, a in split]
+    first = meshes[0]
+    for (path, array), mesh in zip(split, meshes, strict=True):
+        if not same_mesh(mesh, first):
+            raise ValueError(
+                f"This model's weights are split over different meshes. {_KEEPS} "
+                f"Received: {_example(*split[0])}, and {_example(path, array)}")
+    return first
+
+
+def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
+    """The data axis of a mesh of several axes for weights split by ``split_specs``: the
+    axis named ``'batch'`` or ``'data'``, else the one axis of more than one device no
+    weight is split over, else ``None`` (no axis is free: the batch is not split).
+
+    Raises:
+      ValueError: the mesh names both ``'batch'`` and ``'data'``, or two axes of several
+        devices are free of weights (which one the batch is split over is not known).
+
+    Example:
+      >>> import numpy as np
+      >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("batch", "model"))
+      >>> data_axis(mesh, [P(None, "model")])
+      'batch'
+    """
+    names = [a for a in mesh.axis_names if a in DATA_AXIS_NAMES]
+    if len(names) > 1:
+        raise ValueError(
+            f"This model's mesh has both a 'batch' and a 'data' axis; autoaccum splits the "
+            "batch over the one of them the mesh names (it cannot tell which). Name the batch "
+            f"axis 'batch' and the other something else. Received: a mesh {dict(mesh.shape)}")
+    if names:
+        return names[0]
+    used = {name for spec in split_specs for entry in spec if entry is not None
+            for name in (entry if isinstance(entry, tuple) else (entry,))}
+    free = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used]
+    if len(free) > 1:
+        raise ValueError(
+            f"This model's mesh has several axes no weight is split over ({free}); autoaccum "
+            "splits the batch over one axis and cannot tell which. Name the batch axis "
+            f"'batch' (e.g. jax.make_mesh(shape, ('batch', ...))). Received: a mesh "
+            f"{dict(mesh.shape)}")
+    return free[0] if free else None
+
+
 def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
-    """The training mesh for ``model``: ``mesh`` when no weight of the model is split over
-    devices, else the one-axis mesh its split weights live on (checked against ``mesh``,
-    the devices autoaccum would train on).
+    """The data-parallel training mesh for ``model``: ``mesh`` when no weight of the model
+    is split over devices, the one-axis mesh its split weights live on, or ``None`` when
+    they live on a mesh of several axes (its layout is then kept by :func:`own_placement`).
+    The devices are checked against ``mesh``, the devices autoaccum would train on: the
+    same, in the same order, for a one-axis mesh; among them for several axes.
 
     Raises:
       ValueError: the model's own sharding cannot be kept (the message says why and what
@@ -55,41 +149,110 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     if not split:
         return mesh
     path, array = split[0]
-    example = f"{path}: {array.sharding.spec} on mesh {dict(array.sharding.mesh.shape)}"
-    keeps = ("autoaccum keeps a model's own sharding when every split weight lives on one "
-             "one-axis mesh over all the devices it trains on, split along one dimension "
-             "(FSDP-like; e.g. jax.make_mesh((n,), ('fsdp',)) and "
-             "nnx.with_partitioning(init, (None, 'fsdp'))); tensor parallelism over a second "
-             "mesh axis is not supported yet, and replicating your weights silently is not an "
-             "option.")
-    meshes = {id(a.sharding.mesh): a.sharding.mesh for _, a in split}
-    user = next(iter(meshes.values()))
-    if len({(tuple(m.axis_names), tuple(d.id for d in m.devices.flat))
-            for m in meshes.values()}) > 1:
-        raise ValueError(f"This model's weights are split over different meshes. {keeps} "
-                         f"Received: {example}, and others")
-    if len(user.axis_names) != 1:
-        raise ValueError(
-            f"This model's weights are split over a mesh with axes {user.axis_names}. {keeps} "
-            f"Received: {example}")
-    for p, a in split:
-        names = [n for n in a.sharding.spec if n is not None]
-        if len(names) != 1 or not isinstance(names[0], str):
-            raise ValueError(f"A weight is split along more than one dimension. {keeps} "
-                             f"Received: {p}: {a.sharding.spec}")
+    example = _example(path, array)
+    user = _user_mesh(split)
+    several = len(user.axis_names) > 1
+    if not several:
+        for p, a in split:
+            names = [n for n in a.sharding.spec if n is not None]
+            if len(names) != 1 or not isinstance(names[0], str):
+                raise ValueError(f"A weight is split along more than one dimension. {_KEEPS} "
+                                 f"Received: {p}: {a.sharding.spec}")
     if mesh is None:
+        axis = data_axis(user, [a.sharding.spec for _, a in split]) if several else None
+        if several and (axis is None or user.shape[axis] == 1):
+            return None  # the batch is not split: one data-parallel "device" is right
+        fix = (f"data_parallel='auto': your layout is kept and the batch split over its "
+               f"{axis!r} axis" if several else
+               "data_parallel='auto' (every device) or data_parallel=<that mesh>")
         raise ValueError(
             f"This model's weights are split over {user.size} devices, but the plan is for one "
-            "device. Pass data_parallel='auto' (every device) or data_parallel=<that mesh>, "
-            f"so they stay split. Received: {example}")
+            f"device. Pass {fix}, so they stay split. Received: {example}")
     ours = tuple(d.id for d in mesh.devices.flat)
     theirs = tuple(d.id for d in user.devices.flat)
-    if ours != theirs:
+    # Several axes: the layout decides the devices, which must be among those asked for.
+    if (not set(theirs) <= set(ours)) if several else ours != theirs:
         raise ValueError(
             f"This model's weights are split over devices {list(theirs)}, but autoaccum would "
-            f"train on devices {list(ours)}. Pass data_parallel=<the mesh your weights are on>. "
-            f"{keeps} Received: {example}")
-    return _plain_mesh(user)
+            f"train on devices {list(ours)}. Pass data_parallel='auto'"
+            + ("" if several else " or data_parallel=<the mesh your weights are on>")
+            + f". {_KEEPS} Received: {example}")
+    return None if several else _plain_mesh(user)
+
+
+def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
+    """The model's own layout over a mesh of several axes as a :class:`Placement` for the
+    step's ``state = (params, other, opt_state)`` (``opt_state`` may be abstract) and
+    ``frozen`` weights; ``None`` when no weight is split, or split over a one-axis mesh (the
+    data-parallel path of :func:`own_mesh`).
+
+    Every array keeps its spec on a copy of the user's mesh with automatic axes (an array
+    not on that mesh, e.g. an RNG key, is copied on every device); the optimizer state's
+    sub-trees shaped like ``params`` (optax's moments) take the weights' specs, the rest of
+    it is copied.
+
+    Raises:
+      ValueError: the weights are split over different meshes, or the data axis is
+        ambiguous (see :func:`data_axis`).
+    """
+    if not isinstance(model, nnx.Module):
+        return None
+    split = _split_arrays(model)
+    if not split:
+        return None
+    user = _user_mesh(split)
+    if len(user.axis_names) < 2:
+        return None
+    mesh = _plain_mesh(user)
+    axis = data_axis(user, [a.sharding.spec for _, a in split])
+    replicated = NamedSharding(mesh, P())
+
+    def own(leaf: Any) -> NamedSharding:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and same_mesh(sharding.mesh, user):
+            return NamedSharding(mesh, sharding.spec)
+        return replicated
+
+    params, other, opt_state = state
+    param_shardings = jax.tree.map(own, params)
+    treedef = jax.tree.structure(params)
+
+    def mirrors(x: Any) -> bool:  # an optimizer sub-tree shaped like the weights
+        return treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
+
+    opt_shardings = jax.tree.map(
+        lambda sub: param_shardings if mirrors(sub) else jax.tree.map(lambda _: replicated,
+                                                                      sub),
+        opt_state, is_leaf=mirrors)
+    return Placement(
+        mesh=mesh,
+        state=(param_shardings, jax.tree.map(own, other), opt_shardings),
+        frozen=(jax.tree.map(own, frozen),),
+        data_axis=axis,
+        source="the model's own weight shardings",
+    )
+
+
+def home_shardings(model: nnx.Module) -> Any:
+    """The sharding of every array of ``model``'s state (``nnx.state`` order), to put
+    trained arrays back on later (:func:`rehome`)."""
+    return jax.tree.map(lambda a: getattr(a, "sharding", None), nnx.state(model))
+
+
+def rehome(model: nnx.Module, home: Any) -> None:
+    """Puts every array of ``model`` that is laid out as in ``home`` (the same devices and
+    spec, e.g. on the automatic-axes copy of the user's mesh) back on its sharding in
+    ``home``: the same buffers, no copy."""
+    state = nnx.state(model)
+
+    def back(array: Any, sharding: Any) -> Any:
+        if (isinstance(array, jax.Array) and isinstance(sharding, NamedSharding)
+                and array.sharding != sharding
+                and array.sharding.is_equivalent_to(sharding, array.ndim)):
+            return jax.device_put(array, sharding)
+        return array
+
+    nnx.update(model, jax.tree.map(back, state, home))
 
 
 def own_specs(params: Any) -> tuple[P | None, ...]:

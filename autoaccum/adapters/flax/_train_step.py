@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ...devices._mesh import place, replicate
+from ...devices._placement import place as place_each
 from ...planning._adapter import Prepared
 from ...planning._plan import Plan
 from ...training._elastic import ElasticEvent, shrink
@@ -82,17 +83,28 @@ class TrainStep:
         self._remat, self._remat_layers = prepared.remat, remat_layers
         self._trainable = extras.get("trainable", nnx.Param)
         self._tx = extras["tx"]
-        self._dp = 1 if mesh is None else int(mesh.size)
+        # The model's own layout over a mesh of several axes (see ._sharding), kept.
+        self._placement = placement = prepared.program.placement
+        self._dp = (placement.data_parallel if placement is not None
+                    else 1 if mesh is None else int(mesh.size))
         graphdef, params, frozen, other = split_model(model, self._trainable)
         norms = (EffectiveBatchNorm(model)
                  if extras.get("batch_stats", "effective") == "effective" else None)
         self._link = extras.get("nnx_optimizer")
-        opt_state = (self._tx.init(params) if self._link is None
-                     else self._link.initial(self._tx, params))
+        if placement is not None:  # each device makes only its share of the optimizer state
+            params, other = place_each((params, other), placement.state[:2])
+            opt_state = (jax.jit(self._tx.init, out_shardings=placement.state[2])(params)
+                         if self._link is None
+                         else place_each(self._link.initial(self._tx, params),
+                                         placement.state[2]))
+        else:
+            opt_state = (self._tx.init(params) if self._link is None
+                         else self._link.initial(self._tx, params))
         state = (params, other, opt_state)
-        self._layout = sharded_layout(plan, mesh, params, opt_state)
-        if mesh is not None:
-            state, frozen = self._placed(state), replicate(frozen, mesh)
+        self._layout = (None if placement is not None
+                        else sharded_layout(plan, mesh, params, opt_state))
+        if mesh is not None or placement is not None:
+            state, frozen = self._placed(state), self._placed_frozen(frozen)
         self._result = FitResult(plan=plan, micro_batch=plan.micro_batch,
                                  accum_steps=plan.accum_steps)
         self._live = LiveState(state, HostSnapshot(backup), self._write)
@@ -101,7 +113,7 @@ class TrainStep:
                                   on_nonfinite=on_nonfinite, frozen=frozen, live=self._live,
                                   result=self._result, elastic=elastic,
                                   stream=sys.stderr if log is None else log,
-                                  layout=self._layout)
+                                  layout=self._layout, placement=placement)
         self._write(state)
 
     # -- what a loop reads -------------------------------------------------------------------
@@ -136,7 +148,7 @@ class TrainStep:
         self._sync_from_model()  # weights written into the model stay
         params, other, _ = self._live.state
         state = (params, other, value)
-        if self._mesh is not None:
+        if self._mesh is not None or self._placement is not None:
             state = self._placed(state)
         self._reset(state)
         self._write_optimizer(0)
@@ -220,6 +232,12 @@ class TrainStep:
         self._runner.live = self._live
         self._write(state)
 
+    def _placed_frozen(self, frozen: Any) -> Any:
+        """Frozen weights on the mesh: replicated, or in the model's own layout."""
+        if self._placement is not None:
+            return place_each((frozen,), self._placement.frozen)[0]
+        return replicate(frozen, self._mesh)
+
     def _sync_from_model(self) -> None:
         """Takes weights written into the model since the last step (a restored checkpoint)."""
         _, params, frozen, other = split_model(self.model, self._trainable)
@@ -229,13 +247,16 @@ class TrainStep:
         if len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True)):
             return
         state = (params, other, opt_state)
-        if self._mesh is not None:
-            state, frozen = self._placed(state), replicate(frozen, self._mesh)
+        if self._mesh is not None or self._placement is not None:
+            state, frozen = self._placed(state), self._placed_frozen(frozen)
         self._runner.frozen = frozen
         self._reset(state)
 
     def _placed(self, state: Any) -> Any:
-        """``state`` on the mesh: replicated, or split as the plan's strategy says."""
+        """``state`` on the mesh: replicated, split as the plan's strategy says, or in the
+        model's own layout."""
+        if self._placement is not None:
+            return place_each(state, self._placement.state)
         if self._layout is None:
             return replicate(state, self._mesh)
         return place(state, self._layout.state_shardings(state[1]))
