@@ -20,11 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
-	$(PY) -m pytest -q -n 2 --durations=10
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10
 
 test-fast: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
-	$(PY) -m pytest -q -n 2 -m "not slow" --durations=10
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
 
 bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py

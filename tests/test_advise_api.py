@@ -15,6 +15,9 @@ from flax import nnx
 import autoaccum
 from autoaccum.planning._measure import compile_count
 
+# The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_advise_api")
+
 WIDTH, DEPTH, RANK = 256, 2, 8
 LR = 1e-3
 

@@ -9,6 +9,7 @@ import pytest
 from tests._oom_child import run_child
 
 pytestmark = [
+    pytest.mark.xdist_group("planning.test_backoff"),  # one worker builds the module's fixtures
     pytest.mark.slow,  # a child process under RLIMIT_AS
     pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
                        reason="RLIMIT_AS and /proc are Linux"),

@@ -14,6 +14,9 @@ from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._search import divisors
 from tests._models import TinyLM, ragged_tokens, token_loss
 
+# The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("planning.test_plan")
+
 EFFECTIVE = 24
 
 

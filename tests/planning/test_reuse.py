@@ -12,6 +12,9 @@ from flax import nnx
 import autoaccum
 from tests._models import TinyLM, ragged_tokens, token_loss
 
+# The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("planning.test_reuse")
+
 # The rate was tuned for batch 1 and scales linearly to the effective batch (x8), so eight
 # steps visibly lower the loss.
 OPTIONS = dict(optimizer=optax.adam, learning_rate=1e-3, base_batch=1, lr_rule="linear",

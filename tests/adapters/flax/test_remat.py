@@ -14,7 +14,10 @@ from autoaccum.planning._remat import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
-pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
+pytestmark = [
+    pytest.mark.slow,  # subprocesses, keras-hub builds or large compiles
+    pytest.mark.xdist_group("adapters.flax.test_remat"),  # one worker builds the module's fixtures
+]
 
 SEQ = 128
 

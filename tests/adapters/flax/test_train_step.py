@@ -13,6 +13,9 @@ from flax import nnx
 import autoaccum
 from tests._models import TinyLM, ragged_tokens, token_loss
 
+# The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("adapters.flax.test_train_step")
+
 OPTIONS = dict(optimizer=optax.adam, learning_rate=1e-2, loss_fn=token_loss)
 DATA = ragged_tokens(26, 16, seed=4)
 EFFECTIVE = 13

@@ -16,7 +16,10 @@ pytest.importorskip("tensorflow")
 from autoaccum.adapters.keras import keras_fit, keras_program, to_keras_arrays
 from autoaccum_demo._gemma_demo import build_demo_model, demo_data, load_qa
 
-pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
+pytestmark = [
+    pytest.mark.slow,  # subprocesses, keras-hub builds or large compiles
+    pytest.mark.xdist_group("adapters.keras.test_keras_hub"),  # one worker builds the fixtures
+]
 
 SEQ = 32
 

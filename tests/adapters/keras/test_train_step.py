@@ -15,6 +15,9 @@ import pytest
 import autoaccum
 from tests.adapters.keras._models import dense_model, max_diff, regression_data
 
+# The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("adapters.keras.test_train_step")
+
 EFFECTIVE = 13
 _rng = np.random.default_rng(3)
 X = _rng.normal(size=(39, 32, 4)).astype("float32")  # 32 positions: activations dominate
