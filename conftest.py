@@ -23,11 +23,23 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-SLOW_DOCTESTS = ("autoaccum/cli/_plot.py", "autoaccum/adapters/keras/presets/_plan_preset.py")
-"""Doctests that compile a model for seconds: ``make test-fast`` skips them like slow tests."""
+SLOW_DOCTESTS = (
+    "autoaccum/cli/_plot.py",
+    "autoaccum/adapters/keras/presets/_plan_preset.py",
+    "autoaccum/adapters/keras/presets/_advise_preset.py",
+    "autoaccum/_api.py::autoaccum._api.advise",
+    "autoaccum/_train_step_api.py",
+    "autoaccum/planning/_depth.py",
+    "autoaccum_demo/_gemma_demo.py",
+    "autoaccum_demo/_tiny_lm.py",
+    "autoaccum_demo/_tiny_gemma.py",
+)
+"""Doctests that compile or train for seconds (a file, or one docstring of it): ``make
+test-fast`` skips them like slow tests."""
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.nodeid.split("::")[0] in SLOW_DOCTESTS:
+        if any(item.nodeid == slow or item.nodeid.startswith(slow + "::")
+               for slow in SLOW_DOCTESTS):
             item.add_marker(pytest.mark.slow)

@@ -79,6 +79,7 @@ def advice():
                             budget=BUDGET, log=None, cache=False)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_the_model_as_given_does_not_fit_from_shapes_alone(advice):
     assert not advice.fits
     assert advice.resident.state_bytes > BUDGET
@@ -87,6 +88,7 @@ def test_the_model_as_given_does_not_fit_from_shapes_alone(advice):
         replan({})
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_every_advised_row_fits_when_planned_with_its_change(advice):
     changes = [a.change for a in advice.alternatives]
     assert {"trainable": "lora"} in changes
@@ -101,6 +103,7 @@ def test_every_advised_row_fits_when_planned_with_its_change(advice):
     assert min(a.relative_flops for a in advice.alternatives) == 1.0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_rows_that_cannot_shrink_the_state_are_not_tried(advice):
     tried = [c for c, _ in advice.tried] + [a.change for a in advice.alternatives]
     assert not any(set(c) == {"remat"} for c in tried)

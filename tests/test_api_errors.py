@@ -121,6 +121,7 @@ def test_bad_learning_rates_are_refused(rate):
         _fit(optimizer=optax.sgd, learning_rate=rate)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_numpy_integers_are_accepted_for_sizes_and_budgets():
     result = _fit(optimizer=optax.sgd, learning_rate=0.1, budget=np.int64(2**30),
                   base_batch=np.int64(4), effective_batch=np.int64(4), epochs=np.int32(1))

@@ -19,6 +19,7 @@ def test_the_readme_marks_its_runnable_examples():
     assert {"train_step", "keras_train_step"} <= set(_blocks())
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("name", sorted(_blocks()))
 def test_a_readme_example_runs_as_written(name, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # examples may write files (checkpoints)

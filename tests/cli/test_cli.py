@@ -32,6 +32,7 @@ def test_plan_json_has_the_documented_schema(capsys):
                                         "gradient_accumulator", "batch", "activations_and_temp"}
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plan_table_itemizes_each_probe_and_plots(tmp_path, capsys):
     png = tmp_path / "need.png"
     assert main([*SMALL, "--budget", "64MiB", "--lr-rule", "sqrt", "--base-lr", "1e-4",
@@ -47,6 +48,7 @@ def test_plan_table_itemizes_each_probe_and_plots(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_failing_plot_loses_no_plan_and_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
     monkeypatch.setitem(sys.modules, "matplotlib.ticker", None)
@@ -72,6 +74,7 @@ def test_plan_for_a_named_gpu_is_deviceless_and_says_so(capsys):
     assert out["deviceless"] is True and out["profile"] == "t4"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_unknown_device_lists_known_ones(capsys):
     assert main([*TINY, "--device", "k80", "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -182,6 +185,7 @@ def test_devices_json_lists_profiles_pools_and_detection(capsys):
     assert out["detected"]["source"] in ("nvml", "jax", "cpu")
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_without_base_batch_the_rate_is_kept_and_lr_rule_alone_is_refused(capsys):
     assert main([*SMALL, "--budget", "64MiB", "--base-lr", "1e-4"]) == 0
     captured = capsys.readouterr()
@@ -217,6 +221,7 @@ def test_a_builder_whose_import_fails_names_the_package(capsys):
     assert len(err) == 1 and "autoaccum_no_such_package" in err[0]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_flags_win_over_the_builders_options_and_say_so(capsys):
     argv = ["plan", "--model", "tests._plans:builder_with_flag_options", "--json", "--quiet"]
     assert main(argv) == 0  # the builder's effective_batch, budget and remat: no flag given

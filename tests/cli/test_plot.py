@@ -4,6 +4,7 @@ units by size, integer micro-batch ticks, failed probes in the legend and the re
 import sys
 
 import matplotlib
+import pytest
 from matplotlib.figure import Figure
 
 import autoaccum
@@ -44,6 +45,7 @@ def test_plot_shows_failed_probes_units_by_size_and_why(tmp_path):
     assert all(float(t).is_integer() for t in ticks)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plot_says_when_the_effective_batch_capped_the_choice():
     fig = autoaccum.plot_plan(whole_batch_plan())
     legend, texts, _, _ = _texts(fig)

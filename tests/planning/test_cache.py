@@ -59,6 +59,7 @@ def test_the_same_program_is_read_back_not_recompiled(tmp_path):
     {"spec": {"tokens": jax.ShapeDtypeStruct((24,), jnp.int32),
               "mask": jax.ShapeDtypeStruct((24,), jnp.int32)}},
 ], ids=["micro_batch", "accum_steps", "architecture", "optimizer_state", "dtype", "seq_len"])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_changed_option_recompiles_and_the_original_is_still_cached(tmp_path, change):
     cache = NeedCache(tmp_path)
     shape = {k: change.pop(k) for k in ("b", "k") if k in change}
@@ -69,6 +70,7 @@ def test_a_changed_option_recompiles_and_the_original_is_still_cached(tmp_path, 
     assert original.need_bytes > 0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_changed_target_recompiles(tmp_path):
     cache = NeedCache(tmp_path)
     t4 = autoaccum.planning.resolve_target("t4", memory_fraction=0.9).compile_target
@@ -94,6 +96,7 @@ class BlockLM(nnx.Module):
         return self.head(x)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_changed_remat_policy_recompiles(tmp_path):
     model = BlockLM(3, rngs=nnx.Rngs(0))
     data = ragged_tokens(16, 16, vocab=64)
@@ -109,6 +112,7 @@ def test_a_changed_remat_policy_recompiles(tmp_path):
     assert measure("nothing").source == "cache"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_changed_xla_flags_or_compiler_options_recompile(tmp_path, monkeypatch):
     cache = NeedCache(tmp_path)
     assert _measure(cache, _program()).source == "compiled"

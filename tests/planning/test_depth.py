@@ -60,6 +60,7 @@ def _build(depth: int, **kwargs):
     return flax_program(model, SPEC, loss_fn=token_loss, tx=optax.adamw(1e-3))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("micro_batch, accum_steps", [(2, 4), (4, 2)])
 def test_flax_extrapolation_agrees_with_a_full_compile_within_two_percent(micro_batch,
                                                                           accum_steps):
@@ -104,6 +105,7 @@ def test_where_the_blocks_differ_the_fit_does_not_hold_and_the_plan_says_so():
     assert not any(p.why.endswith("(extrapolated)") for p in plan.probes[-2:])
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_full():
     # A GPU-like target whose pool is tiny: XLA's pass targets (base - io) x 0.95.
     target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
@@ -116,6 +118,7 @@ def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_fu
     assert extrapolator.measure(4, 2).source == "compiled"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("far_over", [True, False])
 def test_a_probe_far_over_the_budget_compiles_micro_batch_one_beside_it(far_over):
     # XLA's pass would act (tiny pool): micro-batch 2 goes to a full-depth compile. Far over

@@ -49,11 +49,13 @@ def _brute_force(sweep, budget):
     return max(fitting) if fitting else None
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_need_grows_with_micro_batch(sweep):
     needs = [sweep[d] for d in sorted(sweep)]
     assert needs == sorted(needs) and needs[-1] > 2 * needs[1]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("between", [(1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 12), (12, 24)])
 def test_planned_micro_batch_equals_brute_force_largest_fitting_divisor(
     cached_measure, sweep, between
@@ -83,6 +85,7 @@ def test_whole_batch_plan_when_everything_fits(cached_measure, sweep):
     assert (plan.micro_batch, plan.accum_steps) == (EFFECTIVE, 1)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_public_plan_reports_probes_split_and_learning_rate(capsys):
     model = TinyLM(rngs=nnx.Rngs(0))
     data = ragged_tokens(32, 16)
@@ -114,6 +117,7 @@ def test_measure_itemizes_the_step(program):
     assert est.alias_bytes > 0  # the donated state is aliased to the new state
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_budget_too_small_even_for_micro_batch_one_names_what_would_help():
     model = TinyLM(rngs=nnx.Rngs(0))
     with pytest.raises(autoaccum.DoesNotFitError) as info:  # weights over it: from shapes

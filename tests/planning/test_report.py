@@ -5,6 +5,8 @@ import json
 import re
 import sys
 
+import pytest
+
 from tests._plans import accumulating_plan, uneven_plan, whole_batch_plan
 
 
@@ -76,6 +78,7 @@ def test_json_has_snake_case_keys_a_schema_version_profile_and_deviceless_flag()
     assert [p["fits"] for p in out["probes"]].count(False) >= 1
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_an_uneven_split_shows_in_the_repr_report_html_and_json():
     plan = uneven_plan()
     assert plan.uneven and sum(plan.micro_batches) == 13

@@ -77,6 +77,7 @@ def test_state_over_the_budget_is_refused_before_any_compile():
     assert "trainable weights" in error._repr_html_()
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_state_that_fits_is_planned_as_before():
     plan = autoaccum.plan(MLP(16, 2, nnx.Rngs(0)), data(16), effective_batch=8,
                           optimizer=optax.adam(1e-3), loss_fn=mse, budget="64MiB",
@@ -135,6 +136,7 @@ class Stack(nnx.Module):
         return x
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_no_full_depth_compile_when_arguments_and_outputs_alone_exceed_the_budget():
     spec = {"x": jax.ShapeDtypeStruct((128,), jnp.float32),
             "y": jax.ShapeDtypeStruct((128,), jnp.float32)}

@@ -31,6 +31,7 @@ def planned():
     return plan, data
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_fit_with_a_plan_trains_with_it_and_compiles_no_probe(planned):
     plan, data = planned
     assert plan.accum_steps > 1
@@ -51,6 +52,7 @@ def test_a_plan_for_another_effective_batch_is_refused(planned):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=16, plan=plan, **OPTIONS)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_plan_for_another_model_or_data_is_refused(planned):
     plan, data = planned
     with pytest.raises(ValueError, match=r"another model or data: trainable weights"):

@@ -79,6 +79,7 @@ def _run_steps(accum_steps: int, micro: int, tx, data, n_steps: int):
     return state
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_one_accumulated_adamw_step_equals_the_full_batch_step():
     data = ragged_tokens(8, 12, seed=3)
     tx = optax.adamw(1e-2, weight_decay=0.1)
@@ -87,6 +88,7 @@ def test_one_accumulated_adamw_step_equals_the_full_batch_step():
     assert _max_relative_error(accumulated, native) <= 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_schedule_counts_optimizer_steps_not_micro_steps():
     data = ragged_tokens(24, 8, seed=4)
     schedule = optax.piecewise_constant_schedule(1e-1, {1: 0.1, 2: 0.0})

@@ -38,6 +38,7 @@ def test_effective_running_averages_are_one_update_from_the_whole_batch():
     np.testing.assert_allclose(model.norm.var[...], expected_var, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_effective_running_averages_do_not_depend_on_the_micro_batch():
     stats = []
     for micro, accum in ((1, 8), (2, 4), (8, 1)):
@@ -74,6 +75,7 @@ def test_unknown_batch_stats_mode_names_the_modes():
                       budget="1GiB", log=None)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plan_and_measure_take_the_batch_stats_mode():
     model, data = NormMLP(rngs=nnx.Rngs(0)), regression(8)
     est = {mode: autoaccum.measure(model, data, micro_batch=2, accum_steps=4, batch_stats=mode,

@@ -55,6 +55,7 @@ class Recorder(autoaccum.Callback):
         self.events.append(("train_end",))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_callbacks_see_every_step_and_epoch_with_logs_and_the_model():
     recorder = Recorder()
     model = NormMLP(rngs=nnx.Rngs(0))
@@ -71,6 +72,7 @@ def test_callbacks_see_every_step_and_epoch_with_logs_and_the_model():
     assert recorder.model is model and recorder.result is result
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_validation_loss_is_the_eval_mode_mean_of_loss_fn():
     model = NormMLP(dropout=0.5, rngs=nnx.Rngs(0))
     result = _fit(model, validation_data=VAL)
@@ -96,6 +98,7 @@ class EarlyStopping(autoaccum.Callback):
             self.stop_training = True
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_callback_can_stop_training_early():
     stopper = EarlyStopping(patience=1)
     # A validation set the training data does not predict: val_loss soon stops improving.
@@ -117,6 +120,7 @@ def test_raising_stop_training_ends_fit_normally_after_that_step():
     assert result.steps == 3 and result.stopped == "StopTraining: enough"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_validation_split_holds_out_the_last_examples():
     result = _api_fit(NormMLP(rngs=nnx.Rngs(0)), validation_split=0.25)
     assert result.steps == 3  # 24 training examples, effective batch 8

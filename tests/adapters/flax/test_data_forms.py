@@ -80,6 +80,7 @@ FORMS = {
 }
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("form", [
     pytest.param(f, marks=pytest.mark.slow) if f.startswith("tf.data") else f for f in FORMS])
 def test_each_form_trains_as_the_same_examples_in_memory(form):

@@ -108,6 +108,7 @@ def _failing_second_call_loss():
     return loss_fn
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_without_a_host_copy_a_consumed_state_is_reported_with_the_fix():
     model = TinyLM(rngs=nnx.Rngs(0))
     with pytest.raises(Exception, match="induced failure") as info:

@@ -52,6 +52,7 @@ def _announced(text):
     return [line for line in text.splitlines() if line.startswith("autoaccum: learning rate")]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_rate_without_base_batch_is_unchanged_and_not_announced():
     kernel, scaling, log = _trained(optax.adam(1e-3))
     assert (scaling.factor, scaling.rule_text()) == (1.0, "none (base_batch not given)")

@@ -65,6 +65,7 @@ def _assert_close(a, b, **tol):
         np.testing.assert_allclose(x, y, **({"rtol": 1e-5, "atol": 1e-6} | tol))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("base_batch", [None, 2], ids=["rate kept", "rate scaled"])
 def test_lora_optimizer_trains_its_wrt_and_holds_the_trained_state(base_batch):
     data = _data()

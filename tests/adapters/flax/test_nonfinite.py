@@ -126,6 +126,7 @@ def _finite_guarded():
     return optax.apply_if_finite(_momentum(), max_consecutive_errors=3)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_apply_if_finite_skips_a_nan_step_itself_and_training_goes_on():
     model = _model()
     result = autoaccum.fit(model, _data(poison=9), effective_batch=4, optimizer=_finite_guarded(),

@@ -31,6 +31,7 @@ def _tokens(*shape):
     return {"tokens": spec, "mask": spec}
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize(("micro", "accum"), [(4, 2), (2, 4)])
 def test_accumulated_step_needs_at_most_one_float32_copy_of_the_trainable_params_more(
         micro, accum):

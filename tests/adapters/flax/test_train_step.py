@@ -40,6 +40,7 @@ def plan():
                           **OPTIONS)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_hand_written_loop_with_train_step_equals_fit(plan):
     fitted = TinyLM(rngs=nnx.Rngs(0))
     result = autoaccum.fit(fitted, DATA, effective_batch=EFFECTIVE, plan=plan, epochs=2,
@@ -53,6 +54,7 @@ def test_a_hand_written_loop_with_train_step_equals_fit(plan):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_train_step_plans_itself_and_reports_loss_count_and_grad_norm():
     model = TinyLM(rngs=nnx.Rngs(0))
     step = autoaccum.train_step(model, DATA, effective_batch=EFFECTIVE, budget="1GiB",
@@ -101,6 +103,7 @@ def test_weights_written_into_the_model_between_steps_are_what_the_next_step_tra
     assert redo.loss == pytest.approx(fresh(batch).loss, rel=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_after_an_out_of_memory_shrink_gives_a_smaller_step_with_the_same_state(plan):
     batch = next(_batches(DATA, EFFECTIVE))
     model = TinyLM(rngs=nnx.Rngs(0))
@@ -135,6 +138,7 @@ def test_bad_batches_and_a_missing_optimizer_are_refused_with_the_fix(plan):
                              loss_fn=token_loss, budget="1GiB", log=None)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_the_plan_micro_batch_drives_optax_microbatching_exactly_with_sums():
     data = ragged_tokens(12, 16, seed=9)
     model = TinyLM(rngs=nnx.Rngs(0))

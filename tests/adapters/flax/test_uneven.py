@@ -58,6 +58,7 @@ def _update_error(model: TinyLM, before: list, after: list) -> float:
     (7, (5, 2)), (13, (5, 5, 3)),
     pytest.param(96, (5,) * 19 + (1,), marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_room_for_five_trains_a_five_based_split_equal_to_the_full_batch_step(
         effective_batch, sizes):
     data = ragged_tokens(effective_batch, 48, vocab=64, seed=effective_batch)
@@ -74,6 +75,7 @@ def test_room_for_five_trains_a_five_based_split_equal_to_the_full_batch_step(
     assert _update_error(model, before, after) <= 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_uneven_false_keeps_divisors():
     data = ragged_tokens(13, 48, vocab=64, seed=13)
     plan = autoaccum.plan(_model(), data, effective_batch=13,

@@ -52,6 +52,7 @@ def max_weight_diff(a, b):
                for p, q in zip(a.get_weights(), b.get_weights(), strict=True))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("mask_zero", [False, True])
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight", "sum"])
 def test_one_accumulated_step_equals_native_big_batch(mask_zero, reduction):
@@ -120,6 +121,7 @@ class Tripwire(keras.layers.Layer):
         return inputs
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("mode", ["trace", "run"])
 def test_failed_step_leaves_weights_as_they_were(mode):
     x = np.random.default_rng(0).normal(size=(BATCH, 3)).astype("float32")

@@ -30,6 +30,7 @@ def data():
 BUDGET = 2_200_000  # 1.05 MB of weights + Adam's 2.1 MB do not fit; plain SGD does
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_every_advised_optimizer_fits_when_the_model_is_compiled_with_it():
     model = wide_model()
     advice = autoaccum.advise(model, data(), effective_batch=2, budget=BUDGET, log=None,

@@ -24,6 +24,7 @@ def _data(n=64):
     return x, x.sum(axis=1, keepdims=True)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_fit_returns_history_with_plan_and_counts_optimizer_steps():
     model = _model()
     history = autoaccum.fit(model, _data(), effective_batch=16, epochs=2, budget="1GiB",
@@ -45,6 +46,7 @@ def test_learning_rate_is_scaled_once_even_across_two_fits():
         assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)  # the base
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_schedule_learning_rate_is_scaled_in_the_step_and_sees_optimizer_steps():
     model = _model()
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1e-3, 1e-4])
@@ -109,6 +111,7 @@ def test_keras_only_options_refused_with_the_fix_through_fit():
         autoaccum.fit(_model(), _data(), effective_batch=16, class_weight={0: 1.0}, log=None)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_x_y_and_sample_weight_as_model_fit_takes_them_train_like_the_packed_tuple():
     """``autoaccum.fit(model, x, y, sample_weight=w)`` and ``fit(model, x=x, y=y)``, as
     ``model.fit(x, y, batch_size=...)`` reads, are the data ``(x, y, w)``."""

@@ -97,6 +97,7 @@ class NumpyNoise(keras.layers.Layer):
         return input_shape
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_flagged_layer_that_cannot_trace_is_refused_by_name():
     model = image_classifier(lambda: [keras.layers.RandomRotation(0.1),
                                       NumpyNoise(name="numpy_noise")], dropout=0.0)

@@ -70,6 +70,7 @@ def _moving(model):
     return np.array(norm.moving_mean), np.array(norm.moving_variance)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_effective_statistics_equal_one_big_batch(kind):
     x, y = _data(kind)

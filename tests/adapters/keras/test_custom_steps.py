@@ -44,6 +44,7 @@ class OwnLoss(keras.Model):
         return keras.ops.mean(keras.ops.abs(y - y_pred))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("cls", [WithPenalty, OwnLoss])
 def test_compute_loss_override_trains_like_keras_big_batch(cls):
     x, y = regression_data(32)

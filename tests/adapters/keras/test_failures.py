@@ -49,6 +49,7 @@ def _assert_whole_after(model: keras.Model, steps: int) -> None:
     model.predict(X, verbose=0)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_validation_that_fails_leaves_the_trained_epoch(tmp_path):
     model = _model()
     with pytest.raises(Exception):  # noqa: B017 - whatever Keras raises for the wrong shape
@@ -138,6 +139,7 @@ class _Recorder(keras.callbacks.Callback):
             self.sender.join()  # the Ctrl-C is raised here, at the latest
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_ctrl_c_at_random_moments_leaves_the_last_step_or_the_one_before():
     epochs = 8  # 32 steps; the Ctrl-Cs are armed by step 7 and land by step 30
     trajectory = _Recorder()

@@ -164,6 +164,7 @@ def test_strings_for_a_model_without_preprocessor_are_refused_with_the_fix():
         _fit((np.array(["a"] * 64), Y))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_generator_read_for_planning_is_replayed_for_training():
     import autoaccum
 
@@ -186,6 +187,7 @@ def _two_in_two_out():
     return model
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("container", [list, tuple])
 def test_list_inputs_outputs_and_sample_weights_train_like_model_fit(container):
     """``([xa, xb], [y1, y2], [w1, w2])``, as ``model.fit`` takes it, plans, accumulates and

@@ -43,6 +43,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_updates_use_the_scaled_rate_while_the_optimizer_keeps_its_base(name):
     model = dense_model(optimizer=OPTIMIZERS[name](1e-3))
@@ -113,6 +114,7 @@ def test_reduce_lr_on_plateau_sets_the_base_rate():
     assert float(model.optimizer.learning_rate) == pytest.approx(5e-4)  # reduced once
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_schedule_sees_optimizer_steps_and_is_scaled():
     decay = keras.optimizers.schedules.ExponentialDecay(1e-3, decay_steps=1, decay_rate=0.5)
     scaled = keras.optimizers.schedules.ExponentialDecay(16e-3, decay_steps=1, decay_rate=0.5)
@@ -122,6 +124,7 @@ def test_schedule_sees_optimizer_steps_and_is_scaled():
     assert max_diff(model, _native(dense_model(optimizer=keras.optimizers.SGD(scaled)))) < 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_adjust_adam_adjusts_the_optimizers_own_betas_inside_the_step_only():
     model = dense_model(optimizer=keras.optimizers.Adam(1e-3, beta_1=0.8, beta_2=0.99,
                                                         epsilon=1e-6))
@@ -183,6 +186,7 @@ def test_keras_rate_without_base_batch_is_unchanged_and_nothing_is_announced():
     assert max_diff(model, _native(dense_model(optimizer=keras.optimizers.SGD(1e-3)))) < 1e-6
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_keras_sgd_with_base_batch_scales_linearly_and_says_so_in_one_line():
     import io
 
@@ -194,6 +198,7 @@ def test_keras_sgd_with_base_batch_scales_linearly_and_says_so_in_one_line():
                      "effective batch 16 / base batch 4)"]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_keras_adamw_with_base_batch_scales_by_the_square_root():
     import io
 
@@ -203,6 +208,7 @@ def test_keras_adamw_with_base_batch_scales_by_the_square_root():
     assert log.getvalue().count("autoaccum: learning rate 0.001 -> 0.002 (sqrt rule") == 1
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_keras_lr_rule_overrides_the_family_rule():
     s = _plan_lr(keras.optimizers.AdamW(1e-3), None, base_batch=1, lr_rule="linear")
     assert (s.rule, s.factor) == ("linear", 16.0)

@@ -56,6 +56,7 @@ def _assert_logs_equal(ours: dict, native: dict) -> None:
     ("mean", "sum"),
     ("sum", "sum"),
 ])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_per_output_losses_and_metrics_are_logged_as_for_one_big_batch(token_reduction,
                                                                        value_reduction):
     x, y = _two_head_data()
@@ -69,6 +70,7 @@ def test_per_output_losses_and_metrics_are_logged_as_for_one_big_batch(token_red
     assert max_diff(ours, native) < 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight", "sum"])
 def test_validation_logs_equal_keras_at_the_effective_batch(reduction):
     """A masked loss depends on the batch size of evaluation: validation runs at the
@@ -87,6 +89,7 @@ def test_validation_logs_equal_keras_at_the_effective_batch(reduction):
     assert abs(small - history.history["val_loss"][0]) > 1e-4  # the batch size matters here
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_several_terms_with_a_data_dependent_denominator_warn_and_still_log_exactly():
     x, y = _two_head_data()
     one_step = (x[:16], {k: v[:16] for k, v in y.items()})

@@ -70,6 +70,7 @@ def test_terminate_on_nan_sees_the_loss_and_stops_without_an_error():
     assert max_diff(model, _native_on(np.arange(16))) < 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_adapter_reads_the_policy_from_the_fit_settings():
     import autoaccum
 
@@ -84,6 +85,7 @@ def test_adapter_reads_the_policy_from_the_fit_settings():
     assert history.autoaccum_skipped_steps == 1 and history.autoaccum_on_nonfinite == "skip"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_a_loss_scale_optimizer_handles_non_finite_steps_itself_as_in_model_fit(policy):
     """A ``LossScaleOptimizer`` skips a non-finite update and halves its scale: autoaccum's

@@ -54,6 +54,7 @@ def _model() -> keras.Model:
     return model
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_dropout_and_batchnorm_state_written_inside_a_checkpointed_block_is_kept():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 8)).astype("float32")

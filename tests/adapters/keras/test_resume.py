@@ -38,6 +38,7 @@ def test_checkpoint_reloaded_continues_at_the_same_rate_and_step(tmp_path):
     assert max_diff(resumed, uninterrupted) < 1e-6
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_backup_and_restore_resumes_at_the_interrupted_epoch(tmp_path):
     class Crash(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):

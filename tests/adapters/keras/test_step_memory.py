@@ -4,6 +4,7 @@ more than Keras's own (donating) train step at the same micro-batch. Compile-onl
 import jax
 import keras
 import numpy as np
+import pytest
 
 from autoaccum.adapters.keras._program import (
     ensure_built,
@@ -34,6 +35,7 @@ def _need(compiled) -> int:
             + m.temp_size_in_bytes)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_accumulated_keras_step_needs_at_most_one_float32_copy_of_the_params_more():
     micro, accum = 2, 4
     x = np.random.default_rng(0).integers(0, VOCAB, (micro * accum, SEQ), dtype=np.int32)

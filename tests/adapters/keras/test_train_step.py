@@ -57,6 +57,7 @@ def _step(model: keras.Model, plan: autoaccum.Plan, data=(X, Y, W), **options):
                                 **{**NO_SCALING, **options})
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_each_step_equals_train_on_batch_on_the_same_big_batch(plan):
     native, ours = _adam_model(), _adam_model()
     step = _step(ours, plan)
@@ -75,6 +76,7 @@ def test_each_step_equals_train_on_batch_on_the_same_big_batch(plan):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_loop_of_steps_equals_model_fit_at_the_effective_batch_with_its_logs(plan):
     fitted, ours = _adam_model(), _adam_model()
     history = fitted.fit(X, Y, sample_weight=W, batch_size=EFFECTIVE, shuffle=False,
@@ -90,6 +92,7 @@ def test_a_loop_of_steps_equals_model_fit_at_the_effective_batch_with_its_logs(p
         assert out.logs[name] == pytest.approx(history.history[name][-1], rel=1e-5)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_smaller_last_batch_is_one_step_normalised_by_its_own_count(plan):
     native, ours = _adam_model(), _adam_model()
     step = _step(ours, plan)
@@ -102,6 +105,7 @@ def test_a_smaller_last_batch_is_one_step_normalised_by_its_own_count(plan):
     assert max_diff(native, ours) < 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_dict_inputs_as_model_fit_takes_them():
     keras.utils.set_random_seed(0)
     a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
@@ -123,6 +127,7 @@ def test_dict_inputs_as_model_fit_takes_them():
     assert max_diff(native, model) < 1e-6
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_the_learning_rate_is_scaled_by_the_rule_given_as_fit_scales_it():
     x, y = regression_data(12)
     scaled = dense_model(learning_rate=0.01)

@@ -58,6 +58,7 @@ def _token_model(reduction, *, mask_zero=True):
 # -- exactness: one uneven step equals Keras's step on the whole batch ----------------------
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("effective", sorted(SPLITS))
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight", "sum"])
 @pytest.mark.parametrize("mask_zero", [False, True])
@@ -123,6 +124,7 @@ def test_loss_that_reduces_itself_and_activity_regularization_weigh_by_examples(
     ("sum", "sum_over_batch_size"),
     ("sum_over_batch_size", "sum"),
 ])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_per_term_loss_metrics_of_an_uneven_step_are_logged_as_keras_big_batch(
         token_reduction, value_reduction):
     x, y, _ = padded_data(13)
@@ -136,6 +138,7 @@ def test_per_term_loss_metrics_of_an_uneven_step_are_logged_as_keras_big_batch(
         assert history.history[name][0] == pytest.approx(value, rel=2e-5, abs=1e-6), name
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 @pytest.mark.parametrize("effective", [7, 13])
 def test_batchnorm_effective_statistics_of_an_uneven_step_equal_keras_big_batch(effective):
     x, y = regression_data(effective)
@@ -149,6 +152,7 @@ def test_batchnorm_effective_statistics_of_an_uneven_step_equal_keras_big_batch(
 # -- leftover and validation batches -------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_epoch_of_uneven_steps_and_uneven_last_step_equals_keras_fit():
     """70 examples, effective batch 13 (5 + 5 + 3): five steps, then 5 examples as one step;
     validation batches of 13 split the same way."""
