@@ -107,3 +107,13 @@ def test_cli_devices_must_be_a_positive_whole_number(capsys):
     assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--device", "t4",
                  "--devices", "0"]) == 2
     assert "--devices" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_advise_takes_devices(capsys):
+    assert main(["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch",
+                 "8", "--device", "l4", "--devices", "2", "--advise", "--json", "--quiet",
+                 "--no-cache"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True
+    assert out["plan"]["data_parallel"] == 2 and out["plan"]["device"].startswith("2 x NVIDIA L4")
