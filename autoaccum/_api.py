@@ -143,8 +143,8 @@ def plan(
         ``"auto"`` (default: the least communication that fits one device's budget, tried
         in the order of ``autoaccum.planning.STRATEGIES``), ``"replicated"``, ``"zero1"``
         (optimizer state), ``"zero2"`` (and the gradient accumulator) or ``"fsdp"`` (and
-        the weights). ``plan.strategy`` says which was chosen. Flax models; Keras models
-        plan ``"replicated"``.
+        the weights). ``plan.strategy`` says which was chosen. Flax and Keras models
+        (a Keras model under its own ``keras.distribution.ModelParallel`` keeps its layout).
       devices: how many GPUs the plan is for. With ``device=`` naming a GPU that is not
         here, a dry run compiled for that many of it (deviceless, data-parallel, the
         micro-batch per device and one GPU's budget; the report names the profile's

@@ -448,9 +448,10 @@ def agree_strategy(mine: str | None) -> str | None:
 
 def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tuple[str, ...]:
     """The strategies to try, in order: one device, or ``"auto"`` for a program that runs
-    replicated data parallelism only (no ``sharded_step``, e.g. Keras): replicated;
-    ``"auto"``: all of :data:`STRATEGIES`; a name: that one (``program.on_mesh`` refuses a
-    sharded one it cannot run, with the fix)."""
+    replicated data parallelism only (no ``sharded_step``, e.g. a custom
+    :class:`TrainProgram`): replicated; ``"auto"``: all of :data:`STRATEGIES` (Flax and
+    Keras programs); a name: that one (``program.on_mesh`` refuses a sharded one it cannot
+    run, with the fix)."""
     if mesh is None or mesh.size == 1:
         return ("replicated",)
     if strategy == "auto" and program.sharded_step is None:
