@@ -110,8 +110,8 @@ def keras_fit(
     optimizer variables (and the weights under ``"fsdp"``) are split over the devices; after
     the fit the model's variables hold the trained values laid out as the strategy keeps
     them (a split variable stays split: gathering it on one device could need more memory
-    than a device has; Keras's ``predict``, ``evaluate`` and ``fit`` run on it as it is, and
-    a later ``autoaccum.fit`` lays it out afresh).
+    than a device has; Keras's ``predict`` runs on it as it is, and a later
+    ``autoaccum.fit`` lays it out afresh).
 
     Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
     logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
