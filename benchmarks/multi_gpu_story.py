@@ -77,8 +77,9 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) 
     except DoesNotFitError as error:
         seconds = time.perf_counter() - start
         if error.resident is not None:
+            sharded = " under every strategy" if devices > 1 else ""
             why = (f"weights + optimizer state {_gib(error.resident.state_bytes)} > "
-                   f"{_gib(error.budget_bytes or 0)} per GPU (from shapes)")
+                   f"{_gib(error.budget_bytes or 0)} per GPU{sharded} (from shapes)")
         else:
             smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
             why = ("micro-batch 1 needs " + _gib(smallest.need_bytes) if smallest else
@@ -88,7 +89,8 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) 
     seconds = time.perf_counter() - start
     split = f"{plan.micro_batch} x {plan.data_parallel} x {plan.accum_steps}"
     need = f"{_gib(plan.need_bytes)} of {_gib(plan.budget_bytes)} per GPU"
-    return [label, box, "yes", split, need, f"{seconds:.0f}", str(compile_count() - compiles)]
+    return [label, box, f"yes, {plan.strategy}", split, need, f"{seconds:.0f}",
+            str(compile_count() - compiles)]
 
 
 def main() -> None:

@@ -196,7 +196,18 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
     """The :class:`Resident` memory of one device when a sharding strategy's ``layout`` (a
     :class:`~._strategies.StateLayout`) splits ``trainable`` weights, their float32
     gradient accumulator and the ``optimizer`` state; ``frozen`` weights and ``other``
-    state are copied on every device."""
+    state are copied on every device.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import AbstractMesh
+      >>> from autoaccum.planning._strategies import state_layout
+      >>> w = [jax.ShapeDtypeStruct((64, 64), np.float32)]
+      >>> layout = state_layout("fsdp", AbstractMesh((4,), ("data",)), params=w, optimizer=w)
+      >>> r = split_resident(layout, trainable=w, frozen=[], optimizer=w, other=[])
+      >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes
+      (4096, 4096, 4096)
+    """
     import jax
 
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")

@@ -135,7 +135,19 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
                           optimizer: Any = None) -> StateLayout | None:
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
     ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
-    (replicated, or one device: every variable copied)."""
+    (replicated, or one device: every variable copied).
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
+      >>> model.compile(optimizer="adam", loss="mse")
+      >>> model.optimizer.build(model.trainable_variables)
+      >>> keras_strategy_layout(model, "fsdp", data_parallel_mesh(jax.devices()[:1])) is None
+      True
+    """
     if mesh is None or mesh.size == 1 or strategy == "replicated":
         return None
     optimizer = model.optimizer if optimizer is None else optimizer
@@ -148,7 +160,17 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
 def mark_trained_on(model: Any, mesh: Any) -> None:
     """Notes that autoaccum laid the model's variables out over ``mesh`` (a data-parallel
     fit, replicated or split by a strategy): a later plan or fit reads that layout as
-    autoaccum's own, not the user's (:func:`keras_placement`), and lays them out afresh."""
+    autoaccum's own, not the user's (:func:`keras_placement`), and lays them out afresh.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> mark_trained_on(model, None)  # one device: nothing to note
+      >>> getattr(model, "_autoaccum_mesh", None) is None
+      True
+    """
     if mesh is not None and mesh.size > 1:
         object.__setattr__(model, "_autoaccum_mesh", mesh)
 

@@ -236,7 +236,7 @@ def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
       >>> layout = state_layout("fsdp", data_parallel_mesh(jax.devices()[:1]), params=[w],
       ...                       optimizer=[w])
       >>> [s.spec for s in strategy_shardings(layout, ([w], [], [w], []))[0]]
-      [PartitionSpec()]
+      [P()]
     """
     trainable, mutable, _, metrics = state
     copied = lambda tree: [layout.replicated for _ in tree]  # noqa: E731
