@@ -497,8 +497,49 @@ def keras_planned() -> dict:
     }
 
 
+def keras_elastic() -> dict:
+    """An out-of-memory in a Keras fit under fsdp (a layer that fails above 2 examples per
+    device) is redone at a smaller micro-batch from the restored split state, and the run
+    equals ``model.fit`` on one device."""
+    import keras
+
+    from autoaccum.adapters.keras import keras_fit
+
+    def check(x):
+        if x.shape[0] > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1234 bytes (fake)")
+        return np.zeros((), np.float32)
+
+    class FailsAboveTwo(keras.layers.Layer):
+        def call(self, x):
+            zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32),
+                                     jax.lax.stop_gradient(x))
+            return x + zero
+
+    def make(failing: bool):
+        model = _keras_dense(optimizer="sgd")
+        if failing:
+            model = keras.Sequential([keras.Input((16,)), FailsAboveTwo(), *model.layers])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                          metrics=["mae"])
+        return model
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    model, ref = make(True), make(False)
+    history = keras_fit(model, (x, y), micro_batch=8, accum_steps=1, data_parallel=4,
+                        strategy="fsdp", shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    return {"events": len(history.autoaccum_events),
+            "end": [history.autoaccum_micro_batch, history.autoaccum_accum_steps],
+            "steps": int(model.optimizer.iterations),
+            "params_error": _keras_error(model.trainable_variables, ref.trainable_variables),
+            "param_specs": _keras_specs(model.trainable_variables)}
+
+
 MODES = {"exact": exact, "own_sharding": own_sharding, "keras_exact": keras_exact,
-         "keras_planned": keras_planned,
+         "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
          "train_step_and_elastic": train_step_and_elastic}

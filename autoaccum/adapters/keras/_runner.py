@@ -199,11 +199,19 @@ class StepRunner:
         examples = _size(packed)
         split = self.split(examples)
         compiled = [self.compile(*split)]
+        fetched: list[Any] = []
+
+        def following_once() -> Any:
+            # A step that fails after dispatch (its error surfaces when its result is read)
+            # has fetched the next batch already: the retry must not fetch another.
+            if not fetched:
+                fetched.append(following())
+            return fetched[0]
 
         def attempt() -> tuple[StepResult, Any]:
             accum, micro, last = split
             return self._run(compiled[0], _split(packed, accum, micro, last, self.dp),
-                             following, examples, accum * self.dp)
+                             following_once, examples, accum * self.dp)
 
         def recover(error: BaseException) -> None:
             nonlocal split
