@@ -144,11 +144,11 @@ def plan(
         ``"auto"`` (default: the least communication that fits one device's budget, tried
         in the order of ``autoaccum.planning.STRATEGIES``), ``"replicated"``, ``"zero1"``
         (optimizer state), ``"zero2"`` (and the gradient accumulator) or ``"fsdp"`` (and
-        the weights). ``plan.strategy`` says which was chosen. Flax models; Keras models
-        plan ``"replicated"``. A model that keeps its own layout over a mesh of several axes
-        (a Flax model split by ``nnx.with_partitioning`` over e.g. a ``('batch', 'model')``
-        mesh, a Keras model under ``keras.distribution.ModelParallel``) plans ``"own"``
-        (``plan.mesh_shape`` is its mesh's shape); a named strategy is refused for it.
+        the weights). ``plan.strategy`` says which was chosen. Flax and Keras models. A model
+        that keeps its own layout (a Flax model split by ``nnx.with_partitioning`` over e.g. a
+        ``("batch", "model")`` mesh, a Keras model under ``keras.distribution.ModelParallel``)
+        plans ``"own"`` (``plan.mesh_shape`` is its mesh's shape); a named strategy is
+        refused for it.
       devices: how many GPUs the plan is for. With ``device=`` naming a GPU that is not
         here, a dry run compiled for that many of it (deviceless, data-parallel, the
         micro-batch per device and one GPU's budget; the report names the profile's

@@ -11,8 +11,9 @@ GPU is refused from shapes, before any compile. The wall time of each row (this 
 machine; the load average is printed) and its compiles are in the table.
 
 With the replicated strategy more GPUs only split the batch: a model that does not fit one GPU
-does not fit N of them. That is what the sharded strategies (ZeRO/FSDP, branch ``shard``)
-change; this table is their baseline.
+does not fit N of them. The sharded strategies (ZeRO-1/2, FSDP) change that: ``plan_preset``
+now tries them in order for every multi-GPU row (``fits`` names the strategy that fits); the
+table below is the replicated baseline, measured before they existed.
 
     .venv/bin/python benchmarks/multi_gpu_story.py            # the whole table
     .venv/bin/python benchmarks/multi_gpu_story.py --rows 4b  # rows whose model contains '4b'
@@ -32,6 +33,17 @@ cores, so wall times are ~8x what an idle machine gives), one run, 9 compiles in
 
 The "no" rows are answered from shapes in 0-13 s with no compile; each "yes" row took 3
 compiles (depths 2 and 3, then one full-depth verification) over 8 deviceless GPUs.
+
+With the strategies (2026-11-24, same machine, load 5-9; ``--rows 4b``, partial run):
+
+    gemma3_4b full fine-tune  2 x T4  no  -  micro-batch 1 needs 42.3 GiB  (2040 s, 8 compiles)
+
+zero1 and zero2 are passed over from shapes (their copied weights and split optimizer state
+exceed 13.4 GiB); fsdp is compiled (remat none, then nothing) and still needs about what a
+replica does: the step gathers the whole weight tree at once for each micro-batch and holds
+its full-size gradient before the reduce-scatter, so FSDP as built here saves memory between
+micro-batches, not at the peak. Gathering per layer (inside each block) is what these rows
+need.
 """
 
 from __future__ import annotations
@@ -77,8 +89,9 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) 
     except DoesNotFitError as error:
         seconds = time.perf_counter() - start
         if error.resident is not None:
+            sharded = " under every strategy" if devices > 1 else ""
             why = (f"weights + optimizer state {_gib(error.resident.state_bytes)} > "
-                   f"{_gib(error.budget_bytes or 0)} per GPU (from shapes)")
+                   f"{_gib(error.budget_bytes or 0)} per GPU{sharded} (from shapes)")
         else:
             smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
             why = ("micro-batch 1 needs " + _gib(smallest.need_bytes) if smallest else
@@ -88,7 +101,8 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) 
     seconds = time.perf_counter() - start
     split = f"{plan.micro_batch} x {plan.data_parallel} x {plan.accum_steps}"
     need = f"{_gib(plan.need_bytes)} of {_gib(plan.budget_bytes)} per GPU"
-    return [label, box, "yes", split, need, f"{seconds:.0f}", str(compile_count() - compiles)]
+    return [label, box, f"yes, {plan.strategy}", split, need, f"{seconds:.0f}",
+            str(compile_count() - compiles)]
 
 
 def main() -> None:

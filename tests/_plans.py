@@ -78,3 +78,18 @@ def builder_that_cannot_import() -> dict:
 def builder_with_flag_options() -> dict:
     """Returns options a flag also sets: ``budget``, ``remat``, ``effective_batch``."""
     return {**_inputs(), "budget": "64MiB", "remat": "none", "effective_batch": 8}
+
+
+def keras_builder() -> dict:
+    """``autoaccum plan --model tests._plans:keras_builder``: a small compiled Keras model."""
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    data = (np.ones((16, 32), "float32"), np.zeros((16, 1), "float32"))
+    return {"model": model, "data": data, "effective_batch": 16}

@@ -501,29 +501,219 @@ def _weights(model) -> dict:
             for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def keras_replicated() -> dict:
-    """A Keras model (no sharded step yet) plans replicated under strategy='auto' on 4 devices
-    and refuses a named sharded strategy with the fix."""
+def _keras_dense(features: int = 16, hidden: int = 64, *, batch_norm: bool = False,
+                 optimizer: str = "adam"):
+    """A tiny Keras regression model (every kernel >= 1024 elements, split by 4 devices)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import keras
 
-    import autoaccum
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((features,)), keras.layers.Dense(hidden, activation="tanh")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization())
+    layers += [keras.layers.Dense(hidden // 2, activation="tanh"), keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    # SGD with momentum for the BatchNorm model: the bias before a BatchNorm has a gradient
+    # that is zero up to rounding, which Adam's g / sqrt(v) would turn into whole steps.
+    opt = (keras.optimizers.Adam(1e-2) if optimizer == "adam"
+           else keras.optimizers.SGD(0.05, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+    return model
 
-    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64), keras.layers.Dense(1)])
-    net.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.float32)
-    plan = autoaccum.plan(net, (x, y), effective_batch=8, budget="1GiB", log=None)
-    try:
-        autoaccum.plan(net, (x, y), effective_batch=8, budget="1GiB", log=None,
-                       strategy="zero1")
-        error = ""
-    except ValueError as e:
-        error = str(e)
-    return {"strategy": plan.strategy, "devices": plan.data_parallel, "error": error}
+
+def _keras_error(variables, reference) -> float:
+    """Largest relative error over two lists of Keras variables (or arrays)."""
+    def value(v):
+        return np.asarray(getattr(v, "value", v), np.float32)
+
+    return max((float(np.max(np.abs(value(a) - value(b))) / (np.max(np.abs(value(b))) + 1e-30))
+                for a, b in zip(variables, reference, strict=True)), default=0.0)
+
+
+def _keras_specs(variables) -> list[str]:
+    return sorted({str(v.value.sharding.spec) for v in variables})
+
+
+def _moving(model) -> list:
+    return [v for v in model.non_trainable_variables if "moving" in v.path]
+
+
+def keras_exact() -> dict:
+    """Every strategy's accumulated Keras step over 4 devices against ``model.fit`` on the
+    whole batch on one device: 16 = 2 x 4 devices x 2, and an uneven 28 = (3 + 3 + 1) x 4;
+    a BatchNorm model against one device scanning the same micro-batches (its moving
+    statistics against ``model.fit``'s)."""
+    from autoaccum.adapters.keras import keras_fit
+
+    devices = len(jax.devices())
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7 * devices, 16)).astype(np.float32)
+    y = rng.normal(size=(7 * devices, 1)).astype(np.float32)
+    out: dict = {"devices": devices}
+    # Adam on the even split (its two moments split); SGD with momentum on the uneven one:
+    # there Adam's g / sqrt(v) turns the rounding noise of near-zero gradients (another
+    # summation order, as plain data parallelism or one device's uneven split has too)
+    # into 1e-5 of a kernel, whatever the strategy.
+    splits = (("even", 4 * devices, dict(micro_batch=2, accum_steps=2), "adam"),
+              ("uneven", 7 * devices, dict(micro_batch=3, accum_steps=3, last_micro_batch=1),
+               "sgd"))
+    for name, n, split, optimizer in splits:
+        ref = _keras_dense(optimizer=optimizer)
+        ref_history = ref.fit(x[:n], y[:n], batch_size=n, shuffle=False, verbose=0)
+        for strategy in STRATEGIES:
+            model = _keras_dense(optimizer=optimizer)
+            history = keras_fit(model, (x[:n], y[:n]), data_parallel=devices,
+                                strategy=strategy, shuffle=False, verbose=0, **split)
+            out[f"{name}/{strategy}"] = {
+                "params_error": _keras_error(model.trainable_variables,
+                                             ref.trainable_variables),
+                "opt_error": _keras_error(model.optimizer.variables, ref.optimizer.variables),
+                "loss_error": abs(history.history["loss"][0] - ref_history.history["loss"][0])
+                / abs(ref_history.history["loss"][0]),
+                "mae_error": abs(history.history["mae"][0] - ref_history.history["mae"][0])
+                / abs(ref_history.history["mae"][0]),
+                "history_strategy": history.autoaccum_strategy,
+                "param_specs": _keras_specs(model.trainable_variables),
+                "opt_specs": _keras_specs(model.optimizer.variables),
+            }
+    n = 4 * devices
+    same_micro = _keras_dense(batch_norm=True, optimizer="sgd")  # one device, 8 x 2
+    keras_fit(same_micro, (x[:n], y[:n]), micro_batch=2, accum_steps=n // 2, data_parallel=1,
+              shuffle=False, verbose=0)
+    native = _keras_dense(batch_norm=True, optimizer="sgd")
+    native.fit(x[:n], y[:n], batch_size=n, shuffle=False, verbose=0)
+    for strategy in STRATEGIES:
+        model = _keras_dense(batch_norm=True, optimizer="sgd")
+        keras_fit(model, (x[:n], y[:n]), micro_batch=2, accum_steps=2, data_parallel=devices,
+                  strategy=strategy, shuffle=False, verbose=0)
+        out[f"batchnorm/{strategy}"] = {
+            "params_error": _keras_error(model.trainable_variables,
+                                         same_micro.trainable_variables),
+            "opt_error": _keras_error(model.optimizer.variables,
+                                      same_micro.optimizer.variables),
+            "moving_error": _keras_error(_moving(model), _moving(native)),
+            "moving_changed": _keras_error(_moving(model), [np.zeros(v.shape) if "mean" in
+                                                            v.path else np.ones(v.shape)
+                                                            for v in _moving(model)]) > 1e-3,
+            "param_specs": _keras_specs(model.trainable_variables),
+        }
+    return out
+
+
+def keras_planned() -> dict:
+    """A Keras model whose replicated step exceeds a per-device budget on 4 devices: the
+    planner picks the cheapest strategy that fits, fit trains with it as ``model.fit`` does
+    on one device, the variables keep the strategy's layout, and Keras and a second fit run
+    on them; ``strategy=`` names one for plan and train_step."""
+    import autoaccum
+    from autoaccum.adapters.keras._program import keras_program
+
+    devices = len(jax.devices())
+    mesh = data_parallel_mesh()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 32)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+
+    def make():
+        return _keras_dense(32, 256, optimizer="sgd")
+
+    needs = {}
+    for strategy in STRATEGIES:  # micro-batch 1, what the planner asks of each strategy
+        program = keras_program(make(), (x, y), mesh=mesh, strategy=strategy)
+        needs[strategy] = measure_program(program, 1, 32 // devices).need_bytes
+    best = min(needs.values())
+    budget = int((best + min(v for v in needs.values() if v > best)) / 2)
+    expected = next(s for s in STRATEGIES if needs[s] <= budget)
+    model, ref = make(), make()
+    history = autoaccum.fit(model, (x, y), effective_batch=32, budget=budget, epochs=1,
+                            shuffle=False, verbose=0, log=None, cache=False)
+    plan = history.autoaccum_plan
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    first = {"params_error": _keras_error(model.trainable_variables, ref.trainable_variables),
+             "opt_error": _keras_error(model.optimizer.variables, ref.optimizer.variables),
+             "param_specs": _keras_specs(model.trainable_variables),
+             "opt_specs": _keras_specs(model.optimizer.variables)}
+    predict_error = _keras_error([model.predict(x[:8], verbose=0)],
+                                 [ref.predict(x[:8], verbose=0)])
+    # A second fit lays the variables out afresh (they are autoaccum's layout, not the user's).
+    again = autoaccum.fit(model, (x, y), effective_batch=32, budget=budget, epochs=1,
+                          shuffle=False, verbose=0, log=None, cache=False)
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    named = autoaccum.plan(make(), (x, y), effective_batch=32, budget="1GiB", log=None,
+                           cache=False, strategy="fsdp")
+    stepped, ref_step = make(), make()
+    step = autoaccum.train_step(stepped, (x, y), effective_batch=32, budget="1GiB",
+                                data_parallel=devices, strategy="zero2", log=None,
+                                cache=False)
+    for start in (0, 32):
+        out = step((x[start:start + 32], y[start:start + 32]))
+        ref_out = ref_step.train_on_batch(x[start:start + 32], y[start:start + 32],
+                                          return_dict=True)
+    return {
+        "needs": needs, "budget": budget, "expected": expected,
+        "strategy": plan.strategy, "need": plan.need_bytes, "micro_batch": plan.micro_batch,
+        "json": {k: plan.to_dict()[k] for k in ("strategy", "devices", "mesh_shape")},
+        "probe_strategies": sorted({p.strategy for p in plan.probes}),
+        "report_line": next((line.strip() for line in plan.report().splitlines()
+                             if line.strip().startswith("sharding")), ""),
+        "history_strategy": history.autoaccum_strategy,
+        "first": first, "predict_error": predict_error,
+        "again_strategy": again.autoaccum_plan.strategy,
+        "again_error": _keras_error(model.trainable_variables, ref.trainable_variables),
+        "steps": int(model.optimizer.iterations),
+        "named": [named.strategy, named.data_parallel],
+        "train_step": {"strategy": step.plan.strategy, "steps": step.steps,
+                       "loss_error": abs(out.loss - ref_out["loss"]) / abs(ref_out["loss"]),
+                       "params_error": _keras_error(stepped.trainable_variables,
+                                                    ref_step.trainable_variables),
+                       "opt_specs": _keras_specs(stepped.optimizer.variables)},
+    }
+
+
+def keras_elastic() -> dict:
+    """An out-of-memory in a Keras fit under fsdp (a layer that fails above 2 examples per
+    device) is redone at a smaller micro-batch from the restored split state, and the run
+    equals ``model.fit`` on one device."""
+    import keras
+
+    from autoaccum.adapters.keras import keras_fit
+
+    def check(x):
+        if x.shape[0] > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1234 bytes (fake)")
+        return np.zeros((), np.float32)
+
+    class FailsAboveTwo(keras.layers.Layer):
+        def call(self, x):
+            zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32),
+                                     jax.lax.stop_gradient(x))
+            return x + zero
+
+    def make(failing: bool):
+        model = _keras_dense(optimizer="sgd")
+        if failing:
+            model = keras.Sequential([keras.Input((16,)), FailsAboveTwo(), *model.layers])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                          metrics=["mae"])
+        return model
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    model, ref = make(True), make(False)
+    history = keras_fit(model, (x, y), micro_batch=8, accum_steps=1, data_parallel=4,
+                        strategy="fsdp", shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    return {"events": len(history.autoaccum_events),
+            "end": [history.autoaccum_micro_batch, history.autoaccum_accum_steps],
+            "steps": int(model.optimizer.iterations),
+            "params_error": _keras_error(model.trainable_variables, ref.trainable_variables),
+            "param_specs": _keras_specs(model.trainable_variables)}
 
 
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
-         "keras_replicated": keras_replicated,
+         "keras_exact": keras_exact,
+         "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
          "train_step_and_elastic": train_step_and_elastic}

@@ -96,7 +96,8 @@ _FLAG_NAMES = {"effective_batch": "--effective-batch", "device": "--device",
                "budget": "--budget", "memory_fraction": "--memory-fraction",
                "remat": "--remat", "cache": "--no-cache", "log": "--quiet",
                "learning_rate": "--base-lr", "base_batch": "--base-batch",
-               "lr_rule": "--lr-rule", "devices": "--devices", "hosts": "--hosts"}
+               "lr_rule": "--lr-rule", "devices": "--devices", "hosts": "--hosts",
+               "strategy": "--strategy"}
 """The options of :func:`autoaccum.plan` that a flag also sets, and the flag."""
 
 
@@ -150,7 +151,7 @@ def plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["base_batch"] = args.base_batch
     if args.lr_rule is not None:
         kwargs["lr_rule"] = args.lr_rule
-    for name in ("devices", "hosts"):
+    for name in ("devices", "hosts", "strategy"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs

@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "parallel, the micro-batch per GPU); without --device: data_parallel=N")
     p.add_argument("--hosts", type=_positive_int, default=None, metavar="H",
                    help="the --devices are spread over H machines (the same number on each)")
+    p.add_argument("--strategy", default=None,
+                   choices=["auto", "replicated", "zero1", "zero2", "fsdp"],
+                   help="with several devices, what they split instead of copying: auto (the "
+                   "least communication that fits one device's budget), replicated, zero1 "
+                   "(optimizer state), zero2 (and gradients), fsdp (and weights). "
+                   "Default: auto")
     p.add_argument("--budget", metavar="SIZE",
                    help="memory one step may need: bytes, '12GiB', or a fraction such as '90%%'. "
                    "Default: from the device")

@@ -120,20 +120,25 @@ class DepthVariants:
     def __post_init__(self) -> None:
         validate_depths(self.full_depth, self.depths)
 
-    def on_mesh(self, mesh: Any) -> DepthVariants:
-        """The same variants, each program data-parallel over ``mesh`` (``None``: as is)."""
+    def on_mesh(self, mesh: Any, strategy: str = "replicated") -> DepthVariants:
+        """The same variants, each program data-parallel over ``mesh`` (``None``: as is)
+        with the sharding ``strategy`` (part of the cache identity when not replicated)."""
         if mesh is None:
             return self
         full = self.full
         if isinstance(full, TrainProgram):
-            full = full.on_mesh(mesh)
+            full = full.on_mesh(mesh, strategy)
         elif full is not None:
             made = full
-            full = lambda: made().on_mesh(mesh)  # noqa: E731
+            full = lambda: made().on_mesh(mesh, strategy)  # noqa: E731
         build = self.build
+        identity = self.identity
+        if identity is not None and strategy != "replicated":
+            identity = {**identity, "strategy": strategy}
         return DepthVariants(full_depth=self.full_depth,
-                             build=lambda depth: build(depth).on_mesh(mesh), depths=self.depths,
-                             full=full, identity=self.identity, tolerance=self.tolerance)
+                             build=lambda depth: build(depth).on_mesh(mesh, strategy),
+                             depths=self.depths, full=full, identity=identity,
+                             tolerance=self.tolerance)
 
     def program(self, depth: int) -> TrainProgram | Callable[[], TrainProgram]:
         """The program at ``depth`` (lazily: a function for the cache to call on a miss;

@@ -57,6 +57,7 @@ def plan_program(
     devices: int | None = None,
     hosts: int = 1,
     agree: bool = True,
+    strategy: str | None = None,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -79,7 +80,9 @@ def plan_program(
     optimizer state exceed the budget, planning stops before any compile.
     ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU ``device``,
     data-parallel (replicated weights) over their deviceless devices; the programs (and the
-    depth variants) are put on that mesh here.
+    depth variants) are put on that mesh here, with the sharding ``strategy`` (one of
+    :data:`~._strategies.STRATEGIES`; ``None``: the program's own, replicated for a function
+    building it). The plan is marked with the program's strategy.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -102,11 +105,13 @@ def plan_program(
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
                                   devices=devices, hosts=hosts)
     if resolved is not None and resolved.mesh is not None:  # several GPUs, not here
-        program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh)
+        program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh, strategy)
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
     mesh = program.device_mesh if isinstance(program, TrainProgram) else None
+    chosen = strategy or (program.strategy if isinstance(program, TrainProgram)
+                          else "replicated")
     if resolved is not None and resolved.mesh is not None:
         mesh = resolved.mesh
     if resolved is None:  # called directly (plan_model resolves the target, and validated)
@@ -139,8 +144,8 @@ def plan_program(
                                  target=resolved.compile_target, cache=need_cache, log=log,
                                  notes=notes, accumulating_floor=floor,
                                  verify=verify_depth, data_parallel=dp or 1)
-        return dataclasses.replace(by_depth, profile=_profile_key(resolved),
-                                   deviceless=resolved.kind == "deviceless")
+        return _marked(dataclasses.replace(by_depth, profile=_profile_key(resolved),
+                                           deviceless=resolved.kind == "deviceless"), chosen)
 
     def the_program() -> TrainProgram:
         if not built:
@@ -167,19 +172,25 @@ def plan_program(
         accumulating_floor=floor,
         agree=agree,
     )
-    return _finish(plan, resolved)
+    return _marked(_finish(plan, resolved), chosen)
 
 
-def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any) -> tuple[Any, Any]:
-    """``program`` (or the function building it) and the depth variants, on ``mesh``; a
-    program keeps its sharding strategy."""
+def _marked(plan: Plan, strategy: str) -> Plan:
+    """``plan`` marked with its program's sharding ``strategy`` (replicated: as it is)."""
+    return plan if strategy == "replicated" else with_strategy(plan, strategy, [])
+
+
+def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any,
+             strategy: str | None = None) -> tuple[Any, Any]:
+    """``program`` (or the function building it) and the depth variants, on ``mesh`` with
+    ``strategy`` (``None``: a built program's own, else replicated)."""
     if isinstance(program, TrainProgram):
-        program = program.on_mesh(mesh, program.strategy)
+        program = program.on_mesh(mesh, program.strategy if strategy is None else strategy)
     elif callable(program):
         build = program
-        program = lambda: build().on_mesh(mesh)  # noqa: E731
+        program = lambda: build().on_mesh(mesh, strategy or "replicated")  # noqa: E731
     if variants is not None:
-        variants = variants.on_mesh(mesh)
+        variants = variants.on_mesh(mesh, strategy or "replicated")
     return program, variants
 
 
@@ -455,9 +466,9 @@ def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tup
     """The strategies to try, in order: a program that keeps the user's own layout
     (``program.placement``): ``"own"`` (a named strategy is refused); one device, or
     ``"auto"`` for a program that runs replicated data parallelism only (no
-    ``sharded_step``, e.g. Keras): replicated;
-    ``"auto"``: all of :data:`STRATEGIES`; a name: that one (``program.on_mesh`` refuses a
-    sharded one it cannot run, with the fix)."""
+    ``sharded_step``, e.g. a custom :class:`TrainProgram`): replicated; ``"auto"``: all of
+    :data:`STRATEGIES` (Flax and Keras programs); a name: that one (``program.on_mesh``
+    refuses a sharded one it cannot run, with the fix)."""
     if program.placement is not None and mesh is None:
         if strategy != "auto":
             placement = program.placement

@@ -24,7 +24,8 @@ from typing import Any
 from ..devices._units import format_bytes
 from ._train_program import TrainProgram, local_shape, tree_bytes
 
-__all__ = ["Resident", "check_resident", "program_resident", "resident_of", "smallest_profile"]
+__all__ = ["Resident", "check_resident", "program_resident", "resident_of", "smallest_profile",
+           "split_resident"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,17 +114,9 @@ def resident_of(program: TrainProgram) -> Resident:
     known = {"trainable", "frozen", "optimizer"}
     layout = getattr(program, "layout", None)
     if layout is not None:  # a sharding strategy: one device's share of the split parts
-        import jax
-
-        f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
-                           if hasattr(x, "shape") else x, parts.get("trainable"))
-        return Resident(
-            frozen_bytes=tree_bytes(parts.get("frozen")),
-            trainable_bytes=layout.split_bytes(parts.get("trainable"), layout.params),
-            gradient_bytes=layout.split_bytes(f32, layout.grads),
-            optimizer_bytes=layout.split_bytes(parts.get("optimizer"), layout.optimizer),
-            other_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
-        )
+        return split_resident(layout, trainable=parts.get("trainable"),
+                              frozen=parts.get("frozen"), optimizer=parts.get("optimizer"),
+                              other=[v for k, v in parts.items() if k not in known])
     elements = sum(math.prod(local_shape(leaf)) for leaf in _leaves(program.trainable))
     return Resident(
         frozen_bytes=tree_bytes(parts.get("frozen")),
@@ -195,6 +188,36 @@ def check_resident(resident: Resident, budget_bytes: int, *,
         "compile-verified changes that fit.",
         resident=resident, budget_bytes=budget_bytes,
         smallest_profile=holder.key if holder is not None else None,
+    )
+
+
+def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
+                   other: Any) -> Resident:
+    """The :class:`Resident` memory of one device when a sharding strategy's ``layout`` (a
+    :class:`~._strategies.StateLayout`) splits ``trainable`` weights, their float32
+    gradient accumulator and the ``optimizer`` state; ``frozen`` weights and ``other``
+    state are copied on every device.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import AbstractMesh
+      >>> from autoaccum.planning._strategies import state_layout
+      >>> w = [jax.ShapeDtypeStruct((64, 64), np.float32)]
+      >>> layout = state_layout("fsdp", AbstractMesh((4,), ("data",)), params=w, optimizer=w)
+      >>> r = split_resident(layout, trainable=w, frozen=[], optimizer=w, other=[])
+      >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes
+      (4096, 4096, 4096)
+    """
+    import jax
+
+    f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
+                       if hasattr(x, "shape") else x, trainable)
+    return Resident(
+        frozen_bytes=tree_bytes(frozen),
+        trainable_bytes=layout.split_bytes(trainable, layout.params),
+        gradient_bytes=layout.split_bytes(f32, layout.grads),
+        optimizer_bytes=layout.split_bytes(optimizer, layout.optimizer),
+        other_bytes=tree_bytes(other),
     )
 
 

@@ -264,3 +264,27 @@ def test_advise_prints_rows_that_fit_as_json(capsys):
     for row in out["alternatives"]:
         assert row["need_bytes"] <= row["budget_bytes"]
         assert set(row) >= {"change", "micro_batch", "accum_steps", "relative_flops"}
+
+
+@pytest.mark.slow  # deviceless compiles for two T4s
+def test_strategy_flag_is_passed_to_the_plan(capsys):
+    argv = ["plan", "--model", "tests._plans:keras_builder", "--device", "t4", "--devices",
+            "2", "--json", "--quiet", "--no-cache"]
+    plans = {}
+    for strategy in ("replicated", "fsdp"):
+        assert main([*argv, "--strategy", strategy]) == 0
+        plans[strategy] = json.loads(capsys.readouterr().out)
+    fsdp, replicated = plans["fsdp"], plans["replicated"]
+    assert (fsdp["strategy"], fsdp["devices"], fsdp["mesh_shape"]) == ("fsdp", 2, [2])
+    assert replicated["strategy"] == "replicated"
+    assert {p["strategy"] for p in fsdp["probes"]} == {"fsdp"}
+    # Per GPU: the fsdp step holds half of the (divisible) weights.
+    half = [p["memory"]["trainable_weights"] for p in fsdp["probes"]]
+    whole = [p["memory"]["trainable_weights"] for p in replicated["probes"]]
+    assert max(half) < 0.6 * min(whole)
+
+
+def test_an_unknown_strategy_flag_names_the_choices(capsys):
+    assert main([*TINY, "--strategy", "zero3"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy: invalid choice: 'zero3'" in err and "'fsdp'" in err

@@ -270,11 +270,3 @@ def test_two_processes_train_with_fsdp_as_one_device_does():
         assert out["steps"] == 2 and out["params_error"] <= 1e-5
     assert outs[0]["checksum"] == outs[1]["checksum"]
     assert outs[0]["losses"] == outs[1]["losses"]
-
-
-@pytest.mark.slow
-def test_a_keras_model_plans_replicated_and_refuses_a_sharded_strategy():
-    out = _child(4, "keras_replicated")["keras_replicated"]
-    assert out["strategy"] == "replicated" and out["devices"] == 4
-    assert "cannot shard its state yet" in out["error"]
-    assert "Received: strategy='zero1'" in out["error"]

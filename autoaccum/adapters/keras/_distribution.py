@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...devices._mesh import data_parallel_mesh
 from ...devices._placement import Placement, same_mesh
+from ...planning._strategies import StateLayout, state_layout
 
-__all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement"]
+__all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement",
+           "keras_strategy_layout", "mark_trained_on"]
 
 
 def keras_distribution_mesh() -> Any:
@@ -48,8 +52,6 @@ def _keras_distribution_set() -> bool:
 def keras_auto_mesh() -> Any:
     """``data_parallel="auto"`` for Keras: the mesh of a ``keras.distribution.DataParallel``
     that is set; one device under any other Keras distribution; else every device."""
-    import jax
-
     mesh = keras_distribution_mesh()
     if mesh is not None:
         return mesh
@@ -90,6 +92,12 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
     found = {name: [_sharding_of(v, distribution) for v in variables]
              for name, variables in groups.items()}
     pairs = [(v, s) for name in groups for v, s in zip(groups[name], found[name], strict=True)]
+    if distribution is None:  # what autoaccum's own data-parallel fit left is not a layout
+        ours = getattr(model, "_autoaccum_mesh", None)
+        pairs = [(v, None if s is not None and ours is not None and same_mesh(s.mesh, ours)
+                  else s) for v, s in pairs]
+        found = {name: [None if s is not None and ours is not None and same_mesh(s.mesh, ours)
+                        else s for s in shardings] for name, shardings in found.items()}
     spread = [(v, s) for v, s in pairs if s is not None and len(s.device_set) > 1]
     if distribution is None and not spread:
         return None
@@ -123,6 +131,50 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
                      source=source)
 
 
+def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
+                          optimizer: Any = None) -> StateLayout | None:
+    """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
+    ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
+    (replicated, or one device: every variable copied).
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
+      >>> model.compile(optimizer="adam", loss="mse")
+      >>> model.optimizer.build(model.trainable_variables)
+      >>> keras_strategy_layout(model, "fsdp", data_parallel_mesh(jax.devices()[:1])) is None
+      True
+    """
+    if mesh is None or mesh.size == 1 or strategy == "replicated":
+        return None
+    optimizer = model.optimizer if optimizer is None else optimizer
+    shapes = lambda variables: [  # noqa: E731
+        jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for v in variables]
+    return state_layout(strategy, mesh, params=shapes(model.trainable_variables),
+                        optimizer=shapes(optimizer.variables))
+
+
+def mark_trained_on(model: Any, mesh: Any) -> None:
+    """Notes that autoaccum laid the model's variables out over ``mesh`` (a data-parallel
+    fit, replicated or split by a strategy): a later plan or fit reads that layout as
+    autoaccum's own, not the user's (:func:`keras_placement`), and lays them out afresh.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> mark_trained_on(model, None)  # one device: nothing to note
+      >>> getattr(model, "_autoaccum_mesh", None) is None
+      True
+    """
+    if mesh is not None and mesh.size > 1:
+        object.__setattr__(model, "_autoaccum_mesh", mesh)
+
+
 def _ids(mesh: Any) -> list[int]:
     return [int(d.id) for d in mesh.devices.flat]
 
@@ -131,8 +183,6 @@ def _sharding_of(variable: Any, distribution: Any) -> NamedSharding | None:
     """The ``NamedSharding`` a Keras variable has (its value's; a variable not yet
     initialized: its layout, or the distribution's for it), or ``None`` (no layout: one
     device, or replicated on the mesh)."""
-    import jax
-
     value = getattr(variable, "_value", None)
     if isinstance(value, jax.Array):
         sharding = value.sharding

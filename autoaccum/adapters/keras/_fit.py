@@ -22,10 +22,16 @@ import numpy as np
 
 from ...devices._mesh import resolve_mesh
 from ...planning._option_checks import received
+from ...planning._strategies import validate_strategy
 from ...training._fit_loop import EpochTally, FitHooks, FitLoop, StepOutcome, run_fit_loop
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ._batch_stats import validate_batch_stats
-from ._distribution import keras_auto_mesh, keras_distribution_mesh, keras_placement
+from ._distribution import (
+    keras_auto_mesh,
+    keras_distribution_mesh,
+    keras_placement,
+    keras_strategy_layout,
+)
 from ._evaluate import Validator
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
 from ._program import KerasLayout, ensure_built, find_layout
@@ -59,6 +65,7 @@ def keras_fit(
     backup: str = "auto",
     elastic: bool = True,
     data_parallel: Any = None,
+    strategy: str = "replicated",
     lr_scaling: Any = None,
     on_nonfinite: str = "stop",
     batch_stats: str = "effective",
@@ -98,7 +105,13 @@ def keras_fit(
     micro-batch (``history.autoaccum_events``). ``data_parallel``: ``None`` uses the mesh of a
     ``keras.distribution.DataParallel`` if one is set, else one device; ``"auto"`` every
     device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
-    is then per device).
+    is then per device). ``strategy`` (with a data-parallel mesh): ``"replicated"``,
+    ``"zero1"``, ``"zero2"`` or ``"fsdp"`` (see :mod:`autoaccum.planning._strategies`): the
+    optimizer variables (and the weights under ``"fsdp"``) are split over the devices; after
+    the fit the model's variables hold the trained values laid out as the strategy keeps
+    them (a split variable stays split: gathering it on one device could need more memory
+    than a device has; Keras's ``predict`` runs on it as it is, and a later
+    ``autoaccum.fit`` lays it out afresh).
 
     Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
     logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
@@ -140,6 +153,7 @@ def keras_fit(
             f"{received('steps_per_epoch', steps_per_epoch)}")
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
+    validate_strategy(strategy, allow_auto=False)
     placement = keras_placement(model, KerasLayout(
         tuple(range(len(model.non_trainable_variables))), ()))
     if placement is not None:  # the user's layout (ModelParallel) is kept; see _distribution
@@ -167,6 +181,7 @@ def keras_fit(
     if placement is not None:  # built now (optimizer and all): its layout as it is
         placement = keras_placement(model, layout)
     runner = StepRunner(model, layout, spec, mesh=mesh, placement=placement,
+                        strategy_layout=keras_strategy_layout(model, strategy, mesh),
                         micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
                         batch_stats=batch_stats, backup=backup, elastic=elastic,
@@ -379,6 +394,8 @@ def _record(history: Any, runner: StepRunner, record: FitLoop, hooks: _KerasHook
     history.autoaccum_accum_steps = runner.accum_steps
     history.autoaccum_last_micro_batch = runner.last_micro_batch
     history.autoaccum_data_parallel = dp
+    history.autoaccum_strategy = (runner.strategy_layout.strategy
+                                  if runner.strategy_layout is not None else "replicated")
     history.autoaccum_skipped_steps = record.skipped
     history.autoaccum_optimizer_skipped_steps = record.optimizer_skipped
     history.autoaccum_on_nonfinite = on_nonfinite

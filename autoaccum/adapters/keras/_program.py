@@ -20,11 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics, TrainProgram
 from ._model_checks import check_keras_model, layers_without_jit
 from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
 from ._sources import keras_data
-from ._step import keras_train_step
+from ._step import keras_train_step, strategy_shardings
 
 __all__ = ["KerasLayout", "keras_lowering_scope", "keras_program", "keras_train_step"]
 
@@ -54,7 +55,8 @@ class KerasLayout:
 
 def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
                   mesh: Any = None, optimizer: Any = None, layout: KerasLayout | None = None,
-                  lr_scaling: Any = None, batch_stats: str = "effective") -> TrainProgram:
+                  lr_scaling: Any = None, batch_stats: str = "effective",
+                  strategy: str = "replicated") -> TrainProgram:
     """The accumulated train step of a compiled Keras model, for planning and training.
 
     ``data`` (or ``example_spec``, the ``ShapeDtypeStruct`` of one packed ``(x, y[, w])``
@@ -63,7 +65,11 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     clone (``optimizer``: the one to trace, default :func:`~._scope.planning_optimizer`).
     ``lr_scaling``: the plan's learning-rate rule, applied inside the step. ``mesh``: a
     one-axis ``jax.sharding.Mesh`` (e.g. that of a ``keras.distribution.DataParallel``) for
-    a data-parallel step; see ``autoaccum.training._data_parallel``.
+    a data-parallel step; see ``autoaccum.training._data_parallel``. ``strategy``: what
+    the devices of ``mesh`` split instead of copying (``"replicated"``, ``"zero1"``,
+    ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`);
+    ``program.on_mesh(mesh, strategy)`` does the same later. The trainable and optimizer
+    variables follow the strategy; the other variables are copied on every device.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -93,6 +99,18 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
 
         return step
 
+    def sharded_step(strategy: StateLayout) -> tuple[Callable[..., Any], PyTree]:
+        full_step = keras_train_step(model, layout, mesh=strategy.mesh, optimizer=optimizer,
+                                     lr_scaling=lr_scaling, batch_stats=batch_stats,
+                                     strategy_layout=strategy)
+
+        def step(state: PyTree, batches: PyTree, frozen: list) -> tuple[PyTree, StepMetrics]:
+            new_state, metrics, _ = full_step(state, batches, frozen)
+            return new_state, metrics
+
+        return step, strategy_shardings(strategy, (trainable, mutable, optimizer_spec,
+                                                   metrics))
+
     spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
     non_trainable = spec(model.non_trainable_variables)
     mutable, frozen = layout.split(non_trainable)
@@ -115,8 +133,9 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         lowering_context=keras_lowering_scope,
         description=f"keras {type(model).__name__} {model.name!r}",
         data_parallel_step=step_for,
+        sharded_step=sharded_step,
     )
-    return program.on_mesh(mesh)
+    return program.on_mesh(mesh, strategy)
 
 
 def keras_state(model: Any, layout: KerasLayout, optimizer: Any = None) -> tuple[tuple, list]:

@@ -40,14 +40,16 @@ from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
 from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
+from ...planning._strategies import StateLayout
 from ...training._elastic import retry_smaller, shrink
 from ...training._epoch_batches import split_micro_batches
 from ...training._fit_loop import StepOutcome
 from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
+from ._distribution import mark_trained_on
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
-from ._step import handles_nonfinite, keras_train_step
+from ._step import handles_nonfinite, keras_train_step, strategy_shardings
 
 __all__ = ["StepRunner"]
 
@@ -66,7 +68,7 @@ class StepRunner:
                  micro_batch: int, accum_steps: int, lr_scaling: Any, batch_stats: str,
                  backup: str, elastic: bool, last_micro_batch: int | None = None,
                  uneven: bool = True, backup_each_step: bool = False,
-                 placement: Any = None) -> None:
+                 placement: Any = None, strategy_layout: StateLayout | None = None) -> None:
         self.model = model
         self.layout = layout
         self.spec = spec
@@ -74,6 +76,10 @@ class StepRunner:
         """The user's layout of the state (``keras.distribution.ModelParallel``), kept: the
         step's input and output shardings (then ``mesh`` is ``None``)."""
         self.mesh = None if placement is not None else mesh
+        self.strategy_layout = strategy_layout if self.mesh is not None else None
+        """A sharding strategy's layout on ``mesh`` (``zero1``, ``zero2``, ``fsdp``), or
+        ``None`` (replicated): the state is placed by it and the step keeps it."""
+        mark_trained_on(model, self.mesh)
         self.dp = (placement.data_parallel if placement is not None
                    else 1 if mesh is None else int(mesh.size))
         self.micro_batch = micro_batch
@@ -92,7 +98,7 @@ class StepRunner:
         self._compiled: dict[Split, Any] = {}
         self._jitted = jax.jit(
             keras_train_step(model, layout, mesh=self.mesh, lr_scaling=lr_scaling,
-                             batch_stats=batch_stats),
+                             batch_stats=batch_stats, strategy_layout=self.strategy_layout),
             donate_argnums=0,
             out_shardings=None if placement is None else (placement.state, None, None),
         )
@@ -132,6 +138,9 @@ class StepRunner:
             if self.placement is not None:
                 state = self.placement.abstract(state, self.placement.state)
                 (frozen,) = self.placement.abstract((frozen,), self.placement.frozen)
+            elif self.strategy_layout is not None:
+                state = self.placement_of(state)
+                frozen = abstract(frozen)
             else:
                 state, frozen = abstract(state), abstract(frozen)
             batches = self._batch_spec(accum_steps, micro_batch, last)
@@ -178,11 +187,19 @@ class StepRunner:
         examples = _size(packed)
         split = self.split(examples)
         compiled = [self.compile(*split)]
+        fetched: list[Any] = []
+
+        def following_once() -> Any:
+            # A step that fails after dispatch (its error surfaces when its result is read)
+            # has fetched the next batch already: the retry must not fetch another.
+            if not fetched:
+                fetched.append(following())
+            return fetched[0]
 
         def attempt() -> StepOutcome:
             accum, micro, last = split
             return self._run(compiled[0], _split(packed, accum, micro, last, self.dp),
-                             following, examples, accum * self.dp)
+                             following_once, examples, accum * self.dp)
 
         def recover(error: BaseException) -> None:
             nonlocal split
@@ -220,11 +237,21 @@ class StepRunner:
             self._splits[examples] = (event.new_accum_steps, event.new_micro_batch, None)
         return event
 
+    def placement_of(self, state: tuple) -> tuple:
+        """``state``'s leaves as ``ShapeDtypeStruct`` laid out by the strategy."""
+        shardings = strategy_shardings(self.strategy_layout, state)
+        return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=s),
+                            state, shardings)
+
     def _place(self, tree: PyTree) -> PyTree:
         if self.placement is not None:
             state, frozen = tree
             return (place(state, self.placement.state),
                     place((frozen,), self.placement.frozen)[0])
+        if self.strategy_layout is not None:
+            state, frozen = tree
+            return (place(state, strategy_shardings(self.strategy_layout, state)),
+                    replicate(frozen, self.mesh))
         return tree if self.mesh is None else replicate(tree, self.mesh)
 
     def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
+from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
@@ -37,7 +38,7 @@ from ._loss_metrics import TermMetrics
 from ._lr import scaled_learning_rate
 from ._scope import optimizer_in_use
 
-__all__ = ["handles_nonfinite", "keras_eval_step", "keras_train_step"]
+__all__ = ["handles_nonfinite", "keras_eval_step", "keras_train_step", "strategy_shardings"]
 
 PyTree = Any
 
@@ -133,8 +134,8 @@ class _Micro:
 
 
 def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: Any = None,
-                     lr_scaling: Any = None, batch_stats: str = "effective"
-                     ) -> Callable[..., tuple]:
+                     lr_scaling: Any = None, batch_stats: str = "effective",
+                     strategy_layout: StateLayout | None = None) -> Callable[..., tuple]:
     """``step(state, batches, frozen) -> (new_state, StepMetrics, logs)``; pure, jittable.
 
     ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
@@ -145,6 +146,13 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     the optimizer is applied once (replicated). ``batches`` may be
     :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3): the result is still that of
     Keras's step on all the examples at once.
+
+    ``strategy_layout``: a sharding strategy's :class:`~autoaccum.planning.StateLayout` on
+    ``mesh`` (``zero1``, ``zero2``, ``fsdp``; see :mod:`autoaccum.planning._strategies`):
+    ``state`` arrives laid out by :func:`strategy_shardings` and the new state keeps that
+    layout (optimizer variables, and under ``fsdp`` the weights, split over the devices;
+    under ``zero2`` and ``fsdp`` the gradient accumulator too). Everything else (mutable
+    and frozen non-trainable variables, metric variables) is copied on every device.
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
@@ -153,7 +161,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     else:
         from ...training._data_parallel import data_parallel_accumulate
 
-        accumulate = data_parallel_accumulate(mesh, carry_reduce=micro.carry_reduce)
+        accumulate = data_parallel_accumulate(mesh, carry_reduce=micro.carry_reduce,
+                                              layout=strategy_layout)
     own_handling = handles_nonfinite(optimizer)
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
@@ -198,6 +207,9 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
             new_mutable, new_metrics = keep_if_finite(finite, (new_mutable, new_metrics),
                                                       (mutable, metrics_vars))
         new_state = (new_trainable, new_mutable, new_optimizer, new_metrics)
+        if strategy_layout is not None:
+            new_state = jax.lax.with_sharding_constraint(
+                new_state, strategy_shardings(strategy_layout, new_state))
         metrics = StepMetrics(
             loss=loss,
             count=acc.count,
@@ -208,6 +220,33 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         return new_state, metrics, logs
 
     return step
+
+
+def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
+    """The ``NamedSharding`` of every variable of a Keras step's ``state = (trainable,
+    mutable, optimizer variables, metric variables)`` under a strategy's ``layout``: the
+    trainable and optimizer variables as the layout splits them (``layout.params``,
+    ``layout.optimizer``), the mutable non-trainable and metric variables copied.
+
+    Example:
+      >>> import numpy as np
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> from autoaccum.planning import state_layout
+      >>> w = jax.ShapeDtypeStruct((64, 64), np.float32)
+      >>> layout = state_layout("fsdp", data_parallel_mesh(jax.devices()[:1]), params=[w],
+      ...                       optimizer=[w])
+      >>> [s.spec for s in strategy_shardings(layout, ([w], [], [w], []))[0]]
+      [P()]
+    """
+    trainable, mutable, _, metrics = state
+    copied = lambda tree: [layout.replicated for _ in tree]  # noqa: E731
+    if len(trainable) != len(layout.params):
+        raise ValueError(
+            f"The strategy layout is for {len(layout.params)} trainable variables; the step "
+            f"has {len(trainable)}. Build the layout from this model's variables. Received: "
+            f"{len(trainable)} trainable variables")
+    return (list(layout.shardings(layout.params)), copied(mutable),
+            list(layout.shardings(layout.optimizer)), copied(metrics))
 
 
 def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:

@@ -24,7 +24,7 @@ from ...planning._adapter import Prepared
 from ...planning._plan import Plan
 from ...training._nonfinite import NonFiniteError
 from ._data import KerasArrays
-from ._distribution import keras_placement
+from ._distribution import keras_placement, keras_strategy_layout
 from ._program import ensure_built
 from ._remat import keras_rematerialized
 from ._runner import StepRunner
@@ -102,6 +102,8 @@ class KerasTrainStep:
         self._runner = StepRunner(
             model, prepared.extras["layout"], spec, mesh=mesh,
             placement=keras_placement(model, prepared.extras["layout"]),
+            strategy_layout=keras_strategy_layout(model, getattr(plan, "strategy",
+                                                                 "replicated"), mesh),
             micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
             uneven=uneven, lr_scaling=plan.lr_scaling, batch_stats=batch_stats, backup=backup,

@@ -15,10 +15,11 @@ from ....planning._depth import DepthVariants
 from ....planning._lr import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._option_checks import validate_effective_batch, validate_positive_int
 from ....planning._plan import Plan
-from ....planning._plan_model import plan_program
+from ....planning._plan_model import plan_program, with_strategy
 from ....planning._remat import label_policy, with_failed_policies
-from ....planning._resident import Resident
+from ....planning._resident import Resident, split_resident
 from ....planning._search import DoesNotFitError
+from ....planning._strategies import STRATEGIES, state_layout, validate_strategy
 from ....planning._train_program import tree_bytes
 from .._remat import keras_remat_program
 from ._architectures import Architecture, load_architecture
@@ -72,6 +73,7 @@ def plan_preset(
     verify_depth: bool = True,
     devices: int | None = None,
     hosts: int | None = None,
+    strategy: str = "auto",
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
 
@@ -87,8 +89,13 @@ def plan_preset(
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
     as the advisor's quick rows do); ``False`` compiles every probe in full.
-    ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel
-    with replicated weights; the micro-batch is per device, the budget one GPU's.
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel;
+    the micro-batch is per device, the budget one GPU's. ``strategy`` says what the GPUs
+    split instead of copying (:data:`~autoaccum.planning.STRATEGIES`): ``"auto"`` tries
+    them least communication first under each remat policy and keeps the first under which
+    micro-batch 1 fits (a strategy whose weights and optimizer state alone exceed one GPU
+    is passed over from shapes, before any compile); a name plans that one. Frozen weights
+    (a LoRA base model) are copied on every GPU under every strategy.
     ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
     ``lora_rank``: QLoRA; see :func:`._abstract_lm.build_abstract_causal_lm`).
 
@@ -103,6 +110,7 @@ def plan_preset(
                   packages=("keras", "keras-hub"))
 
     validate_effective_batch(effective_batch)
+    validate_strategy(strategy)
     validate_positive_int("sequence_length", sequence_length)
     if lora_rank is not None:
         validate_positive_int("lora_rank", lora_rank)
@@ -115,6 +123,9 @@ def plan_preset(
                                   base_batch=base_batch, rule=lr_rule, family=family,
                                   optimizer_name=optimizer)
     policies = ["none", "nothing"] if remat == "auto" else [remat]
+    several = devices is not None and devices > 1
+    strategies = (STRATEGIES if strategy == "auto" else (strategy,)) if several else (
+        "replicated",)
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
     announce(scaling, stream)
@@ -140,32 +151,43 @@ def plan_preset(
                                      identity=identity)
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
-        def resident() -> Resident:  # the abstract model alone: no symbolic build
-            return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank,
-                                    optimizer=optimizer, learning_rate=base_lr,
-                                    overrides=dict(backbone_overrides or {}),
-                                    quantize=quantize)
+        skipped: list[tuple[str, DoesNotFitError]] = []
+        for name in strategies:
+            def resident(name: str = name) -> Resident:  # the abstract model: no build
+                return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank,
+                                        optimizer=optimizer, learning_rate=base_lr,
+                                        overrides=dict(backbone_overrides or {}),
+                                        quantize=quantize, strategy=name,
+                                        devices=devices or 1)
 
-        try:
-            plan = plan_program(build, effective_batch=effective_batch, lr_scaling=scaling,
-                                resident=resident,
-                                budget=budget, device=device, memory_fraction=memory_fraction,
-                                log=log, cache=cache, depth_variants=variants,
-                                verify_depth=verify_depth, devices=devices,
-                                hosts=1 if hosts is None else hosts)
-        except DoesNotFitError as error:
-            if error.resident is not None:  # known from shapes: no policy can help
-                raise
-            failures.append((policy, error))
-            continue
-        return with_failed_policies(label_policy(plan, policy), failures)
+            if stream is not None and len(strategies) > 1:
+                print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
+            try:
+                plan = plan_program(build, effective_batch=effective_batch,
+                                    lr_scaling=scaling, resident=resident, budget=budget,
+                                    device=device, memory_fraction=memory_fraction, log=log,
+                                    cache=cache, depth_variants=variants,
+                                    verify_depth=verify_depth, devices=devices,
+                                    hosts=1 if hosts is None else hosts, strategy=name)
+            except DoesNotFitError as error:
+                skipped.append((name, error))
+                continue
+            if len(strategies) > 1:
+                plan = with_strategy(plan, name, skipped)
+            return with_failed_policies(label_policy(plan, policy), failures)
+        error = skipped[-1][1]  # the most sharded one tried
+        if error.resident is not None:  # known from shapes: no policy can help
+            raise error
+        failures.append((policy, error))
     raise failures[-1][1]
 
 
 def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
                      learning_rate: float, overrides: dict[str, Any],
-                     quantize: str | None = None) -> Resident:
-    """The resident memory of ``arch`` from its abstract variables (no step is traced)."""
+                     quantize: str | None = None, strategy: str = "replicated",
+                     devices: int = 1) -> Resident:
+    """The resident memory of ``arch`` from its abstract variables (no step is traced), per
+    device under ``strategy`` over ``devices``."""
     import math
 
     from ._abstract_lm import abstract_state, build_abstract_causal_lm
@@ -174,6 +196,14 @@ def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, o
                                      optimizer=_optimizer(optimizer, learning_rate),
                                      backbone_overrides=overrides, quantize=quantize)
     state = abstract_state(model)
+    if strategy != "replicated" and devices > 1:
+        from jax.sharding import AbstractMesh
+
+        layout = state_layout(strategy, AbstractMesh((devices,), ("data",)),
+                              params=list(state.trainable), optimizer=list(state.optimizer))
+        return split_resident(layout, trainable=list(state.trainable),
+                              frozen=state.non_trainable, optimizer=list(state.optimizer),
+                              other=state.metrics)
     return Resident(frozen_bytes=tree_bytes(state.non_trainable),
                     trainable_bytes=tree_bytes(state.trainable),
                     gradient_bytes=4 * sum(math.prod(s.shape) for s in state.trainable),

@@ -29,3 +29,25 @@ def test_preset_that_needs_remat_at_micro_batch_one_gets_it():
 def test_unknown_architecture_suggests_a_near_name():
     with pytest.raises(ValueError, match="gemma3_4b"):
         plan_preset("gemma3-4", effective_batch=1, log=None)
+
+
+def test_a_multi_gpu_dry_run_tries_strategies_until_one_fits_a_gpu():
+    # gemma3_1b at one layer, 2 x T4 deviceless: replicated and zero1 need more than 330 MiB
+    # per GPU at micro-batch 1, a sharded gradient accumulator (zero2) or fsdp fits.
+    budget = 330 * 2**20
+    plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=16, device="t4",
+                       devices=2, backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
+                       budget=budget, log=None, cache=False)
+    assert plan.strategy in ("zero2", "fsdp") and plan.need_bytes <= budget
+    assert plan.data_parallel == 2 and plan.mesh_shape == (2,)
+    tried = [p.strategy for p in plan.probes]
+    assert tried[0] == "replicated" and not plan.probes[0].fits
+    assert "zero1" in tried and tried[-1] == plan.strategy
+    note = next(n for n in plan.notes if n.startswith("sharding strategy"))
+    assert "does not fit with less sharding (replicated:" in note
+    # Per GPU: the optimizer state (and the accumulator) split over the two.
+    replicated = next(p for p in plan.probes if p.strategy == "replicated")
+    chosen = plan.probes[-1]
+    assert chosen.estimate.optimizer_bytes < 0.6 * replicated.estimate.optimizer_bytes
+    assert chosen.estimate.accumulator_bytes < 0.6 * replicated.estimate.accumulator_bytes
+    assert f"sharding          {plan.strategy}:" in plan.report()
