@@ -8,9 +8,12 @@ not used: on CPU it ignores temp.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,8 +214,21 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
         _COMPILES[0] += 1
     options = dict(target.compiler_options) if target is not None else {}
     if target is not None and target.deviceless:
-        return compile_deviceless(lowered, target.name, options)
+        with _without_jax_cache_warnings():
+            return compile_deviceless(lowered, target.name, options)
     return lowered.compile(compiler_options=options) if options else lowered.compile()
+
+
+@contextlib.contextmanager
+def _without_jax_cache_warnings() -> Iterator[None]:
+    """Silences JAX's warning on reading a deviceless GPU executable from its persistent
+    compilation cache (when the user set one): such an entry cannot be loaded without a GPU
+    client ("PjRtCompiler must be constructed with a Client"), so JAX compiles again, as it
+    would without the entry. autoaccum's need cache keeps the figures instead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message="Error reading persistent compilation cache entry")
+        yield
 
 
 def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
