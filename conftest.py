@@ -17,6 +17,13 @@ os.environ.setdefault("AUTOACCUM_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-
 # JAX_COMPILATION_CACHE_DIR yourself (then later sessions reuse it).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-test-jax-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# pytest imported JAX already (the warning filter in pyproject.toml names a class in
+# autoaccum.devices), so the environment reaches only child processes: set this one too.
+import jax
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 # The Ctrl-C tests need Python's own SIGINT handler. A shell that starts a job in the
 # background (``make test &``, some CI runners) ignores SIGINT, and Python then installs none.

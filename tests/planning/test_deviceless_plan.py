@@ -49,3 +49,18 @@ def test_unknown_device_lists_known_profiles():
     with pytest.raises(ValueError, match="t4") as info:
         _plan("tpu-v9")
     assert "a100-80gb" in str(info.value)
+
+
+def test_a_deviceless_compile_read_back_from_jax_own_cache_warns_nothing(tmp_path):
+    # JAX's persistent cache (set for the whole test session, as users set it) stores the
+    # deviceless GPU executable but cannot load it without a GPU; JAX compiles again.
+    import warnings
+
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir  # the session's (conftest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = _plan("l4", cache=False)
+        again = _plan("l4", cache=False)  # no need cache: compiled again, same figures
+    assert again.need_bytes == first.need_bytes
