@@ -228,9 +228,6 @@ class _QuietImports(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname not in self._pending:
             return None
-        self._pending.discard(fullname)
-        if not self._pending and self in sys.meta_path:
-            sys.meta_path.remove(self)
         for finder in list(sys.meta_path):
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -238,15 +235,26 @@ class _QuietImports(importlib.abc.MetaPathFinder):
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     after = _preload_cuda_plugin if fullname == "jax" else None
-                    spec.loader = _QuietLoader(spec.loader, after=after)
+                    spec.loader = _QuietLoader(spec.loader, after=after,
+                                               imported=lambda: self._imported(fullname))
                 return spec
         return None
 
+    def _imported(self, fullname: str) -> None:
+        """``fullname`` was imported (quietly): nothing more to do for it. Only an import
+        counts: ``importlib.util.find_spec`` alone (a library checking whether TensorFlow is
+        installed, as JAX's compilation cache does through etils) imports nothing."""
+        self._pending.discard(fullname)
+        if not self._pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
+
 
 class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, *, after: Callable[[], None] | None = None) -> None:
+    def __init__(self, loader: Any, *, after: Callable[[], None] | None = None,
+                 imported: Callable[[], None] | None = None) -> None:
         self._loader = loader
         self._after = after
+        self._imported = imported
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         return self._loader.create_module(spec)
@@ -256,6 +264,8 @@ class _QuietLoader(importlib.abc.Loader):
         module.__loader__ = self._loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
+        if self._imported is not None:
+            self._imported()
         with quiet_native_logs():
             self._loader.exec_module(module)
             if self._after is not None:

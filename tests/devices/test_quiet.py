@@ -136,3 +136,22 @@ def test_the_command_line_is_quiet():
                       "--device", "t4", "--json", "--quiet")
     _assert_quiet(proc)
     assert proc.stderr.strip() == ""
+
+
+@pytest.mark.slow
+def test_a_library_asking_whether_tensorflow_is_installed_does_not_end_the_quiet_import():
+    # JAX's compilation cache (JAX_COMPILATION_CACHE_DIR, through etils) asks
+    # importlib.util.find_spec("tensorflow") without importing it; the import comes later.
+    _noise_sources()
+    proc = _run_clean("""
+        import importlib.util
+        import autoaccum
+        importlib.util.find_spec("tensorflow")
+        try:
+            import tensorflow
+        except ImportError:
+            pass
+        print("imported")
+    """)
+    _assert_quiet(proc)
+    assert "imported" in proc.stdout
