@@ -10,12 +10,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The need cache of this test session (never the user's ~/.cache): every session starts cold.
-os.environ.setdefault("AUTOACCUM_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-test-cache-"))
+if "AUTOACCUM_CACHE_DIR" not in os.environ:  # (xdist workers inherit the controller's)
+    os.environ["AUTOACCUM_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoaccum-test-cache-")
 # JAX's own compilation cache, shared by the xdist workers and every child process of this
 # session: many tests compile the same tiny programs (the same model at the same shapes), and a
 # program compiled once is read back by the others. Fresh per session unless you export
 # JAX_COMPILATION_CACHE_DIR yourself (then later sessions reuse it).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="autoaccum-test-jax-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoaccum-test-jax-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # pytest imported JAX already (the warning filter in pyproject.toml names a class in
 # autoaccum.devices), so the environment reaches only child processes: set this one too.

@@ -249,14 +249,8 @@ def flax_program(
                               on_nonfinite=on_nonfinite, layout=layout)
         return step, layout.state_shardings(other)
 
-    program = TrainProgram(
-        step=step_for(None),
-        abstract_state=(params, other, opt_state),
-        example_spec=example_spec,
-        parts={"trainable": params, "frozen": frozen, "optimizer": opt_state, "other": other},
-        trainable=params,
-        frozen_args=(frozen,),
-        description=f"flax nnx {type(model).__name__}",
+    program = _train_program(
+        model, step_for(None), example_spec, (params, other, opt_state), frozen,
         data_parallel_step=step_for,
         sharded_step=sharded_step,
         own_specs=fixed if any(f is not None for f in fixed) else None,
@@ -277,15 +271,24 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
                           on_nonfinite=on_nonfinite)
     params, other, opt_state = placement.abstract(state, placement.state)
     (frozen,) = placement.abstract((frozen,), placement.frozen)
+    return _train_program(model, step, example_spec, (params, other, opt_state), frozen,
+                          placement=placement)
+
+
+def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: Any,
+                   state: tuple[Any, Any, Any], frozen: Any, **extra: Any) -> TrainProgram:
+    """The :class:`TrainProgram` of a Flax step over ``state`` = ``(params, other,
+    optimizer state)`` (abstract) with ``frozen`` weights; ``extra``: its other fields."""
+    params, other, opt_state = state
     return TrainProgram(
         step=step,
-        abstract_state=(params, other, opt_state),
+        abstract_state=state,
         example_spec=example_spec,
         parts={"trainable": params, "frozen": frozen, "optimizer": opt_state, "other": other},
         trainable=params,
         frozen_args=(frozen,),
         description=f"flax nnx {type(model).__name__}",
-        placement=placement,
+        **extra,
     )
 
 
