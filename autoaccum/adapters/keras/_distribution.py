@@ -91,13 +91,11 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
     }
     found = {name: [_sharding_of(v, distribution) for v in variables]
              for name, variables in groups.items()}
+    ours = getattr(model, "_autoaccum_mesh", None) if distribution is None else None
+    if ours is not None:  # what autoaccum's own data-parallel fit left is not a layout
+        found = {name: [None if s is not None and same_mesh(s.mesh, ours) else s
+                        for s in shardings] for name, shardings in found.items()}
     pairs = [(v, s) for name in groups for v, s in zip(groups[name], found[name], strict=True)]
-    if distribution is None:  # what autoaccum's own data-parallel fit left is not a layout
-        ours = getattr(model, "_autoaccum_mesh", None)
-        pairs = [(v, None if s is not None and ours is not None and same_mesh(s.mesh, ours)
-                  else s) for v, s in pairs]
-        found = {name: [None if s is not None and ours is not None and same_mesh(s.mesh, ours)
-                        else s for s in shardings] for name, shardings in found.items()}
     spread = [(v, s) for v, s in pairs if s is not None and len(s.device_set) > 1]
     if distribution is None and not spread:
         return None
