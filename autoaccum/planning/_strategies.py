@@ -24,6 +24,7 @@ scalars, step counters) and leaves with no divisible axis stay copied on every d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,19 @@ class StateLayout:
         return total
 
 
+def shaped_like(params: PyTree) -> Callable[[Any], bool]:
+    """Whether a sub-tree of the optimizer state has the structure of ``params`` (as optax's
+    moments have): such a sub-tree is laid out like the weights.
+
+    Example:
+      >>> is_moment = shaped_like({"w": 0, "b": 0})
+      >>> is_moment({"w": 1, "b": 2}), is_moment(3)
+      (True, False)
+    """
+    treedef = jax.tree.structure(params)
+    return lambda x: treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
+
+
 def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
                  fixed: tuple[P | None, ...] | None = None,
                  min_elements: int = MIN_SHARDED_ELEMENTS) -> StateLayout:
@@ -200,8 +214,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
 
         param_specs, grad_specs = pin(param_specs), pin(grad_specs)
 
-        def mirrors(x: Any) -> bool:  # an optimizer sub-tree shaped like the weights
-            return treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
+        mirrors = shaped_like(params)
 
         opt_specs = jax.tree.map(
             lambda sub, spec: pin(spec) if mirrors(sub) else spec,

@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...devices._placement import Placement, same_mesh
+from ...planning._strategies import shaped_like
 
 __all__ = ["DATA_AXIS_NAMES", "data_axis", "home_shardings", "own_mesh", "own_placement",
            "own_specs", "rehome"]
@@ -215,11 +216,7 @@ def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
 
     params, other, opt_state = state
     param_shardings = jax.tree.map(own, params)
-    treedef = jax.tree.structure(params)
-
-    def mirrors(x: Any) -> bool:  # an optimizer sub-tree shaped like the weights
-        return treedef.num_leaves > 1 and jax.tree.structure(x) == treedef
-
+    mirrors = shaped_like(params)  # an optimizer sub-tree shaped like the weights
     opt_shardings = jax.tree.map(
         lambda sub: param_shardings if mirrors(sub) else jax.tree.map(lambda _: replicated,
                                                                       sub),
