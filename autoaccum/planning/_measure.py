@@ -139,7 +139,9 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         state = (shard_abstract(program.abstract_state, replicated)
                  if program.state_shardings is None
                  else _shard_each(program.abstract_state, program.state_shardings))
-        frozen = shard_abstract(program.frozen_args, replicated)
+        frozen = (shard_abstract(program.frozen_args, replicated) if program.layout is None
+                  else _shard_each(program.frozen_args,
+                                   program.layout.frozen_shardings(program.frozen_args)))
         batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
                                      sharding=NamedSharding(program.mesh, P(None, axis)),
                                      last=None if last is None else last * program.data_parallel,
@@ -383,7 +385,9 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
         micro_batch=micro_batch,
         accum_steps=accum_steps,
         trainable_bytes=trainable_bytes,
-        frozen_bytes=tree_bytes(parts.get("frozen")),
+        frozen_bytes=(tree_bytes(parts.get("frozen"))
+                      if layout is None or layout.frozen is None
+                      else layout.split_bytes(program.frozen_args, layout.frozen)),
         optimizer_bytes=optimizer_bytes,
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
         batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last)),

@@ -195,8 +195,9 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
                    other: Any) -> Resident:
     """The :class:`Resident` memory of one device when a sharding strategy's ``layout`` (a
     :class:`~._strategies.StateLayout`) splits ``trainable`` weights, their float32
-    gradient accumulator and the ``optimizer`` state; ``frozen`` weights and ``other``
-    state are copied on every device.
+    gradient accumulator and the ``optimizer`` state; ``frozen`` weights are split as
+    ``layout.frozen`` says (``fsdp``; copied without it), ``other`` state is copied on every
+    device.
 
     Example:
       >>> import jax, numpy as np
@@ -213,7 +214,8 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
                        if hasattr(x, "shape") else x, trainable)
     return Resident(
-        frozen_bytes=tree_bytes(frozen),
+        frozen_bytes=(tree_bytes(frozen) if layout.frozen is None
+                      else layout.split_bytes(frozen, layout.frozen)),
         trainable_bytes=layout.split_bytes(trainable, layout.params),
         gradient_bytes=layout.split_bytes(f32, layout.grads),
         optimizer_bytes=layout.split_bytes(optimizer, layout.optimizer),

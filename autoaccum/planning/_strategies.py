@@ -12,9 +12,18 @@ strategy        weights     gradient            optimizer state    communication
 ``zero1``       copied      copied              split (ZeRO-1)     + all-gather of new weights
 ``zero2``       copied      split (ZeRO-2)      split              a reduce-scatter per
                                                                    micro-batch + all-gather
-``fsdp``        split       split               split (ZeRO-3)     + an all-gather of the
-                                                                   weights per micro-batch
+``fsdp``        split       split               split (ZeRO-3)     + all-gathers of each
+                (frozen                                            weight at its use in every
+                too)                                               micro-batch's forward and
+                                                                   backward pass
 ==============  ==========  ==================  =================  ============================
+
+``fsdp`` is compiled as one GSPMD program (``jax.jit`` with these shardings, no
+``shard_map``): XLA's SPMD partitioner gathers each weight where a micro-batch uses it and
+reduce-scatters its gradient in the backward pass, so a device holds its shard of every
+weight and roughly one layer's gathered weights at a time, never a whole-model gradient (see
+``autoaccum.training._data_parallel``). Frozen weights (a LoRA model's base) are split too
+under ``fsdp`` (:attr:`StateLayout.frozen`); the other strategies copy them.
 
 :data:`STRATEGIES` is in that order: least communication first. A leaf is split along its
 largest axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,
@@ -114,14 +123,17 @@ def tree_specs(tree: PyTree, devices: int, axis: str, *,
 class StateLayout:
     """Where a strategy puts the train state on ``mesh``: ``PartitionSpec`` trees for the
     trained weights at rest (``params``), the float32 gradient accumulator (``grads``, the
-    structure of ``params``) and the optimizer state (``optimizer``). Everything else (frozen
-    weights, batch statistics, RNG state) is copied on every device."""
+    structure of ``params``), the optimizer state (``optimizer``) and the frozen weights the
+    step reads (``frozen``: split under ``fsdp``, else copied; ``None`` when the layout was
+    made without them, i.e. all copied). Everything else (batch statistics, RNG state) is
+    copied on every device."""
 
     strategy: str
     mesh: Mesh
     params: PyTree
     grads: PyTree
     optimizer: PyTree
+    frozen: PyTree = None
 
     @property
     def axis(self) -> str:
@@ -136,6 +148,13 @@ class StateLayout:
         """``NamedSharding`` on this mesh for every spec of ``specs``."""
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                             is_leaf=lambda s: isinstance(s, P))
+
+    def frozen_shardings(self, frozen: PyTree) -> PyTree:
+        """``NamedSharding`` of every leaf of ``frozen`` (the tree the layout was made for, or
+        one with its structure): as :attr:`frozen` splits it, all copied without one."""
+        if self.frozen is None:
+            return jax.tree.map(lambda _: self.replicated, frozen)
+        return self.shardings(self.frozen)
 
     def state_shardings(self, other: PyTree) -> tuple[PyTree, PyTree, PyTree]:
         """Shardings of the state ``(params, other, optimizer state)`` (``other`` copied)."""
@@ -170,10 +189,12 @@ def shaped_like(params: PyTree) -> Callable[[Any], bool]:
 
 
 def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
-                 fixed: tuple[P | None, ...] | None = None,
+                 fixed: tuple[P | None, ...] | None = None, frozen: PyTree = None,
                  min_elements: int = MIN_SHARDED_ELEMENTS) -> StateLayout:
     """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
     ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
+    ``frozen``: the weights the step reads but never changes (e.g. a program's
+    ``frozen_args``), split like the trained ones under ``fsdp`` and copied otherwise.
 
     ``fixed``: for each leaf of ``params`` (``jax.tree.leaves`` order), the spec the user's
     model already splits it by, or ``None``. A fixed leaf keeps its spec under every strategy
@@ -219,12 +240,19 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         opt_specs = jax.tree.map(
             lambda sub, spec: pin(spec) if mirrors(sub) else spec,
             optimizer, opt_specs, is_leaf=mirrors)
+    frozen_specs = None
+    if frozen is not None:
+        frozen_specs = tree_specs(frozen, n, axis, min_elements=min_elements)
+        if rank < 3:
+            frozen_specs = jax.tree.map(lambda _: P(), frozen_specs,
+                                        is_leaf=lambda s: isinstance(s, P))
     return StateLayout(
         strategy=strategy,
         mesh=mesh,
         params=param_specs,
         grads=grad_specs,
         optimizer=opt_specs,
+        frozen=frozen_specs,
     )
 
 

@@ -142,7 +142,8 @@ class TrainProgram:
                 "parallelism only; autoaccum cannot shard its state yet. Pass "
                 f"strategy='replicated'. Received: strategy={strategy!r}")
         layout = state_layout(strategy, mesh, params=self.parts.get("trainable"),
-                              optimizer=self.parts.get("optimizer"), fixed=self.own_specs)
+                              optimizer=self.parts.get("optimizer"), fixed=self.own_specs,
+                              frozen=self.frozen_args)
         step, shardings = self.sharded_step(layout)
         return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
                                    state_shardings=shardings, layout=layout)

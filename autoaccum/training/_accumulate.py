@@ -14,13 +14,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from ..planning._micro_batches import UnevenBatches, micro_steps
 
 PyTree = Any
-GATHERED = "autoaccum_gathered_weights"
-"""``checkpoint_name`` of weights gathered from their shards (never saved for backward)."""
 
 MicroLoss = Callable[[PyTree, PyTree, PyTree], tuple[tuple[jax.Array, jax.Array], PyTree]]
 """``micro_loss(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``.
@@ -51,7 +48,7 @@ def accumulate_gradients(
     carry: PyTree,
     batches: PyTree,
     *,
-    gather: Callable[[PyTree], PyTree] | None = None,
+    frozen: PyTree = None,
     scatter: Callable[[PyTree], PyTree] | None = None,
     accumulator: PyTree = None,
     sq_norm: Callable[[PyTree, jax.Array], jax.Array] | None = None,
@@ -66,8 +63,9 @@ def accumulate_gradients(
       batches: a pytree whose leaves have shape ``[accum_steps, micro_batch, ...]``, or an
         :class:`UnevenBatches` (one call at the smaller micro-batch's shape, then the full
         micro-batches scanned).
-      gather: inside ``shard_map``, builds the whole weights from this device's shard
-        (``fsdp``), run inside each micro-step so the whole weights live only there.
+      frozen: weights the loss reads but never changes (e.g. a LoRA model's base); when
+        given, ``micro_loss`` takes them as a fourth argument, ``micro_loss(trainable,
+        carry, micro_batch, frozen)`` (a data-parallel accumulation may split them).
       scatter: inside ``shard_map``, turns one micro-batch's float32 gradients into this
         device's share of their sum over devices (a reduce-scatter, ``zero2``/``fsdp``).
       accumulator: abstract leaves (shape) of the gradient accumulator when ``scatter``
@@ -91,26 +89,11 @@ def accumulate_gradients(
     """
 
     def loss_with_aux(params: PyTree, state: PyTree, micro_batch: PyTree):
-        (loss_sum, count), new_state = micro_loss(params, state, micro_batch)
+        (loss_sum, count), new_state = (micro_loss(params, state, micro_batch) if frozen is None
+                                        else micro_loss(params, state, micro_batch, frozen))
         return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(count, jnp.float32), new_state)
 
     grad_fn = jax.value_and_grad(loss_with_aux, has_aux=True)
-    if gather is not None:
-        # Differentiated with respect to this device's shards: the transpose of the gather is
-        # a reduce-scatter, and the gathered weights are no residual of the forward pass (the
-        # backward pass gathers them again), so XLA may hold one layer's whole weights at a
-        # time rather than the whole model's (ZeRO-3).
-        def on_shards(shards: PyTree, state: PyTree, micro_batch: PyTree) -> Any:
-            # Tied to this micro-batch, so XLA cannot hoist the gather out of the loop.
-            shards, micro_batch = jax.lax.optimization_barrier((shards, micro_batch))
-            whole = jax.tree.map(lambda x: checkpoint_name(x, GATHERED), gather(shards))
-            return loss_with_aux(whole, state, micro_batch)
-
-        grad_fn = jax.value_and_grad(
-            jax.checkpoint(on_shards,
-                           policy=jax.checkpoint_policies.save_anything_except_these_names(
-                               GATHERED)),
-            has_aux=True)
 
     def body(scan_carry, micro_batch, params=trainable):
         grad_acc, loss_acc, count_acc, state, sq_acc = scan_carry

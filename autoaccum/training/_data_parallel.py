@@ -26,6 +26,7 @@ Meshes and placing arrays on them: :mod:`autoaccum.devices._mesh`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..devices._mesh import mesh_axis
 from ..planning._micro_batches import UnevenBatches, micro_steps
 from ..planning._strategies import StateLayout
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
+from ._at_use import gathered_at_use
 
 PyTree = Any
 CarryReduce = Callable[[PyTree, PyTree, str], PyTree]
@@ -119,11 +121,16 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     (default :func:`default_carry_reduce`) makes the carried state agree across devices.
 
     ``layout`` (a :class:`~autoaccum.planning.StateLayout`; default: everything copied) says
-    which weights arrive split over the devices (``fsdp``: each micro-step gathers them,
-    inside the loop) and which gradient leaves are accumulated split (``zero2``, ``fsdp``:
-    each micro-batch's gradients are reduce-scattered into this device's share, so the
-    float32 accumulator is ``1 / devices`` of the weights; ``grad_sum`` comes back split
-    by ``layout.grads``). Leaves the layout copies are summed once at the end as before.
+    which weights arrive split over the devices and which gradient leaves are accumulated
+    split (``zero2``, ``fsdp``: each micro-batch's gradients are reduce-scattered into this
+    device's share, so the float32 accumulator is ``1 / devices`` of the weights;
+    ``grad_sum`` comes back split by ``layout.grads``). Leaves the layout copies are summed
+    once at the end. Under ``fsdp`` the weights (and ``frozen``, split by
+    ``layout.frozen``) arrive split and every micro-step gathers each one where it is used
+    and reduce-scatters its gradient there (:func:`~._at_use.gathered_at_use`): a device
+    holds its shards plus about one operation's whole weights, never the whole model's
+    weights or gradient. ``frozen`` (keyword): weights ``micro_loss`` reads as a fourth
+    argument (as :func:`accumulate_gradients` takes them).
 
     Example:
       >>> import jax.numpy as jnp
@@ -141,19 +148,19 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
     def accumulate(micro_loss: MicroLoss, trainable: PyTree, carry: PyTree,
-                   batches: PyTree) -> AccumulatedGradients:
+                   batches: PyTree, *, frozen: PyTree = None) -> AccumulatedGradients:
         copied = jax.tree.map(lambda _: P(), trainable)
         param_specs = copied if layout is None else layout.params
         grad_specs = copied if layout is None else layout.grads
         split_grads = [_split_dim(s) for s in jax.tree.leaves(grad_specs, is_leaf=is_spec)]
         split_params = [_split_dim(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec)]
         treedef = jax.tree.structure(trainable)
+        frozen_specs = jax.tree.map(lambda _: P(), frozen)
+        if frozen is not None and layout is not None and layout.frozen is not None:
+            (frozen_specs,) = layout.frozen  # the layout is made for the step's (frozen,)
+        split_frozen = [_split_dim(s) for s in jax.tree.leaves(frozen_specs, is_leaf=is_spec)]
+        frozen_def = jax.tree.structure(frozen)
         devices = int(mesh.size)
-
-        def gather(shards: PyTree) -> PyTree:
-            leaves = [x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
-                      for x, d in zip(jax.tree.leaves(shards), split_params, strict=True)]
-            return jax.tree.unflatten(treedef, leaves)
 
         def scatter(grads: PyTree) -> PyTree:
             leaves = [g if d is None else jax.lax.psum_scatter(g, axis, scatter_dimension=d,
@@ -167,12 +174,21 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 shape[d] //= devices
             return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
 
-        # Shapes of the whole weights (as the user's trainable tree, before any split).
+        # Shapes of this device's share (of the user's whole trainable tree).
         accumulator = jax.tree.unflatten(treedef, [
             shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), split_grads,
                                               strict=True)])
         any_split_grads = any(d is not None for d in split_grads)
-        any_split_params = any(d is not None for d in split_params)
+        at_use = any(d is not None for d in split_params + split_frozen)
+
+        def all_gather(d: int | None) -> Any:
+            return None if d is None else functools.partial(
+                jax.lax.all_gather, axis_name=axis, axis=d, tiled=True)
+
+        gathers = [all_gather(d) for d in split_params + split_frozen]
+        scatters = [None if d is None else functools.partial(
+            jax.lax.psum_scatter, axis_name=axis, scatter_dimension=d, tiled=True)
+            for d in split_params] + [None] * len(split_frozen)
 
         def summed_sq(grads: PyTree) -> jax.Array:
             # fsdp: split leaves arrive summed over the devices' micro-batches (the gather's
@@ -191,16 +207,32 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             total = jnp.maximum(jax.lax.psum(count, axis), 1.0)
             return summed_sq(grads) / (total * total)
 
-        def per_device(trainable: PyTree, carry: PyTree, batches: PyTree) -> tuple:
+        def per_device(trainable: PyTree, carry: PyTree, batches: PyTree,
+                       frozen: PyTree) -> tuple:
             local = fold_device_keys(carry, jax.lax.axis_index(axis))
+            n = treedef.num_leaves
+
+            def loss(whole: list, c: PyTree, b: PyTree) -> Any:
+                params = jax.tree.unflatten(treedef, whole[:n])
+                if frozen is None:
+                    return micro_loss(params, c, b)
+                return micro_loss(params, c, b, jax.tree.unflatten(frozen_def, whole[n:]))
+
+            def local_loss(shards: PyTree, c: PyTree, b: PyTree) -> Any:
+                # Each split weight gathered where it is used, its gradient reduce-scattered
+                # there (see ._at_use); differentiated with respect to the shards.
+                return gathered_at_use(loss, [*jax.tree.leaves(shards),
+                                              *jax.tree.leaves(frozen)], (c, b),
+                                       gather=gathers, scatter=scatters)
+
             acc = accumulate_gradients(
-                micro_loss, trainable, local, batches,
-                gather=gather if any_split_params else None,
-                scatter=scatter if any_split_grads and not any_split_params else None,
+                local_loss if at_use else micro_loss, trainable, local, batches,
+                frozen=None if at_use else frozen,
+                scatter=scatter if any_split_grads and not at_use else None,
                 accumulator=accumulator if any_split_grads else None,
-                sq_norm=summed_sq_norm if any_split_params else None)
+                sq_norm=summed_sq_norm if at_use else None)
             sq = jax.lax.pmean(acc.micro_grad_sq_norm_sum, axis)
-            if any_split_params and devices > 1:
+            if at_use and devices > 1:
                 # Each term is |g|^2 of a dp x micro-batch; E|g_b|^2 = |G|^2 + tr(S)/b, so
                 # dp x (term - |G|^2) + |G|^2 has the expectation of one device's micro-batch
                 # (what the noise-scale estimate reads), |G|^2 from the step's whole sums.
@@ -222,11 +254,11 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         sharded = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(param_specs, P(), batch_spec),
+            in_specs=(param_specs, P(), batch_spec, frozen_specs),
             out_specs=(grad_specs, P(), P(), P(), P()),
             check_vma=False,  # gradients stay local until the psum (or reduce-scatter)
         )
-        return AccumulatedGradients(*sharded(trainable, carry, batches))
+        return AccumulatedGradients(*sharded(trainable, carry, batches, frozen))
 
     return accumulate
 

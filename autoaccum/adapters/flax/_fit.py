@@ -148,11 +148,16 @@ def flax_fit(
         opt_state = (tx.init(params) if nnx_optimizer is None
                      else nnx_optimizer.initial(tx, params))
     state = (params, other, opt_state)
-    layout = None if placement is not None else sharded_layout(plan, mesh, params, opt_state)
+    layout = (None if placement is not None
+              else sharded_layout(plan, mesh, params, opt_state, frozen))
     if mesh is not None:
         state = (replicate(state, mesh) if layout is None
                  else place(state, layout.state_shardings(other)))
-        frozen = replicate(frozen, mesh)
+        frozen = (replicate(frozen, mesh) if layout is None
+                  else place((frozen,), layout.frozen_shardings((frozen,)))[0])
+        if layout is not None and layout.strategy == "fsdp":
+            # The model holds the split frozen weights from now on (its whole copies can go).
+            nnx.update(model, frozen)
     source = flax_data(data)
     check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
     leftover = (0 if source.num_examples is None

@@ -110,7 +110,8 @@ def make_flax_step(
         statistics) keeps its values.
       layout: a sharding strategy's :class:`~autoaccum.planning.StateLayout` (pass
         ``accumulate=data_parallel_accumulate(mesh, layout=layout)`` with it): the new state
-        keeps the layout's shardings (weights, optimizer state split or copied).
+        keeps the layout's shardings (weights, optimizer state split or copied); under
+        ``fsdp`` the ``frozen`` weights arrive split too (``layout.frozen``).
 
     Returns:
       The pure step function (jit it with ``donate_argnums=0``).
@@ -121,7 +122,7 @@ def make_flax_step(
     def step(state: Any, batches: Any, frozen: Any) -> tuple[Any, StepMetrics]:
         params, other, opt_state = state
 
-        def micro_loss(p: Any, carry: Any, micro_batch: Any) -> Any:
+        def micro_loss(p: Any, carry: Any, micro_batch: Any, frozen: Any) -> Any:
             old, moments = carry
             data, weight = micro_batch if weighted else (micro_batch, None)
             if weight is not None:
@@ -142,7 +143,7 @@ def make_flax_step(
             return (loss_sum, count), (new, moments)
 
         start = (other, norms.start(other) if effective else ())
-        acc = accumulate(micro_loss, params, start, batches)
+        acc = accumulate(micro_loss, params, start, batches, frozen=frozen)
         new_other, moments = acc.carry
         if effective:
             new_other = norms.finish(new_other, moments)
@@ -305,13 +306,16 @@ def accumulate_for(mesh: Any, layout: StateLayout | None = None) -> Callable[...
     return data_parallel_accumulate(mesh, layout=layout)
 
 
-def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any) -> StateLayout | None:
+def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
+                   frozen: Any = None) -> StateLayout | None:
     """The state layout of ``plan.strategy`` on ``mesh`` (``None``: replicated or one
-    device), for weights ``params`` and optimizer state ``opt_state``."""
+    device), for weights ``params``, optimizer state ``opt_state`` and ``frozen`` weights
+    (the step's one frozen argument; split under ``fsdp``)."""
     strategy = getattr(plan, "strategy", "replicated")
     fixed = own_specs(params)
     own = any(f is not None for f in fixed)
     if mesh is None or mesh.size == 1 or (strategy == "replicated" and not own):
         return None
     return state_layout(strategy, mesh, params=params, optimizer=opt_state,
-                        fixed=fixed if own else None)
+                        fixed=fixed if own else None,
+                        frozen=None if frozen is None else (frozen,))

@@ -102,7 +102,7 @@ class TrainStep:
                          else self._link.initial(self._tx, params))
         state = (params, other, opt_state)
         self._layout = (None if placement is not None
-                        else sharded_layout(plan, mesh, params, opt_state))
+                        else sharded_layout(plan, mesh, params, opt_state, frozen))
         if mesh is not None or placement is not None:
             state, frozen = self._placed(state), self._placed_frozen(frozen)
         self._result = FitResult(plan=plan, micro_batch=plan.micro_batch,
@@ -233,9 +233,15 @@ class TrainStep:
         self._write(state)
 
     def _placed_frozen(self, frozen: Any) -> Any:
-        """Frozen weights on the mesh: replicated, or in the model's own layout."""
+        """Frozen weights on the mesh: replicated, split (``fsdp``), or in the model's own
+        layout."""
         if self._placement is not None:
             return place_each((frozen,), self._placement.frozen)[0]
+        if self._layout is not None:  # fsdp splits them; the model holds the split ones
+            frozen = place((frozen,), self._layout.frozen_shardings((frozen,)))[0]
+            if self._layout.strategy == "fsdp":
+                nnx.update(self.model, frozen)
+            return frozen
         return replicate(frozen, self._mesh)
 
     def _sync_from_model(self) -> None:

@@ -130,10 +130,11 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
 
 
 def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
-                          optimizer: Any = None) -> StateLayout | None:
+                          optimizer: Any = None, layout: Any = None) -> StateLayout | None:
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
     ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
-    (replicated, or one device: every variable copied).
+    (replicated, or one device: every variable copied). With ``layout`` (the step's
+    ``KerasLayout``), its frozen non-trainable variables too (split under ``fsdp``).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -151,8 +152,10 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
     optimizer = model.optimizer if optimizer is None else optimizer
     shapes = lambda variables: [  # noqa: E731
         jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for v in variables]
+    frozen = (None if layout is None
+              else (shapes(layout.split(list(model.non_trainable_variables))[1]),))
     return state_layout(strategy, mesh, params=shapes(model.trainable_variables),
-                        optimizer=shapes(optimizer.variables))
+                        optimizer=shapes(optimizer.variables), frozen=frozen)
 
 
 def mark_trained_on(model: Any, mesh: Any) -> None:

@@ -181,7 +181,8 @@ def keras_fit(
     if placement is not None:  # built now (optimizer and all): its layout as it is
         placement = keras_placement(model, layout)
     runner = StepRunner(model, layout, spec, mesh=mesh, placement=placement,
-                        strategy_layout=keras_strategy_layout(model, strategy, mesh),
+                        strategy_layout=keras_strategy_layout(model, strategy, mesh,
+                                                              layout=layout),
                         micro_batch=int(micro_batch),
                         accum_steps=int(accum_steps), lr_scaling=lr_scaling,
                         batch_stats=batch_stats, backup=backup, elastic=elastic,

@@ -140,7 +140,8 @@ class StepRunner:
                 (frozen,) = self.placement.abstract((frozen,), self.placement.frozen)
             elif self.strategy_layout is not None:
                 state = self.placement_of(state)
-                frozen = abstract(frozen)
+                frozen = [jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=s)
+                          for v, s in zip(frozen, self._frozen_shardings(frozen), strict=True)]
             else:
                 state, frozen = abstract(state), abstract(frozen)
             batches = self._batch_spec(accum_steps, micro_batch, last)
@@ -237,6 +238,14 @@ class StepRunner:
             self._splits[examples] = (event.new_accum_steps, event.new_micro_batch, None)
         return event
 
+    def _frozen_shardings(self, frozen: list) -> list:
+        """The frozen non-trainable variables' shardings under the strategy (split under
+        ``fsdp``, else copied)."""
+        layout = self.strategy_layout
+        if layout.frozen is None:
+            return [replicated_sharding(self.mesh) for _ in frozen]
+        return list(layout.frozen_shardings(layout.frozen)[0])
+
     def placement_of(self, state: tuple) -> tuple:
         """``state``'s leaves as ``ShapeDtypeStruct`` laid out by the strategy."""
         shardings = strategy_shardings(self.strategy_layout, state)
@@ -250,8 +259,14 @@ class StepRunner:
                     place((frozen,), self.placement.frozen)[0])
         if self.strategy_layout is not None:
             state, frozen = tree
-            return (place(state, strategy_shardings(self.strategy_layout, state)),
-                    replicate(frozen, self.mesh))
+            shardings = self._frozen_shardings(frozen)
+            if any(getattr(v, "sharding", None) != s
+                   for v, s in zip(frozen, shardings, strict=True)):
+                frozen = place((frozen,), (shardings,))[0]
+                if self.strategy_layout.strategy == "fsdp":  # the model holds them split
+                    for i, value in zip(self.layout.frozen, frozen, strict=True):
+                        self.model.non_trainable_variables[i].assign(value)
+            return place(state, strategy_shardings(self.strategy_layout, state)), frozen
         return tree if self.mesh is None else replicate(tree, self.mesh)
 
     def _run(self, compiled: Any, batches: PyTree, following: Any, examples: int,

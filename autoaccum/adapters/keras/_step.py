@@ -151,8 +151,10 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     ``mesh`` (``zero1``, ``zero2``, ``fsdp``; see :mod:`autoaccum.planning._strategies`):
     ``state`` arrives laid out by :func:`strategy_shardings` and the new state keeps that
     layout (optimizer variables, and under ``fsdp`` the weights, split over the devices;
-    under ``zero2`` and ``fsdp`` the gradient accumulator too). Everything else (mutable
-    and frozen non-trainable variables, metric variables) is copied on every device.
+    under ``zero2`` and ``fsdp`` the gradient accumulator too; under ``fsdp`` the frozen
+    non-trainable variables too, as ``strategy_layout.frozen`` says: ``frozen`` arrives so).
+    Everything else (mutable non-trainable variables, metric variables) is copied on every
+    device.
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
@@ -171,14 +173,15 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         examples = sum(micro_batch_sizes(batches))
         scale = _loss_scale(optimizer, optimizer_vars)
 
-        def micro_loss(params: list, carry: tuple, batch: PyTree) -> tuple:
+        def micro_loss(params: list, carry: tuple, batch: PyTree, frozen: list) -> tuple:
             (loss_sum, count), carry = micro(
                 params, carry, batch, frozen=frozen, optimizer_vars=optimizer_vars,
                 examples=examples)
             return (loss_sum if scale is None else loss_sum * scale, count), carry
 
         with optimizer_in_use(model, optimizer):
-            acc = accumulate(micro_loss, trainable, micro.init(mutable, metrics_vars), batches)
+            acc = accumulate(micro_loss, trainable, micro.init(mutable, metrics_vars), batches,
+                             frozen=frozen)
         new_mutable, new_metrics, unscaled_sum, term_acc, stats_acc = acc.carry
         new_mutable = micro.stats.apply(stats_acc, new_mutable)
         grads = mean_gradients(acc, trainable)

@@ -102,8 +102,9 @@ class KerasTrainStep:
         self._runner = StepRunner(
             model, prepared.extras["layout"], spec, mesh=mesh,
             placement=keras_placement(model, prepared.extras["layout"]),
-            strategy_layout=keras_strategy_layout(model, getattr(plan, "strategy",
-                                                                 "replicated"), mesh),
+            strategy_layout=keras_strategy_layout(
+                model, getattr(plan, "strategy", "replicated"), mesh,
+                layout=prepared.extras["layout"]),
             micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
             uneven=uneven, lr_scaling=plan.lr_scaling, batch_stats=batch_stats, backup=backup,

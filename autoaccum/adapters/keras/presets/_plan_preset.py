@@ -200,7 +200,8 @@ def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, o
         from jax.sharding import AbstractMesh
 
         layout = state_layout(strategy, AbstractMesh((devices,), ("data",)),
-                              params=list(state.trainable), optimizer=list(state.optimizer))
+                              params=list(state.trainable), optimizer=list(state.optimizer),
+                              frozen=state.non_trainable)
         return split_resident(layout, trainable=list(state.trainable),
                               frozen=state.non_trainable, optimizer=list(state.optimizer),
                               other=state.metrics)

@@ -1,0 +1,213 @@
+"""Weights gathered where they are used (FSDP / ZeRO-3), for any model.
+
+:func:`gathered_at_use` runs ``fn(whole_weights, *args)`` while each device holds only its
+shard of the split weights. ``fn`` is traced once (``jax.make_jaxpr``) and evaluated
+equation by equation: a weight leaf (and whatever is computed from weights alone, e.g. a
+cast to bfloat16 or a transpose) stays a recipe until an equation combines it with values
+computed from ``args`` (activations). That equation runs as one ``jax.custom_vjp``
+operation. Its forward pass gathers the weights it reads once the activations it combines
+them with exist (a data dependence, see :func:`_tied`); its backward pass gathers them
+again once the incoming cotangent exists, and reduce-scatters their gradients right there.
+So no gather can be scheduled before the operation that needs it, in the forward or the
+backward pass, the whole weights of one operation are held only around it, and no
+whole-model gradient is formed: what FSDP implementations do per module, found from the
+program instead of the model's classes.
+
+Nested ``jit`` calls are evaluated inline; any other higher-order equation that reads
+weights (``jax.checkpoint``-ed layers, ``lax.scan`` over stacked layers, custom
+derivatives) is one operation: its weights are gathered together, around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+__all__ = ["gathered_at_use"]
+
+PyTree = Any
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+_LINEAR = ("add", "sub", "add_any")
+"""Primitives whose derivative does not read the activations (nothing of them is saved)."""
+
+
+class _Recipe:
+    """A value computed from weights alone: ``make(whole)`` with ``whole`` the gathered
+    weight leaves by index; ``deps`` the indices it reads."""
+
+    __slots__ = ("deps", "make")
+
+    def __init__(self, deps: frozenset[int], make: Callable[[dict[int, Any]], Any]) -> None:
+        self.deps, self.make = deps, make
+
+
+def _bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """``eqn``'s primitive applied to ``values`` (as ``jax.core.eval_jaxpr`` does)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _tied(shards: list[Any], tie: Any) -> list[Any]:
+    """``shards`` made to wait for ``tie`` (the activations, or the cotangent) by a data
+    dependence XLA cannot remove (an ``optimization_barrier`` is expanded before XLA:CPU
+    schedules): ``shard + (e != e)`` for one float element ``e`` of ``tie``, i.e. ``shard +
+    0`` unless ``e`` is NaN (then the step's result is NaN anyway). Without a float leaf in
+    ``tie`` (integer indices), the shards are returned as they are."""
+    floats = [x for x in jax.tree.leaves(tie)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+              and jnp.size(x) > 0]
+    if not floats:
+        return shards
+    first = floats[0]
+    e = jax.lax.slice(first, (0,) * first.ndim, (1,) * first.ndim).reshape(())
+    nan = e != e
+    return [s + nan.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
+            for s in shards]
+
+
+def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple, *,
+                    gather: Sequence[Callable[[Any], Any] | None],
+                    scatter: Sequence[Callable[[Any], Any] | None]) -> Any:
+    """``fn(whole, *args)`` where ``whole[i] = gather[i](weights[i])`` is formed only where
+    an equation uses it (see the module docstring).
+
+    Args:
+      fn: ``fn(whole_weights_list, *args) -> outputs`` (any pytree).
+      weights: the weight leaves as this device holds them (shards).
+      args: the other arguments (activations, state), a tuple of pytrees.
+      gather: per weight leaf, the function making the whole leaf from its shard (e.g. an
+        all-gather inside ``shard_map``), or ``None`` for a leaf used as it is.
+      scatter: per gathered leaf, the function making the shard's gradient from the whole
+        leaf's (a reduce-scatter), or ``None`` for a leaf not differentiated (frozen).
+
+    Returns:
+      ``fn``'s outputs, differentiable with respect to ``weights`` and ``args``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> twice = lambda w: jnp.concatenate([w, w])
+      >>> def fn(whole, x):
+      ...     return jnp.sum(x @ whole[0])
+      >>> w, x = jnp.ones((2, 3)), jnp.ones((5, 4))
+      >>> float(gathered_at_use(fn, [w], (x,), gather=[twice], scatter=[None]))
+      60.0
+    """
+    weights = list(weights)
+    gather, scatter = list(gather), list(scatter)
+    whole_spec = [jax.eval_shape(gather[i], weights[i]) if gather[i] is not None
+                  else jax.ShapeDtypeStruct(jnp.shape(weights[i]), jnp.result_type(weights[i]))
+                  for i in range(len(weights))]
+    arg_leaves, arg_tree = jax.tree.flatten(args)
+    n = len(weights)
+
+    def flat_fn(*flat: Any) -> Any:
+        return fn(list(flat[:n]), *jax.tree.unflatten(arg_tree, list(flat[n:])))
+
+    specs = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in arg_leaves]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*whole_spec, *specs)
+    out_tree = jax.tree.structure(out_shape)
+
+    def gather_tied(deps: Sequence[int], shards: list[Any], tie: Any) -> list[Any]:
+        return [gather[d](s) for d, s in zip(deps, _tied(list(shards), tie), strict=True)]
+
+    def materialize(eqn: Any, ins: list[Any]) -> list[Any]:
+        deps = sorted(set().union(*(x.deps for x in ins if isinstance(x, _Recipe))))
+        act_pos = [i for i, x in enumerate(ins) if not isinstance(x, _Recipe)]
+        acts = [ins[i] for i in act_pos]
+        linear = eqn.primitive.name in _LINEAR
+        act_specs = [(jnp.shape(a), jnp.result_type(a)) for a in acts]
+
+        def run(whole_list: list[Any], acts: list[Any]) -> list[Any]:
+            whole = dict(zip(deps, whole_list, strict=True))
+            values = [x.make(whole) if isinstance(x, _Recipe) else None for x in ins]
+            for i, a in zip(act_pos, acts, strict=True):
+                values[i] = a
+            return _bind(eqn, values)
+
+        @jax.custom_vjp
+        def op(shards: list[Any], acts: list[Any]) -> list[Any]:
+            return run(gather_tied(deps, shards, acts), acts)
+
+        def fwd(shards: list[Any], acts: list[Any]) -> tuple[list[Any], Any]:
+            return op(shards, acts), (shards, [] if linear else acts)
+
+        def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
+            shards, saved = res
+            acts_now = ([jnp.zeros(shape, dtype) for shape, dtype in act_specs] if linear
+                        else saved)
+            whole = gather_tied(deps, shards, ct)
+            _, vjp = jax.vjp(run, whole, acts_now)
+            d_whole, d_acts = vjp(ct)
+            d_shards = [None if scatter[d] is None else scatter[d](g)
+                        for d, g in zip(deps, d_whole, strict=True)]
+            return d_shards, d_acts
+
+        op.defvjp(fwd, bwd)
+        return op([weights[d] for d in deps], acts)
+
+    def evaluate(jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any],
+                 active: Sequence[bool], top: bool = False) -> tuple[list[Any], list[bool]]:
+        env: dict[Any, Any] = {}
+        live: dict[Any, bool] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        def is_active(v: Any) -> bool:
+            return False if isinstance(v, jcore.Literal) else live[v]
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            env[v], live[v] = x, False
+        for v, x, a in zip(jaxpr.invars, invals, active, strict=True):
+            env[v], live[v] = x, a
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            acts = [is_active(v) for v in eqn.invars]
+            recipes = [isinstance(x, _Recipe) for x in ins]
+            if not any(recipes):
+                outs, out_active = _bind(eqn, ins), any(acts)
+                out_active = [out_active] * len(eqn.outvars)
+            elif eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                inner_jaxpr = getattr(inner, "jaxpr", inner)
+                outs, out_active = evaluate(inner_jaxpr, getattr(inner, "consts", ()), ins,
+                                            acts)
+            elif not any(a for a, r in zip(acts, recipes, strict=True) if not r):
+                # Weights (and constants) only: still a recipe, formed where it is used.
+                deps = frozenset().union(*(x.deps for x in ins if isinstance(x, _Recipe)))
+
+                def make(whole: dict[int, Any], eqn: Any = eqn, ins: list = ins) -> list:
+                    return _bind(eqn, [x.make(whole) if isinstance(x, _Recipe) else x
+                                       for x in ins])
+
+                outs = [_Recipe(deps, lambda whole, make=make, k=k: make(whole)[k])
+                        for k in range(len(eqn.outvars))]
+                out_active = [False] * len(eqn.outvars)
+            else:
+                outs = materialize(eqn, ins)
+                out_active = [True] * len(eqn.outvars)
+            for v, x, a in zip(eqn.outvars, outs, out_active, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v], live[v] = x, a
+        results = []
+        for v in jaxpr.outvars:
+            x = read(v)
+            if top and isinstance(x, _Recipe):  # an output of weights alone: gathered whole
+                deps = sorted(x.deps)
+                x = x.make(dict(zip(deps, gather_tied(deps, [weights[d] for d in deps], None),
+                                    strict=True)))
+            results.append(x)
+        return results, [is_active(v) for v in jaxpr.outvars]
+
+    start = [weights[i] if gather[i] is None else _Recipe(frozenset([i]),
+                                                          lambda whole, i=i: whole[i])
+             for i in range(n)]
+    outs, _ = evaluate(closed.jaxpr, closed.consts, [*start, *arg_leaves],
+                       [True] * (n + len(arg_leaves)), top=True)
+    return jax.tree.unflatten(out_tree, outs)
