@@ -62,12 +62,13 @@ def child() -> dict:
     mesh = data_parallel_mesh()
     per_device = EFFECTIVE // DEVICES
     needs: dict[str, dict[int, int]] = {}
+    temps: dict[str, dict[int, int]] = {}
     seconds: dict[str, float] = {}
     for strategy in ("one device", *STRATEGIES):
         program = flax_program(model, spec, loss_fn=next_token_loss, tx=optax.adamw(1e-4),
                                mesh=None if strategy == "one device" else mesh,
                                strategy="replicated" if strategy == "one device" else strategy)
-        needs[strategy] = {}
+        needs[strategy], temps[strategy] = {}, {}
         start = time.perf_counter()
         for micro in MICROS:
             if strategy == "one device":  # the whole effective batch on one device
@@ -75,6 +76,7 @@ def child() -> dict:
             else:
                 est = measure_program(program, micro, per_device // micro)
             needs[strategy][micro] = est.need_bytes
+            temps[strategy][micro] = est.temp_bytes
         seconds[strategy] = (time.perf_counter() - start) / len(MICROS)
     # A per-device budget the replicated step exceeds at micro-batch 1, which the most
     # sharded strategy meets with room to spare.
@@ -85,13 +87,66 @@ def child() -> dict:
                           learning_rate=1e-4, loss_fn=next_token_loss, budget=budget,
                           log=None, cache=False)
     plan_seconds = time.perf_counter() - start
-    return {"needs": needs, "compile_seconds": seconds, "budget": budget,
+    return {"needs": needs, "temps": temps, "compile_seconds": seconds, "budget": budget,
+            "lora": lora_rows(mesh),
             "plan": {"strategy": plan.strategy, "micro_batch": plan.micro_batch,
                      "accum_steps": plan.accum_steps, "need": plan.need_bytes,
                      "seconds": plan_seconds, "compiles": compile_count() - compiles,
                      "strategies_probed": sorted({p.strategy for p in plan.probes})},
             "weights": int(sum(x.size * x.dtype.itemsize
                                for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
+
+
+class LoRAStack:
+    """``LAYERS`` LoRA layers (rank 8) over frozen ``WIDTH x WIDTH`` base kernels: a LoRA
+    fine-tune's shape, where the frozen base is nearly all of the weights."""
+
+    WIDTH, LAYERS, RANK = 512, 8, 8
+
+
+def lora_rows(mesh) -> dict:
+    """Per-device need and frozen weights per device of the LoRA stack by strategy (micro-batch
+    4, 2 micro-batches per device, AdamW on the adapters)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.planning import STRATEGIES
+    from autoaccum.planning._measure import measure_program
+
+    width = LoRAStack.WIDTH
+
+    class Stack(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.layers = nnx.List([
+                nnx.LoRA(width, LoRAStack.RANK, width,
+                         base_module=nnx.Linear(width, width, rngs=rngs), rngs=rngs)
+                for _ in range(LoRAStack.LAYERS)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return x
+
+    def loss_fn(model, batch):
+        return jnp.sum((model(batch["x"]) - batch["y"]) ** 2), batch["x"].shape[0]
+
+    model = nnx.eval_shape(lambda: Stack(rngs=nnx.Rngs(0)))
+    spec = {"x": jax.ShapeDtypeStruct((width,), jnp.float32),
+            "y": jax.ShapeDtypeStruct((width,), jnp.float32)}
+    rows = {}
+    for strategy in STRATEGIES:
+        program = flax_program(model, spec, loss_fn=loss_fn, tx=optax.adamw(1e-4),
+                               trainable=nnx.LoRAParam, mesh=mesh, strategy=strategy)
+        est = measure_program(program, 4, 2)
+        rows[strategy] = {"need": est.need_bytes, "frozen": est.frozen_bytes,
+                          "temp": est.temp_bytes}
+    rows["frozen_total"] = int(sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(
+            nnx.state(model, nnx.Not(nnx.LoRAParam)))))
+    return rows
 
 
 def main() -> None:
@@ -121,6 +176,17 @@ def main() -> None:
                                               f" ({by_micro[str(m)] / ref[str(m)]:.2f}x)")
             for m in MICROS] + [f"{out['compile_seconds'][strategy]:.2f}"])
     print_table(["strategy"] + [f"micro {m}" for m in MICROS] + ["s/compile"], rows)
+    w = out["weights"]
+    print(f"\nfsdp, beyond the arguments (XLA temp) vs the whole weights ({format_bytes(w)}): "
+          + ", ".join(f"micro {m}: {format_bytes(out['temps']['fsdp'][str(m)])}"
+                      for m in MICROS))
+    lora = out["lora"]
+    print(f"\nLoRA stack ({LoRAStack.LAYERS} x {LoRAStack.WIDTH}^2 frozen base, rank "
+          f"{LoRAStack.RANK}, AdamW on the adapters, micro-batch 4 x 2 per device; frozen "
+          f"base {format_bytes(lora['frozen_total'])}):")
+    print_table(["strategy", "need per device", "frozen per device"],
+                [[s, format_bytes(lora[s]["need"]), format_bytes(lora[s]["frozen"])]
+                 for s in ("replicated", "zero1", "zero2", "fsdp")])
     p = out["plan"]
     print(f"\nautoaccum.plan(strategy='auto') with a per-device budget of "
           f"{format_bytes(out['budget'])} (replicated needs "

@@ -711,12 +711,117 @@ def keras_elastic() -> dict:
             "param_specs": _keras_specs(model.trainable_variables)}
 
 
+class _DeepMLP(nnx.Module):
+    """Eight 256 x 256 layers (2 MiB of float32 weights): the weights, not the activations,
+    decide what a device needs at small micro-batches."""
+
+    def __init__(self, width: int = 256, depth: int = 8, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def _square_loss(model, batch):
+    return jnp.sum((model(batch["x"]) - batch["y"]) ** 2), batch["x"].shape[0]
+
+
+def _regression(n: int, width: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, width)).astype(np.float32),
+            "y": rng.normal(size=(n, width)).astype(np.float32)}
+
+
+def fsdp_at_use() -> dict:
+    """A budget below one device's shards plus the whole weight tree (what a step that
+    gathers every weight at once holds): fsdp, which gathers each weight where it is used,
+    meets it, the planner picks it, and fit trains exactly as one device does."""
+    import autoaccum
+
+    mesh = data_parallel_mesh()
+    make = lambda: _DeepMLP(rngs=nnx.Rngs(0))  # noqa: E731
+    data = _regression(16 * mesh.size, 256, seed=4)
+    spec = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in data.items()}
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(make(), nnx.Param)))
+    needs, temps, args = {}, {}, {}
+    for strategy in STRATEGIES:  # micro-batch 1, 2 micro-batches per device
+        est = measure_program(flax_program(make(), spec, loss_fn=_square_loss,
+                                           tx=optax.sgd(0.1), mesh=mesh, strategy=strategy),
+                              1, 2)
+        needs[strategy], temps[strategy] = est.need_bytes, est.temp_bytes
+        args[strategy] = est.argument_bytes
+    budget = args["fsdp"] + whole
+    options = dict(effective_batch=8 * mesh.size, optimizer=optax.sgd, learning_rate=0.1,
+                   loss_fn=_square_loss, log=None, cache=False, epochs=1, shuffle=False,
+                   verbose=0)
+    model, ref = make(), make()
+    result = autoaccum.fit(model, data, budget=budget, **options)
+    ref_result = autoaccum.fit(ref, data, budget="1GiB", data_parallel=1, **options)
+    return {"needs": needs, "temps": temps, "args": args, "budget": budget, "whole": whole,
+            "strategy": result.plan.strategy, "need": result.plan.need_bytes,
+            "steps": [result.steps, ref_result.steps],
+            "params_error": _max_relative_error(nnx.state(model, nnx.Param),
+                                                nnx.state(ref, nnx.Param)),
+            "param_specs": _specs(nnx.state(model, nnx.Param))}
+
+
+class _LoRAMLP(nnx.Module):
+    """Two LoRA layers over frozen 128 x 128 base kernels (rank 4)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.one = nnx.LoRA(128, 4, 128, base_module=nnx.Linear(128, 128, rngs=rngs),
+                            b_initializer=nnx.initializers.normal(0.1), rngs=rngs)
+        self.two = nnx.LoRA(128, 4, 128, base_module=nnx.Linear(128, 128, rngs=rngs),
+                            b_initializer=nnx.initializers.normal(0.1), rngs=rngs)
+
+    def __call__(self, x):
+        return self.two(jnp.tanh(self.one(x)))
+
+
+def fsdp_frozen() -> dict:
+    """A LoRA model under fsdp: its frozen base kernels are split over the devices (in the
+    planned step, and in the model after fit), and the adapters train exactly as on one
+    device."""
+    import autoaccum
+
+    mesh = data_parallel_mesh()
+    make = lambda: _LoRAMLP(rngs=nnx.Rngs(5))  # noqa: E731
+    data = _regression(8 * mesh.size, 128, seed=6)
+    spec = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in data.items()}
+    frozen_bytes, args = {}, {}
+    for strategy in ("replicated", "fsdp"):
+        est = measure_program(flax_program(make(), spec, loss_fn=_square_loss,
+                                           tx=optax.adam(1e-2), trainable=nnx.LoRAParam,
+                                           mesh=mesh, strategy=strategy), 1, 2)
+        frozen_bytes[strategy], args[strategy] = est.frozen_bytes, est.argument_bytes
+    options = dict(effective_batch=4 * mesh.size, optimizer=optax.sgd, learning_rate=0.1,
+                   loss_fn=_square_loss, trainable=nnx.LoRAParam, log=None, cache=False,
+                   epochs=1, shuffle=False, verbose=0, budget="1GiB")
+    model, ref = make(), make()
+    result = autoaccum.fit(model, data, strategy="fsdp", **options)
+    ref_result = autoaccum.fit(ref, data, data_parallel=1, **options)
+    base = nnx.state(model, nnx.Not(nnx.LoRAParam))
+    return {"strategy": result.plan.strategy, "steps": [result.steps, ref_result.steps],
+            "frozen_bytes": frozen_bytes, "args": args,
+            "base_specs": {".".join(map(str, k)): _spec_text(v.get_value())
+                           for k, v in nnx.to_flat_state(base) if "kernel" in k},
+            "base_unchanged": _max_relative_error(base, nnx.state(make(),
+                                                                  nnx.Not(nnx.LoRAParam))),
+            "lora_error": _max_relative_error(nnx.state(model, nnx.LoRAParam),
+                                              nnx.state(ref, nnx.LoRAParam)),
+            "lora_changed": _max_relative_error(nnx.state(model, nnx.LoRAParam),
+                                                nnx.state(make(), nnx.LoRAParam)) > 1e-3}
+
+
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
          "keras_exact": keras_exact,
          "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,
          "planned": planned,
-         "train_step_and_elastic": train_step_and_elastic}
+         "train_step_and_elastic": train_step_and_elastic,
+         "fsdp_at_use": fsdp_at_use, "fsdp_frozen": fsdp_frozen}
 
 
 if __name__ == "__main__":

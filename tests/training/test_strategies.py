@@ -128,7 +128,47 @@ def test_every_strategy_step_on_four_devices_equals_one_device_full_batch():
             # zero2/fsdp reduce-scatter each micro-batch's gradients into a split accumulator.
             assert (r["reduce_scatters"] > 0) == (strategy in ("zero2", "fsdp"))
     needs = [out[f"need/{s}"] for s in STRATEGIES]
-    assert needs[0] > needs[1] > needs[2] >= needs[3], needs  # per device
+    # Per device. (On this 40 KB model fsdp's per-operation gathers cost about what its
+    # split weights save, so it is not compared with zero2 here; see
+    # test_fsdp_never_holds_the_whole_weight_tree for a model whose weights matter.)
+    assert needs[0] > needs[1] > needs[2] and needs[1] > needs[3], needs
+
+
+@pytest.fixture(scope="module")
+def fsdp_layouts() -> dict:
+    """The fsdp checks (gathering at use, frozen weights split) in one child with 4
+    host-platform devices, once per session."""
+    return json.loads(once_per_session(
+        "shard-fsdp-at-use", lambda: json.dumps(_child(4, "fsdp_at_use", "fsdp_frozen"))))
+
+
+@pytest.mark.slow
+def test_fsdp_never_holds_the_whole_weight_tree_and_is_planned_under_that_budget(
+        fsdp_layouts):
+    out = fsdp_layouts["fsdp_at_use"]
+    # The budget: one device's shards plus the whole weights (all of them gathered at once,
+    # as the fsdp before per-use gathering did, needs more than that: 3.1 MB here).
+    assert out["budget"] == out["args"]["fsdp"] + out["whole"]
+    # What a micro-step holds beyond the arguments is less than the whole weight tree:
+    # each weight is gathered where it is used, and gathered again in the backward pass.
+    assert out["temps"]["fsdp"] < out["whole"], out
+    assert out["needs"]["fsdp"] <= out["budget"] < out["needs"]["zero2"], out["needs"]
+    assert out["strategy"] == "fsdp" and out["need"] <= out["budget"]
+    assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
+    assert any("data" in s for s in out["param_specs"])
+
+
+@pytest.mark.slow
+def test_fsdp_splits_a_lora_models_frozen_base_and_trains_its_adapters_exactly(fsdp_layouts):
+    out = fsdp_layouts["fsdp_frozen"]
+    assert out["strategy"] == "fsdp" and out["steps"] == [2, 2]
+    # One device holds a quarter of each frozen base kernel, in the step and after fit.
+    assert out["frozen_bytes"]["fsdp"] < out["frozen_bytes"]["replicated"] / 3
+    assert out["args"]["fsdp"] < out["args"]["replicated"]
+    assert out["base_specs"] == {"one.base_module.kernel": "P('data',)",
+                                 "two.base_module.kernel": "P('data',)"}
+    assert out["base_unchanged"] == 0.0
+    assert out["lora_changed"] and out["lora_error"] <= 1e-5
 
 
 @pytest.mark.slow
