@@ -18,12 +18,12 @@ strategy        weights     gradient            optimizer state    communication
                                                                    backward pass
 ==============  ==========  ==================  =================  ============================
 
-``fsdp`` is compiled as one GSPMD program (``jax.jit`` with these shardings, no
-``shard_map``): XLA's SPMD partitioner gathers each weight where a micro-batch uses it and
-reduce-scatters its gradient in the backward pass, so a device holds its shard of every
-weight and roughly one layer's gathered weights at a time, never a whole-model gradient (see
-``autoaccum.training._data_parallel``). Frozen weights (a LoRA model's base) are split too
-under ``fsdp`` (:attr:`StateLayout.frozen`); the other strategies copy them.
+Under ``fsdp`` each micro-step gathers a weight only where an operation uses it, and
+gathers it again in that operation's backward pass, where its gradient is reduce-scattered
+(``autoaccum.training._at_use``): a device holds its shard of every weight plus about one
+layer's gathered weights at a time, never a whole-model gradient. Frozen weights (a LoRA
+model's base) are split too under ``fsdp`` (:attr:`StateLayout.frozen`); the other
+strategies copy them.
 
 :data:`STRATEGIES` is in that order: least communication first. A leaf is split along its
 largest axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,

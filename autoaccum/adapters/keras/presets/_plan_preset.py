@@ -95,7 +95,7 @@ def plan_preset(
     them least communication first under each remat policy and keeps the first under which
     micro-batch 1 fits (a strategy whose weights and optimizer state alone exceed one GPU
     is passed over from shapes, before any compile); a name plans that one. Frozen weights
-    (a LoRA base model) are copied on every GPU under every strategy.
+    (a LoRA base model) are copied on every GPU, except under ``"fsdp"``, which splits them.
     ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
     ``lora_rank``: QLoRA; see :func:`._abstract_lm.build_abstract_causal_lm`).
 
