@@ -11,10 +11,19 @@ starts). CPU figures: XLA:CPU has no rematerialization pass and upcasts nothing 
 
     .venv/bin/python benchmarks/sharded.py
 
-Measured here (2 shared CPU cores, 7 minutes in all, ~15 s per compile under load):
+Measured here (2 shared CPU cores, 6 minutes in all, 8-17 s per compile under load):
 per-device need at micro-batch 1 / 8: replicated 63.1 / 98.6 MiB, zero1 44.2 / 79.8,
-zero2 34.5 / 80.0, fsdp 33.4 / 71.8 (one device, whole batch: 63.1 / 111); with a
-48.2 MiB budget the planner chose zero1, micro-batch 1 x 4 x 8 (44.2 MiB), in 4 compiles.
+zero2 34.5 / 80.0, fsdp 23.7 / 66.0 (one device, whole batch: 63.1 / 111). fsdp's XLA temp
+(what a step holds beyond its arguments) at micro-batch 1 is 14.2 MiB, against 12.6 MiB of
+weights. Before fsdp gathered each weight where it is used (commit a98d8b2: the whole tree
+gathered at the start of each micro-step and kept through its backward pass) it needed
+33.4 / 71.8 MiB, temp 23.8 MiB at micro-batch 1. With a 43.4 MiB budget the planner chose
+zero2, micro-batch 2 x 4 x 4 (41.3 MiB), in 62 s and 12 compiles.
+
+LoRA stack (8 LoRA layers, rank 8, over 512 x 512 frozen kernels: 8.0 MiB of frozen base;
+AdamW on the adapters; micro-batch 4 x 2 per device): need per device replicated 9.30 MiB,
+zero1 8.92, zero2 8.61, fsdp 3.67; frozen base per device 8.02 MiB under the first three,
+2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
