@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 __all__ = ["gathered_at_use"]
@@ -116,36 +117,59 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
     def gather_tied(deps: Sequence[int], shards: list[Any], tie: Any) -> list[Any]:
         return [gather[d](s) for d, s in zip(deps, _tied(list(shards), tie), strict=True)]
 
-    def materialize(eqn: Any, ins: list[Any]) -> list[Any]:
+    def materialize(eqn: Any, ins: list[Any], literal: list[bool],
+                    active: list[bool]) -> list[Any]:
         deps = sorted(set().union(*(x.deps for x in ins if isinstance(x, _Recipe))))
-        act_pos = [i for i, x in enumerate(ins) if not isinstance(x, _Recipe)]
+        # Literals (Python scalars in the jaxpr) stay constants of the operation.
+        act_pos = [i for i, x in enumerate(ins)
+                   if not isinstance(x, _Recipe) and not literal[i]]
         acts = [ins[i] for i in act_pos]
+        # Tied to the activations (values computed from ``args``), not to constants.
+        ties = [k for k, i in enumerate(act_pos) if active[i]] or list(range(len(acts)))
         linear = eqn.primitive.name in _LINEAR
         act_specs = [(jnp.shape(a), jnp.result_type(a)) for a in acts]
 
         def run(whole_list: list[Any], acts: list[Any]) -> list[Any]:
             whole = dict(zip(deps, whole_list, strict=True))
-            values = [x.make(whole) if isinstance(x, _Recipe) else None for x in ins]
+            values = [x.make(whole) if isinstance(x, _Recipe) else x for x in ins]
             for i, a in zip(act_pos, acts, strict=True):
                 values[i] = a
             return _bind(eqn, values)
 
         @jax.custom_vjp
         def op(shards: list[Any], acts: list[Any]) -> list[Any]:
-            return run(gather_tied(deps, shards, acts), acts)
+            return run(gather_tied(deps, shards, [acts[k] for k in ties]), acts)
 
         def fwd(shards: list[Any], acts: list[Any]) -> tuple[list[Any], Any]:
             return op(shards, acts), (shards, [] if linear else acts)
 
+        trained = [k for k, d in enumerate(deps) if scatter[d] is not None]
+        float_acts = any(jnp.issubdtype(dtype, jnp.inexact) for _, dtype in act_specs)
+
         def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
             shards, saved = res
+            if not trained and not float_acts:
+                # Frozen weights read with integer activations (an embedding lookup): no
+                # gradient to compute, nothing to gather again.
+                return [None] * len(deps), [np.zeros(shape, jax.dtypes.float0)
+                                            for shape, _ in act_specs]
             acts_now = ([jnp.zeros(shape, dtype) for shape, dtype in act_specs] if linear
                         else saved)
             whole = gather_tied(deps, shards, ct)
-            _, vjp = jax.vjp(run, whole, acts_now)
-            d_whole, d_acts = vjp(ct)
-            d_shards = [None if scatter[d] is None else scatter[d](g)
-                        for d, g in zip(deps, d_whole, strict=True)]
+
+            def run_trained(part: list[Any], acts: list[Any]) -> list[Any]:
+                # Differentiated only with respect to trained weights: frozen ones are
+                # constants here (no gradient of the size of a frozen weight is formed).
+                full = list(whole)
+                for k, w in zip(trained, part, strict=True):
+                    full[k] = w
+                return run(full, acts)
+
+            _, vjp = jax.vjp(run_trained, [whole[k] for k in trained], acts_now)
+            d_trained, d_acts = vjp(ct)
+            d_shards: list[Any] = [None] * len(deps)
+            for k, g in zip(trained, d_trained, strict=True):
+                d_shards[k] = scatter[deps[k]](g)
             return d_shards, d_acts
 
         op.defvjp(fwd, bwd)
@@ -190,7 +214,8 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
                         for k in range(len(eqn.outvars))]
                 out_active = [False] * len(eqn.outvars)
             else:
-                outs = materialize(eqn, ins)
+                outs = materialize(eqn, ins,
+                                   [isinstance(v, jcore.Literal) for v in eqn.invars], acts)
                 out_active = [True] * len(eqn.outvars)
             for v, x, a in zip(eqn.outvars, outs, out_active, strict=True):
                 if not isinstance(v, jcore.DropVar):
