@@ -13,7 +13,9 @@ import pytest
 from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
-pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
+pytestmark = [pytest.mark.slow,  # subprocesses, keras-hub builds or large compiles
+              # one worker runs the module, so none waits for the other's child
+              pytest.mark.xdist_group("training.test_data_parallel")]
 
 
 def _env(devices: int) -> dict[str, str]:

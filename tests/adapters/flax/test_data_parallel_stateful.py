@@ -13,7 +13,8 @@ import pytest
 from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
-pytestmark = pytest.mark.slow  # a subprocess
+pytestmark = [pytest.mark.slow,  # a subprocess
+              pytest.mark.xdist_group("adapters.flax.test_data_parallel_stateful")]
 
 
 @pytest.fixture(scope="module")
