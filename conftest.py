@@ -24,8 +24,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # passes and buffer assignment do not read these flags, so every memory figure a test checks
 # is the one users get (tests/devices/test_test_flags.py compiles a step both ways); the
 # programs compute the same values. Set XLA_FLAGS yourself to test with other flags.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 # pytest imported JAX already (the warning filter in pyproject.toml names a class in
 # autoaccum.devices), so the environment reaches only child processes: set this one too.
 import jax
