@@ -19,6 +19,13 @@ if "AUTOACCUM_CACHE_DIR" not in os.environ:  # (xdist workers inherit the contro
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoaccum-test-jax-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# CPU machine code unoptimised (LLVM -O0, no expensive passes): most of the suite's time is
+# compiling tiny programs, and this cuts the CPU compile's time by about a third. XLA's HLO
+# passes and buffer assignment do not read these flags, so every memory figure a test checks
+# is the one users get (tests/devices/test_test_flags.py compiles a step both ways); the
+# programs compute the same values. Set XLA_FLAGS yourself to test with other flags.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 # pytest imported JAX already (the warning filter in pyproject.toml names a class in
 # autoaccum.devices), so the environment reaches only child processes: set this one too.
 import jax

@@ -3,3 +3,18 @@
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def host_devices_env(devices: int, **extra: str) -> dict[str, str]:
+    """This process's environment for a child JAX on ``devices`` host-platform CPU devices:
+    ``--xla_force_host_platform_device_count`` added to the XLA flags it already has (the
+    test session's, see the root ``conftest.py``), CPU JAX, Keras on JAX, quiet TensorFlow,
+    then ``extra``."""
+    import os
+
+    flags = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                     if not flag.startswith("--xla_force_host_platform_device_count"))
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+            **extra}

@@ -10,6 +10,10 @@ from autoaccum_demo import lab_summary, load_qa
 from autoaccum_demo._cli import main
 from autoaccum_demo._finetune import chat_data, demo_questions
 
+# The demo and the notebook share the lab dry run (tests/demo/conftest.py): one worker runs
+# both, so neither waits for the other's compile.
+pytestmark = pytest.mark.xdist_group("lab-dry-run")
+
 
 def _words(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z0-9.]+", text.lower()) if len(w) > 3}
@@ -24,11 +28,29 @@ def test_chat_data_puts_the_model_turn_in_the_prompt_so_the_loss_is_on_the_answe
                                                                     "animals"]
 
 
+def test_make_demo_runs_the_default_demo_with_the_dry_run(monkeypatch):
+    calls = []
+    monkeypatch.setattr("autoaccum_demo._cli._prepare_cpu_environment", lambda: None)
+    monkeypatch.setattr("autoaccum_demo._demo.run_default_demo",
+                        lambda **options: calls.append(options))
+    assert main([]) == 0 and main(["--epochs", "2", "--no-dry-run"]) == 0
+    assert calls == [{"epochs": None, "dry_run": True}, {"epochs": 2, "dry_run": False}]
+
+
 @pytest.mark.slow  # the fine-tune (the 4B dry run's compiles: once per session, see conftest)
 def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(
         capsys, lab_dry_run_report):
-    assert main([]) == 0
-    out = capsys.readouterr().out
+    from autoaccum_demo._demo import run_default_demo
+
+    story = io.StringIO()
+    result = run_default_demo(out=story)  # what `make demo` runs (see the test above)
+    out = story.getvalue()
+    # The whole story goes to the stream it is given, nothing of it to stdout.
+    assert "before fine-tuning" in out and "On the T4" in out
+    assert "fine-tuning" not in capsys.readouterr().out
+    plan = result["finetune"].plan
+    assert plan.micro_batch * plan.accum_steps == 8
+    assert not plan.probes[-1].fits or any(not p.fits for p in plan.probes)
     summary = re.search(r"On the T4: micro-batch 1 needs .* \(fits\); micro-batch 2 needs .* "
                         r"\(does not fit\)\. So 8 = 1 x 8 accumulation steps.*learning rate "
                         r"0\.0004 = 5e-05 x 8/1, linear\.", out)
@@ -60,16 +82,3 @@ def test_lab_summary_reads_the_plan():
     assert lab_summary(plan).startswith("On the L4: micro-batch 2 needs 2.00 GiB of the 2.50 GiB "
                                         "budget (fits); micro-batch 4 needs 3.00 GiB (does not "
                                         "fit). So 8 = 2 x 4 accumulation steps")
-
-
-@pytest.mark.slow  # a keras-hub build and training
-def test_finetune_story_is_printed_to_the_stream_it_is_given():
-    from autoaccum_demo import finetune_demo
-
-    out = io.StringIO()
-    result = finetune_demo(epochs=1, max_examples=16, questions=1, verbose=0, log=None, out=out)
-    text = out.getvalue()
-    assert "before fine-tuning" in text and "after fine-tuning" in text
-    assert result.plan.micro_batch * result.plan.accum_steps == 8
-    assert result.budget_bytes < result.plan.probes[-1].need_bytes or any(
-        not p.fits for p in result.plan.probes)

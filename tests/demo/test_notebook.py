@@ -11,6 +11,8 @@ from nbclient import NotebookClient
 
 from tests._paths import REPO
 
+pytestmark = pytest.mark.xdist_group("lab-dry-run")  # see tests/demo/test_demo.py
+
 NOTEBOOK = REPO / "notebooks" / "colab_t4_gemma3.ipynb"
 
 

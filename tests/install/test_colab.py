@@ -13,6 +13,9 @@ from tests._paths import REPO
 from tests._session import once_per_session, session_dir
 from tests.install.colab_check import FREEZE, colab_command, read_freeze
 
+# One worker runs the module: its two slow tests share one resolver run.
+pytestmark = pytest.mark.xdist_group("install.test_colab")
+
 SCRIPT = REPO / "tests" / "install" / "colab_check.py"
 
 

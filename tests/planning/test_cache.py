@@ -2,6 +2,7 @@
 change to anything that changes the program (or the compiler, or the target) recompiles."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -115,10 +116,14 @@ def test_a_changed_remat_policy_recompiles(tmp_path):
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_changed_xla_flags_or_compiler_options_recompile(tmp_path, monkeypatch):
     cache = NeedCache(tmp_path)
+    session_flags = os.environ.get("XLA_FLAGS")  # the test session sets some (conftest.py)
     assert _measure(cache, _program()).source == "compiled"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     assert _measure(cache, _program()).source == "compiled"
-    monkeypatch.delenv("XLA_FLAGS")
+    if session_flags is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    else:
+        monkeypatch.setenv("XLA_FLAGS", session_flags)
     with_options = CompileTarget(compiler_options=(("xla_backend_optimization_level", 1),))
     assert _measure(cache, _program(), target=with_options).source == "compiled"
     assert _measure(cache, _program()).source == "cache"

@@ -4,24 +4,22 @@ fixed when JAX starts), and across two ``jax.distributed`` processes on localhos
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests._paths import REPO
+from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
-pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
+pytestmark = [pytest.mark.slow,  # subprocesses, keras-hub builds or large compiles
+              # one worker runs the module, so none waits for the other's child
+              pytest.mark.xdist_group("training.test_data_parallel")]
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    return env
+    return host_devices_env(devices)
 
 
 def _result(stdout: str, stderr: str) -> dict:

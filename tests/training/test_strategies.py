@@ -6,7 +6,6 @@ recovery with sharded state."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,14 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 from autoaccum.planning import STRATEGIES, state_layout
 from autoaccum.planning._strategies import leaf_spec, tree_specs, validate_strategy
-from tests._paths import REPO
+from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
 
 def _child(devices: int, *modes: str) -> dict:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = host_devices_env(devices)
     done = subprocess.run([sys.executable, "-m", "tests._shard_child", *modes], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -285,9 +282,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo collectives on Linux")
 def test_two_processes_train_with_fsdp_as_one_device_does():
     port = str(_free_port())
-    env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = host_devices_env(2)
     procs = [subprocess.Popen([sys.executable, "-m", "tests._shard_multiprocess", str(i), port],
                               cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -4,24 +4,22 @@ the device count is fixed when JAX starts): BatchNorm statistics, dropout keys, 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests._paths import REPO
+from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
-pytestmark = pytest.mark.slow  # a subprocess
+pytestmark = [pytest.mark.slow,  # a subprocess
+              pytest.mark.xdist_group("adapters.flax.test_data_parallel_stateful")]
 
 
 @pytest.fixture(scope="module")
 def two_devices() -> dict:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               TF_CPP_MIN_LOG_LEVEL="3")
+    env = host_devices_env(2)
 
     def child() -> str:
         done = subprocess.run(

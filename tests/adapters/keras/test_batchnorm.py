@@ -125,10 +125,9 @@ def test_effective_statistics_are_merged_across_data_parallel_devices():
     import subprocess
     import sys
 
-    from tests._paths import REPO
+    from tests._paths import REPO, host_devices_env
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax", "PYTHONPATH": str(REPO)}
+    env = host_devices_env(4, PYTHONPATH=str(REPO))
     done = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -18,7 +18,8 @@ from tests._paths import REPO
 from tests._session import once_per_session
 from tests.training.test_data_parallel import _env, _result
 
-pytestmark = pytest.mark.slow  # a subprocess on 4 host-platform devices
+pytestmark = [pytest.mark.slow,  # a subprocess on 4 host-platform devices
+              pytest.mark.xdist_group("adapters.keras.test_strategies")]
 
 
 @pytest.fixture(scope="module")

@@ -248,10 +248,9 @@ def test_a_data_parallel_step_over_four_devices_equals_train_on_batch_on_one():
     import json
     import subprocess
 
-    from tests._paths import REPO
+    from tests._paths import REPO, host_devices_env
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = host_devices_env(4)
     done = subprocess.run([sys.executable, "-m", "tests._dp_child", "keras_train_step"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
