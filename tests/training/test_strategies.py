@@ -19,6 +19,10 @@ from autoaccum.planning._strategies import leaf_spec, tree_specs, validate_strat
 from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session
 
+# One worker runs the module: its fixtures' children run once per session, and the other
+# worker never waits for them.
+pytestmark = pytest.mark.xdist_group("training.test_strategies")
+
 
 def _child(devices: int, *modes: str) -> dict:
     env = host_devices_env(devices)
