@@ -39,7 +39,7 @@ def _compute_advice(args: argparse.Namespace) -> Any:
             args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
             sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
             device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
-            remat=args.remat, log=log, cache=not args.no_cache, **plan_kwargs(args),
+            remat=args.remat or "auto", log=log, cache=not args.no_cache, **plan_kwargs(args),
         )
     from .._api import advise
 

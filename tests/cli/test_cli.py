@@ -288,3 +288,23 @@ def test_an_unknown_strategy_flag_names_the_choices(capsys):
     assert main([*TINY, "--strategy", "zero3"]) == 2
     err = capsys.readouterr().err
     assert "--strategy: invalid choice: 'zero3'" in err and "'fsdp'" in err
+
+
+def test_preset_advise_without_remat_flag_plans_every_row_with_auto(monkeypatch):
+    # `autoaccum plan --preset ... --advise` without --remat gave every row of the table
+    # "could not plan: Unknown remat policy ... Received: remat=None".
+    from autoaccum.adapters.keras import presets
+    from autoaccum.cli import _advise
+
+    given = {}
+
+    def advise_preset(name, **options):
+        given.update(options, name=name)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(_advise, "without_tensorflow", lambda: None)
+    monkeypatch.setattr(presets, "advise_preset", advise_preset)
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "gemma3_4b", "--seq-len", "400", "--device", "t4",
+              "--effective-batch", "8", "--advise", "--quiet"])
+    assert given["name"] == "gemma3_4b" and given["remat"] == "auto"

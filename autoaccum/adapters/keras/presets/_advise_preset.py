@@ -27,6 +27,7 @@ from ....planning._advise import (
     larger_devices,
     run_advisor,
 )
+from ....planning._remat import validate_remat
 from ....planning._search import DoesNotFitError
 from ._plan_preset import plan_preset
 
@@ -69,6 +70,7 @@ def advise_preset(
       >>> advice.fits
       True
     """
+    validate_remat(remat)  # once, here: not once per row of the table
     stream = sys.stderr if log == "stderr" else log
     given = dict(lora_rank=lora_rank, sequence_length=sequence_length, dtype=dtype,
                  optimizer=optimizer, remat=remat, quantize=None)

@@ -37,6 +37,13 @@ def test_full_fine_tune_refused_from_shapes_before_any_compile():
     assert info.value.resident.state_bytes > BUDGET
 
 
+def test_an_unknown_remat_policy_is_refused_once_before_any_row():
+    before = compile_count()
+    with pytest.raises(ValueError, match="Received: remat=None"):
+        advise_preset("gemma3_1b", effective_batch=2, remat=None, log=None, cache=False)
+    assert compile_count() == before
+
+
 def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
     # One need cache for the advisor and the re-plans: a row planned with its change is the
     # configuration the advisor compiled (the key hashes it), so its figures are found there;
