@@ -33,6 +33,11 @@ def _child(devices: int, *modes: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _child_once(key: str, devices: int, *modes: str) -> dict:
+    """:func:`_child`'s result, run once per test session (the workers share it)."""
+    return json.loads(once_per_session(key, lambda: json.dumps(_child(devices, *modes))))
+
+
 # -- the layout rule (in process) -----------------------------------------------------------
 
 def test_strategies_are_ordered_by_communication():
@@ -139,8 +144,7 @@ def test_every_strategy_step_on_four_devices_equals_one_device_full_batch():
 def fsdp_layouts() -> dict:
     """The fsdp checks (gathering at use, frozen weights split) in one child with 4
     host-platform devices, once per session."""
-    return json.loads(once_per_session(
-        "shard-fsdp-at-use", lambda: json.dumps(_child(4, "fsdp_at_use", "fsdp_frozen"))))
+    return _child_once("shard-fsdp-at-use", 4, "fsdp_at_use", "fsdp_frozen")
 
 
 @pytest.mark.slow
@@ -222,8 +226,7 @@ def test_train_step_and_elastic_recovery_with_sharded_state():
 def own_layouts() -> dict:
     """The own-sharding checks (a one-axis mesh, a ('batch', 'model') mesh) in one child with
     4 host-platform devices, once per session."""
-    return json.loads(once_per_session(
-        "shard-own-layouts", lambda: json.dumps(_child(4, "own_sharding", "own_mesh"))))
+    return _child_once("shard-own-layouts", 4, "own_sharding", "own_mesh")
 
 
 @pytest.mark.slow
