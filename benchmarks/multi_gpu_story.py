@@ -55,8 +55,10 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import resource
 import sys
 import time
+from typing import Any
 
 from _common import print_table
 
@@ -73,7 +75,57 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) -> list[str]:
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (compile workers are threads)."""
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                         resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def parse_boxes(text: str) -> list[tuple[str, int]]:
+    """``"2xt4,4xl4"`` -> the :data:`BOXES` rows it names (all of them for ``""``).
+
+    Example:
+      >>> parse_boxes("4xl4, 1XT4")
+      [('t4', 1), ('l4', 4)]
+    """
+    if not text.strip():
+        return list(BOXES)
+    wanted = set()
+    for part in text.split(","):
+        count, sep, device = part.strip().lower().partition("x")
+        if not sep or not count.isdigit() or (device, int(count)) not in BOXES:
+            names = ", ".join(f"{n}x{d}" for d, n in BOXES)
+            raise ValueError(f"--boxes takes a comma-separated list of {names}. "
+                             f"Received: --boxes={text!r}")
+        wanted.add((device, int(count)))
+    return [box for box in BOXES if box in wanted]
+
+
+def how_decided(plan_or_error: Any) -> str:
+    """How a cell was decided: from shapes, extrapolated from depths 2 and 3 (an upper bound
+    where XLA's rematerialization pass may act), or compiled at full depth."""
+    from autoaccum.planning import DoesNotFitError
+    from autoaccum.planning._depth import io_bytes
+
+    if isinstance(plan_or_error, DoesNotFitError):
+        error = plan_or_error
+        if error.resident is not None:
+            return "shapes"
+        smallest = min(error.probes, key=lambda p: (p.micro_batch, p.need_bytes), default=None)
+        if smallest is None or smallest.estimate.source != "extrapolated":
+            return "full depth"
+        if error.budget_bytes is not None and io_bytes(smallest.estimate) > error.budget_bytes:
+            return "extrapolated (arguments + outputs alone over: proven)"
+        return "extrapolated (upper bound: not proven)"
+    plan = plan_or_error
+    if plan.estimate.source == "extrapolated":
+        return "extrapolated (upper bound: fits)"
+    return "full depth"
+
+
+def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, *,
+            verify: bool = True) -> list[str]:
     from autoaccum.adapters.keras.presets import plan_preset
     from autoaccum.devices import find_profile
     from autoaccum.planning import DoesNotFitError
@@ -81,52 +133,61 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int) 
 
     profile = find_profile(device)
     box = f"{devices} x {profile.name.removeprefix('NVIDIA ')}"
-    start, compiles = time.perf_counter(), compile_count()
+    start, cpu, compiles = time.perf_counter(), _cpu_seconds(), compile_count()
+
+    def cost() -> list[str]:
+        return [f"{time.perf_counter() - start:.0f}", f"{_cpu_seconds() - cpu:.0f}",
+                str(compile_count() - compiles), f"{os.getloadavg()[0]:.1f}"]
+
     try:
         plan = plan_preset(arch, effective_batch=EFFECTIVE_BATCH, lora_rank=rank,
                            sequence_length=SEQUENCE, dtype=DTYPE, device=device,
-                           devices=devices if devices > 1 else None, log=None)
+                           devices=devices if devices > 1 else None, log="stderr",
+                           verify_depth=verify)
     except DoesNotFitError as error:
-        seconds = time.perf_counter() - start
+        costs = cost()
         if error.resident is not None:
             sharded = " under every strategy" if devices > 1 else ""
             why = (f"weights + optimizer state {_gib(error.resident.state_bytes)} > "
-                   f"{_gib(error.budget_bytes or 0)} per GPU{sharded} (from shapes)")
+                   f"{_gib(error.budget_bytes or 0)} per GPU{sharded}")
         else:
-            smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
-            why = ("micro-batch 1 needs " + _gib(smallest.need_bytes) if smallest else
+            smallest = min(error.probes, key=lambda p: (p.micro_batch, p.need_bytes),
+                           default=None)
+            why = (f"micro-batch 1 needs {_gib(smallest.need_bytes)}" if smallest else
                    str(error).splitlines()[0][:80])
-        return [label, box, "no", "-", why, f"{seconds:.0f}",
-                str(compile_count() - compiles)]
-    seconds = time.perf_counter() - start
+        return [label, box, "no", "-", why, how_decided(error), *costs]
+    costs = cost()
     split = f"{plan.micro_batch} x {plan.data_parallel} x {plan.accum_steps}"
     need = f"{_gib(plan.need_bytes)} of {_gib(plan.budget_bytes)} per GPU"
-    return [label, box, f"yes, {plan.strategy}", split, need, f"{seconds:.0f}",
-            str(compile_count() - compiles)]
+    return [label, box, f"yes, {plan.strategy}, remat {plan.remat}", split, need,
+            how_decided(plan), *costs]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only models whose label contains this")
+    parser.add_argument("--boxes", default="",
+                        help="only these boxes, e.g. '2xt4,4xl4' (default: all)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="answer from depths 2 and 3 alone (no full-depth compile; where "
+                             "XLA's rematerialization may act the prediction is an upper "
+                             "bound: 'fits' is safe, 'does not fit' is not proven)")
     args = parser.parse_args()
+    boxes = parse_boxes(args.boxes)
     rows = []
     for label, arch, rank in MODELS:
         if args.rows not in label:
             continue
-        for device, devices in BOXES:
-            row = one_row(label, arch, rank, device, devices)
+        for device, devices in boxes:
+            row = one_row(label, arch, rank, device, devices, verify=not args.no_verify)
             rows.append(row)
-            load = os.getloadavg()[0]
-            print(f"# {row} (load {load:.1f})", file=sys.stderr, flush=True)
+            print(f"# {row}", file=sys.stderr, flush=True)
     print(f"Gemma 3, sequence {SEQUENCE}, {DTYPE} weights, AdamW, effective batch "
-          f"{EFFECTIVE_BATCH}, replicated data parallelism (micro-batch x GPUs x accumulation "
-          "steps), deviceless compiles on this CPU:")
+          f"{EFFECTIVE_BATCH} (micro-batch x GPUs x accumulation steps), deviceless compiles "
+          "on this CPU" + (", depth-extrapolated (no full-depth compile)"
+                           if args.no_verify else "") + ":")
     print_table(["model", "GPUs", "fits", "micro x GPUs x accum", "need / why not",
-                 "wall s", "compiles"], rows)
-    print("Replicated: every GPU holds the whole model and optimizer state, so more GPUs only "
-          "split the batch; what does not fit one GPU does not fit N. Sharded strategies "
-          "(ZeRO/FSDP) are what would change the 'no' rows.")
-
+                 "decided by", "wall s", "CPU s", "compiles", "load"], rows)
 
 if __name__ == "__main__":
     main()
