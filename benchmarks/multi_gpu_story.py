@@ -125,10 +125,12 @@ def how_decided(plan_or_error: Any) -> str:
 
 
 def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, *,
-            verify: bool = True) -> list[str]:
+            verify: bool = True, extrapolate: bool = True, strategy: str = "auto",
+            remat: str = "auto") -> list[str]:
     from autoaccum.adapters.keras.presets import plan_preset
     from autoaccum.devices import find_profile
     from autoaccum.planning import DoesNotFitError
+    from autoaccum.planning._depth import io_bytes
     from autoaccum.planning._measure import compile_count
 
     profile = find_profile(device)
@@ -143,7 +145,8 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, 
         plan = plan_preset(arch, effective_batch=EFFECTIVE_BATCH, lora_rank=rank,
                            sequence_length=SEQUENCE, dtype=DTYPE, device=device,
                            devices=devices if devices > 1 else None, log="stderr",
-                           verify_depth=verify)
+                           verify_depth=verify, extrapolate=extrapolate,
+                           strategy=strategy if devices > 1 else "auto", remat=remat)
     except DoesNotFitError as error:
         costs = cost()
         if error.resident is not None:
@@ -153,7 +156,10 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, 
         else:
             smallest = min(error.probes, key=lambda p: (p.micro_batch, p.need_bytes),
                            default=None)
-            why = (f"micro-batch 1 needs {_gib(smallest.need_bytes)}" if smallest else
+            why = (f"micro-batch {smallest.micro_batch} x {smallest.accum_steps} needs "
+                   f"{_gib(smallest.need_bytes)} (arguments + outputs "
+                   f"{_gib(io_bytes(smallest.estimate))}) > {_gib(error.budget_bytes or 0)}"
+                   if smallest else
                    str(error).splitlines()[0][:80])
         return [label, box, "no", "-", why, how_decided(error), *costs]
     costs = cost()
@@ -172,6 +178,11 @@ def main() -> None:
                         help="answer from depths 2 and 3 alone (no full-depth compile; where "
                              "XLA's rematerialization may act the prediction is an upper "
                              "bound: 'fits' is safe, 'does not fit' is not proven)")
+    parser.add_argument("--full-depth", action="store_true",
+                        help="compile every probe at full depth (no depth extrapolation)")
+    parser.add_argument("--strategy", default="auto",
+                        help="plan this sharding strategy only (default: auto)")
+    parser.add_argument("--remat", default="auto", help="none, nothing or auto (default)")
     args = parser.parse_args()
     boxes = parse_boxes(args.boxes)
     rows = []
@@ -179,13 +190,16 @@ def main() -> None:
         if args.rows not in label:
             continue
         for device, devices in boxes:
-            row = one_row(label, arch, rank, device, devices, verify=not args.no_verify)
+            row = one_row(label, arch, rank, device, devices, verify=not args.no_verify,
+                          extrapolate=not args.full_depth, strategy=args.strategy,
+                          remat=args.remat)
             rows.append(row)
             print(f"# {row}", file=sys.stderr, flush=True)
     print(f"Gemma 3, sequence {SEQUENCE}, {DTYPE} weights, AdamW, effective batch "
           f"{EFFECTIVE_BATCH} (micro-batch x GPUs x accumulation steps), deviceless compiles "
-          "on this CPU" + (", depth-extrapolated (no full-depth compile)"
-                           if args.no_verify else "") + ":")
+          "on this CPU" + (", compiled at full depth" if args.full_depth else
+                           ", depth-extrapolated (no full-depth compile)" if args.no_verify
+                           else "") + ":")
     print_table(["model", "GPUs", "fits", "micro x GPUs x accum", "need / why not",
                  "decided by", "wall s", "CPU s", "compiles", "load"], rows)
 

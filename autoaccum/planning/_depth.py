@@ -122,7 +122,8 @@ class DepthVariants:
 
     def on_mesh(self, mesh: Any, strategy: str = "replicated") -> DepthVariants:
         """The same variants, each program data-parallel over ``mesh`` (``None``: as is)
-        with the sharding ``strategy`` (part of the cache identity when not replicated)."""
+        with the sharding ``strategy`` (part of the cache identity when not replicated, as
+        is the mesh's shape: a split state's size per device depends on it)."""
         if mesh is None:
             return self
         full = self.full
@@ -133,8 +134,9 @@ class DepthVariants:
             full = lambda: made().on_mesh(mesh, strategy)  # noqa: E731
         build = self.build
         identity = self.identity
-        if identity is not None and strategy != "replicated":
-            identity = {**identity, "strategy": strategy}
+        if identity is not None:
+            identity = {**identity, "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+                        **({"strategy": strategy} if strategy != "replicated" else {})}
         return DepthVariants(full_depth=self.full_depth,
                              build=lambda depth: build(depth).on_mesh(mesh, strategy),
                              depths=self.depths, full=full, identity=identity,
