@@ -53,5 +53,5 @@ def test_an_extrapolated_no_is_proven_only_when_arguments_alone_exceed_the_budge
     under = _no(argument_bytes=10, temp_bytes=25, source="extrapolated", budget=20)
     compiled = _no(argument_bytes=10, temp_bytes=25, source="compiled", budget=20)
     assert story.how_decided(over) == "extrapolated (arguments + outputs alone over: proven)"
-    assert story.how_decided(under) == "extrapolated (upper bound: not proven)"
+    assert story.how_decided(under) == "extrapolated (not proven)"
     assert story.how_decided(compiled) == "full depth"
