@@ -1,49 +1,86 @@
-"""Which Gemma 3 fine-tunes fit on which multi-GPU box, with replicated data parallelism (issue
-21 item 3): gemma3_4b full fine-tune, gemma3_12b LoRA and gemma3_27b LoRA (sequence 400, bf16
-weights, AdamW, effective batch 8) on 1 x T4, 2 x T4 (Kaggle), 4 x L4 and 8 x A100-80GB.
+"""Which Gemma 3 fine-tunes fit on which multi-GPU box, and how (issue 21 item 3):
+gemma3_4b full fine-tune, gemma3_12b LoRA and gemma3_27b LoRA (sequence 400, bf16 weights,
+AdamW, effective batch 8) on 1 x T4, 2 x T4 (Kaggle), 4 x L4 and 8 x A100-80GB.
 
-Every row is a dry run on this CPU: ``plan_preset(..., device=..., devices=N)`` compiles the real
-accumulated Keras step deviceless for N GPUs (JAX's CUDA topology ``"1x1xN"``), weights and
-optimizer state replicated on every GPU, each GPU scanning its own micro-batches; memory is per
-GPU against one GPU's budget. Depth extrapolation (depths 2 and 3, then one full-depth compile
-of the choice) keeps it cheap, and a model whose weights and optimizer state alone exceed one
-GPU is refused from shapes, before any compile. The wall time of each row (this shared 2-core
-machine; the load average is printed) and its compiles are in the table.
+Every cell is a dry run on this CPU: ``plan_preset(..., device=..., devices=N)`` compiles the
+real accumulated Keras step deviceless for N GPUs (JAX's CUDA topology ``"1x1xN"``), trying
+the sharding strategies least communication first (replicated, zero1, zero2, fsdp) under remat
+"none", then "nothing", and keeping the first under which a micro-batch fits one GPU's budget;
+a strategy whose weights and optimizer state alone exceed one GPU is passed over from shapes,
+before any compile. Each cell says how it was decided (``decided by``):
 
-With the replicated strategy more GPUs only split the batch: a model that does not fit one GPU
-does not fit N of them. The sharded strategies (ZeRO-1/2, FSDP) change that: ``plan_preset``
-now tries them in order for every multi-GPU row (``fits`` names the strategy that fits); the
-table below is the replicated baseline, measured before they existed.
+* ``shapes``: the resident state per GPU under the best strategy exceeds the budget (no
+  compile);
+* ``extrapolated``: compiled at depths 2 and 3 for N GPUs and extrapolated linearly in depth
+  (``--no-verify``: ``plan_preset(..., verify_depth=False)``, the advisor's quick rows). A "no"
+  is proven only where the arguments and outputs alone (linear in depth, which no
+  rematerialization shrinks) exceed the budget; neither an extrapolated "no" nor "yes" is
+  otherwise verified (see the 2 x T4 row below: fsdp needed 72% more at full depth than
+  predicted);
+* ``full depth``: compiled at the model's depth (``--full-depth``, with ``--strategy`` and
+  ``--remat`` naming the one the extrapolated run chose, so that one compile decides).
 
-    .venv/bin/python benchmarks/multi_gpu_story.py            # the whole table
-    .venv/bin/python benchmarks/multi_gpu_story.py --rows 4b  # rows whose model contains '4b'
+    .venv/bin/python benchmarks/multi_gpu_story.py            # every cell, verified choices
+    .venv/bin/python benchmarks/multi_gpu_story.py --no-verify --rows 12b --boxes 2xt4,4xl4
+    .venv/bin/python benchmarks/multi_gpu_story.py --rows 4b --boxes 2xt4 --full-depth \\
+        --strategy fsdp --remat nothing
 
-Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; load average 17-20 on 2 shared
-cores, so wall times are ~8x what an idle machine gives), one run, 9 compiles in all:
+Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; 2 shared cores, each run under
+``nice -n 19`` with ``AUTOACCUM_COMPILE_WORKERS=1``, load average 3.5-6.5; wall / CPU
+seconds and compiles per cell, per GPU need against one GPU's budget):
 
-    model                     GPUs           fits  micro x GPUs x accum  need / why not
-    gemma3_4b full fine-tune  1 x T4         no    -   weights + optimizer 21.7 GiB > 13.4 GiB
-    gemma3_4b full fine-tune  2 x T4         no    -   (the same per GPU: replicated)
-    gemma3_4b full fine-tune  4 x L4         no    -   21.7 GiB > 20.2 GiB
-    gemma3_4b full fine-tune  8 x A100 80GB  yes   1 x 8 x 1   57.8 GiB of 75.3 GiB  (576 s)
-    gemma3_12b LoRA 4         1/2 x T4, 4 x L4  no  -  weights + optimizer 22.1 GiB > 13.4 / 20.2
-    gemma3_12b LoRA 4         8 x A100 80GB  yes   1 x 8 x 1   29.3 GiB of 75.3 GiB  (255 s)
-    gemma3_27b LoRA 4         1/2 x T4, 4 x L4  no  -  weights + optimizer 51.0 GiB > 13.4 / 20.2
-    gemma3_27b LoRA 4         8 x A100 80GB  yes   1 x 8 x 1   62.5 GiB of 75.3 GiB  (280 s)
+    model, GPUs         fits: strategy, remat; micro x GPUs x accum; need per GPU   decided by
+                        (or: no, why)                                   wall / CPU s, compiles, load
+    4B full FT, 1 x T4  no: state 21.7 GiB > 13.4 GiB                               shapes
+                                                                        0 / 0, 0, 6.0
+    4B full FT, 2 x T4  no: fsdp, 4 x 2 x 1 needs 28.9 GiB > 13.4 (a)               full depth
+                                                                        581 / 294, 1, 4.3
+    4B full FT, 4 x L4  yes: zero2, none; 2 x 4 x 1; 17.6 GiB of 20.2 (b)           extrapolated
+                                                                        71 / 63, 4, 5.4
+    4B full FT, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 57.8 of 75.3 GiB   full depth
+                                                            (earlier run) 576 s, 3, 17-20
+    12B LoRA 4, 1 x T4  no: state 22.1 GiB > 13.4 GiB                               shapes
+                                                                        0 / 0, 0, 6.1
+    12B LoRA 4, 2 x T4  no: fsdp, nothing; 1 x 2 x 4 needs 24.7 GiB > 13.4          extrapolated,
+                                                        not proven      100 / 97, 8, 4.7
+    12B LoRA 4, 4 x L4  yes: fsdp, none; 2 x 4 x 1; 13.8 GiB of 20.2 (c)            full depth
+                                                                        89 / 95, 1, 1.6
+    12B LoRA 4, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 29.3 of 75.3 GiB   full depth
+                                                            (earlier run) 255 s, 3, 17-20
+    27B LoRA 4, 1 x T4  no: state 51.0 GiB > 13.4 GiB                               shapes
+                                                                        0 / 0, 0, 3.4
+    27B LoRA 4, 2 x T4  no: fsdp state 25.5 GiB > 13.4 GiB                          shapes
+                                                                        68 / 7, 0, 4.7
+    27B LoRA 4, 4 x L4  yes: fsdp, nothing; 2 x 4 x 1; 17.4 GiB of 20.2 (d)         extrapolated
+                                                                        221 / 86, 6, 3.8
+    27B LoRA 4, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 62.5 of 75.3 GiB   full depth
+                                                            (earlier run) 280 s, 3, 17-20
 
-The "no" rows are answered from shapes in 0-13 s with no compile; each "yes" row took 3
-compiles (depths 2 and 3, then one full-depth verification) over 8 deviceless GPUs.
+    (a) the whole per-GPU batch in one step (remat nothing; arguments + outputs 10.8 GiB):
+        with accumulation the state and float32 accumulator alone need 18.1 GiB per GPU, from
+        shapes; zero1 and zero2 over from shapes. Extrapolated first: 16.8 GiB predicted
+        (56 / 53 s, 4 compiles, load 4.5).
+    (b) zero1 extrapolated to 36.4 GiB at 2 x 4 x 1. Full depth: PENDING_B
+    (c) zero1 and zero2 over from shapes (the frozen base is copied under them). Extrapolated
+        first: 14.5 GiB (25 / 24 s, 2 compiles, load 4.8); the full-depth compile of that choice
+        (``--full-depth --strategy fsdp --remat none``) says 13.8 GiB.
+    (d) under remat none fsdp was extrapolated to 34.4 GiB at 1 x 4 x 2. A first run (before
+        the cache identity named the mesh's shape) gave the same figures in 92 / 89 s.
 
-With the strategies (2026-11-24, same machine, load 5-9; ``--rows 4b``, partial run):
+The 8 x A100 cells are the replicated table measured before the strategies existed
+(full-depth verified, 255-576 s each, load 17-20): replicated is tried first and fits, so the
+strategies do not change them; they were not rerun.
 
-    gemma3_4b full fine-tune  2 x T4  no  -  micro-batch 1 needs 42.3 GiB  (2040 s, 8 compiles)
+How the sharded cells came out:
 
-zero1 and zero2 are passed over from shapes (their copied weights and split optimizer state
-exceed 13.4 GiB); fsdp is compiled (remat none, then nothing) and still needs about what a
-replica does: the step gathers the whole weight tree at once for each micro-batch and holds
-its full-size gradient before the reduce-scatter, so FSDP as built here saves memory between
-micro-batches, not at the peak. Gathering per layer (inside each block) is what these rows
-need.
+* 4B full fine-tune on 2 x T4: zero1 and zero2 are over from shapes; under fsdp every step
+  with accumulation needs at least 18.1 GiB from shapes (weights, AdamW state and the float32
+  accumulator, split in two), so only the whole per-GPU batch of 4 in one step is left.
+  Depths 2 and 3 predicted 16.8 GiB for it (remat nothing; 56 s, 4 compiles); the full-depth
+  compile says 28.9 GiB (arguments + outputs 10.8 GiB). No. (The former fsdp, gathering the
+  whole weight tree per micro-batch: 42.3 GiB at micro-batch 1, 2040 s, 8 compiles.)
+* 27B LoRA on 2 x T4: fsdp splits the frozen base, and still holds 25.5 GiB per GPU. No,
+  from shapes.
 """
 
 from __future__ import annotations
