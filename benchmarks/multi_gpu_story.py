@@ -35,8 +35,8 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
                                                                         0 / 0, 0, 6.0
     4B full FT, 2 x T4  no: fsdp, 4 x 2 x 1 needs 28.9 GiB > 13.4 (a)               full depth
                                                                         581 / 294, 1, 4.3
-    4B full FT, 4 x L4  yes: zero2, none; 2 x 4 x 1; 17.6 GiB of 20.2 (b)           extrapolated
-                                                                        71 / 63, 4, 5.4
+    4B full FT, 4 x L4  no with remat none: zero2 needs 25.6 GiB > 20.2 (b)         full depth
+                                                                        196 / 210, 2, 1.5
     4B full FT, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 57.8 of 75.3 GiB   full depth
                                                             (earlier run) 576 s, 3, 17-20
     12B LoRA 4, 1 x T4  no: state 22.1 GiB > 13.4 GiB                               shapes
@@ -51,8 +51,8 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
                                                                         0 / 0, 0, 3.4
     27B LoRA 4, 2 x T4  no: fsdp state 25.5 GiB > 13.4 GiB                          shapes
                                                                         68 / 7, 0, 4.7
-    27B LoRA 4, 4 x L4  yes: fsdp, nothing; 2 x 4 x 1; 17.4 GiB of 20.2 (d)         extrapolated
-                                                                        221 / 86, 6, 3.8
+    27B LoRA 4, 4 x L4  yes: fsdp, nothing; 2 x 4 x 1; 17.4 GiB of 20.2 (d)         full depth
+                                                                        170 / 170, 1, 2.6
     27B LoRA 4, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 62.5 of 75.3 GiB   full depth
                                                             (earlier run) 280 s, 3, 17-20
 
@@ -60,12 +60,18 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
         with accumulation the state and float32 accumulator alone need 18.1 GiB per GPU, from
         shapes; zero1 and zero2 over from shapes. Extrapolated first: 16.8 GiB predicted
         (56 / 53 s, 4 compiles, load 4.5).
-    (b) zero1 extrapolated to 36.4 GiB at 2 x 4 x 1. Full depth: PENDING_B
+    (b) extrapolated first (``--no-verify``): "yes, zero2, remat none, 2 x 4 x 1, 17.6 GiB"
+        (71 / 63 s, 4 compiles, load 5.4; zero1 predicted 36.4 GiB). At full depth
+        (``--full-depth --strategy zero2 --remat none``) 2 x 4 x 1 and 1 x 4 x 2 both need
+        25.6 GiB (arguments + outputs 10.8 GiB). PENDING_B
     (c) zero1 and zero2 over from shapes (the frozen base is copied under them). Extrapolated
         first: 14.5 GiB (25 / 24 s, 2 compiles, load 4.8); the full-depth compile of that choice
         (``--full-depth --strategy fsdp --remat none``) says 13.8 GiB.
-    (d) under remat none fsdp was extrapolated to 34.4 GiB at 1 x 4 x 2. A first run (before
-        the cache identity named the mesh's shape) gave the same figures in 92 / 89 s.
+    (d) extrapolated first: the same answer, 17.4 GiB (221 / 86 s, 6 compiles, load 3.8;
+        under remat none fsdp was predicted 34.4 GiB at 1 x 4 x 2; a first run, before the
+        cache identity named the mesh's shape, gave the same figures in 92 / 89 s). The
+        full-depth compile of that choice (``--full-depth --strategy fsdp --remat nothing``)
+        says 17.4 GiB too.
 
 The 8 x A100 cells are the replicated table measured before the strategies existed
 (full-depth verified, 255-576 s each, load 17-20): replicated is tried first and fits, so the
