@@ -15,8 +15,11 @@ before any compile. Each cell says how it was decided (``decided by``):
   (``--no-verify``: ``plan_preset(..., verify_depth=False)``, the advisor's quick rows). A "no"
   is proven only where the arguments and outputs alone (linear in depth, which no
   rematerialization shrinks) exceed the budget; neither an extrapolated "no" nor "yes" is
-  otherwise verified (see the 2 x T4 row below: fsdp needed 72% more at full depth than
-  predicted);
+  otherwise verified. Measured against full depth here, the extrapolation held for the LoRA
+  cells under fsdp (12B on 4 x L4: 14.5 GiB predicted, 13.8 compiled; 27B on 4 x L4: 17.4
+  and 17.4; 12B on 2 x T4 at 2 x 2 x 2: 25.2 and 25.2) and fell short for the sharded full
+  fine-tune (4B on 2 x T4, fsdp: 16.8 and 28.9; 4B on 4 x L4, zero2: 17.6 and 25.6, the
+  same 25.6 at micro-batch 2 and 1), so it is not an upper bound there;
 * ``full depth``: compiled at the model's depth (``--full-depth``, with ``--strategy`` and
   ``--remat`` naming the one the extrapolated run chose, so that one compile decides).
 
