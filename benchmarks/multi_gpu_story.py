@@ -44,8 +44,8 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
                                                             (earlier run) 576 s, 3, 17-20
     12B LoRA 4, 1 x T4  no: state 22.1 GiB > 13.4 GiB                               shapes
                                                                         0 / 0, 0, 6.1
-    12B LoRA 4, 2 x T4  no: fsdp, nothing; 1 x 2 x 4 needs 24.7 GiB > 13.4          extrapolated,
-                                                        not proven      100 / 97, 8, 4.7
+    12B LoRA 4, 2 x T4  no: fsdp, nothing; 1 x 2 x 4 needs 24.7 GiB > 13.4 (e)      full depth
+                                                                        689 / 667, 2, 1.1
     12B LoRA 4, 4 x L4  yes: fsdp, none; 2 x 4 x 1; 13.8 GiB of 20.2 (c)            full depth
                                                                         89 / 95, 1, 1.6
     12B LoRA 4, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 29.3 of 75.3 GiB   full depth
@@ -75,6 +75,10 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
         cache identity named the mesh's shape, gave the same figures in 92 / 89 s). The
         full-depth compile of that choice (``--full-depth --strategy fsdp --remat nothing``)
         says 17.4 GiB too.
+    (e) arguments + outputs 11.1 GiB; zero1 and zero2 over from shapes. Extrapolated first:
+        the same 24.7 GiB (remat none: 30.2 GiB; 100 / 97 s, 8 compiles, load 4.7).
+        ``--full-depth --strategy fsdp --remat nothing`` compiled 2 x 2 x 2 (25.2 GiB) and
+        1 x 2 x 4 (24.7 GiB).
 
 The 8 x A100 cells are the replicated table measured before the strategies existed
 (full-depth verified, 255-576 s each, load 17-20): replicated is tried first and fits, so the
