@@ -29,8 +29,8 @@ before any compile. Each cell says how it was decided (``decided by``):
         --strategy fsdp --remat nothing
 
 Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; 2 shared cores, each run under
-``nice -n 19`` with ``AUTOACCUM_COMPILE_WORKERS=1``, load average 3.5-6.5; wall / CPU
-seconds and compiles per cell, per GPU need against one GPU's budget):
+``nice -n 19`` with ``AUTOACCUM_COMPILE_WORKERS=1``; wall / CPU seconds, compiles and the
+1-minute load average at the end of each cell; need per GPU against one GPU's budget):
 
     model, GPUs         fits: strategy, remat; micro x GPUs x accum; need per GPU   decided by
                         (or: no, why)                                   wall / CPU s, compiles, load
@@ -59,7 +59,8 @@ seconds and compiles per cell, per GPU need against one GPU's budget):
     27B LoRA 4, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 62.5 of 75.3 GiB   full depth
                                                             (earlier run) 280 s, 3, 17-20
 
-    (a) the whole per-GPU batch in one step (remat nothing; arguments + outputs 10.8 GiB):
+    (a) the whole per-GPU batch in one step (remat nothing, ``--full-depth --strategy fsdp
+        --remat nothing``; arguments + outputs 10.8 GiB; remat none extrapolated 28.0 GiB):
         with accumulation the state and float32 accumulator alone need 18.1 GiB per GPU, from
         shapes; zero1 and zero2 over from shapes. Extrapolated first: 16.8 GiB predicted
         (56 / 53 s, 4 compiles, load 4.5).
@@ -93,7 +94,9 @@ How the sharded cells came out:
   compile says 28.9 GiB (arguments + outputs 10.8 GiB). No. (The former fsdp, gathering the
   whole weight tree per micro-batch: 42.3 GiB at micro-batch 1, 2040 s, 8 compiles.)
 * 27B LoRA on 2 x T4: fsdp splits the frozen base, and still holds 25.5 GiB per GPU. No,
-  from shapes.
+  from shapes. (A first run took 159 s and 8 compiles: the need cache keyed a state figure
+  by strategy but not by the number of GPUs, so fsdp's figure for 4 x L4 passed the check;
+  the cache identity now names the mesh's shape.)
 """
 
 from __future__ import annotations
