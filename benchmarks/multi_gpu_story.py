@@ -38,8 +38,8 @@ Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; 2 shared cores, eac
                                                                         0 / 0, 0, 6.0
     4B full FT, 2 x T4  no: fsdp, 4 x 2 x 1 needs 28.9 GiB > 13.4 (a)               full depth
                                                                         581 / 294, 1, 4.3
-    4B full FT, 4 x L4  yes: fsdp, nothing; 2 x 4 x 1; 14.5 GiB of 20.2 (b)         full depth
-                                                                        112 / 124, 1, 1.2
+    4B full FT, 4 x L4  yes: fsdp, none; 2 x 4 x 1; 14.5 GiB of 20.2 (b)            full depth
+                                                                        107 / 115, 1, 1.0
     4B full FT, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 57.8 of 75.3 GiB   full depth
                                                             (earlier run) 576 s, 3, 17-20
     12B LoRA 4, 1 x T4  no: state 22.1 GiB > 13.4 GiB                               shapes
@@ -68,9 +68,9 @@ Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; 2 shared cores, eac
         (71 / 63 s, 4 compiles, load 5.4; zero1 predicted 36.4 GiB). At full depth
         (``--full-depth --strategy zero2 --remat none``) 2 x 4 x 1 and 1 x 4 x 2 both need
         25.6 GiB (arguments + outputs 10.8 GiB; 196 / 210 s, 2 compiles, load 1.5): no.
-        ``--full-depth --strategy fsdp --remat nothing``: 2 x 4 x 1 fits, 14.5 GiB. Not
-        compiled at full depth: fsdp with remat none and zero2 with remat nothing, which
-        ``strategy="auto"`` tries before it, so auto's answer may be one of them.
+        ``--full-depth --strategy fsdp --remat none``: 2 x 4 x 1 fits, 14.5 GiB; with
+        ``--remat nothing`` the same 14.5 GiB (112 / 124 s, 1 compile, load 1.2). zero1 (tried
+        before zero2 and fsdp) was not compiled at full depth: extrapolated to 36.4 GiB.
     (c) zero1 and zero2 over from shapes (the frozen base is copied under them). Extrapolated
         first: 14.5 GiB (25 / 24 s, 2 compiles, load 4.8); the full-depth compile of that choice
         (``--full-depth --strategy fsdp --remat none``) says 13.8 GiB.
@@ -97,8 +97,8 @@ How the sharded cells came out:
   compile says 28.9 GiB (arguments + outputs 10.8 GiB). No. (The former fsdp, gathering the
   whole weight tree per micro-batch: 42.3 GiB at micro-batch 1, 2040 s, 8 compiles.)
 * 4B full fine-tune on 4 x L4: the extrapolated "yes" (zero2, no remat, 17.6 GiB) was wrong:
-  25.6 GiB at full depth, the same at micro-batch 2 and 1. fsdp with remat nothing fits at
-  full depth (14.5 GiB).
+  25.6 GiB at full depth, the same at micro-batch 2 and 1. fsdp fits at full depth, 14.5
+  GiB with remat none and with remat nothing alike.
 * 27B LoRA on 2 x T4: fsdp splits the frozen base, and still holds 25.5 GiB per GPU. No,
   from shapes. (A first run took 159 s and 8 compiles: the need cache keyed a state figure
   by strategy but not by the number of GPUs, so fsdp's figure for 4 x L4 passed the check;
