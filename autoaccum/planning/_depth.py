@@ -236,7 +236,10 @@ class DepthExtrapolator:
         self.full_compiles = full_compiles
         """``False`` (the advisor's quick rows): where XLA's rematerialization pass may act,
         answer with the linear prediction instead of a full-depth compile. The pass only
-        lowers temp, so the prediction is an upper bound: a probe it says fits does fit."""
+        lowers temp, so where only it departs from linearity the prediction is an upper
+        bound; a sharded full fine-tune can need more at full depth than the line says
+        (``benchmarks/multi_gpu_story.py``: Gemma3-4B on 2 x T4 under fsdp, 16.8 GiB
+        predicted, 28.9 GiB compiled), so a quick "fits" is not a verified one."""
         self.budget_bytes = budget_bytes
         """With a budget, a probe whose extrapolated arguments and outputs alone exceed it
         is answered by the extrapolation (it cannot fit) instead of a full-depth compile;
