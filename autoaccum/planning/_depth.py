@@ -122,7 +122,8 @@ class DepthVariants:
 
     def on_mesh(self, mesh: Any, strategy: str = "replicated") -> DepthVariants:
         """The same variants, each program data-parallel over ``mesh`` (``None``: as is)
-        with the sharding ``strategy`` (part of the cache identity when not replicated)."""
+        with the sharding ``strategy`` (part of the cache identity when not replicated, as
+        is the mesh's shape: a split state's size per device depends on it)."""
         if mesh is None:
             return self
         full = self.full
@@ -133,8 +134,9 @@ class DepthVariants:
             full = lambda: made().on_mesh(mesh, strategy)  # noqa: E731
         build = self.build
         identity = self.identity
-        if identity is not None and strategy != "replicated":
-            identity = {**identity, "strategy": strategy}
+        if identity is not None:
+            identity = {**identity, "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+                        **({"strategy": strategy} if strategy != "replicated" else {})}
         return DepthVariants(full_depth=self.full_depth,
                              build=lambda depth: build(depth).on_mesh(mesh, strategy),
                              depths=self.depths, full=full, identity=identity,
@@ -234,7 +236,10 @@ class DepthExtrapolator:
         self.full_compiles = full_compiles
         """``False`` (the advisor's quick rows): where XLA's rematerialization pass may act,
         answer with the linear prediction instead of a full-depth compile. The pass only
-        lowers temp, so the prediction is an upper bound: a probe it says fits does fit."""
+        lowers temp, so where only it departs from linearity the prediction is an upper
+        bound; a sharded full fine-tune can need more at full depth than the line says
+        (``benchmarks/multi_gpu_story.py``: Gemma3-4B on 2 x T4 under fsdp, 16.8 GiB
+        predicted, 28.9 GiB compiled), so a quick "fits" is not a verified one."""
         self.budget_bytes = budget_bytes
         """With a budget, a probe whose extrapolated arguments and outputs alone exceed it
         is answered by the extrapolation (it cannot fit) instead of a full-depth compile;

@@ -194,3 +194,18 @@ def test_micro_batch_one_predicted_just_over_the_budget_is_decided_by_a_full_com
     # whose full compile needs no more), never the extrapolated "does not fit".
     assert plan.need_bytes <= exact and plan.estimate.source == "compiled"
     assert plan.micro_batch * plan.accum_steps == 8
+
+
+def test_the_cache_identity_on_a_mesh_names_its_shape_and_strategy():
+    # A split state's size per device depends on the number of devices: a resident or need
+    # figure cached for fsdp over 4 GPUs must not answer for fsdp over 2.
+    from jax.sharding import AbstractMesh
+
+    variants = DepthVariants(full_depth=16, build=lambda depth: None,
+                             identity={"kind": "test"})
+    keys = {(n, s): variants.on_mesh(AbstractMesh((n,), ("data",)), s).key(16)
+            for n in (2, 4) for s in ("replicated", "fsdp")}
+    assert len({repr(k) for k in keys.values()}) == 4
+    assert keys[(4, "fsdp")] == {"kind": "test", "mesh": {"data": 4}, "strategy": "fsdp",
+                                 "depth": 16}
+    assert variants.on_mesh(None).key(16) == {"kind": "test", "depth": 16}
