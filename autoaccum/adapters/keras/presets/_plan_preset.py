@@ -88,7 +88,9 @@ def plan_preset(
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
-    as the advisor's quick rows do); ``False`` compiles every probe in full.
+    as the advisor's quick rows do, except under a sharding strategy other than
+    ``"replicated"``, whose need can exceed the linear prediction); ``False`` compiles every
+    probe in full.
     ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel;
     the micro-batch is per device, the budget one GPU's. ``strategy`` says what the GPUs
     split instead of copying (:data:`~autoaccum.planning.STRATEGIES`): ``"auto"`` tries
@@ -167,7 +169,12 @@ def plan_preset(
                                     lr_scaling=scaling, resident=resident, budget=budget,
                                     device=device, memory_fraction=memory_fraction, log=log,
                                     cache=cache, depth_variants=variants,
-                                    verify_depth=verify_depth, devices=devices,
+                                    # A sharded step is always verified at full depth:
+                                    # its need was measured far above the linear
+                                    # prediction (gemma3_4b full fine-tune, 4 x L4, zero2:
+                                    # 25.6 GiB against 17.6; benchmarks/multi_gpu_story.py).
+                                    verify_depth=verify_depth or name != "replicated",
+                                    devices=devices,
                                     hosts=1 if hosts is None else hosts, strategy=name)
             except DoesNotFitError as error:
                 skipped.append((name, error))

@@ -51,3 +51,17 @@ def test_a_multi_gpu_dry_run_tries_strategies_until_one_fits_a_gpu():
     assert chosen.estimate.optimizer_bytes < 0.6 * replicated.estimate.optimizer_bytes
     assert chosen.estimate.accumulator_bytes < 0.6 * replicated.estimate.accumulator_bytes
     assert f"sharding          {plan.strategy}:" in plan.report()
+
+
+def test_a_sharded_preset_plan_is_verified_at_full_depth_even_when_asked_not_to():
+    # The advisor's quick rows skip the full-depth compile (verify_depth=False); a sharded
+    # step's need was measured far above the linear prediction (4B full fine-tune on 4 x L4
+    # under zero2: 25.6 GiB against 17.6), so under a sharding strategy the choice is verified.
+    small = {"vocabulary_size": 512, "hidden_dim": 256, "intermediate_dim": 1024,
+             "num_query_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "num_layers": 6}
+    plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=32, device="t4",
+                       devices=2, strategy="fsdp", backbone_overrides=small, lora_rank=4,
+                       verify_depth=False, log=None, cache=False)
+    assert plan.strategy == "fsdp"
+    assert plan.probes[-1].why == "verify at full depth"
+    assert plan.probes[-1].estimate.source == "compiled"
