@@ -800,10 +800,12 @@ def fsdp_frozen() -> dict:
                    loss_fn=_square_loss, trainable=nnx.LoRAParam, log=None, cache=False,
                    epochs=1, shuffle=False, verbose=0, budget="1GiB")
     model, ref = make(), make()
-    result = autoaccum.fit(model, data, strategy="fsdp", **options)
-    ref_result = autoaccum.fit(ref, data, data_parallel=1, **options)
+    # Validated too: the evaluation reads the split frozen weights.
+    result = autoaccum.fit(model, data, strategy="fsdp", validation_data=data, **options)
+    ref_result = autoaccum.fit(ref, data, data_parallel=1, validation_data=data, **options)
     base = nnx.state(model, nnx.Not(nnx.LoRAParam))
     return {"strategy": result.plan.strategy, "steps": [result.steps, ref_result.steps],
+            "val_losses": [result.val_losses, ref_result.val_losses],
             "frozen_bytes": frozen_bytes, "args": args,
             "base_specs": {".".join(map(str, k)): _spec_text(v.get_value())
                            for k, v in nnx.to_flat_state(base) if "kernel" in k},

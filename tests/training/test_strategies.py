@@ -174,6 +174,8 @@ def test_fsdp_splits_a_lora_models_frozen_base_and_trains_its_adapters_exactly(f
                                  "two.base_module.kernel": "P('data',)"}
     assert out["base_unchanged"] == 0.0
     assert out["lora_changed"] and out["lora_error"] <= 1e-5
+    (val,), (ref_val,) = out["val_losses"]
+    assert val == pytest.approx(ref_val, rel=1e-5)
 
 
 @pytest.mark.slow
