@@ -162,9 +162,13 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         frozen_def = jax.tree.structure(frozen)
         devices = int(mesh.size)
 
+        def reduce_scatter(d: int | None) -> Any:
+            """A leaf's sum over devices, this device's share along ``d`` (None: copied)."""
+            return None if d is None else functools.partial(
+                jax.lax.psum_scatter, axis_name=axis, scatter_dimension=d, tiled=True)
+
         def scatter(grads: PyTree) -> PyTree:
-            leaves = [g if d is None else jax.lax.psum_scatter(g, axis, scatter_dimension=d,
-                                                               tiled=True)
+            leaves = [g if d is None else reduce_scatter(d)(g)
                       for g, d in zip(jax.tree.leaves(grads), split_grads, strict=True)]
             return jax.tree.unflatten(treedef, leaves)
 
@@ -186,9 +190,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 jax.lax.all_gather, axis_name=axis, axis=d, tiled=True)
 
         gathers = [all_gather(d) for d in split_params + split_frozen]
-        scatters = [None if d is None else functools.partial(
-            jax.lax.psum_scatter, axis_name=axis, scatter_dimension=d, tiled=True)
-            for d in split_params] + [None] * len(split_frozen)
+        scatters = [reduce_scatter(d) for d in split_params] + [None] * len(split_frozen)
 
         def summed_sq(grads: PyTree) -> jax.Array:
             # fsdp: split leaves arrive summed over the devices' micro-batches (the gather's
