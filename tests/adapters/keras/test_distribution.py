@@ -13,14 +13,17 @@ import pytest
 from tests._paths import REPO
 from tests.training.test_data_parallel import _env, _result
 
-pytestmark = pytest.mark.slow  # a subprocess on 4 host-platform devices
+# One subprocess on 4 host-platform devices runs every case, on one xdist worker (a module
+# fixture is otherwise built once per worker that runs one of the module's tests).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("adapters.keras.test_distribution")]
 
 
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tests._layout_child", "model_parallel", "data_parallel",
-         "errors"], cwd=REPO, env=_env(4), capture_output=True, text=True, timeout=600)
+         "errors", "keras_hub_layout_map"], cwd=REPO, env=_env(4), capture_output=True,
+        text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     return _result(done.stdout, done.stderr)
 
@@ -87,11 +90,8 @@ def test_layouts_autoaccum_cannot_keep_are_errors_naming_the_variable_or_option(
     assert "multiple of the 2 data-parallel devices" in out["effective_batch"]
 
 
-def test_a_keras_hub_backbones_own_layout_map_is_kept_with_accumulation():
-    done = subprocess.run([sys.executable, "-m", "tests._layout_child", "keras_hub_layout_map"],
-                          cwd=REPO, env=_env(4), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    out = _result(done.stdout, done.stderr)["keras_hub_layout_map"]
+def test_a_keras_hub_backbones_own_layout_map_is_kept_with_accumulation(four_devices):
+    out = four_devices["keras_hub_layout_map"]
     assert "P('model', 'batch')" in out["specs"]  # weights split over both mesh axes
     assert out["kept"]
     micro, accum, dp = out["plan"]
