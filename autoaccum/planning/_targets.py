@@ -17,7 +17,7 @@ from ._budget import (
     profile_budget,
     resolve_fraction,
 )
-from ._measure import CompileTarget
+from ._measure import DEVICELESS_CODEGEN_OPTIONS, CompileTarget
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def resolve_target(
         fingerprint += f"\ntopology {topology_text(devices, hosts)}"
     return ResolvedTarget(
         CompileTarget(name=name, sharding=target.sharding, deviceless=True,
-                      fingerprint=fingerprint,
+                      fingerprint=fingerprint, compiler_options=DEVICELESS_CODEGEN_OPTIONS,
                       remat_pass_base_bytes=int(pool * 0.8)),
         resolved,
         "deviceless",
