@@ -17,6 +17,22 @@ beside them.
     .venv/bin/python benchmarks/advise.py --part no        # the "no" only (cold, warm)
     .venv/bin/python benchmarks/advise.py --part advise --case gemma3_12b
 
+Measured 2026-11-25 on the same 2-core machine with nothing else running (load 1.6-2.4):
+
+* the "no": 4.0 s wall / 4.2 s CPU cold, 1.5 / 1.6 s warm, 0 compiles;
+* the 4B full fine-tune's advisor table: 160.2 s wall, 274 s CPU (target 3 min: met on a
+  quiet machine); rows LoRA 16 + int8 (8 x 1, 11.24 GiB), LoRA 16 (2 x 4, 11.68 GiB),
+  h100-80gb (8 x 1, 57.82 GiB). a100-40gb no longer fits (57.8 GiB; 31.0 GiB on
+  2026-11-24's table): the non-finite rollback under ``lax.cond`` keeps the old weights and
+  moments beside the new ones on XLA:GPU (bisected to commit a026f57; README, "When it
+  does not fit");
+* gemma3_12b LoRA 4 on a T4: 54.1 s wall, 90.8 s CPU; a100-40gb fits (2 x 4, 33.73 GiB);
+  int8 frozen weights (QLoRA 4) need 26.9 GiB at micro-batch 1; lora_rank=1 refused from
+  shapes.
+
+Deviceless compiles now skip optimising machine code (``planning._measure.
+DEVICELESS_CODEGEN_OPTIONS``): about 7% off each full-depth compile.
+
 Closing note (2026-11-24, this shared 2-core machine, load average 7-11 throughout):
 
 * The "no" for the gemma3_4b full fine-tune: 0 compiles; 4.3 s of CPU cold (38.1 s wall at

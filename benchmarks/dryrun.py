@@ -15,6 +15,11 @@ micro-batch 2's (AUTOACCUM_COMPILE_WORKERS=2) vs one after the other (=1): 141 s
 143 s / 94 s CPU: no gain while other processes keep both cores busy; it can only gain when
 a core is free.
 
+2026-11-25, nothing else running (load < 2): the lab's dry run cold 58.6 s wall / 95 s CPU
+(two runs: 58.8, 58.5), then with deviceless compiles skipping machine-code optimisation
+(``planning._measure.DEVICELESS_CODEGEN_OPTIONS``) 55.1 s / 88 s (55.1, 55.1; a third 54.3
+s), warm 1.4 s; same plan (1 x 8, 13.3 GiB; micro-batch 2 16.6 GiB). Target 60 s: met.
+
 Targets (issues 14 and 20): gemma3_4b on t4 at the lab's settings
 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, LoRA 4, seq 400, bf16, effective batch 8 -> 1 x 8)
 <= 60 s cold and <= 5 s warm; gemma3_27b on
