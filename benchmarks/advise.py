@@ -20,12 +20,12 @@ beside them.
 Measured 2026-11-25 on the same 2-core machine with nothing else running (load 1.6-2.4):
 
 * the "no": 4.0 s wall / 4.2 s CPU cold, 1.5 / 1.6 s warm, 0 compiles;
-* the 4B full fine-tune's advisor table: 160.2 s wall, 274 s CPU (target 3 min: met on a
+* the 4B full fine-tune's advisor table: 105.1 s wall, 179 s CPU (target 3 min: met on a
   quiet machine); rows LoRA 16 + int8 (8 x 1, 11.24 GiB), LoRA 16 (2 x 4, 11.68 GiB),
-  h100-80gb (8 x 1, 57.82 GiB). a100-40gb no longer fits (57.8 GiB; 31.0 GiB on
-  2026-11-24's table): the non-finite rollback under ``lax.cond`` keeps the old weights and
-  moments beside the new ones on XLA:GPU (bisected to commit a026f57; README, "When it
-  does not fit");
+  a100-40gb (8 x 1, 31.02 GiB). Before the rollback fix the same run took 160.2 s / 274 s
+  CPU and a100-40gb did not fit (57.8 GiB, so h100-80gb was planned too): the non-finite
+  rollback under ``lax.cond`` kept the old weights and moments beside the new ones on
+  XLA:GPU (bisected to commit a026f57; now a select on GPUs, ``training._nonfinite``);
 * gemma3_12b LoRA 4 on a T4: 54.1 s wall, 90.8 s CPU; a100-40gb fits (2 x 4, 33.73 GiB);
   int8 frozen weights (QLoRA 4) need 26.9 GiB at micro-batch 1; lora_rank=1 refused from
   shapes.

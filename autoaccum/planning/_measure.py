@@ -9,6 +9,7 @@ not used: on CPU it ignores temp.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import jax
 
+from ..devices._compile_platform import compiling_for
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
 from ._train_program import TrainProgram, local_shape, tree_bytes
@@ -151,8 +153,25 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         frozen = shard_abstract(program.frozen_args, target.sharding)
         batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding,
                                      last=last)
-    with program.lowering_context():
-        return jax.jit(program.step, donate_argnums=0).lower(state, batches, *frozen)
+    with program.lowering_context(), _traced_for(target, program.step) as step:
+        return jax.jit(step, donate_argnums=0).lower(state, batches, *frozen)
+
+
+@contextlib.contextmanager
+def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
+    """``step`` to trace for ``target``: a deviceless GPU target traces it for ``"gpu"``
+    (:func:`autoaccum.devices._compile_platform.compiling_for`) as a function object of its
+    own, so JAX's trace cache never hands a trace made for one platform to the other."""
+    if not target.deviceless:
+        yield step
+        return
+
+    @functools.wraps(step)
+    def for_the_gpu(*args: Any) -> Any:
+        return step(*args)
+
+    with compiling_for("gpu"):
+        yield for_the_gpu
 
 
 def _shard_each(tree: Any, shardings: Any) -> Any:
@@ -187,8 +206,8 @@ def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
                                  sharding=placement.batch_sharding(),
                                  last=None if last is None else last * dp,
                                  last_sharding=placement.last_sharding())
-    with program.lowering_context():
-        return jax.jit(program.step, donate_argnums=0,
+    with program.lowering_context(), _traced_for(target, program.step) as step:
+        return jax.jit(step, donate_argnums=0,
                        out_shardings=(placement.state, None)).lower(state, batches, *frozen)
 
 
