@@ -8,7 +8,9 @@ The memory table sets the accumulated step's need over a plain micro-batch step 
 for the non-finite rollback as it is (the optimizer inside ``lax.cond``:
 ``training._nonfinite.update_if_finite``) and as it was before issue 20 (the new and the old
 state both computed, then selected with ``jnp.where``), rebuilt here by swapping that one
-function, so both columns come from the same run.
+function, so both columns come from the same run. This is the CPU's form: a step compiled
+for a GPU takes the select, which XLA:GPU fuses into the update (``training._nonfinite``;
+under ``lax.cond`` it kept the old weights and moments beside the new ones).
 
     .venv/bin/python benchmarks/accumulation.py
 """
