@@ -30,6 +30,19 @@ before any compile. Each cell says how it was decided (``decided by``):
     .venv/bin/python benchmarks/multi_gpu_story.py --rows 4b --boxes 2xt4 --full-depth \\
         --strategy fsdp --remat nothing
 
+Measured again 2026-11-25 for the 4B full fine-tune after the non-finite rollback became a
+select on GPUs (``training._nonfinite``; under ``lax.cond`` XLA:GPU kept the old weights and
+moments beside the new ones), nothing else running, default mode (``--rows 4b``):
+
+    4B full FT, 2 x T4  no: fsdp, nothing; 4 x 2 x 1 needs 22.4 GiB > 13.4           full depth
+                                                                        424 / 577, 7, 1.3
+    4B full FT, 4 x L4  yes: zero2, none; 2 x 4 x 1; 18.5 GiB of 20.2                full depth
+                                                                        181 / 219, 6, 1.5
+    4B full FT, 8 x A100-80GB  yes: replicated, none; 1 x 8 x 1; 37.4 of 75.3 GiB   full depth
+                                                                        64 / 78, 3, 1.5
+
+The 4B rows below are the earlier rollback's.
+
 Measured here (2026-11-24, jax 0.10.2 + CUDA plugin, no GPU; 2 shared cores, each run under
 ``nice -n 19`` with ``AUTOACCUM_COMPILE_WORKERS=1``; wall / CPU seconds, compiles and the
 1-minute load average at the end of each cell; need per GPU against one GPU's budget):
