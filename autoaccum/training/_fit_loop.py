@@ -20,13 +20,14 @@ framework.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..devices._warnings import AutoaccumWarning
-from ._interrupts import deferred_interrupts
+from ._interrupts import InterruptGuard, interrupt_guard
 from ._noise_scale import NoiseScaleTracker
 from ._nonfinite import NonFiniteError, validate_on_nonfinite
 
@@ -239,6 +240,17 @@ def run_fit_loop(
     """
     validate_on_nonfinite(on_nonfinite)
     loop = FitLoop() if record is None else record
+    with interrupt_guard() as guard:
+        return _run(hooks, loop, guard, epochs=epochs, initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch, validation=validation,
+                    validation_freq=validation_freq, on_nonfinite=on_nonfinite,
+                    progress=progress)
+
+
+def _run(hooks: FitHooks, loop: FitLoop, guard: InterruptGuard, *, epochs: int,
+         initial_epoch: int, steps_per_epoch: int | None, validation: bool,
+         validation_freq: int, on_nonfinite: str, progress: Callable[[int], Any] | None
+         ) -> FitLoop:
     try:
         try:
             hooks.train_begin()
@@ -268,9 +280,12 @@ def run_fit_loop(
                     loop.stopped = stop
                     hooks.stopped(stop)
                     break
-        except BaseException as error:
-            with deferred_interrupts():  # a second Ctrl-C waits until the model is whole
-                handled = hooks.failed(error)
+        except BaseException:
+            guard.holding = True  # first, before any call: a second Ctrl-C waits until
+            try:                  # the model is whole (InterruptGuard)
+                handled = hooks.failed(sys.exc_info()[1])
+            finally:
+                guard.release()
             if not handled:
                 raise
         hooks.train_end(loop.logs)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from autoaccum.training._interrupts import deferred_interrupts
+from autoaccum.training._interrupts import deferred_interrupts, interrupt_guard
 
 
 def test_ctrl_c_inside_the_block_is_raised_when_it_ends():
@@ -37,3 +37,23 @@ def test_outside_the_main_thread_it_does_nothing():
     thread.start()
     thread.join()
     assert seen == [signal.default_int_handler]
+
+
+def _signal_arrives() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # backward jumps: Python runs the handler at one of them
+        pass
+
+
+def test_a_guard_holds_ctrl_c_while_holding_and_raises_it_on_release():
+    before = signal.getsignal(signal.SIGINT)
+    with interrupt_guard() as guard:
+        guard.holding = True
+        _signal_arrives()
+        assert len(guard.held) == 1  # kept, not raised
+        with pytest.raises(KeyboardInterrupt):
+            guard.release()
+        assert not guard.holding and not guard.held
+        with pytest.raises(KeyboardInterrupt):  # not holding: raised at once
+            _signal_arrives()
+    assert signal.getsignal(signal.SIGINT) is before
