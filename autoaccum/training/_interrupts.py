@@ -41,10 +41,7 @@ def deferred_interrupts() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if received:
-            if callable(previous):
-                previous(*received[0])
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
+            _deliver(previous, *received[0])
 
 
 class InterruptGuard:

@@ -125,15 +125,16 @@ def update_if_finite(finite: jax.Array, update: Callable[..., PyTree], old: PyTr
       >>> update_if_finite(jnp.bool_(False), sgd, jnp.ones(2), jnp.ones(2)).tolist()
       [1.0, 1.0]
     """
-    shapes = jax.eval_shape(update, old, *args)
-    if (jax.tree.structure(shapes) != jax.tree.structure(old)
-            or compile_platform() != "cpu"):
-        # A transform that changes its state's structure, or a GPU/TPU step: select, as
-        # keep_if_finite does (in the new state's dtypes).
+    if compile_platform() != "cpu":  # a GPU/TPU step: select, in the new state's dtypes
         new = update(old, *args)
         if jax.tree.structure(new) != jax.tree.structure(old):
             return keep_if_finite(finite, new, old)
         return jax.tree.map(lambda n, o: jnp.where(finite, n, _cast_like(o, n)), new, old)
+    shapes = jax.eval_shape(update, old, *args)
+    if jax.tree.structure(shapes) != jax.tree.structure(old):
+        # Not the same kind of state (a transform that changes its state's structure):
+        # select, as keep_if_finite does.
+        return keep_if_finite(finite, update(old, *args), old)
 
     def keep(old: PyTree, *_: Any) -> PyTree:
         return jax.tree.map(_cast_like, old, shapes)
