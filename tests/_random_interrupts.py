@@ -39,10 +39,16 @@ def ctrl_c_inside(function: str) -> Iterator[None]:
     The thread switch interval is made short, so the sending thread runs at any moment."""
 
     def handler(signum: int, frame: object) -> None:
+        names = []
         while frame is not None:
-            if frame.f_code.co_name == function:  # type: ignore[attr-defined]
-                raise KeyboardInterrupt
+            names.append(frame.f_code.co_name)  # type: ignore[attr-defined]
             frame = frame.f_back  # type: ignore[attr-defined]
+        if "_xla_gc_callback" in names:
+            # Python drops an exception raised in a garbage-collection callback ("Exception
+            # ignored"), as it would a user's Ctrl-C there: send it again a moment later.
+            threading.Timer(1e-4, os.kill, (os.getpid(), signal.SIGINT)).start()
+        elif function in names:
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, handler)
     interval = sys.getswitchinterval()
