@@ -18,3 +18,13 @@ def host_devices_env(devices: int, **extra: str) -> dict[str, str]:
             "TF_CPP_MIN_LOG_LEVEL": "3",
             "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
             **extra}
+
+
+def users_environment() -> dict[str, str]:
+    """This process's environment without the test session's XLA flags (root ``conftest.py``):
+    for a child that runs what users run (``make demo``, the notebook) with XLA's defaults.
+    Those flags make compiles cheap and machine code slow: the demo's 186 training steps took
+    74 CPU s with them, 47 without."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -1,14 +1,16 @@
 """``make demo`` learns visibly: the lab's dry run says 1 x 8 on a T4, and the real run's loss
 on the answers falls by more than half while its answers come to match the questions."""
 
-import io
 import re
+import subprocess
+import sys
 
 import pytest
 
 from autoaccum_demo import lab_summary, load_qa
 from autoaccum_demo._cli import main
 from autoaccum_demo._finetune import chat_data, demo_questions
+from tests._paths import REPO, users_environment
 
 # The demo and the notebook share the lab dry run (tests/demo/conftest.py): one worker runs
 # both, so neither waits for the other's compile.
@@ -45,24 +47,26 @@ def test_make_demo_runs_the_default_demo_with_the_dry_run(monkeypatch):
 
 @pytest.mark.slow  # the fine-tune (the 4B dry run's compiles: once per session, see conftest)
 def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(
-        capsys, lab_dry_run_report):
-    from autoaccum_demo._demo import run_default_demo
-
-    story = io.StringIO()
-    result = run_default_demo(out=story)  # what `make demo` runs (see the test above)
-    out = story.getvalue()
-    # The whole story goes to the stream it is given, nothing of it to stdout.
+        lab_dry_run_report):
+    # What `make demo` runs (see the test above), as users run it: its own process, XLA's
+    # default flags (tests/_paths.py), the story on stdout, the plan's live log on stderr.
+    proc = subprocess.run([sys.executable, "-m", "autoaccum_demo"], env=users_environment(),
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    out, log = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out[-3000:] + log[-3000:]
     assert "before fine-tuning" in out and "On the T4" in out
-    assert "fine-tuning" not in capsys.readouterr().out
-    plan = result["finetune"].plan
-    assert plan.micro_batch * plan.accum_steps == 8
-    assert not plan.probes[-1].fits or any(not p.fits for p in plan.probes)
+    assert "autoaccum:   micro_batch=" in log and "autoaccum:   micro_batch=" not in out
+    assert "before fine-tuning" not in log
+    planned = re.search(r"effective batch 8 = micro_batch (\d+) x (\d+) accumulation steps",
+                        out)
+    assert planned and planned.groups() == ("2", "4")
+    # The plan compiled a micro-batch that does not fit (the budget is below micro-batch 4's).
+    assert re.search(r"micro_batch=\d+ +need .* does not fit", log), log[-2000:]
     summary = re.search(r"On the T4: micro-batch 1 needs .* \(fits\); micro-batch 2 needs .* "
                         r"\(does not fit\)\. So 8 = 1 x 8 accumulation steps.*learning rate "
                         r"0\.0004 = 5e-05 x 8/1, linear\.", out)
     assert summary, out
     assert "budget" in out and "1.5 x the compiled need of micro-batch 2" in out
-    assert "effective batch 8 = micro_batch 2 x 4 accumulation steps" in out
     found = re.search(r"loss on the answers: ([\d.]+) at the first step; per epoch ([\d., ]+):",
                       out)
     first, losses = float(found[1]), [float(v) for v in found[2].split(", ")]

@@ -50,6 +50,7 @@ def test_colab_notebook_runs_offline_top_to_bottom(tmp_path, monkeypatch, lab_dr
     monkeypatch.setenv("AUTOACCUM_OFFLINE", "1")
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a user's machine
     monkeypatch.delenv("KERAS_BACKEND", raising=False)  # configure() must set it
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # XLA's defaults (tests/_paths.py)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
