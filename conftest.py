@@ -1,6 +1,8 @@
 """Test environment: CPU JAX, Keras on JAX, quiet TensorFlow; set before any import of them."""
 
+import atexit
 import os
+import shutil
 import signal
 import tempfile
 
@@ -9,15 +11,21 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# One folder for this test session's files, made by the process that starts the session (xdist
+# workers and child processes inherit it) and removed when that process exits.
+if "AUTOACCUM_TEST_SESSION_DIR" not in os.environ:
+    os.environ["AUTOACCUM_TEST_SESSION_DIR"] = tempfile.mkdtemp(prefix="autoaccum-tests-")
+    atexit.register(shutil.rmtree, os.environ["AUTOACCUM_TEST_SESSION_DIR"], True)
+_SESSION = os.environ["AUTOACCUM_TEST_SESSION_DIR"]
 # The need cache of this test session (never the user's ~/.cache): every session starts cold.
-if "AUTOACCUM_CACHE_DIR" not in os.environ:  # (xdist workers inherit the controller's)
-    os.environ["AUTOACCUM_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoaccum-test-cache-")
+if "AUTOACCUM_CACHE_DIR" not in os.environ:
+    os.environ["AUTOACCUM_CACHE_DIR"] = os.path.join(_SESSION, "need-cache")
 # JAX's own compilation cache, shared by the xdist workers and every child process of this
 # session: many tests compile the same tiny programs (the same model at the same shapes), and a
 # program compiled once is read back by the others. Fresh per session unless you export
 # JAX_COMPILATION_CACHE_DIR yourself (then later sessions reuse it).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoaccum-test-jax-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_SESSION, "jax-cache")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # CPU machine code unoptimised (LLVM -O0, no expensive passes) and emitted by XLA's older
 # elemental emitters instead of its MLIR fusion emitters: most of the suite's time is compiling
@@ -34,7 +42,7 @@ os.environ.setdefault(
     " --xla_cpu_use_fusion_emitters=false")
 # pytest imported JAX already (the warning filter in pyproject.toml names a class in
 # autoaccum.devices), so the environment reaches only child processes: set this one too.
-import jax
+import jax  # noqa: E402 (after the environment above, on purpose)
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",

@@ -4,31 +4,24 @@ A module-scoped fixture is built once per *worker* that runs one of its tests; u
 ``--dist load`` the tests of one module land on both workers, so an expensive fixture (the Colab
 resolver, a child process with four devices, the lab's 4B dry run) would run twice.
 :func:`once_per_session` runs it in the first worker that asks and hands its text to the
-others (they wait on a file lock meanwhile). The folder is this session's own (keyed by
-xdist's run id, else made fresh per process): nothing carries over to a later session.
+others (they wait on a file lock meanwhile). The folder is this session's own (the root
+``conftest.py`` makes it and removes it at the end): nothing carries over to a later session.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-_OWN: list[Path] = []
-
 
 def session_dir() -> Path:
-    """This test session's folder, the same in every xdist worker of the session."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run:
-        folder = Path(tempfile.gettempdir()) / f"autoaccum-tests-{run}"
-        folder.mkdir(exist_ok=True)
-        return folder
-    if not _OWN:
-        _OWN.append(Path(tempfile.mkdtemp(prefix="autoaccum-tests-")))
-    return _OWN[0]
+    """This test session's folder, the same in every xdist worker of the session (made by the
+    root ``conftest.py``, removed when the session ends)."""
+    folder = Path(os.environ["AUTOACCUM_TEST_SESSION_DIR"]) / "shared"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 def once_per_session(name: str, compute: Callable[[], str]) -> str:
