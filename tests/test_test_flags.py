@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
@@ -81,6 +82,7 @@ def test_unoptimised_cpu_code_has_the_memory_figures_and_values_of_optimised_cod
                                    rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # two compiles of a transformer step (about 5 s)
 def test_a_rematerialized_transformer_step_computes_what_users_compile():
     # Gradients to float32 rounding (summation orders differ). SGD, not Adam: Adam's first
     # step turns a gradient that is rounding noise (the attention's key bias: exactly zero in
