@@ -20,11 +20,11 @@ def host_devices_env(devices: int, **extra: str) -> dict[str, str]:
             **extra}
 
 
-def users_environment() -> dict[str, str]:
-    """This process's environment without the test session's XLA flags (root ``conftest.py``):
-    for a child that runs what users run (``make demo``, the notebook) with XLA's defaults.
-    Those flags make compiles cheap and machine code slow: the demo's 186 training steps took
-    74 CPU s with them, 47 without."""
+def users_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) without the test session's XLA flags
+    (root ``conftest.py``): for a child that runs what users run (``make demo``, the notebook)
+    with XLA's defaults. Those flags make compiles cheap and machine code slow: the demo's 186
+    training steps took 74 CPU s with them, 47 without."""
     import os
 
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {k: v for k, v in (os.environ if env is None else env).items() if k != "XLA_FLAGS"}

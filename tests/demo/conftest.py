@@ -10,10 +10,8 @@ unchanged (the cached figures are the compiled ones).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 
@@ -29,10 +27,9 @@ def lab_dry_run_report() -> str:
     def dry_run() -> str:
         # The demo's own child command and environment, so the cache keys are the demo's
         # (the demo and the notebook run with XLA's default flags, as users run them).
-        with mock.patch.dict(os.environ, users_environment(), clear=True):
-            env = _dry_run_environment()
         proc = subprocess.run([sys.executable, "-m", "autoaccum_demo._lab_dry_run"],
-                              env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+                              env=users_environment(_dry_run_environment()),
+                              capture_output=True, text=True, timeout=1800, cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 

@@ -1,6 +1,7 @@
 """``make demo`` learns visibly: the lab's dry run says 1 x 8 on a T4, and the real run's loss
 on the answers falls by more than half while its answers come to match the questions."""
 
+import io
 import re
 import subprocess
 import sys
@@ -79,6 +80,20 @@ def test_make_demo_dry_run_says_one_by_eight_and_the_fine_tune_halves_its_loss(
     for question, answer, expected in answers:
         shared = _words(answer) & _words(expected)
         assert len(shared) >= 4, (question, answer, expected)
+
+
+@pytest.mark.slow  # a fine-tune of two steps
+def test_the_demo_story_goes_to_the_stream_it_is_given(capsys, monkeypatch):
+    from autoaccum_demo._demo import run_default_demo
+
+    # 16 QA pairs, one epoch: two steps of 8 (the routing is what is checked, not learning).
+    monkeypatch.setattr("autoaccum_demo._finetune.load_qa", lambda: load_qa()[:16])
+    story = io.StringIO()
+    run_default_demo(out=story, dry_run=False, epochs=1, verbose=0)
+    out = story.getvalue()
+    assert "before fine-tuning" in out and "after fine-tuning" in out
+    # The whole story goes to the stream it is given, nothing of it to stdout.
+    assert "fine-tuning" not in capsys.readouterr().out
 
 
 def test_lab_summary_reads_the_plan():
