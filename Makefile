@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/flax_cnn.py
 	$(PY) benchmarks/uneven.py
 	$(PY) benchmarks/keras_train_step.py
+	$(PY) benchmarks/cpu_compile_flags.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -29,9 +29,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # CPU machine code unoptimised (LLVM -O0, no expensive passes) and emitted by XLA's older
 # elemental emitters instead of its MLIR fusion emitters: most of the suite's time is compiling
-# tiny programs, and together these cut a CPU compile's time by about half (a 4-layer
-# transformer step: 1.44 s with XLA's defaults, 0.78 s at -O0, 0.37 s with both; two test files
-# 156 -> 86 CPU s). XLA's HLO passes do not read the -O0 flags; the emitters change a CPU
+# tiny programs, and together these cut a CPU compile's time by a third to three quarters
+# (benchmarks/cpu_compile_flags.py, the demo's 4-block LM step: 2.34 s with XLA's defaults,
+# 1.56 s at -O0, 1.34 s with both; a pure-JAX 4-layer transformer step: 1.44, 0.78, 0.37 s;
+# the whole suite's summed test time 2301 -> 1577 s) and make a step run about 2.5x slower. XLA's HLO passes do not read the -O0 flags; the emitters change a CPU
 # fusion's temporary buffers by a few hundred bytes (64 B of 15 KB, 192 B of 4.5 MB measured), so
 # every memory figure a test checks is the one users get on a CPU to within 1 KiB or 0.1%
 # (arguments, outputs and aliases exactly; tests/test_test_flags.py compiles steps both ways),
