@@ -17,6 +17,7 @@ from .planning._advise import (
     first_fit_stage,
     larger_devices,
     more_devices,
+    most_sharded_first,
     run_advisor,
 )
 from .planning._cache import resolve_cache
@@ -714,18 +715,23 @@ def advise(
         target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
         if "device" in change:
             target = dict(device=change["device"], budget=None, memory_fraction=None)
-        spread = dict(devices=change.get("devices", devices), hosts=1 if hosts is None else hosts,
-                      strategy="auto" if "devices" in change else strategy)
-        plan, _ = plan_model(
-            the_model, data, options=opts, **common, **target, **spread,
-            # Rows without remat in the change plan without it (cheapest first); the
-            # remat stage combines the changes that failed with the most thorough policy.
-            remat=change.get("remat", remat if not change or remat != "auto" else "none"),
-            objective=default_objective(objective, target["device"]) if not change
-            else "memory",
-            method=method if not change else "compile", log=log if not change else None,
-            depth_variant=depth_variant if not framework else None)
-        return plan
+        def plan_under(sharding: str) -> Any:
+            plan, _ = plan_model(
+                the_model, data, options=opts, **common, **target,
+                devices=change.get("devices", devices), hosts=1 if hosts is None else hosts,
+                strategy=sharding,
+                # Rows without remat in the change plan without it (cheapest first); the
+                # remat stage combines the changes that failed with the most thorough policy.
+                remat=change.get("remat", remat if not change or remat != "auto" else "none"),
+                objective=default_objective(objective, target["device"]) if not change
+                else "memory",
+                method=method if not change else "compile", log=log if not change else None,
+                depth_variant=depth_variant if not framework else None)
+            return plan
+
+        if "devices" in change:  # the same GPU, more of them
+            return most_sharded_first(plan_under)
+        return plan_under(strategy)
 
     def stages_for(error: DoesNotFitError) -> list[Stage]:
         shapes = error.resident is not None
@@ -739,7 +745,9 @@ def advise(
         if framework and adapter.has_remat_layers(model, remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
         if is_deviceless(device):  # the same GPU, more of them
-            stages.append(first_fit_stage(more_devices(devices or 1)))
+            stages.append(first_fit_stage(more_devices(
+                devices or 1, effective_batch=effective_batch, floor_bytes=floor,
+                budget_bytes=error.budget_bytes or 0)))
         stages.append(first_fit_stage(larger_devices(error.budget_bytes or 0, floor,
                                                      memory_fraction=memory_fraction)))
         return stages

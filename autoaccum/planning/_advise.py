@@ -28,7 +28,8 @@ from ._resident import Resident
 from ._search import DoesNotFitError
 
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
-           "first_fit_stage", "larger_devices", "more_devices", "run_advisor", "step_flops"]
+           "first_fit_stage", "larger_devices", "more_devices", "most_sharded_first",
+           "run_advisor", "step_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,16 +279,52 @@ def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
     return stage
 
 
-def more_devices(current: int, *, most: int = 8) -> list[dict[str, Any]]:
+def more_devices(current: int, *, effective_batch: int | None = None, most: int = 8,
+                 floor_bytes: int = 0, budget_bytes: int = 0) -> list[dict[str, Any]]:
     """``{"devices": n}`` for the device counts above ``current`` (2, 4 and 8, at most
     ``most``), fewest first: the same GPU, more of them, each planned with the cheapest
-    sharding strategy that fits (``strategy="auto"``).
+    sharding strategy that fits (``strategy="auto"``); with ``effective_batch``, only the
+    counts that divide it (every device gets the same micro-batches).
+
+    With ``budget_bytes`` (one device's budget), a count is left out when ``floor_bytes``
+    (the weights and optimizer state of the whole model, :attr:`Resident.state_bytes`)
+    split evenly over it is still over the budget: no strategy can hold less per device
+    than fsdp's even split, so that count cannot fit and is not compiled.
 
     Example:
       >>> more_devices(1), more_devices(2), more_devices(8)
       ([{'devices': 2}, {'devices': 4}, {'devices': 8}], [{'devices': 4}, {'devices': 8}], [])
+      >>> more_devices(1, effective_batch=2)
+      [{'devices': 2}]
+      >>> more_devices(1, floor_bytes=36 * 2**30, budget_bytes=13 * 2**30)  # a 4B on T4s
+      [{'devices': 4}, {'devices': 8}]
     """
-    return [{"devices": n} for n in (2, 4, 8) if current < n <= most]
+    return [{"devices": n} for n in (2, 4, 8) if current < n <= most
+            and (effective_batch is None or effective_batch % n == 0)
+            and (not budget_bytes or -(-floor_bytes // n) <= budget_bytes)]
+
+
+def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
+    """Plans a device-count row: under ``"fsdp"`` first, which splits every weight, gradient
+    and moment (the least memory per device of :data:`~autoaccum.planning.STRATEGIES`,
+    which are ordered by it): if even that does not fit, no strategy does, and the row
+    fails after one plan instead of one per strategy. If it fits, ``plan_under("auto")``
+    keeps the strategy with the least communication that fits (fsdp's own figures come
+    from the need cache).
+
+    Example:
+      >>> tried = []
+      >>> def plan_under(strategy):
+      ...     tried.append(strategy)
+      ...     raise ValueError("does not fit")
+      >>> try:
+      ...     most_sharded_first(plan_under)
+      ... except ValueError:
+      ...     tried
+      ['fsdp']
+    """
+    plan_under("fsdp")
+    return plan_under("auto")
 
 
 def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,

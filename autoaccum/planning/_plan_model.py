@@ -102,6 +102,7 @@ def plan_program(
     """
     devices, hosts = validate_devices(devices, hosts)
     if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
+        effective_batch = validate_effective_batch(effective_batch, data_parallel=devices)
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
                                   devices=devices, hosts=hosts)
     if resolved is not None and resolved.mesh is not None:  # several GPUs, not here

@@ -6,8 +6,11 @@ rank), ``quantize: "int8"`` with LoRA (int8 frozen weights: QLoRA), ``optimizer`
 (``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype, so there is
 no separate moment dtype, and Keras's Adafactor keeps a full-size velocity), ``dtype``
 (``bfloat16`` weights when they were ``float32``), ``remat`` (``nothing``: rematerialize
-every block), ``sequence_length`` (the longest that fits, by bisection) and ``device``
-(the smallest shipped GPU profile where the configuration as given fits). Changes that
+every block), ``sequence_length`` (the longest that fits, by bisection), ``device``
+(the smallest shipped GPU profile where the configuration as given fits) and, for a named
+GPU, ``devices`` (2, 4 or 8 of it, fewest first, with the cheapest sharding strategy that
+fits; a count whose even split of the weights and optimizer state is still over one GPU's
+budget is not planned). Changes that
 cannot shrink the weights and optimizer state are not tried when those alone are over the
 budget.
 """
@@ -25,10 +28,13 @@ from ....planning._advise import (
     bisect_stage,
     first_fit_stage,
     larger_devices,
+    more_devices,
+    most_sharded_first,
     run_advisor,
 )
 from ....planning._remat import validate_remat
 from ....planning._search import DoesNotFitError
+from ....planning._targets import is_deviceless
 from ._plan_preset import plan_preset
 
 __all__ = ["advise_preset"]
@@ -84,10 +90,18 @@ def advise_preset(
         target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
         if "device" in change:
             target = dict(device=change["device"], budget=None, memory_fraction=None)
-        return plan_preset(name, effective_batch=effective_batch, **settings, **target,
-                           log=stream, cache=cache,
-                           backbone_overrides=backbone_overrides,
-                           verify_depth=not change, **plan_options)
+        def plan_under(strategy: str | None = None) -> Any:
+            spread = dict(plan_options)
+            if strategy is not None:
+                spread.update(devices=change["devices"], strategy=strategy)
+            return plan_preset(name, effective_batch=effective_batch, **settings, **target,
+                               log=stream, cache=cache,
+                               backbone_overrides=backbone_overrides,
+                               verify_depth=not change, **spread)
+
+        if "devices" in change:  # the same GPU, more of them
+            return most_sharded_first(plan_under)
+        return plan_under()
 
     def stages_for(error: DoesNotFitError) -> list[Stage]:
         shapes = error.resident is not None  # weights + optimizer state over the budget
@@ -112,6 +126,10 @@ def advise_preset(
         stages.append(_qlora(lora_rank))
         stages.append(first_fit_stage(larger_devices(budget_bytes, floor,
                                                      memory_fraction=memory_fraction)))
+        if is_deviceless(device):
+            stages.append(first_fit_stage(more_devices(
+                plan_options.get("devices") or 1, effective_batch=effective_batch,
+                floor_bytes=floor, budget_bytes=budget_bytes)))
         stages.append(lambda found, failed: list(singles))
         if not shapes:
             stages.append(bisect_stage("sequence_length", 16, sequence_length,

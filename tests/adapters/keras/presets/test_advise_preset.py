@@ -1,5 +1,6 @@
 """The preset advisor: a full fine-tune refused from shapes gets LoRA, int8-frozen (QLoRA),
-optimizer and device rows, each of which fits when the preset is planned with that change."""
+optimizer, device and device-count rows, each of which fits when the preset is planned with
+that change."""
 
 import pytest
 
@@ -44,23 +45,30 @@ def test_an_unknown_remat_policy_is_refused_once_before_any_row():
     assert compile_count() == before
 
 
+TWO_BLOCKS = {"num_layers": 2, "vocabulary_size": 512}
+TWO_BLOCKS_BUDGET = 300 * 2**20  # 2 blocks with AdamW: 311 MiB; fsdp on two T4s: 281 MiB
+
+
 def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
     # One need cache for the advisor and the re-plans: a row planned with its change is the
     # configuration the advisor compiled (the key hashes it), so its figures are found there;
     # a re-plan that built anything else would miss and compile.
-    advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16, budget=BUDGET,
-                           device="t4", backbone_overrides=SMALL, log=None, cache=str(tmp_path))
-    assert not advice.fits
+    advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16,
+                           budget=TWO_BLOCKS_BUDGET, device="t4", backbone_overrides=TWO_BLOCKS,
+                           log=None, cache=str(tmp_path))
+    assert not advice.fits and advice.resident.state_bytes > TWO_BLOCKS_BUDGET
     changes = [a.change for a in advice.alternatives]
     assert any("lora_rank" in c and "quantize" not in c for c in changes)
     assert any(c.get("quantize") == "int8" for c in changes)
+    # Two T4s: the weights, gradients and AdamW's moments split over them.
+    assert any(c.get("devices") == 2 and c.get("strategy") == "fsdp" for c in changes)
     for row in advice.alternatives:
         change = dict(row.change)
-        target = {"budget": BUDGET, "device": "t4"}
+        target = {"budget": TWO_BLOCKS_BUDGET, "device": "t4"}
         if "device" in change:
             target = {"device": change.pop("device")}
         kwargs = {"sequence_length": 16, **change}
-        plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=SMALL,
+        plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=TWO_BLOCKS,
                            log=None, cache=str(tmp_path), **target, **kwargs)
         assert plan.need_bytes <= plan.budget_bytes
         assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)

@@ -65,3 +65,14 @@ def test_a_sharded_preset_plan_is_verified_at_full_depth_even_when_asked_not_to(
     assert plan.strategy == "fsdp"
     assert plan.probes[-1].why == "verify at full depth"
     assert plan.probes[-1].estimate.source == "compiled"
+
+
+def test_more_devices_than_the_effective_batch_is_refused_before_any_compile():
+    from autoaccum.planning._measure import compile_count
+
+    before = compile_count()
+    with pytest.raises(ValueError, match=r"multiple of the 4 data-parallel devices.*"
+                                         r"Received: effective_batch=2"):
+        plan_preset("gemma3_1b", effective_batch=2, devices=4, device="t4", log=None,
+                    cache=False)
+    assert compile_count() == before
