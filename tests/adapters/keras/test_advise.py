@@ -3,8 +3,11 @@
 is never touched and the copy allocates no weight); every advised row fits when the user
 applies its change to the model and plans it."""
 
+import os
+import resource
 import warnings
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -141,6 +144,38 @@ def test_a_planned_copy_allocates_no_weight_and_leaves_the_model_untouched(chang
     assert_untouched(model, before)
     if "optimizer" in change:
         assert isinstance(copy.optimizer, keras.optimizers.SGD)
+
+
+def resident_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
+def test_copies_of_a_large_model_allocate_none_of_its_weights():
+    from autoaccum.adapters.keras._scope import keras_lowering_scope
+
+    warm = keras.Sequential([keras.Input((SEQ,), dtype="int32"), keras.layers.Embedding(8, 4),
+                             keras.layers.Dense(4)])  # JAX and Keras set up first
+    warm.compile(optimizer="adam", loss="mse")
+    adapter_for(warm).apply_change(warm, {}, {"lora_rank": 4, "quantize": "int8"})
+    with keras_lowering_scope():  # 270M weights, deferred themselves (1.1 GB in float32)
+        model = keras.Sequential([
+            keras.Input((SEQ,), dtype="int32"), keras.layers.Embedding(256_000, 1024),
+            keras.layers.Dense(4096), keras.layers.Dense(1024)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    embedding_kib = 256_000 * 1024 * 4 // 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    if peak - resident_kib() > embedding_kib // 2:
+        pytest.skip("this process peaked too high before: making the embedding would not "
+                    "move the peak")
+    for change in ({"lora_rank": 16}, {"dtype": "bfloat16"},
+                   {"lora_rank": 16, "quantize": "int8"}):
+        copy, _ = adapter_for(model).apply_change(model, {}, change)
+        assert all(v._value is None for v in copy.weights)
+    jax.block_until_ready(jax.live_arrays())  # work dispatched, not yet run, counts too
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    assert grown < embedding_kib // 10, f"the peak memory grew by {grown} KiB"
 
 
 def test_the_copy_holds_the_change_as_a_user_would_make_it():
