@@ -198,8 +198,7 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
     hub_lora = _hub_lora(model)
     plain = _build(model, config, custom, hub_lora=hub_lora)
     _check_same_variables(model, plain)
-    current = {id(layer): layer for layer in _leaf_layers(model)}
-    has_lora = any(getattr(layer, "lora_enabled", False) for layer in current.values())
+    has_lora = any(getattr(layer, "lora_enabled", False) for layer in _leaf_layers(model))
     rewritten = copy_module.deepcopy(config)
     if dtype is not None:
         _rewrite_dtype(rewritten, dtype)
