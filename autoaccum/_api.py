@@ -654,7 +654,12 @@ def advise(
     Changes: rematerialization policies (when ``remat`` was not ``"auto"``, which tries them
     already); the framework's own (Flax: another optimizer, moments in bfloat16, training
     only the ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank,
-    bfloat16 weights; Keras: another optimizer); the smallest shipped GPU profile where the
+    bfloat16 weights; Keras: LoRA at rank 16 on every layer that has ``enable_lora`` (a
+    keras-hub backbone's default targets) or, where LoRA is on, a quarter of its rank, int8
+    frozen weights under LoRA (QLoRA), bfloat16 weights, another optimizer; the LoRA, int8
+    and dtype rows are planned on a copy rebuilt from ``model.get_config()`` with no weight
+    allocated, and a model that cannot be rebuilt lists them under ``tried`` with the
+    reason); the smallest shipped GPU profile where the
     configuration as given fits; for a named GPU (``device=``), more of the same GPU (2, 4 or
     8, each planned with the cheapest sharding strategy that fits, shown in the row). Every
     row's plan succeeded under the same budget (its own for a device row), so its step was

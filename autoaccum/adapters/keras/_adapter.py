@@ -22,10 +22,6 @@ from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, ker
 __all__ = ["KerasAdapter"]
 
 
-KERAS_OPTIMIZERS = ("adafactor", "sgd", "lion")
-"""Optimizers the advisor tries for a Keras model."""
-
-
 class KerasAdapter:
     """Compiled ``keras.Model``\\ s (JAX backend), trained with their own loss and optimizer.
 
@@ -98,30 +94,63 @@ class KerasAdapter:
         return Prepared(program, sample, scaling, self, remat, extras)
 
     def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
-        """Changes the advisor may plan for a Keras model: another optimizer (Keras keeps
-        moments in the weights' dtype). LoRA, dtype and int8 changes would rebuild or
-        rewrite the user's model; they are offered for keras-hub presets
-        (``autoaccum plan --preset NAME --advise``).
+        """Changes the advisor may plan for a Keras model: LoRA (rank 16 on every trainable
+        layer that has ``enable_lora``; a smaller rank where LoRA is on), int8 frozen weights
+        under LoRA (QLoRA), bfloat16 weights when some are float32, another optimizer (Keras
+        keeps moments in the weights' dtype). Each is planned on an abstract copy of the
+        model (:func:`~._advise.keras_apply_change`); see :mod:`._advise`.
+
+        Args:
+          model: a compiled ``keras.Model``.
+          options: the plan's options.
+
+        Returns:
+          Change dicts for :meth:`apply_change`.
 
         Example:
-          >>> KerasAdapter().advice_changes(None, {})[0]
-          {'optimizer': 'adafactor'}
+          >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+          'jax'
+          >>> import keras
+          >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+          >>> model.compile(optimizer="adam", loss="mse")
+          >>> changes = KerasAdapter().advice_changes(model, {})
+          >>> changes[:3]
+          [{'lora_rank': 16}, {'lora_rank': 16, 'quantize': 'int8'}, {'dtype': 'bfloat16'}]
+          >>> changes[3:]
+          [{'optimizer': 'adafactor'}, {'optimizer': 'sgd'}, {'optimizer': 'lion'}]
         """
-        current = type(getattr(model, "optimizer", None)).__name__.lower()
-        return [{"optimizer": name} for name in KERAS_OPTIMIZERS if name != current]
+        from ._advise import keras_advice_changes
+
+        return keras_advice_changes(model, options)
 
     def apply_change(self, model: Any, options: dict,
                      change: dict[str, Any]) -> tuple[Any, dict]:
-        """``model`` unchanged and options that make :meth:`prepare` trace the step with
-        another optimizer (a fresh one; the model's own is not touched)."""
-        import keras
+        """The model to plan and options with ``change`` applied: an optimizer change alone
+        keeps ``model`` and makes :meth:`prepare` trace a fresh optimizer; LoRA, int8 and
+        dtype changes give a copy rebuilt from the model's config with no weight allocated.
+        The user's model is never touched.
 
-        if set(change) != {"optimizer"} or change["optimizer"] not in KERAS_OPTIMIZERS:
-            raise ValueError("The Keras adapter can apply only {'optimizer': one of "
-                             f"{KERAS_OPTIMIZERS}}}. Received: change={change!r}")
-        classes = {"adafactor": keras.optimizers.Adafactor, "sgd": keras.optimizers.SGD,
-                   "lion": keras.optimizers.Lion}
-        return model, {**options, "advice_optimizer": classes[change["optimizer"]]()}
+        Args:
+          model: a compiled, built ``keras.Model``.
+          options: the plan's options.
+          change: keys among ``optimizer``, ``lora_rank``, ``quantize``, ``dtype``.
+
+        Returns:
+          ``(model_to_plan, options)``.
+
+        Example:
+          >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+          'jax'
+          >>> import keras
+          >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+          >>> model.compile(optimizer="adam", loss="mse")
+          >>> copy, _ = KerasAdapter().apply_change(model, {}, {"dtype": "bfloat16"})
+          >>> copy is model, copy.layers[0].kernel.dtype
+          (False, 'bfloat16')
+        """
+        from ._advise import keras_apply_change
+
+        return keras_apply_change(model, options, change)
 
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:

@@ -10,7 +10,9 @@
 * :func:`planning_optimizer`: planning traces ``optimizer.stateless_apply``, which needs a
   built optimizer. An unbuilt one is not built for that: a clone (``from_config``) is, so
   ``plan``/``measure`` leave the user's optimizer unbuilt (a later ``enable_lora()`` or
-  ``layer.trainable = False`` still works as with ``model.fit``).
+  ``layer.trainable = False`` still works as with ``model.fit``). An optimizer that makes
+  variables from concrete values while building (``Adafactor``) is built under
+  :func:`concrete_values_deferred`.
 * :func:`materialize` gives every deferred variable of a model (and its optimizer and
   metrics) its initial value, for training.
 """
@@ -21,8 +23,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["keras_lowering_scope", "materialize", "optimizer_in_use", "planning_optimizer",
-           "symbolic_build"]
+__all__ = ["concrete_values_deferred", "keras_lowering_scope", "materialize", "optimizer_in_use",
+           "planning_optimizer", "symbolic_build"]
 
 
 @contextlib.contextmanager
@@ -68,6 +70,56 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
                 optimizer.built = False
 
 
+@contextlib.contextmanager
+def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
+    """While ``optimizer`` is built abstractly: a variable its module creates from a concrete
+    value (``keras.optimizers.Adafactor`` makes its scalar placeholders with
+    ``backend.Variable(0)``, which a stateless scope refuses) is created from an initializer
+    of that value instead, deferred like every other variable of the abstract model. Only the
+    optimizer's own module sees the substitute.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> weights = [keras.Variable(keras.ops.zeros((4, 3)))]
+      >>> optimizer = keras.optimizers.Adafactor()
+      >>> with keras_lowering_scope(), concrete_values_deferred(optimizer):
+      ...     optimizer.build(weights)
+      >>> all(v._value is None for v in optimizer.variables[2:])  # slots: no buffer
+      True
+    """
+    import sys
+    import types
+
+    import numpy as np
+    from keras.src import backend
+
+    module = sys.modules.get(type(optimizer).__module__)
+    if module is None or getattr(module, "backend", None) is not backend:
+        yield
+        return
+
+    def variable(initializer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not callable(initializer) and not isinstance(initializer, str):
+            value = np.asarray(initializer)
+            kwargs.setdefault("shape", value.shape)
+            kinds = {"b": "bool", "i": "int32", "u": "int32"}
+            kwargs.setdefault("dtype", kinds.get(value.dtype.kind, "float32"))
+
+            def initializer(shape: Any, dtype: Any = None, _value: Any = value) -> Any:
+                return backend.numpy.full(shape, _value, dtype=dtype)
+        return backend.Variable(initializer, *args, **kwargs)
+
+    substitute = types.SimpleNamespace(**vars(backend))
+    substitute.Variable = variable
+    module.backend = substitute
+    try:
+        yield
+    finally:
+        module.backend = backend
+
+
 def planning_optimizer(model: Any) -> Any:
     """The model's optimizer if built, else a built clone of it (deferred variables).
 
@@ -81,7 +133,7 @@ def planning_optimizer(model: Any) -> Any:
         clone = type(optimizer).from_config(optimizer.get_config())
     except Exception:  # a config that does not round-trip (a callable rate): build the real one
         clone = optimizer
-    with keras_lowering_scope():
+    with keras_lowering_scope(), concrete_values_deferred(clone):
         clone.build(model.trainable_variables)
     return clone
 
@@ -89,7 +141,7 @@ def planning_optimizer(model: Any) -> Any:
 def built_for_planning(optimizer: Any, model: Any) -> Any:
     """``optimizer`` (made outside any stateless scope) built for ``model``'s trainable
     variables with deferred variables: its slots are never allocated."""
-    with keras_lowering_scope():
+    with keras_lowering_scope(), concrete_values_deferred(optimizer):
         optimizer.build(model.trainable_variables)
     return optimizer
 

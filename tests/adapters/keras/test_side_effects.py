@@ -94,6 +94,16 @@ def test_planning_leaves_the_optimizer_free_for_a_change_of_trainable_weights():
     assert max_diff(frozen, model.layers[0].get_weights()) == 0.0
 
 
+def test_a_model_compiled_with_adafactor_plans_and_keeps_its_optimizer_unbuilt():
+    # Keras's Adafactor makes placeholder variables from concrete values while building:
+    # the planning clone is built with them deferred, not refused by the stateless scope.
+    x, y = regression_data()
+    model = dense_model(optimizer=keras.optimizers.Adafactor())
+    plan = autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None,
+                          method="compile")
+    assert plan.micro_batch == 16 and not model.optimizer.built
+
+
 def test_fit_refused_before_training_leaves_the_model_usable(tmp_path):
     x, y = regression_data()
     model = dense_model()

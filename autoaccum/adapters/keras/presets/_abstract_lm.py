@@ -40,12 +40,12 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ....devices._extras import require_extra
+from .._scope import concrete_values_deferred
 from ._architectures import Architecture, load_architecture
 
 __all__ = [
@@ -152,48 +152,10 @@ def build_abstract_causal_lm(
         if lora_rank is not None:
             backbone.enable_lora(lora_rank)
         model.compile(optimizer=optimizer)
-        with _concrete_values_deferred(optimizer):
+        with concrete_values_deferred(optimizer):
             optimizer.build(model.trainable_variables)
     _forget_pending(global_state, keep=pending_before)
     return model
-
-
-@contextlib.contextmanager
-def _concrete_values_deferred(optimizer: Any) -> Iterator[None]:
-    """While ``optimizer`` is built abstractly: a variable its module creates from a concrete
-    value (``keras.optimizers.Adafactor`` makes its scalar placeholders with
-    ``backend.Variable(0)``, which a stateless scope refuses) is created from an initializer
-    of that value instead, deferred like every other variable of the abstract model. Only the
-    optimizer's own module sees the substitute."""
-    import sys
-    import types
-
-    import numpy as np
-    from keras.src import backend
-
-    module = sys.modules.get(type(optimizer).__module__)
-    if module is None or getattr(module, "backend", None) is not backend:
-        yield
-        return
-
-    def variable(initializer: Any, *args: Any, **kwargs: Any) -> Any:
-        if not callable(initializer) and not isinstance(initializer, str):
-            value = np.asarray(initializer)
-            kwargs.setdefault("shape", value.shape)
-            kinds = {"b": "bool", "i": "int32", "u": "int32"}
-            kwargs.setdefault("dtype", kinds.get(value.dtype.kind, "float32"))
-
-            def initializer(shape: Any, dtype: Any = None, _value: Any = value) -> Any:
-                return backend.numpy.full(shape, _value, dtype=dtype)
-        return backend.Variable(initializer, *args, **kwargs)
-
-    substitute = types.SimpleNamespace(**vars(backend))
-    substitute.Variable = variable
-    module.backend = substitute
-    try:
-        yield
-    finally:
-        module.backend = backend
 
 
 QUANTIZABLE = ("Dense", "EinsumDense")
