@@ -71,6 +71,7 @@ def plan_preset(
     extrapolate: bool = True,
     quantize: str | None = None,
     verify_depth: bool = True,
+    verify_sharded: bool = True,
     devices: int | None = None,
     hosts: int | None = None,
     strategy: str = "auto",
@@ -89,8 +90,9 @@ def plan_preset(
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
     as the advisor's quick rows do, except under a sharding strategy other than
-    ``"replicated"``, whose need can exceed the linear prediction); ``False`` compiles every
-    probe in full.
+    ``"replicated"``, whose need can exceed the linear prediction, unless ``verify_sharded``
+    is ``False`` too: the advisor's device-count rows, for which one full-depth sharded
+    compile of gemma3_4b takes minutes); ``False`` compiles every probe in full.
     ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel;
     the micro-batch is per device, the budget one GPU's. ``strategy`` says what the GPUs
     split instead of copying (:data:`~autoaccum.planning.STRATEGIES`): ``"auto"`` tries
@@ -173,7 +175,8 @@ def plan_preset(
                                     # its need was measured far above the linear
                                     # prediction (gemma3_4b full fine-tune, 4 x L4, zero2:
                                     # 25.6 GiB against 17.6; benchmarks/multi_gpu_story.py).
-                                    verify_depth=verify_depth or name != "replicated",
+                                    verify_depth=verify_depth or (
+                                        verify_sharded and name != "replicated"),
                                     devices=devices,
                                     hosts=1 if hosts is None else hosts, strategy=name)
             except DoesNotFitError as error:

@@ -53,18 +53,26 @@ def test_a_multi_gpu_dry_run_tries_strategies_until_one_fits_a_gpu():
     assert f"sharding          {plan.strategy}:" in plan.report()
 
 
-def test_a_sharded_preset_plan_is_verified_at_full_depth_even_when_asked_not_to():
+@pytest.mark.parametrize("verify_sharded", [True, False])
+def test_a_sharded_preset_plan_is_verified_at_full_depth_unless_the_advisor_says_not_to(
+        verify_sharded):
     # The advisor's quick rows skip the full-depth compile (verify_depth=False); a sharded
     # step's need was measured far above the linear prediction (4B full fine-tune on 4 x L4
-    # under zero2: 25.6 GiB against 17.6), so under a sharding strategy the choice is verified.
+    # under zero2: 25.6 GiB against 17.6), so under a sharding strategy the choice is verified,
+    # except for the advisor's device-count rows (verify_sharded=False: fsdp, extrapolated).
     small = {"vocabulary_size": 512, "hidden_dim": 256, "intermediate_dim": 1024,
              "num_query_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "num_layers": 6}
     plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=32, device="t4",
                        devices=2, strategy="fsdp", backbone_overrides=small, lora_rank=4,
-                       verify_depth=False, log=None, cache=False)
+                       verify_depth=False, verify_sharded=verify_sharded, log=None,
+                       cache=False)
     assert plan.strategy == "fsdp"
-    assert plan.probes[-1].why == "verify at full depth"
-    assert plan.probes[-1].estimate.source == "compiled"
+    last = plan.probes[-1]
+    if verify_sharded:
+        assert last.why == "verify at full depth" and last.estimate.source == "compiled"
+    else:
+        assert all(p.why != "verify at full depth" for p in plan.probes)
+        assert last.estimate.source == "extrapolated"
 
 
 def test_more_devices_than_the_effective_batch_is_refused_before_any_compile():
