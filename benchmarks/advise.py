@@ -30,6 +30,18 @@ Measured 2026-11-25 on the same 2-core machine with nothing else running (load 1
   int8 frozen weights (QLoRA 4) need 26.9 GiB at micro-batch 1; lora_rank=1 refused from
   shapes.
 
+2026-11-26, nothing else running (load 1.2-2.8), with the device-count rows the preset
+advisor now plans (2, 4, 8 of the named GPU, under fsdp, extrapolated):
+
+* the 4B full fine-tune's table: 159.2 s wall, 271 s CPU (target 3 min: met); 4 x T4 fsdp
+  fits (2 x 1 per GPU, 12.41 GiB extrapolated; 12.12 GiB at full depth), 2 x T4 does not
+  (18.6 GiB extrapolated, 22.4 at full depth), the other rows as before. Verifying the
+  device rows at full depth (as ``plan_preset`` does for a sharded plan) took 718.6 s wall /
+  968 s CPU: about 280 s per 34-layer sharded compile;
+* gemma3_12b LoRA 4 on a T4: 103.3 s wall, 170.9 s CPU; 4 x T4 fsdp fits (2 x 1, 12.22 GiB
+  extrapolated, not verified at full depth here), 2 x T4 does not (24.7 GiB at
+  micro-batch 1), a100-40gb as before.
+
 Deviceless compiles now skip optimising machine code (``planning._measure.
 DEVICELESS_CODEGEN_OPTIONS``): about 7% off each full-depth compile.
 
