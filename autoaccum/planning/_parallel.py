@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._cache import NeedCache, compiler_fingerprint
+from ._kept_steps import keep_compiled
 from ._measure import (
     CompileTarget,
     MemoryEstimate,
@@ -156,6 +157,8 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
     for (i, program, lowered, keys, material), (compiled, seconds) in zip(pending, outputs,
                                                                             strict=True):
         request = requests[i]
+        if not target.deviceless:  # a step this machine can run: the training loop's, maybe
+            keep_compiled(lowered, compiled, dict(target.compiler_options))
         analysis = compiled.memory_analysis()
         if analysis is None:
             raise RuntimeError(

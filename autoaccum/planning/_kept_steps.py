@@ -1,0 +1,103 @@
+"""Steps compiled while planning, kept for the training loop.
+
+A plan compiles the steps it probes to read their memory; ``fit`` then lowers its chosen step
+again with the live state and used to compile it a second time (JAX's compilation cache is
+off unless a user turns it on): a minute or more for a large model on a GPU. The planner keeps
+its last compiled steps here, keyed by the lowered program itself (its text without debug
+information, argument and result structure, donation and compiler options); the training
+loop looks its own lowering up and runs the kept executable when the program is the same and
+its arguments sit where the executable expects them, else compiles as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from typing import Any
+
+import jax
+
+__all__ = ["compile_step", "keep_compiled", "kept_count"]
+
+KEPT_STEPS = 8
+"""How many compiled steps are kept (the most recent: the last plan's probes)."""
+
+_KEPT: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_LOCK = threading.Lock()
+_REUSED = [0]
+
+
+def _key(lowered: Any, options: dict | None) -> tuple:
+    text = lowered.as_text()  # without debug information: locations do not change the program
+    return (hashlib.sha256(text.encode()).hexdigest(), lowered.in_tree, lowered.out_tree,
+            tuple(lowered.donate_argnums), tuple(sorted((options or {}).items())))
+
+
+def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> None:
+    """Keeps ``compiled`` (``lowered.compile(compiler_options=options)``) for
+    :func:`compile_step`; the oldest of more than :data:`KEPT_STEPS` is dropped."""
+    key = _key(lowered, options)
+    with _LOCK:
+        _KEPT[key] = compiled
+        _KEPT.move_to_end(key)
+        while len(_KEPT) > KEPT_STEPS:
+            _KEPT.popitem(last=False)
+
+
+def _placed_as_expected(compiled: Any, args: tuple) -> bool:
+    """Every array of ``args`` where ``compiled`` expects it: a ``jax.Array`` with that
+    sharding, a host array (jit puts it on the default device) where one device's is."""
+    expected = jax.tree.leaves(compiled.input_shardings[0])
+    given = jax.tree.leaves(args)
+    default = jax.config.jax_default_device or jax.devices()[0]
+
+    def placed(leaf: Any, sharding: Any) -> bool:
+        if isinstance(leaf, jax.Array):
+            return leaf.sharding == sharding
+        return sharding.device_set == {default}
+
+    return len(expected) == len(given) and all(
+        placed(leaf, sharding) for leaf, sharding in zip(given, expected, strict=True))
+
+
+def compile_step(lowered: Any, args: tuple) -> Any:
+    """The executable of ``lowered`` for ``args`` (the arguments it was lowered with): one kept
+    by the planner when it compiled this very program with its arguments placed the same
+    way, else ``lowered.compile()``.
+
+    Args:
+      lowered: ``jax.jit(step, ...).lower(*args)``.
+      args: the arrays the step will be called with.
+
+    Returns:
+      A ``jax.stages.Compiled``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.ones(3)
+      >>> lowered = jax.jit(lambda a: a * 2).lower(x)
+      >>> keep_compiled(lowered, lowered.compile())
+      >>> before = kept_count()
+      >>> compile_step(jax.jit(lambda a: a * 2).lower(x), (x,))(x).tolist(), kept_count() - before
+      ([2.0, 2.0, 2.0], 1)
+    """
+    key = _key(lowered, None)
+    with _LOCK:
+        kept = _KEPT.get(key)
+    if kept is not None and _placed_as_expected(kept, args):
+        with _LOCK:
+            _REUSED[0] += 1
+        return kept
+    return lowered.compile()
+
+
+def kept_count() -> int:
+    """How many times :func:`compile_step` ran a step the planner had compiled (in this
+    process), for tests and benchmarks.
+
+    Example:
+      >>> kept_count() >= 0
+      True
+    """
+    return _REUSED[0]

@@ -1,0 +1,80 @@
+"""A fit runs the step its plan compiled instead of compiling the same program again."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.planning._kept_steps import compile_step, keep_compiled, kept_count
+
+
+class MLP(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.a = nnx.Linear(16, 64, rngs=rngs)
+        self.b = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jax.nn.relu(self.a(x)))
+
+
+def mse(model, batch):
+    errors = (model(batch["x"]) - batch["y"]) ** 2
+    return jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)
+
+
+DATA = {"x": np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32),
+        "y": np.zeros((32, 16), np.float32)}
+
+
+@pytest.fixture
+def compiled_programs(monkeypatch):
+    """The text of every program compiled while the test runs."""
+    texts = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counting(self, *args, **kwargs):
+        texts.append(self.as_text())
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+    return texts
+
+
+def test_a_flax_fit_compiles_its_planned_step_once(compiled_programs):
+    reused = kept_count()
+    result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), DATA, effective_batch=8, budget="1GiB",
+                           optimizer=optax.adam, learning_rate=1e-3, loss_fn=mse, epochs=1,
+                           log=None, verbose=0, cache=False)
+    assert result.steps == 4
+    assert kept_count() == reused + 1
+    steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
+    assert steps and len(steps) == len(set(steps))  # no program compiled twice
+
+
+def test_the_same_program_for_other_compiler_options_is_compiled_again():
+    x = jnp.ones(4)
+    lowered = jax.jit(lambda a: a + 1).lower(x)
+    keep_compiled(lowered, lowered.compile(), {"xla_cpu_enable_fast_math": True})
+    reused = kept_count()
+    assert compile_step(jax.jit(lambda a: a + 1).lower(x), (x,))(x).tolist() == [2.0] * 4
+    assert kept_count() == reused
+
+
+def test_a_kept_step_for_arguments_placed_elsewhere_is_compiled_again():
+    x = jnp.ones(4)
+    lowered = jax.jit(lambda a: a - 1).lower(x)
+    keep_compiled(lowered, lowered.compile())
+    reused = kept_count()
+    # The same program, to be called with an array the kept executable was not compiled for
+    # (in pinned host memory, not the device's): compiled again rather than called with it.
+    pinned = jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                                 memory_kind="pinned_host"))
+    assert compile_step(jax.jit(lambda a: a - 1).lower(x), (pinned,))
+    assert kept_count() == reused
+    # A host NumPy array goes where jit would put it, on the default device: kept one used.
+    compiled = compile_step(jax.jit(lambda a: a - 1).lower(x), (np.ones(4, np.float32),))
+    assert kept_count() == reused + 1
+    assert compiled(np.ones(4, np.float32)).tolist() == [0.0] * 4
