@@ -6,13 +6,15 @@ off unless a user turns it on): a minute or more for a large model on a GPU. The
 its last compiled steps here, keyed by the lowered program itself (its text without debug
 information, argument and result structure, donation and compiler options); the training
 loop looks its own lowering up and runs the kept executable when the program is the same and
-its arguments sit where the executable expects them, else compiles as before.
+its arguments sit where the executable expects them, else compiles as before. A program that
+calls back into Python is never kept: its text does not say which function it calls.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import re
 import threading
 from typing import Any
 
@@ -28,8 +30,20 @@ _LOCK = threading.Lock()
 _REUSED = [0]
 
 
-def _key(lowered: Any, options: dict | None) -> tuple:
+_HOST_CALLBACK = re.compile(r"custom_call @\S*callback")
+"""A call back into Python (``jax.pure_callback``, ``io_callback``, ``jax.debug.print``):
+the text names it by an index, not by the function, so two programs that read the same can
+call different Python functions."""
+
+
+def _key(lowered: Any, options: dict | None) -> tuple | None:
+    """The program's identity, or ``None`` when its text does not tell it apart (it calls
+    back into Python)."""
+    if getattr(jax.config, "jax_use_simplified_jaxpr_constants", False):
+        return None  # closed-over constants then travel as hidden arguments, not in the text
     text = lowered.as_text()  # without debug information: locations do not change the program
+    if _HOST_CALLBACK.search(text):
+        return None
     return (hashlib.sha256(text.encode()).hexdigest(), lowered.in_tree, lowered.out_tree,
             tuple(lowered.donate_argnums), tuple(sorted((options or {}).items())))
 
@@ -38,6 +52,8 @@ def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> N
     """Keeps ``compiled`` (``lowered.compile(compiler_options=options)``) for
     :func:`compile_step`; the oldest of more than :data:`KEPT_STEPS` is dropped."""
     key = _key(lowered, options)
+    if key is None:
+        return
     with _LOCK:
         _KEPT[key] = compiled
         _KEPT.move_to_end(key)
@@ -84,7 +100,7 @@ def compile_step(lowered: Any, args: tuple) -> Any:
     """
     key = _key(lowered, None)
     with _LOCK:
-        kept = _KEPT.get(key)
+        kept = None if key is None else _KEPT.get(key)
     if kept is not None and _placed_as_expected(kept, args):
         with _LOCK:
             _REUSED[0] += 1

@@ -78,3 +78,20 @@ def test_a_kept_step_for_arguments_placed_elsewhere_is_compiled_again():
     compiled = compile_step(jax.jit(lambda a: a - 1).lower(x), (np.ones(4, np.float32),))
     assert kept_count() == reused + 1
     assert compiled(np.ones(4, np.float32)).tolist() == [0.0] * 4
+
+
+def test_a_program_that_calls_back_into_python_is_never_reused():
+    # Two programs that read the same but call different Python functions: the second must
+    # call its own (the text names a callback by an index, not by the function).
+    x = jnp.ones(4)
+
+    def with_callback(function):
+        return jax.jit(lambda a: jax.pure_callback(
+            function, jax.ShapeDtypeStruct((4,), jnp.float32), a))
+
+    first = with_callback(lambda a: np.asarray(a) * 2).lower(x)
+    keep_compiled(first, first.compile())
+    reused = kept_count()
+    second = with_callback(lambda a: np.asarray(a) * 3).lower(x)
+    assert compile_step(second, (x,))(x).tolist() == [3.0] * 4
+    assert kept_count() == reused
