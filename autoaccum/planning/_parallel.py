@@ -157,7 +157,7 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
     for (i, program, lowered, keys, material), (compiled, seconds) in zip(pending, outputs,
                                                                             strict=True):
         request = requests[i]
-        if not target.deviceless:  # a step this machine can run: the training loop's, maybe
+        if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
             keep_compiled(lowered, compiled, dict(target.compiler_options))
         analysis = compiled.memory_analysis()
         if analysis is None:

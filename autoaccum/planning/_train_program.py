@@ -76,6 +76,10 @@ class TrainProgram:
     own_specs: tuple[Any, ...] | None = None
     """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
+    loop_relowers: bool = False
+    """Whether the training loop lowers this very program again (Flax's loop does): then a
+    compiled probe that can run here is kept for it (:mod:`._kept_steps`); a Keras loop's
+    step is another program, so keeping its probes would only hold executables."""
     placement: Any = None
     """The user's own layout of the state (an ``autoaccum.devices._placement.Placement``: a
     Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,

@@ -95,3 +95,18 @@ def test_a_program_that_calls_back_into_python_is_never_reused():
     second = with_callback(lambda a: np.asarray(a) * 3).lower(x)
     assert compile_step(second, (x,))(x).tolist() == [3.0] * 4
     assert kept_count() == reused
+
+
+def test_a_keras_plan_keeps_no_step_its_loop_would_not_run():
+    # The Keras loop's step is another program (it returns the training step's logs too):
+    # its plan's probes are not kept, so they hold no executable and no text is hashed.
+    import keras
+
+    from autoaccum.planning import _kept_steps
+
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
+    model.compile(optimizer="adam", loss="mse")
+    before = list(_kept_steps._KEPT)
+    plan = autoaccum.plan(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
+                          log=None, cache=False)
+    assert plan.probes and list(_kept_steps._KEPT) == before

@@ -289,6 +289,7 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
         trainable=params,
         frozen_args=(frozen,),
         description=f"flax nnx {type(model).__name__}",
+        loop_relowers=True,  # StepRunner lowers the same step: it runs the kept probe
         **extra,
     )
 

@@ -138,15 +138,12 @@ class KerasAdapter:
         Returns:
           ``(model_to_plan, options)``.
 
-        Example:
-          >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-          'jax'
-          >>> import keras
-          >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-          >>> model.compile(optimizer="adam", loss="mse")
-          >>> copy, _ = KerasAdapter().apply_change(model, {}, {"dtype": "bfloat16"})
-          >>> copy is model, copy.layers[0].kernel.dtype
-          (False, 'bfloat16')
+        Example (a copy with a change: :func:`~._advise.keras_apply_change`):
+          >>> try:
+          ...     KerasAdapter().apply_change(None, {}, {"mu_dtype": "bfloat16"})
+          ... except ValueError as error:
+          ...     print(str(error)[:56])
+          The Keras adapter can apply only changes with the keys [
         """
         from ._advise import keras_apply_change
 
