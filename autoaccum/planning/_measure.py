@@ -23,6 +23,7 @@ import jax
 from ..devices._compile_platform import compiling_for
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
+from ._kernel_cache import kernel_cache_options
 from ._train_program import TrainProgram, local_shape, tree_bytes
 
 
@@ -229,14 +230,16 @@ def compile_count() -> int:
 
 def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
-    that fails inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
+    reuses the kernels compiled before in this process for the same GPU
+    (:func:`~autoaccum.planning._kernel_cache.kernel_cache_options`), and one that fails
+    inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
     :func:`compile_count`."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     options = dict(target.compiler_options) if target is not None else {}
     if target is not None and target.deviceless:
-        with _without_jax_cache_warnings():
-            return compile_deviceless(lowered, target.name, options)
+        with _without_jax_cache_warnings(), kernel_cache_options(target.fingerprint) as kernels:
+            return compile_deviceless(lowered, target.name, {**options, **kernels})
     return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
