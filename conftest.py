@@ -17,6 +17,11 @@ if "AUTOACCUM_TEST_SESSION_DIR" not in os.environ:
     os.environ["AUTOACCUM_TEST_SESSION_DIR"] = tempfile.mkdtemp(prefix="autoaccum-tests-")
     atexit.register(shutil.rmtree, os.environ["AUTOACCUM_TEST_SESSION_DIR"], True)
 _SESSION = os.environ["AUTOACCUM_TEST_SESSION_DIR"]
+# Every temporary file of the session, its workers' and their children's (a child stopped
+# before its own clean-up included), lands in that folder.
+os.environ["TMPDIR"] = os.path.join(_SESSION, "tmp")
+os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 # The need cache of this test session (never the user's ~/.cache): every session starts cold.
 if "AUTOACCUM_CACHE_DIR" not in os.environ:
     os.environ["AUTOACCUM_CACHE_DIR"] = os.path.join(_SESSION, "need-cache")
@@ -32,8 +37,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # tiny programs, and together these cut a CPU compile's time by a third to three quarters
 # (benchmarks/cpu_compile_flags.py, the demo's 4-block LM step: 2.34 s with XLA's defaults,
 # 1.56 s at -O0, 1.34 s with both; a pure-JAX 4-layer transformer step: 1.44, 0.78, 0.37 s;
-# the whole suite's summed test time 2301 -> 1577 s) and make a step run about 2.5x slower. XLA's HLO passes do not read the -O0 flags; the emitters change a CPU
-# fusion's temporary buffers by a few hundred bytes (64 B of 15 KB, 192 B of 4.5 MB measured), so
+# the whole suite's summed test time 2301 -> 1577 s) and make a step run about 2.5x slower.
+# XLA's HLO passes do not read the -O0 flags; the emitters change a CPU fusion's temporary
+# buffers by a few hundred bytes (64 B of 15 KB, 192 B of 4.5 MB measured), so
 # every memory figure a test checks is the one users get on a CPU to within 1 KiB or 0.1%
 # (arguments, outputs and aliases exactly; tests/test_test_flags.py compiles steps both ways),
 # and the programs compute the same values to float32 rounding (summation orders differ). GPU
@@ -67,6 +73,28 @@ SLOW_DOCTESTS = (
 )
 """Doctests that compile or train for seconds (a file, or one docstring of it): ``make
 test-fast`` skips them like slow tests."""
+
+
+_SESSION_JOBS: list = []
+
+
+def pytest_configure(config):
+    """``make test`` (the whole suite, slow tests included) starts the session's long commands
+    now, beside the workers (``tests/_jobs.py``); only the process that starts the session
+    does, and it stops any still running when the session ends."""
+    whole_suite = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+                   and not config.option.markexpr and not config.option.keyword)
+    if whole_suite and not hasattr(config, "workerinput"):
+        from tests._jobs import start_session_jobs
+
+        _SESSION_JOBS.extend(start_session_jobs())
+
+
+def pytest_unconfigure(config):
+    for job in _SESSION_JOBS:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGTERM)
+            job.wait()
 
 
 def pytest_collection_modifyitems(items):

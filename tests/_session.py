@@ -11,9 +11,14 @@ others (they wait on a file lock meanwhile). The folder is this session's own (t
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 
 def session_dir() -> Path:
@@ -37,3 +42,54 @@ def once_per_session(name: str, compute: Callable[[], str]) -> str:
             partial.write_text(text)
             partial.replace(done)
     return done.read_text()
+
+
+def _background_folder() -> Path:
+    folder = session_dir() / "background"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def start_in_background(name: str, command: list[str], *, env: dict[str, str] | None = None,
+                        cwd: Path | None = None) -> subprocess.Popen:
+    """Starts ``command`` now, beside the tests (``tests/_background.py`` runs it and writes
+    its exit status, stdout and stderr into this session's folder); the process that
+    starts the session calls this (root ``conftest.py``) for work that waits on the network
+    or that a test would otherwise wait for. :func:`background_or_now` reads the result."""
+    folder = _background_folder()
+    (folder / f"{name}.started").write_text(" ".join(command))
+    return subprocess.Popen([sys.executable, "-m", "tests._background", str(folder), name,
+                             *command], env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def background_or_now(name: str, command: list[str], *, env: dict[str, str] | None = None,
+                      cwd: Path | None = None, timeout: float = 3000) -> BackgroundResult:
+    """The result of ``command``: of its run started at the session's start when there was
+    one (:func:`start_in_background`; waited for), else run now, at most once per session
+    (:func:`once_per_session`)."""
+    folder = _background_folder()
+    if (folder / f"{name}.started").exists():
+        done = folder / f"{name}.returncode"
+        deadline = time.monotonic() + timeout
+        while not done.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} (started in the background) ran past {timeout} s")
+            time.sleep(0.2)
+        return BackgroundResult(int(done.read_text()), (folder / f"{name}.stdout").read_text(),
+                                (folder / f"{name}.stderr").read_text())
+
+    def run() -> str:
+        proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+        return json.dumps([proc.returncode, proc.stdout, proc.stderr])
+
+    return BackgroundResult(*json.loads(once_per_session(name, run)))
+
+
+class BackgroundResult(NamedTuple):
+    """A finished command's exit status and output."""
+
+    returncode: int
+    stdout: str
+    stderr: str

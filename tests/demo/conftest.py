@@ -2,35 +2,27 @@
 
 The demo (``autoaccum-demo``: its child process runs ``autoaccum_demo._lab_dry_run``) and the
 Colab notebook (its ``plan_preset`` cell) plan the same configuration; the first compile takes
-about two minutes of one core. Run once into the session's need cache (``AUTOACCUM_CACHE_DIR``,
-a fresh folder set by the root conftest and inherited by the xdist workers and every child
-process), both find every figure there and compile nothing; what they print and assert is
-unchanged (the cached figures are the compiled ones).
+about a minute and a half of one core. Run once into the session's need cache
+(``AUTOACCUM_CACHE_DIR``, a fresh folder set by the root conftest and inherited by the xdist
+workers and every child process; ``make test`` starts it with the session, ``tests/_jobs.py``),
+both find every figure there and compile nothing; what they print and assert is unchanged
+(the cached figures are the compiled ones).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests._paths import REPO, users_environment
-from tests._session import once_per_session
+from tests._jobs import lab_dry_run_job
+from tests._paths import REPO
+from tests._session import background_or_now
 
 
 @pytest.fixture(scope="session")
 def lab_dry_run_report() -> str:
-    """The lab dry run's output, run at most once per session (by the first worker to ask)."""
-    from autoaccum_demo._demo import _dry_run_environment
-
-    def dry_run() -> str:
-        # The demo's own child command and environment, so the cache keys are the demo's
-        # (the demo and the notebook run with XLA's default flags, as users run them).
-        proc = subprocess.run([sys.executable, "-m", "autoaccum_demo._lab_dry_run"],
-                              env=users_environment(_dry_run_environment()),
-                              capture_output=True, text=True, timeout=1800, cwd=REPO)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc.stdout
-
-    return once_per_session("lab-dry-run", dry_run)
+    """The lab dry run's output: of its run started with the session (``make test``), else run
+    now, at most once per session (by the first worker to ask)."""
+    command, env = lab_dry_run_job()
+    proc = background_or_now("lab-dry-run", command, env=env, cwd=REPO, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

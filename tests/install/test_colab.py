@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from types import SimpleNamespace
 
 import pytest
 
+from tests._jobs import colab_findings, colab_job, colab_readmes
 from tests._paths import REPO
-from tests._session import once_per_session, session_dir
+from tests._session import background_or_now
 from tests.install.colab_check import FREEZE, colab_command, read_freeze
 
 # One worker runs the module: its two slow tests share one resolver run.
 pytestmark = pytest.mark.xdist_group("install.test_colab")
-
-SCRIPT = REPO / "tests" / "install" / "colab_check.py"
 
 
 def test_the_readme_has_one_colab_line_and_the_notebook_uses_it():
@@ -38,30 +34,14 @@ def test_the_shipped_freeze_is_colab_s_gpu_runtime():
 
 @pytest.fixture(scope="module")
 def colab_runs() -> dict[str, tuple[str, dict | None]]:
-    """One run of the resolver for both commands (the README's and a bad one), once per
-    session: they share the wheel, the emulated environment and the fetched metadata, the
-    slow part. Gives each command's section of the output and its findings."""
-    work = session_dir() / "colab"  # the same paths in every worker (they are printed)
-    bad = work / "bad" / "README.md"
-    bad.parent.mkdir(parents=True, exist_ok=True)
-    # What the issue describes: `autoaccum[keras]` alone moves jax but not Colab's plugin;
-    # tensorflow-cpu next to Colab's tensorflow is a second distribution in one folder.
-    bad.write_text('```\n%pip install -q "autoaccum[keras]" tensorflow-cpu\n```\n')
-    readmes = {"readme": REPO / "README.md", "bad": bad}
-    command = [sys.executable, str(SCRIPT)]
-    for name, readme in readmes.items():
-        command += ["--readme", str(readme), "--json", str(work / f"{name}.json")]
-
-    def resolve() -> str:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=3000, cwd=REPO)
-        return json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
-                           "stderr": proc.stderr,
-                           "findings": {name: json.loads((work / f"{name}.json").read_text())
-                                        for name in readmes
-                                        if (work / f"{name}.json").exists()}})
-
-    # Once per session: the other xdist worker, if it runs the other test, reads this run.
-    proc = SimpleNamespace(**json.loads(once_per_session("colab-check", resolve)))
+    """One run of the resolver for both READMEs (ours and a bad one), once per session
+    (``make test`` starts it with the session: ``tests/_jobs.py``). Gives each README's
+    section of the output and its findings."""
+    command, env = colab_job()
+    proc = background_or_now("colab-check", command, env=env, cwd=REPO)
+    readmes = colab_readmes()
+    findings = {name: json.loads(colab_findings(name).read_text()) for name in readmes
+                if colab_findings(name).exists()}
     if proc.returncode == 3:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     print(proc.stdout)
@@ -70,7 +50,7 @@ def colab_runs() -> dict[str, tuple[str, dict | None]]:
     sections = proc.stdout.split("\n=== ")[1:]
     assert [s.splitlines()[0] for s in sections] == [str(r) for r in readmes.values()], (
         proc.stdout[-3000:] + proc.stderr[-3000:])
-    return {name: (section, proc.findings.get(name))
+    return {name: (section, findings.get(name))
             for name, section in zip(readmes, sections, strict=True)}
 
 
