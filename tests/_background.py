@@ -1,19 +1,21 @@
-"""Runs a command for :func:`tests._session.start_in_background`:
-``python -m tests._background FOLDER NAME COMMAND...`` writes ``NAME.stdout`` and
-``NAME.stderr`` into FOLDER, then ``NAME.returncode`` (last, and whole: its presence says the
-command ended)."""
+"""Runs a session job for :func:`tests._session.start_in_background`:
+``python -m tests._background FOLDER NAME`` runs :data:`tests._jobs.JOBS` ``[NAME]`` and writes
+``NAME.stdout`` and ``NAME.stderr`` into FOLDER, then ``NAME.returncode`` (last, and whole: its
+presence says the job ended)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
+from tests._jobs import run_job
+
 
 def main() -> None:
-    folder, name, command = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    with open(folder / f"{name}.stdout", "w") as out, open(folder / f"{name}.stderr", "w") as err:
-        returncode = subprocess.run(command, stdout=out, stderr=err).returncode
+    folder, name = Path(sys.argv[1]), sys.argv[2]
+    proc = run_job(name)
+    (folder / f"{name}.stdout").write_text(proc.stdout)
+    (folder / f"{name}.stderr").write_text(proc.stderr)
     partial = folder / f"{name}.returncode.partial"
-    partial.write_text(str(returncode))
+    partial.write_text(str(proc.returncode))
     partial.replace(folder / f"{name}.returncode")
 
 

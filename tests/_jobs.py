@@ -52,10 +52,13 @@ def lab_dry_run_job() -> tuple[list[str], dict[str, str] | None]:
 JOBS = {"colab-check": colab_job, "lab-dry-run": lab_dry_run_job}
 
 
+def run_job(name: str, *, timeout: float = 3000) -> subprocess.CompletedProcess:
+    """Runs the job ``name`` of :data:`JOBS` to its end (in the repository, output captured)."""
+    command, env = JOBS[name]()
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def start_session_jobs() -> list[subprocess.Popen]:
     """Starts every job of :data:`JOBS` in the background (for a whole ``make test`` run)."""
-    started = []
-    for name, job in JOBS.items():
-        command, env = job()
-        started.append(start_in_background(name, command, env=env, cwd=REPO))
-    return started
+    return [start_in_background(name) for name in JOBS]

@@ -50,24 +50,25 @@ def _background_folder() -> Path:
     return folder
 
 
-def start_in_background(name: str, command: list[str], *, env: dict[str, str] | None = None,
-                        cwd: Path | None = None) -> subprocess.Popen:
-    """Starts ``command`` now, beside the tests (``tests/_background.py`` runs it and writes
-    its exit status, stdout and stderr into this session's folder); the process that
-    starts the session calls this (root ``conftest.py``) for work that waits on the network
-    or that a test would otherwise wait for. :func:`background_or_now` reads the result."""
+def start_in_background(name: str) -> subprocess.Popen:
+    """Starts the session job ``name`` (:data:`tests._jobs.JOBS`) now, beside the tests:
+    ``tests/_background.py`` builds its command and environment in a process of its own (the
+    process that starts the session imports nothing heavy), runs it, and writes its exit
+    status, stdout and stderr into this session's folder. :func:`background_or_now` reads
+    the result."""
     folder = _background_folder()
-    (folder / f"{name}.started").write_text(" ".join(command))
-    return subprocess.Popen([sys.executable, "-m", "tests._background", str(folder), name,
-                             *command], env=env, cwd=cwd, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (folder / f"{name}.started").touch()
+    return subprocess.Popen([sys.executable, "-m", "tests._background", str(folder), name],
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
 
 
-def background_or_now(name: str, command: list[str], *, env: dict[str, str] | None = None,
-                      cwd: Path | None = None, timeout: float = 3000) -> BackgroundResult:
-    """The result of ``command``: of its run started at the session's start when there was
-    one (:func:`start_in_background`; waited for), else run now, at most once per session
-    (:func:`once_per_session`)."""
+def background_or_now(name: str, *, timeout: float = 3000) -> BackgroundResult:
+    """The result of the session job ``name``: of its run started at the session's start
+    when there was one (:func:`start_in_background`; waited for), else run now, at most once
+    per session (:func:`once_per_session`)."""
+    from tests._jobs import run_job
+
     folder = _background_folder()
     if (folder / f"{name}.started").exists():
         done = folder / f"{name}.returncode"
@@ -80,8 +81,7 @@ def background_or_now(name: str, command: list[str], *, env: dict[str, str] | No
                                 (folder / f"{name}.stderr").read_text())
 
     def run() -> str:
-        proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_job(name, timeout=timeout)
         return json.dumps([proc.returncode, proc.stdout, proc.stderr])
 
     return BackgroundResult(*json.loads(once_per_session(name, run)))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests._jobs import lab_dry_run_job
-from tests._paths import REPO
 from tests._session import background_or_now
 
 
@@ -22,7 +20,6 @@ from tests._session import background_or_now
 def lab_dry_run_report() -> str:
     """The lab dry run's output: of its run started with the session (``make test``), else run
     now, at most once per session (by the first worker to ask)."""
-    command, env = lab_dry_run_job()
-    proc = background_or_now("lab-dry-run", command, env=env, cwd=REPO, timeout=1800)
+    proc = background_or_now("lab-dry-run", timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

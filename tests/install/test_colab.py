@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests._jobs import colab_findings, colab_job, colab_readmes
+from tests._jobs import colab_findings, colab_readmes
 from tests._paths import REPO
 from tests._session import background_or_now
 from tests.install.colab_check import FREEZE, colab_command, read_freeze
@@ -37,8 +37,7 @@ def colab_runs() -> dict[str, tuple[str, dict | None]]:
     """One run of the resolver for both READMEs (ours and a bad one), once per session
     (``make test`` starts it with the session: ``tests/_jobs.py``). Gives each README's
     section of the output and its findings."""
-    command, env = colab_job()
-    proc = background_or_now("colab-check", command, env=env, cwd=REPO)
+    proc = background_or_now("colab-check")
     readmes = colab_readmes()
     findings = {name: json.loads(colab_findings(name).read_text()) for name in readmes
                 if colab_findings(name).exists()}
