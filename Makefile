@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/keras_train_step.py
 	$(PY) benchmarks/cpu_compile_flags.py
 	$(PY) benchmarks/kept_steps.py
+	$(PY) benchmarks/kernel_cache.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
