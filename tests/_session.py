@@ -58,9 +58,19 @@ def start_in_background(name: str) -> subprocess.Popen:
     the result."""
     folder = _background_folder()
     (folder / f"{name}.started").touch()
-    return subprocess.Popen([sys.executable, "-m", "tests._background", str(folder), name],
+    proc = subprocess.Popen([sys.executable, "-m", "tests._background", str(folder), name],
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    (folder / f"{name}.started").write_text(str(proc.pid))
+    return proc
+
+
+def _gone(pid_text: str) -> bool:
+    """Whether the process of that pid has ended (or is a zombie not yet reaped)."""
+    try:
+        return Path(f"/proc/{int(pid_text)}/stat").read_text().split(") ")[-1][0] == "Z"
+    except (ValueError, OSError):
+        return bool(pid_text)  # no such process (an empty text: its pid not written yet)
 
 
 def background_or_now(name: str, *, timeout: float = 3000) -> BackgroundResult:
@@ -76,6 +86,8 @@ def background_or_now(name: str, *, timeout: float = 3000) -> BackgroundResult:
         while not done.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} (started in the background) ran past {timeout} s")
+            if _gone((folder / f"{name}.started").read_text()) and not done.exists():
+                raise RuntimeError(f"{name} (started in the background) ended without a result")
             time.sleep(0.2)
         return BackgroundResult(int(done.read_text()), (folder / f"{name}.stdout").read_text(),
                                 (folder / f"{name}.stderr").read_text())
