@@ -42,6 +42,7 @@ def test_the_session_compiles_cpu_code_unoptimised():
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_backend_optimization_level=0" in flags
     assert "--xla_cpu_use_fusion_emitters=false" in flags
+    assert "--xla_cpu_parallel_codegen_split_count=1" in flags
 
 
 def test_unoptimised_cpu_code_has_the_memory_figures_and_values_of_optimised_code():
