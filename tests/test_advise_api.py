@@ -169,3 +169,16 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits():
                            strategy=row.change["strategy"], **kwargs)
     assert again.need_bytes <= BUDGET and again.data_parallel == row.change["devices"]
     assert (again.micro_batch, again.accum_steps) == (row.micro_batch, row.accum_steps)
+
+
+def test_advise_keeps_the_learning_rate_as_plan_does_unless_base_batch_is_given():
+    # The advisor plans what autoaccum.plan would with the same arguments: the rate as given,
+    # scaled only when base_batch says which batch it was tuned for.
+    kwargs = dict(effective_batch=16, optimizer=optax.sgd, learning_rate=LR, loss_fn=mse,
+                  budget="1GiB", log=None, cache=False)
+    kept = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, **kwargs)
+    assert kept.fits and not kept.plan.lr_scaling.changed
+    assert kept.plan.lr_scaling.learning_rate == LR
+    scaled = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, base_batch=1, lr_rule="linear",
+                              **kwargs)
+    assert scaled.plan.lr_scaling.changed and scaled.plan.lr_scaling.learning_rate == 16 * LR

@@ -103,11 +103,14 @@ def pending_variables() -> int:
 @pytest.mark.slow  # about 17 s: every row compiled, then each planned again by hand
 @pytest.mark.parametrize("build", [sequential_model, functional_model],
                          ids=["sequential", "functional"])
-def test_every_advised_row_fits_when_the_user_applies_its_change(build):
+def test_every_advised_row_fits_when_the_user_applies_its_change(build, tmp_path):
+    # One need cache for the advisor and the re-plans: the cache is keyed by the lowered
+    # program's text, so a re-plan whose every probe is found there compiled the very
+    # programs the advisor measured (a change applied by hand that differed would miss).
     model, budget = build(), BUDGETS[build]
     before = snapshot(model)
     advice = autoaccum.advise(model, token_data(), effective_batch=2, budget=budget, log=None,
-                              cache=False)
+                              cache=str(tmp_path))
     assert not advice.fits
     changes = [a.change for a in advice.alternatives]
     assert {"lora_rank": 16} in changes and {"dtype": "bfloat16"} in changes
@@ -119,12 +122,14 @@ def test_every_advised_row_fits_when_the_user_applies_its_change(build):
             continue
         assert "remat" not in row.change
         replanned = autoaccum.plan(the_change_by_hand(build, row.change), token_data(),
-                                   effective_batch=2, budget=budget, log=None, cache=False,
-                                   method="compile", remat="none")
+                                   effective_batch=2, budget=budget, log=None,
+                                   cache=str(tmp_path), method="compile", remat="none")
         assert replanned.need_bytes <= budget, row.change
         assert (replanned.micro_batch, replanned.accum_steps) == (row.micro_batch,
                                                                   row.accum_steps)
-        assert replanned.need_bytes == row.need_bytes, row.change  # the same program
+        assert replanned.need_bytes == row.need_bytes, row.change
+        # the same programs: every probe's figures were found under its lowered text
+        assert {p.estimate.source for p in replanned.probes} == {"cache"}, row.change
 
 
 @pytest.mark.parametrize("change", [{"lora_rank": 4}, {"dtype": "bfloat16"},
