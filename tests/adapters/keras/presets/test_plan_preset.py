@@ -53,9 +53,16 @@ def test_a_multi_gpu_dry_run_tries_strategies_until_one_fits_a_gpu():
     assert f"sharding          {plan.strategy}:" in plan.report()
 
 
+@pytest.fixture(scope="module")
+def sharded_cache(tmp_path_factory) -> str:
+    """One need cache for both cases below: they plan the same two small depths (whichever
+    runs second reads their figures); only the full-depth verification differs."""
+    return str(tmp_path_factory.mktemp("sharded-need-cache"))
+
+
 @pytest.mark.parametrize("verify_sharded", [True, False])
 def test_a_sharded_preset_plan_is_verified_at_full_depth_unless_the_advisor_says_not_to(
-        verify_sharded):
+        verify_sharded, sharded_cache):
     # The advisor's quick rows skip the full-depth compile (verify_depth=False); a sharded
     # step's need was measured far above the linear prediction (4B full fine-tune on 4 x L4
     # under zero2: 25.6 GiB against 17.6), so under a sharding strategy the choice is verified,
@@ -65,7 +72,7 @@ def test_a_sharded_preset_plan_is_verified_at_full_depth_unless_the_advisor_says
     plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=32, device="t4",
                        devices=2, strategy="fsdp", backbone_overrides=small, lora_rank=4,
                        verify_depth=False, verify_sharded=verify_sharded, log=None,
-                       cache=False)
+                       cache=sharded_cache)
     assert plan.strategy == "fsdp"
     last = plan.probes[-1]
     if verify_sharded:
