@@ -235,7 +235,7 @@ def gpt2_by_hand(change, *, rank=8):
 
 
 @pytest.mark.slow  # keras-hub builds and six compiles: about 20 s
-def test_a_keras_hub_model_with_lora_is_planned_as_each_change_applied_by_hand():
+def test_a_keras_hub_model_with_lora_is_planned_as_each_change_applied_by_hand(tmp_path):
     pytest.importorskip("keras_hub")
     pytest.importorskip("tensorflow")
     from ._models import TEXTS
@@ -249,11 +249,13 @@ def test_a_keras_hub_model_with_lora_is_planned_as_each_change_applied_by_hand()
                    {"dtype": "bfloat16"}):
         copy, _ = adapter.apply_change(model, {}, change)
         assert all(v._value is None for v in copy.weights)
-        planned = autoaccum.plan(copy, TEXTS, effective_batch=4, log=None, cache=False,
-                                 method="compile", remat="none")
+        planned = autoaccum.plan(copy, TEXTS, effective_batch=4, log=None,
+                                 cache=str(tmp_path), method="compile", remat="none")
         by_hand = autoaccum.plan(gpt2_by_hand(change), TEXTS, effective_batch=4, log=None,
-                                 cache=False, method="compile", remat="none")
+                                 cache=str(tmp_path), method="compile", remat="none")
         assert planned.need_bytes == by_hand.need_bytes, change
+        # the same programs: the change by hand lowers to the text the copy was compiled from
+        assert {p.estimate.source for p in by_hand.probes} == {"cache"}, change
     assert pending_variables() == pending
     after = snapshot(model)
     assert after["trainable"] == before["trainable"] and after["lora"] == before["lora"]
