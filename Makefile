@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/uneven.py
 	$(PY) benchmarks/keras_train_step.py
 	$(PY) benchmarks/cpu_compile_flags.py
+	$(PY) benchmarks/cpu_conv_in_loop.py
 	$(PY) benchmarks/kept_steps.py
 	$(PY) benchmarks/kernel_cache.py
 
