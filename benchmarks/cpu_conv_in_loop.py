@@ -12,8 +12,8 @@ XLA:CPU leaves the backward-filter convolution in its non-canonical form
 (``dim_labels=f01b_i01o->01bf``, emitted as a naive loop) where outside a loop it becomes
 ``b01f_01io->b01f`` (the library path): jax-ml/jax#12868. So on a CPU a CNN's accumulated
 step runs much slower than its whole-batch step (the Flax tutorial CNN, 8 x 4: 3 s a step
-against 31 ms for 32 x 1); GPUs run loop bodies' convolutions through cuDNN and are not
-affected. The script prints the optimised HLO's convolution labels so a newer XLA that
+against 31 ms for 32 x 1); on a GPU XLA rewrites convolutions to cuDNN calls (not measured
+here: no GPU). The script prints the optimised HLO's convolution labels so a newer XLA that
 canonicalizes loop bodies shows it.
 """
 
