@@ -170,6 +170,7 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
                            strategy=row.change["strategy"], **kwargs)
     assert again.need_bytes <= BUDGET and again.data_parallel == row.change["devices"]
     assert (again.micro_batch, again.accum_steps) == (row.micro_batch, row.accum_steps)
+    assert {p.estimate.source for p in again.probes} == {"cache"}  # the advisor's programs
 
 
 def test_advise_keeps_the_learning_rate_as_plan_does_unless_base_batch_is_given():
