@@ -62,14 +62,16 @@ def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> N
 
 
 def _placed_as_expected(compiled: Any, args: tuple) -> bool:
-    """Every array of ``args`` where ``compiled`` expects it: a ``jax.Array`` with that
-    sharding, a host array (jit puts it on the default device) where one device's is."""
+    """Every array of ``args`` where ``compiled`` expects it: a ``jax.Array`` (or an abstract
+    one with a sharding) with that sharding, a host array or an abstract one without a
+    sharding (jit puts it on the default device) where one device's is."""
     expected = jax.tree.leaves(compiled.input_shardings[0])
     given = jax.tree.leaves(args)
     default = jax.config.jax_default_device or jax.devices()[0]
 
     def placed(leaf: Any, sharding: Any) -> bool:
-        if isinstance(leaf, jax.Array):
+        if isinstance(leaf, jax.Array) or (isinstance(leaf, jax.ShapeDtypeStruct)
+                                           and leaf.sharding is not None):
             return leaf.sharding == sharding
         return sharding.device_set == {default}
 

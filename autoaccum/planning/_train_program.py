@@ -31,6 +31,10 @@ class StepMetrics(NamedTuple):
     finite: jax.Array | bool = True
     """Whether the step's loss and gradients were finite (see ``autoaccum.training._nonfinite``);
     computed on the device, so reading it costs no extra host sync."""
+    logs: Mapping[str, jax.Array] | None = None
+    """The framework's own logs of the step, where it keeps any (Keras: the loss tracker's
+    and the compiled metrics' results, as ``model.fit`` logs them); ``None`` otherwise. Part
+    of the compiled step, so the step planning measures is the step training runs."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,8 @@ class TrainProgram:
     """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
     loop_relowers: bool = False
-    """Whether the training loop lowers this very program again (Flax's loop does): then a
-    compiled probe that can run here is kept for it (:mod:`._kept_steps`); a Keras loop's
-    step is another program, so keeping its probes would only hold executables."""
+    """Whether the training loop lowers this very program again (both adapters' loops do):
+    then a compiled probe that can run here is kept for it (:mod:`._kept_steps`)."""
     placement: Any = None
     """The user's own layout of the state (an ``autoaccum.devices._placement.Placement``: a
     Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,

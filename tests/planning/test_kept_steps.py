@@ -97,16 +97,19 @@ def test_a_program_that_calls_back_into_python_is_never_reused():
     assert kept_count() == reused
 
 
-def test_a_keras_plan_keeps_no_step_its_loop_would_not_run():
-    # The Keras loop's step is another program (it returns the training step's logs too):
-    # its plan's probes are not kept, so they hold no executable and no text is hashed.
+def test_a_keras_fit_compiles_its_planned_step_once(compiled_programs):
+    # The plan measures the step the fit runs (Keras's logs included), so the fit runs the
+    # probe the plan compiled instead of compiling that program again.
     import keras
 
-    from autoaccum.planning import _kept_steps
-
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
-    model.compile(optimizer="adam", loss="mse")
-    before = list(_kept_steps._KEPT)
-    plan = autoaccum.plan(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
-                          log=None, cache=False)
-    assert plan.probes and list(_kept_steps._KEPT) == before
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(16)])
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    reused = kept_count()
+    history = autoaccum.fit(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
+                            epochs=1, log=None, verbose=0, cache=False)
+    assert int(model.optimizer.iterations) == 4
+    assert set(history.history) == {"loss", "mae"}
+    assert kept_count() == reused + 1
+    steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
+    assert steps and len(steps) == len(set(steps))  # no program compiled twice

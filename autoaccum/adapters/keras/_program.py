@@ -89,25 +89,16 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     optimizer = planning_optimizer(model) if optimizer is None else optimizer
     layout = find_layout(model, example_spec, optimizer) if layout is None else layout
 
+    # The step that training runs (logs and all), so the figures are that step's and a
+    # compile cache (JAX's persistent one) serves the fit the program the plan compiled.
     def step_for(mesh: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
-        full_step = keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
-                                     lr_scaling=lr_scaling, batch_stats=batch_stats)
-
-        def step(state: PyTree, batches: PyTree, frozen: list) -> tuple[PyTree, StepMetrics]:
-            new_state, metrics, _ = full_step(state, batches, frozen)
-            return new_state, metrics
-
-        return step
+        return keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
+                                lr_scaling=lr_scaling, batch_stats=batch_stats)
 
     def sharded_step(strategy: StateLayout) -> tuple[Callable[..., Any], PyTree]:
-        full_step = keras_train_step(model, layout, mesh=strategy.mesh, optimizer=optimizer,
-                                     lr_scaling=lr_scaling, batch_stats=batch_stats,
-                                     strategy_layout=strategy)
-
-        def step(state: PyTree, batches: PyTree, frozen: list) -> tuple[PyTree, StepMetrics]:
-            new_state, metrics, _ = full_step(state, batches, frozen)
-            return new_state, metrics
-
+        step = keras_train_step(model, layout, mesh=strategy.mesh, optimizer=optimizer,
+                                lr_scaling=lr_scaling, batch_stats=batch_stats,
+                                strategy_layout=strategy)
         return step, strategy_shardings(strategy, (trainable, mutable, optimizer_spec,
                                                    metrics))
 
@@ -134,6 +125,7 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         description=f"keras {type(model).__name__} {model.name!r}",
         data_parallel_step=step_for,
         sharded_step=sharded_step,
+        loop_relowers=True,  # the fit's StepRunner lowers this same step: it runs the kept probe
     )
     return program.on_mesh(mesh, strategy)
 

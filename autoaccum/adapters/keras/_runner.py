@@ -38,6 +38,7 @@ from ...devices._mesh import (
 from ...devices._placement import place
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
+from ...planning._kept_steps import compile_step
 from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
 from ...planning._strategies import StateLayout
@@ -100,7 +101,7 @@ class StepRunner:
             keras_train_step(model, layout, mesh=self.mesh, lr_scaling=lr_scaling,
                              batch_stats=batch_stats, strategy_layout=self.strategy_layout),
             donate_argnums=0,
-            out_shardings=None if placement is None else (placement.state, None, None),
+            out_shardings=None if placement is None else (placement.state, None),
         )
 
     @property
@@ -146,7 +147,9 @@ class StepRunner:
                 state, frozen = abstract(state), abstract(frozen)
             batches = self._batch_spec(accum_steps, micro_batch, last)
             with compiling(), keras_lowering_scope():
-                self._compiled[key] = self._jitted.lower(state, batches, frozen).compile()
+                lowered = self._jitted.lower(state, batches, frozen)
+                # The plan's probe of this very step, when it compiled one, else a compile.
+                self._compiled[key] = compile_step(lowered, (state, batches, frozen))
         return self._compiled[key]
 
     def _batch_spec(self, accum_steps: int, micro_batch: int, last: int | None) -> PyTree:
@@ -279,7 +282,7 @@ class StepRunner:
                   else batches if self.mesh is None else shard_batches(batches, self.mesh))
         with deferred_interrupts():
             try:
-                new_state, metrics, logs = compiled(state, placed, frozen)
+                new_state, metrics = compiled(state, placed, frozen)
             except BaseException as error:
                 self.recover(state, error)
                 raise
@@ -295,7 +298,7 @@ class StepRunner:
                 noise=(float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
                        float(metrics.count)),
                 micro_batches=micro_batches,
-                logs={name: float(value) for name, value in logs.items()})
+                logs={name: float(value) for name, value in metrics.logs.items()})
         except Exception as error:
             self.recover(state, error)
             raise

@@ -136,7 +136,8 @@ class _Micro:
 def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: Any = None,
                      lr_scaling: Any = None, batch_stats: str = "effective",
                      strategy_layout: StateLayout | None = None) -> Callable[..., tuple]:
-    """``step(state, batches, frozen) -> (new_state, StepMetrics, logs)``; pure, jittable.
+    """``step(state, batches, frozen) -> (new_state, StepMetrics)``; pure, jittable; Keras's
+    logs (``model.fit``'s) are ``StepMetrics.logs``.
 
     ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
     defaults to the model's (planning passes a built clone); ``lr_scaling`` is the plan's
@@ -219,8 +220,9 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
             grad_sq_norm=grad_sq,
             micro_grad_sq_norm=acc.micro_grad_sq_norm_sum * unscale**2 / accum_steps,
             finite=finite,
+            logs=logs,
         )
-        return new_state, metrics, logs
+        return new_state, metrics
 
     return step
 
