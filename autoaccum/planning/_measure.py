@@ -228,18 +228,30 @@ def compile_count() -> int:
     return _COMPILES[0]
 
 
-def compile_lowered(lowered: Any, target: CompileTarget | None = None) -> Any:
+def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
+                    program: TrainProgram | None = None) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
     reuses the kernels compiled before in this process for the same GPU
     (:func:`~autoaccum.planning._kernel_cache.kernel_cache_options`), and one that fails
     inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
-    :func:`compile_count`."""
+    :func:`compile_count`.
+
+    ``program``: the step ``lowered`` is a lowering of. Once one of its compiles for a GPU
+    needed the fallback, its other micro-batches for that GPU are compiled with it at once
+    (``program.deviceless_fallback``): the same XLA error would come again (a compile that
+    fails costs as much as one that succeeds), and every probe of the step is then measured
+    with the same GEMMs."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     options = dict(target.compiler_options) if target is not None else {}
     if target is not None and target.deviceless:
+        known = program is not None and target.fingerprint in program.deviceless_fallback
         with _without_jax_cache_warnings(), kernel_cache_options(target.fingerprint) as kernels:
-            return compile_deviceless(lowered, target.name, {**options, **kernels})
+            compiled = compile_deviceless(lowered, target.name, {**options, **kernels},
+                                          fallback_first=known)
+        if program is not None and getattr(compiled, "autoaccum_compile_note", ""):
+            program.deviceless_fallback.add(target.fingerprint)
+        return compiled
     return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
@@ -261,7 +273,7 @@ def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     (see :func:`lower_step`)."""
     lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
     with program.lowering_context():
-        return compile_lowered(lowered, target)
+        return compile_lowered(lowered, target, program=program)
 
 
 DEVICELESS_CODEGEN_OPTIONS: tuple[tuple[str, Any], ...] = (
@@ -292,15 +304,25 @@ class DevicelessCompileError(RuntimeError):
     """A deviceless compile failed inside XLA, and so did the documented fallback."""
 
 
-def compile_deviceless(lowered: Any, target_name: str, options: dict | None = None) -> Any:
+def compile_deviceless(lowered: Any, target_name: str, options: dict | None = None, *,
+                       fallback_first: bool = False) -> Any:
     """``lowered.compile()``; on an XLA ``INTERNAL`` error, once more with
     :data:`DEVICELESS_FALLBACK`. The compiled object's ``autoaccum_compile_note`` says when
-    the fallback was used.
+    the fallback was used. ``fallback_first``: an earlier compile of the same step for this
+    GPU needed the fallback; compile with it at once (and without it only if it fails).
 
     Raises:
       DevicelessCompileError: both compiles failed (the message names both errors).
     """
     options = dict(options or {})
+    if fallback_first:
+        try:
+            compiled = lowered.compile(compiler_options={**options, **DEVICELESS_FALLBACK})
+        except Exception:
+            return compile_deviceless(lowered, target_name, options)
+        return _Noted(compiled, "compiled with xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs "
+                                "instead of Triton), as an earlier compile of this step for "
+                                "this GPU needed (an XLA error with Triton's GEMMs)")
     try:
         return lowered.compile(compiler_options=options) if options else lowered.compile()
     except Exception as error:
@@ -370,7 +392,7 @@ def measure_program(
     start = time.perf_counter()
     lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
     with program.lowering_context():
-        compiled = compile_lowered(lowered, target)
+        compiled = compile_lowered(lowered, target, program=program)
     seconds = time.perf_counter() - start
     estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
                                       target=target.name, seconds=seconds, last=last,

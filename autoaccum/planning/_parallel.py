@@ -146,7 +146,7 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
         _, program, lowered, _, _ = item
         start = time.perf_counter()
         with program.lowering_context():
-            compiled = compile_lowered(lowered, target)
+            compiled = compile_lowered(lowered, target, program=program)
         return compiled, time.perf_counter() - start
 
     if workers > 1 and len(pending) > 1:

@@ -89,6 +89,11 @@ class TrainProgram:
     ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
     compiled with the placement's shardings as input and output shardings (XLA partitions
     it); ``mesh`` is then ``None``."""
+    deviceless_fallback: set[str] = field(default_factory=set, init=False, compare=False,
+                                          repr=False)
+    """The deviceless targets (their fingerprints) for which a compile of this step failed
+    inside XLA and compiled with :data:`~._measure.DEVICELESS_FALLBACK`: its other
+    micro-batches for that GPU are compiled so at once (see :func:`~._measure.compile_lowered`)."""
 
     @property
     def data_parallel(self) -> int:

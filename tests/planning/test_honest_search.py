@@ -119,3 +119,42 @@ def test_deviceless_xla_crash_is_retried_with_the_fallback_and_reported():
     notes = " ".join(plan.notes)
     assert "xla_gpu_enable_triton_gemm=False" in notes
     assert any(p.estimate.compile_note for p in plan.probes)
+
+
+@pytest.mark.slow
+def test_a_step_that_needed_the_fallback_compiles_its_other_micro_batches_with_it_at_once(
+        monkeypatch):
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    import jax
+
+    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.planning._measure import DEVICELESS_FALLBACK, measure_program
+    from autoaccum.planning._targets import resolve_target
+    from autoaccum_demo._flax_demo import tiny_lm_plan_inputs
+
+    attempts = []  # per compile: whether it had the fallback's options
+    compile_ = jax.stages.Lowered.compile
+
+    def recording(self, *args, compiler_options=None, **kwargs):
+        options = compiler_options or {}
+        attempts.append(all(options.get(k) == v for k, v in DEVICELESS_FALLBACK.items()))
+        return compile_(self, *args, compiler_options=compiler_options, **kwargs)
+
+    def program():
+        inputs = tiny_lm_plan_inputs(128)  # XLA's Triton GEMM tiling fails for this shape
+        spec = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in inputs["data"].items()}
+        return flax_program(inputs["model"], spec, loss_fn=inputs["loss_fn"],
+                            tx=optax.adamw(1e-4))
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    target = resolve_target("h100-80gb").compile_target
+    step = program()
+    first = measure_program(step, 2, 1, target)
+    assert attempts == [False, True] and "compiled again" in first.compile_note
+    # The same step at another micro-batch: the fallback at once, no failing compile first.
+    second = measure_program(step, 1, 2, target)
+    assert attempts == [False, True, True]
+    assert "as an earlier compile of this step for this GPU needed" in second.compile_note
+    # Another step tries Triton's GEMMs first again.
+    measure_program(program(), 1, 2, target)
+    assert attempts[3] is False
