@@ -89,8 +89,8 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     optimizer = planning_optimizer(model) if optimizer is None else optimizer
     layout = find_layout(model, example_spec, optimizer) if layout is None else layout
 
-    # The step that training runs (logs and all), so the figures are that step's and a
-    # compile cache (JAX's persistent one) serves the fit the program the plan compiled.
+    # The step that training runs (logs and all): the figures are that step's, and the fit
+    # runs the probe the plan compiled (planning/_kept_steps.py) instead of compiling it again.
     def step_for(mesh: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
         return keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
                                 lr_scaling=lr_scaling, batch_stats=batch_stats)
