@@ -309,39 +309,53 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
     """``lowered.compile()``; on an XLA ``INTERNAL`` error, once more with
     :data:`DEVICELESS_FALLBACK`. The compiled object's ``autoaccum_compile_note`` says when
     the fallback was used. ``fallback_first``: an earlier compile of the same step for this
-    GPU needed the fallback; compile with it at once (and without it only if it fails).
+    GPU needed the fallback; compile with it at once (and without it only if that fails).
 
     Raises:
       DevicelessCompileError: both compiles failed (the message names both errors).
     """
     options = dict(options or {})
-    if fallback_first:
+    with_fallback = {**options, **DEVICELESS_FALLBACK}
+    if fallback_first:  # each way compiled at most once
         try:
-            compiled = lowered.compile(compiler_options={**options, **DEVICELESS_FALLBACK})
-        except Exception:
-            return compile_deviceless(lowered, target_name, options)
-        return _Noted(compiled, "compiled with xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs "
-                                "instead of Triton), as an earlier compile of this step for "
-                                "this GPU needed (an XLA error with Triton's GEMMs)")
+            return _Noted(lowered.compile(compiler_options=with_fallback),
+                          "compiled with xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs instead "
+                          "of Triton), as an earlier compile of this step for this GPU needed "
+                          "(an XLA error with Triton's GEMMs)")
+        except Exception as error:
+            second = _first_line(error)
+        try:
+            return lowered.compile(compiler_options=options) if options else lowered.compile()
+        except Exception as error:
+            raise _both_failed(target_name, _first_line(error), second) from None
     try:
         return lowered.compile(compiler_options=options) if options else lowered.compile()
     except Exception as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        first = _first_line(error)
         if "INTERNAL" not in first:
             raise
     try:
-        compiled = lowered.compile(compiler_options={**options, **DEVICELESS_FALLBACK})
+        compiled = lowered.compile(compiler_options=with_fallback)
     except Exception as retry:
-        second = str(retry).strip().splitlines()[0] if str(retry).strip() else repr(retry)
-        raise DevicelessCompileError(
-            f"XLA could not compile the step for {target_name}: {first[:300]}; the fallback "
-            f"{DEVICELESS_FALLBACK} failed too: {second[:300]}. This is an XLA limitation of "
-            "compiling for a GPU that is not here; try another sequence length or batch shape, "
-            "or plan on the GPU itself."
-        ) from None
+        raise _both_failed(target_name, first, _first_line(retry)) from None
     note = (f"deviceless compile hit an XLA error ({first[:160]}); compiled again with "
             "xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs instead of Triton)")
     return _Noted(compiled, note)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else repr(error)
+
+
+def _both_failed(target_name: str, first: str, second: str) -> DevicelessCompileError:
+    """The error when the compile failed both without and with :data:`DEVICELESS_FALLBACK`."""
+    return DevicelessCompileError(
+        f"XLA could not compile the step for {target_name}: {first[:300]}; the fallback "
+        f"{DEVICELESS_FALLBACK} failed too: {second[:300]}. This is an XLA limitation of "
+        "compiling for a GPU that is not here; try another sequence length or batch shape, "
+        "or plan on the GPU itself."
+    )
 
 
 class _Noted:
