@@ -27,12 +27,12 @@ One module whose tests all run in one child process with 4 host devices
 (``--test tests/adapters/keras/test_train_step.py``, 15 tests), one round at 22:22:
 pinned 68.4 s / 71.0 CPU s, baseline 90.6 / 94.4 (0.75x).
 
-Yet the whole suite (``make test``) pinned took 20 min 2 s and 2356 CPU s (started 21:35), and
-unpinned right after it 18 min 6 s and 2131 CPU s (21:57). Not measured apart, the likely
-reasons: pinned, a worker cannot use the other core while the session's background jobs
-(``tests/_jobs.py``: the lab's dry run, 128 CPU s over both cores) hold its own, nor at the end
-of the run once the other worker has finished. So ``make test`` does not pin; this script is
-how to try a lever again, next to the baseline.
+The whole suite (``make test``) the same evening, pinned and unpinned in turn: pinned 20 min 2 s
+(2356 CPU s, started 21:35), unpinned 18 min 6 s (2131, 21:57), pinned 14 min 59 s (1771,
+22:27), unpinned 18 min 42 s (2190, 22:46). The machine's speed moved by more than the lever
+within the hour, so whole-suite runs decide it only over several interleaved rounds
+(``--test tests --test autoaccum --test autoaccum_demo --rounds 3``, about 100 minutes);
+``make test`` does not pin until they do.
 """
 
 from __future__ import annotations
