@@ -31,7 +31,7 @@ The whole suite (``make test``) the same evening, pinned and unpinned in turn: p
 (2356 CPU s, started 21:35), unpinned 18 min 6 s (2131, 21:57), pinned 14 min 59 s (1771,
 22:27), unpinned 18 min 42 s (2190, 22:46). The machine's speed moved by more than the lever
 within the hour, so whole-suite runs decide it only over several interleaved rounds
-(``--test tests --test autoaccum --test autoaccum_demo --rounds 3``, about 100 minutes);
+(``--test all --rounds 3``, about 100 minutes);
 ``make test`` does not pin until they do.
 """
 
@@ -81,9 +81,11 @@ def main() -> None:
                         help="compared with the baseline, each run next to it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--test", action="append", dest="tests",
-                        help="a test path (repeat it for several; default: the subset above)")
+                        help="a test path (repeat it for several; default: the subset above); "
+                        "'all': the whole suite as make test runs it (its testpaths, the "
+                        "session's background jobs started with it)")
     args = parser.parse_args()
-    args.tests = args.tests or SUBSET
+    args.tests = [] if args.tests == ["all"] else args.tests or SUBSET
     names = [n for n in args.configurations if n != "baseline"] + ["baseline"]
     rows, totals = [], {n: [0.0, 0.0] for n in names}
     for round_ in range(1, args.rounds + 1):

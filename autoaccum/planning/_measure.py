@@ -252,7 +252,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
         if program is not None and getattr(compiled, "autoaccum_compile_note", ""):
             program.deviceless_fallback.add(target.fingerprint)
         return compiled
-    return lowered.compile(compiler_options=options) if options else lowered.compile()
+    return _compile(lowered, options)
 
 
 @contextlib.contextmanager
@@ -325,11 +325,11 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
         except Exception as error:
             second = _first_line(error)
         try:
-            return lowered.compile(compiler_options=options) if options else lowered.compile()
+            return _compile(lowered, options)
         except Exception as error:
             raise _both_failed(target_name, _first_line(error), second) from None
     try:
-        return lowered.compile(compiler_options=options) if options else lowered.compile()
+        return _compile(lowered, options)
     except Exception as error:
         first = _first_line(error)
         if "INTERNAL" not in first:
@@ -341,6 +341,11 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
     note = (f"deviceless compile hit an XLA error ({first[:160]}); compiled again with "
             "xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs instead of Triton)")
     return _Noted(compiled, note)
+
+
+def _compile(lowered: Any, options: dict) -> Any:
+    """``lowered.compile()`` with ``options`` (none passed when there are none)."""
+    return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
 def _first_line(error: BaseException) -> str:
