@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,13 @@ def median_seconds(run: Callable[[], object], *, repeats: int = 5, warmup: int =
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) child processes and
+    their descendants; the difference of two calls is what a child run between them used."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def print_table(headers: list[str], rows: list[list[object]]) -> None:

@@ -75,14 +75,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import print_table
+from _common import children_cpu_seconds, print_table
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {  # name: the CLI arguments
@@ -93,20 +92,15 @@ CASES = {  # name: the CLI arguments
 }
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(args: list[str], cache: str) -> tuple[dict, float, float, float]:
     """``autoaccum plan ARGS --json`` in a fresh process: (its JSON, wall s, CPU s, load)."""
     env = {**os.environ, "AUTOACCUM_CACHE_DIR": cache,
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     load = os.getloadavg()[0]
-    cpu0, start = _children_cpu(), time.perf_counter()
+    cpu0, start = children_cpu_seconds(), time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "autoaccum", "plan", *args, "--json"],
                           capture_output=True, text=True, env=env, cwd=ROOT)
-    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu0
+    wall, cpu = time.perf_counter() - start, children_cpu_seconds() - cpu0
     try:
         out = json.loads(done.stdout)
     except ValueError:

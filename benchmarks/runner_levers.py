@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import print_table
+from _common import children_cpu_seconds, print_table
 
 REPO = Path(__file__).resolve().parent.parent
 SUBSET = ["tests/adapters/flax", "tests/training", "tests/planning/test_backoff.py",
@@ -68,14 +67,13 @@ def run_once(tests: list[str], name: str) -> tuple[float, float, str]:
     extra, env = CONFIGURATIONS[name]
     environment = {**os.environ, **env,
                    "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = children_cpu_seconds()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist",
                            "loadgroup", "-p", "no:cacheprovider", "-rf", *extra, *tests],
                           cwd=REPO, env=environment, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = children_cpu_seconds() - before
     lines = proc.stdout.strip().splitlines()
     for line in lines:
         if line.startswith(("FAILED ", "ERROR ")):
