@@ -8,6 +8,11 @@ import tempfile
 
 import pytest
 
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                  "--xla_cpu_use_fusion_emitters=false",  # jaxlib < 0.11
+                  "--xla_cpu_parallel_codegen_split_count=1")
+"""The test session's CPU compile flags (below); those this jaxlib does not know are left out."""
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -47,10 +52,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # parts for parallel code generation: both cores already run a test each (pytest -n 2), so the
 # split only adds work (the same 4 compiles of the demo LM's step in fresh processes, four
 # rounds interleaved: 9.19 -> 8.05 CPU s, -12%; the same memory figures, to the byte).
-# Set XLA_FLAGS yourself to test with other flags.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
+# Set XLA_FLAGS yourself to test with other flags. Each flag is kept only where this jaxlib
+# knows it (jaxlib 0.11+ abort at start on an unknown one, and 0.11 removed the emitters'
+# flag): probed once per session by a child process (autoaccum.devices._xla_options).
+if "XLA_FLAGS" not in os.environ:
+    from autoaccum.devices._xla_options import known_xla_flags
+
+    os.environ["XLA_FLAGS"] = known_xla_flags(
+        " ".join(TEST_XLA_FLAGS), cache_dir=os.path.join(_SESSION, "xla-flags"))
 # pytest imported JAX already (the warning filter in pyproject.toml names a class in
 # autoaccum.devices), so the environment reaches only child processes: set this one too.
 import jax  # noqa: E402 (after the environment above, on purpose)

@@ -59,7 +59,8 @@ def _prepare_cpu_environment() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the demo; returns the exit status (2: bad arguments, 1: a missing package).
+    """Runs the demo; returns the exit status (2: bad arguments, 1: a missing package or a
+    part of the demo that failed).
 
     Example:
       >>> main(["--epochs", "0"])
@@ -84,7 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _prepare_cpu_environment()
         from ._demo import run_default_demo
 
-        run_default_demo(epochs=args.epochs, dry_run=not args.no_dry_run)
+        story = run_default_demo(epochs=args.epochs, dry_run=not args.no_dry_run)
+        if story["failed"]:
+            print(f"autoaccum-demo: error: the demo's {', '.join(story['failed'])} failed "
+                  "(its error is above)", file=sys.stderr, flush=True)
+            return 1
     except MissingExtraError as error:
         print(f"autoaccum-demo: error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -78,7 +78,8 @@ def run_default_demo(*, epochs: int | None = None, dry_run: bool = True,
 
     Returns:
       ``{"dry_run": the report text of (a) or None, "finetune": FinetuneResult,
-      "seconds": {...}}``.
+      "seconds": {...}, "failed": the parts that failed ("dry_run")}``; a failure of (b) is
+      raised (after stopping (a)).
 
     Example (what ``make demo`` runs):
       >>> story = run_default_demo()  # doctest: +SKIP
@@ -103,7 +104,13 @@ def run_default_demo(*, epochs: int | None = None, dry_run: bool = True,
     enable_compile_cache()
     _rule(out, "(b) A real run here: plan, accumulate, fine-tune, and see it learn")
     begin = time.perf_counter()
-    result = finetune_demo(epochs=epochs or 6, out=out, log=log, verbose=verbose)
+    try:
+        result = finetune_demo(epochs=epochs or 6, out=out, log=log, verbose=verbose)
+    except BaseException:
+        if child is not None:  # no orphan compiling on after the demo ended
+            child.kill()
+            child.wait()
+        raise
     seconds["finetune"] = time.perf_counter() - begin
     losses = result.losses
     print(f"loss on the answers: {result.first_step_loss:.3f} at the first step; per epoch "
@@ -112,6 +119,7 @@ def run_default_demo(*, epochs: int | None = None, dry_run: bool = True,
     print(f"effective batch {result.plan.effective_batch} = micro_batch "
           f"{result.plan.micro_batch} x {result.plan.accum_steps} accumulation steps, learning "
           f"rate {result.plan.lr_scaling.arithmetic()}", file=out, flush=True)
+    failed = []
     if child is not None:
         stdout, stderr = child.communicate()
         seconds["dry_run"] = time.perf_counter() - start
@@ -120,8 +128,9 @@ def run_default_demo(*, epochs: int | None = None, dry_run: bool = True,
         if child.returncode:
             tail = "\n".join(stderr.strip().splitlines()[-15:])
             print(f"the dry run failed (exit {child.returncode}):\n{tail}", file=out)
+            failed.append("dry_run")
         report = stdout
     seconds["total"] = time.perf_counter() - start
     print("\n" + ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in seconds.items()),
           file=out, flush=True)
-    return {"dry_run": report, "finetune": result, "seconds": seconds}
+    return {"dry_run": report, "finetune": result, "seconds": seconds, "failed": failed}

@@ -49,7 +49,7 @@ def import_error_message(error: ImportError, what: str) -> str:
     if isinstance(error, MissingExtraError):  # already names the extra and its install
         return text
     module = (getattr(error, "name", None) or "").split(".")[0]
-    if "jax-cuda12-plugin" in text or module == "jax_plugins":
+    if "jax-cuda1" in text or module == "jax_plugins":
         return f"{what}: {text} (or: pip install 'autoaccum[dryrun]')"
     extra = EXTRAS.get(module)
     if extra is None:

@@ -1,6 +1,7 @@
 """Compile for a named GPU that is not there (a "deviceless" compile).
 
-With the jax-cuda12-plugin installed, XLA can compile a program for a GPU described by a
+With JAX's CUDA plugin installed (``jax-cuda13-plugin``, JAX's default, or
+``jax-cuda12-plugin``), XLA can compile a program for a GPU described by a
 ``GpuTargetConfigProto`` without a driver or a GPU. The compiled program's
 ``memory_analysis()`` is then what that GPU would need, remat pass included.
 """
@@ -14,7 +15,13 @@ import os
 from typing import Any
 
 from ._detect import jax_started
-from ._extras import MissingExtraError, installed_version, missing_from_extra
+from ._extras import (
+    CUDA_PLUGINS,
+    MissingExtraError,
+    cuda_plugin,
+    installed_version,
+    missing_from_extra,
+)
 from ._profiles import DeviceProfile, find_profile
 from ._ptxas import deviceless_blocker
 from ._quiet import nvidia_gpu_absent, quiet_native_logs
@@ -72,8 +79,9 @@ def deviceless_target(
     ``hosts``): JAX's CUDA topology ``"1 x hosts x devices/hosts"``.
 
     ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
-    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs the jax-cuda12-plugin at
-    JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says so), and
+    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs JAX's CUDA 13 (or 12)
+    plugin at JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says
+    so), and
     JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
     machine without CUDA (set for you if JAX has not yet loaded its plugins).
 
@@ -91,8 +99,8 @@ def deviceless_target(
         profile = find_profile(profile)
     if device_memory_bytes is None:
         device_memory_bytes = profile.pool_bytes()
-    text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes)
-    _require_cuda_plugin()
+    cuda = _require_cuda_plugin()
+    text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes, cuda=cuda)
     blocker = deviceless_blocker(profile)
     if blocker is not None:
         raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
@@ -181,23 +189,24 @@ def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
     return topology, mesh, sharding
 
 
-def _require_cuda_plugin() -> None:
-    """The CUDA plugin and its PJRT library, at exactly JAX's version, or an ImportError
-    naming the extra that installs them (before JAX's own ``No module named ...``)."""
+def _require_cuda_plugin() -> str:
+    """The CUDA plugin to compile with (``"cuda13"``, else ``"cuda12"``): plugin and PJRT
+    library at exactly JAX's version, or an ImportError naming the extra that installs them
+    (before JAX's own ``No module named ...``)."""
+    found = cuda_plugin()
+    if found is not None:
+        return found
     problems = missing_from_extra("dryrun")
-    if problems:
-        received = ", ".join(
-            f"{name}={installed_version(name)}"
-            for name in ("jax", "jax-cuda12-plugin", "jax-cuda12-pjrt")
-        )
-        raise MissingExtraError(
-            "Compiling for a GPU that is not here (deviceless) needs JAX's CUDA plugin at "
-            f"exactly JAX's version (no driver or GPU needed): {'; '.join(problems)}. Install "
-            "it with: pip install 'autoaccum[dryrun]' (on a machine with an NVIDIA GPU: pip "
-            "install 'autoaccum[cuda12]'); both pin the plugin to the jax that resolves. "
-            f"Received: {received}",
-            extra="dryrun",
-        )
+    plugins = [name for names in CUDA_PLUGINS.values() for name in names[:2]]
+    received = ", ".join(f"{name}={installed_version(name)}" for name in ("jax", *plugins))
+    raise MissingExtraError(
+        "Compiling for a GPU that is not here (deviceless) needs JAX's CUDA plugin at "
+        f"exactly JAX's version (no driver or GPU needed): {'; '.join(problems)}. Install "
+        "it with: pip install 'autoaccum[dryrun]' (CUDA 13, JAX's default; 'autoaccum"
+        "[dryrun-cuda12]' for CUDA 12; on a machine with an NVIDIA GPU: 'autoaccum[cuda13]'); "
+        f"each pins the plugin to the jax that resolves. Received: {received}",
+        extra="dryrun",
+    )
 
 
 def _allow_cuda_plugin_without_driver() -> None:

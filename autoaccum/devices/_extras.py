@@ -1,16 +1,19 @@
 """Optional features and the extra that installs each: one check, one message.
 
 ``pip install autoaccum`` plans and trains Flax NNX models on any device. The rest comes in
-extras (``pyproject.toml`` declares the same requirements as :data:`EXTRAS`; a test keeps
-them equal):
+extras, whose requirements are read from one place, the package's own metadata
+(``pyproject.toml``; :data:`EXTRAS` is that table, never a second copy):
 
 * ``keras``: Keras 3 models, keras-hub presets and the default demo (keras-hub brings
   TensorFlow through tensorflow-text; no second TensorFlow is added), and ``keras_nlp``
   (keras-nlp, at keras-hub's version: a shim whose models are keras-hub's);
-* ``dryrun``: compiling for a named GPU that is not here (JAX's CUDA plugin at exactly
-  JAX's version, without the CUDA libraries: no driver or GPU is needed);
-* ``cuda12``: JAX on an NVIDIA GPU (the plugin at JAX's version with the CUDA libraries):
-  what a GPU machine or Colab needs so that the plugin follows JAX when JAX moves;
+* ``dryrun``: compiling for a named GPU that is not here (JAX's CUDA 13 plugin at exactly
+  JAX's version, without the CUDA libraries: no driver or GPU is needed); ``dryrun-cuda12``
+  the same with the CUDA 12 plugin (for GPUs older than compute capability 7.5, which CUDA 13
+  no longer targets: V100, P100);
+* ``cuda13`` (JAX's default) and ``cuda12``: JAX on an NVIDIA GPU (the plugin at JAX's version
+  with the CUDA libraries): what a GPU machine or Colab needs so that the plugin follows JAX
+  when JAX moves;
 * ``plot``: ``plot_plan`` and ``autoaccum plan --plot``.
 
 :func:`require_extra` raises an ``ImportError`` naming the ``pip install 'autoaccum[...]'``
@@ -21,36 +24,92 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 __all__ = [
+    "CORE_REQUIREMENTS",
+    "CUDA_PLUGINS",
     "EXTRAS",
+    "JAX_RANGE",
     "MissingExtraError",
+    "cuda_plugin",
     "installed_version",
     "missing_from_extra",
     "require_extra",
 ]
 
-JAX_RANGE = ">=0.10.2,<0.11"
+_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
-EXTRAS: dict[str, tuple[str, ...]] = {
-    "keras": ("keras>=3.15.1,<3.16", "keras-hub>=0.32.0", "keras-nlp>=0.32.0",
-              "sentencepiece>=0.2"),
-    "dryrun": (f"jax[cuda12-local]{JAX_RANGE}",),
-    "cuda12": (f"jax[cuda12]{JAX_RANGE}",),
-    "plot": ("matplotlib>=3.8",),
+
+def _declared() -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """The core requirements and each extra's, as ``pyproject.toml`` declares them: read from
+    the checkout's ``pyproject.toml`` when autoaccum runs from one (a source tree on
+    ``PYTHONPATH`` or an editable install), else from the installed package's metadata."""
+    project = tomllib.loads(_PYPROJECT.read_text()).get("project", {}) \
+        if _PYPROJECT.is_file() else {}
+    if project.get("name") == "autoaccum":
+        extras = project.get("optional-dependencies", {})
+        return (tuple(project["dependencies"]),
+                {name: tuple(reqs) for name, reqs in extras.items() if name != "dev"})
+    core: list[str] = []
+    extras: dict[str, list[str]] = {}
+    for text in importlib.metadata.requires("autoaccum") or ():
+        requirement = Requirement(text)
+        marker = str(requirement.marker or "")
+        requirement.marker = None
+        if not marker:
+            core.append(str(requirement))
+        elif marker.startswith("extra == "):
+            name = marker.split("==", 1)[1].strip().strip("\"'")
+            if name != "dev":
+                extras.setdefault(name, []).append(str(requirement))
+    return tuple(core), {name: tuple(reqs) for name, reqs in extras.items()}
+
+
+CORE_REQUIREMENTS, EXTRAS = _declared()
+"""The core requirements, and the requirements of each extra (``dev`` aside), exactly as the
+package declares them."""
+
+JAX_RANGE = str(next(Requirement(r) for r in CORE_REQUIREMENTS
+                     if Requirement(r).name == "jax").specifier)
+"""The jax versions autoaccum supports (its core requirement on jax)."""
+
+CUDA_PLUGINS: dict[str, tuple[str, str, str]] = {
+    "cuda13": ("jax-cuda13-plugin", "jax-cuda13-pjrt", "dryrun"),
+    "cuda12": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "dryrun-cuda12"),
 }
-"""The requirements of each extra, exactly as ``pyproject.toml`` lists them."""
+"""JAX's CUDA plugins, preferred first: CUDA major -> (plugin, PJRT library, the autoaccum
+extra that installs it without the CUDA libraries)."""
 
-_MODULES = {"keras-hub": "keras_hub", "jax-cuda12-pjrt": "jax_plugins.xla_cuda12"}
+_MODULES = {"keras-hub": "keras_hub", "jax-cuda12-pjrt": "jax_plugins.xla_cuda12",
+            "jax-cuda13-pjrt": "jax_plugins.xla_cuda13"}
 # Distribution name -> the module it provides, where they differ beyond '-' and '_'.
 
-_LOCKSTEP = {"cuda12-local": ("jax-cuda12-plugin", "jax-cuda12-pjrt"),
-             "cuda12": ("jax-cuda12-plugin", "jax-cuda12-pjrt")}
+_LOCKSTEP = {f"{cuda}{local}": plugins[:2]
+             for cuda, plugins in CUDA_PLUGINS.items() for local in ("", "-local")}
 # jax's own extras pin these distributions to jax's exact version.
+
+
+def cuda_plugin() -> str | None:
+    """The CUDA plugin JAX can compile for a GPU with here: ``"cuda13"`` or ``"cuda12"`` (the
+    first installed of :data:`CUDA_PLUGINS`, plugin and PJRT library at jax's exact version),
+    or ``None``.
+
+    Example:
+      >>> from autoaccum.devices._extras import cuda_plugin
+      >>> cuda_plugin() in (None, "cuda13", "cuda12")
+      True
+    """
+    for cuda, distributions in CUDA_PLUGINS.items():
+        if not _check_lockstep(distributions[:2]):
+            return cuda
+    return None
 
 
 class MissingExtraError(ImportError):
@@ -96,8 +155,8 @@ def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> lis
       packages: distribution names of that extra to check; default all of them.
 
     Returns:
-      Phrases such as ``"keras is not installed"`` or ``"jax-cuda12-plugin 0.7.2 is not jax's
-      0.10.2"``.
+      Phrases such as ``"keras is not installed"`` or ``"jax-cuda13-plugin 0.11.2 is not jax's
+      0.12.0"``.
 
     >>> from autoaccum.devices._extras import missing_from_extra
     >>> missing_from_extra("plot", packages=["matplotlib"])
@@ -146,8 +205,11 @@ def _check(requirement: Requirement) -> list[str]:
     version = installed_version(requirement.name)
     if version is None:
         return [f"{requirement.name} is not installed"]
-    if version and requirement.specifier and not _within(version, requirement.specifier):
-        return [f"{requirement.name} {version} is outside {requirement.specifier}"]
+    specifier = requirement.specifier
+    if requirement.name == "jax" and not specifier:
+        specifier = SpecifierSet(JAX_RANGE)  # the plugin extras take jax's core range
+    if version and specifier and not _within(version, specifier):
+        return [f"{requirement.name} {version} is outside {specifier}"]
     return []
 
 

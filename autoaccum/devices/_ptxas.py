@@ -6,6 +6,8 @@ named GPU's architecture. CUDA 13's ``ptxas`` no longer targets GPUs older than 
 for those fails deep in XLA (``UNIMPLEMENTED: ... ptxas too old``). This module finds the
 ``ptxas`` XLA would run (the ``nvidia-cuda-nvcc`` wheel's, else the first on ``PATH``), reads
 its CUDA version, and says in one sentence why a profile cannot be compiled here, and the fix.
+Such GPUs are compiled for with JAX's CUDA 12 plugin and a CUDA 12 ``ptxas``
+(``pip install 'autoaccum[dryrun-cuda12]'`` in an environment without the CUDA 13 plugin).
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ _OLDEST_BY_CUDA = {13: (7, 5)}  # CUDA major -> oldest compute capability its pt
 
 
 def _ptxas_path() -> str | None:
-    wheel = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
-    if wheel.is_file():
-        return str(wheel)
+    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
+    for wheel in (nvidia / "cu13" / "bin" / "ptxas", nvidia / "cuda_nvcc" / "bin" / "ptxas"):
+        if wheel.is_file():  # NVIDIA's CUDA 13 wheels, then CUDA 12's
+            return str(wheel)
     cuda_dir = os.environ.get("CUDA_DIR") or os.environ.get("CUDA_HOME")
     if cuda_dir and (Path(cuda_dir) / "bin" / "ptxas").is_file():
         return str(Path(cuda_dir) / "bin" / "ptxas")
-    return shutil.which("ptxas")
+    found = shutil.which("ptxas")
+    if found is None and Path("/usr/local/cuda/bin/ptxas").is_file():
+        return "/usr/local/cuda/bin/ptxas"  # where XLA looks last
+    return found
 
 
 @functools.cache
@@ -79,7 +85,8 @@ def deviceless_blocker(profile: DeviceProfile) -> str | None:
     return (
         f"this machine's ptxas ({path}, CUDA {major}.{minor}) cannot compile for "
         f"{profile.name} (compute capability {capability[0]}.{capability[1]}; CUDA {major} "
-        f"targets {oldest[0]}.{oldest[1]} and newer). Put a CUDA 12 ptxas first "
-        "(pip install nvidia-cuda-nvcc-cu12, or CUDA_DIR=/path/to/cuda-12), or plan on that "
-        "GPU itself"
+        f"targets {oldest[0]}.{oldest[1]} and newer). Compile with JAX's CUDA 12 plugin and a "
+        "CUDA 12 ptxas: pip install 'autoaccum[dryrun-cuda12]' nvidia-cuda-nvcc-cu12 in an "
+        "environment without the CUDA 13 plugin (or CUDA_DIR=/path/to/cuda-12), or plan on "
+        "that GPU itself"
     )

@@ -2,8 +2,8 @@
 
 XLA compiles for a GPU it cannot see from this text (``get_topology_desc(platform="cuda",
 target_config=...)``). The format follows XLA's own examples in
-``xla/backends/gpu/target_config/specs/*.txtpb``, restricted to the fields the
-jax-cuda12-plugin's XLA parses (it rejects e.g. ``mem_clock_ghz``).
+``xla/backends/gpu/target_config/specs/*.txtpb``, restricted to the fields both JAX CUDA
+plugins' XLA parse (the CUDA 12 one rejects e.g. ``mem_clock_ghz``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from ._profiles import DeviceProfile, find_profile
 
 __all__ = ["gpu_target_config"]
 
-# CUDA toolkit versions the text claims; the jax-cuda12 plugin targets CUDA 12.
-_RUNTIME_VERSION = "12.8.0"
+# CUDA toolkit versions the text claims, per JAX CUDA plugin (each targets its CUDA major).
+_RUNTIME_VERSION = {"cuda12": "12.8.0", "cuda13": "13.0.0"}
 
 _INT_FIELDS_BEFORE_MEMORY = (
     "threads_per_block_limit",
@@ -32,14 +32,16 @@ _INT_FIELDS_BEFORE_MEMORY = (
 
 
 def gpu_target_config(
-    profile: DeviceProfile | str, *, device_memory_bytes: int | None = None
+    profile: DeviceProfile | str, *, device_memory_bytes: int | None = None,
+    cuda: str = "cuda13",
 ) -> str:
     """The ``GpuTargetConfigProto`` text that makes XLA compile as if on ``profile``'s GPU.
 
     ``device_memory_size`` is set to ``device_memory_bytes``, by default
     ``profile.pool_bytes()``: the pool the program will really get (CUDA's total times the
     memory fraction), so that XLA's rematerialization pass, which triggers on a share of
-    ``device_memory_size``, behaves as it will on the device.
+    ``device_memory_size``, behaves as it will on the device. ``cuda``: the JAX plugin that
+    compiles it (``"cuda13"`` or ``"cuda12"``), whose CUDA version the text claims.
 
     >>> from autoaccum.devices._target_config import gpu_target_config
     >>> text = gpu_target_config("t4", device_memory_bytes=2**30)
@@ -55,6 +57,8 @@ def gpu_target_config(
             "GPU target to compile for. Pick a GPU profile, e.g. device='t4'. "
             f"Received: profile={profile.key!r}"
         )
+    if cuda not in _RUNTIME_VERSION:
+        raise ValueError(f"cuda must be one of {sorted(_RUNTIME_VERSION)}. Received: cuda={cuda!r}")
     if device_memory_bytes is None:
         device_memory_bytes = profile.pool_bytes()
     if isinstance(device_memory_bytes, bool) or int(device_memory_bytes) <= 0:
@@ -95,8 +99,8 @@ def gpu_target_config(
         f"  pcie_bandwidth: {gpu.pcie_bandwidth}",
         f"  ecc_enabled: {'true' if gpu.ecc_enabled else 'false'}",
         f"  name: {_quote(gpu.device_name)}",
-        f'  runtime_version: "{_RUNTIME_VERSION}"',
-        f'  compile_time_toolkit_version: "{_RUNTIME_VERSION}"',
+        f'  runtime_version: "{_RUNTIME_VERSION[cuda]}"',
+        f'  compile_time_toolkit_version: "{_RUNTIME_VERSION[cuda]}"',
         f"  dnn_version: {_quote(gpu.dnn_version)}",
         "}",
         'platform_name: "CUDA"',

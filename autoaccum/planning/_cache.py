@@ -39,7 +39,8 @@ __all__ = ["CACHE_DIR_ENV", "NeedCache", "compiler_fingerprint", "resolve_cache"
 
 CACHE_DIR_ENV = "AUTOACCUM_CACHE_DIR"
 _FORMAT = 1
-_PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "keras", "keras-hub", "flax", "optax")
+_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "keras", "keras-hub",
+             "flax", "optax")
 _JAX_SETTINGS = ("jax_compiler_enable_remat_pass", "jax_default_matmul_precision",
                  "jax_enable_x64", "jax_default_prng_impl")
 

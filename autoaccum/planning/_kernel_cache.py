@@ -6,13 +6,14 @@ several micro-batches, once per strategy or advisor row. Most of their kernels a
 fusions at the same shapes (the optimizer update of every weight, the blocks' matmuls at a
 given micro-batch), yet each compile emits LLVM IR and runs ``ptxas`` for every one of them
 again. XLA keeps the machine code of the kernels it compiled in a file when given one
-(``xla_gpu_kernel_cache_file``, with its per-kernel LLVM modules:
-``xla_gpu_enable_llvm_module_compilation_parallelism``) and reuses those whose fusion, shapes
-and launch dimensions are the same (it registers the cached kernel names first, so new
-kernels never take their names). Buffer assignment, and so every memory figure autoaccum
-reads, is made on the optimised HLO before any machine code exists: the figures are the same
-with and without the cache (``tests/planning/test_kernel_cache.py`` compiles both ways), and a
-deviceless executable is never run.
+(``xla_gpu_kernel_cache_file``; before jaxlib 0.11 with per-kernel LLVM modules asked for by
+``xla_gpu_enable_llvm_module_compilation_parallelism``, an option 0.11 removed: each option is
+passed only where this jaxlib knows it, :mod:`autoaccum.devices._xla_options`) and reuses
+those whose fusion, shapes and launch dimensions are the same (it registers the cached kernel
+names first, so new kernels never take their names). Buffer assignment, and so every memory
+figure autoaccum reads, is made on the optimised HLO before any machine code exists: the
+figures are the same with and without the cache (``tests/planning/test_kernel_cache.py``
+compiles both ways), and a deviceless executable is never run.
 
 The files are this process's own (a temporary folder removed when it exits), one per GPU
 (its target description) and per concurrent compile: XLA reads the whole file before a
@@ -30,6 +31,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..devices._xla_options import known_compile_options
 
 KERNEL_CACHE_MAX_BYTES = 256 * 2**20
 """A cache file that has grown past this size is started afresh (XLA reads and rewrites the
@@ -82,14 +85,15 @@ def kernel_cache_options(target_key: str) -> Iterator[dict[str, Any]]:
 
     Example:
       >>> with kernel_cache_options("sm_75") as options:
-      ...     sorted(options)
-      ['xla_gpu_enable_llvm_module_compilation_parallelism', 'xla_gpu_kernel_cache_file']
+      ...     "xla_gpu_kernel_cache_file" in options
+      True
     """
     path = _take(target_key)
     failed = True
     try:
-        yield {"xla_gpu_enable_llvm_module_compilation_parallelism": True,
-               "xla_gpu_kernel_cache_file": str(path)}
+        yield known_compile_options({
+            "xla_gpu_enable_llvm_module_compilation_parallelism": True,  # jaxlib < 0.11
+            "xla_gpu_kernel_cache_file": str(path)})
         failed = False
     finally:
         if path.exists() and (failed or path.stat().st_size > KERNEL_CACHE_MAX_BYTES):

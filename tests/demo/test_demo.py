@@ -41,9 +41,17 @@ def test_make_demo_runs_the_default_demo_with_the_dry_run(monkeypatch):
     calls = []
     monkeypatch.setattr("autoaccum_demo._cli._prepare_cpu_environment", lambda: None)
     monkeypatch.setattr("autoaccum_demo._demo.run_default_demo",
-                        lambda **options: calls.append(options))
+                        lambda **options: calls.append(options) or {"failed": []})
     assert main([]) == 0 and main(["--epochs", "2", "--no-dry-run"]) == 0
     assert calls == [{"epochs": None, "dry_run": True}, {"epochs": 2, "dry_run": False}]
+
+
+def test_make_demo_exits_non_zero_when_its_dry_run_failed(monkeypatch, capsys):
+    monkeypatch.setattr("autoaccum_demo._cli._prepare_cpu_environment", lambda: None)
+    monkeypatch.setattr("autoaccum_demo._demo.run_default_demo",
+                        lambda **options: {"failed": ["dry_run"]})
+    assert main([]) == 1
+    assert "the demo's dry_run failed" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the fine-tune (the 4B dry run's compiles: once per session, see conftest)

@@ -6,17 +6,45 @@ import sys
 import tomllib
 
 import pytest
+from packaging.requirements import Requirement
 
-from autoaccum.devices import MissingExtraError, require_extra
-from autoaccum.devices._extras import EXTRAS, installed_version, missing_from_extra
+from autoaccum.devices import MissingExtraError, _extras, require_extra
+from autoaccum.devices._extras import (
+    CORE_REQUIREMENTS,
+    EXTRAS,
+    JAX_RANGE,
+    cuda_plugin,
+    installed_version,
+    missing_from_extra,
+)
 from tests._paths import REPO
 
 
 def test_the_runtime_table_is_what_pyproject_declares():
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = declared["optional-dependencies"]
+    assert set(EXTRAS) == set(extras) - {"dev"}
     for name, requirements in EXTRAS.items():
         assert tuple(extras[name]) == requirements, name
+    assert tuple(declared["dependencies"]) == CORE_REQUIREMENTS
+    assert str(Requirement(declared["dependencies"][0]).specifier) == JAX_RANGE
+
+
+def test_an_installed_package_reads_the_same_ranges_from_its_metadata(monkeypatch):
+    # make test's venv holds autoaccum installed (editable): its metadata, without the
+    # checkout's pyproject.toml, gives the same table.
+    if installed_version("autoaccum") in (None, ""):
+        pytest.skip("autoaccum runs from a checkout here, without installed metadata")
+    monkeypatch.setattr(_extras, "_PYPROJECT", REPO / "no-such-pyproject.toml")
+    core, extras = _extras._declared()
+
+    def parsed(requirements):
+        return {(r.name, frozenset(r.extras), r.specifier) for r in map(Requirement, requirements)}
+
+    assert set(extras) == set(EXTRAS)
+    for name in EXTRAS:
+        assert parsed(extras[name]) == parsed(EXTRAS[name]), name
+    assert parsed(core) == parsed(CORE_REQUIREMENTS)
 
 
 def test_a_missing_package_names_the_extra_that_installs_it(monkeypatch):
@@ -44,15 +72,32 @@ def test_a_package_whose_module_is_gone_counts_as_missing(monkeypatch):
 
 
 def test_an_unknown_extra_is_a_value_error_listing_the_known_ones():
-    with pytest.raises(ValueError, match=r"cuda12, dryrun, keras, plot.*extra='gpu'"):
+    with pytest.raises(ValueError,
+                       match=r"cuda12, cuda13, dryrun, dryrun-cuda12, keras, plot.*extra='gpu'"):
         require_extra("gpu", feature="x")
 
 
-def test_the_dryrun_plugin_must_be_at_jax_s_exact_version():
-    if installed_version("jax-cuda12-plugin") is None:
+def test_the_dryrun_plugin_is_cuda13_at_jax_s_exact_version():
+    if installed_version("jax-cuda13-plugin") is None:
         pytest.skip("the dryrun extra is not installed here")
     assert missing_from_extra("dryrun") == []  # installed at jax's version (make test's venv)
-    assert installed_version("jax-cuda12-plugin") == installed_version("jax")
+    assert installed_version("jax-cuda13-plugin") == installed_version("jax")
+    assert installed_version("jax-cuda13-pjrt") == installed_version("jax")
+    assert cuda_plugin() == "cuda13"
+
+
+def test_jax_outside_autoaccum_s_range_is_named_by_the_plugin_extras(monkeypatch):
+    monkeypatch.setattr(_extras, "JAX_RANGE", ">=99")
+    jax_version = installed_version("jax")
+    assert f"jax {jax_version} is outside >=99" in missing_from_extra("dryrun")
+
+
+def test_a_plugin_at_another_version_than_jax_is_not_used(monkeypatch):
+    real = _extras.installed_version
+    monkeypatch.setattr(_extras, "installed_version",
+                        lambda name: "0.0.1" if "cuda" in name else real(name))
+    assert cuda_plugin() is None
+    assert any("is not jax's" in p for p in missing_from_extra("dryrun"))
 
 
 def test_plot_plan_without_matplotlib_says_what_to_install(monkeypatch):

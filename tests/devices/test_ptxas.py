@@ -15,6 +15,7 @@ def test_a_cuda13_ptxas_blocks_volta_and_pascal_but_not_turing_or_newer(monkeypa
     for key in ("v100-32gb", "v100-16gb", "p100"):
         reason = _ptxas.deviceless_blocker(find_profile(key))
         assert reason is not None and "CUDA 13.0" in reason and "nvidia-cuda-nvcc-cu12" in reason
+        assert "autoaccum[dryrun-cuda12]" in reason
     for key in ("t4", "l4", "a100-80gb", "h100-80gb", "cpu"):
         assert _ptxas.deviceless_blocker(find_profile(key)) is None
 
