@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from ._jax_internals import backends_started
 from ._profiles import MIB, DeviceProfile, all_profiles, find_profile
 
 __all__ = [
@@ -251,13 +252,7 @@ def jax_started() -> bool:
     """
     if "jax" not in sys.modules:
         return False
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    if bridge is None:
-        return False
-    if getattr(bridge, "_plugins_registered", False):
-        return True
-    initialized = getattr(bridge, "backends_are_initialized", None)
-    return bool(initialized()) if callable(initialized) else True
+    return backends_started()
 
 
 def _cpu_device(reason: str) -> DetectedDevice:

@@ -23,6 +23,7 @@ import jax
 from ..devices._compile_platform import compiling_for
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
+from ..devices._xla_options import known_compile_options
 from ._kernel_cache import kernel_cache_options
 from ._train_program import TrainProgram, local_shape, tree_bytes
 
@@ -243,7 +244,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     with the same GEMMs."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
-    options = dict(target.compiler_options) if target is not None else {}
+    options = known_compile_options(dict(target.compiler_options)) if target is not None else {}
     if target is not None and target.deviceless:
         known = program is not None and target.fingerprint in program.deviceless_fallback
         with _without_jax_cache_warnings(), kernel_cache_options(target.fingerprint) as kernels:
@@ -315,7 +316,7 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
       DevicelessCompileError: both compiles failed (the message names both errors).
     """
     options = dict(options or {})
-    with_fallback = {**options, **DEVICELESS_FALLBACK}
+    with_fallback = known_compile_options({**options, **DEVICELESS_FALLBACK})
     if fallback_first:  # each way compiled at most once
         try:
             return _Noted(lowered.compile(compiler_options=with_fallback),
@@ -504,11 +505,11 @@ def _hlo_cost(lowered: Any) -> dict:
     """``flops`` and ``bytes accessed`` of a lowered step from its HLO (``{}`` if XLA's
     analysis is not reachable in this jaxlib)."""
     try:
-        from jax._src.lib import xla_client
+        from ..devices._jax_internals import hlo_module_cost_analysis
 
         module = lowered.compiler_ir("hlo").get_hlo_module()
         client = jax.devices("cpu")[0].client
-        cost = xla_client._xla.hlo_module_cost_analysis(client, module)
+        cost = hlo_module_cost_analysis(client, module)
     except Exception:
         return {}
     return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}

@@ -43,6 +43,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...planning._option_checks import received
+from ._internals import (
+    backbone_lora_layers,
+    backbone_lora_rank,
+    compile_arguments,
+    flatten_layers,
+)
 from ._scope import keras_lowering_scope
 from .presets._advise_preset import LORA_RANKS
 
@@ -139,7 +145,8 @@ def keras_apply_change(model: Any, options: dict,
       >>> copy, _ = keras_apply_change(model, {}, {"lora_rank": 2})
       >>> [v.path.split("/")[-1] for v in copy.trainable_variables], model.layers[0].lora_enabled
       (['bias', 'lora_kernel_a', 'lora_kernel_b'], False)
-      >>> all(v._value is None for v in copy.weights)  # nothing allocated
+      >>> from autoaccum.adapters.keras._internals import variable_buffer
+      >>> all(variable_buffer(v) is None for v in copy.weights)  # nothing allocated
       True
     """
     _check_change(change)
@@ -169,7 +176,7 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
         one like the model's (``from_config``).
 
     Returns:
-      The copy, compiled; every variable of it is deferred (``variable._value is None``):
+      The copy, compiled; every variable of it is deferred (it holds no buffer):
       plan it, do not call or fit it (reading ``variable.value`` would allocate).
 
     Raises:
@@ -257,8 +264,8 @@ def _fresh_optimizer(name: str) -> Any:
 
 def _leaf_layers(model: Any) -> list[Any]:
     """The layers holding the model's weights (no nested model or container)."""
-    return [layer for layer in model._flatten_layers(include_self=False)
-            if not list(layer._flatten_layers(include_self=False))]
+    return [layer for layer in flatten_layers(model, include_self=False)
+            if not flatten_layers(layer, include_self=False)]
 
 
 def _takes_lora(layer: Any) -> bool:
@@ -278,7 +285,7 @@ def _model_config(model: Any) -> tuple[dict, dict[str, type]]:
     Raises ``ValueError`` with the reason where the model has no config.
     """
     custom = {type(layer).__name__: type(layer)
-              for layer in model._flatten_layers(include_self=True)}
+              for layer in flatten_layers(model, include_self=True)}
     try:
         config = model.get_config()
     except Exception as error:
@@ -336,11 +343,11 @@ def _hub_lora(model: Any) -> tuple[int, list[str]] | None:
     """``(rank, layer names)`` where a keras-hub task's backbone has LoRA enabled
     (``backbone.enable_lora(rank)``, which its config does not record), else ``None``."""
     backbone = getattr(model, "backbone", None) if _is_hub_task(model) else None
-    indices = getattr(backbone, "_lora_enabled_layers", None)
+    indices = backbone_lora_layers(backbone)
     if not indices:
         return None
-    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
-    return int(backbone._lora_rank), list(dict.fromkeys(layers[i].name for i in indices))
+    layers = [layer for layer in flatten_layers(backbone, include_self=False) if layer.weights]
+    return backbone_lora_rank(backbone), list(dict.fromkeys(layers[i].name for i in indices))
 
 
 def _is_hub_task(model: Any) -> bool:
@@ -505,12 +512,11 @@ def _compile_arguments(model: Any, custom: dict[str, type], optimizer: Any) -> d
     where they round-trip, else the model's own loss and metrics objects (only read while
     planning); the optimizer: ``optimizer`` or a fresh one from the model's config."""
     import keras
-    from keras.src.saving import serialization_lib
 
-    raw = dict(model._compile_config.config)
+    raw = compile_arguments(model)
     try:
         with keras.saving.custom_object_scope(custom):
-            kwargs = dict(serialization_lib.deserialize_keras_object(model.get_compile_config()))
+            kwargs = dict(keras.saving.deserialize_keras_object(model.get_compile_config()))
     except Exception:  # a loss or metric that does not round-trip: the model's own objects
         kwargs = dict(raw)
         kwargs["optimizer"] = None

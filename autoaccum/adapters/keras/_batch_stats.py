@@ -27,6 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from ._carried import carried_out_of_checkpoints
+from ._internals import (
+    batch_norm_moments,
+    batch_norm_reduction_axes,
+    flatten_layers,
+    shadow_batch_norm_moments,
+    unshadow_batch_norm_moments,
+)
 
 __all__ = ["BATCH_STATS", "BatchStats", "validate_batch_stats"]
 
@@ -71,7 +78,7 @@ class BatchStats:
         position = {id(v): k for k, v in enumerate(mutable_refs)}
         norms: list[_Norm] = []
         if mode == "effective":
-            for layer in model._flatten_layers(include_self=False):
+            for layer in flatten_layers(model, include_self=False):
                 if (isinstance(layer, keras.layers.BatchNormalization)
                         and not getattr(layer, "renorm", False)
                         and id(layer.moving_mean) in position
@@ -92,13 +99,13 @@ class BatchStats:
         """While a micro-batch is traced, records each layer's ``(mean, variance, count)``."""
         records: list[list[tuple]] = [[] for _ in self.norms]
         for norm, sink in zip(self.norms, records, strict=True):
-            norm.layer.__dict__["_moments"] = _recording(norm.layer, sink)
+            shadow_batch_norm_moments(norm.layer, _recording(norm.layer, sink))
         try:
             with carried_out_of_checkpoints(*records):
                 yield records
         finally:
             for norm in self.norms:
-                norm.layer.__dict__.pop("_moments", None)
+                unshadow_batch_norm_moments(norm.layer)
 
     def accumulate(self, acc: tuple, records: list[list[tuple]], old: list,
                    new: list) -> tuple[tuple, list]:
@@ -157,14 +164,15 @@ def _merge(acc: tuple, part: tuple) -> tuple:
 
 
 def _recording(layer: Any, sink: list) -> Any:
-    """``layer._moments`` that also appends ``(mean, variance, count)`` to ``sink``."""
+    """The layer's moments (:func:`~._internals.batch_norm_moments`) that also append
+    ``(mean, variance, count)`` to ``sink``."""
     from keras import ops
 
-    original = type(layer)._moments.__get__(layer)
+    original = batch_norm_moments(layer)
 
     def moments(inputs: Any, mask: Any) -> tuple:
         mean, variance = original(inputs, mask)
-        axes = tuple(layer._reduction_axes)
+        axes = batch_norm_reduction_axes(layer)
         if mask is None:
             size = 1
             for axis in axes:

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from ...devices._mesh import data_parallel_mesh
 from ...devices._placement import Placement, same_mesh
 from ...planning._strategies import StateLayout, state_layout
+from ._internals import to_backend_mesh, variable_buffer, variable_layout
 
 __all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement",
            "keras_strategy_layout", "mark_trained_on"]
@@ -34,9 +35,7 @@ def keras_distribution_mesh() -> Any:
     device_mesh = current.device_mesh
     mesh = getattr(device_mesh, "backend_mesh", None)
     if mesh is None:  # pragma: no cover - older Keras
-        from keras.src.backend.jax.distribution_lib import _to_backend_mesh
-
-        mesh = _to_backend_mesh(device_mesh)
+        mesh = to_backend_mesh(device_mesh)
     return mesh
 
 
@@ -184,7 +183,7 @@ def _sharding_of(variable: Any, distribution: Any) -> NamedSharding | None:
     """The ``NamedSharding`` a Keras variable has (its value's; a variable not yet
     initialized: its layout, or the distribution's for it), or ``None`` (no layout: one
     device, or replicated on the mesh)."""
-    value = getattr(variable, "_value", None)
+    value = variable_buffer(variable)
     if isinstance(value, jax.Array):
         sharding = value.sharding
         if isinstance(sharding, NamedSharding):
@@ -198,7 +197,7 @@ def _sharding_of(variable: Any, distribution: Any) -> NamedSharding | None:
             f"{len(sharding.device_set)} devices. Lay the model out with "
             "keras.distribution.ModelParallel and a LayoutMap (or place the value with a "
             f"NamedSharding). Received: {variable.path!r} with {type(sharding).__name__}")
-    layout = getattr(variable, "_layout", None)
+    layout = variable_layout(variable)
     if layout is None and distribution is not None:
         layout = distribution.get_variable_layout(variable)
     if layout is None:

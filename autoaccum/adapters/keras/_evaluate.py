@@ -23,6 +23,7 @@ import numpy as np
 
 from ...planning._search import divisors
 from ...training._epoch_batches import split_micro_batches
+from ._internals import set_jax_state
 from ._program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._sources import KerasData
@@ -97,18 +98,18 @@ class Validator:
 
     def _keras_evaluate(self, callbacks: Any) -> dict[str, float]:
         """``model.evaluate`` (a ``test_step`` override), the variables put back if it fails."""
-        from keras.src.trainers.data_adapters import data_adapter_utils
+        import keras
 
         model, layout = self.model, self.layout
         state, _ = keras_state(model, layout)
         held = jax.tree.map(np.array, jax.device_get(state))
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(self.raw)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(self.raw)
         try:
             return model.evaluate(x, y, sample_weight=sample_weight, batch_size=self.batch_size,
                                   steps=self.steps, callbacks=callbacks, return_dict=True,
                                   verbose=0)
         except BaseException:
-            model._jax_state = None
+            set_jax_state(model, None)
             write_back(model, layout, held)
             raise
 

@@ -33,6 +33,7 @@ from ._distribution import (
     keras_strategy_layout,
 )
 from ._evaluate import Validator
+from ._internals import metrics_result_or_logs, pythonify_logs, set_jax_state, take_initial_epoch
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
 from ._program import KerasLayout, ensure_built, find_layout
 from ._runner import StepRunner
@@ -177,7 +178,7 @@ def keras_fit(
     ensure_built(model, spec, batch_size=first)
     materialize(model)
     layout = find_layout(model, spec, batch_size=first)
-    model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
+    set_jax_state(model, None, synced=True)  # no stale Keras state to sync
     if placement is not None:  # built now (optimizer and all): its layout as it is
         placement = keras_placement(model, layout)
     runner = StepRunner(model, layout, spec, mesh=mesh, placement=placement,
@@ -242,8 +243,7 @@ class _KerasHooks(FitHooks):
 
     def first_epoch(self, initial_epoch: int) -> int:
         model = self.model
-        resumed = getattr(model, "_initial_epoch", None)  # set by BackupAndRestore
-        model._initial_epoch = None
+        resumed = take_initial_epoch(model)  # set by BackupAndRestore
         if self.history is not None:
             model.history = self.history
         return resumed or initial_epoch
@@ -325,13 +325,11 @@ def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
     """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
     non-finite values are in its batch logs, not in the metrics it left unchanged; with no
     step taken, the last skipped step's logs: ``nan`` where ``model.fit`` shows ``nan``)."""
-    from keras.src.utils.python_utils import pythonify_logs
-
     if not logs:
         return {}
     if not any_finite:
         return pythonify_logs(dict(logs))
-    return pythonify_logs(model._get_metrics_result_or_logs(logs))
+    return pythonify_logs(metrics_result_or_logs(model, logs))
 
 
 def _validation(model: Any, source: KerasData, validation_data: Any,

@@ -31,6 +31,18 @@ import jax
 import jax.numpy as jnp
 
 from ...devices._warnings import AutoaccumWarning
+from ._internals import (
+    apply_mask,
+    compiled_loss,
+    flat_losses,
+    get_keras_mask,
+    instance_attribute,
+    reduce_weighted_values,
+    set_flat_losses,
+    squeeze_or_expand_to_same_rank,
+    trainer_compute_loss,
+    with_loss,
+)
 
 __all__ = ["LossRecorder", "LossTerm", "accumulation_weights", "requiring_a_loss"]
 
@@ -60,20 +72,20 @@ class LossRecorder:
     @contextmanager
     def recording(self) -> Iterator[list[LossTerm]]:
         """Within the block every compiled loss term appends a :class:`LossTerm`."""
-        compile_loss = getattr(self.model, "_compile_loss", None)
-        flat = getattr(compile_loss, "_flat_losses", None)
+        compile_loss = compiled_loss(self.model)
+        flat = flat_losses(compile_loss)
         self.terms = []
         if not flat:
             yield self.terms
             return
-        compile_loss._flat_losses = [
-            entry._replace(loss=_Recording(entry.loss, entry.loss_weights, self.terms))
+        set_flat_losses(compile_loss, [
+            with_loss(entry, _Recording(entry.loss, entry.loss_weights, self.terms))
             for entry in flat
-        ]
+        ])
         try:
             yield self.terms
         finally:
-            compile_loss._flat_losses = flat
+            set_flat_losses(compile_loss, flat)
 
 
 @contextmanager
@@ -87,18 +99,16 @@ def requiring_a_loss(model: Any) -> Iterator[None]:
     is never checked. On the JAX backend Keras skips the check and trains a constant zero
     loss (the weights never move); autoaccum refuses that, as the other backends do.
     """
-    from keras.src.trainers.trainer import Trainer
-
-    default = type(model).compute_loss is Trainer.compute_loss
-    if not default or "compute_loss" in vars(model):
+    default = type(model).compute_loss is trainer_compute_loss()
+    if not default or instance_attribute(model, "compute_loss") is not None:
         yield
         return
     original = model.compute_loss
 
     def compute_loss(*args: Any, **kwargs: Any) -> Any:
         total = original(*args, **kwargs)
-        compiled = getattr(model, "_compile_loss", None)
-        if (compiled is None or not getattr(compiled, "_flat_losses", None)) and not model.losses:
+        compiled = compiled_loss(model)
+        if (compiled is None or not flat_losses(compiled)) and not model.losses:
             raise ValueError(
                 "No loss to compute. Provide a `loss` argument in `compile()` (or add one "
                 "with `add_loss`, or override `compute_loss`): the model would train on a "
@@ -175,9 +185,7 @@ class _Recording:
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         import keras
-        from keras.src import ops, tree
-        from keras.src.backend import get_keras_mask
-        from keras.src.losses import loss as loss_module
+        from keras import ops, tree
 
         inner = self.inner
         reduction = getattr(inner, "reduction", None)
@@ -192,13 +200,13 @@ class _Recording:
 
         # keras.losses.Loss.__call__, with the denominator of the reduction kept.
         in_mask = get_keras_mask(y_pred)
-        with ops.name_scope(inner.name):
+        with keras.name_scope(inner.name):
             y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, inner.dtype), y_pred)
             y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, inner.dtype), y_true)
             values = inner.call(y_true, y_pred)
             out_mask = get_keras_mask(values)
             mask = _combine(in_mask, out_mask)
-            value = loss_module.reduce_weighted_values(
+            value = reduce_weighted_values(
                 values, sample_weight=sample_weight, mask=mask, reduction=reduction,
                 dtype=inner.dtype,
             )
@@ -222,8 +230,7 @@ def _combine(in_mask: Any, out_mask: Any) -> Any:
 def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
                  dtype: Any) -> tuple[str, Any]:
     """What ``keras.src.losses.loss.reduce_values`` divides by, and whether it is static."""
-    from keras.src import ops
-    from keras.src.losses import loss as loss_module
+    from keras import ops
 
     size = 1
     for dim in values.shape:
@@ -241,11 +248,11 @@ def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
     if mask is not None:
         mask = ops.convert_to_tensor(mask, dtype=dtype)
-    merged = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
+    merged = apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
     if merged is None:
         return "static", float(size)
     merged = ops.cast(merged, values.dtype)
-    _, merged = loss_module.squeeze_or_expand_to_same_rank(values, merged)
+    _, merged = squeeze_or_expand_to_same_rank(values, merged)
     return "dynamic", ops.cast(ops.sum(merged), "float32")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from ._internals import compiled_loss, flat_losses
 from ._loss import LossTerm
 
 __all__ = ["TermMetrics"]
@@ -34,9 +35,9 @@ class TermMetrics:
     """
 
     def __init__(self, model: Any) -> None:
-        compile_loss = getattr(model, "_compile_loss", None)
+        compile_loss = compiled_loss(model)
         metrics = list(getattr(compile_loss, "metrics", None) or [])
-        flat = getattr(compile_loss, "_flat_losses", None) or []
+        flat = flat_losses(compile_loss) or []
         self.metrics = metrics if len(metrics) == len(flat) and len(metrics) > 1 else []
         owned = {id(v) for m in self.metrics for v in m.variables}
         self.positions = [i for i, v in enumerate(model.metrics_variables) if id(v) in owned]

@@ -19,12 +19,22 @@ by construction:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...planning._lr import LearningRateScaling, scale_learning_rate
 from ...planning._option_checks import received
+from ._internals import (
+    current_learning_rate_function,
+    drop_instance_attribute,
+    instance_attribute,
+    own_learning_rate,
+    set_instance_attribute,
+    shadow_current_learning_rate,
+    unshadow_current_learning_rate,
+)
 
 __all__ = ["base_learning_rate", "keras_family", "keras_lr_scaling", "leaf_optimizers",
            "scale_keras_learning_rate", "scaled_learning_rate", "set_base_learning_rate"]
@@ -54,7 +64,7 @@ def base_learning_rate(optimizer: Any) -> Any:
     """
     import keras
 
-    current = leaf_optimizers(optimizer)[0]._learning_rate
+    current = own_learning_rate(leaf_optimizers(optimizer)[0])
     if isinstance(current, keras.Variable):
         return float(keras.ops.convert_to_numpy(current.value))
     return current
@@ -165,8 +175,9 @@ def set_base_learning_rate(optimizer: Any, value: Any) -> None:
 def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) -> Iterator[None]:
     """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate.
 
-    The optimizer's ``_get_current_learning_rate`` (what its updates and weight decay read)
-    is shadowed on the instance and restored on exit, as are ``beta_1``/``beta_2``/``epsilon``
+    The optimizer's current-rate method (what its updates and weight decay read,
+    :func:`~._internals.current_learning_rate_function`) is shadowed on the instance and
+    restored on exit, as are ``beta_1``/``beta_2``/``epsilon``
     when ``scaling.adam`` adjusts them; the optimizer's variables and config never change.
 
     Example:
@@ -188,31 +199,37 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
     import keras
 
     factor = float(scaling.factor)
-    saved: list[tuple[Any, str, Any]] = []
+    undo: list[Callable[[], None]] = []
     try:
         for leaf in leaf_optimizers(optimizer):
-            original = leaf._get_current_learning_rate
+            original = current_learning_rate_function(leaf)
 
             def current(original: Any = original) -> Any:
                 return keras.ops.multiply(original(), factor)
 
-            saved.append((leaf, "_get_current_learning_rate", _MISSING))
-            leaf.__dict__["_get_current_learning_rate"] = current
+            undo.append(functools.partial(unshadow_current_learning_rate, leaf))
+            shadow_current_learning_rate(leaf, current)
             if scaling.adam is not None:
                 for name, value in (("beta_1", scaling.adam.b1), ("beta_2", scaling.adam.b2),
                                     ("epsilon", scaling.adam.eps)):
-                    saved.append((leaf, name, leaf.__dict__.get(name, _MISSING)))
-                    leaf.__dict__[name] = value
+                    undo.append(functools.partial(
+                        _restore, leaf, name, instance_attribute(leaf, name, _MISSING)))
+                    set_instance_attribute(leaf, name, value)
         yield
     finally:
-        for leaf, name, value in reversed(saved):
-            if value is _MISSING:
-                leaf.__dict__.pop(name, None)
-            else:
-                leaf.__dict__[name] = value
+        for restore in reversed(undo):
+            restore()
 
 
 _MISSING = object()
+
+
+def _restore(leaf: Any, name: str, value: Any) -> None:
+    """Puts ``leaf``'s own attribute ``name`` back to ``value`` (``_MISSING``: none)."""
+    if value is _MISSING:
+        drop_instance_attribute(leaf, name)
+    else:
+        set_instance_attribute(leaf, name, value)
 
 
 def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
@@ -245,7 +262,7 @@ def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
     if not factor > 0.0:
         raise ValueError(f"The learning-rate factor must be positive. Received: factor={factor}")
     for leaf in leaf_optimizers(optimizer):
-        current = leaf._learning_rate
+        current = own_learning_rate(leaf)
         if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
             leaf.learning_rate = ScaledSchedule(current, factor)
         elif isinstance(current, keras.Variable):

@@ -9,6 +9,7 @@ from ...devices._extras import require_extra
 from ...planning._option_checks import received
 from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
+from ._internals import flatten_layers
 
 __all__ = ["FIT_OPTIONS", "REFUSED_OPTIONS", "check_keras_model", "is_keras_model",
            "layers_without_jit", "validate_keras_fit_kwargs"]
@@ -125,7 +126,7 @@ def layers_without_jit(model: Any) -> list[Any]:
       >>> [type(layer).__name__ for layer in layers_without_jit(model)], model.jit_compile
       (['RandomRotation'], False)
     """
-    return [layer for layer in model._flatten_layers(include_self=False)
+    return [layer for layer in flatten_layers(model, include_self=False)
             if not getattr(layer, "supports_jit", True)]
 
 

@@ -178,10 +178,10 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
     XLA-compatible whose step does not trace is named."""
     count = len(model.non_trainable_variables)
     flagged = layers_without_jit(model)
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    import keras
 
     def probe(trainable, non_trainable, metrics_vars, optimizer_vars, batch):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         _, aux = model.compute_loss_and_updates(
             trainable, non_trainable, metrics_vars, x, y, sample_weight, training=True,
             optimizer_variables=optimizer_vars,

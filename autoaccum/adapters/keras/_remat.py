@@ -1,6 +1,6 @@
 """Per-layer rematerialization for Keras models, with every policy Flax models get.
 
-Keras layers carry a ``_remat_mode`` (set by ``keras.RematScope`` at construction) that makes
+Keras layers carry a remat mode (set by ``keras.RematScope`` at construction) that makes
 ``Layer.__call__`` run ``call`` through ``layer.rematerialized_call``. autoaccum sets both, for
 the duration of planning or training, on the repeated blocks of the model (a keras-hub
 backbone's ``transformer_layers``, else the layers passed as ``layers=``), with its own
@@ -25,6 +25,16 @@ import jax
 from ...planning._remat import REMAT_POLICIES
 from ...planning._train_program import TrainProgram
 from ._carried import CARRIED_SINKS
+from ._internals import (
+    drop_instance_attribute,
+    flatten_layers,
+    full_remat_mode,
+    has_keras_history,
+    instance_attribute,
+    remat_mode,
+    set_remat_mode,
+    stateless_scope,
+)
 
 KERAS_REMAT_POLICIES = tuple(REMAT_POLICIES)
 
@@ -62,10 +72,8 @@ def keras_rematerialized(
             f"Unknown remat policy. Use 'auto' or one of "
             f"{', '.join(map(repr, KERAS_REMAT_POLICIES))}. Received: remat={policy!r}"
         )
-    from keras.src.backend.common.remat import RematMode
-
     if layers is not None:
-        chosen = [layer for layer in model._flatten_layers(include_self=False) if layers(layer)]
+        chosen = [layer for layer in flatten_layers(model, include_self=False) if layers(layer)]
     else:
         chosen = keras_blocks(model)
     if not chosen:
@@ -73,40 +81,38 @@ def keras_rematerialized(
             f"remat={policy!r} found no blocks to checkpoint: the model has no "
             "`transformer_layers`. Pass layers=lambda layer: isinstance(layer, MyBlock)."
         )
-    saved = [(layer, getattr(layer, "_remat_mode", None), layer.__dict__.get("rematerialized_call"))
+    saved = [(layer, remat_mode(layer), instance_attribute(layer, "rematerialized_call"))
              for layer in chosen]
     checkpoint_policy = REMAT_POLICIES[policy]
     try:
         for layer, _, _ in saved:
-            layer._remat_mode = RematMode("full", None, None)
+            set_remat_mode(layer, full_remat_mode())
             layer.rematerialized_call = _checkpointing(checkpoint_policy)
         yield len(saved)
     finally:
         for layer, mode, own in saved:
-            layer._remat_mode = mode
+            set_remat_mode(layer, mode)
             if own is None:
-                layer.__dict__.pop("rematerialized_call", None)
+                drop_instance_attribute(layer, "rematerialized_call")
             else:
                 layer.rematerialized_call = own
 
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                                           and not hasattr(leaf, "_keras_history"))
+                                           and not has_keras_history(leaf))
 
 
 def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., Any]]:
     """A ``rematerialized_call`` for one layer: ``call`` under ``jax.checkpoint(policy=...)``,
     differentiating through array arguments only (``training=True``, ``mask=None`` and other
     Python values stay Python values), with the layer's state writes carried out."""
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
     def rematerialized_call(layer_call: Callable[..., Any], *_: Any, **__: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             leaves, treedef = jax.tree.flatten((args, kwargs))
             where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
             written: list[int] = []
-            scope = get_stateless_scope()
+            scope = stateless_scope()
 
             sinks = list(CARRIED_SINKS)
 

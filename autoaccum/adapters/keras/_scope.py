@@ -23,6 +23,21 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from ._internals import (
+    backend_namespace,
+    build_symbolically,
+    initialize_deferred,
+    instance_attribute,
+    keras_backend,
+    optimizer_backend_module,
+    set_instance_attribute,
+    set_module_backend,
+    set_uninitialized_variables,
+    uninitialized_variables,
+    variable_buffer,
+    variable_initializer,
+)
+
 __all__ = ["concrete_values_deferred", "keras_lowering_scope", "materialize", "optimizer_in_use",
            "planning_optimizer", "symbolic_build"]
 
@@ -39,24 +54,22 @@ def keras_lowering_scope() -> Iterator[None]:
       >>> layer = keras.layers.Dense(2)
       >>> with keras_lowering_scope():
       ...     layer.build((None, 3))
-      >>> layer.kernel._value is None, tuple(layer.kernel.value.shape)
+      >>> variable_buffer(layer.kernel) is None, tuple(layer.kernel.value.shape)
       (True, (3, 2))
     """
     import keras
-    from keras.src.backend.common import global_state
 
-    name = "uninitialized_variables"
-    before = {id(v) for v in global_state.get_global_attribute(name, []) or []}
+    before = {id(v) for v in uninitialized_variables()}
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
-        pending = global_state.get_global_attribute(name, []) or []
-        global_state.set_global_attribute(name, [v for v in pending if id(v) in before])
+        pending = uninitialized_variables()
+        set_uninitialized_variables([v for v in pending if id(v) in before])
 
 
 def symbolic_build(model: Any, data_batch: Any) -> None:
-    """``model._symbolic_build`` (model, compiled loss and metrics) in a lowering scope,
+    """Keras's symbolic build (model, compiled loss and metrics) in a lowering scope,
     without building the optimizer (see :func:`planning_optimizer`)."""
     optimizer = getattr(model, "optimizer", None)
     hide = optimizer is not None and not optimizer.built
@@ -64,7 +77,7 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
         if hide:
             optimizer.built = True  # Keras skips building an optimizer marked built
         try:
-            model._symbolic_build(data_batch=data_batch)
+            build_symbolically(model, data_batch)
         finally:
             if hide:
                 optimizer.built = False
@@ -86,17 +99,14 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
       >>> optimizer = keras.optimizers.Adafactor()
       >>> with keras_lowering_scope(), concrete_values_deferred(optimizer):
       ...     optimizer.build(weights)
-      >>> all(v._value is None for v in optimizer.variables[2:])  # slots: no buffer
+      >>> all(variable_buffer(v) is None for v in optimizer.variables[2:])  # slots: no buffer
       True
     """
-    import sys
-    import types
-
     import numpy as np
-    from keras.src import backend
 
-    module = sys.modules.get(type(optimizer).__module__)
-    if module is None or getattr(module, "backend", None) is not backend:
+    backend = keras_backend()
+    module = optimizer_backend_module(optimizer)
+    if module is None:
         yield
         return
 
@@ -111,13 +121,13 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
                 return backend.numpy.full(shape, _value, dtype=dtype)
         return backend.Variable(initializer, *args, **kwargs)
 
-    substitute = types.SimpleNamespace(**vars(backend))
+    substitute = backend_namespace()
     substitute.Variable = variable
-    module.backend = substitute
+    set_module_backend(module, substitute)
     try:
         yield
     finally:
-        module.backend = backend
+        set_module_backend(module, backend)
 
 
 def planning_optimizer(model: Any) -> Any:
@@ -152,12 +162,12 @@ def optimizer_in_use(model: Any, optimizer: Any) -> Iterator[None]:
     if optimizer is model.optimizer:
         yield
         return
-    saved = model.__dict__.get("optimizer")
-    model.__dict__["optimizer"] = optimizer
+    saved = instance_attribute(model, "optimizer")
+    set_instance_attribute(model, "optimizer", optimizer)
     try:
         yield
     finally:
-        model.__dict__["optimizer"] = saved
+        set_instance_attribute(model, "optimizer", saved)
 
 
 def materialize(model: Any) -> None:
@@ -172,18 +182,15 @@ def materialize(model: Any) -> None:
         optimizer.build(model.trainable_variables)
     seen: set[int] = set()
     for variable in [*model.variables, *optimizer.variables, *model.metrics_variables]:
-        if id(variable) in seen or variable._value is not None:
+        if id(variable) in seen or variable_buffer(variable) is not None:
             continue
         seen.add(id(variable))
-        if variable._initializer is None:
+        if variable_initializer(variable) is None:
             raise ValueError(
                 f"The variable {variable.path!r} holds no value (a Keras fit/evaluate that "
                 "failed midway drops the weights it was using); reload the model or its "
                 "weights from a checkpoint. Received: a variable with value None"
             )
-        variable._deferred_initialize()
-    from keras.src.backend.common import global_state
-
-    pending = global_state.get_global_attribute("uninitialized_variables", []) or []
-    global_state.set_global_attribute(
-        "uninitialized_variables", [v for v in pending if v._value is None])
+        initialize_deferred(variable)
+    set_uninitialized_variables(
+        [v for v in uninitialized_variables() if variable_buffer(v) is None])

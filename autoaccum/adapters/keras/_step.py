@@ -33,6 +33,7 @@ from ...planning._train_program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
 from ._batch_stats import BatchStats
+from ._internals import loss_tracker
 from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
 from ._lr import scaled_learning_rate
@@ -65,12 +66,12 @@ class _Micro:
                  optimizer_vars: list | None, examples: int) -> tuple[tuple, tuple]:
         """One micro-batch (its examples on this device: the leading axis of ``batch``) of a
         step of ``examples`` examples in all (every micro-batch, every device)."""
-        from keras.src.trainers.data_adapters import data_adapter_utils
+        import keras
 
         model, layout = self.model, self.layout
         mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
         local_micro = int(jax.tree.leaves(batch)[0].shape[0])
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         with self.recorder.recording() as terms, self.stats.capturing() as moments, \
                 requiring_a_loss(model):
             _, aux = model.compute_loss_and_updates(
@@ -114,7 +115,7 @@ class _Micro:
         model = self.model
         mapping = list(zip(model.metrics_variables, metrics_vars, strict=True))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            tracker = getattr(model, "_loss_tracker", None)
+            tracker = loss_tracker(model)
             if tracker is not None:
                 tracker.update_state(loss, sample_weight=batch_size)
             self.terms.update(term_acc, batch_size)

@@ -17,6 +17,8 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
+
 __all__ = ["batched_tf_dataset", "is_stream", "stream_batches"]
 
 CHUNK = 256
@@ -31,12 +33,6 @@ def is_stream(data: Any) -> bool:
       >>> is_stream((np.zeros(3),)), is_stream(iter([np.zeros(3)]))
       (False, True)
     """
-    from keras.src.trainers.data_adapters import (
-        is_grain_dataset,
-        is_tf_dataset,
-        is_torch_dataloader,
-    )
-
     if is_tf_dataset(data) or is_torch_dataloader(data) or is_grain_dataset(data):
         return True
     if _is_py_dataset(data) or inspect.isgenerator(data):
@@ -57,17 +53,17 @@ def _one_shot(data: Any) -> bool:
 def stream_batches(data: Any, *, shuffle: bool = False, name: str = "data"
                    ) -> Iterator[tuple]:
     """One pass over ``data``: each batch packed as ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
-    from keras.src.trainers.data_adapters import data_adapter_utils, get_data_adapter
+    import keras
 
     if _one_shot(data):
         for batch in data:
-            yield _pack(data_adapter_utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
         return
-    adapter = get_data_adapter(data, shuffle=shuffle and _is_py_dataset(data))
+    adapter = data_adapter(data, shuffle=shuffle and _is_py_dataset(data))
     adapter.on_epoch_begin()
     try:
         for batch in adapter.get_numpy_iterator():
-            yield _pack(data_adapter_utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
     finally:
         adapter.on_epoch_end()
 

@@ -25,6 +25,7 @@ from ...planning._plan import Plan
 from ...training._nonfinite import NonFiniteError
 from ._data import KerasArrays
 from ._distribution import keras_placement, keras_strategy_layout
+from ._internals import set_jax_state
 from ._program import ensure_built
 from ._remat import keras_rematerialized
 from ._runner import StepRunner
@@ -159,7 +160,7 @@ class KerasTrainStep:
         packed = self._packed(batch)
         if reset_metrics:
             model.reset_metrics()
-        model._jax_state, model._jax_state_synced = None, True  # no stale Keras state to sync
+        set_jax_state(model, None, synced=True)  # no stale Keras state to sync
         with keras_rematerialized(model, self._remat, layers=self._remat_layers):
             result = self._runner.run(packed, lambda: None)
         iterations = int(model.optimizer.iterations)

@@ -34,7 +34,8 @@ The abstract state for ``jax.jit(step).lower(...)`` is then
 >>> state = abstract_state(model)
 >>> len(state.trainable), state.trainable[0].dtype, state.non_trainable[0].dtype
 (104, dtype('float32'), dtype(bfloat16))
->>> model.backbone.token_embedding.embeddings._value is None      # nothing allocated
+>>> from autoaccum.adapters.keras._internals import variable_buffer
+>>> variable_buffer(model.backbone.token_embedding.embeddings) is None      # nothing allocated
 True
 """
 
@@ -45,6 +46,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ....devices._extras import require_extra
+from .._internals import (
+    flatten_layers,
+    in_stateless_scope,
+    set_uninitialized_variables,
+    uninitialized_variables,
+)
 from .._scope import concrete_values_deferred
 from ._architectures import Architecture, load_architecture
 
@@ -108,8 +115,6 @@ def build_abstract_causal_lm(
     """
     require_extra("keras", feature="keras-hub presets", packages=("keras", "keras-hub"))
     import keras
-    from keras.src.backend.common import global_state
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
 
     arch = (
         architecture if isinstance(architecture, Architecture) else load_architecture(architecture)
@@ -143,9 +148,9 @@ def build_abstract_causal_lm(
 
     if quantize is not None and quantize != "int8":
         raise ValueError(f"quantize must be None or 'int8'. Received: quantize={quantize!r}")
-    pending_before = _pending_ids(global_state)
+    pending_before = _pending_ids()
     if quantize is not None:
-        kwargs["dtype"] = _quantized_policy(backbone_cls, kwargs, dtype, global_state)
+        kwargs["dtype"] = _quantized_policy(backbone_cls, kwargs, dtype)
     with keras.StatelessScope(initialize_variables=False):
         backbone = backbone_cls(**kwargs)
         model = task_cls(backbone=backbone, preprocessor=None, compile=False)
@@ -154,14 +159,14 @@ def build_abstract_causal_lm(
         model.compile(optimizer=optimizer)
         with concrete_values_deferred(optimizer):
             optimizer.build(model.trainable_variables)
-    _forget_pending(global_state, keep=pending_before)
+    _forget_pending(keep=pending_before)
     return model
 
 
 QUANTIZABLE = ("Dense", "EinsumDense")
 
 
-def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str, global_state: Any) -> Any:
+def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str) -> Any:
     """A ``DTypePolicyMap``: ``int8_from_<dtype>`` for every dense projection inside the
     backbone's blocks (found by building it once, abstractly), ``dtype`` elsewhere."""
     import re
@@ -169,16 +174,16 @@ def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str, global_state:
     import keras
     from keras.dtype_policies import DTypePolicyMap
 
-    keep = _pending_ids(global_state)
+    keep = _pending_ids()
     small = {**kwargs}
     if isinstance(small.get("num_layers"), int):  # the names repeat block after block
         small["num_layers"] = min(small["num_layers"], 2)
     with keras.StatelessScope(initialize_variables=False):
         probe = backbone_cls(**small)
     paths = sorted({re.sub(r"\d+", r"\\d+", re.escape(layer.path))
-                    for layer in probe._flatten_layers()
+                    for layer in flatten_layers(probe)
                     if type(layer).__name__ in QUANTIZABLE and "/" in layer.path})
-    _forget_pending(global_state, keep=keep)
+    _forget_pending(keep=keep)
     if not paths:
         raise ValueError(f"{backbone_cls.__name__} has no Dense/EinsumDense layer inside its "
                          "blocks to quantize. Received: quantize='int8'")
@@ -233,15 +238,12 @@ def abstract_token_batch(batch_size: int, sequence_length: int) -> dict[str, Any
     }
 
 
-def _pending_ids(global_state: Any) -> set[int]:
-    pending = global_state.get_global_attribute("uninitialized_variables") or []
-    return {id(v) for v in pending}
+def _pending_ids() -> set[int]:
+    return {id(v) for v in uninitialized_variables()}
 
 
-def _forget_pending(global_state: Any, *, keep: set[int]) -> None:
+def _forget_pending(*, keep: set[int]) -> None:
     """Drop the variables registered since ``keep`` from keras's to-initialize list."""
-    pending = global_state.get_global_attribute("uninitialized_variables")
+    pending = uninitialized_variables()
     if pending:
-        global_state.set_global_attribute(
-            "uninitialized_variables", [v for v in pending if id(v) in keep]
-        )
+        set_uninitialized_variables([v for v in pending if id(v) in keep])

@@ -1,0 +1,41 @@
+"""autoaccum's one door to JAX internals: every ``jax._src``/``jaxlib`` reach and private
+attribute.
+
+Every other module of autoaccum uses JAX's public API (``jax``, ``jax.extend``,
+``jax.experimental``) or a function here, so a new JAX release touches this file only. Each
+function names the JAX behaviour it relies on; all were checked on jax/jaxlib 0.12.0.1, and
+``tests/devices/test_jax_internals.py`` tests each behaviour on the installed JAX.
+``tests/test_private_reach.py`` fails when another module reaches past this door. This module
+imports no JAX itself: each function imports what it needs, or none.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["backends_started", "hlo_module_cost_analysis"]
+
+
+def backends_started() -> bool:
+    """Whether JAX has discovered its plugins or started a backend, i.e. read its platform
+    environment variables: ``jax._src.xla_bridge._plugins_registered``, else its
+    ``backends_are_initialized()``; ``False`` before ``jax._src.xla_bridge`` is imported.
+    Never imports or starts JAX (jax 0.12.0.1)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None:
+        return False
+    if getattr(bridge, "_plugins_registered", False):
+        return True
+    initialized = getattr(bridge, "backends_are_initialized", None)
+    return bool(initialized()) if callable(initialized) else True
+
+
+def hlo_module_cost_analysis(client: Any, module: Any) -> dict[str, float]:
+    """XLA's cost analysis (``flops``, ``bytes accessed``, ...) of an HLO module
+    (``lowered.compiler_ir("hlo").get_hlo_module()``) on ``client`` (a device's
+    ``.client``), without compiling it: ``jax._src.lib.xla_client._xla
+    .hlo_module_cost_analysis`` (jaxlib 0.12.0.1)."""
+    from jax._src.lib import xla_client
+
+    return xla_client._xla.hlo_module_cost_analysis(client, module)
