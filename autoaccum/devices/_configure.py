@@ -15,6 +15,7 @@ import warnings
 from ._detect import detect_device, jax_started
 from ._profiles import DeviceProfile, find_profile
 from ._warnings import AutoaccumWarning
+from ._xla_options import known_xla_flags
 
 __all__ = ["configure"]
 
@@ -33,11 +34,13 @@ def configure(
     GPU with NVML. On a GPU it sets:
 
     * the memory fraction, ``memory_fraction`` or the profile's ``default_memory_fraction``,
-      as ``XLA_PYTHON_CLIENT_MEM_FRACTION``. If you already set it, or its newer name
-      ``XLA_CLIENT_MEM_FRACTION`` (JAX refuses both), your value is kept unless
-      ``memory_fraction`` is given, which then replaces it under the name you used;
-    * the profile's ``[environment]``: ``XLA_FLAGS`` entries are appended unless a flag of
-      the same name is already there; other variables are set only if unset.
+      as ``XLA_CLIENT_MEM_FRACTION`` (every supported jax reads it). If you already set it,
+      or its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX refuses both), your value is
+      kept unless ``memory_fraction`` is given, which then replaces it under the name you used;
+    * the profile's ``[environment]``: ``XLA_FLAGS`` entries this jaxlib knows are appended
+      unless a flag of the same name is already there (an unknown flag would abort JAX at
+      start; :func:`autoaccum.devices._xla_options.known_xla_flags`); other variables are set
+      only if unset.
 
     On the CPU only ``KERAS_BACKEND`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (so dry-run
     plans for a named GPU work later in the process) are set. A ``KERAS_BACKEND`` other than
@@ -46,7 +49,7 @@ def configure(
 
     >>> from autoaccum.devices._configure import configure
     >>> changed = configure("t4", verbose=False)  # doctest: +SKIP
-    >>> changed["XLA_PYTHON_CLIENT_MEM_FRACTION"], changed["XLA_FLAGS"]  # doctest: +SKIP
+    >>> changed["XLA_CLIENT_MEM_FRACTION"], changed["XLA_FLAGS"]  # doctest: +SKIP
     ('0.9', '--xla_gpu_enable_command_buffer=')
     """
     profile, detected_note = _resolve(device)
@@ -129,7 +132,7 @@ def _fraction(
             "both. Unset one of them. Received: "
             + ", ".join(f"{n}={os.environ[n]!r}" for n in FRACTION_VARS)
         )
-    name = present[0] if present else FRACTION_VARS[0]
+    name = present[0] if present else "XLA_CLIENT_MEM_FRACTION"  # every supported jax reads it
     if present and memory_fraction is None:
         notes.append(f"kept your {name}={os.environ[name]}")
         return {}
@@ -142,8 +145,8 @@ def _environment(profile: DeviceProfile, notes: list[str]) -> dict[str, str]:
     for key, value in profile.environment:
         if key in FRACTION_VARS:
             continue  # the fraction comes from default_memory_fraction / memory_fraction
-        if key == "XLA_FLAGS":
-            merged = _merge_flags(os.environ.get(key, ""), value)
+        if key == "XLA_FLAGS":  # only flags this jaxlib knows: it aborts on any other
+            merged = _merge_flags(os.environ.get(key, ""), known_xla_flags(value))
             if merged != os.environ.get(key, ""):
                 changed[key] = merged
         elif key in os.environ:

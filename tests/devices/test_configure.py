@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from autoaccum.devices import AutoaccumWarning
 from autoaccum.devices._configure import configure
+from autoaccum.devices._profiles import find_profile
 from tests._paths import REPO
 
 KEYS = (
@@ -41,13 +43,25 @@ def test_gpu_profile_sets_backend_fraction_and_flags():
     changed = configure("t4", verbose=False)
     assert changed == {
         "KERAS_BACKEND": "jax",
-        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
+        "XLA_CLIENT_MEM_FRACTION": "0.9",  # the name every supported jax reads
         "XLA_FLAGS": COMMAND_BUFFER,
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
     }
     for key, value in changed.items():
         assert os.environ[key] == value
-    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_a_profile_flag_this_jaxlib_does_not_know_is_left_out_not_set_to_abort_jax():
+    profile = dataclasses.replace(
+        find_profile("t4"),
+        environment=(("XLA_FLAGS", f"{COMMAND_BUFFER} --xla_no_such_flag_autoaccum=1"),))
+    changed = configure(profile, verbose=False)
+    assert changed["XLA_FLAGS"] == COMMAND_BUFFER
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    started = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1)"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-1000:]
 
 
 def test_cpu_sets_keras_backend_and_allows_later_deviceless_plans(capsys):
@@ -146,13 +160,14 @@ def test_detected_gpu_is_configured_from_its_profile(monkeypatch):
     fake.nvmlDeviceGetCudaComputeCapability = lambda h: (8, 0)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     changed = configure(verbose=False)
-    assert changed["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    assert changed["XLA_CLIENT_MEM_FRACTION"] == "0.95"
 
 
 def test_no_gpu_detected_configures_the_cpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     assert configure(verbose=False)["KERAS_BACKEND"] == "jax"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
 
 
 def test_unknown_device_name_is_a_clear_error():
@@ -165,6 +180,7 @@ import sys, warnings
 warnings.simplefilter("error", UserWarning)
 import jax  # importing jax reads no settings yet: no warning, and they take effect
 from autoaccum.devices._configure import configure
+from autoaccum.devices._profiles import find_profile
 configure("t4", verbose=False)
 import jax.numpy as jnp
 print(float(jnp.ones(3).sum()))  # JAX starts with the configured XLA_FLAGS

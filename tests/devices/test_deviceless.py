@@ -119,23 +119,38 @@ def test_missing_cuda_plugin_says_what_to_install(monkeypatch):
     from autoaccum.devices import MissingExtraError
     from autoaccum.devices._deviceless import deviceless_target
 
-    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # as if not installed
+    for cuda in ("cuda12", "cuda13"):  # as if neither were installed
+        monkeypatch.setitem(sys.modules, f"jax_plugins.xla_{cuda}", None)
     with pytest.raises(MissingExtraError) as info:
         deviceless_target("t4", device_memory_bytes=12345678)
     message = str(info.value)
-    assert "jax-cuda12-pjrt is not installed" in message
+    assert "jax-cuda13-pjrt is not installed" in message  # the dryrun extra's, JAX's default
     assert "pip install 'autoaccum[dryrun]'" in message
-    assert "pip install 'autoaccum[cuda12]'" in message  # the GPU-machine variant
+    assert "'autoaccum[dryrun-cuda12]'" in message and "'autoaccum[cuda13]'" in message
     assert info.value.extra == "dryrun"
+
+
+def test_either_cuda_plugin_compiles_for_a_gpu_and_cuda13_is_preferred(monkeypatch):
+    from autoaccum.devices._extras import cuda_plugin
+
+    if cuda_plugin() is None:
+        pytest.skip("no CUDA plugin installed here")
+    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
+    assert cuda_plugin() == "cuda13"  # make test's venv: the dryrun extra's plugin
+    from autoaccum.devices._deviceless import deviceless_target
+
+    target = deviceless_target("t4", device_memory_bytes=2**30)
+    assert 'runtime_version: "13.0.0"' in target.target_config
 
 
 def test_missing_plugin_namespace_is_our_message_not_a_module_not_found(monkeypatch):
     # Without the plugin there is no jax_plugins package at all; find_spec on
-    # "jax_plugins.xla_cuda12" then raised "No module named 'jax_plugins'" before our message.
+    # "jax_plugins.xla_cuda1x" then raised "No module named 'jax_plugins'" before our message.
     from autoaccum.devices import MissingExtraError
     from autoaccum.devices._deviceless import deviceless_target
 
-    monkeypatch.delitem(sys.modules, "jax_plugins.xla_cuda12", raising=False)
+    for cuda in ("cuda12", "cuda13"):
+        monkeypatch.delitem(sys.modules, f"jax_plugins.xla_{cuda}", raising=False)
     monkeypatch.setitem(sys.modules, "jax_plugins", None)  # as if no plugin was ever installed
     with pytest.raises(MissingExtraError, match=r"autoaccum\[dryrun\]"):
         deviceless_target("t4", device_memory_bytes=12345679)

@@ -61,7 +61,8 @@ for profile in all_profiles():
         platform="cuda", target_config=gpu_target_config(profile), topology="1x1x1")
     result[profile.key] = [topo.devices[0].device_kind, time.perf_counter() - start]
 # The parser is strict: an unknown field is rejected (so acceptance above means something).
-bad = gpu_target_config("t4").replace("core_count:", "mem_clock_ghz: 1.0\\n  core_count:")
+bad = gpu_target_config("t4").replace("core_count:",
+                                      "no_such_field_autoaccum: 1\\n  core_count:")
 try:
     topologies.get_topology_desc(platform="cuda", target_config=bad, topology="1x1x1")
     result["__strict__"] = False
