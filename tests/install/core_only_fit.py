@@ -39,7 +39,7 @@ def loss_fn(model: TinyLM, batch: dict) -> tuple[jax.Array, jax.Array]:
 
 
 def main() -> int:
-    extras = [name for name in ("keras", "keras-hub", "tensorflow", "jax-cuda12-plugin",
+    extras = [name for name in ("keras", "keras-hub", "tensorflow", "jax-cuda13-plugin",
                                 "matplotlib")
               if _installed(name)]
     print("autoaccum", autoaccum.__version__, "| jax", jax.__version__, "| flax",
@@ -68,7 +68,7 @@ def main() -> int:
             missing.append(error.extra)
             print(f"{feature}: {error}")
     print("extras named:", missing)
-    expected = [e for e, dist in (("dryrun", "jax-cuda12-plugin"), ("plot", "matplotlib"),
+    expected = [e for e, dist in (("dryrun", "jax-cuda13-plugin"), ("plot", "matplotlib"),
                                   ("keras", "keras-hub")) if not _installed(dist)]
     assert missing == expected, (missing, expected)
     print("CORE OK")

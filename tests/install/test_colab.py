@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from packaging.version import Version
 
 from tests._jobs import colab_findings, colab_readmes
 from tests._paths import REPO
@@ -59,6 +60,10 @@ def test_the_colab_command_keeps_jax_and_its_plugin_together_and_one_tensorflow(
     assert "PASS" in out and "FAIL" not in out, out
     assert findings["failures"] == []
     assert len(set(findings["jax"].values())) == 1
+    # Colab's jax moves forward, never backward (the freeze ships an older jax).
+    packages, _ = read_freeze(FREEZE)
+    (resolved,) = set(findings["jax"].values())
+    assert Version(resolved) >= Version(packages["jax"][1])
     assert list(findings["tensorflow"]) == ["tensorflow"]
 
 
