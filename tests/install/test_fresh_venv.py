@@ -39,8 +39,8 @@ def test_core_install_plans_and_fits_a_flax_model_in_a_fresh_venv(tmp_path):
                             capture_output=True, text=True, check=True).stdout.lower()
     names = {line.split("==")[0] for line in listed.splitlines()}
     assert "autoaccum" in names and "jax" in names and "flax" in names
-    assert not names & {"keras", "keras-hub", "tensorflow", "jax-cuda12-plugin", "jax-cuda13-plugin",
-                         "matplotlib"}
+    assert not names & {"keras", "keras-hub", "tensorflow", "jax-cuda12-plugin",
+                        "jax-cuda13-plugin", "matplotlib"}
     run = subprocess.run([python, str(REPO / "tests" / "install" / "core_only_fit.py")],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
     print(run.stdout)
