@@ -15,7 +15,7 @@ export JAX_PLATFORMS ?= cpu
 export KERAS_BACKEND ?= jax
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: demo test test-fast test-bare bench clean
+.PHONY: demo test test-fast test-bare bench docs clean
 
 $(STAMP): pyproject.toml
 	@if [ -x $(PY) ] && [ "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" != \
@@ -49,6 +49,10 @@ $(BARE)/.installed: tests/install/bare-box.txt
 
 test-bare: $(BARE)/.installed
 	PYTHONPATH=. $(BARE)/bin/python -m pytest -q -p no:cacheprovider tests/install/test_bare_box.py tests/benchmarks/test_gpu_validation.py
+
+# The docs site (mkdocs.yml, docs/), built strictly: a broken link, anchor or docstring fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py

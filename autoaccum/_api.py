@@ -190,6 +190,7 @@ def plan(
 
     What it prints:
       log: where probes are logged live (``"stderr"``, a stream, or ``None``).
+
     Returns:
       A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
       ``report()``.

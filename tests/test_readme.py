@@ -1,37 +1,36 @@
-"""The README's runnable examples run as written (blocks marked ``<!-- readme-test: NAME -->``)."""
+"""The README is a front page: short, its examples the guides' own (run by ``tests/test_docs.py``
+with every other code block of the README and the docs site), its links to pages that exist."""
 
 from __future__ import annotations
 
 import re
 
-import pytest
-
 from tests._paths import REPO
+from tests.test_docs import DOCS, blocks
 
-BLOCK = re.compile(r"<!-- readme-test: (\S+) -->\s*```python\n(.*?)```", re.S)
-
-
-def _blocks() -> dict[str, str]:
-    return dict(BLOCK.findall((REPO / "README.md").read_text()))
+README = REPO / "README.md"
+MOST_LINES = 250
 
 
-def test_the_readme_marks_its_runnable_examples():
-    assert {"train_step", "keras_train_step"} <= set(_blocks())
+def test_the_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MOST_LINES, f"README.md has {len(lines)} lines; move reference to docs/"
 
 
-@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
-@pytest.mark.parametrize("name", sorted(_blocks()))
-def test_a_readme_example_runs_as_written(name, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # examples may write files (checkpoints)
-    exec(compile(_blocks()[name], f"README.md:{name}", "exec"), {"__name__": "__readme__"})
-    printed = capsys.readouterr().out
-    if name == "train_step":
-        lines = printed.strip().splitlines()
-        assert len(lines) == 4 and (tmp_path / "checkpoint.pkl").exists()
-        losses = [float(line.split()[1]) for line in lines[1:]]
-        assert losses[-1] < losses[0]  # it trains
-    if name == "keras_train_step":
-        lines = printed.strip().splitlines()
-        assert len(lines) == 4 and (tmp_path / "regressor.keras").exists()
-        losses = [float(line.split()[1]) for line in lines[1:]]
-        assert losses[-1] < losses[0]  # it trains
+def test_the_readme_s_examples_are_the_guides_and_run_there():
+    runnable = {b.name: b.code for b in blocks(README) if b.mark == "test"}
+    assert {"keras_fit", "flax_fit"} <= set(runnable)
+    in_docs = {b.name: b.code for path in sorted(DOCS.rglob("*.md")) for b in blocks(path)
+               if b.mark == "test"}
+    for name, code in runnable.items():
+        assert in_docs.get(name) == code, (
+            f"README example {name!r} must be a docs page's block of the same name, word for "
+            "word (the docs tests run it)")
+
+
+def test_the_readme_links_to_files_that_exist():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert not missing, missing

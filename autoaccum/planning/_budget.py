@@ -1,6 +1,6 @@
 """How many bytes one train step may use: parsed from the user, or read from the device.
 
-Budget rules (also in the README):
+Budget rules (also in docs/guides/margins.md, "Budgets"):
 
 * ``budget=None`` on a device that reports memory (``memory_stats()["bytes_limit"]``):
   limit - (bytes in use - bytes of the program's own state already resident) - margin,

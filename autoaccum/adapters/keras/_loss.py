@@ -271,7 +271,7 @@ def warn_inexact_once(model: Any) -> None:
         "(each term would need its own gradient accumulator): each micro-batch is weighted by "
         "its size, which differs slightly from one big batch. The logged losses and metrics "
         "are still those of the big batch. Exact: a single loss term, or terms without masks "
-        "and data-dependent weights (see README, 'Exactness').",
+        "and data-dependent weights (see docs/guides/keras.md, 'Exactness').",
         AutoaccumWarning,
         stacklevel=3,
     )
