@@ -1,303 +1,489 @@
-"""The fresh processes of benchmarks/gpu_validation.py: one job each, a JSON line out.
+"""The fresh processes of benchmarks/gpu_validation.py: one job each, one JSON line out.
 
-    python benchmarks/_gpu_children.py JOB '{"case": {...}, ...}'
+    python benchmarks/_gpu_children.py JOB '{"size": {...}, ...}'
 
-Jobs: ``peak`` (compile-only need on this device, then real steps at one micro-batch and the
-measured peak), ``deviceless`` (needs for a named GPU from a CPU-only process), ``plan`` (the
-planner's choice here), ``backoff`` (a plan by real steps, through real out-of-memory errors),
-``elastic`` (an out-of-memory mid-training, recovered), ``t4`` (plan and train on a pool
-capped to a T4's). The parent sets the environment (JAX_PLATFORMS, memory fraction, NVML
-blocked for ``deviceless``) before this process starts.
+Every job uses autoaccum's public API (``plan``, ``measure``, ``train_step``, ``fit``) on the
+Flax models of ``_gpu_models.py``, on this process's device: a GPU where JAX sees one, else
+the CPU (where the parent set ``JAX_PLATFORMS=cpu``). The parent sets the environment (memory
+fraction, XLA flags, malloc settings) before this process starts. Jobs:
+
+* ``plans``: the planner's micro-batch for each size (compile only, this device);
+* ``point``: need compiled here at one ``micro_batch x accum_steps``, then real donated steps
+  and the measured peak (GPU: ``peak_bytes_in_use``; CPU: resident-set growth);
+* ``deviceless``: needs and a plan for a named GPU, from a CPU-only process (a laptop's view);
+* ``backoff``: ``method="backoff"``, real steps through real out-of-memory errors;
+* ``elastic``: training whose memory is squeezed after step 2; autoaccum recovers;
+* ``t4``: plan and train on a pool capped to a T4's (GPU only);
+* ``throughput``: examples/s of autoaccum's step, the native big batch and optax.MultiSteps.
+
+On a CPU a real out-of-memory comes from an address-space cap (``RLIMIT_AS``,
+``autoaccum.devices.AddressSpaceCap``); on a GPU from the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import json
 import os
-import resource
+import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-if os.environ.get("GPU_VALIDATION_BLOCK_NVML") == "1":
-    sys.modules["pynvml"] = None  # type: ignore[assignment]  # as on a machine without the GPU
-os.environ.setdefault("KERAS_BACKEND", "jax")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np
+import _gpu_models as models
 
 import autoaccum
 
 MIB = 1 << 20
+LEARNING_RATE = 1e-4
 
 
-# --- models ------------------------------------------------------------------------------
+# --- the device ----------------------------------------------------------------------------
 
 
-def flax_parts(case: dict, n: int) -> tuple[Any, dict, Any, Any]:
-    """A bf16 Flax transformer LM (random weights), token data, loss, optimizer factory."""
+def device_info() -> dict:
+    """This process's device: platform, kind, JAX's memory statistics (GPU) and versions."""
     import jax
-    import jax.numpy as jnp
-    import optax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    return {"platform": device.platform, "kind": device.device_kind, "jax": jax.__version__,
+            "bytes_limit": (stats or {}).get("bytes_limit"), "pid": os.getpid()}
+
+
+def on_gpu() -> bool:
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
+def memory_stats() -> dict:
+    """GPU: JAX's pool statistics. CPU: an empty dict."""
+    import jax
+
+    if not on_gpu():
+        return {}
+    return dict(jax.devices()[0].memory_stats() or {})
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Resets the resident-set high-water mark (Linux ``clear_refs`` 5); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def context_bytes(stats: dict) -> int | None:
+    """GPU memory this process holds outside JAX's pool (the CUDA context, libraries), from
+    ``nvidia-smi``'s per-process figure minus the pool; ``None`` where it cannot tell."""
+    if not stats or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            pool = int(stats.get("pool_bytes") or stats.get("bytes_reserved")
+                       or stats.get("bytes_limit") or 0)
+            return int(parts[1]) * MIB - pool
+    return None
+
+
+class Squeeze:
+    """Takes memory away from the next step: on a GPU by allocating a ballast array that
+    leaves ``room`` bytes free in JAX's pool; on a CPU by capping the address space at
+    ``room`` bytes above what the process holds now (the cap is lifted around compiles)."""
+
+    def __init__(self) -> None:
+        self.cap: Any = None
+        self.ballast: list = []
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[Squeeze]:
+        if on_gpu():
+            yield self
+            self.ballast.clear()
+            return
+        from autoaccum.devices import AddressSpaceCap
+
+        self.cap = AddressSpaceCap(headroom_bytes=1 << 40)
+        with self.cap:
+            yield self
+
+    def to(self, room: int) -> None:
+        if self.cap is not None:
+            self.cap.set_headroom(max(int(room), 0))
+            return
+        import jax.numpy as jnp
+
+        chunk = None
+        for _ in range(40):  # the pool may be fragmented: fill it in smaller pieces
+            stats = memory_stats()
+            excess = int(stats["bytes_limit"]) - int(stats["bytes_in_use"]) - int(room)
+            if excess < 16 * MIB:
+                return
+            chunk = min(excess, chunk or excess)
+            try:
+                self.ballast.append(jnp.zeros((chunk // 4,), jnp.float32).block_until_ready())
+            except Exception as error:
+                oom_or_raise(error)
+                chunk //= 2
+
+
+# --- autoaccum on the models -----------------------------------------------------------------
+
+
+def config(size: dict) -> models.LMConfig:
+    return models.LMConfig(**size)
+
+
+def options(cfg: models.LMConfig) -> dict:
+    """What autoaccum.plan / measure / fit / train_step take for these models."""
+    return {"optimizer": models.optimizer, "learning_rate": LEARNING_RATE, "lr_rule": "none",
+            "loss_fn": models.next_token_loss, "trainable": models.trainable(cfg)}
+
+
+def abstract_model(cfg: models.LMConfig) -> Any:
+    """The model without weights (``nnx.eval_shape``): planning and compiling need shapes."""
     from flax import nnx
 
-    size = case["size"]
-
-    class Block(nnx.Module):
-        # Attention written out: nnx.MultiHeadAttention's bf16 backward asks XLA for the
-        # ALG_DOT_BF16_BF16_F32 dot algorithm, which a T4 (cc 7.5) target refuses.
-        def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs) -> None:
-            kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
-            self.heads = heads
-            self.norm1 = nnx.RMSNorm(dim, **kw)
-            self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, **kw)
-            self.proj = nnx.Linear(dim, dim, use_bias=False, **kw)
-            self.norm2 = nnx.RMSNorm(dim, **kw)
-            self.up = nnx.Linear(dim, 4 * dim, **kw)
-            self.down = nnx.Linear(4 * dim, dim, **kw)
-
-        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-            b, t, d = x.shape
-            q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
-            q, k, v = (a.reshape(b, t, self.heads, d // self.heads) for a in (q, k, v))
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
-            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-            weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
-            x = x + self.proj(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d))
-            return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
-
-    class LM(nnx.Module):
-        def __init__(self, *, rngs: nnx.Rngs) -> None:
-            kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
-            self.embed = nnx.Embed(size["vocab"], size["dim"], **kw)
-            self.blocks = nnx.List([Block(size["dim"], size["heads"], rngs=rngs)
-                                    for _ in range(size["layers"])])
-            self.norm = nnx.RMSNorm(size["dim"], **kw)
-            self.head = nnx.Linear(size["dim"], size["vocab"], **kw)
-
-        def __call__(self, tokens: jax.Array) -> jax.Array:
-            x = self.embed(tokens)
-            mask = nnx.make_causal_mask(tokens)
-            for block in self.blocks:
-                x = block(x, mask)
-            return self.head(self.norm(x)).astype(jnp.float32)
-
-    def loss_fn(model: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-        logits = model(batch["tokens"][:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
-        return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
-
-    rng = np.random.default_rng(0)
-    data = {"tokens": rng.integers(0, size["vocab"], (n, case["seq"] + 1)).astype(np.int32)}
-    return LM(rngs=nnx.Rngs(0)), data, loss_fn, optax.adamw
+    return nnx.eval_shape(lambda: models.DecoderLM(cfg, rngs=nnx.Rngs(0)))
 
 
-def gemma_model(case: dict, *, abstract: bool = False) -> Any:
-    """keras-hub Gemma3 from a shipped architecture, bf16, random weights (or none)."""
-    import keras
-    import keras_hub
-
-    from autoaccum.adapters.keras.presets import build_abstract_causal_lm, load_architecture
-
-    lora = case["mode"] == "lora"
-    optimizer = keras.optimizers.AdamW(learning_rate=5e-5, weight_decay=0.01)
-    overrides = case["size"].get("overrides") or {}
-    if abstract:
-        return build_abstract_causal_lm(case["size"]["arch"], dtype="bfloat16",
-                                        lora_rank=case["size"]["rank"] if lora else None,
-                                        optimizer=optimizer, backbone_overrides=overrides)
-    keras.utils.set_random_seed(0)
-    kwargs = {**load_architecture(case["size"]["arch"]).backbone_kwargs(), **overrides}
-    backbone = keras_hub.models.Gemma3Backbone(**kwargs, dtype="bfloat16")
-    if lora:
-        backbone.enable_lora(rank=case["size"]["rank"])
-    model = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+def planned(cfg: models.LMConfig, model: Any, effective: int, *, budget: Any = None,
+            device: str | None = None, memory_fraction: float | None = None,
+            method: str = "compile") -> Any:
+    data = models.token_data(cfg, effective)
+    return autoaccum.plan(model, data, effective_batch=effective, budget=budget, device=device,
+                          memory_fraction=memory_fraction, remat="none", objective="memory",
+                          method=method, cache=False, log=None, data_parallel=1,
+                          **options(cfg))
 
 
-def gemma_data(case: dict, n: int) -> tuple:
-    vocab = (case["size"].get("overrides") or {}).get("vocabulary_size", 262144)
-    ids = np.random.default_rng(0).integers(1, vocab, (n, case["seq"] + 1)).astype(np.int32)
-    mask = np.ones((n, case["seq"]), bool)
-    return ({"token_ids": ids[:, :-1], "padding_mask": mask}, ids[:, 1:], mask)
+def plan_row(plan: Any, seconds: float) -> dict:
+    """A plan as JSON; ``limit`` is the largest micro-batch its probes found to fit (the
+    plan trains at ``micro_batch``, an even split of the batch at most that large)."""
+    real = sum(1 for p in plan.probes if getattr(p, "kind", "") == "real step")
+    fits = [p.micro_batch for p in plan.probes if p.fits]
+    return {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
+            "max_micro_batch": plan.max_micro_batch,
+            "limit": max([*fits, plan.max_micro_batch]), "need": plan.estimate.need_bytes,
+            "budget": plan.budget.bytes, "budget_detail": plan.budget.detail,
+            "target": plan.target, "compiles": len(plan.probes) - real,
+            "probes": [[p.micro_batch, bool(p.fits), p.error[:120]] for p in plan.probes],
+            "real_ooms": sum(1 for p in plan.probes if not p.fits and p.error),
+            "seconds": round(seconds, 1)}
 
 
-def build(case: dict, n: int) -> tuple[Any, Any, dict]:
-    """(model, data, options for autoaccum.plan/measure)."""
-    if case["family"] == "flax":
-        model, data, loss_fn, optimizer = flax_parts(case, n)
-        return model, data, {"optimizer": optimizer, "learning_rate": 1e-4, "loss_fn": loss_fn}
-    return gemma_model(case), gemma_data(case, n), {}
+def measured(cfg: models.LMConfig, model: Any, b: int, k: int, *, device: str | None = None,
+             memory_fraction: float | None = None) -> Any:
+    return autoaccum.measure(model, models.token_data(cfg, b * k), micro_batch=b,
+                             accum_steps=k, device=device, memory_fraction=memory_fraction,
+                             remat="none", cache=False, data_parallel=1, **options(cfg))
 
 
-# --- measurements ------------------------------------------------------------------------
-
-
-def device_stats() -> dict | None:
-    from autoaccum.devices._detect import jax_memory_stats
-
-    return jax_memory_stats()
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def run_steps(case: dict, model: Any, data: Any, options: dict, b: int, k: int,
-              steps: int, **fit_options: Any) -> Any:
-    """Real donated training steps at exactly ``b x k`` (autoaccum's own fit loops)."""
-    if case["family"] == "flax":
-        from autoaccum.adapters.flax._fit import flax_fit
-
-        tx = options["optimizer"](options["learning_rate"])
-        return flax_fit(model, data, plan=hand_plan(b, k), loss_fn=options["loss_fn"], tx=tx,
-                        epochs=1, shuffle=False, verbose=0, **fit_options)
-    from autoaccum.adapters.keras import keras_fit
-
-    return keras_fit(model, data, micro_batch=b, accum_steps=k, epochs=1, verbose=0,
-                     shuffle=False, steps_per_epoch=steps, **fit_options)
-
-
-def hand_plan(b: int, k: int) -> Any:
-    from autoaccum.planning._backoff import _unknown_estimate
-    from autoaccum.planning._budget import Budget
-    from autoaccum.planning._lr import scale_learning_rate
-    from autoaccum.planning._plan import Plan
+def plan_at(estimate: Any, b: int, k: int) -> Any:
+    """A :class:`autoaccum.Plan` that runs exactly ``b x k`` (no search), for the step that
+    ``estimate`` (``autoaccum.measure`` at ``b x k``) compiled."""
+    from autoaccum.planning import Budget, Plan, scale_learning_rate
 
     return Plan(micro_batch=b, accum_steps=k, data_parallel=1, effective_batch=b * k,
-                max_micro_batch=b, lr_scaling=scale_learning_rate(None, effective_batch=b * k),
-                budget=Budget(1 << 50, "validation", "hand-made"), probes=(),
-                estimate=_unknown_estimate(b, k), target="validation", plan_seconds=0.0)
+                max_micro_batch=b, estimate=estimate, probes=(), target=estimate.target,
+                lr_scaling=scale_learning_rate(LEARNING_RATE, effective_batch=b * k,
+                                               rule="none"),
+                budget=Budget(estimate.need_bytes, "validation", f"{b} x {k} by hand"),
+                plan_seconds=0.0)
 
 
-def job_peak(case: dict, b: int, k: int, steps: int = 3) -> dict:
-    """Compile-only need on this device, then ``steps`` real steps and the measured peak."""
-    model, data, options = build(case, b * k * steps)
-    start = time.perf_counter()
-    estimate = autoaccum.measure(model, data, micro_batch=b, accum_steps=k, remat="none",
-                                 data_parallel=1, **options)
-    out = {"micro_batch": b, "accum_steps": k, "need": estimate.need_bytes,
-           "argument": estimate.argument_bytes, "temp": estimate.temp_bytes,
-           "compile_s": round(time.perf_counter() - start, 2)}
-    before, rss_before = device_stats(), rss_bytes()
-    start = time.perf_counter()
-    try:
-        run_steps(case, model, data, options, b, k, steps, elastic=False, backup="none")
-        out["status"] = "ran"
-    except Exception as error:  # a real out-of-memory is the finding; anything else is too
-        from autoaccum.devices import is_out_of_memory
+def batches(data: dict, effective: int) -> Iterator[dict]:
+    n = len(data["tokens"])
+    for start in range(0, n - effective + 1, effective):
+        yield {"tokens": data["tokens"][start:start + effective]}
 
-        out["status"] = "oom" if is_out_of_memory(error) else f"error: {error!r}"[:300]
-    out["run_s"] = round(time.perf_counter() - start, 2)
-    after = device_stats()
-    if after:
-        out.update(kind="gpu", bytes_limit=after["bytes_limit"],
-                   setup_peak=before["peak_bytes_in_use"], setup_in_use=before["bytes_in_use"],
-                   peak=after["peak_bytes_in_use"])
-    else:
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        out.update(kind="cpu", rss_before=rss_before, rss_growth=max(0, peak_rss - rss_before))
+
+def oom_or_raise(error: BaseException) -> str:
+    """The first line of a real out-of-memory error (the original one, where a later error
+    such as a lost donated state was raised from it); anything else propagates."""
+    if not autoaccum.is_out_of_memory(error):
+        raise error
+    chain, current = [], error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    original = [e for e in chain if autoaccum.is_out_of_memory(e)][-1]
+    lines = [line.strip() for line in str(original).splitlines() if line.strip()]
+    return (lines[0] if lines else type(original).__name__)[:200]
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+def job_plans(sizes: list[dict], effective: list[int], budgets: list[Any]) -> dict:
+    """The planner's choice for each size on this device (compile only, no weights)."""
+    out = {"device": device_info(), "plans": []}
+    for size, e, budget in zip(sizes, effective, budgets, strict=True):
+        cfg = config(size)
+        start = time.perf_counter()
+        try:
+            row = plan_row(planned(cfg, abstract_model(cfg), e, budget=budget),
+                           time.perf_counter() - start)
+        except autoaccum.DoesNotFitError as error:
+            row = {"error": f"does not fit: {str(error).splitlines()[0][:200]}"}
+        out["plans"].append({"size": cfg.name, "effective_batch": e, **row})
     return out
 
 
-def job_deviceless(case: dict, micro_batches: list[int], effective_batch: int, profile: str,
-                   memory_fraction: float | None) -> dict:
-    """Needs for ``profile``'s GPU, compiled deviceless (this process sees no GPU)."""
-    from autoaccum.planning._measure import measure_program
-    from autoaccum.planning._targets import resolve_target
-
-    target = resolve_target(profile, None, memory_fraction=memory_fraction)
-    needs = {}
-    if case["family"] == "flax":
-        model, data, options = build(case, max(micro_batches))
-        for b in micro_batches:
-            needs[b] = autoaccum.measure(model, data, micro_batch=b,
-                                         accum_steps=max(1, effective_batch // b),
-                                         device=profile, memory_fraction=memory_fraction,
-                                         remat="none", data_parallel=1, **options).need_bytes
-    else:
-        from autoaccum.adapters.keras._remat import keras_remat_program
-        from autoaccum.adapters.keras.presets._plan_preset import token_example_spec
-
-        program = keras_remat_program(gemma_model(case, abstract=True),
-                                      token_example_spec(case["seq"]), "none")
-        for b in micro_batches:
-            needs[b] = measure_program(program, b, max(1, effective_batch // b),
-                                       target.compile_target).need_bytes
-    return {"target": target.compile_target.name, "kind": target.kind,
-            "needs": {str(b): n for b, n in needs.items()}}
-
-
-def job_plan(case: dict, effective_batch: int, method: str = "compile") -> dict:
-    """The planner's choice on this device (``method="backoff"``: by real steps)."""
-    import io
-
-    model, data, options = build(case, effective_batch)
-    log = io.StringIO()
+def job_point(size: dict, b: int, k: int, steps: int) -> dict:
+    """Need compiled here at ``b x k``, then ``1 + steps`` real donated steps and the peak."""
+    cfg = config(size)
+    rss_base = _status("VmRSS")
+    model, data = models.build(cfg, b * k * (steps + 1))
     start = time.perf_counter()
-    plan = autoaccum.plan(model, data, effective_batch=effective_batch, remat="none",
-                          data_parallel=1, method=method, objective="memory", log=log, **options)
-    return {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
-            "need": plan.need_bytes, "budget": plan.budget_bytes, "target": plan.target,
-            "seconds": round(time.perf_counter() - start, 1),
-            "real_ooms": sum(1 for p in plan.probes if not p.fits),
-            "log": log.getvalue()[-3000:]}
+    est = measured(cfg, model, b, k)
+    out: dict[str, Any] = {
+        "device": device_info(), "micro_batch": b, "accum_steps": k, "need": est.need_bytes,
+        "argument": est.argument_bytes, "output": est.output_bytes, "alias": est.alias_bytes,
+        "temp": est.temp_bytes, "compile_s": round(time.perf_counter() - start, 2)}
+    setup = memory_stats()
+    out["setup_peak"] = setup.get("peak_bytes_in_use")
+    step = autoaccum.train_step(model, data, effective_batch=b * k, plan=plan_at(est, b, k),
+                                backup="none", log=None, **options(cfg))
+    feed = batches(data, b * k)
+    start = time.perf_counter()
+    try:
+        step(next(feed))  # compiles (or reuses the compile above), then runs
+        out["first_step_s"] = round(time.perf_counter() - start, 2)
+        warm = memory_stats()
+        out["warm_peak"] = warm.get("peak_bytes_in_use")
+        out["rss_reset"] = reset_peak_rss()
+        out["rss_at_reset"] = _status("VmRSS")
+        start = time.perf_counter()
+        for _ in range(steps):
+            result = step(next(feed))
+        out["step_s"] = round((time.perf_counter() - start) / steps, 3)
+        out.update(status="ran", loss=round(result.loss, 4))
+    except Exception as error:  # a real out-of-memory is the finding
+        out.update(status="oom", error=oom_or_raise(error))
+    stats = memory_stats()
+    if stats:
+        out.update(kind="gpu", peak=stats.get("peak_bytes_in_use"),
+                   bytes_limit=stats.get("bytes_limit"), in_use=stats.get("bytes_in_use"),
+                   context=context_bytes(stats))
+    else:  # the state as XLA counts it + what the measured steps added to the resident set
+        hwm = _status("VmHWM")
+        growth = hwm - out["rss_at_reset"] if out.get("rss_reset") else hwm - rss_base
+        out.update(kind="cpu", peak=est.argument_bytes + max(growth, 0), rss_growth=growth,
+                   rss_base=rss_base, rss_hwm=hwm)
+    return out
 
 
-def job_elastic(case: dict, b: int, k: int) -> dict:
-    """Fill the GPU after step 2 so the planned micro-batch runs out of memory at step 3."""
-    import jax.numpy as jnp
+def job_deviceless(size: dict, profile: str, memory_fraction: float | None,
+                   effective: int | None, points: list[list[int]]) -> dict:
+    """A laptop's view of ``profile``'s GPU: a plan for ``effective`` and the need of each
+    ``[b, k]`` in ``points``, compiled deviceless in this CPU-only process."""
+    cfg = config(size)
+    model = abstract_model(cfg)
+    out: dict[str, Any] = {"profile": profile, "memory_fraction": memory_fraction}
+    if effective:
+        start = time.perf_counter()
+        try:
+            out["plan"] = plan_row(planned(cfg, model, effective, device=profile,
+                                           memory_fraction=memory_fraction),
+                                   time.perf_counter() - start)
+        except autoaccum.DoesNotFitError as error:
+            out["plan"] = {"error": f"does not fit: {str(error).splitlines()[0][:200]}"}
+    if points:
+        out["needs"] = {}
+    for b, k in points:
+        est = measured(cfg, model, b, k, device=profile, memory_fraction=memory_fraction)
+        out["needs"][f"{b}x{k}"] = est.need_bytes
+        out["target"] = est.target
+    return out
 
-    model, data, options = build(case, b * k * 5)
-    big = autoaccum.measure(model, data, micro_batch=b, accum_steps=k, remat="none",
-                            data_parallel=1, **options)
-    small = autoaccum.measure(model, data, micro_batch=max(1, b // 2), accum_steps=2 * k,
-                              remat="none", data_parallel=1, **options)
-    ballast: list = []
 
-    def fill(step: int, *_: Any) -> None:
-        if step == 2:
-            stats = device_stats() or {}
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-            room = (big.temp_bytes + small.temp_bytes) // 2  # between the two working sets
-            ballast.append(jnp.zeros(max(0, free - room) // 4, jnp.float32).block_until_ready())
+def job_backoff(size: dict, effective: int, budget: Any, cap: int | None) -> dict:
+    """``method="backoff"``: real (non-donating) steps, bisecting through real OOMs; on a CPU
+    under an address-space cap of ``cap`` bytes above the model's weights."""
+    cfg = config(size)
+    model, data = models.build(cfg, effective)
+    squeeze = Squeeze()
+    start = time.perf_counter()
+    with squeeze.armed():
+        if cap is not None:
+            squeeze.to(cap)
+        try:
+            plan = autoaccum.plan(model, data, effective_batch=effective, budget=budget,
+                                  remat="none", objective="memory", method="backoff",
+                                  cache=False, log=None, data_parallel=1, **options(cfg))
+            row = plan_row(plan, time.perf_counter() - start)
+        except autoaccum.DoesNotFitError as error:
+            row = {"error": f"does not fit: {str(error).splitlines()[0][:200]}"}
+    return {"device": device_info(), "effective_batch": effective, "cap": cap, **row}
 
-    import io
+
+def job_elastic(size: dict, b: int, k: int, steps: int = 4, squeeze_after: int = 2) -> dict:
+    """Trains ``steps`` steps at ``b x k`` with ``elastic=True``; after step ``squeeze_after``
+    the memory left for a step is cut to halfway between what ``b`` and the next smaller
+    micro-batch need, so the next step runs out of memory for real and autoaccum recovers."""
+    cfg = config(size)
+    model, data = models.build(cfg, b * k * steps)
+    est = measured(cfg, model, b, k)
+    smaller = max(d for d in range(1, b) if (b * k) % d == 0) if b > 1 else 1
+    small = measured(cfg, model, smaller, b * k // smaller)
+    # What a step allocates beyond the state it is given: outputs not aliased, and temp.
+    room = ((est.need_bytes - est.argument_bytes) + (small.need_bytes - small.argument_bytes)) // 2
+    squeeze = Squeeze()
+
+    class SqueezeAfter(autoaccum.Callback):
+        def on_step_end(self, step: int, logs: dict) -> None:
+            if step == squeeze_after:
+                squeeze.to(room)
 
     log = io.StringIO()
-    if case["family"] == "flax":
-        result = run_steps(case, model, data, options, b, k, 5, on_step_end=fill, stream=log)
-        events, final = result.events, (result.micro_batch, result.accum_steps)
-    else:
-        import keras
-
-        class Fill(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-                fill(batch + 1)
-
-        history = run_steps(case, model, data, options, b, k, 5, callbacks=[Fill()])
-        events = getattr(history, "autoaccum_events", [])
-        final = (getattr(history, "autoaccum_micro_batch", None),
-                 getattr(history, "autoaccum_accum_steps", None))
-    return {"planned": [b, k], "events": [str(e) for e in events], "final": final,
-            "log": log.getvalue()[-2000:]}
+    with squeeze.armed():
+        result = autoaccum.fit(model, data, effective_batch=b * k, plan=plan_at(est, b, k),
+                               elastic=True, backup="auto", shuffle=False, verbose=0, log=log,
+                               callbacks=[SqueezeAfter()], **options(cfg))
+    return {"device": device_info(), "planned": [b, k], "room": room,
+            "final": [result.micro_batch, result.accum_steps], "steps": result.steps,
+            "events": [str(e) for e in result.events], "losses": result.losses,
+            "log": log.getvalue()[-1500:]}
 
 
-def job_t4(case: dict, effective_batch: int, steps: int = 2) -> dict:
-    """On a pool capped to a T4's: plan here, then train at the plan and measure the peak."""
-    plan = job_plan(case, effective_batch)
-    peak = job_peak(case, plan["micro_batch"], plan["accum_steps"], steps=steps)
-    return {"plan": plan, "peak": peak}
+def job_t4(size: dict, effective: int, steps: int = 2) -> dict:
+    """On a pool capped to a T4's (the parent set the fraction): the plan, then training."""
+    cfg = config(size)
+    model, data = models.build(cfg, effective * steps)
+    start = time.perf_counter()
+    plan = autoaccum.plan(model, data, effective_batch=effective, remat="none",
+                          objective="memory", method="compile", cache=False, log=None,
+                          data_parallel=1, **options(cfg))
+    out: dict[str, Any] = {"device": device_info(),
+                           "plan": plan_row(plan, time.perf_counter() - start)}
+    try:
+        result = autoaccum.fit(model, data, effective_batch=effective, plan=plan,
+                               elastic=False, backup="none", shuffle=False, verbose=0,
+                               log=None, **options(cfg))
+        out.update(status="trains", steps=result.steps, losses=result.losses)
+    except Exception as error:
+        out.update(status="oom", error=oom_or_raise(error))
+    stats = memory_stats()
+    out.update(peak=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    return out
 
 
-JOBS = {"peak": job_peak, "deviceless": job_deviceless, "plan": job_plan,
-        "backoff": lambda **kw: job_plan(method="backoff", **kw), "elastic": job_elastic,
-        "t4": job_t4}
+def _timed(run_one: Any, data: dict, effective: int, steps: int) -> dict:
+    """Examples/s of ``run_one`` (one effective batch per call) from the median of ``steps``
+    timed calls after a warm-up call (the median keeps a busy machine's spikes out)."""
+    feed = batches(data, effective)
+    start = time.perf_counter()
+    run_one(next(feed))  # compile and warm up
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run_one(next(feed))
+        times.append(time.perf_counter() - start)
+    median = sorted(times)[len(times) // 2]
+    return {"examples_per_s": round(effective / median, 2), "step_s": round(median, 4),
+            "first_step_s": round(first, 2)}
+
+
+def job_throughput(size: dict, b: int, k: int, steps: int = 5) -> dict:
+    """Examples/s at ``b x k``: autoaccum's step, one native batch of ``b * k``, and
+    ``optax.MultiSteps`` (``k`` calls of ``b``), each after a warm-up step."""
+    import jax
+    import optax
+    from flax import nnx
+
+    cfg = config(size)
+    e = b * k
+    out: dict[str, Any] = {"device": device_info(), "micro_batch": b, "accum_steps": k}
+
+    def autoaccum_step() -> dict:
+        model, data = models.build(cfg, e * (steps + 1))
+        est = measured(cfg, model, b, k)
+        step = autoaccum.train_step(model, data, effective_batch=e, plan=plan_at(est, b, k),
+                                    backup="none", log=None, **options(cfg))
+        return _timed(step, data, e, steps)
+
+    def plain(tx: optax.GradientTransformation, micro: int) -> dict:
+        model, data = models.build(cfg, e * (steps + 1))
+        graphdef, params, rest = nnx.split(model, models.trainable(cfg), ...)
+        opt_state = tx.init(params)
+
+        def loss(p: Any, batch: dict) -> Any:
+            total, count = models.next_token_loss(nnx.merge(graphdef, p, rest), batch)
+            return total / count
+
+        def update(p: Any, s: Any, batch: dict) -> tuple:
+            value, grads = jax.value_and_grad(loss)(p, batch)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+
+        update = jax.jit(update, donate_argnums=(0, 1))
+        state = [params, opt_state]
+
+        def run(batch: dict) -> None:
+            for start in range(0, e, micro):
+                part = {"tokens": batch["tokens"][start:start + micro]}
+                state[0], state[1], value = update(state[0], state[1], part)
+            float(value)
+
+        return _timed(run, data, e, steps)
+
+    variants = {
+        "autoaccum accumulated step": autoaccum_step,
+        "native batch": lambda: plain(models.optimizer(LEARNING_RATE), e),
+        "optax.MultiSteps": lambda: plain(optax.MultiSteps(models.optimizer(LEARNING_RATE),
+                                                           every_k_schedule=k), b),
+    }
+    for name, run in variants.items():
+        try:
+            out[name] = run()
+        except Exception as error:
+            out[name] = {"error": oom_or_raise(error)}
+        jax.clear_caches()
+        gc.collect()  # the variant's model and state go before the next one's arrive
+    return out
+
+
+JOBS = {"plans": job_plans, "point": job_point, "deviceless": job_deviceless,
+        "backoff": job_backoff, "elastic": job_elastic, "t4": job_t4,
+        "throughput": job_throughput}
+
+
+def main() -> None:
+    name, raw = sys.argv[1], sys.argv[2]
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # a step's memory, in time
+    result = JOBS[name](**json.loads(raw))
+    print(json.dumps(result, default=str), flush=True)
 
 
 if __name__ == "__main__":
-    name, raw = sys.argv[1], sys.argv[2]
-    result = JOBS[name](**json.loads(raw))
-    print(json.dumps(result, default=str))
+    main()

@@ -1,270 +1,436 @@
-"""autoaccum's memory figures against a real GPU: compile-only need, deviceless need, measured
-peak, planner choice vs what really runs, a real OOM back-off, an elastic recovery, and the
-T4 story on a bigger GPU. Runnable on any CUDA machine; on a machine without one it runs its
-CPU path (deviceless needs, CPU compile-only need vs measured RSS growth) and says "no GPU".
+"""How accurate is autoaccum's plan on a real GPU? Compiled needs against measured peaks.
 
-    python benchmarks/gpu_validation.py [--quick] [--json gpu_validation.json]
-        [--cases flax-small,gemma3-1b-lora] [--micro-batches 1,2,4] [--profile t4]
-        [--steps 3]
+    PYTHONPATH=. python3 benchmarks/gpu_validation.py --quick            # ~6 minutes on an H100
+    PYTHONPATH=. python3 benchmarks/gpu_validation.py                    # the full matrix
+    PYTHONPATH=. python3 benchmarks/gpu_validation.py --quick --sizes cpu-tiny --deadline 60
 
-Every measured point runs in its own fresh process (``benchmarks/_gpu_children.py``), so
-``memory_stats()["peak_bytes_in_use"]`` is that point's alone (the setup's own peak is
-reported beside it). For each case and micro-batch ``b`` (accumulation ``k = E / b``):
+Runs from a checkout with only jax (and its CUDA plugin on a GPU box), flax, optax, numpy and
+rich: no keras, nothing installed, nothing downloaded. Every measured point runs in its own
+fresh process (``benchmarks/_gpu_children.py``), so ``peak_bytes_in_use`` is that point's
+alone; CPU-only processes compile the same steps deviceless for this GPU's profile, as
+``device="h100"`` plans do on a laptop, beside them. A global ``--deadline`` stops whatever
+runs when time is up; the JSON and the markdown table are written after every result, so
+what was measured is kept.
 
-* ``need here``: ``autoaccum.measure`` on this device (compile only, no weights touched);
-* ``deviceless``: the same step compiled for this GPU's profile with the same pool, in a
-  process that sees no GPU (``JAX_PLATFORMS=cpu``, NVML blocked), as ``device="..."`` plans
-  do on a laptop;
-* ``peak``: ``peak_bytes_in_use`` after ``--steps`` real, donated steps at exactly ``b x k``
-  (autoaccum's own fit loop), or ``oom``; ``peak/need`` is the ratio the planner's margin
-  must cover (target: within 5%, never under by more than the margin);
-* per case: the planner's micro-batch (``autoaccum.plan``, method "compile") against the
-  largest tested micro-batch that really ran.
+For each Flax model size (``benchmarks/_gpu_models.py``): the planner's *limit* on this
+device (``autoaccum.plan``, compile only: the largest micro-batch it found to fit), then three
+points, a quarter of the limit, the limit and the limit + 1 (the first it refused), each at
+``--accum`` micro-batches: the need compiled here (``autoaccum.measure``), the need compiled
+deviceless, the peak after real donated accumulated steps (``autoaccum.train_step``),
+``bytes_limit``, peak / need, and whether it ran. Then a real out-of-memory backed off
+(``method="backoff"``), an elastic recovery mid-training, the T4 story (a Gemma-like Flax
+model of Gemma3-4B's shapes, LoRA 4, seq 400, bf16, on a pool capped to a T4's) and the
+examples/s of autoaccum's accumulated step against the native big batch and
+``optax.MultiSteps``. The margins table says what each margin in ``profiles/`` should be by
+these figures, and the checks say whether a planned micro-batch ran out of memory (it must
+not) and how much of the pool it left unused (at most 5%).
 
-Then, on a GPU: ``method="backoff"`` on the largest Flax case (real steps through real OOMs),
-an elastic recovery (the GPU is filled after step 2 so the planned micro-batch runs out of
-memory at step 3), and the T4 story: JAX's pool capped to a T4's (``XLA_PYTHON_CLIENT_MEM_
-FRACTION`` = T4 pool / this GPU's total) with Gemma3 4B, LoRA rank 4, sequence 400, bf16
-(``--quick``: 4 of its layers), planned here and trained at the plan, beside the deviceless
-T4 plan from a CPU-only process. Note: a T4 has no native bf16 (XLA upcasts there); the cap
-reproduces the T4's pool, not its arithmetic.
+Without a GPU the same code runs on the CPU: resident-set growth instead of
+``peak_bytes_in_use``, a planning budget instead of a pool, an address-space cap (RLIMIT_AS)
+for the real out-of-memory errors, small sizes, and the GPU-only rows say "no GPU on this
+machine".
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+BASE_ENV = dict(os.environ)  # before autoaccum is imported: what the children inherit
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-GIB = 1 << 30
+sys.path[:0] = [str(HERE), str(REPO)]  # this checkout's autoaccum, even where one is installed
 
-FLAX = {
-    "flax-tiny": dict(vocab=1024, dim=128, heads=4, layers=2),
-    "flax-small": dict(vocab=32000, dim=1024, heads=16, layers=12),
-    "flax-medium": dict(vocab=32000, dim=2048, heads=16, layers=24),
-}
-GEMMA = {
-    "gemma3-tiny": dict(arch="gemma3_1b", overrides={"num_layers": 2, "vocabulary_size": 4096}),
-    "gemma3-1b": dict(arch="gemma3_1b"),
-    "gemma3-4b": dict(arch="gemma3_4b"),
-}
+import _gpu_models as models  # noqa: E402
+import _gpu_report as render  # noqa: E402
 
-
-def cases(args: argparse.Namespace, gpu: bool) -> list[dict]:
-    """The matrix: sizes from tiny up (big ones only on a GPU; --quick keeps the small)."""
-    quick = args.quick or not gpu
-    # (name, mode, sequence length, effective batch E); micro-batches: every power of two up
-    # to E, so the planner's choice (a divisor of E) is always among the tested ones.
-    rows = [("flax-tiny", "full", 256, 8), ("gemma3-tiny", "lora", 128, 4),
-            ("gemma3-tiny", "full", 128, 4)]
-    if not quick:
-        rows += [("flax-small", "full", 1024, 64), ("flax-medium", "full", 1024, 64),
-                 ("gemma3-1b", "lora", 512, 64), ("gemma3-1b", "full", 512, 16),
-                 ("gemma3-4b", "lora", 400, 16), ("gemma3-4b", "full", 400, 4)]
-    out = []
-    for name, mode, seq, effective in rows:
-        micro = [1 << i for i in range(effective.bit_length()) if 1 << i <= effective]
-        family = "flax" if name.startswith("flax") else "gemma3"
-        size = dict(FLAX[name]) if family == "flax" else dict(GEMMA[name], rank=4)
-        if args.micro_batches:
-            micro = [int(b) for b in args.micro_batches.split(",")]
-            effective = max(micro)
-        case = dict(name=f"{name}-{mode}", family=family, mode=mode, seq=seq, size=size,
-                    micro_batches=micro, effective_batch=effective)
-        if not args.cases or any(c in case["name"] for c in args.cases.split(",")):
-            out.append(case)
-    return out
+MIB = 1 << 20
+GPU_SIZES = ("lm-100m-f32", "lm-300m-bf16", "lm-1.1b-f32")
+GPU_FULL_SIZES = (*GPU_SIZES, "lm-2b-bf16")
+CPU_SIZES = ("cpu-tiny", "cpu-small-bf16", "cpu-medium")
+CPU_BUDGET_MIB = {"cpu-tiny": 48, "cpu-small-bf16": 128, "cpu-medium": 512}
+"""On a CPU there is no pool: each size is planned against this budget instead."""
+PARTS = ("points", "deviceless", "deviceless-plan", "backoff", "elastic", "t4", "t4-deviceless",
+         "throughput")
+MIN_START_S = 3.0
+"""A job is not started with less time than this left before the deadline."""
 
 
-def child(job: str, *, cpu_only: bool = False, fraction: float | None = None,
-          timeout: float = 1800, **kwargs: object) -> dict:
-    """Runs one job in a fresh interpreter; returns its JSON (or {"error": ...})."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "KERAS_BACKEND": "jax"}
-    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
-        if fraction is not None:
-            env.pop(name, None)
-    if cpu_only:
-        env.update(JAX_PLATFORMS="cpu", GPU_VALIDATION_BLOCK_NVML="1")
-    if fraction is not None:
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
-    try:
-        proc = subprocess.run([sys.executable, str(HERE / "_gpu_children.py"), job,
-                               json.dumps(kwargs)], env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"{job}: timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"{job} exited {proc.returncode}: {' | '.join(tail)[-400:]}"}
-    return json.loads(lines[-1])
+# --- where it runs ---------------------------------------------------------------------------
 
 
-def print_table(headers: list[str], rows: list[list[object]], title: str = "") -> None:
-    table = Table(*headers, title=title or None)
-    for row in rows:
-        table.add_row(*(str(c) for c in row))
-    Console(width=160).print(table)
-
-
-def mib(value: object) -> str:
-    return f"{value / (1 << 20):,.1f}" if isinstance(value, int | float) else str(value)
-
-
-def run_case(case: dict, args: argparse.Namespace, gpu: dict | None) -> tuple[list, dict]:
-    """Deviceless, per-point and planner results of one case."""
-    profile = gpu["profile"] if gpu else args.profile
-    fraction = gpu["fraction"] if gpu else None
-    e = case["effective_batch"]
-    deviceless = child("deviceless", cpu_only=True, case=case, effective_batch=e,
-                       micro_batches=case["micro_batches"], profile=profile,
-                       memory_fraction=fraction)
-    points = []
-    for b in case["micro_batches"]:
-        point = child("peak", case=case, b=b, k=max(1, e // b), steps=args.steps)
-        point["deviceless"] = deviceless.get("needs", {}).get(str(b), deviceless.get("error"))
-        points.append(point)
-        if point.get("status") == "oom":
-            break  # larger micro-batches will not run either
-    plan = child("plan", case=case, effective_batch=e)
-    ran = [p["micro_batch"] for p in points if p.get("status") == "ran"]
-    plan["largest_that_ran"] = max(ran) if ran else None
-    return points, {"case": case["name"], "deviceless_target": deviceless.get("target"),
-                    "plan": plan, "points": points}
-
-
-def point_row(case: dict, p: dict) -> list:
-    if "error" in p and "need" not in p:
-        return [case["name"], "-", "-", "-", "-", "-", p["error"][:60]]
-    need = p["need"]
-    if p.get("kind") == "gpu":
-        measured = p["peak"]
-        ratio = f"{measured / need:.3f}" if need > 0 and p["status"] == "ran" else "-"
-        note = p["status"] + ("" if p["peak"] > p["setup_peak"] else " (peak = setup's)")
-    else:
-        measured = p.get("rss_growth", "-")
-        ratio = f"{measured / need:.3f}" if isinstance(measured, int) and need > 0 else "-"
-        note = p.get("status", "") + " (CPU: RSS growth, not a GPU pool)"
-    return [case["name"], f"{p['micro_batch']}x{p['accum_steps']}", mib(need),
-            mib(p.get("deviceless")), mib(measured), ratio, note]
-
-
-def agreement(plan: dict, points: list[dict]) -> str:
-    """Planner's micro-batch vs the largest tested one that really ran."""
-    chosen, ran = plan.get("micro_batch"), plan.get("largest_that_ran")
-    tested = [p["micro_batch"] for p in points if "micro_batch" in p]
-    if chosen is None or ran is None:
-        return "-"
-    if chosen == ran:
-        return "yes"
-    if chosen not in tested:
-        return "planner's choice not tested"
-    return "no: planner smaller (margin)" if chosen < ran else "no: planner's choice failed"
-
-
-def detect_gpu() -> dict | None:
-    """This machine's GPU via NVML (JAX is not started here), its profile and pool share."""
-    from autoaccum.devices import detect_device
-
-    found = detect_device()
-    if not found.is_gpu or found.profile is None:
+def nvidia_smi() -> tuple[str, int] | None:
+    """GPU 0's name and total memory in bytes from ``nvidia-smi`` (no NVML Python package
+    on a bare GPU box, and this process must not start JAX: the GPU is the children's)."""
+    if shutil.which("nvidia-smi") is None:
         return None
-    # The children do not call configure(): JAX's own default share (0.75) applies unless set.
-    jax_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    pool = found.memory_total_bytes * jax_fraction
-    profile_total = found.profile.pool_bytes(1.0)  # CUDA's total where the profile knows it
-    # The deviceless compile gets the same pool, as a share of the profile's nominal memory.
-    return {"name": found.name, "profile": found.profile.key, "jax_fraction": jax_fraction,
-            "fraction": min(1.0, pool / profile_total), "pool": int(pool),
-            "total": found.memory_total_bytes}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        name, total = (part.strip() for part in out[0].rsplit(",", 1))
+        return name, int(float(total)) * MIB
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
 
 
-def gpu_only_rows(args: argparse.Namespace, gpu: dict | None, report: dict) -> list:
-    if gpu is None:
-        for key in ("backoff", "elastic", "t4"):
-            report[key] = {"skipped": "no GPU on this machine"}
-        return [[k, "no GPU on this machine: skipped"] for k in ("backoff", "elastic", "t4")]
-    flax = dict(name="flax-medium-full", family="flax", mode="full", seq=1024,
-                size=FLAX["flax-tiny" if args.quick else "flax-medium"],
-                micro_batches=[], effective_batch=256)
-    report["backoff"] = child("backoff", case=flax, effective_batch=256)
-    report["elastic"] = child("elastic", case=flax, b=8, k=4)
-    from autoaccum.devices import find_profile
+def detect_gpu(profile_name: str | None) -> dict | None:
+    """This machine's GPU (NVML, else nvidia-smi), its profile and JAX's share of it."""
+    from autoaccum.devices import detect_device, environment_memory_fraction, find_profile
+    from autoaccum.devices._detect import match_profile
 
-    t4 = find_profile("t4")
-    fraction = t4.pool_bytes() / gpu["total"]
-    size = dict(GEMMA["gemma3-4b"], rank=4)
-    if args.quick:
-        size["overrides"] = {"num_layers": 4}
-    gemma = dict(name="gemma3-4b-lora-t4", family="gemma3", mode="lora", seq=400, size=size,
-                 micro_batches=[], effective_batch=8)
-    report["t4"] = {"fraction": fraction, "capped": child("t4", fraction=fraction, case=gemma,
-                                                          effective_batch=8),
-                    "deviceless_t4": child("deviceless", cpu_only=True, case=gemma,
-                                           micro_batches=[1, 2, 4, 8], effective_batch=8,
-                                           profile="t4", memory_fraction=None)}
-    rows = []
-    b = report["backoff"]
-    rows.append(["backoff (flax, E=256)", b.get("error") or
-                 f"micro {b['micro_batch']} x {b['accum_steps']} after {b['real_ooms']} real "
-                 f"OOM(s), {b['seconds']} s"])
-    el = report["elastic"]
-    rows.append(["elastic (flax, 8x4)", el.get("error") or
-                 f"events {el['events']} -> final {el['final']}"])
-    t = report["t4"]["capped"]
-    rows.append(["T4 pool cap", t.get("error") or
-                 f"plan {t['plan']['micro_batch']}x{t['plan']['accum_steps']} need "
-                 f"{mib(t['plan']['need'])} MiB of {mib(t['plan']['budget'])}; real step "
-                 f"{t['peak']['status']}, peak {mib(t['peak'].get('peak'))} MiB"])
-    d = report["t4"]["deviceless_t4"]
-    rows.append(["T4 deviceless", d.get("error") or
-                 ", ".join(f"b={k}: {mib(v)} MiB" for k, v in d["needs"].items())])
-    return rows
+    if BASE_ENV.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return None  # the CPU path, asked for
+    found = detect_device()
+    if found.is_gpu:
+        name, total = found.name, found.memory_total_bytes
+    elif (smi := nvidia_smi()) is None:
+        return None
+    else:
+        name, total = smi
+    profile = (find_profile(profile_name) if profile_name
+               else match_profile(name, memory_mib=total / MIB))
+    env = environment_memory_fraction(BASE_ENV)
+    fraction = env[0] if env else (profile.default_memory_fraction if profile else 0.75)
+    return {"name": name, "total": total, "profile": profile.key if profile else None,
+            "fraction": fraction,
+            "fraction_source": env[1] if env else ("the profile's default_memory_fraction"
+                                                   if profile else "JAX's default")}
 
 
-def main() -> None:
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# --- children --------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs children under one global deadline and keeps the report written."""
+
+    def __init__(self, report: dict, args: argparse.Namespace, gpu: dict | None) -> None:
+        self.report, self.args, self.gpu = report, args, gpu
+        self.deadline = time.monotonic() + args.deadline
+        self.lock = threading.RLock()
+        self.stopped = False
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def env(self, where: str, fraction: float | None = None) -> dict[str, str]:
+        """A child's environment: ``"host"`` a CPU-only process (deviceless compiles),
+        ``"device"`` this machine's device (on a GPU: JAX's pool at ``fraction``)."""
+        env = dict(BASE_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), BASE_ENV.get("PYTHONPATH"))
+                                            if p)
+        env.update(PYTHONUNBUFFERED="1", AUTOACCUM_QUIET=env.get("AUTOACCUM_QUIET", "1"))
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        if where == "host" or self.gpu is None:
+            env["JAX_PLATFORMS"] = "cpu"
+        if where == "device" and self.gpu is None:  # a repeatable CPU memory boundary
+            from autoaccum.devices._rlimit import CHILD_ENV
+
+            env.update({k: v for k, v in CHILD_ENV.items() if k.startswith("MALLOC_")})
+        if where == "device" and self.gpu is not None:
+            for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+                env.pop(name, None)
+            env["XLA_CLIENT_MEM_FRACTION"] = f"{fraction or self.gpu['fraction']:.4f}"
+            flags = env.get("XLA_FLAGS", "")
+            if "--xla_gpu_enable_command_buffer" not in flags:  # as configure() sets it
+                env["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+        return env
+
+    def run(self, label: str, job: str, where: str = "device", fraction: float | None = None,
+            **kwargs: Any) -> dict:
+        """Runs ``job`` in a fresh interpreter; its JSON, ``{"error": ...}``, or
+        ``{"skipped": ...}`` when the deadline came first. Recorded in the job list."""
+        left = self.left()
+        if self.stopped or left < MIN_START_S:
+            result = {"skipped": "not run: deadline reached"}
+            self._record(label, where, 0.0, result)
+            return result
+        start = time.monotonic()
+        cmd = [sys.executable, str(HERE / "_gpu_children.py"), job, json.dumps(kwargs)]
+        proc = subprocess.Popen(cmd, env=self.env(where, fraction), cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and what it started, no more
+            out, err = proc.communicate()
+            result = {"skipped": f"stopped at the deadline after {time.monotonic() - start:.0f} s"}
+        except BaseException:  # Ctrl-C: no child may outlive the harness holding the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        else:
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if proc.returncode == 0 and lines:
+                result = json.loads(lines[-1])
+            else:
+                tail = " | ".join((err or out).strip().splitlines()[-4:])
+                result = {"error": f"exit {proc.returncode}: {tail[-600:]}"}
+        seconds = time.monotonic() - start
+        result["wall_s"] = round(seconds, 1)
+        self._record(label, where, seconds, result)
+        return result
+
+    def _record(self, label: str, where: str, seconds: float, result: dict) -> None:
+        status = ("skipped" if "skipped" in result else "error" if "error" in result else "ok")
+        with self.lock:
+            self.report["jobs"].append({"job": label, "where": where, "status": status,
+                                        "wall_s": round(seconds, 1),
+                                        "at_s": round(self.args.deadline - self.left(), 1)})
+        if not self.args.quiet:
+            why = result.get("skipped") or result.get("error") or ""
+            print(f"[{self.args.deadline - self.left():6.1f} s] {label}: {status} "
+                  f"({seconds:.1f} s) {why[:160]}", flush=True)
+
+    def save(self) -> None:
+        with self.lock:
+            self.report["seconds"] = round(self.args.deadline - self.left(), 1)
+            render.write(self.report, json_path=self.args.json, markdown_path=self.args.markdown)
+
+
+# --- the plan of work --------------------------------------------------------------------------
+
+
+def pick_sizes(args: argparse.Namespace, gpu: dict | None) -> list[models.LMConfig]:
+    names = (args.sizes.split(",") if args.sizes
+             else GPU_SIZES if gpu and args.quick else GPU_FULL_SIZES if gpu else CPU_SIZES)
+    return [models.SIZES[name.strip()] for name in names if name.strip()]
+
+
+def point_micro_batches(plan: dict, fallback: list[int]) -> list[tuple[str, int]]:
+    """``[(role, b)]``: a quarter of the plan's limit (the largest micro-batch it found to
+    fit), the limit, and the limit + 1 (the first it refused).
+
+    Example:
+      >>> point_micro_batches({"limit": 26}, [1, 2, 4])
+      [('limit / 4', 6), ('limit', 26), ('limit + 1', 27)]
+      >>> point_micro_batches({"limit": 1}, [1, 2, 4])
+      [('limit', 1), ('limit + 1', 2)]
+      >>> point_micro_batches({"error": "does not fit"}, [1, 2])
+      [('given', 1), ('given', 2)]
+    """
+    best = plan.get("limit")
+    if not best:
+        return [("given", b) for b in fallback]
+    low = max(1, best // 4)
+    return [("limit / 4", low)] * (low < best) + [("limit", best), ("limit + 1", best + 1)]
+
+
+def t4_config(args: argparse.Namespace, gpu: dict | None) -> models.LMConfig:
+    layers = args.t4_layers or (34 if gpu and not args.quick else 4 if gpu else 1)
+    return models.gemma3_4b(layers=layers)
+
+
+def run_all(runner: Runner, args: argparse.Namespace, gpu: dict | None,
+            sizes: list[models.LMConfig]) -> None:
+    """Device jobs in order, one at a time; deviceless jobs beside them on the CPU cores."""
+    report, parts = runner.report, set(args.parts.split(","))
+    profile = gpu["profile"] if gpu else args.profile
+    workers = max(1, min(4, (os.cpu_count() or 2) // 4))
+    host = ThreadPoolExecutor(max_workers=workers)
+    pending = []
+
+    def on_host(key: str, label: str, **kwargs: Any) -> None:
+        def task() -> None:
+            result = runner.run(label, "deviceless", where="host", **kwargs)
+            with runner.lock:
+                into = report["deviceless"].setdefault(key, {})
+                if "needs" in result or "plan" in result:
+                    into.update({k: v for k, v in result.items() if k != "wall_s"})
+                else:  # an error or the deadline: say so where the figures would be
+                    into.setdefault("needs" if kwargs.get("points") else "plan", result)
+            runner.save()
+
+        pending.append(host.submit(task))
+
+    t4 = t4_config(args, gpu)
+    report["t4"]["config"] = dataclass_dict(t4)
+    if "t4-deviceless" in parts:
+        on_host("t4", f"deviceless T4 plan ({t4.name})", size=dataclass_dict(t4), profile="t4",
+                memory_fraction=None, effective=args.t4_batch, points=[])
+
+    effective = [args.effective_batch] * len(sizes)
+    budgets = [None if gpu else f"{CPU_BUDGET_MIB.get(s.name, 256)}MiB" for s in sizes]
+    first = sizes[0]
+    plans = runner.run("plans", "plans", sizes=[dataclass_dict(s) for s in sizes],
+                       effective=effective, budgets=budgets)
+    with runner.lock:
+        report["device"] = plans.get("device", report["device"])
+        for row in plans.get("plans", []):
+            report["plans"][row["size"]] = row
+        if "plans" not in plans:
+            for s in sizes:
+                report["plans"][s.name] = {k: v for k, v in plans.items() if k != "wall_s"}
+    runner.save()
+    limit = (report["device"] or {}).get("bytes_limit")
+    fraction = None
+    if gpu and profile and limit:  # the deviceless compile gets the pool JAX really gave
+        from autoaccum.devices import find_profile
+
+        fraction = min(1.0, limit / find_profile(profile).pool_bytes(1.0))
+    fallback = [int(b) for b in args.micro_batches.split(",")] if args.micro_batches else [1, 2, 4]
+
+    chosen = {size.name: point_micro_batches(report["plans"].get(size.name, {}), fallback)
+              for size in sizes}
+    if "deviceless" in parts and profile:  # the needs first, then the plans (slower)
+        for size in sizes:
+            on_host(size.name, f"deviceless {profile} needs {size.name}",
+                    size=dataclass_dict(size), profile=profile, memory_fraction=fraction,
+                    effective=None, points=[[b, args.accum] for _, b in chosen[size.name]])
+    if "deviceless-plan" in parts and profile:
+        for size in sizes:
+            on_host(size.name, f"deviceless {profile} plan {size.name}",
+                    size=dataclass_dict(size), profile=profile, memory_fraction=fraction,
+                    effective=args.effective_batch, points=[])
+    if "points" in parts:
+        for size in sizes:
+            for role, b in chosen[size.name]:
+                result = runner.run(f"point {size.name} {b}x{args.accum}", "point",
+                                    size=dataclass_dict(size), b=b, k=args.accum,
+                                    steps=args.steps)
+                with runner.lock:
+                    report["points"].append({"size": size.name, "role": role, "micro_batch": b,
+                                             "accum_steps": args.accum, **result})
+                runner.save()
+    best = report["plans"].get(first.name, {}).get("limit") or 4
+    if "backoff" in parts:
+        e = 1 << max(2, (2 * best).bit_length())  # a power of two above twice the plan
+        report["backoff"] = runner.run(
+            f"backoff {first.name}", "backoff", size=dataclass_dict(first), effective=e,
+            budget=budgets[0], cap=None if gpu else CPU_BUDGET_MIB.get(first.name, 256) * MIB)
+        runner.save()
+    if "elastic" in parts:
+        b = max(2, (best // 2) // 2 * 2)
+        report["elastic"] = runner.run(f"elastic {first.name} {b}x{args.accum}", "elastic",
+                                       size=dataclass_dict(first), b=b, k=args.accum)
+        runner.save()
+    if "t4" in parts and gpu:
+        from autoaccum.devices import find_profile
+
+        total = (limit / gpu["fraction"]) if limit else gpu["total"]
+        cap = find_profile("t4").pool_bytes() / total
+        report["t4"]["fraction"] = round(cap, 4)
+        report["t4"]["capped"] = runner.run(f"T4 pool cap ({t4.name})", "t4", fraction=cap,
+                                            size=dataclass_dict(t4), effective=args.t4_batch)
+        runner.save()
+    elif "t4" in parts:
+        report["t4"]["capped"] = {"skipped": "no GPU on this machine"}
+    if "throughput" in parts:
+        b = max(1, best // 4)
+        report["throughput"] = runner.run(f"throughput {first.name} {b}x4", "throughput",
+                                          size=dataclass_dict(first), b=b, k=4,
+                                          steps=args.steps + 3)
+        runner.save()
+    for future in pending:
+        future.result(timeout=max(runner.left(), 0) + 30)
+    host.shutdown(wait=True)
+
+
+def dataclass_dict(cfg: models.LMConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small cases only, faster")
-    parser.add_argument("--json", type=Path, default=Path("gpu_validation.json"))
-    parser.add_argument("--cases", default="", help="comma-separated name filters")
-    parser.add_argument("--micro-batches", default="", help="e.g. 1,2,4 for every case")
-    parser.add_argument("--profile", default="t4", help="deviceless target without a GPU")
-    parser.add_argument("--steps", type=int, default=3, help="real steps per point")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    gpu = detect_gpu()
-    report: dict = {"gpu": gpu, "quick": args.quick, "cases": []}
-    header = gpu and (f"{gpu['name']} ({gpu['profile']}, JAX pool {mib(gpu['pool'])} MiB = "
-                      f"{gpu['jax_fraction']:.0%} of {mib(gpu['total'])} MiB)")
-    print(f"device: {header or 'no GPU: CPU path (deviceless needs for ' + args.profile + ')'}")
-    rows, plans = [], []
-    for case in cases(args, gpu is not None):
-        points, result = run_case(case, args, gpu)
-        report["cases"].append(result)
-        rows += [point_row(case, p) for p in points]
-        plan = result["plan"]
-        plans.append([case["name"], case["effective_batch"],
-                      plan.get("micro_batch", plan.get("error", "-")),
-                      plan.get("largest_that_ran", "-"), agreement(plan, points)])
-    print_table(["case", "b x k", "need here MiB", "deviceless MiB",
-                 "peak MiB" if gpu else "RSS growth MiB", "peak/need", "status"], rows)
-    print()
-    print_table(["case", "E", "planner micro", "largest tested that ran", "same"], plans)
-    print()
-    print_table(["check", "result"], gpu_only_rows(args, gpu, report))
-    report["seconds"] = round(time.perf_counter() - start, 1)
-    args.json.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nJSON written to {args.json} ({report['seconds']} s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the six-minute matrix (3 sizes x 3 micro-batches, 4 T4 layers)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds for everything (default: 330 with --quick on a GPU, "
+                             "1200 with --quick on a CPU, else 3600)")
+    parser.add_argument("--json", type=Path, default=REPO / "out" / "gpu_validation.json")
+    parser.add_argument("--markdown", type=Path, default=REPO / "out" / "gpu_validation.md")
+    parser.add_argument("--sizes", default="", help="comma-separated names of "
+                        f"_gpu_models.SIZES (default: {','.join(GPU_SIZES)} on a GPU, "
+                        f"{','.join(CPU_SIZES)} on a CPU)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which parts run (default all: {','.join(PARTS)})")
+    parser.add_argument("--effective-batch", type=int, default=None,
+                        help="effective batch of the plans (default 512 on a GPU, 256 on a CPU)")
+    parser.add_argument("--micro-batches", default="",
+                        help="micro-batches of the points when a plan fails (default 1,2,4)")
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per point's step")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per point")
+    parser.add_argument("--profile", default="h100",
+                        help="without a GPU: the profile of the deviceless compiles")
+    parser.add_argument("--gpu-profile", default=None,
+                        help="the profile of this GPU when its name matches none")
+    parser.add_argument("--t4-layers", type=int, default=None,
+                        help="layers of the Gemma3-4B-shaped model (default 4 with --quick)")
+    parser.add_argument("--t4-batch", type=int, default=16, help="the T4 story's batch")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.monotonic()
+    gpu = detect_gpu(args.gpu_profile)
+    if args.deadline is None:
+        args.deadline = (3600.0 if not args.quick else 330.0 if gpu else 1200.0)
+    if args.effective_batch is None:
+        args.effective_batch = 512 if gpu else 256
+    sizes = pick_sizes(args, gpu)
+    report: dict[str, Any] = {
+        "schema": 1, "status": "running",
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "PYTHONPATH=. python3 benchmarks/gpu_validation.py "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
+        "deadline_s": args.deadline, "quick": args.quick, "commit": git_commit(),
+        "python": sys.version.split()[0], "gpu": gpu, "device": None,
+        "profile": gpu["profile"] if gpu else args.profile,
+        "sizes": {s.name: {**dataclass_dict(s), "params": s.params(),
+                           "describe": s.describe()} for s in sizes},
+        "settings": {"effective_batch": args.effective_batch, "accum": args.accum,
+                     "steps": args.steps, "parts": args.parts,
+                     "cpu_budget_mib": None if gpu else {s.name: CPU_BUDGET_MIB.get(s.name, 256)
+                                                         for s in sizes}},
+        "plans": {}, "deviceless": {}, "points": [], "backoff": None, "elastic": None,
+        "t4": {}, "throughput": None, "jobs": [],
+    }
+    runner = Runner(report, args, gpu)
+    where = (f"{gpu['name']} (profile {gpu['profile']}, JAX's pool {gpu['fraction']:.2f} of it)"
+             if gpu else f"no GPU: the CPU path (deviceless compiles for {args.profile})")
+    print(f"gpu_validation: {where}; deadline {args.deadline:.0f} s; writing {args.json} and "
+          f"{args.markdown}", flush=True)
+    runner.save()
+    try:
+        run_all(runner, args, gpu, sizes)
+    finally:
+        runner.stopped = True
+        with runner.lock:
+            skipped = any(j["status"] == "skipped" for j in report["jobs"])
+            report["status"] = "deadline" if skipped or runner.left() <= 0 else "complete"
+        runner.save()
+    print(render.console_summary(report))
+    print(f"gpu_validation: {report['status']} after {time.monotonic() - start:.0f} s; "
+          f"wrote {args.json} and {args.markdown}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,14 @@ JAX's pool on a GPU is ``memory fraction x CUDA's total`` (XLA's BFC allocator,
 
 ``when`` says where a margin applies: ``"always"``, ``"command_buffers"`` (only when XLA's
 command buffers are enabled) or ``"deviceless"`` (only for a compile without the device).
+
+``provenance`` says which figure a margin's size came from: ``"estimate: <document>"`` (read
+or reasoned, not measured by autoaccum) or ``"measured: <table, commit>"``. No GPU has been
+measured by ``benchmarks/gpu_validation.py`` yet, so the defaults below are estimates; the
+one measured margin is the T4 lab tolerance in ``profiles/t4.toml`` (a real Colab T4, the
+seed notebook). :func:`suggest_margins` turns a GPU run's table (compiled needs against
+``peak_bytes_in_use``) into the margins it supports, with a ``measured:`` provenance, so the
+next session with a GPU corrects the profiles from it (see ``docs/accuracy.md``).
 """
 
 from __future__ import annotations
@@ -28,13 +36,16 @@ from typing import Any
 __all__ = [
     "FRACTION_VARS",
     "Margin",
+    "MeasuredPoint",
     "PoolArithmetic",
+    "SuggestedMargin",
     "apply_margins",
     "command_buffers_enabled",
     "default_margins",
     "environment_memory_fraction",
     "platform_allocator",
     "profile_margins",
+    "suggest_margins",
 ]
 
 FRACTION_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
@@ -58,6 +69,21 @@ COMMAND_BUFFER_SOURCE = (
     "it instantiates are allocated by the driver outside JAX's pool; the lab and the "
     "profiles' [environment] disable them with --xla_gpu_enable_command_buffer="
 )
+NOT_MEASURED = "not measured on a GPU yet (benchmarks/gpu_validation.py; docs/accuracy.md)"
+CONTEXT_PROVENANCE = (
+    "estimate: ~300 MB of CUDA context on a T4 with CUDA 12, from NVIDIA's and JAX's GPU "
+    f"memory documentation; {NOT_MEASURED}"
+)
+WORKSPACE_PROVENANCE = (
+    "estimate: ~32 MiB of cuBLAS/cuDNN workspace that a deviceless compile does not "
+    f"autotune (XLA's GPU documentation); {NOT_MEASURED}"
+)
+COMMAND_BUFFER_PROVENANCE = (
+    "estimate: an allowance from XLA's documentation of command buffers (CUDA graphs), never "
+    "measured: the profiles disable command buffers"
+)
+PROVENANCE_KINDS = ("estimate:", "measured:")
+"""How a provenance starts: an estimate from a document, or a measurement (table, commit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +105,9 @@ class Margin:
     """Where the figure comes from."""
     when: str = "always"
     """``"always"``, ``"command_buffers"`` or ``"deviceless"``."""
+    provenance: str = ""
+    """Which figure the size came from: ``"estimate: <document>"`` or ``"measured: <table,
+    commit>"`` (``""``: not stated)."""
 
     def __post_init__(self) -> None:
         if self.where not in _WHERE:
@@ -105,11 +134,24 @@ class Margin:
             return command_buffers
         return True
 
+    @property
+    def measured(self) -> bool:
+        """Whether the size was measured (its provenance starts with ``"measured:"``).
+
+        Example:
+          >>> Margin("x", 1, "pool", "s", provenance="measured: table 3, commit abc").measured
+          True
+          >>> Margin("x", 1, "pool", "s", provenance="estimate: design notes").measured
+          False
+        """
+        return self.provenance.startswith("measured:")
+
     def describe(self) -> str:
-        """``"name 300 MiB (outside the pool): source"``."""
+        """``"name 300 MiB (outside the pool): source [provenance]"``."""
         where = "outside the pool" if self.where == "outside" else "inside the pool"
         sign = "credit " if self.mib < 0 else ""
-        return f"{self.name} {sign}{abs(self.mib):g} MiB ({where}): {self.source}"
+        text = f"{self.name} {sign}{abs(self.mib):g} MiB ({where}): {self.source}"
+        return f"{text} [{self.provenance}]" if self.provenance else text
 
 
 def default_margins(*, cuda_context_reserve_mib: int, workspace_margin_mib: int) -> tuple:
@@ -122,10 +164,13 @@ def default_margins(*, cuda_context_reserve_mib: int, workspace_margin_mib: int)
       ['CUDA context', 'cuDNN workspace', 'command buffers (CUDA graphs)']
     """
     return (
-        Margin("CUDA context", cuda_context_reserve_mib, "outside", CONTEXT_SOURCE),
-        Margin("cuDNN workspace", workspace_margin_mib, "pool", WORKSPACE_SOURCE),
+        Margin("CUDA context", cuda_context_reserve_mib, "outside", CONTEXT_SOURCE,
+               provenance=CONTEXT_PROVENANCE),
+        Margin("cuDNN workspace", workspace_margin_mib, "pool", WORKSPACE_SOURCE,
+               provenance=WORKSPACE_PROVENANCE),
         Margin("command buffers (CUDA graphs)", COMMAND_BUFFER_RESERVE_MIB, "outside",
-               COMMAND_BUFFER_SOURCE, when="command_buffers"),
+               COMMAND_BUFFER_SOURCE, when="command_buffers",
+               provenance=COMMAND_BUFFER_PROVENANCE),
     )
 
 
@@ -231,7 +276,11 @@ def apply_margins(pool: int, total: int, margins: tuple[Margin, ...], *, devicel
 
 
 def profile_margins(path: Path, data: dict[str, Any]) -> tuple[Margin, ...]:
-    """The default margins, with the profile's ``[[margins]]`` replacing or adding."""
+    """The default margins, with the profile's ``[[margins]]`` replacing or adding.
+
+    A ``[[margins]]`` table has ``name``, ``mib``, ``where`` and ``source``, optionally
+    ``when`` and ``provenance`` (``"estimate: ..."`` or ``"measured: ..."``; without one the
+    margin says that its profile does not state it)."""
     margins = {m.name: m for m in default_margins(
         cuda_context_reserve_mib=data["cuda_context_reserve_mib"],
         workspace_margin_mib=data["workspace_margin_mib"])}
@@ -239,18 +288,133 @@ def profile_margins(path: Path, data: dict[str, Any]) -> tuple[Margin, ...]:
         if not isinstance(table, dict):
             raise ValueError(f"Device profile {str(path)!r}: margins[{i}] must be a table "
                              f"([[margins]]). Received: {table!r}")
-        unknown = set(table) - {"name", "mib", "where", "source", "when"}
+        unknown = set(table) - {"name", "mib", "where", "source", "when", "provenance"}
         missing = {"name", "mib", "where", "source"} - set(table)
         if unknown or missing:
             raise ValueError(
                 f"Device profile {str(path)!r}: margins[{i}] needs name, mib, where, source "
-                f"(and optionally when). Received: {sorted(table)}"
+                f"(and optionally when, provenance). Received: {sorted(table)}"
+            )
+        provenance = " ".join(str(table.get("provenance", "")).split())
+        if provenance and not provenance.startswith(PROVENANCE_KINDS):
+            raise ValueError(
+                f"Device profile {str(path)!r}: margins[{i}]: provenance must start with "
+                f"'estimate:' (a figure read or reasoned from a document) or 'measured:' (a "
+                f"table and commit). Received: provenance={provenance[:60]!r}"
             )
         try:
             margin = Margin(str(table["name"]), float(table["mib"]), str(table["where"]),
                             " ".join(str(table["source"]).split()),
-                            str(table.get("when", "always")))
+                            str(table.get("when", "always")),
+                            provenance or f"not stated in {path.name}")
         except (TypeError, ValueError) as e:
             raise ValueError(f"Device profile {str(path)!r}: margins[{i}]: {e}") from e
         margins[margin.name] = margin
     return tuple(margins.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredPoint:
+    """One train step measured on a GPU, in bytes: the need compiled there and deviceless for
+    its profile (``argument + output - alias + temp``), and what JAX's allocator really held
+    (``memory_stats()["peak_bytes_in_use"]`` after real steps)."""
+
+    need: int
+    peak: int
+    need_deviceless: int | None = None
+    bytes_limit: int | None = None
+    context: int | None = None
+    """GPU memory the process held outside JAX's pool (CUDA context, libraries), if known."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SuggestedMargin:
+    """What a measurement says of one margin: ``current`` (``None``: the profile has none),
+    ``suggested`` (``None``: the measurement does not reach it) and why."""
+
+    name: str
+    current: Margin | None
+    suggested: Margin | None
+    why: str
+
+
+def _mib_up(value: int, step: int = 16) -> float:
+    """Bytes as MiB rounded away from a smaller margin: up for an allowance, toward zero for
+    a credit (a smaller credit is the safe side)."""
+    mib = value / 2**20
+    return float(-(int(-mib // step) * step) if mib >= 0 else -(int(-mib) // step) * step)
+
+
+def suggest_margins(points: list[MeasuredPoint], margins: tuple[Margin, ...], *,
+                    provenance: str) -> list[SuggestedMargin]:
+    """The margins that ``points`` (steps that ran on one GPU) support, each with a
+    ``"measured: ..."`` provenance built from ``provenance`` (the table and commit).
+
+    * inside the pool, always (the cuDNN workspace): the largest ``peak - need`` compiled on
+      the device (what the compile does not show: autotuning workspaces, the allocator's
+      rounding), rounded up to 16 MiB, at least 0;
+    * inside the pool, deviceless only: the largest ``peak - need_deviceless`` less that
+      workspace; negative is a credit (deviceless figures above the device's);
+    * outside the pool (the CUDA context): the largest memory held outside the pool, when
+      known;
+    * command buffers: not measured (the harness runs with them disabled, as the profiles do).
+
+    Example:
+      >>> ms = default_margins(cuda_context_reserve_mib=300, workspace_margin_mib=32)
+      >>> pts = [MeasuredPoint(need=1000 * 2**20, peak=1040 * 2**20,
+      ...                      need_deviceless=1200 * 2**20, context=500 * 2**20)]
+      >>> for s in suggest_margins(pts, ms, provenance="table 1"):
+      ...     print(s.name, s.suggested and s.suggested.mib)
+      CUDA context 512.0
+      cuDNN workspace 48.0
+      command buffers (CUDA graphs) None
+      deviceless tolerance -208.0
+    """
+    measured = f"measured: {provenance}"
+    out: list[SuggestedMargin] = []
+    gap_here = max((p.peak - p.need for p in points), default=None)
+    dl = [p.peak - p.need_deviceless for p in points if p.need_deviceless is not None]
+    contexts = [p.context for p in points if p.context is not None]
+    workspace = _mib_up(max(gap_here, 0)) if gap_here is not None else None
+    seen_workspace = seen_deviceless = False
+    for m in margins:
+        suggested, why = None, ""
+        if m.where == "outside" and m.when == "always":
+            if contexts:
+                suggested = _mib_up(max(contexts))
+                why = f"largest memory outside the pool over {len(contexts)} process(es)"
+            else:
+                why = "not measured: no per-process GPU memory figure (nvidia-smi) here"
+        elif m.where == "pool" and m.when == "always" and not seen_workspace:
+            seen_workspace = True
+            if workspace is not None:
+                suggested = workspace
+                why = (f"largest peak - need compiled on the device over {len(points)} step(s): "
+                       f"{gap_here / 2**20:+.1f} MiB")
+            else:
+                why = "not measured: no step ran"
+        elif m.where == "pool" and m.when == "deviceless" and not seen_deviceless:
+            seen_deviceless = True
+            suggested, why = _deviceless(dl, workspace)
+        else:
+            why = ("not measured: the harness runs with command buffers disabled, as the "
+                   "profiles do" if m.when == "command_buffers" else "not measured")
+        out.append(SuggestedMargin(m.name, m, None if suggested is None else dataclasses.replace(
+            m, mib=suggested, provenance=measured), why))
+    if not seen_deviceless and dl:
+        mib, why = _deviceless(dl, workspace)
+        new = None if mib is None else Margin(
+            "deviceless tolerance", mib, "pool",
+            "deviceless compiles against the device's peak_bytes_in_use", "deviceless",
+            measured)
+        out.append(SuggestedMargin("deviceless tolerance", None, new, why))
+    return out
+
+
+def _deviceless(gaps: list[int], workspace: float | None) -> tuple[float | None, str]:
+    if not gaps or workspace is None:
+        return None, "not measured: no deviceless need beside a step that ran"
+    worst = max(gaps)
+    return (_mib_up(worst - int(workspace * 2**20)),
+            f"largest peak - need compiled deviceless over {len(gaps)} step(s): "
+            f"{worst / 2**20:+.1f} MiB, less the workspace margin")

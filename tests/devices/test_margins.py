@@ -140,3 +140,80 @@ def test_a_margin_describes_a_credit_as_such():
     credit = Margin("tolerance", -128, "pool", "the lab", when="deviceless")
     assert credit.describe() == "tolerance credit 128 MiB (inside the pool): the lab"
     assert credit.applies(deviceless=False, command_buffers=False) is False
+
+
+# --- provenance: which figure each margin came from ------------------------------------------
+
+
+def test_every_shipped_margin_says_whether_it_was_estimated_or_measured():
+    from autoaccum.devices import list_profiles
+
+    for key in list_profiles():
+        for margin in find_profile(key).margins:
+            assert margin.provenance.startswith(("estimate:", "measured:")), (key, margin)
+    # No GPU has been measured by benchmarks/gpu_validation.py yet: only the lab's T4
+    # tolerance (a real Colab T4) is a measurement.
+    measured = {(key, m.name) for key in list_profiles() for m in find_profile(key).margins
+                if m.measured}
+    assert measured == {("t4", "deviceless tolerance (lab)")}
+
+
+def test_a_plan_report_names_each_margins_provenance():
+    lines = profile_budget(find_profile("h100"), environ={}).margin_lines()
+    assert any("[estimate: design notes section 2" in line for line in lines)
+
+
+def test_a_margins_table_keeps_its_provenance_and_says_when_it_has_none(tmp_path):
+    path = _t4_with(tmp_path, '\n[[margins]]\nname = "CUDA context"\nmib = 500\n'
+                              'where = "outside"\nsource = "measured here"\n'
+                              'provenance = "measured: out/gpu_validation.md, commit abc"\n'
+                              '\n[[margins]]\nname = "spare"\nmib = 8\nwhere = "pool"\n'
+                              'source = "s"\n')
+    margins = {m.name: m for m in load_profile(path).margins}
+    assert margins["CUDA context"].measured
+    assert margins["CUDA context"].provenance == "measured: out/gpu_validation.md, commit abc"
+    assert margins["spare"].provenance == "not stated in custom.toml"
+    assert not margins["spare"].measured
+
+
+def test_a_provenance_must_say_estimate_or_measured(tmp_path):
+    path = _t4_with(tmp_path, '\n[[margins]]\nname = "x"\nmib = 1\nwhere = "pool"\n'
+                              'source = "s"\nprovenance = "a colleague said so"\n')
+    with pytest.raises(ValueError, match="provenance must start with 'estimate:'"):
+        load_profile(path)
+
+
+def test_a_gpu_run_turns_into_the_margins_it_supports():
+    from autoaccum.devices._margins import MeasuredPoint, suggest_margins
+
+    points = [  # need here, peak, need deviceless, memory outside the pool (MiB)
+        MeasuredPoint(need=10_000 * MIB, peak=10_050 * MIB, need_deviceless=10_300 * MIB,
+                      bytes_limit=76_000 * MIB, context=520 * MIB),
+        MeasuredPoint(need=30_000 * MIB, peak=30_020 * MIB, need_deviceless=29_990 * MIB,
+                      bytes_limit=76_000 * MIB, context=None),
+    ]
+    h100 = find_profile("h100")
+    out = {s.name: s for s in suggest_margins(points, h100.margins, provenance="table, abc")}
+    # Outside the pool: the largest figure measured, up to 16 MiB.
+    assert out["CUDA context"].suggested.mib == 528
+    # Inside the pool on the device: the largest peak - need (50 MiB), up to 16 MiB.
+    assert out["cuDNN workspace"].suggested.mib == 64
+    assert out["cuDNN workspace"].suggested.provenance == "measured: table, abc"
+    # Deviceless: the largest peak - deviceless need (+30 MiB) less that workspace: a credit,
+    # rounded toward zero. The H100 profile has no such margin yet: a new one is proposed.
+    assert out["deviceless tolerance"].current is None
+    assert out["deviceless tolerance"].suggested.mib == -32
+    assert out["deviceless tolerance"].suggested.when == "deviceless"
+    assert out["command buffers (CUDA graphs)"].suggested is None
+    # The T4's lab tolerance is the margin a T4 run would correct.
+    t4 = {s.name: s for s in suggest_margins(points, find_profile("t4").margins,
+                                            provenance="t")}
+    assert t4["deviceless tolerance (lab)"].suggested.mib == -32
+
+
+def test_without_steps_that_ran_nothing_is_suggested():
+    from autoaccum.devices._margins import suggest_margins
+
+    out = suggest_margins([], find_profile("t4").margins, provenance="t")
+    assert all(s.suggested is None for s in out)
+    assert all(s.why.startswith("not measured") for s in out)
