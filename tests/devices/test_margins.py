@@ -160,7 +160,7 @@ def test_every_shipped_margin_says_whether_it_was_estimated_or_measured():
 
 def test_a_plan_report_names_each_margins_provenance():
     lines = profile_budget(find_profile("h100"), environ={}).margin_lines()
-    assert any("[estimate: design notes section 2" in line for line in lines)
+    assert any("[estimate: ~300 MB of CUDA context" in line for line in lines)
 
 
 def test_a_margins_table_keeps_its_provenance_and_says_when_it_has_none(tmp_path):
