@@ -52,6 +52,7 @@ def test_gpu_profile_sets_backend_fraction_and_flags():
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
 
 
+@pytest.mark.slow  # fresh Pythons: the probe, then JAX started with the flags kept
 def test_a_profile_flag_this_jaxlib_does_not_know_is_left_out_not_set_to_abort_jax():
     profile = dataclasses.replace(
         find_profile("t4"),

@@ -12,6 +12,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 from packaging.version import Version
 
 from autoaccum.devices import _xla_options
@@ -44,6 +45,7 @@ def test_the_kept_options_compile():
     assert compiled(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.slow  # two fresh Pythons that start JAX
 def test_flags_jax_would_abort_on_are_left_out_and_the_rest_start_jax(tmp_path):
     flags = ("--xla_force_host_platform_device_count=3 --xla_no_such_flag_autoaccum=1 "
              "--xla_cpu_use_fusion_emitters=false")
