@@ -13,13 +13,13 @@ import sys
 import warnings
 
 from ._detect import detect_device, jax_started
+from ._margins import FRACTION_VARS
 from ._profiles import DeviceProfile, find_profile
 from ._warnings import AutoaccumWarning
 from ._xla_options import known_xla_flags
 
 __all__ = ["configure"]
 
-FRACTION_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
 
 
 def configure(
