@@ -158,3 +158,16 @@ def test_the_rules_catch_a_violation(tmp_path, monkeypatch):
         bad.unlink()
     assert any("layer devices may not import layer training" in v for v in found)
     assert any("imports no framework" in v for v in found)
+
+
+UNHELD_DOCUMENTS = ("design notes", "design.md")
+"""Documents no file in the repository holds: a comment or docstring that cites one points
+nowhere (cite docs/guides/*.md, docs/accuracy.md, or say the fact where it is used)."""
+
+
+def test_no_module_cites_a_document_the_repository_does_not_hold():
+    cites = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in sources() if path.is_relative_to(ROOT / "autoaccum")
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if any(name in line.lower() for name in UNHELD_DOCUMENTS)]
+    assert cites == []

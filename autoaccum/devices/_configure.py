@@ -90,7 +90,9 @@ def configure(
         notes.append("CPU: no GPU memory settings apply")
         if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ:
             # Lets autoaccum compile deviceless for a named GPU (plan(device="t4")) later in
-            # this process; without a GPU it changes nothing else (design.md section 2).
+            # this process (JAX's CUDA plugin otherwise refuses to start without CUDA; see
+            # docs/install.md, "Quiet on a machine without a GPU"); without a GPU it changes
+            # nothing else.
             changed["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
         if memory_fraction is not None:
             notes.append("memory_fraction ignored on the CPU")

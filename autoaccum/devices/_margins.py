@@ -141,7 +141,7 @@ class Margin:
         Example:
           >>> Margin("x", 1, "pool", "s", provenance="measured: table 3, commit abc").measured
           True
-          >>> Margin("x", 1, "pool", "s", provenance="estimate: design notes").measured
+          >>> Margin("x", 1, "pool", "s", provenance="estimate: docs/guides/margins.md").measured
           False
         """
         return self.provenance.startswith("measured:")

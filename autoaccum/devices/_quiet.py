@@ -22,8 +22,8 @@ no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing chang
 * ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
   other accelerator plugin (TPU, ROCm) is installed; otherwise
   ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (read when the plugin starts). Either stops the
-  traceback, and both keep deviceless compiles for a named GPU working (design notes section
-  2). JAX would use the CPU here anyway;
+  traceback, and both keep deviceless compiles for a named GPU working (docs/install.md,
+  "Quiet on a machine without a GPU"). JAX would use the CPU here anyway;
 * ``TF_CPP_MIN_LOG_LEVEL=3`` if unset (TensorFlow's own log lines);
 * the first ``import jax`` and ``import tensorflow`` run with file descriptor 2 captured, and
   every captured line except the known noise above is written back to stderr afterwards; the

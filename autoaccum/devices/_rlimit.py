@@ -6,7 +6,8 @@ so the cap can be lifted again (around XLA compiles, which leave ~40 MiB of addr
 behind each time and would otherwise eat the headroom). Use it in a child process: once
 capped, anything that allocates (Python included) may fail.
 
-For a repeatable boundary (measured, see design notes section 8) set, before JAX starts,
+For a repeatable boundary (the same allocation fails on every run, as tests/_oom_child.py and
+benchmarks/gpu_validation.py's back-off rows rely on) set, before JAX starts,
 ``MALLOC_ARENA_MAX=1``, ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (fixed
 values), and ``jax.config.update("jax_cpu_enable_async_dispatch", False)``: see
 :data:`CHILD_ENV`.
