@@ -4,7 +4,7 @@ how many step programs were compiled.
 
 Each configuration runs in a fresh process with XLA's default flags and no JAX compilation
 cache (as users run), the need cache off, so both plan the same probes; "compiled again" swaps
-the loop's ``compile_step`` for ``lowered.compile()``, the loop as it was.
+the loop's ``reuse_or_compile`` for ``lowered.compile()``, the loop as it was.
 
     .venv/bin/python benchmarks/kept_steps.py
 
@@ -57,7 +57,7 @@ from autoaccum.adapters.flax import _fit_step
 from autoaccum_demo._tiny_lm import TinyTransformerLM
 
 if sys.argv[1] == "again":
-    _fit_step.compile_step = lambda lowered, args: lowered.compile()
+    _fit_step.reuse_or_compile = lambda lowered, args: lowered.compile()
 
 def loss_fn(model, batch):
     logits = model(batch["tokens"][:, :-1])
@@ -86,7 +86,7 @@ import autoaccum
 from autoaccum.adapters.keras import _runner
 
 if sys.argv[1] == "again":
-    _runner.compile_step = lambda lowered, args: lowered.compile()
+    _runner.reuse_or_compile = lambda lowered, args: lowered.compile()
 
 keras.utils.set_random_seed(0)
 inputs = keras.Input((128,), dtype="int32")

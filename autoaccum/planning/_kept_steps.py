@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["compile_step", "keep_compiled", "kept_count"]
+__all__ = ["keep_compiled", "kept_count", "reuse_or_compile"]
 
 KEPT_STEPS = 8
 """How many compiled steps are kept (the most recent: the last plan's probes)."""
@@ -50,7 +50,7 @@ def _key(lowered: Any, options: dict | None) -> tuple | None:
 
 def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> None:
     """Keeps ``compiled`` (``lowered.compile(compiler_options=options)``) for
-    :func:`compile_step`; the oldest of more than :data:`KEPT_STEPS` is dropped."""
+    :func:`reuse_or_compile`; the oldest of more than :data:`KEPT_STEPS` is dropped."""
     key = _key(lowered, options)
     if key is None:
         return
@@ -79,7 +79,7 @@ def _placed_as_expected(compiled: Any, args: tuple) -> bool:
         placed(leaf, sharding) for leaf, sharding in zip(given, expected, strict=True))
 
 
-def compile_step(lowered: Any, args: tuple) -> Any:
+def reuse_or_compile(lowered: Any, args: tuple) -> Any:
     """The executable of ``lowered`` for ``args`` (the arguments it was lowered with): one kept
     by the planner when it compiled this very program with its arguments placed the same
     way, else ``lowered.compile()``.
@@ -97,7 +97,8 @@ def compile_step(lowered: Any, args: tuple) -> Any:
       >>> lowered = jax.jit(lambda a: a * 2).lower(x)
       >>> keep_compiled(lowered, lowered.compile())
       >>> before = kept_count()
-      >>> compile_step(jax.jit(lambda a: a * 2).lower(x), (x,))(x).tolist(), kept_count() - before
+      >>> step = reuse_or_compile(jax.jit(lambda a: a * 2).lower(x), (x,))
+      >>> step(x).tolist(), kept_count() - before
       ([2.0, 2.0, 2.0], 1)
     """
     key = _key(lowered, None)
@@ -111,7 +112,7 @@ def compile_step(lowered: Any, args: tuple) -> Any:
 
 
 def kept_count() -> int:
-    """How many times :func:`compile_step` ran a step the planner had compiled (in this
+    """How many times :func:`reuse_or_compile` ran a step the planner had compiled (in this
     process), for tests and benchmarks.
 
     Example:

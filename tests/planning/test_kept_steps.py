@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._kept_steps import compile_step, keep_compiled, kept_count
+from autoaccum.planning._kept_steps import keep_compiled, kept_count, reuse_or_compile
 
 
 class MLP(nnx.Module):
@@ -59,7 +59,7 @@ def test_the_same_program_for_other_compiler_options_is_compiled_again():
     lowered = jax.jit(lambda a: a + 1).lower(x)
     keep_compiled(lowered, lowered.compile(), {"xla_cpu_enable_fast_math": True})
     reused = kept_count()
-    assert compile_step(jax.jit(lambda a: a + 1).lower(x), (x,))(x).tolist() == [2.0] * 4
+    assert reuse_or_compile(jax.jit(lambda a: a + 1).lower(x), (x,))(x).tolist() == [2.0] * 4
     assert kept_count() == reused
 
 
@@ -72,10 +72,10 @@ def test_a_kept_step_for_arguments_placed_elsewhere_is_compiled_again():
     # (in pinned host memory, not the device's): compiled again rather than called with it.
     pinned = jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0],
                                                                  memory_kind="pinned_host"))
-    assert compile_step(jax.jit(lambda a: a - 1).lower(x), (pinned,))
+    assert reuse_or_compile(jax.jit(lambda a: a - 1).lower(x), (pinned,))
     assert kept_count() == reused
     # A host NumPy array goes where jit would put it, on the default device: kept one used.
-    compiled = compile_step(jax.jit(lambda a: a - 1).lower(x), (np.ones(4, np.float32),))
+    compiled = reuse_or_compile(jax.jit(lambda a: a - 1).lower(x), (np.ones(4, np.float32),))
     assert kept_count() == reused + 1
     assert compiled(np.ones(4, np.float32)).tolist() == [0.0] * 4
 
@@ -93,7 +93,7 @@ def test_a_program_that_calls_back_into_python_is_never_reused():
     keep_compiled(first, first.compile())
     reused = kept_count()
     second = with_callback(lambda a: np.asarray(a) * 3).lower(x)
-    assert compile_step(second, (x,))(x).tolist() == [3.0] * 4
+    assert reuse_or_compile(second, (x,))(x).tolist() == [3.0] * 4
     assert kept_count() == reused
 
 

@@ -14,7 +14,7 @@ import optax
 from ...devices._mesh import shard_batches
 from ...devices._placement import Placement
 from ...devices._rlimit import compiling
-from ...planning._kept_steps import compile_step
+from ...planning._kept_steps import reuse_or_compile
 from ...planning._plan import Plan
 from ...planning._search import DoesNotFitError
 from ...planning._strategies import StateLayout
@@ -132,7 +132,7 @@ class StepRunner:
                 self._jitted[weighted] = self._make(weighted)
             args = (self.live.state, batches, self.frozen)
             with compiling():
-                self._executables[key] = compile_step(self._jitted[weighted].lower(*args), args)
+                self._executables[key] = reuse_or_compile(self._jitted[weighted].lower(*args), args)
         return self._executables[key]
 
     def step(self, batch: StepBatch) -> tuple[StepMetrics, bool]:

@@ -38,7 +38,7 @@ from ...devices._mesh import (
 from ...devices._placement import place
 from ...devices._rlimit import compiling
 from ...devices._warnings import AutoaccumWarning
-from ...planning._kept_steps import compile_step
+from ...planning._kept_steps import reuse_or_compile
 from ...planning._micro_batches import UnevenBatches, split_sizes
 from ...planning._search import divisors
 from ...planning._strategies import StateLayout
@@ -149,7 +149,7 @@ class StepRunner:
             with compiling(), keras_lowering_scope():
                 lowered = self._jitted.lower(state, batches, frozen)
                 # The plan's probe of this very step, when it compiled one, else a compile.
-                self._compiled[key] = compile_step(lowered, (state, batches, frozen))
+                self._compiled[key] = reuse_or_compile(lowered, (state, batches, frozen))
         return self._compiled[key]
 
     def _batch_spec(self, accum_steps: int, micro_batch: int, last: int | None) -> PyTree:
