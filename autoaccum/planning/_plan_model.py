@@ -24,7 +24,7 @@ from ._option_checks import (
     validate_effective_batch,
 )
 from ._parallel import CompileRequest, measure_all
-from ._plan import Plan, search_plan
+from ._plan import Plan, _process_count, search_plan
 from ._remat import (
     first_line,
     label_policy,
@@ -440,12 +440,6 @@ def plan_model(
         candidates=tuple(candidates),
     )
     return with_failed_policies(chosen, failures), prepared_by_policy[best.remat]
-
-
-def _process_count() -> int:
-    import jax
-
-    return jax.process_count()
 
 
 def agree_strategy(mine: str | None) -> str | None:
