@@ -9,8 +9,8 @@ from typing import Any, TextIO
 
 from .adapters import adapter_for
 from .devices._mesh import resolve_mesh
-from .planning._adapter import FitSettings
-from .planning._advise import (
+from .planning._adapter_interface import FitSettings
+from .planning._advisor import (
     Advice,
     Alternative,
     Stage,
@@ -21,7 +21,8 @@ from .planning._advise import (
     run_advisor,
 )
 from .planning._cache import resolve_cache
-from .planning._lr import announce, validate_lr_rule
+from .planning._concurrent_compiles import CompileRequest, measure_all
+from .planning._lr_scaling import announce, validate_lr_rule
 from .planning._measure import MemoryEstimate
 from .planning._objective import validate_objective
 from .planning._option_checks import (
@@ -35,13 +36,12 @@ from .planning._option_checks import (
     validate_memory_fraction,
     validate_positive_int,
 )
-from .planning._parallel import CompileRequest, measure_all
 from .planning._plan import Plan
 from .planning._plan_model import plan_model, prepare, validate_method
 from .planning._reuse import reuse_plan
 from .planning._search import DoesNotFitError
 from .planning._targets import is_deviceless, resolve_target
-from .training._batch_stats import validate_batch_stats
+from .training._batch_norm_moments import validate_batch_stats
 from .training._epoch_batches import num_examples
 from .training._fit_options import refuse_fit_options
 from .training._nonfinite import validate_on_nonfinite

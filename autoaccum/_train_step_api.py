@@ -8,7 +8,7 @@ from ._api import check_target, default_objective, given, program_options
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
-from .planning._lr import announce
+from .planning._lr_scaling import announce
 from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_model import plan_model, validate_method

@@ -25,8 +25,8 @@ import optax
 from _common import median_seconds, print_table
 from flax import nnx
 
-import autoaccum.adapters.flax._program as flax_program_module
-from autoaccum.adapters.flax._program import make_flax_step
+import autoaccum.adapters.flax._nnx_program as flax_program_module
+from autoaccum.adapters.flax._nnx_program import make_flax_step
 from autoaccum.devices._units import format_bytes
 from autoaccum.training._nonfinite import keep_if_finite
 from autoaccum_demo._flax_demo import load_corpus

@@ -47,12 +47,12 @@ def _child(method: str, args: argparse.Namespace) -> dict:
     import optax
     from flax import nnx
 
-    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.adapters.flax._nnx_program import flax_program, split_model
     from autoaccum.devices._oom import is_out_of_memory
     from autoaccum.devices._rlimit import AddressSpaceCap, compiling
     from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
     from autoaccum.planning._budget import Budget
-    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._lr_scaling import scale_learning_rate
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._plan import search_plan
     from autoaccum.training._epoch_batches import example_spec

@@ -30,7 +30,7 @@ from _common import median_seconds, print_table
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoaccum.adapters.flax._program import make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 

@@ -32,7 +32,7 @@ def child(devices: int) -> dict:
     from _common import median_seconds
     from flax import nnx
 
-    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.adapters.flax._nnx_program import flax_program, split_model
     from autoaccum.devices._mesh import data_parallel_mesh, replicate, shard_batches
     from autoaccum.planning._measure import measure_program
     from autoaccum_demo._flax_demo import load_corpus

@@ -95,7 +95,7 @@ def restore_before_issue20() -> None:
 def child_plan(args: argparse.Namespace) -> None:
     """One dry-run plan in this process; prints one JSON line."""
     start = time.perf_counter()
-    import autoaccum.planning._parallel as parallel
+    import autoaccum.planning._concurrent_compiles as parallel
     from autoaccum.adapters.keras.presets import plan_preset
 
     if args.before:
@@ -180,7 +180,7 @@ def part_parallel(args: argparse.Namespace) -> None:
     """The two small-depth compiles of one probe, one after the other vs side by side."""
     from autoaccum.adapters.keras.presets._architectures import load_architecture
     from autoaccum.adapters.keras.presets._plan_preset import _preset_program
-    from autoaccum.planning._parallel import CompileRequest, measure_all
+    from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
     from autoaccum.planning._targets import resolve_target
 
     arch = load_architecture(args.parallel_arch)

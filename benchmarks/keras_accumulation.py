@@ -30,7 +30,7 @@ import jax
 import keras
 import numpy as np
 
-from autoaccum.adapters.keras._program import (
+from autoaccum.adapters.keras._keras_program import (
     ensure_built,
     find_layout,
     keras_state,

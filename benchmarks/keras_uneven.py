@@ -33,7 +33,7 @@ import numpy as np
 
 import autoaccum
 from autoaccum.adapters import adapter_for
-from autoaccum.adapters.keras._program import find_layout, keras_state
+from autoaccum.adapters.keras._keras_program import find_layout, keras_state
 from autoaccum.adapters.keras._runner import StepRunner, _split
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning import split_sizes

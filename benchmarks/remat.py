@@ -16,13 +16,13 @@ from _common import median_seconds, print_table
 from flax import nnx
 
 from autoaccum.adapters import adapter_for
-from autoaccum.adapters.flax._program import make_flax_step, split_model
-from autoaccum.adapters.flax._remat import rematerialized
+from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_remat import rematerialized
 from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning._measure import CompileTarget, measure_program
 from autoaccum.planning._plan_model import prepare
-from autoaccum.planning._remat import REMAT_POLICIES
+from autoaccum.planning._remat_policies import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 

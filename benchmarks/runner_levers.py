@@ -24,7 +24,7 @@ Measured 2026-11-26 on the 2-core machine, the default subset (254 tests: the Fl
     baseline:     round 1 308.8 / 603.1, round 2 298.8 / 574.1   (within the noise)
 
 One module whose tests all run in one child process with 4 host devices
-(``--test tests/adapters/keras/test_train_step.py``, 15 tests), one round at 22:22:
+(``--test tests/adapters/keras/test_keras_train_step.py``, 15 tests), one round at 22:22:
 pinned 68.4 s / 71.0 CPU s, baseline 90.6 / 94.4 (0.75x).
 
 The whole suite (``make test``) the same evening, pinned and unpinned in turn: pinned 20 min 2 s

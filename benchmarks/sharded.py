@@ -52,7 +52,7 @@ def child() -> dict:
     from flax import nnx
 
     import autoaccum
-    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.devices._mesh import data_parallel_mesh
     from autoaccum.planning import STRATEGIES
     from autoaccum.planning._measure import compile_count, measure_program
@@ -121,7 +121,7 @@ def lora_rows(mesh) -> dict:
     import optax
     from flax import nnx
 
-    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.planning import STRATEGIES
     from autoaccum.planning._measure import measure_program
 

@@ -25,7 +25,7 @@ from _common import print_table
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning import measure_program, resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._models: the tiny LM

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_program import flax_program, make_flax_step, split_model
 from autoaccum.devices._mesh import data_parallel_mesh, replicate, shard_batches
 from autoaccum.training._data_parallel import data_parallel_accumulate
 from tests._models import TinyLM, ragged_tokens, token_loss

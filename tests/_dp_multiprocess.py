@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 

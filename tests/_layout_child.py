@@ -103,7 +103,7 @@ def _versus_keras(distribution, *, budget: str, batch_norm: bool = True) -> dict
 
 def model_parallel() -> dict:
     """ModelParallel: the plan's compiled step keeps the layout; fit equals model.fit."""
-    from autoaccum.adapters.keras._adapter import KerasAdapter
+    from autoaccum.adapters.keras._keras_adapter import KerasAdapter
     from autoaccum.planning._measure import lower_step, measure_program
 
     distribution = _model_parallel()

@@ -60,7 +60,7 @@ def plan_at(micro_batch: int, accum_steps: int):
     """A hand-made :class:`Plan` for ``micro_batch x accum_steps`` (no search)."""
     from autoaccum.planning._backoff import _unknown_estimate
     from autoaccum.planning._budget import Budget
-    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._lr_scaling import scale_learning_rate
     from autoaccum.planning._plan import Plan
 
     effective = micro_batch * accum_steps
@@ -273,11 +273,11 @@ def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
     """Back-off, auto and "nothing fits" under a cap, with the live state checked bit by bit."""
     import io
 
-    from autoaccum.adapters.flax._program import flax_program, split_model
+    from autoaccum.adapters.flax._nnx_program import flax_program, split_model
     from autoaccum.devices._rlimit import AddressSpaceCap
     from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
     from autoaccum.planning._budget import Budget
-    from autoaccum.planning._lr import scale_learning_rate
+    from autoaccum.planning._lr_scaling import scale_learning_rate
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._plan import search_plan
     from autoaccum.planning._search import DoesNotFitError

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from autoaccum.adapters.flax._program import flax_program, make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_program import flax_program, make_flax_step, split_model
 from autoaccum.devices._mesh import data_parallel_mesh, place, replicate, shard_batches
 from autoaccum.planning import STRATEGIES
 from autoaccum.planning._measure import measure_program
@@ -406,7 +406,7 @@ def own_mesh() -> dict:
     uneven micro-batches) equals one full-batch step on one device; a (1, 4) mesh plans
     tensor parallelism alone; a named strategy and an ambiguous data axis are refused."""
     import autoaccum
-    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.adapters.flax._nnx_program import flax_program
 
     mesh = jax.make_mesh((2, 2), ("batch", "model"))
     data = ragged_tokens(8, 10, seed=5)
@@ -611,7 +611,7 @@ def keras_planned() -> dict:
     on one device, the variables keep the strategy's layout, and Keras and a second fit run
     on them; ``strategy=`` names one for plan and train_step."""
     import autoaccum
-    from autoaccum.adapters.keras._program import keras_program
+    from autoaccum.adapters.keras._keras_program import keras_program
 
     devices = len(jax.devices())
     mesh = data_parallel_mesh()

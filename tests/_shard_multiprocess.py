@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import autoaccum
-from autoaccum.adapters.flax._program import make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 

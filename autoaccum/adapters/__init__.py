@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planning._adapter import Adapter
+from ..planning._adapter_interface import Adapter
 
 __all__ = ["adapter_for", "adapters"]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from ..devices._quiet import quiet_command_line
-from ._advise import cmd_advise, without_tensorflow
+from ._advise_command import cmd_advise, without_tensorflow
 from ._builder import load_model_function as load_model_function
 from ._builder import merge_flags, plan_kwargs
 from ._errors import CliError, import_error_message, report_does_not_fit, report_error

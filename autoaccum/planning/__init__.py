@@ -4,11 +4,11 @@ back-off, remat policies and learning-rate rules, and the resulting :class:`Plan
 Imports only :mod:`autoaccum.devices`; frameworks are reached through :class:`Adapter`.
 """
 
-from ._adapter import Adapter as Adapter
-from ._adapter import FitSettings as FitSettings
-from ._adapter import Prepared as Prepared
-from ._advise import Advice as Advice
-from ._advise import Alternative as Alternative
+from ._adapter_interface import Adapter as Adapter
+from ._adapter_interface import FitSettings as FitSettings
+from ._adapter_interface import Prepared as Prepared
+from ._advisor import Advice as Advice
+from ._advisor import Alternative as Alternative
 from ._backoff import RealStepRunner as RealStepRunner
 from ._backoff import auto_plan as auto_plan
 from ._backoff import backoff_search as backoff_search
@@ -17,13 +17,15 @@ from ._budget import parse_budget as parse_budget
 from ._budget import profile_budget as profile_budget
 from ._cache import NeedCache as NeedCache
 from ._cache import resolve_cache as resolve_cache
+from ._concurrent_compiles import CompileRequest as CompileRequest
+from ._concurrent_compiles import measure_all as measure_all
 from ._depth import DepthExtrapolator as DepthExtrapolator
 from ._depth import DepthVariant as DepthVariant
 from ._depth import DepthVariants as DepthVariants
 from ._depth import plan_by_depth as plan_by_depth
-from ._lr import LR_RULES as LR_RULES
-from ._lr import LearningRateScaling as LearningRateScaling
-from ._lr import scale_learning_rate as scale_learning_rate
+from ._lr_scaling import LR_RULES as LR_RULES
+from ._lr_scaling import LearningRateScaling as LearningRateScaling
+from ._lr_scaling import scale_learning_rate as scale_learning_rate
 from ._measure import CompileTarget as CompileTarget
 from ._measure import MemoryEstimate as MemoryEstimate
 from ._measure import measure_program as measure_program
@@ -33,11 +35,9 @@ from ._micro_batches import micro_steps as micro_steps
 from ._micro_batches import split_sizes as split_sizes
 from ._objective import Candidate as Candidate
 from ._objective import choose_fastest as choose_fastest
-from ._parallel import CompileRequest as CompileRequest
-from ._parallel import measure_all as measure_all
 from ._plan import Plan as Plan
 from ._plan_model import plan_program as plan_program
-from ._remat import REMAT_POLICIES as REMAT_POLICIES
+from ._remat_policies import REMAT_POLICIES as REMAT_POLICIES
 from ._report import SCHEMA_VERSION as SCHEMA_VERSION
 from ._report import Limit as Limit
 from ._report import limiting_factor as limiting_factor

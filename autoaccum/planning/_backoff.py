@@ -27,7 +27,7 @@ import numpy as np
 from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits
 from ..devices._rlimit import compiling
 from ..devices._units import format_bytes
-from ._lr import LearningRateScaling
+from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled
 from ._plan import Plan, plan_from_search
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
@@ -121,7 +121,7 @@ def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._program import flax_program, split_model
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program, split_model
       >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
@@ -304,7 +304,7 @@ def auto_plan(
       ...     n = 100 + 10 * b
       ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
       >>> from autoaccum.planning._plan import search_plan
-      >>> from autoaccum.planning._lr import scale_learning_rate
+      >>> from autoaccum.planning._lr_scaling import scale_learning_rate
       >>> from autoaccum.planning._budget import Budget
       >>> p = search_plan(fake, effective_batch=8, lr_scaling=scale_learning_rate(
       ...     None, effective_batch=8), budget=Budget(200, "fake", ""), target="fake", log=None)

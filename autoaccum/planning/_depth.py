@@ -33,10 +33,10 @@ from typing import Any, TextIO
 
 from ..devices._units import format_bytes
 from ._budget import Budget
-from ._lr import LearningRateScaling
+from ._concurrent_compiles import CompileRequest, default_workers, measure_all
+from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
 from ._option_checks import received
-from ._parallel import CompileRequest, default_workers, measure_all
 from ._plan import Plan, search_plan
 from ._search import DoesNotFitError, Probe
 from ._train_program import TrainProgram
@@ -206,7 +206,7 @@ class DepthExtrapolator:
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program
       >>> class Stack(nnx.Module):
       ...     def __init__(self, depth, rngs):
       ...         self.blocks = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(depth)])
@@ -494,7 +494,7 @@ def plan_by_depth(
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
       >>> from autoaccum.planning import scale_learning_rate
-      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program
       >>> class Stack(nnx.Module):
       ...     def __init__(self, depth, rngs):
       ...         self.blocks = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(depth)])

@@ -392,12 +392,12 @@ def measure_program(
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
     device's (XLA's memory analysis of an SPMD program is per device). To read repeated
     compiles from the need cache, or compile several at once, see
-    :func:`autoaccum.planning._parallel.measure_all`.
+    :func:`autoaccum.planning._concurrent_compiles.measure_all`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
       >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),

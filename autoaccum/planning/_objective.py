@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._remat import REMAT_POLICIES
+from ._remat_policies import REMAT_POLICIES
 
 OBJECTIVES = ("memory", "throughput")
 THROUGHPUT_TOLERANCE = 0.05

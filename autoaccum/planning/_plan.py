@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 from ..devices._units import format_bytes
 from ._budget import Budget
-from ._lr import LearningRateScaling
+from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate
 from ._micro_batches import split_sizes
 from ._search import Probe, SearchResult, divisors, search_micro_batch
@@ -54,7 +54,7 @@ class Plan:
     plan_seconds: float
     notes: tuple[str, ...] = field(default=())
     remat: str = "none"
-    """Rematerialization policy of the chosen step (see ``autoaccum.planning._remat``)."""
+    """Rematerialization policy of the chosen step (see ``autoaccum.planning._remat_policies``)."""
     objective: str = "memory"
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())

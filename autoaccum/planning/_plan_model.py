@@ -9,10 +9,11 @@ from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
 from ..devices._units import format_bytes
-from ._adapter import Adapter, Prepared
+from ._adapter_interface import Adapter, Prepared
 from ._cache import resolve_cache
+from ._concurrent_compiles import CompileRequest, measure_all
 from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
-from ._lr import LearningRateScaling, announce
+from ._lr_scaling import LearningRateScaling, announce
 from ._measure import measure_program
 from ._micro_batches import split_sizes
 from ._objective import Candidate, choose_fastest, cost_model_seconds
@@ -23,9 +24,8 @@ from ._option_checks import (
     validate_devices,
     validate_effective_batch,
 )
-from ._parallel import CompileRequest, measure_all
 from ._plan import Plan, _process_count, search_plan
-from ._remat import (
+from ._remat_policies import (
     first_line,
     label_policy,
     nothing_fits,
@@ -87,7 +87,7 @@ def plan_program(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
       >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),

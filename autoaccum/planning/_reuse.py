@@ -8,7 +8,7 @@ from typing import Any
 
 from ..devices._mesh import resolve_mesh
 from ..devices._units import format_bytes
-from ._adapter import Adapter, Prepared
+from ._adapter_interface import Adapter, Prepared
 from ._option_checks import check_enough_examples, no_leftovers, received
 from ._plan import Plan
 from ._plan_model import prepare

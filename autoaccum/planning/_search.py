@@ -90,9 +90,9 @@ class DoesNotFitError(ValueError):
         self.smallest_profile = smallest_profile
         """Key of the smallest shipped GPU profile whose budget holds the resident state."""
         self.alternatives = tuple(alternatives)
-        """Compile-verified changes that fit (:class:`~._advise.Alternative`), best first."""
+        """Compile-verified changes that fit (:class:`~._advisor.Alternative`), best first."""
         self.advice: Any = None
-        """The whole :class:`~._advise.Advice` when the advisor ran."""
+        """The whole :class:`~._advisor.Advice` when the advisor ran."""
 
     def with_advice(self, advice: Any) -> DoesNotFitError:
         """This error with the advisor's table attached (attribute and message)."""

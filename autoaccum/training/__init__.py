@@ -10,7 +10,7 @@ from ._accumulate import AccumulatedGradients as AccumulatedGradients
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._accumulate import mean_gradients as mean_gradients
 from ._accumulate import mean_loss as mean_loss
-from ._batch_stats import BATCH_STATS_MODES as BATCH_STATS_MODES
+from ._batch_norm_moments import BATCH_STATS_MODES as BATCH_STATS_MODES
 from ._callbacks import Callback as Callback
 from ._callbacks import StopTraining as StopTraining
 from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate

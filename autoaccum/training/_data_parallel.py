@@ -13,7 +13,7 @@ Carried state (``carry``) has a policy, because each device threads its own copy
 own micro-batches: by default floating leaves (batch statistics) are averaged over devices
 and other leaves (RNG counters and keys, step counters) are taken from the first device, so
 every device holds the same value afterwards. A framework may give its own rule (Keras sums
-its metric-variable updates across devices; see ``autoaccum.adapters.keras._program``).
+its metric-variable updates across devices; see ``autoaccum.adapters.keras._keras_program``).
 
 Stochastic layers: each device folds its index into every typed PRNG key of the carried
 state (``jax.random.fold_in``) for its own micro-batches, so dropout masks differ across

@@ -294,7 +294,7 @@ def test_preset_advise_without_remat_flag_plans_every_row_with_auto(monkeypatch)
     # `autoaccum plan --preset ... --advise` without --remat gave every row of the table
     # "could not plan: Unknown remat policy ... Received: remat=None".
     from autoaccum.adapters.keras import presets
-    from autoaccum.cli import _advise
+    from autoaccum.cli import _advise_command
 
     given = {}
 
@@ -302,7 +302,7 @@ def test_preset_advise_without_remat_flag_plans_every_row_with_auto(monkeypatch)
         given.update(options, name=name)
         raise SystemExit(0)
 
-    monkeypatch.setattr(_advise, "without_tensorflow", lambda: None)
+    monkeypatch.setattr(_advise_command, "without_tensorflow", lambda: None)
     monkeypatch.setattr(presets, "advise_preset", advise_preset)
     with pytest.raises(SystemExit):
         main(["plan", "--preset", "gemma3_4b", "--seq-len", "400", "--device", "t4",

@@ -13,7 +13,7 @@ from autoaccum.devices._oom import (
 )
 from autoaccum.planning._backoff import auto_plan, backoff_search
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._lr import scale_learning_rate
+from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import MemoryEstimate
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._search import DoesNotFitError

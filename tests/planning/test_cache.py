@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning._cache import NeedCache, compiler_fingerprint, resolve_cache
+from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
 from autoaccum.planning._measure import CompileTarget
-from autoaccum.planning._parallel import CompileRequest, measure_all
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 SPEC = {"tokens": jax.ShapeDtypeStruct((16,), jnp.int32),

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning._budget import Budget
 from autoaccum.planning._depth import (
     DepthExtrapolator,
@@ -20,7 +20,7 @@ from autoaccum.planning._depth import (
     io_bytes,
     plan_by_depth,
 )
-from autoaccum.planning._lr import scale_learning_rate
+from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, measure_program
 from tests._models import ragged_tokens, token_loss
 

@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning._measure import DEVICELESS_CODEGEN_OPTIONS, compile_lowered, lower_step
 from autoaccum.planning._targets import resolve_target
 

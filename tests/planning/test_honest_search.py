@@ -127,7 +127,7 @@ def test_a_step_that_needed_the_fallback_compiles_its_other_micro_batches_with_i
     pytest.importorskip("jax_plugins.xla_cuda12")
     import jax
 
-    from autoaccum.adapters.flax._program import flax_program
+    from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.planning._measure import DEVICELESS_FALLBACK, measure_program
     from autoaccum.planning._targets import resolve_target
     from autoaccum_demo._flax_demo import tiny_lm_plan_inputs

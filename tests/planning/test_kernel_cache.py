@@ -12,7 +12,7 @@ from flax import nnx
 from packaging.version import Version
 
 import autoaccum.planning._kernel_cache as kernel_cache
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning._kernel_cache import kernel_cache_options
 from autoaccum.planning._measure import compile_lowered, lower_step
 from autoaccum.planning._targets import resolve_target

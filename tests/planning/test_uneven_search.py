@@ -8,7 +8,7 @@ import math
 import pytest
 
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._lr import scale_learning_rate
+from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import MemoryEstimate
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._search import search_micro_batch

@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import nnx
 
-from autoaccum.adapters.flax._program import make_flax_step
+from autoaccum.adapters.flax._nnx_program import make_flax_step
 from autoaccum.training import accumulate_gradients, mean_gradients, mean_loss
 from tests._models import TinyLM, ragged_tokens, token_loss
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import autoaccum.planning._measure as measure_module
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.devices._compile_platform import compile_platform, compiling_for
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._targets import resolve_target

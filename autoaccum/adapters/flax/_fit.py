@@ -32,11 +32,11 @@ from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
-from ._batch_stats import EffectiveBatchNorm
-from ._data import ArrayData, FlaxStream, flax_data
-from ._evaluate import Evaluator, warn_if_eval_mode
 from ._fit_step import StepBatch, StepRunner, step_batches
-from ._program import LossFn, sharded_layout, split_model
+from ._nnx_batch_norm import EffectiveBatchNorm
+from ._nnx_data import ArrayData, FlaxStream, flax_data
+from ._nnx_program import LossFn, sharded_layout, split_model
+from ._nnx_validation import Evaluator, warn_if_eval_mode
 from ._sharding import home_shardings, rehome
 
 __all__ = ["flax_fit"]
@@ -79,7 +79,7 @@ def flax_fit(
         put in eval mode).
       data: host arrays with a leading example axis, a list of per-example records, or a
         stream of batches (an :class:`ArrayData` or :class:`FlaxStream`; see
-        ``autoaccum.adapters.flax._data``).
+        ``autoaccum.adapters.flax._nnx_data``).
       plan: the plan (micro-batch, accumulation steps, data-parallel devices).
       loss_fn, tx, trainable: the step's loss, optax transformation and trained filter.
       epochs, initial_epoch: train epochs ``initial_epoch .. epochs - 1``.

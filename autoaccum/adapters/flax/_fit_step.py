@@ -29,9 +29,9 @@ from ...training._epoch_batches import (
 from ...training._live import LiveState
 from ...training._nonfinite import NonFiniteError
 from ...training._result import FitResult
-from ._batch_stats import EffectiveBatchNorm
+from ._nnx_batch_norm import EffectiveBatchNorm
+from ._nnx_program import LossFn, accumulate_for, make_flax_step, placed_accumulate
 from ._optax_lr import handles_nonfinite
-from ._program import LossFn, accumulate_for, make_flax_step, placed_accumulate
 
 __all__ = ["StepBatch", "StepRunner", "epoch_steps", "leftover_step", "step_batches"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import optax
 
-from ...planning._lr import ADAPTIVE, SGD_LIKE, LearningRateScaling
+from ...planning._lr_scaling import ADAPTIVE, SGD_LIKE, LearningRateScaling
 from ...planning._option_checks import received, type_name
 
 # What optax builds its optimizers from (the functions named in a transformation's closures).
@@ -143,7 +143,7 @@ def build_optax_optimizer(
 
     Example:
       >>> import optax
-      >>> from autoaccum.planning._lr import scale_learning_rate
+      >>> from autoaccum.planning._lr_scaling import scale_learning_rate
       >>> s = scale_learning_rate(1e-3, effective_batch=8, base_batch=1, rule="linear")
       >>> tx = build_optax_optimizer(optax.sgd, s)  # optax.sgd(learning_rate=8e-3)
     """

@@ -15,20 +15,20 @@ Nothing here imports Keras until a Keras model is handled. The public entry poin
 
 from __future__ import annotations
 
-from ._adapter import KerasAdapter as KerasAdapter
-from ._data import KerasArrays as KerasArrays
 from ._fit import keras_fit as keras_fit
-from ._lr import scale_keras_learning_rate as scale_keras_learning_rate
+from ._keras_adapter import KerasAdapter as KerasAdapter
+from ._keras_arrays import KerasArrays as KerasArrays
+from ._keras_lr import scale_keras_learning_rate as scale_keras_learning_rate
+from ._keras_program import keras_lowering_scope as keras_lowering_scope
+from ._keras_program import keras_program as keras_program
+from ._keras_train_step import KerasStepOutput as KerasStepOutput
+from ._keras_train_step import KerasTrainStep as KerasTrainStep
 from ._model_checks import check_keras_model as check_keras_model
 from ._model_checks import is_keras_model as is_keras_model
 from ._model_checks import validate_keras_fit_kwargs as validate_keras_fit_kwargs
-from ._program import keras_lowering_scope as keras_lowering_scope
-from ._program import keras_program as keras_program
 from ._sources import KerasData as KerasData
 from ._sources import keras_data as keras_data
 from ._sources import to_keras_arrays as to_keras_arrays
-from ._train_step import KerasStepOutput as KerasStepOutput
-from ._train_step import KerasTrainStep as KerasTrainStep
 
 __all__ = [
     "KerasAdapter",

@@ -1,7 +1,7 @@
 """Values a rematerialized Keras block appends to a list while it runs (the BatchNorm moments
-``batch_stats="effective"`` records, :mod:`._batch_stats`) must leave ``jax.checkpoint`` as its
+``batch_stats="effective"`` records, :mod:`._keras_batch_norm`) must leave ``jax.checkpoint`` as its
 outputs, or the compiled step gets stray parameters: the lists registered here are carried
-out by :mod:`._remat`'s checkpointed calls."""
+out by :mod:`._keras_remat`'s checkpointed calls."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ CARRIED_SINKS: list[list] = []  # lists blocks append traced values to while the
 @contextlib.contextmanager
 def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
     """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
-    recorded for ``batch_stats="effective"``, :mod:`._batch_stats`) are returned from its
+    recorded for ``batch_stats="effective"``, :mod:`._keras_batch_norm`) are returned from its
     checkpointed call and appended outside it, so no value of the inner trace escapes."""
     CARRIED_SINKS.extend(sinks)
     try:

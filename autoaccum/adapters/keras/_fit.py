@@ -25,17 +25,17 @@ from ...planning._option_checks import received
 from ...planning._strategies import validate_strategy
 from ...training._fit_loop import EpochTally, FitHooks, FitLoop, StepOutcome, run_fit_loop
 from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
-from ._batch_stats import validate_batch_stats
 from ._distribution import (
     keras_auto_mesh,
     keras_distribution_mesh,
     keras_placement,
     keras_strategy_layout,
 )
-from ._evaluate import Validator
 from ._internals import metrics_result_or_logs, pythonify_logs, set_jax_state, take_initial_epoch
+from ._keras_batch_norm import validate_batch_stats
+from ._keras_program import KerasLayout, ensure_built, find_layout
+from ._keras_validation import Validator
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
-from ._program import KerasLayout, ensure_built, find_layout
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data

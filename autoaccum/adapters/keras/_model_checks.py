@@ -115,7 +115,7 @@ def layers_without_jit(model: Any) -> list[Any]:
     """The layers of ``model`` that Keras flags ``supports_jit = False`` (``RandomRotation``,
     ``RandomZoom``, lookups, ...), for which ``compile(jit_compile="auto")`` resolves to
     ``False`` on every backend. On the JAX backend many of them trace under ``jax.jit`` all
-    the same (their ops are ``keras.ops``); :func:`~._program.find_layout` traces the step to
+    the same (their ops are ``keras.ops``); :func:`~._keras_program.find_layout` traces the step to
     see, and refuses naming them only when it fails.
 
     Example:

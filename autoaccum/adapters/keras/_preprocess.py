@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._data import KerasArrays, _as_numpy
+from ._keras_arrays import KerasArrays, _as_numpy
 
 __all__ = ["map_preprocessing", "preprocessing_of", "raw_arrays"]
 

@@ -48,7 +48,7 @@ from ...training._fit_loop import StepOutcome
 from ...training._interrupts import deferred_interrupts
 from ...training._snapshot import HostSnapshot, is_consumed
 from ._distribution import mark_trained_on
-from ._program import KerasLayout, keras_state, write_back
+from ._keras_program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._step import handles_nonfinite, keras_train_step, strategy_shardings
 

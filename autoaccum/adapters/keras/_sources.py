@@ -30,7 +30,7 @@ import numpy as np
 
 from ...planning._option_checks import received
 from ...training._rebatch import Rebatcher, concat
-from ._data import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
+from ._keras_arrays import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
 from ._streams import batched_tf_dataset, is_stream, stream_batches
 

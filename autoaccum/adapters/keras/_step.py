@@ -7,9 +7,9 @@ Micro-batches are scanned (an uneven step's smaller last micro-batch,
 :class:`~autoaccum.planning.UnevenBatches`, runs once at its own shape; every micro-batch is
 weighted by its own size); the optimizer is applied once per step (``optimizer.iterations``
 counts optimizer steps, schedules see them), with the learning-rate rule applied while the
-step is traced (:func:`~._lr.scaled_learning_rate`). Losses are weighted as Keras weights one
+step is traced (:func:`~._keras_lr.scaled_learning_rate`). Losses are weighted as Keras weights one
 big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), and
-``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._batch_stats`).
+``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._keras_batch_norm`).
 
 A step whose loss or gradients are not finite returns the state it was given (weights,
 optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
@@ -32,11 +32,11 @@ from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
 from ...training._accumulate import accumulate_gradients, mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
-from ._batch_stats import BatchStats
 from ._internals import loss_tracker
+from ._keras_batch_norm import BatchStats
+from ._keras_lr import scaled_learning_rate
 from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
 from ._loss_metrics import TermMetrics
-from ._lr import scaled_learning_rate
 from ._scope import optimizer_in_use
 
 __all__ = ["handles_nonfinite", "keras_eval_step", "keras_train_step", "strategy_shardings"]

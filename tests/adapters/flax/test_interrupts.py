@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax import _evaluate
+from autoaccum.adapters.flax import _nnx_validation
 from autoaccum.adapters.flax._fit import flax_fit
 from autoaccum.training import _live, _snapshot
 from tests._oom_child import plan_at
@@ -127,7 +127,7 @@ def test_interrupt_during_validation(monkeypatch):
     def interrupted(self, state, frozen):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_evaluate.Evaluator, "__call__", interrupted)
+    monkeypatch.setattr(_nnx_validation.Evaluator, "__call__", interrupted)
     model = _model()
     with pytest.raises(KeyboardInterrupt):
         _fit(model, validation_data=DATA)

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from autoaccum.adapters.flax._program import make_flax_step
+from autoaccum.adapters.flax._nnx_program import make_flax_step
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss
 
 SEQ = 32

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import flax_program
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning import measure_program
 from tests._models import TinyLM, ragged_tokens, token_loss
 

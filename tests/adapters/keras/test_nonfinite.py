@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import KerasAdapter, keras_fit
-from autoaccum.planning._adapter import FitSettings
+from autoaccum.planning._adapter_interface import FitSettings
 from autoaccum.training import NonFiniteError
 
 from ._models import all_live, dense_model, max_diff, regression_data

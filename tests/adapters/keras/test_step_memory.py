@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from autoaccum.adapters.keras._program import (
+from autoaccum.adapters.keras._keras_program import (
     ensure_built,
     find_layout,
     keras_state,

@@ -21,7 +21,7 @@ from autoaccum.planning._plan_model import prepare
 
 from ._models import dense_model, regression_data
 from .test_accumulation import padded_data, token_model
-from .test_batchnorm import _moving
+from .test_keras_batch_norm import _moving
 from .test_metrics import two_heads
 
 # effective batch -> the split of a plan whose micro-batch 5 fits and 6 does not
@@ -182,7 +182,7 @@ def test_smaller_steps_split_unevenly_at_the_fit_micro_batch_unless_uneven_is_fa
 def _runner(*, uneven):
     import jax
 
-    from autoaccum.adapters.keras._program import find_layout
+    from autoaccum.adapters.keras._keras_program import find_layout
     from autoaccum.adapters.keras._runner import StepRunner
 
     model = dense_model()
@@ -282,7 +282,7 @@ import json, keras, numpy as np
 from autoaccum.adapters.keras import keras_fit
 from tests.adapters.keras._models import dense_model, regression_data
 from tests.adapters.keras.test_accumulation import padded_data
-from tests.adapters.keras.test_batchnorm import _moving
+from tests.adapters.keras.test_keras_batch_norm import _moving
 from tests.adapters.keras.test_uneven import _token_model, _weights, update_error
 x, y, w = padded_data(20)  # 4 devices x (2 + 2 + 1)
 ours, native = _token_model("sum_over_batch_size"), _token_model("sum_over_batch_size")

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from ....planning._advise import (
+from ....planning._advisor import (
     Advice,
     Alternative,
     Stage,
@@ -31,7 +31,7 @@ from ....planning._advise import (
     more_devices,
     run_advisor,
 )
-from ....planning._remat import validate_remat
+from ....planning._remat_policies import validate_remat
 from ....planning._search import DoesNotFitError
 from ....planning._targets import is_deviceless
 from ._plan_preset import plan_preset
@@ -61,7 +61,7 @@ def advise_preset(
     **plan_options: Any,
 ) -> Advice:
     """The advisor for a shipped architecture: :func:`plan_preset`'s arguments; returns an
-    :class:`~autoaccum.planning._advise.Advice` (its ``error`` carries the table when the
+    :class:`~autoaccum.planning._advisor.Advice` (its ``error`` carries the table when the
     configuration as given does not fit).
 
     Rows are planned with depth extrapolation and not verified by a full-depth compile (the

@@ -12,16 +12,16 @@ from typing import Any, TextIO
 
 from ....devices._extras import require_extra
 from ....planning._depth import DepthVariants
-from ....planning._lr import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
+from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._option_checks import validate_effective_batch, validate_positive_int
 from ....planning._plan import Plan
 from ....planning._plan_model import plan_program, with_strategy
-from ....planning._remat import label_policy, with_failed_policies
+from ....planning._remat_policies import label_policy, with_failed_policies
 from ....planning._resident import Resident, split_resident
 from ....planning._search import DoesNotFitError
 from ....planning._strategies import STRATEGIES, state_layout, validate_strategy
 from ....planning._train_program import tree_bytes
-from .._remat import keras_remat_program
+from .._keras_remat import keras_remat_program
 from ._architectures import Architecture, load_architecture
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")

@@ -11,7 +11,7 @@ Policies (``jax.checkpoint_policies``), in order of increasing recompute:
 
 ``"auto"`` (planning only) tries them in this order and keeps the first under which the
 step fits. Each adapter applies a policy to its model's repeated blocks
-(:mod:`autoaccum.adapters.flax._remat`, :mod:`autoaccum.adapters.keras._remat`).
+(:mod:`autoaccum.adapters.flax._nnx_remat`, :mod:`autoaccum.adapters.keras._keras_remat`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import jax
 
-from ._adapter import Adapter
+from ._adapter_interface import Adapter
 from ._plan import Plan
 from ._search import DoesNotFitError
 

@@ -86,7 +86,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._program import flax_program
+      >>> from autoaccum.adapters.flax._nnx_program import flax_program
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
       >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from ...planning._remat import REMAT_POLICIES
+from ...planning._remat_policies import REMAT_POLICIES
 from ...planning._train_program import TrainProgram
 from ._carried import CARRIED_SINKS
 from ._internals import (
@@ -162,8 +162,8 @@ def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
                         **program_options: Any) -> TrainProgram:
     """The Keras model's accumulated step, traced and lowered with per-block ``remat``
     (Keras applies remat when a layer is called, so lowering must happen inside it too);
-    ``program_options`` go to :func:`~._program.keras_program`."""
-    from ._program import keras_program
+    ``program_options`` go to :func:`~._keras_program.keras_program`."""
+    from ._keras_program import keras_program
 
     with keras_rematerialized(model, remat, layers=layers):
         program = keras_program(model, example_spec=example_spec, **program_options)

@@ -110,7 +110,7 @@ _DATA_PARALLEL_CHILD = """
 import json, numpy as np
 from autoaccum.adapters.keras import keras_fit
 from tests.adapters.keras._models import dense_model, regression_data
-from tests.adapters.keras.test_batchnorm import _moving
+from tests.adapters.keras.test_keras_batch_norm import _moving
 x, y = regression_data(16)
 ours, native = dense_model(batch_norm=True), dense_model(batch_norm=True)
 keras_fit(ours, (x, y), micro_batch=2, accum_steps=2, data_parallel=4, shuffle=False, verbose=0)

@@ -20,17 +20,17 @@ from flax import nnx
 
 from ...devices._mesh import place, replicate
 from ...devices._placement import place as place_each
-from ...planning._adapter import Prepared
+from ...planning._adapter_interface import Prepared
 from ...planning._plan import Plan
 from ...training._elastic import ElasticEvent, shrink
 from ...training._epoch_batches import as_arrays, num_examples
 from ...training._live import LiveState
 from ...training._result import FitResult
 from ...training._snapshot import HostSnapshot
-from ._batch_stats import EffectiveBatchNorm
 from ._fit_step import StepBatch, StepRunner, leftover_step
-from ._program import sharded_layout, split_model
-from ._remat import rematerialized
+from ._nnx_batch_norm import EffectiveBatchNorm
+from ._nnx_program import sharded_layout, split_model
+from ._nnx_remat import rematerialized
 
 __all__ = ["StepOutput", "TrainStep"]
 

@@ -14,7 +14,7 @@ import autoaccum
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 # The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
-pytestmark = pytest.mark.xdist_group("adapters.flax.test_train_step")
+pytestmark = pytest.mark.xdist_group("adapters.flax.test_nnx_train_step")
 
 OPTIONS = dict(optimizer=optax.adam, learning_rate=1e-2, loss_fn=token_loss)
 DATA = ragged_tokens(26, 16, seed=4)

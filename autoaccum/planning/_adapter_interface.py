@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO, runtime_checkable
 
-from ._lr import LearningRateScaling
+from ._lr_scaling import LearningRateScaling
 from ._train_program import TrainProgram
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class FitSettings:
     batch_stats: str = "effective"
     """BatchNorm running averages: ``"effective"`` (one update per optimizer step from the
     whole effective batch's moments) or ``"micro"`` (one per micro-batch); see
-    ``autoaccum.training._batch_stats``."""
+    ``autoaccum.training._batch_norm_moments``."""
     drop_remainder: bool = False
     """``False``: the examples after the last full effective batch of an epoch make a final,
     smaller step (normalised by its own count); ``True``: they are dropped. Either way the

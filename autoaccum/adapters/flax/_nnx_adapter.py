@@ -9,9 +9,9 @@ from typing import Any
 
 from flax import nnx
 
-from ...planning._adapter import FitSettings, Prepared
+from ...planning._adapter_interface import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
-from ...planning._lr import scale_learning_rate
+from ...planning._lr_scaling import scale_learning_rate
 from ...planning._option_checks import (
     check_enough_examples,
     received,
@@ -19,16 +19,16 @@ from ...planning._option_checks import (
     validate_positive_int,
 )
 from ...planning._plan import Plan
-from ...planning._remat import REMAT_POLICIES
-from ...training._batch_stats import validate_batch_stats
+from ...planning._remat_policies import REMAT_POLICIES
+from ...training._batch_norm_moments import validate_batch_stats
 from ...training._callbacks import validate_callbacks
 from ...training._epoch_batches import as_arrays, example_spec, num_examples
-from ._data import ArrayData, flax_data
 from ._fit import flax_fit
+from ._nnx_data import ArrayData, flax_data
 from ._nnx_optimizer import NnxOptimizerLink, unwrap_optimizer
+from ._nnx_program import flax_program, split_model
+from ._nnx_remat import rematerialized, repeated_layers
 from ._optax_lr import build_optax_optimizer, optax_family
-from ._program import flax_program, split_model
-from ._remat import rematerialized, repeated_layers
 
 __all__ = ["FlaxAdapter"]
 
@@ -112,15 +112,15 @@ class FlaxAdapter:
                          "nnx_optimizer": link, "source": source, **kwargs})
 
     def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
-        """Changes the advisor may plan for this model (see :mod:`._advise`)."""
-        from ._advise import flax_advice_changes
+        """Changes the advisor may plan for this model (see :mod:`._nnx_advice_changes`)."""
+        from ._nnx_advice_changes import flax_advice_changes
 
         return flax_advice_changes(model, options)
 
     def apply_change(self, model: Any, options: dict,
                      change: dict[str, Any]) -> tuple[Any, dict]:
         """An abstract copy of ``model`` and new options with ``change`` applied."""
-        from ._advise import flax_apply_change
+        from ._nnx_advice_changes import flax_apply_change
 
         return flax_apply_change(model, options, change)
 

@@ -3,7 +3,7 @@
 Each micro-batch's forward pass runs with every ``nnx.BatchNorm``'s momentum set to 0 on the
 step's own copy of the model, so the layer writes exactly that micro-batch's mean and
 (biased) variance into its ``mean`` and ``var`` statistics. Those are read back, added to
-float32 sums (:mod:`autoaccum.training._batch_stats`), and the running averages are put back
+float32 sums (:mod:`autoaccum.training._batch_norm_moments`), and the running averages are put back
 to their value at the start of the step before the next micro-batch. After the last
 micro-batch (and, data-parallel, after the sums are averaged across devices) the running
 averages move once, with the layer's own momentum, from the effective batch's statistics.
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...training._batch_stats import Moments, add_moments, running_update, zero_moments
+from ...training._batch_norm_moments import Moments, add_moments, running_update, zero_moments
 
 __all__ = ["EffectiveBatchNorm"]
 

@@ -16,7 +16,7 @@ import autoaccum
 from tests.adapters.keras._models import dense_model, max_diff, regression_data
 
 # The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
-pytestmark = pytest.mark.xdist_group("adapters.keras.test_train_step")
+pytestmark = pytest.mark.xdist_group("adapters.keras.test_keras_train_step")
 
 EFFECTIVE = 13
 _rng = np.random.default_rng(3)

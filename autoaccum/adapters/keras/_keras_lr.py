@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...planning._lr import LearningRateScaling, scale_learning_rate
+from ...planning._lr_scaling import LearningRateScaling, scale_learning_rate
 from ...planning._option_checks import received
 from ._internals import (
     current_learning_rate_function,
@@ -128,7 +128,7 @@ def keras_family(optimizer: Any) -> str | None:
       >>> keras_family(keras.optimizers.AdamW(1e-3)), keras_family(keras.optimizers.SGD(0.1))
       ('adaptive', 'sgd')
     """
-    from ...planning._lr import ADAPTIVE, SGD_LIKE
+    from ...planning._lr_scaling import ADAPTIVE, SGD_LIKE
 
     families = set()
     for leaf in leaf_optimizers(optimizer):

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ...devices._warnings import AutoaccumWarning
-from ._program import LossFn, checked_loss
+from ._nnx_program import LossFn, checked_loss
 
 __all__ = ["Evaluator", "warn_if_eval_mode"]
 
@@ -82,7 +82,7 @@ class Evaluator:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from ._program import split_model
+      >>> from ._nnx_program import split_model
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> def loss_fn(m, b):
       ...     return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]

@@ -9,7 +9,7 @@ micro-batch: each micro-batch's model is merged *inside* the differentiated func
 the carried state (fresh variables of that trace) and its new state is returned as aux, so
 dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
 once per optimizer step by default (``batch_stats="effective"``, see
-:mod:`._batch_stats`).
+:mod:`._nnx_batch_norm`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ...planning._micro_batches import micro_steps
 from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
-from ...training._batch_stats import validate_batch_stats
+from ...training._batch_norm_moments import validate_batch_stats
 from ...training._data_parallel import data_parallel_accumulate
 from ...training._nonfinite import (
     keep_if_finite,
@@ -37,7 +37,7 @@ from ...training._nonfinite import (
     update_if_finite,
     validate_on_nonfinite,
 )
-from ._batch_stats import EffectiveBatchNorm
+from ._nnx_batch_norm import EffectiveBatchNorm
 from ._sharding import own_placement, own_specs
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
@@ -212,7 +212,7 @@ def flax_program(
     A model whose weights are split over a mesh of several axes keeps that layout instead
     (``program.placement``, see :mod:`._sharding`; ``mesh`` and ``strategy`` do not apply).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
-    :mod:`autoaccum.training._batch_stats`); ``on_nonfinite``: as :func:`make_flax_step`.
+    :mod:`autoaccum.training._batch_norm_moments`); ``on_nonfinite``: as :func:`make_flax_step`.
 
     Example:
       >>> import optax

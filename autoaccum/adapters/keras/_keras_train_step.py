@@ -20,14 +20,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ...planning._adapter import Prepared
+from ...planning._adapter_interface import Prepared
 from ...planning._plan import Plan
 from ...training._nonfinite import NonFiniteError
-from ._data import KerasArrays
 from ._distribution import keras_placement, keras_strategy_layout
 from ._internals import set_jax_state
-from ._program import ensure_built
-from ._remat import keras_rematerialized
+from ._keras_arrays import KerasArrays
+from ._keras_program import ensure_built
+from ._keras_remat import keras_rematerialized
 from ._runner import StepRunner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data

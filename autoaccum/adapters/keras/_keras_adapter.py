@@ -8,16 +8,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._adapter import FitSettings, Prepared
+from ...planning._adapter_interface import FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._option_checks import received
 from ...planning._plan import Plan
-from ._batch_stats import validate_batch_stats
-from ._data import KerasArrays
 from ._distribution import keras_auto_mesh, keras_placement, placed_program
-from ._lr import keras_lr_scaling, set_base_learning_rate
+from ._keras_arrays import KerasArrays
+from ._keras_batch_norm import validate_batch_stats
+from ._keras_lr import keras_lr_scaling, set_base_learning_rate
+from ._keras_remat import (
+    KERAS_REMAT_POLICIES,
+    keras_blocks,
+    keras_remat_program,
+    keras_rematerialized,
+)
 from ._model_checks import check_keras_model, is_keras_model, validate_keras_fit_kwargs
-from ._remat import KERAS_REMAT_POLICIES, keras_blocks, keras_remat_program, keras_rematerialized
 
 __all__ = ["KerasAdapter"]
 
@@ -53,7 +58,7 @@ class KerasAdapter:
 
     def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
                 remat: str, remat_layers: Any) -> Prepared:
-        from ._program import ensure_built, find_layout
+        from ._keras_program import ensure_built, find_layout
         from ._scope import built_for_planning, planning_optimizer
         from ._sources import keras_data
 
@@ -98,7 +103,8 @@ class KerasAdapter:
         layer that has ``enable_lora``; a smaller rank where LoRA is on), int8 frozen weights
         under LoRA (QLoRA), bfloat16 weights when some are float32, another optimizer (Keras
         keeps moments in the weights' dtype). Each is planned on an abstract copy of the
-        model (:func:`~._advise.keras_apply_change`); see :mod:`._advise`.
+        model (:func:`~._keras_advice_changes.keras_apply_change`); see
+        :mod:`._keras_advice_changes`.
 
         Args:
           model: a compiled ``keras.Model``.
@@ -119,7 +125,7 @@ class KerasAdapter:
           >>> changes[3:]
           [{'optimizer': 'adafactor'}, {'optimizer': 'sgd'}, {'optimizer': 'lion'}]
         """
-        from ._advise import keras_advice_changes
+        from ._keras_advice_changes import keras_advice_changes
 
         return keras_advice_changes(model, options)
 
@@ -138,14 +144,14 @@ class KerasAdapter:
         Returns:
           ``(model_to_plan, options)``.
 
-        Example (a copy with a change: :func:`~._advise.keras_apply_change`):
+        Example (a copy with a change: :func:`~._keras_advice_changes.keras_apply_change`):
           >>> try:
           ...     KerasAdapter().apply_change(None, {}, {"mu_dtype": "bfloat16"})
           ... except ValueError as error:
           ...     print(str(error)[:56])
           The Keras adapter can apply only changes with the keys [
         """
-        from ._advise import keras_apply_change
+        from ._keras_advice_changes import keras_apply_change
 
         return keras_apply_change(model, options, change)
 
@@ -161,7 +167,7 @@ class KerasAdapter:
 
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
         """The live variables (a deferred one reads as its initial value) and the sample."""
-        from ._program import keras_state
+        from ._keras_program import keras_state
 
         state, frozen = keras_state(model, prepared.extras["layout"],
                                     prepared.extras["optimizer"])
@@ -201,7 +207,7 @@ class KerasAdapter:
         runner ``fit`` trains with, one effective batch per call; the learning rate as
         ``fit`` sets it (an explicit ``learning_rate=`` becomes the optimizer's base rate,
         the plan's rule scales it inside the step)."""
-        from ._train_step import KerasTrainStep
+        from ._keras_train_step import KerasTrainStep
 
         source = prepared.extras["data"]
         read = sum(int(np.shape(jax.tree.leaves(p)[0])[0])

@@ -8,15 +8,15 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._program import make_flax_step, split_model
-from autoaccum.adapters.flax._remat import rematerialized
-from autoaccum.planning._remat import REMAT_POLICIES
+from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
+from autoaccum.adapters.flax._nnx_remat import rematerialized
+from autoaccum.planning._remat_policies import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 
 pytestmark = [
     pytest.mark.slow,  # subprocesses, keras-hub builds or large compiles
-    pytest.mark.xdist_group("adapters.flax.test_remat"),  # one worker builds the module's fixtures
+    pytest.mark.xdist_group("adapters.flax.test_nnx_remat"),  # one worker builds the fixtures
 ]
 
 SEQ = 128

@@ -6,7 +6,7 @@ integer, e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple) gets it
 recomputes that block's activations instead of keeping them. Pass ``layers=`` (a predicate
 on ``(path, module)``) for models whose layers are not in a sequence.
 
-Policies: :mod:`autoaccum.planning._remat`.
+Policies: :mod:`autoaccum.planning._remat_policies`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from flax import nnx
 
-from ...planning._remat import REMAT_POLICIES, validate_remat
+from ...planning._remat_policies import REMAT_POLICIES, validate_remat
 
 _CLASSES: dict[tuple[type, str], type] = {}
 

@@ -24,7 +24,7 @@ import numpy as np
 from ...planning._search import divisors
 from ...training._epoch_batches import split_micro_batches
 from ._internals import set_jax_state
-from ._program import KerasLayout, keras_state, write_back
+from ._keras_program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
 from ._sources import KerasData
 from ._step import keras_eval_step
