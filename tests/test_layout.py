@@ -19,6 +19,7 @@ cannot silently regress. Rules:
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,6 +159,38 @@ def test_the_rules_catch_a_violation(tmp_path, monkeypatch):
         bad.unlink()
     assert any("layer devices may not import layer training" in v for v in found)
     assert any("imports no framework" in v for v in found)
+
+
+CORE = ("devices", "planning", "training")
+DOCTEST_IMPORT = re.compile(r"^\s*(?:>>>|\.\.\.)\s+(?:from\s+(\S+)\s+import\s+(.+)|import\s+(.+))$")
+
+
+def test_core_examples_use_the_core_and_the_public_api():
+    """A docstring example in the core (devices, planning, training) imports no private module
+    or name of a higher layer (an adapter's, an entry point's): it runs on the core and the
+    public API, as the core's own code does."""
+    found = []
+    for path in sources():
+        if layer_of(module_name(path)) not in CORE:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            match = DOCTEST_IMPORT.match(line)
+            if not match:
+                continue
+            if match.group(3):
+                imported = [(name.split(" as ")[0].strip(), ())
+                            for name in match.group(3).split(",")]
+            else:
+                names = tuple(n.split(" as ")[0].strip(" ()") for n in match.group(2).split(","))
+                imported = [(match.group(1), names)]
+            for target, names in imported:
+                if target.split(".")[0] != "autoaccum" or layer_of(target) in CORE:
+                    continue
+                private = (any(p.startswith("_") for p in target.split(".")[1:])
+                           or any(n.startswith("_") for n in names))
+                if private:
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == []
 
 
 SHARED_NAMES_TO_RENAME = {"_fit.py"}

@@ -119,21 +119,17 @@ def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
     runs out of memory.
 
     Example:
-      >>> import jax.numpy as jnp, numpy as np, optax
-      >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program, split_model
-      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
-      >>> data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
-      >>> tx = optax.sgd(0.1)
-      >>> program = flax_program(model, {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
-      ...                                "y": jax.ShapeDtypeStruct((), jnp.float32)},
-      ...                        loss_fn=loss_fn, tx=tx)
-      >>> _, params, frozen, other = split_model(model, nnx.Param)
-      >>> run = real_step_runner(program, (params, other, tx.init(params)), (frozen,), data)
-      >>> before = np.asarray(model.kernel.value)
-      >>> run(4, 2).micro_batch, np.array_equal(np.asarray(model.kernel.value), before)
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from autoaccum.planning import StepMetrics, TrainProgram
+      >>> w = jax.ShapeDtypeStruct((4,), jnp.float32)
+      >>> def step(w, batches):  # plain JAX: one SGD step on the effective batch's summed loss
+      ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum((batches["x"] @ w) ** 2))(w)
+      ...     return w - 0.1 * grad, StepMetrics(loss, *[jnp.zeros(())] * 3)
+      >>> program = TrainProgram(step, abstract_state=w, example_spec={"x": w},
+      ...                        parts={"trainable": w}, trainable=w)
+      >>> weights = np.ones(4, np.float32)
+      >>> run = real_step_runner(program, weights, (), {"x": np.ones((8, 4), np.float32)})
+      >>> run(4, 2).micro_batch, np.array_equal(weights, np.ones(4, np.float32))
       (4, True)
     """
     return RealStepRunner(program, state, frozen_args, data)

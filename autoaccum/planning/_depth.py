@@ -204,23 +204,20 @@ class DepthExtrapolator:
     where the fit holds and from a full-depth compile where it may not.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program
-      >>> class Stack(nnx.Module):
-      ...     def __init__(self, depth, rngs):
-      ...         self.blocks = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(depth)])
-      ...     def __call__(self, x):
-      ...         for block in self.blocks:
-      ...             x = jax.nn.relu(block(x))
-      ...         return x
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
-      >>> spec = {"x": jax.ShapeDtypeStruct((256,), jnp.float32),
-      ...         "y": jax.ShapeDtypeStruct((256,), jnp.float32)}
-      >>> def build(depth):
-      ...     model = nnx.eval_shape(lambda: Stack(depth, nnx.Rngs(0)))
-      ...     return flax_program(model, spec, loss_fn=loss_fn, tx=optax.adam(1e-3))
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.planning import StepMetrics, TrainProgram
+      >>> def build(depth):  # ``depth`` blocks of relu(x @ w), one SGD step (plain JAX)
+      ...     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * depth
+      ...     def loss(ws, x):
+      ...         for w in ws:
+      ...             x = jax.nn.relu(x @ w)
+      ...         return jnp.sum(x ** 2)
+      ...     def step(ws, batches):
+      ...         value, grads = jax.value_and_grad(loss)(ws, batches["x"])
+      ...         new = [w - 0.1 * g for w, g in zip(ws, grads)]
+      ...         return new, StepMetrics(value, *[jnp.zeros(())] * 3)
+      ...     return TrainProgram(step, abstract_state=ws, parts={"trainable": ws}, trainable=ws,
+      ...                         example_spec={"x": jax.ShapeDtypeStruct((256,), jnp.float32)})
       >>> ext = DepthExtrapolator(DepthVariants(full_depth=12, build=build), CompileTarget())
       >>> ext.measure(2, 4).source, ext.verify(2, 4).source
       ('extrapolated', 'compiled')
@@ -491,24 +488,20 @@ def plan_by_depth(
     why. Either way the plan's need is a full-depth compile's.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from flax import nnx
-      >>> from autoaccum.planning import scale_learning_rate
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program
-      >>> class Stack(nnx.Module):
-      ...     def __init__(self, depth, rngs):
-      ...         self.blocks = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(depth)])
-      ...     def __call__(self, x):
-      ...         for block in self.blocks:
-      ...             x = jax.nn.relu(block(x))
-      ...         return x
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
-      >>> spec = {"x": jax.ShapeDtypeStruct((256,), jnp.float32),
-      ...         "y": jax.ShapeDtypeStruct((256,), jnp.float32)}
-      >>> def build(depth):
-      ...     model = nnx.eval_shape(lambda: Stack(depth, nnx.Rngs(0)))
-      ...     return flax_program(model, spec, loss_fn=loss_fn, tx=optax.adam(1e-3))
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.planning import StepMetrics, TrainProgram, scale_learning_rate
+      >>> def build(depth):  # ``depth`` blocks of relu(x @ w), one SGD step (plain JAX)
+      ...     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * depth
+      ...     def loss(ws, x):
+      ...         for w in ws:
+      ...             x = jax.nn.relu(x @ w)
+      ...         return jnp.sum(x ** 2)
+      ...     def step(ws, batches):
+      ...         value, grads = jax.value_and_grad(loss)(ws, batches["x"])
+      ...         new = [w - 0.1 * g for w, g in zip(ws, grads)]
+      ...         return new, StepMetrics(value, *[jnp.zeros(())] * 3)
+      ...     return TrainProgram(step, abstract_state=ws, parts={"trainable": ws}, trainable=ws,
+      ...                         example_spec={"x": jax.ShapeDtypeStruct((256,), jnp.float32)})
       >>> plan = plan_by_depth(DepthVariants(full_depth=16, build=build), effective_batch=8,
       ...                      lr_scaling=scale_learning_rate(None, effective_batch=8),
       ...                      budget=Budget(2**30, "user", ""), target=CompileTarget(),

@@ -395,15 +395,14 @@ def measure_program(
     :func:`autoaccum.planning._concurrent_compiles.measure_all`.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
-      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
-      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
-      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
-      ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.planning import StepMetrics, TrainProgram
+      >>> w = jax.ShapeDtypeStruct((4,), jnp.float32)
+      >>> def step(w, batches):  # plain JAX: one SGD step on the effective batch's summed loss
+      ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum((batches["x"] @ w) ** 2))(w)
+      ...     return w - 0.1 * grad, StepMetrics(loss, *[jnp.zeros(())] * 3)
+      >>> program = TrainProgram(step, abstract_state=w, example_spec={"x": w},
+      ...                        parts={"trainable": w}, trainable=w)
       >>> estimate = measure_program(program, 2, 4)
       >>> estimate.need_bytes > estimate.batch_bytes > 0
       True

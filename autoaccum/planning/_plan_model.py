@@ -87,7 +87,7 @@ def plan_program(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program
+      >>> from autoaccum.adapters.flax import flax_program
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
       >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),

@@ -97,18 +97,14 @@ def resident_of(program: TrainProgram) -> Resident:
     """The :class:`Resident` memory of ``program`` from its abstract ``parts``.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from flax import nnx
-      >>> from autoaccum.adapters.flax._nnx_program import flax_program
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
-      >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
-      ...                        {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
-      ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
-      ...                        loss_fn=loss_fn, tx=optax.adam(1e-3))
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.planning import TrainProgram
+      >>> w = jax.ShapeDtypeStruct((5,), jnp.float32)  # 5 float32 weights, Adam's two moments
+      >>> program = TrainProgram(step=None, abstract_state=(w, (w, w)), example_spec={},
+      ...                        parts={"trainable": w, "optimizer": (w, w)}, trainable=w)
       >>> r = resident_of(program)
-      >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes >= 2 * r.trainable_bytes
-      (20, 20, True)
+      >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes
+      (20, 20, 40)
     """
     parts = program.parts
     known = {"trainable", "frozen", "optimizer"}
