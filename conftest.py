@@ -77,7 +77,7 @@ SLOW_DOCTESTS = (
     "autoaccum/cli/_plot.py",
     "autoaccum/adapters/keras/presets/_plan_preset.py",
     "autoaccum/adapters/keras/presets/_advise_preset.py",
-    "autoaccum/_api.py::autoaccum._api.advise",
+    "autoaccum/_advise_api.py",
     "autoaccum/_train_step_api.py",
     "autoaccum/planning/_depth.py",
     "autoaccum_demo/_gemma_demo.py",

@@ -26,10 +26,10 @@ from . import devices as devices
 # isort: split
 from . import planning as planning
 from . import training as training
-from ._api import advise as advise
-from ._api import fit as fit
-from ._api import measure as measure
-from ._api import plan as plan
+from ._advise_api import advise as advise
+from ._fit_api import fit as fit
+from ._measure_api import measure as measure
+from ._plan_api import plan as plan
 from ._train_step_api import train_step as train_step
 from ._version import __version__ as __version__
 from .adapters.flax import StepOutput as StepOutput
@@ -44,13 +44,17 @@ from .planning import REMAT_POLICIES as REMAT_POLICIES
 from .planning import Advice as Advice
 from .planning import DepthVariant as DepthVariant
 from .planning import DoesNotFitError as DoesNotFitError
+from .planning import LearningRate as LearningRate
 from .planning import Plan as Plan
+from .planning import Search as Search
+from .planning import Target as Target
 from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
 from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
 from .training import Callback as Callback
 from .training import FitResult as FitResult
 from .training import NonFiniteError as NonFiniteError
 from .training import StopTraining as StopTraining
+from .training import Training as Training
 
 __all__ = [
     # entry points
@@ -63,6 +67,11 @@ __all__ = [
     "plan_preset",
     "plot_plan",
     "train_step",
+    # options
+    "LearningRate",
+    "Search",
+    "Target",
+    "Training",
     # plans, steps and results
     "Advice",
     "DepthVariant",

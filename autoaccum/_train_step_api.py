@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ._api import check_target, default_objective, given, program_options
+from ._entry_options import (
+    changed,
+    explains_keywords,
+    learning_rate_spec,
+    program_options,
+    specs,
+)
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
 from .planning._lr_scaling import announce
 from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
-from .planning._plan_model import plan_model, validate_method
+from .planning._plan_model import plan_model
+from .planning._plan_options import LearningRate, Search, Target
 from .planning._reuse import reuse_plan
-from .training._nonfinite import validate_on_nonfinite
-from .training._snapshot import validate_backup
+from .training._training_options import Training
 
 __all__ = ["train_step"]
 
 
+@explains_keywords
 def train_step(
     model: Any,
     data: Any,
@@ -26,28 +34,15 @@ def train_step(
     effective_batch: int,
     optimizer: Any = None,
     loss_fn: Any = None,
-    plan: Plan | None = None,
-    learning_rate: Any = None,
-    base_batch: int | None = None,
-    lr_rule: str | None = None,
-    adjust_adam: bool = False,
     trainable: Any = None,
-    budget: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
     device: str | None = None,
-    memory_fraction: float | None = None,
-    remat: str = "auto",
-    remat_layers: Any = None,
-    objective: str | None = None,
-    method: str = "compile",
-    data_parallel: Any = 1,
-    batch_stats: str = "effective",
-    on_nonfinite: str = "stop",
-    backup: str = "auto",
-    elastic: bool = False,
-    uneven: bool = True,
-    cache: Any = True,
+    budget: int | float | str | None = None,
+    plan: Plan | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
     log: Any = "stderr",
-    strategy: str = "auto",
 ) -> TrainStep | KerasTrainStep:
     """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
     batch, it trains one optimizer step and updates ``model`` in place.
@@ -55,7 +50,7 @@ def train_step(
     The same program as ``fit``: one jitted, state-donating XLA step that runs the plan's
     micro-batches (the last one may be smaller), sums losses and valid counts over the whole
     batch, divides once and applies the optimizer once, at the learning rate scaled by
-    ``lr_rule``, with the plan's rematerialization. Evaluate, log and checkpoint between
+    its rule, with the plan's rematerialization. Evaluate, log and checkpoint between
     calls as you like: the model holds the trained weights after every step, and
     ``step.opt_state`` the optimizer state (Keras: the model's own optimizer and metrics
     hold theirs, in place).
@@ -70,21 +65,19 @@ def train_step(
         gone, and the log says so). Keras: a one-shot generator is refused, since planning
         reads from it: pass one of its batches.
       effective_batch: examples per optimizer step (per call).
-      optimizer, loss_fn, learning_rate, base_batch, lr_rule, adjust_adam, trainable,
-        batch_stats: as for :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and
-        ``trainable`` are Flax's: a Keras model uses what it was compiled with).
+      optimizer, loss_fn, trainable, learning_rate, device, budget, target, search: as for
+        :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and ``trainable`` are Flax's: a
+        Keras model uses what it was compiled with).
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
-        batch (checked, not planned again); ``None``: plan now with ``budget``, ``device``,
-        ``memory_fraction``, ``remat``, ``remat_layers``, ``objective``, ``method``,
-        ``data_parallel``, ``uneven``, ``cache`` and ``strategy`` as :func:`autoaccum.plan`
-        takes them.
-      on_nonfinite: ``"stop"`` (raise ``NonFiniteError``; the model keeps the state before
-        the step) or ``"skip"`` (the step changes nothing; ``StepOutput.applied`` is False).
-      backup: host copy of the state before each step (``"auto"``: up to 4 GiB), so a
-        failed or interrupted step leaves the model as it was.
-      elastic: ``True``: an out-of-memory redoes the step at the next smaller micro-batch by
-        itself; ``False`` (default): it is raised, the model and optimizer state are put
-        back as before the step, and ``step.shrink(error)`` gives the re-planned step.
+        batch (checked, not planned again); ``None``: plan now, as :func:`autoaccum.plan`.
+      training: an :class:`autoaccum.Training`; the step reads ``on_nonfinite`` (``"stop"``
+        raises ``NonFiniteError`` and the model keeps the state before the step; ``"skip"``:
+        the step changes nothing, ``StepOutput.applied`` is False), ``backup`` (a host copy
+        of the state before each step, so a failed or interrupted step leaves the model as
+        it was), ``batch_stats`` and ``elastic`` (``True``, the default: an out-of-memory
+        redoes the step at the next smaller micro-batch by itself; ``False``: it is raised,
+        the model and optimizer state are put back as before the step, and
+        ``step.shrink(error)`` gives the re-planned step).
       log: where planning is logged (``"stderr"``, a stream, or ``None``).
 
     Returns:
@@ -119,40 +112,40 @@ def train_step(
       >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
       >>> net.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
       >>> step = autoaccum.train_step(net, (data["x"], data["y"]), effective_batch=13,
-      ...                             lr_rule="none", budget="1GiB", log=None)
+      ...                             budget="1GiB", log=None)
       >>> out = step((data["x"][:13], data["y"][:13]))
       >>> sorted(out.logs), int(net.optimizer.iterations)
       (['loss', 'mae'], 1)
     """
     effective_batch = validate_effective_batch(effective_batch)
     adapter = adapter_for(model)
-    check_target(device, memory_fraction)
-    validate_method(method)
-    validate_on_nonfinite(on_nonfinite)
-    validate_backup(backup)
+    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
+                                                 search=search, training=training)
     log = resolve_log(log)
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=learning_rate, base_batch=base_batch,
-                              lr_rule=lr_rule, adjust_adam=adjust_adam,
-                              batch_stats=batch_stats)
+                              learning_rate=learning_rate_spec(learning_rate),
+                              batch_stats=the_training.batch_stats)
+    ignore = ("remat_layers", "data_parallel", "cache", "uneven")
     if plan is not None:
         the_plan, prepared = reuse_plan(
             plan, model, data, adapter=adapter, effective_batch=effective_batch,
-            options=options, remat_layers=remat_layers, data_parallel=data_parallel,
-            planning_options=given(budget=(budget, None), device=(device, None),
-                                   memory_fraction=(memory_fraction, None),
-                                   remat=(remat, "auto"), objective=(objective, None),
-                                   method=(method, "compile"), strategy=(strategy, "auto")))
+            options=options, remat_layers=the_search.remat_layers,
+            data_parallel=the_target.data_parallel,
+            planning_options={**changed(the_target, ignore=ignore),
+                              **changed(the_search, ignore=ignore)})
         announce(prepared.lr_scaling, log)
     else:
+        # As in fit: with method="auto" and elastic steps the first step is the verification.
+        if the_search.method == "auto" and the_training.elastic:
+            the_search = dataclasses.replace(the_search, method="compile")
         the_plan, prepared = plan_model(
             model, data, adapter=adapter, effective_batch=effective_batch, options=options,
-            budget=budget, device=device, memory_fraction=memory_fraction, remat=remat,
-            remat_layers=remat_layers, objective=default_objective(objective, device),
-            method=method, log=log, where="train_step", data_parallel=data_parallel,
-            cache=cache, uneven=uneven, strategy=strategy)
+            target=the_target, search=the_search, log=log, where="train_step")
         if log is not None:
             print(the_plan.report(), file=log, flush=True)
+    remat_layers, uneven = the_search.remat_layers, the_search.uneven
+    on_nonfinite, backup = the_training.on_nonfinite, the_training.backup
+    elastic, batch_stats = the_training.elastic, the_training.batch_stats
     if adapter.name == "keras":
         return adapter.train_step(model, prepared, the_plan, remat_layers=remat_layers,
                                   uneven=uneven, on_nonfinite=on_nonfinite,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
+import autoaccum
 from autoaccum import fit, measure, plan
 from autoaccum.devices import format_bytes
 
@@ -215,12 +216,16 @@ def finetune_demo(
     # The lab's story, said explicitly: its rate was tuned for batch 1 and grows linearly with
     # the effective batch (x8); without base_batch autoaccum would keep the rate as given.
     the_plan = plan(model, data, effective_batch=effective_batch, budget=budget,
-                    base_batch=1, lr_rule="linear", method="compile", log=log, uneven=False)
+                    log=log,
+                    search=autoaccum.Search(method="compile", uneven=False),
+                    learning_rate=autoaccum.LearningRate(base_batch=1, rule="linear"))
     print(the_plan.report(), file=out, flush=True)
     first = _first_loss_callback()
     history = fit(model, data, effective_batch=effective_batch, epochs=epochs, plan=the_plan,
-                  base_batch=1, lr_rule="linear", verbose=verbose, seed=seed, log=log,
-                  callbacks=[first])
+                  verbose=verbose, log=log,
+                  callbacks=[first],
+                  training=autoaccum.Training(seed=seed),
+                  learning_rate=autoaccum.LearningRate(base_batch=1, rule="linear"))
     after = answer(model, asked)
     _show(out, "after fine-tuning (expected answers in brackets):", asked,
           [f"{a}\n     [{r['answer']}]" for a, r in zip(after, shown, strict=True)])

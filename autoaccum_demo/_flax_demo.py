@@ -10,6 +10,7 @@ from typing import TextIO
 import optax
 from flax import nnx
 
+import autoaccum
 from autoaccum import fit
 from autoaccum.devices import format_bytes
 
@@ -43,12 +44,10 @@ def run_flax_demo(*, effective_batch: int = 32, epochs: int = 3, budget: str = D
         data,
         effective_batch=effective_batch,
         optimizer=optax.adamw,
-        learning_rate=3e-4,
-        base_batch=1,  # said explicitly: 3e-4 was tuned for batch 1 ...
-        lr_rule="sqrt",  # ... and grows with sqrt(effective_batch) (without base_batch: kept)
         loss_fn=next_token_loss,
         epochs=epochs,
         budget=budget,
+        learning_rate=autoaccum.LearningRate(value=3e-4, base_batch=1, rule="sqrt"),
     )
     seconds = time.perf_counter() - start
     plan = result.plan

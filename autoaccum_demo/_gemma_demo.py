@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import autoaccum
+
 from ._gemma_tokenizer import format_answer, format_prompt, load_qa, train_gemma_proto
 
 __all__ = [
@@ -183,5 +185,6 @@ def run_keras_demo(
           f"effective_batch={effective_batch}, budget={budget}", flush=True)
     monitor = _monitor_class()([r["question"] for r in rows[:monitor_questions]])
     return fit(model, data, effective_batch=effective_batch, epochs=epochs, budget=budget,
-               callbacks=[monitor], verbose=verbose, seed=seed, lr_rule=lr_rule,
-               base_batch=base_batch, log=log)
+               callbacks=[monitor], verbose=verbose, log=log,
+               training=autoaccum.Training(seed=seed),
+               learning_rate=autoaccum.LearningRate(rule=lr_rule, base_batch=base_batch))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+import autoaccum
 from autoaccum import plan_preset
 from autoaccum.devices import format_bytes
 
@@ -19,8 +20,9 @@ __all__ = ["LAB", "lab_dry_run", "lab_summary"]
 
 LAB: dict[str, Any] = dict(
     name="gemma3_4b", effective_batch=8, lora_rank=4, sequence_length=400, dtype="bfloat16",
-    optimizer="adamw", learning_rate=5e-5, base_batch=1, lr_rule="linear", device="t4",
-    memory_fraction=1.0,
+    optimizer="adamw", device="t4",
+    learning_rate=autoaccum.LearningRate(value=5e-5, base_batch=1, rule="linear"),
+    target=autoaccum.Target(memory_fraction=1.0),
 )
 """The lab's set-up, as :func:`autoaccum.plan_preset` arguments."""
 
@@ -80,8 +82,8 @@ def lab_dry_run(*, out: TextIO | None = None, log: TextIO | str | None = "stderr
     print(f"Gemma3-4B ({name}) with LoRA rank {setup['lora_rank']}, sequence length "
           f"{setup['sequence_length']}, {setup['dtype']}, AdamW, effective batch "
           f"{setup['effective_batch']}, on a {setup['device'].upper()} at memory fraction "
-          f"{setup['memory_fraction']} (as the lab sets it): compiled for the T4 with abstract "
-          "inputs; nothing downloaded, no weight allocated.", file=out, flush=True)
+          f"{setup['target'].memory_fraction} (as the lab sets it): compiled for the T4 with "
+          "abstract inputs; nothing downloaded, no weight allocated.", file=out, flush=True)
     plan = plan_preset(name, log=log, **setup)
     print(plan.report(), file=out)
     print(lab_summary(plan), file=out, flush=True)

@@ -177,9 +177,11 @@ def planned(cfg: models.LMConfig, model: Any, effective: int, *, budget: Any = N
             method: str = "compile") -> Any:
     data = models.token_data(cfg, effective)
     return autoaccum.plan(model, data, effective_batch=effective, budget=budget, device=device,
-                          memory_fraction=memory_fraction, remat="none", objective="memory",
-                          method=method, cache=False, log=None, data_parallel=1,
-                          **options(cfg))
+                          log=None, **options(cfg),
+                          target=autoaccum.Target(memory_fraction=memory_fraction,
+                          data_parallel=1),
+                          search=autoaccum.Search(remat="none", objective="memory", method=method,
+                          cache=False))
 
 
 def plan_row(plan: Any, seconds: float) -> dict:
@@ -200,8 +202,10 @@ def plan_row(plan: Any, seconds: float) -> dict:
 def measured(cfg: models.LMConfig, model: Any, b: int, k: int, *, device: str | None = None,
              memory_fraction: float | None = None) -> Any:
     return autoaccum.measure(model, models.token_data(cfg, b * k), micro_batch=b,
-                             accum_steps=k, device=device, memory_fraction=memory_fraction,
-                             remat="none", cache=False, data_parallel=1, **options(cfg))
+                             accum_steps=k, device=device, **options(cfg),
+                             target=autoaccum.Target(memory_fraction=memory_fraction,
+                             data_parallel=1),
+                             search=autoaccum.Search(remat="none", cache=False))
 
 
 def plan_at(estimate: Any, b: int, k: int) -> Any:
@@ -269,7 +273,8 @@ def job_point(size: dict, b: int, k: int, steps: int) -> dict:
     setup = memory_stats()
     out["setup_peak"] = setup.get("peak_bytes_in_use")
     step = autoaccum.train_step(model, data, effective_batch=b * k, plan=plan_at(est, b, k),
-                                backup="none", log=None, **options(cfg))
+                                log=None, **options(cfg),
+                                training=autoaccum.Training(backup="none"))
     feed = batches(data, b * k)
     start = time.perf_counter()
     try:
@@ -335,8 +340,10 @@ def job_backoff(size: dict, effective: int, budget: Any, cap: int | None) -> dic
             squeeze.to(cap)
         try:
             plan = autoaccum.plan(model, data, effective_batch=effective, budget=budget,
-                                  remat="none", objective="memory", method="backoff",
-                                  cache=False, log=None, data_parallel=1, **options(cfg))
+                                  log=None, **options(cfg),
+                                  target=autoaccum.Target(data_parallel=1),
+                                  search=autoaccum.Search(remat="none", objective="memory",
+                                  method="backoff", cache=False))
             row = plan_row(plan, time.perf_counter() - start)
         except autoaccum.DoesNotFitError as error:
             row = {"error": f"does not fit: {str(error).splitlines()[0][:200]}"}
@@ -364,8 +371,10 @@ def job_elastic(size: dict, b: int, k: int, steps: int = 4, squeeze_after: int =
     log = io.StringIO()
     with squeeze.armed():
         result = autoaccum.fit(model, data, effective_batch=b * k, plan=plan_at(est, b, k),
-                               elastic=True, backup="auto", shuffle=False, verbose=0, log=log,
-                               callbacks=[SqueezeAfter()], **options(cfg))
+                               verbose=0, log=log,
+                               callbacks=[SqueezeAfter()], **options(cfg),
+                               training=autoaccum.Training(elastic=True, backup="auto",
+                               shuffle=False))
     return {"device": device_info(), "planned": [b, k], "room": room,
             "final": [result.micro_batch, result.accum_steps], "steps": result.steps,
             "events": [str(e) for e in result.events], "losses": result.losses,
@@ -377,15 +386,19 @@ def job_t4(size: dict, effective: int, steps: int = 2) -> dict:
     cfg = config(size)
     model, data = models.build(cfg, effective * steps)
     start = time.perf_counter()
-    plan = autoaccum.plan(model, data, effective_batch=effective, remat="none",
-                          objective="memory", method="compile", cache=False, log=None,
-                          data_parallel=1, **options(cfg))
+    plan = autoaccum.plan(model, data, effective_batch=effective, log=None,
+                          **options(cfg),
+                          target=autoaccum.Target(data_parallel=1),
+                          search=autoaccum.Search(remat="none", objective="memory",
+                          method="compile", cache=False))
     out: dict[str, Any] = {"device": device_info(),
                            "plan": plan_row(plan, time.perf_counter() - start)}
     try:
         result = autoaccum.fit(model, data, effective_batch=effective, plan=plan,
-                               elastic=False, backup="none", shuffle=False, verbose=0,
-                               log=None, **options(cfg))
+                               verbose=0,
+                               log=None, **options(cfg),
+                               training=autoaccum.Training(elastic=False, backup="none",
+                               shuffle=False))
         out.update(status="trains", steps=result.steps, losses=result.losses)
     except Exception as error:
         out.update(status="oom", error=oom_or_raise(error))
@@ -426,7 +439,8 @@ def job_throughput(size: dict, b: int, k: int, steps: int = 5) -> dict:
         model, data = models.build(cfg, e * (steps + 1))
         est = measured(cfg, model, b, k)
         step = autoaccum.train_step(model, data, effective_batch=e, plan=plan_at(est, b, k),
-                                    backup="none", log=None, **options(cfg))
+                                    log=None, **options(cfg),
+                                    training=autoaccum.Training(backup="none"))
         return _timed(step, data, e, steps)
 
     def plain(tx: optax.GradientTransformation, micro: int) -> dict:

@@ -57,6 +57,8 @@ from pathlib import Path
 
 from _common import print_table
 
+import autoaccum
+
 HERE = Path(__file__).resolve().parent
 PLANS = [  # (architecture, device, lora rank, sequence length, environment)
     ("gemma3_4b", "t4", 4, 400, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}),
@@ -112,7 +114,8 @@ def child_plan(args: argparse.Namespace) -> None:
     arch = args.arch[0] if isinstance(args.arch, list) else args.arch
     plan = plan_preset(arch, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                        sequence_length=args.seq_len, device=args.device, log="stderr",
-                       cache=not args.no_cache, extrapolate=not args.no_extrapolate)
+                       extrapolate=not args.no_extrapolate,
+                       search=autoaccum.Search(cache=not args.no_cache))
     chosen = [p for p in plan.probes if p.micro_batch == plan.micro_batch]
     predicted = [p.need_bytes for p in chosen if "(extrapolated)" in p.why]
     verified = [p.need_bytes for p in chosen if p.why.startswith("verify at full depth")]

@@ -80,9 +80,12 @@ def plain_loop(train: dict, epochs: int) -> tuple[TutorialCNN, list[float], floa
 def accumulated(train: dict, epochs: int, budget: int, batch_stats: str):
     model = TutorialCNN(rngs=nnx.Rngs(0))
     result = autoaccum.fit(model, train, effective_batch=EFFECTIVE, optimizer=partial(
-        optax.adamw, b1=MOMENTUM), learning_rate=LEARNING_RATE, base_batch=EFFECTIVE,
-        loss_fn=cnn_loss, epochs=epochs, budget=budget, batch_stats=batch_stats, seed=0,
-        verbose=0, log=None, method="compile")
+        optax.adamw, b1=MOMENTUM), loss_fn=cnn_loss, epochs=epochs, budget=budget, verbose=0,
+        log=None,
+                           search=autoaccum.Search(method="compile"),
+                           training=autoaccum.Training(batch_stats=batch_stats, seed=0),
+                           learning_rate=autoaccum.LearningRate(value=LEARNING_RATE,
+                           base_batch=EFFECTIVE))
     return model, result
 
 
@@ -150,9 +153,12 @@ def one_step_table(train: dict, budget: int) -> None:
     for mode in ("effective", "micro"):
         model = TutorialCNN(rngs=nnx.Rngs(0), dropout=0.0)
         result = autoaccum.fit(model, batch, effective_batch=EFFECTIVE, optimizer=partial(
-            optax.adamw, b1=MOMENTUM), learning_rate=LEARNING_RATE, base_batch=EFFECTIVE,
-            loss_fn=cnn_loss, budget=budget, batch_stats=mode, shuffle=False, verbose=0,
-            log=None, method="compile")
+            optax.adamw, b1=MOMENTUM), loss_fn=cnn_loss, budget=budget, verbose=0,
+            log=None,
+                               search=autoaccum.Search(method="compile"),
+                               training=autoaccum.Training(batch_stats=mode, shuffle=False),
+                               learning_rate=autoaccum.LearningRate(value=LEARNING_RATE,
+                               base_batch=EFFECTIVE))
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(stats(model), reference,
                                                                  strict=True))
         rows.append([f"batch_stats={mode!r}", f"{result.plan.micro_batch} x "

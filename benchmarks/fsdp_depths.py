@@ -40,6 +40,8 @@ import time
 
 from _common import print_table
 
+import autoaccum
+
 ROWS = [("gemma3_4b full fine-tune", "gemma3_4b", None), ("gemma3_12b LoRA 4", "gemma3_12b", 4)]
 DEPTHS = (2, 4)
 STRATEGIES = ("fsdp", "zero2")
@@ -53,9 +55,11 @@ def need(arch: str, rank: int | None, layers: int, strategy: str) -> tuple[float
     start = time.perf_counter()
     try:
         plan = plan_preset(arch, effective_batch=2, lora_rank=rank, sequence_length=400,
-                           dtype="bfloat16", device="t4", devices=2, strategy=strategy,
-                           remat="none", backbone_overrides={"num_layers": layers},
-                           extrapolate=False, log=None, cache=False)
+                           dtype="bfloat16", device="t4",
+                           backbone_overrides={"num_layers": layers},
+                           extrapolate=False, log=None,
+                           target=autoaccum.Target(devices=2, strategy=strategy),
+                           search=autoaccum.Search(remat="none", cache=False))
         needed = plan.need_bytes
     except DoesNotFitError as error:  # micro-batch 1 over one T4: its need is in the probes
         needed = min(p.need_bytes for p in error.probes)

@@ -62,13 +62,14 @@ def main() -> None:
     batches = [(x[i:i + args.batch], y[i:i + args.batch]) for i in range(0, n, args.batch)]
 
     plan = autoaccum.plan(build(args), (x, y), effective_batch=args.batch, budget="1GiB",
-                          base_batch=args.batch, log=None)
+                          log=None,
+                          learning_rate=autoaccum.LearningRate(base_batch=args.batch))
     # The split under test, whatever fits here (the plan's sizes still match the model).
     plan = dataclasses.replace(plan, micro_batch=args.micro,
                                accum_steps=args.batch // args.micro, last_micro_batch=None)
     ours, native = build(args), build(args)
     step = autoaccum.train_step(ours, (x, y), effective_batch=args.batch, plan=plan,
-                                base_batch=args.batch)
+                                learning_rate=autoaccum.LearningRate(base_batch=args.batch))
 
     def run_step() -> None:
         for batch in batches:

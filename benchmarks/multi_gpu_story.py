@@ -136,6 +136,8 @@ from typing import Any
 
 from _common import print_table
 
+import autoaccum
+
 MODELS = [  # (label, architecture, LoRA rank or None for a full fine-tune)
     ("gemma3_4b full fine-tune", "gemma3_4b", None),
     ("gemma3_12b LoRA 4", "gemma3_12b", 4),
@@ -220,9 +222,11 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, 
     try:
         plan = plan_preset(arch, effective_batch=EFFECTIVE_BATCH, lora_rank=rank,
                            sequence_length=SEQUENCE, dtype=DTYPE, device=device,
-                           devices=devices if devices > 1 else None, log="stderr",
+                           log="stderr",
                            verify_depth=verify, extrapolate=extrapolate,
-                           strategy=strategy if devices > 1 else "auto", remat=remat)
+                           target=autoaccum.Target(devices=devices if devices > 1 else None,
+                           strategy=strategy if devices > 1 else "auto"),
+                           search=autoaccum.Search(remat=remat))
     except DoesNotFitError as error:
         costs = cost()
         if error.resident is not None:

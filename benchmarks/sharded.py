@@ -94,7 +94,7 @@ def child() -> dict:
     start = time.perf_counter()
     plan = autoaccum.plan(build(), data, effective_batch=EFFECTIVE, optimizer=optax.adamw,
                           learning_rate=1e-4, loss_fn=next_token_loss, budget=budget,
-                          log=None, cache=False)
+                          log=None, search=autoaccum.Search(cache=False))
     plan_seconds = time.perf_counter() - start
     return {"needs": needs, "temps": temps, "compile_seconds": seconds, "budget": budget,
             "lora": lora_rows(mesh),

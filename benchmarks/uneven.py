@@ -52,7 +52,8 @@ def _budget(program, effective: int) -> int:
 def _run(data: dict, effective: int, budget: int, uneven: bool) -> dict:
     start = time.perf_counter()
     plan = autoaccum.plan(_model(), data, effective_batch=effective, budget=budget, log=None,
-                          method="compile", cache=False, uneven=uneven, **OPTIONS)
+                          **OPTIONS,
+                          search=autoaccum.Search(method="compile", cache=False, uneven=uneven))
     plan_seconds = time.perf_counter() - start
     model = _model()
     step = autoaccum.train_step(model, data, effective_batch=effective, plan=plan, **OPTIONS)

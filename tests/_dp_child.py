@@ -118,7 +118,9 @@ def keras_exact() -> dict:
 
     model = build()
     hist = autoaccum.fit(model, (x, y, w), effective_batch=16, budget="64MiB", verbose=0,
-                         log=None, shuffle=False, lr_rule="none")
+                         log=None,
+                         training=autoaccum.Training(shuffle=False),
+                         learning_rate=autoaccum.LearningRate(rule="none"))
     plan = hist.autoaccum_plan
     out["fit_plan"] = [plan.micro_batch, plan.data_parallel, plan.accum_steps]
     out["fit_weights_error"] = _max_relative_error(
@@ -159,7 +161,9 @@ def keras_train_step() -> dict:
     w = (rng.random(24) > 0.3).astype("float32")  # unequal weight per device
     ref, model = build(), build()
     step = autoaccum.train_step(model, (x, y, w), effective_batch=16, budget="64MiB",
-                                data_parallel=4, base_batch=16, log=None)
+                                log=None,
+                                target=autoaccum.Target(data_parallel=4),
+                                learning_rate=autoaccum.LearningRate(base_batch=16))
     out: dict = {"plan": [step.plan.micro_batch, step.plan.data_parallel,
                           step.plan.accum_steps], "losses": [], "ref_losses": []}
     for part in (slice(0, 16), slice(16, 24)):
@@ -183,22 +187,27 @@ def plans() -> dict:
     data = ragged_tokens(64, 16)
     options = {"optimizer": optax.adam, "learning_rate": 1e-3, "loss_fn": token_loss}
     p4 = autoaccum.plan(model, data, effective_batch=32, budget="6MiB", log=None,
-                        method="compile", data_parallel="auto", **options)
+                        **options,
+                        target=autoaccum.Target(data_parallel="auto"),
+                        search=autoaccum.Search(method="compile"))
     p1 = autoaccum.plan(model, data, effective_batch=32, budget="6MiB", log=None,
-                        method="compile", data_parallel=1, **options)
+                        **options,
+                        target=autoaccum.Target(data_parallel=1),
+                        search=autoaccum.Search(method="compile"))
     from autoaccum.devices._mesh import data_parallel_mesh as mesh_of
 
     dp_budget = resolve_target(None, None, mesh=mesh_of()).budget
     one_budget = resolve_target(None, None).budget
     try:
-        autoaccum.plan(model, data, effective_batch=30, log=None, data_parallel=4, **options)
+        autoaccum.plan(model, data, effective_batch=30, log=None, **options,
+                       target=autoaccum.Target(data_parallel=4))
         error = ""
     except ValueError as e:
         error = str(e)
-    est4 = autoaccum.measure(model, data, micro_batch=2, accum_steps=2, data_parallel=4,
-                             **options)
-    est1 = autoaccum.measure(model, data, micro_batch=2, accum_steps=2, data_parallel=1,
-                             **options)
+    est4 = autoaccum.measure(model, data, micro_batch=2, accum_steps=2, **options,
+                             target=autoaccum.Target(data_parallel=4))
+    est1 = autoaccum.measure(model, data, micro_batch=2, accum_steps=2, **options,
+                             target=autoaccum.Target(data_parallel=1))
     log = io.StringIO()
     result = autoaccum.fit(model, data, effective_batch=32, budget="6MiB", epochs=2,
                            verbose=1, log=log, **options)
@@ -239,8 +248,9 @@ def elastic() -> dict:
     data = ragged_tokens(64, 8, seed=4)
     model = TinyLM(rngs=nnx.Rngs(1))
     plan = autoaccum.plan(model, data, effective_batch=32, budget="1GiB", log=None,
-                          method="compile", optimizer=optax.adam, learning_rate=1e-2,
-                          loss_fn=token_loss, remat="none")
+                          optimizer=optax.adam, learning_rate=1e-2,
+                          loss_fn=token_loss,
+                          search=autoaccum.Search(method="compile", remat="none"))
     plan = dataclasses.replace(plan, micro_batch=8, data_parallel=4, accum_steps=1)
     mesh = data_parallel_mesh()
     reference = TinyLM(rngs=nnx.Rngs(1))
@@ -301,9 +311,11 @@ def flax_stream(devices: int = 4) -> dict:
             yield {k: v[start:start + 5] for k, v in data.items()}
 
     ref = TinyLM(rngs=nnx.Rngs(4))
-    ref_result = autoaccum.fit(ref, data, data_parallel=1, **options)
+    ref_result = autoaccum.fit(ref, data, **options,
+                               target=autoaccum.Target(data_parallel=1))
     model = TinyLM(rngs=nnx.Rngs(4))
-    result = autoaccum.fit(model, batches(), data_parallel=devices, **options)
+    result = autoaccum.fit(model, batches(), **options,
+                           target=autoaccum.Target(data_parallel=devices))
     return {
         "params_error": _max_relative_error(nnx.state(model, nnx.Param),
                                             nnx.state(ref, nnx.Param)),

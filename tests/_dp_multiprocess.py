@@ -35,11 +35,12 @@ def main(process_id: int, port: int) -> dict:
     budget = "1MiB" if process_id == 0 else "100KiB"
     model = TinyLM(rngs=nnx.Rngs(1))
     reference = TinyLM(rngs=nnx.Rngs(1))
-    plan = autoaccum.plan(model, data, effective_batch=32, budget=budget, method="compile",
-                          log=None, **options)
+    plan = autoaccum.plan(model, data, effective_batch=32, budget=budget, log=None, **options,
+                          search=autoaccum.Search(method="compile"))
     log = io.StringIO()
-    result = autoaccum.fit(model, data, effective_batch=32, budget=budget, shuffle=False,
-                           epochs=1, verbose=1, log=log, **options)
+    result = autoaccum.fit(model, data, effective_batch=32, budget=budget, epochs=1, verbose=1,
+                           log=log, **options,
+                           training=autoaccum.Training(shuffle=False))
     params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
     # The same two optimizer steps on this process's first device, full batch at once.

@@ -78,8 +78,9 @@ def _versus_keras(distribution, *, budget: str, batch_norm: bool = True) -> dict
         ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                 validation_data=validation)
         log = io.StringIO()
-        history = autoaccum.fit(model, (x, y), effective_batch=16, epochs=2, shuffle=False,
-                                verbose=0, budget=budget, log=log, validation_data=validation)
+        history = autoaccum.fit(model, (x, y), effective_batch=16, epochs=2, verbose=0,
+                                budget=budget, log=log, validation_data=validation,
+                                training=autoaccum.Training(shuffle=False))
         plan = history.autoaccum_plan
         return {
             "before": before, "after": _specs(model.variables),
@@ -165,8 +166,8 @@ def errors() -> dict:
     try:
         model = _build(distribution)
         try:
-            autoaccum.fit(model, (x, y), effective_batch=16, data_parallel=2, log=None,
-                          verbose=0)
+            autoaccum.fit(model, (x, y), effective_batch=16, log=None,
+                          verbose=0, target=autoaccum.Target(data_parallel=2))
         except ValueError as error:
             out["data_parallel"] = str(error)
         model = _build(distribution)
@@ -221,7 +222,8 @@ def keras_hub_layout_map() -> dict:
         shardings = [v.value.sharding for v in model.variables]
         ref.fit(x, y, sample_weight=w, batch_size=8, epochs=1, shuffle=False, verbose=0)
         history = autoaccum.fit(model, x, y, sample_weight=w, effective_batch=8, epochs=1,
-                                shuffle=False, verbose=0, log=None, budget="256KiB")
+                                verbose=0, log=None, budget="256KiB",
+                                training=autoaccum.Training(shuffle=False))
         plan = history.autoaccum_plan
         return {
             "specs": [str(s.spec) for s in shardings],

@@ -201,17 +201,20 @@ def keras_train_step_oom(*, vocab: int, length: int, n: int, batch: int, fail_af
     model = _keras_lm(vocab, length)
     initial = model.get_weights()
     plan = autoaccum.plan(model, (x, y), effective_batch=batch, budget="1GiB",
-                          base_batch=batch, log=None)
+                          log=None,
+                          learning_rate=autoaccum.LearningRate(base_batch=batch))
     step = autoaccum.train_step(model, (x, y), effective_batch=batch, plan=plan,
-                                base_batch=batch)
+                                learning_rate=autoaccum.LearningRate(base_batch=batch))
     for one in batches:
         step(one)
     expected = model.get_weights()
 
     model = _keras_lm(vocab, length)
     model.set_weights(initial)
+    # elastic=False: the out-of-memory is raised and step.shrink(error) goes on.
     step = autoaccum.train_step(model, (x, y), effective_batch=batch, plan=plan,
-                                base_batch=batch)
+                                learning_rate=autoaccum.LearningRate(base_batch=batch),
+                                training=autoaccum.Training(elastic=False))
     cap = AddressSpaceCap(headroom_bytes=1 << 32)
     failed, kept = [], False
     with cap:

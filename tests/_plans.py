@@ -26,8 +26,8 @@ def accumulating_plan() -> autoaccum.Plan:
                             optimizer=inputs["optimizer"], learning_rate=1e-3,
                             loss_fn=token_loss)
     return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=16,
-                          budget=int(two.need_bytes * 1.3), log=None, method="compile",
-                          uneven=False, **inputs)
+                          budget=int(two.need_bytes * 1.3), log=None, **inputs,
+                          search=autoaccum.Search(method="compile", uneven=False))
 
 
 @functools.cache
@@ -39,8 +39,8 @@ def uneven_plan() -> autoaccum.Plan:
                             optimizer=inputs["optimizer"], learning_rate=1e-3,
                             loss_fn=token_loss)
     return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=13,
-                          budget=int(two.need_bytes * 1.3), log=None, method="compile",
-                          **inputs)
+                          budget=int(two.need_bytes * 1.3), log=None, **inputs,
+                          search=autoaccum.Search(method="compile"))
 
 
 @functools.cache
@@ -48,7 +48,8 @@ def whole_batch_plan() -> autoaccum.Plan:
     """Effective batch 8 under a large budget: no accumulation, capped by the batch itself."""
     inputs = _inputs()
     return autoaccum.plan(inputs.pop("model"), inputs.pop("data"), effective_batch=8,
-                          budget="1GiB", log=None, method="compile", **inputs)
+                          budget="1GiB", log=None, **inputs,
+                          search=autoaccum.Search(method="compile"))
 
 
 def builder() -> dict:
@@ -76,8 +77,17 @@ def builder_that_cannot_import() -> dict:
 
 
 def builder_with_flag_options() -> dict:
-    """Returns options a flag also sets: ``budget``, ``remat``, ``effective_batch``."""
-    return {**_inputs(), "budget": "64MiB", "remat": "none", "effective_batch": 8}
+    """Returns options a flag also sets: ``budget``, ``remat`` (in its Search),
+    ``effective_batch``."""
+    import autoaccum
+
+    return {**_inputs(), "budget": "64MiB", "search": autoaccum.Search(remat="none"),
+            "effective_batch": 8}
+
+
+def builder_with_an_old_option() -> dict:
+    """Returns ``remat=`` as ``autoaccum.plan`` took it before the option specs."""
+    return {**_inputs(), "remat": "none", "effective_batch": 8}
 
 
 def keras_builder() -> dict:

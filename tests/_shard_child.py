@@ -164,12 +164,14 @@ def planned() -> dict:
     options = dict(effective_batch=32, optimizer=tx_factory, learning_rate=0.1,
                    loss_fn=token_loss, log=None, cache=False)
     model = _lm()
-    result = autoaccum.fit(model, data, budget=budget, epochs=1, shuffle=False, verbose=0,
-                           **options)
+    result = autoaccum.fit(model, data, budget=budget, epochs=1, verbose=0,
+                           **options, training=autoaccum.Training(shuffle=False))
     plan = result.plan
     ref = _lm()
-    ref_result = autoaccum.fit(ref, data, budget="1GiB", data_parallel=1, epochs=1,
-                               shuffle=False, verbose=0, **options)
+    ref_result = autoaccum.fit(ref, data, budget="1GiB", epochs=1,
+                               verbose=0, **options,
+                               target=autoaccum.Target(data_parallel=1),
+                               training=autoaccum.Training(shuffle=False))
     return {
         "needs": needs, "budget": budget, "expected": expected,
         "strategy": plan.strategy, "fit_strategy": result.plan.strategy,
@@ -197,8 +199,10 @@ def train_step_and_elastic() -> dict:
     options = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1,
                    loss_fn=token_loss, log=None, cache=False, budget="1GiB")
     model, ref = _lm(), _lm()
-    step = autoaccum.train_step(model, data, strategy="fsdp", data_parallel=4, **options)
-    ref_step = autoaccum.train_step(ref, data, data_parallel=1, **options)
+    step = autoaccum.train_step(model, data, **options,
+                                target=autoaccum.Target(strategy="fsdp", data_parallel=4))
+    ref_step = autoaccum.train_step(ref, data, **options,
+                                    target=autoaccum.Target(data_parallel=1))
     for start in (0, 32):
         batch = {k: v[start:start + 32] for k, v in data.items()}
         out, ref_out = step(batch), ref_step(batch)
@@ -221,8 +225,10 @@ def train_step_and_elastic() -> dict:
         zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32), batch["tokens"])
         return total + zero, count
 
-    plan = autoaccum.plan(_lm(), data, strategy="zero2", method="compile", remat="none",
-                          **{k: v for k, v in options.items() if k != "log"}, log=None)
+    plan = autoaccum.plan(_lm(), data, **{k: v for k, v in options.items() if k != "log"},
+                          log=None,
+                          target=autoaccum.Target(strategy="zero2"),
+                          search=autoaccum.Search(method="compile", remat="none"))
     plan = dataclasses.replace(plan, micro_batch=8, accum_steps=1)
     mesh = data_parallel_mesh()
     model, ref = _lm(), _lm()
@@ -282,14 +288,18 @@ def own_sharding() -> dict:
     opts = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1, loss_fn=token_loss,
                 log=None, cache=False, budget="1GiB")
     plan = autoaccum.plan(model, data, **opts)
-    result = autoaccum.fit(model, data, shuffle=False, verbose=0, plan=plan,
-                           **{k: v for k, v in opts.items() if k not in ("budget", "cache")})
-    ref_result = autoaccum.fit(ref, data, data_parallel=1, shuffle=False, verbose=0, **opts)
+    result = autoaccum.fit(model, data, verbose=0, plan=plan,
+                           **{k: v for k, v in opts.items() if k not in ("budget", "cache")},
+                           training=autoaccum.Training(shuffle=False))
+    ref_result = autoaccum.fit(ref, data, verbose=0, **opts,
+                               target=autoaccum.Target(data_parallel=1),
+                               training=autoaccum.Training(shuffle=False))
     after = {k: _spec_text(v) for k, v in _weights(model).items()}
     axes = sorted({str(v.sharding.mesh.axis_names) for v in _weights(model).values()})
     errors = {}
     try:
-        autoaccum.plan(model, data, data_parallel=1, **opts)
+        autoaccum.plan(model, data, **opts,
+                       target=autoaccum.Target(data_parallel=1))
     except ValueError as error:
         errors["one_device"] = str(error)
     with jax.set_mesh(jax.make_mesh((2, len(jax.devices()) // 2), ("batch", "model"))):
@@ -302,7 +312,7 @@ def own_sharding() -> dict:
     try:  # kept over a ('batch', 'model') mesh, but not on the devices asked for
         autoaccum.plan(tp, {"x": np.ones((16, 32), np.float32)}, effective_batch=8,
                        optimizer=optax.sgd, learning_rate=0.1, loss_fn=mse, log=None,
-                       budget="1GiB", data_parallel=2)
+                       budget="1GiB", target=autoaccum.Target(data_parallel=2))
     except ValueError as error:
         errors["other_devices"] = str(error)
     return {
@@ -427,7 +437,8 @@ def own_mesh() -> dict:
         before = {k: v.sharding for k, v in _weights(model).items()}
         forced = dataclasses.replace(plan, micro_batch=micro, accum_steps=accum,
                                      last_micro_batch=last)
-        result = autoaccum.fit(model, data, plan=forced, shuffle=False, verbose=0, **fit_opts)
+        result = autoaccum.fit(model, data, plan=forced, verbose=0, **fit_opts,
+                               training=autoaccum.Training(shuffle=False))
         after = {k: v.sharding for k, v in _weights(model).items()}
         out[name] = {
             "steps": result.steps, "split": [result.micro_batch, result.accum_steps],
@@ -440,7 +451,8 @@ def own_mesh() -> dict:
     # autoaccum.train_step (your own loop) runs the same kept-layout step.
     with jax.set_mesh(mesh):
         model = _MiniGPT(nnx.Rngs(0))
-    step = autoaccum.train_step(model, data, data_parallel="auto", **opts)
+    step = autoaccum.train_step(model, data, **opts,
+                                target=autoaccum.Target(data_parallel="auto"))
     output = step(data)
     out["train_step"] = {
         "step": output.step, "strategy": step.plan.strategy,
@@ -472,11 +484,13 @@ def own_mesh() -> dict:
                                                    "data_parallel")}
     errors = {}
     try:
-        autoaccum.plan(probe, data, strategy="fsdp", **opts)
+        autoaccum.plan(probe, data, **opts,
+                       target=autoaccum.Target(strategy="fsdp"))
     except ValueError as error:
         errors["strategy"] = str(error)
     try:
-        autoaccum.plan(probe, data, data_parallel=1, **opts)
+        autoaccum.plan(probe, data, **opts,
+                       target=autoaccum.Target(data_parallel=1))
     except ValueError as error:
         errors["one_device"] = str(error)
     with jax.set_mesh(jax.make_mesh((2, 2), ("data", "batch"))):
@@ -631,7 +645,9 @@ def keras_planned() -> dict:
     expected = next(s for s in STRATEGIES if needs[s] <= budget)
     model, ref = make(), make()
     history = autoaccum.fit(model, (x, y), effective_batch=32, budget=budget, epochs=1,
-                            shuffle=False, verbose=0, log=None, cache=False)
+                            verbose=0, log=None,
+                            search=autoaccum.Search(cache=False),
+                            training=autoaccum.Training(shuffle=False))
     plan = history.autoaccum_plan
     ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     first = {"params_error": _keras_error(model.trainable_variables, ref.trainable_variables),
@@ -642,14 +658,18 @@ def keras_planned() -> dict:
                                  [ref.predict(x[:8], verbose=0)])
     # A second fit lays the variables out afresh (they are autoaccum's layout, not the user's).
     again = autoaccum.fit(model, (x, y), effective_batch=32, budget=budget, epochs=1,
-                          shuffle=False, verbose=0, log=None, cache=False)
+                          verbose=0, log=None,
+                          search=autoaccum.Search(cache=False),
+                          training=autoaccum.Training(shuffle=False))
     ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     named = autoaccum.plan(make(), (x, y), effective_batch=32, budget="1GiB", log=None,
-                           cache=False, strategy="fsdp")
+                           target=autoaccum.Target(strategy="fsdp"),
+                           search=autoaccum.Search(cache=False))
     stepped, ref_step = make(), make()
     step = autoaccum.train_step(stepped, (x, y), effective_batch=32, budget="1GiB",
-                                data_parallel=devices, strategy="zero2", log=None,
-                                cache=False)
+                                log=None,
+                                target=autoaccum.Target(data_parallel=devices, strategy="zero2"),
+                                search=autoaccum.Search(cache=False))
     for start in (0, 32):
         out = step((x[start:start + 32], y[start:start + 32]))
         ref_out = ref_step.train_on_batch(x[start:start + 32], y[start:start + 32],
@@ -763,7 +783,8 @@ def fsdp_at_use() -> dict:
                    verbose=0)
     model, ref = make(), make()
     result = autoaccum.fit(model, data, budget=budget, **options)
-    ref_result = autoaccum.fit(ref, data, budget="1GiB", data_parallel=1, **options)
+    ref_result = autoaccum.fit(ref, data, budget="1GiB", **options,
+                               target=autoaccum.Target(data_parallel=1))
     return {"needs": needs, "temps": temps, "args": args, "budget": budget, "whole": whole,
             "strategy": result.plan.strategy, "need": result.plan.need_bytes,
             "steps": [result.steps, ref_result.steps],
@@ -806,8 +827,10 @@ def fsdp_frozen() -> dict:
                    epochs=1, shuffle=False, verbose=0, budget="1GiB")
     model, ref = make(), make()
     # Validated too: the evaluation reads the split frozen weights.
-    result = autoaccum.fit(model, data, strategy="fsdp", validation_data=data, **options)
-    ref_result = autoaccum.fit(ref, data, data_parallel=1, validation_data=data, **options)
+    result = autoaccum.fit(model, data, validation_data=data, **options,
+                           target=autoaccum.Target(strategy="fsdp"))
+    ref_result = autoaccum.fit(ref, data, validation_data=data, **options,
+                               target=autoaccum.Target(data_parallel=1))
     base = nnx.state(model, nnx.Not(nnx.LoRAParam))
     return {"strategy": result.plan.strategy, "steps": [result.steps, ref_result.steps],
             "val_losses": [result.val_losses, ref_result.val_losses],

@@ -38,8 +38,10 @@ def main(process_id: int, port: int) -> dict:
                "cache": False}
     model = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(1))
     reference = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(1))
-    result = autoaccum.fit(model, data, effective_batch=32, budget="1GiB", shuffle=False,
-                           epochs=1, verbose=0, log=None, strategy="fsdp", **options)
+    result = autoaccum.fit(model, data, effective_batch=32, budget="1GiB", epochs=1, verbose=0,
+                           log=None, **options,
+                           target=autoaccum.Target(strategy="fsdp"),
+                           training=autoaccum.Training(shuffle=False))
     weights = jax.tree.leaves(nnx.state(model, nnx.Param))
     specs = sorted({str(w.sharding.spec) for w in weights})
     split = [w for w in weights if not w.sharding.is_fully_replicated]

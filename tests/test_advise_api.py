@@ -48,7 +48,7 @@ OPTIMIZERS = {"sgd": optax.sgd, "adafactor": optax.adafactor, "adamw": optax.ada
 def replan(change: dict):
     """``autoaccum.plan`` with ``change`` applied by hand (not by the advisor's hooks)."""
     kwargs = dict(optimizer=optax.adam, learning_rate=LR, budget=BUDGET)
-    model_kwargs = {}
+    model_kwargs, remat = {}, "auto"
     for key, value in change.items():
         if key == "optimizer":
             factory = OPTIMIZERS[value]
@@ -62,21 +62,21 @@ def replan(change: dict):
         elif key == "weight_dtype":
             model_kwargs["param_dtype"] = jnp.dtype(value)
         elif key == "remat":
-            kwargs["remat"] = value
+            remat = value
         elif key == "device":
             kwargs.update(device=value, budget=None)
         elif key != "mu_dtype":
             raise AssertionError(f"unexpected change {key}")
     model = LoRAMLP(rngs=nnx.Rngs(0), **model_kwargs)
-    return autoaccum.plan(model, DATA, effective_batch=2, loss_fn=mse, log=None,
-                          method="compile", cache=False, **kwargs)
+    return autoaccum.plan(model, DATA, effective_batch=2, loss_fn=mse, log=None, **kwargs,
+                          search=autoaccum.Search(remat=remat, method="compile", cache=False))
 
 
 @pytest.fixture(scope="module")
 def advice():
     return autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, effective_batch=2,
                             optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
-                            budget=BUDGET, log=None, cache=False)
+                            budget=BUDGET, log=None, search=autoaccum.Search(cache=False))
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
@@ -128,7 +128,8 @@ def test_plan_with_advise_raises_the_error_with_the_table():
     with pytest.raises(autoaccum.DoesNotFitError) as info:
         autoaccum.plan(LoRAMLP(rngs=nnx.Rngs(0)), DATA, effective_batch=2,
                        optimizer=optax.adam, learning_rate=LR, loss_fn=mse, budget=BUDGET,
-                       log=None, cache=False, advise=True, method="compile")
+                       log=None, advise=True,
+                       search=autoaccum.Search(cache=False, method="compile"))
     error = info.value
     assert error.resident is not None and error.alternatives
     assert "What would fit" in str(error)
@@ -138,7 +139,7 @@ def test_plan_with_advise_raises_the_error_with_the_table():
 def test_a_model_that_fits_needs_no_advice():
     advice = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, effective_batch=2,
                               optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
-                              budget="64MiB", log=None, cache=False)
+                              budget="64MiB", log=None, search=autoaccum.Search(cache=False))
     assert advice.fits and advice.plan is not None and advice.alternatives == ()
 
 
@@ -166,8 +167,9 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
     row = rows[0]
     assert row.change["strategy"] in ("zero1", "zero2", "fsdp"), row.change
     assert "strategy=" in advice.report() and f"devices={row.change['devices']}" in advice.report()
-    again = autoaccum.plan(MLP(rngs=nnx.Rngs(0)), DATA, devices=row.change["devices"],
-                           strategy=row.change["strategy"], **kwargs)
+    again = autoaccum.plan(MLP(rngs=nnx.Rngs(0)), DATA, **kwargs,
+                           target=autoaccum.Target(devices=row.change["devices"],
+                           strategy=row.change["strategy"]))
     assert again.need_bytes <= BUDGET and again.data_parallel == row.change["devices"]
     assert (again.micro_batch, again.accum_steps) == (row.micro_batch, row.accum_steps)
     assert {p.estimate.source for p in again.probes} == {"cache"}  # the advisor's programs
@@ -176,11 +178,12 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
 def test_advise_keeps_the_learning_rate_as_plan_does_unless_base_batch_is_given():
     # The advisor plans what autoaccum.plan would with the same arguments: the rate as given,
     # scaled only when base_batch says which batch it was tuned for.
-    kwargs = dict(effective_batch=16, optimizer=optax.sgd, learning_rate=LR, loss_fn=mse,
-                  budget="1GiB", log=None, cache=False)
-    kept = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, **kwargs)
+    kwargs = dict(effective_batch=16, optimizer=optax.sgd, loss_fn=mse, budget="1GiB", log=None,
+                  search=autoaccum.Search(cache=False))
+    kept = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, learning_rate=LR, **kwargs)
     assert kept.fits and not kept.plan.lr_scaling.changed
     assert kept.plan.lr_scaling.learning_rate == LR
-    scaled = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, base_batch=1, lr_rule="linear",
-                              **kwargs)
+    scaled = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, **kwargs,
+                              learning_rate=autoaccum.LearningRate(value=LR, base_batch=1,
+                                                                   rule="linear"))
     assert scaled.plan.lr_scaling.changed and scaled.plan.lr_scaling.learning_rate == 16 * LR

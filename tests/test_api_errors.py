@@ -60,7 +60,7 @@ def test_fewer_examples_than_one_effective_batch():
 
 def test_unknown_lr_rule():
     with pytest.raises(ValueError, match="Unknown lr_rule"):
-        _fit(lr_rule="quadratic")
+        _fit(learning_rate=autoaccum.LearningRate(rule="quadratic"))
 
 
 def test_unparseable_budget():
@@ -90,6 +90,29 @@ def test_batch_size_with_effective_batch_names_the_fix():
         _fit(batch_size=4)
 
 
+def test_an_option_of_a_spec_given_plainly_names_the_spec():
+    with pytest.raises(ValueError, match=r"search=autoaccum.Search\(remat='nothing'\)"):
+        _fit(remat="nothing")
+    with pytest.raises(ValueError, match=r"LearningRate\(base_batch=1\).*Received: base_batch=1"):
+        _fit(base_batch=1)
+
+
+def test_a_plain_option_given_again_in_its_spec_is_refused():
+    with pytest.raises(ValueError, match=r"device was given twice.*target.device='l4'"):
+        _fit(device="t4", target=autoaccum.Target(device="l4"))
+
+
+def test_a_spec_of_the_wrong_kind_names_the_class():
+    with pytest.raises(ValueError, match=r"search must be an autoaccum.Search"):
+        _fit(search={"remat": "none"})
+
+
+def test_fit_takes_at_most_25_parameters():
+    import inspect
+
+    assert len(inspect.signature(autoaccum.fit).parameters) <= 25
+
+
 def test_unexpected_option_is_a_type_error():
     with pytest.raises(TypeError, match="micro_steps"):
         _fit(micro_steps=4)
@@ -106,13 +129,13 @@ def test_a_device_index_is_refused_with_the_profile_names():
 @pytest.mark.parametrize("fraction", ["0.9", 0, 1.5, True])
 def test_memory_fraction_must_be_a_number_in_0_1(fraction):
     with pytest.raises(ValueError, match=r"number in \(0, 1\].*Received: memory_fraction="):
-        _fit(device="t4", memory_fraction=fraction)
+        _fit(device="t4", target=autoaccum.Target(memory_fraction=fraction))
 
 
 @pytest.mark.parametrize("device", [None, "cpu"])
 def test_memory_fraction_without_a_gpu_device_names_the_fix(device):
     with pytest.raises(ValueError, match=r"applies to a named GPU.*pass budget="):
-        _fit(device=device, memory_fraction=0.5)
+        _fit(device=device, target=autoaccum.Target(memory_fraction=0.5))
 
 
 @pytest.mark.parametrize("rate", ["abc", -1e-3, 0.0, float("nan"), float("inf")])
@@ -123,8 +146,9 @@ def test_bad_learning_rates_are_refused(rate):
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_numpy_integers_are_accepted_for_sizes_and_budgets():
-    result = _fit(optimizer=optax.sgd, learning_rate=0.1, budget=np.int64(2**30),
-                  base_batch=np.int64(4), effective_batch=np.int64(4), epochs=np.int32(1))
+    result = _fit(optimizer=optax.sgd, budget=np.int64(2**30),
+                  learning_rate=autoaccum.LearningRate(value=0.1, base_batch=np.int64(4)),
+                  effective_batch=np.int64(4), epochs=np.int32(1))
     assert result.steps == 2 and result.plan.lr_factor == 1.0
 
 

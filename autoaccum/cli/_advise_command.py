@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ._builder import load_model_function, merge_flags, plan_kwargs
+from ._builder import load_model_function, merge_flags, spec_kwargs
 from ._errors import CliError, import_error_message
 
 __all__ = ["cmd_advise", "without_tensorflow"]
@@ -38,10 +38,9 @@ def _compute_advice(args: argparse.Namespace) -> Any:
         return advise_preset(
             args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
             sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
-            device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
-            remat=args.remat or "auto", log=log, cache=not args.no_cache, **plan_kwargs(args),
+            log=log, **spec_kwargs(args, arguments=("target", "search", "learning_rate")),
         )
-    from .._api import advise
+    from .._advise_api import advise
 
     built = merge_flags(load_model_function(args.model), args)  # flags win, as for a plan
     model, data = built.pop("model"), built.pop("data")

@@ -4,6 +4,7 @@ raised, and merging the options it returns with the flags given on the command l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import os
@@ -13,11 +14,11 @@ from typing import Any
 
 from ._errors import CliError, import_error_message
 
-__all__ = ["load_model_function", "merge_flags", "plan_kwargs"]
+__all__ = ["flag_values", "load_model_function", "merge_flags", "spec_kwargs"]
 
 
 def _plan_parameters() -> set[str]:
-    from .._api import plan
+    from .._plan_api import plan
 
     return {name for name, p in inspect.signature(plan).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -73,8 +74,12 @@ def load_model_function(spec: str) -> dict[str, Any]:
         )
     unknown = sorted(set(built) - {"model", "data"} - _plan_parameters())
     if unknown:
+        from .._entry_options import where_option_lives
+
+        hints = [h for h in (where_option_lives(name) for name in unknown) if h]
         raise CliError(f"--model {spec!r} returned options autoaccum.plan does not take: "
-                       f"{', '.join(unknown)}. Received: keys {sorted(built)}")
+                       f"{', '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+                       + f". Received: keys {sorted(built)}")
     return built
 
 
@@ -92,37 +97,128 @@ def _builder_failure(spec: str, function_name: str, error: Exception) -> str:
             f"python -c 'import {module}; {module}.{function_name}()'")
 
 
-_FLAG_NAMES = {"effective_batch": "--effective-batch", "device": "--device",
-               "budget": "--budget", "memory_fraction": "--memory-fraction",
-               "remat": "--remat", "cache": "--no-cache", "log": "--quiet",
-               "learning_rate": "--base-lr", "base_batch": "--base-batch",
-               "lr_rule": "--lr-rule", "devices": "--devices", "hosts": "--hosts",
-               "strategy": "--strategy"}
-"""The options of :func:`autoaccum.plan` that a flag also sets, and the flag."""
+_FLAGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("target", "device"): ("--device", "device"),
+    ("target", "budget"): ("--budget", "budget"),
+    ("target", "memory_fraction"): ("--memory-fraction", "memory_fraction"),
+    ("target", "devices"): ("--devices", "devices"),
+    ("target", "hosts"): ("--hosts", "hosts"),
+    ("target", "strategy"): ("--strategy", "strategy"),
+    ("target", "data_parallel"): ("--data-parallel", "data_parallel"),
+    ("search", "remat"): ("--remat", "remat"),
+    ("search", "objective"): ("--objective", "objective"),
+    ("search", "method"): ("--method", "method"),
+    ("search", "uneven"): ("--no-uneven", "no_uneven"),
+    ("search", "cache"): ("--no-cache", "no_cache"),
+    ("learning_rate", "value"): ("--base-lr", "base_lr"),
+    ("learning_rate", "base_batch"): ("--base-batch", "base_batch"),
+    ("learning_rate", "rule"): ("--lr-rule", "lr_rule"),
+    ("learning_rate", "adjust_adam"): ("--adjust-adam", "adjust_adam"),
+    ("training", "batch_stats"): ("--batch-stats", "batch_stats"),
+    ("training", "drop_remainder"): ("--drop-remainder", "drop_remainder"),
+}
+"""Each option of a spec that a flag sets: ``(argument, field) -> (flag, attribute of the
+parsed arguments)``."""
+
+_PLAIN = {("target", "device"), ("target", "budget")}
+"""Spec fields the entry points also take as plain keywords (``device=``, ``budget=``)."""
+
+_SWITCHES = {"no_uneven": False, "no_cache": False, "adjust_adam": True, "drop_remainder": True}
+"""Flags without a value: the field's value when the flag is given."""
+
+
+def flag_values(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """The spec fields the flags on the command line set (flags not given are left out).
+
+    Example:
+      >>> from autoaccum.cli import build_parser
+      >>> args = build_parser().parse_args(["plan", "--preset", "gemma3_1b", "--device", "t4",
+      ...                                   "--no-cache", "--base-batch", "1"])
+      >>> flag_values(args)
+      {('target', 'device'): 't4', ('search', 'cache'): False, \
+('learning_rate', 'base_batch'): 1}
+    """
+    out: dict[tuple[str, str], Any] = {}
+    for key, (_, attribute) in _FLAGS.items():
+        value = getattr(args, attribute, None)
+        if attribute in _SWITCHES:
+            if value:
+                out[key] = _SWITCHES[attribute]
+        elif value is not None:
+            out[key] = _data_parallel(value) if attribute == "data_parallel" else value
+    return out
+
+
+def _data_parallel(text: str) -> Any:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CliError(f"--data-parallel takes 'auto' or a whole number. Received: {text!r}",
+                       2) from None
+
+
+def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
+                arguments: tuple[str, ...] = ("target", "search", "learning_rate",
+                                              "training")) -> dict[str, Any]:
+    """``target=``, ``search=``, ``learning_rate=`` and ``training=`` for an entry point: the
+    specs in ``base`` (a ``--model`` builder's options; plain ``device``/``budget`` and a
+    plain learning rate included) with the flags given on the command line, which win (one
+    line on stderr says so when the builder set the same option otherwise). A flag for a spec
+    the entry point does not take (``arguments``) is a usage error."""
+    from .._entry_options import specs
+    from ..planning._plan_options import learning_rate_spec
+
+    base = dict(base or {})
+    target, search, training = specs(device=base.pop("device", None),
+                                     budget=base.pop("budget", None),
+                                     target=base.pop("target", None),
+                                     search=base.pop("search", None),
+                                     training=base.pop("training", None))
+    built = {"target": target, "search": search, "training": training,
+             "learning_rate": learning_rate_spec(base.pop("learning_rate", None))}
+    changed: dict[str, dict[str, Any]] = {}
+    for (argument, field), value in flag_values(args).items():
+        flag = _FLAGS[(argument, field)][0]
+        if argument not in arguments:
+            raise CliError(f"{flag} does not apply here: this command takes no {argument}. "
+                           "Drop it.", 2)
+        spec = built[argument]
+        mine = getattr(spec, field)
+        default = next(f.default for f in dataclasses.fields(spec) if f.name == field)
+        if mine != default and not _same(mine, value):
+            shown = "" if attribute_is_switch(argument, field) else f" {_shown(value)}"
+            named = field if (argument, field) in _PLAIN else f"{argument}.{field}"
+            print(f"autoaccum: {flag}{shown} given on the command line wins over "
+                  f"{named}={_shown(mine)} from the --model builder",
+                  file=sys.stderr, flush=True)
+        changed.setdefault(argument, {})[field] = value
+    return {name: dataclasses.replace(spec, **changed.get(name, {}))
+            for name, spec in built.items() if name in arguments}
+
+
+def attribute_is_switch(argument: str, field: str) -> bool:
+    return _FLAGS[(argument, field)][1] in _SWITCHES
 
 
 def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A builder's options with the flags given on the command line: a flag that was given
     wins over the builder's value for the same option (one line on stderr says so); an option
-    neither gives takes the command's default."""
-    given = {"effective_batch": args.effective_batch, "device": args.device,
-             "budget": args.budget, "memory_fraction": args.memory_fraction,
-             "remat": args.remat, "cache": False if args.no_cache else None,
-             "log": False if args.quiet else None, **plan_kwargs(args)}
+    neither gives takes its default."""
     merged = dict(built)
-    for key, value in given.items():
-        if value is None:
-            continue
-        value = None if key == "log" else value  # --quiet: no log
-        if key in built and not _same(built[key], value):
-            flag = " ".join(filter(None, (_FLAG_NAMES[key], _shown(value, key))))
-            print(f"autoaccum: {flag} given on the command line wins over "
-                  f"{key}={_shown(built[key])} from the --model builder",
-                  file=sys.stderr, flush=True)
-        merged[key] = value
-    defaults = {"remat": "auto", "cache": True, "log": sys.stderr}
-    for key, value in defaults.items():
-        merged.setdefault(key, value)
+    if args.effective_batch is not None:
+        if "effective_batch" in built and built["effective_batch"] != args.effective_batch:
+            print(f"autoaccum: --effective-batch {args.effective_batch} given on the command "
+                  f"line wins over effective_batch={built['effective_batch']!r} from the "
+                  "--model builder", file=sys.stderr, flush=True)
+        merged["effective_batch"] = args.effective_batch
+    for name in ("device", "budget", "target", "search", "training", "learning_rate"):
+        merged.pop(name, None)
+    merged.update(spec_kwargs(args, base=built))
+    if args.quiet:
+        merged["log"] = None
+    merged.setdefault("log", sys.stderr)
     if merged.get("effective_batch") is None:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
@@ -136,22 +232,6 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _shown(value: Any, key: str | None = None) -> str:
-    if key in ("cache", "log"):
-        return ""
+def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else f"<{type(value).__name__}>"
-
-
-def plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    if args.base_lr is not None:
-        kwargs["learning_rate"] = args.base_lr
-    if args.base_batch is not None:
-        kwargs["base_batch"] = args.base_batch
-    if args.lr_rule is not None:
-        kwargs["lr_rule"] = args.lr_rule
-    for name in ("devices", "hosts", "strategy"):
-        if getattr(args, name, None) is not None:
-            kwargs[name] = getattr(args, name)
-    return kwargs

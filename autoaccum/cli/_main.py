@@ -15,11 +15,14 @@ from typing import Any, NoReturn
 from ..devices._quiet import quiet_command_line
 from ._advise_command import cmd_advise, without_tensorflow
 from ._builder import load_model_function as load_model_function
-from ._builder import merge_flags, plan_kwargs
+from ._builder import merge_flags, spec_kwargs
 from ._errors import CliError, import_error_message, report_does_not_fit, report_error
 from ._tables import print_table
 
 __all__ = ["build_parser", "load_model_function", "main"]
+
+PRESET_SPECS = ("target", "search", "learning_rate")
+"""The specs ``plan_preset`` and ``advise_preset`` take (no ``training``)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,18 +83,16 @@ def _compute_plan(args: argparse.Namespace) -> Any:
             return plan_preset(
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                 sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
-                device=args.device, budget=args.budget, memory_fraction=args.memory_fraction,
-                remat=args.remat or "auto", log=log, cache=not args.no_cache,
-                **plan_kwargs(args),
+                log=log, **spec_kwargs(args, arguments=PRESET_SPECS),
             )
         except ImportError as error:
             raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
-    from .._api import plan
+    from .._plan_api import plan
 
     built = merge_flags(load_model_function(args.model), args)
     model, data = built.pop("model"), built.pop("data")
-    if args.device is None and isinstance(built.get("device"), str):
-        _prepare_environment(built["device"])
+    if args.device is None and isinstance(built["target"].device, str):
+        _prepare_environment(built["target"].device)
     try:
         return plan(model, data, **built)
     except ImportError as error:
@@ -244,9 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
                    "default: the device profile's")
-    p.add_argument("--remat", default=None,
-                   help="rematerialization: auto (only if micro-batch 1 does not fit), none, "
-                   "dots, dots_no_batch, nothing (Keras presets: none or nothing). Default: auto")
+    p.add_argument("--data-parallel", default=None, metavar="N|auto",
+                   help="on this machine: the devices the batch is split over (--model only); "
+                   "default: auto, every device")
+    search = p.add_argument_group("how to search (autoaccum.Search)")
+    search.add_argument("--remat", default=None,
+                        help="rematerialization: auto (only if micro-batch 1 does not fit), "
+                        "none, dots, dots_no_batch, nothing (Keras presets: none or nothing). "
+                        "Default: auto")
+    search.add_argument("--objective", default=None, choices=["memory", "throughput"],
+                        help="largest fitting micro-batch, or the fastest fitting plan "
+                        "(--model only). Default: throughput on a GPU/TPU here, else memory")
+    search.add_argument("--method", default=None, choices=["auto", "compile", "backoff"],
+                        help="compile only, real steps, or compile then verify with one real "
+                        "step on this machine (--model only). Default: auto")
+    search.add_argument("--no-uneven", action="store_true",
+                        help="divisors only: no smaller last micro-batch (--model only)")
     preset = p.add_argument_group("--preset options")
     preset.add_argument("--lora-rank", type=_positive_int, default=None, metavar="R",
                         help="train LoRA adapters of this rank instead of every weight")
@@ -266,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the rate scales from --base-batch to --effective-batch "
                     "(needs --base-batch; default: sqrt for Adam-family optimizers, linear "
                     "for sgd)")
+    lr.add_argument("--adjust-adam", action="store_true",
+                    help="with sqrt: Malladi et al.'s b1/b2/eps adjustments too (--model only)")
+    training = p.add_argument_group("how training will treat the data (autoaccum.Training)")
+    training.add_argument("--batch-stats", default=None, choices=["effective", "micro"],
+                          help="BatchNorm running averages: one update per optimizer step, or "
+                          "per micro-batch (--model only). Default: effective")
+    training.add_argument("--drop-remainder", action="store_true",
+                          help="the report counts the examples after the last full effective "
+                          "batch as dropped (--model only)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
                      help="print one JSON object (errors too: {\"error\": ...})")

@@ -37,6 +37,10 @@ from ._objective import Candidate as Candidate
 from ._objective import choose_fastest as choose_fastest
 from ._plan import Plan as Plan
 from ._plan_model import plan_program as plan_program
+from ._plan_options import METHODS as METHODS
+from ._plan_options import LearningRate as LearningRate
+from ._plan_options import Search as Search
+from ._plan_options import Target as Target
 from ._remat_policies import REMAT_POLICIES as REMAT_POLICIES
 from ._report import SCHEMA_VERSION as SCHEMA_VERSION
 from ._report import Limit as Limit
@@ -58,6 +62,7 @@ from ._train_program import TrainProgram as TrainProgram
 
 __all__ = [
     "LR_RULES",
+    "METHODS",
     "REMAT_POLICIES",
     "SCHEMA_VERSION",
     "STRATEGIES",
@@ -74,6 +79,7 @@ __all__ = [
     "DoesNotFitError",
     "FitSettings",
     "Limit",
+    "LearningRate",
     "LearningRateScaling",
     "MemoryEstimate",
     "NeedCache",
@@ -84,8 +90,10 @@ __all__ = [
     "Resident",
     "StateLayout",
     "ResolvedTarget",
+    "Search",
     "SearchResult",
     "StepMetrics",
+    "Target",
     "TrainProgram",
     "UnevenBatches",
     "auto_plan",

@@ -46,6 +46,23 @@ def validate_objective(objective: str) -> str:
     return objective
 
 
+def resolve_objective(objective: str | None, device: str | None) -> str:
+    """``objective``, or by default ``"throughput"`` when planning for a GPU or TPU on this
+    machine, else ``"memory"`` (a dry run for a named device, or a CPU).
+
+    Example:
+      >>> resolve_objective(None, "t4"), resolve_objective("throughput", None)
+      ('memory', 'throughput')
+    """
+    if objective is not None:
+        return validate_objective(objective)
+    if device is not None:
+        return "memory"
+    import jax
+
+    return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
+
+
 def choose_fastest(candidates: Sequence[Candidate], *,
                    tolerance: float = THROUGHPUT_TOLERANCE) -> Candidate:
     """The fastest candidate; within ``tolerance`` of it, the smallest micro-batch, then the

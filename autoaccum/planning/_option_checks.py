@@ -144,8 +144,10 @@ def validate_device(device: object) -> Any:
     )
 
 
-def validate_memory_fraction(memory_fraction: object, device: object = None) -> float | None:
-    """``memory_fraction`` as a float in (0, 1], given only with a named GPU device.
+def validate_memory_fraction(memory_fraction: object, device: object = None, *,
+                             needs_device: bool = True) -> float | None:
+    """``memory_fraction`` as a float in (0, 1], given only with a named GPU device
+    (``needs_device=False``: the range only; the device may be given later).
 
     Example:
       >>> validate_memory_fraction(0.9, "t4")
@@ -160,7 +162,7 @@ def validate_memory_fraction(memory_fraction: object, device: object = None) -> 
             "(XLA_PYTHON_CLIENT_MEM_FRACTION), a number in (0, 1] such as 0.9. "
             f"Received: {received('memory_fraction', memory_fraction)}"
         )
-    if device is None or _is_cpu_profile(device):
+    if (device is None and needs_device) or (device is not None and _is_cpu_profile(device)):
         raise ValueError(
             "memory_fraction applies to a named GPU (device='t4', 'a100-80gb', ...): it sets "
             "the pool JAX gets there. With no GPU device it changes nothing; to limit memory "

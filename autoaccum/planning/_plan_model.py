@@ -16,15 +16,17 @@ from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr_scaling import LearningRateScaling, announce
 from ._measure import measure_program
 from ._micro_batches import split_sizes
-from ._objective import Candidate, choose_fastest, cost_model_seconds
+from ._objective import Candidate, choose_fastest, cost_model_seconds, resolve_objective
 from ._option_checks import (
     check_enough_examples,
     no_leftovers,
     received,
     validate_devices,
     validate_effective_batch,
+    validate_memory_fraction,
 )
 from ._plan import Plan, _process_count, search_plan
+from ._plan_options import Search, Target
 from ._remat_policies import (
     first_line,
     label_policy,
@@ -34,7 +36,7 @@ from ._remat_policies import (
 )
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, divisors
-from ._strategies import STRATEGIES, validate_strategy
+from ._strategies import STRATEGIES
 from ._targets import ResolvedTarget, is_deviceless, resolve_target
 from ._train_program import TrainProgram, tree_bytes
 
@@ -44,9 +46,7 @@ def plan_program(
     *,
     effective_batch: int,
     lr_scaling: LearningRateScaling,
-    budget: Any = None,
-    device: str | None = None,
-    memory_fraction: float | None = None,
+    target: Target | None = None,
     log: TextIO | str | None = "stderr",
     resolved: ResolvedTarget | None = None,
     cache: Any = None,
@@ -54,19 +54,17 @@ def plan_program(
     uneven: bool = False,
     verify_depth: bool = True,
     resident: Resident | Callable[[], Resident] | None = None,
-    devices: int | None = None,
-    hosts: int = 1,
     agree: bool = True,
-    strategy: str | None = None,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
     ``uneven``: the program's step takes :class:`~._micro_batches.UnevenBatches`, so the plan may
     end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1).
 
-    ``memory_fraction`` overrides the named device profile's default share of GPU memory
-    that JAX's pool gets (``XLA_PYTHON_CLIENT_MEM_FRACTION``; when not given, the
-    environment's value wins over the profile's). A data-parallel program
+    ``target`` (:class:`~._plan_options.Target`; its ``data_parallel`` is not read: put the
+    program on a mesh instead): the device, budget and memory fraction (which overrides the
+    named device profile's default share of GPU memory that JAX's pool gets; when not given,
+    the environment's value wins over the profile's). A data-parallel program
     (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
     size, the budget is one device's, and every process agrees on the micro-batch.
     ``cache``: a need cache (``True``, a folder or a
@@ -78,11 +76,11 @@ def plan_program(
     :class:`~._resident.Resident` memory (or a function computing it more cheaply than
     building the program); by default read from the program. When its weights and
     optimizer state exceed the budget, planning stops before any compile.
-    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU ``device``,
-    data-parallel (replicated weights) over their deviceless devices; the programs (and the
-    depth variants) are put on that mesh here, with the sharding ``strategy`` (one of
-    :data:`~._strategies.STRATEGIES`; ``None``: the program's own, replicated for a function
-    building it). The plan is marked with the program's strategy.
+    ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of the named
+    GPU ``target.device``, data-parallel over their deviceless devices; the programs (and
+    the depth variants) are put on that mesh here, with the sharding ``target.strategy`` (one
+    of :data:`~._strategies.STRATEGIES`; ``"auto"``: the program's own, replicated for a
+    function building it). The plan is marked with the program's strategy.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -95,12 +93,17 @@ def plan_program(
       ...                         "y": jax.ShapeDtypeStruct((), jnp.float32)},
       ...                        loss_fn=loss_fn, tx=optax.sgd(0.1))
       >>> from autoaccum.planning import scale_learning_rate
-      >>> p = plan_program(program, effective_batch=8, budget="1GiB", log=None,
+      >>> from autoaccum.planning import Target
+      >>> p = plan_program(program, effective_batch=8, target=Target(budget="1GiB"), log=None,
       ...                  lr_scaling=scale_learning_rate(None, effective_batch=8))
       >>> p.micro_batch * p.accum_steps
       8
     """
-    devices, hosts = validate_devices(devices, hosts)
+    target = Target() if target is None else target
+    device, budget, memory_fraction = target.device, target.budget, target.memory_fraction
+    devices, hosts = target.devices, target.hosts
+    validate_memory_fraction(memory_fraction, device)
+    strategy = None if target.strategy == "auto" else target.strategy
     if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
         effective_batch = validate_effective_batch(effective_batch, data_parallel=devices)
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
@@ -223,22 +226,10 @@ def plan_model(
     adapter: Adapter,
     effective_batch: int,
     options: dict,
-    budget: Any = None,
-    device: str | None = None,
-    memory_fraction: float | None = None,
-    remat: str = "auto",
-    remat_layers: Any = None,
-    objective: str | None = None,
-    method: str = "compile",
+    target: Target | None = None,
+    search: Search | None = None,
     log: TextIO | str | None = "stderr",
     where: str = "plan",
-    data_parallel: Any = 1,
-    cache: Any = True,
-    depth_variant: DepthVariant | None = None,
-    uneven: bool = True,
-    strategy: str = "auto",
-    devices: int | None = None,
-    hosts: int = 1,
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
@@ -246,6 +237,10 @@ def plan_model(
     micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
     micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
     policy is planned and candidates are timed (see :mod:`._objective`).
+
+    ``target`` (:class:`~._plan_options.Target`: device, budget, devices, data parallelism,
+    strategy) says what to plan for; ``search`` (:class:`~._plan_options.Search`: remat,
+    objective, method, uneven, cache, depth variant) how. Their fields:
 
     ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
     ``autoaccum.training._data_parallel.resolve_mesh``): with more than one device the plan is per
@@ -270,9 +265,15 @@ def plan_model(
     ``data_parallel=devices``.
     """
     log = sys.stderr if log == "stderr" else log
-    validate_method(method)
-    validate_strategy(strategy)
-    devices, hosts = validate_devices(devices, hosts, data_parallel=data_parallel)
+    target = Target() if target is None else target
+    search = Search() if search is None else search
+    device, budget, memory_fraction = target.device, target.budget, target.memory_fraction
+    data_parallel, strategy, devices = target.data_parallel, target.strategy, target.devices
+    remat, remat_layers, method = search.remat, search.remat_layers, search.method
+    cache, depth_variant, uneven = search.cache, search.depth_variant, search.uneven
+    validate_memory_fraction(memory_fraction, device)
+    objective = resolve_objective(search.objective, device)
+    devices, hosts = validate_devices(devices, target.hosts, data_parallel=data_parallel)
     early: ResolvedTarget | None = None
     if is_deviceless(device):
         data_parallel = 1  # a dry run for GPUs that are not here makes its own mesh
@@ -310,9 +311,6 @@ def plan_model(
             objective = "memory"
             dp_notes += ("data parallel: memory objective (throughput candidates are timed "
                          "on one device only)",)
-    if depth_variant is not None and not isinstance(depth_variant, DepthVariant):
-        raise ValueError("depth_variant must be an autoaccum.DepthVariant(depth=N, build=f). "
-                         f"Received: {received('depth_variant', depth_variant)}")
     original_options = dict(options)
     policies = policies_for(adapter, remat)
     if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
@@ -535,19 +533,6 @@ def placed_plan_options(placement: Any, effective_batch: int, method: str,
     return method, objective, notes
 
 
-METHODS = ("auto", "compile", "backoff")
-
-
-def validate_method(method: str) -> str:
-    """Returns ``method`` if known, else a ``ValueError`` naming the methods."""
-    if method not in METHODS:
-        raise ValueError(
-            "method must be 'auto' (compile-only plan verified by one real step), 'compile' "
-            f"(compile only) or 'backoff' (real steps). Received: {received('method', method)}"
-        )
-    return method
-
-
 def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Prepared,
               data: Any, options: dict, *, effective_batch: int,
               remat_layers: Any) -> DepthVariants | None:
@@ -642,7 +627,7 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
     return out
 
 
-__all__ = ["plan_model", "plan_program", "policies_for", "prepare", "validate_method"]
+__all__ = ["plan_model", "plan_program", "policies_for", "prepare"]
 
 
 def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int, options: dict,

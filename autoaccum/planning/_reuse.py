@@ -17,8 +17,10 @@ from ._train_program import tree_bytes
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan"]
 
-PLANNING_OPTIONS = ("budget", "device", "memory_fraction", "remat", "objective", "method")
-"""``fit`` options that only shape planning: refused next to ``plan=``."""
+PLANNING_OPTIONS = ("device", "budget", "memory_fraction", "devices", "hosts", "strategy",
+                    "remat", "objective", "method", "depth_variant")
+"""The fields of ``fit``'s Target and Search that only shape planning: refused next to
+``plan=``."""
 
 
 def _refuse_planning_options(given: dict[str, Any]) -> None:
@@ -27,7 +29,7 @@ def _refuse_planning_options(given: dict[str, Any]) -> None:
         raise ValueError(
             "plan= reuses a plan as it is; options that shape planning would be ignored. Drop "
             "them, or plan again with them: autoaccum.plan(model, data, effective_batch=..., "
-            f"{', '.join(given)}=...). Received: {listed}"
+            f"target=..., search=...) with {', '.join(given)}. Received: {listed}"
         )
 
 
@@ -127,9 +129,9 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
     if not _same_lr(plan.lr_scaling, prepared.lr_scaling):
         raise ValueError(
             f"plan= scales the learning rate as {plan.lr_scaling.arithmetic()!r}, but these "
-            f"options give {prepared.lr_scaling.arithmetic()!r}. Pass the learning_rate, "
-            "base_batch and lr_rule the plan was made with (or plan again). Received: "
-            f"{received('lr_rule', prepared.lr_scaling.rule)}, "
+            f"options give {prepared.lr_scaling.arithmetic()!r}. Pass the learning_rate "
+            "(autoaccum.LearningRate: value, base_batch, rule) the plan was made with (or plan "
+            f"again). Received: {received('rule', prepared.lr_scaling.rule)}, "
             f"base_batch={prepared.lr_scaling.base_batch}"
         )
     _check_sizes(plan, prepared)

@@ -28,6 +28,7 @@ from ._nonfinite import NonFiniteError as NonFiniteError
 from ._rebatch import Rebatcher as Rebatcher
 from ._result import FitResult as FitResult
 from ._snapshot import HostSnapshot as HostSnapshot
+from ._training_options import Training as Training
 
 __all__ = [
     "BATCH_STATS_MODES",
@@ -40,6 +41,7 @@ __all__ = [
     "LiveState",
     "StateLostError",
     "StopTraining",
+    "Training",
     "FitResult",
     "HostSnapshot",
     "NoiseScaleEstimator",

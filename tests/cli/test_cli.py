@@ -307,4 +307,28 @@ def test_preset_advise_without_remat_flag_plans_every_row_with_auto(monkeypatch)
     with pytest.raises(SystemExit):
         main(["plan", "--preset", "gemma3_4b", "--seq-len", "400", "--device", "t4",
               "--effective-batch", "8", "--advise", "--quiet"])
-    assert given["name"] == "gemma3_4b" and given["remat"] == "auto"
+    assert given["name"] == "gemma3_4b" and given["search"].remat == "auto"
+
+
+def test_a_builder_returning_an_option_of_a_spec_is_told_where_it_lives(capsys):
+    assert main(["plan", "--model", "tests._plans:builder_with_an_old_option", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "remat is given as search=autoaccum.Search(remat=...)" in err
+
+
+def test_every_option_of_a_spec_with_a_flag_reaches_the_plan(capsys):
+    argv = ["plan", "--model", "tests._plans:builder", "--effective-batch", "4", "--json",
+            "--quiet", "--budget", "64MiB", "--remat", "none", "--objective", "memory",
+            "--method", "compile", "--no-uneven", "--no-cache", "--base-lr", "0.1",
+            "--base-batch", "2", "--lr-rule", "linear", "--data-parallel", "1",
+            "--batch-stats", "micro", "--drop-remainder"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["remat"], out["objective"], out["learning_rate"]) == ("none", "memory", 0.2)
+    assert (out["lr_rule"], out["base_batch"]) == ("linear", 2)
+
+
+def test_a_flag_for_a_spec_a_preset_does_not_take_is_a_usage_error(capsys):
+    assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--quiet",
+                 "--batch-stats", "micro"]) == 2
+    assert "--batch-stats does not apply here" in capsys.readouterr().err

@@ -103,9 +103,9 @@ def test_a_changed_remat_policy_recompiles(tmp_path):
     data = ragged_tokens(16, 16, vocab=64)
 
     def measure(remat):
-        return autoaccum.measure(model, data, micro_batch=2, accum_steps=4, remat=remat,
+        return autoaccum.measure(model, data, micro_batch=2, accum_steps=4,
                                  optimizer=optax.adam(1e-3), loss_fn=token_loss,
-                                 cache=str(tmp_path))
+                                 search=autoaccum.Search(remat=remat, cache=str(tmp_path)))
 
     assert measure("none").source == "compiled"
     assert measure("nothing").source == "compiled"
@@ -175,7 +175,7 @@ def test_plan_with_cache_false_neither_reads_nor_writes(tmp_path, monkeypatch):
     model = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(0))
     options = dict(effective_batch=8, optimizer=optax.adam, learning_rate=1e-3,
                    loss_fn=token_loss, budget="1GiB", log=None, method="compile")
-    autoaccum.plan(model, data, cache=False, **options)
+    autoaccum.plan(model, data, **options, search=autoaccum.Search(cache=False))
     assert not list(tmp_path.rglob("*.json"))
     cold = autoaccum.plan(model, data, **options)
     warm = autoaccum.plan(model, data, **options)

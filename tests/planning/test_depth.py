@@ -80,11 +80,13 @@ def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full():
     variant = DepthVariant(depth=8, build=lambda d: DeepLM(d, rngs=nnx.Rngs(0)))
     plan = autoaccum.plan(model, ragged_tokens(16, 17, vocab=256), effective_batch=8,
                           optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss,
-                          budget="1GiB", log=None, method="compile", cache=False,
-                          depth_variant=variant)
+                          budget="1GiB", log=None,
+                          search=autoaccum.Search(method="compile", cache=False,
+                          depth_variant=variant))
     full = autoaccum.measure(model, ragged_tokens(16, 17, vocab=256),
                              micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
-                             optimizer=optax.adamw(1e-3), loss_fn=token_loss, cache=False)
+                             optimizer=optax.adamw(1e-3), loss_fn=token_loss,
+                             search=autoaccum.Search(cache=False))
     assert plan.estimate.source == "compiled" and plan.need_bytes == full.need_bytes
     assert plan.probes[-1].why == "verify at full depth"
     assert all(p.why.endswith("(extrapolated)") for p in plan.probes[:-1])
@@ -165,7 +167,8 @@ def test_depth_variant_of_the_wrong_type_is_refused():
     with pytest.raises(ValueError, match="autoaccum.DepthVariant"):
         autoaccum.plan(DeepLM(2, rngs=nnx.Rngs(0)), ragged_tokens(8, 17, vocab=256),
                        effective_batch=8, optimizer=optax.adamw, learning_rate=1e-3,
-                       loss_fn=token_loss, budget="1GiB", log=None, depth_variant=12)
+                       loss_fn=token_loss, budget="1GiB", log=None,
+                       search=autoaccum.Search(depth_variant=12))
 
 
 def test_a_model_that_cannot_be_built_shallow_is_compiled_in_full():

@@ -61,6 +61,7 @@ def test_a_deviceless_compile_read_back_from_jax_own_cache_warns_nothing(tmp_pat
     assert jax.config.jax_compilation_cache_dir  # the session's (conftest)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        first = _plan("l4", cache=False)
-        again = _plan("l4", cache=False)  # no need cache: compiled again, same figures
+        first = _plan("l4", search=autoaccum.Search(cache=False))
+        # No need cache: compiled again, same figures.
+        again = _plan("l4", search=autoaccum.Search(cache=False))
     assert again.need_bytes == first.need_bytes

@@ -84,7 +84,8 @@ def test_a_real_tiny_model_whose_whole_batch_needs_less_than_micro_batch_two():
     assert need[32] < min(need[1], need[2]), need  # the case the planner must handle
     budget = (need[32] + min(need[1], need[2])) // 2
     plan = autoaccum.plan(model, data, effective_batch=32, optimizer=optax.adam(1e-3),
-                          loss_fn=loss_fn, budget=budget, log=None, method="compile")
+                          loss_fn=loss_fn, budget=budget, log=None,
+                          search=autoaccum.Search(method="compile"))
     assert plan.micro_batch == 32 and plan.need_bytes <= budget
 
 
@@ -97,7 +98,7 @@ def test_no_row_marked_fits_has_a_need_above_the_budget():
     for method in ("auto", "backoff"):
         plan = autoaccum.plan(model, data, effective_batch=32, optimizer=optax.adam(1e-3),
                               loss_fn=token_loss, budget=est.need_bytes + 100, log=None,
-                              method=method)
+                              search=autoaccum.Search(method=method))
         for probe in plan.probes:
             if verdict(probe, plan.budget_bytes) == "yes":
                 assert probe.need_bytes <= plan.budget_bytes

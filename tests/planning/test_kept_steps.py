@@ -47,7 +47,7 @@ def test_a_flax_fit_compiles_its_planned_step_once(compiled_programs):
     reused = kept_count()
     result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), DATA, effective_batch=8, budget="1GiB",
                            optimizer=optax.adam, learning_rate=1e-3, loss_fn=mse, epochs=1,
-                           log=None, verbose=0, cache=False)
+                           log=None, verbose=0, search=autoaccum.Search(cache=False))
     assert result.steps == 4
     assert kept_count() == reused + 1
     steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
@@ -107,7 +107,7 @@ def test_a_keras_fit_compiles_its_planned_step_once(compiled_programs):
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     reused = kept_count()
     history = autoaccum.fit(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
-                            epochs=1, log=None, verbose=0, cache=False)
+                            epochs=1, log=None, verbose=0, search=autoaccum.Search(cache=False))
     assert int(model.optimizer.iterations) == 4
     assert set(history.history) == {"loss", "mae"}
     assert kept_count() == reused + 1

@@ -18,12 +18,13 @@ def _plan(device="t4", **kwargs):
     model = TinyLM(vocab=512, dim=64, hidden=256, rngs=nnx.Rngs(0))
     return autoaccum.plan(model, ragged_tokens(16, 64, vocab=512), effective_batch=16,
                           optimizer=optax.adamw, learning_rate=1e-4, loss_fn=token_loss,
-                          device=device, log=None, cache=False, **kwargs)
+                          device=device, log=None, **kwargs,
+                          search=autoaccum.Search(cache=False))
 
 
 @pytest.mark.slow
 def test_two_named_gpus_are_planned_per_device_with_one_gpus_budget_and_the_interconnect():
-    one, two = _plan(), _plan(devices=2)
+    one, two = _plan(), _plan(target=autoaccum.Target(devices=2))
     profile = autoaccum.devices.find_profile("t4")
     assert two.data_parallel == 2 and two.micro_batch * 2 * two.accum_steps == 16
     assert two.target.startswith("2 x NVIDIA T4") and "deviceless" in two.target
@@ -39,7 +40,7 @@ def test_two_named_gpus_are_planned_per_device_with_one_gpus_budget_and_the_inte
 
 @pytest.mark.slow
 def test_several_hosts_compile_for_every_gpu_and_name_the_hosts():
-    plan = _plan("a100-80gb", devices=4, hosts=2)
+    plan = _plan("a100-80gb", target=autoaccum.Target(devices=4, hosts=2))
     assert plan.data_parallel == 4 and plan.micro_batch * 4 * plan.accum_steps == 16
     assert plan.target.startswith("4 x NVIDIA A100 80GB on 2 hosts")
     assert "interconnect: NVLink 3" in plan.report()
@@ -66,8 +67,9 @@ def test_a_keras_model_is_planned_for_two_named_gpus():
                               keras.layers.Dense(1)])
     model.compile(optimizer="adam", loss="mse")
     data = (np.ones((16, 32), "float32"), np.zeros((16, 1), "float32"))
-    plan = autoaccum.plan(model, data, effective_batch=16, device="t4", devices=2, log=None,
-                          cache=False)
+    plan = autoaccum.plan(model, data, effective_batch=16, device="t4", log=None,
+                          target=autoaccum.Target(devices=2),
+                          search=autoaccum.Search(cache=False))
     assert plan.data_parallel == 2 and plan.micro_batch * 2 * plan.accum_steps == 16
     assert plan.target.startswith("2 x NVIDIA T4") and not model.optimizer.built
 
@@ -97,12 +99,12 @@ def test_topology_text_follows_jax_cuda_shape():
 ])
 def test_bad_devices_are_refused_before_any_compile(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        _plan(**kwargs)
+        _plan(target=autoaccum.Target(**kwargs))
 
 
 def test_more_local_devices_than_there_are_names_the_dry_run():
     with pytest.raises(ValueError, match=r"name them: device='t4'.*Received: devices=64"):
-        _plan(None, devices=64)
+        _plan(None, target=autoaccum.Target(devices=64))
 
 
 def test_cli_devices_must_be_a_positive_whole_number(capsys):

@@ -49,8 +49,8 @@ def test_cost_model_uses_the_roofline_of_the_profile():
 def test_throughput_plan_times_candidates_and_picks_by_the_rule():
     model = TinyLM(rngs=nnx.Rngs(0))
     plan = autoaccum.plan(model, ragged_tokens(32, 12), effective_batch=16, budget="1GiB",
-                          objective="throughput", optimizer=optax.sgd(0.1), loss_fn=token_loss,
-                          log=None)
+                          optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                          log=None, search=autoaccum.Search(objective="throughput"))
     assert plan.objective == "throughput"
     assert len(plan.candidates) >= 2
     assert all(c.source == "measured" and c.seconds_per_example > 0 for c in plan.candidates)
@@ -64,15 +64,15 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule():
 def test_unknown_objective_names_both():
     with pytest.raises(ValueError, match="'memory'.*'throughput'"):
         autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
-                       objective="speed", optimizer=optax.sgd(0.1), loss_fn=token_loss,
-                       log=None)
+                       optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                       log=None, search=autoaccum.Search(objective="speed"))
 
 
 @pytest.mark.slow
 def test_dry_run_throughput_plan_uses_the_cost_model():
     model = TinyLM(rngs=nnx.Rngs(0))
     plan = autoaccum.plan(model, ragged_tokens(32, 12), effective_batch=16, device="t4",
-                          objective="throughput", optimizer=optax.sgd(0.1), loss_fn=token_loss,
-                          log=None)
+                          optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                          log=None, search=autoaccum.Search(objective="throughput"))
     assert plan.candidates and all(c.source == "cost model" for c in plan.candidates)
     assert plan.to_dict()["objective"] == "throughput"

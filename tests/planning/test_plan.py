@@ -90,8 +90,8 @@ def test_public_plan_reports_probes_split_and_learning_rate(capsys):
     model = TinyLM(rngs=nnx.Rngs(0))
     data = ragged_tokens(32, 16)
     plan = autoaccum.plan(
-        model, data, effective_batch=8, optimizer=optax.adamw, learning_rate=1e-4,
-        base_batch=1, lr_rule="linear", loss_fn=token_loss, budget="2GiB",
+        model, data, effective_batch=8, optimizer=optax.adamw, loss_fn=token_loss, budget="2GiB",
+        learning_rate=autoaccum.LearningRate(value=1e-4, base_batch=1, rule="linear"),
     )
     live = capsys.readouterr().err
     assert "compiling micro_batch=" in live and "fits" in live

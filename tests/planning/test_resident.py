@@ -59,7 +59,8 @@ def test_state_over_the_budget_is_refused_before_any_compile():
     before = compile_count()
     with pytest.raises(DoesNotFitError) as info:
         autoaccum.plan(model, data(256), effective_batch=8, optimizer=optax.adam(1e-3),
-                       loss_fn=mse, budget="1MiB", method="compile", log=None, cache=False)
+                       loss_fn=mse, budget="1MiB", log=None,
+                       search=autoaccum.Search(method="compile", cache=False))
     assert compile_count() == before  # nothing compiled
     error = info.value
     assert error.resident.trainable_bytes == 2 * (256 * 256 + 256) * 4
@@ -81,7 +82,8 @@ def test_state_over_the_budget_is_refused_before_any_compile():
 def test_a_state_that_fits_is_planned_as_before():
     plan = autoaccum.plan(MLP(16, 2, nnx.Rngs(0)), data(16), effective_batch=8,
                           optimizer=optax.adam(1e-3), loss_fn=mse, budget="64MiB",
-                          method="compile", log=None, cache=False)
+                          log=None,
+                          search=autoaccum.Search(method="compile", cache=False))
     assert plan.micro_batch * plan.accum_steps == 8
 
 
@@ -96,8 +98,8 @@ def test_no_accumulating_step_is_compiled_when_the_accumulator_cannot_fit():
     before = compile_count()
     with pytest.raises(DoesNotFitError) as info:
         autoaccum.plan(model, data(512), effective_batch=8, optimizer=optax.adam(1e-3),
-                       loss_fn=mse, budget=budget, method="compile", remat="none", log=None,
-                       cache=False)
+                       loss_fn=mse, budget=budget, log=None,
+                       search=autoaccum.Search(method="compile", remat="none", cache=False))
     assert compile_count() == before + 1
     assert [(p.micro_batch, p.accum_steps) for p in info.value.probes] == [(8, 1)]
 
@@ -120,7 +122,9 @@ def test_no_whole_batch_probe_once_micro_batch_1_fails():
     with pytest.raises(DoesNotFitError) as info:
         autoaccum.plan(Wide(nnx.Rngs(0)), data(width), effective_batch=8,
                        optimizer=optax.sgd(0.1), loss_fn=mse, budget="8MiB",
-                       method="compile", remat="none", log=None, cache=False, uneven=False)
+                       log=None,
+                       search=autoaccum.Search(method="compile", remat="none", cache=False,
+                       uneven=False))
     probed = [p.micro_batch for p in info.value.probes]
     assert probed == [2, 1]
     assert compile_count() == before + 2

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.xdist_group("planning.test_reuse")
 
 # The rate was tuned for batch 1 and scales linearly to the effective batch (x8), so eight
 # steps visibly lower the loss.
-OPTIONS = dict(optimizer=optax.adam, learning_rate=1e-3, base_batch=1, lr_rule="linear",
-               loss_fn=token_loss)
+OPTIONS = dict(optimizer=optax.adam, loss_fn=token_loss,
+               learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=1, rule="linear"))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def planned():
     model = TinyLM(rngs=nnx.Rngs(0))
     two = autoaccum.measure(model, data, micro_batch=2, effective_batch=8, **OPTIONS)
     plan = autoaccum.plan(model, data, effective_batch=8, budget=int(two.need_bytes * 1.3),
-                          method="compile", log=None, **OPTIONS)
+                          log=None, **OPTIONS,
+                          search=autoaccum.Search(method="compile"))
     return plan, data
 
 
@@ -65,9 +66,10 @@ def test_a_plan_for_another_model_or_data_is_refused(planned):
 
 def test_a_plan_with_another_learning_rate_rule_is_refused(planned):
     plan, data = planned
-    options = {**OPTIONS, "lr_rule": "sqrt"}
+    options = {**OPTIONS, "learning_rate": autoaccum.LearningRate(value=1e-3, base_batch=1,
+                                                                  rule="sqrt")}
     with pytest.raises(ValueError, match=r"scales the learning rate as '0.008 = 0.001 x 8/1, "
-                                         r"linear'.*Received: lr_rule='sqrt'"):
+                                         r"linear'.*Received: rule='sqrt'"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan, **options)
     with pytest.raises(ValueError, match=r"'0.001, unchanged: none \(base_batch not given\)'"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,

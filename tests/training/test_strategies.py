@@ -94,7 +94,7 @@ def test_plan_refuses_an_unknown_strategy_before_compiling():
     with pytest.raises(ValueError, match="Received: strategy='zero-1'"):
         autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
                        optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
-                       budget="1GiB", log=None, strategy="zero-1")
+                       budget="1GiB", log=None, target=autoaccum.Target(strategy="zero-1"))
 
 
 def test_a_single_device_plan_is_replicated_in_its_json():
@@ -110,7 +110,8 @@ def test_a_single_device_plan_is_replicated_in_its_json():
     data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
     plan = autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
                           optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
-                          budget="1GiB", log=None, strategy="fsdp", data_parallel=1)
+                          budget="1GiB", log=None,
+                          target=autoaccum.Target(strategy="fsdp", data_parallel=1))
     out = plan.to_dict()
     assert (plan.strategy, plan.mesh_shape) == ("replicated", (1,))
     assert (out["strategy"], out["devices"], out["mesh_shape"]) == ("replicated", 1, [1])

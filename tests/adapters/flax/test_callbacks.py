@@ -19,9 +19,10 @@ TRAIN, VAL = regression(32, seed=0), regression(12, seed=1)
 
 def _api_fit(model, **kwargs):
     """Through ``autoaccum.fit`` (plans first)."""
-    options = {"effective_batch": 8, "optimizer": optax.adam, "learning_rate": 1e-2,
-               "base_batch": 8, "loss_fn": mse_loss, "budget": "1GiB", "verbose": 0,
-               "log": None, "method": "compile"}
+    options = {"effective_batch": 8, "optimizer": optax.adam,
+               "learning_rate": autoaccum.LearningRate(value=1e-2, base_batch=8),
+               "loss_fn": mse_loss, "budget": "1GiB", "verbose": 0, "log": None,
+               "search": autoaccum.Search(method="compile")}
     options.update(kwargs)
     return autoaccum.fit(model, options.pop("data", TRAIN), **options)
 

@@ -3,6 +3,7 @@ in memory do (in-memory arrays, per-example records, and streams of batches: gra
 loaders, tf.data as numpy, generators, iterators), with the same leftover, epoch and
 ``steps_per_epoch`` rules as the Keras adapter."""
 
+import dataclasses
 import io
 import itertools
 
@@ -29,8 +30,9 @@ def loss_fn(model, batch):
 
 def _fit(data, **options):
     model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    training = dataclasses.replace(options.pop("training", autoaccum.Training()), shuffle=False)
     options = {"effective_batch": EFFECTIVE, "optimizer": optax.sgd(0.05, momentum=0.9),
-               "loss_fn": loss_fn, "shuffle": False, "budget": "1GiB", "verbose": 0,
+               "loss_fn": loss_fn, "training": training, "budget": "1GiB", "verbose": 0,
                "log": None, **options}
     result = autoaccum.fit(model, data, **options)
     return np.asarray(model.kernel[...]), result
@@ -102,7 +104,7 @@ def test_a_re_iterable_is_read_once_per_epoch_and_planning_reads_a_fresh_pass():
 
 
 def test_drop_remainder_drops_the_streams_last_examples():
-    kernel, result = _fit(_batches(5), drop_remainder=True)
+    kernel, result = _fit(_batches(5), training=autoaccum.Training(drop_remainder=True))
     reference, _ = _reference(slice(0, 32))
     assert result.steps == 4 and result.dropped_examples == 4
     np.testing.assert_allclose(kernel, reference, rtol=1e-6, atol=1e-7)

@@ -23,8 +23,9 @@ def test_fit_trains_in_place_and_returns_plan_and_per_step_losses():
     before = _params(model)
     log = io.StringIO()
     result = autoaccum.fit(
-        model, ragged_tokens(64, 12), effective_batch=16, optimizer=optax.adam, learning_rate=1e-3,
-        base_batch=16, loss_fn=token_loss, epochs=3, budget="1GiB", log=log,
+        model, ragged_tokens(64, 12), effective_batch=16, optimizer=optax.adam,
+        loss_fn=token_loss, epochs=3, budget="1GiB", log=log,
+        learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=16),
     )
     assert result.steps == 3 * 4 and len(result.losses) == 12
     assert result.losses[-1] < result.losses[0]
@@ -49,8 +50,9 @@ def test_accumulated_fit_matches_whole_batch_fit():
                                       optimizer=optax.adamw(1e-3), loss_fn=token_loss)
             kwargs = {"budget": probe.need_bytes + 1}
         result = autoaccum.fit(model, data, effective_batch=8, optimizer=optax.adamw(1e-3),
-                               loss_fn=token_loss, epochs=2, shuffle=True, seed=3, verbose=0,
-                               log=None, **kwargs)
+                               loss_fn=token_loss, epochs=2, verbose=0,
+                               log=None, **kwargs,
+                               training=autoaccum.Training(shuffle=True, seed=3))
         finals.append((result.plan.accum_steps, _params(model)))
     (k_big, p_big), (k_small, p_small) = finals
     assert k_big == 1 and k_small > 1
@@ -78,14 +80,14 @@ def test_failed_step_leaves_the_model_at_the_last_completed_step():
     data = ragged_tokens(8, 6)
     with pytest.raises(Exception, match="induced failure"):
         autoaccum.fit(model, data, effective_batch=4, optimizer=optax.sgd(0.5),
-                      loss_fn=loss_fn, epochs=2, shuffle=False, budget="1GiB", verbose=0,
-                      log=None)
+                      loss_fn=loss_fn, epochs=2, budget="1GiB", verbose=0,
+                      log=None, training=autoaccum.Training(shuffle=False))
     # The model holds live arrays (not deleted donated buffers) equal to one completed step.
     params = _params(model)
     reference = TinyLM(rngs=nnx.Rngs(0))
     autoaccum.fit(reference, jax.tree.map(lambda a: a[:4], data), effective_batch=4,
-                  optimizer=optax.sgd(0.5), loss_fn=token_loss, epochs=1, shuffle=False,
-                  budget="1GiB", verbose=0, log=None)
+                  optimizer=optax.sgd(0.5), loss_fn=token_loss, epochs=1, budget="1GiB",
+                  verbose=0, log=None, training=autoaccum.Training(shuffle=False))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_params(reference)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
@@ -113,8 +115,9 @@ def test_without_a_host_copy_a_consumed_state_is_reported_with_the_fix():
     model = TinyLM(rngs=nnx.Rngs(0))
     with pytest.raises(Exception, match="induced failure") as info:
         autoaccum.fit(model, ragged_tokens(8, 6), effective_batch=4, optimizer=optax.sgd(0.5),
-                      loss_fn=_failing_second_call_loss(), epochs=2, shuffle=False,
-                      budget="1GiB", verbose=0, log=None, backup="none")
+                      loss_fn=_failing_second_call_loss(), epochs=2, budget="1GiB", verbose=0,
+                      log=None,
+                      training=autoaccum.Training(shuffle=False, backup="none"))
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "reload the weights from a checkpoint, or pass backup='host'" in notes
 
@@ -122,16 +125,18 @@ def test_without_a_host_copy_a_consumed_state_is_reported_with_the_fix():
 def test_unknown_backup_policy_names_the_policies():
     with pytest.raises(ValueError, match="'auto'.*'host'.*'none'.*Received: backup='disk'"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 6), effective_batch=4,
-                      optimizer=optax.sgd(0.5), loss_fn=token_loss, backup="disk", log=None)
+                      optimizer=optax.sgd(0.5), loss_fn=token_loss, log=None,
+                      training=autoaccum.Training(backup="disk"))
 
 
 @pytest.mark.slow
 def test_fit_takes_a_named_gpu_and_its_memory_fraction():
     model = TinyLM(rngs=nnx.Rngs(0))
     result = autoaccum.fit(model, ragged_tokens(16, 8), effective_batch=8,
-                           optimizer=optax.adam, learning_rate=1e-3, base_batch=8,
-                           loss_fn=token_loss, device="t4", memory_fraction=0.5, verbose=0,
-                           log=None)
+                           optimizer=optax.adam, loss_fn=token_loss, device="t4", verbose=0,
+                           log=None,
+                           target=autoaccum.Target(memory_fraction=0.5),
+                           learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=8))
     t4 = autoaccum.devices.find_profile("t4")
     assert "deviceless" in result.plan.target
     assert result.plan.budget_bytes == t4.budget_bytes(0.5)

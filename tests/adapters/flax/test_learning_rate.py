@@ -62,7 +62,8 @@ def test_rate_without_base_batch_is_unchanged_and_not_announced():
 
 
 def test_sgd_with_base_batch_scales_linearly():
-    kernel, scaling, log = _trained(optax.sgd, learning_rate=0.1, base_batch=4)
+    kernel, scaling, log = _trained(optax.sgd,
+                                    learning_rate=autoaccum.LearningRate(value=0.1, base_batch=4))
     assert (scaling.rule, scaling.factor) == ("linear", 4.0)
     np.testing.assert_allclose(kernel, _reference(optax.sgd(0.4)), rtol=1e-5)
     assert _announced(log) == ["autoaccum: learning rate 0.1 -> 0.4 (linear rule, SGD-family "
@@ -70,7 +71,8 @@ def test_sgd_with_base_batch_scales_linearly():
 
 
 def test_momentum_with_base_batch_scales_linearly():
-    kernel, scaling, log = _trained(optax.sgd(0.1, momentum=0.9, nesterov=True), base_batch=8)
+    kernel, scaling, log = _trained(optax.sgd(0.1, momentum=0.9, nesterov=True),
+                                    learning_rate=autoaccum.LearningRate(base_batch=8))
     assert (scaling.rule, scaling.factor) == ("linear", 2.0)
     np.testing.assert_allclose(kernel, _reference(optax.sgd(0.2, momentum=0.9, nesterov=True)),
                                rtol=1e-5)
@@ -81,7 +83,8 @@ def test_momentum_with_base_batch_scales_linearly():
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_adam_family_with_base_batch_scales_by_the_square_root(name):
     factory = getattr(optax, name)
-    kernel, scaling, log = _trained(factory(1e-3), base_batch=4)
+    kernel, scaling, log = _trained(factory(1e-3),
+                                    learning_rate=autoaccum.LearningRate(base_batch=4))
     assert (scaling.rule, scaling.factor) == ("sqrt", 2.0)
     np.testing.assert_allclose(kernel, _reference(factory(2e-3)), rtol=1e-5)
     assert len(_announced(log)) == 1 and "(sqrt rule, Adam-family optimizer;" in log
@@ -94,31 +97,36 @@ def test_adam_family_with_base_batch_scales_by_the_square_root(name):
     lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
 ], ids=["lion", "adafactor", "lamb", "rmsprop", "nadam", "clipped adamw", "injected adam"])
 def test_adam_family_is_recognised_in_built_transformations(make):
-    assert _trained(make(), base_batch=4)[1].rule == "sqrt"
+    assert _trained(make(), learning_rate=autoaccum.LearningRate(base_batch=4))[1].rule == "sqrt"
 
 
 def test_lr_rule_overrides_the_family_and_reproduces_the_labs_story():
-    kernel, scaling, _ = _trained(optax.adam, learning_rate=1e-3, base_batch=1, lr_rule="linear")
+    kernel, scaling, _ = _trained(optax.adam,
+                                  learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=1,
+                                  rule="linear"))
     assert (scaling.rule, scaling.factor) == ("linear", 16.0)
     np.testing.assert_allclose(kernel, _reference(optax.adam(16e-3)), rtol=1e-5)
 
 
 def test_lr_rule_without_base_batch_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"needs base_batch= too.*Received: lr_rule='linear'"):
-        _trained(optax.sgd(0.1), lr_rule="linear")
+        _trained(optax.sgd(0.1), learning_rate=autoaccum.LearningRate(rule="linear"))
 
 
 def test_an_optimizer_of_no_known_family_needs_lr_rule():
     with pytest.raises(ValueError, match=r"cannot tell which rule fits.*lr_rule='linear'"):
-        _trained(optax.sign_sgd(1e-3), base_batch=4)
-    assert _trained(optax.sign_sgd(1e-3), base_batch=4, lr_rule="none")[1].factor == 1.0
+        _trained(optax.sign_sgd(1e-3), learning_rate=autoaccum.LearningRate(base_batch=4))
+    assert _trained(optax.sign_sgd(1e-3),
+                    learning_rate=autoaccum.LearningRate(base_batch=4,
+                    rule="none"))[1].factor == 1.0
 
 
 def test_fit_reports_the_rule_and_announces_once():
     log = io.StringIO()
     model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
     result = autoaccum.fit(model, _data(), effective_batch=8, optimizer=optax.sgd(0.1),
-                           loss_fn=loss_fn, base_batch=2, budget="1GiB", log=log, verbose=1)
+                           loss_fn=loss_fn, budget="1GiB", log=log, verbose=1,
+                           learning_rate=autoaccum.LearningRate(base_batch=2))
     assert result.plan.lr_factor == 4.0
     assert len(_announced(log.getvalue())) == 1
     assert jax.tree.leaves(nnx.state(model))  # trained in place

@@ -35,8 +35,8 @@ def test_without_shuffle_every_example_is_trained_every_epoch():
     log = io.StringIO()
     result = autoaccum.fit(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), _data(10), effective_batch=4,
                            optimizer=optax.sgd, learning_rate=0.01,
-                           loss_fn=_recording_loss(seen), epochs=2, shuffle=False,
-                           budget="1GiB", log=log)
+                           loss_fn=_recording_loss(seen), epochs=2, budget="1GiB", log=log,
+                           training=autoaccum.Training(shuffle=False))
     jax.effects_barrier()
     assert sorted(seen) == sorted(list(range(10)) * 2)
     assert result.steps == 2 * 3 and result.leftover_examples == 2
@@ -83,8 +83,8 @@ def test_drop_remainder_drops_them_and_says_how_many():
     log = io.StringIO()
     result = autoaccum.fit(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), _data(10), effective_batch=4,
                            optimizer=optax.sgd, learning_rate=0.01,
-                           loss_fn=_recording_loss(seen), epochs=2, shuffle=False,
-                           budget="1GiB", log=log, drop_remainder=True)
+                           loss_fn=_recording_loss(seen), epochs=2, budget="1GiB", log=log,
+                           training=autoaccum.Training(shuffle=False, drop_remainder=True))
     jax.effects_barrier()
     assert sorted(seen) == sorted(list(range(8)) * 2)
     assert result.steps == 4 and result.dropped_examples == 4 and result.drop_remainder
@@ -103,7 +103,7 @@ def test_the_plan_reports_the_leftover_and_its_policy():
     dropped = autoaccum.plan(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), _data(10), effective_batch=4,
                              optimizer=optax.sgd, learning_rate=0.01,
                              loss_fn=_recording_loss([]), budget="1GiB", log=None,
-                             drop_remainder=True)
+                             training=autoaccum.Training(drop_remainder=True))
     assert dropped.to_dict()["drop_remainder"] is True
 
 
@@ -111,4 +111,5 @@ def test_drop_remainder_must_be_a_bool():
     with pytest.raises(ValueError, match="Received: drop_remainder='yes'"):
         autoaccum.fit(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), _data(10), effective_batch=4,
                       optimizer=optax.sgd(0.1), loss_fn=_recording_loss([]),
-                      drop_remainder="yes", log=None)
+                      log=None,
+                      training=autoaccum.Training(drop_remainder="yes"))

@@ -71,15 +71,16 @@ def test_batchnorm_in_eval_mode_keeps_its_running_averages(mode):
 def test_unknown_batch_stats_mode_names_the_modes():
     with pytest.raises(ValueError, match=r"'effective'.*'micro'.*Received: batch_stats='big'"):
         autoaccum.fit(NormMLP(rngs=nnx.Rngs(0)), regression(8), effective_batch=4,
-                      optimizer=optax.sgd(0.1), loss_fn=mse_loss, batch_stats="big",
-                      budget="1GiB", log=None)
+                      optimizer=optax.sgd(0.1), loss_fn=mse_loss, budget="1GiB", log=None,
+                      training=autoaccum.Training(batch_stats="big"))
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plan_and_measure_take_the_batch_stats_mode():
     model, data = NormMLP(rngs=nnx.Rngs(0)), regression(8)
-    est = {mode: autoaccum.measure(model, data, micro_batch=2, accum_steps=4, batch_stats=mode,
-                                   optimizer=optax.sgd(0.1), loss_fn=mse_loss)
+    est = {mode: autoaccum.measure(model, data, micro_batch=2, accum_steps=4,
+                                   optimizer=optax.sgd(0.1), loss_fn=mse_loss,
+                                   training=autoaccum.Training(batch_stats=mode))
            for mode in ("effective", "micro")}
     # The effective mode keeps a few float32 sums per BatchNorm feature: noise next to the step.
     assert abs(est["effective"].need_bytes - est["micro"].need_bytes) < 64 * 1024

@@ -38,8 +38,8 @@ def _data(n=2 * EFFECTIVE, seed=0):
 
 def _fit(model, optimizer, data, **options):
     return autoaccum.fit(model, data, effective_batch=EFFECTIVE, optimizer=optimizer,
-                         loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None,
-                         **options)
+                         loss_fn=loss_fn, budget="1GiB", verbose=0, log=None,
+                         **options, training=autoaccum.Training(shuffle=False))
 
 
 def _by_hand(model, optimizer, data, steps):
@@ -72,7 +72,8 @@ def test_lora_optimizer_trains_its_wrt_and_holds_the_trained_state(base_batch):
     model, reference = LoRANet(nnx.Rngs(0)), LoRANet(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
     frozen_before = _leaves(nnx.state(model, FROZEN))
-    result = _fit(model, optimizer, data, base_batch=base_batch)
+    result = _fit(model, optimizer, data,
+                  learning_rate=autoaccum.LearningRate(base_batch=base_batch))
     factor = 1.0 if base_batch is None else 2.0  # sqrt(8 / 2) for Adam
     ref_opt = nnx.Optimizer(reference, optax.adam(1e-3 * factor), wrt=nnx.LoRAParam)
     _by_hand(reference, ref_opt, data, steps=2)

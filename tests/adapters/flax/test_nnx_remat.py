@@ -60,9 +60,10 @@ def test_model_that_does_not_fit_at_micro_batch_one_gets_a_remat_plan(data):
     model = _model()
     options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
     plain = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
-                              remat="none", **options)
+                              **options, search=autoaccum.Search(remat="none"))
     saved = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
-                              remat="nothing", **options)
+                              **options,
+                              search=autoaccum.Search(remat="nothing"))
     assert saved.need_bytes < plain.need_bytes
     budget = (plain.need_bytes + saved.need_bytes) // 2
     plan = autoaccum.plan(model, data, effective_batch=8, device="t4", budget=budget, log=None,
@@ -80,19 +81,22 @@ def test_remat_none_keeps_failing_with_the_advice(data):
     model = _model()
     options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
     plain = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
-                              remat="none", **options)
+                              **options, search=autoaccum.Search(remat="none"))
     saved = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
-                              remat="nothing", **options)
+                              **options,
+                              search=autoaccum.Search(remat="nothing"))
     with pytest.raises(autoaccum.DoesNotFitError, match="rematerialization") as info:
-        autoaccum.plan(model, data, effective_batch=8, device="t4", remat="none", log=None,
-                       budget=(plain.need_bytes + saved.need_bytes) // 2, **options)
+        autoaccum.plan(model, data, effective_batch=8, device="t4", log=None,
+                       budget=(plain.need_bytes + saved.need_bytes) // 2, **options,
+                       search=autoaccum.Search(remat="none"))
     assert "nothing compiled" not in str(info.value)
 
 
 def test_unknown_remat_policy_lists_the_policies(data):
     with pytest.raises(ValueError, match="'dots_no_batch'.*Received: remat='everything'"):
-        autoaccum.plan(_model(), data, effective_batch=8, remat="everything",
-                       optimizer=optax.adamw(1e-4), loss_fn=next_token_loss, log=None)
+        autoaccum.plan(_model(), data, effective_batch=8, optimizer=optax.adamw(1e-4),
+                       loss_fn=next_token_loss, log=None,
+                       search=autoaccum.Search(remat="everything"))
 
 
 def test_keras_remat_step_matches_the_plain_step():
@@ -105,7 +109,9 @@ def test_keras_remat_step_matches_the_plain_step():
     for policy in ("none", "nothing"):
         model = build_demo_model(sequence_length=32, seed=1)
         history = autoaccum.fit(model, demo_data(rows), effective_batch=8, budget="1GiB",
-                                remat=policy, verbose=0, log=None, shuffle=False)
+                                verbose=0, log=None,
+                                search=autoaccum.Search(remat=policy),
+                                training=autoaccum.Training(shuffle=False))
         assert history.autoaccum_plan.remat == policy
         weights.append([np.asarray(w) for w in model.trainable_weights])
     for a, b in zip(*weights, strict=True):

@@ -36,15 +36,16 @@ def plan():
     one = autoaccum.measure(TinyLM(rngs=nnx.Rngs(0)), DATA, micro_batch=5,
                             effective_batch=EFFECTIVE, **OPTIONS)
     return autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), DATA, effective_batch=EFFECTIVE,
-                          budget=int(one.need_bytes * 1.02), method="compile", log=None,
-                          **OPTIONS)
+                          budget=int(one.need_bytes * 1.02), log=None,
+                          **OPTIONS, search=autoaccum.Search(method="compile"))
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_hand_written_loop_with_train_step_equals_fit(plan):
     fitted = TinyLM(rngs=nnx.Rngs(0))
     result = autoaccum.fit(fitted, DATA, effective_batch=EFFECTIVE, plan=plan, epochs=2,
-                           shuffle=False, verbose=0, log=None, **OPTIONS)
+                           verbose=0, log=None, **OPTIONS,
+                           training=autoaccum.Training(shuffle=False))
     model = TinyLM(rngs=nnx.Rngs(0))
     step = autoaccum.train_step(model, DATA, effective_batch=EFFECTIVE, plan=plan, **OPTIONS)
     losses = [step(batch).loss for _ in range(2) for batch in _batches(DATA, EFFECTIVE)]
@@ -144,7 +145,8 @@ def test_the_plan_micro_batch_drives_optax_microbatching_exactly_with_sums():
     model = TinyLM(rngs=nnx.Rngs(0))
     one = autoaccum.measure(model, data, micro_batch=4, effective_batch=12, **OPTIONS)
     plan = autoaccum.plan(model, data, effective_batch=12, budget=int(one.need_bytes * 1.02),
-                          method="compile", log=None, uneven=False, **OPTIONS)
+                          log=None, **OPTIONS,
+                          search=autoaccum.Search(method="compile", uneven=False))
     assert plan.accum_steps > 1 and 12 % plan.micro_batch == 0
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 

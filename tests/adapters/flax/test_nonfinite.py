@@ -105,13 +105,15 @@ def test_a_count_of_zero_with_a_nonzero_sum_is_an_error_not_an_update():
 def test_on_nonfinite_is_validated_by_fit():
     with pytest.raises(ValueError, match="Received: on_nonfinite='ignore'"):
         autoaccum.fit(_model(), _data(), effective_batch=4, optimizer=optax.sgd(0.1),
-                      loss_fn=loss_fn, on_nonfinite="ignore", log=None)
+                      loss_fn=loss_fn, log=None,
+                      training=autoaccum.Training(on_nonfinite="ignore"))
 
 
 def test_fit_passes_the_policy_through():
     result = autoaccum.fit(_model(), _data(poison=9), effective_batch=4,
-                           optimizer=optax.sgd(1e-2), loss_fn=loss_fn, shuffle=False,
-                           on_nonfinite="skip", budget="1GiB", verbose=0, log=None)
+                           optimizer=optax.sgd(1e-2), loss_fn=loss_fn, budget="1GiB", verbose=0,
+                           log=None,
+                           training=autoaccum.Training(shuffle=False, on_nonfinite="skip"))
     assert result.skipped_steps == 1
 
 
@@ -130,14 +132,16 @@ def _finite_guarded():
 def test_apply_if_finite_skips_a_nan_step_itself_and_training_goes_on():
     model = _model()
     result = autoaccum.fit(model, _data(poison=9), effective_batch=4, optimizer=_finite_guarded(),
-                           loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+                           loss_fn=loss_fn, budget="1GiB", verbose=0, log=None,
+                           training=autoaccum.Training(shuffle=False))
     # The default on_nonfinite="stop" defers to the optimizer: no NonFiniteError.
     assert result.steps == 3 and result.skipped_steps == 1
     assert "step 3" in result.events[0] and "apply_if_finite" in result.events[0]
     clean = jax.tree.map(lambda a: np.concatenate([a[:8], a[12:]]), _data())
     reference = _model()
     autoaccum.fit(reference, clean, effective_batch=4, optimizer=_momentum(),
-                  loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+                  loss_fn=loss_fn, budget="1GiB", verbose=0, log=None,
+                  training=autoaccum.Training(shuffle=False))
     for a, b in zip(_params(model), _params(reference), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # The NaN batch's statistics never reached the BatchNorm running averages.
@@ -148,7 +152,8 @@ def test_apply_if_finite_counts_the_skipped_step_in_its_own_state():
     model = _model()
     optimizer = nnx.Optimizer(model, _finite_guarded(), wrt=nnx.Param)
     autoaccum.fit(model, _data(poison=9), effective_batch=4, optimizer=optimizer,
-                  loss_fn=loss_fn, shuffle=False, budget="1GiB", verbose=0, log=None)
+                  loss_fn=loss_fn, budget="1GiB", verbose=0, log=None,
+                  training=autoaccum.Training(shuffle=False))
     state = nnx.as_pure(optimizer.opt_state)
     assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 0
     assert int(optimizer.step[...]) == 3

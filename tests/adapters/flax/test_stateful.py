@@ -45,8 +45,9 @@ def test_tutorial_cnn_plans_and_trains_with_accumulation():
     budget = _forcing_budget(model, data, cnn_loss, 32, micro=8)
     log = io.StringIO()
     result = autoaccum.fit(model, data, effective_batch=32, optimizer=optax.adamw,
-                           learning_rate=1e-3, base_batch=32, loss_fn=cnn_loss, epochs=3,
-                           budget=budget, log=log, validation_data=test)
+                           loss_fn=cnn_loss, epochs=3,
+                           budget=budget, log=log, validation_data=test,
+                           learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=32))
     assert result.plan.accum_steps > 1 and result.plan.need_bytes <= budget
     assert result.losses[-1] < result.losses[0]
     assert result.val_losses[-1] < result.val_losses[0]
@@ -163,8 +164,9 @@ def test_transformer_with_dropout_trains_and_validates_deterministically():
     model = DropoutTransformer(rngs=nnx.Rngs(0))
     budget = _forcing_budget(model, data, token_loss, 16)
     result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam,
-                           learning_rate=3e-3, base_batch=16, loss_fn=token_loss, epochs=4,
-                           budget=budget, verbose=0, log=None, validation_data=data)
+                           loss_fn=token_loss, epochs=4,
+                           budget=budget, verbose=0, log=None, validation_data=data,
+                           learning_rate=autoaccum.LearningRate(value=3e-3, base_batch=16))
     assert result.plan.accum_steps > 1
     assert result.losses[-1] < result.losses[0]
     assert result.val_losses[-1] < result.val_losses[0]

@@ -65,9 +65,10 @@ def test_room_for_five_trains_a_five_based_split_equal_to_the_full_batch_step(
     budget = _budget_fitting_five(data, effective_batch)
     model = _model()
     result = autoaccum.fit(model, data, effective_batch=effective_batch, budget=budget,
-                           optimizer=optax.sgd, learning_rate=LR, lr_rule="none",
-                           loss_fn=token_loss, epochs=1, shuffle=False, verbose=0, log=None,
-                           method="compile")
+                           optimizer=optax.sgd, loss_fn=token_loss, epochs=1, verbose=0, log=None,
+                           search=autoaccum.Search(method="compile"),
+                           training=autoaccum.Training(shuffle=False),
+                           learning_rate=autoaccum.LearningRate(value=LR, rule="none"))
     plan = result.plan
     assert plan.micro_batch == 5 and plan.micro_batches == sizes and result.steps == 1
     assert plan.need_bytes <= budget
@@ -80,8 +81,8 @@ def test_uneven_false_keeps_divisors():
     data = ragged_tokens(13, 48, vocab=64, seed=13)
     plan = autoaccum.plan(_model(), data, effective_batch=13,
                           budget=_budget_fitting_five(data, 13), optimizer=optax.sgd,
-                          learning_rate=LR, loss_fn=token_loss, log=None, method="compile",
-                          uneven=False)
+                          learning_rate=LR, loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(method="compile", uneven=False))
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (1, 13, None)
 
 

@@ -40,8 +40,9 @@ def test_fit_returns_history_with_plan_and_counts_optimizer_steps():
 def test_learning_rate_is_scaled_once_even_across_two_fits():
     model = _model(1e-3)
     for _ in range(2):
-        history = autoaccum.fit(model, _data(), effective_batch=16, base_batch=4,
-                                lr_rule="sqrt", budget="1GiB", verbose=0, log=None)
+        history = autoaccum.fit(model, _data(), effective_batch=16, budget="1GiB", verbose=0,
+                                log=None,
+                                learning_rate=autoaccum.LearningRate(base_batch=4, rule="sqrt"))
         assert history.autoaccum_plan.learning_rate == pytest.approx(2e-3)
         assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)  # the base
 
@@ -52,7 +53,8 @@ def test_schedule_learning_rate_is_scaled_in_the_step_and_sees_optimizer_steps()
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [1e-3, 1e-4])
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     history = autoaccum.fit(model, _data(), effective_batch=16, budget="1GiB", verbose=0,
-                            log=None, base_batch=1, lr_rule="linear")
+                            log=None,
+                            learning_rate=autoaccum.LearningRate(base_batch=1, rule="linear"))
     assert "schedule x 16" in history.autoaccum_plan.lr_scaling.arithmetic()
     assert model.optimizer._learning_rate is schedule  # scaled inside the step only
     assert float(model.optimizer.learning_rate) == pytest.approx(1e-4)  # step 4
@@ -99,8 +101,8 @@ def test_unbatched_tf_data_trains_like_the_same_numpy_arrays():
     for data in ((x, y), tf.data.Dataset.from_tensor_slices((x, y))):
         keras.utils.set_random_seed(0)
         model = _model()
-        autoaccum.fit(model, data, effective_batch=16, epochs=1, shuffle=False, budget="1GiB",
-                      verbose=0, log=None)
+        autoaccum.fit(model, data, effective_batch=16, epochs=1, budget="1GiB",
+                      verbose=0, log=None, training=autoaccum.Training(shuffle=False))
         finals.append([np.asarray(w) for w in model.get_weights()])
     for a, b in zip(*finals, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -170,7 +170,9 @@ def test_generator_read_for_planning_is_replayed_for_training():
 
     model = dense_model()
     history = autoaccum.fit(model, _generator(), effective_batch=16, budget="1GiB",
-                            lr_rule="none", shuffle=False, verbose=0, log=None)
+                            verbose=0, log=None,
+                            training=autoaccum.Training(shuffle=False),
+                            learning_rate=autoaccum.LearningRate(rule="none"))
     assert int(model.optimizer.iterations) == 4  # the batches planning read were trained
     assert max_diff(model, _reference()) < 1e-5
     assert history.autoaccum_remainder == {"policy": "train", "examples": 0}
@@ -202,7 +204,9 @@ def test_list_inputs_outputs_and_sample_weights_train_like_model_fit(container):
     ours, reference = _two_in_two_out(), _two_in_two_out()
     budget = autoaccum.measure(ours, (x, y, w), micro_batch=4, effective_batch=16).need_bytes
     history = autoaccum.fit(ours, (x, y, w), effective_batch=16, budget=budget, epochs=2,
-                            shuffle=False, lr_rule="none", verbose=0, log=None)
+                            verbose=0, log=None,
+                            training=autoaccum.Training(shuffle=False),
+                            learning_rate=autoaccum.LearningRate(rule="none"))
     assert history.autoaccum_plan.accum_steps > 1
     expected = reference.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False,
                              verbose=0)

@@ -110,7 +110,7 @@ def test_every_advised_row_fits_when_the_user_applies_its_change(build, tmp_path
     model, budget = build(), BUDGETS[build]
     before = snapshot(model)
     advice = autoaccum.advise(model, token_data(), effective_batch=2, budget=budget, log=None,
-                              cache=str(tmp_path))
+                              search=autoaccum.Search(cache=str(tmp_path)))
     assert not advice.fits
     changes = [a.change for a in advice.alternatives]
     assert {"lora_rank": 16} in changes and {"dtype": "bfloat16"} in changes
@@ -123,7 +123,8 @@ def test_every_advised_row_fits_when_the_user_applies_its_change(build, tmp_path
         assert "remat" not in row.change
         replanned = autoaccum.plan(the_change_by_hand(build, row.change), token_data(),
                                    effective_batch=2, budget=budget, log=None,
-                                   cache=str(tmp_path), method="compile", remat="none")
+                                   search=autoaccum.Search(cache=str(tmp_path), method="compile",
+                                   remat="none"))
         assert replanned.need_bytes <= budget, row.change
         assert (replanned.micro_batch, replanned.accum_steps) == (row.micro_batch,
                                                                   row.accum_steps)
@@ -140,8 +141,8 @@ def test_a_planned_copy_allocates_no_weight_and_leaves_the_model_untouched(chang
     model = functional_model()
     before, pending = snapshot(model), pending_variables()
     copy, options = adapter_for(model).apply_change(model, {}, change)
-    plan = autoaccum.plan(copy, token_data(), effective_batch=2, log=None, cache=False,
-                          method="compile", remat="none", **options)
+    plan = autoaccum.plan(copy, token_data(), effective_batch=2, log=None, **options,
+                          search=autoaccum.Search(cache=False, method="compile", remat="none"))
     assert plan.micro_batch == 2
     assert copy is not model and copy.weights
     assert all(v._value is None for v in copy.weights)  # deferred: no buffer, ever
@@ -250,9 +251,11 @@ def test_a_keras_hub_model_with_lora_is_planned_as_each_change_applied_by_hand(t
         copy, _ = adapter.apply_change(model, {}, change)
         assert all(v._value is None for v in copy.weights)
         planned = autoaccum.plan(copy, TEXTS, effective_batch=4, log=None,
-                                 cache=str(tmp_path), method="compile", remat="none")
+                                 search=autoaccum.Search(cache=str(tmp_path), method="compile",
+                                 remat="none"))
         by_hand = autoaccum.plan(gpt2_by_hand(change), TEXTS, effective_batch=4, log=None,
-                                 cache=str(tmp_path), method="compile", remat="none")
+                                 search=autoaccum.Search(cache=str(tmp_path), method="compile",
+                                 remat="none"))
         assert planned.need_bytes == by_hand.need_bytes, change
         # the same programs: the change by hand lowers to the text the copy was compiled from
         assert {p.estimate.source for p in by_hand.probes} == {"cache"}, change
@@ -304,7 +307,7 @@ def test_a_model_without_a_config_is_refused_with_the_reason():
 def test_a_model_without_a_config_gets_no_copied_rows_and_the_advice_says_why():
     model = scaled_model()
     advice = autoaccum.advise(model, regression(), effective_batch=2, budget=250_000,
-                              log=None, cache=False)
+                              log=None, search=autoaccum.Search(cache=False))
     assert not advice.fits
     copied = ("lora_rank", "dtype", "quantize")
     assert not [a for a in advice.alternatives if set(a.change) & set(copied)]

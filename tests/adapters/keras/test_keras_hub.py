@@ -83,8 +83,9 @@ def test_a_keras_nlp_task_is_planned_and_trained_like_its_own_fit():
     plan = autoaccum.plan(ours, texts, effective_batch=8, budget="1GiB", log=None)
     assert plan.micro_batch * plan.accum_steps == 8
     budget = autoaccum.measure(ours, texts, micro_batch=2, effective_batch=8).need_bytes
-    history = autoaccum.fit(ours, texts, effective_batch=8, budget=budget, shuffle=False,
-                            lr_rule="none", verbose=0, log=None)
+    history = autoaccum.fit(ours, texts, effective_batch=8, budget=budget, verbose=0, log=None,
+                            training=autoaccum.Training(shuffle=False),
+                            learning_rate=autoaccum.LearningRate(rule="none"))
     assert history.autoaccum_plan.accum_steps > 1
     expected = native.fit(texts, batch_size=8, shuffle=False, verbose=0)
     assert int(ours.optimizer.iterations) == 2

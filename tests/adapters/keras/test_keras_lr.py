@@ -22,10 +22,13 @@ from ._models import dense_model, max_diff, regression_data
 EFFECTIVE = 16  # with base_batch=1 and the linear rule: factor 16
 
 
-def _fit(model, data=None, **options):
+def _fit(model, data=None, learning_rate=None, **options):
     # The lab's story, said explicitly: the rate was tuned for batch 1 and scales linearly.
-    options = {"effective_batch": EFFECTIVE, "budget": "1GiB", "shuffle": False, "verbose": 0,
-               "log": None, "base_batch": 1, "lr_rule": "linear", **options}
+    if not isinstance(learning_rate, autoaccum.LearningRate):
+        learning_rate = autoaccum.LearningRate(value=learning_rate, base_batch=1, rule="linear")
+    options = {"effective_batch": EFFECTIVE, "budget": "1GiB",
+               "training": autoaccum.Training(shuffle=False), "verbose": 0, "log": None,
+               "learning_rate": learning_rate, **options}
     return autoaccum.fit(model, data or regression_data(), **options)
 
 
@@ -128,7 +131,9 @@ def test_schedule_sees_optimizer_steps_and_is_scaled():
 def test_adjust_adam_adjusts_the_optimizers_own_betas_inside_the_step_only():
     model = dense_model(optimizer=keras.optimizers.Adam(1e-3, beta_1=0.8, beta_2=0.99,
                                                         epsilon=1e-6))
-    history = _fit(model, lr_rule="sqrt", base_batch=4, adjust_adam=True)
+    history = _fit(model,
+                   learning_rate=autoaccum.LearningRate(rule="sqrt", base_batch=4,
+                   adjust_adam=True))
     adam = history.autoaccum_plan.lr_scaling.adam
     assert adam.b1 == pytest.approx(1 - 4 * 0.2) and adam.eps == pytest.approx(5e-7)
     assert (model.optimizer.beta_1, model.optimizer.beta_2) == (0.8, 0.99)
@@ -179,7 +184,8 @@ def test_keras_rate_without_base_batch_is_unchanged_and_nothing_is_announced():
     log = io.StringIO()
     model = dense_model(optimizer=keras.optimizers.SGD(1e-3))
     history = autoaccum.fit(model, regression_data(), effective_batch=EFFECTIVE, budget="1GiB",
-                            shuffle=False, verbose=0, log=log)
+                            verbose=0, log=log,
+                            training=autoaccum.Training(shuffle=False))
     assert history.autoaccum_plan.lr_scaling.rule_text() == "none (base_batch not given)"
     assert history.autoaccum_learning_rate_factor == 1.0
     assert "learning rate 0.001 ->" not in log.getvalue()
@@ -191,7 +197,8 @@ def test_keras_sgd_with_base_batch_scales_linearly_and_says_so_in_one_line():
     import io
 
     log = io.StringIO()
-    s = _plan_lr(keras.optimizers.SGD(0.1, momentum=0.9), log, base_batch=4)
+    s = _plan_lr(keras.optimizers.SGD(0.1, momentum=0.9), log,
+                 learning_rate=autoaccum.LearningRate(base_batch=4))
     assert (s.rule, s.factor, s.learning_rate) == ("linear", 4.0, pytest.approx(0.4))
     lines = [ln for ln in log.getvalue().splitlines() if "learning rate 0.1 -> 0.4" in ln]
     assert lines == ["autoaccum: learning rate 0.1 -> 0.4 (linear rule, SGD-family optimizer; "
@@ -203,12 +210,14 @@ def test_keras_adamw_with_base_batch_scales_by_the_square_root():
     import io
 
     log = io.StringIO()
-    s = _plan_lr(keras.optimizers.AdamW(1e-3, weight_decay=0.1), log, base_batch=4)
+    s = _plan_lr(keras.optimizers.AdamW(1e-3, weight_decay=0.1), log,
+                 learning_rate=autoaccum.LearningRate(base_batch=4))
     assert (s.rule, s.factor) == ("sqrt", 2.0)
     assert log.getvalue().count("autoaccum: learning rate 0.001 -> 0.002 (sqrt rule") == 1
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_keras_lr_rule_overrides_the_family_rule():
-    s = _plan_lr(keras.optimizers.AdamW(1e-3), None, base_batch=1, lr_rule="linear")
+    s = _plan_lr(keras.optimizers.AdamW(1e-3), None,
+                 learning_rate=autoaccum.LearningRate(base_batch=1, rule="linear"))
     assert (s.rule, s.factor) == ("linear", 16.0)

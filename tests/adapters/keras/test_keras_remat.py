@@ -26,8 +26,10 @@ def test_a_keras_hub_decoder_called_with_training_true_trains_under_remat_as_wit
     texts = TEXTS * 2
     plain, remat_model = tiny_gpt2(), tiny_gpt2()
     for model, policy in ((plain, "none"), (remat_model, "dots")):
-        autoaccum.fit(model, texts, effective_batch=8, remat=policy, budget="1GiB",
-                      shuffle=False, verbose=0, log=None)
+        autoaccum.fit(model, texts, effective_batch=8, budget="1GiB",
+                      verbose=0, log=None,
+                      search=autoaccum.Search(remat=policy),
+                      training=autoaccum.Training(shuffle=False))
     assert max_diff(plain, remat_model) < 1e-5
 
 
@@ -63,8 +65,10 @@ def test_dropout_and_batchnorm_state_written_inside_a_checkpointed_block_is_kept
     models = {}
     for policy in ("none", "nothing"):
         model = _model()
-        autoaccum.fit(model, x, y, effective_batch=16, remat=policy, remat_layers=blocks,
-                      budget="1GiB", shuffle=False, verbose=0, log=None, epochs=2)
+        autoaccum.fit(model, x, y, effective_batch=16, budget="1GiB", verbose=0, log=None,
+                      epochs=2,
+                      search=autoaccum.Search(remat=policy, remat_layers=blocks),
+                      training=autoaccum.Training(shuffle=False))
         models[policy] = model
     plain, remat = models["none"], models["nothing"]
     assert max_diff(plain, remat) < 1e-5  # the same dropout masks, the same BatchNorm updates

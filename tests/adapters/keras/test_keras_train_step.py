@@ -23,7 +23,8 @@ _rng = np.random.default_rng(3)
 X = _rng.normal(size=(39, 32, 4)).astype("float32")  # 32 positions: activations dominate
 Y = (X.sum(axis=-1, keepdims=True) + _rng.normal(size=(39, 32, 1))).astype("float32")
 W = _rng.uniform(0.2, 2.0, size=(39, 32)).astype("float32")  # per position
-NO_SCALING = dict(base_batch=EFFECTIVE)  # the rate was tuned for this batch: never changed
+# The rate was tuned for this batch: never changed.
+NO_SCALING = dict(learning_rate=autoaccum.LearningRate(base_batch=EFFECTIVE))
 
 
 def _adam_model(seed: int = 0) -> keras.Model:
@@ -46,8 +47,8 @@ def plan() -> autoaccum.Plan:
     one = autoaccum.measure(_adam_model(), (X, Y, W), micro_batch=5, effective_batch=EFFECTIVE,
                             **NO_SCALING)
     the_plan = autoaccum.plan(_adam_model(), (X, Y, W), effective_batch=EFFECTIVE,
-                              budget=int(one.need_bytes * 1.02), method="compile", log=None,
-                              **NO_SCALING)
+                              budget=int(one.need_bytes * 1.02), log=None,
+                              **NO_SCALING, search=autoaccum.Search(method="compile"))
     assert the_plan.accum_steps > 1
     return the_plan
 
@@ -119,8 +120,8 @@ def test_dict_inputs_as_model_fit_takes_them():
     x = {"a": rng.normal(size=(8, 3)).astype("float32"),
          "b": rng.normal(size=(8, 2)).astype("float32")}
     y = rng.normal(size=(8, 1)).astype("float32")
-    step = autoaccum.train_step(model, (x, y), effective_batch=8, budget="1GiB", base_batch=8,
-                                log=None)
+    step = autoaccum.train_step(model, (x, y), effective_batch=8, budget="1GiB", log=None,
+                                learning_rate=autoaccum.LearningRate(base_batch=8))
     out = step((x, y))
     expected = native.train_on_batch(x, y, return_dict=True)
     assert out.logs["loss"] == pytest.approx(expected["loss"], rel=1e-5)
@@ -131,8 +132,8 @@ def test_dict_inputs_as_model_fit_takes_them():
 def test_the_learning_rate_is_scaled_by_the_rule_given_as_fit_scales_it():
     x, y = regression_data(12)
     scaled = dense_model(learning_rate=0.01)
-    step = autoaccum.train_step(scaled, (x, y), effective_batch=12, base_batch=6,
-                                lr_rule="linear", budget="1GiB", log=None)
+    step = autoaccum.train_step(scaled, (x, y), effective_batch=12, budget="1GiB", log=None,
+                                learning_rate=autoaccum.LearningRate(base_batch=6, rule="linear"))
     assert step.plan.learning_rate == pytest.approx(0.02)
     step((x, y))
     native = dense_model(learning_rate=0.02)
@@ -141,8 +142,8 @@ def test_the_learning_rate_is_scaled_by_the_rule_given_as_fit_scales_it():
     assert float(scaled.optimizer.learning_rate) == pytest.approx(0.01)  # the base stays
 
     given = dense_model(learning_rate=0.01)
-    autoaccum.train_step(given, (x, y), effective_batch=12, learning_rate=0.05, base_batch=12,
-                         budget="1GiB", log=None)
+    autoaccum.train_step(given, (x, y), effective_batch=12, budget="1GiB", log=None,
+                         learning_rate=autoaccum.LearningRate(value=0.05, base_batch=12))
     assert float(given.optimizer.learning_rate) == pytest.approx(0.05)  # as fit sets it
 
 
@@ -182,7 +183,7 @@ def test_on_nonfinite_skip_changes_nothing_and_stop_raises(plan):
     before = model.get_weights()
     bad = X[:EFFECTIVE].copy()
     bad[3, 0] = np.nan
-    skip = _step(model, plan, on_nonfinite="skip")
+    skip = _step(model, plan, training=autoaccum.Training(on_nonfinite="skip"))
     out = skip((bad, Y[:EFFECTIVE], W[:EFFECTIVE]))
     assert not out.applied and out.step == 0 and max_diff(before, model) == 0.0
     stop = _step(model, plan)
@@ -287,10 +288,11 @@ def test_a_keras_hub_task_takes_raw_strings_and_equals_fit():
     from tests.adapters.keras._models import TEXTS, tiny_gpt2
 
     fitted, ours = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
-    autoaccum.fit(fitted, TEXTS, effective_batch=4, shuffle=False, base_batch=4,
-                  budget="1GiB", verbose=0, log=None)
-    step = autoaccum.train_step(ours, TEXTS, effective_batch=4, base_batch=4, budget="1GiB",
-                                log=None)
+    autoaccum.fit(fitted, TEXTS, effective_batch=4, budget="1GiB", verbose=0, log=None,
+                  training=autoaccum.Training(shuffle=False),
+                  learning_rate=autoaccum.LearningRate(base_batch=4))
+    step = autoaccum.train_step(ours, TEXTS, effective_batch=4, budget="1GiB",
+                                log=None, learning_rate=autoaccum.LearningRate(base_batch=4))
     outs = [step(TEXTS[:4]), step(TEXTS[4:])]
     assert [o.step for o in outs] == [1, 2] and set(outs[0].logs) == {"loss", "accuracy"}
     assert max_diff(fitted, ours) < 1e-5

@@ -1,5 +1,6 @@
 """Resuming: a ModelCheckpoint reloaded, or BackupAndRestore, continues as if uninterrupted."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -19,7 +20,8 @@ def _decaying_model():
 
 
 def _fit(model, **options):
-    options = {"effective_batch": 16, "budget": "1GiB", "shuffle": False, "verbose": 0,
+    training = dataclasses.replace(options.pop("training", autoaccum.Training()), shuffle=False)
+    options = {"effective_batch": 16, "budget": "1GiB", "training": training, "verbose": 0,
                "log": None, **options}
     return autoaccum.fit(model, regression_data(), **options)
 
@@ -32,7 +34,7 @@ def test_checkpoint_reloaded_continues_at_the_same_rate_and_step(tmp_path):
     first = _decaying_model()
     _fit(first, epochs=1, callbacks=[keras.callbacks.ModelCheckpoint(path)])
     resumed = keras.models.load_model(path)
-    history = _fit(resumed, epochs=2, initial_epoch=1)
+    history = _fit(resumed, epochs=2, training=autoaccum.Training(initial_epoch=1))
     assert len(history.history["loss"]) == 1
     assert int(resumed.optimizer.iterations) == int(uninterrupted.optimizer.iterations) == 8
     assert max_diff(resumed, uninterrupted) < 1e-6

@@ -53,8 +53,9 @@ def test_plan_and_measure_leave_model_optimizer_and_metrics_as_they_were(tmp_pat
     before = _state(model)
     autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None)
     autoaccum.measure(model, (x, y), micro_batch=4, effective_batch=16)
-    autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None, lr_rule="sqrt",
-                   base_batch=1, method="backoff")
+    autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None,
+                   search=autoaccum.Search(method="backoff"),
+                   learning_rate=autoaccum.LearningRate(rule="sqrt", base_batch=1))
     assert _same(before, _state(model))
     assert not model.optimizer.built  # as compile left it: a later fit builds it
     _use_natively(model, x, y, tmp_path)
@@ -100,7 +101,7 @@ def test_a_model_compiled_with_adafactor_plans_and_keeps_its_optimizer_unbuilt()
     x, y = regression_data()
     model = dense_model(optimizer=keras.optimizers.Adafactor())
     plan = autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None,
-                          method="compile")
+                          search=autoaccum.Search(method="compile"))
     assert plan.micro_batch == 16 and not model.optimizer.built
 
 

@@ -183,13 +183,13 @@ def _runner(*, uneven):
     import jax
 
     from autoaccum.adapters.keras._keras_program import find_layout
-    from autoaccum.adapters.keras._runner import StepRunner
+    from autoaccum.adapters.keras._runner import KerasState, keras_runner
 
     model = dense_model()
     spec = (jax.ShapeDtypeStruct((16,), np.float32), jax.ShapeDtypeStruct((1,), np.float32))
-    return StepRunner(model, find_layout(model, spec), spec, mesh=None, micro_batch=5,
-                      accum_steps=3, last_micro_batch=3, lr_scaling=None,
-                      batch_stats="effective", backup="none", elastic=False, uneven=uneven)
+    return keras_runner(KerasState(model, find_layout(model, spec)), micro_batch=5,
+                        accum_steps=3, last_micro_batch=3, backup="none", elastic=False,
+                        uneven=uneven)
 
 
 def test_last_micro_batch_that_is_not_smaller_is_refused():
@@ -251,8 +251,9 @@ def test_budget_fitting_5_but_not_6_plans_uneven_split_that_trains_exactly(effec
     budget = _budget_between_5_and_6(effective)
     data = _lm_data(effective)
     plan = autoaccum.plan(_lm(), data, effective_batch=effective, budget=budget,
-                          method="compile", remat="none", lr_rule="none", cache=False,
-                          log=None)
+                          log=None,
+                          search=autoaccum.Search(method="compile", remat="none", cache=False),
+                          learning_rate=autoaccum.LearningRate(rule="none"))
     assert plan.micro_batches == SPLITS[effective]
     assert (plan.micro_batch, plan.last_micro_batch) == (5, SPLITS[effective][-1])
     assert plan.need_bytes <= budget and "uneven split" in plan.report()
@@ -260,8 +261,9 @@ def test_budget_fitting_5_but_not_6_plans_uneven_split_that_trains_exactly(effec
     ours, native = _lm(), _lm()
     before = _weights(native)
     native.train_on_batch(*data)
-    history = autoaccum.fit(ours, data, effective_batch=effective, plan=plan, shuffle=False,
-                            verbose=0, log=None, lr_rule="none")
+    history = autoaccum.fit(ours, data, effective_batch=effective, plan=plan, verbose=0, log=None,
+                            training=autoaccum.Training(shuffle=False),
+                            learning_rate=autoaccum.LearningRate(rule="none"))
     assert history.autoaccum_last_micro_batch == SPLITS[effective][-1]
     assert update_error(ours, native, before) <= 1e-5
 
@@ -270,8 +272,10 @@ def test_budget_fitting_5_but_not_6_plans_uneven_split_that_trains_exactly(effec
 def test_uneven_false_keeps_divisors():
     budget = _budget_between_5_and_6(13)
     plan = autoaccum.plan(_lm(), _lm_data(13), effective_batch=13, budget=budget,
-                          method="compile", remat="none", lr_rule="none", cache=False,
-                          log=None, uneven=False)
+                          log=None,
+                          search=autoaccum.Search(method="compile", remat="none", cache=False,
+                          uneven=False),
+                          learning_rate=autoaccum.LearningRate(rule="none"))
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (1, 13, None)
 
 

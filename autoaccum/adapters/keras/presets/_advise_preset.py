@@ -17,6 +17,7 @@ budget.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -31,9 +32,10 @@ from ....planning._advisor import (
     more_devices,
     run_advisor,
 )
-from ....planning._remat_policies import validate_remat
+from ....planning._plan_options import LearningRate, Search, Target, merge_plain, spec_of
 from ....planning._search import DoesNotFitError
 from ....planning._targets import is_deviceless
+from ....training._keyword_errors import explains_keywords
 from ._plan_preset import plan_preset
 
 __all__ = ["advise_preset"]
@@ -43,6 +45,7 @@ LORA_RANKS = (16, 4)
 fine-tuned."""
 
 
+@explains_keywords
 def advise_preset(
     name: str,
     *,
@@ -51,16 +54,16 @@ def advise_preset(
     sequence_length: int = 512,
     dtype: str = "bfloat16",
     optimizer: str = "adamw",
+    learning_rate: float | LearningRate | None = None,
     device: str | None = None,
     budget: Any = None,
-    memory_fraction: float | None = None,
-    remat: str = "auto",
+    target: Target | None = None,
+    search: Search | None = None,
     log: TextIO | str | None = "stderr",
-    cache: Any = True,
     backbone_overrides: dict[str, Any] | None = None,
-    **plan_options: Any,
 ) -> Advice:
-    """The advisor for a shipped architecture: :func:`plan_preset`'s arguments; returns an
+    """The advisor for a shipped architecture: :func:`plan_preset`'s arguments (but
+    ``extrapolate``, ``quantize`` and the verification switches, which each row sets); returns an
     :class:`~autoaccum.planning._advisor.Advice` (its ``error`` carries the table when the
     configuration as given does not fit).
 
@@ -69,13 +72,16 @@ def advise_preset(
     verify it in full.
 
     Example:
+      >>> from autoaccum import Search
       >>> advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16,
       ...                        backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
-      ...                        budget="2GiB", log=None, cache=False)
+      ...                        budget="2GiB", search=Search(cache=False), log=None)
       >>> advice.fits
       True
     """
-    validate_remat(remat)  # once, here: not once per row of the table
+    target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
+    search = spec_of(Search, search, "search")
+    device, remat, memory_fraction = target.device, search.remat, target.memory_fraction
     stream = sys.stderr if log == "stderr" else log
     given = dict(lora_rank=lora_rank, sequence_length=sequence_length, dtype=dtype,
                  optimizer=optimizer, remat=remat, quantize=None)
@@ -86,19 +92,23 @@ def advise_preset(
             # One policy per row: every block rematerialized, the one most likely to fit
             # (the row says so; plan it without remat to see whether less recompute fits).
             settings["remat"] = "nothing"
-        target = dict(device=device, budget=budget, memory_fraction=memory_fraction)
+        row = target
         if "device" in change:
-            target = dict(device=change["device"], budget=None, memory_fraction=None)
-        spread = dict(plan_options)
+            row = dataclasses.replace(row, device=change["device"], budget=None,
+                                      memory_fraction=None)
+        verify_sharded = True
         if "devices" in change:
             # The same GPU, more of them, under fsdp (the least memory per GPU), extrapolated
             # like every row: a full-depth sharded compile of gemma3_4b takes minutes here,
             # and a cheaper strategy's extrapolation is not trusted (zero2, 4B on 4 x L4:
             # 17.6 GiB predicted, 25.6 compiled); plan_preset(strategy="auto") verifies.
-            spread.update(devices=change["devices"], strategy="fsdp", verify_sharded=False)
-        return plan_preset(name, effective_batch=effective_batch, **settings, **target,
-                           log=stream, cache=cache, backbone_overrides=backbone_overrides,
-                           verify_depth=not change, **spread)
+            row = dataclasses.replace(row, devices=change["devices"], strategy="fsdp")
+            verify_sharded = False
+        row_search = dataclasses.replace(search, remat=settings.pop("remat"))
+        return plan_preset(name, effective_batch=effective_batch, **settings,
+                           learning_rate=learning_rate, target=row, search=row_search,
+                           log=stream, backbone_overrides=backbone_overrides,
+                           verify_depth=not change, verify_sharded=verify_sharded)
 
     def stages_for(error: DoesNotFitError) -> list[Stage]:
         shapes = error.resident is not None  # weights + optimizer state over the budget
@@ -125,7 +135,7 @@ def advise_preset(
                                                      memory_fraction=memory_fraction)))
         if is_deviceless(device):
             stages.append(first_fit_stage(more_devices(
-                plan_options.get("devices") or 1, effective_batch=effective_batch,
+                target.devices or 1, effective_batch=effective_batch,
                 floor_bytes=floor, budget_bytes=budget_bytes)))
         stages.append(lambda found, failed: list(singles))
         if not shapes:

@@ -7,6 +7,7 @@ train step (our accumulated one) is compiled for the target device at each probe
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, TextIO
 
@@ -16,11 +17,21 @@ from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learnin
 from ....planning._option_checks import validate_effective_batch, validate_positive_int
 from ....planning._plan import Plan
 from ....planning._plan_model import plan_program, with_strategy
+from ....planning._plan_options import (
+    LearningRate,
+    Search,
+    Target,
+    learning_rate_spec,
+    merge_plain,
+    refuse_unread,
+    spec_of,
+)
 from ....planning._remat_policies import label_policy, with_failed_policies
 from ....planning._resident import Resident, split_resident
 from ....planning._search import DoesNotFitError
-from ....planning._strategies import STRATEGIES, state_layout, validate_strategy
+from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._train_program import tree_bytes
+from ....training._keyword_errors import explains_keywords
 from .._keras_remat import keras_remat_program
 from ._architectures import Architecture, load_architecture
 
@@ -50,6 +61,7 @@ def token_example_spec(sequence_length: int) -> tuple:
     return ({"token_ids": ids, "padding_mask": mask}, ids, mask)
 
 
+@explains_keywords
 def plan_preset(
     name: str,
     *,
@@ -58,34 +70,33 @@ def plan_preset(
     sequence_length: int = 512,
     dtype: str = "bfloat16",
     optimizer: str = "adamw",
-    learning_rate: float | None = None,
-    base_batch: int | None = None,
-    lr_rule: str | None = None,
+    learning_rate: float | LearningRate | None = None,
     device: str | None = None,
     budget: Any = None,
-    memory_fraction: float | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
     log: TextIO | str | None = "stderr",
     backbone_overrides: dict[str, Any] | None = None,
-    remat: str = "auto",
-    cache: Any = True,
     extrapolate: bool = True,
     quantize: str | None = None,
     verify_depth: bool = True,
     verify_sharded: bool = True,
-    devices: int | None = None,
-    hosts: int | None = None,
-    strategy: str = "auto",
 ) -> Plan:
     """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
 
-    ``remat="auto"`` rematerializes the transformer blocks only when micro-batch 1 does not
-    fit without it; ``"none"`` never does, ``"nothing"`` always does. ``cache`` (default on;
-    ``False`` bypasses it) reuses the need figures of an earlier dry run of the same
-    configuration without building the model (:mod:`autoaccum.planning._cache`).
-    ``learning_rate`` (default 5e-5) is kept unless ``base_batch`` says which batch it was
-    tuned for; then it is scaled by ``lr_rule`` (default: ``"sqrt"`` for the Adam-family
-    optimizers, ``"linear"`` for ``"sgd"``). The lab's story is ``base_batch=1,
-    lr_rule="linear"``.
+    ``target`` (:class:`autoaccum.Target`; ``device=`` and ``budget=`` are its shorthand)
+    says what to plan for; ``data_parallel`` is not read (a dry run makes its own mesh).
+    ``search`` (:class:`autoaccum.Search`): ``remat="auto"`` rematerializes the transformer
+    blocks only when micro-batch 1 does not fit without it; ``"none"`` never does,
+    ``"nothing"`` always does. ``cache`` (default on; ``False`` bypasses it) reuses the need
+    figures of an earlier dry run of the same configuration without building the model
+    (:mod:`autoaccum.planning._cache`); ``objective``, ``method``, ``uneven`` and
+    ``depth_variant`` are not read (a preset is planned compile-only, by depth
+    extrapolation: see ``extrapolate``).
+    ``learning_rate`` (default 5e-5, or an :class:`autoaccum.LearningRate`) is kept unless
+    its ``base_batch`` says which batch it was tuned for; then it is scaled by its ``rule``
+    (default: ``"sqrt"`` for the Adam-family optimizers, ``"linear"`` for ``"sgd"``). The
+    lab's story is ``LearningRate(base_batch=1, rule="linear")``.
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
     compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
@@ -93,8 +104,9 @@ def plan_preset(
     ``"replicated"``, whose need can exceed the linear prediction, unless ``verify_sharded``
     is ``False`` too: the advisor's device-count rows, for which one full-depth sharded
     compile of gemma3_4b takes minutes); ``False`` compiles every probe in full.
-    ``devices`` (over ``hosts`` hosts): a dry run for that many of ``device``, data-parallel;
-    the micro-batch is per device, the budget one GPU's. ``strategy`` says what the GPUs
+    ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of ``device``,
+    data-parallel; the micro-batch is per device, the budget one GPU's. ``target.strategy``
+    says what the GPUs
     split instead of copying (:data:`~autoaccum.planning.STRATEGIES`): ``"auto"`` tries
     them least communication first under each remat policy and keeps the first under which
     micro-batch 1 fits (a strategy whose weights and optimizer state alone exceed one GPU
@@ -104,9 +116,10 @@ def plan_preset(
     ``lora_rank``: QLoRA; see :func:`._abstract_lm.build_abstract_causal_lm`).
 
     Example:
+      >>> from autoaccum import Search
       >>> p = plan_preset("gemma3_1b", effective_batch=4, lora_rank=4, sequence_length=16,
       ...                 backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
-      ...                 budget="2GiB", log=None, cache=False)
+      ...                 budget="2GiB", search=Search(cache=False), log=None)
       >>> p.micro_batch * p.accum_steps
       4
     """
@@ -114,17 +127,24 @@ def plan_preset(
                   packages=("keras", "keras-hub"))
 
     validate_effective_batch(effective_batch)
-    validate_strategy(strategy)
     validate_positive_int("sequence_length", sequence_length)
     if lora_rank is not None:
         validate_positive_int("lora_rank", lora_rank)
-    base_lr = 5e-5 if learning_rate is None else learning_rate
+    target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
+    search = spec_of(Search, search, "search")
+    refuse_unread("plan_preset", "target", target, read=("device", "budget", "memory_fraction",
+                                                          "devices", "hosts", "strategy"))
+    refuse_unread("plan_preset", "search", search, read=("remat", "cache"))
+    lr = learning_rate_spec(learning_rate)
+    refuse_unread("plan_preset", "learning_rate", lr, read=("value", "base_batch", "rule"))
+    devices, strategy, remat = target.devices, target.strategy, search.remat
+    base_lr = 5e-5 if lr.value is None else lr.value
     arch = load_architecture(name)
     config = {**arch.backbone_kwargs(), **(backbone_overrides or {})}
     depth = config.get("num_layers")
     family = {"sgd": SGD_LIKE}.get(optimizer.lower(), ADAPTIVE)  # the rest: the Adam family
     scaling = scale_learning_rate(base_lr, effective_batch=effective_batch,
-                                  base_batch=base_batch, rule=lr_rule, family=family,
+                                  base_batch=lr.base_batch, rule=lr.rule, family=family,
                                   optimizer_name=optimizer)
     policies = ["none", "nothing"] if remat == "auto" else [remat]
     several = devices is not None and devices > 1
@@ -168,17 +188,15 @@ def plan_preset(
                 print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
             try:
                 plan = plan_program(build, effective_batch=effective_batch,
-                                    lr_scaling=scaling, resident=resident, budget=budget,
-                                    device=device, memory_fraction=memory_fraction, log=log,
-                                    cache=cache, depth_variants=variants,
+                                    lr_scaling=scaling, resident=resident,
+                                    target=dataclasses.replace(target, strategy=name),
+                                    log=log, cache=search.cache, depth_variants=variants,
                                     # A sharded step is always verified at full depth:
                                     # its need was measured far above the linear
                                     # prediction (gemma3_4b full fine-tune, 4 x L4, zero2:
                                     # 25.6 GiB against 17.6; benchmarks/multi_gpu_story.py).
                                     verify_depth=verify_depth or (
-                                        verify_sharded and name != "replicated"),
-                                    devices=devices,
-                                    hosts=1 if hosts is None else hosts, strategy=name)
+                                        verify_sharded and name != "replicated"))
             except DoesNotFitError as error:
                 skipped.append((name, error))
                 continue

@@ -4,6 +4,7 @@ that change."""
 
 import pytest
 
+import autoaccum
 from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
 from autoaccum.adapters.keras.presets._advise_preset import advise_preset
 from autoaccum.adapters.keras.presets._plan_preset import plan_preset
@@ -33,7 +34,8 @@ def test_full_fine_tune_refused_from_shapes_before_any_compile():
     before = compile_count()
     with pytest.raises(DoesNotFitError) as info:
         plan_preset("gemma3_1b", effective_batch=2, sequence_length=16, budget=BUDGET,
-                    device="t4", backbone_overrides=SMALL, log=None, cache=False)
+                    device="t4", backbone_overrides=SMALL, log=None,
+                    search=autoaccum.Search(cache=False))
     assert compile_count() == before
     assert info.value.resident.state_bytes > BUDGET
 
@@ -41,7 +43,8 @@ def test_full_fine_tune_refused_from_shapes_before_any_compile():
 def test_an_unknown_remat_policy_is_refused_once_before_any_row():
     before = compile_count()
     with pytest.raises(ValueError, match="Received: remat=None"):
-        advise_preset("gemma3_1b", effective_batch=2, remat=None, log=None, cache=False)
+        advise_preset("gemma3_1b", effective_batch=2, log=None,
+                      search=autoaccum.Search(remat=None, cache=False))
     assert compile_count() == before
 
 
@@ -55,7 +58,7 @@ def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
     # a re-plan that built anything else would miss and compile.
     advice = advise_preset("gemma3_1b", effective_batch=2, sequence_length=16,
                            budget=TWO_BLOCKS_BUDGET, device="t4", backbone_overrides=TWO_BLOCKS,
-                           log=None, cache=str(tmp_path))
+                           log=None, search=autoaccum.Search(cache=str(tmp_path)))
     assert not advice.fits and advice.resident.state_bytes > TWO_BLOCKS_BUDGET
     changes = [a.change for a in advice.alternatives]
     assert any("lora_rank" in c and "quantize" not in c for c in changes)
@@ -69,7 +72,8 @@ def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
             target = {"device": change.pop("device")}
         kwargs = {"sequence_length": 16, **change}
         plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=TWO_BLOCKS,
-                           log=None, cache=str(tmp_path), **target, **kwargs)
+                           log=None, **target, **kwargs,
+                           search=autoaccum.Search(cache=str(tmp_path)))
         assert plan.need_bytes <= plan.budget_bytes
         assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)
     assert "What would fit" in str(advice.error)

@@ -2,6 +2,7 @@
 
 import pytest
 
+import autoaccum
 from autoaccum.adapters.keras.presets._plan_preset import plan_preset
 
 pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
@@ -15,8 +16,8 @@ def _plan(**kwargs):
 
 
 def test_preset_that_needs_remat_at_micro_batch_one_gets_it():
-    plain = _plan(remat="none", budget="8GiB")
-    saved = _plan(remat="nothing", budget="8GiB")
+    plain = _plan(budget="8GiB", search=autoaccum.Search(remat="none"))
+    saved = _plan(budget="8GiB", search=autoaccum.Search(remat="nothing"))
     assert saved.need_bytes < plain.need_bytes
     budget = (plain.need_bytes + saved.need_bytes) // 2
     plan = _plan(budget=budget)
@@ -36,8 +37,10 @@ def test_a_multi_gpu_dry_run_tries_strategies_until_one_fits_a_gpu():
     # micro-batch 1) need more than 262 MiB per GPU, a sharded gradient (zero2: 241) fits.
     budget = 262 * 2**20
     plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=16, device="t4",
-                       devices=2, backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
-                       budget=budget, log=None, cache=False)
+                       backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
+                       budget=budget, log=None,
+                       target=autoaccum.Target(devices=2),
+                       search=autoaccum.Search(cache=False))
     assert plan.strategy in ("zero2", "fsdp") and plan.need_bytes <= budget
     assert plan.data_parallel == 2 and plan.mesh_shape == (2,)
     tried = [p.strategy for p in plan.probes]
@@ -70,9 +73,10 @@ def test_a_sharded_preset_plan_is_verified_at_full_depth_unless_the_advisor_says
     small = {"vocabulary_size": 512, "hidden_dim": 256, "intermediate_dim": 1024,
              "num_query_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "num_layers": 6}
     plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=32, device="t4",
-                       devices=2, strategy="fsdp", backbone_overrides=small, lora_rank=4,
+                       backbone_overrides=small, lora_rank=4,
                        verify_depth=False, verify_sharded=verify_sharded, log=None,
-                       cache=sharded_cache)
+                       target=autoaccum.Target(devices=2, strategy="fsdp"),
+                       search=autoaccum.Search(cache=sharded_cache))
     assert plan.strategy == "fsdp"
     last = plan.probes[-1]
     if verify_sharded:
@@ -88,6 +92,7 @@ def test_more_devices_than_the_effective_batch_is_refused_before_any_compile():
     before = compile_count()
     with pytest.raises(ValueError, match=r"multiple of the 4 data-parallel devices.*"
                                          r"Received: effective_batch=2"):
-        plan_preset("gemma3_1b", effective_batch=2, devices=4, device="t4", log=None,
-                    cache=False)
+        plan_preset("gemma3_1b", effective_batch=2, device="t4", log=None,
+                    target=autoaccum.Target(devices=4),
+                    search=autoaccum.Search(cache=False))
     assert compile_count() == before

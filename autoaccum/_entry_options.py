@@ -1,0 +1,112 @@
+"""How the entry points turn their keyword arguments into the planner's inputs: the option specs
+filled in from the everyday keywords, the program options, the leftover policy, and a clear
+error for a keyword that lives in a spec (``remat=`` -> ``search=autoaccum.Search(remat=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .planning._lr_scaling import validate_lr_rule
+from .planning._option_checks import received
+from .planning._plan import Plan
+from .planning._plan_options import (
+    LearningRate,
+    Search,
+    Target,
+    changed,
+    learning_rate_spec,
+    merge_plain,
+    refuse_unread,
+    spec_of,
+)
+from .training._epoch_batches import num_examples
+from .training._keyword_errors import explains_keywords, where_option_lives
+from .training._training_options import Training
+
+__all__ = ["changed", "drops", "examples_of", "explains_keywords", "learning_rate_spec",
+           "program_options", "refuse_unread", "specs", "where_option_lives", "with_examples",
+           "with_targets"]
+
+def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
+          training: Any = None) -> tuple[Target, Search, Training]:
+    """The three specs an entry point was given (defaults for ``None``), with ``device=``
+    and ``budget=`` given plainly filled into the target.
+
+    Example:
+      >>> t, s, tr = specs(device="t4", search=Search(remat="nothing"))
+      >>> t.device, s.remat, tr.shuffle
+      ('t4', 'nothing', True)
+    """
+    the_target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
+    return (the_target, spec_of(Search, search, "search"),
+            spec_of(Training, training, "training"))
+
+
+def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,
+                    batch_stats: str = "effective") -> dict[str, Any]:
+    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
+
+    ``batch_stats`` is passed only when it is not the default (``"effective"``, every
+    adapter's default), so an adapter that keeps no BatchNorm statistics need not read it.
+
+    Example:
+      >>> sorted(program_options(optimizer=None, loss_fn=None, trainable=None,
+      ...                        learning_rate=LearningRate(value=0.1)))
+      ['adjust_adam', 'base_batch', 'learning_rate', 'lr_rule']
+    """
+    options: dict[str, Any] = {"base_batch": learning_rate.base_batch,
+                               "lr_rule": validate_lr_rule(learning_rate.rule),
+                               "adjust_adam": learning_rate.adjust_adam}
+    if batch_stats != "effective":
+        options["batch_stats"] = batch_stats
+    for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
+                        ("trainable", trainable), ("learning_rate", learning_rate.value)):
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def drops(adapter: Any, drop_remainder: bool) -> bool:
+    """Whether the leftover examples are dropped: asked for, or the adapter does not train
+    them (an adapter that does sets ``trains_leftovers = True``)."""
+    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
+
+
+def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
+    """``plan`` with the number of training examples and the leftover policy (``data``: a
+    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
+    examples = getattr(data, "num_examples", None)
+    if not isinstance(examples, int):
+        try:
+            examples = num_examples(data)
+        except (AttributeError, IndexError, TypeError):  # no leading example axis to read
+            return plan
+    if (plan.examples, plan.drop_remainder) == (examples, drop_remainder):
+        return plan  # a plan passed in with plan= comes back as itself
+    return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
+
+
+def examples_of(prepared: Any) -> Any:
+    """What counts the training examples: a Flax model's data source (a stream has no
+    count), else the prepared data."""
+    return prepared.extras.get("source", prepared.data)
+
+
+def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
+    """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
+    sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
+    if y is None and sample_weight is None:
+        return data
+    separate = getattr(adapter, "with_targets", None)  # adapters that take model.fit's x, y
+    if separate is not None:
+        return separate(data, y, sample_weight)
+    given_name = "y" if y is not None else "sample_weight"
+    raise ValueError(
+        f"A {adapter.name.capitalize()} model takes its data as one argument, the batches "
+        "the loss_fn reads: pass `(x, y)` (or a dict such as `{'x': x, 'y': y, 'weight': w}`) as "
+        "`data`, e.g. `autoaccum.fit(model, (x, y), effective_batch=...)`; separate `y` and "
+        "`sample_weight` arguments are for Keras models, as in `model.fit(x, y)`. Received: "
+        f"{received(given_name, y if y is not None else sample_weight)}"
+    )

@@ -1,0 +1,288 @@
+"""The planning options as users think of them: what to plan for (:class:`Target`), how to
+search (:class:`Search`) and the learning rate (:class:`LearningRate`). Frozen, keyword-only,
+validated once when built; every entry point and the command line take them, with one default
+per option."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, TypeVar
+
+from ._budget import parse_budget
+from ._depth import DepthVariant
+from ._lr_scaling import validate_lr_rule
+from ._objective import validate_objective
+from ._option_checks import (
+    as_int,
+    received,
+    validate_device,
+    validate_devices,
+    validate_learning_rate,
+    validate_memory_fraction,
+)
+from ._remat_policies import validate_remat
+from ._strategies import validate_strategy
+
+__all__ = ["METHODS", "LearningRate", "Search", "Target", "changed", "learning_rate_spec",
+           "merge_plain", "refuse_unread", "spec_of", "validate_method"]
+
+METHODS = ("auto", "compile", "backoff")
+"""How a plan is verified: ``"auto"`` (compile-only, then one real step where the target is
+here), ``"compile"`` (compile only) or ``"backoff"`` (real steps only)."""
+
+
+def validate_method(method: object) -> str:
+    """Returns ``method`` if it is one of :data:`METHODS`, else a ``ValueError`` naming them.
+
+    Example:
+      >>> validate_method("compile")
+      'compile'
+    """
+    if method not in METHODS:
+        raise ValueError(
+            "method must be 'auto' (compile-only plan verified by one real step), 'compile' "
+            f"(compile only) or 'backoff' (real steps). Received: {received('method', method)}")
+    return method  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """What to plan for: the device, its memory, and how many devices share the batch.
+
+    Attributes:
+      device: a profile name (``"t4"``, ``"a100-80gb"``, ``"v5e-1"``; see ``autoaccum
+        devices``), or ``None`` for this machine's first device. On a machine without that
+        device the step is compiled deviceless for it (a dry run).
+      budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
+        ``None``: from the device (on CPU, half the available RAM).
+      memory_fraction: JAX's share of that GPU (``XLA_CLIENT_MEM_FRACTION``); ``None``: the
+        environment's, else the profile's.
+      devices: how many devices the plan is for. With ``device=`` naming a GPU that is not
+        here, a dry run compiled for that many of it; on this machine the same as
+        ``data_parallel=devices``.
+      hosts: the machines those ``devices`` are spread over (the same number on each).
+      data_parallel: ``"auto"`` (every device; for Keras the mesh of a
+        ``keras.distribution.DataParallel`` if one is set), an int, or a one-axis
+        ``jax.sharding.Mesh``. The micro-batch is then per device, planned against one
+        device's budget.
+      strategy: with more than one device, what the devices split instead of copying:
+        ``"auto"`` (the least communication that fits), ``"replicated"``, ``"zero1"``,
+        ``"zero2"`` or ``"fsdp"`` (see ``autoaccum.planning.STRATEGIES``).
+
+    Example:
+      >>> import autoaccum
+      >>> autoaccum.Target(device="t4", budget="12GiB").device
+      't4'
+      >>> autoaccum.Target(hosts=2)
+      Traceback (most recent call last):
+      ...
+      ValueError: hosts= needs devices= ... Received: devices=None, hosts=2
+    """
+
+    device: str | None = None
+    budget: int | float | str | None = None
+    memory_fraction: float | None = None
+    devices: int | None = None
+    hosts: int = 1
+    data_parallel: int | str | Any = "auto"
+    strategy: str = "auto"
+
+    def __post_init__(self) -> None:
+        validate_device(self.device)
+        # The device may come as device= next to this Target: checked with it by the planner.
+        validate_memory_fraction(self.memory_fraction, self.device, needs_device=False)
+        if self.budget is not None:
+            parse_budget(self.budget, capacity_bytes=1 << 40)  # the form; bytes come later
+        validate_devices(self.devices, self.hosts, data_parallel=self.data_parallel)
+        _check_data_parallel(self.data_parallel)
+        validate_strategy(self.strategy)
+
+
+def _check_data_parallel(value: Any) -> None:
+    if value == "auto" or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                           and value >= 1) or hasattr(value, "axis_names"):
+        return
+    raise ValueError("data_parallel must be 'auto' (every device), a positive int or a "
+                     "one-axis jax.sharding.Mesh. Received: "
+                     f"{received('data_parallel', value)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Search:
+    """How to search for the plan.
+
+    Attributes:
+      remat: ``"auto"`` (rematerialize per layer only if micro-batch 1 does not fit without
+        it), ``"none"``, or a policy of ``autoaccum.REMAT_POLICIES``.
+      remat_layers: which layers to rematerialize when the model has no sequence of blocks.
+      objective: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
+        fitting plan, timed); ``None``: throughput on a GPU/TPU here, memory otherwise.
+      method: ``"auto"`` (compile-only plan, then one real verification step when the target
+        is on this machine, backing off on a real out-of-memory; in ``fit`` the first
+        training step is that verification), ``"compile"`` or ``"backoff"`` (real steps,
+        bisecting between the last fit and the first out-of-memory).
+      uneven: ``True``: when the largest fitting micro-batch does not divide the per-device
+        batch, the step may end with a smaller micro-batch (13 with room for 5: 5 + 5 + 3),
+        exact as ever; ``False``: divisors only.
+      cache: the need cache: ``True`` (``$AUTOACCUM_CACHE_DIR`` or
+        ``~/.cache/autoaccum/needs``), a folder, or ``False`` to compile everything afresh.
+      depth_variant: an :class:`autoaccum.DepthVariant`: probes are compiled at two small
+        depths and extrapolated; only the final choice is compiled at full depth.
+
+    Example:
+      >>> import autoaccum
+      >>> autoaccum.Search(remat="nothing", cache=False).method
+      'auto'
+    """
+
+    remat: str = "auto"
+    remat_layers: Any = None
+    objective: str | None = None
+    method: str = "auto"
+    uneven: bool = True
+    cache: Any = True
+    depth_variant: DepthVariant | None = None
+
+    def __post_init__(self) -> None:
+        validate_remat(self.remat)
+        if self.objective is not None:
+            validate_objective(self.objective)
+        validate_method(self.method)
+        if not isinstance(self.uneven, bool):
+            raise ValueError(f"uneven must be True or False. Received: "
+                             f"{received('uneven', self.uneven)}")
+        if self.depth_variant is not None and not isinstance(self.depth_variant, DepthVariant):
+            raise ValueError("depth_variant must be an autoaccum.DepthVariant(depth=N, "
+                             f"build=f). Received: {received('depth_variant', self.depth_variant)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearningRate:
+    """The learning rate and the batch it was tuned for.
+
+    Attributes:
+      value: the base learning rate (a float or an optax schedule); ``None``: Keras, the
+        compiled optimizer's.
+      base_batch: the batch size the rate was tuned for. ``None``: the rate is kept as it is.
+        Given: the rate is scaled by ``effective_batch / base_batch`` under ``rule``, and one
+        line says so.
+      rule: ``"linear"`` (SGD, momentum), ``"sqrt"`` (Adam family) or ``"none"``; ``None``:
+        the rule of the optimizer's family. Needs ``base_batch``.
+      adjust_adam: with ``"sqrt"``, Malladi et al.'s b1/b2/eps adjustments too.
+
+    Pass it as ``learning_rate=``; a plain number there is ``LearningRate(value=number)``.
+
+    Example:
+      >>> import autoaccum
+      >>> autoaccum.LearningRate(value=2e-4, base_batch=1, rule="linear").rule
+      'linear'
+    """
+
+    value: Any = None
+    base_batch: int | None = None
+    rule: str | None = None
+    adjust_adam: bool = False
+
+    def __post_init__(self) -> None:
+        validate_learning_rate(self.value)
+        if self.base_batch is not None:
+            object.__setattr__(self, "base_batch", as_int("base_batch", self.base_batch))
+        validate_lr_rule(self.rule)
+        if not isinstance(self.adjust_adam, bool):
+            raise ValueError(f"adjust_adam must be True or False. Received: "
+                             f"{received('adjust_adam', self.adjust_adam)}")
+
+
+Spec = TypeVar("Spec")
+
+
+def spec_of(cls: type[Spec], value: Any, name: str) -> Spec:
+    """``value`` if it is a ``cls``, ``cls()`` for ``None``, else a ``ValueError`` naming the
+    fix.
+
+    Example:
+      >>> spec_of(Search, None, "search").remat
+      'auto'
+      >>> spec_of(Search, {"remat": "nothing"}, "search")
+      Traceback (most recent call last):
+      ...
+      ValueError: search must be an autoaccum.Search(...) ... Received: search={'remat': 'nothing'}
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    fields = ", ".join(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    raise ValueError(f"{name} must be an autoaccum.{cls.__name__}(...) (fields: {fields}), e.g. "
+                     f"`{name}=autoaccum.{cls.__name__}(...)`. Received: {received(name, value)}")
+
+
+def merge_plain(spec: Spec, **plain: Any) -> Spec:
+    """``spec`` with the everyday keywords given plainly (``device=``, ``budget=``) filled in;
+    the same option given both ways with different values is a ``ValueError``.
+
+    Example:
+      >>> merge_plain(Target(budget="1GiB"), device="t4", budget=None)
+      Target(device='t4', budget='1GiB', memory_fraction=None, devices=None, hosts=1, \
+data_parallel='auto', strategy='auto')
+      >>> merge_plain(Target(device="l4"), device="t4")
+      Traceback (most recent call last):
+      ...
+      ValueError: device was given twice... Received: device='t4', target.device='l4'
+    """
+    changes: dict[str, Any] = {}
+    name = type(spec).__name__
+    for key, value in plain.items():
+        if value is None:
+            continue
+        field = next(f for f in dataclasses.fields(spec) if f.name == key)  # type: ignore
+        mine = getattr(spec, key)
+        if mine != field.default and mine != value:
+            raise ValueError(
+                f"{key} was given twice, as {key}= and inside the {name}; give it once. "
+                f"Received: {key}={value!r}, {name.lower()}.{key}={mine!r}")
+        changes[key] = value
+    return dataclasses.replace(spec, **changes) if changes else spec  # type: ignore
+
+
+def learning_rate_spec(learning_rate: Any) -> LearningRate:
+    """``learning_rate=`` as a :class:`LearningRate`: a spec as it is, a number or schedule
+    as its ``value``.
+
+    Example:
+      >>> learning_rate_spec(0.1)
+      LearningRate(value=0.1, base_batch=None, rule=None, adjust_adam=False)
+    """
+    if isinstance(learning_rate, LearningRate):
+        return learning_rate
+    validate_learning_rate(learning_rate)
+    return LearningRate(value=learning_rate)
+
+
+def changed(spec: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of ``spec`` that differ from their defaults (``ignore``: not these).
+
+    Example:
+      >>> changed(Search(remat="nothing", cache=False), ignore=("cache",))
+      {'remat': 'nothing'}
+    """
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+            if f.name not in ignore and getattr(spec, f.name) != f.default}
+
+
+def refuse_unread(where: str, name: str, spec: Any, read: tuple[str, ...]) -> None:
+    """A ``ValueError`` when ``spec`` sets a field that ``where`` does not read (a budget
+    given to ``measure``, which reports the need and compares it with nothing).
+
+    Example:
+      >>> refuse_unread("measure", "target", Target(budget="1GiB"), read=("device",))
+      Traceback (most recent call last):
+      ...
+      ValueError: measure does not read target.budget... Received: target.budget='1GiB'
+    """
+    for field, value in changed(spec, ignore=read).items():
+        raise ValueError(
+            f"{where} does not read {name}.{field}: it would change nothing; leave it out "
+            f"(it reads {', '.join(read) or 'no field'} of the {type(spec).__name__}). "
+            f"Received: {name}.{field}={value!r}")

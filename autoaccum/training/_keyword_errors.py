@@ -1,0 +1,91 @@
+"""A clear error for a keyword an entry point does not take: an option that lives in a spec
+(``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a ``model.fit`` habit
+(``batch_size=``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..planning._option_checks import received
+from ..planning._plan_options import LearningRate, Search, Target
+from ._fit_options import REFUSED_FIT_OPTIONS
+from ._training_options import Training
+
+__all__ = ["explains_keywords", "where_option_lives"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Where each option that is not an everyday keyword lives: name -> (argument, spec, field).
+_LR_FIELDS = {"base_batch": "base_batch", "lr_rule": "rule", "adjust_adam": "adjust_adam"}
+_MOVED: dict[str, tuple[str, type, str]] = {
+    **{f.name: ("target", Target, f.name) for f in dataclasses.fields(Target)},
+    **{f.name: ("search", Search, f.name) for f in dataclasses.fields(Search)},
+    **{f.name: ("training", Training, f.name) for f in dataclasses.fields(Training)},
+    **{old: ("learning_rate", LearningRate, new) for old, new in _LR_FIELDS.items()},
+}
+
+
+def explains_keywords(func: F) -> F:
+    """``func`` with a ``ValueError`` naming the fix for a keyword it does not take: an option
+    that lives in a spec (``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a
+    ``model.fit`` habit (``batch_size=``); ``x=`` is taken as ``data`` (``model.fit(x=...,
+    y=...)``). Other unknown keywords get Python's ``TypeError``.
+
+    Example:
+      >>> @explains_keywords
+      ... def entry(model, data=None, *, search=None):
+      ...     return data, search
+      >>> entry(1, remat="nothing")
+      Traceback (most recent call last):
+      ...
+      ValueError: entry() takes remat inside search=: \
+search=autoaccum.Search(remat='nothing'). Received: remat='nothing'
+      >>> entry(1, x=[2])
+      ([2], None)
+    """
+    signature = inspect.signature(func)
+    params = signature.parameters
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            if "x" in unknown and "data" in params and "x" not in params:
+                bound = signature.bind_partial(*args)
+                if "data" not in bound.arguments and "data" not in kwargs:
+                    kwargs["data"] = kwargs.pop("x")
+                    unknown.remove("x")
+            for name in unknown:
+                _explain(func.__name__, name, kwargs[name], params)
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def where_option_lives(name: str) -> str | None:
+    """Where an option that is not an everyday keyword is given, or ``None``.
+
+    Example:
+      >>> where_option_lives("lr_rule")
+      'lr_rule is given as learning_rate=autoaccum.LearningRate(rule=...)'
+    """
+    if name not in _MOVED:
+        return None
+    argument, cls, field = _MOVED[name]
+    return f"{name} is given as {argument}=autoaccum.{cls.__name__}({field}=...)"
+
+
+def _explain(where: str, name: str, value: Any, params: Any) -> None:
+    if name in _MOVED and _MOVED[name][0] in params:
+        argument, cls, field = _MOVED[name]
+        raise ValueError(
+            f"{where}() takes {name} inside {argument}=: "
+            f"{argument}=autoaccum.{cls.__name__}({field}={value!r}). "
+            f"Received: {received(name, value)}")
+    if name in REFUSED_FIT_OPTIONS:
+        raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
