@@ -225,29 +225,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--effective-batch", type=_positive_int, metavar="N",
                    help="examples per optimizer step (required, unless the --model builder "
                    "returns effective_batch)")
-    p.add_argument("--device", metavar="PROFILE",
-                   help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
-                   "compiled deviceless when it is not here. Default: this machine")
-    p.add_argument("--devices", type=_positive_int, default=None, metavar="N",
-                   help="plan for N of --device (a dry run compiles for N GPUs, data "
-                   "parallel, the micro-batch per GPU); without --device: data_parallel=N")
-    p.add_argument("--hosts", type=_positive_int, default=None, metavar="H",
-                   help="the --devices are spread over H machines (the same number on each)")
-    p.add_argument("--strategy", default=None,
-                   choices=["auto", "replicated", "zero1", "zero2", "fsdp"],
-                   help="with several devices, what they split instead of copying: auto (the "
-                   "least communication that fits one device's budget), replicated, zero1 "
-                   "(optimizer state), zero2 (and gradients), fsdp (and weights). "
-                   "Default: auto")
-    p.add_argument("--budget", metavar="SIZE",
-                   help="memory one step may need: bytes, '12GiB', or a fraction such as '90%%'. "
-                   "Default: from the device")
-    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
-                   help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
-                   "default: the device profile's")
-    p.add_argument("--data-parallel", default=None, metavar="N|auto",
-                   help="on this machine: the devices the batch is split over (--model only); "
-                   "default: auto, every device")
+    target = p.add_argument_group("what to plan for (autoaccum.Target)")
+    target.add_argument("--device", metavar="PROFILE",
+                        help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
+                        "compiled deviceless when it is not here. Default: this machine")
+    target.add_argument("--devices", type=_positive_int, default=None, metavar="N",
+                        help="plan for N of --device (a dry run compiles for N GPUs, data "
+                        "parallel, the micro-batch per GPU); without --device: "
+                        "data_parallel=N")
+    target.add_argument("--hosts", type=_positive_int, default=None, metavar="H",
+                        help="the --devices are spread over H machines (the same number on "
+                        "each)")
+    target.add_argument("--strategy", default=None,
+                        choices=["auto", "replicated", "zero1", "zero2", "fsdp"],
+                        help="with several devices, what they split instead of copying: auto "
+                        "(the least communication that fits one device's budget), replicated, "
+                        "zero1 (optimizer state), zero2 (and gradients), fsdp (and weights). "
+                        "Default: auto")
+    target.add_argument("--budget", metavar="SIZE",
+                        help="memory one step may need: bytes, '12GiB', or a fraction such as "
+                        "'90%%'. Default: from the device")
+    target.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                        help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
+                        "default: the device profile's")
+    target.add_argument("--data-parallel", default=None, metavar="N|auto",
+                        help="on this machine: the devices the batch is split over (--model "
+                        "only); default: auto, every device")
     search = p.add_argument_group("how to search (autoaccum.Search)")
     search.add_argument("--remat", default=None,
                         help="rematerialization: auto (only if micro-batch 1 does not fit), "
@@ -270,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights' dtype policy (default: bfloat16)")
     preset.add_argument("--optimizer", default="adamw",
                         help="adamw, adam, sgd, adafactor or lion (default: adamw)")
-    lr = p.add_argument_group("learning rate")
+    lr = p.add_argument_group("the learning rate (autoaccum.LearningRate)")
     lr.add_argument("--base-lr", type=float, default=None, metavar="LR",
                     help="the learning rate tuned for --base-batch (presets: default 5e-5)")
     lr.add_argument("--base-batch", type=_positive_int, default=None, metavar="B",
