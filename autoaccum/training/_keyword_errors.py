@@ -46,6 +46,15 @@ def explains_keywords(func: F) -> F:
 search=autoaccum.Search(remat='nothing'). Received: remat='nothing'
       >>> entry(1, x=[2])
       ([2], None)
+      >>> @explains_keywords
+      ... def fit(model, *, learning_rate=None, search=None):
+      ...     pass
+      >>> fit(1, learning_rate=1e-3, base_batch=1, lr_rule="linear", remat="none")
+      Traceback (most recent call last):
+      ...
+      ValueError: fit() takes base_batch, lr_rule, remat inside learning_rate= and search=: \
+learning_rate=autoaccum.LearningRate(value=0.001, base_batch=1, rule='linear'), \
+search=autoaccum.Search(remat='none'). Received: base_batch=1, lr_rule='linear', remat='none'
     """
     signature = inspect.signature(func)
     params = signature.parameters
@@ -59,8 +68,9 @@ search=autoaccum.Search(remat='nothing'). Received: remat='nothing'
                 if "data" not in bound.arguments and "data" not in kwargs:
                     kwargs["data"] = kwargs.pop("x")
                     unknown.remove("x")
-            for name in unknown:
-                _explain(func.__name__, name, kwargs[name], params)
+            if unknown:
+                _explain(func.__name__, {name: kwargs[name] for name in unknown}, params,
+                         learning_rate=kwargs.get("learning_rate"))
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -79,13 +89,33 @@ def where_option_lives(name: str) -> str | None:
     return f"{name} is given as {argument}=autoaccum.{cls.__name__}({field}=...)"
 
 
-def _explain(where: str, name: str, value: Any, params: Any) -> None:
-    if name in _MOVED and _MOVED[name][0] in params:
-        argument, cls, field = _MOVED[name]
+def _explain(where: str, unknown: dict[str, Any], params: Any, *,
+             learning_rate: Any = None) -> None:
+    """Raises for the first refused ``model.fit`` habit, else for every option that lives in
+    a spec at once (each spec written out with all of them), else Python's ``TypeError``."""
+    for name, value in unknown.items():
+        if name in REFUSED_FIT_OPTIONS and name not in _MOVED:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    moved = {n: v for n, v in unknown.items() if n in _MOVED and _MOVED[n][0] in params}
+    if moved:
+        specs: dict[str, list[str]] = {}
+        classes: dict[str, str] = {}
+        for name, value in moved.items():
+            argument, cls, field = _MOVED[name]
+            classes[argument] = cls.__name__
+            fields = specs.setdefault(argument, [])
+            if argument == "learning_rate" and not fields and learning_rate is not None and (
+                    not isinstance(learning_rate, LearningRate)):
+                fields.append(f"value={learning_rate!r}")
+            fields.append(f"{field}={value!r}")
+        names = ", ".join(moved)
+        fix = ", ".join(f"{argument}=autoaccum.{classes[argument]}({', '.join(fields)})"
+                        for argument, fields in specs.items())
         raise ValueError(
-            f"{where}() takes {name} inside {argument}=: "
-            f"{argument}=autoaccum.{cls.__name__}({field}={value!r}). "
-            f"Received: {received(name, value)}")
-    if name in REFUSED_FIT_OPTIONS:
-        raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
-    raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+            f"{where}() takes {names} inside {' and '.join(f'{a}=' for a in specs)}: {fix}. "
+            "Received: " + ", ".join(received(n, v) for n, v in moved.items()))
+    for name, value in unknown.items():
+        if name in REFUSED_FIT_OPTIONS:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}")
+
