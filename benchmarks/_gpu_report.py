@@ -288,7 +288,7 @@ def margin_rows(report: dict) -> list[list[Any]]:
         "on-device margin (autoaccum/planning/_budget.py)",
         f"{DEVICE_MARGIN_FRACTION:.0%} of bytes_limit, at least "
         f"{DEVICE_MARGIN_MIN_BYTES // MIB}", "pool", "on the device",
-        "estimate: design notes section 3; not measured on a GPU yet",
+        "estimate: docs/guides/margins.md; not measured on a GPU yet",
         ("CPU run: not measured" if not gpu else "not measured: no point ran" if worst is None
          else f"at least {worst[0] / MIB:+.1f} MiB = {worst[0] / worst[1]:.2%} of bytes_limit "
               "(largest peak - need compiled here)")])

@@ -75,7 +75,8 @@ def test_the_cpu_path_measures_plans_points_and_real_out_of_memory(tmp_path):
     # GPU-only rows say why they are empty; the margins say where they come from.
     assert report["t4"]["capped"] == {"skipped": "no GPU on this machine"}
     assert "no GPU on this machine" in markdown
-    assert "estimate: design notes" in markdown and "CPU run: GPU margins not measured" in markdown
+    assert "estimate: docs/guides/margins.md" in markdown
+    assert "CPU run: GPU margins not measured" in markdown
 
 
 @pytest.mark.slow
