@@ -83,10 +83,10 @@ os.environ["KERAS_BACKEND"] = "jax"
 import json, sys, time
 import jax, numpy as np, keras
 import autoaccum
-from autoaccum.adapters.keras import _runner
+from autoaccum.training import _step_runner
 
 if sys.argv[1] == "again":
-    _runner.reuse_or_compile = lambda lowered, args: lowered.compile()
+    _step_runner.reuse_or_compile = lambda lowered, args: lowered.compile()
 
 keras.utils.set_random_seed(0)
 inputs = keras.Input((128,), dtype="int32")

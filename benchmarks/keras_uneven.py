@@ -34,11 +34,12 @@ import numpy as np
 import autoaccum
 from autoaccum.adapters import adapter_for
 from autoaccum.adapters.keras._keras_program import find_layout, keras_state
-from autoaccum.adapters.keras._runner import StepRunner, _split
+from autoaccum.adapters.keras._runner import KerasState, keras_runner
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
+from autoaccum.training._step_runner import split_examples
 from benchmarks._common import median_seconds, print_table
 
 
@@ -84,13 +85,13 @@ def step_seconds(args: argparse.Namespace, plan: autoaccum.Plan, batch: tuple) -
     spec = tuple(jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype) for a in batch)
     model.train_on_batch(*(a[:1] for a in batch))  # builds the optimizer
     layout = find_layout(model, spec)
-    runner = StepRunner(model, layout, spec, mesh=None, micro_batch=plan.micro_batch,
-                        accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
-                        lr_scaling=None, batch_stats="effective", backup="none",
-                        elastic=False)
+    runner = keras_runner(KerasState(model, layout), micro_batch=plan.micro_batch,
+                          accum_steps=plan.accum_steps,
+                          last_micro_batch=plan.last_micro_batch, backup="none",
+                          elastic=False)
     split = runner.split(len(batch[0]))
-    compiled = runner.compile(*split)
-    batches = jax.device_put(_split(batch, *split, 1))
+    compiled = runner.compile(spec, len(batch[0]))
+    batches = jax.device_put(split_examples(batch, split))
     holder = [keras_state(model, layout)]
 
     def run() -> None:

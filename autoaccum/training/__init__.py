@@ -1,5 +1,7 @@
-"""The training engine: the one training loop both adapters run (:func:`run_fit_loop`, each
-framework supplying its :class:`FitHooks`), exact accumulation (one device or data-parallel),
+"""The training engine: the one step runner both adapters run their steps with
+(:class:`StepRunner`, each framework supplying its model's state as :class:`StateHooks`), the
+one training loop on top of it (:func:`run_fit_loop`, each framework supplying its
+:class:`FitHooks`), exact accumulation (one device or data-parallel),
 batching and stream re-batching, elastic recovery, host snapshots, Ctrl-C held back while
 state is written, progress, the gradient noise scale, and what ``fit`` returns.
 
@@ -15,19 +17,21 @@ from ._callbacks import Callback as Callback
 from ._callbacks import StopTraining as StopTraining
 from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
 from ._fit_loop import EpochTally as EpochTally
+from ._fit_loop import FitCallbacks as FitCallbacks
 from ._fit_loop import FitHooks as FitHooks
 from ._fit_loop import FitLoop as FitLoop
-from ._fit_loop import StepOutcome as StepOutcome
 from ._fit_loop import run_fit_loop as run_fit_loop
 from ._interrupts import deferred_interrupts as deferred_interrupts
-from ._live import LiveState as LiveState
-from ._live import StateLostError as StateLostError
 from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
 from ._nonfinite import NONFINITE_POLICIES as NONFINITE_POLICIES
 from ._nonfinite import NonFiniteError as NonFiniteError
 from ._rebatch import Rebatcher as Rebatcher
 from ._result import FitResult as FitResult
 from ._snapshot import HostSnapshot as HostSnapshot
+from ._step_runner import StateHooks as StateHooks
+from ._step_runner import StateLostError as StateLostError
+from ._step_runner import StepOutcome as StepOutcome
+from ._step_runner import StepRunner as StepRunner
 from ._training_options import Training as Training
 
 __all__ = [
@@ -36,9 +40,10 @@ __all__ = [
     "AccumulatedGradients",
     "Callback",
     "EpochTally",
+    "FitCallbacks",
     "FitHooks",
     "FitLoop",
-    "LiveState",
+    "StateHooks",
     "StateLostError",
     "StopTraining",
     "Training",
@@ -48,6 +53,7 @@ __all__ = [
     "NonFiniteError",
     "Rebatcher",
     "StepOutcome",
+    "StepRunner",
     "accumulate_gradients",
     "data_parallel_accumulate",
     "deferred_interrupts",

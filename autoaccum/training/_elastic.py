@@ -1,11 +1,11 @@
 """Elastic recovery: after a real out-of-memory mid-training, redo the same step smaller.
 
-Both adapters' step runners run a step through :func:`retry_smaller`: after a real
-out-of-memory they restore the state from before the failed step, then call
-:func:`shrink` for the next split: the largest divisor of the per-device effective batch
-below the failed micro-batch, with accumulation raised so the effective batch is unchanged.
-The same examples, in the same order, are re-split into more micro-batches
-(:func:`resplit`), so the redone step computes the same gradient (sums in another order:
+The step runner (:class:`~autoaccum.training._step_runner.StepRunner`) runs a step through
+:func:`retry_smaller`: after a real out-of-memory it restores the state from before the
+failed step, then calls :func:`shrink` for the next split: the largest divisor of the
+per-device effective batch below the failed micro-batch, with accumulation raised so the
+effective batch is unchanged. The same examples, in the same order, are split again into
+more micro-batches, so the redone step computes the same gradient (sums in another order:
 equal to float rounding). Step count, learning-rate schedule and data order are unchanged.
 """
 
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import jax
-import numpy as np
+from typing import TypeVar
 
 from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits, requested_bytes
 from ..planning._search import DoesNotFitError, divisors
 
-__all__ = ["ElasticEvent", "resplit", "retry_smaller", "shrink"]
+__all__ = ["ElasticEvent", "retry_smaller", "shrink"]
 
 T = TypeVar("T")
 
@@ -123,18 +120,3 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
     return ElasticEvent(step, micro_batch, accum_steps, new, per_device // new,
                         first_line(error), requested_bytes(error), data_parallel, given)
 
-
-def resplit(batches: Any, accum_steps: int, micro_batch: int) -> Any:
-    """``[k, b, ...]`` host arrays re-split to ``[accum_steps, micro_batch, ...]``, same order.
-
-    Example:
-      >>> resplit({"x": np.arange(8).reshape(2, 4)}, 4, 2)["x"].tolist()
-      [[0, 1], [2, 3], [4, 5], [6, 7]]
-    """
-
-    def one(a: Any) -> Any:
-        if tuple(np.shape(a)[:2]) == (accum_steps, micro_batch):
-            return a
-        return np.reshape(np.asarray(a), (accum_steps, micro_batch, *np.shape(a)[2:]))
-
-    return jax.tree.map(one, batches)

@@ -139,20 +139,6 @@ def effective_batches(
         )
 
 
-def step_examples(tree: PyTree, *, effective_batch: int, order: np.ndarray) -> Iterator[PyTree]:
-    """Yields the examples of every full effective batch in ``order``, ``[effective_batch,
-    ...]`` (split into micro-batches later by :func:`split_micro_batches`).
-
-    Example:
-      >>> [b["x"].tolist() for b in step_examples({"x": np.arange(7)}, effective_batch=3,
-      ...                                         order=np.arange(7))]
-      [[0, 1, 2], [3, 4, 5]]
-    """
-    for start in range(0, len(order) - effective_batch + 1, effective_batch):
-        index = order[start : start + effective_batch]
-        yield jax.tree.map(lambda a, i=index: a[i], tree)
-
-
 def split_micro_batches(examples: PyTree, *, micro_batch: int, data_parallel: int = 1) -> PyTree:
     """One step's examples ``[n, ...]`` as the step's batches: ``[k, dp * micro_batch, ...]``
     when ``micro_batch`` divides the per-device share, else :class:`UnevenBatches` whose last

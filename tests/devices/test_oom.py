@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from autoaccum.devices._oom import (
@@ -17,7 +16,7 @@ from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import MemoryEstimate
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._search import DoesNotFitError
-from autoaccum.training._elastic import ElasticEvent, resplit, shrink
+from autoaccum.training._elastic import ElasticEvent, shrink
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory allocating 1048576 bytes."
 
@@ -75,13 +74,6 @@ def test_shrink_at_one_explains():
     with pytest.raises(DoesNotFitError, match="micro_batch=1.*LoRA") as info:
         shrink(error, step=1, micro_batch=1, accum_steps=4)
     assert info.value.__cause__ is error
-
-
-def test_resplit_keeps_order():
-    batches = {"x": np.arange(24).reshape(1, 12, 2)}
-    out = resplit(batches, 3, 4)["x"]
-    assert out.shape == (3, 4, 2)
-    np.testing.assert_array_equal(out.reshape(-1), np.arange(24))
 
 
 class FakeDevice:

@@ -1,10 +1,9 @@
 """Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``).
 
-The loop is :func:`autoaccum.training.run_fit_loop`; what Flax brings to it is
-:class:`_FlaxHooks`: the compiled step on the :class:`~autoaccum.training.LiveState` (which
-writes each step's state into the model with Ctrl-C held back), autoaccum's callbacks, the
-:class:`~autoaccum.training.FitResult`, the evaluator, and putting the model back on one
-whole step after an exception.
+The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
+(:class:`~autoaccum.training.StepRunner`); what Flax brings to it is :class:`_FlaxHooks`: the
+model's state (:class:`._fit_step.FlaxState`), the epoch's batches, autoaccum's callbacks
+and the :class:`~autoaccum.training.FitResult`.
 """
 
 from __future__ import annotations
@@ -15,27 +14,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-import jax
 import optax
 from flax import nnx
 
-from ...devices._mesh import place, replicate
-from ...devices._placement import place as place_each
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
-from ...training._callbacks import Callback, CallbackList, StopTraining, validate_callbacks
+from ...training._callbacks import Callback, CallbackList, validate_callbacks
 from ...training._epoch_batches import leftover_split
-from ...training._fit_loop import EpochTally, FitHooks, StepOutcome, run_fit_loop
+from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._interrupts import deferred_interrupts
-from ...training._live import LiveState
-from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
+from ...training._nonfinite import validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
-from ...training._snapshot import HostSnapshot
-from ._fit_step import StepBatch, StepRunner, step_batches
-from ._nnx_batch_norm import EffectiveBatchNorm
+from ...training._step_runner import StepOutcome, StepRunner
+from ._fit_step import FlaxState, flax_runner
 from ._nnx_data import ArrayData, FlaxStream, flax_data
-from ._nnx_program import LossFn, sharded_layout, split_model
+from ._nnx_program import LossFn
 from ._nnx_validation import Evaluator, warn_if_eval_mode
 from ._sharding import home_shardings, rehome
 
@@ -114,7 +108,8 @@ def flax_fit(
 
     Returns:
       A :class:`FitResult`. An exception (``KeyboardInterrupt`` included) leaves the model
-      holding live arrays of the last completed step (see ``autoaccum.training._live``).
+      holding live arrays of the last completed step (see
+      :meth:`autoaccum.training.StepRunner.settle`).
     """
     stream = sys.stderr if stream is None else stream
     validate_on_nonfinite(on_nonfinite)
@@ -135,64 +130,51 @@ def flax_fit(
         callback_list.append(_StepFunction(on_step_end))
     warn_if_eval_mode(model)
     home = home_shardings(model) if placement is not None else None
-    graphdef, params, frozen, other = split_model(model, trainable)
-    norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
-    if placement is not None:  # the user's own layout, kept as it is
-        params, other = place_each((params, other), placement.state[:2])
-        (frozen,) = place_each((frozen,), placement.frozen)
-        # Each device makes only its own share of the optimizer state.
-        opt_state = (jax.jit(tx.init, out_shardings=placement.state[2])(params)
-                     if nnx_optimizer is None
-                     else place_each(nnx_optimizer.initial(tx, params), placement.state[2]))
-    else:
-        opt_state = (tx.init(params) if nnx_optimizer is None
-                     else nnx_optimizer.initial(tx, params))
-    state = (params, other, opt_state)
-    layout = (None if placement is not None
-              else sharded_layout(plan, mesh, params, opt_state, frozen))
-    if mesh is not None:
-        state = (replicate(state, mesh) if layout is None
-                 else place(state, layout.state_shardings(other)))
-        frozen = (replicate(frozen, mesh) if layout is None
-                  else place((frozen,), layout.frozen_shardings((frozen,)))[0])
-        if layout is not None and layout.strategy == "fsdp":
-            # The model holds the split frozen weights from now on (its whole copies can go).
-            nnx.update(model, frozen)
     source = flax_data(data)
     check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
     leftover = (0 if source.num_examples is None
                 else source.num_examples % plan.effective_batch)
     result = FitResult(plan=plan, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
                        leftover_examples=leftover, drop_remainder=drop_remainder)
-    live = LiveState(state, HostSnapshot(backup), lambda s: nnx.update(model, s[0], s[1]))
-    runner = StepRunner(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable, mesh=mesh,
-                        norms=norms, on_nonfinite=on_nonfinite, frozen=frozen, live=live,
-                        result=result, elastic=elastic, stream=stream, layout=layout,
-                        placement=placement)
-    evaluator = None
+    record = FitLoop()
+    hooks = _FlaxHooks(
+        model, plan, tx=tx, trainable=trainable, mesh=mesh, placement=placement,
+        nnx_optimizer=nnx_optimizer, source=source, result=result, record=record,
+        callbacks=CallbackList(callback_list, model=model, result=result), shuffle=shuffle,
+        seed=seed, drop_remainder=drop_remainder, steps_per_epoch=steps_per_epoch,
+        verbose=verbose, stream=stream, epochs=epochs, home=home)
+    runner = flax_runner(hooks, plan, loss_fn=loss_fn, tx=tx, batch_stats=batch_stats,
+                         on_nonfinite=on_nonfinite, elastic=elastic, backup=backup, log=stream,
+                         events=result.events)
+    runner.losses = result.losses
+    hooks.runner = runner
+    validate = None
     if validation_data is not None:
         evaluator = Evaluator(model, validation_data, loss_fn=loss_fn, trainable=trainable,
                               batch_size=validation_batch_size or plan.micro_batch * dp,
                               steps=validation_steps, mesh=mesh)
-    cbs = CallbackList(callback_list, model=model, result=result)
 
-    hooks = _FlaxHooks(
-        model, source, runner, live, result, cbs, frozen=frozen, evaluator=evaluator,
-        plan=plan, dp=dp, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-        steps_per_epoch=steps_per_epoch, verbose=verbose, stream=stream, epochs=epochs,
-        nnx_optimizer=nnx_optimizer, home=home)
+        def validate(epoch: int) -> dict[str, Any]:
+            result.val_losses.append(evaluator(*hooks.read_state()))
+            if verbose:
+                print(f"autoaccum: epoch {epoch + 1}/{epochs} val_loss "
+                      f"{result.val_losses[-1]:.4f}", file=stream, flush=True)
+            return {"val_loss": result.val_losses[-1]}
 
     def progress(epoch: int) -> ProgressBar:
         total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
         return ProgressBar(total=total, epoch=epoch, epochs=epochs, stream=stream)
 
     start = time.perf_counter()
-    loop = run_fit_loop(hooks, epochs=epochs, initial_epoch=initial_epoch,
-                        steps_per_epoch=steps_per_epoch, validation=evaluator is not None,
-                        validation_freq=validation_freq, on_nonfinite=on_nonfinite,
-                        progress=progress if verbose else None)
+    run_fit_loop(runner, epochs=epochs, initial_epoch=initial_epoch,
+                 steps_per_epoch=steps_per_epoch, validate=validate,
+                 validation_freq=validation_freq, progress=progress if verbose else None,
+                 record=record, data_advice=(
+                     "Make sure that your data can give at least `steps_per_epoch * epochs` "
+                     "effective batches (a one-shot iterator is read once in all; pass a "
+                     "re-iterable such as a grain DataLoader, or repeat the stream). "))
     result.seconds = time.perf_counter() - start
-    result.noise_advice = loop.noise.advice(plan.effective_batch)
+    result.noise_advice = record.noise.advice(plan.effective_batch)
     if verbose:
         print(f"autoaccum: {result.noise_advice}", file=stream, flush=True)
         if leftover:
@@ -201,139 +183,112 @@ def flax_fit(
     return result
 
 
-class _FlaxHooks(FitHooks):
-    """What a Flax NNX model brings to the training loop: its compiled step on the
-    :class:`LiveState`, autoaccum's callbacks, the :class:`FitResult`, the evaluator."""
+class _FlaxHooks(FlaxState, FitHooks):
+    """What a Flax NNX model brings to the training loop: its state (:class:`FlaxState`), the
+    epoch's batches, autoaccum's callbacks, and the :class:`FitResult`."""
 
-    def __init__(self, model: nnx.Module, source: ArrayData | FlaxStream, runner: StepRunner,
-                 live: LiveState, result: FitResult, callbacks: CallbackList, *, frozen: Any,
-                 evaluator: Evaluator | None, plan: Plan, dp: int, shuffle: bool, seed: int,
-                 drop_remainder: bool, steps_per_epoch: int | None, verbose: int,
-                 stream: TextIO, epochs: int, nnx_optimizer: Any, home: Any = None) -> None:
-        self.model, self.source, self.runner, self.live = model, source, runner, live
-        self.result, self.callbacks, self.frozen, self.evaluator = (result, callbacks, frozen,
-                                                                    evaluator)
-        self.plan, self.dp, self.shuffle, self.seed = plan, dp, shuffle, seed
-        self.drop_remainder, self.steps_per_epoch = drop_remainder, steps_per_epoch
-        self.verbose, self.stream, self.epochs = verbose, stream, epochs
-        self.nnx_optimizer = nnx_optimizer
+    runner: StepRunner
+
+    def __init__(self, model: nnx.Module, plan: Plan, *, tx: optax.GradientTransformation,
+                 trainable: Any, mesh: Any, placement: Any, nnx_optimizer: Any,
+                 source: ArrayData | FlaxStream, result: FitResult, record: FitLoop,
+                 callbacks: CallbackList, shuffle: bool, seed: int, drop_remainder: bool,
+                 steps_per_epoch: int | None, verbose: int, stream: TextIO, epochs: int,
+                 home: Any = None) -> None:
+        super().__init__(model, plan, tx=tx, trainable=trainable, mesh=mesh,
+                         placement=placement, nnx_optimizer=nnx_optimizer)
+        self.plan, self.source, self.result, self.record = plan, source, result, record
+        self._callbacks = callbacks
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        self.steps_per_epoch, self.verbose, self.stream = steps_per_epoch, verbose, stream
+        self.epochs, self.nnx_optimizer = epochs, nnx_optimizer
         self.home = home
         """The shardings the model's arrays had before training (a kept layout), put back
         at the end (see :func:`._sharding.rehome`)."""
+        self.written_back = False
+
+    def batches(self, epoch: int) -> Iterator[Any]:
+        result, source = self.result, self.source
+        try:
+            yield from source.epoch(batch=self.plan.effective_batch,
+                                    drop_remainder=self.drop_remainder, shuffle=self.shuffle,
+                                    seed=self.seed, epoch=epoch, steps=self.steps_per_epoch)
+        finally:  # the data's accounting
+            result.dropped_examples += source.dropped
+            if source.num_examples is None and source.leftover:
+                result.leftover_examples = source.leftover
+
+    def callbacks(self) -> FitCallbacks:
+        return _FlaxCallbacks(self)
+
+    def history(self, loop: FitLoop) -> FitResult:
+        self.write_back()
+        result, runner = self.result, self.runner
+        result.steps, result.losses = runner.steps, runner.losses
+        result.micro_batch, result.accum_steps = runner.micro_batch, runner.accum_steps
+        result.skipped_steps = loop.skipped + loop.optimizer_skipped
+        result.stopped = result.stopped or loop.stopped or ""
+        return result
+
+    def write_back(self) -> None:
+        """Once, at the end: the user's ``nnx.Optimizer`` receives the optimizer state and step
+        count; the model's arrays go back on the user's own mesh (a kept layout)."""
+        if self.written_back:
+            return
+        self.written_back = True
+        if self.home is not None:
+            with deferred_interrupts():
+                rehome(self.model, self.home)
+        if self.nnx_optimizer is not None:
+            with deferred_interrupts():
+                self.nnx_optimizer.write(self.state[2], self.runner.steps)
+
+
+class _FlaxCallbacks(FitCallbacks):
+    """autoaccum's callbacks (:class:`~autoaccum.training.Callback`) as the loop drives
+    them; the epoch's logs kept on the :class:`FitResult`."""
+
+    def __init__(self, hooks: _FlaxHooks) -> None:
+        self.hooks, self.result, self.list = hooks, hooks.result, hooks._callbacks
         self.epoch = 0
 
-    def train_begin(self) -> None:
-        self.callbacks.call("on_train_begin", {})
+    def train_begin(self, initial_epoch: int) -> int:
+        self.list.call("on_train_begin", {})
+        return initial_epoch
 
-    def epoch_batches(self, epoch: int) -> Iterator[StepBatch]:
+    def epoch_begin(self, epoch: int) -> None:
         self.epoch = epoch
-        self.callbacks.call("on_epoch_begin", epoch, {})
-        plan = self.plan
-        return step_batches(
-            self.source.epoch(batch=plan.effective_batch, drop_remainder=self.drop_remainder,
-                              shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                              steps=self.steps_per_epoch),
-            plan=plan, result=self.result, dp=self.dp)
-
-    def run_step(self, batch: StepBatch, following: Callable[[], Any]) -> StepOutcome:
-        metrics, applied = self.runner.step(batch)
-        noise = None
-        if applied and batch.weights is None:
-            noise = (float(metrics.grad_sq_norm), float(metrics.micro_grad_sq_norm),
-                     float(metrics.count))
-        skipped_by_optimizer = not applied and self.runner.optimizer_skips_nonfinite
-        return StepOutcome(loss=float(metrics.loss), examples=batch.examples, applied=applied,
-                           finite=applied, optimizer_skipped=skipped_by_optimizer,
-                           full=not batch.leftover, noise=noise,
-                           micro_batches=batch.accum_steps * self.dp)
+        self.list.call("on_epoch_begin", epoch, {})
 
     def step_end(self, index: int, outcome: StepOutcome) -> None:
+        result = self.result
+        result.steps = self.hooks.runner.steps
         if outcome.noise is not None:
-            self.result.noise_scale.append(outcome.noise_scale)
-        self.callbacks.call("on_step_end", self.result.steps,
-                            {"loss": outcome.loss, "examples": outcome.examples,
-                             "skipped": not outcome.applied, "epoch": self.epoch})
+            result.noise_scale.append(outcome.noise_scale)
+        self.list.call("on_step_end", result.steps,
+                       {"loss": outcome.loss, "examples": outcome.examples,
+                        "skipped": not outcome.applied, "epoch": self.epoch})
 
     def stop_requested(self) -> str | None:
-        return self.callbacks.stop_requested()
-
-    def nonfinite_error(self, outcome: StepOutcome, step: int) -> NonFiniteError:
-        return self.runner.nonfinite_stop(outcome.loss)
-
-    def epoch_steps_end(self, tally: EpochTally) -> None:
-        result, source = self.result, self.source
-        result.dropped_examples += source.dropped
-        if source.num_examples is None and source.leftover:
-            result.leftover_examples = source.leftover
-
-    def out_of_data(self, tally: EpochTally) -> str:
-        return ("autoaccum: your input ran out of data; interrupting training. Make sure "
-                "that your data can give at least `steps_per_epoch * epochs` effective "
-                "batches (a one-shot iterator is read once in all; pass a re-iterable "
-                "such as a grain DataLoader, or repeat the stream). "
-                f"Received: {tally.steps} step(s) in epoch {tally.epoch + 1}")
-
-    def stopped(self, reason: str) -> None:
-        self.result.stopped = reason
+        return self.list.stop_requested()
 
     def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
         self.result.epoch_losses.append(tally.mean_loss)
         self.result.epoch_noise_scale.append(noise_scale)
         return {"loss": tally.mean_loss, "gradient_noise_scale": noise_scale}
 
-    def validate(self, epoch: int) -> dict[str, Any]:
-        assert self.evaluator is not None
-        self.result.val_losses.append(self.evaluator(self.live.state, self.frozen))
-        val_loss = self.result.val_losses[-1]
-        if self.verbose:
-            print(f"autoaccum: epoch {epoch + 1}/{self.epochs} val_loss {val_loss:.4f}",
-                  file=self.stream, flush=True)
-        return {"val_loss": val_loss}
-
     def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
-        self.callbacks.call("on_epoch_end", epoch, logs)
-
-    def failed(self, error: BaseException) -> bool:
-        live, result = self.live, self.result
-        if isinstance(error, StopTraining):
-            live.settle()
-            self._write_back()
-            result.stopped = f"StopTraining: {error}" if str(error) else "StopTraining"
-            return True
-        if isinstance(error, NonFiniteError):
-            live.settle()
-            self._write_back()
-            return False
-        try:
-            result.steps = live.settle(_applied)
-        except BaseException as lost:
-            result.events.append(str(lost))
-            error.add_note(f"autoaccum: {lost}")
-            raise error from None
-        result.events.append(f"training stopped by {type(error).__name__} after step "
-                             f"{result.steps}; the model holds the state after that step")
-        del result.losses[result.steps:]
-        self._write_back()
-        return False
+        self.list.call("on_epoch_end", epoch, logs)
 
     def train_end(self, logs: dict[str, Any]) -> None:
-        self._write_back()
-        result = self.result
-        if result.stopped and self.verbose:
-            print(f"autoaccum: training stopped early ({result.stopped})", file=self.stream,
+        hooks, result = self.hooks, self.result
+        hooks.write_back()
+        stopped = result.stopped or hooks.record.stopped
+        if stopped and hooks.verbose:
+            print(f"autoaccum: training stopped early ({stopped})", file=hooks.stream,
                   flush=True)
-        self.callbacks.call("on_train_end",
-                            {"loss": result.losses[-1] if result.losses else math.nan})
-
-    def _write_back(self) -> None:
-        """The user's ``nnx.Optimizer`` receives the optimizer state and step count; the
-        model's arrays go back on the user's own mesh (a kept layout)."""
-        if self.home is not None:
-            with deferred_interrupts():
-                rehome(self.model, self.home)
-        if self.nnx_optimizer is not None:
-            with deferred_interrupts():
-                self.nnx_optimizer.write(self.live.state[2], self.result.steps)
+        losses = hooks.runner.losses
+        self.list.call("on_train_end", {"loss": losses[-1] if losses else math.nan})
 
 
 def check_stream(source: ArrayData | FlaxStream, *, epochs: int,
@@ -375,12 +330,6 @@ class _StepFunction(Callback):
 
     def on_step_end(self, step: int, logs: dict[str, Any]) -> None:
         self.fn(step, logs["loss"])
-
-
-def _applied(metrics: Any) -> bool:
-    """Whether a step with these metrics changed the weights (see ``make_flax_step``)."""
-    finite, count, loss = jax.device_get((metrics.finite, metrics.count, metrics.loss))
-    return bool(finite) and (float(count) > 0 or float(loss) == 0)
 
 
 def _leftover_sentence(result: FitResult, epochs: int) -> str:

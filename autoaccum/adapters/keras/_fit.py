@@ -6,25 +6,30 @@ applied once). The model's variables hold the current state after every step, so
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
 point leaves the variables holding the state of one optimizer step (:mod:`._runner`).
 
-The loop is :func:`autoaccum.training.run_fit_loop`; what Keras brings to it is
-:class:`_KerasHooks`.
+The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
+(:class:`~autoaccum.training.StepRunner`); what Keras brings to it is :class:`_KerasHooks`:
+the model's variables (:class:`._runner.KerasState`), the epoch's batches, Keras's callbacks
+and ``History``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from ...devices._mesh import resolve_mesh
+from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
 from ...planning._strategies import validate_strategy
-from ...training._fit_loop import EpochTally, FitHooks, FitLoop, StepOutcome, run_fit_loop
-from ...training._nonfinite import NonFiniteError, validate_on_nonfinite
+from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
+from ...training._nonfinite import validate_on_nonfinite
+from ...training._step_runner import StepOutcome, StepRunner
 from ._distribution import (
     keras_auto_mesh,
     keras_distribution_mesh,
@@ -36,7 +41,7 @@ from ._keras_batch_norm import validate_batch_stats
 from ._keras_program import KerasLayout, ensure_built, find_layout
 from ._keras_validation import Validator
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
-from ._runner import StepRunner
+from ._runner import KerasState, example_count, keras_runner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
 
@@ -181,15 +186,18 @@ def keras_fit(
     set_jax_state(model, None, synced=True)  # no stale Keras state to sync
     if placement is not None:  # built now (optimizer and all): its layout as it is
         placement = keras_placement(model, layout)
-    runner = StepRunner(model, layout, spec, mesh=mesh, placement=placement,
-                        strategy_layout=keras_strategy_layout(model, strategy, mesh,
-                                                              layout=layout),
-                        micro_batch=int(micro_batch),
-                        accum_steps=int(accum_steps), lr_scaling=lr_scaling,
-                        batch_stats=batch_stats, backup=backup, elastic=elastic,
-                        last_micro_batch=last, uneven=bool(uneven))
+    hooks = _KerasHooks(
+        model, layout, mesh=mesh, placement=placement,
+        strategy_layout=keras_strategy_layout(model, strategy, mesh, layout=layout),
+        source=source, effective=effective, shuffle=shuffle, rng=np.random.default_rng(seed),
+        steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
+        lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats)
+    runner = hooks.runner = keras_runner(
+        hooks, micro_batch=int(micro_batch), accum_steps=int(accum_steps),
+        last_micro_batch=last, uneven=bool(uneven), lr_scaling=lr_scaling,
+        batch_stats=batch_stats, backup=backup, elastic=elastic, on_nonfinite=on_nonfinite)
     start = time.perf_counter()
-    runner.compile(int(accum_steps), int(micro_batch), last)
+    runner.compile(spec)
     model._autoaccum_compile_seconds = time.perf_counter() - start
     validator = None if val_source is None else Validator(
         model, layout, val_source, val_raw, batch_size=validation_batch_size or effective,
@@ -202,100 +210,132 @@ def keras_fit(
             epochs=epochs, steps=source.steps(effective, drop_remainder, steps_per_epoch),
             model=model,
         )
-    runner.refresh()
+    hooks.keras_callbacks = callback_list
     model.stop_training = False
-    history = next((c for c in getattr(callback_list, "callbacks", [])
-                    if isinstance(c, keras.callbacks.History)), None)
-    record = FitLoop()
-    hooks = _KerasHooks(
-        model, runner, source, callback_list, record, history=history, validator=validator,
-        effective=effective, shuffle=shuffle, rng=np.random.default_rng(seed),
-        steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
-        report=lambda: _record(history, runner, record, hooks, dp=dp,
-                               drop_remainder=drop_remainder, lr_scaling=lr_scaling,
-                               on_nonfinite=on_nonfinite, batch_stats=batch_stats))
-    run_fit_loop(hooks, epochs=epochs, initial_epoch=initial_epoch,
-                 steps_per_epoch=steps_per_epoch, validation=validator is not None,
-                 validation_freq=validation_freq, on_nonfinite=on_nonfinite, record=record)
+    hooks.history_callback = next((c for c in getattr(callback_list, "callbacks", [])
+                                   if isinstance(c, keras.callbacks.History)), None)
+
+    def validate(epoch: int) -> dict[str, Any]:
+        assert validator is not None
+        return {f"val_{k}": v for k, v in validator(callback_list).items()}
+
+    history = run_fit_loop(
+        runner, epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        validate=None if validator is None else validate, validation_freq=validation_freq,
+        data_advice="Make sure that your dataset or generator can generate at least "
+                    "`steps_per_epoch * epochs` effective batches (you may need `.repeat()` "
+                    "on a dataset). ")
     _report(history, verbose)
     return history
 
 
-class _KerasHooks(FitHooks):
-    """What a Keras model brings to the training loop: its compiled step (:mod:`._runner`),
-    Keras's callbacks, progress bar and ``History``, its metrics as the epoch's logs."""
+class _KerasHooks(KerasState, FitHooks):
+    """What a Keras model brings to the training loop: its variables (:class:`KerasState`),
+    the epoch's batches, Keras's callbacks, progress bar and ``History``."""
 
-    def __init__(self, model: Any, runner: StepRunner, source: KerasData, callbacks: Any,
-                 record: FitLoop, *, history: Any, validator: Validator | None,
-                 effective: int, shuffle: bool, rng: np.random.Generator,
-                 steps_per_epoch: int | None, drop_remainder: bool, epochs: int,
-                 report: Callable[[], None]) -> None:
-        self.model, self.runner, self.source, self.callbacks = model, runner, source, callbacks
-        self.record, self.history, self.validator = record, history, validator
-        self.effective, self.shuffle, self.rng = effective, shuffle, rng
+    runner: StepRunner
+    keras_callbacks: Any = None
+    history_callback: Any = None
+
+    def __init__(self, model: Any, layout: Any, *, mesh: Any, placement: Any,
+                 strategy_layout: Any, source: KerasData, effective: int, shuffle: bool,
+                 rng: np.random.Generator, steps_per_epoch: int | None, drop_remainder: bool,
+                 epochs: int, lr_scaling: Any, on_nonfinite: str, batch_stats: str) -> None:
+        super().__init__(model, layout, mesh=mesh, placement=placement,
+                         strategy_layout=strategy_layout)
+        self.source, self.effective, self.shuffle, self.rng = source, effective, shuffle, rng
         self.steps_per_epoch, self.drop_remainder = steps_per_epoch, drop_remainder
-        self.epochs, self.report = epochs, report
+        self.epochs, self.lr_scaling = epochs, lr_scaling
+        self.on_nonfinite, self.batch_stats = on_nonfinite, batch_stats
         self.dropped = 0
         """Examples left out of the last epoch (``drop_remainder=True``)."""
 
-    def train_begin(self) -> None:
-        self.callbacks.on_train_begin()
-
-    def first_epoch(self, initial_epoch: int) -> int:
-        model = self.model
-        resumed = take_initial_epoch(model)  # set by BackupAndRestore
-        if self.history is not None:
-            model.history = self.history
-        return resumed or initial_epoch
-
-    def epoch_batches(self, epoch: int) -> Iterator[Any]:
-        self.model.reset_metrics()
-        self.callbacks.on_epoch_begin(epoch)
-        return self._trimmed(self.source.epoch(
+    def batches(self, epoch: int) -> Iterator[Any]:
+        """The epoch's batches, a final one cut to a multiple of the data-parallel devices
+        (none left: the end)."""
+        batches = self.source.epoch(
             batch=self.effective, drop_remainder=self.drop_remainder, shuffle=self.shuffle,
-            rng=self.rng, steps=self.steps_per_epoch))
-
-    def _trimmed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """A final batch cut to a multiple of the data-parallel devices (none left: the end)."""
+            rng=self.rng, steps=self.steps_per_epoch)
         try:
             for packed in batches:
-                packed = self.runner.trim(packed) if _size(packed) < self.effective else packed
-                if _size(packed) == 0:  # fewer than one example per data-parallel device
+                packed = self._trim(packed) if example_count(packed) < self.effective else packed
+                if example_count(packed) == 0:  # fewer than one example per device
                     return
                 yield packed
         finally:
             batches.close()
+            self.dropped = self.source.dropped
+
+    def _trim(self, packed: tuple) -> tuple:
+        """A final batch cut to a multiple of the data-parallel devices (with a warning)."""
+        n, dp = example_count(packed), self.data_parallel
+        keep = n - n % dp
+        if keep == n:
+            return packed
+        warnings.warn(
+            f"autoaccum: the last {n} examples of the epoch cannot be split evenly over "
+            f"{dp} data-parallel devices; {n - keep} of them are left out of this epoch.",
+            AutoaccumWarning, stacklevel=3)
+        return jax.tree.map(lambda a: a[:keep], packed)
+
+    def callbacks(self) -> FitCallbacks:
+        return _KerasCallbacks(self)
+
+    def history(self, loop: FitLoop) -> Any:
+        """Keeps what autoaccum did on the run's ``History`` (also when training failed)."""
+        history, runner = self.history_callback, self.runner
+        if history is None:
+            return None
+        history.autoaccum_events = runner.events
+        history.autoaccum_micro_batch = runner.micro_batch
+        history.autoaccum_accum_steps = runner.accum_steps
+        history.autoaccum_last_micro_batch = runner.last_micro_batch
+        history.autoaccum_data_parallel = self.data_parallel
+        history.autoaccum_strategy = (self.strategy_layout.strategy
+                                      if self.strategy_layout is not None else "replicated")
+        history.autoaccum_skipped_steps = loop.skipped
+        history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
+        history.autoaccum_on_nonfinite = self.on_nonfinite
+        history.autoaccum_batch_stats = self.batch_stats
+        history.autoaccum_learning_rate_factor = (1.0 if self.lr_scaling is None
+                                                  else self.lr_scaling.factor)
+        remainder = loop.tallies[-1].remainder if loop.tallies else 0
+        history.autoaccum_remainder = (
+            {"policy": "drop", "examples": self.dropped} if self.drop_remainder
+            else {"policy": "train", "examples": remainder})
+        history.autoaccum_noise_advice = loop.noise.advice(runner.effective_batch)
+        history.autoaccum_gradient_noise_scale = list(loop.noise_scales)
+        return history
+
+
+class _KerasCallbacks(FitCallbacks):
+    """Keras's ``CallbackList`` (progress bar and ``History`` included) as the loop drives
+    it, and Keras's metrics as the logs."""
+
+    def __init__(self, hooks: _KerasHooks) -> None:
+        self.hooks, self.model, self.list = hooks, hooks.model, hooks.keras_callbacks
+
+    def train_begin(self, initial_epoch: int) -> int:
+        self.list.on_train_begin()
+        resumed = take_initial_epoch(self.model)  # set by BackupAndRestore
+        if self.hooks.history_callback is not None:
+            self.model.history = self.hooks.history_callback
+        # Keras's count of steps (BackupAndRestore may have restored it).
+        self.hooks.runner.steps = int(self.model.optimizer.iterations)
+        return resumed or initial_epoch
+
+    def epoch_begin(self, epoch: int) -> None:
+        self.model.reset_metrics()
+        self.list.on_epoch_begin(epoch)
 
     def step_begin(self, index: int) -> None:
-        self.callbacks.on_train_batch_begin(index)
-
-    def run_step(self, batch: Any, following: Callable[[], Any]) -> StepOutcome:
-        outcome = self.runner.run(batch, following)
-        return outcome if outcome.finite else dataclasses.replace(outcome, noise=None)
+        self.list.on_train_batch_begin(index)
 
     def step_end(self, index: int, outcome: StepOutcome) -> None:
-        self.callbacks.on_train_batch_end(index, outcome.logs)
+        self.list.on_train_batch_end(index, outcome.logs)
 
     def stop_requested(self) -> str | None:
         return "a callback set model.stop_training" if self.model.stop_training else None
-
-    def nonfinite_error(self, outcome: StepOutcome, step: int) -> NonFiniteError:
-        step = int(self.model.optimizer.iterations) + 1  # Keras's count
-        return NonFiniteError(
-            f"Optimizer step {step} had a non-finite loss or gradient "
-            f"(loss={outcome.logs.get('loss')}); training stopped and the model keeps the "
-            "state from before that step. Look for NaN/inf in the data or a learning rate "
-            "that is too high; on_nonfinite='skip' skips such steps instead.",
-            step=step)
-
-    def epoch_steps_end(self, tally: EpochTally) -> None:
-        self.dropped = self.source.dropped
-
-    def out_of_data(self, tally: EpochTally) -> str:
-        return ("autoaccum: your input ran out of data; interrupting training. Make sure "
-                "that your dataset or generator can generate at least `steps_per_epoch * "
-                "epochs` effective batches (you may need `.repeat()` on a dataset). "
-                f"Received: {tally.steps} step(s) in epoch {tally.epoch + 1}")
 
     def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
         # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
@@ -303,21 +343,13 @@ class _KerasHooks(FitHooks):
         # values: the last step's.
         return _epoch_logs(self.model, tally.logs, any_finite=tally.finite_steps > 0)
 
-    def validate(self, epoch: int) -> dict[str, Any]:
-        assert self.validator is not None
-        return {f"val_{k}": v for k, v in self.validator(self.callbacks).items()}
-
     def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
-        self.runner.refresh()
-        self.callbacks.on_epoch_end(epoch, logs)
+        self.list.on_epoch_end(epoch, logs)
 
     def train_end(self, logs: dict[str, Any]) -> None:
-        if self.epochs > 0:
+        if self.hooks.epochs > 0:
             self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
-        self.callbacks.on_train_end(logs=logs)
-
-    def close(self) -> None:
-        self.report()
+        self.list.on_train_end(logs=logs)
 
 
 def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
@@ -382,32 +414,6 @@ def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:
             )
 
 
-def _record(history: Any, runner: StepRunner, record: FitLoop, hooks: _KerasHooks, *,
-            dp: int, drop_remainder: bool, lr_scaling: Any, on_nonfinite: str,
-            batch_stats: str) -> None:
-    """Keeps what autoaccum did on the run's ``History`` (also when training failed)."""
-    if history is None:
-        return
-    history.autoaccum_events = runner.events
-    history.autoaccum_micro_batch = runner.micro_batch
-    history.autoaccum_accum_steps = runner.accum_steps
-    history.autoaccum_last_micro_batch = runner.last_micro_batch
-    history.autoaccum_data_parallel = dp
-    history.autoaccum_strategy = (runner.strategy_layout.strategy
-                                  if runner.strategy_layout is not None else "replicated")
-    history.autoaccum_skipped_steps = record.skipped
-    history.autoaccum_optimizer_skipped_steps = record.optimizer_skipped
-    history.autoaccum_on_nonfinite = on_nonfinite
-    history.autoaccum_batch_stats = batch_stats
-    history.autoaccum_learning_rate_factor = 1.0 if lr_scaling is None else lr_scaling.factor
-    remainder = record.tallies[-1].remainder if record.tallies else 0
-    history.autoaccum_remainder = (
-        {"policy": "drop", "examples": hooks.dropped} if drop_remainder
-        else {"policy": "train", "examples": remainder})
-    history.autoaccum_noise_advice = record.noise.advice(runner.effective_batch)
-    history.autoaccum_gradient_noise_scale = list(record.noise_scales)
-
-
 def _report(history: Any, verbose: Any) -> None:
     if not verbose or history is None:
         return
@@ -422,8 +428,3 @@ def _report(history: Any, verbose: Any) -> None:
               "gradient were skipped (on_nonfinite='skip').", file=sys.stderr)
     print(f"autoaccum: {history.autoaccum_noise_advice}", file=sys.stderr)
 
-
-def _size(packed: tuple) -> int:
-    import jax
-
-    return int(np.shape(jax.tree.leaves(packed)[0])[0])

@@ -2,7 +2,9 @@
 (``autoaccum.train_step(keras_model, ...)``).
 
 :class:`KerasTrainStep` runs the step ``autoaccum.fit`` runs for a Keras model (the same
-:class:`~._runner.StepRunner` and compiled accumulating step: exact sums over the effective
+step runner, :class:`~autoaccum.training.StepRunner`, under the one user-loop step,
+:class:`~autoaccum.training._user_step.UserLoopStep`, and the same compiled accumulating
+step: exact sums over the effective
 batch as Keras's big-batch step weighs them, the optimizer applied once, the plan's learning
 rate and remat) on one effective batch per call. The model's variables, its optimizer's and
 its metrics' are the state: they are read before every step and hold the new values after it,
@@ -13,8 +15,6 @@ hand edit) are what the next step trains.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -22,13 +22,13 @@ import numpy as np
 
 from ...planning._adapter_interface import Prepared
 from ...planning._plan import Plan
-from ...training._nonfinite import NonFiniteError
+from ...training._user_step import UserLoopStep
 from ._distribution import keras_placement, keras_strategy_layout
 from ._internals import set_jax_state
 from ._keras_arrays import KerasArrays
 from ._keras_program import ensure_built
 from ._keras_remat import keras_rematerialized
-from ._runner import StepRunner
+from ._runner import KerasState, keras_runner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
 from ._streams import is_stream
@@ -61,7 +61,7 @@ class KerasStepOutput(NamedTuple):
     earlier ``fit`` calls or of a loaded model; schedules read it)."""
 
 
-class KerasTrainStep:
+class KerasTrainStep(UserLoopStep):
     """One effective batch in, one optimizer step out; the Keras model is updated in place.
 
     Built by :func:`autoaccum.train_step` for a compiled Keras model (JAX backend). Call it
@@ -92,50 +92,26 @@ class KerasTrainStep:
                  batch_stats: str = "effective", backup: str = "auto",
                  elastic: bool = False) -> None:
         self.model = model
-        self._plan = plan
         self._remat, self._remat_layers = plan.remat, remat_layers
-        self._on_nonfinite = on_nonfinite
-        self._noted = 0
         spec = prepared.program.example_spec
         ensure_built(model, spec)
         materialize(model)
         self._spec = spec
-        self._runner = StepRunner(
-            model, prepared.extras["layout"], spec, mesh=mesh,
-            placement=keras_placement(model, prepared.extras["layout"]),
+        layout = prepared.extras["layout"]
+        state = KerasState(
+            model, layout, mesh=mesh, placement=keras_placement(model, layout),
             strategy_layout=keras_strategy_layout(
-                model, getattr(plan, "strategy", "replicated"), mesh,
-                layout=prepared.extras["layout"]),
-            micro_batch=plan.micro_batch,
-            accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
-            uneven=uneven, lr_scaling=plan.lr_scaling, batch_stats=batch_stats, backup=backup,
-            elastic=elastic, backup_each_step=not elastic)
-
-    # -- what a loop reads -------------------------------------------------------------------
-    @property
-    def plan(self) -> Plan:
-        """The plan the step runs now (a smaller micro-batch after :meth:`shrink` or an
-        elastic recovery)."""
-        runner = self._runner
-        split = (runner.micro_batch, runner.accum_steps, runner.last_micro_batch)
-        plan = self._plan
-        if split != (plan.micro_batch, plan.accum_steps, plan.last_micro_batch):
-            new_events = runner.events[self._noted:]
-            self._noted = len(runner.events)
-            self._plan = dataclasses.replace(
-                plan, micro_batch=split[0], accum_steps=split[1], last_micro_batch=split[2],
-                notes=(*plan.notes, *(f"elastic: {event}" for event in new_events)))
-        return self._plan
+                model, getattr(plan, "strategy", "replicated"), mesh, layout=layout))
+        super().__init__(keras_runner(
+            state, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
+            last_micro_batch=plan.last_micro_batch, uneven=uneven, lr_scaling=plan.lr_scaling,
+            batch_stats=batch_stats, backup=backup, elastic=elastic, backup_each_step=True,
+            on_nonfinite=on_nonfinite), plan)
 
     @property
     def steps(self) -> int:
         """Optimizer steps taken: ``model.optimizer.iterations``."""
         return int(self.model.optimizer.iterations)
-
-    @property
-    def events(self) -> list[str]:
-        """What happened besides plain steps (out-of-memory recoveries)."""
-        return list(self._runner.events)
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, batch: Any, *, reset_metrics: bool = True) -> KerasStepOutput:
@@ -161,35 +137,17 @@ class KerasTrainStep:
         if reset_metrics:
             model.reset_metrics()
         set_jax_state(model, None, synced=True)  # no stale Keras state to sync
+        self._runner.steps = int(model.optimizer.iterations)  # a loaded model's count
         with keras_rematerialized(model, self._remat, layers=self._remat_layers):
-            result = self._runner.run(packed, lambda: None)
-        iterations = int(model.optimizer.iterations)
-        if not result.finite and self._on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"Optimizer step {iterations + 1} had a non-finite loss or gradient "
-                f"(loss={result.loss}); the model keeps the state from before that step. Look "
-                "for NaN/inf in the data or a learning rate that is too high; "
-                "on_nonfinite='skip' skips such steps instead.", step=iterations + 1)
-        grad_sq, _, count = result.noise
-        return KerasStepOutput(
-            loss=result.loss, logs=dict(result.logs), count=float(count),
-            grad_norm=math.sqrt(grad_sq) if grad_sq >= 0 else math.nan,
-            applied=bool(result.finite), step=iterations)
-
-    def shrink(self, error: BaseException) -> KerasTrainStep:
-        """After an out-of-memory from this step: the next smaller micro-batch (more
-        accumulation, the same effective batch, the same state). Returns ``self``.
-
-        Raises:
-          autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
-        """
-        self._runner.shrink(error)
-        return self
+            out = self.run(packed)
+        return KerasStepOutput(loss=out.loss, logs=dict(out.logs), count=out.count,
+                               grad_norm=out.grad_norm, applied=out.finite,
+                               step=int(model.optimizer.iterations))
 
     # -- internals -------------------------------------------------------------------------
     def _packed(self, batch: Any) -> tuple:
         """``batch`` as the packed host arrays of one step, checked against the plan."""
-        effective = self._plan.effective_batch
+        effective = self._runner.effective_batch
         if isinstance(batch, KerasData) or is_stream(batch) or batch is None or isinstance(
                 batch, (str, bytes, int, float)):
             raise ValueError(
@@ -202,12 +160,7 @@ class KerasTrainStep:
         if not isinstance(source, ArraySource):  # pragma: no cover - streams refused above
             raise ValueError(f"Received: batch of type {type(batch).__name__}")
         n = source.num_examples
-        if n > effective or n == 0:
-            raise ValueError(
-                f"A step takes one effective batch of {effective} examples (or a smaller last "
-                f"one); this batch has {n}. Split your data into batches of {effective} (or "
-                f"build the step with effective_batch={n}). Received: a batch of {n} examples "
-                f"(batch of type {type(batch).__name__})")
+        self.check_size(n, f" (batch of type {type(batch).__name__})")
         dp = self._runner.dp
         if n % dp:
             raise ValueError(

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax import _nnx_validation
+from autoaccum.adapters.flax import _fit_step, _nnx_validation
 from autoaccum.adapters.flax._fit import flax_fit
-from autoaccum.training import _live, _snapshot
+from autoaccum.training import _snapshot
 from tests._oom_child import plan_at
 from tests._random_interrupts import ctrl_c_inside, ctrl_c_sender
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
@@ -87,13 +87,13 @@ def test_interrupt_inside_the_step_leaves_the_state_before_it():
     _assert_live_state_of_a_step(model, 2)
 
 
-def test_interrupt_between_the_step_and_the_model_update(monkeypatch):
+def test_interrupt_while_the_host_copy_is_taken(monkeypatch):
     real_take = _snapshot.HostSnapshot.take
     calls = {"n": 0}
 
     def take(self, tree, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:  # the copy after step 2: step 2 ran, the model is not updated
+        if calls["n"] == 3:  # the copy before step 3: step 2 is in the model
             raise KeyboardInterrupt
         return real_take(self, tree, **kwargs)
 
@@ -105,18 +105,17 @@ def test_interrupt_between_the_step_and_the_model_update(monkeypatch):
 
 
 def test_interrupt_halfway_through_the_model_update(monkeypatch):
-    real_commit = _live.LiveState.commit
+    real_write = _fit_step.FlaxState.write_state
     calls = {"n": 0}
 
-    def commit(self, steps):
+    def write_state(self, state):
         calls["n"] += 1
         if calls["n"] == 2:  # step 2: its params reach the model, its statistics do not
-            self.steps, self.pending = steps, None
-            nnx.update(model, self.state[0])
+            nnx.update(model, state[0])
             raise KeyboardInterrupt
-        return real_commit(self, steps)
+        return real_write(self, state)
 
-    monkeypatch.setattr(_live.LiveState, "commit", commit)
+    monkeypatch.setattr(_fit_step.FlaxState, "write_state", write_state)
     model = _model()
     with pytest.raises(KeyboardInterrupt):
         _fit(model)

@@ -1,0 +1,567 @@
+"""The one step runner: how ``fit`` and ``train_step`` run an accumulated optimizer step, for
+every framework.
+
+:class:`StepRunner` owns what running a donating, accumulated step takes, whatever the model:
+
+* the split: ``accum_steps x micro_batch`` per device (the last micro-batch may be smaller,
+  :class:`~autoaccum.planning.UnevenBatches`); a step of fewer examples than the effective
+  batch (an epoch's last) gets its own split at the same micro-batch (``uneven``; else the
+  largest divisor of it, with padding slots of weight 0 when ``pad`` and the examples do not
+  divide over the data-parallel devices);
+* one compiled program per batch shape (``make_step(weighted)`` jitted by the adapter,
+  lowered here, the planner's kept probe reused where it compiled this very program);
+* the attempt: the model's state is read (:meth:`StateHooks.read_state`) and laid out
+  (:meth:`StateHooks.place_state`), copied to the host (:class:`HostSnapshot`), the step is
+  dispatched and its new state written into the model (:meth:`StateHooks.write_state`) with
+  Ctrl-C held back, so the model holds one whole step's state at every moment; the next
+  batch is read while the device works;
+* recovery: a step that fails puts the state from before it back (the inputs when intact,
+  else the host copy); a real out-of-memory with ``elastic`` is redone from that state at the
+  next smaller micro-batch (more accumulation, the same effective batch,
+  :mod:`._elastic`);
+* what a non-finite step does (``on_nonfinite``), and :meth:`settle`: after any exception,
+  the model on the live arrays of one whole step.
+
+An adapter supplies only its model's state, as a :class:`StateHooks` (three methods), and its
+jitted step. The runner imports no framework.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..devices._mesh import batch_sharding, mesh_axis, shard_batches
+from ..devices._rlimit import compiling
+from ..devices._warnings import AutoaccumWarning
+from ..planning._kept_steps import reuse_or_compile
+from ..planning._micro_batches import UnevenBatches, split_sizes
+from ..planning._search import divisors
+from ._elastic import retry_smaller, shrink
+from ._epoch_batches import LeftoverSplit, leftover_batches
+from ._interrupts import deferred_interrupts
+from ._nonfinite import NonFiniteError, validate_on_nonfinite
+from ._snapshot import HostSnapshot, is_consumed
+
+__all__ = ["Split", "StateHooks", "StateLostError", "StepOutcome", "StepRunner", "split_examples"]
+
+PyTree = Any
+
+Split = tuple[int, int, "int | None"]
+"""``(accum_steps, micro_batch, last_micro_batch)`` of one step, per device; ``last`` is
+``None`` when every micro-batch is ``micro_batch``."""
+
+_LOST = ("the failed step had consumed (donated) the training state and no host copy was "
+         "kept (backup='none', or the state is above 4 GiB with backup='auto'); reload the "
+         "weights from a checkpoint, or pass backup='host'.")
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step reported, on the host (built by :meth:`StepRunner.run`)."""
+
+    loss: float
+    """The step's loss over all its examples."""
+    examples: int
+    """Examples in the step."""
+    applied: bool = True
+    """The step changed the weights."""
+    finite: bool = True
+    """The loss and the gradients were finite."""
+    optimizer_skipped: bool = False
+    """The optimizer skipped a non-finite step itself (``optax.apply_if_finite``, Keras's
+    ``LossScaleOptimizer``), counting it in its own state."""
+    full: bool = True
+    """The step was a full effective batch (``False``: a smaller, leftover step)."""
+    noise: tuple[float, float, float] | None = None
+    """``(|grad|^2, mean |micro grad|^2, valid count)`` for the gradient noise scale;
+    ``None``: the step does not count towards it."""
+    micro_batches: int = 1
+    """Micro-batches the step scanned, over all devices."""
+    logs: dict[str, Any] = field(default_factory=dict)
+    """The framework's own logs of the step (Keras's metrics)."""
+    noise_scale: float | None = None
+    """The gradient noise scale after this step (set by the fit loop)."""
+    count: float = math.nan
+    """Valid items (examples, tokens) the loss was divided by."""
+    grad_sq_norm: float = math.nan
+    """|mean gradient|^2 of the step (before the optimizer)."""
+
+    @property
+    def grad_norm(self) -> float:
+        """The norm of the step's mean gradient (``nan`` when it was not finite)."""
+        return math.sqrt(self.grad_sq_norm) if self.grad_sq_norm >= 0 else math.nan
+
+
+class StateLostError(RuntimeError):
+    """The donated state was consumed by a failed step and no host copy was kept."""
+
+
+class StateHooks:
+    """How a framework's model holds the train state: what an adapter gives a
+    :class:`StepRunner` (and, with three more methods, a fit loop: ``FitHooks``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> class Held(StateHooks):
+      ...     def __init__(self): self.state = {"w": jnp.zeros(2)}
+      ...     def read_state(self): return self.state, ()
+      ...     def write_state(self, state): self.state = state
+      >>> hooks = Held(); hooks.write_state({"w": jnp.ones(2)}); hooks.read_state()[0]["w"]
+      Array([1., 1.], dtype=float32)
+    """
+
+    def read_state(self) -> tuple[PyTree, PyTree]:
+        """``(state, frozen)``: the train state the model holds now (donated to the next
+        step) and the weights the step only reads."""
+        raise NotImplementedError
+
+    def write_state(self, state: PyTree) -> None:
+        """Writes ``state`` (a step's output, or a restored copy) into the model; idempotent.
+        Ctrl-C is held back while it runs."""
+        raise NotImplementedError
+
+    def place_state(self, state: PyTree, frozen: PyTree) -> tuple[PyTree, PyTree]:
+        """``(state, frozen)`` laid out as the step takes them (default: as they are)."""
+        return state, frozen
+
+
+def split_examples(examples: PyTree, split: Split, data_parallel: int = 1) -> PyTree:
+    """``[n, ...]`` host arrays as a step's batches, in the same order: ``[accum_steps,
+    dp * micro_batch, ...]``, or :class:`UnevenBatches` when ``split`` has a smaller last
+    micro-batch.
+
+    Example:
+      >>> b = split_examples({"x": np.arange(13)}, (3, 5, 3))
+      >>> b.full["x"].tolist(), b.last["x"].tolist()
+      ([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], [10, 11, 12])
+      >>> split_examples({"x": np.arange(8)}, (2, 2, None), 2)["x"].shape
+      (2, 4)
+    """
+    accum, micro, last = split
+    width = micro * data_parallel
+
+    def full(a: Any, steps: int) -> Any:
+        return np.ascontiguousarray(a).reshape(steps, width, *np.shape(a)[1:])
+
+    if last is None:
+        return jax.tree.map(lambda a: full(a, accum), examples)
+    cut = (accum - 1) * width
+    return UnevenBatches(full=jax.tree.map(lambda a: full(np.asarray(a)[:cut], accum - 1),
+                                           examples),
+                         last=jax.tree.map(lambda a: np.asarray(a)[cut:], examples))
+
+
+class StepRunner:
+    """Runs accumulated optimizer steps on a model's state (see the module docstring).
+
+    Args:
+      hooks: the model's state (:class:`StateHooks`).
+      make_step: ``make_step(weighted)`` -> the jitted ``step(state, batches, frozen) ->
+        (new_state, StepMetrics)`` donating ``state`` (``weighted``: ``batches`` is
+        ``(batches, weights)``, the weights 0 on padding slots).
+      split: the full step's ``(accum_steps, micro_batch, last_micro_batch)`` per device.
+      data_parallel, mesh, placement: the devices the batches are split over: a one-axis
+        data-parallel ``mesh``, or the model's own ``placement`` (its data axis).
+      uneven, pad: how a smaller step is split (see the module docstring).
+      elastic: redo a step that runs out of memory at the next smaller micro-batch.
+      backup, backup_every_step: the host copy's policy, and whether it is taken before every
+        step (else by :meth:`refresh`, e.g. every epoch).
+      on_nonfinite, optimizer_skips_nonfinite: the non-finite policy; an optimizer that
+        skips non-finite updates itself (``optax.apply_if_finite``, a
+        ``LossScaleOptimizer``) is left to.
+      check_count: a count of 0 valid items with a non-zero loss sum is an error.
+      steps: optimizer steps the state has already taken.
+      lowering: a context the step is lowered in (a framework's tracing scope).
+      log: where elastic recoveries are reported (``None``: standard error).
+      events: the list notable events are appended to (a result's).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from autoaccum.planning._train_program import StepMetrics
+      >>> class Held(StateHooks):
+      ...     state = {"w": jnp.zeros(())}
+      ...     def read_state(self): return self.state, ()
+      ...     def write_state(self, state): self.state = state
+      >>> def step(state, batches, frozen):
+      ...     loss = jnp.mean(batches["x"])
+      ...     return {"w": state["w"] + loss}, StepMetrics(loss, jnp.float32(4), 0.0, 0.0)
+      >>> hooks = Held()
+      >>> runner = StepRunner(hooks, lambda weighted: jax.jit(step, donate_argnums=0),
+      ...                     split=(2, 2, None))
+      >>> out = runner.run({"x": np.arange(4.0)})
+      >>> out.loss, runner.steps, float(hooks.state["w"])
+      (1.5, 1, 1.5)
+    """
+
+    def __init__(self, hooks: StateHooks, make_step: Callable[[bool], Any], *, split: Split,
+                 data_parallel: int = 1, mesh: Any = None, placement: Any = None,
+                 uneven: bool = True, pad: bool = False, elastic: bool = True,
+                 backup: str = "auto", backup_every_step: bool = True,
+                 on_nonfinite: str = "stop", optimizer_skips_nonfinite: bool = False,
+                 check_count: bool = False, steps: int = 0,
+                 lowering: Callable[[], Any] = contextlib.nullcontext,
+                 log: TextIO | None = None, events: list[str] | None = None) -> None:
+        self.hooks = hooks
+        self._make = make_step
+        self.accum_steps, self.micro_batch, self.last_micro_batch = split
+        self.dp = int(data_parallel)
+        self.mesh, self.placement = mesh, placement
+        self.uneven, self.pad, self.elastic = uneven, pad, elastic
+        self.snapshot = HostSnapshot(backup)
+        self.backup_every_step = backup_every_step
+        self.on_nonfinite = validate_on_nonfinite(on_nonfinite)
+        self.optimizer_skips_nonfinite = optimizer_skips_nonfinite
+        self.check_count = check_count
+        self.steps = steps
+        """Optimizer steps applied to the state (an adapter may set it, e.g. from Keras's
+        ``optimizer.iterations``)."""
+        self.lowering, self.log = lowering, log
+        self.events: list[str] = [] if events is None else events
+        """What happened besides plain steps (skipped steps, elastic recoveries, failures)."""
+        self.losses: list[float] = []
+        """The loss of every applied step."""
+        self.resplits: list[str] = []
+        """The elastic recoveries (also in :attr:`events`)."""
+        self.state: PyTree = None
+        """The state last given to a step, or returned by one (what the model holds)."""
+        self.pending: Any = None
+        """A dispatched step's metrics, until its outcome is taken."""
+        self._splits: dict[int, Split] = {}
+        self._jitted: dict[bool, Any] = {}
+        self._executables: dict[Any, Any] = {}
+        self._writing = False
+        self._current: tuple[int, Split, bool] = (0, split, False)
+
+    # -- the split ---------------------------------------------------------------------------
+    @property
+    def effective_batch(self) -> int:
+        """Examples in a full step (over all devices)."""
+        last = self.micro_batch if self.last_micro_batch is None else self.last_micro_batch
+        return (self.micro_batch * (self.accum_steps - 1) + last) * self.dp
+
+    def split(self, examples: int) -> Split:
+        """The split of a step of ``examples``: the full step's for an effective batch; for a
+        smaller one, micro-batches of the full step's micro-batch and a smaller last one
+        (``uneven=False``: the largest divisor; ``pad``: one example per device and micro-batch
+        when they do not divide over the devices)."""
+        if examples == self.effective_batch:
+            return self.accum_steps, self.micro_batch, self.last_micro_batch
+        if examples not in self._splits:
+            per_device, rest = divmod(examples, self.dp)
+            if rest and not self.pad:
+                raise ValueError(f"{examples} examples do not split over {self.dp} devices. "
+                                 f"Received: {examples} examples, data_parallel={self.dp}")
+            if rest:
+                self._splits[examples] = (-(-examples // self.dp), 1, None)
+            elif self.uneven:
+                micro = min(self.micro_batch, per_device)
+                accum, last = split_sizes(per_device, micro)
+                self._splits[examples] = (accum, micro, last)
+            else:
+                micro = max(d for d in divisors(per_device) if d <= self.micro_batch)
+                self._splits[examples] = (per_device // micro, micro, None)
+        return self._splits[examples]
+
+    def host_batches(self, examples: PyTree, split: Split) -> tuple[PyTree, np.ndarray | None]:
+        """One step's examples ``[n, ...]`` as its host batches at ``split``, and the weights
+        of its slots when it pads (else ``None``)."""
+        n = _size(examples)
+        accum, micro, last = split
+        slots = (micro * (accum - 1) + (micro if last is None else last)) * self.dp
+        if slots == n:
+            return split_examples(examples, split, self.dp), None
+        return leftover_batches(examples, np.arange(n),
+                                LeftoverSplit(n, micro, accum, slots - n), self.dp)
+
+    # -- compiling -----------------------------------------------------------------------------
+    def _compiled(self, state: PyTree, batches: PyTree, frozen: PyTree, weighted: bool) -> Any:
+        key = (weighted, jax.tree.structure(batches),
+               tuple(tuple(np.shape(leaf)) for leaf in jax.tree.leaves(batches)))
+        if key not in self._executables:
+            if weighted not in self._jitted:
+                self._jitted[weighted] = self._make(weighted)
+            args = (state, batches, frozen)
+            with compiling(), self.lowering():
+                # The plan's probe of this very step, when it compiled one, else a compile.
+                self._executables[key] = reuse_or_compile(
+                    self._jitted[weighted].lower(*args), args)
+        return self._executables[key]
+
+    def compile(self, spec: PyTree, examples: int | None = None) -> Any:
+        """Compiles the step for a batch of ``examples`` (default: the effective batch) whose
+        examples are shaped like ``spec`` (``ShapeDtypeStruct`` leaves), before any step."""
+        split = self.split(self.effective_batch if examples is None else examples)
+        state, frozen = self.hooks.place_state(*self.hooks.read_state())
+        return self._compiled(state, self._abstract_batches(spec, split), frozen, False)
+
+    def _abstract_batches(self, spec: PyTree, split: Split) -> PyTree:
+        """Abstract batches of ``split``, laid out as :meth:`_place` places them."""
+        accum, micro, last = split
+        full_sharding = last_sharding = None
+        if self.placement is not None:
+            full_sharding, last_sharding = (self.placement.batch_sharding(),
+                                            self.placement.last_sharding())
+        elif self.mesh is not None:
+            full_sharding = batch_sharding(self.mesh)
+            last_sharding = NamedSharding(self.mesh, P(mesh_axis(self.mesh)))
+
+        def full(steps: int) -> PyTree:
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+                (steps, micro * self.dp, *s.shape), s.dtype, sharding=full_sharding), spec)
+
+        if last is None:
+            return full(accum)
+        return UnevenBatches(full(accum - 1), jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((last * self.dp, *s.shape), s.dtype,
+                                           sharding=last_sharding), spec))
+
+    def _place(self, batches: PyTree) -> PyTree:
+        """Host batches placed as the step takes them."""
+        if self.placement is not None:
+            return self.placement.place_batches(batches)
+        return batches if self.mesh is None else shard_batches(batches, self.mesh)
+
+    # -- a step --------------------------------------------------------------------------------
+    def run(self, examples: PyTree, following: Callable[[], Any] | None = None) -> StepOutcome:
+        """One optimizer step on ``examples`` (host arrays, leading axis = its examples);
+        ``following()`` reads the next batch while the device works. Returns what the step
+        reported (a non-finite step reports ``applied=False``; see :meth:`nonfinite_error`).
+
+        Raises:
+          ValueError: a count of 0 valid items with a non-zero loss sum (``check_count``).
+          autoaccum.planning.DoesNotFitError: out of memory at micro-batch 1 (``elastic``).
+          Exception: the step's error (an out-of-memory without ``elastic``): the model holds
+            the state from before it.
+        """
+        n = _size(examples)
+        fetched: list[Any] = []
+
+        def following_once() -> Any:
+            # A step that fails after dispatch (its error surfaces when its result is read)
+            # has read the next batch already: the retry must not read another.
+            if following is not None and not fetched:
+                fetched.append(following())
+            return fetched[0] if fetched else None
+
+        def attempt() -> StepOutcome:
+            return self._attempt(examples, n, self.split(n), following_once)
+
+        def recover(error: BaseException) -> None:
+            if self.state is None or is_consumed(self.state):
+                raise error  # nothing to redo the step from (see the note on the error)
+            self._shrink(error, n, self.split(n))
+
+        return retry_smaller(attempt, elastic=self.elastic, recover=recover)
+
+    def _attempt(self, examples: PyTree, n: int, split: Split,
+                 following: Callable[[], Any]) -> StepOutcome:
+        state, frozen = self.hooks.place_state(*self.hooks.read_state())
+        self.state = state
+        if self.backup_every_step:
+            self.snapshot.take(state, step=self.steps)
+        batches, weights = self.host_batches(examples, split)
+        placed = self._place(batches)
+        if weights is not None:
+            placed = (placed, self._place(weights))
+        compiled = self._compiled(state, placed, frozen, weights is not None)
+        self._current = (n, split, weights is not None)
+        with deferred_interrupts():
+            try:
+                new_state, metrics = compiled(state, placed, frozen)
+            except BaseException as error:
+                self._restore(state, error)
+                raise
+            self.state, self.pending = new_state, metrics
+            self._write(new_state)
+        following()  # the next batch is read on the host while the device works
+        try:
+            host = _read(metrics)
+        except Exception as error:
+            self.pending = None
+            self._restore(state, error)
+            raise
+        self.pending = None
+        return self._outcome(host)
+
+    def _outcome(self, host: tuple) -> StepOutcome:
+        """The outcome of the current step from its metrics on the host; counts it."""
+        n, split, weighted = self._current
+        finite, count, loss, grad_sq, micro_sq, logs = host
+        applied = finite and not (self.check_count and count == 0 and loss != 0)
+        step = self.steps + 1
+        if finite and not applied:
+            raise ValueError(
+                f"loss_fn returned a count of 0 valid items with a loss sum of {loss:g} at "
+                f"step {step}: the mean is undefined, so the step was not applied. Return "
+                "the number of items the sum runs over (e.g. jnp.sum(mask)), and a sum of 0 "
+                f"when nothing is valid. Received: count=0, sum={loss:g}")
+        if applied:
+            self.steps = step
+            self.losses.append(loss)
+        else:
+            what = f"step {step}: the loss ({loss:g}) or the gradients were not finite"
+            if self.optimizer_skips_nonfinite:  # the optimizer skipped it, counting it itself
+                self.events.append(f"{what}; skipped by the optimizer (optax.apply_if_finite "
+                                   "or a loss-scale optimizer), which counts it in its own "
+                                   "state")
+            elif self.on_nonfinite == "skip":
+                self.events.append(f"{what}; skipped (weights and optimizer state unchanged)")
+        return StepOutcome(
+            loss=loss, examples=n, applied=applied, finite=applied,
+            optimizer_skipped=not applied and self.optimizer_skips_nonfinite,
+            full=n >= self.effective_batch,
+            noise=(grad_sq, micro_sq, count) if applied and not weighted else None,
+            micro_batches=split[0] * self.dp, logs=logs, count=count, grad_sq_norm=grad_sq)
+
+    def nonfinite_error(self, outcome: StepOutcome) -> NonFiniteError:
+        """The error that stops training after a non-finite step under ``on_nonfinite="stop"``
+        (the step was not applied: the model holds the state after the last finite step);
+        the reason is added to the events."""
+        step = self.steps + 1
+        self.events.append(f"step {step}: the loss ({outcome.loss:g}) or the gradients were "
+                           f"not finite; training stopped, the model holds the state after "
+                           f"step {self.steps}")
+        return NonFiniteError(
+            f"Optimizer step {step} had a non-finite loss or gradient (loss={outcome.loss:g}); "
+            "training stopped and the model keeps the state from before that step (after "
+            f"step {self.steps}). Look for NaN/inf in the data or a learning rate that is too "
+            "high; on_nonfinite='skip' skips such steps instead.", step=step)
+
+    # -- failures ------------------------------------------------------------------------------
+    def _write(self, state: PyTree) -> None:
+        """``state`` into the model, with Ctrl-C held back until it is whole."""
+        with deferred_interrupts():
+            self._writing = True
+            self.hooks.write_state(state)
+            self._writing = False
+
+    def _restore(self, before: PyTree, error: BaseException) -> None:
+        """After a failed step: the model back on ``before``, the state the step was given (if
+        intact, else the host copy); without either, a note on ``error`` says how to
+        recover."""
+        self.pending = None
+        if not is_consumed(before):
+            self.state = before
+            self._write(before)
+            return
+        if not self.snapshot.available:
+            _note(error, f"autoaccum: {_LOST}")
+            return
+        self.state = self.snapshot.restore()
+        self._write(self.state)
+        if not self.backup_every_step:
+            _note(error, "autoaccum: the failed step had consumed (donated) the training "
+                         "state; the model's variables were restored from the host copy taken "
+                         "at the start of this epoch.", warn=True)
+
+    def refresh(self) -> None:
+        """Takes the host copy of the model's state now (with ``backup_every_step=False``:
+        the copy a failed step is restored from, e.g. once per epoch)."""
+        if not self.backup_every_step:
+            state = self.hooks.place_state(*self.hooks.read_state())[0]
+            self.state = state
+            self.snapshot.take(state, step=self.steps)
+
+    def settle(self) -> None:
+        """After any exception: the model holds live arrays of one whole optimizer step.
+
+        A step dispatched but not yet taken is kept (and counted) when it completed,
+        else the state before it is put back; a write into the model that stopped halfway is
+        redone.
+
+        Raises:
+          StateLostError: the state was consumed by a failed step and no host copy is held.
+        """
+        metrics, self.pending = self.pending, None
+        if self.state is None:
+            return
+        if metrics is not None:
+            try:
+                host = _read(metrics)
+            except Exception:
+                host = None
+            if host is not None and not is_consumed(self.state):
+                if self._writing:
+                    self._write(self.state)
+                with contextlib.suppress(ValueError):
+                    self._outcome(host)
+                return
+        elif not is_consumed(self.state):
+            if self._writing:
+                self._write(self.state)  # redo: an interrupted write left it half done
+            return
+        if not self.snapshot.available:
+            raise StateLostError(f"step {self.steps + 1}: {_LOST}")
+        self.state = self.snapshot.restore()
+        self._write(self.state)
+
+    # -- elastic -------------------------------------------------------------------------------
+    def shrink(self, error: BaseException) -> Any:
+        """After an out-of-memory of a full step: the next smaller micro-batch for it (the same
+        effective batch; smaller steps are split again at it). Returns the
+        :class:`~autoaccum.training._elastic.ElasticEvent`.
+
+        Raises:
+          autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
+        """
+        return self._shrink(error, self.effective_batch,
+                            (self.accum_steps, self.micro_batch, self.last_micro_batch),
+                            report=False)
+
+    def _shrink(self, error: BaseException, examples: int, split: Split, *,
+                report: bool = True) -> Any:
+        accum, micro, last = split
+        slots = (micro * (accum - 1) + (micro if last is None else last))
+        try:
+            event = shrink(error, step=self.steps + 1, micro_batch=micro, accum_steps=accum,
+                           data_parallel=self.dp, per_device=slots)
+        except Exception:
+            self.events.append(
+                f"step {self.steps + 1}: out of memory at micro_batch {micro}; model restored "
+                f"to the state after step {self.steps}")
+            raise
+        self.events.append(str(event))
+        self.resplits.append(str(event))
+        if report:
+            print(f"autoaccum: elastic: {event}", file=self.log or sys.stderr, flush=True)
+        new = (event.new_accum_steps, event.new_micro_batch, None)
+        if examples == self.effective_batch:
+            self.accum_steps, self.micro_batch, self.last_micro_batch = new
+            # Smaller steps are split again at the new micro-batch.
+            self._splits = {k: s for k, s in self._splits.items() if s[1] <= new[1]}
+        else:
+            self._splits[examples] = new
+        return event
+
+
+def _read(metrics: Any) -> tuple:
+    """A step's metrics on the host: ``(finite, count, loss, |grad|^2, micro |grad|^2,
+    logs)`` (blocks until the step is done; raises its error)."""
+    finite, count, loss, grad_sq, micro_sq, logs = jax.device_get(
+        (metrics.finite, metrics.count, metrics.loss, metrics.grad_sq_norm,
+         metrics.micro_grad_sq_norm, metrics.logs or {}))
+    return (bool(finite), float(count), float(loss), float(grad_sq), float(micro_sq),
+            {name: float(value) for name, value in logs.items()})
+
+
+def _note(error: BaseException, note: str, *, warn: bool = False) -> None:
+    if warn:
+        warnings.warn(note, AutoaccumWarning, stacklevel=4)
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
+def _size(examples: PyTree) -> int:
+    return int(np.shape(jax.tree.leaves(examples)[0])[0])
+

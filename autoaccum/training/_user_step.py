@@ -1,0 +1,128 @@
+"""The one user-loop step: the planned step of ``autoaccum.train_step`` for a loop you write,
+on the one step runner, for every framework.
+
+:class:`UserLoopStep` runs one effective batch (or a smaller last one) per call through a
+:class:`~autoaccum.training._step_runner.StepRunner`: the model holds the new state after the
+call; a failed or interrupted call leaves it on the state of one whole step
+(:meth:`StepRunner.settle`); a non-finite step under ``on_nonfinite="stop"`` raises
+:class:`~autoaccum.training.NonFiniteError`; :meth:`UserLoopStep.shrink` gives the next smaller
+micro-batch after an out-of-memory, and :attr:`UserLoopStep.plan` says the split the step runs
+now. An adapter's step (Flax's ``TrainStep``, Keras's ``KerasTrainStep``) adds only how its
+framework's batches and outputs look.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..planning._plan import Plan
+from ._step_runner import StateLostError, StepOutcome, StepRunner
+
+__all__ = ["UserLoopStep"]
+
+
+class UserLoopStep:
+    """One effective batch in, one optimizer step out, on ``runner``; ``plan`` is the plan it
+    was built from.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from autoaccum.planning._train_program import StepMetrics
+      >>> from autoaccum.training._step_runner import StateHooks
+      >>> class Held(StateHooks):
+      ...     state = jnp.zeros(())
+      ...     def read_state(self): return self.state, ()
+      ...     def write_state(self, state): self.state = state
+      >>> def step(state, batches, frozen):
+      ...     return state + 1, StepMetrics(jnp.mean(batches), jnp.float32(4), 0.0, 0.0)
+      >>> runner = StepRunner(Held(), lambda weighted: jax.jit(step, donate_argnums=0),
+      ...                     split=(2, 2, None))
+      >>> from dataclasses import dataclass
+      >>> @dataclass(frozen=True)
+      ... class Split:  # the fields of a Plan the step reads
+      ...     micro_batch: int = 2
+      ...     accum_steps: int = 2
+      ...     last_micro_batch: int | None = None
+      ...     notes: tuple = ()
+      >>> user = UserLoopStep(runner, Split())
+      >>> user.run(np.ones(4)).loss, user.steps, user.plan == Split()
+      (1.0, 1, True)
+    """
+
+    def __init__(self, runner: StepRunner, plan: Plan) -> None:
+        self._runner = runner
+        self._plan = plan
+        self._noted = 0
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the step runs now (a smaller micro-batch after :meth:`shrink` or an
+        elastic recovery, with the reason in its notes)."""
+        runner = self._runner
+        split = (runner.micro_batch, runner.accum_steps, runner.last_micro_batch)
+        plan = self._plan
+        if split != (plan.micro_batch, plan.accum_steps, plan.last_micro_batch):
+            new = runner.resplits[self._noted:]
+            self._noted = len(runner.resplits)
+            self._plan = dataclasses.replace(
+                plan, micro_batch=split[0], accum_steps=split[1], last_micro_batch=split[2],
+                notes=(*plan.notes, *(f"elastic: {event}" for event in new)))
+        return self._plan
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return self._runner.steps
+
+    @property
+    def events(self) -> list[str]:
+        """What happened besides plain steps (skipped steps, out-of-memory recoveries)."""
+        return list(self._runner.events)
+
+    def shrink(self, error: BaseException) -> Any:
+        """After an out-of-memory from this step: the next smaller micro-batch (more
+        accumulation, the same effective batch, the same state). Returns ``self``.
+
+        Raises:
+          autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
+        """
+        self._runner.shrink(error)
+        return self
+
+    def check_size(self, n: int, what: str = "") -> None:
+        """Refuses a batch of ``n`` examples that is empty or above the effective batch
+        (``what``: how the batch was given, for the message)."""
+        effective = self._runner.effective_batch
+        if n > effective or n == 0:
+            raise ValueError(
+                f"A step takes at most one effective batch of {effective} examples (a smaller "
+                f"last one is fine); this batch has {n}. Split your data into batches of "
+                f"{effective} (or build the step with effective_batch={n}). Received: a batch "
+                f"of {n} examples{what}")
+
+    def run(self, examples: Any) -> StepOutcome:
+        """One optimizer step on ``examples`` (host arrays, leading axis = its examples).
+
+        Raises:
+          autoaccum.NonFiniteError: ``on_nonfinite="stop"`` and the step was not finite (the
+            model keeps the state before it; an optimizer that skips such steps itself is
+            left to).
+          Exception: the step's error (an out-of-memory without ``elastic``: call
+            :meth:`shrink` and try again); the model holds the state of one whole step.
+        """
+        runner = self._runner
+        try:
+            outcome = runner.run(examples)
+        except BaseException as error:
+            try:
+                runner.settle()  # the model holds an intact state
+            except StateLostError as lost:
+                if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
+                    error.add_note(f"autoaccum: {lost}")
+                raise error from None
+            raise
+        if (not outcome.finite and not outcome.optimizer_skipped
+                and runner.on_nonfinite == "stop"):
+            raise runner.nonfinite_error(outcome)
+        return outcome
