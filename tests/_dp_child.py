@@ -233,7 +233,7 @@ def elastic() -> dict:
     import dataclasses
 
     import autoaccum
-    from autoaccum.adapters.flax._fit import flax_fit
+    from autoaccum.adapters.flax._nnx_fit import flax_fit
 
     def check(tokens):
         if tokens.shape[0] > 2:

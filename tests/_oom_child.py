@@ -89,7 +89,7 @@ def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
 
     import numpy as np
 
-    from autoaccum.adapters.flax._fit import flax_fit
+    from autoaccum.adapters.flax._nnx_fit import flax_fit
     from autoaccum.devices._rlimit import AddressSpaceCap
     from tests._models import token_loss
 
@@ -152,7 +152,7 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     import keras
     import numpy as np
 
-    from autoaccum.adapters.keras._fit import keras_fit
+    from autoaccum.adapters.keras._keras_fit import keras_fit
     from autoaccum.devices._rlimit import AddressSpaceCap
 
     _setup()

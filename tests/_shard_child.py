@@ -190,7 +190,7 @@ def train_step_and_elastic() -> dict:
     """``autoaccum.train_step`` with ``strategy="fsdp"`` equals one device; an out-of-memory
     in a sharded fit is redone at a smaller micro-batch from the restored sharded state."""
     import autoaccum
-    from autoaccum.adapters.flax._fit import flax_fit
+    from autoaccum.adapters.flax._nnx_fit import flax_fit
 
     data = ragged_tokens(64, 10, seed=4)
     def sgd(rate):  # linear in the gradients (see planned())

@@ -193,11 +193,6 @@ def test_core_examples_use_the_core_and_the_public_api():
     assert found == []
 
 
-SHARED_NAMES_TO_RENAME = {"_fit.py"}
-"""Module names two modules still share, until one of them is renamed: ``adapters/flax/_fit.py``
-and ``adapters/keras/_fit.py`` (the adapters' ``fit`` loops, being reworked)."""
-
-
 def test_every_module_has_a_name_of_its_own():
     """One name per idea: no two modules of the package share a file name (``__init__.py``
     aside), so a name in a traceback, an import or a review says which module it is."""
@@ -205,11 +200,8 @@ def test_every_module_has_a_name_of_its_own():
     for path in sources():
         if path.is_relative_to(ROOT / "autoaccum") and path.name != "__init__.py":
             paths_by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
-    shared = {name: paths for name, paths in sorted(paths_by_name.items())
-              if len(paths) > 1 and name not in SHARED_NAMES_TO_RENAME}
+    shared = {name: paths for name, paths in sorted(paths_by_name.items()) if len(paths) > 1}
     assert shared == {}
-    assert all(len(paths_by_name.get(name, ())) > 1 for name in SHARED_NAMES_TO_RENAME), (
-        "a name in SHARED_NAMES_TO_RENAME is no longer shared: take it off the list")
 
 
 UNHELD_DOCUMENTS = ("design notes", "design.md")

@@ -138,10 +138,10 @@ def _with(path: str, extra: str) -> list[str]:
 
 
 def test_the_rule_catches_a_keras_src_import_added_to_fit():
-    found = _with("autoaccum/adapters/keras/_fit.py",
+    found = _with("autoaccum/adapters/keras/_keras_fit.py",
                   "\n\ndef _probe():\n    from keras.src import backend\n    return backend\n")
     assert any("from keras.src import" in v for v in found)
-    assert _with("autoaccum/adapters/keras/_fit.py", "") == []
+    assert _with("autoaccum/adapters/keras/_keras_fit.py", "") == []
 
 
 def test_the_rule_catches_every_form_of_reach():

@@ -4,8 +4,8 @@
 micro-batch as a sum over its valid items with their count, so masking is exact.
 """
 
-from ._fit import flax_fit as flax_fit
 from ._nnx_adapter import FlaxAdapter as FlaxAdapter
+from ._nnx_fit import flax_fit as flax_fit
 from ._nnx_program import flax_program as flax_program
 from ._nnx_program import make_flax_step as make_flax_step
 from ._nnx_program import split_model as split_model

@@ -23,8 +23,8 @@ from ...planning._remat_policies import REMAT_POLICIES
 from ...training._batch_norm_moments import validate_batch_stats
 from ...training._callbacks import validate_callbacks
 from ...training._epoch_batches import as_arrays, example_spec, num_examples
-from ._fit import flax_fit
 from ._nnx_data import ArrayData, flax_data
+from ._nnx_fit import flax_fit
 from ._nnx_optimizer import NnxOptimizerLink, unwrap_optimizer
 from ._nnx_program import flax_program, split_model
 from ._nnx_remat import rematerialized, repeated_layers

@@ -15,9 +15,9 @@ Nothing here imports Keras until a Keras model is handled. The public entry poin
 
 from __future__ import annotations
 
-from ._fit import keras_fit as keras_fit
 from ._keras_adapter import KerasAdapter as KerasAdapter
 from ._keras_arrays import KerasArrays as KerasArrays
+from ._keras_fit import keras_fit as keras_fit
 from ._keras_lr import scale_keras_learning_rate as scale_keras_learning_rate
 from ._keras_program import keras_lowering_scope as keras_lowering_scope
 from ._keras_program import keras_program as keras_program

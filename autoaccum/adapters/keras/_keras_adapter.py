@@ -178,7 +178,7 @@ class KerasAdapter:
 
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,
             options: dict) -> Any:
-        from ._fit import keras_fit
+        from ._keras_fit import keras_fit
 
         if prepared.extras.get("learning_rate") is not None:
             set_base_learning_rate(model.optimizer, prepared.extras["learning_rate"])

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from autoaccum.adapters.flax._fit import flax_fit
+from autoaccum.adapters.flax._nnx_fit import flax_fit
 from autoaccum.devices._mesh import data_parallel_mesh
 from tests._models import TinyLM, ragged_tokens, token_loss
 from tests._oom_child import plan_at

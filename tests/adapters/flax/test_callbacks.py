@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._fit import flax_fit
+from autoaccum.adapters.flax._nnx_fit import flax_fit
 from autoaccum.training._epoch_batches import as_arrays
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression

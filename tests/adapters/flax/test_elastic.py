@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from autoaccum.adapters.flax._fit import flax_fit
+from autoaccum.adapters.flax._nnx_fit import flax_fit
 from autoaccum.planning._search import DoesNotFitError
 from tests._models import TinyLM, ragged_tokens, token_loss
 from tests._oom_child import plan_at, run_child

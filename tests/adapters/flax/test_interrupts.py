@@ -10,7 +10,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax import _fit_step, _nnx_validation
-from autoaccum.adapters.flax._fit import flax_fit
+from autoaccum.adapters.flax._nnx_fit import flax_fit
 from autoaccum.training import _snapshot
 from tests._oom_child import plan_at
 from tests._random_interrupts import ctrl_c_inside, ctrl_c_sender
