@@ -268,15 +268,6 @@ def _without_jax_cache_warnings() -> Iterator[None]:
         yield
 
 
-def compile_step(program: TrainProgram, micro_batch: int, accum_steps: int,
-                 target: CompileTarget | None = None, *, last: int | None = None) -> Any:
-    """Lowers and compiles ``program.step`` for abstract inputs; returns the compiled object
-    (see :func:`lower_step`)."""
-    lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
-    with program.lowering_context():
-        return compile_lowered(lowered, target, program=program)
-
-
 DEVICELESS_CODEGEN_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("xla_gpu_disable_gpuasm_optimizations", True),
     ("xla_backend_optimization_level", 0),
