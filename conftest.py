@@ -79,6 +79,11 @@ SLOW_DOCTESTS = (
     "autoaccum/adapters/keras/presets/_advise_preset.py",
     "autoaccum/_advise_api.py",
     "autoaccum/_train_step_api.py",
+    "autoaccum/_plan_api.py::autoaccum._plan_api.plan",
+    "autoaccum/_fit_api.py::autoaccum._fit_api.fit",
+    "autoaccum/adapters/keras/_keras_train_step.py::autoaccum.adapters.keras._keras_train_step."
+    "KerasTrainStep",
+    "autoaccum/devices/_xla_options.py::autoaccum.devices._xla_options.known_xla_flags",
     "autoaccum/planning/_depth.py",
     "autoaccum_demo/_gemma_demo.py",
     "autoaccum_demo/_tiny_lm.py",

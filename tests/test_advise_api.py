@@ -109,6 +109,7 @@ def test_rows_that_cannot_shrink_the_state_are_not_tried(advice):
     assert not any(set(c) == {"remat"} for c in tried)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_advice_as_json_and_html(advice):
     out = json.loads(json.dumps(advice.to_dict(), default=str))
     assert out["fits"] is False and out["resident"]["state_bytes"] > BUDGET
@@ -136,6 +137,7 @@ def test_plan_with_advise_raises_the_error_with_the_table():
     assert compile_count() > before  # the rows were compiled
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_model_that_fits_needs_no_advice():
     advice = autoaccum.advise(LoRAMLP(rngs=nnx.Rngs(0)), DATA, effective_batch=2,
                               optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
@@ -175,6 +177,7 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
     assert {p.estimate.source for p in again.probes} == {"cache"}  # the advisor's programs
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_advise_keeps_the_learning_rate_as_plan_does_unless_base_batch_is_given():
     # The advisor plans what autoaccum.plan would with the same arguments: the rate as given,
     # scaled only when base_batch says which batch it was tuned for.

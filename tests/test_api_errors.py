@@ -178,6 +178,7 @@ def test_an_optimizer_factory_that_returns_no_optax_transformation():
         _fit(optimizer=lambda learning_rate: "sgd", learning_rate=0.1)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_log_stdout_prints_there_and_unknown_log_names_are_refused(capsys):
     _fit(log="stdout", verbose=1)
     assert "autoaccum plan" in capsys.readouterr().out

@@ -52,6 +52,7 @@ def test_the_session_compiles_cpu_code_unoptimised_with_the_flags_this_jaxlib_kn
     assert ("--xla_cpu_use_fusion_emitters=false" in flags) == old_jaxlib
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_unoptimised_cpu_code_has_the_memory_figures_and_values_of_optimised_code():
     spec = {"x": jax.ShapeDtypeStruct((16,), jnp.float32),
             "y": jax.ShapeDtypeStruct((), jnp.int32)}

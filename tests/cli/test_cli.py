@@ -316,6 +316,7 @@ def test_a_builder_returning_an_option_of_a_spec_is_told_where_it_lives(capsys):
     assert "remat is given as search=autoaccum.Search(remat=...)" in err
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_every_option_of_a_spec_with_a_flag_reaches_the_plan(capsys):
     argv = ["plan", "--model", "tests._plans:builder", "--effective-batch", "4", "--json",
             "--quiet", "--budget", "64MiB", "--remat", "none", "--objective", "memory",

@@ -17,6 +17,7 @@ def _texts(fig):
             [t.get_text() for t in fig.texts], ax.get_title(), ax.get_ylabel())
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plot_is_a_figure_that_leaves_backend_and_pyplot_alone(tmp_path):
     backend = matplotlib.rcParams._get_backend_or_none()
     pyplot = sys.modules.get("matplotlib.pyplot")

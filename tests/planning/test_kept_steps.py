@@ -43,6 +43,7 @@ def compiled_programs(monkeypatch):
     return texts
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_flax_fit_compiles_its_planned_step_once(compiled_programs):
     reused = kept_count()
     result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), DATA, effective_batch=8, budget="1GiB",
@@ -97,6 +98,7 @@ def test_a_program_that_calls_back_into_python_is_never_reused():
     assert kept_count() == reused
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_keras_fit_compiles_its_planned_step_once(compiled_programs):
     # The plan measures the step the fit runs (Keras's logs included), so the fit runs the
     # probe the plan compiled instead of compiling that program again.

@@ -75,6 +75,7 @@ def test_planned_micro_batch_equals_brute_force_largest_fitting_divisor(
         assert "does not divide" in plan.report()
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_whole_batch_plan_when_everything_fits(cached_measure, sweep):
     budget = autoaccum.planning.Budget(sweep[EFFECTIVE] + 1, "user", "test")
     scaling = autoaccum.planning.scale_learning_rate(None, effective_batch=EFFECTIVE)
@@ -136,6 +137,7 @@ def test_budget_too_small_even_for_micro_batch_one_names_what_would_help():
         assert hint in message
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_need_one_byte_over_the_budget_never_reads_as_the_same_size(cached_measure, sweep):
     import io
     import re

@@ -28,6 +28,7 @@ def test_notebook_html_is_a_table_with_every_probe_and_the_choice_marked():
     assert "limited by" in html and "&lt;" not in plan.target
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_report_says_what_limited_the_micro_batch():
     accumulating, whole = accumulating_plan(), whole_batch_plan()
     assert accumulating.micro_batch == 2 and accumulating.accum_steps == 8

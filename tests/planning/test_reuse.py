@@ -46,6 +46,7 @@ def test_fit_with_a_plan_trains_with_it_and_compiles_no_probe(planned):
     assert np.isfinite(result.losses).all() and result.losses[-1] < result.losses[0]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_plan_for_another_effective_batch_is_refused(planned):
     plan, data = planned
     with pytest.raises(ValueError, match=r"made for effective_batch=8.*Received: "
@@ -64,6 +65,7 @@ def test_a_plan_for_another_model_or_data_is_refused(planned):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), longer, effective_batch=8, plan=plan, **OPTIONS)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_plan_with_another_learning_rate_rule_is_refused(planned):
     plan, data = planned
     options = {**OPTIONS, "learning_rate": autoaccum.LearningRate(value=1e-3, base_batch=1,
@@ -76,6 +78,7 @@ def test_a_plan_with_another_learning_rate_rule_is_refused(planned):
                       optimizer=optax.adam, learning_rate=1e-3, loss_fn=token_loss)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_dry_run_plan_and_planning_options_are_refused(planned):
     plan, data = planned
     dry = dataclasses.replace(plan, deviceless=True, profile="t4")

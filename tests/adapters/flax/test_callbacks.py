@@ -111,6 +111,7 @@ def test_a_callback_can_stop_training_early():
     assert result.steps == 4 * len(result.epoch_losses)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_raising_stop_training_ends_fit_normally_after_that_step():
     class StopAt(autoaccum.Callback):
         def on_step_end(self, step, logs):

@@ -94,6 +94,7 @@ def test_each_form_trains_as_the_same_examples_in_memory(form):
     np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_re_iterable_is_read_once_per_epoch_and_planning_reads_a_fresh_pass():
     loader = Loader(5)
     kernel, result = _fit(loader, epochs=3)
@@ -110,6 +111,7 @@ def test_drop_remainder_drops_the_streams_last_examples():
     np.testing.assert_allclose(kernel, reference, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_planning_reads_a_one_shot_iterator_and_trains_what_it_read_first():
     generator = _batches(3)
     kernel, result = _fit(generator)

@@ -64,6 +64,7 @@ def test_elastic_shrinks_until_it_fits_and_keeps_the_result():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_not_elastic_raises_and_restores():
     model = TinyLM(rngs=nnx.Rngs(1))
     before = _params(model)

@@ -61,6 +61,7 @@ def test_rate_without_base_batch_is_unchanged_and_not_announced():
     assert "unchanged: none (base_batch not given)" in log  # the plan report says why
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_sgd_with_base_batch_scales_linearly():
     kernel, scaling, log = _trained(optax.sgd,
                                     learning_rate=autoaccum.LearningRate(value=0.1, base_batch=4))
@@ -70,6 +71,7 @@ def test_sgd_with_base_batch_scales_linearly():
                                "optimizer; effective batch 16 / base batch 4)"]
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_momentum_with_base_batch_scales_linearly():
     kernel, scaling, log = _trained(optax.sgd(0.1, momentum=0.9, nesterov=True),
                                     learning_rate=autoaccum.LearningRate(base_batch=8))
@@ -81,6 +83,7 @@ def test_momentum_with_base_batch_scales_linearly():
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw"])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_adam_family_with_base_batch_scales_by_the_square_root(name):
     factory = getattr(optax, name)
     kernel, scaling, log = _trained(factory(1e-3),
@@ -96,10 +99,12 @@ def test_adam_family_with_base_batch_scales_by_the_square_root(name):
     lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
     lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
 ], ids=["lion", "adafactor", "lamb", "rmsprop", "nadam", "clipped adamw", "injected adam"])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_adam_family_is_recognised_in_built_transformations(make):
     assert _trained(make(), learning_rate=autoaccum.LearningRate(base_batch=4))[1].rule == "sqrt"
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_lr_rule_overrides_the_family_and_reproduces_the_labs_story():
     kernel, scaling, _ = _trained(optax.adam,
                                   learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=1,

@@ -30,6 +30,7 @@ def _recording_loss(seen):
     return loss_fn
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_without_shuffle_every_example_is_trained_every_epoch():
     seen: list = []
     log = io.StringIO()
@@ -52,6 +53,7 @@ def test_with_shuffle_every_example_is_trained_every_epoch():
     assert sorted(seen) == sorted(list(range(11)) * 3)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_the_leftover_step_is_normalised_by_its_own_count():
     data = _data(10)
     model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))

@@ -84,6 +84,7 @@ def test_lora_optimizer_trains_its_wrt_and_holds_the_trained_state(base_batch):
     _assert_close(optimizer.opt_state, ref_opt.opt_state)  # a checkpoint of it is the trained one
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_training_starts_from_the_optimizers_own_state():
     data = _data(3 * EFFECTIVE)
     model, reference = nnx.Linear(4, 1, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(0))
@@ -98,6 +99,7 @@ def test_training_starts_from_the_optimizers_own_state():
     _assert_close(optimizer.opt_state, ref_opt.opt_state)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_train_step_takes_an_nnx_optimizer_and_writes_it_back_every_step():
     data = _data()
     model, reference = nnx.Linear(4, 1, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(0))
@@ -113,6 +115,7 @@ def test_train_step_takes_an_nnx_optimizer_and_writes_it_back_every_step():
     _assert_close(nnx.state(model), nnx.state(reference))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plan_takes_an_nnx_optimizer():
     model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
@@ -121,6 +124,7 @@ def test_plan_takes_an_nnx_optimizer():
     assert plan.micro_batch * plan.accum_steps == EFFECTIVE
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_an_optimizer_built_for_another_model_is_refused_briefly():
     other = nnx.Optimizer(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.adam(1e-3), wrt=nnx.Param)
     with pytest.raises(ValueError, match="built for another model or filter") as raised:

@@ -68,6 +68,7 @@ def test_train_step_plans_itself_and_reports_loss_count_and_grad_norm():
     assert any(not np.array_equal(a, b) for a, b in zip(_params(model), before, strict=True))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_checkpoint_of_model_and_optimizer_state_resumes_exactly(tmp_path, plan):
     batches = list(_batches(DATA, EFFECTIVE))
     model = TinyLM(rngs=nnx.Rngs(0))
@@ -90,6 +91,7 @@ def test_a_checkpoint_of_model_and_optimizer_state_resumes_exactly(tmp_path, pla
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_weights_written_into_the_model_between_steps_are_what_the_next_step_trains(plan):
     batch = next(_batches(DATA, EFFECTIVE))
     model = TinyLM(rngs=nnx.Rngs(0))
@@ -121,6 +123,7 @@ def test_after_an_out_of_memory_shrink_gives_a_smaller_step_with_the_same_state(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_last_smaller_batch_is_one_step_normalised_by_its_own_count(plan):
     model = TinyLM(rngs=nnx.Rngs(0))
     step = autoaccum.train_step(model, DATA, effective_batch=EFFECTIVE, plan=plan, **OPTIONS)
@@ -129,6 +132,7 @@ def test_a_last_smaller_batch_is_one_step_normalised_by_its_own_count(plan):
     assert out.step == 1 and out.count == float(DATA["mask"][:4, 1:].sum())
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_bad_batches_and_a_missing_optimizer_are_refused_with_the_fix(plan):
     step = autoaccum.train_step(TinyLM(rngs=nnx.Rngs(0)), DATA, effective_batch=EFFECTIVE,
                                 plan=plan, **OPTIONS)

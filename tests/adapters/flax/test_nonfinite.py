@@ -45,6 +45,7 @@ def _model():
 
 
 @pytest.mark.parametrize("backup", ["auto", "none"])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_stop_names_the_step_and_keeps_the_last_finite_state(backup):
     model = _model()
     with pytest.raises(autoaccum.NonFiniteError, match="step 3") as info:
@@ -59,12 +60,14 @@ def test_stop_names_the_step_and_keeps_the_last_finite_state(backup):
     np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_infinite_gradients_with_a_finite_loss_are_caught_too():
     with pytest.raises(autoaccum.NonFiniteError, match="step 2"):
         flax_fit(_model(), _data(poison=5, what="inf"), plan=plan_at(2, 2), loss_fn=loss_fn,
                  tx=optax.sgd(1e-2), shuffle=False, verbose=0)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_skip_leaves_weights_and_optimizer_state_unchanged_and_counts():
     model = _model()
     result = flax_fit(model, _data(poison=9), plan=plan_at(2, 2), loss_fn=loss_fn,
@@ -80,6 +83,7 @@ def test_skip_leaves_weights_and_optimizer_state_unchanged_and_counts():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_skipped_step_still_advances_the_dropout_keys():
     model = NormMLP(dropout=0.5, rngs=nnx.Rngs(0))
     result = flax_fit(model, _data(poison=9), plan=plan_at(2, 2), loss_fn=loss_fn,
@@ -88,6 +92,7 @@ def test_a_skipped_step_still_advances_the_dropout_keys():
     assert int(model.dropout.rngs.count[...]) == 4 * 2  # every micro-batch drew a key
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_count_of_zero_with_a_nonzero_sum_is_an_error_not_an_update():
     def bad_count(model, batch):
         total, _ = loss_fn(model, batch)
@@ -109,6 +114,7 @@ def test_on_nonfinite_is_validated_by_fit():
                       training=autoaccum.Training(on_nonfinite="ignore"))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_fit_passes_the_policy_through():
     result = autoaccum.fit(_model(), _data(poison=9), effective_batch=4,
                            optimizer=optax.sgd(1e-2), loss_fn=loss_fn, budget="1GiB", verbose=0,
@@ -148,6 +154,7 @@ def test_apply_if_finite_skips_a_nan_step_itself_and_training_goes_on():
     assert np.isfinite(model.norm.mean[...]).all()
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_apply_if_finite_counts_the_skipped_step_in_its_own_state():
     model = _model()
     optimizer = nnx.Optimizer(model, _finite_guarded(), wrt=nnx.Param)

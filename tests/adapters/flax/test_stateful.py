@@ -69,6 +69,7 @@ def test_tutorial_cnn_steps_update_statistics_and_rng_counters():
     assert np.isfinite(result.losses).all()
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_batchnorm_and_dropout_steps_update_statistics_and_rng_counters():
     model = NormMLP(rngs=nnx.Rngs(0))
     data = regression(16)
@@ -130,6 +131,7 @@ def test_a_model_holding_typed_prng_keys_is_measured_and_restored():
             np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_any_variable_a_forward_pass_mutates_is_carried_across_micro_batches():
     class Counter(nnx.Variable):
         pass

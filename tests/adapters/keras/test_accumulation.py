@@ -70,6 +70,7 @@ def test_one_accumulated_step_equals_native_big_batch(mask_zero, reduction):
     assert int(ours.optimizer.iterations) == 1
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_masked_data_discriminates_mean_of_means():
     """The data are uneven enough that averaging micro-batch means would be visibly wrong."""
     x, y, w = padded_data()
@@ -79,6 +80,7 @@ def test_masked_data_discriminates_mean_of_means():
     assert abs(big[0] - mean_of_means[0]) > 1e-3
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_schedule_sees_optimizer_steps_and_iterations_count_steps():
     x, y, w = padded_data(3 * BATCH)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)

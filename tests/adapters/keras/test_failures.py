@@ -58,6 +58,7 @@ def test_validation_that_fails_leaves_the_trained_epoch(tmp_path):
     _fit(model)  # training goes on
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_callback_error_leaves_the_state_of_the_last_step():
     class Fail(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -98,6 +99,7 @@ class Interrupter(keras.layers.Layer):
         return inputs
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_ctrl_c_during_a_step_leaves_that_step_whole():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),

@@ -190,6 +190,7 @@ def test_trainer_compute_loss_is_the_default_every_model_has_unless_overridden()
 # -- how keras.losses.Loss.__call__ reduces a loss ------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_get_keras_mask_reads_the_mask_a_masking_layer_attached():
     tokens = np.array([[3, 1, 0, 0]], "int32")
     out = keras.layers.Embedding(5, 2, mask_zero=True)(tokens)

@@ -137,6 +137,7 @@ def test_every_advised_row_fits_when_the_user_applies_its_change(build, tmp_path
                                     {"lora_rank": 4, "quantize": "int8"},
                                     {"lora_rank": 4, "optimizer": "sgd"}],
                          ids=["lora", "bfloat16", "qlora", "lora-sgd"])
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_planned_copy_allocates_no_weight_and_leaves_the_model_untouched(change):
     model = functional_model()
     before, pending = snapshot(model), pending_variables()

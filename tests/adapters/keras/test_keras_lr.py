@@ -57,6 +57,7 @@ def test_updates_use_the_scaled_rate_while_the_optimizer_keeps_its_base(name):
     assert history.autoaccum_plan.learning_rate == pytest.approx(16e-3)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_second_fit_scales_the_base_once_again_not_the_scaled_rate():
     model, reference = dense_model(1e-3), dense_model(16e-3)
     _fit(model)
@@ -178,6 +179,7 @@ def _plan_lr(optimizer, log, **options):
                           **options).lr_scaling
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_keras_rate_without_base_batch_is_unchanged_and_nothing_is_announced():
     import io
 

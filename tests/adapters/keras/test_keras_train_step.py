@@ -147,6 +147,7 @@ def test_the_learning_rate_is_scaled_by_the_rule_given_as_fit_scales_it():
     assert float(given.optimizer.learning_rate) == pytest.approx(0.05)  # as fit sets it
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_weights_loaded_into_the_model_between_steps_are_what_the_next_step_trains(plan):
     model = _adam_model()
     start = model.get_weights()
@@ -163,6 +164,7 @@ def test_weights_loaded_into_the_model_between_steps_are_what_the_next_step_trai
     assert max_diff(fresh, model) < 1e-6
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_the_saved_model_is_the_checkpoint_and_resumes_exactly(plan, tmp_path):
     model = _adam_model()
     step = _step(model, plan)
@@ -178,6 +180,7 @@ def test_the_saved_model_is_the_checkpoint_and_resumes_exactly(plan, tmp_path):
     assert out.step == 2 and max_diff(restored, model) < 1e-6
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_on_nonfinite_skip_changes_nothing_and_stop_raises(plan):
     model = _adam_model()
     before = model.get_weights()
@@ -192,6 +195,7 @@ def test_on_nonfinite_skip_changes_nothing_and_stop_raises(plan):
     assert max_diff(before, model) == 0.0 and int(model.optimizer.iterations) == 0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_after_an_out_of_memory_shrink_gives_a_smaller_step_with_the_same_result(plan):
     native, ours = _adam_model(), _adam_model()
     step = _step(ours, plan)
@@ -204,6 +208,7 @@ def test_after_an_out_of_memory_shrink_gives_a_smaller_step_with_the_same_result
     assert max_diff(native, ours) < 1e-5
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_bad_batches_are_refused_naming_the_type_and_the_fix(plan):
     step = _step(_adam_model(), plan)
     with pytest.raises(ValueError, match="one effective batch of 13 examples.*has 39"):
@@ -219,6 +224,7 @@ def test_bad_batches_are_refused_naming_the_type_and_the_fix(plan):
     assert int(step.model.optimizer.iterations) == 0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_flax_options_and_one_shot_iterators_are_refused_with_the_fix():
     model = dense_model()
     x, y = regression_data(26)

@@ -103,6 +103,7 @@ def test_several_terms_with_a_data_dependent_denominator_warn_and_still_log_exac
     _assert_logs_equal(history.history, native_history.history)  # computed before the update
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_weight_and_activity_regularization_are_accumulated_as_for_one_big_batch():
     def model():
         keras.utils.set_random_seed(0)

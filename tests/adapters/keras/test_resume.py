@@ -26,6 +26,7 @@ def _fit(model, **options):
     return autoaccum.fit(model, regression_data(), **options)
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_checkpoint_reloaded_continues_at_the_same_rate_and_step(tmp_path):
     uninterrupted = _decaying_model()
     _fit(uninterrupted, epochs=2)

@@ -47,6 +47,7 @@ def _use_natively(model: keras.Model, x: np.ndarray, y: np.ndarray, tmp_path) ->
     assert max_diff(loaded, model) == 0.0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_plan_and_measure_leave_model_optimizer_and_metrics_as_they_were(tmp_path):
     x, y = regression_data()
     model = dense_model()
@@ -95,6 +96,7 @@ def test_planning_leaves_the_optimizer_free_for_a_change_of_trainable_weights():
     assert max_diff(frozen, model.layers[0].get_weights()) == 0.0
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_model_compiled_with_adafactor_plans_and_keeps_its_optimizer_unbuilt():
     # Keras's Adafactor makes placeholder variables from concrete values while building:
     # the planning clone is built with them deferred, not refused by the stateless scope.
