@@ -179,9 +179,9 @@ def planned(cfg: models.LMConfig, model: Any, effective: int, *, budget: Any = N
     return autoaccum.plan(model, data, effective_batch=effective, budget=budget, device=device,
                           log=None, **options(cfg),
                           target=autoaccum.Target(memory_fraction=memory_fraction,
-                          data_parallel=1),
+                                                  data_parallel=1),
                           search=autoaccum.Search(remat="none", objective="memory", method=method,
-                          cache=False))
+                                                  cache=False))
 
 
 def plan_row(plan: Any, seconds: float) -> dict:
@@ -204,7 +204,7 @@ def measured(cfg: models.LMConfig, model: Any, b: int, k: int, *, device: str | 
     return autoaccum.measure(model, models.token_data(cfg, b * k), micro_batch=b,
                              accum_steps=k, device=device, **options(cfg),
                              target=autoaccum.Target(memory_fraction=memory_fraction,
-                             data_parallel=1),
+                                                     data_parallel=1),
                              search=autoaccum.Search(remat="none", cache=False))
 
 
@@ -343,7 +343,7 @@ def job_backoff(size: dict, effective: int, budget: Any, cap: int | None) -> dic
                                   log=None, **options(cfg),
                                   target=autoaccum.Target(data_parallel=1),
                                   search=autoaccum.Search(remat="none", objective="memory",
-                                  method="backoff", cache=False))
+                                                          method="backoff", cache=False))
             row = plan_row(plan, time.perf_counter() - start)
         except autoaccum.DoesNotFitError as error:
             row = {"error": f"does not fit: {str(error).splitlines()[0][:200]}"}
@@ -374,7 +374,7 @@ def job_elastic(size: dict, b: int, k: int, steps: int = 4, squeeze_after: int =
                                verbose=0, log=log,
                                callbacks=[SqueezeAfter()], **options(cfg),
                                training=autoaccum.Training(elastic=True, backup="auto",
-                               shuffle=False))
+                                                           shuffle=False))
     return {"device": device_info(), "planned": [b, k], "room": room,
             "final": [result.micro_batch, result.accum_steps], "steps": result.steps,
             "events": [str(e) for e in result.events], "losses": result.losses,
@@ -390,7 +390,7 @@ def job_t4(size: dict, effective: int, steps: int = 2) -> dict:
                           **options(cfg),
                           target=autoaccum.Target(data_parallel=1),
                           search=autoaccum.Search(remat="none", objective="memory",
-                          method="compile", cache=False))
+                                                  method="compile", cache=False))
     out: dict[str, Any] = {"device": device_info(),
                            "plan": plan_row(plan, time.perf_counter() - start)}
     try:
@@ -398,7 +398,7 @@ def job_t4(size: dict, effective: int, steps: int = 2) -> dict:
                                verbose=0,
                                log=None, **options(cfg),
                                training=autoaccum.Training(elastic=False, backup="none",
-                               shuffle=False))
+                                                           shuffle=False))
         out.update(status="trains", steps=result.steps, losses=result.losses)
     except Exception as error:
         out.update(status="oom", error=oom_or_raise(error))

@@ -85,7 +85,7 @@ def accumulated(train: dict, epochs: int, budget: int, batch_stats: str):
                            search=autoaccum.Search(method="compile"),
                            training=autoaccum.Training(batch_stats=batch_stats, seed=0),
                            learning_rate=autoaccum.LearningRate(value=LEARNING_RATE,
-                           base_batch=EFFECTIVE))
+                                                                base_batch=EFFECTIVE))
     return model, result
 
 
@@ -158,7 +158,7 @@ def one_step_table(train: dict, budget: int) -> None:
                                search=autoaccum.Search(method="compile"),
                                training=autoaccum.Training(batch_stats=mode, shuffle=False),
                                learning_rate=autoaccum.LearningRate(value=LEARNING_RATE,
-                               base_batch=EFFECTIVE))
+                                                                    base_batch=EFFECTIVE))
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(stats(model), reference,
                                                                  strict=True))
         rows.append([f"batch_stats={mode!r}", f"{result.plan.micro_batch} x "

@@ -107,8 +107,9 @@ def update_error(args: argparse.Namespace, plan: autoaccum.Plan, batch: tuple) -
     ours, native = build(args), build(args)
     before = [np.asarray(w, np.float64) for w in native.get_weights()]
     native.train_on_batch(*batch)
-    autoaccum.fit(ours, batch, effective_batch=len(batch[0]), plan=plan, shuffle=False,
-                  verbose=0, log=None, lr_rule="none")
+    autoaccum.fit(ours, batch, effective_batch=len(batch[0]), plan=plan, verbose=0, log=None,
+                  training=autoaccum.Training(shuffle=False),
+                  learning_rate=autoaccum.LearningRate(rule="none"))
     after = [np.asarray(w, np.float64) for w in native.get_weights()]
     got = [np.asarray(w, np.float64) for w in ours.get_weights()]
     diff = sum(float(np.sum(np.square(a - b))) for a, b in zip(got, after, strict=True))
@@ -132,8 +133,10 @@ def main() -> None:
         times = {}
         for label, uneven in (("uneven", True), ("divisors", False)):
             plan = autoaccum.plan(build(args), batch, effective_batch=effective, budget=budget,
-                                  method="compile", remat="none", lr_rule="none", cache=False,
-                                  log=None, uneven=uneven)
+                                  log=None,
+                                  search=autoaccum.Search(method="compile", remat="none",
+                                                          cache=False, uneven=uneven),
+                                  learning_rate=autoaccum.LearningRate(rule="none"))
             seconds = step_seconds(args, plan, batch)
             times[label] = seconds
             rows.append([effective, format_bytes(budget), label, plan.split_text(),

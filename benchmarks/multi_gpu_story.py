@@ -225,7 +225,7 @@ def one_row(label: str, arch: str, rank: int | None, device: str, devices: int, 
                            log="stderr",
                            verify_depth=verify, extrapolate=extrapolate,
                            target=autoaccum.Target(devices=devices if devices > 1 else None,
-                           strategy=strategy if devices > 1 else "auto"),
+                                                   strategy=strategy if devices > 1 else "auto"),
                            search=autoaccum.Search(remat=remat))
     except DoesNotFitError as error:
         costs = cost()

@@ -35,7 +35,7 @@ def main() -> None:
         plan = autoaccum.plan(model, data, effective_batch=EFFECTIVE, budget="1GiB",
                               optimizer=tx, loss_fn=next_token_loss, log=None,
                               search=autoaccum.Search(objective=objective, method="compile",
-                              remat="none"))
+                                                      remat="none"))
         k, m = plan.accum_steps, plan.micro_batch
         batches = jax.tree.map(lambda a, k=k, m=m: a[:EFFECTIVE].reshape(k, m, *a.shape[1:]),
                                data)

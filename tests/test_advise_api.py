@@ -171,7 +171,7 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
     assert "strategy=" in advice.report() and f"devices={row.change['devices']}" in advice.report()
     again = autoaccum.plan(MLP(rngs=nnx.Rngs(0)), DATA, **kwargs,
                            target=autoaccum.Target(devices=row.change["devices"],
-                           strategy=row.change["strategy"]))
+                                                   strategy=row.change["strategy"]))
     assert again.need_bytes <= BUDGET and again.data_parallel == row.change["devices"]
     assert (again.micro_batch, again.accum_steps) == (row.micro_batch, row.accum_steps)
     assert {p.estimate.source for p in again.probes} == {"cache"}  # the advisor's programs

@@ -82,7 +82,7 @@ def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full():
                           optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss,
                           budget="1GiB", log=None,
                           search=autoaccum.Search(method="compile", cache=False,
-                          depth_variant=variant))
+                                                  depth_variant=variant))
     full = autoaccum.measure(model, ragged_tokens(16, 17, vocab=256),
                              micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
                              optimizer=optax.adamw(1e-3), loss_fn=token_loss,

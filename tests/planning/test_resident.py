@@ -124,7 +124,7 @@ def test_no_whole_batch_probe_once_micro_batch_1_fails():
                        optimizer=optax.sgd(0.1), loss_fn=mse, budget="8MiB",
                        log=None,
                        search=autoaccum.Search(method="compile", remat="none", cache=False,
-                       uneven=False))
+                                               uneven=False))
     probed = [p.micro_batch for p in info.value.probes]
     assert probed == [2, 1]
     assert compile_count() == before + 2

@@ -81,7 +81,7 @@ class KerasTrainStep(UserLoopStep):
       >>> model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
       >>> x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
       >>> step = autoaccum.train_step(model, (x, y), effective_batch=8, budget="1GiB",
-      ...                             lr_rule="none", log=None)
+      ...                             log=None)
       >>> out = step((x, y))
       >>> out.step, sorted(out.logs), int(model.optimizer.iterations)
       (1, ['loss', 'mae'], 1)

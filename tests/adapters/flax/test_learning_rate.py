@@ -108,7 +108,7 @@ def test_adam_family_is_recognised_in_built_transformations(make):
 def test_lr_rule_overrides_the_family_and_reproduces_the_labs_story():
     kernel, scaling, _ = _trained(optax.adam,
                                   learning_rate=autoaccum.LearningRate(value=1e-3, base_batch=1,
-                                  rule="linear"))
+                                                                       rule="linear"))
     assert (scaling.rule, scaling.factor) == ("linear", 16.0)
     np.testing.assert_allclose(kernel, _reference(optax.adam(16e-3)), rtol=1e-5)
 
@@ -123,7 +123,7 @@ def test_an_optimizer_of_no_known_family_needs_lr_rule():
         _trained(optax.sign_sgd(1e-3), learning_rate=autoaccum.LearningRate(base_batch=4))
     assert _trained(optax.sign_sgd(1e-3),
                     learning_rate=autoaccum.LearningRate(base_batch=4,
-                    rule="none"))[1].factor == 1.0
+                                                         rule="none"))[1].factor == 1.0
 
 
 def test_fit_reports_the_rule_and_announces_once():

@@ -134,7 +134,7 @@ def test_adjust_adam_adjusts_the_optimizers_own_betas_inside_the_step_only():
                                                         epsilon=1e-6))
     history = _fit(model,
                    learning_rate=autoaccum.LearningRate(rule="sqrt", base_batch=4,
-                   adjust_adam=True))
+                                                        adjust_adam=True))
     adam = history.autoaccum_plan.lr_scaling.adam
     assert adam.b1 == pytest.approx(1 - 4 * 0.2) and adam.eps == pytest.approx(5e-7)
     assert (model.optimizer.beta_1, model.optimizer.beta_2) == (0.8, 0.99)

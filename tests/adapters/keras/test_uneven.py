@@ -274,7 +274,7 @@ def test_uneven_false_keeps_divisors():
     plan = autoaccum.plan(_lm(), _lm_data(13), effective_batch=13, budget=budget,
                           log=None,
                           search=autoaccum.Search(method="compile", remat="none", cache=False,
-                          uneven=False),
+                                                  uneven=False),
                           learning_rate=autoaccum.LearningRate(rule="none"))
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (1, 13, None)
 
