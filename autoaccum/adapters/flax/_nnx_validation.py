@@ -1,6 +1,8 @@
 """Validation loss of a Flax NNX model in eval mode, with the same ``loss_fn`` as training.
 
-Eval mode is what ``model.eval()`` sets (``deterministic=True`` for dropout,
+The batches run through the one validator (:class:`autoaccum.training._validator.Validator`:
+one compiled program per batch shape, the model only read). Eval mode is what
+``model.eval()`` sets (``deterministic=True`` for dropout,
 ``use_running_average=True`` for BatchNorm), applied to a view of the model
 (``nnx.with_attributes``): the model being trained keeps its own flags. The validation loss
 is ``sum of every batch's loss sum / sum of their counts``, so it weighs every valid item
@@ -10,7 +12,6 @@ is ``sum of every batch's loss sum / sum of their counts``, so it weighs every v
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ...devices._warnings import AutoaccumWarning
+from ...training._validator import Validator
 from ._nnx_program import LossFn, checked_loss
 
 __all__ = ["Evaluator", "warn_if_eval_mode"]
@@ -100,21 +102,22 @@ class Evaluator:
         self.data, self.batch_size, self.steps, self.mesh = data, batch_size, steps, mesh
         self.n = int(jax.tree.leaves(data)[0].shape[0])
 
-        def evaluate(params: Any, other: Any, frozen: Any, batch: Any) -> Any:
-            m = nnx.merge(graphdef, params, frozen, other, copy=True)
+        def evaluate(state: Any, batch: Any, frozen: Any) -> Any:
+            m = nnx.merge(graphdef, state[0], frozen, state[1], copy=True)
             return checked_loss(loss_fn(m, batch))
 
-        self._fn: Callable[..., Any] = jax.jit(evaluate)
+        self._validator = Validator(evaluate, place=lambda batch: _place(batch, mesh))
 
     def __call__(self, state: Any, frozen: Any) -> float:
-        params, other = state[0], state[1]
-        total, count = 0.0, 0.0
-        starts = range(0, self.n, self.batch_size)
-        if self.steps is not None:
-            starts = starts[: self.steps]
-        for start in starts:
-            batch = jax.tree.map(lambda a, s=start: a[s: s + self.batch_size], self.data)
-            loss_sum, n = self._fn(params, other, frozen, _place(batch, self.mesh))
-            total += float(loss_sum)
-            count += float(n)
+        totals = [0.0, 0.0]
+
+        def each(step: int, out: Any) -> None:
+            totals[0] += float(out[0])
+            totals[1] += float(out[1])
+
+        batches = (jax.tree.map(lambda a, s=start: a[s: s + self.batch_size], self.data)
+                   for start in range(0, self.n, self.batch_size))
+        self._validator(batches, lambda: ((state[0], state[1]), frozen), each,
+                        steps=self.steps)
+        total, count = totals
         return total / count if count > 0 else float(np.nan if total else 0.0)

@@ -2,10 +2,10 @@
 
 The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
 is read in batches of ``validation_batch_size`` (default: the effective batch, as
-``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by a
-forward-only step that scans micro-batches of the training micro-batch, the last one smaller
-when it does not divide (``uneven``; else the largest divisor)
-(:func:`~._step.keras_eval_step`): the logged
+``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by the one
+validator (:class:`autoaccum.training._validator.Validator`) with a forward-only step that
+scans micro-batches of the training micro-batch, the last one smaller when it does not divide
+(``uneven``; else the largest divisor) (:func:`~._step.keras_eval_step`): the logged
 ``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
 training micro-batch's memory. The model's weights are only read, never donated or purged,
 so a validation that fails or is interrupted leaves the model as it was.
@@ -21,8 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...planning._search import divisors
-from ...training._epoch_batches import split_micro_batches
+from ...training._validator import Validator as EvalLoop
 from ._internals import set_jax_state
 from ._keras_program import KerasLayout, keras_state, write_back
 from ._scope import keras_lowering_scope
@@ -47,8 +46,8 @@ class Validator:
         self.micro_batch = micro_batch
         self.steps = steps
         self.uneven = uneven
-        self._jitted = jax.jit(keras_eval_step(model, layout))
-        self._compiled: dict[tuple, Any] = {}
+        self._loop = EvalLoop(keras_eval_step(model, layout), micro_batch=micro_batch,
+                              uneven=uneven, lowering=keras_lowering_scope)
 
     def __call__(self, callbacks: Any) -> dict[str, float]:
         import keras
@@ -59,42 +58,24 @@ class Validator:
         model.reset_metrics()
         callbacks.on_test_begin()
         logs: dict[str, float] = {}
-        for step, packed in enumerate(self.data.epoch(batch=self.batch_size,
-                                                      steps=self.steps)):
-            callbacks.on_test_batch_begin(step)
+
+        def read() -> tuple[tuple, list]:
             state, frozen = keras_state(model, layout)
             trainable, mutable, _, metrics_vars = state
-            batches = self._split(packed)
-            compiled = self._compile((trainable, mutable, metrics_vars), batches, frozen)
-            (_, metrics_vars), out = compiled((trainable, mutable, metrics_vars), batches, frozen)
+            return (trainable, mutable, metrics_vars), frozen
+
+        def each(step: int, out: Any) -> None:
+            nonlocal logs
+            (_, metrics_vars), values = out
             for ref, value in zip(model.metrics_variables, metrics_vars, strict=True):
                 ref.assign(value)
-            logs = {name: float(value) for name, value in out.items()}
+            logs = {name: float(value) for name, value in values.items()}
             callbacks.on_test_batch_end(step, logs)
+
+        self._loop(self.data.epoch(batch=self.batch_size, steps=self.steps), read, each,
+                   steps=self.steps, begin=callbacks.on_test_batch_begin)
         callbacks.on_test_end(logs)
         return logs
-
-    def _split(self, packed: Any) -> Any:
-        """One validation batch as micro-batches of at most the training micro-batch."""
-        n = int(np.shape(jax.tree.leaves(packed)[0])[0])
-        if self.uneven:
-            return split_micro_batches(packed, micro_batch=self.micro_batch)
-        micro = max(d for d in divisors(n) if d <= self.micro_batch)
-        return jax.tree.map(
-            lambda a: np.reshape(a, (n // micro, micro, *np.shape(a)[1:])), packed)
-
-    def _compile(self, state: tuple, batches: Any, frozen: list) -> Any:
-        # Variables keep where they are (a Keras distribution's layout, a data-parallel mesh).
-        spec = lambda tree: jax.tree.map(  # noqa: E731
-            lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype
-                                           if not hasattr(v, "dtype") else v.dtype,
-                                           sharding=_sharding(v)), tree)
-        key = tuple(np.shape(leaf) for leaf in jax.tree.leaves(batches))
-        if key not in self._compiled:
-            with keras_lowering_scope():
-                self._compiled[key] = self._jitted.lower(
-                    spec(state), spec(batches), spec(frozen)).compile()
-        return self._compiled[key]
 
     def _keras_evaluate(self, callbacks: Any) -> dict[str, float]:
         """``model.evaluate`` (a ``test_step`` override), the variables put back if it fails."""
@@ -113,8 +94,3 @@ class Validator:
             write_back(model, layout, held)
             raise
 
-
-def _sharding(value: Any) -> Any:
-    """A committed array's sharding when it spans several devices, else ``None``."""
-    sharding = getattr(value, "sharding", None) if isinstance(value, jax.Array) else None
-    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
