@@ -53,11 +53,11 @@ import json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 import autoaccum
-from autoaccum.adapters.flax import _fit_step
+from autoaccum.training import _step_runner
 from autoaccum_demo._tiny_lm import TinyTransformerLM
 
 if sys.argv[1] == "again":
-    _fit_step.reuse_or_compile = lambda lowered, args: lowered.compile()
+    _step_runner.reuse_or_compile = lambda lowered, args: lowered.compile()
 
 def loss_fn(model, batch):
     logits = model(batch["tokens"][:, :-1])

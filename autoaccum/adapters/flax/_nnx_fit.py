@@ -2,7 +2,7 @@
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
 (:class:`~autoaccum.training.StepRunner`); what Flax brings to it is :class:`_FlaxHooks`: the
-model's state (:class:`._fit_step.FlaxState`), the epoch's batches, autoaccum's callbacks
+model's state (:class:`._nnx_state.FlaxState`), the epoch's batches, autoaccum's callbacks
 and the :class:`~autoaccum.training.FitResult`.
 """
 
@@ -27,9 +27,9 @@ from ...training._nonfinite import validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
 from ...training._step_runner import StepOutcome, StepRunner
-from ._fit_step import FlaxState, flax_runner
 from ._nnx_data import ArrayData, FlaxStream, flax_data
 from ._nnx_program import LossFn
+from ._nnx_state import FlaxState, flax_runner
 from ._nnx_validation import Evaluator, warn_if_eval_mode
 from ._sharding import home_shardings, rehome
 

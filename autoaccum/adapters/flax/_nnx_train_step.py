@@ -19,8 +19,8 @@ from ...planning._adapter_interface import Prepared
 from ...planning._plan import Plan
 from ...training._epoch_batches import as_arrays, num_examples
 from ...training._user_step import UserLoopStep
-from ._fit_step import FlaxState, flax_runner
 from ._nnx_remat import rematerialized
+from ._nnx_state import FlaxState, flax_runner
 
 __all__ = ["StepOutput", "TrainStep"]
 

@@ -4,11 +4,11 @@ Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses t
 step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the optimizer
 applied once). The model's variables hold the current state after every step, so callbacks
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
-point leaves the variables holding the state of one optimizer step (:mod:`._runner`).
+point leaves the variables holding the state of one optimizer step (:mod:`._keras_state`).
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
 (:class:`~autoaccum.training.StepRunner`); what Keras brings to it is :class:`_KerasHooks`:
-the model's variables (:class:`._runner.KerasState`), the epoch's batches, Keras's callbacks
+the model's variables (:class:`._keras_state.KerasState`), the epoch's batches, Keras's callbacks
 and ``History``.
 """
 
@@ -39,9 +39,9 @@ from ._distribution import (
 from ._internals import metrics_result_or_logs, pythonify_logs, set_jax_state, take_initial_epoch
 from ._keras_batch_norm import validate_batch_stats
 from ._keras_program import KerasLayout, ensure_built, find_layout
+from ._keras_state import KerasState, example_count, keras_runner
 from ._keras_validation import Validator
 from ._model_checks import check_keras_model, validate_keras_fit_kwargs
-from ._runner import KerasState, example_count, keras_runner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
 

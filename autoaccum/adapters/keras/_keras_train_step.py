@@ -28,7 +28,7 @@ from ._internals import set_jax_state
 from ._keras_arrays import KerasArrays
 from ._keras_program import ensure_built
 from ._keras_remat import keras_rematerialized
-from ._runner import KerasState, keras_runner
+from ._keras_state import KerasState, keras_runner
 from ._scope import materialize
 from ._sources import ArraySource, KerasData, keras_data
 from ._streams import is_stream

@@ -183,7 +183,7 @@ def _runner(*, uneven):
     import jax
 
     from autoaccum.adapters.keras._keras_program import find_layout
-    from autoaccum.adapters.keras._runner import KerasState, keras_runner
+    from autoaccum.adapters.keras._keras_state import KerasState, keras_runner
 
     model = dense_model()
     spec = (jax.ShapeDtypeStruct((16,), np.float32), jax.ShapeDtypeStruct((1,), np.float32))
