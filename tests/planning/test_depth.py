@@ -171,6 +171,7 @@ def test_depth_variant_of_the_wrong_type_is_refused():
                        search=autoaccum.Search(depth_variant=12))
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_a_model_that_cannot_be_built_shallow_is_compiled_in_full():
     def build(depth):
         if depth < 8:

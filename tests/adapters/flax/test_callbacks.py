@@ -129,12 +129,14 @@ def test_validation_split_holds_out_the_last_examples():
     assert len(result.val_losses) == 1
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_validation_freq_and_initial_epoch():
     result = _fit(NormMLP(rngs=nnx.Rngs(0)), epochs=5, initial_epoch=1, validation_freq=2,
                   validation_data=VAL)
     assert len(result.epoch_losses) == 4 and len(result.val_losses) == 2
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_checkpoints_written_by_a_callback_with_orbax_restore_the_model(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
 

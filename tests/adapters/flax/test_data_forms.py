@@ -104,6 +104,7 @@ def test_a_re_iterable_is_read_once_per_epoch_and_planning_reads_a_fresh_pass():
     np.testing.assert_allclose(kernel, reference, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_drop_remainder_drops_the_streams_last_examples():
     kernel, result = _fit(_batches(5), training=autoaccum.Training(drop_remainder=True))
     reference, _ = _reference(slice(0, 32))

@@ -29,6 +29,7 @@ def _hidden(data):
     return np.asarray(model.linear1(data["x"]))
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_effective_running_averages_are_one_update_from_the_whole_batch():
     model, data = _one_step("effective", 2, 4)
     h = _hidden(data)
@@ -62,6 +63,7 @@ def test_micro_mode_updates_once_per_micro_batch_in_order():
 
 
 @pytest.mark.parametrize("mode", ["effective", "micro"])
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_batchnorm_in_eval_mode_keeps_its_running_averages(mode):
     model, _ = _one_step(mode, 2, 4, use_running_average=True)
     np.testing.assert_array_equal(model.norm.mean[...], np.zeros(16))

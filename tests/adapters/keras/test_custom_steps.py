@@ -99,6 +99,7 @@ class OwnTestStep(keras.Model):
         return super().test_step(state, data)
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_test_step_override_validates_with_keras_evaluate_and_survives_its_failure():
     from ._models import all_live
 

@@ -71,6 +71,7 @@ def test_callback_error_leaves_the_state_of_the_last_step():
     _assert_whole_after(model, 2)
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_interrupt_while_the_next_batch_is_read_keeps_the_step_just_taken():
     def interrupted():
         for i in range(4):

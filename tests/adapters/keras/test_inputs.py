@@ -74,6 +74,7 @@ INPUTS = {
 
 
 @pytest.mark.parametrize("kind", list(INPUTS))
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_input_trains_like_numpy(kind):
     model, history = _fit(INPUTS[kind]())
     reference = _reference()

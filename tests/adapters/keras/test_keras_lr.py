@@ -65,6 +65,7 @@ def test_second_fit_scales_the_base_once_again_not_the_scaled_rate():
     assert max_diff(model, _native(reference, epochs=2)) < 1e-5
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_saved_and_loaded_model_is_scaled_once(tmp_path):
     model = dense_model(1e-3)
     _fit(model)
@@ -76,6 +77,7 @@ def test_saved_and_loaded_model_is_scaled_once(tmp_path):
     assert max_diff(loaded, _native(reference)) < 1e-5
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_a_rate_set_between_fits_is_the_new_base():
     model = dense_model(1e-3)
     _fit(model)

@@ -85,6 +85,7 @@ def test_unbuilt_model_is_planned_without_allocating_or_queuing_its_weights(tmp_
     _use_natively(model, x, y, tmp_path)  # no tracer leaks into the weights
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_planning_leaves_the_optimizer_free_for_a_change_of_trainable_weights():
     x, y = regression_data()
     model = dense_model()

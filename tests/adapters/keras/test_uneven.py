@@ -82,6 +82,7 @@ def test_uneven_step_of_padded_weighted_tokens_equals_keras_big_batch(effective,
         native_logs["sparse_categorical_accuracy"], rel=1e-6)
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_weighting_micro_batches_equally_would_be_visibly_wrong():
     """The 5 + 5 + 3 split discriminates: the mean of the micro-batch losses is not the big
     batch's loss, so equal weights would fail the exactness tests above."""
@@ -93,6 +94,7 @@ def test_weighting_micro_batches_equally_would_be_visibly_wrong():
     assert abs(big - np.mean(parts)) > 1e-3
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_loss_that_reduces_itself_and_activity_regularization_weigh_by_examples():
     """A loss function returning its own mean (no per-example values for Keras to reduce) and
     an activity regularizer (Keras divides it by the batch size) weigh each micro-batch by its

@@ -79,6 +79,7 @@ def test_unknown_name_suggests_near_name() -> None:
         load_architecture("bert_base_en")
 
 
+@pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not
 def test_gemma3_1b_builds_abstractly_without_allocating() -> None:
     import keras_hub  # noqa: F401  (imported first: its import alone adds ~800 MiB of RSS)
 
