@@ -84,6 +84,9 @@ SLOW_DOCTESTS = (
     "autoaccum/adapters/keras/_keras_train_step.py::autoaccum.adapters.keras._keras_train_step."
     "KerasTrainStep",
     "autoaccum/devices/_xla_options.py::autoaccum.devices._xla_options.known_xla_flags",
+    "autoaccum/adapters/keras/_keras_fit.py::autoaccum.adapters.keras._keras_fit.keras_fit",
+    "autoaccum/adapters/keras/presets/_abstract_lm.py::"
+    "autoaccum.adapters.keras.presets._abstract_lm.abstract_state",
     "autoaccum/planning/_depth.py",
     "autoaccum_demo/_gemma_demo.py",
     "autoaccum_demo/_tiny_lm.py",
