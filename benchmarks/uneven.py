@@ -31,7 +31,8 @@ from autoaccum.planning import measure_program, resolve_target
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._models: the tiny LM
 from tests._models import TinyLM, ragged_tokens, token_loss
 
-OPTIONS = dict(optimizer=optax.sgd, learning_rate=0.1, loss_fn=token_loss, lr_rule="none")
+OPTIONS = dict(optimizer=optax.sgd, loss_fn=token_loss,
+               learning_rate=autoaccum.LearningRate(value=0.1, rule="none"))
 
 
 def _model() -> TinyLM:

@@ -304,7 +304,8 @@ def flax_stream(devices: int = 4) -> dict:
 
     data = ragged_tokens(36, 10, seed=3)
     options = dict(effective_batch=8, optimizer=optax.sgd(0.1, momentum=0.9),
-                   loss_fn=token_loss, shuffle=False, budget="256MiB", verbose=0, log=None)
+                   loss_fn=token_loss, training=autoaccum.Training(shuffle=False),
+                   budget="256MiB", verbose=0, log=None)
 
     def batches():
         for start in range(0, 36, 5):

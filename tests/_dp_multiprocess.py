@@ -29,17 +29,16 @@ def main(process_id: int, port: int) -> dict:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
     data = ragged_tokens(64, 16, seed=5)
-    options = {"optimizer": optax.adam, "learning_rate": 1e-3, "loss_fn": token_loss,
-               "remat": "none"}
+    options = {"optimizer": optax.adam, "learning_rate": 1e-3, "loss_fn": token_loss}
     # Different budgets per process: process 0 fits micro-batch 8, process 1 only 4.
     budget = "1MiB" if process_id == 0 else "100KiB"
     model = TinyLM(rngs=nnx.Rngs(1))
     reference = TinyLM(rngs=nnx.Rngs(1))
     plan = autoaccum.plan(model, data, effective_batch=32, budget=budget, log=None, **options,
-                          search=autoaccum.Search(method="compile"))
+                          search=autoaccum.Search(remat="none", method="compile"))
     log = io.StringIO()
     result = autoaccum.fit(model, data, effective_batch=32, budget=budget, epochs=1, verbose=1,
-                           log=log, **options,
+                           log=log, **options, search=autoaccum.Search(remat="none"),
                            training=autoaccum.Training(shuffle=False))
     params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 

@@ -162,7 +162,7 @@ def planned() -> dict:
     budget = int((best + min(v for k, v in needs.items() if needs[k] > best)) / 2)
     expected = next(s for s in STRATEGIES if needs[s] <= budget)
     options = dict(effective_batch=32, optimizer=tx_factory, learning_rate=0.1,
-                   loss_fn=token_loss, log=None, cache=False)
+                   loss_fn=token_loss, log=None, search=autoaccum.Search(cache=False))
     model = _lm()
     result = autoaccum.fit(model, data, budget=budget, epochs=1, verbose=0,
                            **options, training=autoaccum.Training(shuffle=False))
@@ -197,7 +197,8 @@ def train_step_and_elastic() -> dict:
         return optax.sgd(rate, momentum=0.9)
 
     options = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1,
-                   loss_fn=token_loss, log=None, cache=False, budget="1GiB")
+                   loss_fn=token_loss, log=None, search=autoaccum.Search(cache=False),
+                   budget="1GiB")
     model, ref = _lm(), _lm()
     step = autoaccum.train_step(model, data, **options,
                                 target=autoaccum.Target(strategy="fsdp", data_parallel=4))
@@ -286,10 +287,10 @@ def own_sharding() -> dict:
         return optax.sgd(rate, momentum=0.9)
 
     opts = dict(effective_batch=32, optimizer=sgd, learning_rate=0.1, loss_fn=token_loss,
-                log=None, cache=False, budget="1GiB")
+                log=None, search=autoaccum.Search(cache=False), budget="1GiB")
     plan = autoaccum.plan(model, data, **opts)
     result = autoaccum.fit(model, data, verbose=0, plan=plan,
-                           **{k: v for k, v in opts.items() if k not in ("budget", "cache")},
+                           **{k: v for k, v in opts.items() if k not in ("budget", "search")},
                            training=autoaccum.Training(shuffle=False))
     ref_result = autoaccum.fit(ref, data, verbose=0, **opts,
                                target=autoaccum.Target(data_parallel=1),
@@ -421,7 +422,8 @@ def own_mesh() -> dict:
     mesh = jax.make_mesh((2, 2), ("batch", "model"))
     data = ragged_tokens(8, 10, seed=5)
     opts = dict(effective_batch=8, optimizer=lambda r: optax.sgd(r, momentum=0.9),
-                learning_rate=0.1, loss_fn=token_loss, log=None, cache=False, budget="1GiB")
+                learning_rate=0.1, loss_fn=token_loss, log=None,
+                search=autoaccum.Search(cache=False), budget="1GiB")
     with jax.set_mesh(mesh):
         probe = _MiniGPT(nnx.Rngs(0))
     plan = autoaccum.plan(probe, data, **opts)
@@ -430,7 +432,7 @@ def own_mesh() -> dict:
                  "report": "own: the model's own layout" in plan.report(),
                  "notes": [n for n in plan.notes if n.startswith("layout:")]}
     expected = _full_batch_sgd(_MiniGPT(nnx.Rngs(0), annotate=False), data, 0.1)
-    fit_opts = {k: v for k, v in opts.items() if k not in ("budget", "cache")}
+    fit_opts = {k: v for k, v in opts.items() if k not in ("budget", "search")}
     for name, micro, accum, last in (("even", 2, 2, None), ("uneven", 3, 2, 1)):
         with jax.set_mesh(mesh):
             model = _MiniGPT(nnx.Rngs(0))
@@ -779,8 +781,8 @@ def fsdp_at_use() -> dict:
         args[strategy] = est.argument_bytes
     budget = args["fsdp"] + whole
     options = dict(effective_batch=8 * mesh.size, optimizer=optax.sgd, learning_rate=0.1,
-                   loss_fn=_square_loss, log=None, cache=False, epochs=1, shuffle=False,
-                   verbose=0)
+                   loss_fn=_square_loss, log=None, search=autoaccum.Search(cache=False), epochs=1,
+                   training=autoaccum.Training(shuffle=False), verbose=0)
     model, ref = make(), make()
     result = autoaccum.fit(model, data, budget=budget, **options)
     ref_result = autoaccum.fit(ref, data, budget="1GiB", **options,
@@ -823,8 +825,9 @@ def fsdp_frozen() -> dict:
                                            mesh=mesh, strategy=strategy), 1, 2)
         frozen_bytes[strategy], args[strategy] = est.frozen_bytes, est.argument_bytes
     options = dict(effective_batch=4 * mesh.size, optimizer=optax.sgd, learning_rate=0.1,
-                   loss_fn=_square_loss, trainable=nnx.LoRAParam, log=None, cache=False,
-                   epochs=1, shuffle=False, verbose=0, budget="1GiB")
+                   loss_fn=_square_loss, trainable=nnx.LoRAParam, log=None,
+                   search=autoaccum.Search(cache=False), epochs=1,
+                   training=autoaccum.Training(shuffle=False), verbose=0, budget="1GiB")
     model, ref = make(), make()
     # Validated too: the evaluation reads the split frozen weights.
     result = autoaccum.fit(model, data, validation_data=data, **options,

@@ -34,8 +34,8 @@ def main(process_id: int, port: int) -> dict:
     def sgd(rate):
         return optax.sgd(rate, momentum=0.9)
 
-    options = {"optimizer": sgd, "learning_rate": 0.1, "loss_fn": token_loss, "remat": "none",
-               "cache": False}
+    options = {"optimizer": sgd, "learning_rate": 0.1, "loss_fn": token_loss,
+               "search": autoaccum.Search(remat="none", cache=False)}
     model = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(1))
     reference = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(1))
     result = autoaccum.fit(model, data, effective_batch=32, budget="1GiB", epochs=1, verbose=0,

@@ -161,7 +161,8 @@ def test_more_of_the_same_gpu_is_advised_with_the_strategy_that_fits(tmp_path):
     # they split the state (a replica per device could not). One need cache for the advisor
     # and the re-plan, as a user's session has (the re-plan finds the row's programs there).
     kwargs = dict(effective_batch=16, optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
-                  device="t4", budget=BUDGET, log=None, cache=str(tmp_path))
+                  device="t4", budget=BUDGET, log=None,
+                  search=autoaccum.Search(cache=str(tmp_path)))
     advice = autoaccum.advise(MLP(rngs=nnx.Rngs(0)), DATA, **kwargs)
     assert not advice.fits and advice.resident.state_bytes > BUDGET
     rows = [a for a in advice.alternatives if "devices" in a.change]

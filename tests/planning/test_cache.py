@@ -174,8 +174,10 @@ def test_plan_with_cache_false_neither_reads_nor_writes(tmp_path, monkeypatch):
     data = ragged_tokens(16, 16, vocab=64)
     model = TinyLM(vocab=64, dim=32, hidden=64, rngs=nnx.Rngs(0))
     options = dict(effective_batch=8, optimizer=optax.adam, learning_rate=1e-3,
-                   loss_fn=token_loss, budget="1GiB", log=None, method="compile")
-    autoaccum.plan(model, data, **options, search=autoaccum.Search(cache=False))
+                   loss_fn=token_loss, budget="1GiB", log=None,
+                   search=autoaccum.Search(method="compile"))
+    autoaccum.plan(model, data, **{**options, "search": autoaccum.Search(method="compile",
+                                                                         cache=False)})
     assert not list(tmp_path.rglob("*.json"))
     cold = autoaccum.plan(model, data, **options)
     warm = autoaccum.plan(model, data, **options)

@@ -119,8 +119,9 @@ def test_x_y_and_sample_weight_as_model_fit_takes_them_train_like_the_packed_tup
     ``model.fit(x, y, batch_size=...)`` reads, are the data ``(x, y, w)``."""
     x, y = _data()
     weights = np.linspace(0.5, 2.0, 64).astype("float32")
-    options = {"effective_batch": 16, "budget": "1GiB", "shuffle": False, "lr_rule": "none",
-               "verbose": 0, "log": None}
+    options = {"effective_batch": 16, "budget": "1GiB",
+               "training": autoaccum.Training(shuffle=False),
+               "learning_rate": autoaccum.LearningRate(rule="none"), "verbose": 0, "log": None}
     packed, positional, keywords = _model(), _model(), _model()
     keywords.set_weights(packed.get_weights())
     positional.set_weights(packed.get_weights())

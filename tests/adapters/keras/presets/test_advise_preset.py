@@ -84,7 +84,7 @@ def test_a_preset_full_fine_tune_plans_with_adafactor():
     which an abstract build's stateless scope refuses; they are deferred like every other
     variable, and its factored moments make the resident state smaller than AdamW's."""
     options = dict(effective_batch=2, sequence_length=16, budget=2**31, device="t4",
-                   backbone_overrides=SMALL, log=None, cache=False)
+                   backbone_overrides=SMALL, log=None, search=autoaccum.Search(cache=False))
     adafactor = plan_preset("gemma3_1b", optimizer="adafactor", **options)
     adamw = plan_preset("gemma3_1b", optimizer="adamw", **options)
     assert adafactor.need_bytes <= adafactor.budget_bytes

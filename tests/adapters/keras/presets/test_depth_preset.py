@@ -3,6 +3,7 @@
 
 import pytest
 
+import autoaccum
 import autoaccum.adapters.keras.presets._plan_preset as plan_preset_module
 from autoaccum.adapters.keras.presets import load_architecture
 from autoaccum.adapters.keras.presets._plan_preset import _preset_program, plan_preset
@@ -47,7 +48,7 @@ def test_keras_extrapolation_agrees_with_a_full_compile_within_two_percent(name,
 def test_a_warm_preset_dry_run_builds_no_model(tmp_path, monkeypatch):
     options = dict(effective_batch=4, lora_rank=4, sequence_length=32, device="t4",
                    backbone_overrides={**SMALL, "num_layers": FULL_DEPTH}, log=None,
-                   cache=str(tmp_path))
+                   search=autoaccum.Search(cache=str(tmp_path)))
     cold = plan_preset("gemma3_1b", **options)
     assert cold.probes[-1].why == "verify at full depth"
 
@@ -67,7 +68,7 @@ def test_a_warm_preset_dry_run_builds_no_model(tmp_path, monkeypatch):
 
 def test_a_changed_lora_rank_or_sequence_length_recompiles(tmp_path):
     options = dict(effective_batch=2, device="t4", backbone_overrides={**SMALL, "num_layers": 2},
-                   log=None, cache=str(tmp_path), remat="none")
+                   log=None, search=autoaccum.Search(cache=str(tmp_path), remat="none"))
     plan_preset("gemma3_1b", lora_rank=4, sequence_length=32, **options)
     for changed in ({"lora_rank": 8, "sequence_length": 32},
                     {"lora_rank": 4, "sequence_length": 48}):
