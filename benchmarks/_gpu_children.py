@@ -161,7 +161,8 @@ def config(size: dict) -> models.LMConfig:
 
 def options(cfg: models.LMConfig) -> dict:
     """What autoaccum.plan / measure / fit / train_step take for these models."""
-    return {"optimizer": models.optimizer, "learning_rate": LEARNING_RATE, "lr_rule": "none",
+    return {"optimizer": models.optimizer,
+            "learning_rate": autoaccum.LearningRate(value=LEARNING_RATE, rule="none"),
             "loss_fn": models.next_token_loss, "trainable": models.trainable(cfg)}
 
 

@@ -226,10 +226,11 @@ def train_step_and_elastic() -> dict:
         zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32), batch["tokens"])
         return total + zero, count
 
-    plan = autoaccum.plan(_lm(), data, **{k: v for k, v in options.items() if k != "log"},
+    plan = autoaccum.plan(_lm(), data,
+                          **{k: v for k, v in options.items() if k not in ("log", "search")},
                           log=None,
                           target=autoaccum.Target(strategy="zero2"),
-                          search=autoaccum.Search(method="compile", remat="none"))
+                          search=autoaccum.Search(method="compile", remat="none", cache=False))
     plan = dataclasses.replace(plan, micro_batch=8, accum_steps=1)
     mesh = data_parallel_mesh()
     model, ref = _lm(), _lm()

@@ -52,7 +52,7 @@ CHILD = textwrap.dedent("""
     plan = autoaccum.plan(model, data, effective_batch=16, budget=(n4 + n8) // 2, log=None,
                           **options)
     result = autoaccum.fit(model, data, effective_batch=16, plan=plan, epochs=1,
-                           shuffle=False, verbose=0, **options)
+                           training=autoaccum.Training(shuffle=False), verbose=0, **options)
     # One SGD step on the whole batch of 16, by hand: what 4 x 4 accumulated must equal.
     grads = jax.grad(lambda p: loss_fn(nnx.merge(graph, p), data)[0] / 16)(params)
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)

@@ -70,10 +70,14 @@ def test_every_preset_row_fits_when_planned_with_its_change(tmp_path):
         target = {"budget": TWO_BLOCKS_BUDGET, "device": "t4"}
         if "device" in change:
             target = {"device": change.pop("device")}
+        # A row's change as plan_preset takes it: devices and strategy in the Target, remat
+        # in the Search, the rest plain.
+        spread = {k: change.pop(k) for k in ("devices", "strategy") if k in change}
+        search = autoaccum.Search(cache=str(tmp_path), remat=change.pop("remat", "auto"))
         kwargs = {"sequence_length": 16, **change}
         plan = plan_preset("gemma3_1b", effective_batch=2, backbone_overrides=TWO_BLOCKS,
-                           log=None, **target, **kwargs,
-                           search=autoaccum.Search(cache=str(tmp_path)))
+                           log=None, **target, **kwargs, target=autoaccum.Target(**spread),
+                           search=search)
         assert plan.need_bytes <= plan.budget_bytes
         assert (plan.micro_batch, plan.accum_steps) == (row.micro_batch, row.accum_steps)
     assert "What would fit" in str(advice.error)
