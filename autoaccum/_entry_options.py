@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .planning._lr_scaling import validate_lr_rule
+from .planning._lr_scaling import announce
 from .planning._option_checks import received
 from .planning._plan import Plan
+from .planning._plan_model import plan_model
 from .planning._plan_options import (
     LearningRate,
     Search,
@@ -21,13 +22,14 @@ from .planning._plan_options import (
     refuse_unread,
     spec_of,
 )
+from .planning._reuse import PLANNING_OPTIONS, reuse_plan
 from .training._epoch_batches import num_examples
 from .training._keyword_errors import explains_keywords, where_option_lives
 from .training._training_options import Training
 
 __all__ = ["changed", "drops", "examples_of", "explains_keywords", "learning_rate_spec",
-           "program_options", "refuse_unread", "specs", "where_option_lives", "with_examples",
-           "with_targets"]
+           "plan_to_train", "program_options", "refuse_unread", "specs", "where_option_lives",
+           "with_examples", "with_targets"]
 
 def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
           training: Any = None) -> tuple[Target, Search, Training]:
@@ -44,6 +46,29 @@ def specs(*, device: Any = None, budget: Any = None, target: Any = None, search:
             spec_of(Training, training, "training"))
 
 
+def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
+                  effective_batch: int, options: dict, target: Target, search: Search,
+                  training: Training, log: Any, where: str) -> tuple[Plan, Any]:
+    """The plan ``fit`` and ``train_step`` train with, and its prepared step: ``plan=``
+    checked and reused (the Target and Search fields that only shape planning are refused
+    next to it), else planned now. With ``method="auto"`` and elastic steps the first
+    training step is the real verification (it backs off on an out-of-memory exactly as
+    auto planning would), so planning compiles only."""
+    if plan is not None:
+        given = {**changed(target), **changed(search)}
+        the_plan, prepared = reuse_plan(
+            plan, model, data, adapter=adapter, effective_batch=effective_batch,
+            options=options, remat_layers=search.remat_layers,
+            data_parallel=target.data_parallel,
+            planning_options={k: v for k, v in given.items() if k in PLANNING_OPTIONS})
+        announce(prepared.lr_scaling, log)
+        return the_plan, prepared
+    if search.method == "auto" and training.elastic:
+        search = dataclasses.replace(search, method="compile")
+    return plan_model(model, data, adapter=adapter, effective_batch=effective_batch,
+                      options=options, target=target, search=search, log=log, where=where)
+
+
 def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,
                     batch_stats: str = "effective") -> dict[str, Any]:
     """The options that shape the train step and its learning rate, for ``adapter.prepare``.
@@ -57,7 +82,7 @@ def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_ra
       ['adjust_adam', 'base_batch', 'learning_rate', 'lr_rule']
     """
     options: dict[str, Any] = {"base_batch": learning_rate.base_batch,
-                               "lr_rule": validate_lr_rule(learning_rate.rule),
+                               "lr_rule": learning_rate.rule,
                                "adjust_adam": learning_rate.adjust_adam}
     if batch_stats != "effective":
         options["batch_stats"] = batch_stats

@@ -3,15 +3,14 @@ accumulation."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, TextIO
 
 from ._entry_options import (
-    changed,
     drops,
     examples_of,
     explains_keywords,
     learning_rate_spec,
+    plan_to_train,
     program_options,
     specs,
     with_examples,
@@ -19,24 +18,16 @@ from ._entry_options import (
 )
 from .adapters import adapter_for
 from .planning._adapter_interface import FitSettings
-from .planning._lr_scaling import announce
 from .planning._option_checks import (
     resolve_log,
     validate_effective_batch,
     validate_positive_int,
 )
 from .planning._plan import Plan
-from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
-from .planning._reuse import reuse_plan
 from .training._training_options import Training
 
 __all__ = ["fit"]
-
-# The options of a Target or Search that fit may still read next to plan=: they do not
-# change what a plan chose.
-_READ_WITH_PLAN = ("remat_layers", "data_parallel", "cache", "uneven")
-
 
 @explains_keywords
 def fit(
@@ -139,22 +130,10 @@ def fit(
     adapter.validate_fit_options(framework_options)
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                               learning_rate=lr, batch_stats=the_training.batch_stats)
-    if plan is not None:
-        the_plan, prepared = reuse_plan(
-            plan, model, data, adapter=adapter, effective_batch=effective_batch, options=options,
-            remat_layers=the_search.remat_layers, data_parallel=the_target.data_parallel,
-            planning_options={**changed(the_target, ignore=_READ_WITH_PLAN),
-                              **changed(the_search, ignore=_READ_WITH_PLAN)})
-        announce(prepared.lr_scaling, log)
-    else:
-        # With method="auto" the first training step is the real verification: elastic
-        # training backs off on an out-of-memory there exactly as auto planning would.
-        if the_search.method == "auto" and the_training.elastic:
-            the_search = dataclasses.replace(the_search, method="compile")
-        the_plan, prepared = plan_model(model, data, adapter=adapter,
-                                        effective_batch=effective_batch, options=options,
-                                        target=the_target, search=the_search, log=log,
-                                        where="fit")
+    the_plan, prepared = plan_to_train(model, data, adapter=adapter, plan=plan,
+                                       effective_batch=effective_batch, options=options,
+                                       target=the_target, search=the_search,
+                                       training=the_training, log=log, where="fit")
     if "validation_split" not in framework_options:
         the_plan = with_examples(the_plan, examples_of(prepared),
                                  drops(adapter, the_training.drop_remainder))

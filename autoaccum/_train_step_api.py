@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ._entry_options import (
-    changed,
     explains_keywords,
     learning_rate_spec,
+    plan_to_train,
     program_options,
     specs,
 )
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
-from .planning._lr_scaling import announce
 from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
-from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
-from .planning._reuse import reuse_plan
 from .training._training_options import Training
 
 __all__ = ["train_step"]
@@ -125,24 +121,12 @@ def train_step(
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                               learning_rate=learning_rate_spec(learning_rate),
                               batch_stats=the_training.batch_stats)
-    ignore = ("remat_layers", "data_parallel", "cache", "uneven")
-    if plan is not None:
-        the_plan, prepared = reuse_plan(
-            plan, model, data, adapter=adapter, effective_batch=effective_batch,
-            options=options, remat_layers=the_search.remat_layers,
-            data_parallel=the_target.data_parallel,
-            planning_options={**changed(the_target, ignore=ignore),
-                              **changed(the_search, ignore=ignore)})
-        announce(prepared.lr_scaling, log)
-    else:
-        # As in fit: with method="auto" and elastic steps the first step is the verification.
-        if the_search.method == "auto" and the_training.elastic:
-            the_search = dataclasses.replace(the_search, method="compile")
-        the_plan, prepared = plan_model(
-            model, data, adapter=adapter, effective_batch=effective_batch, options=options,
-            target=the_target, search=the_search, log=log, where="train_step")
-        if log is not None:
-            print(the_plan.report(), file=log, flush=True)
+    the_plan, prepared = plan_to_train(model, data, adapter=adapter, plan=plan,
+                                       effective_batch=effective_batch, options=options,
+                                       target=the_target, search=the_search,
+                                       training=the_training, log=log, where="train_step")
+    if plan is None and log is not None:
+        print(the_plan.report(), file=log, flush=True)
     remat_layers, uneven = the_search.remat_layers, the_search.uneven
     on_nonfinite, backup = the_training.on_nonfinite, the_training.backup
     elastic, batch_stats = the_training.elastic, the_training.batch_stats
