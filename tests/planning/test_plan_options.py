@@ -1,0 +1,54 @@
+"""The planning option specs: validated once when built, one default per option, the plain
+keywords merged into them, and the fields an entry point does not read refused."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+import autoaccum
+from autoaccum.planning._plan_options import merge_plain, refuse_unread
+
+
+def test_a_spec_is_frozen_and_keyword_only():
+    target = autoaccum.Target(device="t4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        target.device = "l4"
+    with pytest.raises(TypeError):
+        autoaccum.Search("nothing")
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: autoaccum.Target(budget="a lot"), "Received: budget='a lot'"),
+    (lambda: autoaccum.Target(strategy="zero3"), "zero3"),
+    (lambda: autoaccum.Target(data_parallel=0), "Received: data_parallel=0"),
+    (lambda: autoaccum.Search(method="fast"), "Received: method='fast'"),
+    (lambda: autoaccum.Search(uneven="yes"), "Received: uneven='yes'"),
+    (lambda: autoaccum.LearningRate(rule="cubic"), "cubic"),
+    (lambda: autoaccum.LearningRate(base_batch=0), "base_batch"),
+    (lambda: autoaccum.Training(seed=-1), "Received: seed=-1"),
+])
+def test_bad_fields_are_refused_when_the_spec_is_built(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_a_memory_fraction_waits_for_the_device_given_plainly():
+    target = merge_plain(autoaccum.Target(memory_fraction=0.9), device="t4")
+    assert (target.device, target.memory_fraction) == ("t4", 0.9)
+    with pytest.raises(ValueError, match="applies to a named GPU"):
+        autoaccum.Target(device="cpu", memory_fraction=0.9)
+
+
+def test_every_entry_point_takes_the_same_default_for_the_same_spec():
+    for name in ("fit", "plan", "measure", "advise", "train_step"):
+        parameters = inspect.signature(getattr(autoaccum, name)).parameters
+        for spec in ("target", "search", "training"):
+            assert parameters[spec].default is None, (name, spec)
+
+
+def test_a_field_an_entry_point_does_not_read_is_refused():
+    refuse_unread("measure", "search", autoaccum.Search(cache=False), read=("cache",))
+    with pytest.raises(ValueError, match=r"does not read search.objective"):
+        refuse_unread("measure", "search", autoaccum.Search(objective="memory"),
+                      read=("cache",))
