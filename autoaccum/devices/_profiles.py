@@ -1,10 +1,12 @@
-"""Device profiles: what autoaccum knows about a GPU (or the CPU), read from TOML files.
+"""Device profiles: what autoaccum knows about a GPU, a TPU slice (or the CPU), read from TOML
+files.
 
 One file per device lives in ``profiles/`` (``autoaccum/profiles/`` in an installed wheel).
 A profile says how much memory the device has, how much of it JAX's pool should take, the
-environment to set before JAX starts, and (for GPUs) the ``[gpu]`` table from which
-:func:`autoaccum.devices._target_config.gpu_target_config` writes the ``GpuTargetConfigProto`` used
-to compile for that GPU without having one.
+environment to set before JAX starts, where its figures come from (``source``), and either
+the ``[gpu]`` table from which :func:`autoaccum.devices._target_config.gpu_target_config`
+writes the ``GpuTargetConfigProto`` used to compile for that GPU without having one, or the
+``[tpu]`` table naming the TPU topology libtpu compiles for (:class:`TpuSpec`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "MIB",
     "DeviceProfile",
     "GpuSpec",
+    "TpuSpec",
     "find_profile",
     "list_profiles",
     "load_profile",
@@ -82,6 +85,36 @@ class GpuSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class TpuSpec:
+    """The ``[tpu]`` table of a profile: the TPU slice libtpu compiles for, without a TPU.
+
+    ``topology`` is libtpu's name (``"v5e:2x4"``: generation, then chips per axis), given to
+    ``jax.experimental.topologies.get_topology_desc`` with ``chips_per_host_bounds`` (how
+    the chips sit on one host: ``(2, 4, 1)`` makes a v5e-8 one host of 8 chips, as Kaggle
+    and Google Cloud's ``v5litepod-8`` have them) and ``chip_config_name`` (``"megacore"``
+    for v4 and v5p, whose two TensorCores act as one device). ``usable_hbm_mib`` is the HBM
+    of one chip that XLA's compile-time check allows (``exceeds available HBM (15.75G)``).
+    """
+
+    topology: str
+    chips: int
+    hosts: int
+    chips_per_host_bounds: tuple[int, int, int]
+    usable_hbm_mib: int
+    chip_config_name: str = ""
+    device_kind: str = ""
+    """What ``jax.devices()[0].device_kind`` says on this TPU (``"TPU v5 lite"``)."""
+    accelerator_type: str = ""
+    """Google Cloud's accelerator type (``"v5litepod-8"``), as ``TPU_ACCELERATOR_TYPE`` holds
+    it on a TPU VM."""
+
+    @property
+    def chips_per_host(self) -> int:
+        """Chips on each host of the slice."""
+        return self.chips // self.hosts
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     """What autoaccum knows about one device. Load one with :func:`find_profile`.
 
@@ -98,6 +131,10 @@ class DeviceProfile:
       CUDA context, command buffers when enabled), minus the margins inside it (the cuDNN
       workspace a deviceless compile does not see), plus any measured credit. Each margin
       and its source is in ``margins`` (:mod:`autoaccum.devices._margins`).
+
+    A TPU profile's pool is one chip's usable HBM (``tpu.usable_hbm_mib``, what XLA's
+    compile-time check allows) times the fraction (1 unless given: no other process shares a
+    TPU, and no margin applies: the compile itself refuses a step over the HBM).
 
     The CPU profile has no ``memory_mib``; pass the host's memory (see
     :func:`autoaccum.devices._detect.host_memory`) as ``total_bytes``.
@@ -134,6 +171,11 @@ class DeviceProfile:
     interconnect_gbps: float | None = None
     """GPU-to-GPU bandwidth per GPU in GB/s, both directions together, as vendors quote it
     (PCIe Gen3 x16: 32, Gen4: 64; NVLink 3: 600, NVLink 4: 900)."""
+    tpu: TpuSpec | None = None
+    """The TPU slice (a ``[tpu]`` table), else ``None``."""
+    source: str = ""
+    """Where the profile's figures come from (XLA's spec file, a vendor's datasheet, a
+    compile for the topology)."""
 
     def interconnect_line(self) -> str:
         """One line for reports, e.g. ``"PCIe Gen3 x16, no NVLink (32 GB/s per GPU)"``.
@@ -152,6 +194,26 @@ class DeviceProfile:
     def is_gpu(self) -> bool:
         """True when the profile describes a GPU (it has a ``[gpu]`` table)."""
         return self.gpu is not None
+
+    @property
+    def is_tpu(self) -> bool:
+        """True when the profile describes a TPU slice (it has a ``[tpu]`` table).
+
+        >>> from autoaccum.devices._profiles import find_profile
+        >>> find_profile("kaggle-tpu").is_tpu, find_profile("kaggle-tpu").tpu.chips
+        (True, 8)
+        """
+        return self.tpu is not None
+
+    @property
+    def is_accelerator(self) -> bool:
+        """A GPU or a TPU (a profile autoaccum can compile for without having it)."""
+        return self.gpu is not None or self.tpu is not None
+
+    @property
+    def platform(self) -> str:
+        """``"gpu"``, ``"tpu"`` or ``"cpu"``."""
+        return "gpu" if self.gpu is not None else "tpu" if self.tpu is not None else "cpu"
 
     @property
     def env(self) -> dict[str, str]:
@@ -176,6 +238,8 @@ class DeviceProfile:
             raise ValueError(
                 f"memory_fraction must be in (0, 1]. Received: memory_fraction={fraction}"
             )
+        if total_bytes is None and self.tpu is not None:
+            total_bytes = self.tpu.usable_hbm_mib * MIB
         if total_bytes is None:
             total_mib = self.cuda_total_mib or self.memory_mib
             if total_mib is None:
@@ -215,6 +279,8 @@ class DeviceProfile:
         (True, ['CUDA context', 'cuDNN workspace'])
         """
         pool = self.pool_bytes(memory_fraction, total_bytes=total_bytes)
+        if total_bytes is None and self.tpu is not None:
+            total_bytes = self.tpu.usable_hbm_mib * MIB
         if total_bytes is None:
             total_bytes = (self.cuda_total_mib or self.memory_mib or 0) * MIB
         if command_buffers is None:
@@ -315,12 +381,14 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "aliases": list,
     "name_patterns": list,
     "default_memory_fraction": (int, float),
-    "cuda_context_reserve_mib": int,
-    "workspace_margin_mib": int,
     "bf16_native": bool,
     "dtype_advice": str,
 }
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "cuda_context_reserve_mib": int,
+    "workspace_margin_mib": int,
+    "source": str,
+    "tpu": dict,
     "memory_mib": int,
     "cuda_total_mib": int,
     "environment": dict,
@@ -367,11 +435,21 @@ def _parse(path: Path) -> DeviceProfile:
                 f"{pattern!r}: {e}"
             ) from e
     gpu = _parse_gpu(path, data["gpu"]) if "gpu" in data else None
-    if gpu is not None and "memory_mib" not in data:
-        raise ValueError(
-            f"Device profile {str(path)!r} is missing the field 'memory_mib' "
-            "(required for a GPU profile, i.e. one with a [gpu] table)."
-        )
+    tpu = _parse_tpu(path, data["tpu"]) if "tpu" in data else None
+    if gpu is not None and tpu is not None:
+        raise ValueError(f"Device profile {str(path)!r} has both a [gpu] and a [tpu] table; a "
+                         "profile describes one device: keep one.")
+    needed = (("memory_mib", "cuda_context_reserve_mib", "workspace_margin_mib")
+              if gpu is not None else ("memory_mib",) if tpu is not None else
+              ("cuda_context_reserve_mib", "workspace_margin_mib"))
+    for field in needed:
+        if field not in data:
+            kind = "GPU profile, i.e. one with a [gpu] table" if gpu is not None else (
+                "TPU profile, i.e. one with a [tpu] table" if tpu is not None else "profile")
+            raise ValueError(
+                f"Device profile {str(path)!r} is missing the field {field!r} "
+                f"(required for a {kind})."
+            )
     environment = data.get("environment", {})
     for key, value in environment.items():
         _check_type(path, f"environment.{key}", value, str)
@@ -383,8 +461,8 @@ def _parse(path: Path) -> DeviceProfile:
         memory_mib=data.get("memory_mib"),
         cuda_total_mib=data.get("cuda_total_mib"),
         default_memory_fraction=fraction,
-        cuda_context_reserve_mib=data["cuda_context_reserve_mib"],
-        workspace_margin_mib=data["workspace_margin_mib"],
+        cuda_context_reserve_mib=data.get("cuda_context_reserve_mib", 0),
+        workspace_margin_mib=data.get("workspace_margin_mib", 0),
         bf16_native=data["bf16_native"],
         dtype_advice=" ".join(data["dtype_advice"].split()),
         environment=tuple(environment.items()),
@@ -394,7 +472,41 @@ def _parse(path: Path) -> DeviceProfile:
         interconnect=" ".join(data.get("interconnect", "").split()),
         interconnect_gbps=(float(data["interconnect_gbps"]) if "interconnect_gbps" in data
                            else None),
+        tpu=tpu,
+        source=" ".join(data.get("source", "").split()),
     )
+
+
+_TPU_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "topology": str, "chips": int, "hosts": int, "chips_per_host_bounds": list,
+    "usable_hbm_mib": int, "chip_config_name": str, "device_kind": str,
+    "accelerator_type": str,
+}
+
+
+def _parse_tpu(path: Path, table: dict[str, Any]) -> TpuSpec:
+    unknown = set(table) - set(_TPU_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"Device profile {str(path)!r}: [tpu] has unknown field(s) {sorted(unknown)}. "
+            f"Known fields: {', '.join(_TPU_FIELDS)}."
+        )
+    for name in ("topology", "chips", "hosts", "chips_per_host_bounds", "usable_hbm_mib"):
+        if name not in table:
+            raise ValueError(f"Device profile {str(path)!r} is missing the field 'tpu.{name}'.")
+    for name, value in table.items():
+        _check_type(path, f"tpu.{name}", value, _TPU_FIELDS[name])
+    bounds = table["chips_per_host_bounds"]
+    if len(bounds) != 3 or not all(isinstance(b, int) and b > 0 for b in bounds):
+        raise ValueError(
+            f"Device profile {str(path)!r}: tpu.chips_per_host_bounds must be three positive "
+            f"integers, e.g. [2, 4, 1]. Received: chips_per_host_bounds={bounds!r}")
+    chips, hosts = table["chips"], table["hosts"]
+    if chips < 1 or hosts < 1 or chips % hosts:
+        raise ValueError(
+            f"Device profile {str(path)!r}: tpu.chips must be a positive multiple of tpu.hosts. "
+            f"Received: chips={chips}, hosts={hosts}")
+    return TpuSpec(**{**table, "chips_per_host_bounds": tuple(bounds)})
 
 
 

@@ -19,6 +19,7 @@ from autoaccum.devices._profiles import (
 EXPECTED = {
     "t4", "l4", "p100", "v100-16gb", "v100-32gb", "a10g", "a100-40gb", "a100-80gb",
     "h100-80gb", "h200", "rtx3090", "rtx4090", "cpu",
+    "v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v4-8",
 }  # fmt: skip
 
 
@@ -30,8 +31,15 @@ def test_every_profile_loads_with_sane_values():
     for profile in all_profiles():
         assert isinstance(profile, DeviceProfile)
         assert 0.5 <= profile.default_memory_fraction <= 1.0
-        assert profile.workspace_margin_mib > 0
         assert profile.dtype_advice and "\n" not in profile.dtype_advice
+        assert profile.workspace_margin_mib > 0 or profile.is_tpu
+        if profile.is_tpu:
+            tpu = profile.tpu
+            assert profile.source and profile.bf16_native and not profile.margins
+            assert tpu.chips * profile.memory_mib > 10_000
+            assert 0.9 * profile.memory_mib < tpu.usable_hbm_mib <= 1.01 * profile.memory_mib
+            assert tpu.device_kind.startswith("TPU") and tpu.accelerator_type
+            assert profile.pool_bytes() == profile.budget_bytes() == tpu.usable_hbm_mib * MIB
         if profile.is_gpu:
             gpu = profile.gpu
             assert profile.memory_mib and profile.memory_mib > 10_000
@@ -164,3 +172,24 @@ def test_cpu_pool_needs_the_host_memory():
     with pytest.raises(ValueError, match="total_bytes"):
         cpu.pool_bytes()
     assert cpu.pool_bytes(total_bytes=10 * MIB) == int(10 * MIB * cpu.default_memory_fraction)
+
+
+def test_tpu_slices_answer_to_the_names_google_cloud_colab_and_kaggle_use():
+    assert find_profile("colab-tpu").key == "v5e-1"
+    assert find_profile("kaggle-tpu").key == "v5e-8"
+    assert find_profile("v5litepod-8").key == "v5e-8"
+    assert find_profile("TPU v6e-8").key == "v6e-8"
+    v5e8 = find_profile("v5e-8")
+    assert (v5e8.tpu.topology, v5e8.tpu.chips, v5e8.tpu.chips_per_host_bounds) == (
+        "v5e:2x4", 8, (2, 4, 1))
+    assert find_profile("v4-8").tpu.chip_config_name == "megacore"
+    assert v5e8.platform == "tpu" and find_profile("t4").platform == "gpu"
+
+
+def test_a_tpu_table_with_bad_bounds_is_refused_naming_the_field(tmp_path):
+    text = (profiles_dir() / "v5e-8.toml").read_text().replace(
+        "chips_per_host_bounds = [2, 4, 1]", "chips_per_host_bounds = [2, 4]")
+    path = tmp_path / "odd.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"chips_per_host_bounds must be three positive"):
+        load_profile(path)
