@@ -109,10 +109,7 @@ def accumulate_gradients(
         else:
             safe = jnp.maximum(count, 1.0)
             # Scale the scalar, not the tree, so no gradient-sized temporary is needed.
-            micro_sq = sum(
-                jnp.vdot(g, g, preferred_element_type=jnp.float32)
-                for g in jax.tree.leaves(grads))
-            micro_sq = micro_sq / (safe * safe)
+            micro_sq = tree_sq_norm(grads) / (safe * safe)
         return (grad_acc, loss_acc + loss_sum, count_acc + count, state, sq_acc + micro_sq), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
@@ -142,6 +139,23 @@ def accumulate_gradients(
             out, _ = jax.lax.scan(lambda c, b: body(c, b, params), init, batches)
     grad_sum, loss_sum, count, carry, sq_sum = out
     return AccumulatedGradients(grad_sum, loss_sum, count, carry, sq_sum)
+
+
+def tree_sq_norm(tree: PyTree) -> jax.Array:
+    """``sum(|leaf|^2)`` over the leaves of ``tree``, in float32, as a sum of squares.
+
+    A reduction the partitioner keeps split: each device squares and sums its own shard of a
+    split leaf and the partial sums are added (an all-reduce of one scalar). ``jnp.vdot``
+    flattens its operands first, and a reshape of a leaf split over a mesh axis other than
+    its first gathered the whole leaf on every device (an all-gather per gradient).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(tree_sq_norm({"a": jnp.ones((2, 3)), "b": jnp.full((2,), 2.0, jnp.bfloat16)}))
+      14.0
+    """
+    return sum((jnp.sum(jnp.square(jnp.asarray(g, jnp.float32)))
+                for g in jax.tree.leaves(tree)), jnp.float32(0))
 
 
 def _two_micro_batches(body: Any, init: Any, batches: UnevenBatches) -> Any:

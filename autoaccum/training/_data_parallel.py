@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from ..devices._mesh import mesh_axis
 from ..planning._micro_batches import UnevenBatches, micro_steps
 from ..planning._strategies import StateLayout
-from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
+from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients, tree_sq_norm
 from ._at_use import gathered_at_use
 
 PyTree = Any
@@ -198,10 +198,9 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             sq = jnp.float32(0)
             for g, d in zip(jax.tree.leaves(grads), split_params, strict=True):
                 if d is None:
-                    g = jax.lax.psum(g, axis)
-                    sq = sq + jnp.vdot(g, g, preferred_element_type=jnp.float32) / devices
+                    sq = sq + tree_sq_norm(jax.lax.psum(g, axis)) / devices
                 else:
-                    sq = sq + jnp.vdot(g, g, preferred_element_type=jnp.float32)
+                    sq = sq + tree_sq_norm(g)
             return jax.lax.psum(sq, axis)
 
         def summed_sq_norm(grads: PyTree, count: jax.Array) -> jax.Array:
