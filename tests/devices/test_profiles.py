@@ -19,6 +19,8 @@ from autoaccum.devices._profiles import (
 EXPECTED = {
     "t4", "l4", "p100", "v100-16gb", "v100-32gb", "a10g", "a100-40gb", "a100-80gb",
     "h100-80gb", "h200", "rtx3090", "rtx4090", "cpu",
+    "a100-pcie-80gb", "h100-pcie", "a6000", "l40s", "rtx5090", "rtx-pro-6000",
+    "b200", "b300", "gb200", "gb300",
     "v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v4-8",
 }  # fmt: skip
 
