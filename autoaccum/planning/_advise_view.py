@@ -43,6 +43,12 @@ class Alternative:
     def split(self) -> str:
         return f"{self.micro_batch} x {self.accum_steps}"
 
+    @property
+    def floor_bytes(self) -> int:
+        """The floor of the row's step, from shapes (0: not known; see
+        ``autoaccum.planning._floor``)."""
+        return int(getattr(self.plan, "floor_bytes", 0) or 0)
+
     def describe(self) -> str:
         """The change as ``key=value`` pairs."""
         return describe_change(self.change)
@@ -50,7 +56,7 @@ class Alternative:
     def to_dict(self) -> dict[str, Any]:
         return {"change": dict(self.change), "micro_batch": self.micro_batch,
                 "accum_steps": self.accum_steps, "need_bytes": self.need_bytes,
-                "budget_bytes": self.budget_bytes,
+                "floor_bytes": self.floor_bytes, "budget_bytes": self.budget_bytes,
                 "relative_flops": (None if self.relative_flops != self.relative_flops
                                    else self.relative_flops),  # NaN (no count): null
                 "flops": self.flops, "source": self.source}

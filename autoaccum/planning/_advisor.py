@@ -59,9 +59,10 @@ class Advice:
         if not self.alternatives:
             return ("What would fit (each row planned and compiled): nothing among the "
                     f"{len(self.tried)} changes tried.")
-        head = ["change", "micro x accum", "need / budget", "rel. flops", "source"]
+        head = ["change", "micro x accum", "need / budget", "floor", "rel. flops", "source"]
         rows = [[a.describe(), a.split,
                  f"{format_bytes(a.need_bytes)} / {format_bytes(a.budget_bytes)}",
+                 format_bytes(a.floor_bytes) if a.floor_bytes else "-",
                  f"{a.relative_flops:.2f}", a.source] for a in self.alternatives]
         widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
         lines = ["What would fit (each row planned with its change and compiled; relative "

@@ -24,6 +24,7 @@ from ..devices._compile_platform import compiling_for
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
 from ..devices._xla_options import known_compile_options
+from ._floor import step_floor
 from ._kernel_cache import kernel_cache_options
 from ._train_program import TrainProgram, local_shape, tree_bytes
 
@@ -83,6 +84,10 @@ class MemoryEstimate:
     """``"compiled"`` (this step was compiled), ``"cache"`` (a compile of the same program for
     the same target, read from the need cache) or ``"extrapolated"`` (predicted from
     compiles of the same model at two smaller depths, see :mod:`._depth`)."""
+    floor_bytes: int = 0
+    """What one device must hold at least in this step, from shapes (state as laid out,
+    gradient accumulator, batch, and the largest transient an operation needs; see
+    :mod:`._floor`); 0 where not known (an entry of an older need cache)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -467,6 +472,7 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
         alias_bytes=alias,
         temp_bytes=temp,
         need_bytes=argument + output - alias + temp,
+        floor_bytes=step_floor(program, micro_batch, accum_steps, last=last),
         target=target,
         compile_seconds=seconds,
         flops=float(cost.get("flops", 0.0)),

@@ -186,6 +186,12 @@ class Plan:
         return self.estimate.need_bytes
 
     @property
+    def floor_bytes(self) -> int:
+        """What one device must hold at least in the chosen step, from shapes (see
+        ``autoaccum.planning._floor``); 0 where not known."""
+        return getattr(self.estimate, "floor_bytes", 0)
+
+    @property
     def budget_bytes(self) -> int:
         return self.budget.bytes
 

@@ -18,6 +18,7 @@ Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports thi
 __all__ = [
     "SCHEMA_VERSION",
     "Limit",
+    "floor_text",
     "limiting_factor",
     "plan_dict",
     "plan_html",
@@ -112,7 +113,8 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
     b = plan.budget
     need_text, budget_text = format_bytes_pair(plan.need_bytes, plan.budget_bytes)
     need = (f"{need_text} of {budget_text} "
-            f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}")
+            f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}"
+            + floor_text(plan.need_bytes, plan.floor_bytes))
     if plan.last_micro_batch is None:
         split = (f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "
                  f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation step(s)")
@@ -129,6 +131,18 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
         ("rematerialization", plan.remat),
         *([("sharding", _strategy_text(plan))] if plan.devices > 1 else []),
     ]
+
+
+def floor_text(need: int, floor: int) -> str:
+    """``"; floor X (need / floor = r)"`` beside a need, or ``""`` when the floor is not known.
+
+    Example:
+      >>> floor_text(150, 100)
+      '; floor 100 B (need 1.50x it)'
+    """
+    if not floor:
+        return ""
+    return f"; floor {format_bytes(floor)} (need {need / floor:.2f}x it)"
 
 
 _STRATEGY_TEXT = {
@@ -338,6 +352,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "lr_factor": plan.lr_factor,
         "lr_arithmetic": plan.lr_scaling.arithmetic(),
         "need_bytes": plan.need_bytes,
+        "floor_bytes": plan.floor_bytes,
         "memory": _memory(plan.estimate),
         "remat": plan.remat,
         "objective": plan.objective,
@@ -351,7 +366,9 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             {"remat": p.remat, "strategy": p.strategy, "micro_batch": p.micro_batch,
              "accum_steps": p.accum_steps,
              "last_micro_batch": p.last_micro_batch,
-             "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why, "kind": p.kind,
+             "need_bytes": p.need_bytes,
+             "floor_bytes": getattr(p.estimate, "floor_bytes", 0),
+             "fits": p.fits, "why": p.why, "kind": p.kind,
              "error": p.error, "compile_seconds": p.estimate.compile_seconds,
              "memory": _memory(p.estimate)}
             for p in plan.probes

@@ -26,7 +26,7 @@ model's base) are split too under ``fsdp`` (:attr:`StateLayout.frozen`); the oth
 strategies copy them.
 
 :data:`STRATEGIES` is in that order: least communication first. A leaf is split along its
-largest axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,
+first axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,
 scalars, step counters) and leaves with no divisible axis stay copied on every device.
 """
 
@@ -83,13 +83,20 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
 
 def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
               min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
-    """The ``PartitionSpec`` splitting the largest axis of ``shape`` that ``devices`` divides
-    over the mesh axis ``axis`` (ties: the first such axis); ``P()`` (copied on every device)
-    for small leaves, scalars, or when no axis divides.
+    """The ``PartitionSpec`` splitting the first axis of ``shape`` that ``devices`` divides
+    over the mesh axis ``axis``; ``P()`` (copied on every device) for small leaves, scalars,
+    or when no axis divides.
+
+    The first (row-major: outermost) axis, not the largest: a shard along it is one
+    contiguous block, so gathering a weight (``fsdp``) or reduce-scattering a gradient
+    (``zero2``, ``fsdp``) writes and reads it in place. Split along an inner axis, XLA:CPU
+    gathered into a transposed layout and copied it back, one more whole weight per device
+    (an 8192 x 256 embedding and its 256 x 8192 projection, AdamW, 4 devices: fsdp 3.03x
+    the weights per device against 3.64x, zero2 2.88x against 3.25x).
 
     Example:
       >>> leaf_spec((512, 768), 4, "data")
-      P(None, 'data')
+      P('data',)
       >>> leaf_spec((6, 1000), 4, "data")
       P(None, 'data')
       >>> leaf_spec((3, 5001), 4, "data"), leaf_spec((64,), 4, "data")
@@ -97,13 +104,10 @@ def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
     """
     if devices <= 1 or math.prod(shape) < max(min_elements, devices):
         return P()
-    best = None
     for i, n in enumerate(shape):
-        if n % devices == 0 and (best is None or n > shape[best]):
-            best = i
-    if best is None:
-        return P()
-    return P(*([None] * best), axis)
+        if n % devices == 0:
+            return P(*([None] * i), axis)
+    return P()
 
 
 def tree_specs(tree: PyTree, devices: int, axis: str, *,

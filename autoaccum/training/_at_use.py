@@ -57,19 +57,62 @@ def _bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
 def _tied(shards: list[Any], tie: Any) -> list[Any]:
     """``shards`` made to wait for ``tie`` (the activations, or the cotangent) by a data
     dependence XLA cannot remove (an ``optimization_barrier`` is expanded before XLA:CPU
-    schedules): ``shard + (e != e)`` for one float element ``e`` of ``tie``, i.e. ``shard +
-    0`` unless ``e`` is NaN (then the step's result is NaN anyway). Without a float leaf in
-    ``tie`` (integer indices), the shards are returned as they are."""
-    floats = [x for x in jax.tree.leaves(tie)
-              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-              and jnp.size(x) > 0]
-    if not floats:
+    schedules): ``shard + (e != e)`` for one element ``e`` of ``tie`` taken as a float, i.e.
+    ``shard + 0`` unless ``e`` is NaN (then the step's result is NaN anyway). Integer
+    activations (an embedding's token ids) tie too: ``float(i) != float(i)`` is never true,
+    but XLA does not fold it, so the gather of an embedding table is not hoisted out of the
+    micro-batch loop and carried through it (a whole table per device). Without an array
+    leaf in ``tie``, the shards are returned as they are."""
+    leaves = [x for x in jax.tree.leaves(tie)
+              if hasattr(x, "dtype") and jnp.size(x) > 0
+              and (jnp.issubdtype(x.dtype, jnp.floating)
+                   or jnp.issubdtype(x.dtype, jnp.integer))]
+    if not leaves:
         return shards
-    first = floats[0]
+    floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+    first = (floats or leaves)[0]
     e = jax.lax.slice(first, (0,) * first.ndim, (1,) * first.ndim).reshape(())
+    e = e.astype(jnp.float32) if not floats else e
     nan = e != e
     return [s + nan.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
             for s in shards]
+
+
+def _lookup_grads(eqn: Any, table: _Recipe, deps: list[int], whole: list[Any],
+                  trained: list[int], ct: Any, saved: list[Any], act_specs: list,
+                  scatter: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list]:
+    """The backward pass of ``gather(table, indices)`` with ``table`` computed from weights:
+    the cotangent scatter-added into zeros tied to it (see :func:`_tied`), then carried back
+    to the weights the table is made from. (The zeros JAX's own transpose makes depend on
+    nothing, and XLA:CPU scheduled them at the start of the micro-step: a whole table per
+    device held through the backward pass of every other layer.)"""
+    dn = eqn.params["dimension_numbers"]
+    indices = saved[0]
+    like = jax.ShapeDtypeStruct(jnp.shape(table.make(dict(zip(deps, whole, strict=True)))),
+                                jnp.result_type(ct))
+    (zeros,) = _tied([jnp.zeros(like.shape, like.dtype)], ct)
+    d_table = jax.lax.scatter_add(
+        zeros, indices, ct,
+        jax.lax.ScatterDimensionNumbers(
+            update_window_dims=dn.offset_dims, inserted_window_dims=dn.collapsed_slice_dims,
+            scatter_dims_to_operand_dims=dn.start_index_map,
+            operand_batching_dims=dn.operand_batching_dims,
+            scatter_indices_batching_dims=dn.start_indices_batching_dims),
+        indices_are_sorted=eqn.params["indices_are_sorted"],
+        unique_indices=eqn.params["unique_indices"], mode=eqn.params["mode"])
+
+    def make(part: list[Any]) -> Any:
+        full = list(whole)
+        for k, w in zip(trained, part, strict=True):
+            full[k] = w
+        return table.make(dict(zip(deps, full, strict=True)))
+
+    _, vjp = jax.vjp(make, [whole[k] for k in trained])
+    (d_trained,) = vjp(d_table.astype(jnp.result_type(make([whole[k] for k in trained]))))
+    d_shards: list[Any] = [None] * len(deps)
+    for k, g in zip(trained, d_trained, strict=True):
+        d_shards[k] = scatter[deps[k]](g)
+    return d_shards, [np.zeros(shape, jax.dtypes.float0) for shape, _ in act_specs]
 
 
 def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple, *,
@@ -145,6 +188,10 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
 
         trained = [k for k, d in enumerate(deps) if scatter[d] is not None]
         float_acts = any(jnp.issubdtype(dtype, jnp.inexact) for _, dtype in act_specs)
+        # A lookup (an embedding's rows by token ids): its weight gradient is a scatter-add
+        # into zeros that _lookup_grads ties to the cotangent.
+        lookup = (eqn.primitive.name == "gather" and bool(trained) and not float_acts
+                  and isinstance(ins[0], _Recipe) and act_pos == [1])
 
         def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
             shards, saved = res
@@ -156,6 +203,9 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
             acts_now = ([jnp.zeros(shape, dtype) for shape, dtype in act_specs] if linear
                         else saved)
             whole = gather_tied(deps, shards, ct)
+            if lookup:
+                return _lookup_grads(eqn, ins[0], deps, whole, trained, ct[0], saved,
+                                     act_specs, scatter)
 
             def run_trained(part: list[Any], acts: list[Any]) -> list[Any]:
                 # Differentiated only with respect to trained weights: frozen ones are

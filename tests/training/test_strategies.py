@@ -44,8 +44,10 @@ def test_strategies_are_ordered_by_communication():
     assert STRATEGIES == ("replicated", "zero1", "zero2", "fsdp")
 
 
-def test_a_leaf_is_split_along_its_largest_divisible_axis():
-    assert leaf_spec((512, 768), 4, "data") == P(None, "data")
+def test_a_leaf_is_split_along_its_first_divisible_axis():
+    # The outermost axis: a shard is one contiguous block (gathered and reduce-scattered in
+    # place, with no transposed copy).
+    assert leaf_spec((512, 768), 4, "data") == P("data")
     assert leaf_spec((768, 512), 4, "data") == P("data")
     assert leaf_spec((6, 1000), 4, "data") == P(None, "data")  # 6 is not divisible by 4
 
