@@ -25,11 +25,13 @@ from .planning._option_checks import (
 )
 from .planning._plan import Plan
 from .planning._plan_options import LearningRate, Search, Target
+from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["fit"]
 
 @explains_keywords
+@outside_context_mesh
 def fit(
     model: Any,
     data: Any = None,

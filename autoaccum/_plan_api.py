@@ -21,12 +21,14 @@ from .planning._plan import Plan
 from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._search import DoesNotFitError
+from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["plan"]
 
 
 @explains_keywords
+@outside_context_mesh
 def plan(
     model: Any,
     data: Any,

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from ..planning._plan import Plan
+from ._context_mesh import without_context_mesh
 from ._step_runner import StateLostError, StepOutcome, StepRunner
 
 __all__ = ["UserLoopStep"]
@@ -113,7 +114,8 @@ class UserLoopStep:
         """
         runner = self._runner
         try:
-            outcome = runner.run(examples)
+            with without_context_mesh():  # the step's meshes are autoaccum's (see there)
+                outcome = runner.run(examples)
         except BaseException as error:
             try:
                 runner.settle()  # the model holds an intact state

@@ -291,8 +291,12 @@ class _KerasHooks(KerasState, FitHooks):
         history.autoaccum_accum_steps = runner.accum_steps
         history.autoaccum_last_micro_batch = runner.last_micro_batch
         history.autoaccum_data_parallel = self.data_parallel
+        # The plan's name for what ran: a kept layout (ModelParallel) is "own", as in
+        # Plan.strategy, the report and the plan's JSON.
         history.autoaccum_strategy = (self.strategy_layout.strategy
-                                      if self.strategy_layout is not None else "replicated")
+                                      if self.strategy_layout is not None
+                                      else "own" if self.placement is not None
+                                      else "replicated")
         history.autoaccum_skipped_steps = loop.skipped
         history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
         history.autoaccum_on_nonfinite = self.on_nonfinite
