@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	  echo "$(VENV) runs another Python than $(PYTHON): making it again"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[keras,dryrun,dev]" $(PINS)
+	$(PY) -m pip install --quiet -e ".[keras,dryrun,tpu,dev]" $(PINS)
 	@$(PY) -c "import sys, jax, keras; print(f'$(VENV): Python {sys.version.split()[0]}, jax {jax.__version__}, keras {keras.__version__}')"
 	touch $(STAMP)
 

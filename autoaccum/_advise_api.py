@@ -19,6 +19,7 @@ from .planning._advisor import (
     Stage,
     first_fit_stage,
     larger_devices,
+    more_chips,
     more_devices,
     most_sharded_first,
     run_advisor,
@@ -27,7 +28,7 @@ from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._search import DoesNotFitError
-from .planning._targets import is_deviceless
+from .planning._targets import device_platform, is_deviceless
 from .training._training_options import Training
 
 __all__ = ["advise"]
@@ -152,12 +153,18 @@ def advise(
         stages: list[Stage] = [lambda found, failed: singles + framework]
         if framework and adapter.has_remat_layers(model, the_search.remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
-        if is_deviceless(device):  # the same GPU, more of them
+        platform = device_platform(device)
+        if is_deviceless(device) and platform == "tpu":  # the same TPU chip, more of them
+            stages.append(first_fit_stage(more_chips(
+                device, effective_batch=effective_batch, floor_bytes=floor,
+                budget_bytes=error.budget_bytes or 0)))
+        elif is_deviceless(device):  # the same GPU, more of them
             stages.append(first_fit_stage(more_devices(
                 devices or 1, effective_batch=effective_batch, floor_bytes=floor,
                 budget_bytes=error.budget_bytes or 0)))
         stages.append(first_fit_stage(larger_devices(
-            error.budget_bytes or 0, floor, memory_fraction=the_target.memory_fraction)))
+            error.budget_bytes or 0, floor, memory_fraction=the_target.memory_fraction,
+            platform="tpu" if platform == "tpu" else "gpu")))
         return stages
 
     return run_advisor(plan_with, stages_for, log=log, original=_original,

@@ -27,7 +27,7 @@ from .planning._option_checks import (
 )
 from .planning._plan_model import prepare
 from .planning._plan_options import LearningRate, Search, Target
-from .planning._targets import is_deviceless, resolve_target
+from .planning._targets import is_deviceless, resolve_target, slice_devices
 from .training._training_options import Training
 
 __all__ = ["measure"]
@@ -97,7 +97,13 @@ def measure(
     data_parallel = the_target.data_parallel
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
-    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
+    early = None
+    if is_deviceless(device) and (slice_devices(device, None) or 1) > 1:
+        # A TPU slice that is not here: every chip, on the deviceless target's own mesh.
+        early = resolve_target(device, None, memory_fraction=the_target.memory_fraction)
+        mesh = early.mesh
+    else:
+        mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
     if hasattr(adapter, "own_mesh") and not is_deviceless(device):
         mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
     dp = 1 if mesh is None else mesh.size
@@ -125,8 +131,9 @@ def measure(
             validate_effective_batch(effective_batch, data_parallel=dp)
             if given_accum is None:
                 accum_steps = math.ceil(effective_batch / dp / micro_batch)
-    resolved = resolve_target(device, None, memory_fraction=the_target.memory_fraction,
-                              mesh=program.device_mesh)
+    resolved = early or resolve_target(device, None,
+                                       memory_fraction=the_target.memory_fraction,
+                                       mesh=program.device_mesh)
     request = CompileRequest(program, micro_batch, accum_steps)
     return measure_all([request], resolved.compile_target,
                        cache=resolve_cache(the_search.cache))[0]

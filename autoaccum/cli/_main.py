@@ -49,10 +49,11 @@ def _prepare_environment(device: str | None) -> None:
     if device is None or device.lower() == "cpu":
         return
     from ..devices import detect_device
+    from ..devices._quiet import tpu_absent
 
     if not detect_device().is_gpu:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        if "JAX_PLATFORMS" not in os.environ:
+        if "JAX_PLATFORMS" not in os.environ and tpu_absent():  # a TPU VM plans on its chips
             os.environ["JAX_PLATFORMS"] = "cpu"
             if "jax" in sys.modules:  # JAX read the variable at import: tell it directly
                 sys.modules["jax"].config.update("jax_platforms", "cpu")
@@ -147,23 +148,31 @@ def _gib(n: int) -> str:
 
 def cmd_devices(args: argparse.Namespace) -> int:
     from ..devices import detect_device, host_memory
+    from ..devices._extras import cuda_plugin, missing_from_extra
     from ..devices._profiles import all_profiles
 
     detected = detect_device()
     host = host_memory()
+    ready = {"dryrun": cuda_plugin() is not None, "tpu": not missing_from_extra("tpu")}
     profiles = []
     for p in all_profiles():
         cc = ".".join(map(str, p.gpu.compute_capability)) if p.gpu else None
-        if p.is_gpu:
+        if p.is_accelerator:
             pool, budget = p.pool_bytes(), p.budget_bytes()
             memory = (p.memory_mib or 0) * 2**20
         else:
             pool = budget = None
             memory = host.total
-        profiles.append({"key": p.key, "name": p.name, "memory_bytes": memory,
+        extra = {"gpu": "dryrun", "tpu": "tpu"}.get(p.platform)
+        compiled = (f"CUDA sm_{cc.replace('.', '')}" if p.is_gpu else
+                    f"libtpu {p.tpu.topology}" if p.is_tpu else "this machine")
+        profiles.append({"key": p.key, "name": p.name, "platform": p.platform,
+                         "devices": p.tpu.chips if p.tpu else 1, "memory_bytes": memory,
                          "memory_fraction": p.default_memory_fraction, "pool_bytes": pool,
                          "budget_bytes": budget, "compute_capability": cc,
-                         "bf16_native": p.bf16_native})
+                         "bf16_native": p.bf16_native, "compiled": compiled, "extra": extra,
+                         "extra_installed": ready[extra] if extra else True,
+                         "aliases": list(p.aliases), "source": p.source})
     here = {"source": detected.source, "name": detected.name,
             "memory_total_bytes": detected.memory_total_bytes,
             "profile": detected.profile.key if detected.profile else None,
@@ -173,17 +182,22 @@ def cmd_devices(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for p in profiles:
-        gpu = p["pool_bytes"] is not None
-        rows.append([p["key"], p["name"],
-                     _gib(p["memory_bytes"]) + ("" if gpu else " (host)"),
+        gpu, tpu = p["platform"] == "gpu", p["platform"] == "tpu"
+        extra = p["extra"] and p["extra"] + ("" if p["extra_installed"] else " (missing)")
+        rows.append([p["key"], p["name"], str(p["devices"]),
+                     _gib(p["memory_bytes"]) + ("" if gpu or tpu else " (host)"),
                      f"{p['memory_fraction']:.2f}" if gpu else "-",
-                     _gib(p["pool_bytes"]) if gpu else "-",
-                     _gib(p["budget_bytes"]) if gpu else "50% of free RAM",
-                     p["compute_capability"] or "-", "yes" if p["bf16_native"] else "no"])
-    print_table(["profile", "name", "memory", "fraction", "JAX pool", "step budget", "cc",
-                 "bf16"], rows)
-    print("JAX pool = memory x the profile's default fraction (what JAX preallocates); step "
-          "budget = pool - cuBLAS/cuDNN workspace; --memory-fraction changes the fraction.")
+                     _gib(p["pool_bytes"]) if gpu or tpu else "-",
+                     _gib(p["budget_bytes"]) if gpu or tpu else "50% of free RAM",
+                     p["compiled"], extra or "-", "yes" if p["bf16_native"] else "no"])
+    print_table(["profile", "name", "devices", "memory", "fraction", "JAX pool", "step budget",
+                 "compiled for", "extra", "bf16"], rows)
+    print("GPU: JAX pool = memory x the profile's default fraction (what JAX preallocates); "
+          "step budget = pool - margins (CUDA context, cuDNN workspace); --memory-fraction "
+          "changes the fraction.\nTPU: per chip; the pool is the HBM XLA's compile-time check "
+          "allows, and a step over it is refused by the compile itself.\ncompiled for: how a "
+          "dry run compiles for it without it (deviceless), with what `pip install "
+          "'autoaccum[EXTRA]'` adds; `autoaccum devices --json` gives aliases and sources.")
     profile = detected.profile.key if detected.profile else "no profile"
     print(f"\ndetected here: {detected.name} ({detected.source}, "
           f"{detected.memory_total_bytes / 2**30:.1f} GiB, {profile})"
@@ -227,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "returns effective_batch)")
     target = p.add_argument_group("what to plan for (autoaccum.Target)")
     target.add_argument("--device", metavar="PROFILE",
-                        help="plan for this GPU, e.g. t4, a100-80gb (see `autoaccum devices`); "
-                        "compiled deviceless when it is not here. Default: this machine")
+                        help="plan for this GPU or TPU slice, e.g. t4, a100-80gb, v5e-8 (see "
+                        "`autoaccum devices`); compiled deviceless when it is not here. "
+                        "Default: this machine")
     target.add_argument("--devices", type=_positive_int, default=None, metavar="N",
                         help="plan for N of --device (a dry run compiles for N GPUs, data "
                         "parallel, the micro-batch per GPU); without --device: "

@@ -15,6 +15,7 @@ import warnings
 from ._detect import detect_device, jax_started
 from ._margins import FRACTION_VARS
 from ._profiles import DeviceProfile, find_profile
+from ._quiet import tpu_absent
 from ._warnings import AutoaccumWarning
 from ._xla_options import known_xla_flags
 
@@ -42,8 +43,10 @@ def configure(
       start; :func:`autoaccum.devices._xla_options.known_xla_flags`); other variables are set
       only if unset.
 
-    On the CPU only ``KERAS_BACKEND`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (so dry-run
-    plans for a named GPU work later in the process) are set. A ``KERAS_BACKEND`` other than
+    On a TPU only ``KERAS_BACKEND`` is set (XLA assigns TPU memory at compile time; there is
+    no pool to size). On the CPU only ``KERAS_BACKEND`` and
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (so dry-run plans for a named GPU work later in the
+    process) are set. A ``KERAS_BACKEND`` other than
     ``jax`` is kept (with a warning). If JAX has already started its backends (importing jax
     alone does not), a warning says the memory settings will not apply until the next start.
 
@@ -86,6 +89,13 @@ def configure(
     if profile.is_gpu:
         changed.update(_fraction(profile, memory_fraction, notes))
         changed.update(_environment(profile, notes))
+    elif profile.is_tpu or (device is None and not tpu_absent()):
+        # On a TPU (Colab's v5e-1, Kaggle's v5e-8) there is no pool to size: XLA assigns
+        # each step's memory when it compiles it, and refuses one that does not fit.
+        notes.append("TPU: XLA assigns memory when it compiles a step (no pool, no fraction "
+                     "to set); plan() and fit() use every chip JAX sees")
+        if memory_fraction is not None:
+            notes.append("memory_fraction ignored on a TPU")
     else:
         notes.append("CPU: no GPU memory settings apply")
         if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ:

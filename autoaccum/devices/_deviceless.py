@@ -1,9 +1,13 @@
-"""Compile for a named GPU that is not there (a "deviceless" compile).
+"""Compile for a named GPU or TPU slice that is not there (a "deviceless" compile).
 
 With JAX's CUDA plugin installed (``jax-cuda13-plugin``, JAX's default, or
 ``jax-cuda12-plugin``), XLA can compile a program for a GPU described by a
 ``GpuTargetConfigProto`` without a driver or a GPU. The compiled program's
 ``memory_analysis()`` is then what that GPU would need, remat pass included.
+
+With libtpu installed (``jax[tpu]``, autoaccum's ``tpu`` extra), XLA compiles for a TPU
+topology (``"v5e:2x4"``) the same way, per chip; TPU memory is assigned at compile time, so
+a step over a chip's HBM is refused by the compile itself (``CompileTimeHbmOom``).
 """
 
 from __future__ import annotations
@@ -24,17 +28,19 @@ from ._extras import (
 )
 from ._profiles import DeviceProfile, find_profile
 from ._ptxas import deviceless_blocker
-from ._quiet import nvidia_gpu_absent, quiet_native_logs
+from ._quiet import nvidia_gpu_absent, quiet_native_logs, tpu_absent
 from ._target_config import gpu_target_config
 
-__all__ = ["DevicelessTarget", "deviceless_target", "shard_abstract"]
+__all__ = ["DevicelessTarget", "deviceless_target", "shard_abstract", "tpu_target"]
 
 _SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+_MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 
 
 @dataclasses.dataclass(frozen=True)
 class DevicelessTarget:
-    """A compile target of ``count`` GPUs on ``hosts`` hosts (default one GPU): ``topology``,
+    """A compile target of ``count`` GPUs on ``hosts`` hosts (default one GPU), or of a TPU
+    slice's chips (``target_config`` then names its topology): ``topology``,
     a ``mesh`` over its devices and a replicated ``sharding``. Several GPUs: ``devices`` are
     the deviceless devices a data-parallel mesh is made over
     (``autoaccum.devices.data_parallel_mesh(target.devices)``).
@@ -71,7 +77,7 @@ class DevicelessTarget:
 
 def deviceless_target(
     profile: DeviceProfile | str, *, device_memory_bytes: int | None = None,
-    devices: int = 1, hosts: int = 1,
+    devices: int | None = None, hosts: int | None = None,
 ) -> DevicelessTarget:
     """A :class:`DevicelessTarget` for ``profile``'s GPU, usable on a machine without one.
 
@@ -94,9 +100,19 @@ def deviceless_target(
     (262144, 262144)
     >>> deviceless_target("t4", device_memory_bytes=2**30, devices=4, hosts=2).count
     4
+
+    A TPU slice is compiled for over all its chips (``devices`` and ``hosts`` default to the
+    slice's), with libtpu (``pip install 'autoaccum[tpu]'``)::
+
+        target = deviceless_target("v5e-8")          # 8 chips, one host
+        target.count, target.sharding.mesh.shape     # (8, {'x': 8})
     """
     if isinstance(profile, str):
         profile = find_profile(profile)
+    if profile.is_tpu:
+        return tpu_target(profile, devices=devices, hosts=hosts)
+    devices = 1 if devices is None else devices
+    hosts = 1 if hosts is None else hosts
     if device_memory_bytes is None:
         device_memory_bytes = profile.pool_bytes()
     cuda = _require_cuda_plugin()
@@ -114,6 +130,41 @@ def deviceless_target(
         mesh=mesh,
         sharding=sharding,
         hosts=int(hosts),
+    )
+
+
+def tpu_target(profile: DeviceProfile, *, devices: int | None = None,
+               hosts: int | None = None) -> DevicelessTarget:
+    """A :class:`DevicelessTarget` over the chips of ``profile``'s TPU slice, compiled for by
+    libtpu on a machine without a TPU (``jax.experimental.topologies``).
+
+    ``devices`` / ``hosts``: the slice's own (``None``); anything else is refused naming the
+    profile that has that many chips.
+    """
+    spec = profile.tpu
+    if spec is None:
+        raise ValueError(f"{profile.name} is not a TPU slice. Received: device={profile.key!r}")
+    if devices not in (None, spec.chips) or hosts not in (None, spec.hosts):
+        raise ValueError(
+            f"A {profile.name} has {spec.chips} chip(s) on {spec.hosts} host(s), and a dry run "
+            f"plans over all of them. Name the slice with the chips you want instead (v5e-1, "
+            f"v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v4-8, v5p-8: `autoaccum devices` lists them) and "
+            f"leave devices/hosts unset. Received: device={profile.key!r}, devices={devices}, "
+            f"hosts={hosts}")
+    _require_libtpu(profile)
+    topology, mesh, sharding = _make_tpu_target(spec.topology, spec.chips_per_host_bounds,
+                                                spec.chip_config_name)
+    description = (f"tpu topology {spec.topology} chips_per_host_bounds "
+                   f"{list(spec.chips_per_host_bounds)} chip_config {spec.chip_config_name!r} "
+                   f"libtpu {installed_version('libtpu')}")
+    return DevicelessTarget(
+        profile=profile,
+        device_memory_bytes=profile.pool_bytes(),
+        target_config=description,
+        topology=topology,
+        mesh=mesh,
+        sharding=sharding,
+        hosts=spec.hosts,
     )
 
 
@@ -187,6 +238,53 @@ def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
     mesh = topologies.make_mesh(topology, (count,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return topology, mesh, sharding
+
+
+@functools.lru_cache(maxsize=16)
+def _make_tpu_target(name: str, bounds: tuple[int, int, int],
+                     chip_config: str) -> tuple[Any, Any, Any]:
+    # Cached for the same reason as _make_target: the same devices, so jit's caches hold.
+    import jax
+    from jax.experimental import topologies
+
+    options: dict[str, Any] = {"chips_per_host_bounds": tuple(bounds)}
+    if chip_config:
+        options["chip_config_name"] = chip_config
+    # libtpu logs its start-up (no TPU accelerator type, no worker hostnames) to fd 2 when it
+    # loads on a machine without a TPU; on a TPU VM nothing is held back.
+    quiet = quiet_native_logs() if tpu_absent() else contextlib.nullcontext()
+    if tpu_absent():
+        # libtpu lets one process at a time load it (/tmp/libtpu_lockfile), to guard the
+        # chips; with none here there is nothing to guard, and dry runs in several processes
+        # (a test runner's workers, a notebook beside a script) must not refuse each other.
+        os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
+    try:
+        with quiet:
+            topology = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                    **options)
+    except Exception as e:
+        raise RuntimeError(
+            f"libtpu {installed_version('libtpu')} could not describe the TPU topology {name!r} "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else e!r}). Install libtpu at "
+            "the version jax pins (pip install 'autoaccum[tpu]'), or plan on the TPU itself."
+        ) from e
+    count = len(topology.devices)
+    mesh = topologies.make_mesh(topology, (count,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return topology, mesh, sharding
+
+
+def _require_libtpu(profile: DeviceProfile) -> None:
+    """An ImportError naming the ``tpu`` extra unless libtpu is installed."""
+    problems = missing_from_extra("tpu")
+    if problems:
+        raise MissingExtraError(
+            f"Compiling for a {profile.name} that is not here (deviceless) needs libtpu, "
+            f"which jax's `tpu` extra pins to its version (no TPU needed): "
+            f"{'; '.join(problems)}. Install it with: pip install 'autoaccum[tpu]'. Received: "
+            f"jax={installed_version('jax')}, libtpu={installed_version('libtpu')}",
+            extra="tpu",
+        )
 
 
 def _require_cuda_plugin() -> str:

@@ -174,6 +174,8 @@ def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> lis
         problems += _check(requirement)
         for jax_extra in requirement.extras & set(_LOCKSTEP):
             problems += _check_lockstep(_LOCKSTEP[jax_extra])
+        if "tpu" in requirement.extras and installed_version("libtpu") is None:
+            problems.append("libtpu is not installed")
     return problems
 
 
@@ -240,4 +242,6 @@ def _received(extra: str, packages: Sequence[str] | None) -> list[str]:
             names.append(requirement.name)
             for jax_extra in requirement.extras & set(_LOCKSTEP):
                 names += _LOCKSTEP[jax_extra]
+            if "tpu" in requirement.extras:
+                names.append("libtpu")
     return [f"{name}={installed_version(name)}" for name in dict.fromkeys(names)]

@@ -15,15 +15,19 @@ straight to file descriptor 2, which no Python setting reaches:
 * JAX's first computation discovers the CUDA plugin, whose version check fails without CUDA
   and logs a 26-line ``Unable to load CUDA. Is it installed?`` traceback before falling back
   to the CPU.
+* libtpu (``autoaccum[tpu]``, for dry runs of TPU slices) on a machine without a TPU
+  (:func:`tpu_absent`) prints three lines when JAX starts its TPU backend, and again when a
+  TPU topology is described for a deviceless compile.
 
 :func:`quiet_start` (run once, when ``autoaccum`` is imported) does something only where
 no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
 
 * ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
-  other accelerator plugin (TPU, ROCm) is installed; otherwise
+  other accelerator plugin (ROCm; libtpu where a TPU is attached) is installed; otherwise
   ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (read when the plugin starts). Either stops the
   traceback, and both keep deviceless compiles for a named GPU working (docs/install.md,
-  "Quiet on a machine without a GPU"). JAX would use the CPU here anyway;
+  "Quiet on a machine without a GPU"). JAX would use the CPU here anyway; deviceless TPU
+  compiles still work (the topology is described under :func:`quiet_native_logs`);
 * ``TF_CPP_MIN_LOG_LEVEL=3`` if unset (TensorFlow's own log lines);
 * the first ``import jax`` and ``import tensorflow`` run with file descriptor 2 captured, and
   every captured line except the known noise above is written back to stderr afterwards; the
@@ -71,6 +75,7 @@ __all__ = [
     "is_command_line",
     "is_native_noise",
     "nvidia_gpu_absent",
+    "tpu_absent",
     "quiet_command_line",
     "quiet_native_logs",
     "quiet_start",
@@ -83,6 +88,14 @@ NOISE: tuple[re.Pattern[str], ...] = (
                r"to STDERR"),
     re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on "
                r"your machine, GPU will not be used\."),
+    # libtpu loaded where no TPU is (a dry run for a TPU slice): it asks the TPU VM's
+    # metadata for its accelerator type and worker hostnames, and says it found none.
+    re.compile(r"Failed to find host bounds for accelerator type: WARNING: could not determine "
+               r"TPU accelerator type.*"),
+    re.compile(r"E\d{4} [\d:.]+\s+\d+ common_lib\.cc:\d+\] INVALID_ARGUMENT: Error: unexpected "
+               r"worker hostname 'WARNING: could not determine TPU worker hostnames.*"),
+    re.compile(r"WARNING: Logging before InitGoogle\(\) is written to STDERR"),
+    re.compile(r"=== Source Location Trace: ===\s*|learning/[\w/]+/libtpu_init_utils\.cc:\d+\s*"),
 )
 """Whole lines dropped by :func:`quiet_native_logs` (each matched against the full line)."""
 
@@ -112,6 +125,27 @@ def nvidia_gpu_absent() -> bool:
     if any(Path(name).exists() for name in _DRIVER_FILES):
         return False
     return not isinstance(_from_nvml(0), DetectedDevice)  # else the reason NVML sees none
+
+
+_TPU_PCI_VENDOR = "0x1ae0"  # Google, the vendor of every TPU chip on a TPU VM's PCI bus
+
+
+def tpu_absent() -> bool:
+    """True only where no TPU can be used: no TPU chip on the PCI bus (vendor Google,
+    as JAX itself looks for them), no ``/dev/accel*`` or ``/dev/vfio/<n>`` device file.
+    Never imports JAX or libtpu.
+
+    >>> from autoaccum.devices._quiet import tpu_absent
+    >>> isinstance(tpu_absent(), bool)
+    True
+    """
+    if any(Path("/dev").glob("accel[0-9]*")) or any(Path("/dev/vfio").glob("[0-9]*")):
+        return False
+    for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
+        with contextlib.suppress(OSError):
+            if vendor.read_text().strip().lower() == _TPU_PCI_VENDOR:
+                return False
+    return True
 
 
 def filter_noise(text: bytes, patterns: Sequence[re.Pattern[str]] = NOISE) -> bytes:
@@ -180,8 +214,9 @@ class QuietStart(dict):
 def quiet_start() -> QuietStart:
     """Set what keeps JAX and TensorFlow quiet on a machine without a GPU (see module notes).
 
-    Does nothing where a GPU may be present, where neither the CUDA plugin nor TensorFlow is
-    installed, or with ``AUTOACCUM_QUIET=0``. Never overrides a variable you set.
+    Does nothing where a GPU may be present, where neither the CUDA plugin, libtpu (without a
+    TPU) nor TensorFlow is installed, or with ``AUTOACCUM_QUIET=0``. Never overrides a
+    variable you set.
 
     Returns:
       A :class:`QuietStart`: the variables set, and the imports that will be filtered.
@@ -195,16 +230,24 @@ def quiet_start() -> QuietStart:
     if os.environ.get(OPT_OUT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return done
     cuda_plugin = _installed("jax_cuda12_plugin") or _installed("jax_cuda13_plugin")
+    libtpu = _installed("libtpu") and tpu_absent()  # for dry runs only: no TPU here
     tensorflow = _installed("tensorflow")
-    if not (cuda_plugin or tensorflow) or not nvidia_gpu_absent():
+    if not (cuda_plugin or libtpu or tensorflow) or not nvidia_gpu_absent():
         return done
-    if cuda_plugin and not jax_started():
+    if (cuda_plugin or libtpu) and not jax_started():
         if "jax" in sys.modules or _other_accelerator_plugins():
             # JAX_PLATFORMS is read when jax is imported; this one when the plugin starts.
-            _set_default("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1", done)
+            if cuda_plugin:
+                _set_default("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1", done)
+            if (libtpu and "jax" in sys.modules and "JAX_PLATFORMS" not in os.environ
+                    and not _other_accelerator_plugins()):
+                # jax came first: its TPU backend would load libtpu (three lines) to find
+                # no TPU. Tell JAX directly, as JAX_PLATFORMS=cpu would have.
+                sys.modules["jax"].config.update("jax_platforms", "cpu")
+                done["jax_platforms"] = "cpu"
         else:
             _set_default("JAX_PLATFORMS", "cpu", done)
-        if "jax" in sys.modules:  # imported before autoaccum: its import lines are out already
+        if "jax" in sys.modules and cuda_plugin:  # its import lines are out already
             with quiet_native_logs():
                 _preload_cuda_plugin()
     if tensorflow:
@@ -300,8 +343,9 @@ def _installed(module: str) -> bool:
 
 
 def _other_accelerator_plugins() -> bool:
-    """A TPU or ROCm runtime that JAX could use (JAX_PLATFORMS=cpu would hide it)."""
-    if _installed("libtpu"):
+    """A TPU or ROCm runtime that JAX could use (JAX_PLATFORMS=cpu would hide it): libtpu
+    counts only where a TPU is attached (a dry run for a TPU slice needs none)."""
+    if _installed("libtpu") and not tpu_absent():
         return True
     try:
         spec = importlib.util.find_spec("jax_plugins")

@@ -28,8 +28,8 @@ from ._resident import Resident
 from ._search import DoesNotFitError
 
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
-           "first_fit_stage", "larger_devices", "more_devices", "most_sharded_first",
-           "run_advisor", "step_flops"]
+           "first_fit_stage", "larger_devices", "more_chips", "more_devices",
+           "most_sharded_first", "run_advisor", "step_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,24 +329,60 @@ def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
 
 
 def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
-                   memory_fraction: float | None = None) -> list[dict[str, Any]]:
-    """``{"device": key}`` for each shipped GPU profile whose budget is above both
-    ``budget_bytes`` and ``floor_bytes``, smallest budget first.
+                   memory_fraction: float | None = None,
+                   platform: str = "gpu") -> list[dict[str, Any]]:
+    """``{"device": key}`` for each shipped profile of ``platform`` whose budget is above
+    both ``budget_bytes`` and ``floor_bytes``, smallest budget first: GPUs, or one-chip TPU
+    slices (more chips of the same TPU: :func:`more_chips`).
 
     Example:
       >>> [c["device"] for c in larger_devices(30 * 2**30)][:1]
       ['a100-40gb']
+      >>> [c["device"] for c in larger_devices(16 * 2**30, platform="tpu")]
+      ['v6e-1']
     """
     from ..devices._profiles import all_profiles
-    from ._budget import profile_budget
+    from ._budget import profile_budget, tpu_budget
 
     rows = []
     for profile in all_profiles():
-        if not profile.is_gpu:
+        if profile.platform != platform or platform not in ("gpu", "tpu"):
             continue
-        b = profile_budget(profile, memory_fraction).bytes
+        if profile.is_tpu and profile.tpu.chips > 1:
+            continue
+        b = (tpu_budget(profile) if profile.is_tpu
+             else profile_budget(profile, memory_fraction)).bytes
         if b > budget_bytes and b >= floor_bytes:
             rows.append((b, profile.key))
+    return [{"device": key} for _, key in sorted(rows)]
+
+
+def more_chips(device: str, *, effective_batch: int | None = None, floor_bytes: int = 0,
+               budget_bytes: int = 0) -> list[dict[str, Any]]:
+    """``{"device": key}`` for each larger slice of the TPU ``device`` names (the same chip,
+    more of them: v5e-1 -> v5e-4, v5e-8) whose chips divide ``effective_batch`` and hold the
+    state split over them (``floor_bytes / chips`` within ``budget_bytes``), fewest first.
+
+    Example:
+      >>> more_chips("v5e-1", effective_batch=8)
+      [{'device': 'v5e-4'}, {'device': 'v5e-8'}]
+    """
+    from ..devices._profiles import all_profiles, find_profile
+
+    here = find_profile(device)
+    if here.tpu is None:
+        return []
+    rows = []
+    for profile in all_profiles():
+        spec = profile.tpu
+        if (spec is None or spec.device_kind != here.tpu.device_kind
+                or spec.chips <= here.tpu.chips):
+            continue
+        if effective_batch is not None and effective_batch % spec.chips:
+            continue
+        if budget_bytes and -(-floor_bytes // spec.chips) > budget_bytes:
+            continue
+        rows.append((spec.chips, profile.key))
     return [{"device": key} for _, key in sorted(rows)]
 
 

@@ -224,3 +224,18 @@ def profile_budget(profile: Any, memory_fraction: float | None = None, *,
             parts.append(f"{'+' if m.mib < 0 else '-'} {abs(m.mib):g} MiB {m.name}")
     parts.append(f"command buffers {cb_why}")
     return Budget(arithmetic.budget, "profile", "; ".join(parts), arithmetic.applied)
+
+
+def tpu_budget(profile: Any) -> Budget:
+    """The budget of one chip of a TPU slice: the HBM XLA's compile-time check allows
+    (``tpu.usable_hbm_mib``). No margin: TPU memory is assigned when the step is compiled,
+    and a step over it is refused then.
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> tpu_budget(find_profile("v5e-1")).bytes / 2**30
+      15.75
+    """
+    usable = profile.tpu.usable_hbm_mib * MiB
+    return Budget(usable, "profile", f"{profile.name}: {format_bytes(usable)} of HBM per chip, "
+                  "what XLA's compile-time check allows")

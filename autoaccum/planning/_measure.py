@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import threading
 import time
+import types
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ class CompileTarget:
     remat_pass_base_bytes: int | None = None
     """XLA's memory base for its GPU rematerialization pass on this target (the pool JAX
     gives XLA), or ``None`` where XLA runs no such pass (CPU)."""
+    platform: str = "gpu"
+    """What a deviceless target compiles for: ``"gpu"`` or ``"tpu"`` (steps are traced for
+    it, see :func:`autoaccum.devices._compile_platform.compiling_for`)."""
 
 
 @dataclass(frozen=True)
@@ -166,19 +171,20 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 
 @contextlib.contextmanager
 def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
-    """``step`` to trace for ``target``: a deviceless GPU target traces it for ``"gpu"``
-    (:func:`autoaccum.devices._compile_platform.compiling_for`) as a function object of its
-    own, so JAX's trace cache never hands a trace made for one platform to the other."""
+    """``step`` to trace for ``target``: a deviceless target traces it for its platform
+    (``"gpu"``, ``"tpu"``; :func:`autoaccum.devices._compile_platform.compiling_for`) as a
+    function object of its own, so JAX's trace cache never hands a trace made for one
+    platform to another."""
     if not target.deviceless:
         yield step
         return
 
     @functools.wraps(step)
-    def for_the_gpu(*args: Any) -> Any:
+    def for_the_device(*args: Any) -> Any:
         return step(*args)
 
-    with compiling_for("gpu"):
-        yield for_the_gpu
+    with compiling_for(target.platform):
+        yield for_the_device
 
 
 def _shard_each(tree: Any, shardings: Any) -> Any:
@@ -250,6 +256,9 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     options = known_compile_options(dict(target.compiler_options)) if target is not None else {}
+    if target is not None and target.platform == "tpu":
+        with _without_jax_cache_warnings():
+            return compile_within_hbm(lowered, options)
     if target is not None and target.deviceless:
         known = program is not None and target.fingerprint in program.deviceless_fallback
         with _without_jax_cache_warnings(), kernel_cache_options(target.fingerprint) as kernels:
@@ -263,7 +272,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
 
 @contextlib.contextmanager
 def _without_jax_cache_warnings() -> Iterator[None]:
-    """Silences JAX's warning on reading a deviceless GPU executable from its persistent
+    """Silences JAX's warning on reading a deviceless GPU or TPU executable from its persistent
     compilation cache (when the user set one): such an entry cannot be loaded without a GPU
     client ("PjRtCompiler must be constructed with a Client"), so JAX compiles again, as it
     would without the entry. autoaccum's need cache keeps the figures instead."""
@@ -295,6 +304,56 @@ tiling can find no tile for some shapes (``INTERNAL: Couldn't find output tile s
 satisfy hlo: %dot ...``, seen for A100/H100 targets at sequence length 128); the cuBLAS
 path compiles them. Measured on a small transformer (H100/A100 targets, seq 129 where both
 compile): within 0.03% at micro-batch 32, higher (more conservative) at micro-batch 2."""
+
+
+_HBM_OOM = re.compile(r"CompileTimeHbmOom.*?required for [^(]*\(([\d.]+)([KMGT]?)\)"
+                      r".*?available HBM \(([\d.]+)([KMGT]?)\)", re.DOTALL)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def compile_within_hbm(lowered: Any, options: dict | None = None) -> Any:
+    """``lowered.compile()`` for a TPU, where memory is assigned at compile time: a step over
+    a chip's HBM is refused by the compiler (``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``),
+    which is the chip's own verdict that it does not fit. That refusal comes back as a
+    compiled-like :class:`HbmRefused` whose memory analysis holds what the compiler said the
+    step needs, so planning searches around it instead of crashing; other errors raise.
+
+    Example:
+      >>> refused = HbmRefused(need=2**35, available=2**34, message="...")
+      >>> refused.memory_analysis().temp_size_in_bytes == 2**35
+      True
+    """
+    try:
+        return _compile(lowered, dict(options or {}))
+    except Exception as error:
+        found = _HBM_OOM.search(str(error))
+        if found is None:
+            raise
+        need = float(found.group(1)) * _UNITS[found.group(2)]
+        available = float(found.group(3)) * _UNITS[found.group(4)]
+        # The compiler rounds both to 0.01 G: a need it refused is over what it allows
+        # (shown at least 1 MiB over it).
+        return HbmRefused(need=max(int(need), int(available) + 2**20),
+                          available=int(available), message=_first_line(error))
+
+
+class HbmRefused:
+    """A TPU compile refused for want of HBM: what the compiler said the step needs, as a
+    memory analysis (all of it in ``temp``), and its message as the compile note."""
+
+    def __init__(self, *, need: int, available: int, message: str) -> None:
+        self.need = need
+        self.available = available
+        self.autoaccum_compile_note = (
+            f"refused by the TPU compiler: needs {format_bytes(need)} of the "
+            f"{format_bytes(available)} of HBM it allows ({message[:200]})")
+
+    def memory_analysis(self) -> Any:
+        return types.SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0,
+                                     alias_size_in_bytes=0, temp_size_in_bytes=self.need)
+
+    def cost_analysis(self) -> dict:
+        return {}
 
 
 class DevicelessCompileError(RuntimeError):

@@ -165,9 +165,10 @@ def validate_memory_fraction(memory_fraction: object, device: object = None, *,
     if (device is None and needs_device) or (device is not None and _is_cpu_profile(device)):
         raise ValueError(
             "memory_fraction applies to a named GPU (device='t4', 'a100-80gb', ...): it sets "
-            "the pool JAX gets there. With no GPU device it changes nothing; to limit memory "
-            "here pass budget= (e.g. '8GiB' or '80%'), or set XLA_PYTHON_CLIENT_MEM_FRACTION "
-            "before JAX starts (autoaccum.configure). "
+            "the pool JAX gets there. With no GPU device (the CPU, or a TPU, whose memory XLA "
+            "assigns when it compiles) it changes nothing; to limit memory pass budget= (e.g. "
+            "'8GiB' or '80%'), or set XLA_PYTHON_CLIENT_MEM_FRACTION before JAX starts "
+            "(autoaccum.configure). "
             f"Received: {received('memory_fraction', memory_fraction)}, "
             f"{received('device', device)}"
         )

@@ -37,7 +37,7 @@ from ._remat_policies import (
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, divisors
 from ._strategies import STRATEGIES
-from ._targets import ResolvedTarget, is_deviceless, resolve_target
+from ._targets import ResolvedTarget, is_deviceless, resolve_target, slice_devices
 from ._train_program import TrainProgram, tree_bytes
 
 
@@ -101,7 +101,7 @@ def plan_program(
     """
     target = Target() if target is None else target
     device, budget, memory_fraction = target.device, target.budget, target.memory_fraction
-    devices, hosts = target.devices, target.hosts
+    devices, hosts = slice_devices(device, target.devices), target.hosts
     validate_memory_fraction(memory_fraction, device)
     strategy = None if target.strategy == "auto" else target.strategy
     if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
@@ -274,6 +274,7 @@ def plan_model(
     validate_memory_fraction(memory_fraction, device)
     objective = resolve_objective(search.objective, device)
     devices, hosts = validate_devices(devices, target.hosts, data_parallel=data_parallel)
+    devices = slice_devices(device, devices)  # a TPU slice: all its chips
     early: ResolvedTarget | None = None
     if is_deviceless(device):
         data_parallel = 1  # a dry run for GPUs that are not here makes its own mesh

@@ -16,6 +16,7 @@ from ._budget import (
     parse_budget,
     profile_budget,
     resolve_fraction,
+    tpu_budget,
 )
 from ._measure import DEVICELESS_CODEGEN_OPTIONS, CompileTarget
 
@@ -27,8 +28,8 @@ class ResolvedTarget:
     compile_target: CompileTarget
     budget: Budget
     kind: str
-    """``"local"`` (this machine's device), ``"real"`` (the named GPU is here) or
-    ``"deviceless"`` (compiled for the named GPU without it)."""
+    """``"local"`` (this machine's device), ``"real"`` (the named GPU or TPU is here) or
+    ``"deviceless"`` (compiled for the named GPU or TPU slice without it)."""
     profile: DeviceProfile | None = None
     mesh: Any = None
     """A dry run for several GPUs: the data-parallel mesh over their deviceless devices
@@ -171,11 +172,65 @@ def is_deviceless(device: str | DeviceProfile | None) -> bool:
     if device is None:
         return False
     profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    if profile.is_tpu:
+        return not tpu_here(profile)
     if not profile.is_gpu:
         return False
     detected = detect_device()
     return not (detected.is_gpu and detected.profile is not None
                 and detected.profile.key == profile.key)
+
+
+def tpu_here(profile: DeviceProfile) -> bool:
+    """Whether this process runs on the TPU slice ``profile`` names: JAX's devices are TPU
+    chips of its kind, as many as the slice has (a real TPU runtime plans for real).
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> tpu_here(find_profile("v5e-1"))  # no TPU on this machine
+      False
+    """
+    from ..devices._quiet import tpu_absent
+
+    if profile.tpu is None or tpu_absent():
+        return False
+    import jax
+
+    try:
+        chips = jax.devices("tpu")
+    except RuntimeError:
+        return False
+    return (len(chips) == profile.tpu.chips
+            and all(d.device_kind == profile.tpu.device_kind for d in chips))
+
+
+def device_platform(device: str | DeviceProfile | None) -> str:
+    """``"gpu"``, ``"tpu"`` or ``"cpu"``: what ``device`` names (``None``: this machine's).
+
+    Example:
+      >>> device_platform("v5e-8"), device_platform("t4")
+      ('tpu', 'gpu')
+    """
+    if device is None:
+        import jax
+
+        return jax.devices()[0].platform
+    profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    return profile.platform
+
+
+def slice_devices(device: str | DeviceProfile | None, devices: int | None) -> int | None:
+    """How many devices a plan for ``device`` is over when ``devices`` is not given: every
+    chip of a TPU slice (``"v5e-8"``: 8), else ``devices`` as given.
+
+    Example:
+      >>> slice_devices("kaggle-tpu", None), slice_devices("t4", None)
+      (8, None)
+    """
+    if devices is not None or device is None:
+        return devices
+    profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    return profile.tpu.chips if profile.tpu is not None else devices
 
 
 def resolve_target(
@@ -185,7 +240,7 @@ def resolve_target(
     resident_bytes: int = 0,
     memory_fraction: float | None = None,
     mesh: Any = None,
-    devices: int = 1,
+    devices: int | None = None,
     hosts: int = 1,
 ) -> ResolvedTarget:
     """Chooses the compile target and budget for ``device`` (a profile name, or ``None``).
@@ -208,6 +263,10 @@ def resolve_target(
     profile's default; the budget is the pool after the profile's explicit margins
     (:func:`~autoaccum.planning._budget.profile_budget`).
 
+    A TPU slice (``"v5e-8"``) that is not here is compiled for over all its chips with
+    libtpu (``devices`` defaults to the slice's), its budget one chip's usable HBM
+    (:func:`~autoaccum.planning._budget.tpu_budget`); the compile refuses a step over it.
+
     Example:
       >>> resolve_target(None, "1GiB").budget.bytes
       1073741824
@@ -219,6 +278,10 @@ def resolve_target(
     if device is None:
         return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
     profile = device if isinstance(device, DeviceProfile) else find_profile(device)
+    if profile.is_tpu:
+        return _resolve_tpu(profile, budget, resident_bytes=resident_bytes, mesh=mesh,
+                            devices=devices)
+    devices = 1 if devices is None else devices
     if not profile.is_gpu:
         return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
     detected = detect_device()
@@ -273,3 +336,43 @@ def resolve_target(
         profile,
         dp_mesh,
     )
+
+
+def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, mesh: Any,
+                 devices: int | None) -> ResolvedTarget:
+    """A TPU slice: its chips for real where this process runs on them, else a deviceless
+    compile for its topology (every chip, data-parallel over them)."""
+    if tpu_here(profile):
+        local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
+        return ResolvedTarget(local.compile_target, local.budget, "real", profile)
+    if mesh is not None:
+        raise ValueError(
+            f"A data-parallel plan on this machine's devices cannot be for a {profile.name}, "
+            f"which is not here. Leave data_parallel unset: a dry run for a TPU slice plans "
+            f"over all its chips. Received: device={profile.key!r}, data_parallel={mesh.size}")
+    from ..devices._deviceless import deviceless_target
+
+    target = deviceless_target(profile, devices=devices)
+    pool = tpu_budget(profile).bytes
+    if budget is None:
+        resolved = tpu_budget(profile)
+    else:
+        resolved = parse_budget(budget, capacity_bytes=pool)
+        if resolved.bytes > pool:
+            raise ValueError(
+                f"The budget {format_bytes(resolved.bytes)} is more than one chip of a "
+                f"{profile.name} has: {format_bytes(pool)} of HBM that XLA allows. Give a "
+                f"budget of at most {format_bytes(pool)}, a fraction such as '90%', or a "
+                f"larger slice. Received: budget={budget!r}")
+    name = f"{profile.name}, deviceless compile for TPU topology {profile.tpu.topology}"
+    dp_mesh = None
+    if target.count > 1:
+        from ..devices._mesh import data_parallel_mesh
+
+        dp_mesh = data_parallel_mesh(target.devices)
+        name += ", per chip"
+    return ResolvedTarget(
+        CompileTarget(name=name, sharding=target.sharding, deviceless=True,
+                      fingerprint=target.target_config, platform="tpu"),
+        resolved, "deviceless", profile, dp_mesh)
+

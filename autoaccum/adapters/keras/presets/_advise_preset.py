@@ -29,12 +29,13 @@ from ....planning._advisor import (
     bisect_stage,
     first_fit_stage,
     larger_devices,
+    more_chips,
     more_devices,
     run_advisor,
 )
 from ....planning._plan_options import LearningRate, Search, Target, merge_plain, spec_of
 from ....planning._search import DoesNotFitError
-from ....planning._targets import is_deviceless
+from ....planning._targets import device_platform, is_deviceless
 from ....training._keyword_errors import explains_keywords
 from ._plan_preset import plan_preset
 
@@ -131,9 +132,15 @@ def advise_preset(
         if lora_rank is None:
             stages.append(first_fit_stage([{"lora_rank": r} for r in LORA_RANKS]))
         stages.append(_qlora(lora_rank))
-        stages.append(first_fit_stage(larger_devices(budget_bytes, floor,
-                                                     memory_fraction=memory_fraction)))
-        if is_deviceless(device):
+        platform = device_platform(device)
+        stages.append(first_fit_stage(larger_devices(
+            budget_bytes, floor, memory_fraction=memory_fraction,
+            platform="tpu" if platform == "tpu" else "gpu")))
+        if is_deviceless(device) and platform == "tpu":  # the same TPU chip, more of them
+            stages.append(first_fit_stage(more_chips(
+                device, effective_batch=effective_batch, floor_bytes=floor,
+                budget_bytes=budget_bytes)))
+        elif is_deviceless(device):
             stages.append(first_fit_stage(more_devices(
                 target.devices or 1, effective_batch=effective_batch,
                 floor_bytes=floor, budget_bytes=budget_bytes)))

@@ -1,0 +1,152 @@
+"""Dry runs for TPU slices that are not here: ``plan(device="v5e-1")`` (Colab's free TPU) and
+``device="v5e-8"`` (Kaggle's) compile deviceless with libtpu over every chip of the slice, the
+budget is the HBM XLA's compile-time check allows, and a step over it, which that check
+refuses, is read as "does not fit" and planned around."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.cli._main import main
+from autoaccum.devices._deviceless import deviceless_target
+from autoaccum.devices._extras import MissingExtraError
+from tests._models import TinyLM, ragged_tokens, token_loss
+
+pytest.importorskip("libtpu")  # the `tpu` extra: make test installs it
+
+GIB = 2**30
+
+
+def _plan(device: str, **kwargs):
+    model = TinyLM(vocab=512, dim=64, hidden=256, rngs=nnx.Rngs(0))
+    return autoaccum.plan(model, ragged_tokens(16, 64, vocab=512), effective_batch=16,
+                          optimizer=optax.adamw, learning_rate=1e-4, loss_fn=token_loss,
+                          device=device, log=None, search=autoaccum.Search(cache=False),
+                          **kwargs)
+
+
+class Wide(nnx.Module):
+    """Activations of 16 KiB x 4096 per example: a few hundred examples fill a v5e chip."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(256, 4096, rngs=rngs)
+        self.down = nnx.Linear(4096, 256, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _wide_loss(model: Wide, batch: dict) -> tuple[jax.Array, int]:
+    return jnp.sum((model(batch["x"]) - batch["x"]) ** 2), batch["x"].shape[0]
+
+
+def test_colab_tpu_is_planned_deviceless_on_one_chip_with_the_hbm_the_compiler_allows():
+    plan = _plan("colab-tpu")
+    assert plan.deviceless and plan.profile == "v5e-1" and plan.data_parallel == 1
+    assert "TPU v5e-1" in plan.target and "topology v5e:1x1" in plan.target
+    assert plan.budget_bytes == int(15.75 * GIB)
+    assert 0 < plan.need_bytes <= plan.budget_bytes
+    assert plan.micro_batch * plan.accum_steps == 16
+
+
+def test_kaggle_tpu_is_planned_over_its_eight_chips_and_sharded_per_chip():
+    one = _plan("v5e-1", target=autoaccum.Target(strategy="replicated"))
+    eight = _plan("kaggle-tpu", target=autoaccum.Target(strategy="fsdp"))
+    assert eight.profile == "v5e-8" and eight.data_parallel == 8
+    assert eight.strategy == "fsdp" and eight.to_dict()["mesh_shape"] == [8]
+    assert eight.micro_batch * 8 * eight.accum_steps == 16
+    assert "per chip" in eight.target and eight.budget_bytes == one.budget_bytes
+    # fsdp splits the weights over the 8 chips: each holds an eighth (padded up).
+    assert eight.estimate.trainable_bytes * 8 <= one.estimate.trainable_bytes * 1.1
+
+
+def test_a_step_over_a_chips_hbm_is_refused_by_the_compiler_and_read_as_not_fitting():
+    data = {"x": np.ones((8, 16, 256), np.float32)}
+    estimate = autoaccum.measure(Wide(nnx.Rngs(0)), data, micro_batch=2**16, accum_steps=1,
+                                 device="v5e-1", optimizer=optax.adam(1e-3),
+                                 loss_fn=_wide_loss, search=autoaccum.Search(cache=False))
+    assert estimate.need_bytes > 15.75 * GIB
+    assert "refused by the TPU compiler" in estimate.compile_note
+    assert "CompileTimeHbmOom" in estimate.compile_note
+
+
+@pytest.mark.slow  # big compiles near the HBM: about a minute
+def test_an_effective_batch_over_the_hbm_is_planned_around_with_accumulation():
+    data = {"x": np.broadcast_to(np.float32(1), (512, 2048, 256))}  # no memory: a view
+    plan = autoaccum.plan(Wide(nnx.Rngs(0)), data, effective_batch=512, device="v5e-1",
+                          optimizer=optax.adam(1e-3), loss_fn=_wide_loss, log=None,
+                          search=autoaccum.Search(cache=False))
+    refused = [p.estimate for p in plan.probes
+               if "refused by the TPU compiler" in p.estimate.compile_note]
+    assert refused and all(p.need_bytes > plan.budget_bytes for p in refused)
+    assert plan.accum_steps > 1 and plan.micro_batch * plan.accum_steps == 512
+    assert plan.need_bytes <= plan.budget_bytes
+    assert not any(p.micro_batch <= plan.micro_batch for p in refused)
+
+
+def test_a_slice_asked_for_another_chip_count_is_refused_naming_the_slices():
+    with pytest.raises(ValueError, match=r"v5e-4.*Received: device='v5e-8', devices=4"):
+        deviceless_target("v5e-8", devices=4)
+
+
+def test_memory_fraction_with_a_tpu_is_refused_with_the_budget_as_fix():
+    with pytest.raises(ValueError, match=r"TPU, whose memory XLA assigns.*budget="):
+        _plan("v5e-1", target=autoaccum.Target(memory_fraction=0.9))
+
+
+def test_without_libtpu_a_tpu_dry_run_names_the_tpu_extra(monkeypatch):
+    import autoaccum.devices._deviceless as deviceless
+
+    monkeypatch.setattr(deviceless, "missing_from_extra",
+                        lambda extra: ["libtpu is not installed"] if extra == "tpu" else [])
+    with pytest.raises(MissingExtraError, match=r"pip install 'autoaccum\[tpu\]'") as info:
+        deviceless_target("v6e-1")
+    assert info.value.extra == "tpu"
+
+
+def test_devices_lists_tpu_slices_with_chips_memory_how_they_compile_and_the_extra(capsys):
+    assert main(["devices", "--json"]) == 0
+    profiles = {p["key"]: p for p in json.loads(capsys.readouterr().out)["profiles"]}
+    assert {"v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v4-8"} <= set(profiles)
+    v5e8 = profiles["v5e-8"]
+    assert (v5e8["platform"], v5e8["devices"], v5e8["memory_bytes"]) == ("tpu", 8, 16 * GIB)
+    assert v5e8["compiled"] == "libtpu v5e:2x4" and v5e8["extra"] == "tpu"
+    assert v5e8["extra_installed"] and "kaggle-tpu" in v5e8["aliases"] and v5e8["source"]
+    assert profiles["t4"]["extra"] == "dryrun" and profiles["t4"]["platform"] == "gpu"
+    assert main(["devices"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.split()[:1] == ["v6e-8"])
+    assert "libtpu v6e:2x4" in row and "tpu" in row
+
+
+def test_the_command_line_plans_for_a_tpu_slice_by_its_name(capsys):
+    argv = ["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch", "8",
+            "--device", "v5e-4", "--json", "--no-cache"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["profile"], out["data_parallel"], out["deviceless"]) == ("v5e-4", 4, True)
+    assert out["budget_bytes"] == int(15.75 * GIB)
+
+
+def test_no_libtpu_start_up_lines_where_no_tpu_is_attached():
+    code = ("import autoaccum, jax, jax.numpy as jnp\n"
+            "from autoaccum.devices._deviceless import deviceless_target\n"
+            "t = deviceless_target('v5e-1')\n"
+            "x = t.shard(jax.ShapeDtypeStruct((8, 8), jnp.float32))\n"
+            "jax.jit(lambda a: a @ a).lower(x).compile()\n"
+            "print(jax.devices()[0].platform)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "cpu", done.stderr
+    assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr
