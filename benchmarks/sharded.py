@@ -25,6 +25,47 @@ AdamW on the adapters; micro-batch 4 x 2 per device): need per device replicated
 zero1 8.92, zero2 8.61, fsdp 3.67; frozen base per device 8.02 MiB under the first three,
 2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
+``--floor``: need / floor per device (see ``autoaccum.planning._floor``) by strategy x model
+shape x split, for autoaccum's step and for XLA's own partitioning of the same accumulated
+step (``jax.jit`` with the strategy's in/out shardings, the accumulator constrained to its
+layout, a ``lax.scan`` over micro-batches, GSPMD doing the rest): a model of a few large
+matrices (an 8192 x 256 embedding and its 256 x 8192 projection, 16 MiB) and one of many
+small ones (eight 512 x 512 layers, 8 MiB); AdamW; 4 host devices; micro-batch x
+micro-batches per device 1 x 4 and 4 x 1.
+
+    .venv/bin/python benchmarks/sharded.py --floor
+
+Measured here (issue 39; x = times the weights, per device; need / floor in brackets):
+
+    model       strategy    split  autoaccum       XLA partitioner
+    few large   replicated  1 x 4  5.02x (1.11)    6.00x (1.33)
+    few large   replicated  4 x 1  5.00x (1.11)    5.00x (1.11)
+    few large   zero1       1 x 4  3.52x (1.17)    4.50x (1.50)
+    few large   zero1       4 x 1  2.63x (1.17)    3.50x (1.56)
+    few large   zero2       1 x 4  2.88x (1.28)    2.75x (1.22)
+    few large   zero2       4 x 1  2.63x (1.17)    2.63x (1.17)
+    few large   fsdp        1 x 4  2.13x (1.06)    2.50x (1.25)
+    few large   fsdp        4 x 1  1.94x (0.97)    2.00x (1.00)
+    many small  replicated  1 x 4  5.00x (1.21)    6.00x (1.45)
+    many small  replicated  4 x 1  5.00x (1.21)    5.00x (1.21)
+    many small  zero1       1 x 4  2.63x (1.00)    4.51x (1.71)
+    many small  zero1       4 x 1  2.01x (1.07)    3.50x (1.86)
+    many small  zero2       1 x 4  2.01x (1.07)    3.76x (2.00)
+    many small  zero2       4 x 1  2.01x (1.07)    3.50x (1.86)
+    many small  fsdp        1 x 4  1.26x (1.00)    2.26x (1.80)
+    many small  fsdp        4 x 1  1.26x (1.00)    1.66x (1.32)
+
+Before issue 39 (the same models): few large fsdp 1 x 4 3.64x, zero2 3.25x, zero1 3.52x;
+many small zero1 3.51x (a second whole gradient: the all-reduce's output beside the
+accumulator). XLA's partitioner is within 5% of autoaccum's step only where both are equal
+(4 x 1, no accumulation loop) and on few large zero2 1 x 4 (2.75x against 2.88x, the one
+case where it is lower: 4.5% lower); elsewhere it holds up to 1.8x more (its scan keeps each
+whole gradient, and under fsdp each gathered weight, for the whole backward pass). So
+autoaccum keeps its own steps: shard_map data parallelism for every strategy, the at-use
+replay for fsdp. (The zero2 1 x 4 case above 1.25x: an embedding's gradient is a scatter
+into zeros that XLA:CPU schedules at the start of the backward pass; under fsdp the at-use
+replay ties them to the cotangent, under zero2 nothing does yet.)
+
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
 """
@@ -158,11 +199,167 @@ def lora_rows(mesh) -> dict:
     return rows
 
 
+FLOOR_SPLITS = ((1, 4), (4, 1))
+
+
+def floor_models() -> dict:
+    """``name: (make, loss_fn, example spec)`` of the two model shapes of ``--floor``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    vocab, dim, seq, width = 8192, 256, 8, 512
+
+    class EmbedProject(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+            self.project = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.project(jnp.tanh(self.embed(tokens)))
+
+    class DeepMLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(8)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return x
+
+    def lm_loss(model, batch):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            model(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
+        return jnp.sum(losses), losses.size
+
+    def square_loss(model, batch):
+        return jnp.sum((model(batch["x"]) - batch["y"]) ** 2), batch["x"].shape[0]
+
+    vector = jax.ShapeDtypeStruct((width,), jnp.float32)
+    return {"few large": (lambda: EmbedProject(nnx.Rngs(0)), lm_loss,
+                          {"tokens": jax.ShapeDtypeStruct((seq + 1,), jnp.int32)}),
+            "many small": (lambda: DeepMLP(nnx.Rngs(0)), square_loss,
+                           {"x": vector, "y": vector})}
+
+
+def xla_partitioned_need(make, loss_fn, spec, mesh, strategy: str, micro: int,
+                         accum: int) -> int:
+    """Per-device need of the accumulated step partitioned by XLA alone: the one-device step
+    (a ``lax.scan`` over micro-batches, one AdamW update) under ``jax.jit`` with the
+    strategy's layout as in/out shardings and the float32 accumulator constrained to it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from autoaccum.planning import state_layout
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    tx = optax.adamw(1e-3)
+    opt = jax.eval_shape(tx.init, params)
+    layout = state_layout(strategy, mesh, params=params, optimizer=opt)
+    param_s, grad_s = layout.shardings(layout.params), layout.shardings(layout.grads)
+    opt_s = layout.shardings(layout.optimizer)
+
+    def step(params, opt, batches):
+        def body(carry, micro_batch):
+            acc, total, count = carry
+
+            def loss(p):
+                s, c = loss_fn(nnx.merge(graphdef, p, rest), micro_batch)
+                return s, jnp.float32(c)
+
+            (s, c), g = jax.value_and_grad(loss, has_aux=True)(params)
+            acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+            return (jax.lax.with_sharding_constraint(acc, grad_s), total + s, count + c), None
+
+        zeros = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_s)
+        (acc, total, count), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batches)
+        updates, opt = tx.update(jax.tree.map(lambda a: a / count, acc), opt, params)
+        return optax.apply_updates(params, updates), opt, total / count
+
+    def placed(tree, shardings):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, shardings)
+
+    batch_s = NamedSharding(mesh, P(None, mesh.axis_names[0]))
+    batches = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        (accum, micro * mesh.size, *s.shape), s.dtype, sharding=batch_s), spec)
+    compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_s, opt_s, None)).lower(
+        placed(params, param_s), placed(opt, opt_s), batches).compile()
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+def floor_child() -> dict:
+    """``--floor``'s figures: per model, strategy and split, autoaccum's need, its floor and
+    the XLA-partitioned need (bytes), and the weights."""
+    import _common  # noqa: F401  (environment first)
+    import jax
+    import optax
+    from flax import nnx
+
+    from autoaccum.adapters.flax._nnx_program import flax_program
+    from autoaccum.devices._mesh import data_parallel_mesh
+    from autoaccum.planning import STRATEGIES
+    from autoaccum.planning._measure import measure_program
+
+    mesh = data_parallel_mesh()
+    out: dict = {}
+    for name, (make, loss_fn, spec) in floor_models().items():
+        model = nnx.eval_shape(make)
+        rows = []
+        for strategy in STRATEGIES:
+            for micro, accum in FLOOR_SPLITS:
+                program = flax_program(model, spec, loss_fn=loss_fn, tx=optax.adamw(1e-3),
+                                       mesh=mesh, strategy=strategy)
+                est = measure_program(program, micro, accum)
+                rows.append({"strategy": strategy, "split": f"{micro} x {accum}",
+                             "need": est.need_bytes, "floor": est.floor_bytes,
+                             "xla": xla_partitioned_need(make, loss_fn, spec, mesh, strategy,
+                                                         micro, accum)})
+        out[name] = {"weights": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+            nnx.state(model, nnx.Param)))), "rows": rows}
+    return out
+
+
+def floor_main(env: dict) -> None:
+    """Prints ``--floor``'s table (see the module docstring)."""
+    here = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-child"],
+                          env=env, capture_output=True, text=True, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"child failed:\n{done.stderr[-4000:]}")
+    out = json.loads(lines[-1][7:])
+    sys.path.insert(0, str(here))
+    from _common import print_table
+
+    rows = []
+    for name, model in out.items():
+        w = model["weights"]
+        for r in model["rows"]:
+            rows.append([name, r["strategy"], r["split"],
+                         f"{r['need'] / w:.2f}x ({r['need'] / r['floor']:.2f})",
+                         f"{r['floor'] / w:.2f}x",
+                         f"{r['xla'] / w:.2f}x ({r['xla'] / r['floor']:.2f})"])
+    print(f"need per device / weights (need / floor) on {DEVICES} host devices, AdamW")
+    print_table(["model", "strategy", "split", "autoaccum", "floor", "XLA partitioner"], rows)
+
+
 def main() -> None:
     here = Path(__file__).resolve().parent
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
                JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    if "--floor" in sys.argv[1:]:
+        floor_main(env)
+        return
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env,
                           capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -208,5 +405,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(child()), flush=True)
+    elif len(sys.argv) == 2 and sys.argv[1] == "--floor-child":
+        print("RESULT " + json.dumps(floor_child()), flush=True)
     else:
         main()

@@ -10,7 +10,8 @@ where the transient is, per strategy (:mod:`._strategies`):
 
 * ``fsdp``: one split weight gathered whole, with its whole float32 gradient before the
   reduce-scatter (the largest such pair; a split frozen weight: gathered, no gradient);
-* ``zero2``: the largest whole float32 gradient before its reduce-scatter;
+* ``zero2`` (and ``zero1`` with one micro-batch, whose gradient is reduce-scattered as it
+  is formed): the largest whole float32 gradient before its reduce-scatter;
 * ``replicated``, ``zero1``, one device, and a layout kept as the user made it: the largest
   float32 gradient leaf as the device holds it (computed, then added to the accumulator).
 
@@ -79,7 +80,10 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
              + layout.split_bytes(parts.get("optimizer"), layout.optimizer)
              + (tree_bytes(parts.get("frozen")) if layout.frozen is None
                 else layout.split_bytes(frozen, layout.frozen)))
-    accumulator = layout.split_bytes(f32, layout.grads)
+    # One micro-batch: the gradient is the sum, reduced as it is formed (zero1: scattered
+    # at once, not accumulated whole first).
+    one = accum_steps == 1 and last is None and layout.reduced is not None
+    accumulator = layout.split_bytes(f32, layout.reduced if one else layout.grads)
     whole = [4 * math.prod(x.shape) for x in leaves]
     if layout.strategy == "fsdp":
         pairs = [g + (math.prod(x.shape) * itemsize(x.dtype) if _split(s) else 0)

@@ -138,6 +138,11 @@ class StateLayout:
     grads: PyTree
     optimizer: PyTree
     frozen: PyTree = None
+    reduced: PyTree = None
+    """How the step's summed gradient leaves the cross-device reduction (the structure of
+    ``params``): split where the optimizer state is (``zero1``: a reduce-scatter of the
+    copied accumulator, so no second whole gradient is formed for an update each device
+    computes a share of), else as :attr:`grads`; ``None``: as :attr:`grads`."""
 
     @property
     def axis(self) -> str:
@@ -229,6 +234,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
     param_specs = split_params if rank >= 3 else copied_params
     grad_specs = split_params if rank >= 2 else copied_params
     opt_specs = split_opt if rank >= 1 else copied_opt
+    reduced_specs = split_params if rank >= 1 else copied_params
     if fixed is not None and any(f is not None for f in fixed):
         treedef = jax.tree.structure(params)
 
@@ -238,6 +244,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
                                                 for f, s in zip(fixed, leaves, strict=True)])
 
         param_specs, grad_specs = pin(param_specs), pin(grad_specs)
+        reduced_specs = pin(reduced_specs)
 
         mirrors = shaped_like(params)
 
@@ -257,6 +264,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         grads=grad_specs,
         optimizer=opt_specs,
         frozen=frozen_specs,
+        reduced=reduced_specs,
     )
 
 

@@ -153,6 +153,9 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         param_specs = copied if layout is None else layout.params
         grad_specs = copied if layout is None else layout.grads
         split_grads = [_split_dim(s) for s in jax.tree.leaves(grad_specs, is_leaf=is_spec)]
+        reduced_specs = (grad_specs if layout is None or layout.reduced is None
+                         else layout.reduced)
+        split_reduced = [_split_dim(s) for s in jax.tree.leaves(reduced_specs, is_leaf=is_spec)]
         split_params = [_split_dim(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec)]
         treedef = jax.tree.structure(trainable)
         frozen_specs = jax.tree.map(lambda _: P(), frozen)
@@ -242,10 +245,13 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 steps = micro_steps(batches)
                 sq = devices * sq - (devices - 1) * steps * big
             # The one cross-device reduction of the optimizer step (split leaves were
-            # reduce-scattered at every micro-batch already).
+            # reduce-scattered at every micro-batch already); a copied leaf the optimizer
+            # updates split (zero1) is reduce-scattered: no second whole gradient.
             grad_sum = jax.tree.unflatten(treedef, [
-                g if d is not None else jax.lax.psum(g, axis)
-                for g, d in zip(jax.tree.leaves(acc.grad_sum), split_grads, strict=True)])
+                g if d is not None else jax.lax.psum(g, axis) if r is None
+                else reduce_scatter(r)(g)
+                for g, d, r in zip(jax.tree.leaves(acc.grad_sum), split_grads, split_reduced,
+                                   strict=True)])
             loss_sum, count = jax.lax.psum((acc.loss_sum, acc.count), axis)
             final = unfold_device_keys(carry, local, acc.carry)
             return grad_sum, loss_sum, count, reduce(carry, final, axis), sq
@@ -256,7 +262,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             per_device,
             mesh=mesh,
             in_specs=(param_specs, P(), batch_spec, frozen_specs),
-            out_specs=(grad_specs, P(), P(), P(), P()),
+            out_specs=(reduced_specs, P(), P(), P(), P()),
             check_vma=False,  # gradients stay local until the psum (or reduce-scatter)
         )
         return AccumulatedGradients(*sharded(trainable, carry, batches, frozen))
