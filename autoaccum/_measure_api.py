@@ -28,12 +28,14 @@ from .planning._option_checks import (
 from .planning._plan_model import prepare
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._targets import is_deviceless, resolve_target, slice_devices
+from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["measure"]
 
 
 @explains_keywords
+@outside_context_mesh
 def measure(
     model: Any,
     data: Any,

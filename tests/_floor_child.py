@@ -164,7 +164,50 @@ def explicit() -> dict:
     return out
 
 
-MODES = {"kept": kept, "fsdp_few_large": fsdp_few_large, "explicit": explicit}
+def keras_data_parallel_fsdp() -> dict:
+    """A Keras model fit with ``strategy="fsdp"`` under ``keras.distribution.DataParallel``
+    (every variable replicated, Keras's rule) and with no distribution: the variables'
+    shardings after each fit, and the first against ``model.fit`` on one device."""
+    import keras
+
+    import autoaccum
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 32)).astype(np.float32)
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        return model
+
+    def specs(model):
+        return sorted({str(v.value.sharding.spec) for v in model.trainable_variables})
+
+    options = dict(effective_batch=16, epochs=1, verbose=0, log=None, budget="1GiB",
+                   search=autoaccum.Search(cache=False),
+                   training=autoaccum.Training(shuffle=False),
+                   target=autoaccum.Target(strategy="fsdp"))
+    ref = make()
+    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        under = make()
+        history = autoaccum.fit(under, (x, y), **options)
+    finally:
+        keras.distribution.set_distribution(None)
+    plain = make()
+    plain_history = autoaccum.fit(plain, (x, y), **options)
+    return {"strategies": [history.autoaccum_strategy, plain_history.autoaccum_strategy],
+            "under_distribution": specs(under), "without": specs(plain),
+            "error": _max_relative_error([v.value for v in under.trainable_variables],
+                                         [v.value for v in ref.trainable_variables])}
+
+
+MODES = {"kept": kept, "fsdp_few_large": fsdp_few_large, "explicit": explicit,
+         "keras_data_parallel_fsdp": keras_data_parallel_fsdp}
 
 
 if __name__ == "__main__":
