@@ -14,6 +14,8 @@ where the transient is, per strategy (:mod:`._strategies`):
   is formed): the largest whole float32 gradient before its reduce-scatter;
 * ``replicated``, ``zero1``, one device, and a layout kept as the user made it: the largest
   float32 gradient leaf as the device holds it (computed, then added to the accumulator).
+  A kept layout's accumulator is split over the data axis too where its weight is not
+  (``_strategies.accumulator_sharding``).
 
 Activations are not in it: the floor is what no micro-batch can go below. The compiled
 step's need (``MemoryEstimate.need_bytes``) sits beside it in plans, reports, JSON
@@ -29,7 +31,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
+from ._strategies import accumulator_sharding
 from ._train_program import TrainProgram, itemsize, local_shape, tree_bytes
 
 __all__ = ["step_floor"]
@@ -73,7 +77,15 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
         state = tree_bytes(trainable) + tree_bytes(parts.get("frozen")) + tree_bytes(
             parts.get("optimizer"))
         grads = [4 * math.prod(local_shape(x)) for x in leaves]
-        return state + other + batch + sum(grads) + max(grads, default=0)
+        accumulator = sum(grads)
+        placement = program.placement
+        if placement is not None:  # split over the data axis too (see accumulator_sharding)
+            accumulator = sum(
+                4 * math.prod(accumulator_sharding(x.sharding, tuple(x.shape),
+                                                   placement.data_axis).shard_shape(x.shape))
+                if isinstance(getattr(x, "sharding", None), NamedSharding) else g
+                for x, g in zip(leaves, grads, strict=True))
+        return state + other + batch + accumulator + max(grads, default=0)
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
     frozen = program.frozen_args
     state = (layout.split_bytes(trainable, layout.params)

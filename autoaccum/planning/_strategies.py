@@ -52,8 +52,8 @@ MIN_SHARDED_ELEMENTS = 1024
 """Leaves with fewer elements stay copied on every device (splitting them saves nothing
 worth a collective)."""
 
-__all__ = ["MIN_SHARDED_ELEMENTS", "STRATEGIES", "StateLayout", "leaf_spec", "state_layout",
-           "tree_specs", "validate_strategy"]
+__all__ = ["MIN_SHARDED_ELEMENTS", "STRATEGIES", "StateLayout", "accumulator_sharding",
+           "leaf_spec", "state_layout", "tree_specs", "validate_strategy"]
 
 
 def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
@@ -182,6 +182,38 @@ class StateLayout:
             size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
             total += size // n if any(a is not None for a in spec) else size
         return total
+
+
+def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
+                         axis: str | None, *,
+                         min_elements: int = MIN_SHARDED_ELEMENTS) -> NamedSharding:
+    """The float32 gradient accumulator's sharding for a weight of ``shape`` that a kept
+    layout lays out by ``sharding``: the weight's own, with the data axis ``axis`` added on
+    its first whole dimension that the axis divides. Each device then keeps its share of the
+    sum over the data axis (as ``zero2`` does), not all of it: the weights stay as the user
+    laid them out, the accumulator is autoaccum's. Unchanged without a data axis, when the
+    weight is split over it already, small, or has no such dimension.
+
+    Example:
+      >>> import numpy as np
+      >>> from jax.sharding import Mesh
+      >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+      >>> accumulator_sharding(NamedSharding(mesh, P(None, "model")), (64, 64), "data").spec
+      P('data', 'model')
+    """
+    if axis is None or math.prod(shape) < min_elements:
+        return sharding
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    used = {a for entry in spec if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    n = int(sharding.mesh.shape[axis])
+    if axis in used:
+        return sharding
+    for i, entry in enumerate(spec):
+        if entry is None and shape[i] % n == 0:
+            spec[i] = axis
+            return NamedSharding(sharding.mesh, P(*spec))
+    return sharding
 
 
 def shaped_like(params: PyTree) -> Callable[[Any], bool]:

@@ -7,6 +7,8 @@ fixed when JAX starts), once per module."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -32,8 +34,13 @@ def test_a_kept_layouts_step_gathers_no_split_gradient_whole(four_devices):
     assert out["strategy"] == "own"
     for micro, compiled in out["micro"].items():
         # The squared gradient norm (non-finite check, noise scale) is a sum of squares the
-        # partitioner keeps split; jnp.vdot's flattening gathered every split kernel.
-        assert compiled["all_gathers"] == [], (micro, compiled["all_gathers"])
+        # partitioner keeps split; jnp.vdot's flattening gathered every split kernel whole.
+        # What is gathered now is the accumulator's share over the data axis, back to the
+        # weight's own layout for the update: never more than a device's shard of a weight.
+        for line in compiled["all_gathers"]:
+            shape = re.search(r"= f32\[([\d,]+)\]", line).group(1)
+            elements = math.prod(int(n) for n in shape.split(","))
+            assert 4 * elements <= out["weight_shard_bytes"], (micro, line)
 
 
 def test_a_few_large_matrices_fit_fsdp_under_two_and_a_half_times_their_weights(

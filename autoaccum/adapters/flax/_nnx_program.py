@@ -14,7 +14,6 @@ once per optimizer step by default (``batch_stats="effective"``, see
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from flax import nnx
 
 from ...devices._placement import Placement
 from ...planning._micro_batches import micro_steps
-from ...planning._strategies import StateLayout, state_layout
+from ...planning._strategies import StateLayout, accumulator_sharding, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
 from ...training._batch_norm_moments import validate_batch_stats
@@ -296,8 +295,20 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
 
 def placed_accumulate(placement: Placement) -> Callable[..., Any]:
     """:func:`accumulate_gradients` whose float32 gradient accumulator is laid out like the
-    weights of ``placement`` (XLA would mostly infer it; this makes it certain)."""
-    return functools.partial(accumulate_gradients, accumulator_sharding=placement.state[0])
+    weights of ``placement``, and split over its data axis too where a weight is not
+    (:func:`~autoaccum.planning._strategies.accumulator_sharding`: a device holds its share
+    of the sum; the DotReluDot of Flax's guide, 2 x 2 mesh, AdamW: 6.01 -> 5.51 times a
+    device's weights at 1 x 4)."""
+    def accumulate(micro_loss: Any, trainable: Any, carry: Any, batches: Any,
+                   **options: Any) -> Any:
+        shardings = jax.tree.map(
+            lambda s, x: accumulator_sharding(s, tuple(jnp.shape(x)), placement.data_axis),
+            placement.state[0], trainable,
+            is_leaf=lambda s: isinstance(s, jax.sharding.NamedSharding))
+        return accumulate_gradients(micro_loss, trainable, carry, batches,
+                                    accumulator_sharding=shardings, **options)
+
+    return accumulate
 
 
 def accumulate_for(mesh: Any, layout: StateLayout | None = None) -> Callable[..., Any]:
