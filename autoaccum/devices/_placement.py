@@ -73,6 +73,40 @@ class Placement:
                 lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), leaf),
             shardings, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
+    def onto(self, devices: Any) -> Placement:
+        """The same layout over other ``devices`` (as many as the mesh has): a mesh of the
+        same shape and axis names over them, every sharding's spec kept. A dry run uses it to
+        keep a layout made over this machine's devices on a slice that is not here (a TPU's
+        chips, compiled deviceless).
+
+        Example:
+          >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+          >>> p = Placement(mesh, state=[NamedSharding(mesh, P("batch"))], frozen=(),
+          ...               data_axis="batch")
+          >>> p.onto(jax.devices()[:1]).state[0].spec
+          P('batch',)
+        """
+        devices = list(devices)
+        if len(devices) != self.mesh.size:
+            raise ValueError(
+                f"The layout of {self.source or 'this model'} is over {self.mesh.size} devices "
+                f"(mesh {dict(self.mesh.shape)}), and the target has {len(devices)}. Plan for "
+                f"a target with {self.mesh.size} devices (a TPU slice of that many chips, or "
+                f"devices={self.mesh.size} GPUs), or lay the model out over {len(devices)} "
+                f"devices. Received: {len(devices)} target devices")
+        mesh = Mesh(np.array(devices, dtype=object).reshape(self.mesh.devices.shape),
+                    self.mesh.axis_names, axis_types=self.mesh.axis_types)
+
+        def moved(s: Any) -> Any:
+            return NamedSharding(mesh, s.spec) if isinstance(s, NamedSharding) else s
+
+        def is_leaf(x: Any) -> bool:
+            return isinstance(x, NamedSharding)
+
+        return dataclasses.replace(
+            self, mesh=mesh, state=jax.tree.map(moved, self.state, is_leaf=is_leaf),
+            frozen=tuple(jax.tree.map(moved, f, is_leaf=is_leaf) for f in self.frozen))
+
     def place_batches(self, batches: PyTree) -> PyTree:
         """Host batches placed as the step takes them (every process feeds its own devices)."""
         full = self.batch_sharding()

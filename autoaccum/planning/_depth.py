@@ -283,7 +283,15 @@ class DepthExtrapolator:
             return self.full(micro_batch, accum_steps, why=why)
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
         why = self._fails(small, predicted)
-        io_over = self.budget_bytes is not None and io_bytes(predicted) > self.budget_bytes
+        falls = small[1].need_bytes < small[0].need_bytes
+        if falls:
+            # Less memory with more blocks: the compiler chose differently at the two depths
+            # (seen on TPU: Gemma3-1B LoRA, 1.62 GiB at 2 blocks, 1.52 at 3), so the line
+            # predicts nothing, not even an upper bound.
+            why = (f"need falls with depth ({format_bytes(small[0].need_bytes)} at {d1}, "
+                   f"{format_bytes(small[1].need_bytes)} at {d2}): not linear")
+        io_over = (self.budget_bytes is not None and io_bytes(predicted) > self.budget_bytes
+                   and not falls)
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
                                               per_block, why == "", why or "linear in depth")
         self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
@@ -292,7 +300,7 @@ class DepthExtrapolator:
                   f"{format_bytes(predicted.need_bytes)}"
                   + (f" ({why}: compiling full depth)"
                      if why and not io_over and self.full_compiles else ""))
-        if why and not self.full_compiles:
+        if why and not self.full_compiles and not falls:
             self.checks[micro_batch] = DepthCheck(
                 micro_batch, accum_steps, predicted.need_bytes, per_block, False,
                 f"{why}: the linear prediction, an upper bound, stands (no full-depth compile)")

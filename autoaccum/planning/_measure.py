@@ -205,7 +205,7 @@ def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
     placement's shardings are the step's input and output shardings, batches are split over
     its data axis, and XLA partitions the rest."""
     placement = program.placement
-    if target.deviceless:
+    if target.deviceless and not _on_target(placement.mesh, target):
         raise ValueError(
             f"This model's variables are laid out by {placement.source or 'the user'} over "
             f"this machine's devices (mesh {dict(placement.mesh.shape)}); a dry run for a GPU "

@@ -108,7 +108,9 @@ def plan_program(
         effective_batch = validate_effective_batch(effective_batch, data_parallel=devices)
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
                                   devices=devices, hosts=hosts)
-    if resolved is not None and resolved.mesh is not None:  # several GPUs, not here
+    placed = isinstance(program, TrainProgram) and program.placement is not None
+    if resolved is not None and resolved.mesh is not None and not placed:
+        # Several GPUs (TPU chips), not here; a placed program keeps its own layout on them.
         program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh, strategy)
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
@@ -116,7 +118,7 @@ def plan_program(
     mesh = program.device_mesh if isinstance(program, TrainProgram) else None
     chosen = strategy or (program.strategy if isinstance(program, TrainProgram)
                           else "replicated")
-    if resolved is not None and resolved.mesh is not None:
+    if resolved is not None and resolved.mesh is not None and not placed:
         mesh = resolved.mesh
     if resolved is None:  # called directly (plan_model resolves the target, and validated)
         effective_batch = validate_effective_batch(
@@ -138,7 +140,7 @@ def plan_program(
         depth_variants = dataclasses.replace(depth_variants, full=built[0])
     floor = resident.accumulating_bytes
     dry_mesh = resolved.mesh  # a multi-GPU dry run's mesh: depth variants are on it too
-    dp = int(dry_mesh.size) if dry_mesh is not None else None
+    dp = int(dry_mesh.size) if dry_mesh is not None and not placed else None
     if dry_mesh is not None and resolved.profile is not None:
         notes += (f"interconnect: {resolved.profile.interconnect_line()}",)
     if depth_variants is not None and depth_variants.worthwhile and (mesh is None
@@ -325,13 +327,17 @@ def plan_model(
         opts = dict(options)
         prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                            remat=policy, remat_layers=remat_layers)
+        if early is not None and early.mesh is not None and prepared.program.placement:
+            # The user's own layout, kept over the chips (GPUs) of a slice that is not here.
+            prepared = dataclasses.replace(
+                prepared, program=prepared.program.placed_onto(early.mesh.devices.flat))
         no_leftovers(opts, where)
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
         if strategies is None:
             strategies = candidate_strategies(strategy, mesh, prepared.program)
-        by_strategy = {s: prepared if mesh is None else dataclasses.replace(
+        by_strategy = {s: prepared if mesh is None or s == "own" else dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
             announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
@@ -463,7 +469,8 @@ def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tup
     ``sharded_step``, e.g. a custom :class:`TrainProgram`): replicated; ``"auto"``: all of
     :data:`STRATEGIES` (Flax and Keras programs); a name: that one (``program.on_mesh``
     refuses a sharded one it cannot run, with the fix)."""
-    if program.placement is not None and mesh is None:
+    if program.placement is not None and (mesh is None or set(mesh.devices.flat)
+                                          == set(program.placement.mesh.devices.flat)):
         if strategy != "auto":
             placement = program.placement
             raise ValueError(

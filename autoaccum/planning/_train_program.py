@@ -89,6 +89,9 @@ class TrainProgram:
     ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
     compiled with the placement's shardings as input and output shardings (XLA partitions
     it); ``mesh`` is then ``None``."""
+    placed_step: Callable[[Any], Any] | None = None
+    """For a placed program: builds ``step`` for another ``Placement`` (the same layout over
+    other devices, see :meth:`placed_onto`); ``None`` where the step does not depend on it."""
     deviceless_fallback: set[str] = field(default_factory=set, init=False, compare=False,
                                           repr=False)
     """The deviceless targets (their fingerprints) for which a compile of this step failed
@@ -159,6 +162,27 @@ class TrainProgram:
         step, shardings = self.sharded_step(layout)
         return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
                                    state_shardings=shardings, layout=layout)
+
+    def placed_onto(self, devices: Any) -> TrainProgram:
+        """This placed program with its layout kept over other ``devices`` (as many as its
+        mesh has): a dry run for a slice that is not here (a TPU's chips, several GPUs)
+        compiles the user's own layout for them (``Placement.onto``).
+
+        Example:
+          >>> import jax
+          >>> program = TrainProgram(step=None, abstract_state=(), parts={}, trainable=(),
+          ...                        example_spec={})
+          >>> program.placed_onto(jax.devices()) is program  # not placed: nothing to move
+          True
+        """
+        if self.placement is None:
+            return self
+        placement = self.placement.onto(devices)
+        step = self.step if self.placed_step is None else self.placed_step(placement)
+        state = placement.abstract(self.abstract_state, placement.state)
+        frozen = placement.abstract(tuple(self.frozen_args), placement.frozen)
+        return dataclasses.replace(self, step=step, placement=placement, abstract_state=state,
+                                   frozen_args=frozen)
 
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
                    last: int | None = None, last_sharding: Any = None) -> PyTree:

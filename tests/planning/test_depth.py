@@ -107,6 +107,22 @@ def test_where_the_blocks_differ_the_fit_does_not_hold_and_the_plan_says_so():
     assert not any(p.why.endswith("(extrapolated)") for p in plan.probes[-2:])
 
 
+@pytest.mark.slow  # two compiles per depth: about 8 s each
+@pytest.mark.parametrize("full_compiles", [True, False])
+def test_a_need_that_falls_with_depth_predicts_nothing_and_is_compiled_in_full(full_compiles):
+    # Narrower with depth (as a compiler's different choices at 2 and 3 blocks look, seen on
+    # TPU): the line through them would predict less than either, even below zero.
+    def build(depth):
+        return _build(depth, dim=256 // depth)
+
+    variants = DepthVariants(full_depth=8, build=build, full=build(8))
+    ext = DepthExtrapolator(variants, CompileTarget(), full_compiles=full_compiles)
+    estimate = ext.measure(2, 4)
+    assert estimate.source == "compiled"
+    assert estimate.need_bytes == measure_program(build(8), 2, 4).need_bytes
+    assert "need falls with depth" in ext.checks[2].why and not ext.checks[2].holds
+
+
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_where_xlas_rematerialization_pass_would_act_the_probe_is_compiled_in_full():
     # A GPU-like target whose pool is tiny: XLA's pass targets (base - io) x 0.95.

@@ -150,3 +150,18 @@ def test_no_libtpu_start_up_lines_where_no_tpu_is_attached():
                           env=env, timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "cpu", done.stderr
     assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow  # a child process with 8 host devices: about 20 s
+def test_a_models_own_layout_is_kept_over_the_chips_of_a_slice_that_is_not_here():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run([sys.executable, "-m", "tests._tpu_child"], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["strategy"], out["mesh_shape"], out["mesh_axes"]) == ("own", [2, 4],
+                                                                      ["batch", "model"])
+    assert (out["profile"], out["deviceless"], out["data_parallel"]) == ("v5e-8", True, 2)
+    assert "TPU v5e-8" in out["target"] and out["split"] == 16
+    # Per chip, as on the 8 host devices: the 'model' axis splits the weights four ways.
+    assert out["trainable"] == out["here_trainable"] and out["here_strategy"] == "own"

@@ -266,13 +266,16 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
     :func:`._sharding.own_placement`): the single-device step on global batches, compiled
     with the placement's shardings (its abstract state carries them, so the resident memory
     the planner checks first is one device's)."""
-    step = make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                          accumulate=placed_accumulate(placement), norms=norms,
-                          on_nonfinite=on_nonfinite)
+    def step_for(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:
+        return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
+                              accumulate=placed_accumulate(placement), norms=norms,
+                              on_nonfinite=on_nonfinite)
+
     params, other, opt_state = placement.abstract(state, placement.state)
     (frozen,) = placement.abstract((frozen,), placement.frozen)
-    return _train_program(model, step, example_spec, (params, other, opt_state), frozen,
-                          placement=placement)
+    return _train_program(model, step_for(placement), example_spec,
+                          (params, other, opt_state), frozen, placement=placement,
+                          placed_step=step_for)
 
 
 def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: Any,
