@@ -48,21 +48,21 @@ def test_no_second_tensorflow_is_requested():
     assert "tensorflow" not in names  # keras-hub brings it (through tensorflow-text)
 
 
-def test_the_cuda_plugin_extras_follow_jax_through_jax_s_own_extras():
+def test_the_cuda_plugin_and_tpu_extras_follow_jax_through_jax_s_own_extras():
     project = PYPROJECT["project"]
     core_jax = next(Requirement(t) for t in project["dependencies"] if t.startswith("jax"))
     # From the oldest tested jax to the newest (0.12.0.1), capped one minor above it.
     assert all(core_jax.specifier.contains(v) for v in ("0.10.2", "0.11.2", "0.12.0.1"))
     assert not core_jax.specifier.contains("0.13.0")
     for extra, jax_extra in (("dryrun", "cuda13-local"), ("dryrun-cuda12", "cuda12-local"),
-                             ("cuda13", "cuda13"), ("cuda12", "cuda12")):
+                             ("cuda13", "cuda13"), ("cuda12", "cuda12"), ("tpu", "tpu")):
         (text,) = project["optional-dependencies"][extra]
         requirement = Requirement(text)
         assert requirement.name == "jax" and requirement.extras == {jax_extra}
         assert not requirement.specifier  # jax's range is the core one: one place
     names = {r.name for r in _all_requirements()}
     plugins = {f"jax-cuda{v}-{p}" for v in (12, 13) for p in ("plugin", "pjrt")}
-    assert not (plugins | {"jaxlib"}) & names  # pinned by jax
+    assert not (plugins | {"jaxlib", "libtpu"}) & names  # pinned by jax
 
 
 def test_nvidia_ml_py_is_core_because_configure_needs_it():
