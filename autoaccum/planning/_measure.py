@@ -306,8 +306,11 @@ path compiles them. Measured on a small transformer (H100/A100 targets, seq 129 
 compile): within 0.03% at micro-batch 32, higher (more conservative) at micro-batch 2."""
 
 
-_HBM_OOM = re.compile(r"CompileTimeHbmOom.*?required for [^(]*\(([\d.]+)([KMGT]?)\)"
-                      r".*?available HBM \(([\d.]+)([KMGT]?)\)", re.DOTALL)
+_HBM_OOM = re.compile(r"(?:CompileTimeHbmOom|Ran out of memory on HBM).*?required for [^(]*"
+                      r"\(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)",
+                      re.DOTALL)
+# libtpu 0.0.50 says "E1000: CompileTimeHbmOom: Ran out of memory on HBM, ..."; 0.0.42 (jax
+# 0.10.2) the same without the code.
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
