@@ -49,6 +49,7 @@ def _wide_loss(model: Wide, batch: dict) -> tuple[jax.Array, int]:
     return jnp.sum((model(batch["x"]) - batch["x"]) ** 2), batch["x"].shape[0]
 
 
+@pytest.mark.slow  # a plan of several TPU compiles: over 5 s
 def test_colab_tpu_is_planned_deviceless_on_one_chip_with_the_hbm_the_compiler_allows():
     plan = _plan("colab-tpu")
     assert plan.deviceless and plan.profile == "v5e-1" and plan.data_parallel == 1
@@ -58,6 +59,7 @@ def test_colab_tpu_is_planned_deviceless_on_one_chip_with_the_hbm_the_compiler_a
     assert plan.micro_batch * plan.accum_steps == 16
 
 
+@pytest.mark.slow  # a plan of several TPU compiles: over 5 s
 def test_kaggle_tpu_is_planned_over_its_eight_chips_and_sharded_per_chip():
     one = _plan("v5e-1", target=autoaccum.Target(strategy="replicated"))
     eight = _plan("kaggle-tpu", target=autoaccum.Target(strategy="fsdp"))
@@ -128,6 +130,7 @@ def test_devices_lists_tpu_slices_with_chips_memory_how_they_compile_and_the_ext
     assert "libtpu v6e:2x4" in row and "tpu" in row
 
 
+@pytest.mark.slow  # a plan of several TPU compiles: over 5 s
 def test_the_command_line_plans_for_a_tpu_slice_by_its_name(capsys):
     argv = ["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch", "8",
             "--device", "v5e-4", "--json", "--no-cache"]
