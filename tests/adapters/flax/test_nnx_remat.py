@@ -61,9 +61,12 @@ def test_model_that_does_not_fit_at_micro_batch_one_gets_a_remat_plan(data):
     options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
     plain = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
                               **options, search=autoaccum.Search(remat="none"))
+    # "dots", the first policy the plan tries after "none": both of these compiles are probes
+    # the plan makes, which it finds in the session's need cache (with "nothing" here, one
+    # more deviceless compile: 6 instead of 5).
     saved = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
                               **options,
-                              search=autoaccum.Search(remat="nothing"))
+                              search=autoaccum.Search(remat="dots"))
     assert saved.need_bytes < plain.need_bytes
     budget = (plain.need_bytes + saved.need_bytes) // 2
     plan = autoaccum.plan(model, data, effective_batch=8, device="t4", budget=budget, log=None,
@@ -84,7 +87,7 @@ def test_remat_none_keeps_failing_with_the_advice(data):
                               **options, search=autoaccum.Search(remat="none"))
     saved = autoaccum.measure(model, data, micro_batch=1, accum_steps=8, device="t4",
                               **options,
-                              search=autoaccum.Search(remat="nothing"))
+                              search=autoaccum.Search(remat="dots"))  # as the test above
     with pytest.raises(autoaccum.DoesNotFitError, match="rematerialization") as info:
         autoaccum.plan(model, data, effective_batch=8, device="t4", log=None,
                        budget=(plain.need_bytes + saved.need_bytes) // 2, **options,
