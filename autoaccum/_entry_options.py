@@ -23,6 +23,7 @@ from .planning._plan_options import (
     spec_of,
 )
 from .planning._reuse import PLANNING_OPTIONS, reuse_plan
+from .planning._targets import is_deviceless, slice_devices
 from .training._epoch_batches import num_examples
 from .training._keyword_errors import explains_keywords, where_option_lives
 from .training._training_options import Training
@@ -63,6 +64,14 @@ def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
             planning_options={k: v for k, v in given.items() if k in PLANNING_OPTIONS})
         announce(prepared.lr_scaling, log)
         return the_plan, prepared
+    devices = slice_devices(target.device, target.devices)
+    if devices is not None and devices > 1 and is_deviceless(target.device):
+        raise ValueError(
+            f"{where}() trains on this machine's devices, and {target.device!r} is {devices} "
+            "devices (GPUs or TPU chips) that are not here. For a dry run use "
+            f"autoaccum.plan(..., device={target.device!r}); to train, run {where}() where "
+            f"the devices are, without device= (it uses every device JAX sees there). "
+            f"Received: device={target.device!r}, devices={devices}")
     if search.method == "auto" and training.elastic:
         search = dataclasses.replace(search, method="compile")
     return plan_model(model, data, adapter=adapter, effective_batch=effective_batch,

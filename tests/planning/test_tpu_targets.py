@@ -168,3 +168,12 @@ def test_a_models_own_layout_is_kept_over_the_chips_of_a_slice_that_is_not_here(
     assert "TPU v5e-8" in out["target"] and out["split"] == 16
     # Per chip, as on the 8 host devices: the 'model' axis splits the weights four ways.
     assert out["trainable"] == out["here_trainable"] and out["here_strategy"] == "own"
+
+
+def test_fit_for_a_slice_that_is_not_here_is_refused_with_the_dry_run_and_where_to_train():
+    data = {"x": np.ones((16, 16, 256), np.float32)}
+    with pytest.raises(ValueError, match=r"fit\(\) trains on this machine's devices.*"
+                                         r"autoaccum.plan\(\.\.\., device='v5e-8'\).*"
+                                         r"Received: device='v5e-8', devices=8"):
+        autoaccum.fit(Wide(nnx.Rngs(0)), data, effective_batch=16, device="v5e-8",
+                      optimizer=optax.sgd(0.1), loss_fn=_wide_loss, verbose=0)
