@@ -140,6 +140,7 @@ def test_the_command_line_plans_for_a_tpu_slice_by_its_name(capsys):
     assert out["budget_bytes"] == int(15.75 * GIB)
 
 
+@pytest.mark.slow  # a child process: about 4 s
 def test_no_libtpu_start_up_lines_where_no_tpu_is_attached():
     code = ("import autoaccum, jax, jax.numpy as jnp\n"
             "from autoaccum.devices._deviceless import deviceless_target\n"
@@ -170,6 +171,7 @@ def test_a_models_own_layout_is_kept_over_the_chips_of_a_slice_that_is_not_here(
     assert out["trainable"] == out["here_trainable"] and out["here_strategy"] == "own"
 
 
+@pytest.mark.slow  # fit's set-up before the check: over 2 s
 def test_fit_for_a_slice_that_is_not_here_is_refused_with_the_dry_run_and_where_to_train():
     data = {"x": np.ones((16, 16, 256), np.float32)}
     with pytest.raises(ValueError, match=r"fit\(\) trains on this machine's devices.*"
