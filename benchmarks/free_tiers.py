@@ -195,9 +195,9 @@ def print_results(results: dict, models: list[str], modes: list[str], targets: l
             label = f"Gemma3 {model.upper()} {'LoRA 4' if MODES[mode] else 'full FT'}"
             cells = [results.get(cell_key(model, mode, t)) for t in targets]
             rows.append([label, *(cell_text(c) for c in cells)])
-            seconds.append([label, *(f"{c['seconds']:.0f}" if c and "seconds" in c
-                                     and c["status"] != "not run" else
-                                     (c.get("why", "-") if c else "-") for c in cells)])
+            seconds.append([label, *(f"{c['seconds']:.0f} s, {c.get('compiles', 0)} compiles"
+                                     if c and c["status"] != "not run" else "-"
+                                     for c in cells)])
     title = (f"Gemma 3, sequence {SEQUENCE}, {DTYPE} weights, AdamW, effective batch "
              f"{EFFECTIVE_BATCH} (micro-batch x chips x accumulation steps), planned "
              "deviceless on this CPU:")
