@@ -305,17 +305,9 @@ def resolve_target(
     # setting puts the lab's batch-1 step 2.7% over the pool it trains in, this one 0.08%.
     target = deviceless_target(profile, device_memory_bytes=pool, devices=devices,
                                hosts=hosts)
-    if budget is None:
-        resolved = profile_budget(profile, memory_fraction)
-    else:
-        resolved = parse_budget(budget, capacity_bytes=pool)
-        if resolved.bytes > pool:
-            raise ValueError(
-                f"The budget {format_bytes(resolved.bytes)} is larger than the memory JAX gets on "
-                f"a {profile.name}: {format_bytes(pool)} ({fraction:.0%} of its memory). Give a "
-                f"budget of at most {format_bytes(pool)}, a fraction such as '90%', or a larger "
-                f"device. Received: budget={budget!r}"
-            )
+    resolved = (profile_budget(profile, memory_fraction) if budget is None else _within(
+        budget, pool, f"larger than the memory JAX gets on a {profile.name}: "
+                      f"{format_bytes(pool)} ({fraction:.0%} of its memory)", "device"))
     name = f"{profile.name}, deviceless compile (no {profile.name} on this machine)"
     dp_mesh = None
     fingerprint = target.target_config
@@ -354,16 +346,9 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
 
     target = deviceless_target(profile, devices=devices)
     pool = tpu_budget(profile).bytes
-    if budget is None:
-        resolved = tpu_budget(profile)
-    else:
-        resolved = parse_budget(budget, capacity_bytes=pool)
-        if resolved.bytes > pool:
-            raise ValueError(
-                f"The budget {format_bytes(resolved.bytes)} is more than one chip of a "
-                f"{profile.name} has: {format_bytes(pool)} of HBM that XLA allows. Give a "
-                f"budget of at most {format_bytes(pool)}, a fraction such as '90%', or a "
-                f"larger slice. Received: budget={budget!r}")
+    resolved = tpu_budget(profile) if budget is None else _within(
+        budget, pool, f"more than one chip of a {profile.name} has: {format_bytes(pool)} of "
+                      "HBM that XLA allows", "slice")
     name = f"{profile.name}, deviceless compile for TPU topology {profile.tpu.topology}"
     dp_mesh = None
     if target.count > 1:
@@ -375,4 +360,16 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
         CompileTarget(name=name, sharding=target.sharding, deviceless=True,
                       fingerprint=target.target_config, platform="tpu"),
         resolved, "deviceless", profile, dp_mesh)
+
+
+def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
+    """A user's ``budget`` for a named device, refused when over ``pool`` (``what`` the
+    device gives, ``larger`` what to name instead)."""
+    resolved = parse_budget(budget, capacity_bytes=pool)
+    if resolved.bytes > pool:
+        raise ValueError(
+            f"The budget {format_bytes(resolved.bytes)} is {what}. Give a budget of "
+            f"at most {format_bytes(pool)}, a fraction such as '90%', or a larger {larger}. "
+            f"Received: budget={budget!r}")
+    return resolved
 
