@@ -216,7 +216,6 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
 def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
     # Cached: a fresh topology means fresh device objects, and jit would recompile.
     _allow_cuda_plugin_without_driver()
-    import jax
     from jax.experimental import topologies
 
     # Loading the plugin's library here logs a cudart line on a machine without CUDA.
@@ -234,17 +233,22 @@ def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
             "os.environ['JAX_PLATFORMS'] = 'cpu' as the first line of the script, or run the "
             "planning in a fresh process."
         ) from e
-    count = len(topology.devices)
-    mesh = topologies.make_mesh(topology, (count,), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return topology, mesh, sharding
+    return _over_all(topology)
+
+
+def _over_all(topology: Any) -> tuple[Any, Any, Any]:
+    """``topology``, a one-axis mesh over all its devices, and a replicated sharding on it."""
+    import jax
+    from jax.experimental import topologies
+
+    mesh = topologies.make_mesh(topology, (len(topology.devices),), ("x",))
+    return topology, mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 @functools.lru_cache(maxsize=16)
 def _make_tpu_target(name: str, bounds: tuple[int, int, int],
                      chip_config: str) -> tuple[Any, Any, Any]:
     # Cached for the same reason as _make_target: the same devices, so jit's caches hold.
-    import jax
     from jax.experimental import topologies
 
     options: dict[str, Any] = {"chips_per_host_bounds": tuple(bounds)}
@@ -252,8 +256,9 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
         options["chip_config_name"] = chip_config
     # libtpu logs its start-up (no TPU accelerator type, no worker hostnames) to fd 2 when it
     # loads on a machine without a TPU; on a TPU VM nothing is held back.
-    quiet = quiet_native_logs() if tpu_absent() else contextlib.nullcontext()
-    if tpu_absent():
+    absent = tpu_absent()
+    quiet = quiet_native_logs() if absent else contextlib.nullcontext()
+    if absent:
         # libtpu lets one process at a time load it (/tmp/libtpu_lockfile), to guard the
         # chips; with none here there is nothing to guard, and dry runs in several processes
         # (a test runner's workers, a notebook beside a script) must not refuse each other.
@@ -268,10 +273,7 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
             f"({str(e).strip().splitlines()[0] if str(e).strip() else e!r}). Install libtpu at "
             "the version jax pins (pip install 'autoaccum[tpu]'), or plan on the TPU itself."
         ) from e
-    count = len(topology.devices)
-    mesh = topologies.make_mesh(topology, (count,), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return topology, mesh, sharding
+    return _over_all(topology)
 
 
 def _require_libtpu(profile: DeviceProfile) -> None:

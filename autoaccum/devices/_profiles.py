@@ -224,6 +224,14 @@ class DeviceProfile:
         """True if any of ``name_patterns`` matches ``device_name`` (case-insensitive)."""
         return any(re.search(p, device_name, re.IGNORECASE) for p in self.name_patterns)
 
+    @property
+    def _capacity_mib(self) -> int | None:
+        """What a fraction of this device is taken of: a TPU chip's usable HBM, else CUDA's
+        total where known, else the card's memory (``None``: the host's, given apart)."""
+        if self.tpu is not None:
+            return self.tpu.usable_hbm_mib
+        return self.cuda_total_mib or self.memory_mib
+
     def pool_bytes(
         self, memory_fraction: float | None = None, *, total_bytes: int | None = None
     ) -> int:
@@ -238,10 +246,8 @@ class DeviceProfile:
             raise ValueError(
                 f"memory_fraction must be in (0, 1]. Received: memory_fraction={fraction}"
             )
-        if total_bytes is None and self.tpu is not None:
-            total_bytes = self.tpu.usable_hbm_mib * MIB
         if total_bytes is None:
-            total_mib = self.cuda_total_mib or self.memory_mib
+            total_mib = self._capacity_mib
             if total_mib is None:
                 raise ValueError(
                     f"Profile {self.key!r} has no fixed memory size (memory comes from the "
@@ -279,10 +285,8 @@ class DeviceProfile:
         (True, ['CUDA context', 'cuDNN workspace'])
         """
         pool = self.pool_bytes(memory_fraction, total_bytes=total_bytes)
-        if total_bytes is None and self.tpu is not None:
-            total_bytes = self.tpu.usable_hbm_mib * MIB
         if total_bytes is None:
-            total_bytes = (self.cuda_total_mib or self.memory_mib or 0) * MIB
+            total_bytes = (self._capacity_mib or 0) * MIB
         if command_buffers is None:
             command_buffers = command_buffers_enabled(self.env)[0]
         return apply_margins(pool, total_bytes, self.margins, deviceless=deviceless,

@@ -345,8 +345,9 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
     from ..devices._deviceless import deviceless_target
 
     target = deviceless_target(profile, devices=devices)
-    pool = tpu_budget(profile).bytes
-    resolved = tpu_budget(profile) if budget is None else _within(
+    chip = tpu_budget(profile)
+    pool = chip.bytes
+    resolved = chip if budget is None else _within(
         budget, pool, f"more than one chip of a {profile.name} has: {format_bytes(pool)} of "
                       "HBM that XLA allows", "slice")
     name = f"{profile.name}, deviceless compile for TPU topology {profile.tpu.topology}"
