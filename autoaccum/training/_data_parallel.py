@@ -170,11 +170,6 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             return None if d is None else functools.partial(
                 jax.lax.psum_scatter, axis_name=axis, scatter_dimension=d, tiled=True)
 
-        def scatter(grads: PyTree) -> PyTree:
-            leaves = [g if d is None else reduce_scatter(d)(g)
-                      for g, d in zip(jax.tree.leaves(grads), split_grads, strict=True)]
-            return jax.tree.unflatten(treedef, leaves)
-
         def shard_shape(leaf: Any, d: int | None) -> Any:
             shape = list(jnp.shape(leaf))
             if d is not None:
@@ -187,6 +182,10 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                                               strict=True)])
         any_split_grads = any(d is not None for d in split_grads)
         at_use = any(d is not None for d in split_params + split_frozen)
+        # zero2: whole weights, split gradients: each leaf's gradient is reduce-scattered
+        # where the backward pass completes it (_scattered_grad), not after the whole
+        # micro-batch gradient exists.
+        early = any_split_grads and not at_use
 
         def all_gather(d: int | None) -> Any:
             return None if d is None else functools.partial(
@@ -195,11 +194,14 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         gathers = [all_gather(d) for d in split_params + split_frozen]
         scatters = [reduce_scatter(d) for d in split_params] + [None] * len(split_frozen)
 
+        arrive_summed = split_params if at_use else split_grads
+
         def summed_sq(grads: PyTree) -> jax.Array:
-            # fsdp: split leaves arrive summed over the devices' micro-batches (the gather's
-            # transpose); copied leaves are summed here. |sum over devices|^2.
+            # fsdp, zero2: split leaves arrive summed over the devices' micro-batches (the
+            # gather's transpose, the reduce-scatter where each gradient is complete);
+            # copied leaves are summed here. |sum over devices|^2.
             sq = jnp.float32(0)
-            for g, d in zip(jax.tree.leaves(grads), split_params, strict=True):
+            for g, d in zip(jax.tree.leaves(grads), arrive_summed, strict=True):
                 if d is None:
                     sq = sq + tree_sq_norm(jax.lax.psum(g, axis)) / devices
                 else:
@@ -229,14 +231,30 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                                               *jax.tree.leaves(frozen)], (c, b),
                                        gather=gathers, scatter=scatters)
 
+            whole = jax.tree.leaves(trainable)
+            scatter_where_complete = [None if d is None else _scattered_grad(reduce_scatter(d))
+                                      for d in split_grads]
+
+            def early_loss(shards: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
+                # The whole weights (copied) in the forward pass; the gradient of each split
+                # leaf comes back as this device's share of its sum, taken as soon as the
+                # backward pass has it (differentiated with respect to the shares).
+                leaves = [s if f is None else f(s, w) for s, w, f in zip(
+                    jax.tree.leaves(shards), whole, scatter_where_complete, strict=True)]
+                return micro_loss(jax.tree.unflatten(treedef, leaves), c, b, *rest)
+
+            if early:
+                shares = jax.tree.unflatten(treedef, [
+                    w if d is None else jnp.zeros(shard_shape(w, d).shape, jnp.float32)
+                    for w, d in zip(whole, split_grads, strict=True)])
             acc = accumulate_gradients(
-                local_loss if at_use else micro_loss, trainable, local, batches,
+                local_loss if at_use else early_loss if early else micro_loss,
+                shares if early else trainable, local, batches,
                 frozen=None if at_use else frozen,
-                scatter=scatter if any_split_grads and not at_use else None,
                 accumulator=accumulator if any_split_grads else None,
-                sq_norm=summed_sq_norm if at_use else None)
+                sq_norm=summed_sq_norm if at_use or early else None)
             sq = jax.lax.pmean(acc.micro_grad_sq_norm_sum, axis)
-            if at_use and devices > 1:
+            if (at_use or early) and devices > 1:
                 # Each term is |g|^2 of a dp x micro-batch; E|g_b|^2 = |G|^2 + tr(S)/b, so
                 # dp x (term - |G|^2) + |G|^2 has the expectation of one device's micro-batch
                 # (what the noise-scale estimate reads), |G|^2 from the step's whole sums.
@@ -268,6 +286,31 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         return AccumulatedGradients(*sharded(trainable, carry, batches, frozen))
 
     return accumulate
+
+
+def _scattered_grad(reduce_scatter: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """``f(share, whole) -> whole`` whose gradient with respect to ``share`` (float32, the
+    shape of this device's share) is ``reduce_scatter`` of the float32 cotangent of
+    ``whole``, taken where the backward pass completes it; ``whole`` gets none.
+
+    Example:
+      >>> f = _scattered_grad(lambda g: g[:1])
+      >>> jax.grad(lambda s: jnp.sum(f(s, jnp.ones(2)) * 3.0))(jnp.zeros(1))
+      Array([3.], dtype=float32)
+    """
+
+    @jax.custom_vjp
+    def use(share: Any, whole: Any) -> Any:
+        return whole
+
+    def fwd(share: Any, whole: Any) -> tuple[Any, None]:
+        return whole, None
+
+    def bwd(_: None, cotangent: Any) -> tuple[Any, None]:
+        return reduce_scatter(cotangent.astype(jnp.float32)), None
+
+    use.defvjp(fwd, bwd)
+    return use
 
 
 def _split_dim(spec: P) -> int | None:
