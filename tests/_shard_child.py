@@ -66,11 +66,12 @@ def _sharded_step(model, data, tx, loss_fn, mesh, strategy, batches):
     return new_state, metrics, compiled.as_text()
 
 
-def exact(strategies=STRATEGIES, splits=(("even", 4, 2), ("uneven", 7, 3)),
+def exact(strategies=STRATEGIES, splits=(("even", 4, 2), ("uneven", 7, 3), ("one", 2, 2)),
           needs: bool = True) -> dict:
-    """Every strategy's step (N devices x micro 2 x accum 2, and an uneven 7 = 3 + 3 + 1 per
-    device) against the single-device full-batch step; shardings of the new state; the
-    per-device need of each strategy."""
+    """Every strategy's step (N devices x micro 2 x accum 2, an uneven 7 = 3 + 3 + 1 per
+    device, and one micro-batch of 2 per device: nothing accumulated) against the
+    single-device full-batch step; shardings of the new state; the per-device need of each
+    strategy."""
     devices = len(jax.devices())
     mesh = data_parallel_mesh()
     tx = optax.adam(1e-2)

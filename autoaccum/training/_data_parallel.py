@@ -176,15 +176,21 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 shape[d] //= devices
             return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
 
+        # Which leaves each micro-batch's gradient is reduce-scattered on: zero2's and
+        # fsdp's split ones; with one micro-batch (nothing to accumulate) zero1's too, its
+        # one reduce-scatter then taken before any whole gradient is kept.
+        scattered = split_grads
+        if micro_steps(batches) == 1 and all(d is None for d in split_grads):
+            scattered = split_reduced
         # Shapes of this device's share (of the user's whole trainable tree).
         accumulator = jax.tree.unflatten(treedef, [
-            shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), split_grads,
+            shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), scattered,
                                               strict=True)])
-        any_split_grads = any(d is not None for d in split_grads)
+        any_split_grads = any(d is not None for d in scattered)
         at_use = any(d is not None for d in split_params + split_frozen)
-        # zero2: whole weights, split gradients: each leaf's gradient is reduce-scattered
-        # where the backward pass completes it (_scattered_grad), not after the whole
-        # micro-batch gradient exists.
+        # zero2 (zero1 with one micro-batch): whole weights, split gradients: each leaf's
+        # gradient is reduce-scattered where the backward pass completes it
+        # (_scattered_grad), not after the whole micro-batch gradient exists.
         early = any_split_grads and not at_use
 
         def all_gather(d: int | None) -> Any:
@@ -194,7 +200,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         gathers = [all_gather(d) for d in split_params + split_frozen]
         scatters = [reduce_scatter(d) for d in split_params] + [None] * len(split_frozen)
 
-        arrive_summed = split_params if at_use else split_grads
+        arrive_summed = split_params if at_use else scattered
 
         def summed_sq(grads: PyTree) -> jax.Array:
             # fsdp, zero2: split leaves arrive summed over the devices' micro-batches (the
@@ -233,7 +239,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
 
             whole = jax.tree.leaves(trainable)
             scatter_where_complete = [None if d is None else _scattered_grad(reduce_scatter(d))
-                                      for d in split_grads]
+                                      for d in scattered]
 
             def early_loss(shards: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
                 # The whole weights (copied) in the forward pass; the gradient of each split
@@ -246,7 +252,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             if early:
                 shares = jax.tree.unflatten(treedef, [
                     w if d is None else jnp.zeros(shard_shape(w, d).shape, jnp.float32)
-                    for w, d in zip(whole, split_grads, strict=True)])
+                    for w, d in zip(whole, scattered, strict=True)])
             acc = accumulate_gradients(
                 local_loss if at_use else early_loss if early else micro_loss,
                 shares if early else trainable, local, batches,
@@ -268,7 +274,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             grad_sum = jax.tree.unflatten(treedef, [
                 g if d is not None else jax.lax.psum(g, axis) if r is None
                 else reduce_scatter(r)(g)
-                for g, d, r in zip(jax.tree.leaves(acc.grad_sum), split_grads, split_reduced,
+                for g, d, r in zip(jax.tree.leaves(acc.grad_sum), scattered, split_reduced,
                                    strict=True)])
             loss_sum, count = jax.lax.psum((acc.loss_sum, acc.count), axis)
             final = unfold_device_keys(carry, local, acc.carry)

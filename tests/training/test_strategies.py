@@ -125,7 +125,7 @@ def test_a_single_device_plan_is_replicated_in_its_json():
 @pytest.mark.slow
 def test_every_strategy_step_on_four_devices_equals_one_device_full_batch():
     out = _child(4, "exact")["exact"]
-    for split in ("even", "uneven"):
+    for split in ("even", "uneven", "one"):
         for strategy in STRATEGIES:
             r = out[f"{split}/{strategy}"]
             assert r["params_error"] <= 1e-5 and r["opt_error"] <= 1e-5, (split, strategy, r)
