@@ -66,6 +66,50 @@ replay for fsdp. (The zero2 1 x 4 case above 1.25x: an embedding's gradient is a
 into zeros that XLA:CPU schedules at the start of the backward pass; under fsdp the at-use
 replay ties them to the cotangent, under zero2 nothing does yet.)
 
+``--floor --device NAME``: the same table compiled deviceless for 4 of a GPU
+(``h100-80gb``) or a 4-chip TPU slice (``v5e-4``), with each matrix 64-256 MiB (a 65536 x
+1024 embedding and its projection, 512 MiB; eight 4096 x 4096 layers, 512 MiB): libtpu keeps
+buffers of a few MiB in the chip's on-core memory, outside the HBM its memory analysis reports
+(with the small models above, every TPU need came out 0.4-0.7x its floor).
+
+    .venv/bin/python benchmarks/sharded.py --floor --device v5e-4
+
+Measured here (2026-11-27; libtpu 0.0.50.1, jax 0.12.0.1 with the CUDA 13 plugin; x = times
+the weights per device, need / floor in brackets):
+
+    model       strategy    split  v5e-4 autoaccum  v5e-4 XLA      4 x H100 autoaccum  4 x H100 XLA
+    few large   replicated  1 x 4  5.25x (1.17)     5.25x (1.17)   4.51x (1.00)        4.01x (0.89)
+    few large   replicated  4 x 1  5.00x (1.11)     4.52x (1.00)   4.03x (0.90)        4.03x (0.90)
+    few large   zero1       1 x 4  3.75x (1.25)     3.63x (1.21)   3.13x (1.04)        2.76x (0.92)
+    few large   zero1       4 x 1  2.25x (1.00)     3.64x (1.62)   2.64x (1.17)        2.64x (1.17)
+    few large   zero2       1 x 4  2.88x (1.28)     3.75x (1.67)   2.88x (1.28)        2.38x (1.06)
+    few large   zero2       4 x 1  2.25x (1.00)     3.00x (1.33)   2.64x (1.17)        2.38x (1.06)
+    few large   fsdp        1 x 4  2.25x (1.13)     1.81x (0.91)   2.64x (1.32)        1.63x (0.81)
+    few large   fsdp        4 x 1  1.75x (0.88)     1.38x (0.69)   2.41x (1.20)        1.50x (0.75)
+    many small  replicated  1 x 4  4.26x (1.03)     4.26x (1.03)   4.13x (1.00)        4.13x (1.00)
+    many small  replicated  4 x 1  4.13x (1.00)     3.14x (0.76)   4.00x (0.97)        4.00x (0.97)
+    many small  zero1       1 x 4  2.52x (0.96)     4.51x (1.72)   2.53x (0.96)        3.53x (1.35)
+    many small  zero1       4 x 1  2.02x (1.08)     2.89x (1.54)   2.44x (1.30)        1.97x (1.05)
+    many small  zero2       1 x 4  2.48x (1.32)     3.48x (1.85)   2.44x (1.30)        2.31x (1.23)
+    many small  zero2       4 x 1  2.02x (1.08)     2.89x (1.54)   2.44x (1.30)        1.97x (1.05)
+    many small  fsdp        1 x 4  1.50x (1.20)     1.90x (1.52)   1.47x (1.18)        2.00x (1.60)
+    many small  fsdp        4 x 1  1.21x (0.97)     1.05x (0.84)   1.22x (0.98)        1.75x (1.40)
+
+Before zero2 reduce-scattered each gradient where the backward pass completes it (and zero1
+with one micro-batch), the v5e-4 rows read: few large zero1 4 x 1 3.14x (1.39), zero2 1 x 4
+3.75x (1.67), zero2 4 x 1 3.14x (1.39), many small zero2 1 x 4 2.52x (1.34); the H100's zero2
+rows: few large 3.00x (1.34) and 2.75x (1.22), many small 2.47x (1.32) and 2.75x (1.47).
+
+A need below the floor (fsdp on both, XLA's partitioning of replicated and fsdp steps) means
+the compiler holds less than the floor's model of the step (one whole gathered weight and its
+gradient, one whole gradient): a matmul on a split weight that never gathers it whole (a
+collective matmul) would do that (not checked on the HLO). Still above 1.25x: zero2 1 x 4 on
+the few large matrices everywhere (1.28x) and on the many small ones (1.30-1.32x); on the
+H100, fsdp 1 x 4 on the few large ones (1.32x) and zero1 4 x 1 on the many small ones (1.30x).
+Where XLA's own partitioning of the same step needs less on a GPU (few large fsdp 1.63x
+against 2.64x, zero2 2.38x against 2.88x), autoaccum does not yet switch to it (issue 39
+item 2: per target, the simpler step where it is within 5%).
+
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
 """
@@ -202,14 +246,16 @@ def lora_rows(mesh) -> dict:
 FLOOR_SPLITS = ((1, 4), (4, 1))
 
 
-def floor_models() -> dict:
-    """``name: (make, loss_fn, example spec)`` of the two model shapes of ``--floor``."""
+def floor_models(large: bool = False) -> dict:
+    """``name: (make, loss_fn, example spec)`` of the two model shapes of ``--floor``;
+    ``large``: each matrix 64-256 MiB instead of 1-8 MiB (for a TPU, whose compiler keeps
+    buffers of a few MiB in the chip's on-core memory, outside the HBM it reports)."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    vocab, dim, seq, width = 8192, 256, 8, 512
+    vocab, dim, seq, width = (65536, 1024, 8, 4096) if large else (8192, 256, 8, 512)
 
     class EmbedProject(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -244,10 +290,11 @@ def floor_models() -> dict:
 
 
 def xla_partitioned_need(make, loss_fn, spec, mesh, strategy: str, micro: int,
-                         accum: int) -> int:
+                         accum: int, target=None) -> int:
     """Per-device need of the accumulated step partitioned by XLA alone: the one-device step
     (a ``lax.scan`` over micro-batches, one AdamW update) under ``jax.jit`` with the
-    strategy's layout as in/out shardings and the float32 accumulator constrained to it."""
+    strategy's layout as in/out shardings and the float32 accumulator constrained to it
+    (compiled for ``target``, a deviceless GPU or TPU one, as autoaccum compiles for it)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -289,16 +336,19 @@ def xla_partitioned_need(make, loss_fn, spec, mesh, strategy: str, micro: int,
     batch_s = NamedSharding(mesh, P(None, mesh.axis_names[0]))
     batches = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
         (accum, micro * mesh.size, *s.shape), s.dtype, sharding=batch_s), spec)
-    compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_s, opt_s, None)).lower(
-        placed(params, param_s), placed(opt, opt_s), batches).compile()
-    m = compiled.memory_analysis()
+    from autoaccum.planning._measure import compile_lowered
+
+    lowered = jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_s, opt_s, None)).lower(
+        placed(params, param_s), placed(opt, opt_s), batches)
+    m = compile_lowered(lowered, target).memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
 
 
-def floor_child() -> dict:
+def floor_child(device: str | None = None) -> dict:
     """``--floor``'s figures: per model, strategy and split, autoaccum's need, its floor and
-    the XLA-partitioned need (bytes), and the weights."""
+    the XLA-partitioned need (bytes), and the weights; on 4 host devices, or (``device``)
+    compiled deviceless for 4 of that GPU or a 4-chip TPU slice."""
     import _common  # noqa: F401  (environment first)
     import jax
     import optax
@@ -309,29 +359,40 @@ def floor_child() -> dict:
     from autoaccum.planning import STRATEGIES
     from autoaccum.planning._measure import measure_program
 
-    mesh = data_parallel_mesh()
+    mesh, target = data_parallel_mesh(), None
+    if device is not None:
+        from autoaccum.devices import find_profile
+        from autoaccum.planning._targets import resolve_target
+
+        profile = find_profile(device)
+        resolved = resolve_target(profile, devices=None if profile.is_tpu else DEVICES)
+        mesh, target = resolved.mesh, resolved.compile_target
+        if mesh is None or mesh.size != DEVICES:
+            raise SystemExit(f"--device must name 4 devices (a GPU, or a 4-chip TPU slice "
+                             f"such as v5e-4). Received: --device {device}")
     out: dict = {}
-    for name, (make, loss_fn, spec) in floor_models().items():
+    for name, (make, loss_fn, spec) in floor_models(large=device is not None).items():
         model = nnx.eval_shape(make)
         rows = []
         for strategy in STRATEGIES:
             for micro, accum in FLOOR_SPLITS:
                 program = flax_program(model, spec, loss_fn=loss_fn, tx=optax.adamw(1e-3),
                                        mesh=mesh, strategy=strategy)
-                est = measure_program(program, micro, accum)
+                est = measure_program(program, micro, accum, target)
                 rows.append({"strategy": strategy, "split": f"{micro} x {accum}",
                              "need": est.need_bytes, "floor": est.floor_bytes,
                              "xla": xla_partitioned_need(make, loss_fn, spec, mesh, strategy,
-                                                         micro, accum)})
+                                                         micro, accum, target)})
         out[name] = {"weights": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             nnx.state(model, nnx.Param)))), "rows": rows}
     return out
 
 
-def floor_main(env: dict) -> None:
+def floor_main(env: dict, device: str | None = None) -> None:
     """Prints ``--floor``'s table (see the module docstring)."""
     here = Path(__file__).resolve().parent
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-child"],
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-child",
+                           *([device] if device else [])],
                           env=env, capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -348,7 +409,9 @@ def floor_main(env: dict) -> None:
                          f"{r['need'] / w:.2f}x ({r['need'] / r['floor']:.2f})",
                          f"{r['floor'] / w:.2f}x",
                          f"{r['xla'] / w:.2f}x ({r['xla'] / r['floor']:.2f})"])
-    print(f"need per device / weights (need / floor) on {DEVICES} host devices, AdamW")
+    where = (f"{DEVICES} x {device}, compiled deviceless" if device
+             else f"{DEVICES} host devices")
+    print(f"need per device / weights (need / floor) on {where}, AdamW")
     print_table(["model", "strategy", "split", "autoaccum", "floor", "XLA partitioner"], rows)
 
 
@@ -358,7 +421,9 @@ def main() -> None:
                JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
     if "--floor" in sys.argv[1:]:
-        floor_main(env)
+        args = sys.argv[1:]
+        device = args[args.index("--device") + 1] if "--device" in args[:-1] else None
+        floor_main(env, device)
         return
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env,
                           capture_output=True, text=True, check=False)
@@ -405,7 +470,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(child()), flush=True)
-    elif len(sys.argv) == 2 and sys.argv[1] == "--floor-child":
-        print("RESULT " + json.dumps(floor_child()), flush=True)
+    elif len(sys.argv) in (2, 3) and sys.argv[1] == "--floor-child":
+        print("RESULT " + json.dumps(floor_child(*sys.argv[2:])), flush=True)
     else:
         main()
