@@ -92,10 +92,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
              + layout.split_bytes(parts.get("optimizer"), layout.optimizer)
              + (tree_bytes(parts.get("frozen")) if layout.frozen is None
                 else layout.split_bytes(frozen, layout.frozen)))
-    # One micro-batch: the gradient is the sum, reduced as it is formed (zero1: scattered
-    # at once, not accumulated whole first).
-    one = accum_steps == 1 and last is None and layout.reduced is not None
-    accumulator = layout.split_bytes(f32, layout.reduced if one else layout.grads)
+    accumulator = layout.split_bytes(
+        f32, layout.accumulator(accum_steps == 1 and last is None))
     whole = [4 * math.prod(x.shape) for x in leaves]
     if layout.strategy == "fsdp":
         pairs = [g + (math.prod(x.shape) * itemsize(x.dtype) if _split(s) else 0)

@@ -515,7 +515,8 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
         optimizer_bytes = layout.split_bytes(parts.get("optimizer"), layout.optimizer)
         accumulator = layout.split_bytes(
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32"),
-                         parts.get("trainable")), layout.grads)
+                         parts.get("trainable")),
+            layout.accumulator(accum_steps == 1 and last is None))
     return MemoryEstimate(
         compile_note=compile_note,
         micro_batch=micro_batch,

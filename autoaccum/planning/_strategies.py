@@ -144,6 +144,21 @@ class StateLayout:
     copied accumulator, so no second whole gradient is formed for an update each device
     computes a share of), else as :attr:`grads`; ``None``: as :attr:`grads`."""
 
+    def accumulator(self, one_micro_batch: bool) -> PyTree:
+        """How a step lays out its float32 gradient accumulator: as :attr:`grads`; with one
+        micro-batch (nothing to accumulate) as :attr:`reduced`, since each gradient is then
+        reduced as it is formed (``zero1``: reduce-scattered at once, no whole one kept).
+
+        Example:
+          >>> import jax
+          >>> mesh = jax.make_mesh((1,), ("data",))
+          >>> layout = StateLayout("zero1", mesh, params=P(), grads=P(), optimizer=P(),
+          ...                      reduced=P("data"))
+          >>> layout.accumulator(True) == P("data"), layout.accumulator(False) == P()
+          (True, True)
+        """
+        return self.reduced if one_micro_batch and self.reduced is not None else self.grads
+
     @property
     def axis(self) -> str:
         """The mesh's data axis."""

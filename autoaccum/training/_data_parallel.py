@@ -152,7 +152,6 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         copied = jax.tree.map(lambda _: P(), trainable)
         param_specs = copied if layout is None else layout.params
         grad_specs = copied if layout is None else layout.grads
-        split_grads = [_split_dim(s) for s in jax.tree.leaves(grad_specs, is_leaf=is_spec)]
         reduced_specs = (grad_specs if layout is None or layout.reduced is None
                          else layout.reduced)
         split_reduced = [_split_dim(s) for s in jax.tree.leaves(reduced_specs, is_leaf=is_spec)]
@@ -176,12 +175,12 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 shape[d] //= devices
             return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
 
-        # Which leaves each micro-batch's gradient is reduce-scattered on: zero2's and
-        # fsdp's split ones; with one micro-batch (nothing to accumulate) zero1's too, its
-        # one reduce-scatter then taken before any whole gradient is kept.
-        scattered = split_grads
-        if micro_steps(batches) == 1 and all(d is None for d in split_grads):
-            scattered = split_reduced
+        # Which leaves each micro-batch's gradient is reduce-scattered on: the accumulator's
+        # split ones (zero2, fsdp; zero1 too with one micro-batch, see
+        # StateLayout.accumulator).
+        accumulated = (grad_specs if layout is None
+                       else layout.accumulator(micro_steps(batches) == 1))
+        scattered = [_split_dim(s) for s in jax.tree.leaves(accumulated, is_leaf=is_spec)]
         # Shapes of this device's share (of the user's whole trainable tree).
         accumulator = jax.tree.unflatten(treedef, [
             shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), scattered,
@@ -238,7 +237,8 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                                        gather=gathers, scatter=scatters)
 
             whole = jax.tree.leaves(trainable)
-            scatter_where_complete = [None if d is None else _scattered_grad(reduce_scatter(d))
+            scatter_where_complete = [None if d is None or not early
+                                      else _scattered_grad(reduce_scatter(d))
                                       for d in scattered]
 
             def early_loss(shards: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
