@@ -49,6 +49,16 @@ def ctrl_c_sender(*delays: float) -> threading.Thread:
     return _Sender(target=send, daemon=True)
 
 
+def _drops_exceptions(code: object) -> bool:
+    """Whether ``code`` runs where Python drops what it raises: the XLA client's garbage
+    collection callback, ``__del__``, and the callbacks of the standard weak references
+    (``weakref.py``, ``_weakrefset.py``: run from C when an object dies). A frame of those
+    files run as a plain call is counted too: the Ctrl-C is then only sent again."""
+    name, filename = code.co_name, os.path.basename(code.co_filename)  # type: ignore[attr-defined]
+    return (name in ("_xla_gc_callback", "__del__")
+            or filename in ("weakref.py", "_weakrefset.py"))
+
+
 @contextlib.contextmanager
 def ctrl_c_inside(function: str) -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` where ``function`` is running
@@ -56,8 +66,9 @@ def ctrl_c_inside(function: str) -> Iterator[None]:
     The thread switch interval is made short, so the sending thread runs at any moment."""
 
     def handler(signum: int, frame: object) -> None:
-        names, bottom = [], None
+        names, codes, bottom = [], [], None
         while frame is not None:
+            codes.append(frame.f_code)  # type: ignore[attr-defined]
             names.append(frame.f_code.co_name)  # type: ignore[attr-defined]
             bottom, frame = frame, frame.f_back  # type: ignore[attr-defined]
         # A generator run from C code (``all(...)``, ``tuple(...)``, a tree map) has no
@@ -66,9 +77,11 @@ def ctrl_c_inside(function: str) -> Iterator[None]:
         # short and the Ctrl-C counts as inside (dropping it failed about 1 run in 3 on a
         # busy machine: "DID NOT RAISE", the walk ending at ``<genexpr>``).
         cut_short = bottom is not None and bottom.f_code.co_flags & _GENERATOR_FLAGS
-        if "_xla_gc_callback" in names:
-            # Python drops an exception raised in a garbage-collection callback ("Exception
-            # ignored"), as it would a user's Ctrl-C there: send it again a moment later.
+        if any(_drops_exceptions(code) for code in codes):
+            # Python drops an exception raised in a garbage-collection callback, a weakref
+            # callback or a finalizer ("Exception ignored"), as it would a user's Ctrl-C
+            # there (a ``WeakKeyDictionary``'s ``remove`` dropped one in CI, "DID NOT
+            # RAISE"): send it again a moment later.
             again = threading.Timer(1e-4, os.kill, (os.getpid(), signal.SIGINT))
             _RESENT.append(again)
             again.start()
