@@ -150,6 +150,36 @@ def model_parallel() -> dict:
     return out
 
 
+def model_parallel_accumulator() -> dict:
+    """ModelParallel, a model of two 512 x 1024 kernels split over 'model' (AdamW): the
+    compiled step's need against its floor, whose float32 accumulator is split over the
+    'batch' axis too (a device keeps its share of the sum; 1.50x the floor when XLA laid it
+    out like the weights)."""
+    from autoaccum.adapters.keras._keras_adapter import KerasAdapter
+    from autoaccum.planning._measure import measure_program
+
+    distribution = _model_parallel()
+    keras.distribution.set_distribution(distribution)
+    try:
+        with distribution.scope():
+            model = keras.Sequential([
+                keras.Input((512,)),
+                keras.layers.Dense(1024, activation="tanh", name="hidden"),
+                keras.layers.Dense(512, name="out"),
+            ])
+            model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+        data = (np.zeros((16, 512), "float32"), np.zeros((16, 512), "float32"))
+        program = KerasAdapter().prepare(model, data, effective_batch=16, options={},
+                                         remat="none", remat_layers=None).program
+        out = {}
+        for micro, accum in ((1, 4), (4, 1)):  # per device; 2 devices on the 'batch' axis
+            est = measure_program(program, 2 * micro, accum)
+            out[f"{micro} x {accum}"] = est.need_bytes / est.floor_bytes
+        return out
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def data_parallel() -> dict:
     """DataParallel over the 4 devices: replicated variables stay so; fit equals model.fit
     (no BatchNormalization: autoaccum's data-parallel step normalizes each device's
@@ -237,7 +267,8 @@ def keras_hub_layout_map() -> dict:
         keras.distribution.set_distribution(None)
 
 
-MODES = {"model_parallel": model_parallel, "data_parallel": data_parallel, "errors": errors,
+MODES = {"model_parallel": model_parallel, "model_parallel_accumulator": model_parallel_accumulator,
+         "data_parallel": data_parallel, "errors": errors,
          "keras_hub_layout_map": keras_hub_layout_map}
 
 

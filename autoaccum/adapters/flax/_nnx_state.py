@@ -21,13 +21,12 @@ from ...devices._mesh import place, replicate
 from ...devices._placement import Placement
 from ...devices._placement import place as place_each
 from ...planning._plan import Plan
+from ...training._step_accumulation import placed_accumulate, step_accumulation
 from ...training._step_runner import StateHooks, StepRunner
 from ._nnx_batch_norm import EffectiveBatchNorm
 from ._nnx_program import (
     LossFn,
-    accumulate_for,
     make_flax_step,
-    placed_accumulate,
     sharded_layout,
     split_model,
 )
@@ -149,7 +148,7 @@ def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
     if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
         optimizer_skips_nonfinite = handles_nonfinite(tx)
     accumulate = (placed_accumulate(placement) if placement is not None
-                  else accumulate_for(hooks.mesh, hooks.layout))
+                  else step_accumulation(hooks.mesh, hooks.layout))
     # A kept layout: the state keeps its shardings (GSPMD partitions the step).
     out = {} if placement is None else {"out_shardings": (placement.state, None)}
 

@@ -219,6 +219,8 @@ def placed_program(program: Any, placement: Placement | None) -> Any:
     (frozen,) = placement.abstract(program.frozen_args, placement.frozen)
     parts = {"trainable": trainable, "frozen": frozen, "optimizer": optimizer,
              "mutable": mutable, "metrics": metrics}
+    step = program.step if program.placed_step is None else program.placed_step(placement)
     return dataclasses.replace(
-        program, abstract_state=(trainable, mutable, optimizer, metrics), trainable=trainable,
-        frozen_args=(frozen,), parts={**program.parts, **parts}, placement=placement)
+        program, step=step, abstract_state=(trainable, mutable, optimizer, metrics),
+        trainable=trainable, frozen_args=(frozen,), parts={**program.parts, **parts},
+        placement=placement)

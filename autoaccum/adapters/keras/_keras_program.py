@@ -95,6 +95,10 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         return keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
                                 lr_scaling=lr_scaling, batch_stats=batch_stats)
 
+    def placed_step(placement: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
+        return keras_train_step(model, layout, optimizer=optimizer, lr_scaling=lr_scaling,
+                                batch_stats=batch_stats, placement=placement)
+
     def sharded_step(strategy: StateLayout) -> tuple[Callable[..., Any], PyTree]:
         step = keras_train_step(model, layout, mesh=strategy.mesh, optimizer=optimizer,
                                 lr_scaling=lr_scaling, batch_stats=batch_stats,
@@ -125,6 +129,7 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         description=f"keras {type(model).__name__} {model.name!r}",
         data_parallel_step=step_for,
         sharded_step=sharded_step,
+        placed_step=placed_step,
         loop_relowers=True,  # the fit's StepRunner lowers this same step: it runs the kept probe
     )
     return program.on_mesh(mesh, strategy)

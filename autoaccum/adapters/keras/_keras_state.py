@@ -110,7 +110,8 @@ def keras_runner(hooks: KerasState, *, micro_batch: int, accum_steps: int,
     model, placement = hooks.model, hooks.placement
     jitted = jax.jit(
         keras_train_step(model, hooks.layout, mesh=hooks.mesh, lr_scaling=lr_scaling,
-                         batch_stats=batch_stats, strategy_layout=hooks.strategy_layout),
+                         batch_stats=batch_stats, strategy_layout=hooks.strategy_layout,
+                         placement=placement),
         donate_argnums=0,
         out_shardings=None if placement is None else (placement.state, None))
     return StepRunner(

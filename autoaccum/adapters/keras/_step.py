@@ -27,11 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ...devices._placement import Placement
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
-from ...training._accumulate import accumulate_gradients, mean_gradients
+from ...training._accumulate import mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
+from ...training._step_accumulation import step_accumulation
 from ._internals import loss_tracker
 from ._keras_batch_norm import BatchStats
 from ._keras_lr import scaled_learning_rate
@@ -136,7 +138,8 @@ class _Micro:
 
 def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: Any = None,
                      lr_scaling: Any = None, batch_stats: str = "effective",
-                     strategy_layout: StateLayout | None = None) -> Callable[..., tuple]:
+                     strategy_layout: StateLayout | None = None,
+                     placement: Placement | None = None) -> Callable[..., tuple]:
     """``step(state, batches, frozen) -> (new_state, StepMetrics)``; pure, jittable; Keras's
     logs (``model.fit``'s) are ``StepMetrics.logs``.
 
@@ -157,16 +160,16 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     non-trainable variables too, as ``strategy_layout.frozen`` says: ``frozen`` arrives so).
     Everything else (mutable non-trainable variables, metric variables) is copied on every
     device.
+
+    ``placement``: the layout the user gave the model (``keras.distribution.ModelParallel``;
+    :func:`~._distribution.keras_placement`), without ``mesh``: the step is compiled with its
+    shardings, and its float32 gradient accumulator is split over the layout's data axis too
+    (:func:`~autoaccum.training._step_accumulation.placed_accumulate`).
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
-    if mesh is None:
-        accumulate = accumulate_gradients
-    else:
-        from ...training._data_parallel import data_parallel_accumulate
-
-        accumulate = data_parallel_accumulate(mesh, carry_reduce=micro.carry_reduce,
-                                              layout=strategy_layout)
+    accumulate = step_accumulation(mesh, strategy_layout, placement=placement,
+                                   carry_reduce=micro.carry_reduce)
     own_handling = handles_nonfinite(optimizer)
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:

@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("adapters.keras.test_dis
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests._layout_child", "model_parallel", "data_parallel",
-         "errors", "keras_hub_layout_map"], cwd=REPO, env=_env(4), capture_output=True,
-        text=True, timeout=600)
+        [sys.executable, "-m", "tests._layout_child", "model_parallel",
+         "model_parallel_accumulator", "data_parallel", "errors", "keras_hub_layout_map"],
+        cwd=REPO, env=_env(4), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     return _result(done.stdout, done.stderr)
 
@@ -52,6 +52,15 @@ def test_model_parallel_compiled_step_state_shardings_follow_the_layout(four_dev
         "P('model', None)")
     # Per-device figures: the sharded kernels count half (trainable 5124 bytes in all).
     assert out["sharded_trainable_bytes"] < 5124
+
+
+def test_model_parallel_step_splits_its_gradient_accumulator_over_the_batch_axis(
+        four_devices):
+    # need / floor per micro x accumulation split: the floor counts a device's share of the
+    # float32 accumulator over the 'batch' axis; laid out like the weights (each 'batch'
+    # device holding the whole sum) the step needed 1.50x its floor at both splits.
+    ratios = four_devices["model_parallel_accumulator"]
+    assert ratios["4 x 1"] <= 1.3 and ratios["1 x 4"] <= 1.4, ratios
 
 
 def test_model_parallel_accumulated_uneven_step_equals_keras_fit(four_devices):
