@@ -126,6 +126,16 @@ Where XLA's own partitioning of the same step needs less on a GPU (few large fsd
 against 2.64x, zero2 2.38x against 2.88x), autoaccum does not yet switch to it (issue 39
 item 2: per target, the simpler step where it is within 5%).
 
+On the H100 every row above 1.25x is XLA's latency-hiding scheduler overlapping each
+reduce-scatter with the next gradient's computation (the collective's buffers stay live):
+compiled with ``xla_gpu_enable_latency_hiding_scheduler=false``, few large zero2 1 x 4 reads
+1.06 (1.28 with it), fsdp 1 x 4 1.07 (1.32), many small zero1 and zero2 4 x 1 1.02 (1.30),
+zero2 1 x 4 1.02 (1.30). The scheduler holds back where its memory limit binds: with
+``xla_gpu_memory_limit_slop_factor=1`` (1% of the 80 GB, below these needs) few large fsdp
+1 x 4 reads 1.07 and zero2 1.17 (many small: unchanged). So on a real GPU a plan near the
+device's memory may hold less overlap than these small models show; not measured on a GPU.
+(``xla_tpu_enable_latency_hiding_scheduler=false`` changes nothing on the v5e-4.)
+
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
 """
