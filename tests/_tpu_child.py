@@ -2,9 +2,10 @@
 ``nnx.with_partitioning`` annotations over a (2, 4) ('batch', 'model') mesh of 8 host devices,
 planned for Kaggle's TPU v5e-8 (8 chips, not here): the layout is kept over the chips.
 
-``python -m tests._tpu_child kept_floor``: two 4096 x 4096 kernels split over 'model' of a
-(2, 2) mesh of 4 of those devices, kept over the 4 chips of a v5e-4: need / floor of the
-compiled step at 1 x 4 and 4 x 1 (per device x accumulation).
+``python -m tests._tpu_child kept_floor``: Flax's DotReluDot (``tests._floor_child``), two
+4096 x 4096 kernels split over 'model' of a (2, 2) mesh of 4 of those devices, kept over the
+4 chips of a v5e-4: need / floor of the compiled step at 1 x 4 and 4 x 1 (per device x
+accumulation).
 
 Run as ``python -m tests._tpu_child [kept_floor]`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``; prints one JSON line."""
@@ -56,33 +57,17 @@ def main() -> dict:
             "split": plan.micro_batch * plan.accum_steps * plan.data_parallel}
 
 
-class _DotReluDot(nnx.Module):
-    """Flax's "Scale up on multiple devices" model: column- then row-split kernels."""
-
-    def __init__(self, rngs: nnx.Rngs, dim: int = 4096) -> None:
-        init = nnx.initializers.lecun_normal()
-        self.w1 = nnx.Param(nnx.with_partitioning(init, (None, "model"))(rngs.params(),
-                                                                          (dim, dim)))
-        self.w2 = nnx.Param(nnx.with_partitioning(init, ("model", None))(rngs.params(),
-                                                                          (dim, dim)))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jax.nn.relu(x @ self.w1) @ self.w2
-
-
 def kept_floor() -> dict:
     from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._targets import resolve_target
-
-    def loss(model, batch):
-        return jnp.sum((model(batch["x"]) - batch["y"]) ** 2), batch["x"].shape[0]
+    from tests._floor_child import DotReluDot, square_loss
 
     mesh = jax.make_mesh((2, 2), ("batch", "model"), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
-        model = _DotReluDot(nnx.Rngs(0))
+        model = DotReluDot(4096, nnx.Rngs(0))
     vector = jax.ShapeDtypeStruct((4096,), jnp.float32)
-    program = flax_program(model, {"x": vector, "y": vector}, loss_fn=loss,
+    program = flax_program(model, {"x": vector, "y": vector}, loss_fn=square_loss,
                            tx=optax.adamw(1e-3))
     resolved = resolve_target("v5e-4")
     program = program.placed_onto(list(resolved.mesh.devices.flat))
