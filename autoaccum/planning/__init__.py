@@ -51,6 +51,7 @@ from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult
 from ._search import search_micro_batch as search_micro_batch
+from ._strategies import PARTITIONERS as PARTITIONERS
 from ._strategies import STRATEGIES as STRATEGIES
 from ._strategies import StateLayout as StateLayout
 from ._strategies import state_layout as state_layout
@@ -63,6 +64,7 @@ from ._train_program import TrainProgram as TrainProgram
 __all__ = [
     "LR_RULES",
     "METHODS",
+    "PARTITIONERS",
     "REMAT_POLICIES",
     "SCHEMA_VERSION",
     "STRATEGIES",

@@ -137,6 +137,12 @@ class Plan:
     ``"own"``: the model's own layout is kept as the user made it (a Flax model's weights
     split over a mesh of several axes by ``nnx.with_partitioning``, a Keras model under
     ``keras.distribution.ModelParallel``); ``mesh_axes`` names its mesh."""
+    partitioner: str = "autoaccum"
+    """Who partitions a sharded strategy's step over the devices: ``"autoaccum"``
+    (``shard_map`` data parallelism; under ``fsdp`` each weight gathered where it is used)
+    or ``"xla"`` (the one-device step with the strategy's shardings, partitioned by XLA
+    alone), whichever the planner measured as good within 5%, the simpler first (see
+    ``autoaccum.planning.PARTITIONERS``)."""
     mesh_axes: tuple[tuple[str, int], ...] = ()
     """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
     (e.g. ``(("batch", 2), ("model", 2))``; the batch is split over its data axis, so

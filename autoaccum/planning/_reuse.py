@@ -115,8 +115,9 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
                        remat=plan.remat, remat_layers=remat_layers)
     if mesh is not None:
         prepared = dataclasses.replace(
-            prepared, program=prepared.program.on_mesh(mesh, getattr(plan, "strategy",
-                                                                     "replicated")))
+            prepared, program=prepared.program.on_mesh(
+                mesh, getattr(plan, "strategy", "replicated"),
+                partitioner=getattr(plan, "partitioner", "autoaccum")))
     devices = prepared.program.data_parallel  # a kept user layout splits over its data axis
     if plan.data_parallel != devices:
         raise ValueError(

@@ -48,12 +48,26 @@ PyTree = Any
 STRATEGIES = ("replicated", "zero1", "zero2", "fsdp")
 """Sharding strategies, least communication (and most memory per device) first."""
 
+PARTITIONERS = ("autoaccum", "xla")
+"""Who partitions a strategy's step over the devices: ``"autoaccum"`` (``shard_map`` data
+parallelism, each device scanning its own micro-batches; under ``fsdp`` each weight gathered
+where it is used, see ``autoaccum.training._at_use``) or ``"xla"`` (the one-device step with
+the layout's shardings, partitioned by XLA alone, see ``autoaccum.training._xla_partitioned``).
+The planner compiles both for ``zero1``, ``zero2`` and ``fsdp`` and keeps ``"xla"`` where its
+need is within :data:`XLA_PARTITIONER_SLACK` of the other's (the simpler step)."""
+
+XLA_PARTITIONER_SLACK = 1.05
+"""XLA's own partitioning of a strategy's step is kept where its need is at most this many
+times that of autoaccum's step at the same split (issue 39: "the simpler one wherever it is
+within 5% of the other's need")."""
+
 MIN_SHARDED_ELEMENTS = 1024
 """Leaves with fewer elements stay copied on every device (splitting them saves nothing
 worth a collective)."""
 
-__all__ = ["MIN_SHARDED_ELEMENTS", "STRATEGIES", "StateLayout", "accumulator_sharding",
-           "leaf_spec", "state_layout", "tree_specs", "validate_strategy"]
+__all__ = ["MIN_SHARDED_ELEMENTS", "PARTITIONERS", "STRATEGIES", "XLA_PARTITIONER_SLACK",
+           "StateLayout", "accumulator_sharding", "leaf_spec", "state_layout", "tree_specs",
+           "validate_partitioner", "validate_strategy"]
 
 
 def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
@@ -79,6 +93,21 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
             f"Received: {received('strategy', strategy)}"
         )
     return strategy
+
+
+def validate_partitioner(partitioner: Any) -> str:
+    """Returns ``partitioner`` if it is one of :data:`PARTITIONERS`, else a ``ValueError``.
+
+    Example:
+      >>> validate_partitioner("xla")
+      'xla'
+    """
+    if not isinstance(partitioner, str) or partitioner not in PARTITIONERS:
+        raise ValueError(
+            "partitioner must be 'autoaccum' (shard_map data parallelism, weights gathered "
+            "where they are used under fsdp) or 'xla' (the one-device step partitioned by "
+            f"XLA alone). Received: {received('partitioner', partitioner)}")
+    return partitioner
 
 
 def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
@@ -143,6 +172,8 @@ class StateLayout:
     ``params``): split where the optimizer state is (``zero1``: a reduce-scatter of the
     copied accumulator, so no second whole gradient is formed for an update each device
     computes a share of), else as :attr:`grads`; ``None``: as :attr:`grads`."""
+    partitioner: str = "autoaccum"
+    """Who partitions the step over the mesh (one of :data:`PARTITIONERS`)."""
 
     def accumulator(self, one_micro_batch: bool) -> PyTree:
         """How a step lays out its float32 gradient accumulator: as :attr:`grads`; with one
@@ -246,7 +277,8 @@ def shaped_like(params: PyTree) -> Callable[[Any], bool]:
 
 def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
                  fixed: tuple[P | None, ...] | None = None, frozen: PyTree = None,
-                 min_elements: int = MIN_SHARDED_ELEMENTS) -> StateLayout:
+                 min_elements: int = MIN_SHARDED_ELEMENTS,
+                 partitioner: str = "autoaccum") -> StateLayout:
     """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
     ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
     ``frozen``: the weights the step reads but never changes (e.g. a program's
@@ -258,6 +290,8 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
     optimizer state with the structure of ``params``, as optax's moments have); the others
     follow ``strategy``.
 
+    ``partitioner``: who partitions the step (:data:`PARTITIONERS`); the layout is the same.
+
     Example:
       >>> import numpy as np
       >>> from autoaccum.devices import data_parallel_mesh
@@ -268,6 +302,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
       P()
     """
     validate_strategy(strategy, allow_auto=False)
+    validate_partitioner(partitioner)
     if len(mesh.axis_names) != 1:
         raise ValueError(
             "A sharding strategy runs on a one-axis (data) mesh. Received: a mesh with axes "
@@ -312,6 +347,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         optimizer=opt_specs,
         frozen=frozen_specs,
         reduced=reduced_specs,
+        partitioner=partitioner,
     )
 
 

@@ -72,6 +72,9 @@ class TrainProgram:
     program runs replicated data parallelism only."""
     strategy: str = "replicated"
     """The sharding strategy of the step on its mesh (see :mod:`._strategies`)."""
+    partitioner: str = "autoaccum"
+    """Who partitions the step over its mesh: autoaccum's ``shard_map`` step or XLA alone
+    (see :data:`~._strategies.PARTITIONERS`)."""
     state_shardings: PyTree = None
     """Shardings of ``abstract_state`` for a sharded strategy (``None``: copied on every
     device of the mesh)."""
@@ -111,9 +114,11 @@ class TrainProgram:
         one), or ``None`` for one device: the per-device budget is that of its devices."""
         return self.placement.mesh if self.placement is not None else self.mesh
 
-    def on_mesh(self, mesh: Any, strategy: str = "replicated") -> TrainProgram:
+    def on_mesh(self, mesh: Any, strategy: str = "replicated", *,
+                partitioner: str = "autoaccum") -> TrainProgram:
         """This program, data-parallel over ``mesh`` (``None``: single device), with the
-        sharding ``strategy`` (see :mod:`._strategies`; ignored on one device).
+        sharding ``strategy`` (see :mod:`._strategies`; ignored on one device), partitioned
+        by ``partitioner`` (:data:`~._strategies.PARTITIONERS`).
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -122,16 +127,17 @@ class TrainProgram:
           >>> program.on_mesh(None).data_parallel
           1
         """
-        from ._strategies import state_layout, validate_strategy
+        from ._strategies import state_layout, validate_partitioner, validate_strategy
 
         validate_strategy(strategy, allow_auto=False)
+        validate_partitioner(partitioner)
         if mesh is not None and mesh.size == 1:
             mesh = None
         if mesh is None:
-            strategy = "replicated"
+            strategy, partitioner = "replicated", "autoaccum"
         if mesh is None and self.mesh is None:
             return self
-        if mesh is self.mesh and strategy == self.strategy:
+        if mesh is self.mesh and (strategy, partitioner) == (self.strategy, self.partitioner):
             return self
         if self.placement is not None:
             raise ValueError(
@@ -148,9 +154,10 @@ class TrainProgram:
                 f"keras_program. Received: a program for {self.description or 'a custom step'}"
             )
         own = self.own_specs is not None and any(s is not None for s in self.own_specs)
-        if strategy == "replicated" and not own:
+        if strategy == "replicated" and not own and partitioner == "autoaccum":
             return dataclasses.replace(self, step=self.data_parallel_step(mesh), mesh=mesh,
-                                       strategy=strategy, state_shardings=None, layout=None)
+                                       strategy=strategy, state_shardings=None, layout=None,
+                                       partitioner=partitioner)
         if self.sharded_step is None:
             raise ValueError(
                 f"This program ({self.description or 'a custom step'}) runs replicated data "
@@ -158,10 +165,11 @@ class TrainProgram:
                 f"strategy='replicated'. Received: strategy={strategy!r}")
         layout = state_layout(strategy, mesh, params=self.parts.get("trainable"),
                               optimizer=self.parts.get("optimizer"), fixed=self.own_specs,
-                              frozen=self.frozen_args)
+                              frozen=self.frozen_args, partitioner=partitioner)
         step, shardings = self.sharded_step(layout)
         return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
-                                   state_shardings=shardings, layout=layout)
+                                   state_shardings=shardings, layout=layout,
+                                   partitioner=partitioner)
 
     def placed_onto(self, devices: Any) -> TrainProgram:
         """This placed program with its layout kept over other ``devices`` (as many as its

@@ -22,6 +22,7 @@ from ..devices._placement import Placement
 from ..planning._strategies import StateLayout, accumulator_sharding
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
 from ._data_parallel import Accumulate, CarryReduce, data_parallel_accumulate
+from ._xla_partitioned import xla_partitioned_accumulate
 
 PyTree = Any
 
@@ -79,7 +80,9 @@ def step_accumulation(mesh: Any = None, layout: StateLayout | None = None, *,
     """The accumulation of a step: inside the user's ``placement`` (see
     :func:`placed_accumulate`), else data-parallel over the one-axis ``mesh`` with the
     sharding strategy's ``layout`` (:func:`~._data_parallel.data_parallel_accumulate`, whose
-    ``carry_reduce`` makes carried state agree across devices), else on one device
+    ``carry_reduce`` makes carried state agree across devices; or, for a layout partitioned
+    by XLA, ``layout.partitioner == "xla"``, the one-device accumulation with the layout's
+    shardings, :func:`~._xla_partitioned.xla_partitioned_accumulate`), else on one device
     (:func:`accumulate_gradients`).
 
     Example:
@@ -95,4 +98,6 @@ def step_accumulation(mesh: Any = None, layout: StateLayout | None = None, *,
         return placed_accumulate(placement)
     if mesh is None:
         return accumulate_gradients
+    if layout is not None and layout.partitioner == "xla":
+        return xla_partitioned_accumulate(layout)
     return data_parallel_accumulate(mesh, carry_reduce=carry_reduce, layout=layout)

@@ -298,14 +298,17 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
 
 def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
                    frozen: Any = None) -> StateLayout | None:
-    """The state layout of ``plan.strategy`` on ``mesh`` (``None``: replicated or one
-    device), for weights ``params``, optimizer state ``opt_state`` and ``frozen`` weights
-    (the step's one frozen argument; split under ``fsdp``)."""
+    """The state layout of ``plan.strategy`` on ``mesh``, partitioned as ``plan.partitioner``
+    says (``None``: replicated or one device), for weights ``params``, optimizer state
+    ``opt_state`` and ``frozen`` weights (the step's one frozen argument; split under
+    ``fsdp``)."""
     strategy = getattr(plan, "strategy", "replicated")
+    partitioner = getattr(plan, "partitioner", "autoaccum")
     fixed = own_specs(params)
     own = any(f is not None for f in fixed)
     if mesh is None or mesh.size == 1 or (strategy == "replicated" and not own):
         return None
     return state_layout(strategy, mesh, params=params, optimizer=opt_state,
                         fixed=fixed if own else None,
-                        frozen=None if frozen is None else (frozen,))
+                        frozen=None if frozen is None else (frozen,),
+                        partitioner=partitioner)

@@ -129,11 +129,13 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
 
 
 def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
-                          optimizer: Any = None, layout: Any = None) -> StateLayout | None:
+                          optimizer: Any = None, layout: Any = None, *,
+                          partitioner: str = "autoaccum") -> StateLayout | None:
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
     ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
     (replicated, or one device: every variable copied). With ``layout`` (the step's
     ``KerasLayout``), its frozen non-trainable variables too (split under ``fsdp``).
+    ``partitioner``: who partitions the step (``autoaccum.planning.PARTITIONERS``).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -154,7 +156,8 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
     frozen = (None if layout is None
               else (shapes(layout.split(list(model.non_trainable_variables))[1]),))
     return state_layout(strategy, mesh, params=shapes(model.trainable_variables),
-                        optimizer=shapes(optimizer.variables), frozen=frozen)
+                        optimizer=shapes(optimizer.variables), frozen=frozen,
+                        partitioner=partitioner)
 
 
 def mark_trained_on(model: Any, mesh: Any) -> None:

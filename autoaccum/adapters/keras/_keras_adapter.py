@@ -191,7 +191,8 @@ class KerasAdapter:
             elastic=settings.elastic, backup=settings.backup,
             data_parallel=1 if mesh is None else mesh,
             strategy=getattr(plan, "strategy", "replicated") if mesh is not None
-            else "replicated", lr_scaling=plan.lr_scaling,
+            else "replicated", partitioner=getattr(plan, "partitioner", "autoaccum"),
+            lr_scaling=plan.lr_scaling,
             on_nonfinite=getattr(settings, "on_nonfinite", "stop"),
             batch_stats=getattr(settings, "batch_stats", "effective"),
             drop_remainder=getattr(settings, "drop_remainder", False),

@@ -26,7 +26,7 @@ import numpy as np
 from ...devices._mesh import resolve_mesh
 from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
-from ...planning._strategies import validate_strategy
+from ...planning._strategies import validate_partitioner, validate_strategy
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._nonfinite import validate_on_nonfinite
 from ...training._step_runner import StepOutcome, StepRunner
@@ -72,6 +72,7 @@ def keras_fit(
     elastic: bool = True,
     data_parallel: Any = None,
     strategy: str = "replicated",
+    partitioner: str = "autoaccum",
     lr_scaling: Any = None,
     on_nonfinite: str = "stop",
     batch_stats: str = "effective",
@@ -117,7 +118,8 @@ def keras_fit(
     the fit the model's variables hold the trained values laid out as the strategy keeps
     them (a split variable stays split: gathering it on one device could need more memory
     than a device has; Keras's ``predict`` runs on it as it is, and a later
-    ``autoaccum.fit`` lays it out afresh).
+    ``autoaccum.fit`` lays it out afresh). ``partitioner``: who partitions the strategy's
+    step (``autoaccum.planning.PARTITIONERS``; the plan's choice).
 
     Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
     logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
@@ -160,6 +162,7 @@ def keras_fit(
     mesh = resolve_mesh("auto" if data_parallel is None and keras_distribution_mesh() is not None
                         else data_parallel, auto=keras_auto_mesh)
     validate_strategy(strategy, allow_auto=False)
+    validate_partitioner(partitioner)
     placement = keras_placement(model, KerasLayout(
         tuple(range(len(model.non_trainable_variables))), ()))
     if placement is not None:  # the user's layout (ModelParallel) is kept; see _distribution
@@ -188,7 +191,8 @@ def keras_fit(
         placement = keras_placement(model, layout)
     hooks = _KerasHooks(
         model, layout, mesh=mesh, placement=placement,
-        strategy_layout=keras_strategy_layout(model, strategy, mesh, layout=layout),
+        strategy_layout=keras_strategy_layout(model, strategy, mesh, layout=layout,
+                                              partitioner=partitioner),
         source=source, effective=effective, shuffle=shuffle, rng=np.random.default_rng(seed),
         steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
         lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats)
@@ -297,6 +301,9 @@ class _KerasHooks(KerasState, FitHooks):
                                       if self.strategy_layout is not None
                                       else "own" if self.placement is not None
                                       else "replicated")
+        # Who partitioned the strategy's step (Plan.partitioner).
+        history.autoaccum_partitioner = (self.strategy_layout.partitioner
+                                         if self.strategy_layout is not None else "autoaccum")
         history.autoaccum_skipped_steps = loop.skipped
         history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
         history.autoaccum_on_nonfinite = self.on_nonfinite

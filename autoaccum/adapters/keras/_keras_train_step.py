@@ -101,7 +101,8 @@ class KerasTrainStep(UserLoopStep):
         state = KerasState(
             model, layout, mesh=mesh, placement=keras_placement(model, layout),
             strategy_layout=keras_strategy_layout(
-                model, getattr(plan, "strategy", "replicated"), mesh, layout=layout))
+                model, getattr(plan, "strategy", "replicated"), mesh, layout=layout,
+                partitioner=getattr(plan, "partitioner", "autoaccum")))
         super().__init__(keras_runner(
             state, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
             last_micro_batch=plan.last_micro_batch, uneven=uneven, lr_scaling=plan.lr_scaling,
