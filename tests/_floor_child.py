@@ -116,7 +116,8 @@ def fsdp_few_large() -> dict:
                                target=autoaccum.Target(data_parallel=1),
                                training=autoaccum.Training(shuffle=False))
     return {"weights": weights, "budget": budget, "strategy": plan.strategy,
-            "devices": plan.data_parallel, "need": plan.need_bytes, "floor": plan.floor_bytes,
+            "partitioner": plan.partitioner, "devices": plan.data_parallel,
+            "need": plan.need_bytes, "floor": plan.floor_bytes,
             "json_floor": plan.to_dict()["floor_bytes"],
             "report_floor": "floor" in plan.report(),
             "steps": [result.steps, ref_result.steps],
@@ -206,8 +207,107 @@ def keras_data_parallel_fsdp() -> dict:
                                          [v.value for v in ref.trainable_variables])}
 
 
+def _flax_partitioners() -> dict:
+    """The few-large model planned zero2 and fsdp on 4 devices: who the planner chose, both
+    steps' needs at the plan's split, and each partitioner's fit against one device's."""
+    import dataclasses
+
+    import autoaccum
+
+    vocab, dim = 2048, 128
+    make = lambda: EmbedProject(vocab, dim, nnx.Rngs(0))  # noqa: E731
+    weights = 2 * vocab * dim * 4
+    data = {"tokens": np.random.default_rng(0).integers(0, vocab, size=(32, 9)).astype(
+        np.int32)}
+    options = dict(effective_batch=16, optimizer=optax.adamw, learning_rate=1e-3,
+                   loss_fn=next_token_loss, log=None)
+    training = autoaccum.Training(shuffle=False)
+    ref = make()
+    autoaccum.fit(ref, data, budget="1GiB", epochs=1, verbose=0, **options, training=training,
+                  target=autoaccum.Target(data_parallel=1))
+    out: dict = {}
+    for strategy in ("zero2", "fsdp"):
+        plan = autoaccum.plan(make(), data, budget="1GiB", search=autoaccum.Search(cache=False),
+                              target=autoaccum.Target(strategy=strategy), **options)
+        at_split = [p for p in plan.probes if (p.micro_batch, p.accum_steps)
+                    == (plan.micro_batch, plan.accum_steps) and p.strategy == strategy]
+        row = {"partitioner": plan.partitioner, "split": plan.split_text(),
+               "need": plan.need_bytes, "json": plan.to_dict()["partitioner"],
+               "needs": {p.partitioner: p.need_bytes for p in at_split},
+               "notes": [n for n in plan.notes if n.startswith("partitioner")], "fits": {}}
+        for partitioner in ("autoaccum", "xla"):
+            model = make()
+            result = autoaccum.fit(model, data, plan=dataclasses.replace(
+                plan, partitioner=partitioner), epochs=1, verbose=0, **options,
+                training=training)
+            row["fits"][partitioner] = {
+                "steps": result.steps,
+                "error": _max_relative_error(nnx.state(model, nnx.Param),
+                                             nnx.state(ref, nnx.Param)),
+                "specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(
+                    nnx.state(model, nnx.Param))})}
+        out[strategy] = row
+    # autoaccum's zero2 step does not fit 2.7x the weights at any split; XLA's fits at 4 x 1.
+    try:
+        plan = autoaccum.plan(make(), data, budget=int(2.7 * weights),
+                              search=autoaccum.Search(cache=False),
+                              target=autoaccum.Target(strategy="zero2"), **options)
+        out["fallback"] = {"partitioner": plan.partitioner, "split": plan.split_text(),
+                           "ratio": plan.need_bytes / weights,
+                           "probes": [p.partitioner for p in plan.probes],
+                           "notes": [n for n in plan.notes if n.startswith("partitioner")]}
+    except autoaccum.DoesNotFitError as error:
+        out["fallback"] = {"error": str(error).splitlines()[0]}
+    return out
+
+
+def _keras_partitioners() -> dict:
+    """A Keras model planned zero2 on 4 devices, fit with XLA's partitioning of the step and
+    with autoaccum's, each against ``model.fit`` on one device."""
+    import dataclasses
+
+    import keras
+
+    import autoaccum
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 256)).astype(np.float32)
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(128),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return model
+
+    ref = make()
+    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    options = dict(effective_batch=16, log=None)
+    plan = autoaccum.plan(make(), (x, y), search=autoaccum.Search(cache=False), budget="1GiB",
+                          target=autoaccum.Target(strategy="zero2"), **options)
+    out: dict = {"planned": plan.partitioner}
+    for partitioner in ("autoaccum", "xla"):
+        model = make()
+        history = autoaccum.fit(model, (x, y), plan=dataclasses.replace(
+            plan, partitioner=partitioner), epochs=1, verbose=0,
+            training=autoaccum.Training(shuffle=False), **options)
+        out[partitioner] = {
+            "strategy": history.autoaccum_strategy,
+            "partitioner": history.autoaccum_partitioner,
+            "error": _max_relative_error([v.value for v in model.trainable_variables],
+                                         [v.value for v in ref.trainable_variables])}
+    return out
+
+
+def partitioners() -> dict:
+    """Both partitioners of a strategy's step (autoaccum's and XLA's): the planner's choice
+    and the fits, Flax and Keras."""
+    return {"flax": _flax_partitioners(), "keras": _keras_partitioners()}
+
+
 MODES = {"kept": kept, "fsdp_few_large": fsdp_few_large, "explicit": explicit,
-         "keras_data_parallel_fsdp": keras_data_parallel_fsdp}
+         "keras_data_parallel_fsdp": keras_data_parallel_fsdp, "partitioners": partitioners}
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ from ._remat_policies import (
     with_failed_policies,
 )
 from ._resident import Resident, check_resident, program_resident, resident_of
-from ._search import DoesNotFitError, divisors
-from ._strategies import STRATEGIES
+from ._search import DoesNotFitError, Probe, divisors
+from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK
 from ._targets import ResolvedTarget, is_deviceless, resolve_target, slice_devices
 from ._train_program import TrainProgram, tree_bytes
 
@@ -373,14 +373,18 @@ def plan_model(
 
         def plan_strategy(name: str, agree: bool, by_strategy: dict = by_strategy,
                           data: Any = data, resolved: Any = resolved,
-                          method: str = method) -> Plan:
-            prepared = by_strategy[name]
+                          method: str = method, prepared: Prepared | None = None) -> Plan:
+            prepared = by_strategy[name] if prepared is None else prepared
             variants = _variants(depth_variant, adapter, prepared, data, original_options,
                                  effective_batch=effective_batch, remat_layers=remat_layers)
-            return _plan_one(prepared, model, method=method, effective_batch=effective_batch,
-                             resolved=resolved, log=log, cache=cache, depth_variants=variants,
-                             uneven=bool(uneven) and getattr(adapter, "uneven_batches", False),
-                             agree=agree)
+            try:
+                return _by_partitioner(_plan_one(
+                    prepared, model, method=method, effective_batch=effective_batch,
+                    resolved=resolved, log=log, cache=cache, depth_variants=variants,
+                    uneven=bool(uneven) and getattr(adapter, "uneven_batches", False),
+                    agree=agree), prepared)
+            except DoesNotFitError as missed:
+                raise _by_partitioner(missed, prepared) from None
 
         for name in strategies:
             if log is not None and len(strategies) > 1:
@@ -388,8 +392,20 @@ def plan_model(
             try:
                 plan = plan_strategy(name, agree=not trial)
             except DoesNotFitError as error:
-                skipped.append((name, error))
-                continue
+                # autoaccum's step does not fit: XLA's own partitioning of it may.
+                xla = _xla_program(by_strategy[name], mesh, name, depth_variant)
+                try:
+                    if xla is None:
+                        raise error
+                    plan = _partitioned_by_xla(plan_strategy(name, agree=not trial,
+                                                             prepared=xla), error)
+                    by_strategy[name] = xla
+                except DoesNotFitError:
+                    skipped.append((name, error))
+                    continue
+            else:
+                plan, by_strategy[name] = _simpler_partitioner(
+                    plan, by_strategy[name], mesh, name, depth_variant, resolved, log, cache)
             plan = with_strategy(plan, name, skipped)
             placement = by_strategy[name].program.placement
             if placement is not None:  # the user's own layout: its mesh, every axis
@@ -409,6 +425,9 @@ def plan_model(
                     skipped.append((agreed, error))
                     plan = None
         prepared = by_strategy[plan.strategy] if plan is not None else prepared
+        if plan is not None:
+            plan = dataclasses.replace(plan, partitioner=getattr(
+                prepared.program, "partitioner", "autoaccum"))
         if plan is None:
             error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
                 "micro_batch=1 fits under no sharding strategy ("
@@ -503,6 +522,76 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
                "device (known from shapes, nothing compiled)" for s in strategies
                if s not in fitting]
     return fitting, skipped
+
+
+def _by_partitioner(found: Any, prepared: Prepared) -> Any:
+    """A :class:`Plan` (or a :class:`DoesNotFitError`) whose probes say who partitioned the
+    step they compiled: ``prepared``'s program's partitioner."""
+    partitioner = getattr(prepared.program, "partitioner", "autoaccum")
+    if partitioner == "autoaccum":
+        return found
+    probes = tuple(dataclasses.replace(p, partitioner=partitioner,
+                                       why=f"XLA's partitioning: {p.why}" if p.why else p.why)
+                   for p in found.probes)
+    if isinstance(found, DoesNotFitError):
+        found.probes = probes
+        return found
+    return dataclasses.replace(found, probes=probes, partitioner=partitioner)
+
+
+def _xla_program(prepared: Prepared, mesh: Any, strategy: str,
+                 depth_variant: Any) -> Prepared | None:
+    """``prepared`` with its step partitioned by XLA alone (``partitioner="xla"``), where the
+    planner weighs that step against autoaccum's: a sharded strategy (``zero1``, ``zero2``,
+    ``fsdp``) of a built program, planned without depth variants (their needs come from
+    shallower programs); else ``None``."""
+    program = prepared.program
+    if (mesh is None or strategy not in STRATEGIES[1:] or depth_variant
+            or not isinstance(program, TrainProgram) or program.sharded_step is None
+            or program.placement is not None or program.partitioner == "xla"):
+        return None
+    return dataclasses.replace(prepared, program=program.on_mesh(mesh, strategy,
+                                                                 partitioner="xla"))
+
+
+def _partitioned_by_xla(plan: Plan, error: DoesNotFitError) -> Plan:
+    """``plan`` (of XLA's partitioning) after autoaccum's step's probes (``error``'s), with a
+    note saying why autoaccum's step was not kept."""
+    return dataclasses.replace(plan, partitioner="xla", probes=(*error.probes, *plan.probes),
+                               notes=(*plan.notes, "partitioner: XLA's own partitioning of "
+                                      "the step (autoaccum's step does not fit: "
+                                      f"{first_line(error)})"))
+
+
+def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: str,
+                         depth_variant: Any, resolved: ResolvedTarget | None,
+                         log: TextIO | None, cache: Any = None) -> tuple[Plan, Prepared]:
+    """``plan`` and ``prepared`` as they are, or partitioned by XLA alone where that step
+    (compiled at the plan's split) needs at most :data:`~._strategies.XLA_PARTITIONER_SLACK`
+    times autoaccum's and fits the budget: the simpler step wherever it is as good (one
+    compile, answered by the need ``cache`` when it has it)."""
+    xla = _xla_program(prepared, mesh, strategy, depth_variant)
+    if xla is None or resolved is None or plan.estimate is None:
+        return plan, prepared
+    if log is not None:
+        print(f"autoaccum: {strategy}: XLA's own partitioning of the step at "
+              f"{plan.split_text()}", file=log, flush=True)
+    (estimate,) = measure_all([CompileRequest(xla.program, plan.micro_batch, plan.accum_steps,
+                                              last=plan.last_micro_batch)],
+                              resolved.compile_target, cache=resolve_cache(cache), workers=1)
+    ours, theirs = plan.estimate.need_bytes, estimate.need_bytes
+    probe = Probe(plan.micro_batch, plan.accum_steps, theirs, theirs <= resolved.budget.bytes,
+                  f"XLA's partitioning: {format_bytes(theirs)} against autoaccum's "
+                  f"{format_bytes(ours)}", estimate, remat=prepared.remat,
+                  last_micro_batch=plan.last_micro_batch, strategy=strategy,
+                  partitioner="xla")
+    if theirs > XLA_PARTITIONER_SLACK * ours or theirs > resolved.budget.bytes:
+        return dataclasses.replace(plan, probes=(*plan.probes, probe)), prepared
+    note = (f"partitioner: XLA's own partitioning of the step, {format_bytes(theirs)} per "
+            f"device against autoaccum's {format_bytes(ours)} (kept where within "
+            f"{XLA_PARTITIONER_SLACK - 1:.0%}: the simpler step)")
+    return dataclasses.replace(plan, estimate=estimate, partitioner="xla",
+                               probes=(*plan.probes, probe), notes=(*plan.notes, note)), xla
 
 
 def with_strategy(plan: Plan, strategy: str,

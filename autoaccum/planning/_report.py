@@ -95,6 +95,7 @@ def plan_repr(plan: Plan) -> str:
     return (f"Plan(micro_batch={plan.micro_batch}, accum_steps={plan.accum_steps}, {last}"
             f"data_parallel={plan.data_parallel}, "
             + (f"strategy={plan.strategy!r}, " if plan.strategy != "replicated" else "")
+            + (f"partitioner={plan.partitioner!r}, " if plan.partitioner != "autoaccum" else "")
             + f"effective_batch={plan.effective_batch}, "
             f"need={format_bytes(plan.need_bytes)!r}, budget={format_bytes(plan.budget_bytes)!r}, "
             f"limited_by={limiting_factor(plan).kind!r}, learning_rate={lr_text}, "
@@ -157,7 +158,8 @@ _STRATEGY_TEXT = {
 
 def _strategy_text(plan: Plan) -> str:
     mesh = (dict(plan.mesh_axes) if plan.mesh_axes else plan.mesh_shape)
-    return f"{_STRATEGY_TEXT.get(plan.strategy, plan.strategy)}; mesh {mesh}"
+    by = "; partitioned by XLA alone" if plan.partitioner == "xla" else ""
+    return f"{_STRATEGY_TEXT.get(plan.strategy, plan.strategy)}{by}; mesh {mesh}"
 
 
 _COLUMNS = (
@@ -341,6 +343,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "mesh_shape": list(plan.mesh_shape),
         "mesh_axes": [name for name, _ in plan.mesh_axes] or None,
         "strategy": plan.strategy,
+        "partitioner": plan.partitioner,
         "effective_batch": plan.effective_batch,
         "max_micro_batch": plan.max_micro_batch,
         "limited_by": limit.kind,
@@ -363,7 +366,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for c in plan.candidates
         ],
         "probes": [
-            {"remat": p.remat, "strategy": p.strategy, "micro_batch": p.micro_batch,
+            {"remat": p.remat, "strategy": p.strategy, "partitioner": p.partitioner,
+             "micro_batch": p.micro_batch,
              "accum_steps": p.accum_steps,
              "last_micro_batch": p.last_micro_batch,
              "need_bytes": p.need_bytes,

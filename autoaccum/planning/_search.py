@@ -41,6 +41,8 @@ class Probe:
     """For a compile of an uneven step: the size of its smaller last micro-batch."""
     strategy: str = "replicated"
     """The sharding strategy the step was compiled with (see ``autoaccum.planning.STRATEGIES``)."""
+    partitioner: str = "autoaccum"
+    """Who partitioned the compiled step (see ``autoaccum.planning.PARTITIONERS``)."""
 
 
 @dataclass(frozen=True)
