@@ -26,36 +26,39 @@ zero1 8.92, zero2 8.61, fsdp 3.67; frozen base per device 8.02 MiB under the fir
 2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
 ``--floor``: need / floor per device (see ``autoaccum.planning._floor``) by strategy x model
-shape x split, for autoaccum's step and for XLA's own partitioning of the same accumulated
-step (``jax.jit`` with the strategy's in/out shardings, the accumulator constrained to its
-layout, a ``lax.scan`` over micro-batches, GSPMD doing the rest): a model of a few large
-matrices (an 8192 x 256 embedding and its 256 x 8192 projection, 16 MiB) and one of many
-small ones (eight 512 x 512 layers, 8 MiB); AdamW; 4 host devices; micro-batch x
-micro-batches per device 1 x 4 and 4 x 1.
+shape x split, for both partitioners of a strategy's step (``autoaccum.planning.PARTITIONERS``):
+autoaccum's (``shard_map`` data parallelism, the at-use replay under fsdp) and XLA's own
+(``program.on_mesh(mesh, strategy, partitioner="xla")``: the one-device step under ``jax.jit``
+with the strategy's shardings, the accumulator constrained to its layout, GSPMD doing the
+rest), and the one the planner keeps (for zero1, zero2 and fsdp: XLA's wherever its need is
+within 5% of autoaccum's; replicated always runs autoaccum's): a model of a few large matrices
+(an 8192 x 256 embedding and its 256 x 8192 projection, 16 MiB) and one of many small ones
+(eight 512 x 512 layers, 8 MiB); AdamW; 4 host devices; micro-batch x micro-batches per device
+1 x 4 and 4 x 1.
 
     .venv/bin/python benchmarks/sharded.py --floor
 
-Measured here (issue 39; x = times the weights, per device; need / floor in brackets):
+Measured here (2026-11-28, 53 s; x = times the weights, per device; need / floor in brackets):
 
-    model       strategy    split  autoaccum       XLA partitioner
-    few large   replicated  1 x 4  5.02x (1.11)    6.00x (1.33)
-    few large   replicated  4 x 1  5.00x (1.11)    5.00x (1.11)
-    few large   zero1       1 x 4  3.52x (1.17)    4.50x (1.50)
-    few large   zero1       4 x 1  2.63x (1.17)    3.50x (1.56)
-    few large   zero2       1 x 4  2.88x (1.28)    2.75x (1.22)
-    few large   zero2       4 x 1  2.63x (1.17)    2.63x (1.17)
-    few large   fsdp        1 x 4  2.13x (1.06)    2.50x (1.25)
-    few large   fsdp        4 x 1  1.94x (0.97)    2.00x (1.00)
-    many small  replicated  1 x 4  5.00x (1.21)    6.00x (1.45)
-    many small  replicated  4 x 1  5.00x (1.21)    5.00x (1.21)
-    many small  zero1       1 x 4  2.63x (1.00)    4.51x (1.71)
-    many small  zero1       4 x 1  2.01x (1.07)    3.50x (1.86)
-    many small  zero2       1 x 4  2.01x (1.07)    3.76x (2.00)
-    many small  zero2       4 x 1  2.01x (1.07)    3.50x (1.86)
-    many small  fsdp        1 x 4  1.26x (1.00)    2.26x (1.80)
-    many small  fsdp        4 x 1  1.26x (1.00)    1.66x (1.32)
-    kept 2 x 2  own         1 x 4  2.76x (1.37)    (the same)
-    kept 2 x 2  own         4 x 1  2.51x (1.25)    (the same)
+    model       strategy    split  autoaccum      floor  XLA partitioner  planned
+    few large   replicated  1 x 4  5.02x (1.11)   4.50x  6.00x (1.33)     autoaccum
+    few large   replicated  4 x 1  5.00x (1.11)   4.50x  5.00x (1.11)     autoaccum
+    few large   zero1       1 x 4  3.52x (1.17)   3.00x  4.50x (1.50)     autoaccum
+    few large   zero1       4 x 1  2.63x (1.17)   2.25x  2.63x (1.17)     xla
+    few large   zero2       1 x 4  2.88x (1.28)   2.25x  2.75x (1.22)     xla
+    few large   zero2       4 x 1  2.63x (1.17)   2.25x  2.63x (1.17)     xla
+    few large   fsdp        1 x 4  2.13x (1.06)   2.00x  2.50x (1.25)     autoaccum
+    few large   fsdp        4 x 1  1.94x (0.97)   2.00x  1.88x (0.94)     xla
+    many small  replicated  1 x 4  5.00x (1.21)   4.13x  6.00x (1.45)     autoaccum
+    many small  replicated  4 x 1  5.00x (1.21)   4.13x  5.25x (1.27)     autoaccum
+    many small  zero1       1 x 4  2.63x (1.00)   2.63x  4.51x (1.71)     autoaccum
+    many small  zero1       4 x 1  2.01x (1.07)   1.88x  2.32x (1.23)     autoaccum
+    many small  zero2       1 x 4  2.01x (1.07)   1.88x  3.76x (2.00)     autoaccum
+    many small  zero2       4 x 1  2.01x (1.07)   1.88x  2.32x (1.23)     autoaccum
+    many small  fsdp        1 x 4  1.26x (1.00)   1.26x  2.26x (1.80)     autoaccum
+    many small  fsdp        4 x 1  1.26x (1.00)   1.26x  1.79x (1.42)     autoaccum
+    kept 2 x 2  own         1 x 4  2.76x (1.37)   2.01x  (the same)       own
+    kept 2 x 2  own         4 x 1  2.51x (1.25)   2.01x  (the same)       own
 
 "kept 2 x 2" is a layout the user made and autoaccum keeps: Flax's "Scale up on multiple
 devices" DotReluDot (two 1024 x 1024 kernels, column- then row-split over 'model' of a
@@ -64,16 +67,15 @@ weights; its step is XLA's partitioning of the one-device step, so there is no o
 compare. On host devices XLA:CPU all-reduces each micro-batch's gradient over 'data' and
 slices it instead of reduce-scattering it (1.37x at 1 x 4).
 
-Before issue 39 (the same models): few large fsdp 1 x 4 3.64x, zero2 3.25x, zero1 3.52x;
-many small zero1 3.51x (a second whole gradient: the all-reduce's output beside the
-accumulator). XLA's partitioner is within 5% of autoaccum's step only where both are equal
-(4 x 1, no accumulation loop) and on few large zero2 1 x 4 (2.75x against 2.88x, the one
-case where it is lower: 4.5% lower); elsewhere it holds up to 1.8x more (its scan keeps each
-whole gradient, and under fsdp each gathered weight, for the whole backward pass). So
-autoaccum keeps its own steps: shard_map data parallelism for every strategy, the at-use
-replay for fsdp. (The zero2 1 x 4 case above 1.25x: an embedding's gradient is a scatter
-into zeros that XLA:CPU schedules at the start of the backward pass; under fsdp the at-use
-replay ties them to the cotangent, under zero2 nothing does yet.)
+On host devices XLA's step is as good where there is nothing to accumulate (4 x 1) on the few
+large matrices, and lower by 4.5% for zero2 1 x 4 there (2.75x against 2.88x); elsewhere it
+holds up to 1.8x more (its scan keeps each whole gradient, and under fsdp each gathered
+weight, for the whole backward pass), so autoaccum's step stays for those. Before issue 39
+(the same models): few large fsdp 1 x 4 3.64x, zero2 3.25x, zero1 3.52x; many small zero1
+3.51x (a second whole gradient: the all-reduce's output beside the accumulator). (The zero2
+1 x 4 case above 1.25x: an embedding's gradient is a scatter into zeros that XLA:CPU
+schedules at the start of the backward pass; under fsdp the at-use replay ties them to the
+cotangent, under zero2 nothing does yet.)
 
 ``--floor --device NAME``: the same table compiled deviceless for 4 of a GPU
 (``h100-80gb``) or a 4-chip TPU slice (``v5e-4``), with each matrix 64-256 MiB (a 65536 x
@@ -83,28 +85,58 @@ buffers of a few MiB in the chip's on-core memory, outside the HBM its memory an
 
     .venv/bin/python benchmarks/sharded.py --floor --device v5e-4
 
-Measured here (2026-11-27; libtpu 0.0.50.1, jax 0.12.0.1 with the CUDA 13 plugin; x = times
-the weights per device, need / floor in brackets):
+Measured here (2026-11-28, 235 s and 137 s; libtpu 0.0.50.1, jax 0.12.0.1 with the CUDA 13
+plugin; x = times the weights per device, need / floor in brackets; "planned": the step the
+planner keeps by its rule, A = autoaccum's, X = XLA's):
 
-    model       strategy    split  v5e-4 autoaccum  v5e-4 XLA      4 x H100 autoaccum  4 x H100 XLA
-    few large   replicated  1 x 4  5.25x (1.17)     5.25x (1.17)   4.51x (1.00)        4.01x (0.89)
-    few large   replicated  4 x 1  5.00x (1.11)     4.52x (1.00)   4.03x (0.90)        4.03x (0.90)
-    few large   zero1       1 x 4  3.75x (1.25)     3.63x (1.21)   3.13x (1.04)        2.76x (0.92)
-    few large   zero1       4 x 1  2.25x (1.00)     3.64x (1.62)   2.64x (1.17)        2.64x (1.17)
-    few large   zero2       1 x 4  2.88x (1.28)     3.75x (1.67)   2.88x (1.28)        2.38x (1.06)
-    few large   zero2       4 x 1  2.25x (1.00)     3.00x (1.33)   2.64x (1.17)        2.38x (1.06)
-    few large   fsdp        1 x 4  2.25x (1.13)     1.81x (0.91)   2.64x (1.32)        1.63x (0.81)
-    few large   fsdp        4 x 1  1.75x (0.88)     1.38x (0.69)   2.41x (1.20)        1.50x (0.75)
-    many small  replicated  1 x 4  4.26x (1.03)     4.26x (1.03)   4.13x (1.00)        4.13x (1.00)
-    many small  replicated  4 x 1  4.13x (1.00)     3.14x (0.76)   4.00x (0.97)        4.00x (0.97)
-    many small  zero1       1 x 4  2.52x (0.96)     4.51x (1.72)   2.53x (0.96)        3.53x (1.35)
-    many small  zero1       4 x 1  2.02x (1.08)     2.89x (1.54)   2.44x (1.30)        1.97x (1.05)
-    many small  zero2       1 x 4  2.48x (1.32)     3.48x (1.85)   2.44x (1.30)        2.31x (1.23)
-    many small  zero2       4 x 1  2.02x (1.08)     2.89x (1.54)   2.44x (1.30)        1.97x (1.05)
-    many small  fsdp        1 x 4  1.50x (1.20)     1.90x (1.52)   1.47x (1.18)        2.00x (1.60)
-    many small  fsdp        4 x 1  1.21x (0.97)     1.05x (0.84)   1.22x (0.98)        1.75x (1.40)
-    kept 2 x 2  own         1 x 4  1.76x (0.88)     (the same)     2.38x (1.19)        (the same)
-    kept 2 x 2  own         4 x 1  1.76x (0.88)     (the same)     2.38x (1.19)        (the same)
+    v5e-4       strategy    split  autoaccum     XLA partitioner  planned
+    few large   replicated  1 x 4  5.25x (1.17)  6.25x (1.39)     A
+    few large   replicated  4 x 1  5.00x (1.11)  5.00x (1.11)     A
+    few large   zero1       1 x 4  3.75x (1.25)  4.88x (1.63)     A
+    few large   zero1       4 x 1  2.25x (1.00)  2.25x (1.00)     X
+    few large   zero2       1 x 4  2.88x (1.28)  2.75x (1.22)     X
+    few large   zero2       4 x 1  2.25x (1.00)  2.25x (1.00)     X
+    few large   fsdp        1 x 4  2.25x (1.13)  1.81x (0.91)     X
+    few large   fsdp        4 x 1  1.75x (0.88)  1.38x (0.69)     X
+    many small  replicated  1 x 4  4.26x (1.03)  4.76x (1.15)     A
+    many small  replicated  4 x 1  4.13x (1.00)  4.01x (0.97)     A
+    many small  zero1       1 x 4  2.52x (0.96)  3.99x (1.52)     A
+    many small  zero1       4 x 1  2.02x (1.08)  2.02x (1.08)     X
+    many small  zero2       1 x 4  2.48x (1.32)  2.48x (1.32)     X
+    many small  zero2       4 x 1  2.02x (1.08)  2.02x (1.08)     X
+    many small  fsdp        1 x 4  1.50x (1.20)  1.89x (1.51)     A
+    many small  fsdp        4 x 1  1.21x (0.97)  1.05x (0.84)     X
+    kept 2 x 2  own         1 x 4  1.76x (0.88)  (the same)       own
+    kept 2 x 2  own         4 x 1  1.76x (0.88)  (the same)       own
+
+    4 x H100    strategy    split  autoaccum     XLA partitioner  planned
+    few large   replicated  1 x 4  4.51x (1.00)  5.01x (1.11)     A
+    few large   replicated  4 x 1  4.03x (0.90)  4.03x (0.90)     A
+    few large   zero1       1 x 4  3.13x (1.04)  3.75x (1.25)     A
+    few large   zero1       4 x 1  2.64x (1.17)  2.63x (1.17)     X
+    few large   zero2       1 x 4  2.88x (1.28)  2.63x (1.17)     X
+    few large   zero2       4 x 1  2.64x (1.17)  2.63x (1.17)     X
+    few large   fsdp        1 x 4  2.64x (1.32)  1.75x (0.88)     X
+    few large   fsdp        4 x 1  2.41x (1.20)  1.52x (0.76)     X
+    many small  replicated  1 x 4  4.13x (1.00)  5.00x (1.21)     A
+    many small  replicated  4 x 1  4.00x (0.97)  4.00x (0.97)     A
+    many small  zero1       1 x 4  2.53x (0.96)  3.63x (1.38)     A
+    many small  zero1       4 x 1  2.44x (1.30)  2.44x (1.30)     X
+    many small  zero2       1 x 4  2.44x (1.30)  2.47x (1.32)     X
+    many small  zero2       4 x 1  2.44x (1.30)  2.44x (1.30)     X
+    many small  fsdp        1 x 4  1.47x (1.18)  2.00x (1.60)     A
+    many small  fsdp        4 x 1  1.22x (0.98)  1.75x (1.40)     A
+    kept 2 x 2  own         1 x 4  2.38x (1.19)  (the same)       own
+    kept 2 x 2  own         4 x 1  2.38x (1.19)  (the same)       own
+
+Where the planner takes XLA's step the need falls: few large fsdp 1 x 4 on 4 x H100 1.32 ->
+0.88 of the floor (2.64x -> 1.75x the weights), 4 x 1 1.20 -> 0.76; zero2 1 x 4 1.28 -> 1.17
+(H100) and 1.22 (v5e-4); on the v5e-4 fsdp 4 x 1 0.88 -> 0.69, many small fsdp 4 x 1 0.97 ->
+0.84. Elsewhere XLA's step holds up to 1.6x more (many small fsdp 1 x 4 on the H100, zero1
+1 x 4 everywhere: its scan keeps each whole gradient until the all-reduce), so autoaccum's
+stays. The same model's choice can differ by size (the 2048 x 128 embedding of
+``tests/training/test_xla_partitioned.py`` keeps autoaccum's fsdp step at 4 x 1 on host
+devices, 4.02 against 4.27 MiB): the planner compiles both for each plan.
 
 The kept layout on the v5e-4 read 2.62x (1.63) and 2.32x (1.45) before its update ran in the
 weights' own layout (XLA had run AdamW in the accumulator's finer layout and gathered every
@@ -119,13 +151,9 @@ rows: few large 3.00x (1.34) and 2.75x (1.22), many small 2.47x (1.32) and 2.75x
 A need below the floor (fsdp on both, XLA's partitioning of replicated and fsdp steps) means
 the compiler holds less than the floor's model of the step (one whole gathered weight and its
 gradient, one whole gradient): a matmul on a split weight that never gathers it whole (a
-collective matmul) would do that (not checked on the HLO). Still above 1.25x: zero2 1 x 4 on
-the few large matrices everywhere (1.28x) and on the many small ones (1.30-1.32x); on the
-H100, fsdp 1 x 4 on the few large ones (1.32x) and zero1 4 x 1 on the many small ones (1.30x).
-Where XLA's own partitioning of the same step needs less on a GPU (few large fsdp 1.63x
-against 2.64x, zero2 2.38x against 2.88x), autoaccum does not yet switch to it (issue 39
-item 2: per target, the simpler step where it is within 5%).
-
+collective matmul) would do that (not checked on the HLO). Still above 1.25x in the planned
+column: many small zero2 1 x 4 on the v5e-4 (1.32x, both steps), and on the H100 many small
+zero1 4 x 1 and zero2 (1.30-1.32x, both steps).
 On the H100 every row above 1.25x is XLA's latency-hiding scheduler overlapping each
 reduce-scatter with the next gradient's computation (the collective's buffers stay live):
 compiled with ``xla_gpu_enable_latency_hiding_scheduler=false``, few large zero2 1 x 4 reads
@@ -315,62 +343,6 @@ def floor_models(large: bool = False) -> dict:
                            {"x": vector, "y": vector})}
 
 
-def xla_partitioned_need(make, loss_fn, spec, mesh, strategy: str, micro: int,
-                         accum: int, target=None) -> int:
-    """Per-device need of the accumulated step partitioned by XLA alone: the one-device step
-    (a ``lax.scan`` over micro-batches, one AdamW update) under ``jax.jit`` with the
-    strategy's layout as in/out shardings and the float32 accumulator constrained to it
-    (compiled for ``target``, a deviceless GPU or TPU one, as autoaccum compiles for it)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from autoaccum.planning import state_layout
-
-    graphdef, params, rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    tx = optax.adamw(1e-3)
-    opt = jax.eval_shape(tx.init, params)
-    layout = state_layout(strategy, mesh, params=params, optimizer=opt)
-    param_s, grad_s = layout.shardings(layout.params), layout.shardings(layout.grads)
-    opt_s = layout.shardings(layout.optimizer)
-
-    def step(params, opt, batches):
-        def body(carry, micro_batch):
-            acc, total, count = carry
-
-            def loss(p):
-                s, c = loss_fn(nnx.merge(graphdef, p, rest), micro_batch)
-                return s, jnp.float32(c)
-
-            (s, c), g = jax.value_and_grad(loss, has_aux=True)(params)
-            acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
-            return (jax.lax.with_sharding_constraint(acc, grad_s), total + s, count + c), None
-
-        zeros = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_s)
-        (acc, total, count), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batches)
-        updates, opt = tx.update(jax.tree.map(lambda a: a / count, acc), opt, params)
-        return optax.apply_updates(params, updates), opt, total / count
-
-    def placed(tree, shardings):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            tree, shardings)
-
-    batch_s = NamedSharding(mesh, P(None, mesh.axis_names[0]))
-    batches = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-        (accum, micro * mesh.size, *s.shape), s.dtype, sharding=batch_s), spec)
-    from autoaccum.planning._measure import compile_lowered
-
-    lowered = jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_s, opt_s, None)).lower(
-        placed(params, param_s), placed(opt, opt_s), batches)
-    m = compile_lowered(lowered, target).memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
-
-
 def floor_child(device: str | None = None) -> dict:
     """``--floor``'s figures: per model, strategy and split, autoaccum's need, its floor and
     the XLA-partitioned need (bytes), and the weights; on 4 host devices, or (``device``)
@@ -384,6 +356,7 @@ def floor_child(device: str | None = None) -> dict:
     from autoaccum.devices._mesh import data_parallel_mesh
     from autoaccum.planning import STRATEGIES
     from autoaccum.planning._measure import measure_program
+    from autoaccum.planning._strategies import XLA_PARTITIONER_SLACK
 
     mesh, target = data_parallel_mesh(), None
     if device is not None:
@@ -401,14 +374,18 @@ def floor_child(device: str | None = None) -> dict:
         model = nnx.eval_shape(make)
         rows = []
         for strategy in STRATEGIES:
+            program = flax_program(model, spec, loss_fn=loss_fn, tx=optax.adamw(1e-3),
+                                   mesh=mesh, strategy=strategy)
+            xla = program.on_mesh(mesh, strategy, partitioner="xla")
             for micro, accum in FLOOR_SPLITS:
-                program = flax_program(model, spec, loss_fn=loss_fn, tx=optax.adamw(1e-3),
-                                       mesh=mesh, strategy=strategy)
                 est = measure_program(program, micro, accum, target)
+                theirs = measure_program(xla, micro, accum, target).need_bytes
+                # The planner's rule (zero1, zero2, fsdp): XLA's step where within 5%.
+                kept = ("xla" if strategy != "replicated"
+                        and theirs <= XLA_PARTITIONER_SLACK * est.need_bytes else "autoaccum")
                 rows.append({"strategy": strategy, "split": f"{micro} x {accum}",
                              "need": est.need_bytes, "floor": est.floor_bytes,
-                             "xla": xla_partitioned_need(make, loss_fn, spec, mesh, strategy,
-                                                         micro, accum, target)})
+                             "xla": theirs, "kept": kept})
         out[name] = {"weights": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             nnx.state(model, nnx.Param)))), "rows": rows}
     out["kept 2 x 2"] = kept_rows(large=device is not None,
@@ -484,11 +461,13 @@ def floor_main(env: dict, device: str | None = None) -> None:
                          f"{r['need'] / w:.2f}x ({r['need'] / r['floor']:.2f})",
                          f"{r['floor'] / w:.2f}x",
                          "(the same)" if r["xla"] is None
-                         else f"{r['xla'] / w:.2f}x ({r['xla'] / r['floor']:.2f})"])
+                         else f"{r['xla'] / w:.2f}x ({r['xla'] / r['floor']:.2f})",
+                         r.get("kept", "own")])
     where = (f"{DEVICES} x {device}, compiled deviceless" if device
              else f"{DEVICES} host devices")
     print(f"need per device / weights (need / floor) on {where}, AdamW")
-    print_table(["model", "strategy", "split", "autoaccum", "floor", "XLA partitioner"], rows)
+    print_table(["model", "strategy", "split", "autoaccum", "floor", "XLA partitioner",
+                 "planned"], rows)
 
 
 def main() -> None:
