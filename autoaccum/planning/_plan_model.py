@@ -189,9 +189,12 @@ def _marked(plan: Plan, strategy: str) -> Plan:
 def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any,
              strategy: str | None = None) -> tuple[Any, Any]:
     """``program`` (or the function building it) and the depth variants, on ``mesh`` with
-    ``strategy`` (``None``: a built program's own, else replicated)."""
+    ``strategy`` (``None``: a built program's own, else replicated); a built program keeps
+    its partitioner under its own strategy."""
     if isinstance(program, TrainProgram):
-        program = program.on_mesh(mesh, program.strategy if strategy is None else strategy)
+        strategy = program.strategy if strategy is None else strategy
+        program = program.on_mesh(mesh, strategy, partitioner=program.partitioner
+                                  if strategy == program.strategy else "autoaccum")
     elif callable(program):
         build = program
         program = lambda: build().on_mesh(mesh, strategy or "replicated")  # noqa: E731

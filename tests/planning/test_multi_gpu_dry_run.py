@@ -120,3 +120,26 @@ def test_cli_advise_takes_devices(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True
     assert out["plan"]["data_parallel"] == 2 and out["plan"]["device"].startswith("2 x NVIDIA L4")
+
+
+@pytest.mark.slow
+def test_four_h100s_take_xlas_fsdp_step_where_autoaccums_does_not_fit():
+    # An embedding and its projection (16 MiB), AdamW, fsdp over 4 deviceless H100s under
+    # 2x the weights per device: autoaccum's step needs 2.38x at 1 x 4; XLA's own
+    # partitioning of it 1.90x (the GPU's scheduler keeps fewer gathered weights live).
+    from tests._floor_child import EmbedProject, next_token_loss
+
+    vocab, dim = 8192, 256
+    weights = 2 * vocab * dim * 4
+    data = {"tokens": ragged_tokens(16, 65, vocab=vocab)["tokens"]}
+    plan = autoaccum.plan(nnx.eval_shape(lambda: EmbedProject(vocab, dim, nnx.Rngs(0))), data,
+                          device="h100-80gb", budget=2 * weights, effective_batch=16,
+                          optimizer=optax.adamw, learning_rate=1e-3, loss_fn=next_token_loss,
+                          log=None, search=autoaccum.Search(cache=False),
+                          target=autoaccum.Target(devices=4, strategy="fsdp"))
+    assert plan.partitioner == "xla" and plan.to_dict()["partitioner"] == "xla"
+    assert plan.need_bytes <= 2 * weights and plan.deviceless and plan.data_parallel == 4
+    ours = [p for p in plan.probes if p.partitioner == "autoaccum"]
+    assert ours and not any(p.fits for p in ours)
+    assert "autoaccum's step does not fit" in " ".join(plan.notes)
+    assert "partitioned by XLA alone" in plan.report()
