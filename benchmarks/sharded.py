@@ -11,18 +11,20 @@ starts). CPU figures: XLA:CPU has no rematerialization pass and upcasts nothing 
 
     .venv/bin/python benchmarks/sharded.py
 
-Measured here (2 shared CPU cores, 6 minutes in all, 8-17 s per compile under load):
-per-device need at micro-batch 1 / 8: replicated 63.1 / 98.6 MiB, zero1 44.2 / 79.8,
-zero2 34.5 / 80.0, fsdp 23.7 / 66.0 (one device, whole batch: 63.1 / 111). fsdp's XLA temp
-(what a step holds beyond its arguments) at micro-batch 1 is 14.2 MiB, against 12.6 MiB of
+Measured here (2026-11-28; 2 shared CPU cores, 5 minutes in all, 7-10 s per compile):
+per-device need at micro-batch 1 / 8: replicated 63.1 / 98.6 MiB, zero1 43.9 / 80.2,
+zero2 34.5 / 80.2, fsdp 21.5 / 66.1 (one device, whole batch: 63.1 / 111). fsdp's XLA temp
+(what a step holds beyond its arguments) at micro-batch 1 is 11.9 MiB, against 12.6 MiB of
 weights. Before fsdp gathered each weight where it is used (commit a98d8b2: the whole tree
 gathered at the start of each micro-step and kept through its backward pass) it needed
-33.4 / 71.8 MiB, temp 23.8 MiB at micro-batch 1. With a 43.4 MiB budget the planner chose
-zero2, micro-batch 2 x 4 x 4 (41.3 MiB), in 62 s and 12 compiles.
+33.4 / 71.8 MiB, temp 23.8 MiB at micro-batch 1. With a 42.3 MiB budget the planner chose
+zero2 (autoaccum's step), micro-batch 2 x 4 x 4 (41.3 MiB), in 103 s and 15 compiles; 62 s
+and 12 compiles before it weighed XLA's partitioning of each strategy's step (zero1's, which
+does not fit either, and zero2's at its split).
 
 LoRA stack (8 LoRA layers, rank 8, over 512 x 512 frozen kernels: 8.0 MiB of frozen base;
 AdamW on the adapters; micro-batch 4 x 2 per device): need per device replicated 9.30 MiB,
-zero1 8.92, zero2 8.61, fsdp 3.67; frozen base per device 8.02 MiB under the first three,
+zero1 8.78, zero2 8.61, fsdp 3.64; frozen base per device 8.02 MiB under the first three,
 2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
 ``--floor``: need / floor per device (see ``autoaccum.planning._floor``) by strategy x model
@@ -237,7 +239,8 @@ def child() -> dict:
     plan_seconds = time.perf_counter() - start
     return {"needs": needs, "temps": temps, "compile_seconds": seconds, "budget": budget,
             "lora": lora_rows(mesh),
-            "plan": {"strategy": plan.strategy, "micro_batch": plan.micro_batch,
+            "plan": {"strategy": plan.strategy, "partitioner": plan.partitioner,
+                     "micro_batch": plan.micro_batch,
                      "accum_steps": plan.accum_steps, "need": plan.need_bytes,
                      "seconds": plan_seconds, "compiles": compile_count() - compiles,
                      "strategies_probed": sorted({p.strategy for p in plan.probes})},
@@ -517,7 +520,8 @@ def main() -> None:
     print(f"\nautoaccum.plan(strategy='auto') with a per-device budget of "
           f"{format_bytes(out['budget'])} (replicated needs "
           f"{format_bytes(out['needs']['replicated']['1'])} at micro-batch 1): "
-          f"{p['strategy']}, micro_batch {p['micro_batch']} x {DEVICES} x {p['accum_steps']}, "
+          f"{p['strategy']} ({p['partitioner']}'s step), micro_batch {p['micro_batch']} x "
+          f"{DEVICES} x {p['accum_steps']}, "
           f"need {format_bytes(p['need'])}; planned in {p['seconds']:.1f} s with "
           f"{p['compiles']} compiles (strategies probed: {', '.join(p['strategies_probed'])})")
 
