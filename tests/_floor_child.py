@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -165,6 +166,25 @@ def explicit() -> dict:
     return out
 
 
+def _keras_mlp(inputs: int, hidden: int, optimizer: Any) -> tuple:
+    """32 random regression examples ``(x, y)`` and ``make()``: a seeded, compiled two-layer
+    Keras MLP (``inputs -> hidden -> 1``) with ``optimizer()``, MSE."""
+    import keras
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, inputs)).astype(np.float32)
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(hidden),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=optimizer(), loss="mse")
+        return model
+
+    return x, y, make
+
+
 def keras_data_parallel_fsdp() -> dict:
     """A Keras model fit with ``strategy="fsdp"`` under ``keras.distribution.DataParallel``
     (every variable replicated, Keras's rule) and with no distribution: the variables'
@@ -173,16 +193,7 @@ def keras_data_parallel_fsdp() -> dict:
 
     import autoaccum
 
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(32, 32)).astype(np.float32)
-    y = rng.normal(size=(32, 1)).astype(np.float32)
-
-    def make():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-        return model
+    x, y, make = _keras_mlp(32, 64, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
 
     def specs(model):
         return sorted({str(v.value.sharding.spec) for v in model.trainable_variables})
@@ -270,16 +281,7 @@ def _keras_partitioners() -> dict:
 
     import autoaccum
 
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(32, 256)).astype(np.float32)
-    y = rng.normal(size=(32, 1)).astype(np.float32)
-
-    def make():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(128),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-        return model
+    x, y, make = _keras_mlp(256, 128, lambda: keras.optimizers.Adam(1e-2))
 
     ref = make()
     ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)

@@ -396,7 +396,7 @@ def plan_model(
                 plan = plan_strategy(name, agree=not trial)
             except DoesNotFitError as error:
                 # autoaccum's step does not fit: XLA's own partitioning of it may.
-                xla = _xla_program(by_strategy[name], mesh, name, depth_variant)
+                xla = _xla_program(by_strategy[name], mesh, name)
                 try:
                     if xla is None:
                         raise error
@@ -408,7 +408,7 @@ def plan_model(
                     continue
             else:
                 plan, by_strategy[name] = _simpler_partitioner(
-                    plan, by_strategy[name], mesh, name, depth_variant, resolved, log, cache)
+                    plan, by_strategy[name], mesh, name, resolved, log, cache)
             plan = with_strategy(plan, name, skipped)
             placement = by_strategy[name].program.placement
             if placement is not None:  # the user's own layout: its mesh, every axis
@@ -542,14 +542,12 @@ def _by_partitioner(found: Any, prepared: Prepared) -> Any:
     return dataclasses.replace(found, probes=probes, partitioner=partitioner)
 
 
-def _xla_program(prepared: Prepared, mesh: Any, strategy: str,
-                 depth_variant: Any) -> Prepared | None:
+def _xla_program(prepared: Prepared, mesh: Any, strategy: str) -> Prepared | None:
     """``prepared`` with its step partitioned by XLA alone (``partitioner="xla"``), where the
     planner weighs that step against autoaccum's: a sharded strategy (``zero1``, ``zero2``,
-    ``fsdp``) of a built program, planned without depth variants (their needs come from
-    shallower programs); else ``None``."""
+    ``fsdp``) of a built program that is not laid out by the user; else ``None``."""
     program = prepared.program
-    if (mesh is None or strategy not in STRATEGIES[1:] or depth_variant
+    if (mesh is None or strategy not in STRATEGIES[1:]
             or not isinstance(program, TrainProgram) or program.sharded_step is None
             or program.placement is not None or program.partitioner == "xla"):
         return None
@@ -567,13 +565,13 @@ def _partitioned_by_xla(plan: Plan, error: DoesNotFitError) -> Plan:
 
 
 def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: str,
-                         depth_variant: Any, resolved: ResolvedTarget | None,
+                         resolved: ResolvedTarget | None,
                          log: TextIO | None, cache: Any = None) -> tuple[Plan, Prepared]:
     """``plan`` and ``prepared`` as they are, or partitioned by XLA alone where that step
     (compiled at the plan's split) needs at most :data:`~._strategies.XLA_PARTITIONER_SLACK`
     times autoaccum's and fits the budget: the simpler step wherever it is as good (one
     compile, answered by the need ``cache`` when it has it)."""
-    xla = _xla_program(prepared, mesh, strategy, depth_variant)
+    xla = _xla_program(prepared, mesh, strategy)
     if xla is None or resolved is None or plan.estimate is None:
         return plan, prepared
     if log is not None:
