@@ -22,13 +22,14 @@ import jax
 from ..planning._micro_batches import micro_steps
 from ..planning._strategies import StateLayout
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
+from ._data_parallel import Accumulate
 
 PyTree = Any
 
 __all__ = ["xla_partitioned_accumulate"]
 
 
-def xla_partitioned_accumulate(layout: StateLayout) -> Any:
+def xla_partitioned_accumulate(layout: StateLayout) -> Accumulate:
     """:func:`accumulate_gradients` on global batches with the float32 accumulator laid out
     as ``layout`` lays out the gradients (its share of the sum on each device under ``zero2``
     and ``fsdp``), and the summed gradients leaving in the layout the optimizer updates in
