@@ -269,6 +269,34 @@ def _flax_partitioners() -> dict:
                            "notes": [n for n in plan.notes if n.startswith("partitioner")]}
     except autoaccum.DoesNotFitError as error:
         out["fallback"] = {"error": str(error).splitlines()[0]}
+    out.update(_xla_beyond_autoaccums_split(make, weights, options))
+    return out
+
+
+def _xla_beyond_autoaccums_split(make, weights: int, options: dict) -> dict:
+    """The few-large model on 33-token rows, where the need grows with the micro-batch:
+    zero2 under 3x its weights (autoaccum's step fits micro-batch 1, XLA's a larger one) and
+    under 2.3x (neither fits)."""
+    import autoaccum
+
+    vocab = 2048
+    data = {"tokens": np.random.default_rng(1).integers(0, vocab, size=(64, 33)).astype(
+        np.int32)}
+    options = {**options, "effective_batch": 32}
+    probes = lambda found: [{"partitioner": p.partitioner, "micro": p.micro_batch,  # noqa: E731
+                             "need": p.need_bytes, "fits": p.fits} for p in found.probes]
+    out: dict = {}
+    for name, ratio in (("wider", 3.0), ("neither", 2.3)):
+        try:
+            plan = autoaccum.plan(make(), data, budget=int(ratio * weights),
+                                  search=autoaccum.Search(cache=False),
+                                  target=autoaccum.Target(strategy="zero2"), **options)
+            out[name] = {"partitioner": plan.partitioner, "micro": plan.micro_batch,
+                         "split": plan.split_text(), "need": plan.need_bytes,
+                         "budget": int(ratio * weights), "probes": probes(plan),
+                         "notes": [n for n in plan.notes if n.startswith("partitioner")]}
+        except autoaccum.DoesNotFitError as error:
+            out[name] = {"error": str(error), "probes": probes(error)}
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -397,18 +398,23 @@ def plan_model(
             except DoesNotFitError as error:
                 # autoaccum's step does not fit: XLA's own partitioning of it may.
                 xla = _xla_program(by_strategy[name], mesh, name)
+                if xla is None:
+                    skipped.append((name, error))
+                    continue
                 try:
-                    if xla is None:
-                        raise error
                     plan = _partitioned_by_xla(plan_strategy(name, agree=not trial,
                                                              prepared=xla), error)
                     by_strategy[name] = xla
-                except DoesNotFitError:
-                    skipped.append((name, error))
+                except DoesNotFitError as theirs:
+                    skipped.append((name, _neither_partitioner_fits(error, theirs)))
                     continue
             else:
+                # Several processes agree on one search; a second search is one they might
+                # not all make, so only one process weighs a larger split of XLA's step.
                 plan, by_strategy[name] = _simpler_partitioner(
-                    plan, by_strategy[name], mesh, name, resolved, log, cache)
+                    plan, by_strategy[name], mesh, name, resolved, log, cache,
+                    replan=None if _process_count() > 1 else functools.partial(
+                        plan_strategy, name, agree=False))
             plan = with_strategy(plan, name, skipped)
             placement = by_strategy[name].program.placement
             if placement is not None:  # the user's own layout: its mesh, every axis
@@ -565,34 +571,87 @@ def _partitioned_by_xla(plan: Plan, error: DoesNotFitError) -> Plan:
 
 
 def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: str,
-                         resolved: ResolvedTarget | None,
-                         log: TextIO | None, cache: Any = None) -> tuple[Plan, Prepared]:
+                         resolved: ResolvedTarget | None, log: TextIO | None,
+                         cache: Any = None, *,
+                         replan: Callable[..., Plan] | None = None) -> tuple[Plan, Prepared]:
     """``plan`` and ``prepared`` as they are, or partitioned by XLA alone where that step
-    (compiled at the plan's split) needs at most :data:`~._strategies.XLA_PARTITIONER_SLACK`
-    times autoaccum's and fits the budget: the simpler step wherever it is as good (one
-    compile, answered by the need ``cache`` when it has it)."""
+    fits a larger micro-batch, or (at the plan's split) needs at most
+    :data:`~._strategies.XLA_PARTITIONER_SLACK` times autoaccum's and fits the budget: the
+    simpler step wherever it is as good. One compile at the plan's split (answered by the need
+    ``cache`` when it has it); where the plan accumulates, one more at the smallest split
+    autoaccum's step was refused at, and where XLA's fits there, ``replan(prepared=...)`` (a
+    whole search with XLA's step) finds its largest."""
     xla = _xla_program(prepared, mesh, strategy)
     if xla is None or resolved is None or plan.estimate is None:
         return plan, prepared
-    if log is not None:
-        print(f"autoaccum: {strategy}: XLA's own partitioning of the step at "
-              f"{plan.split_text()}", file=log, flush=True)
-    (estimate,) = measure_all([CompileRequest(xla.program, plan.micro_batch, plan.accum_steps,
-                                              last=plan.last_micro_batch)],
-                              resolved.compile_target, cache=resolve_cache(cache), workers=1)
-    ours, theirs = plan.estimate.need_bytes, estimate.need_bytes
-    probe = Probe(plan.micro_batch, plan.accum_steps, theirs, theirs <= resolved.budget.bytes,
-                  f"XLA's partitioning: {format_bytes(theirs)} against autoaccum's "
-                  f"{format_bytes(ours)}", estimate, remat=prepared.remat,
-                  last_micro_batch=plan.last_micro_batch, strategy=strategy,
-                  partitioner="xla")
-    if theirs > XLA_PARTITIONER_SLACK * ours or theirs > resolved.budget.bytes:
-        return dataclasses.replace(plan, probes=(*plan.probes, probe)), prepared
+    budget = resolved.budget.bytes
+
+    def probe_at(micro: int, steps: int, last: int | None, against: int) -> Probe:
+        if log is not None:
+            print(f"autoaccum: {strategy}: XLA's own partitioning of the step at "
+                  f"{micro} x {steps}{'' if last is None else f' (last {last})'}",
+                  file=log, flush=True)
+        (estimate,) = measure_all([CompileRequest(xla.program, micro, steps, last=last)],
+                                  resolved.compile_target, cache=resolve_cache(cache),
+                                  workers=1)
+        need = estimate.need_bytes
+        return Probe(micro, steps, need, need <= budget,
+                     f"XLA's partitioning: {format_bytes(need)} against autoaccum's "
+                     f"{format_bytes(against)}", estimate, remat=prepared.remat,
+                     last_micro_batch=last, strategy=strategy, partitioner="xla")
+
+    ours = plan.estimate.need_bytes
+    probe = probe_at(plan.micro_batch, plan.accum_steps, plan.last_micro_batch, ours)
+    probes = (*plan.probes, probe)
+    refused = sorted((p for p in plan.probes if p.kind == "compile" and not p.fits
+                      and p.partitioner == "autoaccum" and p.micro_batch > plan.micro_batch),
+                     key=lambda p: p.micro_batch)
+    if replan is not None and plan.accum_steps > 1 and refused:
+        above = refused[0]
+        wider_probe = probe_at(above.micro_batch, above.accum_steps, above.last_micro_batch,
+                               above.need_bytes)
+        probes = (*probes, wider_probe)
+        if wider_probe.fits:
+            try:
+                wider = replan(prepared=xla)
+            except DoesNotFitError:
+                wider = None
+            if wider is not None and wider.micro_batch > plan.micro_batch:
+                note = (f"partitioner: XLA's own partitioning of the step fits micro-batch "
+                        f"{wider.micro_batch} ({format_bytes(wider.need_bytes)} per device), "
+                        f"autoaccum's {plan.micro_batch} at most (micro-batch "
+                        f"{above.micro_batch} needs {format_bytes(above.need_bytes)} with it)")
+                seen = {(p.micro_batch, p.accum_steps, p.last_micro_batch, p.remat)
+                        for p in wider.probes}
+                probes = tuple(p for p in probes if p.partitioner == "autoaccum" or (
+                    p.micro_batch, p.accum_steps, p.last_micro_batch, p.remat) not in seen)
+                return dataclasses.replace(wider, partitioner="xla",
+                                           probes=(*probes, *wider.probes),
+                                           notes=(*wider.notes, note)), xla
+    theirs = probe.need_bytes
+    if theirs > XLA_PARTITIONER_SLACK * ours or theirs > budget:
+        return dataclasses.replace(plan, probes=probes), prepared
     note = (f"partitioner: XLA's own partitioning of the step, {format_bytes(theirs)} per "
             f"device against autoaccum's {format_bytes(ours)} (kept where within "
             f"{XLA_PARTITIONER_SLACK - 1:.0%}: the simpler step)")
-    return dataclasses.replace(plan, estimate=estimate, partitioner="xla",
-                               probes=(*plan.probes, probe), notes=(*plan.notes, note)), xla
+    return dataclasses.replace(plan, estimate=probe.estimate, partitioner="xla",
+                               probes=probes, notes=(*plan.notes, note)), xla
+
+
+def _neither_partitioner_fits(ours: DoesNotFitError,
+                             theirs: DoesNotFitError) -> DoesNotFitError:
+    """One error for a strategy whose step fits under neither partitioner: both verdicts'
+    first sentences, then the rest of autoaccum's step's (what would help), with both steps'
+    probes."""
+    rest = str(ours).split(". ", 1)
+    error = DoesNotFitError(
+        f"Neither partitioner fits micro_batch=1: autoaccum's step: {first_line(ours)}; XLA's "
+        f"own partitioning of it: {first_line(theirs)}."
+        + (f" {rest[1]}" if len(rest) > 1 else ""),
+        probes=(*ours.probes, *theirs.probes), resident=ours.resident,
+        budget_bytes=ours.budget_bytes or theirs.budget_bytes,
+        smallest_profile=ours.smallest_profile, alternatives=ours.alternatives)
+    return error
 
 
 def with_strategy(plan: Plan, strategy: str,

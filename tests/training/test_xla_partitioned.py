@@ -89,6 +89,35 @@ def test_where_autoaccums_step_does_not_fit_xlas_partitioning_is_planned(four_de
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("training.test_xla_partitioned")
+def test_where_xlas_partitioning_fits_a_larger_micro_batch_the_planner_takes_it(four_devices):
+    # 33-token rows, zero2 under 3x the weights: autoaccum's step fits micro-batch 1 (2.90x;
+    # 2 needs 3.03x), XLA's fits 4 (2.94x).
+    out = four_devices["flax"]["wider"]
+    assert out.get("partitioner") == "xla", out
+    ours = [p for p in out["probes"] if p["partitioner"] == "autoaccum"]
+    best_of_ours = max(p["micro"] for p in ours if p["fits"])
+    assert out["micro"] > best_of_ours, out
+    assert not any(p["fits"] for p in ours if p["micro"] >= out["micro"]), out
+    assert out["need"] <= out["budget"]
+    assert f"fits micro-batch {out['micro']}" in out["notes"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("training.test_xla_partitioned")
+def test_where_neither_partitioner_fits_the_error_quotes_both(four_devices):
+    out = four_devices["flax"]["neither"]
+    assert "error" in out, out
+    first = out["error"].split(". What would help")[0]
+    assert first.startswith("Neither partitioner fits micro_batch=1: autoaccum's step: Even "
+                            "micro_batch=1 needs"), first
+    assert "XLA's own partitioning of it: Even micro_batch=1 needs" in first
+    assert "What would help" in out["error"]
+    assert {p["partitioner"] for p in out["probes"]} == set(PARTITIONERS)
+    assert not any(p["fits"] for p in out["probes"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("training.test_xla_partitioned")
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_either_partitioners_flax_step_trains_as_one_device_does(four_devices, strategy):
     fits = four_devices["flax"][strategy]["fits"]
