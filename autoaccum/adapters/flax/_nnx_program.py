@@ -36,6 +36,7 @@ from ...training._nonfinite import (
     validate_on_nonfinite,
 )
 from ...training._step_accumulation import placed_accumulate, step_accumulation
+from ...training._updated_weights import split_until_gathered
 from ._nnx_batch_norm import EffectiveBatchNorm
 from ._sharding import own_placement, own_specs
 
@@ -173,7 +174,8 @@ def make_flax_step(
         new_other = keep_other(ok, new_other, other)
         if layout is not None:
             wsc = jax.lax.with_sharding_constraint
-            new_params = wsc(new_params, layout.shardings(layout.params))
+            new_params = wsc(split_until_gathered(new_params, layout),
+                             layout.shardings(layout.params))
             new_opt_state = wsc(new_opt_state, layout.shardings(layout.optimizer))
             new_other = wsc(new_other, jax.tree.map(lambda _: layout.replicated, new_other))
         accum_steps = micro_steps(batches)

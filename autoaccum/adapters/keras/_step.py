@@ -34,6 +34,7 @@ from ...planning._train_program import StepMetrics
 from ...training._accumulate import mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
 from ...training._step_accumulation import step_accumulation
+from ...training._updated_weights import split_until_gathered
 from ._internals import loss_tracker
 from ._keras_batch_norm import BatchStats
 from ._keras_lr import scaled_learning_rate
@@ -214,6 +215,7 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
             new_trainable, new_optimizer = update_if_finite(finite, apply, old, acc.grad_sum)
             new_mutable, new_metrics = keep_if_finite(finite, (new_mutable, new_metrics),
                                                       (mutable, metrics_vars))
+        new_trainable = split_until_gathered(new_trainable, strategy_layout)
         new_state = (new_trainable, new_mutable, new_optimizer, new_metrics)
         if strategy_layout is not None:
             new_state = jax.lax.with_sharding_constraint(
