@@ -114,25 +114,34 @@ planner keeps by its rule, A = autoaccum's, X = XLA's):
     4 x H100    strategy    split  autoaccum     XLA partitioner  planned
     few large   replicated  1 x 4  4.51x (1.00)  5.01x (1.11)     A
     few large   replicated  4 x 1  4.03x (0.90)  4.03x (0.90)     A
-    few large   zero1       1 x 4  3.13x (1.04)  3.75x (1.25)     A
-    few large   zero1       4 x 1  2.64x (1.17)  2.63x (1.17)     X
-    few large   zero2       1 x 4  2.88x (1.28)  2.63x (1.17)     X
-    few large   zero2       4 x 1  2.64x (1.17)  2.63x (1.17)     X
+    few large   zero1       1 x 4  3.01x (1.00)  3.75x (1.25)     A
+    few large   zero1       4 x 1  2.64x (1.17)  2.27x (1.01)     X
+    few large   zero2       1 x 4  2.88x (1.28)  2.50x (1.11)     X
+    few large   zero2       4 x 1  2.64x (1.17)  2.27x (1.01)     X
     few large   fsdp        1 x 4  2.64x (1.32)  1.75x (0.88)     X
     few large   fsdp        4 x 1  2.41x (1.20)  1.52x (0.76)     X
     many small  replicated  1 x 4  4.13x (1.00)  5.00x (1.21)     A
     many small  replicated  4 x 1  4.00x (0.97)  4.00x (0.97)     A
     many small  zero1       1 x 4  2.53x (0.96)  3.63x (1.38)     A
-    many small  zero1       4 x 1  2.44x (1.30)  2.44x (1.30)     X
-    many small  zero2       1 x 4  2.44x (1.30)  2.47x (1.32)     X
-    many small  zero2       4 x 1  2.44x (1.30)  2.44x (1.30)     X
+    many small  zero1       4 x 1  2.06x (1.10)  1.97x (1.05)     X
+    many small  zero2       1 x 4  2.31x (1.23)  2.31x (1.23)     X
+    many small  zero2       4 x 1  2.06x (1.10)  1.97x (1.05)     X
     many small  fsdp        1 x 4  1.47x (1.18)  2.00x (1.60)     A
     many small  fsdp        4 x 1  1.22x (0.98)  1.75x (1.40)     A
     kept 2 x 2  own         1 x 4  2.38x (1.19)  (the same)       own
     kept 2 x 2  own         4 x 1  2.38x (1.19)  (the same)       own
 
+(4 x H100 rerun 2026-11-28 after zero1 and zero2 keep the updated weights split until they
+are gathered, ``autoaccum/training/_updated_weights.py``: the select that skips a non-finite
+step had run on whole gathered weights, and XLA's latency-hiding scheduler kept several of
+them alive beside the old ones. Before: few large zero1 1 x 4 3.13x (1.04), zero1 and zero2
+4 x 1 2.63x (1.17) with XLA's step, zero2 1 x 4 2.63x (1.17); many small zero1 and zero2
+4 x 1 2.44x (1.30), zero2 1 x 4 2.44x (1.30) / 2.47x (1.32). Host figures are unchanged by
+it; a TPU step keeps libtpu's own layout, under which the v5e-4 needs less: with the
+constraint its many small zero2 1 x 4 read 3.48x (1.86).)
+
 Where the planner takes XLA's step the need falls: few large fsdp 1 x 4 on 4 x H100 1.32 ->
-0.88 of the floor (2.64x -> 1.75x the weights), 4 x 1 1.20 -> 0.76; zero2 1 x 4 1.28 -> 1.17
+0.88 of the floor (2.64x -> 1.75x the weights), 4 x 1 1.20 -> 0.76; zero2 1 x 4 1.28 -> 1.11
 (H100) and 1.22 (v5e-4); on the v5e-4 fsdp 4 x 1 0.88 -> 0.69, many small fsdp 4 x 1 0.97 ->
 0.84. Elsewhere XLA's step holds up to 1.6x more (many small fsdp 1 x 4 on the H100, zero1
 1 x 4 everywhere: its scan keeps each whole gradient until the all-reduce), so autoaccum's
@@ -154,15 +163,17 @@ A need below the floor (fsdp on both, XLA's partitioning of replicated and fsdp 
 the compiler holds less than the floor's model of the step (one whole gathered weight and its
 gradient, one whole gradient): a matmul on a split weight that never gathers it whole (a
 collective matmul) would do that (not checked on the HLO). Still above 1.25x in the planned
-column: many small zero2 1 x 4 on the v5e-4 (1.32x, both steps), and on the H100 many small
-zero1 4 x 1 and zero2 (1.30-1.32x, both steps).
-On the H100 every row above 1.25x is XLA's latency-hiding scheduler overlapping each
-reduce-scatter with the next gradient's computation (the collective's buffers stay live):
-compiled with ``xla_gpu_enable_latency_hiding_scheduler=false``, few large zero2 1 x 4 reads
-1.06 (1.28 with it), fsdp 1 x 4 1.07 (1.32), many small zero1 and zero2 4 x 1 1.02 (1.30),
-zero2 1 x 4 1.02 (1.30). The scheduler holds back where its memory limit binds: with
+column: many small zero2 1 x 4 on the v5e-4 (1.32x, both steps: libtpu holds about four more
+whole gradients in the micro-batch loop, each reduce-scattered as an all-reduce of a padded
+copy), and on host devices the kept layout at 1 x 4 (1.37x: XLA:CPU all-reduces a split
+gradient and slices it). On the H100 the rows that were above 1.25x were XLA's latency-hiding
+scheduler overlapping a collective with the next computation (the collective's buffers stay
+live): compiled with ``xla_gpu_enable_latency_hiding_scheduler=false`` (before the updated
+weights stayed split), few large zero2 1 x 4 read 1.06 (1.28 with it), fsdp 1 x 4 1.07
+(1.32), many small zero1 and zero2 4 x 1 1.02 (1.30), zero2 1 x 4 1.02 (1.30). The
+scheduler holds back where its memory limit binds: with
 ``xla_gpu_memory_limit_slop_factor=1`` (1% of the 80 GB, below these needs) few large fsdp
-1 x 4 reads 1.07 and zero2 1.17 (many small: unchanged). So on a real GPU a plan near the
+1 x 4 read 1.07 and zero2 1.17 (many small: unchanged). So on a real GPU a plan near the
 device's memory may hold less overlap than these small models show; not measured on a GPU.
 (``xla_tpu_enable_latency_hiding_scheduler=false`` changes nothing on the v5e-4.)
 
