@@ -18,9 +18,11 @@ zero2 34.5 / 80.2, fsdp 21.5 / 66.1 (one device, whole batch: 63.1 / 111). fsdp'
 weights. Before fsdp gathered each weight where it is used (commit a98d8b2: the whole tree
 gathered at the start of each micro-step and kept through its backward pass) it needed
 33.4 / 71.8 MiB, temp 23.8 MiB at micro-batch 1. With a 42.3 MiB budget the planner chose
-zero2 (autoaccum's step), micro-batch 2 x 4 x 4 (41.3 MiB), in 103 s and 15 compiles; 62 s
-and 12 compiles before it weighed XLA's partitioning of each strategy's step (zero1's, which
-does not fit either, and zero2's at its split).
+zero2 (autoaccum's step), micro-batch 2 x 4 x 4 (41.3 MiB), in 112 s and 16 compiles; 103 s
+and 15 compiles before it weighed XLA's step beyond autoaccum's split too (one compile at
+micro-batch 4, where autoaccum's step was refused; XLA's did not fit there either), 62 s and
+12 compiles before it weighed XLA's partitioning of each strategy's step at all (zero1's,
+which does not fit either, and zero2's at its split).
 
 LoRA stack (8 LoRA layers, rank 8, over 512 x 512 frozen kernels: 8.0 MiB of frozen base;
 AdamW on the adapters; micro-batch 4 x 2 per device): need per device replicated 9.30 MiB,
