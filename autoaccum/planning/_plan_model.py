@@ -644,14 +644,12 @@ def _neither_partitioner_fits(ours: DoesNotFitError,
     first sentences, then the rest of autoaccum's step's (what would help), with both steps'
     probes."""
     rest = str(ours).split(". ", 1)
-    error = DoesNotFitError(
-        f"Neither partitioner fits micro_batch=1: autoaccum's step: {first_line(ours)}; XLA's "
-        f"own partitioning of it: {first_line(theirs)}."
-        + (f" {rest[1]}" if len(rest) > 1 else ""),
+    return DoesNotFitError(
+        f"Neither partitioner's step fits: autoaccum's step: {first_line(ours)}; XLA's own "
+        f"partitioning of it: {first_line(theirs)}." + (f" {rest[1]}" if len(rest) > 1 else ""),
         probes=(*ours.probes, *theirs.probes), resident=ours.resident,
         budget_bytes=ours.budget_bytes or theirs.budget_bytes,
         smallest_profile=ours.smallest_profile, alternatives=ours.alternatives)
-    return error
 
 
 def with_strategy(plan: Plan, strategy: str,

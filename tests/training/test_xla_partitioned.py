@@ -108,7 +108,7 @@ def test_where_neither_partitioner_fits_the_error_quotes_both(four_devices):
     out = four_devices["flax"]["neither"]
     assert "error" in out, out
     first = out["error"].split(". What would help")[0]
-    assert first.startswith("Neither partitioner fits micro_batch=1: autoaccum's step: Even "
+    assert first.startswith("Neither partitioner's step fits: autoaccum's step: Even "
                             "micro_batch=1 needs"), first
     assert "XLA's own partitioning of it: Even micro_batch=1 needs" in first
     assert "What would help" in out["error"]
