@@ -44,6 +44,27 @@ def test_a_layout_partitioned_by_xla_accumulates_as_one_device_does():
     assert jnp.allclose(acc.grad_sum, whole, rtol=1e-6)
 
 
+def test_the_error_for_a_step_neither_partitioner_fits_gives_both_verdicts_and_probes():
+    from autoaccum.planning._plan_model import _neither_partitioner_fits
+    from autoaccum.planning._search import DoesNotFitError, Probe
+
+    def probe(partitioner):
+        return Probe(1, 8, 6 << 20, False, "", None, partitioner=partitioner)
+
+    ours = DoesNotFitError("Even micro_batch=1 needs 6 MiB, over the budget of 4 MiB by 2 MiB. "
+                           "What would help: remat.", probes=(probe("autoaccum"),),
+                           budget_bytes=4 << 20)
+    theirs = DoesNotFitError("Even micro_batch=1 needs 5 MiB, over the budget of 4 MiB by 1 "
+                             "MiB. What would help: remat.", probes=(probe("xla"),))
+    error = _neither_partitioner_fits(ours, theirs)
+    assert str(error) == (
+        "Neither partitioner's step fits: autoaccum's step: Even micro_batch=1 needs 6 MiB, "
+        "over the budget of 4 MiB by 2 MiB; XLA's own partitioning of it: Even micro_batch=1 "
+        "needs 5 MiB, over the budget of 4 MiB by 1 MiB. What would help: remat.")
+    assert [p.partitioner for p in error.probes] == ["autoaccum", "xla"]
+    assert error.budget_bytes == 4 << 20
+
+
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
     done = subprocess.run([sys.executable, "-m", "tests._floor_child", "partitioners"],
