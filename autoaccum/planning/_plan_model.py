@@ -621,12 +621,9 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
                         f"{wider.micro_batch} ({format_bytes(wider.need_bytes)} per device), "
                         f"autoaccum's {plan.micro_batch} at most (micro-batch "
                         f"{above.micro_batch} needs {format_bytes(above.need_bytes)} with it)")
-                seen = {(p.micro_batch, p.accum_steps, p.last_micro_batch, p.remat)
-                        for p in wider.probes}
-                probes = tuple(p for p in probes if p.partitioner == "autoaccum" or (
-                    p.micro_batch, p.accum_steps, p.last_micro_batch, p.remat) not in seen)
+                # XLA's search holds its own probes: after autoaccum's, only those.
                 return dataclasses.replace(wider, partitioner="xla",
-                                           probes=(*probes, *wider.probes),
+                                           probes=(*plan.probes, *wider.probes),
                                            notes=(*wider.notes, note)), xla
     theirs = probe.need_bytes
     if theirs > XLA_PARTITIONER_SLACK * ours or theirs > budget:
