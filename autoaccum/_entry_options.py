@@ -28,9 +28,9 @@ from .training._epoch_batches import num_examples
 from .training._keyword_errors import explains_keywords, where_option_lives
 from .training._training_options import Training
 
-__all__ = ["changed", "drops", "examples_of", "explains_keywords", "learning_rate_spec",
-           "plan_to_train", "program_options", "refuse_unread", "specs", "where_option_lives",
-           "with_examples", "with_targets"]
+__all__ = ["changed", "drops", "effective_batch_of", "examples_of", "explains_keywords",
+           "learning_rate_spec", "plan_to_train", "program_options", "refuse_unread", "specs",
+           "where_option_lives", "with_examples", "with_targets"]
 
 def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
           training: Any = None) -> tuple[Target, Search, Training]:
@@ -45,6 +45,28 @@ def specs(*, device: Any = None, budget: Any = None, target: Any = None, search:
     the_target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
     return (the_target, spec_of(Search, search, "search"),
             spec_of(Training, training, "training"))
+
+
+def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> Any:
+    """``effective_batch`` as given, or the given plan's when it is left out (``None``).
+
+    Example:
+      >>> effective_batch_of(8, None, "fit")
+      8
+      >>> try:
+      ...     effective_batch_of(None, None, "fit")
+      ... except ValueError as error:
+      ...     print(str(error)[-30:])
+      Received: effective_batch=None
+    """
+    if effective_batch is not None:
+        return effective_batch
+    if plan is None:
+        raise ValueError(
+            f"{where} needs effective_batch=: the number of examples per optimizer step, e.g. "
+            f"`{where}(model, data, effective_batch=8)` (or plan=autoaccum.plan(...), whose "
+            "effective batch it takes). Received: effective_batch=None")
+    return getattr(plan, "effective_batch", None)
 
 
 def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,

@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from ._entry_options import (
     drops,
+    effective_batch_of,
     examples_of,
     explains_keywords,
     learning_rate_spec,
@@ -37,7 +38,7 @@ def fit(
     data: Any = None,
     y: Any = None,
     *,
-    effective_batch: int,
+    effective_batch: int | None = None,
     sample_weight: Any = None,
     epochs: int = 1,
     optimizer: Any = None,
@@ -71,8 +72,8 @@ def fit(
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
         batch: fit checks that it matches (sizes of weights, optimizer state and examples,
         learning-rate rule, device count; not a dry run for another GPU) and trains with it
-        without planning again. Planning options (``budget``, ``device``, ...) are refused
-        next to it.
+        without planning again; ``effective_batch`` may then be left out (the plan's).
+        Planning options (``budget``, ``device``, ...) are refused next to it.
       search: an :class:`autoaccum.Search`, as for :func:`autoaccum.plan`; with
         ``method="auto"`` the first training step is the real verification.
       training: an :class:`autoaccum.Training`: example order and seed, the initial epoch,
@@ -114,7 +115,8 @@ def fit(
         raise ValueError("fit needs the training data as its second argument, e.g. "
                          "`autoaccum.fit(model, (x, y), effective_batch=...)` (Keras models: "
                          "also `autoaccum.fit(model, x, y, ...)`). Received: data=None")
-    effective_batch = validate_effective_batch(effective_batch)
+    effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
+                                                                      "fit"))
     epochs = validate_positive_int("epochs", epochs)
     the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
                                                  search=search, training=training)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._entry_options import (
+    effective_batch_of,
     explains_keywords,
     learning_rate_spec,
     plan_to_train,
@@ -29,7 +30,7 @@ def train_step(
     model: Any,
     data: Any,
     *,
-    effective_batch: int,
+    effective_batch: int | None = None,
     optimizer: Any = None,
     loss_fn: Any = None,
     trainable: Any = None,
@@ -67,7 +68,8 @@ def train_step(
         :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and ``trainable`` are Flax's: a
         Keras model uses what it was compiled with).
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
-        batch (checked, not planned again); ``None``: plan now, as :func:`autoaccum.plan`.
+        batch (checked, not planned again; ``effective_batch`` may then be left out);
+        ``None``: plan now, as :func:`autoaccum.plan`.
       training: an :class:`autoaccum.Training`; the step reads ``on_nonfinite`` (``"stop"``
         raises ``NonFiniteError`` and the model keeps the state before the step; ``"skip"``:
         the step changes nothing, ``StepOutput.applied`` is False), ``backup`` (a host copy
@@ -115,7 +117,8 @@ def train_step(
       >>> sorted(out.logs), int(net.optimizer.iterations)
       (['loss', 'mae'], 1)
     """
-    effective_batch = validate_effective_batch(effective_batch)
+    effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
+                                                                      "train_step"))
     adapter = adapter_for(model)
     the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
                                                  search=search, training=training)

@@ -47,6 +47,25 @@ def test_fit_with_a_plan_trains_with_it_and_compiles_no_probe(planned):
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_fit_and_train_step_take_the_effective_batch_from_the_plan(planned):
+    plan, data = planned
+    result = autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, plan=plan, log=None, verbose=0,
+                           **OPTIONS)
+    assert result.plan is plan and result.steps == 32 // 8
+    step = autoaccum.train_step(TinyLM(rngs=nnx.Rngs(0)), data, plan=plan, log=None,
+                                **OPTIONS)
+    assert step.plan is plan
+
+
+def test_fit_without_effective_batch_or_plan_says_what_to_pass():
+    data = ragged_tokens(8, 16)
+    for entry in (autoaccum.fit, autoaccum.train_step):
+        with pytest.raises(ValueError, match=r"needs effective_batch=.*plan=autoaccum\.plan"
+                                             r".*Received: effective_batch=None"):
+            entry(TinyLM(rngs=nnx.Rngs(0)), data, log=None, **OPTIONS)
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_plan_for_another_effective_batch_is_refused(planned):
     plan, data = planned
     with pytest.raises(ValueError, match=r"made for effective_batch=8.*Received: "
