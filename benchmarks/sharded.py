@@ -177,7 +177,22 @@ scheduler holds back where its memory limit binds: with
 ``xla_gpu_memory_limit_slop_factor=1`` (1% of the 80 GB, below these needs) few large fsdp
 1 x 4 read 1.07 and zero2 1.17 (many small: unchanged). So on a real GPU a plan near the
 device's memory may hold less overlap than these small models show; not measured on a GPU.
-(``xla_tpu_enable_latency_hiding_scheduler=false`` changes nothing on the v5e-4.)
+
+libtpu options on the v5e-4 (2026-11-28; a deviceless TPU target's options reach libtpu since
+then: they had been probed on the CPU backend and dropped, which read as "changes nothing").
+Need / floor, autoaccum's step (XLA's where it differs), default -> with the option:
+``xla_tpu_enable_all_reduce_scatter_fusion=false`` (reduce-scatters not run as all-reduces of
+a padded copy): many small zero2 1 x 4 1.32 -> **1.24** (both steps), fsdp 1 x 4 1.20 -> 1.07,
+but many small zero1/zero2 4 x 1 1.08 -> 1.34, fsdp 4 x 1 0.97 -> 1.41, zero1 1 x 4 0.96 ->
+1.15, and few large zero2 1 x 4 1.28 -> 1.67 (XLA's 1.22 -> 1.45), fsdp 1 x 4 1.13 -> 1.50,
+zero1/zero2/fsdp 4 x 1 1.00/1.00/0.88 -> 1.56/1.56/1.38: no rule by strategy or split keeps
+it, so it would have to be compiled both ways per plan; not adopted (its speed on a real TPU
+is unknown). ``xla_tpu_enable_latency_hiding_scheduler=false``: many small zero2 1.38 (1 x 4)
+and 1.40 (4 x 1). ``xla_tpu_enable_scheduler_memory_pressure_tracking``,
+``..._depth_memory_pressure_reduction``, ``..._decompose_reduce_scatter_fusion``,
+``..._decompose_every_reduce_scatters_hlos``, ``..._reduce_scatter_legalizer=false``,
+``..._assign_all_reduce_scatter_layout=false``, ``..._async_collective_fusion_fuse_reduce_
+scatter=false``, ``..._force_delay_over_memory_pressure=false``: no change on that row.
 
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.

@@ -255,7 +255,11 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     with the same GEMMs."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
-    options = known_compile_options(dict(target.compiler_options)) if target is not None else {}
+    options = {} if target is None else dict(target.compiler_options)
+    if target is not None and not (target.deviceless and target.platform == "tpu"):
+        # Probed by a compile on this machine's backend, which would drop every libtpu
+        # option (``xla_tpu_*``) of a TPU that is not here: libtpu checks those itself.
+        options = known_compile_options(options)
     if target is not None and target.platform == "tpu":
         with _without_jax_cache_warnings():
             return compile_within_hbm(lowered, options)

@@ -3,6 +3,7 @@
 budget is the HBM XLA's compile-time check allows, and a step over it, which that check
 refuses, is read as "does not fit" and planned around."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,9 +17,13 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.cli._main import main
+from autoaccum.devices import find_profile
 from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._extras import MissingExtraError
+from autoaccum.planning._measure import measure_program
+from autoaccum.planning._targets import resolve_target
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 pytest.importorskip("libtpu")  # the `tpu` extra: make test installs it
@@ -228,3 +233,23 @@ def test_zero_strategies_on_four_tpu_chips_hold_no_whole_micro_batch_gradient(st
     # reduce-scatter after the whole micro-batch gradient it held 1.39x that.
     assert estimate.need_bytes <= 1.1 * estimate.floor_bytes, (estimate.need_bytes,
                                                                estimate.floor_bytes)
+
+
+def test_libtpu_compile_options_of_a_tpu_target_reach_libtpu():
+    # They used to be probed on this machine's CPU backend, which knows no `xla_tpu_*`
+    # option, and dropped: a TPU target's options changed nothing.
+    target = resolve_target(find_profile("v5e-1")).compile_target
+    spec = {"tokens": jax.ShapeDtypeStruct((17,), jnp.int32),
+            "mask": jax.ShapeDtypeStruct((17,), jnp.int32)}
+    program = flax_program(nnx.eval_shape(lambda: TinyLM(rngs=nnx.Rngs(0))), spec,
+                           loss_fn=token_loss, tx=optax.adamw(1e-3))
+
+    def with_options(**options):
+        return dataclasses.replace(target, compiler_options=tuple(options.items()),
+                                   fingerprint=f"{target.fingerprint} {options}")
+
+    known = measure_program(program, 2, 2, with_options(
+        xla_tpu_enable_latency_hiding_scheduler=False))
+    assert known.need_bytes > 0
+    with pytest.raises(Exception, match="xla_tpu_no_such_option"):
+        measure_program(program, 2, 2, with_options(xla_tpu_no_such_option=True))
