@@ -191,8 +191,9 @@ is unknown). ``xla_tpu_enable_latency_hiding_scheduler=false``: many small zero2
 and 1.40 (4 x 1). ``xla_tpu_enable_scheduler_memory_pressure_tracking``,
 ``..._depth_memory_pressure_reduction``, ``..._decompose_reduce_scatter_fusion``,
 ``..._decompose_every_reduce_scatters_hlos``, ``..._reduce_scatter_legalizer=false``,
-``..._assign_all_reduce_scatter_layout=false``, ``..._async_collective_fusion_fuse_reduce_
-scatter=false``, ``..._force_delay_over_memory_pressure=false``: no change on that row.
+``..._assign_all_reduce_scatter_layout=false``,
+``..._async_collective_fusion_fuse_reduce_scatter=false`` and
+``..._force_delay_over_memory_pressure=false``: no change on that row.
 
 Multi-GPU dry runs for named GPUs (``device="t4", devices=2``) and the story table of
 issue 21 item 3 (gemma3 on 1 x T4, 2 x T4, 4 x L4, 8 x A100) are another script's.
