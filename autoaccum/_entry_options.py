@@ -22,7 +22,7 @@ from .planning._plan_options import (
     refuse_unread,
     spec_of,
 )
-from .planning._reuse import PLANNING_OPTIONS, reuse_plan
+from .planning._reuse import PLANNING_OPTIONS, reuse_plan, validate_plan_type
 from .planning._targets import is_deviceless, slice_devices
 from .training._epoch_batches import num_examples
 from .training._keyword_errors import explains_keywords, where_option_lives
@@ -66,7 +66,7 @@ def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> A
             f"{where} needs effective_batch=: the number of examples per optimizer step, e.g. "
             f"`{where}(model, data, effective_batch=8)` (or plan=autoaccum.plan(...), whose "
             "effective batch it takes). Received: effective_batch=None")
-    return getattr(plan, "effective_batch", None)
+    return validate_plan_type(plan).effective_batch
 
 
 def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,

@@ -15,7 +15,7 @@ from ._plan_model import prepare
 from ._resident import resident_of
 from ._train_program import tree_bytes
 
-__all__ = ["PLANNING_OPTIONS", "reuse_plan"]
+__all__ = ["PLANNING_OPTIONS", "reuse_plan", "validate_plan_type"]
 
 PLANNING_OPTIONS = ("device", "budget", "memory_fraction", "devices", "hosts", "strategy",
                     "remat", "objective", "method", "depth_variant")
@@ -64,6 +64,26 @@ def _check_sizes(plan: Plan, prepared: Prepared) -> None:
         )
 
 
+def validate_plan_type(plan: Any) -> Plan:
+    """``plan`` if it is a :class:`~._plan.Plan`, else a ``ValueError`` saying what ``plan=``
+    takes (a dict from ``Plan.to_dict()`` or ``--json`` is a report of a plan, not one).
+
+    Example:
+      >>> try:
+      ...     validate_plan_type({"micro_batch": 4})
+      ... except ValueError as error:
+      ...     print(str(error)[-27:])
+      Received: plan of type dict
+    """
+    if not isinstance(plan, Plan):
+        hint = (" (a dict from Plan.to_dict() or `autoaccum plan --json` is a report of a "
+                "plan, which fit does not load: plan again where you train)"
+                if isinstance(plan, dict) else "")
+        raise ValueError(f"plan= takes the Plan that autoaccum.plan(...) returned{hint}. "
+                         f"Received: plan of type {type(plan).__name__}")
+    return plan
+
+
 def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_batch: int,
                options: dict, remat_layers: Any = None, data_parallel: Any = "auto",
                planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
@@ -90,9 +110,7 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
       ...
       ValueError: plan= was made for effective_batch=8. Plan for 4, or pass effective_batch=8. Received: effective_batch=4
     """  # noqa: E501
-    if not isinstance(plan, Plan):
-        raise ValueError("plan= takes the Plan that autoaccum.plan(...) returned. Received: "
-                         f"plan of type {type(plan).__name__}")
+    validate_plan_type(plan)
     _refuse_planning_options(planning_options or {})
     if plan.deviceless:
         raise ValueError(

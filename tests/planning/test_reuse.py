@@ -65,6 +65,17 @@ def test_fit_without_effective_batch_or_plan_says_what_to_pass():
             entry(TinyLM(rngs=nnx.Rngs(0)), data, log=None, **OPTIONS)
 
 
+def test_a_plan_report_dict_without_effective_batch_is_refused_as_not_a_plan():
+    # A plan's JSON (to_dict, --json) is a report; fit does not load it: it must say so,
+    # not that effective_batch is missing.
+    data = ragged_tokens(8, 16)
+    for entry in (autoaccum.fit, autoaccum.train_step):
+        with pytest.raises(ValueError, match=r"takes the Plan.*to_dict\(\).*plan again"
+                                             r".*Received: plan of type dict"):
+            entry(TinyLM(rngs=nnx.Rngs(0)), data, plan={"effective_batch": 8}, log=None,
+                  **OPTIONS)
+
+
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_plan_for_another_effective_batch_is_refused(planned):
     plan, data = planned
