@@ -59,7 +59,7 @@ def test_fewer_examples_than_one_effective_batch():
 
 
 def test_unknown_lr_rule():
-    with pytest.raises(ValueError, match="Unknown lr_rule"):
+    with pytest.raises(ValueError, match="Unknown learning-rate rule"):
         _fit(learning_rate=autoaccum.LearningRate(rule="quadratic"))
 
 

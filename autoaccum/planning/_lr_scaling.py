@@ -62,7 +62,7 @@ class LearningRateScaling:
     learning_rate: float | Callable[[Any], Any] | None
     adam: AdamAdjustment | None = None
     reason: str = ""
-    """Why this rule: ``"base_batch not given"``, ``"lr_rule given"``, or the optimizer
+    """Why this rule: ``"base_batch not given"``, ``"rule given"``, or the optimizer
     family it was chosen for (``"Adam-family optimizer"``)."""
 
     @property
@@ -80,7 +80,7 @@ class LearningRateScaling:
         Example:
           >>> s = scale_learning_rate(1e-3, effective_batch=16, base_batch=4, rule="linear")
           >>> print(s.notice())  # doctest: +NORMALIZE_WHITESPACE
-          autoaccum: learning rate 0.001 -> 0.004 (linear rule, lr_rule given;
+          autoaccum: learning rate 0.001 -> 0.004 (linear rule, rule given;
           effective batch 16 / base batch 4)
           >>> scale_learning_rate(1e-3, effective_batch=16).notice() is None
           True
@@ -138,16 +138,42 @@ def announce(scaling: LearningRateScaling, log: Any) -> None:
 
 
 def validate_lr_rule(rule: str | None) -> str | None:
-    """Returns ``rule`` if known (or ``None``), else raises a ``ValueError`` listing them."""
+    """Returns ``rule`` (``LearningRate.rule``) if known (or ``None``), else raises a
+    ``ValueError`` listing them."""
     if rule is None:
         return None
     if not isinstance(rule, str) or rule not in LR_RULES:
         raise ValueError(
-            f"Unknown lr_rule. Use one of {', '.join(repr(r) for r in LR_RULES)}: 'linear' for "
-            f"SGD-like optimizers, 'sqrt' for the Adam family, 'none' to keep the learning "
-            f"rate. Received: {received('lr_rule', rule)}"
+            f"Unknown learning-rate rule. Use one of {', '.join(repr(r) for r in LR_RULES)}: "
+            "'linear' for SGD-like optimizers, 'sqrt' for the Adam family, 'none' to keep the "
+            f"learning rate. Received: {received('rule', rule)}"
         )
     return rule
+
+
+def check_base_batch_given(rule: str | None, base_batch: int | None,
+                           adjust_adam: bool = False) -> None:
+    """A ``ValueError`` where a rule that scales the rate (or ``adjust_adam``) comes without
+    the ``base_batch`` to scale it from (``LearningRate`` checks it when it is built).
+
+    Example:
+      >>> check_base_batch_given("linear", 8)
+      >>> try:
+      ...     check_base_batch_given("linear", None)
+      ... except ValueError as error:
+      ...     print(str(error)[-40:])
+      Received: rule='linear', base_batch=None
+    """
+    if base_batch is not None or (rule in (None, "none") and not adjust_adam):
+        return
+    given = received("rule", rule) if rule not in (None, "none") else "adjust_adam=True"
+    raise ValueError(
+        f"LearningRate({given}) scales the learning rate from the batch size it was tuned "
+        "for, so it needs base_batch too: e.g. LearningRate(value=..., base_batch=32, "
+        f"{given}) for a rate tuned at batch 32 (base_batch=1 with rule='linear' scales by "
+        "the whole effective batch; on the command line --base-batch). Without base_batch "
+        f"the rate is kept as given. Received: {given}, base_batch=None"
+    )
 
 
 def scale_learning_rate(
@@ -188,16 +214,8 @@ def scale_learning_rate(
       '0.0001, unchanged: none (base_batch not given)'
     """
     validate_lr_rule(rule)
+    check_base_batch_given(rule, base_batch, adjust_adam)
     if base_batch is None:
-        if rule not in (None, "none") or adjust_adam:
-            given = (received("lr_rule", rule) if rule not in (None, "none")
-                     else "adjust_adam=True")
-            raise ValueError(
-                f"{given} scales the learning rate from the batch size it was tuned for, so it "
-                "needs base_batch= too (e.g. base_batch=32 for a rate tuned at batch 32; "
-                "base_batch=1, lr_rule='linear' scales by the whole effective batch). Without "
-                f"base_batch the rate is kept as given. Received: {given}, base_batch=None"
-            )
         return LearningRateScaling(rule="none", base_batch=None, effective_batch=effective_batch,
                                    factor=1.0, base_learning_rate=base_learning_rate,
                                    learning_rate=base_learning_rate, reason=NOT_GIVEN)
@@ -207,15 +225,15 @@ def scale_learning_rate(
             f"positive integer. Received: {received('base_batch', base_batch)}"
         )
     if rule is not None:
-        reason = "lr_rule given"
+        reason = "rule given"
     elif family in FAMILY_RULES:
         rule, reason = FAMILY_RULES[family], f"{FAMILY_NAMES[family]} optimizer"
     else:
         raise ValueError(
             f"base_batch={base_batch} asks autoaccum to scale the learning rate, but it cannot "
-            f"tell which rule fits {optimizer_name}. Pass lr_rule='linear' (SGD, momentum), "
-            "lr_rule='sqrt' (Adam family) or lr_rule='none'. Received: lr_rule=None, "
-            f"optimizer {optimizer_name}"
+            f"tell which rule fits {optimizer_name}. Give the rule: LearningRate(..., "
+            "rule='linear') (SGD, momentum), rule='sqrt' (Adam family) or rule='none' (on the "
+            f"command line --lr-rule). Received: rule=None, optimizer {optimizer_name}"
         )
     k = effective_batch / base_batch
     factor = {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
@@ -223,8 +241,8 @@ def scale_learning_rate(
     if adjust_adam:
         if rule != "sqrt":
             raise ValueError(
-                "adjust_adam applies Malladi et al.'s square-root rule and needs lr_rule='sqrt'. "
-                f"Received: {received('lr_rule', rule)}, adjust_adam=True"
+                "adjust_adam applies Malladi et al.'s square-root rule and needs rule='sqrt'. "
+                f"Received: {received('rule', rule)}, adjust_adam=True"
             )
         nb1, nb2 = 1 - k * (1 - b1), 1 - k * (1 - b2)
         if not (0 <= nb1 < 1 and 0 <= nb2 < 1):

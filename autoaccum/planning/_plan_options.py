@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from ._budget import parse_budget
 from ._depth import DepthVariant
-from ._lr_scaling import validate_lr_rule
+from ._lr_scaling import check_base_batch_given, validate_lr_rule
 from ._objective import validate_objective
 from ._option_checks import (
     as_int,
@@ -192,6 +192,7 @@ class LearningRate:
         if not isinstance(self.adjust_adam, bool):
             raise ValueError(f"adjust_adam must be True or False. Received: "
                              f"{received('adjust_adam', self.adjust_adam)}")
+        check_base_batch_given(self.rule, self.base_batch, self.adjust_adam)
 
 
 Spec = TypeVar("Spec")

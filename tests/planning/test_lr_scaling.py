@@ -50,7 +50,7 @@ def test_schedule_is_scaled_per_optimizer_step():
 
 
 def test_unknown_rule_lists_the_rules():
-    with pytest.raises(ValueError, match=r"'linear', 'sqrt', 'none'.*Received: lr_rule='cubic'"):
+    with pytest.raises(ValueError, match=r"'linear', 'sqrt', 'none'.*Received: rule='cubic'"):
         scale_learning_rate(1e-3, effective_batch=8, rule="cubic")
 
 

@@ -26,6 +26,9 @@ def test_a_spec_is_frozen_and_keyword_only():
     (lambda: autoaccum.Search(uneven="yes"), "Received: uneven='yes'"),
     (lambda: autoaccum.LearningRate(rule="cubic"), "cubic"),
     (lambda: autoaccum.LearningRate(base_batch=0), "base_batch"),
+    (lambda: autoaccum.LearningRate(value=0.1, rule="linear"),
+     r"needs base_batch too.*Received: rule='linear', base_batch=None"),
+    (lambda: autoaccum.LearningRate(adjust_adam=True), r"Received: adjust_adam=True, base_batch"),
     (lambda: autoaccum.Training(seed=-1), "Received: seed=-1"),
 ])
 def test_bad_fields_are_refused_when_the_spec_is_built(build, match):

@@ -113,13 +113,14 @@ def test_lr_rule_overrides_the_family_and_reproduces_the_labs_story():
     np.testing.assert_allclose(kernel, _reference(optax.adam(16e-3)), rtol=1e-5)
 
 
-def test_lr_rule_without_base_batch_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"needs base_batch= too.*Received: lr_rule='linear'"):
+def test_a_rule_without_base_batch_is_refused_when_the_spec_is_built():
+    with pytest.raises(ValueError, match=r"LearningRate\(rule='linear'\).*needs base_batch too"
+                                         r".*Received: rule='linear', base_batch=None"):
         _trained(optax.sgd(0.1), learning_rate=autoaccum.LearningRate(rule="linear"))
 
 
 def test_an_optimizer_of_no_known_family_needs_lr_rule():
-    with pytest.raises(ValueError, match=r"cannot tell which rule fits.*lr_rule='linear'"):
+    with pytest.raises(ValueError, match=r"cannot tell which rule fits.*rule='linear'"):
         _trained(optax.sign_sgd(1e-3), learning_rate=autoaccum.LearningRate(base_batch=4))
     assert _trained(optax.sign_sgd(1e-3),
                     learning_rate=autoaccum.LearningRate(base_batch=4,
