@@ -133,6 +133,24 @@ def deviceless_target(
     )
 
 
+def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
+    """The TPU slices with ``chips`` chips, ``profile``'s generation first, or every slice
+    where none has that many (or ``chips`` is ``None``).
+
+    Example:
+      >>> _slices_with(4, find_profile("v6e-8"))
+      'v6e-4, v4-8, v5e-4, v5p-8'
+    """
+    from ._profiles import all_profiles
+
+    slices = [p for p in all_profiles() if p.tpu is not None]
+    same = [p for p in slices if p.tpu.chips == chips]
+    chosen = same or slices
+    family = profile.key.split("-")[0]
+    chosen.sort(key=lambda p: p.key.split("-")[0] != family)
+    return ", ".join(p.key for p in chosen)
+
+
 def tpu_target(profile: DeviceProfile, *, devices: int | None = None,
                hosts: int | None = None) -> DevicelessTarget:
     """A :class:`DevicelessTarget` over the chips of ``profile``'s TPU slice, compiled for by
@@ -147,9 +165,9 @@ def tpu_target(profile: DeviceProfile, *, devices: int | None = None,
     if devices not in (None, spec.chips) or hosts not in (None, spec.hosts):
         raise ValueError(
             f"A {profile.name} has {spec.chips} chip(s) on {spec.hosts} host(s), and a dry run "
-            f"plans over all of them. Name the slice with the chips you want instead (v5e-1, "
-            f"v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v4-8, v5p-8: `autoaccum devices` lists them) and "
-            f"leave devices/hosts unset. Received: device={profile.key!r}, devices={devices}, "
+            f"plans over all of them. Name the slice with the chips you want instead "
+            f"({_slices_with(devices, profile)}: `autoaccum devices` lists them) and leave "
+            f"devices/hosts unset. Received: device={profile.key!r}, devices={devices}, "
             f"hosts={hosts}")
     _require_libtpu(profile)
     topology, mesh, sharding = _make_tpu_target(spec.topology, spec.chips_per_host_bounds,

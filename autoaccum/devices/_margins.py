@@ -54,8 +54,9 @@ _WHEN = ("always", "command_buffers", "deviceless")
 _COMMAND_BUFFER_FLAG = re.compile(r"--xla_gpu_enable_command_buffer=(\S*)")
 
 CONTEXT_SOURCE = (
-    "the CUDA context and driver state live outside JAX's pool (~300 MB on a T4 with CUDA 12; "
-    "more once TensorFlow also initializes the GPU); XLA's allocator takes its fraction of "
+    "the CUDA context and driver state live outside JAX's pool (~300 MB, the figure known for "
+    "a T4 with CUDA 12, taken for every GPU until measured on it; more once TensorFlow also "
+    "initializes the GPU); XLA's allocator takes its fraction of "
     "CUDA's total, so the pool can only grow into what the context leaves"
 )
 WORKSPACE_SOURCE = (
@@ -71,8 +72,8 @@ COMMAND_BUFFER_SOURCE = (
 )
 NOT_MEASURED = "not measured on a GPU yet (benchmarks/gpu_validation.py; docs/accuracy.md)"
 CONTEXT_PROVENANCE = (
-    "estimate: ~300 MB of CUDA context on a T4 with CUDA 12, from NVIDIA's and JAX's GPU "
-    f"memory documentation; {NOT_MEASURED}"
+    "estimate for every GPU: ~300 MB of CUDA context, as on a T4 with CUDA 12 (NVIDIA's and "
+    f"JAX's GPU memory documentation); {NOT_MEASURED}"
 )
 WORKSPACE_PROVENANCE = (
     "estimate: ~32 MiB of cuBLAS/cuDNN workspace that a deviceless compile does not "

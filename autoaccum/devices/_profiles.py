@@ -183,10 +183,13 @@ class DeviceProfile:
         >>> from autoaccum.devices._profiles import find_profile
         >>> find_profile("t4").interconnect_line()
         'PCIe Gen3 x16, no NVLink (32 GB/s per GPU, both directions)'
+        >>> find_profile("kaggle-tpu").interconnect_line().endswith("per chip, both directions)")
+        True
         """
         if not self.interconnect:
             return "not stated in the profile"
-        rate = (f" ({self.interconnect_gbps:g} GB/s per GPU, both directions)"
+        unit = "chip" if self.tpu is not None else "GPU"
+        rate = (f" ({self.interconnect_gbps:g} GB/s per {unit}, both directions)"
                 if self.interconnect_gbps else "")
         return f"{self.interconnect}{rate}"
 

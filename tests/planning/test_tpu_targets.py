@@ -101,8 +101,11 @@ def test_an_effective_batch_over_the_hbm_is_planned_around_with_accumulation():
 
 
 def test_a_slice_asked_for_another_chip_count_is_refused_naming_the_slices():
-    with pytest.raises(ValueError, match=r"v5e-4.*Received: device='v5e-8', devices=4"):
+    with pytest.raises(ValueError, match=r"instead \(v5e-4, [^:]*: .*Received: "
+                                         r"device='v5e-8', devices=4") as refused:
         deviceless_target("v5e-8", devices=4)
+    named = str(refused.value).split("instead (")[1].split(":")[0].split(", ")
+    assert sorted(named) == ["v4-8", "v5e-4", "v5p-8", "v6e-4"]  # the 4-chip slices only
 
 
 def test_memory_fraction_with_a_tpu_is_refused_with_the_budget_as_fix():
