@@ -72,8 +72,8 @@ COMMAND_BUFFER_SOURCE = (
 )
 NOT_MEASURED = "not measured on a GPU yet (benchmarks/gpu_validation.py; docs/accuracy.md)"
 CONTEXT_PROVENANCE = (
-    "estimate for every GPU: ~300 MB of CUDA context, as on a T4 with CUDA 12 (NVIDIA's and "
-    f"JAX's GPU memory documentation); {NOT_MEASURED}"
+    "estimate: ~300 MB of CUDA context, the figure for a T4 with CUDA 12 taken for every GPU "
+    f"(NVIDIA's and JAX's GPU memory documentation); {NOT_MEASURED}"
 )
 WORKSPACE_PROVENANCE = (
     "estimate: ~32 MiB of cuBLAS/cuDNN workspace that a deviceless compile does not "
