@@ -76,8 +76,11 @@ def test_missing_loss_fn_and_optimizer_explain_the_contract():
 
 
 def test_loss_fn_returning_a_mean_explains_the_contract():
-    with pytest.raises(ValueError, match=r"must return \(sum_of_losses, number_of_valid_items\)"):
+    with pytest.raises(ValueError, match=r"must return \(sum_of_losses, number_of_valid_items\)"
+                                         r".*Received: one scalar \(a mean\?\)"):
         _fit(loss_fn=lambda m, b: token_loss(m, b)[0])
+    with pytest.raises(ValueError, match=r"Received: a tuple of 3"):
+        _fit(loss_fn=lambda m, b: (*token_loss(m, b), 0))
 
 
 def test_unknown_model_type_names_supported_frameworks():

@@ -56,10 +56,17 @@ def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
 def checked_loss(out: Any) -> tuple[jax.Array, jax.Array]:
     """``loss_fn``'s output as (scalar sum, scalar count), or a ``ValueError`` with the fix."""
     if not (isinstance(out, tuple) and len(out) == 2):
+        if isinstance(out, (list, tuple)):
+            got = f"a {type(out).__name__} of {len(out)}"
+        elif jnp.ndim(out) == 0:
+            got = ("one scalar (a mean?): autoaccum divides once, by the valid items of the "
+                   "whole effective batch, so it needs the sum and the count apart")
+        else:
+            got = f"one array of shape {jnp.shape(out)}"
         raise ValueError(
             "loss_fn(model, batch) must return (sum_of_losses, number_of_valid_items), "
-            "e.g. (jnp.sum(loss * mask), jnp.sum(mask)). Received: "
-            f"{type(out).__name__}"
+            "e.g. (jnp.sum(loss * mask), jnp.sum(mask)) or (jnp.sum(losses), losses.shape[0]). "
+            f"Received: {got}"
         )
     loss_sum, count = out
     for name, value in (("sum_of_losses", loss_sum), ("number_of_valid_items", count)):
