@@ -60,10 +60,11 @@ class Budget:
         return [f"margin: {m.describe()}" for m in self.margins]
 
 
-def _fix_hint(value: object) -> str:
+def _fix_hint(value: object, why: str = "") -> str:
     return (
-        "Give bytes (an int), a size string such as '12GiB', '800MiB' or '16 GB', or a fraction "
-        f"of the device such as 0.8 or '80%'. Received: budget={value!r}"
+        f"{why}Give bytes (an int), a size string such as '12GiB', '800MiB' or '16 GB' (GiB, "
+        "MiB, KiB: powers of 1024; GB, MB, KB: of 1000), or a fraction of the device such as "
+        f"0.8 or '80%'. Received: budget={value!r}"
     )
 
 
@@ -114,7 +115,8 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         raise ValueError(_fix_hint(value))
     if fraction is not None:
         if not 0 < fraction <= 1:
-            raise ValueError(_fix_hint(value))
+            raise ValueError(_fix_hint(value, "A fraction of the device's memory is over 0 and "
+                                              "at most 1 (100%). "))
         if capacity_bytes is None:
             raise ValueError(
                 "A fractional budget needs a device that reports its memory; give the budget "
@@ -123,7 +125,7 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         number = int(capacity_bytes * fraction)
         return Budget(number, "user", f"{fraction:.0%} of {format_bytes(capacity_bytes)}")
     if number <= 0:
-        raise ValueError(_fix_hint(value))
+        raise ValueError(_fix_hint(value, "A budget is a positive amount of memory. "))
     return Budget(int(number), "user", f"given: {value!r}")
 
 

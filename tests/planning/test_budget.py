@@ -26,6 +26,14 @@ def test_unparseable_budget_names_the_accepted_forms(bad):
         parse_budget(bad, capacity_bytes=1000)
 
 
+@pytest.mark.parametrize(("bad", "why"), [
+    ("150%", r"at most 1 \(100%\)"), (-5, "positive amount"), (0, "positive amount"),
+    ("12 parsecs", r"GB, MB, KB: of 1000")])
+def test_a_budget_out_of_range_says_which_range(bad, why):
+    with pytest.raises(ValueError, match=why):
+        parse_budget(bad, capacity_bytes=1000)
+
+
 def test_fraction_without_capacity_asks_for_bytes():
     with pytest.raises(ValueError, match="in bytes"):
         parse_budget("50%")
