@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory one step may need: bytes, '12GiB', or a fraction such as "
                         "'90%%'. Default: from the device")
     target.add_argument("--memory-fraction", type=float, default=None, metavar="F",
-                        help="JAX's share of the named GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); "
+                        help="JAX's share of the named GPU (XLA_CLIENT_MEM_FRACTION); "
                         "default: the device profile's")
     target.add_argument("--data-parallel", default=None, metavar="N|auto",
                         help="on this machine: the devices the batch is split over (--model "

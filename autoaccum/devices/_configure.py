@@ -61,7 +61,7 @@ def configure(
     if jax_started():
         warnings.warn(
             "autoaccum.configure() was called after JAX started its backends. JAX reads its "
-            "memory settings (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_FLAGS, ...) once, when they "
+            "memory settings (XLA_CLIENT_MEM_FRACTION, XLA_FLAGS, ...) once, when they "
             "start, so these apply only after a restart. Call configure() before running "
             "anything with jax, keras or keras_hub (on Colab: restart the runtime and run it "
             "in the first cell).",

@@ -159,7 +159,7 @@ def validate_memory_fraction(memory_fraction: object, device: object = None, *,
             or not 0 < float(memory_fraction) <= 1):
         raise ValueError(
             "memory_fraction is JAX's share of the named GPU's memory "
-            "(XLA_PYTHON_CLIENT_MEM_FRACTION), a number in (0, 1] such as 0.9. "
+            "(XLA_CLIENT_MEM_FRACTION), a number in (0, 1] such as 0.9. "
             f"Received: {received('memory_fraction', memory_fraction)}"
         )
     if (device is None and needs_device) or (device is not None and _is_cpu_profile(device)):
@@ -167,7 +167,7 @@ def validate_memory_fraction(memory_fraction: object, device: object = None, *,
             "memory_fraction applies to a named GPU (device='t4', 'a100-80gb', ...): it sets "
             "the pool JAX gets there. With no GPU device (the CPU, or a TPU, whose memory XLA "
             "assigns when it compiles) it changes nothing; to limit memory pass budget= (e.g. "
-            "'8GiB' or '80%'), or set XLA_PYTHON_CLIENT_MEM_FRACTION before JAX starts "
+            "'8GiB' or '80%'), or set XLA_CLIENT_MEM_FRACTION before JAX starts "
             "(autoaccum.configure). "
             f"Received: {received('memory_fraction', memory_fraction)}, "
             f"{received('device', device)}"
