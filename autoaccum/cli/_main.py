@@ -193,7 +193,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
     print_table(["profile", "name", "devices", "memory", "fraction", "JAX pool", "step budget",
                  "compiled for", "extra", "bf16"], rows)
     print("GPU: JAX pool = memory x the profile's default fraction (what JAX preallocates); "
-          "step budget = pool - margins (CUDA context, cuDNN workspace); --memory-fraction "
+          "step budget = pool - margins (CUDA context, cuDNN workspace) + a tolerance for "
+          "deviceless compiles where the profile states one (so it can exceed the pool: see "
+          "docs/guides/margins.md); --memory-fraction "
           "changes the fraction.\nTPU: per chip; the pool is the HBM XLA's compile-time check "
           "allows, and a step over it is refused by the compile itself.\ncompiled for: how a "
           "dry run compiles for it without it (deviceless), with what `pip install "
