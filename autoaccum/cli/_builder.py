@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -119,6 +120,11 @@ _FLAGS: dict[tuple[str, str], tuple[str, str]] = {
 }
 """Each option of a spec that a flag sets: ``(argument, field) -> (flag, attribute of the
 parsed arguments)``."""
+
+_SPELLINGS = {**{field: flag for (_, field), (flag, _) in _FLAGS.items()
+                 if field not in ("value", "uneven", "cache")},
+              "effective_batch": "--effective-batch", "lr_rule": "--lr-rule"}
+"""Keywords of the Python API that error messages name, and the flag that sets each."""
 
 _PLAIN = {("target", "device"), ("target", "budget")}
 """Spec fields the entry points also take as plain keywords (``device=``, ``budget=``)."""
@@ -235,3 +241,22 @@ def _same(a: Any, b: Any) -> bool:
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else f"<{type(value).__name__}>"
+
+
+def with_flag_spellings(message: str) -> str:
+    """``message`` (an error the Python API raised, which names its keywords) with the flags
+    that set the keywords it names, so a command-line user knows what to type.
+
+    Example:
+      >>> with_flag_spellings("needs base_batch too. Received: rule='linear', base_batch=None")
+      "needs base_batch too. Received: rule='linear', base_batch=None (on the command line: \
+base_batch is --base-batch, rule is --lr-rule)"
+      >>> with_flag_spellings("no keyword here")
+      'no keyword here'
+    """
+    named = sorted({m.group(1) for m in re.finditer(r"\b([a-z_]+)=", message)
+                    if m.group(1) in _SPELLINGS})
+    if not named:
+        return message
+    return (f"{message} (on the command line: "
+            + ", ".join(f"{name} is {_SPELLINGS[name]}" for name in named) + ")")

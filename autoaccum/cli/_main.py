@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from ..devices._quiet import quiet_command_line
 from ._advise_command import cmd_advise, without_tensorflow
 from ._builder import load_model_function as load_model_function
-from ._builder import merge_flags, spec_kwargs
+from ._builder import merge_flags, spec_kwargs, with_flag_spellings
 from ._errors import CliError, import_error_message, report_does_not_fit, report_error
 from ._tables import print_table
 
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if isinstance(error, DoesNotFitError):
             return report_does_not_fit(error, json_mode=json_mode)
-        return report_error(str(error), code=2, json_mode=json_mode)
+        return report_error(with_flag_spellings(str(error)), code=2, json_mode=json_mode)
     except ImportError as error:
         return report_error(import_error_message(error, "autoaccum"), code=1,
                             json_mode=json_mode)

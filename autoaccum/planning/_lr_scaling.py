@@ -171,7 +171,7 @@ def check_base_batch_given(rule: str | None, base_batch: int | None,
         f"LearningRate({given}) scales the learning rate from the batch size it was tuned "
         "for, so it needs base_batch too: e.g. LearningRate(value=..., base_batch=32, "
         f"{given}) for a rate tuned at batch 32 (base_batch=1 with rule='linear' scales by "
-        "the whole effective batch; on the command line --base-batch). Without base_batch "
+        "the whole effective batch). Without base_batch "
         f"the rate is kept as given. Received: {given}, base_batch=None"
     )
 

@@ -119,6 +119,12 @@ def test_budget_larger_than_device_is_refused(capsys):
     assert "larger than the memory" in capsys.readouterr().err
 
 
+def test_an_error_naming_python_keywords_gives_their_flags(capsys):
+    assert main([*SMALL, "--device", "colab-tpu", "--memory-fraction", "0.9", "--quiet"]) == 2
+    assert ("(on the command line: budget is --budget, device is --device, memory_fraction is "
+            "--memory-fraction)") in capsys.readouterr().err
+
+
 def test_model_and_preset_are_exclusive(capsys):
     assert main(["plan", "--effective-batch", "8"]) == 2
     assert "exactly one of --model" in capsys.readouterr().err
@@ -193,7 +199,8 @@ def test_without_base_batch_the_rate_is_kept_and_lr_rule_alone_is_refused(capsys
     assert "autoaccum: learning rate" not in captured.err
     assert main([*SMALL, "--budget", "64MiB", "--base-lr", "1e-4", "--lr-rule", "linear"]) != 0
     err = capsys.readouterr().err
-    assert "needs base_batch too" in err and "--base-batch" in err
+    assert "needs base_batch too" in err
+    assert "(on the command line: base_batch is --base-batch, rule is --lr-rule)" in err
 
 
 @pytest.mark.parametrize("json_mode", [False, True])
