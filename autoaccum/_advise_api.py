@@ -11,6 +11,7 @@ from ._entry_options import (
     learning_rate_spec,
     program_options,
     specs,
+    with_targets,
 )
 from .adapters import adapter_for
 from .planning._advisor import (
@@ -40,8 +41,10 @@ __all__ = ["advise"]
 def advise(
     model: Any,
     data: Any,
+    y: Any = None,
     *,
     effective_batch: int,
+    sample_weight: Any = None,
     optimizer: Any = None,
     loss_fn: Any = None,
     trainable: Any = None,
@@ -52,7 +55,6 @@ def advise(
     search: Search | None = None,
     training: Training | None = None,
     log: TextIO | str | None = "stderr",
-    _original: Any = None,
 ) -> Advice:
     """Plans ``model`` as :func:`autoaccum.plan` would; when nothing fits, plans it again with
     each change that could help and lists the ones that fit.
@@ -77,8 +79,8 @@ def advise(
     longest sequence that fits.
 
     Args:
-      model, data, effective_batch, optimizer, loss_fn, trainable, learning_rate, device,
-        budget, target, training: as for :func:`autoaccum.plan`.
+      model, data, y, sample_weight, effective_batch, optimizer, loss_fn, trainable,
+        learning_rate, device, budget, target, training: as for :func:`autoaccum.plan`.
       search: as for :func:`autoaccum.plan`; the rows are always planned compile-only.
       log: where the original plan's probes and each row's verdict are logged.
 
@@ -107,8 +109,23 @@ def advise(
     effective_batch = validate_effective_batch(effective_batch)
     the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
                                                  search=search, training=training)
+    adapter = adapter_for(model)
+    return advise_planned(model, with_targets(adapter, data, y, sample_weight),
+                          effective_batch=effective_batch, optimizer=optimizer,
+                          loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
+                          target=the_target, search=the_search, training=the_training,
+                          log=resolve_log(log))
+
+
+def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: Any,
+                   loss_fn: Any, trainable: Any, learning_rate: Any, target: Target,
+                   search: Search, training: Training, log: TextIO | None,
+                   original: DoesNotFitError | None = None) -> Advice:
+    """:func:`advise` on checked inputs (``data`` with its targets; the specs built);
+    ``original``: the error of the plan already made (``plan(..., advise=True)``), which is
+    not planned again."""
+    the_target, the_search, the_training = target, search, training
     device, remat, devices = the_target.device, the_search.remat, the_target.devices
-    log = resolve_log(log)
     adapter = adapter_for(model)
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                               learning_rate=learning_rate_spec(learning_rate),
@@ -169,7 +186,7 @@ def advise(
             platform="tpu" if platform == "tpu" else "gpu")))
         return stages
 
-    return run_advisor(plan_with, stages_for, log=log, original=_original,
+    return run_advisor(plan_with, stages_for, log=log, original=original,
                        target=f"{adapter.name} {type(model).__name__}, {device or 'here'}")
 
 

@@ -129,12 +129,12 @@ def plan(
     except DoesNotFitError as error:
         if not advise:
             raise
-        from ._advise_api import advise as run_advise
+        from ._advise_api import advise_planned
 
-        advice = run_advise(model, data, effective_batch=effective_batch, optimizer=optimizer,
-                            loss_fn=loss_fn, trainable=trainable, learning_rate=lr,
-                            target=the_target, search=the_search, training=the_training,
-                            log=log, _original=error)
+        advice = advise_planned(model, data, effective_batch=effective_batch,
+                                optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                                learning_rate=lr, target=the_target, search=the_search,
+                                training=the_training, log=log, original=error)
         raise advice.error from None
     return with_examples(plan_, examples_of(prepared),
                          drops(prepared.adapter, the_training.drop_remainder))

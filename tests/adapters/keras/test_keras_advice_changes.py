@@ -307,7 +307,8 @@ def test_a_model_without_a_config_is_refused_with_the_reason():
 @pytest.mark.slow  # about 3 s: the model and the optimizer rows compiled
 def test_a_model_without_a_config_gets_no_copied_rows_and_the_advice_says_why():
     model = scaled_model()
-    advice = autoaccum.advise(model, regression(), effective_batch=2, budget=250_000,
+    x, y = regression()  # x and y apart, as model.fit (and autoaccum.plan) take them
+    advice = autoaccum.advise(model, x, y, effective_batch=2, budget=250_000,
                               log=None, search=autoaccum.Search(cache=False))
     assert not advice.fits
     copied = ("lora_rank", "dtype", "quantize")
