@@ -32,6 +32,7 @@ scalars, step counters) and leaves with no divisible axis stay copied on every d
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,12 +85,25 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
     """
     names = (("auto",) if allow_auto else ()) + STRATEGIES
     if not isinstance(strategy, str) or strategy not in names:
+        hint = ""
+        if isinstance(strategy, str):
+            lowered = strategy.lower().replace("-", "").replace("_", "")
+            if lowered in ("zero3", "zero"):
+                hint = "Use 'fsdp' for ZeRO-3. "
+            elif strategy == "own":
+                hint = ("'own' is what a plan reports for a model whose own layout it kept "
+                        "(its weights already split over a mesh); 'auto' keeps it. ")
+            elif lowered in names and lowered != strategy:
+                hint = f"Did you mean {lowered!r}? "
+            else:
+                near = difflib.get_close_matches(strategy, names, n=1)
+                hint = f"Did you mean {near[0]!r}? " if near else ""
         raise ValueError(
             "strategy must be " + ("'auto' (the least communication that fits), " if allow_auto
                                    else "")
             + "'replicated' (every device holds everything), 'zero1' (optimizer state split "
             "over the devices), 'zero2' (optimizer state and gradient accumulator split) or "
-            "'fsdp' (weights too; ZeRO-3). Use 'fsdp' for ZeRO-3. "
+            f"'fsdp' (weights too; ZeRO-3). {hint}"
             f"Received: {received('strategy', strategy)}"
         )
     return strategy

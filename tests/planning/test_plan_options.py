@@ -20,7 +20,9 @@ def test_a_spec_is_frozen_and_keyword_only():
 
 @pytest.mark.parametrize("build, match", [
     (lambda: autoaccum.Target(budget="a lot"), "Received: budget='a lot'"),
-    (lambda: autoaccum.Target(strategy="zero3"), "zero3"),
+    (lambda: autoaccum.Target(strategy="zero3"), r"Use 'fsdp' for ZeRO-3.*'zero3'"),
+    (lambda: autoaccum.Target(strategy="own"), r"'own' is what a plan reports.*'auto' keeps"),
+    (lambda: autoaccum.Target(strategy="FSDP"), r"Did you mean 'fsdp'\? Received"),
     (lambda: autoaccum.Target(data_parallel=0), "Received: data_parallel=0"),
     (lambda: autoaccum.Search(method="fast"), "Received: method='fast'"),
     (lambda: autoaccum.Search(uneven="yes"), "Received: uneven='yes'"),
