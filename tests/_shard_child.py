@@ -274,6 +274,17 @@ class _AnnotatedLM(nnx.Module):
         return self.down(jax.nn.gelu(self.up(self.embed(tokens))))
 
 
+def _runs_under(mesh, model) -> str:
+    """"" when ``model.up`` (a Linear split over the mesh) runs under ``jax.set_mesh(mesh)``
+    (the user's mesh, ``Explicit`` axes), else the error."""
+    with jax.set_mesh(mesh):
+        try:
+            nnx.jit(lambda m, x: m.up(x))(model, jnp.ones((4, 32), jnp.float32))
+            return ""
+        except Exception as error:  # reported to the test
+            return f"{type(error).__name__}: {error}"[:300]
+
+
 def own_sharding() -> dict:
     """A model whose weights arrive split over a one-axis ('fsdp',) mesh keeps that sharding
     through plan and fit, and trains as the same model on one device; a one-device plan,
@@ -285,6 +296,7 @@ def own_sharding() -> dict:
     with jax.set_mesh(mesh):
         model = _AnnotatedLM(nnx.Rngs(0))
     before = {k: _spec_text(v) for k, v in _weights(model).items()}
+    runs_before = _runs_under(mesh, model)
     ref = _AnnotatedLM(nnx.Rngs(0), annotate=False)
     data = ragged_tokens(64, 10, seed=1)
 
@@ -302,6 +314,8 @@ def own_sharding() -> dict:
                                training=autoaccum.Training(shuffle=False))
     after = {k: _spec_text(v) for k, v in _weights(model).items()}
     axes = sorted({str(v.sharding.mesh.axis_names) for v in _weights(model).values()})
+    on_users_mesh = all(v.sharding.mesh == mesh for v in _weights(model).values())
+    runs_after = _runs_under(mesh, model)
     errors = {}
     try:
         autoaccum.plan(model, data, **opts,
@@ -323,6 +337,7 @@ def own_sharding() -> dict:
         errors["other_devices"] = str(error)
     return {
         "before": before, "after": after, "axes": axes,
+        "on_users_mesh": on_users_mesh, "runs_under_users_mesh": [runs_before, runs_after],
         "plan_devices": plan.data_parallel, "notes": [n for n in plan.notes if "own" in n],
         "steps": [result.steps, ref_result.steps],
         # (leaves: the annotated model's variables carry sharding metadata the plain one lacks)

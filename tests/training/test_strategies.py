@@ -243,6 +243,8 @@ def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_a
     assert out["before"]["embed.embedding"] == "P('fsdp',)"
     assert out["after"] == out["before"], (out["before"], out["after"])
     assert out["axes"] == ["('fsdp',)"] and out["plan_devices"] == 4
+    # Back on the user's own mesh (Explicit axes), so their code under jax.set_mesh runs.
+    assert out["on_users_mesh"] and out["runs_under_users_mesh"] == ["", ""]
     assert out["notes"] and "own sharding is kept for 3 weight(s)" in out["notes"][0]
     assert out["steps"] == [2, 2] and out["params_error"] <= 1e-5
     assert "plan is for one device" in out["errors"]["one_device"]

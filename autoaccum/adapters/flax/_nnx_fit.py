@@ -129,7 +129,9 @@ def flax_fit(
     if on_step_end is not None:
         callback_list.append(_StepFunction(on_step_end))
     warn_if_eval_mode(model)
-    home = home_shardings(model) if placement is not None else None
+    # Where the model's arrays live (a kept layout, or split over the user's one-axis mesh),
+    # to put them back on the user's mesh after training.
+    home = home_shardings(model) if placement is not None or mesh is not None else None
     source = flax_data(data)
     check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
     leftover = (0 if source.num_examples is None
@@ -203,8 +205,8 @@ class _FlaxHooks(FlaxState, FitHooks):
         self.steps_per_epoch, self.verbose, self.stream = steps_per_epoch, verbose, stream
         self.epochs, self.nnx_optimizer = epochs, nnx_optimizer
         self.home = home
-        """The shardings the model's arrays had before training (a kept layout), put back
-        at the end (see :func:`._sharding.rehome`)."""
+        """The shardings the model's arrays had before training (on several devices), put
+        back at the end (see :func:`._sharding.rehome`)."""
         self.written_back = False
 
     def batches(self, epoch: int) -> Iterator[Any]:

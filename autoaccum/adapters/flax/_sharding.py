@@ -239,17 +239,33 @@ def home_shardings(model: nnx.Module) -> Any:
 def rehome(model: nnx.Module, home: Any) -> None:
     """Puts every array of ``model`` that is laid out as in ``home`` (the same devices and
     spec, e.g. on the automatic-axes copy of the user's mesh) back on its sharding in
-    ``home``: the same buffers, no copy."""
+    ``home``: the same buffers, no copy. An array the plan's strategy laid out anew on the
+    automatic-axes copy of a user's mesh (one whose axes are not all automatic, as
+    ``jax.make_mesh`` makes them) goes on that mesh with the strategy's spec, so the model
+    runs under the user's ``jax.set_mesh`` as before."""
     state = nnx.state(model)
+    users = {id(s.mesh): s.mesh for s in jax.tree.leaves(home)
+             if isinstance(s, NamedSharding) and not _all_auto(s.mesh)}
 
     def back(array: Any, sharding: Any) -> Any:
-        if (isinstance(array, jax.Array) and isinstance(sharding, NamedSharding)
-                and array.sharding != sharding
+        if not isinstance(array, jax.Array):
+            return array
+        if (isinstance(sharding, NamedSharding) and array.sharding != sharding
                 and array.sharding.is_equivalent_to(sharding, array.ndim)):
             return jax.device_put(array, sharding)
+        now = array.sharding
+        if isinstance(now, NamedSharding) and _all_auto(now.mesh):
+            for user in users.values():
+                if same_mesh(now.mesh, user):
+                    return jax.device_put(array, NamedSharding(user, now.spec))
         return array
 
     nnx.update(model, jax.tree.map(back, state, home))
+
+
+def _all_auto(mesh: Any) -> bool:
+    types = getattr(mesh, "axis_types", None)
+    return not types or all(str(t).endswith("Auto") for t in types)
 
 
 def own_specs(params: Any) -> tuple[P | None, ...]:
