@@ -9,6 +9,7 @@ restored checkpoint, a hand edit) are what the next step trains.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, NamedTuple, TextIO
 
@@ -16,6 +17,7 @@ import jax
 from flax import nnx
 
 from ...planning._adapter_interface import Prepared
+from ...planning._option_checks import received
 from ...planning._plan import Plan
 from ...training._epoch_batches import as_arrays, num_examples
 from ...training._user_step import UserLoopStep
@@ -100,6 +102,20 @@ class TrainStep(UserLoopStep):
                 f"structure {jax.tree.structure(value)}, expected {expected}")
         self._state.set_opt_state(value)
         self._write_optimizer(0)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken; assign a checkpoint's count to resume it (a count only:
+        schedules resume from ``opt_state``)."""
+        return self._runner.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(
+                "steps is the count of optimizer steps taken, a whole number of at least 0 "
+                f"(e.g. a checkpoint's step.steps). Received: {received('steps', value)}")
+        self._runner.steps = int(value)
 
     def __call__(self, batch: Any) -> StepOutput:
         """Trains one optimizer step on ``batch``; returns its :class:`StepOutput`.

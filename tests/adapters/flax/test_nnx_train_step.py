@@ -86,9 +86,12 @@ def test_a_checkpoint_of_model_and_optimizer_state_resumes_exactly(tmp_path, pla
     again = autoaccum.train_step(restored, DATA, effective_batch=EFFECTIVE, plan=plan,
                                  **OPTIONS)
     again.opt_state = saved["opt_state"]
-    again(batches[1])
+    again.steps = saved["steps"]  # the count resumes too
+    assert again(batches[1]).step == 2 and again.steps == 2
     for a, b in zip(_params(restored), expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"whole number of at least 0.*Received: steps=-1"):
+        again.steps = -1
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
