@@ -17,6 +17,10 @@ where the transient is, per strategy (:mod:`._strategies`):
   A kept layout's accumulator is split over the data axis too where its weight is not
   (``_strategies.accumulator_sharding``).
 
+With one micro-batch and a whole (unsplit) accumulator -- one device, ``replicated`` -- there
+is no transient beyond the accumulator: the micro-batch's gradients are the sum the update
+reads (all of them, since a non-finite one skips the whole update), not added to another.
+
 Activations are not in it: the floor is what no micro-batch can go below. The compiled
 step's need (``MemoryEstimate.need_bytes``) sits beside it in plans, reports, JSON
 (``floor_bytes``) and the advisor's rows, so a step that holds what it does not need (a
@@ -65,6 +69,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
       ...                        example_spec={"x": jax.ShapeDtypeStruct((64,), jnp.float32)})
       >>> step_floor(program, 2, 4) == 65536 + 65536 + 65536 + 4 * 2 * 64 * 4
       True
+      >>> step_floor(program, 8, 1) == 65536 + 65536 + 8 * 64 * 4  # one micro-batch
+      True
     """
     parts = program.parts
     trainable = parts.get("trainable", program.trainable)
@@ -85,7 +91,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                                                    placement.data_axis).shard_shape(x.shape))
                 if isinstance(getattr(x, "sharding", None), NamedSharding) else g
                 for x, g in zip(leaves, grads, strict=True))
-        return state + other + batch + accumulator + max(grads, default=0)
+        single = accum_steps == 1 and last is None and placement is None
+        return state + other + batch + accumulator + (0 if single else max(grads, default=0))
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
     frozen = program.frozen_args
     state = (layout.split_bytes(trainable, layout.params)
@@ -103,6 +110,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                       for x, s in zip(_leaves(frozen), _specs(layout.frozen), strict=True)
                       if _split(s)]
         transient = max(pairs, default=0)
+    elif accum_steps == 1 and last is None and accumulator == sum(whole):
+        transient = 0  # one micro-batch, a whole accumulator: its gradients are the sum
     else:  # zero2: whole before its reduce-scatter; replicated, zero1: whole, copied
         transient = max(whole, default=0)
     return state + other + batch + accumulator + transient
