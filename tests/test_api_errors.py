@@ -212,3 +212,27 @@ def test_a_refused_fit_option_names_the_value_s_type_and_shape_never_the_array()
     assert "999" not in message and len(message) < 600
     with pytest.raises(ValueError, match=r"Received: class_weight=\{0: 1.0, 1: 2.0\}"):
         _fit(class_weight={0: 1.0, 1: 2.0})
+
+
+class _Wide(nnx.Module):
+    """No sequence of blocks to checkpoint; activations of 512 x 256 floats per example."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.hidden, self.out = nnx.Linear(16, 256, rngs=rngs), nnx.Linear(256, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))[..., 0].mean(-1)
+
+
+def test_micro_batch_one_over_the_budget_says_remat_was_not_tried_and_how_to_ask():
+    data = {"x": np.ones((16, 512, 16), np.float32), "y": np.zeros(16, np.float32)}
+
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
+
+    with pytest.raises(autoaccum.DoesNotFitError,
+                       match=r"Rematerialization was not tried: autoaccum found no sequence "
+                             r"of blocks.*Search\(remat_layers=\.\.\.\)"):
+        autoaccum.plan(_Wide(nnx.Rngs(0)), data, effective_batch=8, optimizer=optax.sgd,
+                       learning_rate=0.1, loss_fn=loss_fn, budget="600KiB", log=None,
+                       search=autoaccum.Search(cache=False))

@@ -320,7 +320,8 @@ def plan_model(
                          "on one device only)",)
     original_options = dict(options)
     policies = policies_for(adapter, remat)
-    if remat == "auto" and not adapter.has_remat_layers(model, remat_layers):
+    no_blocks = remat == "auto" and not adapter.has_remat_layers(model, remat_layers)
+    if no_blocks:
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
     strategies: tuple[str, ...] | None = None  # known once the first program is built
     tried: list[Plan] = []
@@ -450,7 +451,14 @@ def plan_model(
         if objective != "throughput":
             break
     if not tried:
-        raise nothing_fits(failures)
+        error = nothing_fits(failures)
+        if no_blocks and error.resident is None:  # compiled, and remat was never tried
+            error = error.with_note(
+                "Rematerialization was not tried: autoaccum found no sequence of blocks to "
+                "checkpoint in this model; name the layers with "
+                "search=autoaccum.Search(remat_layers=...), or checkpoint them yourself "
+                "(nnx.remat, jax.checkpoint).")
+        raise error
     if objective != "throughput":
         chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),
                                      objective="memory")

@@ -96,6 +96,16 @@ class DoesNotFitError(ValueError):
         self.advice: Any = None
         """The whole :class:`~._advisor.Advice` when the advisor ran."""
 
+    def with_note(self, note: str) -> DoesNotFitError:
+        """This error with ``note`` added after its first sentence's verdict (the same
+        probes, resident state and budget)."""
+        error = DoesNotFitError(f"{self.args[0]} {note}", probes=self.probes,
+                                resident=self.resident, budget_bytes=self.budget_bytes,
+                                smallest_profile=self.smallest_profile,
+                                alternatives=self.alternatives)
+        error.advice = self.advice
+        return error
+
     def with_advice(self, advice: Any) -> DoesNotFitError:
         """This error with the advisor's table attached (attribute and message)."""
         error = DoesNotFitError(f"{self.args[0]}\n{advice.table_text()}", probes=self.probes,
