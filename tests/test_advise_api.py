@@ -107,6 +107,8 @@ def test_every_advised_row_fits_when_planned_with_its_change(advice):
 def test_rows_that_cannot_shrink_the_state_are_not_tried(advice):
     tried = [c for c, _ in advice.tried] + [a.change for a in advice.alternatives]
     assert not any(set(c) == {"remat"} for c in tried)
+    # A row that does not fit says its verdict, not the general advice the table replaces.
+    assert advice.tried and all("What would help" not in why for _, why in advice.tried)
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

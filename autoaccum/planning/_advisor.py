@@ -168,9 +168,12 @@ def run_advisor(
                 plan = plan_with(change)
             except Exception as why:  # DoesNotFitError, or a change this model cannot take
                 first = (str(why) or type(why).__name__).splitlines()[0]
-                if not isinstance(why, DoesNotFitError):
+                if isinstance(why, DoesNotFitError):
+                    # The verdict only: the general advice after it is this table's job.
+                    first = first.split(" What would help:")[0]
+                else:
                     first = f"could not plan: {type(why).__name__}: {first}"
-                failed.append((change, first[:240]))
+                failed.append((change, first if len(first) <= 240 else first[:239] + "…"))
                 if stream is not None:
                     print(f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "
                           f"s): {first[:160]}", file=stream, flush=True)
