@@ -236,3 +236,17 @@ def test_micro_batch_one_over_the_budget_says_remat_was_not_tried_and_how_to_ask
         autoaccum.plan(_Wide(nnx.Rngs(0)), data, effective_batch=8, optimizer=optax.sgd,
                        learning_rate=0.1, loss_fn=loss_fn, budget="600KiB", log=None,
                        search=autoaccum.Search(cache=False))
+
+
+def test_no_accumulating_step_fitting_points_to_advise():
+    data = {"x": np.ones((8, 64), np.float32), "y": np.zeros((8, 64), np.float32)}
+
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
+
+    with pytest.raises(autoaccum.DoesNotFitError,
+                       match=r"No micro-batch fits: every accumulating step.*"
+                             r"autoaccum\.advise\(\.\.\.\)"):
+        autoaccum.plan(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), data, effective_batch=8,
+                       optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
+                       budget="30KiB", log=None, search=autoaccum.Search(cache=False))

@@ -289,7 +289,9 @@ def search_micro_batch(
             f"{format_bytes(accumulating_floor)} (weights, optimizer state and the float32 "
             f"gradient accumulator, known from shapes), over the budget of "
             f"{format_bytes(budget_bytes)}, and the whole batch of {limit} in one step needs "
-            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''}",
+            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} "
+            "autoaccum.advise(...) (same arguments; CLI: --advise) lists compile-verified "
+            "changes that fit.",
             probes=tuple(order), budget_bytes=budget_bytes)
 
     def undecided(lo: int, hi: int) -> bool:
