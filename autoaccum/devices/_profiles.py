@@ -369,7 +369,8 @@ def find_profile(name: str) -> DeviceProfile:
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(
         f"Unknown device {name!r}.{hint} Known devices: "
-        f"{', '.join(p.key for p in profiles)} (aliases: {', '.join(known)}). "
+        f"{', '.join(p.key for p in profiles)} (`autoaccum devices --json` lists them with their "
+        "aliases, e.g. 'colab-tpu', 'kaggle-tpu', 'a100'). "
         f"Add a profile file to {profiles_dir()} for a new device. Received: device={name!r}"
     )
 

@@ -77,6 +77,7 @@ def test_unknown_device_name_lists_known_profiles():
     for key in ("t4", "a100-80gb", "h100-80gb", "cpu"):
         assert key in message
     assert "Received: device='tpu-v9'" in message
+    assert len(message) < 800 and "autoaccum devices --json" in message  # lists the aliases
 
 
 def test_unknown_device_name_suggests_near_names():
