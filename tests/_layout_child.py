@@ -97,6 +97,8 @@ def _versus_keras(distribution, *, budget: str, batch_norm: bool = True) -> dict
             "plan": [plan.micro_batch, plan.accum_steps, plan.data_parallel,
                      plan.last_micro_batch],
             "report": plan.report(),
+            "partitioner": [plan.partitioner, history.autoaccum_partitioner,
+                            history.autoaccum_strategy],
         }
     finally:
         keras.distribution.set_distribution(None)

@@ -54,6 +54,9 @@ def main() -> dict:
             "target": plan.target, "need": plan.need_bytes,
             "trainable": plan.estimate.trainable_bytes,
             "here_trainable": here.estimate.trainable_bytes, "here_strategy": here.strategy,
+            "partitioner": [info["partitioner"], here.partitioner,
+                            sorted({p.partitioner for p in here.probes})],
+            "report_says_xla": "partitioned by XLA alone" in here.report(),
             "split": plan.micro_batch * plan.accum_steps * plan.data_parallel}
 
 

@@ -142,7 +142,8 @@ class Plan:
     (``shard_map`` data parallelism; under ``fsdp`` each weight gathered where it is used)
     or ``"xla"`` (the one-device step with the strategy's shardings, partitioned by XLA
     alone), whichever the planner measured as good within 5%, the simpler first (see
-    ``autoaccum.planning.PARTITIONERS``)."""
+    ``autoaccum.planning.PARTITIONERS``); ``"xla"`` for a layout kept as the user made it
+    (``strategy == "own"``), whose step XLA partitions."""
     mesh_axes: tuple[tuple[str, int], ...] = ()
     """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
     (e.g. ``(("batch", 2), ("model", 2))``; the batch is split over its data axis, so

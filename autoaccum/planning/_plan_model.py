@@ -436,8 +436,7 @@ def plan_model(
                     plan = None
         prepared = by_strategy[plan.strategy] if plan is not None else prepared
         if plan is not None:
-            plan = dataclasses.replace(plan, partitioner=getattr(
-                prepared.program, "partitioner", "autoaccum"))
+            plan = dataclasses.replace(plan, partitioner=_partitioner_of(prepared.program))
         if plan is None:
             error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
                 "micro_batch=1 fits under no sharding strategy ("
@@ -541,10 +540,19 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
     return fitting, skipped
 
 
+def _partitioner_of(program: Any) -> str:
+    """Who partitions ``program``'s step over its devices: its own partitioner, or ``"xla"``
+    for a layout kept as the user made it (the one-device step under ``jax.jit`` with the
+    user's shardings, partitioned by XLA: GSPMD)."""
+    if getattr(program, "placement", None) is not None:
+        return "xla"
+    return getattr(program, "partitioner", "autoaccum")
+
+
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:
     """A :class:`Plan` (or a :class:`DoesNotFitError`) whose probes say who partitioned the
     step they compiled: ``prepared``'s program's partitioner."""
-    partitioner = getattr(prepared.program, "partitioner", "autoaccum")
+    partitioner = _partitioner_of(prepared.program)
     if partitioner == "autoaccum":
         return found
     probes = tuple(dataclasses.replace(p, partitioner=partitioner,

@@ -177,6 +177,8 @@ def test_a_models_own_layout_is_kept_over_the_chips_of_a_slice_that_is_not_here(
     assert "TPU v5e-8" in out["target"] and out["split"] == 16
     # Per chip, as on the 8 host devices: the 'model' axis splits the weights four ways.
     assert out["trainable"] == out["here_trainable"] and out["here_strategy"] == "own"
+    # XLA partitions a kept layout's step (GSPMD): the plan, its probes and report say so.
+    assert out["partitioner"] == ["xla", "xla", ["xla"]] and out["report_says_xla"]
 
 
 @pytest.mark.slow  # a child process with 8 host devices and two TPU compiles

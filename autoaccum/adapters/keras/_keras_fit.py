@@ -303,7 +303,9 @@ class _KerasHooks(KerasState, FitHooks):
                                       else "replicated")
         # Who partitioned the strategy's step (Plan.partitioner).
         history.autoaccum_partitioner = (self.strategy_layout.partitioner
-                                         if self.strategy_layout is not None else "autoaccum")
+                                         if self.strategy_layout is not None
+                                         else "xla" if self.placement is not None
+                                         else "autoaccum")
         history.autoaccum_skipped_steps = loop.skipped
         history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
         history.autoaccum_on_nonfinite = self.on_nonfinite
