@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from ..devices._units import format_bytes
 from ._advise_view import Alternative, describe_change, render_html
 from ._plan import Plan
+from ._remat_policies import first_line
 from ._resident import Resident
 from ._search import DoesNotFitError
 
@@ -167,12 +168,12 @@ def run_advisor(
             try:
                 plan = plan_with(change)
             except Exception as why:  # DoesNotFitError, or a change this model cannot take
-                first = (str(why) or type(why).__name__).splitlines()[0]
                 if isinstance(why, DoesNotFitError):
                     # The verdict only: the general advice after it is this table's job.
-                    first = first.split(" What would help:")[0]
+                    first = first_line(why).splitlines()[0]
                 else:
-                    first = f"could not plan: {type(why).__name__}: {first}"
+                    first = ("could not plan: "
+                             f"{type(why).__name__}: {(str(why) or '-').splitlines()[0]}")
                 failed.append((change, first if len(first) <= 240 else first[:239] + "…"))
                 if stream is not None:
                     print(f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "

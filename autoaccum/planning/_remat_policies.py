@@ -23,7 +23,7 @@ import jax
 
 from ._adapter_interface import Adapter
 from ._plan import Plan
-from ._search import DoesNotFitError
+from ._search import ADVISE_HINT, DoesNotFitError
 
 __all__ = ["REMAT_POLICIES", "validate_remat"]
 
@@ -89,6 +89,5 @@ def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError
     return DoesNotFitError(
         f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
         "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
-        "weights), or a larger budget/device. autoaccum.advise(...) (same arguments; CLI: "
-        "--advise) lists compile-verified changes that fit."
+        f"weights), or a larger budget/device. {ADVISE_HINT}"
     )

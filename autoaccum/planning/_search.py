@@ -69,6 +69,11 @@ class SearchResult:
         return -(-per_device_batch // self.micro_batch)
 
 
+ADVISE_HINT = ("autoaccum.advise(...) (same arguments; CLI: --advise) lists compile-verified "
+               "changes that fit.")
+"""The sentence every does-not-fit message ends with: where to find what would fit."""
+
+
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget.
 
@@ -96,26 +101,26 @@ class DoesNotFitError(ValueError):
         self.advice: Any = None
         """The whole :class:`~._advisor.Advice` when the advisor ran."""
 
-    def with_note(self, note: str) -> DoesNotFitError:
-        """This error with ``note`` added after its first sentence's verdict (the same
-        probes, resident state and budget)."""
-        error = DoesNotFitError(f"{self.args[0]} {note}", probes=self.probes,
-                                resident=self.resident, budget_bytes=self.budget_bytes,
-                                smallest_profile=self.smallest_profile,
-                                alternatives=self.alternatives)
-        error.advice = self.advice
+    def _copy(self, message: str, **changes: Any) -> DoesNotFitError:
+        fields = {"probes": self.probes, "resident": self.resident,
+                  "budget_bytes": self.budget_bytes, "smallest_profile": self.smallest_profile,
+                  "alternatives": self.alternatives, **changes}
+        advice = fields.pop("advice", self.advice)
+        error = DoesNotFitError(message, **fields)
+        error.advice = advice
         return error
+
+    def with_note(self, note: str) -> DoesNotFitError:
+        """This error with ``note`` added at the end of its message (all else the same)."""
+        return self._copy(f"{self.args[0]} {note}")
 
     def with_advice(self, advice: Any) -> DoesNotFitError:
         """This error with the advisor's table attached (attribute and message)."""
-        error = DoesNotFitError(f"{self.args[0]}\n{advice.table_text()}", probes=self.probes,
-                                resident=self.resident if self.resident is not None
-                                else advice.resident,
-                                budget_bytes=self.budget_bytes or advice.budget_bytes,
-                                smallest_profile=self.smallest_profile,
-                                alternatives=advice.alternatives)
-        error.advice = advice
-        return error
+        return self._copy(f"{self.args[0]}\n{advice.table_text()}", advice=advice,
+                          resident=self.resident if self.resident is not None
+                          else advice.resident,
+                          budget_bytes=self.budget_bytes or advice.budget_bytes,
+                          alternatives=advice.alternatives)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"fits": false, "error": ..., "resident": {...}, "alternatives": [...]}``."""
@@ -289,9 +294,7 @@ def search_micro_batch(
             f"{format_bytes(accumulating_floor)} (weights, optimizer state and the float32 "
             f"gradient accumulator, known from shapes), over the budget of "
             f"{format_bytes(budget_bytes)}, and the whole batch of {limit} in one step needs "
-            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} "
-            "autoaccum.advise(...) (same arguments; CLI: --advise) lists compile-verified "
-            "changes that fit.",
+            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes)
 
     def undecided(lo: int, hi: int) -> bool:
@@ -357,9 +360,7 @@ def search_micro_batch(
             f"{budget_text} by {format_bytes(need - budget_bytes)}. What would "
             "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
             "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
-            f"or a larger budget/device.{(' ' + advice) if advice else ''} "
-            "autoaccum.advise(...) (same arguments; CLI: --advise) lists compile-verified "
-            "changes that fit.",
+            f"or a larger budget/device.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes,
         )
     if measure_uneven is not None and lo < limit:
