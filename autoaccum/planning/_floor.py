@@ -79,6 +79,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
     other = sum(tree_bytes(v) for k, v in parts.items()
                 if k not in ("trainable", "frozen", "optimizer"))
     leaves = _leaves(trainable)
+    # One micro-batch and a whole (unsplit) accumulator: the gradients are the sum itself.
+    single = accum_steps == 1 and last is None
     if layout is None:  # one device, replicated, or the user's layout (leaves carry it)
         state = tree_bytes(trainable) + tree_bytes(parts.get("frozen")) + tree_bytes(
             parts.get("optimizer"))
@@ -91,8 +93,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                                                    placement.data_axis).shard_shape(x.shape))
                 if isinstance(getattr(x, "sharding", None), NamedSharding) else g
                 for x, g in zip(leaves, grads, strict=True))
-        single = accum_steps == 1 and last is None and placement is None
-        return state + other + batch + accumulator + (0 if single else max(grads, default=0))
+        whole = single and accumulator == sum(grads)
+        return state + other + batch + accumulator + (0 if whole else max(grads, default=0))
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
     frozen = program.frozen_args
     state = (layout.split_bytes(trainable, layout.params)
@@ -110,8 +112,8 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                       for x, s in zip(_leaves(frozen), _specs(layout.frozen), strict=True)
                       if _split(s)]
         transient = max(pairs, default=0)
-    elif accum_steps == 1 and last is None and accumulator == sum(whole):
-        transient = 0  # one micro-batch, a whole accumulator: its gradients are the sum
+    elif single and accumulator == sum(whole):
+        transient = 0
     else:  # zero2: whole before its reduce-scatter; replicated, zero1: whole, copied
         transient = max(whole, default=0)
     return state + other + batch + accumulator + transient
