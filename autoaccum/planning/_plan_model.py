@@ -37,7 +37,7 @@ from ._remat_policies import (
 )
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import DoesNotFitError, Probe, divisors
-from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK
+from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import ResolvedTarget, is_deviceless, resolve_target, slice_devices
 from ._train_program import TrainProgram, tree_bytes
 
@@ -541,12 +541,9 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
 
 
 def _partitioner_of(program: Any) -> str:
-    """Who partitions ``program``'s step over its devices: its own partitioner, or ``"xla"``
-    for a layout kept as the user made it (the one-device step under ``jax.jit`` with the
-    user's shardings, partitioned by XLA: GSPMD)."""
-    if getattr(program, "placement", None) is not None:
-        return "xla"
-    return getattr(program, "partitioner", "autoaccum")
+    """Who partitions ``program``'s step over its devices (see :func:`step_partitioner`)."""
+    return step_partitioner(getattr(program, "partitioner", "autoaccum"),
+                            getattr(program, "placement", None))
 
 
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:

@@ -67,8 +67,8 @@ MIN_SHARDED_ELEMENTS = 1024
 worth a collective)."""
 
 __all__ = ["MIN_SHARDED_ELEMENTS", "PARTITIONERS", "STRATEGIES", "XLA_PARTITIONER_SLACK",
-           "StateLayout", "accumulator_sharding", "leaf_spec", "state_layout", "tree_specs",
-           "validate_partitioner", "validate_strategy"]
+           "StateLayout", "accumulator_sharding", "leaf_spec", "state_layout", "step_partitioner",
+           "tree_specs", "validate_partitioner", "validate_strategy"]
 
 
 def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
@@ -107,6 +107,18 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
             f"Received: {received('strategy', strategy)}"
         )
     return strategy
+
+
+def step_partitioner(partitioner: str, placement: Any) -> str:
+    """Who partitions a step: ``partitioner`` (its layout's), or ``"xla"`` for a layout kept
+    as the user made it (``placement``: the one-device step under ``jax.jit`` with the user's
+    shardings, which XLA partitions).
+
+    Example:
+      >>> step_partitioner("autoaccum", None), step_partitioner("autoaccum", object())
+      ('autoaccum', 'xla')
+    """
+    return "xla" if placement is not None else partitioner
 
 
 def validate_partitioner(partitioner: Any) -> str:

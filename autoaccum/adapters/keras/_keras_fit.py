@@ -26,7 +26,11 @@ import numpy as np
 from ...devices._mesh import resolve_mesh
 from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
-from ...planning._strategies import validate_partitioner, validate_strategy
+from ...planning._strategies import (
+    step_partitioner,
+    validate_partitioner,
+    validate_strategy,
+)
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._nonfinite import validate_on_nonfinite
 from ...training._step_runner import StepOutcome, StepRunner
@@ -302,10 +306,9 @@ class _KerasHooks(KerasState, FitHooks):
                                       else "own" if self.placement is not None
                                       else "replicated")
         # Who partitioned the strategy's step (Plan.partitioner).
-        history.autoaccum_partitioner = (self.strategy_layout.partitioner
-                                         if self.strategy_layout is not None
-                                         else "xla" if self.placement is not None
-                                         else "autoaccum")
+        history.autoaccum_partitioner = step_partitioner(
+            "autoaccum" if self.strategy_layout is None else self.strategy_layout.partitioner,
+            self.placement)
         history.autoaccum_skipped_steps = loop.skipped
         history.autoaccum_optimizer_skipped_steps = loop.optimizer_skipped
         history.autoaccum_on_nonfinite = self.on_nonfinite
