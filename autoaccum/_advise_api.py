@@ -124,12 +124,11 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
     """:func:`advise` on checked inputs (``data`` with its targets; the specs built);
     ``original``: the error of the plan already made (``plan(..., advise=True)``), which is
     not planned again."""
-    the_target, the_search, the_training = target, search, training
-    device, remat, devices = the_target.device, the_search.remat, the_target.devices
+    device, remat, devices = target.device, search.remat, target.devices
     adapter = adapter_for(model)
     options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
                               learning_rate=learning_rate_spec(learning_rate),
-                              batch_stats=the_training.batch_stats)
+                              batch_stats=training.batch_stats)
 
     def plan_with(change: dict[str, Any]) -> Any:
         framework = {k: v for k, v in change.items()
@@ -137,15 +136,15 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
         the_model, opts = model, dict(options)
         if framework:
             the_model, opts = adapter.apply_change(model, opts, framework)
-        row_target = the_target
+        row_target = target
         if "device" in change:
             row_target = dataclasses.replace(row_target, device=change["device"], budget=None,
                                              memory_fraction=None)
         row_target = dataclasses.replace(row_target, devices=change.get("devices", devices))
         # Rows without remat in the change plan without it (cheapest first); the remat stage
         # combines the changes that failed with the most thorough policy.
-        row_search = the_search if not change else dataclasses.replace(
-            the_search, remat=change.get("remat", remat if remat != "auto" else "none"),
+        row_search = search if not change else dataclasses.replace(
+            search, remat=change.get("remat", remat if remat != "auto" else "none"),
             objective="memory", method="compile")
         if framework:
             row_search = dataclasses.replace(row_search, depth_variant=None)
@@ -159,7 +158,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
 
         if "devices" in change:  # the same GPU, more of them
             return most_sharded_first(plan_under)
-        return plan_under(the_target.strategy)
+        return plan_under(target.strategy)
 
     def stages_for(error: DoesNotFitError) -> list[Stage]:
         shapes = error.resident is not None
@@ -170,7 +169,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
         framework = list(changes(model, options)) if changes is not None else []
         floor = error.resident.state_bytes if shapes else 0
         stages: list[Stage] = [lambda found, failed: singles + framework]
-        if framework and adapter.has_remat_layers(model, the_search.remat_layers):
+        if framework and adapter.has_remat_layers(model, search.remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
         platform = device_platform(device)
         if is_deviceless(device) and platform == "tpu":  # the same TPU chip, more of them
@@ -182,7 +181,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
                 devices or 1, effective_batch=effective_batch, floor_bytes=floor,
                 budget_bytes=error.budget_bytes or 0)))
         stages.append(first_fit_stage(larger_devices(
-            error.budget_bytes or 0, floor, memory_fraction=the_target.memory_fraction,
+            error.budget_bytes or 0, floor, memory_fraction=target.memory_fraction,
             platform="tpu" if platform == "tpu" else "gpu")))
         return stages
 

@@ -26,7 +26,7 @@ from ._extras import (
     installed_version,
     missing_from_extra,
 )
-from ._profiles import DeviceProfile, find_profile
+from ._profiles import DeviceProfile, all_profiles, find_profile
 from ._ptxas import deviceless_blocker
 from ._quiet import nvidia_gpu_absent, quiet_native_logs, tpu_absent
 from ._target_config import gpu_target_config
@@ -141,8 +141,6 @@ def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
       >>> _slices_with(4, find_profile("v6e-8"))
       'v6e-4, v4-8, v5e-4, v5p-8'
     """
-    from ._profiles import all_profiles
-
     slices = [p for p in all_profiles() if p.tpu is not None]
     same = [p for p in slices if p.tpu.chips == chips]
     chosen = same or slices

@@ -85,19 +85,7 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
     """
     names = (("auto",) if allow_auto else ()) + STRATEGIES
     if not isinstance(strategy, str) or strategy not in names:
-        hint = ""
-        if isinstance(strategy, str):
-            lowered = strategy.lower().replace("-", "").replace("_", "")
-            if lowered in ("zero3", "zero"):
-                hint = "Use 'fsdp' for ZeRO-3. "
-            elif strategy == "own":
-                hint = ("'own' is what a plan reports for a model whose own layout it kept "
-                        "(its weights already split over a mesh); 'auto' keeps it. ")
-            elif lowered in names and lowered != strategy:
-                hint = f"Did you mean {lowered!r}? "
-            else:
-                near = difflib.get_close_matches(strategy, names, n=1)
-                hint = f"Did you mean {near[0]!r}? " if near else ""
+        hint = _strategy_hint(strategy, names) if isinstance(strategy, str) else ""
         raise ValueError(
             "strategy must be " + ("'auto' (the least communication that fits), " if allow_auto
                                    else "")
@@ -119,6 +107,19 @@ def step_partitioner(partitioner: str, placement: Any) -> str:
       ('autoaccum', 'xla')
     """
     return "xla" if placement is not None else partitioner
+
+
+def _strategy_hint(strategy: str, names: tuple[str, ...]) -> str:
+    """What ``strategy`` (not one of ``names``) most likely meant, as a sentence, or ``""``."""
+    lowered = strategy.lower().replace("-", "").replace("_", "")
+    if lowered == "zero3":
+        return "Use 'fsdp' for ZeRO-3. "
+    if strategy == "own":
+        return ("'own' is what a plan reports for a model whose own layout it kept (its "
+                "weights already split over a mesh); 'auto' keeps it. ")
+    near = ([lowered] if lowered in names
+            else difflib.get_close_matches(strategy, names, n=1))
+    return f"Did you mean {near[0]!r}? " if near else ""
 
 
 def validate_partitioner(partitioner: Any) -> str:

@@ -103,14 +103,10 @@ class TrainStep(UserLoopStep):
         self._state.set_opt_state(value)
         self._write_optimizer(0)
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken; assign a checkpoint's count to resume it (a count only:
-        schedules resume from ``opt_state``)."""
-        return self._runner.steps
-
-    @steps.setter
+    @UserLoopStep.steps.setter
     def steps(self, value: int) -> None:
+        """Assign a checkpoint's count to resume it (a count only: schedules resume from
+        ``opt_state``)."""
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(
                 "steps is the count of optimizer steps taken, a whole number of at least 0 "

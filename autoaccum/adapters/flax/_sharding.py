@@ -44,7 +44,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...devices._placement import Placement, same_mesh
@@ -264,8 +264,7 @@ def rehome(model: nnx.Module, home: Any) -> None:
 
 
 def _all_auto(mesh: Any) -> bool:
-    types = getattr(mesh, "axis_types", None)
-    return not types or all(str(t).endswith("Auto") for t in types)
+    return all(t == AxisType.Auto for t in mesh.axis_types)
 
 
 def own_specs(params: Any) -> tuple[P | None, ...]:
