@@ -347,6 +347,64 @@ def own_sharding() -> dict:
     }
 
 
+def own_abstract_and_deviceless() -> dict:
+    """A model built abstractly (``nnx.eval_shape``) on an ``AbstractMesh`` plans as the same
+    model built on real devices does (one-axis and ('data', 'model') meshes); a model split
+    over a one-axis mesh of its own plans for a TPU slice (deviceless) over the slice's
+    axis; what cannot be kept is refused with a clear error."""
+    import importlib.util
+
+    from jax.sharding import AbstractMesh
+
+    import autoaccum
+
+    data = ragged_tokens(64, 10, seed=1)
+    opts = dict(effective_batch=32, optimizer=optax.adamw, learning_rate=1e-3,
+                loss_fn=token_loss, log=None, search=autoaccum.Search(cache=False),
+                budget="1GiB")
+
+    def planned(model, **more):
+        p = autoaccum.plan(model, data, **opts, **more)
+        return {"strategy": p.strategy, "data_parallel": p.data_parallel,
+                "micro_batch": p.micro_batch, "need": p.estimate.need_bytes}
+
+    out: dict = {}
+    for name, shape, axes in (("one_axis", (4,), ("fsdp",)),
+                              ("two_axes", (2, 2), ("data", "fsdp"))):
+        with jax.sharding.use_abstract_mesh(AbstractMesh(shape, axes)):
+            abstract = nnx.eval_shape(lambda: _AnnotatedLM(nnx.Rngs(0)))
+        with jax.set_mesh(jax.make_mesh(shape, axes, devices=jax.devices()[:4])):
+            real = _AnnotatedLM(nnx.Rngs(0))
+        out[name] = {"abstract": planned(abstract), "real": planned(real)}
+    with jax.set_mesh(jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])):
+        real = _AnnotatedLM(nnx.Rngs(0))
+        narrow = nnx.Linear(8, 20, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), (None, "fsdp")), rngs=nnx.Rngs(0))
+    errors = {}
+    if importlib.util.find_spec("libtpu") is not None:
+        plan = autoaccum.plan(real, data, **{**opts, "budget": None}, device="v5e-4")
+        out["v5e_4"] = {"data_parallel": plan.data_parallel,
+                        "notes": [n for n in plan.notes if "own sharding" in n]}
+        for key, model, device in (("one_chip", real, "v5e-1"),
+                                   ("indivisible", narrow, "v5e-8")):
+            try:
+                data_ = data if model is real else {"x": np.ones((32, 8), np.float32)}
+                loss = token_loss if model is real else (
+                    lambda m, b: (jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]))
+                autoaccum.plan(model, data_, **{**opts, "budget": None, "loss_fn": loss},
+                               device=device)
+            except ValueError as error:
+                errors[key] = str(error)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((8,), ("fsdp",))):
+        too_big = nnx.eval_shape(lambda: _AnnotatedLM(nnx.Rngs(0)))
+    try:
+        autoaccum.plan(too_big, data, **opts)
+    except ValueError as error:
+        errors["too_few_devices"] = str(error)
+    out["errors"] = errors
+    return out
+
+
 class _Block(nnx.Module):
     """A transformer block written as the JAX AI stack's miniGPT tutorial writes it:
     attention and MLP kernels split over the mesh's 'model' axis with
@@ -869,6 +927,7 @@ def fsdp_frozen() -> dict:
 
 
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
+         "own_abstract_and_deviceless": own_abstract_and_deviceless,
          "keras_exact": keras_exact,
          "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,

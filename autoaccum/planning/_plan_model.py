@@ -351,6 +351,14 @@ def plan_model(
                 method, objective, dp_notes = placed_plan_options(
                     program.placement, effective_batch, method, objective, dp_notes)
             own = [s for s in (program.own_specs or ()) if s is not None]
+            if own and mesh is None:
+                raise ValueError(
+                    f"This model's own sharding splits {len(own)} weight(s) over devices, and "
+                    f"the plan is for one device ({device!r}); autoaccum keeps a model's split, "
+                    "it does not copy split weights whole onto one device. Plan for as many "
+                    "devices as the model is split over (devices=N GPUs, or a TPU slice of N "
+                    "chips such as 'v5e-4'), or build the model without a mesh. Received: "
+                    f"device={device!r}, {len(own)} split weight(s) such as {own[0]}")
             if own:
                 dp_notes += (f"sharding: the model's own sharding is kept for {len(own)} "
                              f"weight(s) (split over mesh axis {mesh.axis_names[0]!r} under "

@@ -232,7 +232,8 @@ def test_train_step_and_elastic_recovery_with_sharded_state():
 def own_layouts() -> dict:
     """The own-sharding checks (a one-axis mesh, a ('batch', 'model') mesh) in one child with
     4 host-platform devices, once per session."""
-    return _child_once("shard-own-layouts", 4, "own_sharding", "own_mesh")
+    return _child_once("shard-own-layouts", 4, "own_sharding", "own_mesh",
+                       "own_abstract_and_deviceless")
 
 
 @pytest.mark.slow
@@ -283,6 +284,26 @@ def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_
     assert "both a 'batch' and a 'data' axis" in out["errors"]["ambiguous"]
     assert "plan is for one device" in out["errors"]["one_device"]
     assert "split over its 'batch' axis" in out["errors"]["one_device"]
+
+
+@pytest.mark.slow
+def test_a_model_built_on_an_abstract_mesh_plans_as_on_real_devices_and_for_a_tpu_slice(
+        own_layouts):
+    out = own_layouts["own_abstract_and_deviceless"]
+    for mesh in ("one_axis", "two_axes"):  # nnx.eval_shape under use_abstract_mesh
+        assert out[mesh]["abstract"] == out[mesh]["real"], mesh
+    assert out["two_axes"]["real"]["strategy"] == "own"
+    errors = out["errors"]
+    assert "abstract mesh of 8 devices" in errors["too_few_devices"]
+    assert "xla_force_host_platform_device_count=8" in errors["too_few_devices"]
+    if "v5e_4" not in out:
+        pytest.skip("libtpu (the `tpu` extra) is not installed")
+    # A one-axis ('fsdp',) split kept over the slice's own axis (a raw JAX error before).
+    assert out["v5e_4"]["data_parallel"] == 4
+    assert "kept for 3 weight(s)" in out["v5e_4"]["notes"][0]
+    assert "plan is for one device ('v5e-1')" in errors["one_chip"]
+    assert "does not divide over the 8 devices" in errors["indivisible"]
+    assert "(8, 20) by P(None, 'fsdp')" in errors["indivisible"]
 
 
 def _free_port() -> int:

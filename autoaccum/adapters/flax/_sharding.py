@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...devices._placement import Placement, same_mesh
+from ...devices._placement import Placement, concrete_mesh, same_mesh
 from ...planning._strategies import shaped_like
 
 __all__ = ["DATA_AXIS_NAMES", "data_axis", "home_shardings", "own_mesh", "own_placement",
@@ -88,7 +88,7 @@ _KEEPS = ("autoaccum keeps a model's own sharding when every split weight lives 
 
 def _user_mesh(split: list[tuple[str, Any]]) -> Mesh:
     """The one mesh every split weight lives on, or a ``ValueError``."""
-    meshes = [a.sharding.mesh for _, a in split]
+    meshes = [concrete_mesh(a.sharding.mesh) for _, a in split]
     first = meshes[0]
     for (path, array), mesh in zip(split, meshes, strict=True):
         if not same_mesh(mesh, first):
@@ -210,7 +210,8 @@ def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
 
     def own(leaf: Any) -> NamedSharding:
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and same_mesh(sharding.mesh, user):
+        if (isinstance(sharding, NamedSharding)
+                and same_mesh(concrete_mesh(sharding.mesh), user)):
             return NamedSharding(mesh, sharding.spec)
         return replicated
 
