@@ -77,6 +77,7 @@ def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
     next to it), else planned now. With ``method="auto"`` and elastic steps the first
     training step is the real verification (it backs off on an out-of-memory exactly as
     auto planning would), so planning compiles only."""
+    adapter.check_trainable(model, where)
     if plan is not None:
         given = {**changed(target), **changed(search)}
         the_plan, prepared = reuse_plan(

@@ -136,6 +136,69 @@ planner keeps by its rule, A = autoaccum's, X = XLA's; the replicated 4 x 1 rows
     kept 2 x 2  own         1 x 4  2.38x (1.19)  (the same)       own
     kept 2 x 2  own         4 x 1  2.38x (1.19)  (the same)       own
 
+``--big`` (with ``--device``): the same models at 2 GiB of weights each (a 131072 x 2048
+embedding and its projection; eight 8192 x 8192 layers; the kept DotReluDot 16384 wide), so
+that a replicated step needs 8-10 GiB: near a v5e chip's 16 GiB, where the planner's largest
+micro-batch puts a plan. Measured here (2026-11-28, v5e-4 110 s, 4 x H100 116 s):
+
+    v5e-4, 2 GiB strategy    split  autoaccum     XLA partitioner  planned
+    few large   replicated  1 x 4  5.25x (1.17)  6.25x (1.39)     A
+    few large   replicated  4 x 1  5.00x (1.25)  5.00x (1.25)     A
+    few large   zero1       1 x 4  3.75x (1.25)  5.00x (1.67)     A
+    few large   zero1       4 x 1  3.01x (1.34)  3.00x (1.33)     X
+    few large   zero2       1 x 4  3.75x (1.67)  2.88x (1.28)     X
+    few large   zero2       4 x 1  3.01x (1.34)  3.00x (1.33)     X
+    few large   fsdp        1 x 4  2.38x (1.19)  1.95x (0.97)     X
+    few large   fsdp        4 x 1  1.88x (0.94)  1.50x (0.75)     X
+    many small  replicated  1 x 4  4.25x (1.03)  4.75x (1.15)     A
+    many small  replicated  4 x 1  4.13x (1.03)  4.00x (1.00)     A
+    many small  zero1       1 x 4  2.50x (0.95)  4.10x (1.56)     A
+    many small  zero1       4 x 1  2.30x (1.23)  2.30x (1.23)     X
+    many small  zero2       1 x 4  2.19x (1.17)  2.19x (1.17)     X
+    many small  zero2       4 x 1  2.30x (1.23)  2.30x (1.23)     X
+    many small  fsdp        1 x 4  1.44x (1.15)  2.00x (1.60)     A
+    many small  fsdp        4 x 1  1.26x (1.01)  1.30x (1.04)     X
+    kept 2 x 2  own         1 x 4  3.00x (1.50)  (the same)       own
+    kept 2 x 2  own         4 x 1  2.63x (1.31)  (the same)       own
+
+    4 x H100, 2 GiB strategy  split  autoaccum   XLA partitioner  planned
+    few large   replicated  1 x 4  4.50x (1.00)  5.00x (1.11)     A
+    few large   replicated  4 x 1  4.00x (1.00)  4.00x (1.00)     A
+    few large   zero1       1 x 4  3.00x (1.00)  3.75x (1.25)     A
+    few large   zero1       4 x 1  2.63x (1.17)  2.25x (1.00)     X
+    few large   zero2       1 x 4  2.88x (1.28)  2.50x (1.11)     X
+    few large   zero2       4 x 1  2.63x (1.17)  2.25x (1.00)     X
+    few large   fsdp        1 x 4  2.63x (1.32)  1.75x (0.88)     X
+    few large   fsdp        4 x 1  2.39x (1.19)  1.50x (0.75)     X
+    many small  replicated  1 x 4  4.13x (1.00)  5.00x (1.21)     A
+    many small  replicated  4 x 1  4.00x (1.00)  4.00x (1.00)     A
+    many small  zero1       1 x 4  2.53x (0.96)  3.63x (1.38)     A
+    many small  zero1       4 x 1  1.97x (1.05)  2.00x (1.07)     X
+    many small  zero2       1 x 4  2.22x (1.18)  2.22x (1.18)     X
+    many small  zero2       4 x 1  1.97x (1.05)  2.00x (1.07)     X
+    many small  fsdp        1 x 4  1.47x (1.18)  2.00x (1.60)     A
+    many small  fsdp        4 x 1  1.22x (0.98)  1.75x (1.40)     A
+    kept 2 x 2  own         1 x 4  2.38x (1.19)  (the same)       own
+    kept 2 x 2  own         4 x 1  2.38x (1.19)  (the same)       own
+
+The H100's planned rows are within 1.25x at both sizes. libtpu's are not the same at both:
+many small zero2 1 x 4 is 1.17 here (1.32 at 512 MiB), but few large zero1/zero2 4 x 1 read
+1.33 (1.00), zero2 1 x 4 1.28 (1.22), and the kept layout 1.50 / 1.31 (0.88 / 0.88). Read on
+the compiled HLO (few large zero2 4 x 1, XLA's step, temp 1.50x the weights against the
+floor's 0.75x): libtpu runs each reduce-scatter as its "all-reduce-scatter" fusion, an
+all-reduce of the whole 1 GiB gradient beside it, then the slice; the kept layout's adds
+padded copies (an f32[8208, 8192] all-reduce-scatter concatenated with a collective-permute of
+16 rows). Tried at this size, none a rule: ``xla_tpu_enable_all_reduce_scatter_fusion=false``
+(XLA's few large zero1/zero2 4 x 1 3.00 -> 2.50x, but zero2 1 x 4 2.88 -> 3.25x; kept 1 x 4
+3.00 -> 2.50x, 4 x 1 2.63 -> 2.75x); the kept layout's accumulator laid out like the weights
+instead of split over 'data' as well (1 x 4 2.75x, 4 x 1 2.00x here; 2.63x and 2.01x at the
+512 MiB size, where the split one reads 1.76x); the updated weights kept split until gathered
+(as on a GPU: 3.00 -> 3.13x, autoaccum's 3.01 -> 4.01x); a reduce-scatter written as a ring of
+``ppermute`` in autoaccum's step (worse on every row it touches at 512 MiB, up to 1.99x;
+many small zero2 1 x 4 1.32 -> 1.78x). Which
+choice is lower changes with the model's size, so only compiling each candidate per plan
+would take the lower one.
+
 (4 x H100 rerun 2026-11-28 after zero1 and zero2 keep the updated weights split until they
 are gathered, ``autoaccum/training/_updated_weights.py``: the select that skips a non-finite
 step had run on whole gathered weights, and XLA's latency-hiding scheduler kept several of
@@ -335,16 +398,19 @@ def lora_rows(mesh) -> dict:
 FLOOR_SPLITS = ((1, 4), (4, 1))
 
 
-def floor_models(large: bool = False) -> dict:
+def floor_models(large: bool = False, big: bool = False) -> dict:
     """``name: (make, loss_fn, example spec)`` of the two model shapes of ``--floor``;
     ``large``: each matrix 64-256 MiB instead of 1-8 MiB (for a TPU, whose compiler keeps
-    buffers of a few MiB in the chip's on-core memory, outside the HBM it reports)."""
+    buffers of a few MiB in the chip's on-core memory, outside the HBM it reports); ``big``
+    (with ``large``): 2 GiB of weights per model (each matrix 256 MiB-1 GiB), a replicated
+    step of 8-10 GiB: near a v5e chip's 16 GiB, where plans are made."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    vocab, dim, seq, width = (65536, 1024, 8, 4096) if large else (8192, 256, 8, 512)
+    vocab, dim, seq, width = ((131072, 2048, 8, 8192) if big else (65536, 1024, 8, 4096)
+                              ) if large else (8192, 256, 8, 512)
 
     class EmbedProject(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -378,7 +444,7 @@ def floor_models(large: bool = False) -> dict:
                            {"x": vector, "y": vector})}
 
 
-def floor_child(device: str | None = None) -> dict:
+def floor_child(device: str | None = None, big: bool = False) -> dict:
     """``--floor``'s figures: per model, strategy and split, autoaccum's need, its floor and
     the XLA-partitioned need (bytes), and the weights; on 4 host devices, or (``device``)
     compiled deviceless for 4 of that GPU or a 4-chip TPU slice."""
@@ -405,7 +471,8 @@ def floor_child(device: str | None = None) -> dict:
             raise SystemExit(f"--device must name 4 devices (a GPU, or a 4-chip TPU slice "
                              f"such as v5e-4). Received: --device {device}")
     out: dict = {}
-    for name, (make, loss_fn, spec) in floor_models(large=device is not None).items():
+    for name, (make, loss_fn, spec) in floor_models(large=device is not None,
+                                                    big=big).items():
         model = nnx.eval_shape(make)
         rows = []
         for strategy in STRATEGIES:
@@ -423,16 +490,17 @@ def floor_child(device: str | None = None) -> dict:
                              "xla": theirs, "kept": kept})
         out[name] = {"weights": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             nnx.state(model, nnx.Param)))), "rows": rows}
-    out["kept 2 x 2"] = kept_rows(large=device is not None,
+    out["kept 2 x 2"] = kept_rows(large=device is not None, big=big,
                                   devices=None if device is None else mesh.devices.flat,
                                   target=target)
     return out
 
 
-def kept_rows(*, large: bool, devices=None, target=None) -> dict:
+def kept_rows(*, large: bool, big: bool = False, devices=None, target=None) -> dict:
     """``--floor``'s rows for a layout the user made and autoaccum keeps: Flax's "Scale up
     on multiple devices" DotReluDot (two square kernels, column- then row-split over 'model'
-    of a ('data', 'model') 2 x 2 mesh of the host devices; 1024 or, ``large``, 4096 wide),
+    of a ('data', 'model') 2 x 2 mesh of the host devices; 1024 or, ``large``, 4096 wide,
+    ``big`` 16384: 2 GiB),
     AdamW, kept over ``devices`` (a deviceless target's) when given. The kept step is XLA's
     partitioning of the one-device step (there is no other to compare)."""
     import jax
@@ -443,7 +511,7 @@ def kept_rows(*, large: bool, devices=None, target=None) -> dict:
     from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.planning._measure import measure_program
 
-    dim = 4096 if large else 1024
+    dim = (16384 if big else 4096) if large else 1024
 
     class DotReluDot(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
@@ -475,11 +543,13 @@ def kept_rows(*, large: bool, devices=None, target=None) -> dict:
     return {"weights": 2 * dim * dim * 4, "rows": rows}
 
 
-def floor_main(env: dict, device: str | None = None) -> None:
+def floor_main(env: dict, device: str | None = None, big: bool = False) -> None:
     """Prints ``--floor``'s table (see the module docstring)."""
     here = Path(__file__).resolve().parent
+    if big and device is None:
+        raise SystemExit("--big is for a deviceless target: --floor --device v5e-4 --big")
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-child",
-                           *([device] if device else [])],
+                           *([device] if device else []), *(["--big"] if big else [])],
                           env=env, capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -500,7 +570,8 @@ def floor_main(env: dict, device: str | None = None) -> None:
                          r.get("kept", "own")])
     where = (f"{DEVICES} x {device}, compiled deviceless" if device
              else f"{DEVICES} host devices")
-    print(f"need per device / weights (need / floor) on {where}, AdamW")
+    scale = ", models of 2 GiB of weights" if big else ""
+    print(f"need per device / weights (need / floor) on {where}{scale}, AdamW")
     print_table(["model", "strategy", "split", "autoaccum", "floor", "XLA partitioner",
                  "planned"], rows)
 
@@ -513,7 +584,7 @@ def main() -> None:
     if "--floor" in sys.argv[1:]:
         args = sys.argv[1:]
         device = args[args.index("--device") + 1] if "--device" in args[:-1] else None
-        floor_main(env, device)
+        floor_main(env, device, big="--big" in args)
         return
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env,
                           capture_output=True, text=True, check=False)
@@ -561,7 +632,9 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(child()), flush=True)
-    elif len(sys.argv) in (2, 3) and sys.argv[1] == "--floor-child":
-        print("RESULT " + json.dumps(floor_child(*sys.argv[2:])), flush=True)
+    elif len(sys.argv) in (2, 3, 4) and sys.argv[1] == "--floor-child":
+        names = [a for a in sys.argv[2:] if a != "--big"]
+        print("RESULT " + json.dumps(floor_child(*names, big="--big" in sys.argv[2:])),
+              flush=True)
     else:
         main()

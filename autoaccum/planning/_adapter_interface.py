@@ -120,6 +120,11 @@ class Adapter(Protocol):
         """One real, non-donating step of the model's live state (back-off, timing)."""
         ...
 
+    def check_trainable(self, model: Any, where: str) -> None:
+        """Raises a ``ValueError`` naming the fix when ``model`` cannot be trained by
+        ``where`` (``"fit"``, ``"train_step"``), before anything is planned."""
+        ...
+
     def validate_fit_options(self, options: dict) -> None:
         """Raises a ``ValueError`` naming the fix for ``fit`` options this framework cannot
         honour, before anything is planned."""

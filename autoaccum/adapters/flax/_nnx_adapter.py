@@ -7,6 +7,7 @@ import numbers
 from contextlib import AbstractContextManager
 from typing import Any
 
+import jax
 from flax import nnx
 
 from ...planning._adapter_interface import FitSettings, Prepared
@@ -151,6 +152,19 @@ class FlaxAdapter:
         tx = prepared.extras["tx"]
         return RealStepRunner(prepared.program, (params, other, tx.init(params)), (frozen,),
                               prepared.data)
+
+    def check_trainable(self, model: Any, where: str) -> None:
+        abstract = [".".join(map(str, path)) for path, value in
+                    nnx.to_flat_state(nnx.state(model))
+                    if isinstance(value.get_value() if isinstance(value, nnx.Variable)
+                                  else value, jax.ShapeDtypeStruct)]
+        if abstract:
+            raise ValueError(
+                f"{where}() trains real weights, and this model's are shapes only (as "
+                "nnx.eval_shape makes them): autoaccum.plan() takes such a model, to train "
+                "build it with its weights (e.g. MyModel(nnx.Rngs(0)), under jax.set_mesh "
+                f"for a split one). Received: {len(abstract)} abstract variable(s) such as "
+                f"{abstract[0]}")
 
     def validate_fit_options(self, options: dict) -> None:
         refused = sorted(set(options) - set(FIT_OPTIONS))

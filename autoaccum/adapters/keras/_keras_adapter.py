@@ -173,6 +173,9 @@ class KerasAdapter:
                                     prepared.extras["optimizer"])
         return RealStepRunner(prepared.program, state, (frozen,), prepared.data)
 
+    def check_trainable(self, model: Any, where: str) -> None:
+        pass  # a Keras model always holds its variables (built by fit if need be)
+
     def validate_fit_options(self, options: dict) -> None:
         validate_keras_fit_kwargs(**options)
 

@@ -141,3 +141,14 @@ def test_fit_takes_a_named_gpu_and_its_memory_fraction():
     assert "deviceless" in result.plan.target
     assert result.plan.budget_bytes == t4.budget_bytes(0.5)
     assert result.steps == 2 and np.isfinite(result.losses).all()
+
+
+@pytest.mark.parametrize("entry", [autoaccum.fit, autoaccum.train_step])
+def test_a_model_of_shapes_only_is_refused_for_training_before_planning(entry):
+    model = nnx.eval_shape(lambda: TinyLM(rngs=nnx.Rngs(0)))  # what plan() takes
+    log = io.StringIO()
+    with pytest.raises(ValueError, match=r"trains real weights, and this model's are shapes "
+                       r"only .*autoaccum\.plan\(\) takes such a model"):
+        entry(model, ragged_tokens(64, 12), effective_batch=16, optimizer=optax.adam,
+              learning_rate=1e-3, loss_fn=token_loss, log=log)
+    assert log.getvalue() == ""  # nothing compiled
