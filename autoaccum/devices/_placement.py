@@ -161,6 +161,7 @@ def concrete_mesh(mesh: Mesh | AbstractMesh) -> Mesh:
     """
     if not isinstance(mesh, AbstractMesh):
         return mesh
+
     def axes(m: Any) -> tuple:
         return tuple(m.axis_names), tuple(m.axis_sizes), tuple(m.axis_types)
 

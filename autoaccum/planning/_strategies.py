@@ -67,7 +67,8 @@ MIN_SHARDED_ELEMENTS = 1024
 worth a collective)."""
 
 __all__ = ["MIN_SHARDED_ELEMENTS", "PARTITIONERS", "STRATEGIES", "XLA_PARTITIONER_SLACK",
-           "StateLayout", "accumulator_sharding", "leaf_spec", "state_layout", "step_partitioner",
+           "StateLayout", "accumulator_sharding", "fixed_on_mesh", "leaf_spec", "state_layout",
+           "step_partitioner",
            "tree_specs", "validate_partitioner", "validate_strategy"]
 
 
@@ -384,3 +385,38 @@ def _itemsize(dtype: Any) -> int:
 
     size = getattr(dtype, "itemsize", None)
     return int(size) if size is not None else np.dtype(dtype).itemsize
+
+
+def fixed_on_mesh(specs: tuple[Any, ...] | None, mesh: Any, trainable: PyTree = None
+                  ) -> tuple[Any, ...] | None:
+    """A model's own specs (split over a one-axis mesh of its own, e.g. ``'fsdp'``) over the
+    one axis of ``mesh``: the same split, named as ``mesh`` names it (a dry run's target
+    mesh is ``'data'``, and may have another device count); unchanged where ``mesh`` has
+    that axis. ``trainable``: the weights the specs are for (``jax.tree.leaves`` order),
+    checked to split evenly over ``mesh``.
+
+    Raises:
+      ValueError: a split dimension of a weight does not divide over ``mesh``'s devices.
+
+    Example:
+      >>> from jax.sharding import AbstractMesh
+      >>> fixed_on_mesh((P(None, "fsdp"), None), AbstractMesh((4,), ("data",))) == (
+      ...     P(None, "data"), None)
+      True
+    """
+    if specs is None or len(mesh.axis_names) != 1:
+        return specs
+    axis, n = mesh.axis_names[0], int(mesh.size)
+    out = tuple(None if s is None else P(*(None if e is None else axis for e in s))
+                for s in specs)
+    leaves = [] if trainable is None else jax.tree.leaves_with_path(trainable)
+    for (path, leaf), spec, own in zip(leaves, out, specs, strict=False):
+        for dim, entry in zip(getattr(leaf, "shape", ()), spec or (), strict=False):
+            if entry is not None and dim % n:
+                raise ValueError(
+                    f"This model splits weight {jax.tree_util.keystr(path)} "
+                    f"{tuple(leaf.shape)} by {own}, and its dimension of "
+                    f"{dim} does not divide over the {n} devices of the plan's target. Plan "
+                    "for as many devices as the model is split over, or split it over a "
+                    f"dimension that {n} divides. Received: {n} target devices")
+    return out

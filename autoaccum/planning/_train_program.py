@@ -127,7 +127,12 @@ class TrainProgram:
           >>> program.on_mesh(None).data_parallel
           1
         """
-        from ._strategies import state_layout, validate_partitioner, validate_strategy
+        from ._strategies import (
+            fixed_on_mesh,
+            state_layout,
+            validate_partitioner,
+            validate_strategy,
+        )
 
         validate_strategy(strategy, allow_auto=False)
         validate_partitioner(partitioner)
@@ -165,8 +170,8 @@ class TrainProgram:
                 f"strategy='replicated'. Received: strategy={strategy!r}")
         layout = state_layout(strategy, mesh, params=self.parts.get("trainable"),
                               optimizer=self.parts.get("optimizer"),
-                              fixed=_on_axis(self.own_specs, mesh,
-                                             self.parts.get("trainable")),
+                              fixed=fixed_on_mesh(self.own_specs, mesh,
+                                                  self.parts.get("trainable")),
                               frozen=self.frozen_args, partitioner=partitioner)
         step, shardings = self.sharded_step(layout)
         return dataclasses.replace(self, step=step, mesh=mesh, strategy=strategy,
@@ -282,41 +287,3 @@ def abstract(tree: PyTree) -> PyTree:
 
 def _dtype_of(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-
-
-def _on_axis(specs: tuple[Any, ...] | None, mesh: Any, trainable: PyTree = None
-             ) -> tuple[Any, ...] | None:
-    """A model's own specs (split over a one-axis mesh of its own, e.g. ``'fsdp'``) over the
-    one axis of ``mesh``: the same split, named as ``mesh`` names it (a dry run's target
-    mesh is ``'data'``, and may have another device count); unchanged where ``mesh`` has
-    that axis. ``trainable``: the weights the specs are for (``jax.tree.leaves`` order),
-    checked to split evenly over ``mesh``.
-
-    Raises:
-      ValueError: a split dimension of a weight does not divide over ``mesh``'s devices.
-
-    Example:
-      >>> from jax.sharding import AbstractMesh, PartitionSpec as P
-      >>> _on_axis((P(None, "fsdp"), None), AbstractMesh((4,), ("data",))) == (
-      ...     P(None, "data"), None)
-      True
-    """
-    if specs is None or len(mesh.axis_names) != 1:
-        return specs
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    axis, n = mesh.axis_names[0], int(mesh.size)
-    out = tuple(None if s is None else P(*(None if e is None else axis for e in s))
-                for s in specs)
-    leaves = [] if trainable is None else jax.tree.leaves_with_path(trainable)
-    for (path, leaf), spec, own in zip(leaves, out, specs, strict=False):
-        for dim, entry in zip(getattr(leaf, "shape", ()), spec or (), strict=False):
-            if entry is not None and dim % n:
-                raise ValueError(
-                    f"This model splits weight {jax.tree_util.keystr(path)} "
-                    f"{tuple(leaf.shape)} by {own}, and its dimension of "
-                    f"{dim} does not divide over the {n} devices of the plan's target. Plan "
-                    "for as many devices as the model is split over, or split it over a "
-                    f"dimension that {n} divides. Received: {n} target devices")
-    return out
