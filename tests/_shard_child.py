@@ -347,6 +347,58 @@ def own_sharding() -> dict:
     }
 
 
+class _PartlySplitLM(nnx.Module):
+    """Some weights split over 'fsdp' by the model itself, others (``up``: a 32 x 1024 kernel
+    and a 1024 bias) left whole for the strategy to lay out."""
+
+    def __init__(self, rngs: nnx.Rngs, *, annotate: bool = True):
+        normal, lecun = nnx.initializers.normal(), nnx.initializers.lecun_normal()
+
+        def part(init, spec):
+            return nnx.with_partitioning(init, spec) if annotate else init
+
+        self.embed = nnx.Embed(64, 32, embedding_init=part(normal, ("fsdp", None)), rngs=rngs)
+        self.up = nnx.Linear(32, 1024, rngs=rngs)
+        self.down = nnx.Linear(1024, 64, kernel_init=part(lecun, ("fsdp", None)), rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.down(jax.nn.gelu(self.up(self.embed(tokens))))
+
+
+def own_split_strategies() -> dict:
+    """A model that splits some weights over its one-axis ('fsdp',) mesh and leaves others
+    whole: autoaccum's step under every strategy (accumulating, and one micro-batch: the
+    gradients of whole weights split under zero2, and zero1 with one micro-batch) equals the
+    same model's full-batch step on one device."""
+    from jax.sharding import Mesh
+
+    devices = len(jax.devices())
+    users = jax.make_mesh((devices,), ("fsdp",))
+    mesh = Mesh(users.devices, ("fsdp",))  # the automatic-axes copy autoaccum runs on
+    tx = optax.sgd(0.1, momentum=0.9)  # (Adam's update of a near-zero gradient is its sign)
+    out: dict = {}
+    for name, per_device, micro in (("accumulated", 4, 2), ("one", 2, 2)):
+        data = ragged_tokens(devices * per_device, 10, seed=3)
+        ref = _PartlySplitLM(nnx.Rngs(0), annotate=False)
+        graphdef, params, frozen, other = split_model(ref, nnx.Param)
+        full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
+        ref_state, ref_metrics = full((params, other, tx.init(params)),
+                                      jax.tree.map(lambda a: a[None], data), frozen)
+        batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
+        for strategy in STRATEGIES:
+            with jax.set_mesh(users):
+                model = _PartlySplitLM(nnx.Rngs(0))
+            state, metrics, _ = _sharded_step(model, data, tx, token_loss, mesh, strategy,
+                                              batches)
+            out[f"{name}/{strategy}"] = {
+                # (leaves: the annotated model's variables carry sharding metadata)
+                "params_error": _max_relative_error(jax.tree.leaves(state[0]),
+                                                    jax.tree.leaves(ref_state[0])),
+                "loss_error": abs(float(metrics.loss) - float(ref_metrics.loss))
+                / abs(float(ref_metrics.loss))}
+    return out
+
+
 def own_abstract_and_deviceless() -> dict:
     """A model built abstractly (``nnx.eval_shape``) on an ``AbstractMesh`` plans as the same
     model built on real devices does (one-axis and ('data', 'model') meshes); a model split
@@ -928,6 +980,7 @@ def fsdp_frozen() -> dict:
 
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
          "own_abstract_and_deviceless": own_abstract_and_deviceless,
+         "own_split_strategies": own_split_strategies,
          "keras_exact": keras_exact,
          "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,

@@ -198,8 +198,17 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
 
         gathers = [all_gather(d) for d in split_params + split_frozen]
         scatters = [reduce_scatter(d) for d in split_params] + [None] * len(split_frozen)
-
-        arrive_summed = split_params if at_use else scattered
+        # A leaf the step reads whole whose gradient is split (zero2; zero1 with one
+        # micro-batch; beside weights a model splits itself, gathered where used): its
+        # gradient is reduce-scattered where the backward pass completes it
+        # (_scattered_grad), not after the whole micro-batch gradient exists.
+        scatter_where_complete = [None if d is None or p is not None
+                                  else _scattered_grad(reduce_scatter(d))
+                                  for d, p in zip(scattered, split_params, strict=True)]
+        # Leaves whose gradients arrive as this device's share of their sum over devices.
+        arrive_summed = [p if p is not None else d if f is not None else None
+                         for p, d, f in zip(split_params, scattered, scatter_where_complete,
+                                            strict=True)]
 
         def summed_sq(grads: PyTree) -> jax.Array:
             # fsdp, zero2: split leaves arrive summed over the devices' micro-batches (the
@@ -229,17 +238,16 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                     return micro_loss(params, c, b)
                 return micro_loss(params, c, b, jax.tree.unflatten(frozen_def, whole[n:]))
 
+            whole = jax.tree.leaves(trainable)
+
             def local_loss(shards: PyTree, c: PyTree, b: PyTree) -> Any:
                 # Each split weight gathered where it is used, its gradient reduce-scattered
-                # there (see ._at_use); differentiated with respect to the shards.
-                return gathered_at_use(loss, [*jax.tree.leaves(shards),
-                                              *jax.tree.leaves(frozen)], (c, b),
+                # there (see ._at_use); differentiated with respect to the shards (and the
+                # shares of whole weights with split gradients).
+                leaves = [s if f is None else f(s, w) for s, w, f in zip(
+                    jax.tree.leaves(shards), whole, scatter_where_complete, strict=True)]
+                return gathered_at_use(loss, [*leaves, *jax.tree.leaves(frozen)], (c, b),
                                        gather=gathers, scatter=scatters)
-
-            whole = jax.tree.leaves(trainable)
-            scatter_where_complete = [None if d is None or not early
-                                      else _scattered_grad(reduce_scatter(d))
-                                      for d in scattered]
 
             def early_loss(shards: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
                 # The whole weights (copied) in the forward pass; the gradient of each split
@@ -249,13 +257,12 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                     jax.tree.leaves(shards), whole, scatter_where_complete, strict=True)]
                 return micro_loss(jax.tree.unflatten(treedef, leaves), c, b, *rest)
 
-            if early:
-                shares = jax.tree.unflatten(treedef, [
-                    w if d is None else jnp.zeros(shard_shape(w, d).shape, jnp.float32)
-                    for w, d in zip(whole, scattered, strict=True)])
+            shares = jax.tree.unflatten(treedef, [
+                w if f is None else jnp.zeros(shard_shape(w, d).shape, jnp.float32)
+                for w, d, f in zip(whole, scattered, scatter_where_complete, strict=True)])
             acc = accumulate_gradients(
                 local_loss if at_use else early_loss if early else micro_loss,
-                shares if early else trainable, local, batches,
+                shares, local, batches,
                 frozen=None if at_use else frozen,
                 accumulator=accumulator if any_split_grads else None,
                 sq_norm=summed_sq_norm if at_use or early else None)

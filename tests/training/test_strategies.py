@@ -233,7 +233,7 @@ def own_layouts() -> dict:
     """The own-sharding checks (a one-axis mesh, a ('batch', 'model') mesh) in one child with
     4 host-platform devices, once per session."""
     return _child_once("shard-own-layouts", 4, "own_sharding", "own_mesh",
-                       "own_abstract_and_deviceless")
+                       "own_abstract_and_deviceless", "own_split_strategies")
 
 
 @pytest.mark.slow
@@ -284,6 +284,16 @@ def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_
     assert "both a 'batch' and a 'data' axis" in out["errors"]["ambiguous"]
     assert "plan is for one device" in out["errors"]["one_device"]
     assert "split over its 'batch' axis" in out["errors"]["one_device"]
+
+
+@pytest.mark.slow
+def test_weights_a_model_leaves_whole_beside_its_own_split_train_exactly_under_every_strategy(
+        own_layouts):
+    out = own_layouts["own_split_strategies"]  # zero2 (and zero1 at one micro-batch) split
+    for split in ("accumulated", "one"):       # the whole weights' gradients: a crash before
+        for strategy in STRATEGIES:
+            row = out[f"{split}/{strategy}"]
+            assert row["params_error"] <= 1e-6 and row["loss_error"] <= 1e-6, (split, strategy)
 
 
 @pytest.mark.slow
