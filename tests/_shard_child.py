@@ -437,11 +437,14 @@ def own_abstract_and_deviceless() -> dict:
         plan = autoaccum.plan(real, data, **{**opts, "budget": None}, device="v5e-4")
         out["v5e_4"] = {"data_parallel": plan.data_parallel,
                         "notes": [n for n in plan.notes if "own sharding" in n]}
+        with jax.set_mesh(jax.make_mesh((2, 2), ("data", "fsdp"), devices=jax.devices()[:4])):
+            kept = _AnnotatedLM(nnx.Rngs(0))  # a ('data', 'fsdp') layout, kept as it is
         for key, model, device in (("one_chip", real, "v5e-1"),
+                                   ("kept_one_chip", kept, "v5e-1"),
                                    ("indivisible", narrow, "v5e-8")):
             try:
-                data_ = data if model is real else {"x": np.ones((32, 8), np.float32)}
-                loss = token_loss if model is real else (
+                data_ = data if model is not narrow else {"x": np.ones((32, 8), np.float32)}
+                loss = token_loss if model is not narrow else (
                     lambda m, b: (jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]))
                 autoaccum.plan(model, data_, **{**opts, "budget": None, "loss_fn": loss},
                                device=device)
@@ -560,6 +563,7 @@ def own_mesh() -> dict:
     out: dict = {"plan": {k: plan.to_dict()[k] for k in ("strategy", "devices", "mesh_shape",
                                                          "mesh_axes", "data_parallel")},
                  "report": "own: the model's own layout" in plan.report(),
+                 "groups": [x for x in plan.report().splitlines() if "group" in x],
                  "notes": [n for n in plan.notes if n.startswith("layout:")]}
     expected = _full_batch_sgd(_MiniGPT(nnx.Rngs(0), annotate=False), data, 0.1)
     fit_opts = {k: v for k, v in opts.items() if k not in ("budget", "search")}

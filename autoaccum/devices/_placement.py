@@ -88,12 +88,7 @@ class Placement:
         """
         devices = list(devices)
         if len(devices) != self.mesh.size:
-            raise ValueError(
-                f"The layout of {self.source or 'this model'} is over {self.mesh.size} devices "
-                f"(mesh {dict(self.mesh.shape)}), and the target has {len(devices)}. Plan for "
-                f"a target with {self.mesh.size} devices (a TPU slice of that many chips, or "
-                f"devices={self.mesh.size} GPUs), or lay the model out over {len(devices)} "
-                f"devices. Received: {len(devices)} target devices")
+            raise self.other_count(len(devices))
         mesh = Mesh(np.array(devices, dtype=object).reshape(self.mesh.devices.shape),
                     self.mesh.axis_names, axis_types=self.mesh.axis_types)
 
@@ -106,6 +101,23 @@ class Placement:
         return dataclasses.replace(
             self, mesh=mesh, state=jax.tree.map(moved, self.state, is_leaf=is_leaf),
             frozen=tuple(jax.tree.map(moved, f, is_leaf=is_leaf) for f in self.frozen))
+
+    def other_count(self, devices: int) -> ValueError:
+        """The error for a target of ``devices`` devices, which this layout is not over.
+
+        Example:
+          >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+          >>> print(str(Placement(mesh, state=[], frozen=()).other_count(4)).split(".")[0])
+          The layout of this model is over 1 devices (mesh {'batch': 1}), and the target has 4
+        """
+        n = self.mesh.size
+        return ValueError(
+            f"The layout of {self.source or 'this model'} is over {n} devices (mesh "
+            f"{dict(self.mesh.shape)}), and the target has {devices}. Plan for a target with "
+            f"{n} devices (a TPU slice of that many chips, or devices={n} GPUs), or "
+            + ("build the model without a mesh" if devices == 1
+               else f"lay the model out over {devices} devices")
+            + f". Received: {devices} target device(s)")
 
     def place_batches(self, batches: PyTree) -> PyTree:
         """Host batches placed as the step takes them (every process feeds its own devices)."""

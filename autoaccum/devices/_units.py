@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["GiB", "KiB", "MiB", "TiB", "format_bytes", "format_bytes_pair"]
+import math
+
+__all__ = ["GiB", "KiB", "MiB", "TiB", "format_bytes", "format_bytes_below", "format_bytes_pair"]
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
@@ -19,6 +21,20 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             value = n / size
             return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:#.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def format_bytes_below(n: float) -> str:
+    """``n`` in binary units with two decimals, rounded down: a limit written so that the
+    figure, typed back, is within it.
+
+    Example:
+      >>> format_bytes_below(15.75 * 2**30 - 1), format_bytes_below(1536)
+      ('15.74 GiB', '1.50 KiB')
+    """
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{math.floor(n / size * 100) / 100:.2f} {unit}"
     return f"{int(n)} B"
 
 

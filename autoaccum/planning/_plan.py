@@ -259,9 +259,10 @@ def plan_from_search(
         extra.append(f"micro_batch {', '.join(map(str, fallbacks))}: {note}")
     if search.affine is not None:
         intercept, slope = search.affine
+        sign = "-" if slope < 0 else "+"
         extra.append(
-            f"affine fit from b>=2: need ~ {format_bytes(intercept)} + "
-            f"{format_bytes(slope)} x micro_batch"
+            f"affine fit from b>=2: need ~ {format_bytes(intercept)} {sign} "
+            f"{format_bytes(abs(slope))} x micro_batch"
         )
     return Plan(
         micro_batch=search.micro_batch,
@@ -310,17 +311,26 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
                                 last_micro_batch=split_sizes(per_device, agreed)[1]), each)
 
 
-def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...]) -> str:
-    """What the report says about the plan being the same on every device and process.
+def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...],
+                   devices: int | None = None) -> str:
+    """What the report says about the plan being the same on every device and process;
+    ``devices``: all the devices, where a layout kept as it is splits each micro-batch over a
+    group of them (``data_parallel`` groups).
 
     Example:
       >>> agreement_note(4, 8, (4, 8))
       'data parallel: micro_batch 4 per device on all 8 devices; each of the 2 processes planned its own devices (micro_batch 4, 8) and every process uses the smallest, 4, so all run the same program'
+      >>> agreement_note(4, 2, (4,), devices=8).split(" (one")[0]
+      'data parallel: micro_batch 4 per group of 4 devices on all 2 groups (8 devices)'
     """  # noqa: E501
+    where = f"per device on all {data_parallel} devices"
+    if devices is not None and devices > data_parallel:
+        where = (f"per group of {devices // data_parallel} devices on all {data_parallel} "
+                 f"groups ({devices} devices)")
     if len(each) == 1:
-        return (f"data parallel: micro_batch {micro_batch} per device on all {data_parallel} "
-                "devices (one process: every device runs this same plan, budget per device)")
-    return (f"data parallel: micro_batch {micro_batch} per device on all {data_parallel} devices; "
+        return (f"data parallel: micro_batch {micro_batch} {where} (one process: every "
+                "device runs this same plan, budget per device)")
+    return (f"data parallel: micro_batch {micro_batch} {where}; "
             f"each of the {len(each)} processes planned its own devices (micro_batch "
             f"{', '.join(map(str, each))}) and every process uses the smallest, {micro_batch}, "
             "so all run the same program")
@@ -339,6 +349,7 @@ def search_plan(
     measure_uneven: Any = None,
     accumulating_floor: int = 0,
     agree: bool = True,
+    devices: int | None = None,
 ) -> Plan:
     """Runs the compile-only search and returns the plan.
 
@@ -351,7 +362,9 @@ def search_plan(
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
     device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
     that fits on all of them (:func:`agree_across_processes`), so they run the same program
-    (``agree=False``: not, for a trial whose result is agreed on later).
+    (``agree=False``: not, for a trial whose result is agreed on later). ``devices``: every
+    device the step runs on, where a layout kept as it is splits each micro-batch over a
+    group of them (for the report).
     """
     search = search_micro_batch(
         measure,
@@ -364,7 +377,8 @@ def search_plan(
     if agree and (data_parallel > 1 or _process_count() > 1):
         search, agreement = agree_across_processes(search, measure,
                                                    per_device=effective_batch // data_parallel)
-        notes = (*notes, agreement_note(search.micro_batch, data_parallel, agreement))
+        notes = (*notes, agreement_note(search.micro_batch, data_parallel, agreement,
+                                        devices))
     return plan_from_search(
         search,
         effective_batch=effective_batch,

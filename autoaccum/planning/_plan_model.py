@@ -36,7 +36,7 @@ from ._remat_policies import (
     with_failed_policies,
 )
 from ._resident import Resident, check_resident, program_resident, resident_of
-from ._search import DoesNotFitError, Probe, divisors
+from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import ResolvedTarget, is_deviceless, resolve_target, slice_devices
 from ._train_program import TrainProgram, tree_bytes
@@ -178,6 +178,8 @@ def plan_program(
         notes=notes,
         accumulating_floor=floor,
         agree=agree,
+        devices=(program.device_mesh.size if isinstance(program, TrainProgram)
+                 and program.device_mesh is not None else None),
     )
     return _marked(_finish(plan, resolved), chosen)
 
@@ -332,10 +334,13 @@ def plan_model(
         opts = dict(options)
         prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                            remat=policy, remat_layers=remat_layers)
-        if early is not None and early.mesh is not None and prepared.program.placement:
+        placement = prepared.program.placement
+        if early is not None and early.mesh is not None and placement:
             # The user's own layout, kept over the chips (GPUs) of a slice that is not here.
             prepared = dataclasses.replace(
                 prepared, program=prepared.program.placed_onto(early.mesh.devices.flat))
+        elif placement and is_deviceless(device) and placement.mesh.size > 1:
+            raise placement.other_count(1)  # a dry run for one GPU or one TPU chip
         no_leftovers(opts, where)
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
@@ -360,9 +365,11 @@ def plan_model(
                     "chips such as 'v5e-4'), or build the model without a mesh. Received: "
                     f"device={device!r}, {len(own)} split weight(s) such as {own[0]}")
             if own:
+                axes = sorted({e for spec in own for e in spec if isinstance(e, str)})
                 dp_notes += (f"sharding: the model's own sharding is kept for {len(own)} "
-                             f"weight(s) (split over mesh axis {mesh.axis_names[0]!r} under "
-                             "every strategy); the strategy applies to the others",)
+                             f"weight(s) (split over its mesh axis {', '.join(map(repr, axes))}"
+                             f", {mesh.size} devices, under every strategy); the strategy "
+                             "applies to the others",)
             resident = (tree_bytes(program.parts.get("trainable"))
                         + tree_bytes(program.parts.get("frozen")))
             resolved = early or resolve_target(device, budget, resident_bytes=resident,
@@ -448,7 +455,8 @@ def plan_model(
         if plan is None:
             error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
                 "micro_batch=1 fits under no sharding strategy ("
-                + "; ".join(f"{n}: {first_line(e)}" for n, e in skipped) + ")",
+                + "; ".join(f"{n}: {first_line(e)}" for n, e in skipped) + "). "
+                + ADVISE_HINT,
                 probes=tuple(dataclasses.replace(p, strategy=n)
                              for n, e in skipped for p in e.probes))
             failures.append((policy, error))

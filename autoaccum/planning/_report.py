@@ -116,12 +116,16 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
     need = (f"{need_text} of {budget_text} "
             f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}"
             + floor_text(plan.need_bytes, plan.floor_bytes))
+    replicas = f"{plan.data_parallel} device(s)"
+    if plan.devices > plan.data_parallel:  # a kept layout: each micro-batch over a group
+        replicas = (f"{plan.data_parallel} group(s) of {plan.devices // plan.data_parallel} "
+                    "devices")
     if plan.last_micro_batch is None:
         split = (f"{plan.effective_batch} = micro_batch {plan.micro_batch} x "
-                 f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation step(s)")
+                 f"{replicas} x {plan.accum_steps} accumulation step(s)")
     else:
-        split = (f"{plan.effective_batch} = ({plan.split_text()}) x {plan.data_parallel} "
-                 f"device(s): micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps, "
+        split = (f"{plan.effective_batch} = ({plan.split_text()}) x {replicas}: "
+                 f"micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps, "
                  f"the last of {plan.last_micro_batch}")
     return [
         ("effective batch", split),

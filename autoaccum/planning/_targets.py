@@ -8,7 +8,7 @@ from typing import Any
 
 from ..devices._detect import detect_device, host_memory, jax_memory_stats
 from ..devices._profiles import DeviceProfile, find_profile
-from ..devices._units import format_bytes
+from ..devices._units import format_bytes, format_bytes_below, format_bytes_pair
 from ._budget import (
     Budget,
     cpu_default_budget,
@@ -307,7 +307,7 @@ def resolve_target(
                                hosts=hosts)
     resolved = (profile_budget(profile, memory_fraction) if budget is None else _within(
         budget, pool, f"larger than the memory JAX gets on a {profile.name}: "
-                      f"{format_bytes(pool)} ({fraction:.0%} of its memory)", "device"))
+                      f"{{pool}} ({fraction:.0%} of its memory)", "device"))
     name = f"{profile.name}, deviceless compile (no {profile.name} on this machine)"
     dp_mesh = None
     fingerprint = target.target_config
@@ -348,8 +348,8 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
     chip = tpu_budget(profile)
     pool = chip.bytes
     resolved = chip if budget is None else _within(
-        budget, pool, f"more than one chip of a {profile.name} has: {format_bytes(pool)} of "
-                      "HBM that XLA allows", "slice")
+        budget, pool, f"more than one chip of a {profile.name} has: {{pool}} of HBM that "
+                      "XLA allows", "slice")
     name = f"{profile.name}, deviceless compile for TPU topology {profile.tpu.topology}"
     dp_mesh = None
     if target.count > 1:
@@ -365,12 +365,15 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
 
 def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
     """A user's ``budget`` for a named device, refused when over ``pool`` (``what`` the
-    device gives, ``larger`` what to name instead)."""
+    device gives, its ``{pool}`` written with as many digits as tell the two apart,
+    ``larger`` what to name instead)."""
     resolved = parse_budget(budget, capacity_bytes=pool)
     if resolved.bytes > pool:
+        asked = format_bytes_pair(resolved.bytes, pool)[0]
+        most = format_bytes_below(pool)  # a figure that, typed back, is within the pool
         raise ValueError(
-            f"The budget {format_bytes(resolved.bytes)} is {what}. Give a budget of "
-            f"at most {format_bytes(pool)}, a fraction such as '90%', or a larger {larger}. "
+            f"The budget {asked} is {what.format(pool=most)}. Give a budget of at most "
+            f"{most}, a fraction such as '90%', or a larger {larger}. "
             f"Received: budget={budget!r}")
     return resolved
 

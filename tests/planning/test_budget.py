@@ -34,6 +34,13 @@ def test_a_budget_out_of_range_says_which_range(bad, why):
         parse_budget(bad, capacity_bytes=1000)
 
 
+@pytest.mark.parametrize("one", [1, "1"])
+def test_a_budget_of_one_is_refused_as_the_one_byte_nobody_means(one):
+    with pytest.raises(ValueError, match=r"one byte .*all the memory is 1\.0 or '100%'"):
+        parse_budget(one, capacity_bytes=1000)
+    assert parse_budget(1.0, capacity_bytes=1000).bytes == 1000  # the whole of it
+
+
 def test_fraction_without_capacity_asks_for_bytes():
     with pytest.raises(ValueError, match="in bytes"):
         parse_budget("50%")

@@ -108,6 +108,14 @@ def test_a_slice_asked_for_another_chip_count_is_refused_naming_the_slices():
     assert sorted(named) == ["v4-8", "v5e-4", "v5p-8", "v6e-4"]  # the 4-chip slices only
 
 
+def test_a_budget_over_a_chip_names_the_limit_so_that_it_can_be_typed_back():
+    profile = find_profile("v5e-8")
+    with pytest.raises(ValueError, match=r"The budget 15.80 GiB is more than one chip .*: "
+                                         r"15.75 GiB of HBM .*at most 15.75 GiB"):
+        resolve_target(profile, "15.8GiB")  # the limit read 15.8 GiB, refused when typed
+    assert resolve_target(profile, "15.75GiB").budget.bytes == int(15.75 * 2**30)
+
+
 def test_memory_fraction_with_a_tpu_is_refused_with_the_budget_as_fix():
     with pytest.raises(ValueError, match=r"TPU, whose memory XLA assigns.*budget="):
         _plan("v5e-1", target=autoaccum.Target(memory_fraction=0.9))

@@ -261,6 +261,9 @@ def test_a_minigpt_split_over_a_batch_by_model_mesh_keeps_its_layout_and_trains_
     assert out["plan"] == {"strategy": "own", "devices": 4, "mesh_shape": [2, 2],
                            "mesh_axes": ["batch", "model"], "data_parallel": 2}
     assert out["report"] and "batches split over 'batch'" in out["notes"][0]
+    # each micro-batch is split over a group of 2 devices (the 'model' axis), 2 groups
+    assert any("8 = micro_batch 4 x 2 group(s) of 2 devices x 1" in x for x in out["groups"])
+    assert any("per group of 2 devices on all 2 groups (4 devices)" in x for x in out["groups"])
     for split, expected in (("even", [2, 2]), ("uneven", [3, 2])):  # 4 per device: 2+2, 3+1
         fit = out[split]
         assert fit["steps"] == 1 and fit["split"] == expected
@@ -310,8 +313,12 @@ def test_a_model_built_on_an_abstract_mesh_plans_as_on_real_devices_and_for_a_tp
         pytest.skip("libtpu (the `tpu` extra) is not installed")
     # A one-axis ('fsdp',) split kept over the slice's own axis (a raw JAX error before).
     assert out["v5e_4"]["data_parallel"] == 4
-    assert "kept for 3 weight(s)" in out["v5e_4"]["notes"][0]
+    assert "kept for 3 weight(s) (split over its mesh axis 'fsdp', 4 devices" in (
+        out["v5e_4"]["notes"][0])
     assert "plan is for one device ('v5e-1')" in errors["one_chip"]
+    assert "is over 4 devices (mesh {'data': 2, 'fsdp': 2}), and the target has 1" in (
+        errors["kept_one_chip"])
+    assert "build the model without a mesh" in errors["kept_one_chip"]
     assert "does not divide over the 8 devices" in errors["indivisible"]
     assert "(8, 20) by P(None, 'fsdp')" in errors["indivisible"]
 
