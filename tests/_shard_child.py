@@ -66,6 +66,13 @@ def _sharded_step(model, data, tx, loss_fn, mesh, strategy, batches):
     return new_state, metrics, compiled.as_text()
 
 
+def _full_batch_step(model, data, tx):
+    """(new state, metrics) of one single-device step of ``model`` on all of ``data``."""
+    graphdef, params, frozen, other = split_model(model, nnx.Param)
+    full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
+    return full((params, other, tx.init(params)), jax.tree.map(lambda a: a[None], data), frozen)
+
+
 def exact(strategies=STRATEGIES, splits=(("even", 4, 2), ("uneven", 7, 3), ("one", 2, 2)),
           needs: bool = True) -> dict:
     """Every strategy's step (N devices x micro 2 x accum 2, an uneven 7 = 3 + 3 + 1 per
@@ -78,11 +85,7 @@ def exact(strategies=STRATEGIES, splits=(("even", 4, 2), ("uneven", 7, 3), ("one
     out: dict = {"devices": devices}
     for name, per_device, micro in splits:
         data = ragged_tokens(devices * per_device, 10, seed=3)
-        model = _lm()
-        graphdef, params, frozen, other = split_model(model, nnx.Param)
-        full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
-        ref_state, ref_metrics = full((params, other, tx.init(params)),
-                                      jax.tree.map(lambda a: a[None], data), frozen)
+        ref_state, ref_metrics = _full_batch_step(_lm(), data, tx)
         batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
         for strategy in strategies:
             state, metrics, hlo = _sharded_step(_lm(), data, tx, token_loss, mesh, strategy,
@@ -379,11 +382,8 @@ def own_split_strategies() -> dict:
     out: dict = {}
     for name, per_device, micro in (("accumulated", 4, 2), ("one", 2, 2)):
         data = ragged_tokens(devices * per_device, 10, seed=3)
-        ref = _PartlySplitLM(nnx.Rngs(0), annotate=False)
-        graphdef, params, frozen, other = split_model(ref, nnx.Param)
-        full = jax.jit(make_flax_step(graphdef, loss_fn=token_loss, tx=tx, trainable=nnx.Param))
-        ref_state, ref_metrics = full((params, other, tx.init(params)),
-                                      jax.tree.map(lambda a: a[None], data), frozen)
+        ref_state, ref_metrics = _full_batch_step(_PartlySplitLM(nnx.Rngs(0), annotate=False),
+                                                  data, tx)
         batches = split_micro_batches(data, micro_batch=micro, data_parallel=devices)
         for strategy in STRATEGIES:
             with jax.set_mesh(users):
