@@ -197,7 +197,7 @@ def keras_fit(
         model, layout, mesh=mesh, placement=placement,
         strategy_layout=keras_strategy_layout(model, strategy, mesh, layout=layout,
                                               partitioner=partitioner),
-        source=source, effective=effective, shuffle=shuffle, rng=np.random.default_rng(seed),
+        source=source, effective=effective, shuffle=shuffle, seed=seed,
         steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
         lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats)
     runner = hooks.runner = keras_runner(
@@ -247,11 +247,11 @@ class _KerasHooks(KerasState, FitHooks):
 
     def __init__(self, model: Any, layout: Any, *, mesh: Any, placement: Any,
                  strategy_layout: Any, source: KerasData, effective: int, shuffle: bool,
-                 rng: np.random.Generator, steps_per_epoch: int | None, drop_remainder: bool,
+                 seed: int, steps_per_epoch: int | None, drop_remainder: bool,
                  epochs: int, lr_scaling: Any, on_nonfinite: str, batch_stats: str) -> None:
         super().__init__(model, layout, mesh=mesh, placement=placement,
                          strategy_layout=strategy_layout)
-        self.source, self.effective, self.shuffle, self.rng = source, effective, shuffle, rng
+        self.source, self.effective, self.shuffle, self.seed = source, effective, shuffle, seed
         self.steps_per_epoch, self.drop_remainder = steps_per_epoch, drop_remainder
         self.epochs, self.lr_scaling = epochs, lr_scaling
         self.on_nonfinite, self.batch_stats = on_nonfinite, batch_stats
@@ -263,7 +263,7 @@ class _KerasHooks(KerasState, FitHooks):
         (none left: the end)."""
         batches = self.source.epoch(
             batch=self.effective, drop_remainder=self.drop_remainder, shuffle=self.shuffle,
-            rng=self.rng, steps=self.steps_per_epoch)
+            seed=self.seed, epoch=epoch, steps=self.steps_per_epoch)
         try:
             for packed in batches:
                 packed = self._trim(packed) if example_count(packed) < self.effective else packed

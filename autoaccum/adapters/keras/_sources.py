@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
+from ...training._epoch_batches import epoch_order
 from ...training._rebatch import Rebatcher, concat
 from ._keras_arrays import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
 from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
@@ -64,7 +65,7 @@ class KerasData:
         return KerasArrays(*_unpack(self.sample(1))).example_spec()
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              rng: np.random.Generator | None = None, steps: int | None = None
+              seed: int = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
         raise NotImplementedError
 
@@ -87,6 +88,7 @@ class ArraySource(KerasData):
         self.num_examples = _length(arrays.x)
         self._order: np.ndarray | None = None
         self._position = 0
+        self._passes = 0
 
     def take(self, index: np.ndarray) -> tuple:
         """The examples at ``index``, packed and (keras-hub) preprocessed, as numpy."""
@@ -115,13 +117,16 @@ class ArraySource(KerasData):
         return part(np.arange(cut)), part(np.arange(cut, n))
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              rng: np.random.Generator | None = None, steps: int | None = None
+              seed: int = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
         n = self.num_examples
         if steps is None or self._order is None or self._position >= n:
-            rng = rng or np.random.default_rng()
-            self._order = rng.permutation(n) if shuffle else np.arange(n)
+            # Seeded by (seed, epoch), as the Flax adapter's: a run resumed at an epoch
+            # shuffles it as the uninterrupted run did (with steps: by pass).
+            key = epoch if steps is None else self._passes
+            self._order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=key)
             self._position = 0
+            self._passes += 1
         self.dropped = 0
         taken = 0
         while (steps is None or taken < steps) and self._position < n:
@@ -198,9 +203,9 @@ class StreamSource(KerasData):
         return _slice(concat(taken), 0, min(n, count))
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              rng: np.random.Generator | None = None, steps: int | None = None
+              seed: int = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
-        del rng  # a stream is shuffled by its producer, as in Keras
+        del seed, epoch  # a stream is shuffled by its producer, as in Keras
 
         def start() -> Iterator[tuple]:
             replay, self._peeked = self._peeked, []
