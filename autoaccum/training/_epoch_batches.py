@@ -106,11 +106,12 @@ def example_spec(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
 
 
-def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """Example order for one epoch: a permutation seeded by (seed, epoch), or 0..n-1."""
+def epoch_order(n: int, *, shuffle: bool, seed: int | None, epoch: int) -> np.ndarray:
+    """Example order for one epoch: a permutation seeded by (seed, epoch) (``seed=None``:
+    a fresh random one), or 0..n-1."""
     if not shuffle:
         return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    return np.random.default_rng(None if seed is None else [seed, epoch]).permutation(n)
 
 
 def effective_batches(

@@ -247,7 +247,7 @@ class _KerasHooks(KerasState, FitHooks):
 
     def __init__(self, model: Any, layout: Any, *, mesh: Any, placement: Any,
                  strategy_layout: Any, source: KerasData, effective: int, shuffle: bool,
-                 seed: int, steps_per_epoch: int | None, drop_remainder: bool,
+                 seed: int | None, steps_per_epoch: int | None, drop_remainder: bool,
                  epochs: int, lr_scaling: Any, on_nonfinite: str, batch_stats: str) -> None:
         super().__init__(model, layout, mesh=mesh, placement=placement,
                          strategy_layout=strategy_layout)

@@ -65,7 +65,7 @@ class KerasData:
         return KerasArrays(*_unpack(self.sample(1))).example_spec()
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              seed: int = 0, epoch: int = 0, steps: int | None = None
+              seed: int | None = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
         raise NotImplementedError
 
@@ -117,7 +117,7 @@ class ArraySource(KerasData):
         return part(np.arange(cut)), part(np.arange(cut, n))
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              seed: int = 0, epoch: int = 0, steps: int | None = None
+              seed: int | None = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
         n = self.num_examples
         if steps is None or self._order is None or self._position >= n:
@@ -203,7 +203,7 @@ class StreamSource(KerasData):
         return _slice(concat(taken), 0, min(n, count))
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              seed: int = 0, epoch: int = 0, steps: int | None = None
+              seed: int | None = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
         del seed, epoch  # a stream is shuffled by its producer, as in Keras
 

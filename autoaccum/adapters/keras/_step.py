@@ -94,8 +94,12 @@ class _Micro:
         term_acc, new_metrics = self.terms.accumulate(
             term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics),
             examples=local_micro)
+        # Evaluating: y_pred as Keras's test_step passes it, its Keras mask attached (a
+        # padded sequence's metrics count its valid tokens). Training: as Keras's JAX
+        # train_step, whose y_pred leaves the differentiated function without its mask.
         new_metrics = _update_compiled_metrics(
-            model, new_metrics, x, y, jax.lax.stop_gradient(y_pred), sample_weight
+            model, new_metrics, x, y,
+            jax.lax.stop_gradient(y_pred) if self.training else y_pred, sample_weight
         )
         new_mutable, _ = layout.split(list(non_trainable))
         stats_acc, new_mutable = self.stats.accumulate(stats_acc, moments, mutable, new_mutable)

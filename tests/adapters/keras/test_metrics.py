@@ -90,6 +90,24 @@ def test_validation_logs_equal_keras_at_the_effective_batch(reduction):
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_validation_metrics_of_padded_sequences_count_only_their_valid_tokens():
+    """No sample weights: the Keras mask alone says which tokens count, in the validation
+    metrics as in ``model.evaluate`` (they had counted the padding too)."""
+    x, y, _ = padded_data(N)
+    xv, yv, _ = padded_data(N, seed=5)
+    ours = token_model(mask_zero=True, reduction="sum_over_batch_size")
+    native = token_model(mask_zero=True, reduction="sum_over_batch_size")
+    history = keras_fit(ours, (x, y), micro_batch=MICRO, accum_steps=ACCUM, shuffle=False,
+                        verbose=0, validation_data=(xv, yv))
+    native_history = native.fit(x, y, batch_size=MICRO * ACCUM, shuffle=False, verbose=0,
+                                validation_data=(xv, yv))
+    _assert_logs_equal(history.history, native_history.history)
+    evaluated = ours.evaluate(xv, yv, batch_size=MICRO * ACCUM, verbose=0, return_dict=True)
+    accuracy = history.history["val_sparse_categorical_accuracy"][-1]
+    assert abs(accuracy - evaluated["sparse_categorical_accuracy"]) < 1e-6
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_several_terms_with_a_data_dependent_denominator_warn_and_still_log_exactly():
     x, y = _two_head_data()
     one_step = (x[:16], {k: v[:16] for k, v in y.items()})
