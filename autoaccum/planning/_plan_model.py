@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from ..devices._mesh import resolve_mesh
@@ -140,17 +141,23 @@ def plan_program(
     if built and depth_variants is not None and depth_variants.full is program:
         depth_variants = dataclasses.replace(depth_variants, full=built[0])
     floor = resident.accumulating_bytes
+    # The state with its gradients in the weights' dtype over the budget, and every
+    # accumulating step over it too: no rematerialization can make a step fit.
+    budget_bytes = resolved.budget.bytes
+    beyond_remat = (floor > budget_bytes
+                    and resident.state_bytes + resident.trainable_bytes > budget_bytes)
     dry_mesh = resolved.mesh  # a multi-GPU dry run's mesh: depth variants are on it too
     dp = int(dry_mesh.size) if dry_mesh is not None and not placed else None
     if dry_mesh is not None and resolved.profile is not None:
         notes += (f"interconnect: {resolved.profile.interconnect_line()}",)
     if depth_variants is not None and depth_variants.worthwhile and (mesh is None
                                                                       or dry_mesh is not None):
-        by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
-                                 lr_scaling=lr_scaling, budget=resolved.budget,
-                                 target=resolved.compile_target, cache=need_cache, log=log,
-                                 notes=notes, accumulating_floor=floor,
-                                 verify=verify_depth, data_parallel=dp or 1)
+        with _marking(beyond_remat):
+            by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
+                                     lr_scaling=lr_scaling, budget=resolved.budget,
+                                     target=resolved.compile_target, cache=need_cache,
+                                     log=log, notes=notes, accumulating_floor=floor,
+                                     verify=verify_depth, data_parallel=dp or 1)
         return _marked(dataclasses.replace(by_depth, profile=_profile_key(resolved),
                                            deviceless=resolved.kind == "deviceless"), chosen)
 
@@ -165,23 +172,35 @@ def plan_program(
         return measure_all([CompileRequest(the_program, b, k, identity, last=last)],
                            resolved.compile_target, cache=need_cache, workers=1)[0]
 
-    plan = search_plan(
-        measure,
-        measure_uneven=measure if uneven else None,
-        effective_batch=effective_batch,
-        data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
-                              else 1)),
-        lr_scaling=lr_scaling,
-        budget=resolved.budget,
-        target=resolved.compile_target.name,
-        log=log,
-        notes=notes,
-        accumulating_floor=floor,
-        agree=agree,
-        devices=(program.device_mesh.size if isinstance(program, TrainProgram)
-                 and program.device_mesh is not None else None),
-    )
+    with _marking(beyond_remat):
+        plan = search_plan(
+            measure,
+            measure_uneven=measure if uneven else None,
+            effective_batch=effective_batch,
+            data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
+                                  else 1)),
+            lr_scaling=lr_scaling,
+            budget=resolved.budget,
+            target=resolved.compile_target.name,
+            log=log,
+            notes=notes,
+            accumulating_floor=floor,
+            agree=agree,
+            devices=(program.device_mesh.size if isinstance(program, TrainProgram)
+                     and program.device_mesh is not None else None),
+        )
     return _marked(_finish(plan, resolved), chosen)
+
+
+@contextlib.contextmanager
+def _marking(beyond_remat: bool) -> Iterator[None]:
+    """A :class:`DoesNotFitError` raised inside, marked ``beyond_remat`` when the state with
+    its gradients is over the budget (the remat policies after it are not tried)."""
+    try:
+        yield
+    except DoesNotFitError as error:
+        error.beyond_remat = error.beyond_remat or beyond_remat
+        raise
 
 
 def _marked(plan: Plan, strategy: str) -> Plan:
@@ -460,6 +479,8 @@ def plan_model(
                 probes=tuple(dataclasses.replace(p, strategy=n)
                              for n, e in skipped for p in e.probes))
             failures.append((policy, error))
+            if error.beyond_remat:
+                break  # the state alone rules out every step: no policy can change that
             continue
         tried.append(label_policy(plan, policy))
         prepared_by_policy[policy] = prepared

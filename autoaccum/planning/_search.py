@@ -100,6 +100,9 @@ class DoesNotFitError(ValueError):
         """Compile-verified changes that fit (:class:`~._advisor.Alternative`), best first."""
         self.advice: Any = None
         """The whole :class:`~._advisor.Advice` when the advisor ran."""
+        self.beyond_remat = False
+        """Whether no rematerialization can make it fit: the state with its gradients (known
+        from shapes) is over the budget, with or without accumulation."""
 
     def _copy(self, message: str, **changes: Any) -> DoesNotFitError:
         fields = {"probes": self.probes, "resident": self.resident,
@@ -108,6 +111,7 @@ class DoesNotFitError(ValueError):
         advice = fields.pop("advice", self.advice)
         error = DoesNotFitError(message, **fields)
         error.advice = advice
+        error.beyond_remat = self.beyond_remat
         return error
 
     def with_note(self, note: str) -> DoesNotFitError:

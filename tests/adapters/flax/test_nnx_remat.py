@@ -95,6 +95,21 @@ def test_remat_none_keeps_failing_with_the_advice(data):
     assert "nothing compiled" not in str(info.value)
 
 
+def test_a_state_whose_gradients_alone_break_the_budget_tries_no_remat_policy(data):
+    # Weights and AdamW moments (3x the weights) fit; with the gradients (4x) nothing can:
+    # no rematerialization policy changes that, so none is compiled after the first.
+    model = _model()
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    with pytest.raises(autoaccum.DoesNotFitError) as info:
+        autoaccum.plan(model, data, effective_batch=8, device="t4", log=None,
+                       budget=int(3.5 * weights), optimizer=optax.adamw(1e-4),
+                       loss_fn=next_token_loss)
+    message = str(info.value)
+    assert message.startswith("No micro-batch fits: every accumulating step needs at least")
+    assert "No rematerialization policy" not in message
+    assert {p.remat for p in info.value.probes} == {"none"}
+
+
 def test_unknown_remat_policy_lists_the_policies(data):
     with pytest.raises(ValueError, match="'dots_no_batch'.*Received: remat='everything'"):
         autoaccum.plan(_model(), data, effective_batch=8, optimizer=optax.adamw(1e-4),
