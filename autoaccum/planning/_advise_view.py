@@ -1,7 +1,8 @@
 """How the advisor's rows and a ``DoesNotFitError`` show themselves: text, JSON and HTML.
 
-Imports nothing else of the planner (the error and its resident breakdown are read by
-attribute), so :mod:`._search` can render its error without an import cycle.
+Imports nothing else of the planner but the framework-free :mod:`._micro_batches` (the error
+and its resident breakdown are read by attribute), so :mod:`._search` can render its error
+without an import cycle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..devices._units import format_bytes
+from ._micro_batches import split_text
 
 __all__ = ["Alternative", "describe_change", "error_dict", "error_html", "render_html"]
 
@@ -38,10 +40,18 @@ class Alternative:
     ``"extrapolated"`` (depth extrapolation)."""
     plan: Any = dataclasses.field(default=None, repr=False, compare=False)
     """The plan made with the change applied."""
+    last_micro_batch: int | None = None
+    """The last micro-batch's size where it is smaller (an uneven split), else ``None``."""
 
     @property
     def split(self) -> str:
-        return f"{self.micro_batch} x {self.accum_steps}"
+        """The per-device split as a plan writes it: ``"4 x 3"``, ``"25 + 25 + 14"``.
+
+        Example:
+          >>> Alternative({}, 25, 3, 0, 0, 0.0, 1.0, "compiled", last_micro_batch=14).split
+          '25 + 25 + 14'
+        """
+        return split_text(self.micro_batch, self.accum_steps, self.last_micro_batch)
 
     @property
     def floor_bytes(self) -> int:
@@ -55,7 +65,8 @@ class Alternative:
 
     def to_dict(self) -> dict[str, Any]:
         return {"change": dict(self.change), "micro_batch": self.micro_batch,
-                "accum_steps": self.accum_steps, "need_bytes": self.need_bytes,
+                "accum_steps": self.accum_steps, "last_micro_batch": self.last_micro_batch,
+                "need_bytes": self.need_bytes,
                 "floor_bytes": self.floor_bytes, "budget_bytes": self.budget_bytes,
                 "relative_flops": (None if self.relative_flops != self.relative_flops
                                    else self.relative_flops),  # NaN (no count): null

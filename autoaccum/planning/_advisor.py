@@ -186,7 +186,8 @@ def run_advisor(
                 change["strategy"] = getattr(plan, "strategy", "replicated")
             found.append(Alternative(change, plan.micro_batch, plan.accum_steps,
                                      plan.need_bytes, plan.budget_bytes, step_flops(plan),
-                                     0.0, plan.estimate.source, plan))
+                                     0.0, plan.estimate.source, plan,
+                                     last_micro_batch=plan.last_micro_batch))
             if stream is not None:
                 print(f"autoaccum: advise:   fits at {plan.split_text()}, need "
                       f"{format_bytes(plan.need_bytes)} ({time.perf_counter() - t0:.1f} s)",

@@ -12,7 +12,7 @@ import jax
 
 PyTree = Any
 
-__all__ = ["UnevenBatches", "micro_batch_sizes", "micro_steps", "split_sizes"]
+__all__ = ["UnevenBatches", "micro_batch_sizes", "micro_steps", "split_sizes", "split_text"]
 
 
 class UnevenBatches(NamedTuple):
@@ -76,3 +76,18 @@ def split_sizes(per_device: int, micro_batch: int) -> tuple[int, int | None]:
     steps = -(-per_device // micro_batch)
     last = per_device - (steps - 1) * micro_batch
     return steps, (None if last == micro_batch else last)
+
+
+def split_text(micro_batch: int, accum_steps: int, last: int | None = None) -> str:
+    """A step's per-device split, micro-batch x count: ``"5 + 5 + 3"``, ``"5 x 19 + 1"`` (19
+    micro-batches of 5, then 1) or ``"4 x 3"`` (3 micro-batches of 4).
+
+    Example:
+      >>> split_text(5, 20, 1), split_text(5, 3, 3), split_text(4, 3)
+      ('5 x 19 + 1', '5 + 5 + 3', '4 x 3')
+    """
+    if last is None:
+        return f"{micro_batch} x {accum_steps}"
+    if accum_steps <= 3:
+        return " + ".join(map(str, [micro_batch] * (accum_steps - 1) + [last]))
+    return f"{micro_batch} x {accum_steps - 1} + {last}"

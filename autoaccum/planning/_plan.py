@@ -10,7 +10,7 @@ from ..devices._units import format_bytes
 from ._budget import Budget
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate
-from ._micro_batches import split_sizes
+from ._micro_batches import split_sizes, split_text
 from ._search import Probe, SearchResult, divisors, search_micro_batch
 
 
@@ -96,12 +96,7 @@ class Plan:
           ...      last_micro_batch=1).split_text()
           '5 x 19 + 1'
         """
-        m, k, last = self.micro_batch, self.accum_steps, self.last_micro_batch
-        if last is None:
-            return f"{m} x {k}"
-        if k <= 3:
-            return " + ".join(map(str, self.micro_batches))
-        return f"{m} x {k - 1} + {last}"
+        return split_text(self.micro_batch, self.accum_steps, self.last_micro_batch)
 
     @property
     def leftover_examples(self) -> int:
