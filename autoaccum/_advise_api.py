@@ -186,7 +186,8 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
         return stages
 
     return run_advisor(plan_with, stages_for, log=log, original=original,
-                       target=f"{adapter.name} {type(model).__name__}, {device or 'here'}")
+                       target=f"{adapter.name} {type(model).__name__}, {device or 'here'}",
+                       hint=getattr(adapter, "change_hint", None))
 
 
 def _with_remat(policy: str) -> Stage:

@@ -104,6 +104,17 @@ def test_every_advised_row_fits_when_planned_with_its_change(advice):
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_the_report_says_how_to_apply_each_kind_of_row(advice):
+    report = advice.report()
+    assert "how to apply a row:" in report
+    assert "trainable=lora: trainable=nnx.LoRAParam" in report
+    assert "optimizer=sgd: optimizer=optax.sgd" in report
+    device = next(a.change["device"] for a in advice.alternatives if "device" in a.change)
+    assert f'device={device}: device="{device}" without budget=' in report
+    assert set(advice.to_dict()["hints"]) == set(advice.hints)
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_rows_that_cannot_shrink_the_state_are_not_tried(advice):
     tried = [c for c, _ in advice.tried] + [a.change for a in advice.alternatives]
     assert not any(set(c) == {"remat"} for c in tried)
@@ -116,8 +127,8 @@ def test_advice_as_json_and_html(advice):
     out = json.loads(json.dumps(advice.to_dict(), default=str))
     assert out["fits"] is False and out["resident"]["state_bytes"] > BUDGET
     row = out["alternatives"][0]
-    assert set(row) >= {"change", "micro_batch", "accum_steps", "need_bytes", "budget_bytes",
-                        "relative_flops"}
+    assert set(row) >= {"change", "micro_batch", "accum_steps", "last_micro_batch",
+                        "need_bytes", "budget_bytes", "relative_flops"}
     assert "trainable=lora" in advice._repr_html_()
     error = advice.error.to_dict()
     assert error["fits"] is False and error["alternatives"] == out["alternatives"]
@@ -145,6 +156,8 @@ def test_a_model_that_fits_needs_no_advice():
                               optimizer=optax.adam, learning_rate=LR, loss_fn=mse,
                               budget="64MiB", log=None, search=autoaccum.Search(cache=False))
     assert advice.fits and advice.plan is not None and advice.alternatives == ()
+    assert "the configuration as given fits" in advice.report()
+    assert "What would fit" not in advice.report()  # no empty table of 0 changes
 
 
 class MLP(nnx.Module):

@@ -54,6 +54,8 @@ class Advice:
     """Why the configuration as given does not fit (with this advice attached)."""
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    hints: tuple[str, ...] = ()
+    """How to apply each kind of change the rows make (``key=value: what to write``)."""
 
     def table_text(self) -> str:
         """The alternatives as a plain table (what ``DoesNotFitError``'s message shows)."""
@@ -81,7 +83,11 @@ class Advice:
         if self.resident is not None:
             lines += ["memory held whatever the micro-batch (from shapes):",
                       self.resident.table(self.budget_bytes)]
-        lines.append(self.table_text())
+        if not self.fits:  # (a configuration that fits is not changed: no table)
+            lines.append(self.table_text())
+        if self.alternatives and self.hints:
+            lines.append("how to apply a row:")
+            lines += [f"  {h}" for h in self.hints]
         if self.tried:
             lines.append("tried, does not fit:")
             lines += [f"  {describe_change(c)}: {why}" for c, why in self.tried]
@@ -96,7 +102,8 @@ class Advice:
                 "alternatives": [a.to_dict() for a in self.alternatives],
                 "tried": [{"change": dict(c), "why": why} for c, why in self.tried],
                 "plan": self.plan.to_dict() if self.plan is not None else None,
-                "notes": list(self.notes), "advise_seconds": self.seconds}
+                "notes": list(self.notes), "hints": list(self.hints),
+                "advise_seconds": self.seconds}
 
     def _repr_html_(self) -> str:
         return render_html(self.fits, self.resident, self.budget_bytes, self.alternatives,
@@ -122,12 +129,14 @@ def run_advisor(
     target: str = "",
     log: TextIO | str | None = "stderr",
     original: Plan | DoesNotFitError | None = None,
+    hint: Callable[[str, Any], str | None] | None = None,
 ) -> Advice:
     """Plans the configuration as given; if it does not fit, each change the stages propose.
 
     ``stages_for(error)`` gets the original verdict (with ``error.resident`` when the weights
     and optimizer state alone were over the budget, so changes that cannot shrink them are
     not proposed). A change is planned once; a row is kept only when its plan succeeded.
+    ``hint(key, value)``: how a user applies a framework's change (see :func:`change_hints`).
 
     Example:
       >>> from autoaccum.planning._search import DoesNotFitError
@@ -192,10 +201,42 @@ def run_advisor(
                 print(f"autoaccum: advise:   fits at {plan.split_text()}, need "
                       f"{format_bytes(plan.need_bytes)} ({time.perf_counter() - t0:.1f} s)",
                       file=stream, flush=True)
+    alternatives = _ranked(_longest_sequences(found))
     advice = Advice(False, budget, target, resident=error.resident,
-                    alternatives=_ranked(_longest_sequences(found)), tried=tuple(failed),
-                    seconds=time.perf_counter() - start)
+                    alternatives=alternatives, tried=tuple(failed),
+                    seconds=time.perf_counter() - start,
+                    hints=change_hints([a.change for a in alternatives], hint))
     return dataclasses.replace(advice, error=error.with_advice(advice))
+
+
+def change_hints(changes: Sequence[dict[str, Any]],
+                 hint: Callable[[str, Any], str | None] | None = None) -> tuple[str, ...]:
+    """One line per kind of change in ``changes`` (its first value): how a user applies it,
+    the planner's own (remat, device, devices, strategy) or ``hint``'s (a framework's).
+
+    Example:
+      >>> for line in change_hints([{"device": "t4"}, {"remat": "dots", "lora_rank": 16}]):
+      ...     print(line)
+      device=t4: device="t4" without budget= (the row plans within its own budget)
+      remat=dots: search=autoaccum.Search(remat="dots")
+    """
+    planner = {
+        "remat": lambda v: f'search=autoaccum.Search(remat="{v}")',
+        "device": lambda v: (f'device="{v}" without budget= (the row plans within its '
+                             "own budget)"),
+        "devices": lambda v: f"target=autoaccum.Target(device=..., devices={v}, strategy=...)",
+        "strategy": lambda v: f'target=autoaccum.Target(strategy="{v}")',
+    }
+    seen: dict[str, Any] = {}
+    for change in changes:
+        for key, value in change.items():
+            seen.setdefault(key, value)
+    lines = []
+    for key, value in seen.items():
+        text = planner[key](value) if key in planner else (hint(key, value) if hint else None)
+        if text is not None:
+            lines.append(f"{key}={value}: {text}")
+    return tuple(lines)
 
 
 def step_flops(plan: Plan) -> float:

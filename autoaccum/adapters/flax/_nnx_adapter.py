@@ -118,6 +118,13 @@ class FlaxAdapter:
 
         return flax_advice_changes(model, options)
 
+    def change_hint(self, key: str, value: Any) -> str | None:
+        """How a user applies an advice row's ``key=value`` (``None``: not this
+        framework's change; see :func:`._nnx_advice_changes.flax_change_hint`)."""
+        from ._nnx_advice_changes import flax_change_hint
+
+        return flax_change_hint(key, value)
+
     def apply_change(self, model: Any, options: dict,
                      change: dict[str, Any]) -> tuple[Any, dict]:
         """An abstract copy of ``model`` and new options with ``change`` applied."""

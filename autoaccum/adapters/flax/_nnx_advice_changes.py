@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-__all__ = ["flax_advice_changes", "flax_apply_change"]
+__all__ = ["flax_advice_changes", "flax_apply_change", "flax_change_hint"]
 
 _OPTIMIZERS = {"adafactor": optax.adafactor, "sgd": optax.sgd, "lion": optax.lion,
                "adamw": optax.adamw, "adam": optax.adam}
@@ -105,3 +105,24 @@ def flax_apply_change(model: nnx.Module, options: dict,
         else:
             options["optimizer"] = factory(1e-3)
     return copy, options
+
+
+def flax_change_hint(key: str, value: Any) -> str | None:
+    """How a user applies an advice row's ``key=value`` to a Flax model and ``fit``/``plan``
+    (``None``: not a Flax change).
+
+    Example:
+      >>> flax_change_hint("trainable", "lora")
+      'trainable=nnx.LoRAParam (only the LoRA adapters trained)'
+    """
+    hints = {
+        "optimizer": f"optimizer=optax.{value} (a factory of the learning rate)",
+        "mu_dtype": (f"optimizer=lambda learning_rate: optax.<optimizer>(learning_rate, "
+                     f"mu_dtype=jnp.{value}) (moments in {value})"),
+        "trainable": "trainable=nnx.LoRAParam (only the LoRA adapters trained)",
+        "lora_rank": f"build the model's nnx.LoRA layers with rank {value}",
+        "weight_dtype": (f"the weights cast: nnx.update(model, jax.tree.map(lambda w: "
+                         f"w.astype(jnp.{value}), nnx.state(model, nnx.Param))) (training in "
+                         f"{value} throughout, not mixed precision)"),
+    }
+    return hints.get(key)

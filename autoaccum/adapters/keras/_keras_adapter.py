@@ -129,6 +129,13 @@ class KerasAdapter:
 
         return keras_advice_changes(model, options)
 
+    def change_hint(self, key: str, value: Any) -> str | None:
+        """How a user applies an advice row's ``key=value`` (``None``: not this
+        framework's change; see :func:`._keras_advice_changes.keras_change_hint`)."""
+        from ._keras_advice_changes import keras_change_hint
+
+        return keras_change_hint(key, value)
+
     def apply_change(self, model: Any, options: dict,
                      change: dict[str, Any]) -> tuple[Any, dict]:
         """The model to plan and options with ``change`` applied: an optimizer change alone

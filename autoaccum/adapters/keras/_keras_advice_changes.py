@@ -53,6 +53,7 @@ from ._scope import keras_lowering_scope
 from .presets._advise_preset import LORA_RANKS
 
 __all__ = ["KERAS_OPTIMIZERS", "LORA_RANK", "keras_advice_changes", "keras_apply_change",
+           "keras_change_hint",
            "rebuilt_abstractly"]
 
 KERAS_OPTIMIZERS = ("adafactor", "sgd", "lion")
@@ -542,3 +543,21 @@ def _first_line(error: BaseException) -> str:
     sentence = text.split(". ")[0][:200].rstrip(".")
     return f"{sentence}."
 
+
+def keras_change_hint(key: str, value: Any) -> str | None:
+    """How a user applies an advice row's ``key=value`` to a Keras model (``None``: not a
+    Keras change).
+
+    Example:
+      >>> keras_change_hint("quantize", "int8")
+      'model.quantize("int8") before enabling LoRA (QLoRA: int8 frozen weights)'
+    """
+    hints = {
+        "optimizer": f"model.compile(optimizer=keras.optimizers.<{value}>(...), ...) again",
+        "lora_rank": (f"layer.enable_lora({value}) on every trainable layer that has it (a "
+                      f"keras-hub task: model.backbone.enable_lora({value})), then compile"),
+        "quantize": f'model.quantize("{value}") before enabling LoRA (QLoRA: {value} frozen '
+                    "weights)",
+        "dtype": f'the model built with dtype="{value}" (a dtype policy), then compiled',
+    }
+    return hints.get(key)

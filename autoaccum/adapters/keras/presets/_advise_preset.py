@@ -151,7 +151,15 @@ def advise_preset(
         stages.append(_combined_with_shorter_sequences(sequence_length))
         return stages
 
-    return run_advisor(plan_with, stages_for, log=stream, target=f"{name}, {device or 'here'}")
+    return run_advisor(plan_with, stages_for, log=stream, target=f"{name}, {device or 'here'}",
+                       hint=_preset_hint)
+
+
+def _preset_hint(key: str, value: Any) -> str | None:
+    """A preset row's change is a keyword of ``plan_preset``."""
+    if key in ("lora_rank", "quantize", "dtype", "optimizer", "sequence_length"):
+        return f"plan_preset(..., {key}={value!r})"
+    return None
 
 
 def _step(sequence_length: int) -> int:
