@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from ..planning._search import ADVISE_HINT
 from ._builder import load_model_function, merge_flags, spec_kwargs
 from ._errors import CliError, import_error_message
 
@@ -57,7 +58,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(advice.to_dict(), indent=2, default=str), flush=True)
     else:
-        if not advice.fits and advice.error is not None:
-            print(str(advice.error).split("\nWhat would fit")[0], flush=True)
+        if not advice.fits and advice.error is not None:  # (the advice follows: no pointer)
+            verdict = str(advice.error).split("\nWhat would fit")[0]
+            print(verdict.replace(f" {ADVISE_HINT}", "").replace(f"\n{ADVISE_HINT}", ""),
+                  flush=True)
         print(advice.report(), flush=True)
     return 0 if advice.fits else 2

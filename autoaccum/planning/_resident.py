@@ -165,7 +165,7 @@ def check_resident(resident: Resident, budget_bytes: int, *,
       ...     print(str(error).splitlines()[0])
       No micro-batch can fit: the weights and optimizer state alone need 120 B, over the budget of 100 B by 20 B (known from shapes, nothing compiled).
     """  # noqa: E501
-    from ._search import DoesNotFitError
+    from ._search import ADVISE_HINT, DoesNotFitError
 
     floor = resident.state_bytes  # the whole batch in one micro-batch needs no accumulator
     if floor <= budget_bytes:
@@ -179,9 +179,7 @@ def check_resident(resident: Resident, budget_bytes: int, *,
         f"{format_bytes(floor)}, over the budget of {format_bytes(budget_bytes)} by "
         f"{format_bytes(floor - budget_bytes)} (known from shapes, nothing compiled)."
         + (f" [{target}]" if target else "") + "\n"
-        + resident.table(budget_bytes) + "\n" + where
-        + "\nautoaccum.advise(...) (same arguments; CLI: autoaccum plan ... --advise) lists "
-        "compile-verified changes that fit.",
+        + resident.table(budget_bytes) + "\n" + where + "\n" + ADVISE_HINT,
         resident=resident, budget_bytes=budget_bytes,
         smallest_profile=holder.key if holder is not None else None,
     )

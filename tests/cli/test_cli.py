@@ -274,6 +274,14 @@ def test_advise_prints_rows_that_fit_as_json(capsys):
         assert set(row) >= {"change", "micro_batch", "accum_steps", "relative_flops"}
 
 
+@pytest.mark.slow  # the advisor plans a dozen rows, one of them for a deviceless T4
+def test_advise_prints_the_verdict_without_pointing_to_advise_then_the_table(capsys):
+    assert main([*TINY, "--budget", "200KiB", "--quiet", "--advise"]) == 2
+    out = capsys.readouterr().out
+    assert "What would fit" in out and "how to apply a row:" in out
+    assert "--advise" not in out.split("What would fit")[0]  # it is what runs
+
+
 @pytest.mark.slow  # deviceless compiles for two T4s
 def test_strategy_flag_is_passed_to_the_plan(capsys):
     argv = ["plan", "--model", "tests._plans:keras_builder", "--device", "t4", "--devices",
