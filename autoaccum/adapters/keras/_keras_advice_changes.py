@@ -553,7 +553,8 @@ def keras_change_hint(key: str, value: Any) -> str | None:
       'model.quantize("int8") before enabling LoRA (QLoRA: int8 frozen weights)'
     """
     hints = {
-        "optimizer": f"model.compile(optimizer=keras.optimizers.<{value}>(...), ...) again",
+        "optimizer": (f'model.compile(optimizer="{value}", ...) again (or its class in '
+                      "keras.optimizers, with your learning rate)"),
         "lora_rank": (f"layer.enable_lora({value}) on every trainable layer that has it (a "
                       f"keras-hub task: model.backbone.enable_lora({value})), then compile"),
         "quantize": f'model.quantize("{value}") before enabling LoRA (QLoRA: {value} frozen '
