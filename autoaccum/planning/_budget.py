@@ -87,9 +87,6 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
     fraction: float | None = None
     if isinstance(value, numbers.Integral):  # numpy integers too
         number = int(value)
-        if number == 1:  # all the memory is 1.0; one byte is never meant
-            raise ValueError(_fix_hint(value, "budget=1 is one byte (an int is bytes); all "
-                                              "the memory is 1.0 or '100%'. "))
     elif isinstance(value, numbers.Real):
         value = float(value)
         if 0 < value <= 1:
@@ -110,10 +107,6 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
             if unit == "" and 0 < amount <= 1 and "." in match.group(1):
                 fraction = amount
                 number = 0
-            elif unit == "" and amount == 1:
-                raise ValueError(_fix_hint(value, "A budget of 1 is one byte (a plain number "
-                                                  "is bytes); all the memory is 1.0 or "
-                                                  "'100%'. "))
             else:
                 number = int(amount * _UNITS[unit])
         else:
@@ -133,6 +126,9 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         return Budget(number, "user", f"{fraction:.0%} of {format_bytes(capacity_bytes)}")
     if number <= 0:
         raise ValueError(_fix_hint(value, "A budget is a positive amount of memory. "))
+    if number == 1:  # 1 or "1": all the memory is 1.0; one byte is never meant
+        raise ValueError(_fix_hint(value, "A budget of 1 is one byte (a whole number is "
+                                          "bytes); all the memory is 1.0 or '100%'. "))
     return Budget(int(number), "user", f"given: {value!r}")
 
 

@@ -240,22 +240,21 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
 
             whole = jax.tree.leaves(trainable)
 
+            def used(differentiated: PyTree) -> list:
+                # A whole weight with a split gradient is used whole in the forward pass; its
+                # gradient comes back as this device's share of its sum, taken as soon as the
+                # backward pass has it (differentiated with respect to the share).
+                return [s if f is None else f(s, w) for s, w, f in zip(
+                    jax.tree.leaves(differentiated), whole, scatter_where_complete, strict=True)]
+
             def local_loss(shards: PyTree, c: PyTree, b: PyTree) -> Any:
                 # Each split weight gathered where it is used, its gradient reduce-scattered
-                # there (see ._at_use); differentiated with respect to the shards (and the
-                # shares of whole weights with split gradients).
-                leaves = [s if f is None else f(s, w) for s, w, f in zip(
-                    jax.tree.leaves(shards), whole, scatter_where_complete, strict=True)]
-                return gathered_at_use(loss, [*leaves, *jax.tree.leaves(frozen)], (c, b),
+                # there (see ._at_use); differentiated with respect to the shards.
+                return gathered_at_use(loss, [*used(shards), *jax.tree.leaves(frozen)], (c, b),
                                        gather=gathers, scatter=scatters)
 
-            def early_loss(shards: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
-                # The whole weights (copied) in the forward pass; the gradient of each split
-                # leaf comes back as this device's share of its sum, taken as soon as the
-                # backward pass has it (differentiated with respect to the shares).
-                leaves = [s if f is None else f(s, w) for s, w, f in zip(
-                    jax.tree.leaves(shards), whole, scatter_where_complete, strict=True)]
-                return micro_loss(jax.tree.unflatten(treedef, leaves), c, b, *rest)
+            def early_loss(shares: PyTree, c: PyTree, b: PyTree, *rest: Any) -> Any:
+                return micro_loss(jax.tree.unflatten(treedef, used(shares)), c, b, *rest)
 
             shares = jax.tree.unflatten(treedef, [
                 w if f is None else jnp.zeros(shard_shape(w, d).shape, jnp.float32)
