@@ -15,7 +15,7 @@ export JAX_PLATFORMS ?= cpu
 export KERAS_BACKEND ?= jax
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: demo test test-fast test-bare bench docs clean
+.PHONY: demo test test-fast test-mesh test-bare bench docs clean
 
 $(STAMP): pyproject.toml
 	@if [ -x $(PY) ] && [ "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" != \
@@ -37,6 +37,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m ruff check autoaccum autoaccum_demo tests benchmarks
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
+
+# Models sharded as JAX and Flax teach them (jax.set_mesh, with mesh:, Explicit axes), on 8
+# host devices: slow, so not in test-fast; CI runs it on the oldest stack too.
+test-mesh: $(STAMP)
+	$(PY) -m pytest -q tests/adapters/flax/test_mesh_guides.py
 
 # A bare GPU box as it is lent (tests/install/bare-box.txt: Python 3.12, jax 0.11.2 and its
 # CUDA 13 plugin, flax, optax, numpy, rich, pytest; no keras, tqdm or nvidia-ml-py), with

@@ -14,6 +14,7 @@ from ._entry_options import (
     with_targets,
 )
 from .adapters import adapter_for
+from .devices._context_mesh import keeps_callers_mesh
 from .planning._advisor import (
     Advice,
     Alternative,
@@ -30,14 +31,13 @@ from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._search import DoesNotFitError
 from .planning._targets import device_platform, is_deviceless
-from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["advise"]
 
 
 @explains_keywords
-@outside_context_mesh
+@keeps_callers_mesh
 def advise(
     model: Any,
     data: Any,

@@ -18,6 +18,7 @@ from ._entry_options import (
     with_targets,
 )
 from .adapters import adapter_for
+from .devices._context_mesh import keeps_callers_mesh
 from .planning._adapter_interface import FitSettings
 from .planning._option_checks import (
     resolve_log,
@@ -26,13 +27,12 @@ from .planning._option_checks import (
 )
 from .planning._plan import Plan
 from .planning._plan_options import LearningRate, Search, Target
-from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["fit"]
 
 @explains_keywords
-@outside_context_mesh
+@keeps_callers_mesh
 def fit(
     model: Any,
     data: Any = None,

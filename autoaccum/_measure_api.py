@@ -15,7 +15,7 @@ from ._entry_options import (
     with_targets,
 )
 from .adapters import adapter_for
-from .devices._mesh import resolve_mesh
+from .devices._context_mesh import keeps_callers_mesh
 from .planning._cache import resolve_cache
 from .planning._concurrent_compiles import CompileRequest, measure_all
 from .planning._measure import MemoryEstimate
@@ -27,15 +27,14 @@ from .planning._option_checks import (
 )
 from .planning._plan_model import prepare
 from .planning._plan_options import LearningRate, Search, Target
-from .planning._targets import is_deviceless, resolve_target, slice_devices
-from .training._context_mesh import outside_context_mesh
+from .planning._targets import is_deviceless, resolve_target, slice_devices, training_mesh
 from .training._training_options import Training
 
 __all__ = ["measure"]
 
 
 @explains_keywords
-@outside_context_mesh
+@keeps_callers_mesh
 def measure(
     model: Any,
     data: Any,
@@ -103,11 +102,8 @@ def measure(
     if is_deviceless(device) and (slice_devices(device, None) or 1) > 1:
         # A TPU slice that is not here: every chip, on the deviceless target's own mesh.
         early = resolve_target(device, None, memory_fraction=the_target.memory_fraction)
-        mesh = early.mesh
-    else:
-        mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
-    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
-        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
+    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=device,
+                         slice_mesh=early.mesh if early is not None else None)
     dp = 1 if mesh is None else mesh.size
     given_accum = accum_steps
     if effective_batch is not None:

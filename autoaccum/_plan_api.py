@@ -16,19 +16,19 @@ from ._entry_options import (
     with_targets,
 )
 from .adapters import adapter_for
+from .devices._context_mesh import keeps_callers_mesh
 from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._search import DoesNotFitError
-from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["plan"]
 
 
 @explains_keywords
-@outside_context_mesh
+@keeps_callers_mesh
 def plan(
     model: Any,
     data: Any,

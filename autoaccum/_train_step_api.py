@@ -15,17 +15,17 @@ from ._entry_options import (
 from .adapters import adapter_for
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
+from .devices._context_mesh import keeps_callers_mesh
 from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_options import LearningRate, Search, Target
-from .training._context_mesh import outside_context_mesh
 from .training._training_options import Training
 
 __all__ = ["train_step"]
 
 
 @explains_keywords
-@outside_context_mesh
+@keeps_callers_mesh
 def train_step(
     model: Any,
     data: Any,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["backends_started", "hlo_module_cost_analysis"]
+__all__ = ["backends_started", "hlo_module_cost_analysis", "legacy_context_mesh"]
 
 
 def backends_started() -> bool:
@@ -39,3 +39,14 @@ def hlo_module_cost_analysis(client: Any, module: Any) -> dict[str, float]:
     from jax._src.lib import xla_client
 
     return xla_client._xla.hlo_module_cost_analysis(client, module)
+
+
+def legacy_context_mesh() -> Any:
+    """The mesh of the legacy ``with mesh:`` context (deprecated, still honoured by JAX: its
+    bare ``PartitionSpec``s resolve against it), or ``None``:
+    ``jax._src.mesh.thread_resources.env.physical_mesh`` (jax 0.10.2 to 0.12.0.1), which
+    ``jax.sharding.get_mesh`` does not report."""
+    from jax._src import mesh as mesh_lib
+
+    mesh = mesh_lib.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh

@@ -19,12 +19,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._mesh import from_host
 
-__all__ = ["Placement", "concrete_mesh", "place", "same_mesh"]
+__all__ = ["Placement", "place", "same_mesh"]
 
 PyTree = Any
 
@@ -154,41 +154,3 @@ def same_mesh(a: Mesh, b: Mesh) -> bool:
     return (tuple(a.axis_names) == tuple(b.axis_names)
             and a.devices.shape == b.devices.shape
             and all(x == y for x, y in zip(a.devices.flat, b.devices.flat, strict=True)))
-
-
-def concrete_mesh(mesh: Mesh | AbstractMesh) -> Mesh:
-    """``mesh`` over devices: itself when it has devices; for an ``AbstractMesh`` (the mesh of
-    a model made with ``nnx.eval_shape`` under ``jax.set_mesh``, whose arrays are shapes
-    only), the context mesh (``jax.set_mesh``) when it is that mesh over devices, else the
-    same axis names, sizes and types over the first devices in ``jax.devices()`` order (as
-    autoaccum's data-parallel mesh takes them). A dry run then moves the layout onto its
-    target's devices (:meth:`Placement.onto`).
-
-    Raises:
-      ValueError: this machine has fewer devices than the abstract mesh.
-
-    Example:
-      >>> concrete_mesh(AbstractMesh((1,), ("x",))).devices.shape
-      (1,)
-    """
-    if not isinstance(mesh, AbstractMesh):
-        return mesh
-
-    def axes(m: Any) -> tuple:
-        return tuple(m.axis_names), tuple(m.axis_sizes), tuple(m.axis_types)
-
-    context = jax.sharding.get_mesh()
-    if not context.empty and axes(context) == axes(mesh):
-        return context
-    devices = jax.devices()
-    if len(devices) < mesh.size:
-        raise ValueError(
-            f"This model's weights are laid out on an abstract mesh of {mesh.size} devices "
-            f"({dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}), as nnx.eval_shape "
-            f"makes them, and autoaccum lays that layout out over devices to compile it: this "
-            f"machine has {len(devices)}. Plan inside jax.set_mesh(mesh) with that mesh over "
-            f"real devices, or, for a dry run on a CPU, start Python with XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={mesh.size}. Received: a mesh of "
-            f"{mesh.size} devices and {len(devices)} {devices[0].platform} devices here")
-    return Mesh(np.array(devices[:mesh.size]).reshape(mesh.axis_sizes), mesh.axis_names,
-                axis_types=mesh.axis_types)

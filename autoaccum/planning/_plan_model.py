@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from ..devices._mesh import resolve_mesh
+from ..devices._context_mesh import has_explicit_axes
 from ..devices._units import format_bytes
 from ._adapter_interface import Adapter, Prepared
 from ._cache import resolve_cache
@@ -39,7 +39,13 @@ from ._remat_policies import (
 from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
-from ._targets import ResolvedTarget, is_deviceless, resolve_target, slice_devices
+from ._targets import (
+    ResolvedTarget,
+    is_deviceless,
+    resolve_target,
+    slice_devices,
+    training_mesh,
+)
 from ._train_program import TrainProgram, tree_bytes
 
 
@@ -318,10 +324,8 @@ def plan_model(
                 "a dry run of GPUs that are not here, name them: device='t4', 'l4', "
                 f"'a100-80gb', ... Received: devices={devices}, device={device!r}")
         data_parallel = devices
-    mesh = early.mesh if early is not None else resolve_mesh(data_parallel,
-                                                             auto=adapter.auto_mesh)
-    if hasattr(adapter, "own_mesh") and not is_deviceless(device):
-        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
+    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=device,
+                         slice_mesh=early.mesh if early is not None else None)
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
         validate_effective_batch(effective_batch, data_parallel=mesh.size)
@@ -545,13 +549,27 @@ def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tup
                                           == set(program.placement.mesh.devices.flat)):
         if strategy != "auto":
             placement = program.placement
+            if has_explicit_axes(placement.mesh):
+                why = ("; its axes are Explicit (AxisType.Explicit: an array's sharding is "
+                       "part of its type, and the model's code names it), where autoaccum "
+                       "trains in the layout as it is, and a strategy lays the state out anew "
+                       "over automatic axes")
+                fix = ("or write the model for a mesh of AxisType.Auto axes (jax.make_mesh("
+                       "..., axis_types=(AxisType.Auto,) * n), without out_sharding=) and "
+                       "build it without sharding annotations to let autoaccum shard it")
+            elif placement.source.startswith("the context mesh"):
+                why, fix = "", ("or call autoaccum outside the jax.set_mesh block, with a "
+                                "model built without sharding annotations, to let autoaccum "
+                                "shard it")
+            else:
+                why, fix = "", ("or build the model without sharding annotations to let "
+                                "autoaccum shard it")
             raise ValueError(
                 f"This model's variables are laid out by {placement.source} (mesh "
-                f"{dict(placement.mesh.shape)}); autoaccum keeps that layout as it is "
+                f"{dict(placement.mesh.shape)}){why}; autoaccum keeps that layout as it is "
                 f"(plan.strategy 'own'), so it cannot lay the state out by strategy "
                 f"{strategy!r} as well. Pass strategy='auto' (the default) to train with your "
-                "layout, or build the model without sharding annotations to let autoaccum "
-                f"shard it. Received: strategy={strategy!r}")
+                f"layout, {fix}. Received: strategy={strategy!r}")
         return ("own",)
     if mesh is None or mesh.size == 1:
         return ("replicated",)

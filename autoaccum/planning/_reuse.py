@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..devices._mesh import resolve_mesh
 from ..devices._units import format_bytes
 from ._adapter_interface import Adapter, Prepared
 from ._option_checks import check_enough_examples, no_leftovers, received
 from ._plan import Plan
 from ._plan_model import prepare
 from ._resident import resident_of
+from ._targets import training_mesh
 from ._train_program import tree_bytes
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan", "validate_plan_type"]
@@ -125,13 +125,11 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"{effective_batch}, or pass effective_batch={plan.effective_batch}. Received: "
             f"effective_batch={effective_batch}"
         )
-    mesh = resolve_mesh(data_parallel, auto=adapter.auto_mesh)
-    if hasattr(adapter, "own_mesh"):
-        mesh = adapter.own_mesh(model, mesh)  # the model's own sharding, kept (or refused)
+    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=None)
     opts = dict(options)
     prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
                        remat=plan.remat, remat_layers=remat_layers)
-    if mesh is not None:
+    if mesh is not None and prepared.program.placement is None:  # a kept layout stays
         prepared = dataclasses.replace(
             prepared, program=prepared.program.on_mesh(
                 mesh, getattr(plan, "strategy", "replicated"),

@@ -377,3 +377,40 @@ def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
             f"Received: budget={budget!r}")
     return resolved
 
+
+
+def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
+                  slice_mesh: Any = None) -> Any:
+    """The devices a step of ``model`` runs on, resolved once for ``plan``, ``measure`` and
+    ``fit``: the target slice's own mesh (``slice_mesh``: a dry run for several GPUs or TPU
+    chips that are not here), else ``data_parallel`` over this machine's devices
+    (``"auto"``, an int, or a one-axis mesh; ``None``: one device), then the model's own
+    sharding, kept or refused (``adapter.own_mesh``). ``None`` for one device, or for a step
+    that keeps a layout of its own (its program's placement).
+
+    Inside a caller's context mesh (``jax.set_mesh``), that mesh lays out the step where the
+    plan is for it: this machine with ``data_parallel="auto"``, or a slice of as many devices
+    (see :func:`autoaccum.devices._context_mesh.context_layout`); else the step runs as asked
+    and the model's partition specs resolve on a mesh of the same axis names.
+
+    Example:
+      >>> from autoaccum.adapters.flax import FlaxAdapter
+      >>> training_mesh(FlaxAdapter(), None, data_parallel=1, device=None) is None
+      True
+    """
+    from ..devices._context_mesh import callers_mesh, context_mesh_as_layout
+    from ..devices._mesh import resolve_mesh
+
+    context = callers_mesh()
+    deviceless = is_deviceless(device)
+    if deviceless:
+        as_layout = slice_mesh is not None and context is not None and (
+            slice_mesh.size == context.size)
+    else:
+        as_layout = isinstance(data_parallel, str) and data_parallel == "auto"
+    context_mesh_as_layout(as_layout)
+    if deviceless:
+        return slice_mesh
+    mesh = resolve_mesh(data_parallel, auto=getattr(adapter, "auto_mesh", None))
+    own_mesh = getattr(adapter, "own_mesh", None)
+    return mesh if own_mesh is None else own_mesh(model, mesh)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..devices._context_mesh import constrain, has_explicit_axes
 from ..planning._micro_batches import UnevenBatches, micro_steps
 
 PyTree = Any
@@ -73,7 +74,8 @@ def accumulate_gradients(
       sq_norm: ``sq_norm(grads, count)``, the squared norm of a micro-batch's mean gradient
         from the gradients ``grad_fn`` gave (default: local, ``|grads|^2 / count^2``).
       accumulator_sharding: under ``jax.jit`` over several devices (GSPMD), a sharding per
-        leaf of the float32 accumulator (e.g. the weights' own), kept through the scan.
+        leaf of the float32 accumulator (e.g. the weights' own), kept through the scan (over
+        ``Explicit`` mesh axes each micro-batch's gradients are resharded to it first).
 
     Returns:
       An :class:`AccumulatedGradients` of unnormalised float32 sums.
@@ -94,6 +96,9 @@ def accumulate_gradients(
         return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(count, jnp.float32), new_state)
 
     grad_fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+    explicit = accumulator_sharding is not None and any(
+        has_explicit_axes(getattr(s, "mesh", None)) for s in jax.tree.leaves(
+            accumulator_sharding, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)))
 
     def body(scan_carry, micro_batch, params=trainable):
         grad_acc, loss_acc, count_acc, state, sq_acc = scan_carry
@@ -101,9 +106,11 @@ def accumulate_gradients(
         summed = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if scatter is not None:
             summed = scatter(summed)
+        if explicit:  # a sharding is part of an array's type: the sum takes the accumulator's
+            summed = constrain(summed, accumulator_sharding)
         grad_acc = jax.tree.map(lambda a, g: a + g, grad_acc, summed)
         if accumulator_sharding is not None:
-            grad_acc = jax.lax.with_sharding_constraint(grad_acc, accumulator_sharding)
+            grad_acc = constrain(grad_acc, accumulator_sharding)
         if sq_norm is not None:
             micro_sq = sq_norm(grads, count)
         else:
@@ -115,7 +122,7 @@ def accumulate_gradients(
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          trainable if accumulator is None else accumulator)
     if accumulator_sharding is not None:
-        zeros = jax.lax.with_sharding_constraint(zeros, accumulator_sharding)
+        zeros = constrain(zeros, accumulator_sharding)
     init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
     params = trainable
     if isinstance(batches, UnevenBatches) and micro_steps(batches) == 2:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from ..devices._context_mesh import constrain, has_explicit_axes
 from ..devices._placement import Placement
 from ..planning._strategies import StateLayout, accumulator_sharding
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients
@@ -57,15 +58,15 @@ def placed_accumulate(placement: Placement) -> Accumulate:
             is_leaf=lambda s: isinstance(s, NamedSharding))
         acc = accumulate_gradients(micro_loss, trainable, carry, batches,
                                    accumulator_sharding=shardings, **options)
-        if not _on_tpu(placement):
+        if not (_on_tpu(placement) or has_explicit_axes(placement.mesh)):
             return acc
         # On a TPU the sums go back to the weights' layout for the update: else XLA runs the
         # optimizer in the accumulator's finer layout and gathers every new weight and
         # moment (v5e-4, two 4096^2 kernels kept on a 2 x 2 mesh, AdamW: 1.63 -> 0.88 of
         # the floor at 1 x 4). Not on a GPU, where that layout is the cheaper one (4 x H100:
-        # 1.19 as it is, 1.37 constrained), nor on CPU devices (1.37 either way).
-        return acc._replace(grad_sum=jax.lax.with_sharding_constraint(
-            acc.grad_sum, placement.state[0]))
+        # 1.19 as it is, 1.37 constrained), nor on CPU devices (1.37 either way). Over
+        # Explicit axes always: the optimizer adds them to weights of the weights' type.
+        return acc._replace(grad_sum=constrain(acc.grad_sum, placement.state[0]))
 
     return accumulate
 

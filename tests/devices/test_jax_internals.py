@@ -12,7 +12,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoaccum.devices._jax_internals import backends_started, hlo_module_cost_analysis
+from autoaccum.devices._jax_internals import (
+    backends_started,
+    hlo_module_cost_analysis,
+    legacy_context_mesh,
+)
 from tests._paths import REPO
 
 DOOR = REPO / "autoaccum" / "devices" / "_jax_internals.py"
@@ -65,3 +69,19 @@ def test_hlo_module_cost_analysis_counts_the_flops_of_a_lowered_matmul():
     cost = hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
     assert cost["flops"] == 2 * 4 * 8 * 2
     assert cost["bytes accessed"] == 4 * (4 * 8 + 8 * 2 + 4 * 2)  # float32 in and out
+
+
+def test_legacy_context_mesh_is_the_mesh_of_a_with_mesh_block_only():
+    import warnings
+
+    import numpy as np
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    assert legacy_context_mesh() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated on new JAX
+        with mesh:
+            assert legacy_context_mesh() == mesh
+    with jax.set_mesh(mesh):  # the new context is not the legacy one
+        assert legacy_context_mesh() is None

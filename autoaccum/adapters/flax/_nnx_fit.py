@@ -154,7 +154,7 @@ def flax_fit(
     if validation_data is not None:
         evaluator = Evaluator(model, validation_data, loss_fn=loss_fn, trainable=trainable,
                               batch_size=validation_batch_size or plan.micro_batch * dp,
-                              steps=validation_steps, mesh=mesh)
+                              steps=validation_steps, mesh=mesh, trace_mesh=hooks.trace_mesh)
 
         def validate(epoch: int) -> dict[str, Any]:
             result.val_losses.append(evaluator(*hooks.read_state()))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
 from ...devices._placement import Placement
 from ...planning._micro_batches import micro_steps
 from ...planning._strategies import StateLayout, state_layout
@@ -51,6 +52,45 @@ def is_nnx_module(model: object) -> bool:
 def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
     """graphdef, trainable params, frozen params, other state (RNG counters, statistics)."""
     return nnx.split(model, trainable, nnx.Param, ...)
+
+
+def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
+    """A ``ValueError`` before any compile when ``loss_fn`` cannot be called as
+    ``loss_fn(model, batch)`` (two positional arguments; a batch is what one example of the
+    data is, stacked: a dict, a tuple, a dataclass of arrays), with a wrapper for a loss
+    written as ``loss_fn(model, **inputs)`` (Tunix's) or over several arrays. A callable whose
+    signature Python cannot read is let through.
+
+    Example:
+      >>> check_loss_signature(lambda model, batch: (0.0, 1))
+      >>> def tunix_style(model, input_tokens, input_mask, positions, attention_mask):
+      ...     return 0.0
+      >>> check_loss_signature(tunix_style)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: loss_fn is called as loss_fn(model, batch) ...
+    """
+    import inspect
+
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin, an extension: nothing to read
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError as error:
+        params = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        fields = ", ".join(f"batch[{p.name!r}]" for p in params[1:]) or "batch[...]"
+        raise ValueError(
+            "loss_fn is called as loss_fn(model, batch) -- the model and one micro-batch, "
+            "whose keys are the data's (a dict, a tuple, a dataclass of arrays) -- and "
+            "returns (sum_of_losses, number_of_valid_items). For a loss written over the "
+            "batch's fields, wrap it: def loss_fn(model, batch): return "
+            f"my_loss(model, **batch) (or my_loss(model, {fields}))"
+            ", returning the sum and the count (autoaccum.training.token_loss_sum does that "
+            "for token logits and a mask). Received: loss_fn"
+            f"{signature} ({error})") from None
 
 
 def checked_loss(out: Any) -> tuple[jax.Array, jax.Array]:
@@ -92,6 +132,7 @@ def make_flax_step(
     weighted: bool = False,
     optimizer_skips_nonfinite: bool = False,
     layout: StateLayout | None = None,
+    trace_mesh: Any = None,
 ) -> Callable[..., tuple[Any, StepMetrics]]:
     """``step((params, other, opt_state), batches, frozen) -> (new_state, StepMetrics)``.
 
@@ -119,6 +160,9 @@ def make_flax_step(
         ``accumulate=data_parallel_accumulate(mesh, layout=layout)`` with it): the new state
         keeps the layout's shardings (weights, optimizer state split or copied); under
         ``fsdp`` the ``frozen`` weights arrive split too (``layout.frozen``).
+      trace_mesh: the context mesh the model's code is traced under (the mesh the step runs
+        on, see :func:`autoaccum.devices._context_mesh.step_mesh`), so the partition specs
+        the model names (``with_sharding_constraint``, ``out_sharding=``) resolve.
 
     Returns:
       The pure step function (jit it with ``donate_argnums=0``).
@@ -195,7 +239,7 @@ def make_flax_step(
         )
         return (new_params, new_other, new_opt_state), metrics
 
-    return step
+    return traced_under(step, trace_mesh)
 
 
 def flax_program(
@@ -236,8 +280,21 @@ def flax_program(
     validate_batch_stats(batch_stats)
     graphdef, params, frozen, other = split_model(model, trainable)
     opt_state = jax.eval_shape(tx.init, abstract(params))
-    # The user's own layout over a mesh of several axes, kept as it is (see ._sharding).
-    placement = own_placement(model, (params, other, opt_state), frozen)
+    abstract_state = (abstract(params), abstract(other), opt_state)
+    callers = callers_mesh()
+
+    def traces(placement: Placement) -> BaseException | None:
+        return _loss_traces(graphdef, placement, abstract_state, abstract(frozen),
+                            example_spec, loss_fn)
+
+    def data_parallel_traces(mesh: Any) -> BaseException | None:
+        return _loss_traces_data_parallel(graphdef, mesh, abstract_state, abstract(frozen),
+                                          example_spec, loss_fn)
+
+    # A layout kept as it is: the model's split over a mesh of several axes, or the caller's
+    # context mesh where the model's code names its axes (see ._sharding).
+    placement = own_placement(model, (params, other, opt_state), frozen, traces=traces,
+                              data_parallel_traces=data_parallel_traces)
     fixed = own_specs(params)  # weights the user's model splits over devices itself
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
@@ -250,12 +307,13 @@ def flax_program(
     def step_for(mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                               accumulate=step_accumulation(mesh), norms=norms,
-                              on_nonfinite=on_nonfinite)
+                              on_nonfinite=on_nonfinite, trace_mesh=step_mesh(mesh, callers))
 
     def sharded_step(layout: StateLayout) -> tuple[Callable[..., Any], Any]:
         step = make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                               accumulate=step_accumulation(layout.mesh, layout), norms=norms,
-                              on_nonfinite=on_nonfinite, layout=layout)
+                              on_nonfinite=on_nonfinite, layout=layout,
+                              trace_mesh=layout.mesh)
         return step, layout.state_shardings(other)
 
     program = _train_program(
@@ -278,13 +336,63 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
     def step_for(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                               accumulate=placed_accumulate(placement), norms=norms,
-                              on_nonfinite=on_nonfinite)
+                              on_nonfinite=on_nonfinite, trace_mesh=placement.mesh)
 
     params, other, opt_state = placement.abstract(state, placement.state)
     (frozen,) = placement.abstract((frozen,), placement.frozen)
     return _train_program(model, step_for(placement), example_spec,
                           (params, other, opt_state), frozen, placement=placement,
                           placed_step=step_for)
+
+
+def _loss_traces(graphdef: Any, placement: Placement, state: Any, frozen: Any,
+                 example_spec: Any, loss_fn: LossFn) -> BaseException | None:
+    """``None`` when ``loss_fn`` traces on one micro-batch of one example per data-parallel
+    device with the state laid out by ``placement`` (under its mesh), else the error (a
+    model written for ``Explicit`` mesh axes fails on automatic ones, and back)."""
+    params, other, _ = placement.abstract(state, placement.state)
+    (frozen,) = placement.abstract((frozen,), placement.frozen)
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        (placement.data_parallel, *s.shape), s.dtype, sharding=placement.last_sharding()),
+        example_spec)
+
+    def loss(p: Any, o: Any, f: Any, b: Any) -> Any:
+        return checked_loss(loss_fn(nnx.merge(graphdef, p, f, o, copy=True), b))
+
+    try:
+        jax.eval_shape(traced_under(loss, placement.mesh), params, other, frozen, batch)
+    except Exception as error:  # returned: the caller tries the other axis types
+        return error
+    return None
+
+
+def _loss_traces_data_parallel(graphdef: Any, mesh: Any, state: Any, frozen: Any,
+                               example_spec: Any, loss_fn: LossFn) -> BaseException | None:
+    """``None`` when ``loss_fn`` traces as autoaccum's data-parallel step runs it: inside
+    ``jax.shard_map`` over the one-axis ``mesh``, on one example per device, else the error
+    (a ``with_sharding_constraint`` naming a mesh axis cannot: the axis is manual there, or
+    not in the mesh at all)."""
+    from jax.sharding import PartitionSpec as P
+
+    axis = mesh.axis_names[0]
+    params, other, _ = state
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mesh.size, *s.shape), s.dtype),
+                         example_spec)
+
+    def per_device(p: Any, o: Any, f: Any, b: Any) -> Any:
+        loss_sum, count = checked_loss(loss_fn(nnx.merge(graphdef, p, f, o, copy=True), b))
+        return jnp.stack([jnp.asarray(loss_sum, jnp.float32),
+                          jnp.asarray(count, jnp.float32)])[None]
+
+    def run(p: Any, o: Any, f: Any, b: Any) -> Any:
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis)),
+                             out_specs=P(axis))(p, o, f, b)
+
+    try:
+        jax.eval_shape(traced_under(run, mesh), params, other, frozen, batch)
+    except Exception as error:  # returned: the caller keeps the context's layout instead
+        return error
+    return None
 
 
 def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: Any,

@@ -17,6 +17,7 @@ import jax
 import optax
 from flax import nnx
 
+from ...devices._context_mesh import callers_mesh, step_mesh
 from ...devices._mesh import place, replicate
 from ...devices._placement import Placement
 from ...devices._placement import place as place_each
@@ -70,6 +71,16 @@ class FlaxState(StateHooks):
         self.state, self.frozen = (params, other, opt_state), frozen
         self._unplaced = mesh is not None or placement is not None
         self.place_state(self.state, self.frozen)
+
+    @property
+    def trace_mesh(self) -> Any:
+        """The mesh the model's code is traced under: the one the step runs on (the kept
+        layout's, the strategy's or the data-parallel one), or on one device the caller's
+        axis names (see :func:`autoaccum.devices._context_mesh.step_mesh`)."""
+        if self.placement is not None:
+            return self.placement.mesh
+        return step_mesh(self.layout.mesh if self.layout is not None else self.mesh,
+                         callers_mesh())
 
     @property
     def data_parallel(self) -> int:
@@ -157,7 +168,8 @@ def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
                                       trainable=hooks.trainable, accumulate=accumulate,
                                       norms=norms, on_nonfinite=on_nonfinite,
                                       weighted=weighted, layout=hooks.layout,
-                                      optimizer_skips_nonfinite=optimizer_skips_nonfinite),
+                                      optimizer_skips_nonfinite=optimizer_skips_nonfinite,
+                                      trace_mesh=hooks.trace_mesh),
                        donate_argnums=0, **out)
 
     return StepRunner(

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ...devices._context_mesh import traced_under
 from ...devices._warnings import AutoaccumWarning
 from ...training._validator import Validator
 from ._nnx_program import LossFn, checked_loss
@@ -81,6 +82,7 @@ class Evaluator:
       batch_size: examples per evaluation batch (the last one may be smaller).
       steps: evaluate at most this many batches (``None``: all).
       mesh: the data-parallel mesh of the train state, or ``None``.
+      trace_mesh: the mesh the model's code is traced under (the train step's).
 
     Example:
       >>> import jax.numpy as jnp
@@ -96,7 +98,8 @@ class Evaluator:
     """
 
     def __init__(self, model: nnx.Module, data: Any, *, loss_fn: LossFn, trainable: Any,
-                 batch_size: int, steps: int | None = None, mesh: Any = None) -> None:
+                 batch_size: int, steps: int | None = None, mesh: Any = None,
+                 trace_mesh: Any = None) -> None:
         view = nnx.with_attributes(model, raise_if_not_found=False, **_EVAL)
         graphdef = nnx.graphdef(view)
         self.data, self.batch_size, self.steps, self.mesh = data, batch_size, steps, mesh
@@ -106,7 +109,8 @@ class Evaluator:
             m = nnx.merge(graphdef, state[0], frozen, state[1], copy=True)
             return checked_loss(loss_fn(m, batch))
 
-        self._validator = Validator(evaluate, place=lambda batch: _place(batch, mesh))
+        self._validator = Validator(traced_under(evaluate, trace_mesh),
+                                    place=lambda batch: _place(batch, mesh))
 
     def __call__(self, state: Any, frozen: Any) -> float:
         totals = [0.0, 0.0]

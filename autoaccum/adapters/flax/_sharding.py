@@ -40,6 +40,7 @@ on) is refused with a ``ValueError`` that says what autoaccum can keep.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,11 +48,13 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...devices._placement import Placement, concrete_mesh, same_mesh
+from ...devices._context_mesh import concrete_mesh, context_layout, has_explicit_axes
+from ...devices._mesh import DATA_AXIS
+from ...devices._placement import Placement, same_mesh
 from ...planning._strategies import shaped_like
 
-__all__ = ["DATA_AXIS_NAMES", "data_axis", "home_shardings", "own_mesh", "own_placement",
-           "own_specs", "rehome"]
+__all__ = ["DATA_AXIS_NAMES", "context_data_mesh", "data_axis", "home_shardings", "own_mesh",
+           "own_placement", "own_specs", "rehome"]
 
 DATA_AXIS_NAMES = ("batch", "data")
 """Mesh axis names taken as the data (batch) axis of a mesh of several axes."""
@@ -113,6 +116,8 @@ def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
       >>> data_axis(mesh, [P(None, "model")])
       'batch'
     """
+    if len(mesh.axis_names) == 1:  # FSDP-like: the batch is split over the one axis too
+        return mesh.axis_names[0]
     names = [a for a in mesh.axis_names if a in DATA_AXIS_NAMES]
     if len(names) > 1:
         raise ValueError(
@@ -135,10 +140,12 @@ def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
 
 def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     """The data-parallel training mesh for ``model``: ``mesh`` when no weight of the model
-    is split over devices, the one-axis mesh its split weights live on, or ``None`` when
-    they live on a mesh of several axes (its layout is then kept by :func:`own_placement`).
-    The devices are checked against ``mesh``, the devices autoaccum would train on: the
-    same, in the same order, for a one-axis mesh; among them for several axes.
+    is split over devices, the one-axis mesh its split weights live on, or ``None`` when the
+    step keeps a layout (:func:`own_placement`: split weights on a mesh of several axes, or
+    the caller's context mesh, ``jax.set_mesh``, when it lays out the step,
+    :func:`~autoaccum.devices._context_mesh.context_layout`). The devices are checked
+    against ``mesh``, the devices autoaccum would train on: the same, in the same order, for
+    a one-axis mesh; among them for several axes.
 
     Raises:
       ValueError: the model's own sharding cannot be kept (the message says why and what
@@ -146,7 +153,12 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     """
     if not isinstance(model, nnx.Module):
         return mesh
+    context = context_layout()
     split = _split_arrays(model)
+    if context is not None and mesh is not None:
+        _check_devices(context, mesh, "The context mesh (jax.set_mesh)")
+        if not split:  # data parallel over the context's devices, or its layout (program's)
+            return context_data_mesh(context)
     if not split:
         return mesh
     path, array = split[0]
@@ -181,16 +193,39 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     return None if several else _plain_mesh(user)
 
 
-def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
-    """The model's own layout over a mesh of several axes as a :class:`Placement` for the
-    step's ``state = (params, other, opt_state)`` (``opt_state`` may be abstract) and
-    ``frozen`` weights; ``None`` when no weight is split, or split over a one-axis mesh (the
-    data-parallel path of :func:`own_mesh`).
+def _check_devices(layout: Mesh, mesh: Mesh, what: str) -> None:
+    """A ``ValueError`` unless every device of ``layout`` is among those of ``mesh`` (the
+    devices autoaccum would train on)."""
+    ours = [d.id for d in mesh.devices.flat]
+    theirs = [d.id for d in layout.devices.flat]
+    if not set(theirs) <= set(ours):
+        raise ValueError(
+            f"{what} is over devices {theirs}, but autoaccum would train on devices {ours}. "
+            f"Pass data_parallel='auto' (the layout's devices). Received: a mesh "
+            f"{dict(layout.shape)}")
 
-    Every array keeps its spec on a copy of the user's mesh with automatic axes (an array
-    not on that mesh, e.g. an RNG key, is copied on every device); the optimizer state's
-    sub-trees shaped like ``params`` (optax's moments) take the weights' specs, the rest of
-    it is copied.
+
+def own_placement(model: Any, state: Any, frozen: Any, *,
+                  traces: Callable[[Placement], BaseException | None] | None = None,
+                  data_parallel_traces: Callable[[Mesh], BaseException | None] | None = None,
+                  ) -> Placement | None:
+    """The layout a step of ``model`` keeps, as a :class:`Placement` for the step's ``state =
+    (params, other, opt_state)`` (``opt_state`` may be abstract) and ``frozen`` weights: the
+    mesh of several axes its split weights live on, or the caller's context mesh
+    (``jax.set_mesh``) when it lays out the step
+    (:func:`~autoaccum.devices._context_mesh.context_layout`) when the model's code cannot
+    run data-parallel (``data_parallel_traces(mesh)``, the loss traced inside autoaccum's
+    ``shard_map`` over a one-axis mesh: a ``with_sharding_constraint`` naming a mesh axis
+    cannot); ``None`` otherwise (no weight split, or split over a one-axis mesh: the
+    data-parallel path of :func:`own_mesh`, where every sharding strategy is open).
+
+    Every array keeps its spec (an array not on that mesh, e.g. an RNG key or an unsplit
+    weight, is copied on every device); the optimizer state's sub-trees shaped like
+    ``params`` (optax's moments) take the weights' specs, the rest of it is copied. The step
+    runs on a copy of the mesh with automatic axes, where XLA chooses every intermediate
+    layout; a mesh with ``Explicit`` axes is kept as it is when ``traces`` (the model's loss
+    traced on a placement, ``None`` or the error) says the model's code needs it
+    (``out_sharding=`` specs, which name explicit axes only).
 
     Raises:
       ValueError: the weights are split over different meshes, or the data axis is
@@ -199,13 +234,53 @@ def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
     if not isinstance(model, nnx.Module):
         return None
     split = _split_arrays(model)
-    if not split:
+    context = context_layout()
+    if split:
+        user = _user_mesh(split)
+        one_axis = len(user.axis_names) < 2
+        if one_axis and (context is None or _data_parallel_traces(
+                data_parallel_traces, _plain_mesh(user))):
+            return None  # autoaccum's data parallelism over the weights' axis
+        source = "the model's own weight shardings"
+    elif context is not None:
+        if _data_parallel_traces(data_parallel_traces, context_data_mesh(context)):
+            return None  # the model's code runs data-parallel: every strategy is open
+        user, source = context, "the context mesh (jax.set_mesh)"
+    else:
         return None
-    user = _user_mesh(split)
-    if len(user.axis_names) < 2:
-        return None
-    mesh = _plain_mesh(user)
     axis = data_axis(user, [a.sharding.spec for _, a in split])
+    placement = _placement(_plain_mesh(user), user, state, frozen, axis, source)
+    if traces is None or not has_explicit_axes(user):
+        return placement
+    automatic = traces(placement)
+    if automatic is None:
+        return placement
+    explicit = _placement(user, user, state, frozen, axis, source)
+    if traces(explicit) is None:
+        return explicit
+    raise automatic
+
+
+def context_data_mesh(context: Mesh) -> Mesh | None:
+    """autoaccum's data-parallel mesh inside a caller's context mesh: its devices, in order,
+    on one axis (``None`` for one device)."""
+    if context.size < 2:
+        return None
+    return Mesh(context.devices.reshape(-1), (DATA_AXIS,))
+
+
+def _data_parallel_traces(check: Callable[[Mesh], BaseException | None] | None,
+                          mesh: Mesh | None) -> bool:
+    """Whether the model's code runs in autoaccum's data-parallel step over ``mesh`` (a mesh
+    of one device, or no check: yes)."""
+    return mesh is None or check is None or check(mesh) is None
+
+
+def _placement(mesh: Mesh, user: Mesh, state: Any, frozen: Any, axis: str | None,
+               source: str) -> Placement:
+    """Every leaf of ``state`` and ``frozen`` on ``mesh`` (the user's mesh or its copy): the
+    spec it has on ``user``, else copied; optimizer sub-trees shaped like the weights take
+    the weights' specs."""
     replicated = NamedSharding(mesh, P())
 
     def own(leaf: Any) -> NamedSharding:
@@ -227,7 +302,7 @@ def own_placement(model: Any, state: Any, frozen: Any) -> Placement | None:
         state=(param_shardings, jax.tree.map(own, other), opt_shardings),
         frozen=(jax.tree.map(own, frozen),),
         data_axis=axis,
-        source="the model's own weight shardings",
+        source=source,
     )
 
 
