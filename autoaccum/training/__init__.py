@@ -22,6 +22,7 @@ from ._fit_loop import FitHooks as FitHooks
 from ._fit_loop import FitLoop as FitLoop
 from ._fit_loop import run_fit_loop as run_fit_loop
 from ._interrupts import deferred_interrupts as deferred_interrupts
+from ._losses import token_loss_sum as token_loss_sum
 from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
 from ._nonfinite import NONFINITE_POLICIES as NONFINITE_POLICIES
 from ._nonfinite import NonFiniteError as NonFiniteError
@@ -60,4 +61,5 @@ __all__ = [
     "mean_gradients",
     "mean_loss",
     "run_fit_loop",
+    "token_loss_sum",
 ]

@@ -1,9 +1,10 @@
-"""User data (a dict, tuple or array of numpy arrays with a leading example axis) to batches
-of shape ``[accum_steps, micro_batch, ...]``."""
+"""User data (a dict, tuple, NamedTuple or dataclass of numpy arrays, or one array, with a
+leading example axis) to batches of shape ``[accum_steps, micro_batch, ...]``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,18 +20,23 @@ PyTree = Any
 def as_arrays(data: object, *, name: str = "data") -> PyTree:
     """Validates ``data`` and returns it as a pytree of numpy arrays.
 
-    Accepts a mapping or tuple/list of array-likes, or one array, each with the same
-    leading (example) axis.
+    Accepts a mapping, a tuple or list, a ``NamedTuple``, a dataclass (a ``flax.struct``
+    one, or a plain ``dataclasses.dataclass``: its fields, as a dict; see
+    :func:`batch_rebuilder`) of array-likes, or one array, each with the same leading
+    (example) axis. A ``NamedTuple`` or a pytree dataclass keeps its type; ``None`` fields
+    are kept as ``None``.
 
     Example:
       >>> tree = as_arrays({"x": [[1, 2], [3, 4]], "y": [0, 1]})
       >>> num_examples(tree)
       2
     """
-    if not isinstance(data, Mapping | tuple | list) and not hasattr(data, "shape"):
+    if (not isinstance(data, Mapping | tuple | list) and not hasattr(data, "shape")
+            and not _is_dataclass(data)):
         raise ValueError(
-            f"{name} must be a dict or tuple of numpy arrays (or one array) whose first axis is "
-            f"the example axis. Received: {name} of type {type(data).__name__}"
+            f"{name} must be a dict, tuple, NamedTuple or dataclass of numpy arrays (or one "
+            "array) whose first axis is the example axis. Received: "
+            f"{name} of type {type(data).__name__}"
         )
     tree = _to_numpy(tuple(data) if isinstance(data, list) else data, name=name)
     leaves, treedef = jax.tree.flatten(tree)
@@ -70,12 +76,54 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
     return jax.tree.unflatten(treedef, arrays)
 
 
+def _is_dataclass(obj: object) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _is_pytree_node(obj: object) -> bool:
+    """Whether JAX flattens ``obj`` itself (a registered dataclass such as a ``flax.struct``
+    one), rather than taking it for one leaf."""
+    return not jax.tree_util.all_leaves([obj])
+
+
+def batch_rebuilder(data: object) -> Callable[[Any], Any] | None:
+    """For a batch that is a plain ``dataclasses.dataclass`` (not a JAX pytree), the function
+    that makes one from its fields (as :func:`as_arrays` holds them: a dict), so a
+    ``loss_fn`` receives the batch's own type; ``None`` for any other batch, which keeps its
+    type anyway.
+
+    Example:
+      >>> @dataclasses.dataclass
+      ... class Batch:
+      ...     x: Any
+      >>> rebuild = batch_rebuilder(Batch(x=np.zeros(2)))
+      >>> type(rebuild(as_arrays(Batch(x=np.zeros(2))))).__name__
+      'Batch'
+    """
+    if not _is_dataclass(data) or _is_pytree_node(data):
+        return None
+    cls = type(data)
+    return lambda fields: cls(**fields)
+
+
 def _to_numpy(obj: object, path: str = "", *, name: str = "data") -> PyTree:
-    """Mappings and tuples are containers; anything else (lists included) is one array."""
+    """Mappings, tuples (a ``NamedTuple`` keeps its type) and dataclasses are containers,
+    ``None`` stays ``None``; anything else (lists included) is one array."""
+    if obj is None:
+        return None
     if isinstance(obj, Mapping):
         return {str(k): _to_numpy(v, f"{path}[{str(k)!r}]", name=name) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_to_numpy(v, f"{path}[{i}]", name=name) for i, v in enumerate(obj))
+        items = [_to_numpy(v, f"{path}[{i}]", name=name) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if _is_dataclass(obj):
+        if _is_pytree_node(obj):  # a flax.struct dataclass: the same type, arrays inside
+            return jax.tree_util.tree_map_with_path(
+                lambda key, leaf: _to_numpy(leaf, path + jax.tree_util.keystr(key), name=name),
+                obj)
+        # A plain dataclass: its fields, as a dict (batch_rebuilder makes it again).
+        return {f.name: _to_numpy(getattr(obj, f.name), f"{path}.{f.name}", name=name)
+                for f in dataclasses.fields(obj)}
     try:
         return np.asarray(obj)
     except ValueError as error:  # ragged nested lists

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from ...planning._adapter_interface import FitSettings, Prepared
@@ -21,13 +22,18 @@ from ...planning._option_checks import (
 )
 from ...planning._plan import Plan
 from ...planning._remat_policies import REMAT_POLICIES
+from ...planning._train_program import abstract
 from ...training._batch_norm_moments import validate_batch_stats
 from ...training._callbacks import validate_callbacks
 from ...training._epoch_batches import as_arrays, example_spec, num_examples
 from ._nnx_data import ArrayData, flax_data
 from ._nnx_fit import flax_fit
-from ._nnx_optimizer import NnxOptimizerLink, unwrap_optimizer
-from ._nnx_program import flax_program, split_model
+from ._nnx_optimizer import (
+    NnxOptimizerLink,
+    refuse_accumulating_optimizer,
+    unwrap_optimizer,
+)
+from ._nnx_program import check_loss_signature, flax_program, split_model
 from ._nnx_remat import rematerialized, repeated_layers
 from ._optax_lr import build_optax_optimizer, optax_family
 
@@ -76,6 +82,9 @@ class FlaxAdapter:
                 "number_of_valid_items). Received: loss_fn "
                 + ("None" if loss_fn is None else f"of type {type_name(loss_fn)}")
             )
+        check_loss_signature(loss_fn)
+        given = optimizer
+        refuse_accumulating_optimizer(given)  # an optax.MultiSteps: refused before anything
         optimizer, trainable, nnx_optimizer = unwrap_optimizer(optimizer, trainable)
         base_lr = options.pop("learning_rate", None)
         if isinstance(base_lr, nnx.Module):
@@ -97,13 +106,17 @@ class FlaxAdapter:
             adjust_adam=options.pop("adjust_adam", False),
         )
         tx = build_optax_optimizer(optimizer, scaling)
+        _, params, _, _ = split_model(model, nnx.Param if trainable is None else trainable)
+        refuse_accumulating_optimizer(given, tx, abstract(params))
         link = (None if nnx_optimizer is None
                 else NnxOptimizerLink(nnx_optimizer, chained=tx is not optimizer))
         source = next((src for sample, src in self._sources if sample is data), None)
-        if source is None:
-            source = flax_data(data)  # read once: later policies get its sample back
+        if source is None:  # read once: later policies get its sample back
+            source = flax_data(data, traces=lambda tree: _loss_takes(model, loss_fn, tree))
         tree = source.sample(effective_batch)
         self._sources.append((tree, source))
+        if source.rebuild is not None:  # a plain dataclass: the loss gets its own type back
+            loss_fn = _rebuilt(loss_fn, source.rebuild)
         kwargs = {} if trainable is None else {"trainable": trainable}
         with self.remat_context(model, remat, remat_layers):
             program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx,
@@ -244,6 +257,38 @@ class FlaxAdapter:
             placement=prepared.program.placement,
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
+
+
+def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
+    """Whether ``loss_fn(model, tree)`` traces (shapes only, nothing compiled): how a list of
+    items that reads both as batches and as records is told apart (see ``list_reading``)."""
+    from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
+    from ...training._epoch_batches import batch_rebuilder
+    from ._nnx_program import checked_loss
+
+    graphdef, state = nnx.split(model)
+    rebuild = batch_rebuilder(tree)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                        as_arrays(tree))
+
+    def run(state: Any, batch: Any) -> Any:
+        batch = rebuild(batch) if rebuild is not None else batch
+        return checked_loss(loss_fn(nnx.merge(graphdef, state, copy=True), batch))
+
+    try:
+        jax.eval_shape(traced_under(run, step_mesh(None, callers_mesh())), abstract(state),
+                       spec)
+    except Exception:  # this reading of the data does not fit the model
+        return False
+    return True
+
+
+def _rebuilt(loss_fn: Any, rebuild: Any) -> Any:
+    """``loss_fn`` called with the user's own batch type, made again from its fields."""
+    def loss(model: Any, batch: Any) -> Any:
+        return loss_fn(model, rebuild(batch))
+
+    return loss
 
 
 FIT_OPTIONS = ("callbacks", "validation_data", "validation_split", "validation_batch_size",

@@ -26,19 +26,26 @@ a stream known to be infinite without ``steps_per_epoch``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from ...planning._option_checks import received, type_name
-from ...training._epoch_batches import as_arrays, epoch_order, num_examples
+from ...training._epoch_batches import (
+    as_arrays,
+    batch_rebuilder,
+    epoch_order,
+    num_examples,
+)
 from ...training._rebatch import Rebatcher, concat
 
-__all__ = ["ArrayData", "FlaxStream", "flax_data", "is_records", "stack_records"]
+__all__ = ["ArrayData", "FlaxStream", "flax_data", "is_records", "list_reading",
+           "stack_records"]
 
 PyTree = Any
 
@@ -52,8 +59,13 @@ class ArrayData:
       [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
 
-    def __init__(self, tree: PyTree) -> None:
+    rebuild: Any = None
+    """Makes the user's batch type again from a batch's fields (a plain dataclass, see
+    ``autoaccum.training._epoch_batches.batch_rebuilder``), or ``None``."""
+
+    def __init__(self, tree: PyTree, *, rebuild: Any = None) -> None:
         self.tree = tree
+        self.rebuild = rebuild
         self.num_examples = num_examples(tree)
         self._order: np.ndarray | None = None
         self._position = 0
@@ -97,6 +109,8 @@ class FlaxStream:
 
     num_examples: int | None = None
     """Unknown for a stream."""
+    rebuild: Any = None
+    """As :attr:`ArrayData.rebuild`, known from the first batch."""
 
     def __init__(self, data: Any, *, name: str = "data") -> None:
         self.data = data
@@ -128,11 +142,14 @@ class FlaxStream:
         where = f"{self.name} batch {self._read}"
         if isinstance(batch, list):
             batch = tuple(batch)
-        if not isinstance(batch, Mapping | tuple) and not hasattr(batch, "shape"):
+        if (not isinstance(batch, Mapping | tuple) and not hasattr(batch, "shape")
+                and not _is_dataclass(batch)):
             raise ValueError(
-                f"Each item of a stream is a batch: a dict or tuple of arrays (or one array) "
-                f"with a leading batch axis. {where} is not. Received: "
+                f"Each item of a stream is a batch: a dict, tuple, NamedTuple or dataclass of "
+                f"arrays (or one array) with a leading batch axis. {where} is not. Received: "
                 f"{received(where, batch)}")
+        if self._read == 1:
+            self.rebuild = batch_rebuilder(batch)
         tree = as_arrays(batch, name=where)
         shapes = (jax.tree.structure(tree),
                   tuple((a.shape[1:], str(a.dtype)) for a in jax.tree.leaves(tree)))
@@ -229,10 +246,79 @@ def _known_infinite(data: Any) -> bool:
         return False
 
 
+def _is_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _structured(item: Any) -> bool:
+    """A dict, tuple (a ``NamedTuple`` too) or dataclass: one record, or one batch."""
+    return isinstance(item, Mapping | tuple) or _is_dataclass(item)
+
+
+def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> str | None:
+    """How a ``list`` of dicts, tuples, ``NamedTuple``s or dataclasses is read: ``"records"``
+    (one example each, stacked), ``"batches"`` (a stream of batches, each with a leading
+    batch axis), or ``None`` for anything else (a container of arrays, ``[x, y]``).
+
+    Told apart by shape: items holding a scalar, or whose arrays differ in their leading
+    sizes, are records; items whose arrays share a leading size that differs between items
+    (a smaller last batch) are batches. Items that read both ways (every array with one
+    leading size, the same shapes in every item) are batches when they are typed batches
+    (dataclasses or ``NamedTuple``s, as Tunix's ``TrainingInput``); dicts and tuples are
+    decided by ``traces(tree)`` (whether the model's loss traces on ``tree``): on the first
+    item as a batch, and on the first two stacked as records. Without ``traces``, or when
+    neither reading traces, records (their stacking, or the model, says what is wrong).
+
+    Raises:
+      ValueError: both readings trace (the message names what was seen and how to say
+        which is meant).
+
+    Example:
+      >>> list_reading([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}])
+      'records'
+      >>> list_reading([{"x": np.zeros((4, 2))}, {"x": np.zeros((3, 2))}])
+      'batches'
+      >>> list_reading([np.zeros((4, 2)), np.zeros(4)]) is None
+      True
+    """
+    if not isinstance(data, list) or not data or not all(_structured(i) for i in data):
+        return None
+    if all(isinstance(i, tuple) and not hasattr(i, "_fields") for i in data) and (
+            len({len(i) for i in data}) == 1 and len(data) <= 3 and not _has_scalar(data[0])):
+        return None  # [(xa, xb), (ya, yb)]: a container of arrays, as before
+    trees = [_record(item) for item in data]
+    leading = [{np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(t)}
+               for t in trees]
+    if any(len(sizes) != 1 or None in sizes for sizes in leading):
+        return "records"
+    shapes = {(jax.tree.structure(t), tuple(np.shape(a) for a in jax.tree.leaves(t)))
+              for t in trees}
+    if len(shapes) > 1:
+        return "batches" if len({next(iter(s)) for s in leading}) > 1 else "records"
+    if all(_is_dataclass(i) or hasattr(i, "_fields") for i in data):
+        return "batches"  # a typed batch (Tunix's TrainingInput): its fields share the axis
+    if traces is None:
+        return "records"
+    as_batches = traces(trees[0])
+    as_records = traces(stack_records(data[:2]))
+    if as_batches and as_records:
+        first = trees[0]
+        shown = ", ".join(f"{jax.tree_util.keystr(k)} {np.shape(a)}" for k, a in
+                          jax.tree_util.tree_flatten_with_path(first)[0][:3])
+        n = next(iter(leading[0]))
+        raise ValueError(
+            f"data is a list of {len(data)} {type_name(data[0])} items whose arrays all share "
+            f"a leading axis of {n} ({shown}), and the model takes it either way: as "
+            f"{len(data)} batches of {n} examples, or as {len(data)} examples (records) of "
+            f"those shapes. Say which: iter(data) is a stream of batches; for records, stack "
+            f"them into one {type_name(data[0])} of arrays with a leading example axis. "
+            f"Received: data as a list of {len(data)} {type_name(data[0])} items")
+    return "batches" if as_batches else "records"
+
+
 def is_records(data: Any) -> bool:
-    """Whether ``data`` is a list of per-example records: a ``list`` of more than one dict,
-    or of more than three tuples (``[x, y]`` and ``[(xa, xb), y]`` stay containers of
-    arrays), or whose items hold a scalar (one example's label).
+    """Whether ``data`` is a list of per-example records (:func:`list_reading` without the
+    model's say).
 
     Example:
       >>> is_records([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}])
@@ -240,14 +326,7 @@ def is_records(data: Any) -> bool:
       >>> is_records([np.zeros((4, 2)), np.zeros(4)])
       False
     """
-    if not isinstance(data, list) or len(data) < 1:
-        return False
-    if all(isinstance(item, Mapping) for item in data):
-        return len(data) > 1 or _has_scalar(data[0])
-    if all(isinstance(item, tuple) for item in data):
-        lengths = {len(item) for item in data}
-        return len(lengths) == 1 and (len(data) > 3 or _has_scalar(data[0]))
-    return False
+    return list_reading(data) == "records"
 
 
 def _has_scalar(record: Any) -> bool:
@@ -255,12 +334,19 @@ def _has_scalar(record: Any) -> bool:
 
 
 def _record(obj: Any) -> PyTree:
-    """One record with dicts and tuples as containers and anything else (a list of token ids
-    included) as one array, as in-memory data is read."""
+    """One record (or batch) with dicts, tuples and dataclasses as containers and anything
+    else (a list of token ids included) as one array, as in-memory data is read."""
+    if obj is None:
+        return None
     if isinstance(obj, Mapping):
         return {str(k): _record(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_record(v) for v in obj)
+        items = [_record(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if _is_dataclass(obj):
+        if not jax.tree_util.all_leaves([obj]):  # a pytree dataclass keeps its type
+            return jax.tree.map(_record, obj)
+        return {f.name: _record(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     return np.asarray(obj)
 
 
@@ -296,8 +382,10 @@ def stack_records(records: list, *, name: str = "data") -> PyTree:
     return jax.tree.unflatten(first, stacked)
 
 
-def flax_data(data: Any, *, name: str = "data") -> ArrayData | FlaxStream:
-    """``data`` as :class:`ArrayData` or :class:`FlaxStream` (see the module docstring).
+def flax_data(data: Any, *, name: str = "data",
+              traces: Callable[[PyTree], bool] | None = None) -> ArrayData | FlaxStream:
+    """``data`` as :class:`ArrayData` or :class:`FlaxStream` (see the module docstring); a
+    list of batches is a stream (see :func:`list_reading`, which ``traces`` helps).
 
     Example:
       >>> type(flax_data({"x": np.zeros((4, 2))})).__name__
@@ -307,9 +395,14 @@ def flax_data(data: Any, *, name: str = "data") -> ArrayData | FlaxStream:
     """
     if isinstance(data, ArrayData | FlaxStream):
         return data
-    if is_records(data):
-        return ArrayData(as_arrays(stack_records(data, name=name), name=name))
+    reading = list_reading(data, traces)
+    if reading == "records":
+        return ArrayData(as_arrays(stack_records(data, name=name), name=name),
+                         rebuild=batch_rebuilder(data[0]))
+    if reading == "batches":
+        return FlaxStream(data, name=name)
     if (isinstance(data, Mapping | tuple | list) or hasattr(data, "shape")
-            or isinstance(data, str | bytes) or not hasattr(data, "__iter__")):
-        return ArrayData(as_arrays(data, name=name))
+            or isinstance(data, str | bytes) or not hasattr(data, "__iter__")
+            or _is_dataclass(data)):
+        return ArrayData(as_arrays(data, name=name), rebuild=batch_rebuilder(data))
     return FlaxStream(data, name=name)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from ...planning._option_checks import type_name
 
-__all__ = ["NnxOptimizerLink", "unwrap_optimizer"]
+__all__ = ["NnxOptimizerLink", "refuse_accumulating_optimizer", "unwrap_optimizer"]
 
 
 class NnxOptimizerLink:
@@ -63,6 +63,64 @@ class NnxOptimizerLink:
 
 def _filter_name(wrt: Any) -> str:
     return getattr(wrt, "__name__", type_name(wrt))
+
+
+def _multi_steps(optimizer: Any) -> Any:
+    """The ``optax.MultiSteps`` behind ``optimizer`` (the object itself, or the transformation
+    its ``gradient_transformation()`` made, whose methods are its own), else ``None``."""
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer
+    owner = getattr(getattr(optimizer, "init", None), "__self__", None)
+    return owner if isinstance(owner, optax.MultiSteps) else None
+
+
+def _holds_multi_steps(state: Any) -> bool:
+    return any(isinstance(node, optax.MultiStepsState) for node in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)))
+
+
+def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None) -> None:
+    """A ``ValueError`` when the optimizer accumulates gradients itself (``optax.MultiSteps``:
+    the object, its ``gradient_transformation()``, inside an ``optax.chain`` or an
+    ``nnx.Optimizer``, or built by a factory): autoaccum already sums the whole effective
+    batch into one update, so a ``MultiSteps`` would wait for k of them (no weight moves for
+    k - 1 steps, an effective batch k times the one asked), averaging means of means.
+
+    ``given``: what the user passed as ``optimizer=``; ``tx``: the transformation built from
+    it, and ``params`` the trained weights (abstract is fine), when it is built (else only
+    ``given`` is looked at).
+
+    Example:
+      >>> refuse_accumulating_optimizer(optax.sgd(0.1), optax.sgd(0.1), {"w": jax.numpy.ones(2)})
+      >>> multi_steps = optax.MultiSteps(optax.sgd(0.1), 4)
+      >>> refuse_accumulating_optimizer(multi_steps, multi_steps.gradient_transformation(),
+      ...                               {"w": jax.numpy.ones(2)})  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: optimizer= accumulates gradients itself (optax.MultiSteps, ...
+    """
+    inner = _multi_steps(given)
+    if inner is None and isinstance(given, nnx.Optimizer):
+        inner = _multi_steps(given.tx)
+    if inner is None and tx is not None:
+        inner = _multi_steps(tx)
+    if inner is None:
+        if tx is None:
+            return
+        init = getattr(tx, "init", None)
+        if not callable(init) or not _holds_multi_steps(jax.eval_shape(init, params)):
+            return
+    fix = ("Pass its inner optimizer instead, optimizer=multi_steps.inner_opt (in an "
+           "nnx.Optimizer too: nnx.Optimizer(model, multi_steps.inner_opt, wrt=...)), and the "
+           "batch it accumulated as effective_batch=")
+    raise ValueError(
+        "optimizer= accumulates gradients itself (optax.MultiSteps, applying the update "
+        "once every k steps), and autoaccum already accumulates the whole effective batch "
+        "exactly inside each step: together the weights would move only once per k of "
+        "autoaccum's steps, on a mean of per-step means (an effective batch k times the one "
+        f"asked). {fix}. Received: optimizer of type {type_name(given)}"
+        + ("" if inner is not None else " holding an optax.MultiSteps (its state has a "
+           "MultiStepsState)"))
 
 
 def unwrap_optimizer(optimizer: Any, trainable: Any) -> tuple[Any, Any, Any]:

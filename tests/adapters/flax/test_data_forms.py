@@ -6,7 +6,9 @@ loaders, tf.data as numpy, generators, iterators), with the same leftover, epoch
 import dataclasses
 import io
 import itertools
+from typing import Any, NamedTuple
 
+import flax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -192,4 +194,109 @@ def test_records_holding_python_lists_are_stacked_like_arrays():
     records = [{"x": X[i].tolist(), "y": float(Y[i])} for i in range(N)]
     kernel, result = _fit(records)
     assert result.steps == 5
+    np.testing.assert_allclose(kernel, _reference()[0], rtol=1e-6, atol=1e-7)
+
+
+# -- batches as JAX libraries hold them: dataclasses, flax.struct, NamedTuples ---------------
+
+@flax.struct.dataclass
+class StructBatch:
+    """As Tunix's ``TrainingInput``: a ``flax.struct`` dataclass with an optional field."""
+
+    x: Any
+    y: Any
+    extra: Any = None
+
+
+@dataclasses.dataclass
+class PlainBatch:
+    x: Any
+    y: Any
+
+
+class TupleBatch(NamedTuple):
+    x: Any
+    y: Any
+
+
+BATCH_TYPES = {"flax.struct": StructBatch, "dataclass": PlainBatch, "NamedTuple": TupleBatch}
+
+
+def typed_loss(model, batch):
+    """Reads fields by name: the batch comes back as the user's own type."""
+    assert isinstance(batch, tuple(BATCH_TYPES.values())), type(batch)
+    return jnp.sum((model(batch.x)[:, 0] - batch.y) ** 2), batch.y.shape[0]
+
+
+def _typed(cls, size, *, first=None):
+    """The data as a list of ``cls`` batches of ``size`` (the first of ``first``)."""
+    cuts = [0, first] if first else [0]
+    cuts = [*cuts, *range(cuts[-1] + size, N, size), N]
+    return [cls(x=X[a:b], y=Y[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+TYPED_FORMS = {
+    **{f"{name} of arrays": (lambda cls=cls: cls(x=X, y=Y))
+       for name, cls in BATCH_TYPES.items()},
+    # Nine equal batches of 4 (they read as records by shape; a typed batch is a batch).
+    **{f"list of {name} batches": (lambda cls=cls: _typed(cls, 4))
+       for name, cls in BATCH_TYPES.items()},
+    "iterator of flax.struct batches of 5": lambda: iter(_typed(StructBatch, 5)),
+    "generator of dataclass batches of 7": lambda: (b for b in _typed(PlainBatch, 7)),
+}
+
+
+@pytest.mark.slow  # over 2 s in all: make test runs it, make test-fast does not
+@pytest.mark.parametrize("form", sorted(TYPED_FORMS))
+def test_typed_batches_train_as_the_same_examples_in_memory(form):
+    kernel, result = _fit(TYPED_FORMS[form](), loss_fn=typed_loss)
+    reference, expected = _reference()
+    assert result.steps == expected.steps == 5 and result.leftover_examples == 4
+    np.testing.assert_allclose(kernel, reference, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-6)
+
+
+def test_a_list_of_dict_batches_with_a_smaller_last_one_is_a_stream_of_batches():
+    batches = [{"x": X[i:i + 5], "y": Y[i:i + 5]} for i in range(0, N, 5)]  # 7 x 5 and 1
+    kernel, result = _fit(batches)
+    np.testing.assert_allclose(kernel, _reference()[0], rtol=1e-6, atol=1e-7)
+    assert result.steps == 5
+
+
+class ShapeUnpacking(nnx.Module):
+    """Model code that unpacks its input's shape (``batch, features = x.shape``), as LLM
+    code does with its tokens: it takes batches, never a stack of them."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        batch, features = x.shape
+        return self.linear(x.reshape(batch, features))
+
+
+def test_equal_dict_batches_are_told_from_records_by_the_model():
+    batches = [{"x": X[i:i + 4], "y": Y[i:i + 4]} for i in range(0, N, 4)]  # 9 x 4
+    model = ShapeUnpacking(nnx.Rngs(0))
+    result = autoaccum.fit(model, batches, effective_batch=EFFECTIVE,
+                           optimizer=optax.sgd(0.05, momentum=0.9), loss_fn=loss_fn,
+                           training=autoaccum.Training(shuffle=False), budget="1GiB",
+                           verbose=0, log=None)
+    reference = ShapeUnpacking(nnx.Rngs(0))
+    autoaccum.fit(reference, {"x": X, "y": Y}, effective_batch=EFFECTIVE,
+                  optimizer=optax.sgd(0.05, momentum=0.9), loss_fn=loss_fn,
+                  training=autoaccum.Training(shuffle=False), budget="1GiB", verbose=0,
+                  log=None)
+    assert result.steps == 5
+    np.testing.assert_allclose(np.asarray(model.linear.kernel[...]),
+                               np.asarray(reference.linear.kernel[...]), rtol=1e-6, atol=1e-7)
+
+
+def test_equal_dict_batches_the_model_takes_either_way_are_refused_naming_both_readings():
+    batches = [{"x": X[i:i + 4], "y": Y[i:i + 4]} for i in range(0, N, 4)]
+    with pytest.raises(ValueError, match=r"list of 9 dict items whose arrays all share a "
+                       r"leading axis of 4 .*as 9 batches of 4 examples, or as 9 examples "
+                       r"\(records\).*iter\(data\) is a stream of batches"):
+        _fit(batches)
+    kernel, _ = _fit(iter(batches))  # said: a stream of batches
     np.testing.assert_allclose(kernel, _reference()[0], rtol=1e-6, atol=1e-7)

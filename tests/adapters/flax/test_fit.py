@@ -152,3 +152,37 @@ def test_a_model_of_shapes_only_is_refused_for_training_before_planning(entry):
         entry(model, ragged_tokens(64, 12), effective_batch=16, optimizer=optax.adam,
               learning_rate=1e-3, loss_fn=token_loss, log=log)
     assert log.getvalue() == ""  # nothing compiled
+
+
+def _tunix_style_loss(model, input_tokens, input_mask, positions, attention_mask):
+    """A loss written as Tunix's default is: the batch's fields as arguments, a token mean."""
+    raise AssertionError("never called: refused before any compile")
+
+
+@pytest.mark.parametrize("entry", ["fit", "plan", "train_step"])
+def test_a_loss_fn_that_is_not_model_and_batch_is_refused_with_a_wrapper(entry):
+    model = TinyLM(rngs=nnx.Rngs(0))
+    options = dict(effective_batch=4, optimizer=optax.sgd(0.1), loss_fn=_tunix_style_loss,
+                   budget="1GiB", log=None)
+    if entry == "fit":
+        options["verbose"] = 0
+    with pytest.raises(ValueError, match=r"loss_fn\(model, batch\).*my_loss\(model, \*\*batch\)"
+                       r".*batch\['input_tokens'\].*token_loss_sum.*Received: loss_fn\(model, "
+                       r"input_tokens"):
+        getattr(autoaccum, entry)(model, ragged_tokens(8, 10), **options)
+
+
+def test_a_loss_fn_over_the_batch_fields_trains_through_the_wrapper_the_error_gives():
+    model = TinyLM(rngs=nnx.Rngs(0))
+
+    def my_loss(model, tokens, mask):
+        logits = model(tokens[:, :-1])
+        return autoaccum.training.token_loss_sum(logits, tokens[:, 1:], mask[:, 1:])
+
+    def loss_fn(model, batch):
+        return my_loss(model, **batch)
+
+    result = autoaccum.fit(model, ragged_tokens(8, 10), effective_batch=4,
+                           optimizer=optax.sgd(0.1), loss_fn=loss_fn, budget="1GiB",
+                           verbose=0, log=None)
+    assert result.steps == 2 and np.isfinite(result.losses).all()

@@ -182,3 +182,40 @@ def test_an_error_about_a_users_object_names_its_type_in_under_20_lines(case):
                       log=io.StringIO(), **options)
     _assert_brief(str(raised.value))
     assert "type" in str(raised.value)
+
+
+# -- an optimizer that accumulates itself (optax.MultiSteps) is refused everywhere ------------
+
+def _multi_steps_forms():
+    """Every way an optax.MultiSteps reaches optimizer=: the object, its
+    gradient_transformation() (Tunix's PeftTrainer builds that), inside a chain, in an
+    nnx.Optimizer, and built by a factory."""
+    multi = optax.MultiSteps(optax.adamw(1e-3), 4)
+    return {
+        "object": lambda model: multi,
+        "gradient_transformation": lambda model: multi.gradient_transformation(),
+        "chain": lambda model: optax.chain(optax.clip_by_global_norm(1.0),
+                                           multi.gradient_transformation()),
+        "nnx_optimizer": lambda model: nnx.Optimizer(
+            model, multi.gradient_transformation(), wrt=nnx.Param),
+        "factory": lambda model: (lambda learning_rate: optax.MultiSteps(
+            optax.sgd(learning_rate), 2).gradient_transformation()),
+    }
+
+
+@pytest.mark.parametrize("form", sorted(_multi_steps_forms()))
+@pytest.mark.parametrize("entry", ["fit", "plan", "train_step"])
+def test_an_optimizer_that_accumulates_itself_is_refused_naming_its_inner_optimizer(form, entry):
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = _multi_steps_forms()[form](model)
+    before = np.asarray(model.kernel[...]).copy()
+    options = dict(effective_batch=EFFECTIVE, optimizer=optimizer, loss_fn=loss_fn,
+                   budget="1GiB", log=None)
+    if form == "factory":
+        options["learning_rate"] = 0.1
+    call = getattr(autoaccum, entry)
+    if entry == "fit":
+        options["verbose"] = 0
+    with pytest.raises(ValueError, match=r"optax\.MultiSteps.*inner_opt.*effective_batch="):
+        call(model, _data(), **options)
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)
