@@ -9,6 +9,8 @@ endif
 VENV ?= .venv
 # Extra requirements for this venv's install, e.g. PINS="jax==0.10.2" (the oldest stack job).
 PINS ?=
+# autoaccum's extras installed (the oldest stack job leaves out tunix: its pages are skipped).
+EXTRAS ?= keras,dryrun,tpu,dev,tunix
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 	  echo "$(VENV) runs another Python than $(PYTHON): making it again"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[keras,dryrun,tpu,dev]" $(PINS)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(PINS)
 	@$(PY) -c "import sys, jax, keras; print(f'$(VENV): Python {sys.version.split()[0]}, jax {jax.__version__}, keras {keras.__version__}')"
 	touch $(STAMP)
 

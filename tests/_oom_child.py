@@ -122,6 +122,140 @@ def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     }
 
 
+def flax_fit_elastic(*, vocab: int, length: int, n: int, effective: int, fail_after: int,
+                     headroom_mib: float, method: str = "backoff",
+                     async_dispatch: bool = False) -> dict:
+    """``autoaccum.fit`` (planned by ``method``, real steps for "backoff") whose memory cap
+    drops after a step: elastic recovery redoes the step from the state before it."""
+    import io
+
+    import numpy as np
+
+    import autoaccum
+    from autoaccum.devices._rlimit import AddressSpaceCap
+    from tests._models import token_loss
+
+    if not async_dispatch:  # else the error surfaces when the result is read, after donation
+        _setup()
+    model, data, tx = _flax_parts(vocab, length, n)
+    options = dict(effective_batch=effective, optimizer=tx, loss_fn=token_loss, verbose=0,
+                   training=autoaccum.Training(seed=3), budget="2GiB")
+    reference = autoaccum.fit(model, data, log=None, **options,
+                              search=autoaccum.Search(method="compile", cache=False))
+    expected = _params(model)
+    model, data, tx = _flax_parts(vocab, length, n)
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+
+    class LowerCap(autoaccum.Callback):
+        def on_step_end(self, step: int, logs: dict) -> None:
+            if step == fail_after:
+                cap.set_headroom(int(headroom_mib * MIB))
+
+    log = io.StringIO()
+    error = ""
+    with cap:
+        try:
+            result = autoaccum.fit(model, data, log=log, callbacks=[LowerCap()],
+                                   search=autoaccum.Search(method=method, cache=False),
+                                   **{**options, "optimizer": tx})
+        except Exception as failure:  # reported: the test says what was expected
+            error, result = f"{type(failure).__name__}: {failure}"[:3000], None
+    got = _params(model)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
+    return {"error": error, "steps": result.steps if result else None,
+            "reference_steps": reference.steps, "plan": str(reference.plan.split_text()),
+            "events": result.events if result else [], "max_abs_diff": diff,
+            "log": log.getvalue()[-3000:]}
+
+
+def flax_restore_oom(*, vocab: int, length: int, n: int, headroom_mib: float,
+                     async_dispatch: bool = False) -> dict:
+    """A step that runs out of memory under a cap so low that the state from before it does
+    not fit back on the device either: the model holds it on the host, nothing is lost, and
+    with the cap lifted training goes on from it."""
+    import numpy as np
+
+    import autoaccum
+    from autoaccum.devices._rlimit import AddressSpaceCap
+    from tests._models import token_loss
+
+    if not async_dispatch:
+        _setup()
+    model, data, tx = _flax_parts(vocab, length, n)
+    step = autoaccum.train_step(model, data, effective_batch=32, optimizer=tx,
+                                loss_fn=token_loss, log=None, budget="2GiB",
+                                training=autoaccum.Training(elastic=False, backup="host"))
+    batch = {k: v[:32] for k, v in data.items()}
+    step(batch)
+    after_one = _params(model)
+    error, notes = "", []
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+    with cap:
+        cap.set_headroom(int(headroom_mib * MIB))
+        try:
+            step(batch)
+        except Exception as failure:  # the out-of-memory, with autoaccum's notes
+            error, notes = f"{type(failure).__name__}: {failure}"[:500], list(
+                getattr(failure, "__notes__", []))
+    import jax
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    on_host = all(isinstance(a, np.ndarray) for a in leaves)
+    same = all(np.array_equal(a, b) for a, b in zip(_params(model), after_one, strict=True))
+    out = step(batch)  # the cap lifted: training goes on from the held state
+    return {"error": error, "notes": notes, "on_host": on_host, "same": same,
+            "steps": step.steps, "finite": bool(np.isfinite(out.loss))}
+
+
+def flax_restore_consumed(*, vocab: int, length: int, n: int, headroom_mib: float) -> dict:
+    """The state a failed step consumed (donated: deleted), and a cap under which the host
+    copy does not fit back on the device: after the real out-of-memory of putting it back,
+    the model holds the copy on the host and training goes on from it once memory is free.
+    (A step that runs out of memory on this CPU fails before it consumes its inputs, so the
+    consumption is done here, as a GPU's failed donated call leaves it.)"""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import autoaccum
+    from autoaccum.devices._rlimit import AddressSpaceCap
+    from tests._models import token_loss
+
+    _setup()
+    model, data, tx = _flax_parts(vocab, length, n)
+    step = autoaccum.train_step(model, data, effective_batch=32, optimizer=tx,
+                                loss_fn=token_loss, log=None, budget="2GiB",
+                                training=autoaccum.Training(elastic=False, backup="host"))
+    batch = {k: v[:32] for k, v in data.items()}
+    step(batch)
+    after_one = _params(model)
+    runner = step._runner
+    runner.snapshot.take(runner.state, step=runner.steps)  # as the next attempt takes it
+    for leaf in jax.tree.leaves(runner.state):  # donated to a call that failed
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    failure = RuntimeError("RESOURCE_EXHAUSTED: the step (stand-in for the failed call)")
+    cap = AddressSpaceCap(headroom_bytes=1 << 32)
+    filler: list = []  # what else holds the device: every byte left under the cap
+    with cap:
+        cap.set_headroom(int(headroom_mib * MIB))
+        while True:  # in MiB chunks: under a MiB stays free for the host's own needs
+            try:
+                filler.append(jax.device_put(np.ones(1 << 18, np.float32)))
+                filler[-1].block_until_ready()
+            except Exception:  # the cap: the device is full
+                break
+        runner.settle(failure)
+        filler.clear()
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    on_host = all(isinstance(a, np.ndarray) for a in leaves)
+    same = all(np.array_equal(a, b) for a, b in zip(_params(model), after_one, strict=True))
+    out = step(batch)  # the cap lifted: training goes on from the held state
+    return {"notes": list(getattr(failure, "__notes__", [])), "on_host": on_host,
+            "same": same, "steps": step.steps, "finite": bool(np.isfinite(out.loss))}
+
+
 def _keras_lm(vocab: int, length: int):
     import keras
 
@@ -356,6 +490,8 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
 
 SCENARIOS = {
     "flax_elastic": flax_elastic, "keras_elastic": keras_elastic,
+    "flax_fit_elastic": flax_fit_elastic, "flax_restore_oom": flax_restore_oom,
+    "flax_restore_consumed": flax_restore_consumed,
     "flax_backoff": flax_backoff, "keras_backoff": keras_backoff,
     "keras_train_step_oom": keras_train_step_oom,
 }

@@ -8,6 +8,8 @@ A fenced block is marked by an HTML comment on the line before it:
   working folder; a ``bash`` block runs there under ``bash -e``, with this Python's scripts
   first on ``PATH``. ``devices=N`` after the name (on any block of a page) runs the whole page in
   a child process with N host CPU devices.
+  ``requires=a,b`` runs the page only where those modules import (an optional extra, such
+  as ``autoaccum[tunix]``), else skips it.
 * ``<!-- readme-skip: REASON -->``: it does not run, for the reason given (it needs a GPU or the
   network); such blocks are few.
 * ``text`` blocks show output; they are not code.
@@ -50,6 +52,7 @@ class Block:
     mark: str | None  # "test", "skip" or None
     name: str  # the test's name, or the skip's reason
     devices: int = 1
+    requires: tuple[str, ...] = ()  # modules the page needs (an optional extra)
 
 
 def pages() -> list[Path]:
@@ -65,16 +68,19 @@ def blocks(path: Path) -> list[Block]:
         before = text[: match.start()]
         mark = MARK.fullmatch(before.rstrip("\n").rsplit("\n", 1)[-1])  # the line before
         kind, words = (mark.group(1), mark.group(2).strip()) if mark else (None, "")
-        devices = 1
+        devices, requires = 1, ()
         if kind == "test":
             name, *options = words.split()
             words = name
             for option in options:
                 key, _, value = option.partition("=")
-                assert key == "devices", f"{path}: unknown option {option!r} of {name}"
-                devices = int(value)
+                assert key in ("devices", "requires"), f"{path}: unknown option {option!r}"
+                if key == "devices":
+                    devices = int(value)
+                else:
+                    requires = tuple(value.split(","))
         found.append(Block(str(path.relative_to(REPO)), before.count("\n") + 1,
-                           match.group(1), match.group(2), kind, words, devices))
+                           match.group(1), match.group(2), kind, words, devices, requires))
     return found
 
 
@@ -124,6 +130,8 @@ def run_blocks(page_blocks: list[Block]) -> dict[str, str]:
 def run_page(page: str, tmp_path: Path) -> dict[str, str]:
     """Runs the page's marked blocks (in a child process with host devices when one asks)."""
     page_blocks = blocks(DOCS / page)
+    for module in {m for b in page_blocks for m in b.requires}:
+        pytest.importorskip(module, reason=f"{page} needs {module} (an optional extra)")
     devices = max(b.devices for b in page_blocks)
     if devices == 1:
         saved_env, saved_cwd = dict(os.environ), os.getcwd()
@@ -174,7 +182,17 @@ def _check_own_loop(printed: dict[str, str], tmp_path: Path) -> None:
         assert losses[-1] < losses[0], (name, losses)  # it trains
 
 
-CHECKS = {"guides/own-loop.md": _check_own_loop}
+def _check_tunix(printed: dict[str, str], tmp_path: Path) -> None:
+    def off(name: str) -> float:
+        return float(printed[name].split()[-2 if name == "peft_trainer" else -1])
+
+    # autoaccum's two paths equal the full-batch update; Tunix's MultiSteps does not.
+    assert off("fit") <= 1e-5 and off("peft_trainer") <= 1e-5, printed
+    assert printed["peft_trainer"].split()[-1] == "1"  # one optimizer step
+    assert off("multisteps") > 0.1, printed
+
+
+CHECKS = {"guides/own-loop.md": _check_own_loop, "guides/tunix.md": _check_tunix}
 """What a page's examples must print or write, beyond running."""
 
 

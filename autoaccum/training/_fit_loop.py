@@ -276,7 +276,7 @@ def _settle(runner: StepRunner, loop: FitLoop, error: BaseException) -> bool:
     """After any exception in the loop: the model on the state of one whole step. Returns
     whether ``error`` was handled (:class:`StopTraining`: training ends normally)."""
     try:
-        runner.settle()
+        runner.settle(error)
     except StateLostError as lost:
         runner.events.append(str(lost))
         if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):

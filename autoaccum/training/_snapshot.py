@@ -110,6 +110,21 @@ class HostSnapshot:
                                             for mine in local])
         self._held = (host, shardings, impls, step)
 
+    def on_host(self) -> PyTree:
+        """The copy as it can live in host memory: numpy arrays (typed PRNG keys made again
+        from their data, a few bytes each), for a model to hold when the device has no room
+        for it. ``None`` when a leaf is split over several processes (no whole copy here)."""
+        if self._held is None:
+            return None
+        host, _, impls, _ = self._held
+        if any(isinstance(leaf, _LocalShards) for leaf in jax.tree.leaves(host)):
+            return None
+
+        def one(data: Any, impl: Any) -> Any:
+            return data if impl is None else jax.random.wrap_key_data(data, impl=impl.impl)
+
+        return jax.tree.map(one, host, impls)
+
     def restore(self) -> PyTree:
         """Fresh device arrays holding the copy (placed with the shardings they had)."""
         if self._held is None:

@@ -449,16 +449,42 @@ class StepRunner:
     def _restore(self, before: PyTree, error: BaseException) -> None:
         """After a failed step: the model back on ``before``, the state the step was given (if
         intact, else the host copy); without either, a note on ``error`` says how to
-        recover."""
+        recover.
+
+        The failed step's outputs (written into the model when its error surfaced late) are
+        freed before the host copy goes back on the device: after an out-of-memory they hold
+        the very memory the copy needs. When even the copy does not fit, the model holds it on
+        the host (numpy arrays, nothing lost) and :class:`StateLostError`'s sibling message
+        says so (:func:`_restore_failed`)."""
+        failed = self.state if self.state is not before else None
         self.pending = None
         if not is_consumed(before):
             self.state = before
             self._write(before)
+            _free(failed)
             return
         if not self.snapshot.available:
             _note(error, f"autoaccum: {_LOST}")
             return
-        self.state = self.snapshot.restore()
+        self._restore_from_host(error, failed)
+
+    def _restore_from_host(self, error: BaseException, failed: PyTree = None) -> None:
+        """The model back on the host copy, on the device if it fits there, else (after a
+        second out-of-memory) on the host, with the reason added to ``error``."""
+        _free(failed)
+        try:
+            self.state = self.snapshot.restore()
+        except Exception as again:
+            from ..devices._oom import is_out_of_memory
+
+            held = self.snapshot.on_host()
+            # (A MemoryError too: a CPU's device memory is the host's.)
+            if not (is_out_of_memory(again) or isinstance(again, MemoryError)) or held is None:
+                raise
+            self.state = held
+            self._write(self.state)
+            _note(error, _restore_failed(self.snapshot.step, again))
+            return
         self._write(self.state)
         if not self.backup_every_step:
             _note(error, "autoaccum: the failed step had consumed (donated) the training "
@@ -473,8 +499,10 @@ class StepRunner:
             self.state = state
             self.snapshot.take(state, step=self.steps)
 
-    def settle(self) -> None:
-        """After any exception: the model holds live arrays of one whole optimizer step.
+    def settle(self, error: BaseException | None = None) -> None:
+        """After any exception (``error``, which gets autoaccum's notes): the model holds
+        the arrays of one whole optimizer step (on the host when the device has no room left
+        for them, see :meth:`_restore`).
 
         A step dispatched but not yet taken is kept (and counted) when it completed,
         else the state before it is put back; a write into the model that stopped halfway is
@@ -503,8 +531,7 @@ class StepRunner:
             return
         if not self.snapshot.available:
             raise StateLostError(f"step {self.steps + 1}: {_LOST}")
-        self.state = self.snapshot.restore()
-        self._write(self.state)
+        self._restore_from_host(error if error is not None else StateLostError(_LOST))
 
     # -- elastic -------------------------------------------------------------------------------
     def shrink(self, error: BaseException) -> Any:
@@ -553,6 +580,23 @@ def _read(metrics: Any) -> tuple:
          metrics.micro_grad_sq_norm, metrics.logs or {}))
     return (bool(finite), float(count), float(loss), float(grad_sq), float(micro_sq),
             {name: float(value) for name, value in logs.items()})
+
+
+def _free(tree: PyTree) -> None:
+    """Deletes the device buffers of ``tree`` (a failed step's outputs), if any."""
+    if tree is None:
+        return
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+def _restore_failed(step: int | None, again: BaseException) -> str:
+    first = str(again).splitlines()[0] if str(again) else type(again).__name__
+    return (f"autoaccum: the step ran out of memory, and so did putting the state from before "
+            f"it (the host copy of step {step}) back on the device ({first[:200]}). Nothing "
+            "is lost: the model holds that copy in host memory (numpy arrays). Free device "
+            "memory (delete other arrays), then train on: the next step puts it back.")
 
 
 def _note(error: BaseException, note: str, *, warn: bool = False) -> None:

@@ -118,7 +118,7 @@ class UserLoopStep:
                 outcome = runner.run(examples)
         except BaseException as error:
             try:
-                runner.settle()  # the model holds an intact state
+                runner.settle(error)  # the model holds an intact state
             except StateLostError as lost:
                 if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
                     error.add_note(f"autoaccum: {lost}")

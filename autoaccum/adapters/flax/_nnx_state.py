@@ -56,6 +56,7 @@ class FlaxState(StateHooks):
                  nnx_optimizer: Any = None, follow_model: bool = False) -> None:
         self.model, self.trainable, self.mesh, self.placement = model, trainable, mesh, placement
         self.follow_model = follow_model
+        unshare(model, trainable)  # the steps donate these arrays: not another module's
         self.graphdef, params, frozen, other = split_model(model, trainable)
         if placement is not None:  # the user's own layout, kept as it is
             params, other = place_each((params, other), placement.state[:2])
@@ -144,6 +145,43 @@ class FlaxState(StateHooks):
                 nnx.update(self.model, frozen)
             return frozen
         return replicate(frozen, self.mesh)
+
+
+def unshare(model: nnx.Module, trainable: Any) -> int:
+    """Gives ``model`` its own copy of every array a step donates (its trained weights and
+    other state) that another module's variables hold too (``ref = nnx.clone(model)``
+    shares the arrays, ``nnx.merge`` of a model's state into a second module too): the
+    first step would otherwise delete them under the other module. Only shared arrays are
+    copied (the other module kept them on purpose); frozen weights are never donated.
+    Returns how many were copied.
+
+    Example:
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> ref = nnx.clone(model)
+      >>> unshare(model, nnx.Param), model.kernel[...] is ref.kernel[...]
+      (2, False)
+    """
+    import gc
+
+    own = {id(v) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    _, params, _, other = split_model(model, trainable)
+    donated = {}
+    for variable in (v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)):
+        value = variable.get_value()
+        if isinstance(value, jax.Array):
+            donated.setdefault(id(value), (value, []))[1].append(variable)
+    kept = {id(a) for a in jax.tree.leaves((params, other)) if isinstance(a, jax.Array)}
+    arrays = [value for key, (value, _) in donated.items() if key in kept]
+    if not arrays:
+        return 0
+    shared = {id(holder.get_value()) for holder in gc.get_referrers(*arrays)
+              if isinstance(holder, nnx.Variable) and id(holder) not in own}
+    for key in shared:
+        value, holders = donated[key]
+        copy = value.copy()
+        for variable in holders:
+            variable.set_value(copy)
+    return len(shared)
 
 
 def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,

@@ -84,3 +84,26 @@ def test_out_of_memory_at_micro_batch_one_explains_and_keeps_the_model():
                  loss_fn=_loss_failing_above(0), verbose=0, stream=sys.stdout)
     for a, b in zip(_params(model), before, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow  # a child process under a memory cap
+def test_fit_planned_by_real_steps_recovers_from_an_out_of_memory_mid_run():
+    # autoaccum.fit with method="backoff" (the plan's real steps first), then the cap drops:
+    # the step is redone at a smaller micro-batch from the state before it, as planned.
+    out = run_child("flax_fit_elastic", vocab=1024, length=128, n=128, effective=32,
+                    fail_after=2, headroom_mib=45)
+    assert out["error"] == "" and out["steps"] == out["reference_steps"] == 4
+    assert out["events"] and "redone from the same state" in out["events"][0]
+    assert out["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow  # a child process under a memory cap
+def test_a_state_that_does_not_fit_back_after_an_out_of_memory_stays_whole_on_the_host():
+    # The failed step consumed its state and the host copy does not fit back on the device
+    # (a real out-of-memory): the model holds the copy in host memory, the error says so, and
+    # once memory is free training goes on from it.
+    out = run_child("flax_restore_consumed", vocab=4096, length=64, n=64, headroom_mib=4)
+    assert out["on_host"] and out["same"], out
+    assert len(out["notes"]) == 1 and "Nothing is lost: the model holds that copy in host " \
+        "memory" in out["notes"][0] and "host copy of step 1" in out["notes"][0]
+    assert out["steps"] == 2 and out["finite"]

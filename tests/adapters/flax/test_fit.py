@@ -186,3 +186,24 @@ def test_a_loss_fn_over_the_batch_fields_trains_through_the_wrapper_the_error_gi
                            optimizer=optax.sgd(0.1), loss_fn=loss_fn, budget="1GiB",
                            verbose=0, log=None)
     assert result.steps == 2 and np.isfinite(result.losses).all()
+
+
+@pytest.mark.parametrize("entry", ["fit", "train_step"])
+def test_a_clone_made_before_training_keeps_its_own_arrays(entry):
+    # nnx.clone shares the model's jax arrays; the steps donate the model's: a clone taken
+    # as a reference must not be left holding deleted arrays.
+    model = TinyLM(rngs=nnx.Rngs(0))
+    ref = nnx.clone(model)
+    before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(ref, nnx.Param))]
+    data = ragged_tokens(8, 10)
+    options = dict(effective_batch=4, optimizer=optax.sgd(0.1), loss_fn=token_loss,
+                   budget="1GiB", log=None)
+    if entry == "fit":
+        autoaccum.fit(model, data, verbose=0, **options)
+    else:
+        step = autoaccum.train_step(model, data, **options)
+        step({k: v[:4] for k, v in data.items()})
+    kept = [np.asarray(a) for a in jax.tree.leaves(nnx.state(ref, nnx.Param))]
+    trained = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert all(np.array_equal(a, b) for a, b in zip(kept, before, strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(trained, before, strict=True))

@@ -30,6 +30,7 @@ from ....planning._remat_policies import label_policy, with_failed_policies
 from ....planning._resident import Resident, split_resident
 from ....planning._search import DoesNotFitError
 from ....planning._strategies import STRATEGIES, state_layout
+from ....planning._targets import slice_devices
 from ....planning._train_program import tree_bytes
 from ....training._keyword_errors import explains_keywords
 from .._keras_remat import keras_remat_program
@@ -137,7 +138,10 @@ def plan_preset(
     refuse_unread("plan_preset", "search", search, read=("remat", "cache"))
     lr = learning_rate_spec(learning_rate)
     refuse_unread("plan_preset", "learning_rate", lr, read=("value", "base_batch", "rule"))
-    devices, strategy, remat = target.devices, target.strategy, search.remat
+    # A TPU slice (device="v5e-8") is its chips: every strategy is tried over them, as for
+    # devices=N GPUs (its weights and optimizer state split, not copied on every chip).
+    devices = slice_devices(target.device, target.devices)
+    strategy, remat = target.strategy, search.remat
     base_lr = 5e-5 if lr.value is None else lr.value
     arch = load_architecture(name)
     config = {**arch.backbone_kwargs(), **(backbone_overrides or {})}

@@ -98,3 +98,19 @@ def test_more_devices_than_the_effective_batch_is_refused_before_any_compile():
                     target=autoaccum.Target(devices=4),
                     search=autoaccum.Search(cache=False))
     assert compile_count() == before
+
+
+def test_a_tpu_slice_plans_a_preset_over_its_chips_with_a_sharding_strategy():
+    # Kaggle's v5e-8: the replicated state alone is over a chip's budget (known from shapes,
+    # nothing compiled); a strategy splits it over the 8 chips and a compile verifies it. (It
+    # was refused from the replicated state: the slice's chips were not its devices.)
+    pytest.importorskip("libtpu")
+    budget = 254 * 2**20
+    plan = plan_preset("gemma3_1b", effective_batch=8, sequence_length=16, device="v5e-8",
+                       backbone_overrides={"num_layers": 1, "vocabulary_size": 512},
+                       budget=budget, log=None, search=autoaccum.Search(cache=False))
+    assert plan.strategy in ("zero1", "zero2", "fsdp") and plan.need_bytes <= budget
+    assert plan.data_parallel == 8 and plan.profile == "v5e-8"
+    assert any(p.kind == "compile" and p.fits for p in plan.probes)
+    note = next(n for n in plan.notes if n.startswith("sharding strategy"))
+    assert "replicated:" in note
