@@ -27,6 +27,7 @@ import numpy as np
 from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits
 from ..devices._rlimit import compiling
 from ..devices._units import format_bytes
+from ._compile_ledger import record_compile
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled
 from ._plan import Plan, plan_from_search
@@ -78,6 +79,7 @@ class RealStepRunner:
                             .lower(self.state, batches, *self.frozen_args).compile())
             seconds = time.perf_counter() - start
             self.compiles += 1
+            record_compile(reduced=False, seconds=seconds)
             self._compiled[key] = (compiled, _estimate(self.program, compiled, micro_batch,
                                                        accum_steps, seconds))
         return self._compiled[key]

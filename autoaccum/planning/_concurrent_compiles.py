@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._cache import NeedCache, compiler_fingerprint
+from ._compile_ledger import record_cached
 from ._kept_steps import keep_compiled
 from ._measure import (
     CompileTarget,
@@ -52,6 +53,9 @@ class CompileRequest:
     identity: Mapping[str, Any] | None = None
     last: int | None = None
     """An uneven step's last micro-batch (see :func:`~._measure.lower_step`), else ``None``."""
+    reduced: bool = False
+    """The program is a reduced-depth model's (depth extrapolation): counted apart from
+    full-depth compiles (:mod:`._compile_ledger`)."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""
@@ -112,6 +116,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
             hit = _from_cache(cache, keys[-1], target)
             if hit is not None:
                 results[i] = hit
+                record_cached()
                 continue
         program = request.build()
         start = time.perf_counter()
@@ -130,6 +135,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
                     cache.put(key, dataclasses.asdict(hit),
                               material={"identity": request.identity})
                 results[i] = hit
+                record_cached()
                 continue
         pending.append((i, program, lowered, keys, {"lower_seconds": lower_seconds,
                                                     **material}))
@@ -142,10 +148,11 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
                      results: list, target: CompileTarget, cache: NeedCache | None,
                      workers: int) -> None:
     def compile_one(item: tuple) -> tuple[Any, float]:
-        _, program, lowered, _, _ = item
+        i, program, lowered, _, _ = item
         start = time.perf_counter()
         with program.lowering_context():
-            compiled = compile_lowered(lowered, target, program=program)
+            compiled = compile_lowered(lowered, target, program=program,
+                                       reduced=requests[i].reduced)
         return compiled, time.perf_counter() - start
 
     if workers > 1 and len(pending) > 1:

@@ -7,17 +7,25 @@ micro-batch ``need(depth) = a + b x depth``: two compiles at small depths ``d1 <
 a few blocks instead of dozens) predict the full depth. Each part of the estimate (argument,
 output, alias, temp, and the itemized weights) is extrapolated the same way.
 
-Where the fit does not hold, autoaccum compiles at full depth instead:
+XLA's GPU rematerialization pass rewrites a program once its temp exceeds ``(base -
+inputs/outputs) x 0.95`` (``GetSchedulerMemoryLimit``; ``base`` is the pool JAX gives XLA,
+0.8 x the device memory of a deviceless target): at full depth the weights make that target
+small and the pass acts, at two blocks it does not, so the need is not linear in depth. The
+small models are therefore compiled with the pass off (``xla_disable_hlo_passes=
+rematerialization``): their need is linear in depth, and the line predicts the full-depth
+step without the pass, an upper bound of the real one (the pass only lowers temp). The search
+runs on those predictions alone, with no full-depth compile, and at most two full-depth
+compiles follow:
 
-* XLA's GPU rematerialization pass rewrites the program once its temp exceeds
-  ``(base - inputs/outputs) x 0.95`` (``GetSchedulerMemoryLimit``; ``base`` is the pool JAX
-  gives XLA, 0.8 x the device memory of a deviceless target). It is inactive at small depths
-  and may act at full depth, where its result is not linear. A probe whose predicted temp
-  crosses that limit (or whose small compiles already did) is compiled at full depth, and so
-  is every larger micro-batch after it.
-* The final choice is compiled at full depth; if its need differs from the prediction by
-  more than ``tolerance`` (2%), or it does not fit, the whole search is redone with
-  full-depth compiles (the report says so).
+* the final choice, which verifies it (and says how much the pass saved);
+* where the pass saved more than the tolerance, the next larger micro-batch, when the line
+  less that saving puts it within the search's margin of the budget.
+
+Where micro-batch 1 is over the line but the pass could bring it under (its temp at the
+pass's target would fit), micro-batch 1 is compiled at full depth. Where the verification
+needs more than the budget (the line under-predicted), the search is redone with full-depth
+compiles (the report says so); where the need falls with depth (seen on TPU), that
+micro-batch is compiled at full depth.
 
 Models with layer patterns (Gemma's sliding/global attention) are extrapolated from the first
 blocks; the verification catches a pattern whose blocks differ in memory.
@@ -31,14 +39,14 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from ..devices._units import format_bytes
+from ..devices._units import format_bytes, format_bytes_pair
 from ._budget import Budget
-from ._concurrent_compiles import CompileRequest, default_workers, measure_all
+from ._concurrent_compiles import CompileRequest, measure_all
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
 from ._option_checks import received
-from ._plan import Plan, search_plan
-from ._search import DoesNotFitError, Probe
+from ._plan import Plan, plan_from_search, search_plan
+from ._search import PREDICTION_MARGIN, DoesNotFitError, Probe, SearchResult, divisors
 from ._train_program import TrainProgram
 
 __all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "validate_depths"]
@@ -231,140 +239,87 @@ class DepthExtrapolator:
                  full_compiles: bool = True) -> None:
         self.variants = variants
         self.full_compiles = full_compiles
-        """``False`` (the advisor's quick rows): where XLA's rematerialization pass may act,
-        answer with the linear prediction instead of a full-depth compile. The pass only
-        lowers temp, so where only it departs from linearity the prediction is an upper
-        bound; a sharded full fine-tune can need more at full depth than the line says
-        (``benchmarks/multi_gpu_story.py``: Gemma3-4B on 2 x T4 under fsdp, 16.8 GiB
-        predicted, 28.9 GiB compiled), so a quick "fits" is not a verified one."""
+        """``False`` (the advisor's quick rows): no full-depth compile at all, not even where
+        the line does not hold; a quick "fits" is then not a verified one (a sharded full
+        fine-tune can need more at full depth than the line says:
+        ``benchmarks/multi_gpu_story.py``, Gemma3-4B on 2 x T4 under fsdp, 16.8 GiB
+        predicted, 28.9 GiB compiled)."""
         self.budget_bytes = budget_bytes
-        """With a budget, a probe whose extrapolated arguments and outputs alone exceed it
-        is answered by the extrapolation (it cannot fit) instead of a full-depth compile;
-        with ``per_device_batch`` too, a full-depth compile that will very likely not fit
-        brings micro-batch 1's full-depth compile along, side by side (see :meth:`measure`)."""
         self.target = target
+        self.reduced_target = reduced_depth_target(target)
+        """What the reduced-depth models compile for: ``target`` with XLA's GPU
+        rematerialization pass off (a GPU target), so their need is linear in depth."""
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.workers = workers
         self.per_device_batch = per_device_batch
         self.checks: dict[int, DepthCheck] = {}
         self._full: dict[tuple[int, int], MemoryEstimate] = {}
-        self._full_from: int | None = None
-        """Smallest micro-batch at which the fit did not hold: larger ones compile in full."""
-        self._active: tuple[int, int, float] | None = None
-        """(micro-batch, predicted temp, the pass's target) where XLA's pass was first seen."""
+        self._predicted: dict[tuple[int, int], MemoryEstimate] = {}
 
     def measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
-        """The full-depth estimate at ``micro_batch`` x ``accum_steps``: extrapolated, or
-        compiled where the extrapolation may not hold."""
-        if self._full_from is not None and micro_batch >= self._full_from:
-            return self.full(micro_batch, accum_steps, why=f"rematerialization pass active "
-                             f"from micro_batch {self._full_from}")
-        if self._active is not None:
-            # temp is affine in the micro-batch with a non-negative intercept, so
-            # temp(b) >= temp(b0) x b / b0: the pass is active here too if that exceeds its
-            # target (no small compiles needed to know).
-            b0, temp0, limit = self._active
-            if temp0 * micro_batch / b0 > limit:
-                self._full_from = micro_batch
-                return self.full(micro_batch, accum_steps, why="rematerialization pass active")
+        """The full-depth estimate at ``micro_batch`` x ``accum_steps``, extrapolated from
+        two reduced-depth compiles (compiled with XLA's GPU rematerialization pass off, so
+        the need is linear in depth: an upper bound of the full-depth step's, which the pass
+        only lowers); compiled at full depth where even that does not hold (need that falls
+        with depth, or a model that cannot be built that shallow)."""
+        if (micro_batch, accum_steps) in self._predicted:
+            return self._predicted[(micro_batch, accum_steps)]
+        estimate = self._measure(micro_batch, accum_steps)
+        self._predicted[(micro_batch, accum_steps)] = estimate
+        return estimate
+
+    def _measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
         d1, d2 = self.variants.depths
         try:
             small = measure_all(
                 [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
-                                self.variants.key(d)) for d in (d1, d2)],
-                self.target, cache=self.cache, workers=self.workers)
+                                self.variants.key(d), reduced=True) for d in (d1, d2)],
+                self.reduced_target, cache=self.cache, workers=self.workers)
         except Exception as error:  # a model that cannot be built or compiled that shallow
             why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
             self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, 0, 0, False,
                                                   why[:300])
             self._say(f"micro_batch={micro_batch}: {why[:300]} (compiling full depth)")
-            self._full_from = min(self._full_from or micro_batch, micro_batch)
             return self.full(micro_batch, accum_steps, why=why)
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
-        why = self._fails(small, predicted)
-        falls = small[1].need_bytes < small[0].need_bytes
-        if falls:
+        self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
+                  f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
+                  f"depth {self.variants.full_depth} predicted "
+                  f"{format_bytes(predicted.need_bytes)}")
+        if small[1].need_bytes < small[0].need_bytes:
             # Less memory with more blocks: the compiler chose differently at the two depths
             # (seen on TPU: Gemma3-1B LoRA, 1.62 GiB at 2 blocks, 1.52 at 3), so the line
             # predicts nothing, not even an upper bound.
             why = (f"need falls with depth ({format_bytes(small[0].need_bytes)} at {d1}, "
                    f"{format_bytes(small[1].need_bytes)} at {d2}): not linear")
-        io_over = (self.budget_bytes is not None and io_bytes(predicted) > self.budget_bytes
-                   and not falls)
+            self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps,
+                                                  predicted.need_bytes, per_block, False, why)
+            self._say(f"micro_batch={micro_batch}: {why} (compiling full depth)")
+            return self.full(micro_batch, accum_steps, why=why)
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
-                                              per_block, why == "", why or "linear in depth")
-        self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
-                  f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
-                  f"depth {self.variants.full_depth} predicted "
-                  f"{format_bytes(predicted.need_bytes)}"
-                  + (f" ({why}: compiling full depth)"
-                     if why and not io_over and self.full_compiles else ""))
-        if why and not self.full_compiles and not falls:
-            self.checks[micro_batch] = DepthCheck(
-                micro_batch, accum_steps, predicted.need_bytes, per_block, False,
-                f"{why}: the linear prediction, an upper bound, stands (no full-depth compile)")
-            return predicted
-        if why and io_over:
-            self._say(f"micro_batch={micro_batch}: arguments and outputs alone "
-                      f"{format_bytes(io_bytes(predicted))} exceed the budget "
-                      f"{format_bytes(self.budget_bytes)}, which rematerialization cannot "
-                      "shrink: no full-depth compile")
-            self.checks[micro_batch] = DepthCheck(
-                micro_batch, accum_steps, predicted.need_bytes, per_block, False,
-                "arguments and outputs alone exceed the budget (not compiled at full depth)")
-            return predicted
-        if why:
-            self._full_from = min(self._full_from or micro_batch, micro_batch)
-            limit = self._remat_target(predicted)
-            if limit is not None and predicted.temp_bytes > limit:
-                self._active = (micro_batch, predicted.temp_bytes, limit)
-            return self.full(micro_batch, accum_steps, why=why,
-                             along=self._micro_batch_one_along(micro_batch, predicted, limit))
+                                              per_block, True, "linear in depth")
         return predicted
 
-    SPECULATE_OVER = 1.5
-    """A full-depth compile brings micro-batch 1's along when the linear prediction (before
-    XLA's rematerialization) is over the budget by more than this factor."""
+    def optimistic(self, estimate: MemoryEstimate) -> float:
+        """The least the full-depth step at ``estimate`` (a reduced-depth extrapolation)
+        can need: its arguments and outputs, and its temp brought down to the target of
+        XLA's rematerialization pass where the pass acts (it goes no lower); the
+        extrapolation itself where there is no such pass (CPU, TPU)."""
+        limit = self._remat_target(estimate)
+        if limit is None or estimate.temp_bytes <= limit:
+            return float(estimate.need_bytes)
+        return io_bytes(estimate) + max(limit, 0.0)
 
-    def _micro_batch_one_along(self, micro_batch: int, predicted: MemoryEstimate,
-                               limit: float | None) -> tuple[int, int] | None:
-        """Micro-batch 1's full-depth compile, to run beside this probe's, when the search
-        will almost surely need it next: this micro-batch is predicted far over the budget
-        (its compile only says by how much, after XLA's rematerialization), and micro-batch
-        1's temp (at least this one's / ``micro_batch``) also puts it past the
-        rematerialization pass's target, so it too would be compiled at full depth.
-
-        Two compiles side by side use both cores of a 2-core machine (XLA's passes are
-        single-threaded); Gemma3-4B LoRA on a T4: micro-batches 2 and 1, 4B parameters each.
-        """
-        workers = default_workers() if self.workers is None else self.workers
-        if (micro_batch < 2 or self.per_device_batch is None or self.budget_bytes is None
-                or limit is None or workers < 2):
-            return None
-        if predicted.need_bytes <= self.SPECULATE_OVER * self.budget_bytes:
-            return None
-        if predicted.temp_bytes / micro_batch <= limit:
-            return None
-        return (1, self.per_device_batch)
-
-    def full(self, micro_batch: int, accum_steps: int, *, why: str = "",
-             along: tuple[int, int] | None = None) -> MemoryEstimate:
-        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached); ``along``:
-        another (micro-batch, accumulation steps) compiled beside it and kept for later."""
+    def full(self, micro_batch: int, accum_steps: int, *, why: str = "") -> MemoryEstimate:
+        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached)."""
         key = (micro_batch, accum_steps)
         if key not in self._full:
             depth = self.variants.full_depth
-            keys = [key] + ([along] if along is not None and along not in self._full
-                            and along != key else [])
-            if len(keys) > 1:
-                self._say(f"micro_batch={micro_batch} is predicted far over the budget: "
-                          f"compiling micro_batch={keys[1][0]} at full depth beside it")
-            estimates = measure_all(
-                [CompileRequest(self.variants.program(depth), b, k, self.variants.key(depth))
-                 for b, k in keys],
-                self.target, cache=self.cache, workers=self.workers if len(keys) > 1 else 1)
-            self._full.update(zip(keys, estimates, strict=True))
+            (self._full[key],) = measure_all(
+                [CompileRequest(self.variants.program(depth), micro_batch, accum_steps,
+                                self.variants.key(depth))],
+                self.target, cache=self.cache, workers=1)
         return self._full[key]
 
     def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
@@ -385,16 +340,6 @@ class DepthExtrapolator:
         check = self.checks.get(micro_batch)
         return (check is not None and check.error is not None
                 and abs(check.error) <= self.variants.tolerance)
-
-    def _fails(self, small: list[MemoryEstimate], predicted: MemoryEstimate) -> str:
-        """Why the linear fit may not hold for this probe ("" if it holds)."""
-        for estimate in (*small, predicted):
-            limit = self._remat_target(estimate)
-            if limit is not None and estimate.temp_bytes > limit:
-                return ("XLA's rematerialization pass acts at full depth (temp "
-                        f"{format_bytes(estimate.temp_bytes)} > its target "
-                        f"{format_bytes(max(int(limit), 0))})")
-        return ""
 
     def _remat_target(self, estimate: MemoryEstimate) -> float | None:
         """The temp above which XLA's GPU rematerialization pass rewrites this step."""
@@ -423,6 +368,22 @@ class DepthExtrapolator:
                 out.append(f"depth extrapolation: micro_batch {check.micro_batch} compiled at "
                            f"full depth ({check.why})")
         return tuple(out)
+
+
+REMAT_PASS_OFF = ("xla_disable_hlo_passes", "rematerialization")
+"""The XLA option that turns the GPU rematerialization pass off (what
+``jax_compiler_enable_remat_pass=False`` sets)."""
+
+
+def reduced_depth_target(target: CompileTarget) -> CompileTarget:
+    """``target`` for reduced-depth compiles: with XLA's GPU rematerialization pass off where
+    the target runs one (its memory target depends on the weights' size, so it acts at full
+    depth and not at two blocks: with it, the need is not linear in depth). A GPU compile of
+    two blocks measured the same with and without it (Gemma3-4B LoRA, T4)."""
+    if target.remat_pass_base_bytes is None or REMAT_PASS_OFF in target.compiler_options:
+        return target
+    return dataclasses.replace(target, compiler_options=(*target.compiler_options,
+                                                         REMAT_PASS_OFF))
 
 
 def io_bytes(estimate: MemoryEstimate) -> int:
@@ -523,22 +484,39 @@ def plan_by_depth(
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor,
                   data_parallel=data_parallel)
+    per_device = effective_batch // data_parallel
+    stream = sys.stderr if log == "stderr" else log
     try:
         plan = search_plan(extrapolator.measure, notes=notes, **common)
     except DoesNotFitError as error:
         smallest = [p for p in error.probes if p.micro_batch == 1]
-        # Arguments and outputs (weights, optimizer state, batch) are what XLA's
-        # rematerialization cannot shrink: over the budget, no full-depth compile can fit.
-        close = (smallest and smallest[-1].estimate.source == "extrapolated"
-                 and smallest[-1].need_bytes <= budget.bytes * (1 + variants.tolerance)
-                 and io_bytes(smallest[-1].estimate) <= budget.bytes)
-        if not close or not verify:  # over by more than the extrapolation's tolerance
+        # XLA's rematerialization pass can bring the full-depth step under the line (an upper
+        # bound); where even its best (temp at the pass's target) is over, no compile can fit.
+        line = smallest[-1].estimate if smallest else None
+        if (not verify or line is None or line.source != "extrapolated"
+                or io_bytes(line) > budget.bytes
+                or min(extrapolator.optimistic(line),  # the pass at its best
+                       line.need_bytes / (1 + variants.tolerance)) > budget.bytes):
             error.probes = label_sources(error.probes)
             raise
-        # Within the tolerance of the budget: only a full-depth compile can say.
-        plan = search_plan(extrapolator.full, notes=notes, **common)
-        return dataclasses.replace(plan, probes=(*label_sources(error.probes), *plan.probes),
-                                   notes=(*plan.notes, *extrapolator.notes()))
+        one = extrapolator.verify(1, per_device)
+        check = Probe(1, per_device, one.need_bytes, one.need_bytes <= budget.bytes,
+                      "full depth: the line is an upper bound within reach", one)
+        if not check.fits:
+            need, budget_text = format_bytes_pair(one.need_bytes, budget.bytes)
+            rest = str(error).partition(". ")[2]
+            raise error._copy(
+                f"Even micro_batch=1 needs {need} at full depth (compiled; the line through "
+                f"two reduced depths said {format_bytes(line.need_bytes)}), over the budget "
+                f"of {budget_text} by {format_bytes(one.need_bytes - budget.bytes)}. {rest}",
+                probes=(*label_sources(error.probes), check)) from None
+        plan = plan_from_search(
+            SearchResult(micro_batch=1, max_micro_batch=1, estimate=one,
+                         probes=(*label_sources(error.probes), check), affine=None,
+                         seconds=0.0),
+            effective_batch=effective_batch, data_parallel=data_parallel,
+            lr_scaling=lr_scaling, budget=budget, target=target.name, notes=notes)
+        return dataclasses.replace(plan, notes=(*plan.notes, *extrapolator.notes()))
     if plan.estimate.source != "extrapolated":  # the choice was compiled at full depth
         return dataclasses.replace(plan, probes=label_sources(plan.probes),
                                    notes=(*plan.notes, *extrapolator.notes()))
@@ -546,19 +524,38 @@ def plan_by_depth(
         return dataclasses.replace(plan, probes=label_sources(plan.probes),
                                    notes=(*plan.notes, *extrapolator.notes(),
                                           "depth-extrapolated, not verified at full depth"))
+    predicted = plan.estimate
     verified = extrapolator.verify(plan.micro_batch, plan.accum_steps)
     check = Probe(plan.micro_batch, plan.accum_steps, verified.need_bytes,
                   verified.need_bytes <= budget.bytes, "verify at full depth", verified)
-    if check.fits and extrapolator.holds(plan.micro_batch):
-        return dataclasses.replace(plan, estimate=verified,
-                                   probes=(*label_sources(plan.probes), check),
-                                   notes=(*plan.notes, *extrapolator.notes()))
+    if check.fits:
+        probes = (*label_sources(plan.probes), check)
+        plan = dataclasses.replace(plan, estimate=verified, probes=probes)
+        # The pass lowered the need below the line: the next larger micro-batch may fit too.
+        saved = predicted.need_bytes - verified.need_bytes
+        larger = [d for d in divisors(per_device) if d > plan.micro_batch]
+        if larger and saved > variants.tolerance * predicted.need_bytes:
+            up = larger[0]
+            line = extrapolator.measure(up, per_device // up)
+            if line.need_bytes - saved <= budget.bytes * (1 + PREDICTION_MARGIN):
+                if stream is not None:
+                    print(f"autoaccum: depth extrapolation: XLA's rematerialization pass saved "
+                          f"{format_bytes(saved)} at micro_batch {plan.micro_batch}; "
+                          f"micro_batch {up} at full depth may fit too", file=stream,
+                          flush=True)
+                wider = extrapolator.full(up, per_device // up)
+                probe = Probe(up, per_device // up, wider.need_bytes,
+                              wider.need_bytes <= budget.bytes,
+                              "next larger, full depth (the pass lowers the line)", wider)
+                probes = (*probes, probe)
+                plan = dataclasses.replace(plan, probes=probes)
+                if probe.fits:
+                    plan = dataclasses.replace(plan, micro_batch=up, max_micro_batch=up,
+                                               accum_steps=per_device // up, estimate=wider)
+        return dataclasses.replace(plan, notes=(*plan.notes, *extrapolator.notes()))
     reason = (f"micro_batch {plan.micro_batch} at full depth needs "
-              f"{format_bytes(verified.need_bytes)}, "
-              + ("over the budget" if not check.fits else
-                 f"{extrapolator.checks[plan.micro_batch].error:+.1%} from the prediction, "
-                 f"beyond the {variants.tolerance:.0%} tolerance"))
-    stream = sys.stderr if log == "stderr" else log
+              f"{format_bytes(verified.need_bytes)}, over the budget "
+              f"({extrapolator.checks[plan.micro_batch].error:+.1%} from the prediction)")
     if stream is not None:
         print(f"autoaccum: depth extrapolation did not hold ({reason}); planning with "
               "full-depth compiles", file=stream, flush=True)

@@ -26,6 +26,7 @@ from ..devices._compile_platform import compiling_for
 from ..devices._deviceless import shard_abstract
 from ..devices._units import format_bytes
 from ..devices._xla_options import known_compile_options
+from ._compile_ledger import record_compile
 from ._floor import step_floor
 from ._kernel_cache import kernel_cache_options
 from ._train_program import TrainProgram, local_shape, tree_bytes
@@ -241,7 +242,7 @@ def compile_count() -> int:
 
 
 def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
-                    program: TrainProgram | None = None) -> Any:
+                    program: TrainProgram | None = None, reduced: bool = False) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
     reuses the kernels compiled before in this process for the same GPU
     (:func:`~autoaccum.planning._kernel_cache.kernel_cache_options`), and one that fails
@@ -252,9 +253,21 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     needed the fallback, its other micro-batches for that GPU are compiled with it at once
     (``program.deviceless_fallback``): the same XLA error would come again (a compile that
     fails costs as much as one that succeeds), and every probe of the step is then measured
-    with the same GEMMs."""
+    with the same GEMMs.
+
+    ``reduced``: the step is a reduced-depth model's (depth extrapolation), counted apart from
+    full-depth compiles in the open :mod:`._compile_ledger` ledgers."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
+    start = time.perf_counter()
+    try:
+        return _compile_for(lowered, target, program)
+    finally:
+        record_compile(reduced=reduced, seconds=time.perf_counter() - start)
+
+
+def _compile_for(lowered: Any, target: CompileTarget | None, program: Any) -> Any:
+    """:func:`compile_lowered`'s work, uncounted."""
     options = {} if target is None else dict(target.compiler_options)
     if target is not None and not (target.deviceless and target.platform == "tpu"):
         # Probed by a compile on this machine's backend, which would drop every libtpu
@@ -315,6 +328,10 @@ _HBM_OOM = re.compile(r"(?:CompileTimeHbmOom|Ran out of memory on HBM).*?require
                       re.DOTALL)
 # libtpu 0.0.50 says "E1000: CompileTimeHbmOom: Ran out of memory on HBM, ..."; 0.0.42 (jax
 # 0.10.2) the same without the code.
+_HBM_USED = re.compile(r"Ran out of memory in memory space hbm\. Used ([\d.]+)([KMGT]?) of "
+                       r"([\d.]+)([KMGT]?) hbm")
+# ... and, where the limit is xla_tpu_max_hbm_size_mib (libtpu 0.0.50): "Ran out of memory in
+# memory space hbm. Used 31.07M of 27.00M hbm."
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -333,7 +350,7 @@ def compile_within_hbm(lowered: Any, options: dict | None = None) -> Any:
     try:
         return _compile(lowered, dict(options or {}))
     except Exception as error:
-        found = _HBM_OOM.search(str(error))
+        found = _HBM_OOM.search(str(error)) or _HBM_USED.search(str(error))
         if found is None:
             raise
         need = float(found.group(1)) * _UNITS[found.group(2)]
@@ -447,6 +464,7 @@ def measure_program(
     target: CompileTarget | None = None,
     *,
     last: int | None = None,
+    reduced: bool = False,
 ) -> MemoryEstimate:
     """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory
     (``last``: an uneven step whose last micro-batch has this size, see :func:`lower_step`).
@@ -473,7 +491,7 @@ def measure_program(
     start = time.perf_counter()
     lowered = lower_step(program, micro_batch, accum_steps, target, last=last)
     with program.lowering_context():
-        compiled = compile_lowered(lowered, target, program=program)
+        compiled = compile_lowered(lowered, target, program=program, reduced=reduced)
     seconds = time.perf_counter() - start
     estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
                                       target=target.name, seconds=seconds, last=last,

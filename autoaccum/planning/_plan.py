@@ -8,6 +8,7 @@ from typing import Any, TextIO
 
 from ..devices._units import format_bytes
 from ._budget import Budget
+from ._compile_ledger import CompileCount
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate
 from ._micro_batches import split_sizes, split_text
@@ -143,6 +144,10 @@ class Plan:
     """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
     (e.g. ``(("batch", 2), ("model", 2))``; the batch is split over its data axis, so
     ``data_parallel`` is that axis's size); else ``()``."""
+    compiles: CompileCount | None = None
+    """What planning compiled: steps at full depth and at reduced depth (depth
+    extrapolation), their seconds, and the figures the need cache answered
+    (:class:`~._compile_ledger.CompileCount`); ``None`` for a plan not made by a search."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -248,6 +253,12 @@ def plan_from_search(
             f"micro_batch {search.max_micro_batch} fits but does not divide the per-device batch "
             f"{per_device}; using its largest divisor below, {search.micro_batch}."
         )
+    elif search.divisors_only and accum > 1 and len(divisors(per_device)) < per_device // 2:
+        extra.append(
+            f"micro-batches: only divisors of the per-device batch {per_device} were "
+            f"candidates ({', '.join(map(str, divisors(per_device)))}): this step takes no "
+            "smaller last micro-batch (an uneven split needs Search(uneven=True) and a "
+            "framework whose step takes one)")
     fallbacks = sorted({p.micro_batch for p in search.probes if p.estimate.compile_note})
     if fallbacks:
         note = next(p.estimate.compile_note for p in search.probes if p.estimate.compile_note)

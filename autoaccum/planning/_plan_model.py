@@ -13,6 +13,7 @@ from ..devices._context_mesh import has_explicit_axes
 from ..devices._units import format_bytes
 from ._adapter_interface import Adapter, Prepared
 from ._cache import resolve_cache
+from ._compile_ledger import counted
 from ._concurrent_compiles import CompileRequest, measure_all
 from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr_scaling import LearningRateScaling, announce
@@ -49,6 +50,7 @@ from ._targets import (
 from ._train_program import TrainProgram, tree_bytes
 
 
+@counted
 def plan_program(
     program: TrainProgram | Callable[[], TrainProgram],
     *,
@@ -252,6 +254,7 @@ def _profile_key(resolved: ResolvedTarget) -> str | None:
     return detected.profile.key if detected.profile is not None else None
 
 
+@counted
 def plan_model(
     model: Any,
     data: Any,

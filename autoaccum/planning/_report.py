@@ -135,6 +135,9 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
         ("budget", f"{format_bytes(b.bytes)}  [{b.source}: {b.detail}]"),
         ("rematerialization", plan.remat),
         *([("sharding", _strategy_text(plan))] if plan.devices > 1 else []),
+        *([("compiles", f"{plan.compiles.line()}; planned in "
+                        f"{plan.compiles.wall_seconds:.1f} s")]
+          if plan.compiles is not None else []),
     ]
 
 
@@ -321,7 +324,7 @@ def _memory(estimate: Any) -> dict[str, int]:
 _HANDLED = {
     "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
     "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
-    "objective", "candidates", "profile", "deviceless", "strategy", "mesh_axes",
+    "objective", "candidates", "profile", "deviceless", "strategy", "mesh_axes", "compiles",
 }  # examples, drop_remainder: the loop below; leftover_examples is added by hand
 
 
@@ -383,6 +386,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         ],
         "notes": list(plan.notes),
         "plan_seconds": plan.plan_seconds,
+        "compiles": plan.compiles.to_dict() if plan.compiles is not None else None,
         "leftover_examples": plan.leftover_examples,
     }
     for f in dataclasses.fields(plan):

@@ -63,6 +63,9 @@ class SearchResult:
     seconds: float
     last_micro_batch: int | None = None
     """The smaller last micro-batch of an uneven split (13 = 5 + 5 + 3: 3), else ``None``."""
+    divisors_only: bool = False
+    """Only divisors of the per-device batch were candidates (the step takes no smaller last
+    micro-batch)."""
 
     def accum_steps(self, per_device_batch: int) -> int:
         """Sequential micro-steps of ``per_device_batch`` examples in this split."""
@@ -103,6 +106,9 @@ class DoesNotFitError(ValueError):
         self.beyond_remat = False
         """Whether no rematerialization can make it fit: the state with its gradients (known
         from shapes) is over the budget, with or without accumulation."""
+        self.compiles: Any = None
+        """What planning compiled before the verdict (a
+        :class:`~._compile_ledger.CompileCount`), set by the planning entry points."""
 
     def _copy(self, message: str, **changes: Any) -> DoesNotFitError:
         fields = {"probes": self.probes, "resident": self.resident,
@@ -112,6 +118,7 @@ class DoesNotFitError(ValueError):
         error = DoesNotFitError(message, **fields)
         error.advice = advice
         error.beyond_remat = self.beyond_remat
+        error.compiles = self.compiles
         return error
 
     def with_note(self, note: str) -> DoesNotFitError:
@@ -204,29 +211,38 @@ def search_micro_batch(
     measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
     accumulating_floor: int = 0,
 ) -> SearchResult:
-    """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget.
+    """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
+    compiling only steps whose answer could change the plan.
+
+    The candidates are one micro-batch per number of micro-steps ``k``: the smallest that
+    takes ``k`` steps (:func:`step_candidates`; 8 -> 8, 4, 3, 2, 1), or, without
+    ``measure_uneven``, the divisors of ``per_device_batch`` (13 -> 13, 1). A micro-batch
+    between two candidates takes as many steps as the larger-``k`` one, so it is never
+    compiled. Need is affine in the micro-batch from 2 on (micro-batch 1 saves one
+    weight-sized buffer): the two smallest candidates from 2 (the second at least twice the
+    first) are fit points, the line through the fitting probes predicts the boundary, and
+    the search goes to the largest candidate the line puts under the budget; a candidate the
+    line puts more than :data:`PREDICTION_MARGIN` over it is not compiled, nor any larger
+    one. Where the curve is not affine (XLA's rematerialization near the memory limit), the
+    bracketing probes narrow the range. A micro-batch is only ever returned after its own
+    compile fitted.
 
     With ``measure_uneven(b, k, last)`` (compiles the uneven step: ``k - 1`` micro-batches of
-    ``b``, then one of ``last``), the split may end with a smaller micro-batch: the largest
-    fitting ``b`` is found exactly, ``k = ceil(per_device_batch / b)`` micro-steps, and the
-    even split with the same ``k`` is preferred when there is one (12 with room for 5: 4 x 3,
-    not 5 + 5 + 2); the uneven step is verified by its own compile. Without it only divisors
-    of ``per_device_batch`` are chosen (13 with room for 5: 13 micro-batches of 1).
+    ``b``, then one of ``last``), a candidate that does not divide the batch is compiled as
+    that uneven step, so the chosen step is the one measured (13 with room for 5: 5 + 5 + 3;
+    12: 4 x 3, the even split with as few micro-steps, is the candidate). Without it only
+    divisors of ``per_device_batch`` are chosen (13 with room for 5: 13 micro-batches of 1).
 
     ``accumulating_floor``: bytes every step with ``k > 1`` needs at least (weights,
     optimizer state and the gradient accumulator, known from shapes); when it exceeds the
-    budget only the whole batch (``k = 1``) is compiled. Once micro-batch 1 does not fit, the
-    whole batch is compiled only if micro-batch 1's need less its gradient accumulator (what
-    ``k = 1`` can drop, and :data:`LOOP_ALLOWANCE`) fits: activations only grow with the
-    micro-batch.
+    budget only the whole batch (``k = 1``) is compiled. The whole batch (no accumulation
+    loop) is its own case: compiled only if the line, less twice the accumulator and stacked
+    batch its loop-free step drops, puts it within the margin (without a line: unless a
+    smaller micro-batch failed by more than its loop costs, or micro-batch 1 failed by more
+    than its accumulator and :data:`LOOP_ALLOWANCE`), and chosen whenever it fits.
 
-    ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps;
-    a probe at ``b`` uses ``k = ceil(per_device_batch / b)`` so a divisor is measured exactly as
-    it would run. Assumes need does not decrease as b grows while ``k > 1``; the whole batch
-    (``k = 1``, no accumulation loop) is its own case, compiled too unless the affine fit
-    puts it above twice the budget (or, without a fit, a smaller micro-batch failed by more
-    than its loop costs), and chosen whenever it fits. A probe marked as fitting
-    never needs more than the budget.
+    ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps.
+    A probe marked as fitting never needs more than the budget.
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -235,7 +251,7 @@ def search_micro_batch(
       ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0)
       >>> r = search_micro_batch(fake, per_device_batch=8, budget_bytes=175, log=None)
       >>> r.max_micro_batch, r.micro_batch, [p.micro_batch for p in r.probes]
-      (7, 4, [2, 4, 7, 8])
+      (4, 4, [2, 4, 8])
       >>> def no_loop_is_smaller(b, k):  # a tiny model: k = 1 drops the loop's buffers
       ...     n = 140 if k == 1 else 150 + b
       ...     acc = 0 if k == 1 else 20  # its float32 gradient accumulator
@@ -281,12 +297,21 @@ def search_micro_batch(
                 print(f"autoaccum:   note: {estimate.compile_note}", file=log, flush=True)
         return p
 
-    def bounds() -> tuple[int, int]:
-        fitting = [b for b, p in probes.items() if p.fits]
-        failing = [b for b, p in probes.items() if not p.fits]
-        return max(fitting, default=0), min(failing, default=limit + 1)
+    def measure_at(b: int, why: str) -> Probe:
+        """Compiles the step that would run at micro-batch ``b``: ``k = ceil(limit / b)``
+        micro-steps, the last one smaller where ``b`` does not divide ``limit`` (then the
+        uneven step itself, so the plan's step is the one compiled)."""
+        k = math.ceil(limit / b)
+        last = limit - (k - 1) * b
+        if measure_uneven is None or last == b:
+            return probe(b, why)
+        if b in probes:
+            return probes[b]
+        p = _probe_uneven(measure_uneven, b, k, last, budget_bytes, log, why=why)
+        probes[b] = p
+        order.append(p)
+        return p
 
-    all_divisors = divisors(limit)
     if limit > 1 and accumulating_floor > budget_bytes:
         p = probe(limit, "whole batch: no accumulating step can fit")
         if p.fits:
@@ -301,61 +326,100 @@ def search_micro_batch(
             f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes)
 
-    def undecided(lo: int, hi: int) -> bool:
-        """Whether the boundary in (lo, hi) matters: any micro-batch there for an uneven split,
-        else only a divisor."""
-        if measure_uneven is not None:
-            return hi > lo + 1
-        return any(lo < d < hi for d in all_divisors)
+    # The micro-batches worth a compile: one per number of micro-steps k, the smallest that
+    # takes k steps (ceil(limit / k): 8 -> 8, 4, 3, 2, 1), or the divisors without uneven
+    # steps. A micro-batch between two of them takes as many steps as the larger-k one, so it
+    # cannot change the plan.
+    candidates = (step_candidates(limit) if measure_uneven is not None else divisors(limit))
 
-    affine = None
-    if limit >= 3 and probe(2, "fit point").fits:  # if 2 fails, so does everything above
-        low, high = 2, min(4, limit)
-        p_low, p_high = probes[low], probe(high, "fit point")
-        slope = (p_high.need_bytes - p_low.need_bytes) / (high - low)
-        intercept = p_low.need_bytes - slope * low
-        affine = (intercept, slope)
-        lo, hi = bounds()
-        if undecided(lo, hi):
-            guess = limit if slope <= 0 else int((budget_bytes - intercept) // slope)
-            guess = min(max(guess, lo + 1), hi - 1)
-            probe(guess, "affine prediction")
-    elif limit == 2:
-        probe(2, "whole batch")
+    def line() -> tuple[float, float] | None:
+        """(intercept, slope) through the smallest and the largest fitting probes at b >= 2
+        with k > 1 (the whole batch drops its loop: off the line)."""
+        points = sorted((b, p.need_bytes) for b, p in probes.items() if 2 <= b < limit)
+        fitting = [(b, n) for b, n in points if probes[b].fits]
+        points = fitting if len(fitting) >= 2 else points
+        if len(points) < 2:
+            return None
+        (b0, n0), (b1, n1) = points[0], points[-1]
+        if b1 == b0:
+            return None
+        slope = (n1 - n0) / (b1 - b0)
+        return n0 - slope * b0, slope
 
+    def predicted(b: int, fit: tuple[float, float] | None) -> float | None:
+        """The line's need at ``b``; at the whole batch, less what dropping the loop saves
+        (twice the accumulator and stacked batch of the largest accumulating probe)."""
+        if fit is None:
+            return None
+        need = fit[0] + fit[1] * b
+        if b == limit:
+            ref = max((p for x, p in probes.items() if x < limit), key=lambda p: p.micro_batch,
+                      default=None)
+            if ref is not None:
+                need -= 2 * (ref.estimate.accumulator_bytes + ref.estimate.batch_bytes)
+        return need
+
+    def clearly_over(b: int, fit: tuple[float, float] | None) -> bool:
+        need = predicted(b, fit)
+        return need is not None and need > budget_bytes * (1 + PREDICTION_MARGIN)
+
+    def between(lo: int, hi: int) -> list[int]:
+        return [c for c in candidates if lo < c < hi]
+
+    def bounds() -> tuple[int, int]:
+        fitting = [b for b, p in probes.items() if p.fits]
+        failing = [b for b, p in probes.items() if not p.fits]
+        return max(fitting, default=0), min(failing, default=limit + 1)
+
+    skipped: set[int] = set()
+    """Candidates the line put clearly over the budget: not compiled."""
+
+    # Two fit points on the line: the smallest candidate >= 2, then one at least twice it.
+    first = next((c for c in candidates if c >= 2), None)
+    if first is not None and first < limit and measure_at(first, "fit point").fits:
+        second = next((c for c in candidates if c >= 2 * first and c < limit),
+                      next((c for c in reversed(candidates) if first < c < limit), None))
+        if second is not None:
+            measure_at(second, "fit point")
     lo, hi = bounds()
-    halve_next = False
-    while hi > lo + 1 and undecided(lo, hi):
-        if hi > limit and measure_uneven is None:  # nothing failed yet: the next divisor up
-            guess = min(d for d in all_divisors if d > lo)
-            why = "next divisor"
-        elif hi > limit:  # nothing failed yet: the next micro-batch with fewer micro-steps
-            steps = math.ceil(limit / lo) if lo else limit
-            guess = math.ceil(limit / max(steps - 1, 1)) if steps > 1 else limit
-            why = "fewer micro-steps"
-        elif lo and not halve_next:  # interpolate between the bracketing probes
-            n_lo, n_hi = probes[lo].need_bytes, probes[hi].need_bytes
-            guess = lo + int((budget_bytes - n_lo) * (hi - lo) // max(n_hi - n_lo, 1))
-            why = "interpolate"
+    while True:
+        fit = line()
+        open_ = [c for c in between(lo, hi) if c not in skipped]
+        if not open_ or lo == 0:
+            break
+        if fit is not None and fit[1] > 0:
+            target = (budget_bytes - fit[0]) / fit[1]
+            below = [c for c in open_ if c <= target]
+            guess, why = (below[-1], "line prediction") if below else (open_[0], "next up")
+        elif fit is not None:  # need does not grow with the micro-batch: the largest
+            guess, why = open_[-1], "line prediction"
+        elif hi <= limit:  # no line: between the bracketing probes
+            guess, why = open_[len(open_) // 2], "bisect"
         else:
-            guess = (lo + hi) // 2 if lo else max(hi // 2, 1)
-            why = "bisect"
-        guess = min(max(guess, lo + 1), hi - 1)
-        width = hi - lo
-        probe(guess, why)
+            guess, why = open_[0], "next up"
+        if guess == limit and (probes.get(1) is not None and not _whole_batch_after_one(
+                probes.get(1), budget_bytes)):
+            skipped.add(guess)
+            continue
+        if clearly_over(guess, fit):
+            skipped.update(c for c in open_ if c >= guess)  # need grows with b: all above too
+            continue
+        measure_at(guess, why)
         lo, hi = bounds()
-        halve_next = (hi - lo) * 2 > width  # interpolation stalled: bisect once
-    if lo == 0:
-        p1 = probe(1, "smallest")
-        lo = 1 if p1.fits else 0
+    if lo == 0 and 1 not in probes:
+        measure_at(1, "smallest")
+        lo, hi = bounds()
     failed = min((p for p in order if not p.fits and p.micro_batch < limit),
                  key=lambda p: p.micro_batch, default=None)
-    if (lo < limit and limit not in probes
-            and _whole_batch_may_fit(affine, limit, budget_bytes, failed)
+    fit = line()
+    worth = (not clearly_over(limit, fit) if fit is not None
+             else _whole_batch_may_fit(None, limit, budget_bytes, failed))
+    if (lo < limit and limit not in probes and limit not in skipped and worth
             and _whole_batch_after_one(probes.get(1), budget_bytes)):
-        probe(limit, "whole batch (no accumulation loop)")
-    if limit in probes and probes[limit].fits:
-        lo = limit  # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not
+        measure_at(limit, "whole batch (no accumulation loop)")
+    # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
+    lo = (limit if limit in probes and probes[limit].fits
+          else max((b for b, p in probes.items() if p.fits), default=0))
     if lo == 0:
         need = probes[1].need_bytes
         need_text, budget_text = format_bytes_pair(need, budget_bytes)
@@ -367,47 +431,43 @@ def search_micro_batch(
             f"or a larger budget/device.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes,
         )
-    if measure_uneven is not None and lo < limit:
-        steps = math.ceil(limit / lo)
-        last = limit - (steps - 1) * lo
-        if limit % steps and last != lo:  # no even split with as few micro-steps
-            p = _probe_uneven(measure_uneven, lo, steps, last, budget_bytes, log)
-            order.append(p)
-            if p.fits:
-                return SearchResult(micro_batch=lo, max_micro_batch=lo, estimate=p.estimate,
-                                    probes=tuple(order), affine=affine,
-                                    seconds=time.perf_counter() - start,
-                                    last_micro_batch=last)
-        else:
-            lo = limit // steps  # the even split with the same number of micro-steps
-    chosen = max(d for d in divisors(limit) if d <= lo)
-    # Verify the divisor with its own compile; step down if it surprisingly does not fit.
-    candidates = [d for d in divisors(limit) if d <= chosen]
-    for d in reversed(candidates):
-        p = probe(d, "verify divisor")
-        if p.fits:
-            chosen = d
-            break
-    else:  # need is not monotone below the largest fitting micro-batch
-        raise DoesNotFitError(
-            f"micro_batch={lo} fits the budget of {format_bytes(budget_bytes)} but no divisor "
-            f"of the per-device batch {limit} at or below it does (need is not monotone in the "
-            "micro-batch here). Choose an effective batch that is a multiple of "
-            f"{lo}, or a larger budget.", probes=tuple(order))
+    chosen = probes[lo]
+    if measure_uneven is None and limit % lo:  # (only divisors are candidates: not reached)
+        raise AssertionError(f"micro_batch {lo} is not a divisor of {limit}")
     return SearchResult(
-        micro_batch=chosen,
+        micro_batch=lo,
         max_micro_batch=lo,
-        estimate=probes[chosen].estimate,
+        estimate=chosen.estimate,
         probes=tuple(order),
-        affine=affine,
+        affine=line(),
         seconds=time.perf_counter() - start,
+        last_micro_batch=chosen.last_micro_batch,
+        divisors_only=measure_uneven is None,
     )
 
 
+PREDICTION_MARGIN = 0.05
+"""A candidate whose need the line through the fitting probes puts more than this fraction
+over the budget is not compiled (need grows with the micro-batch: nor is any larger one); a
+candidate within it is, since only its compile can say."""
+
+
+def step_candidates(limit: int) -> list[int]:
+    """The micro-batches worth a compile for a per-device batch of ``limit`` when the last
+    micro-batch may be smaller: for each number of micro-steps ``k``, the smallest
+    micro-batch that takes ``k`` steps, ``ceil(limit / k)``.
+
+    Example:
+      >>> step_candidates(8), step_candidates(13)
+      ([1, 2, 3, 4, 8], [1, 2, 3, 4, 5, 7, 13])
+    """
+    return sorted({-(-limit // k) for k in range(1, limit + 1)})
+
+
 def _probe_uneven(measure_uneven: Callable[[int, int, int], MemoryEstimate], b: int, k: int,
-                  last: int, budget_bytes: int, log: TextIO | None) -> Probe:
+                  last: int, budget_bytes: int, log: TextIO | None,
+                  why: str = "uneven split") -> Probe:
     """Compiles the uneven step (``k - 1`` micro-batches of ``b``, then ``last``)."""
-    why = "verify uneven split"
     if log is not None:
         print(f"autoaccum: compiling micro_batch={b} x {k} steps, last {last} ({why}) ...",
               file=log, flush=True)

@@ -357,10 +357,32 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
 
         dp_mesh = data_parallel_mesh(target.devices)
         name += ", per chip"
+    # A budget under the chip's HBM: libtpu's early HBM check refuses a step over it in
+    # seconds, before its minutes of code generation (never the verdict that one fits).
+    check = ((("xla_tpu_max_hbm_size_mib", hbm_check_mib(resolved.bytes)),)
+              if resolved.bytes < pool else ())
     return ResolvedTarget(
         CompileTarget(name=name, sharding=target.sharding, deviceless=True,
-                      fingerprint=target.target_config, platform="tpu"),
+                      fingerprint=target.target_config, platform="tpu",
+                      compiler_options=check),
         resolved, "deviceless", profile, dp_mesh)
+
+
+HBM_CHECK_SLACK = 0.03
+"""How far above the budget libtpu's early HBM check is set: its figure is up to 2% over
+the need the full compile assigns (``benchmarks/tpu_compile_time.py``), so only a step over
+the budget by more than that is refused early; the rest is compiled in full and its memory
+analysis decides."""
+
+
+def hbm_check_mib(budget_bytes: int) -> int:
+    """``xla_tpu_max_hbm_size_mib`` for a budget: the budget and :data:`HBM_CHECK_SLACK`.
+
+    Example:
+      >>> hbm_check_mib(2**30)
+      1055
+    """
+    return -(-int(budget_bytes * (1 + HBM_CHECK_SLACK)) // 2**20)
 
 
 def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:

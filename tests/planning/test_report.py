@@ -23,7 +23,7 @@ def test_notebook_html_is_a_table_with_every_probe_and_the_choice_marked():
     plan = accumulating_plan()
     html = plan._repr_html_()
     assert html.count("<table>") == 2
-    assert html.count("<tr") == len(plan.probes) + 1 + 6  # probes + header + summary rows
+    assert html.count("<tr") == len(plan.probes) + 1 + 7  # probes + header + summary rows
     assert "#d4f4dd" in html and "#fbe3e4" in html  # the chosen row and a probe over budget
     assert "limited by" in html and "&lt;" not in plan.target
 
@@ -88,9 +88,9 @@ def test_an_uneven_split_shows_in_the_repr_report_html_and_json():
     text = plan.report(rich=False)
     assert f"13 = ({plan.split_text()}) x 1 device(s)" in text
     assert f"micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps" in text
-    assert "verify uneven split" in text and "uneven split: 13 = " in text
+    assert "uneven split: 13 = " in text
     assert f"{plan.micro_batch} (last {plan.last_micro_batch})" in text  # the probe's row
-    assert "verify uneven split" in plan._repr_html_()
+    assert "(last 1)" in plan._repr_html_()
     out = json.loads(json.dumps(plan.to_dict()))
     assert out["last_micro_batch"] == plan.last_micro_batch
     assert out["probes"][-1]["last_micro_batch"] == plan.last_micro_batch

@@ -86,18 +86,42 @@ def test_a_step_over_a_chips_hbm_is_refused_by_the_compiler_and_read_as_not_fitt
     assert "Ran out of memory on HBM" in estimate.compile_note
 
 
+def test_a_step_over_a_budget_under_the_hbm_is_refused_at_libtpus_early_check():
+    # A budget of 26 MiB on a 15.75 GiB chip: libtpu is asked to check against it (and its
+    # slack), so a step over it is refused before code generation; one under it compiles in
+    # full and its memory analysis decides.
+    from autoaccum.adapters.flax import flax_program
+    from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
+    from autoaccum.planning._targets import hbm_check_mib, resolve_target
+
+    resolved = resolve_target("v5e-1", "26MiB")
+    assert ("xla_tpu_max_hbm_size_mib", hbm_check_mib(26 * 2**20)) in (
+        resolved.compile_target.compiler_options)
+    program = flax_program(Wide(nnx.Rngs(0)),
+                           {"x": jax.ShapeDtypeStruct((16, 256), jnp.float32)},
+                           loss_fn=_wide_loss, tx=optax.adam(1e-3))
+    over, under = measure_all([CompileRequest(program, 64, 1), CompileRequest(program, 4, 2)],
+                              resolved.compile_target, workers=1)
+    assert "refused by the TPU compiler" in over.compile_note
+    assert over.need_bytes > hbm_check_mib(26 * 2**20) * 2**20
+    assert under.compile_note == "" and under.need_bytes <= 26 * 2**20
+
+
 @pytest.mark.slow  # big compiles near the HBM: about a minute
 def test_an_effective_batch_over_the_hbm_is_planned_around_with_accumulation():
     data = {"x": np.broadcast_to(np.float32(1), (512, 2048, 256))}  # no memory: a view
     plan = autoaccum.plan(Wide(nnx.Rngs(0)), data, effective_batch=512, device="v5e-1",
                           optimizer=optax.adam(1e-3), loss_fn=_wide_loss, log=None,
                           search=autoaccum.Search(cache=False))
+    # A micro-batch over the chip is refused by the compiler where it is compiled at all (the
+    # line through the fitting probes puts the whole batch far over: never compiled).
     refused = [p.estimate for p in plan.probes
                if "refused by the TPU compiler" in p.estimate.compile_note]
-    assert refused and all(p.need_bytes > plan.budget_bytes for p in refused)
+    assert all(p.need_bytes > plan.budget_bytes for p in refused)
     assert plan.accum_steps > 1 and plan.micro_batch * plan.accum_steps == 512
     assert plan.need_bytes <= plan.budget_bytes
     assert not any(p.micro_batch <= plan.micro_batch for p in refused)
+    assert plan.compiles.full == len(plan.probes)
 
 
 def test_a_slice_asked_for_another_chip_count_is_refused_naming_the_slices():

@@ -12,6 +12,7 @@ import sys
 from typing import Any, TextIO
 
 from ....devices._extras import require_extra
+from ....planning._compile_ledger import counted
 from ....planning._depth import DepthVariants
 from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._option_checks import validate_effective_batch, validate_positive_int
@@ -63,6 +64,7 @@ def token_example_spec(sequence_length: int) -> tuple:
 
 
 @explains_keywords
+@counted
 def plan_preset(
     name: str,
     *,

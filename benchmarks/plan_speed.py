@@ -1,0 +1,279 @@
+"""Plans in the time of one compile (issue 50): cold and warm wall seconds of dry-run plans,
+their compiles at full depth and at reduced depth, and cold wall / one full-depth compile of
+the chosen step, measured side by side in one run.
+
+Cases (``--cases``, default all):
+
+* ``lab-t4``: the lab's Gemma3-4B, LoRA 4, sequence 400, bf16, effective batch 8, on a T4 at
+  memory fraction 0.9 (``autoaccum plan --preset gemma3_4b --lora-rank 4 --seq-len 400
+  --dtype bfloat16 --device t4 --effective-batch 8``);
+* ``1b-t4``, ``1b-v5e``: Gemma3-1B, LoRA 4, sequence 512, on a T4 and a TPU v5e-1;
+* ``nnx-t4``, ``nnx-v5e``: a Flax NNX decoder of about 0.6B parameters (Qwen3-0.6B's config:
+  28 blocks, hidden 1024, 16 heads, 8 KV heads, MLP 3072, vocabulary 151,936) written from
+  its config here, built with ``nnx.eval_shape`` (no weights), LoRA rank 4 on the attention
+  and MLP projections through ``nnx.LoRAParam``, bf16, sequence 512, effective batch 8,
+  planned with an ``autoaccum.DepthVariant`` (its factory at another depth);
+* ``lab-2xt4``: the lab case on 2 T4s (``--devices 2``), the sharding strategies tried;
+* ``advise-4b``: ``--advise`` for the Gemma3-4B full fine-tune on a T4 (every row).
+
+Each plan runs in a fresh child process: cold with a new need cache, then warm with the same
+cache. The chosen step is then compiled once more at full depth in a third child, alone, for
+the ratio. ``--root PATH`` runs another checkout's code (an earlier commit, for the "before"
+table; its plans count compiles with ``compile_count()`` only, as one total).
+
+    python benchmarks/plan_speed.py --cases lab-t4,1b-t4 --timeout 900
+    python benchmarks/plan_speed.py --root /tmp/before --cases lab-t4
+
+Measured here (2 shared cores, jax 0.12.0.1, this machine often loaded by other work): see
+the tables in docs/guides/planning.md ("How long a plan takes") and the closing note of
+issue 50.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import print_table
+
+HERE = Path(__file__).resolve().parent
+PRESETS = {  # case: (architecture, lora rank, sequence length, device, devices, advise)
+    "lab-t4": ("gemma3_4b", 4, 400, "t4", None, False),
+    "1b-t4": ("gemma3_1b", 4, 512, "t4", None, False),
+    "1b-v5e": ("gemma3_1b", 4, 512, "v5e-1", None, False),
+    "lab-2xt4": ("gemma3_4b", 4, 400, "t4", 2, False),
+    "advise-4b": ("gemma3_4b", None, 400, "t4", None, True),
+}
+NNX = {"nnx-t4": "t4", "nnx-v5e": "v5e-1"}
+CASES = [*PRESETS, *NNX]
+
+
+# -- the Flax NNX decoder (Qwen3-0.6B's shape), written from its config --------------------
+
+def nnx_decoder(depth: int):
+    """An abstract (``nnx.eval_shape``) decoder of ``depth`` blocks with LoRA rank 4."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    hidden, heads, kv, head_dim, mlp, vocab = 1024, 16, 8, 128, 3072, 151_936
+
+    def lora_linear(i, o, rngs):
+        return nnx.LoRALinear(i, o, lora_rank=4, use_bias=False, dtype=jnp.bfloat16,
+                              param_dtype=jnp.bfloat16, rngs=rngs)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1 = nnx.RMSNorm(hidden, rngs=rngs, param_dtype=jnp.bfloat16)
+            self.q = lora_linear(hidden, heads * head_dim, rngs)
+            self.k = lora_linear(hidden, kv * head_dim, rngs)
+            self.v = lora_linear(hidden, kv * head_dim, rngs)
+            self.o = lora_linear(heads * head_dim, hidden, rngs)
+            self.norm2 = nnx.RMSNorm(hidden, rngs=rngs, param_dtype=jnp.bfloat16)
+            self.gate = lora_linear(hidden, mlp, rngs)
+            self.up = lora_linear(hidden, mlp, rngs)
+            self.down = lora_linear(mlp, hidden, rngs)
+
+        def __call__(self, x):
+            b, t, _ = x.shape
+            h = self.norm1(x)
+            q = self.q(h).reshape(b, t, heads, head_dim)
+            k = jnp.repeat(self.k(h).reshape(b, t, kv, head_dim), heads // kv, axis=2)
+            v = jnp.repeat(self.v(h).reshape(b, t, kv, head_dim), heads // kv, axis=2)
+            mask = jnp.tril(jnp.ones((t, t), bool))
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+            x = x + self.o(y.reshape(b, t, heads * head_dim))
+            h = self.norm2(x)
+            return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, hidden, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(depth)])
+            self.norm = nnx.RMSNorm(hidden, rngs=rngs, param_dtype=jnp.bfloat16)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+    return nnx.eval_shape(lambda: Decoder(nnx.Rngs(0)))
+
+
+def _token_loss(model, batch):
+    import autoaccum
+
+    logits = model(batch["tokens"][:, :-1])
+    return autoaccum.training.token_loss_sum(logits, batch["tokens"][:, 1:],
+                                             batch["mask"][:, 1:])
+
+
+def _nnx_plan(device: str, log):
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import autoaccum
+
+    data = {"tokens": np.zeros((8, 513), np.int32), "mask": np.ones((8, 513), np.int32)}
+    return autoaccum.plan(
+        nnx_decoder(28), data, effective_batch=8, optimizer=optax.adamw(1e-4),
+        trainable=nnx.LoRAParam, loss_fn=_token_loss, device=device, log=log,
+        search=autoaccum.Search(depth_variant=autoaccum.DepthVariant(depth=28,
+                                                                      build=nnx_decoder)))
+
+
+# -- one child ------------------------------------------------------------------------------
+
+def child(case: str, cache: str) -> None:
+    """Plans ``case`` with the need cache at ``cache``; prints one JSON line."""
+    os.environ["AUTOACCUM_CACHE_DIR"] = cache
+    if case.startswith("lab"):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    start = time.perf_counter()
+    import autoaccum
+    from autoaccum.planning import _measure
+
+    before = _measure.compile_count()
+    out: dict = {"case": case}
+    try:
+        if case in NNX:
+            plan = _nnx_plan(NNX[case], "stderr")
+        else:
+            arch, rank, seq, device, devices, advise = PRESETS[case]
+            from autoaccum.adapters.keras.presets import advise_preset, plan_preset
+
+            kwargs = dict(effective_batch=8, lora_rank=rank, sequence_length=seq,
+                          dtype="bfloat16", device=device, log="stderr",
+                          target=autoaccum.Target(devices=devices))
+            if advise:
+                advice = advise_preset(arch, **kwargs)
+                rows = [a for a in advice.alternatives]
+                out["rows"] = len(rows)
+                out["row_full"] = [getattr(getattr(a, "plan", None), "compiles", None)
+                                   and a.plan.compiles.full for a in rows]
+                plan = None
+            else:
+                plan = plan_preset(arch, **kwargs)
+        if plan is not None:
+            out.update(micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
+                       remat=plan.remat, strategy=plan.strategy,
+                       need_gib=round(plan.need_bytes / 2**30, 2))
+            count = getattr(plan, "compiles", None)
+            if count is not None:
+                out.update(full=count.full, reduced=count.reduced, cached=count.cached,
+                           full_seconds=round(count.full_seconds, 1))
+    except autoaccum.DoesNotFitError as error:
+        out["does_not_fit"] = str(error).split(". ")[0][:120]
+    out["compiles_total"] = _measure.compile_count() - before
+    out["wall"] = round(time.perf_counter() - start, 1)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def one_compile(case: str, micro_batch: int, accum_steps: int) -> None:
+    """Compiles the chosen step of ``case`` once at full depth, alone; prints its seconds."""
+    import autoaccum
+    from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
+    from autoaccum.planning._targets import resolve_target
+
+    if case.startswith("lab"):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    if case in NNX:
+        import numpy as np
+        import optax
+        from flax import nnx
+
+        from autoaccum.adapters.flax import FlaxAdapter
+
+        data = {"tokens": np.zeros((8, 513), np.int32), "mask": np.ones((8, 513), np.int32)}
+        prepared = FlaxAdapter().prepare(
+            nnx_decoder(28), data, effective_batch=8, remat="none", remat_layers=None,
+            options={"optimizer": optax.adamw(1e-4), "trainable": nnx.LoRAParam,
+                     "loss_fn": _token_loss})
+        program, device = prepared.program, NNX[case]
+    else:
+        from autoaccum.adapters.keras.presets._architectures import load_architecture
+        from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+
+        arch, rank, seq, device, _, _ = PRESETS[case]
+        program = _preset_program(load_architecture(arch), dtype="bfloat16", lora_rank=rank,
+                                  optimizer="adamw", learning_rate=5e-5, overrides={},
+                                  sequence_length=seq, policy="none")
+    del autoaccum
+    target = resolve_target(device, None).compile_target
+    start = time.perf_counter()
+    measure_all([CompileRequest(program, micro_batch, accum_steps)], target, workers=1)
+    print("RESULT " + json.dumps({"one_compile": round(time.perf_counter() - start, 1)}),
+          flush=True)
+
+
+def _run(args: list[str], root: str, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": root}
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, str(HERE / "plan_speed.py"), *args], env=env,
+                              cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"timeout": round(time.perf_counter() - start)}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": done.stderr[-400:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--root", default=str(HERE.parent), help="the checkout to run")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per plan")
+    parser.add_argument("--no-ratio", action="store_true", help="skip the lone compile")
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-compile", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    if args.one_compile:
+        case, micro, accum = args.one_compile
+        one_compile(case, int(micro), int(accum))
+        return
+    rows = []
+    for case in args.cases.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            cold = _run(["--child", case, cache], args.root, args.timeout)
+            warm = (_run(["--child", case, cache], args.root, args.timeout)
+                    if "wall" in cold else {})
+        one = {}
+        if not args.no_ratio and "micro_batch" in cold:
+            one = _run(["--one-compile", case, str(cold["micro_batch"]),
+                        str(cold["accum_steps"])], str(HERE.parent), args.timeout)
+        split = (f"{cold['micro_batch']} x {cold['accum_steps']} {cold['remat']}"
+                 if "micro_batch" in cold else cold.get("does_not_fit", "")[:40]
+                 or (f"{cold.get('rows')} rows" if "rows" in cold else ""))
+        full = cold.get("full", "")
+        ratio = (round(cold["wall"] / one["one_compile"], 1)
+                 if "wall" in cold and one.get("one_compile") else "")
+        rows.append([case, split,
+                     cold.get("wall", f"timeout {cold.get('timeout', '?')}"),
+                     warm.get("wall", ""), full, cold.get("reduced", ""),
+                     cold.get("compiles_total", ""), one.get("one_compile", ""), ratio])
+        print(json.dumps({"case": case, "cold": cold, "warm": warm, "one": one}),
+              file=sys.stderr, flush=True)
+    print_table(["case", "plan", "cold s", "warm s", "full", "reduced", "compiles",
+                 "1 compile s", "cold / 1 compile"], rows)
+
+
+if __name__ == "__main__":
+    main()

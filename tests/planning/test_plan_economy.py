@@ -1,0 +1,96 @@
+"""Plans count their compiles, and compile only what could change the plan: one candidate per
+number of micro-steps, nothing the measured need line puts clearly over the budget, the whole
+batch only where the line less its loop says it could fit, and at most two full-depth
+compiles where the model's depth is extrapolated."""
+
+from __future__ import annotations
+
+import json
+
+import optax
+import pytest
+from flax import nnx
+
+import autoaccum
+from autoaccum.planning._measure import MemoryEstimate
+from autoaccum.planning._search import search_micro_batch, step_candidates
+from tests._models import TinyLM, ragged_tokens, token_loss
+from tests.planning.test_depth import DeepLM
+
+
+def _affine(intercept: int, slope: int, *, loop: int = 0):
+    """A fake compile: need = intercept + slope * b (k > 1); the whole batch (k = 1) drops
+    the loop's accumulator (``loop`` bytes, itemized)."""
+    probed: list[int] = []
+
+    def measure(b: int, k: int, last: int | None = None) -> MemoryEstimate:
+        probed.append(b)
+        acc = loop if k > 1 else 0
+        need = intercept + slope * b - (0 if k > 1 else loop)
+        return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, need, 0, 0, need - acc, need, "fake",
+                              0.0, last_micro_batch=last)
+
+    return measure, probed
+
+
+def test_a_micro_batch_with_the_step_count_of_a_fitting_one_is_never_compiled():
+    # Effective batch 8 with room for 4.5: 4 x 2 fits; 5 (5 + 3) and 6, 7 take two steps too.
+    measure, probed = _affine(100, 20)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=190, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last))
+    assert result.micro_batch == 4 and result.accum_steps(8) == 2
+    assert set(probed) <= set(step_candidates(8)) == {1, 2, 3, 4, 8}
+    assert not {5, 6, 7} & set(probed) and len(probed) == len(set(probed))
+
+
+def test_what_the_line_puts_clearly_over_the_budget_is_not_compiled():
+    # need = 100 + 20 b: room for 4; 8 (the whole batch, whose loop-free step saves 40) is
+    # predicted at 220 of 190: far over, never compiled. Two fit points and nothing else.
+    measure, probed = _affine(100, 20, loop=20)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=190, log=None)
+    assert result.micro_batch == 4 and probed == [2, 4]
+
+
+def test_the_search_goes_where_the_line_predicts_not_by_powers_of_two():
+    # need = 1000 + 10 b, budget 1500: room for 50 of 96. After the fit points 2 and 4 the
+    # next compile is the line's candidate (48 = ceil(96 / 2)), not 8, 16, 32.
+    measure, probed = _affine(1000, 10)
+    result = search_micro_batch(measure, per_device_batch=96, budget_bytes=1500, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last))
+    assert result.micro_batch == 48 and result.accum_steps(96) == 2
+    assert probed[:3] == [2, 4, 48] and len(probed) <= 4
+
+
+def test_within_the_margin_only_a_compile_can_say():
+    # The line puts 8 just over the budget (within the margin): it is compiled.
+    measure, probed = _affine(100, 20)
+    search_micro_batch(measure, per_device_batch=8, budget_bytes=258, log=None)
+    assert 8 in probed
+
+
+@pytest.mark.slow  # a few real compiles
+def test_a_plan_reports_its_compiles_in_the_report_and_the_json():
+    plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
+                          optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss,
+                          budget="1GiB", log=None, search=autoaccum.Search(method="compile",
+                                                                         cache=False))
+    count = plan.compiles
+    assert count is not None and count.full == len(plan.probes) and count.reduced == 0
+    assert count.wall_seconds >= count.full_seconds > 0
+    assert "compiles          " in plan.report(rich=False)
+    data = json.loads(json.dumps(plan.to_dict()))["compiles"]
+    assert data["full"] == count.full and data["reduced"] == 0
+
+
+@pytest.mark.slow  # a plan's worth of compiles, twice
+def test_a_depth_variant_plan_makes_at_most_two_full_depth_compiles(tmp_path):
+    model = DeepLM(12, rngs=nnx.Rngs(0))
+    options = dict(effective_batch=8, optimizer=optax.adamw, learning_rate=1e-3,
+                   loss_fn=token_loss, budget="1GiB", log=None)
+    variant = autoaccum.DepthVariant(depth=12, build=lambda d: DeepLM(d, rngs=nnx.Rngs(0)))
+    search = autoaccum.Search(method="compile", cache=str(tmp_path), depth_variant=variant)
+    cold = autoaccum.plan(model, ragged_tokens(16, 17, vocab=256), **options, search=search)
+    assert 1 <= cold.compiles.full <= 2 and cold.compiles.reduced >= 2
+    warm = autoaccum.plan(model, ragged_tokens(16, 17, vocab=256), **options, search=search)
+    assert warm.compiles.total == 0 and warm.compiles.cached > 0  # the need cache answers
+    assert (warm.micro_batch, warm.accum_steps) == (cold.micro_batch, cold.accum_steps)
