@@ -5,7 +5,8 @@ accumulates gradients exactly over the rest inside one jitted step, scales the l
 rate by a named rule when you say which batch it was tuned for, and trains.
 
 The top level is the front door: the entry points, the plan and what training returns, the
-errors, callbacks and the names of the rules. The engine is public in documented subpackages,
+errors, callbacks and the names of the rules, each imported when first used (importing
+autoaccum changes nothing in the process). The engine is public in documented subpackages,
 each with its own ``__all__``: :mod:`autoaccum.planning` (budgets, compiled memory, the search,
 learning-rate rules), :mod:`autoaccum.training` (exact accumulation, data parallelism,
 callbacks), :mod:`autoaccum.devices` (profiles, detection, deviceless targets, meshes).
@@ -18,43 +19,60 @@ Example:
   'autoaccum.planning._search'
 """
 
-# First: on a machine without a GPU, ``devices`` quiets JAX's and TensorFlow's start-up before
-# anything imports them, and the ``autoaccum`` command's stderr filter starts (see
-# autoaccum/devices/_quiet.py).
-from . import devices as devices
+from typing import TYPE_CHECKING
 
-# isort: split
-from . import planning as planning
-from . import training as training
-from ._advise_api import advise as advise
-from ._fit_api import fit as fit
-from ._measure_api import measure as measure
-from ._plan_api import plan as plan
-from ._train_step_api import train_step as train_step
-from ._version import __version__ as __version__
-from .adapters.flax import StepOutput as StepOutput
-from .adapters.flax import TrainStep as TrainStep
-from .adapters.keras.presets import advise_preset as advise_preset
-from .adapters.keras.presets import plan_preset as plan_preset
-from .cli import plot_plan as plot_plan
-from .devices import configure as configure
-from .devices import is_out_of_memory as is_out_of_memory
-from .planning import LR_RULES as LR_RULES
-from .planning import REMAT_POLICIES as REMAT_POLICIES
-from .planning import Advice as Advice
-from .planning import DepthVariant as DepthVariant
-from .planning import DoesNotFitError as DoesNotFitError
-from .planning import LearningRate as LearningRate
-from .planning import Plan as Plan
-from .planning import Search as Search
-from .planning import Target as Target
-from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
-from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
-from .training import Callback as Callback
-from .training import FitResult as FitResult
-from .training import NonFiniteError as NonFiniteError
-from .training import StopTraining as StopTraining
-from .training import Training as Training
+from .devices._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what the names are, for type checkers and the docs
+    from . import devices as devices
+    from . import planning as planning
+    from . import training as training
+    from ._advise_api import advise as advise
+    from ._fit_api import fit as fit
+    from ._measure_api import measure as measure
+    from ._plan_api import plan as plan
+    from ._train_step_api import train_step as train_step
+    from ._version import __version__ as __version__
+    from .adapters.flax import StepOutput as StepOutput
+    from .adapters.flax import TrainStep as TrainStep
+    from .adapters.keras.presets import advise_preset as advise_preset
+    from .adapters.keras.presets import plan_preset as plan_preset
+    from .cli import plot_plan as plot_plan
+    from .devices import configure as configure
+    from .devices import is_out_of_memory as is_out_of_memory
+    from .planning import LR_RULES as LR_RULES
+    from .planning import REMAT_POLICIES as REMAT_POLICIES
+    from .planning import Advice as Advice
+    from .planning import DepthVariant as DepthVariant
+    from .planning import DoesNotFitError as DoesNotFitError
+    from .planning import LearningRate as LearningRate
+    from .planning import Plan as Plan
+    from .planning import Search as Search
+    from .planning import Target as Target
+    from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
+    from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
+    from .training import Callback as Callback
+    from .training import FitResult as FitResult
+    from .training import NonFiniteError as NonFiniteError
+    from .training import StopTraining as StopTraining
+    from .training import Training as Training
+
+# Imported when first used: ``import autoaccum`` imports neither JAX nor a framework, sets no
+# environment variable and installs no import hook (``autoaccum.configure()`` does what a
+# fresh process needs, before JAX starts).
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "devices": ".devices", "planning": ".planning", "training": ".training",
+    "advise": "._advise_api", "fit": "._fit_api", "measure": "._measure_api",
+    "plan": "._plan_api", "train_step": "._train_step_api", "__version__": "._version",
+    "StepOutput": ".adapters.flax", "TrainStep": ".adapters.flax",
+    "advise_preset": ".adapters.keras.presets", "plan_preset": ".adapters.keras.presets",
+    "plot_plan": ".cli._plot", "configure": ".devices._configure",
+    "is_out_of_memory": ".devices._oom",
+    **dict.fromkeys(("LR_RULES", "REMAT_POLICIES", "Advice", "DepthVariant", "DoesNotFitError",
+                     "LearningRate", "Plan", "Search", "Target"), ".planning"),
+    **dict.fromkeys(("BATCH_STATS_MODES", "NONFINITE_POLICIES", "Callback", "FitResult",
+                     "NonFiniteError", "StopTraining", "Training"), ".training"),
+})
 
 __all__ = [
     # entry points

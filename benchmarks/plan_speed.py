@@ -113,11 +113,15 @@ def nnx_decoder(depth: int):
 
 
 def _token_loss(model, batch):
-    import autoaccum
+    """Next-token cross-entropy summed over the masked targets, and their count (written out,
+    so an older checkout's code plans it too)."""
+    import jax.numpy as jnp
+    import optax
 
     logits = model(batch["tokens"][:, :-1])
-    return autoaccum.training.token_loss_sum(logits, batch["tokens"][:, 1:],
-                                             batch["mask"][:, 1:])
+    mask = batch["mask"][:, 1:].astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    return jnp.sum(losses * mask), jnp.sum(mask)
 
 
 def _nnx_plan(device: str, log):

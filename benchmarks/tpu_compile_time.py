@@ -133,8 +133,10 @@ def main() -> None:
                              "2048,8192,6 8192,1024,12), always compiled in full")
     args = parser.parse_args()
 
-    from autoaccum.devices._quiet import quiet_start  # noqa: F401  (libtpu's start-up lines)
+    from autoaccum.devices._quiet import quiet_start
     from autoaccum.planning._targets import resolve_target
+
+    quiet_start()  # libtpu's start-up lines
 
     target = resolve_target(args.device).compile_target
     rows = []

@@ -33,3 +33,38 @@ def test_the_engine_is_served_by_subpackages_with_their_own_all():
             assert hasattr(package, name), (package.__name__, name)
     assert not hasattr(autoaccum, "search_micro_batch")  # engine names are not at the top
     assert autoaccum.planning.search_micro_batch is not None
+
+
+def test_importing_autoaccum_changes_nothing_in_the_process():
+    # As optax, equinox and flax.nnx: no environment variable set, no import hook, file
+    # descriptor 2 untouched, and not even JAX imported (configure() can still set what JAX
+    # reads when it starts). Names load when first used.
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, sys
+        env, hooks, stderr = dict(os.environ), list(sys.meta_path), os.fstat(2)
+        import autoaccum
+        print(dict(os.environ) == env, sys.meta_path == hooks, os.fstat(2) == stderr,
+              "jax" in sys.modules, "autoaccum.cli" in sys.modules)
+        print(autoaccum.fit.__name__, autoaccum.devices.format_bytes(1024), sorted(dir(autoaccum))
+              == sorted(set(autoaccum.__all__) | {"devices", "planning", "training",
+                                                  "__version__"}))
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "KERAS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = done.stdout.split("\n")[:2]
+    assert first == "True True True False False", done.stdout
+    assert second == "fit 1.00 KiB True", done.stdout
+
+
+def test_a_missing_name_is_an_attribute_error_naming_it():
+    import pytest
+
+    with pytest.raises(AttributeError, match="no attribute 'fitt'"):
+        autoaccum.fitt  # noqa: B018

@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in argv
     if command_line:
-        quiet_command_line()  # already on when autoaccum was imported by the command itself
+        quiet_command_line()  # already on when autoaccum.cli was imported by the command
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

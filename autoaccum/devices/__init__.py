@@ -1,40 +1,71 @@
 """Devices: profiles, detection, set-up before JAX starts, deviceless GPU targets, meshes, and
 how a real out-of-memory looks. The lowest layer: it imports nothing else of autoaccum.
 
-``_quiet`` is imported first: on a machine without a GPU it sets what keeps JAX and TensorFlow
-quiet before anything imports them (``QUIET_START`` says what it set).
+Every name is imported when first used: ``autoaccum.configure()`` (:func:`configure`) runs
+before anything imports JAX, and :func:`quiet_start` keeps JAX and TensorFlow quiet on a
+machine without a GPU when asked (``configure()`` asks by default; the ``autoaccum`` command
+always does).
 """
 
-from ._quiet import QUIET_START as QUIET_START
+from typing import TYPE_CHECKING
 
-# isort: split
-from ._configure import configure as configure
-from ._detect import DetectedDevice as DetectedDevice
-from ._detect import detect_device as detect_device
-from ._detect import host_memory as host_memory
-from ._deviceless import DevicelessTarget as DevicelessTarget
-from ._deviceless import deviceless_target as deviceless_target
-from ._extras import MissingExtraError as MissingExtraError
-from ._extras import require_extra as require_extra
-from ._margins import Margin as Margin
-from ._margins import command_buffers_enabled as command_buffers_enabled
-from ._margins import environment_memory_fraction as environment_memory_fraction
-from ._mesh import data_parallel_mesh as data_parallel_mesh
-from ._mesh import replicate as replicate
-from ._mesh import resolve_mesh as resolve_mesh
-from ._mesh import shard_batches as shard_batches
-from ._oom import is_out_of_memory as is_out_of_memory
-from ._profiles import DeviceProfile as DeviceProfile
-from ._profiles import find_profile as find_profile
-from ._profiles import list_profiles as list_profiles
-from ._rlimit import AddressSpaceCap as AddressSpaceCap
-from ._units import format_bytes as format_bytes
-from ._warnings import AutoaccumWarning as AutoaccumWarning
+from ._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what the names are, for type checkers and the docs
+    from ._configure import configure as configure
+    from ._detect import DetectedDevice as DetectedDevice
+    from ._detect import detect_device as detect_device
+    from ._detect import host_memory as host_memory
+    from ._deviceless import DevicelessTarget as DevicelessTarget
+    from ._deviceless import deviceless_target as deviceless_target
+    from ._extras import MissingExtraError as MissingExtraError
+    from ._extras import require_extra as require_extra
+    from ._margins import Margin as Margin
+    from ._margins import command_buffers_enabled as command_buffers_enabled
+    from ._margins import environment_memory_fraction as environment_memory_fraction
+    from ._mesh import data_parallel_mesh as data_parallel_mesh
+    from ._mesh import replicate as replicate
+    from ._mesh import resolve_mesh as resolve_mesh
+    from ._mesh import shard_batches as shard_batches
+    from ._oom import is_out_of_memory as is_out_of_memory
+    from ._profiles import DeviceProfile as DeviceProfile
+    from ._profiles import find_profile as find_profile
+    from ._profiles import list_profiles as list_profiles
+    from ._quiet import quiet_start as quiet_start
+    from ._rlimit import AddressSpaceCap as AddressSpaceCap
+    from ._units import format_bytes as format_bytes
+    from ._warnings import AutoaccumWarning as AutoaccumWarning
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "quiet_start": "._quiet",
+    "configure": "._configure",
+    "DetectedDevice": "._detect",
+    "detect_device": "._detect",
+    "host_memory": "._detect",
+    "DevicelessTarget": "._deviceless",
+    "deviceless_target": "._deviceless",
+    "MissingExtraError": "._extras",
+    "require_extra": "._extras",
+    "Margin": "._margins",
+    "command_buffers_enabled": "._margins",
+    "environment_memory_fraction": "._margins",
+    "data_parallel_mesh": "._mesh",
+    "replicate": "._mesh",
+    "resolve_mesh": "._mesh",
+    "shard_batches": "._mesh",
+    "is_out_of_memory": "._oom",
+    "DeviceProfile": "._profiles",
+    "find_profile": "._profiles",
+    "list_profiles": "._profiles",
+    "AddressSpaceCap": "._rlimit",
+    "format_bytes": "._units",
+    "AutoaccumWarning": "._warnings",
+})
 
 __all__ = [
     "AddressSpaceCap",
     "AutoaccumWarning",
-    "QUIET_START",
+    "quiet_start",
     "DetectedDevice",
     "DeviceProfile",
     "DevicelessTarget",

@@ -15,7 +15,7 @@ import warnings
 from ._detect import detect_device, jax_started
 from ._margins import FRACTION_VARS
 from ._profiles import DeviceProfile, find_profile
-from ._quiet import tpu_absent
+from ._quiet import quiet_start, tpu_absent
 from ._warnings import AutoaccumWarning
 from ._xla_options import known_xla_flags
 
@@ -28,8 +28,12 @@ def configure(
     *,
     memory_fraction: float | None = None,
     verbose: bool = True,
+    quiet: bool = True,
 ) -> dict[str, str]:
     """Set ``KERAS_BACKEND=jax`` and the GPU's memory settings; return what was set.
+
+    Call it first in a fresh process, before importing jax or keras (importing autoaccum
+    imports neither, and changes nothing in the process).
 
     ``device`` is a profile name or alias (``"t4"``), a profile, or ``None`` to detect the
     GPU with NVML. On a GPU it sets:
@@ -42,6 +46,12 @@ def configure(
       unless a flag of the same name is already there (an unknown flag would abort JAX at
       start; :func:`autoaccum.devices._xla_options.known_xla_flags`); other variables are set
       only if unset.
+
+    ``quiet`` (default ``True``): on a machine without a GPU, also keep JAX's and TensorFlow's
+    CUDA start-up noise out of the output
+    (:func:`~autoaccum.devices._quiet.quiet_start`: ``JAX_PLATFORMS=cpu`` and
+    ``TF_CPP_MIN_LOG_LEVEL=3`` unless set, and the known cudart/absl lines dropped from the
+    first ``import jax`` and ``import tensorflow``); nothing on a GPU.
 
     On a TPU only ``KERAS_BACKEND`` is set (XLA assigns TPU memory at compile time; there is
     no pool to size). On the CPU only ``KERAS_BACKEND`` and
@@ -58,6 +68,8 @@ def configure(
     profile, detected_note = _resolve(device)
     changed: dict[str, str] = {}
     notes: list[str] = []
+    if quiet:
+        changed.update({k: v for k, v in quiet_start().items() if os.environ.get(k) == v})
     if jax_started():
         warnings.warn(
             "autoaccum.configure() was called after JAX started its backends. JAX reads its "

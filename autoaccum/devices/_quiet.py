@@ -19,8 +19,9 @@ straight to file descriptor 2, which no Python setting reaches:
   (:func:`tpu_absent`) prints three lines when JAX starts its TPU backend, and again when a
   TPU topology is described for a deviceless compile.
 
-:func:`quiet_start` (run once, when ``autoaccum`` is imported) does something only where
-no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
+:func:`quiet_start` (run by ``autoaccum.configure()`` and by the ``autoaccum`` command, never by
+importing autoaccum, which changes nothing in the process) does something only where no NVIDIA
+GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
 
 * ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
   other accelerator plugin (ROCm; libtpu where a TPU is attached) is installed; otherwise
@@ -37,8 +38,8 @@ no NVIDIA GPU can be present (no driver files, NVML sees none), so nothing chang
 
 Set ``AUTOACCUM_QUIET=0`` to turn all of it off. Variables you set yourself are never changed.
 
-The ``autoaccum`` command goes one step further (:func:`quiet_command_line`, started when this
-module is imported by the command itself, never when autoaccum is imported as a library): file
+The ``autoaccum`` command goes one step further (:func:`quiet_command_line`, started by the
+command before it imports JAX, never when autoaccum is imported as a library): file
 descriptor 2 runs through :class:`NativeLogFilter` for the whole process, which drops the
 informational lines of :data:`INFORMATIONAL` (absl ``I...`` lines from the CUDA plugin and
 TensorFlow, SentencePiece's ``LOG(INFO)``) and passes everything else through at once (partial
@@ -68,7 +69,6 @@ from ._detect import DetectedDevice, _from_nvml, jax_started
 __all__ = [
     "INFORMATIONAL",
     "NOISE",
-    "QUIET_START",
     "NativeLogFilter",
     "QuietStart",
     "filter_noise",
@@ -203,16 +203,21 @@ class QuietStart(dict):
     the modules whose first import runs with the noise filtered.
 
     Example:
-      >>> from autoaccum.devices import QUIET_START
-      >>> isinstance(QUIET_START, dict), isinstance(QUIET_START.quieted, tuple)
+      >>> from autoaccum.devices import quiet_start
+      >>> isinstance(quiet_start(), dict), isinstance(quiet_start().quieted, tuple)
       (True, True)
     """
 
     quieted: tuple[str, ...] = ()
 
 
+_STARTED: list[QuietStart] = []
+
+
 def quiet_start() -> QuietStart:
-    """Set what keeps JAX and TensorFlow quiet on a machine without a GPU (see module notes).
+    """Set what keeps JAX and TensorFlow quiet on a machine without a GPU (see module notes);
+    ``autoaccum.configure()`` calls it (``quiet=True``, its default), and so does the
+    ``autoaccum`` command. Once per process: later calls return what the first one did.
 
     Does nothing where a GPU may be present, where neither the CUDA plugin, libtpu (without a
     TPU) nor TensorFlow is installed, or with ``AUTOACCUM_QUIET=0``. Never overrides a
@@ -222,10 +227,18 @@ def quiet_start() -> QuietStart:
       A :class:`QuietStart`: the variables set, and the imports that will be filtered.
 
     >>> from autoaccum.devices._quiet import quiet_start
-    >>> done = quiet_start()  # already ran when autoaccum was imported: nothing more to do
-    >>> isinstance(done, dict)
+    >>> done = quiet_start()
+    >>> isinstance(done, dict) and quiet_start() is done
     True
     """
+    if _STARTED:
+        return _STARTED[0]
+    done = _quiet_start()
+    _STARTED.append(done)
+    return done
+
+
+def _quiet_start() -> QuietStart:
     done = QuietStart()
     if os.environ.get(OPT_OUT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return done
@@ -408,6 +421,11 @@ class NativeLogFilter:
         self._saved: int | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        """Whether it is filtering now."""
+        return self._saved is not None
+
     def start(self) -> None:
         """Starts filtering (does nothing when ``AUTOACCUM_NATIVE_LOGS=1`` or already on)."""
         if self._saved is not None or os.environ.get("AUTOACCUM_NATIVE_LOGS") == "1":
@@ -503,13 +521,9 @@ _FILTER = NativeLogFilter()
 
 
 def quiet_command_line() -> None:
-    """Starts the filter for the rest of the process when it is the ``autoaccum`` command."""
-    if is_command_line():
+    """For the ``autoaccum`` command (nothing otherwise): :func:`quiet_start`, and the filter
+    of file descriptor 2 for the rest of the process. Run before the command imports JAX."""
+    if is_command_line() and not _FILTER.running:
+        quiet_start()
         _FILTER.start()
         atexit.register(_FILTER.stop)
-
-
-QUIET_START: QuietStart = quiet_start()
-"""What importing autoaccum set to keep JAX and TensorFlow quiet here (empty on a GPU)."""
-
-quiet_command_line()  # only for the `autoaccum` command: before anything imports JAX

@@ -87,13 +87,15 @@ def _assert_quiet(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.slow
-def test_import_autoaccum_then_jax_and_keras_hub_then_plan_is_quiet():
+def test_configure_first_then_jax_and_keras_hub_then_plan_is_quiet():
     _noise_sources()
     proc = _run_clean("""
-        import autoaccum, jax, optax
+        import autoaccum
+        autoaccum.configure(verbose=False)  # quiet=True: before anything imports jax
+        import jax, optax
         import numpy as np
         from flax import nnx
-        print(dict(autoaccum.devices.QUIET_START))
+        print(dict(autoaccum.devices.quiet_start()))
         model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
         def loss_fn(m, b):
             return ((m(b["x"]) - b["x"]) ** 2).sum(), b["x"].shape[0]
@@ -118,7 +120,8 @@ def test_jax_imported_before_autoaccum_still_gets_no_cuda_traceback():
     proc = _run_clean("""
         import jax
         import autoaccum
-        print(dict(autoaccum.devices.QUIET_START))
+        autoaccum.configure(verbose=False)
+        print(dict(autoaccum.devices.quiet_start()))
         print(float(jax.numpy.ones(3).sum()))
         print("deviceless", autoaccum.devices.deviceless_target("t4").profile.key)
     """)
@@ -146,6 +149,7 @@ def test_a_library_asking_whether_tensorflow_is_installed_does_not_end_the_quiet
     proc = _run_clean("""
         import importlib.util
         import autoaccum
+        autoaccum.configure(verbose=False)
         importlib.util.find_spec("tensorflow")
         try:
             import tensorflow

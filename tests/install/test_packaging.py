@@ -72,5 +72,9 @@ def test_nvidia_ml_py_is_core_because_configure_needs_it():
 
 def test_the_makefile_installs_extras_that_exist():
     makefile = (REPO / "Makefile").read_text()
-    (extras,) = re.findall(r'pip install .*-e "\.\[([^\]]+)\]"', makefile)
+    assert re.findall(r'pip install .*-e "\.\[\$\(EXTRAS\)\]"', makefile)
+    (extras,) = re.findall(r"^EXTRAS \?= (\S+)$", makefile, re.M)
     assert set(extras.split(",")) <= set(PYPROJECT["project"]["optional-dependencies"])
+    ci = (REPO / ".ci" / "run").read_text()  # the oldest stack's job: every extra but tunix
+    (oldest,) = re.findall(r"EXTRAS=(\S+?)\)", ci)
+    assert set(oldest.split(",")) <= set(extras.split(",")) and "tunix" not in oldest

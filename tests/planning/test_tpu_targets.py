@@ -86,6 +86,7 @@ def test_a_step_over_a_chips_hbm_is_refused_by_the_compiler_and_read_as_not_fitt
     assert "Ran out of memory on HBM" in estimate.compile_note
 
 
+@pytest.mark.slow  # two TPU compiles: about 30 s
 def test_a_step_over_a_budget_under_the_hbm_is_refused_at_libtpus_early_check():
     # A budget of 26 MiB on a 15.75 GiB chip: libtpu is asked to check against it (and its
     # slack), so a step over it is refused before code generation; one under it compiles in

@@ -1,0 +1,46 @@
+"""Names a package re-exports, imported when first used (PEP 562), so that importing the
+package imports nothing heavy and changes nothing in the process.
+
+``import autoaccum`` imports neither JAX nor a framework: ``autoaccum.configure()`` can then
+still set what JAX reads when it is imported and when its backends start (the GPU memory
+fraction, the quiet start on a machine without a GPU), and the first use of an entry point
+(``autoaccum.fit``, ``autoaccum.planning``) imports what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``, whose ``exports`` maps each public name to
+    the module (relative to the package, e.g. ``"._fit_api"``, or ``"."`` plus a subpackage)
+    that defines it; a name that is a submodule maps to itself (``{"planning": ".planning"}``).
+
+    Example:
+      >>> getattr_, dir_ = lazy_exports("autoaccum.devices", {"format_bytes": "._units"})
+      >>> getattr_("format_bytes")(2048)
+      '2.00 KiB'
+      >>> "format_bytes" in dir_()
+      True
+    """
+    def attribute(name: str) -> Any:
+        where = exports.get(name)
+        if where is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(where, package)
+        value = module if where.rsplit(".", 1)[-1] == name else getattr(module, name)
+        import sys
+
+        setattr(sys.modules[package], name, value)  # later lookups skip this function
+        return value
+
+    def names() -> list[str]:
+        return sorted(exports)
+
+    return attribute, names
