@@ -133,7 +133,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
     def plan_with(change: dict[str, Any]) -> Any:
         framework = {k: v for k, v in change.items()
                      if k not in ("remat", "device", "devices", "strategy")}
-        the_model, opts = model, dict(options)
+        the_model, opts = model, options
         if framework:
             the_model, opts = adapter.apply_change(model, opts, framework)
         row_target = target
@@ -165,8 +165,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
         singles: list[dict[str, Any]] = []
         if not shapes and remat != "auto":
             singles += [{"remat": p} for p in adapter.remat_policies if p != remat]
-        changes = getattr(adapter, "advice_changes", None)
-        framework = list(changes(model, options)) if changes is not None else []
+        framework = list(adapter.advice_changes(model, options))
         floor = error.resident.state_bytes if shapes else 0
         stages: list[Stage] = [lambda found, failed: singles + framework]
         if framework and adapter.has_remat_layers(model, search.remat_layers):
@@ -187,7 +186,7 @@ def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: An
 
     return run_advisor(plan_with, stages_for, log=log, original=original,
                        target=f"{adapter.name} {type(model).__name__}, {device or 'here'}",
-                       hint=getattr(adapter, "change_hint", None))
+                       hint=adapter.change_hint)
 
 
 def _with_remat(policy: str) -> Stage:

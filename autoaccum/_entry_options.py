@@ -9,11 +9,11 @@ import dataclasses
 from typing import Any
 
 from .planning._lr_scaling import announce
-from .planning._option_checks import received
 from .planning._plan import Plan
 from .planning._plan_model import plan_model
 from .planning._plan_options import (
     LearningRate,
+    ProgramOptions,
     Search,
     Target,
     changed,
@@ -70,7 +70,8 @@ def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> A
 
 
 def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
-                  effective_batch: int, options: dict, target: Target, search: Search,
+                  effective_batch: int, options: ProgramOptions, target: Target,
+                  search: Search,
                   training: Training, log: Any, where: str) -> tuple[Plan, Any]:
     """The plan ``fit`` and ``train_step`` train with, and its prepared step: ``plan=``
     checked and reused (the Target and Search fields that only shape planning are refused
@@ -102,33 +103,22 @@ def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
 
 
 def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,
-                    batch_stats: str = "effective") -> dict[str, Any]:
+                    batch_stats: str = "effective") -> ProgramOptions:
     """The options that shape the train step and its learning rate, for ``adapter.prepare``.
 
-    ``batch_stats`` is passed only when it is not the default (``"effective"``, every
-    adapter's default), so an adapter that keeps no BatchNorm statistics need not read it.
-
     Example:
-      >>> sorted(program_options(optimizer=None, loss_fn=None, trainable=None,
-      ...                        learning_rate=LearningRate(value=0.1)))
-      ['adjust_adam', 'base_batch', 'learning_rate', 'lr_rule']
+      >>> program_options(optimizer=None, loss_fn=None, trainable=None,
+      ...                 learning_rate=LearningRate(value=0.1)).learning_rate.value
+      0.1
     """
-    options: dict[str, Any] = {"base_batch": learning_rate.base_batch,
-                               "lr_rule": learning_rate.rule,
-                               "adjust_adam": learning_rate.adjust_adam}
-    if batch_stats != "effective":
-        options["batch_stats"] = batch_stats
-    for name, value in (("optimizer", optimizer), ("loss_fn", loss_fn),
-                        ("trainable", trainable), ("learning_rate", learning_rate.value)):
-        if value is not None:
-            options[name] = value
-    return options
+    return ProgramOptions(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                          learning_rate=learning_rate, batch_stats=batch_stats)
 
 
 def drops(adapter: Any, drop_remainder: bool) -> bool:
     """Whether the leftover examples are dropped: asked for, or the adapter does not train
     them (an adapter that does sets ``trains_leftovers = True``)."""
-    return bool(drop_remainder) or not getattr(adapter, "trains_leftovers", False)
+    return bool(drop_remainder) or not adapter.trains_leftovers
 
 
 def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
@@ -156,14 +146,4 @@ def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
     sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
     if y is None and sample_weight is None:
         return data
-    separate = getattr(adapter, "with_targets", None)  # adapters that take model.fit's x, y
-    if separate is not None:
-        return separate(data, y, sample_weight)
-    given_name = "y" if y is not None else "sample_weight"
-    raise ValueError(
-        f"A {adapter.name.capitalize()} model takes its data as one argument, the batches "
-        "the loss_fn reads: pass `(x, y)` (or a dict such as `{'x': x, 'y': y, 'weight': w}`) as "
-        "`data`, e.g. `autoaccum.fit(model, (x, y), effective_batch=...)`; separate `y` and "
-        "`sample_weight` arguments are for Keras models, as in `model.fit(x, y)`. Received: "
-        f"{received(given_name, y if y is not None else sample_weight)}"
-    )
+    return adapter.with_targets(data, y, sample_weight)

@@ -20,7 +20,6 @@ from .planning._cache import resolve_cache
 from .planning._concurrent_compiles import CompileRequest, measure_all
 from .planning._measure import MemoryEstimate
 from .planning._option_checks import (
-    no_leftovers,
     validate_effective_batch,
     validate_memory_fraction,
     validate_positive_int,
@@ -118,7 +117,6 @@ def measure(
     prepared = prepare(adapter, model, data,
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
                        options=options, remat=remat, remat_layers=the_search.remat_layers)
-    no_leftovers(options, "measure")
     strategy = "replicated" if the_target.strategy == "auto" else the_target.strategy
     program = prepared.program.on_mesh(mesh, strategy)
     placement = program.placement

@@ -132,19 +132,8 @@ def train_step(
                                        training=the_training, log=log, where="train_step")
     if plan is None and log is not None:
         print(the_plan.report(), file=log, flush=True)
-    remat_layers, uneven = the_search.remat_layers, the_search.uneven
-    on_nonfinite, backup = the_training.on_nonfinite, the_training.backup
-    elastic, batch_stats = the_training.elastic, the_training.batch_stats
-    if adapter.name == "keras":
-        return adapter.train_step(model, prepared, the_plan, remat_layers=remat_layers,
-                                  uneven=uneven, on_nonfinite=on_nonfinite,
-                                  batch_stats=batch_stats, backup=backup, elastic=elastic)
-    held = getattr(prepared.extras.get("source"), "held", 0)
-    if held and log is not None:  # say what planning took from a one-shot iterator
-        print(f"autoaccum: planning read the first {held} example(s) of your one-shot "
-              "iterator for their shapes; train_step does not train them (it trains the "
-              "batches you call it with). Pass one batch, or a re-iterable, as data to keep "
-              "your iterator whole.", file=log, flush=True)
-    return TrainStep(model, prepared, the_plan, mesh=prepared.program.mesh,
-                     remat_layers=remat_layers,
-                     on_nonfinite=on_nonfinite, backup=backup, elastic=elastic, log=log)
+    return adapter.train_step(
+        model, prepared, the_plan, remat_layers=the_search.remat_layers,
+        uneven=the_search.uneven, on_nonfinite=the_training.on_nonfinite,
+        batch_stats=the_training.batch_stats, backup=the_training.backup,
+        elastic=the_training.elastic, log=log)

@@ -39,6 +39,7 @@ from autoaccum.devices._units import format_bytes
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
+from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.training._step_runner import split_examples
 from benchmarks._common import median_seconds, print_table
 
@@ -67,7 +68,7 @@ def data(args: argparse.Namespace, n: int) -> tuple[np.ndarray, ...]:
 def budget_between_5_and_6(args: argparse.Namespace, effective: int) -> int:
     model = build(args)
     program = prepare(adapter_for(model), model, data(args, effective),
-                      effective_batch=effective, options={}).program
+                      effective_batch=effective, options=ProgramOptions()).program
 
     def needs(micro: int) -> list[int]:
         accum, last = split_sizes(effective, micro)

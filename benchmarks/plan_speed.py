@@ -200,12 +200,13 @@ def one_compile(case: str, micro_batch: int, accum_steps: int) -> None:
         from flax import nnx
 
         from autoaccum.adapters.flax import FlaxAdapter
+        from autoaccum.planning._plan_options import ProgramOptions
 
         data = {"tokens": np.zeros((8, 513), np.int32), "mask": np.ones((8, 513), np.int32)}
         prepared = FlaxAdapter().prepare(
             nnx_decoder(28), data, effective_batch=8, remat="none", remat_layers=None,
-            options={"optimizer": optax.adamw(1e-4), "trainable": nnx.LoRAParam,
-                     "loss_fn": _token_loss})
+            options=ProgramOptions(optimizer=optax.adamw(1e-4), trainable=nnx.LoRAParam,
+                                   loss_fn=_token_loss))
         program, device = prepared.program, NNX[case]
     else:
         from autoaccum.adapters.keras.presets._architectures import load_architecture

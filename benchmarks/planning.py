@@ -20,6 +20,7 @@ from autoaccum.planning import Budget, scale_learning_rate
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._plan_model import prepare
+from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.planning._search import divisors
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
@@ -30,7 +31,7 @@ EFFECTIVE = 48
 def main() -> None:
     model = TinyTransformerLM(dim=128, layers=4, max_len=128, rngs=nnx.Rngs(0))
     data = text_windows(load_corpus(), length=128)
-    options = {"optimizer": optax.adamw(1e-4), "loss_fn": next_token_loss}
+    options = ProgramOptions(optimizer=optax.adamw(1e-4), loss_fn=next_token_loss)
     program = prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
                       options=options).program
 

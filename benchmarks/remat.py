@@ -22,6 +22,7 @@ from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning._measure import CompileTarget, measure_program
 from autoaccum.planning._plan_model import prepare
+from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.planning._remat_policies import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
@@ -37,7 +38,7 @@ def main() -> None:
     tx = optax.adamw(1e-4)
     rows, base = [], {}
     for policy in REMAT_POLICIES:
-        options = {"optimizer": tx, "loss_fn": next_token_loss}
+        options = ProgramOptions(optimizer=tx, loss_fn=next_token_loss)
         program = prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
                           options=options,
                           remat=policy).program

@@ -108,6 +108,7 @@ def model_parallel() -> dict:
     """ModelParallel: the plan's compiled step keeps the layout; fit equals model.fit."""
     from autoaccum.adapters.keras._keras_adapter import KerasAdapter
     from autoaccum.planning._measure import lower_step, measure_program
+    from autoaccum.planning._plan_options import ProgramOptions
 
     distribution = _model_parallel()
     out = _versus_keras(distribution, budget="120KiB")
@@ -115,8 +116,9 @@ def model_parallel() -> dict:
     try:
         model = _build(distribution)
         x, y = _data()
-        prepared = KerasAdapter().prepare(model, (x, y), effective_batch=16, options={},
-                                          remat="none", remat_layers=None)
+        prepared = KerasAdapter().prepare(model, (x, y), effective_batch=16,
+                                          options=ProgramOptions(), remat="none",
+                                          remat_layers=None)
         program = prepared.program
         compiled = lower_step(program, 2, 4).compile()
         state_in = compiled.input_shardings[0][0][0]
@@ -159,6 +161,7 @@ def model_parallel_accumulator() -> dict:
     out like the weights)."""
     from autoaccum.adapters.keras._keras_adapter import KerasAdapter
     from autoaccum.planning._measure import measure_program
+    from autoaccum.planning._plan_options import ProgramOptions
 
     distribution = _model_parallel()
     keras.distribution.set_distribution(distribution)
@@ -171,8 +174,9 @@ def model_parallel_accumulator() -> dict:
             ])
             model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
         data = (np.zeros((16, 512), "float32"), np.zeros((16, 512), "float32"))
-        program = KerasAdapter().prepare(model, data, effective_batch=16, options={},
-                                         remat="none", remat_layers=None).program
+        program = KerasAdapter().prepare(model, data, effective_batch=16,
+                                         options=ProgramOptions(), remat="none",
+                                         remat_layers=None).program
         out = {}
         for micro, accum in ((1, 4), (4, 1)):  # per device; 2 devices on the 'batch' axis
             est = measure_program(program, 2 * micro, accum)

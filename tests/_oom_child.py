@@ -471,13 +471,14 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
     from autoaccum.adapters.keras import KerasAdapter
     from autoaccum.devices._rlimit import AddressSpaceCap
     from autoaccum.planning._backoff import backoff_search
+    from autoaccum.planning._plan_options import ProgramOptions
 
     _setup()
     data = _keras_data(vocab, length, batch)
     model = _keras_lm(vocab, length)
     adapter = KerasAdapter()
-    prepared = adapter.prepare(model, data, effective_batch=batch, options={}, remat="none",
-                               remat_layers=None)
+    prepared = adapter.prepare(model, data, effective_batch=batch, options=ProgramOptions(),
+                               remat="none", remat_layers=None)
     runner = adapter.step_runner(model, prepared)
     before = [np.array(v.value) for v in model.variables + model.optimizer.variables]
     runner(2, batch // 2)

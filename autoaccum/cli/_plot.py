@@ -90,7 +90,7 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     unit, size = _unit(max(values))
     fig = _figure_class()(figsize=(7.5, 4.6), dpi=dpi)
     ax = fig.add_subplot()
-    chosen = (plan.remat, getattr(plan, "strategy", "replicated"))
+    chosen = (plan.remat, plan.strategy)
     policies = sorted({(p.remat, _strategy(p)) for p in probes},
                       key=lambda r: (r != chosen, r))
     colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:gray"]

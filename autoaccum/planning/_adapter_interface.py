@@ -10,10 +10,11 @@ Imports point one way: adapters -> training / planning -> devices.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TextIO, runtime_checkable
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._lr_scaling import LearningRateScaling
 from ._train_program import TrainProgram
@@ -21,6 +22,7 @@ from ._train_program import TrainProgram
 if TYPE_CHECKING:
     from ._backoff import RealStepRunner
     from ._plan import Plan
+    from ._plan_options import ProgramOptions
 
 __all__ = ["Adapter", "FitSettings", "Prepared"]
 
@@ -72,9 +74,10 @@ class FitSettings:
     with a smaller micro-batch; ``False``: divisors only."""
 
 
-@runtime_checkable
-class Adapter(Protocol):
-    """What a framework adapter implements (see :mod:`autoaccum.adapters`).
+class Adapter(abc.ABC):
+    """What a framework adapter implements (see :mod:`autoaccum.adapters`): every method the
+    core calls, the abstract ones a new framework must write and the rest with the default a
+    framework without that feature gets. The core never asks which adapter it holds.
 
     Example:
       >>> from autoaccum.adapters import adapter_for
@@ -85,52 +88,103 @@ class Adapter(Protocol):
     """
 
     name: str
-    """``"flax"`` or ``"keras"``: how reports and errors name the framework."""
+    """How reports and errors name the framework (``"flax"``, ``"keras"``)."""
     remat_policies: tuple[str, ...]
-    """Policies ``remat="auto"`` tries, in order of increasing recompute.
+    """Policies ``remat="auto"`` tries, in order of increasing recompute."""
+    trains_leftovers: bool = False
+    """The examples after the last full effective batch make a final, smaller step."""
+    uneven_batches: bool = False
+    """The adapter's steps take :class:`~._micro_batches.UnevenBatches`, so plans may end with
+    a smaller micro-batch."""
 
-    Optional class attributes, read with ``getattr``: ``trains_leftovers`` (``True``: the
-    examples after the last full effective batch make a final step) and ``uneven_batches``
-    (``True``: the adapter's steps take :class:`~._micro_batches.UnevenBatches`, so plans may end
-    with a smaller micro-batch)."""
+    # -- what every framework writes -------------------------------------------------------
 
+    @abc.abstractmethod
     def recognizes(self, model: Any) -> bool:
         """Whether ``model`` belongs to this framework."""
-        ...
 
-    def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
-                remat: str, remat_layers: Any) -> Prepared:
-        """The model's program with ``remat``; consumes (pops) the ``options`` it uses."""
-        ...
+    @abc.abstractmethod
+    def prepare(self, model: Any, data: Any, *, effective_batch: int,
+                options: ProgramOptions, remat: str, remat_layers: Any) -> Prepared:
+        """The model's program with ``remat`` (see :class:`Prepared`)."""
 
+    @abc.abstractmethod
     def remat_context(self, model: Any, policy: str,
                       layers: Any = None) -> AbstractContextManager[int]:
         """Within the context the model's blocks run rematerialized with ``policy``."""
-        ...
 
+    @abc.abstractmethod
     def has_remat_layers(self, model: Any, layers: Any = None) -> bool:
         """Whether per-layer rematerialization has blocks to wrap in ``model``."""
-        ...
 
-    def auto_mesh(self) -> Any:
-        """The mesh ``data_parallel="auto"`` means for this framework, or ``None``."""
-        ...
-
+    @abc.abstractmethod
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
         """One real, non-donating step of the model's live state (back-off, timing)."""
-        ...
 
-    def check_trainable(self, model: Any, where: str) -> None:
-        """Raises a ``ValueError`` naming the fix when ``model`` cannot be trained by
-        ``where`` (``"fit"``, ``"train_step"``), before anything is planned."""
-        ...
-
+    @abc.abstractmethod
     def validate_fit_options(self, options: dict) -> None:
-        """Raises a ``ValueError`` naming the fix for ``fit`` options this framework cannot
-        honour, before anything is planned."""
-        ...
+        """Raises a ``ValueError`` naming the fix for ``fit`` options (the framework's own,
+        ``model.fit``-style: callbacks, validation, ...) it cannot honour, before planning."""
 
+    @abc.abstractmethod
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,
             options: dict) -> Any:
         """Trains ``model`` in place with ``plan``; ``options`` are the framework's own."""
-        ...
+
+    @abc.abstractmethod
+    def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
+                   uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
+                   elastic: bool, log: TextIO | None) -> Any:
+        """The planned step for a loop the user writes (``autoaccum.train_step``): called with
+        one effective batch, it trains one optimizer step in place."""
+
+    # -- what a framework may change --------------------------------------------------------
+
+    def auto_mesh(self) -> Any:
+        """The mesh ``data_parallel="auto"`` means for this framework: every device (``None``
+        on one)."""
+        import jax
+
+        from ..devices._mesh import data_parallel_mesh
+
+        return data_parallel_mesh() if len(jax.devices()) > 1 else None
+
+    def own_mesh(self, model: Any, mesh: Any) -> Any:
+        """The data-parallel mesh ``model``'s own sharding asks for instead of ``mesh`` (or
+        ``None`` for a layout the program keeps itself); default: ``mesh``."""
+        return mesh
+
+    def with_targets(self, data: Any, y: Any, sample_weight: Any) -> Any:
+        """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
+        sample_weight=...)`` takes them; default: refused (the data is one argument)."""
+        from ._option_checks import received
+
+        name = "y" if y is not None else "sample_weight"
+        raise ValueError(
+            f"A {self.name.capitalize()} model takes its data as one argument, the batches "
+            "the loss_fn reads: pass `(x, y)` (or a dict such as `{'x': x, 'y': y, 'weight': "
+            "w}`) as `data`, e.g. `autoaccum.fit(model, (x, y), effective_batch=...)`; "
+            "separate `y` and `sample_weight` arguments are for Keras models, as in "
+            f"`model.fit(x, y)`. Received: "
+            f"{received(name, y if y is not None else sample_weight)}")
+
+    def check_trainable(self, model: Any, where: str) -> None:
+        """Raises a ``ValueError`` naming the fix when ``model`` cannot be trained by
+        ``where`` (``"fit"``, ``"train_step"``), before anything is planned; default: any
+        model can."""
+        del model, where
+
+    def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
+        """The framework's own changes the advisor plans (LoRA, optimizers, dtypes); default:
+        none."""
+        return []
+
+    def apply_change(self, model: Any, options: ProgramOptions,
+                     change: dict[str, Any]) -> tuple[Any, ProgramOptions]:
+        """The model to plan and the options with an advice row's ``change`` applied."""
+        raise ValueError(f"The {self.name} adapter cannot apply {sorted(change)}. "
+                         f"Received: change={change!r}")
+
+    def change_hint(self, key: str, value: Any) -> str | None:
+        """How a user applies an advice row's ``key=value`` (``None``: not this framework's)."""
+        return None

@@ -57,7 +57,7 @@ class Alternative:
     def floor_bytes(self) -> int:
         """The floor of the row's step, from shapes (0: not known; see
         ``autoaccum.planning._floor``)."""
-        return int(getattr(self.plan, "floor_bytes", 0) or 0)
+        return int(self.plan.floor_bytes) if self.plan is not None else 0
 
     def describe(self) -> str:
         """The change as ``key=value`` pairs."""

@@ -192,7 +192,7 @@ def run_advisor(
             change = {**change, **({"remat": plan.remat} if plan.remat != "none"
                                    and "remat" not in change else {})}
             if "devices" in change and "strategy" not in change:  # how they share the work
-                change["strategy"] = getattr(plan, "strategy", "replicated")
+                change["strategy"] = plan.strategy
             found.append(Alternative(change, plan.micro_batch, plan.accum_steps,
                                      plan.need_bytes, plan.budget_bytes, step_flops(plan),
                                      0.0, plan.estimate.source, plan,

@@ -531,7 +531,7 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
     known = {"trainable", "frozen", "optimizer"}
     trainable_bytes = tree_bytes(parts.get("trainable"))
     optimizer_bytes = tree_bytes(parts.get("optimizer"))
-    layout = getattr(program, "layout", None)
+    layout = program.layout
     if layout is not None:  # one device's share of the split state
         trainable_bytes = layout.split_bytes(parts.get("trainable"), layout.params)
         optimizer_bytes = layout.split_bytes(parts.get("optimizer"), layout.optimizer)

@@ -196,7 +196,7 @@ class Plan:
     def floor_bytes(self) -> int:
         """What one device must hold at least in the chosen step, from shapes (see
         ``autoaccum.planning._floor``); 0 where not known."""
-        return getattr(self.estimate, "floor_bytes", 0)
+        return self.estimate.floor_bytes if self.estimate is not None else 0
 
     @property
     def budget_bytes(self) -> int:

@@ -22,14 +22,13 @@ from ._micro_batches import split_sizes
 from ._objective import Candidate, choose_fastest, cost_model_seconds, resolve_objective
 from ._option_checks import (
     check_enough_examples,
-    no_leftovers,
     received,
     validate_devices,
     validate_effective_batch,
     validate_memory_fraction,
 )
 from ._plan import Plan, _process_count, search_plan
-from ._plan_options import Search, Target
+from ._plan_options import ProgramOptions, Search, Target
 from ._remat_policies import (
     first_line,
     label_policy,
@@ -261,7 +260,7 @@ def plan_model(
     *,
     adapter: Adapter,
     effective_batch: int,
-    options: dict,
+    options: ProgramOptions,
     target: Target | None = None,
     search: Search | None = None,
     log: TextIO | str | None = "stderr",
@@ -346,8 +345,7 @@ def plan_model(
             objective = "memory"
             dp_notes += ("data parallel: memory objective (throughput candidates are timed "
                          "on one device only)",)
-    original_options = dict(options)
-    policies = policies_for(adapter, remat)
+    policies = policies_for(adapter.remat_policies, remat)
     no_blocks = remat == "auto" and not adapter.has_remat_layers(model, remat_layers)
     if no_blocks:
         policies = ["none"]  # nothing to checkpoint: the advice says what else would help
@@ -357,9 +355,8 @@ def plan_model(
     failures: list[tuple[str, DoesNotFitError]] = []
     resolved: ResolvedTarget | None = None
     for policy in policies:
-        opts = dict(options)
-        prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
-                           remat=policy, remat_layers=remat_layers)
+        prepared = prepare(adapter, model, data, effective_batch=effective_batch,
+                           options=options, remat=policy, remat_layers=remat_layers)
         placement = prepared.program.placement
         if early is not None and early.mesh is not None and placement:
             # The user's own layout, kept over the chips (GPUs) of a slice that is not here.
@@ -367,7 +364,6 @@ def plan_model(
                 prepared, program=prepared.program.placed_onto(early.mesh.devices.flat))
         elif placement and is_deviceless(device) and placement.mesh.size > 1:
             raise placement.other_count(1)  # a dry run for one GPU or one TPU chip
-        no_leftovers(opts, where)
         check_enough_examples(prepared.data, effective_batch)
         # Later policies reuse the converted data (keras-hub strings are tokenized once).
         data = prepared.data
@@ -421,13 +417,13 @@ def plan_model(
                           data: Any = data, resolved: Any = resolved,
                           method: str = method, prepared: Prepared | None = None) -> Plan:
             prepared = by_strategy[name] if prepared is None else prepared
-            variants = _variants(depth_variant, adapter, prepared, data, original_options,
+            variants = _variants(depth_variant, adapter, prepared, data, options,
                                  effective_batch=effective_batch, remat_layers=remat_layers)
             try:
                 return _by_partitioner(_plan_one(
                     prepared, model, method=method, effective_batch=effective_batch,
                     resolved=resolved, log=log, cache=cache, depth_variants=variants,
-                    uneven=bool(uneven) and getattr(adapter, "uneven_batches", False),
+                    uneven=bool(uneven) and adapter.uneven_batches,
                     agree=agree), prepared)
             except DoesNotFitError as missed:
                 raise _by_partitioner(missed, prepared) from None
@@ -600,8 +596,7 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
 
 def _partitioner_of(program: Any) -> str:
     """Who partitions ``program``'s step over its devices (see :func:`step_partitioner`)."""
-    return step_partitioner(getattr(program, "partitioner", "autoaccum"),
-                            getattr(program, "placement", None))
+    return step_partitioner(program.partitioner, program.placement)
 
 
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:
@@ -757,7 +752,7 @@ def placed_plan_options(placement: Any, effective_batch: int, method: str,
 
 
 def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Prepared,
-              data: Any, options: dict, *, effective_batch: int,
+              data: Any, options: ProgramOptions, *, effective_batch: int,
               remat_layers: Any) -> DepthVariants | None:
     """The prepared program's model at other depths, built by the user's factory."""
     if depth_variant is None or prepared.program.device_mesh is not None:
@@ -765,7 +760,7 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
 
     def build(depth: int) -> TrainProgram:
         return prepare(adapter, depth_variant.build(depth), data,
-                       effective_batch=effective_batch, options=dict(options),
+                       effective_batch=effective_batch, options=options,
                        remat=prepared.remat, remat_layers=remat_layers).program
 
     return DepthVariants(full_depth=depth_variant.depth, build=build,
@@ -853,14 +848,9 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
 __all__ = ["plan_model", "plan_program", "policies_for", "prepare"]
 
 
-def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int, options: dict,
-            remat: str = "none", remat_layers: Any = None) -> Prepared:
-    """``adapter.prepare(...)`` after the checks every framework shares; consumes ``options``."""
-    if "batch_size" in options:
-        raise ValueError(
-            "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
-            "optimizer step) instead of `batch_size=`. "
-            f"Received: {received('batch_size', options['batch_size'])}"
-        )
+def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int,
+            options: ProgramOptions, remat: str = "none", remat_layers: Any = None) -> Prepared:
+    """``adapter.prepare(...)``: the model's step as a program, its sample of the data and
+    its learning-rate scaling, for one remat policy."""
     return adapter.prepare(model, data, effective_batch=effective_batch, options=options,
                            remat=remat, remat_layers=remat_layers)

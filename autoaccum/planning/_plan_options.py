@@ -24,7 +24,8 @@ from ._option_checks import (
 from ._remat_policies import validate_remat
 from ._strategies import validate_strategy
 
-__all__ = ["METHODS", "LearningRate", "Search", "Target", "changed", "learning_rate_spec",
+__all__ = ["METHODS", "LearningRate", "ProgramOptions", "Search", "Target", "changed",
+           "learning_rate_spec",
            "merge_plain", "refuse_unread", "spec_of", "validate_method"]
 
 METHODS = ("auto", "compile", "backoff")
@@ -193,6 +194,35 @@ class LearningRate:
             raise ValueError(f"adjust_adam must be True or False. Received: "
                              f"{received('adjust_adam', self.adjust_adam)}")
         check_base_batch_given(self.rule, self.base_batch, self.adjust_adam)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramOptions:
+    """What shapes the compiled train step and its learning rate, as one call was given it:
+    one typed value from the entry point to the adapter (nothing popped, nothing left over).
+
+    Attributes:
+      optimizer: Flax: an optax transformation, a factory of the learning rate, or an
+        ``nnx.Optimizer`` (a Keras model brings its own, and refuses one given here).
+      loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
+      trainable: Flax: the ``nnx`` filter of the trained variables (``None``: ``nnx.Param``).
+      learning_rate: the rate and the batch it was tuned for (:class:`LearningRate`).
+      batch_stats: ``"effective"`` or ``"micro"`` (BatchNorm statistics).
+      planning_optimizer: an optimizer planned in place of the model's own (the advisor's
+        optimizer rows for a Keras model), else ``None``.
+
+    Example:
+      >>> options = ProgramOptions(learning_rate=LearningRate(value=0.1))
+      >>> options.learning_rate.value, options.batch_stats
+      (0.1, 'effective')
+    """
+
+    optimizer: Any = None
+    loss_fn: Any = None
+    trainable: Any = None
+    learning_rate: LearningRate = dataclasses.field(default_factory=lambda: LearningRate())
+    batch_stats: str = "effective"
+    planning_optimizer: Any = None
 
 
 Spec = TypeVar("Spec")

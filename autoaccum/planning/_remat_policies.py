@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import jax
 
-from ._adapter_interface import Adapter
 from ._plan import Plan
 from ._search import ADVISE_HINT, DoesNotFitError
 
@@ -53,12 +52,18 @@ __all__ = ["first_line", "label_policy", "nothing_fits", "policies_for",
            "with_failed_policies"]
 
 
-def policies_for(adapter: Adapter, remat: str) -> list[str]:
-    """Policies to try, in order of increasing recompute."""
+def policies_for(remat_policies: tuple[str, ...], remat: str) -> list[str]:
+    """Policies to try for ``remat``, in order of increasing recompute: ``"auto"``, a
+    framework's ``remat_policies``; a name, that one.
+
+    Example:
+      >>> policies_for(("none", "nothing"), "auto"), policies_for(("none",), "dots")
+      (['none', 'nothing'], ['dots'])
+    """
     validate_remat(remat)
     if remat != "auto":
         return [remat]
-    return list(adapter.remat_policies)
+    return list(remat_policies)
 
 
 def label_policy(plan: Plan, policy: str) -> Plan:

@@ -378,7 +378,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
              "accum_steps": p.accum_steps,
              "last_micro_batch": p.last_micro_batch,
              "need_bytes": p.need_bytes,
-             "floor_bytes": getattr(p.estimate, "floor_bytes", 0),
+             "floor_bytes": p.estimate.floor_bytes,
              "fits": p.fits, "why": p.why, "kind": p.kind,
              "error": p.error, "compile_seconds": p.estimate.compile_seconds,
              "memory": _memory(p.estimate)}

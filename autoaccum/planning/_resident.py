@@ -108,7 +108,7 @@ def resident_of(program: TrainProgram) -> Resident:
     """
     parts = program.parts
     known = {"trainable", "frozen", "optimizer"}
-    layout = getattr(program, "layout", None)
+    layout = program.layout
     if layout is not None:  # a sharding strategy: one device's share of the split parts
         return split_resident(layout, trainable=parts.get("trainable"),
                               frozen=parts.get("frozen"), optimizer=parts.get("optimizer"),

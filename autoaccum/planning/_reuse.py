@@ -8,9 +8,10 @@ from typing import Any
 
 from ..devices._units import format_bytes
 from ._adapter_interface import Adapter, Prepared
-from ._option_checks import check_enough_examples, no_leftovers, received
+from ._option_checks import check_enough_examples, received
 from ._plan import Plan
 from ._plan_model import prepare
+from ._plan_options import ProgramOptions
 from ._resident import resident_of
 from ._targets import training_mesh
 from ._train_program import tree_bytes
@@ -85,7 +86,7 @@ def validate_plan_type(plan: Any) -> Plan:
 
 
 def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_batch: int,
-               options: dict, remat_layers: Any = None, data_parallel: Any = "auto",
+               options: ProgramOptions, remat_layers: Any = None, data_parallel: Any = "auto",
                planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
     """Checks ``plan`` against ``model``, ``data`` and the options; returns it with the
     prepared step (built abstractly: nothing is compiled here).
@@ -126,14 +127,12 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"effective_batch={effective_batch}"
         )
     mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=None)
-    opts = dict(options)
-    prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=opts,
+    prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=options,
                        remat=plan.remat, remat_layers=remat_layers)
     if mesh is not None and prepared.program.placement is None:  # a kept layout stays
         prepared = dataclasses.replace(
             prepared, program=prepared.program.on_mesh(
-                mesh, getattr(plan, "strategy", "replicated"),
-                partitioner=getattr(plan, "partitioner", "autoaccum")))
+                mesh, plan.strategy, partitioner=plan.partitioner))
     devices = prepared.program.data_parallel  # a kept user layout splits over its data axis
     if plan.data_parallel != devices:
         raise ValueError(
@@ -141,7 +140,6 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"{devices}. Plan with the same data_parallel. Received: data_parallel="
             f"{data_parallel!r}"
         )
-    no_leftovers(opts, "fit")
     check_enough_examples(prepared.data, effective_batch)
     if not _same_lr(plan.lr_scaling, prepared.lr_scaling):
         raise ValueError(

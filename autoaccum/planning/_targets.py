@@ -433,6 +433,4 @@ def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
     context_mesh_as_layout(as_layout)
     if deviceless:
         return slice_mesh
-    mesh = resolve_mesh(data_parallel, auto=getattr(adapter, "auto_mesh", None))
-    own_mesh = getattr(adapter, "own_mesh", None)
-    return mesh if own_mesh is None else own_mesh(model, mesh)
+    return adapter.own_mesh(model, resolve_mesh(data_parallel, auto=adapter.auto_mesh))

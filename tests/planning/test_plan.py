@@ -11,6 +11,7 @@ import autoaccum
 from autoaccum.adapters import adapter_for
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
+from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.planning._search import divisors
 from tests._models import TinyLM, ragged_tokens, token_loss
 
@@ -24,7 +25,7 @@ EFFECTIVE = 24
 def program():
     model = TinyLM(vocab=256, dim=32, hidden=128, rngs=nnx.Rngs(0))
     data = ragged_tokens(EFFECTIVE, 48, vocab=256)
-    options = {"optimizer": optax.adam(1e-3), "loss_fn": token_loss}
+    options = ProgramOptions(optimizer=optax.adam(1e-3), loss_fn=token_loss)
     return prepare(adapter_for(model), model, data, effective_batch=EFFECTIVE,
                    options=options).program
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 import numpy as np
 from flax import nnx
 
-from ...planning._adapter_interface import FitSettings, Prepared
+from ...planning._adapter_interface import Adapter, FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._lr_scaling import scale_learning_rate
 from ...planning._option_checks import (
@@ -21,6 +21,7 @@ from ...planning._option_checks import (
     validate_positive_int,
 )
 from ...planning._plan import Plan
+from ...planning._plan_options import ProgramOptions
 from ...planning._remat_policies import REMAT_POLICIES
 from ...planning._train_program import abstract
 from ...training._batch_norm_moments import validate_batch_stats
@@ -40,7 +41,7 @@ from ._optax_lr import build_optax_optimizer, optax_family
 __all__ = ["FlaxAdapter"]
 
 
-class FlaxAdapter:
+class FlaxAdapter(Adapter):
     """Flax NNX modules trained with an optax optimizer and a ``loss_fn(model, batch)``.
 
     Example:
@@ -63,12 +64,10 @@ class FlaxAdapter:
     def recognizes(self, model: Any) -> bool:
         return isinstance(model, nnx.Module)
 
-    def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
-                remat: str, remat_layers: Any) -> Prepared:
-        optimizer = options.pop("optimizer", None)
-        loss_fn = options.pop("loss_fn", None)
-        trainable = options.pop("trainable", None)
-        batch_stats = validate_batch_stats(options.pop("batch_stats", "effective"))
+    def prepare(self, model: Any, data: Any, *, effective_batch: int,
+                options: ProgramOptions, remat: str, remat_layers: Any) -> Prepared:
+        optimizer, loss_fn, trainable = options.optimizer, options.loss_fn, options.trainable
+        batch_stats = validate_batch_stats(options.batch_stats)
         if optimizer is None:
             raise ValueError(
                 "A Flax model needs optimizer= (an optax transformation such as "
@@ -86,24 +85,23 @@ class FlaxAdapter:
         given = optimizer
         refuse_accumulating_optimizer(given)  # an optax.MultiSteps: refused before anything
         optimizer, trainable, nnx_optimizer = unwrap_optimizer(optimizer, trainable)
-        base_lr = options.pop("learning_rate", None)
+        rate = options.learning_rate
+        base_lr = rate.value
         if isinstance(base_lr, nnx.Module):
             raise ValueError(
                 "learning_rate is a number or a schedule (a function of the optimizer step, "
                 "e.g. optax.cosine_decay_schedule(1e-3, 1000)), not a Flax module. "
                 f"Received: learning_rate of type {type_name(base_lr)}")
-        base_batch = options.pop("base_batch", None)
-        rule = options.pop("lr_rule", None)
         family = (optax_family(optimizer, base_lr)
-                  if base_batch is not None and rule is None else None)
+                  if rate.base_batch is not None and rate.rule is None else None)
         scaling = scale_learning_rate(
             base_lr,
             effective_batch=effective_batch,
-            base_batch=base_batch,
-            rule=rule,
+            base_batch=rate.base_batch,
+            rule=rate.rule,
             family=family,
             optimizer_name=type_name(optimizer),
-            adjust_adam=options.pop("adjust_adam", False),
+            adjust_adam=rate.adjust_adam,
         )
         tx = build_optax_optimizer(optimizer, scaling)
         _, params, _, _ = split_model(model, nnx.Param if trainable is None else trainable)
@@ -125,7 +123,7 @@ class FlaxAdapter:
                         {"tx": tx, "loss_fn": loss_fn, "batch_stats": batch_stats,
                          "nnx_optimizer": link, "source": source, **kwargs})
 
-    def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
+    def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
         """Changes the advisor may plan for this model (see :mod:`._nnx_advice_changes`)."""
         from ._nnx_advice_changes import flax_advice_changes
 
@@ -138,8 +136,8 @@ class FlaxAdapter:
 
         return flax_change_hint(key, value)
 
-    def apply_change(self, model: Any, options: dict,
-                     change: dict[str, Any]) -> tuple[Any, dict]:
+    def apply_change(self, model: Any, options: ProgramOptions,
+                     change: dict[str, Any]) -> tuple[Any, ProgramOptions]:
         """An abstract copy of ``model`` and new options with ``change`` applied."""
         from ._nnx_advice_changes import flax_apply_change
 
@@ -151,11 +149,6 @@ class FlaxAdapter:
 
     def has_remat_layers(self, model: Any, layers: Any = None) -> bool:
         return layers is not None or bool(repeated_layers(model))
-
-    def auto_mesh(self) -> Any:
-        from ...devices._mesh import resolve_mesh
-
-        return resolve_mesh("auto")
 
     def own_mesh(self, model: Any, mesh: Any) -> Any:
         """The data-parallel training mesh: ``mesh``, the one-axis mesh the model's weights
@@ -258,6 +251,24 @@ class FlaxAdapter:
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
 
+
+    def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
+                   uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
+                   elastic: bool, log: TextIO | None) -> Any:
+        """:class:`TrainStep`: the planned step for a loop the user writes. ``uneven`` and
+        ``batch_stats`` are the prepared program's already."""
+        from ._nnx_train_step import TrainStep
+
+        del uneven, batch_stats
+        held = getattr(prepared.extras.get("source"), "held", 0)
+        if held and log is not None:  # say what planning took from a one-shot iterator
+            print(f"autoaccum: planning read the first {held} example(s) of your one-shot "
+                  "iterator for their shapes; train_step does not train them (it trains the "
+                  "batches you call it with). Pass one batch, or a re-iterable, as data to "
+                  "keep your iterator whole.", file=log, flush=True)
+        return TrainStep(model, prepared, plan, mesh=prepared.program.mesh,
+                         remat_layers=remat_layers, on_nonfinite=on_nonfinite, backup=backup,
+                         elastic=elastic, log=log)
 
 def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
     """Whether ``loss_fn(model, tree)`` traces (shapes only, nothing compiled): how a list of

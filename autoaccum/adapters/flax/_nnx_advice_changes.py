@@ -12,6 +12,7 @@ Changes (keys of the change dict):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from ...planning._plan_options import ProgramOptions
 
 __all__ = ["flax_advice_changes", "flax_apply_change", "flax_change_hint"]
 
@@ -34,12 +37,13 @@ def _trains_only_lora(trainable: Any) -> bool:
     return trainable is nnx.LoRAParam
 
 
-def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]]:
+def flax_advice_changes(model: nnx.Module, options: ProgramOptions) -> list[dict[str, Any]]:
     """The framework changes worth planning for ``model`` with ``options`` (plan's options).
 
     Example:
       >>> model = nnx.Sequential(nnx.LoRALinear(4, 4, lora_rank=8, rngs=nnx.Rngs(0)))
-      >>> [c for c in flax_advice_changes(model, {"optimizer": optax.adam(1e-3)})
+      >>> options = ProgramOptions(optimizer=optax.adam(1e-3))
+      >>> [c for c in flax_advice_changes(model, options)
       ...  if "lora_rank" in c or "trainable" in c]
       [{'trainable': 'lora'}, {'trainable': 'lora', 'lora_rank': 2}]
     """
@@ -47,12 +51,12 @@ def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]
     loras = _lora_modules(model)
     if loras:
         rank = max(int(m.lora_a.value.shape[-1]) for m in loras)
-        only = _trains_only_lora(options.get("trainable"))
+        only = _trains_only_lora(options.trainable)
         if not only:
             changes.append({"trainable": "lora"})
         if rank >= 4:  # a smaller rank (the adapters are small already: one row)
             changes.append({"trainable": "lora", "lora_rank": rank // 4})
-    if options.get("optimizer") is not None:
+    if options.optimizer is not None:
         changes += [{"optimizer": "adamw", "mu_dtype": "bfloat16"}, {"optimizer": "adafactor"},
                     {"optimizer": "lion", "mu_dtype": "bfloat16"}, {"optimizer": "sgd"}]
     params = nnx.state(model, nnx.Param)
@@ -61,13 +65,13 @@ def flax_advice_changes(model: nnx.Module, options: dict) -> list[dict[str, Any]
     return changes
 
 
-def flax_apply_change(model: nnx.Module, options: dict,
-                      change: dict[str, Any]) -> tuple[nnx.Module, dict]:
+def flax_apply_change(model: nnx.Module, options: ProgramOptions,
+                      change: dict[str, Any]) -> tuple[nnx.Module, ProgramOptions]:
     """An abstract copy of ``model`` and a copy of ``options`` with ``change`` applied.
 
     Example:
       >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-      >>> new, _ = flax_apply_change(model, {}, {"weight_dtype": "bfloat16"})
+      >>> new, _ = flax_apply_change(model, ProgramOptions(), {"weight_dtype": "bfloat16"})
       >>> new.kernel.value.dtype, model.kernel.value.dtype
       (dtype(bfloat16), dtype('float32'))
     """
@@ -75,7 +79,6 @@ def flax_apply_change(model: nnx.Module, options: dict,
     if unknown:
         raise ValueError(f"The Flax adapter cannot apply {sorted(unknown)}. Received: "
                          f"change={change!r}")
-    options = dict(options)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     dtype = jnp.dtype(change["weight_dtype"]) if "weight_dtype" in change else None
 
@@ -88,7 +91,7 @@ def flax_apply_change(model: nnx.Module, options: dict,
     copy = nnx.merge(graphdef, jax.tree.map(lambda x: abstract(x, dtype), params),
                      jax.tree.map(abstract, rest))
     if change.get("trainable") == "lora":
-        options["trainable"] = nnx.LoRAParam
+        options = dataclasses.replace(options, trainable=nnx.LoRAParam)
     if "lora_rank" in change:
         rank = int(change["lora_rank"])
         for module in _lora_modules(copy):
@@ -100,10 +103,8 @@ def flax_apply_change(model: nnx.Module, options: dict,
         if change.get("mu_dtype"):
             factory = functools.partial(factory, mu_dtype=jnp.dtype(change["mu_dtype"]))
         # The rate does not change memory; a factory keeps the user's rate and its scaling.
-        if options.get("learning_rate") is not None:
-            options["optimizer"] = factory
-        else:
-            options["optimizer"] = factory(1e-3)
+        options = dataclasses.replace(options, optimizer=(
+            factory if options.learning_rate.value is not None else factory(1e-3)))
     return copy, options
 
 

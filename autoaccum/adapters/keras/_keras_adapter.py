@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 import numpy as np
 
-from ...planning._adapter_interface import FitSettings, Prepared
+from ...planning._adapter_interface import Adapter, FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._option_checks import received
 from ...planning._plan import Plan
+from ...planning._plan_options import ProgramOptions
 from ._distribution import keras_auto_mesh, keras_placement, placed_program
 from ._keras_arrays import KerasArrays
 from ._keras_batch_norm import validate_batch_stats
@@ -27,7 +28,7 @@ from ._model_checks import check_keras_model, is_keras_model, validate_keras_fit
 __all__ = ["KerasAdapter"]
 
 
-class KerasAdapter:
+class KerasAdapter(Adapter):
     """Compiled ``keras.Model``\\ s (JAX backend), trained with their own loss and optimizer.
 
     Example:
@@ -56,26 +57,24 @@ class KerasAdapter:
 
         return with_targets(data, y, sample_weight)
 
-    def prepare(self, model: Any, data: Any, *, effective_batch: int, options: dict,
-                remat: str, remat_layers: Any) -> Prepared:
+    def prepare(self, model: Any, data: Any, *, effective_batch: int,
+                options: ProgramOptions, remat: str, remat_layers: Any) -> Prepared:
         from ._keras_program import ensure_built, find_layout
         from ._scope import built_for_planning, planning_optimizer
         from ._sources import keras_data
 
         check_keras_model(model)
         for name in ("optimizer", "loss_fn", "trainable"):
-            if options.get(name) is not None:
+            if getattr(options, name) is not None:
                 raise ValueError(
                     f"`{name}=` is for Flax models; a Keras model trains with what it was "
                     "compiled with: set it in `model.compile(...)` (trainable weights: "
-                    f"`layer.trainable = False`). Received: {received(name, options[name])}"
+                    f"`layer.trainable = False`). Received: "
+                    f"{received(name, getattr(options, name))}"
                 )
-            options.pop(name, None)
-        explicit = options.get("learning_rate")
-        scaling = keras_lr_scaling(model, options, effective_batch=effective_batch)
-        batch_stats = validate_batch_stats(options.pop("batch_stats", "effective"))
-        for name in ("drop_remainder", "on_nonfinite"):  # fit policies; the step is the same
-            options.pop(name, None)
+        explicit = options.learning_rate.value
+        scaling = keras_lr_scaling(model, options.learning_rate, effective_batch=effective_batch)
+        batch_stats = validate_batch_stats(options.batch_stats)
         source = next((src for sample, src in self._sources if sample is data), None)
         if source is None:
             source = keras_data(model, data)  # read once: later policies reuse it
@@ -84,7 +83,7 @@ class KerasAdapter:
         spec = arrays.example_spec()
         batch = arrays.num_examples  # Keras's first batch: its shape errors name it
         ensure_built(model, spec, batch_size=batch)
-        replacement = options.pop("advice_optimizer", None)
+        replacement = options.planning_optimizer
         optimizer = (planning_optimizer(model) if replacement is None
                      else built_for_planning(replacement, model))
         layout = find_layout(model, spec, optimizer, batch_size=batch)
@@ -98,7 +97,7 @@ class KerasAdapter:
                   "learning_rate": explicit}
         return Prepared(program, sample, scaling, self, remat, extras)
 
-    def advice_changes(self, model: Any, options: dict) -> list[dict[str, Any]]:
+    def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
         """Changes the advisor may plan for a Keras model: LoRA (rank 16 on every trainable
         layer that has ``enable_lora``; a smaller rank where LoRA is on), int8 frozen weights
         under LoRA (QLoRA), bfloat16 weights when some are float32, another optimizer (Keras
@@ -136,8 +135,8 @@ class KerasAdapter:
 
         return keras_change_hint(key, value)
 
-    def apply_change(self, model: Any, options: dict,
-                     change: dict[str, Any]) -> tuple[Any, dict]:
+    def apply_change(self, model: Any, options: ProgramOptions,
+                     change: dict[str, Any]) -> tuple[Any, ProgramOptions]:
         """The model to plan and options with ``change`` applied: an optimizer change alone
         keeps ``model`` and makes :meth:`prepare` trace a fresh optimizer; LoRA, int8 and
         dtype changes give a copy rebuilt from the model's config with no weight allocated.
@@ -213,12 +212,14 @@ class KerasAdapter:
 
     def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
                    uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
-                   elastic: bool) -> Any:
+                   elastic: bool, log: TextIO | None) -> Any:
         """The planned step for a loop the user writes (``autoaccum.train_step``): the
         runner ``fit`` trains with, one effective batch per call; the learning rate as
         ``fit`` sets it (an explicit ``learning_rate=`` becomes the optimizer's base rate,
         the plan's rule scales it inside the step)."""
         from ._keras_train_step import KerasTrainStep
+
+        del log  # Keras's own progress and callbacks report
 
         source = prepared.extras["data"]
         read = sum(int(np.shape(jax.tree.leaves(p)[0])[0])

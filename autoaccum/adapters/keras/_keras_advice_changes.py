@@ -39,10 +39,12 @@ backbone's arguments, not its layers).
 from __future__ import annotations
 
 import copy as copy_module
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 from ...planning._option_checks import received
+from ...planning._plan_options import ProgramOptions
 from ._internals import (
     backbone_lora_layers,
     backbone_lora_rank,
@@ -68,7 +70,7 @@ INT8_LAYERS = ("Dense", "EinsumDense", "Embedding", "ReversibleEmbedding")
 _KEYS = ("optimizer", "lora_rank", "quantize", "dtype")
 
 
-def keras_advice_changes(model: Any, options: dict) -> list[dict[str, Any]]:
+def keras_advice_changes(model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
     """The changes worth planning for a compiled Keras ``model`` (``options``: plan's).
 
     LoRA (``{"lora_rank": 16}``) when no layer has LoRA enabled and some trainable layer
@@ -116,7 +118,7 @@ def keras_advice_changes(model: Any, options: dict) -> list[dict[str, Any]]:
     return changes
 
 
-def keras_apply_change(model: Any, options: dict,
+def keras_apply_change(model: Any, options: ProgramOptions,
                        change: dict[str, Any]) -> tuple[Any, dict]:
     """The model to plan and a copy of ``options`` with ``change`` applied.
 
@@ -143,7 +145,8 @@ def keras_apply_change(model: Any, options: dict,
       >>> import keras
       >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
       >>> model.compile(optimizer="adam", loss="mse")
-      >>> copy, _ = keras_apply_change(model, {}, {"lora_rank": 2})
+      >>> from autoaccum.planning._plan_options import ProgramOptions
+      >>> copy, _ = keras_apply_change(model, ProgramOptions(), {"lora_rank": 2})
       >>> [v.path.split("/")[-1] for v in copy.trainable_variables], model.layers[0].lora_enabled
       (['bias', 'lora_kernel_a', 'lora_kernel_b'], False)
       >>> from autoaccum.adapters.keras._internals import variable_buffer
@@ -151,13 +154,11 @@ def keras_apply_change(model: Any, options: dict,
       True
     """
     _check_change(change)
-    options = dict(options)
     optimizer = None
     if "optimizer" in change:
         optimizer = _fresh_optimizer(change["optimizer"])
     if set(change) == {"optimizer"}:
-        options["advice_optimizer"] = optimizer
-        return model, options
+        return model, dataclasses.replace(options, planning_optimizer=optimizer)
     copy = rebuilt_abstractly(model, lora_rank=change.get("lora_rank"),
                               quantize=change.get("quantize"), dtype=change.get("dtype"),
                               optimizer=optimizer)

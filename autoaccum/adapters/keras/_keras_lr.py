@@ -26,6 +26,7 @@ from typing import Any
 
 from ...planning._lr_scaling import LearningRateScaling, scale_learning_rate
 from ...planning._option_checks import received
+from ...planning._plan_options import LearningRate
 from ._internals import (
     current_learning_rate_function,
     drop_instance_attribute,
@@ -70,20 +71,21 @@ def base_learning_rate(optimizer: Any) -> Any:
     return current
 
 
-def keras_lr_scaling(model: Any, options: dict, *, effective_batch: int) -> LearningRateScaling:
-    """The plan's learning-rate scaling for the model's compiled optimizer; pops the options.
+def keras_lr_scaling(model: Any, rate: LearningRate, *,
+                     effective_batch: int) -> LearningRateScaling:
+    """The plan's learning-rate scaling for the model's compiled optimizer.
 
-    ``options["learning_rate"]`` (a positive float or a schedule), when given, is the base
-    instead of the optimizer's rate (``fit`` then sets it on the optimizer, see
-    :func:`set_base_learning_rate`). With ``adjust_adam`` the optimizer's own betas and
+    ``rate.value`` (a positive float or a schedule), when given, is the base instead of the
+    optimizer's rate (``fit`` then sets it on the optimizer, see
+    :func:`set_base_learning_rate`). With ``rate.adjust_adam`` the optimizer's own betas and
     epsilon are the ones adjusted.
     """
-    base = options.pop("learning_rate", None)
+    base = rate.value
     if base is None:
         base = base_learning_rate(model.optimizer)
     else:
         _check_base(base)
-    adjust_adam = options.pop("adjust_adam", False)
+    adjust_adam = rate.adjust_adam
     adam = {}
     if adjust_adam:
         leaf = leaf_optimizers(model.optimizer)[0]
@@ -95,13 +97,11 @@ def keras_lr_scaling(model: Any, options: dict, *, effective_batch: int) -> Lear
                 "Received: adjust_adam=True"
             )
         adam = {"b1": float(leaf.beta_1), "b2": float(leaf.beta_2), "eps": float(leaf.epsilon)}
-    base_batch = options.pop("base_batch", None)
-    rule = options.pop("lr_rule", None)
     return scale_learning_rate(
         base,
         effective_batch=effective_batch,
-        base_batch=base_batch,
-        rule=rule,
+        base_batch=rate.base_batch,
+        rule=rate.rule,
         family=keras_family(model.optimizer),
         optimizer_name=" and ".join(sorted({type(leaf).__name__
                                             for leaf in leaf_optimizers(model.optimizer)})),

@@ -12,6 +12,7 @@ import pytest
 
 from autoaccum.adapters.keras import KerasAdapter, keras_fit
 from autoaccum.planning._adapter_interface import FitSettings
+from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.training import NonFiniteError
 
 from ._models import all_live, dense_model, max_diff, regression_data
@@ -77,8 +78,8 @@ def test_adapter_reads_the_policy_from_the_fit_settings():
     model = _model()
     plan = autoaccum.plan(model, (X, BAD), effective_batch=16, budget="1GiB", log=None)
     adapter = KerasAdapter()
-    prepared = adapter.prepare(model, (X, BAD), effective_batch=16, options={}, remat="none",
-                               remat_layers=None)
+    prepared = adapter.prepare(model, (X, BAD), effective_batch=16, options=ProgramOptions(),
+                               remat="none", remat_layers=None)
     settings = FitSettings(shuffle=False, verbose=0)
     object.__setattr__(settings, "on_nonfinite", "skip")  # the field issue 11 adds
     history = adapter.fit(model, prepared, plan, settings=settings, options={})

@@ -18,6 +18,7 @@ from autoaccum.adapters.keras import keras_fit
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
+from autoaccum.planning._plan_options import ProgramOptions
 
 from ._models import dense_model, regression_data
 from .test_accumulation import padded_data, token_model
@@ -245,7 +246,7 @@ def _budget_between_5_and_6(effective):
     shape, and the uneven step it verifies) and below every one of micro-batch 6."""
     model = _lm()
     program = prepare(adapter_for(model), model, _lm_data(effective), effective_batch=effective,
-                      options={}).program
+                      options=ProgramOptions()).program
 
     def needs(micro):
         accum, last = split_sizes(effective, micro)
