@@ -6,14 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TextIO
 
-from ._entry_options import (
-    explains_keywords,
-    learning_rate_spec,
-    program_options,
-    specs,
-    with_targets,
-)
-from .adapters import adapter_for
+from ._entry_options import Job, explains_keywords, resolve_job
 from .devices._context_mesh import keeps_callers_mesh
 from .planning._advisor import (
     Advice,
@@ -26,7 +19,6 @@ from .planning._advisor import (
     most_sharded_first,
     run_advisor,
 )
-from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
 from .planning._search import DoesNotFitError
@@ -106,29 +98,20 @@ def advise(
       >>> [a.change for a in advice.alternatives][:1]
       [{'optimizer': 'sgd'}]
     """
-    effective_batch = validate_effective_batch(effective_batch)
-    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
-                                                 search=search, training=training)
-    adapter = adapter_for(model)
-    return advise_planned(model, with_targets(adapter, data, y, sample_weight),
-                          effective_batch=effective_batch, optimizer=optimizer,
-                          loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
-                          target=the_target, search=the_search, training=the_training,
-                          log=resolve_log(log))
+    return advise_job(resolve_job(
+        "advise", model, data, y=y, sample_weight=sample_weight,
+        effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+        trainable=trainable, learning_rate=learning_rate, device=device, budget=budget,
+        target=target, search=search, training=training, log=log))
 
 
-def advise_planned(model: Any, data: Any, *, effective_batch: int, optimizer: Any,
-                   loss_fn: Any, trainable: Any, learning_rate: Any, target: Target,
-                   search: Search, training: Training, log: TextIO | None,
-                   original: DoesNotFitError | None = None) -> Advice:
-    """:func:`advise` on checked inputs (``data`` with its targets; the specs built);
-    ``original``: the error of the plan already made (``plan(..., advise=True)``), which is
-    not planned again."""
+def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
+    """:func:`advise` of a resolved call; ``original``: the error of the plan already made
+    (``plan(..., advise=True)``), which is not planned again."""
+    model, data, adapter, options = job.model, job.data, job.adapter, job.options
+    effective_batch, target, search, log = (job.effective_batch, job.target, job.search,
+                                            job.log)
     device, remat, devices = target.device, search.remat, target.devices
-    adapter = adapter_for(model)
-    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=learning_rate_spec(learning_rate),
-                              batch_stats=training.batch_stats)
 
     def plan_with(change: dict[str, Any]) -> Any:
         framework = {k: v for k, v in change.items()

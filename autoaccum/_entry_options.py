@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .adapters import adapter_for
 from .planning._lr_scaling import announce
+from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_model import plan_model
 from .planning._plan_options import (
@@ -28,9 +30,64 @@ from .training._epoch_batches import num_examples
 from .training._keyword_errors import explains_keywords, where_option_lives
 from .training._training_options import Training
 
-__all__ = ["changed", "drops", "effective_batch_of", "examples_of", "explains_keywords",
-           "learning_rate_spec", "plan_to_train", "program_options", "refuse_unread", "specs",
-           "where_option_lives", "with_examples", "with_targets"]
+__all__ = ["Job", "changed", "drops", "effective_batch_of", "examples_of",
+           "explains_keywords", "learning_rate_spec", "plan_to_train", "program_options",
+           "refuse_unread", "resolve_job", "specs", "where_option_lives", "with_examples",
+           "with_targets"]
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One entry point's call, every option validated once: the adapter of ``model``, the
+    data with ``y``/``sample_weight`` folded in as ``model.fit`` takes them, the three specs,
+    the program options (optimizer, loss, trainable, learning rate, BatchNorm statistics)
+    and where the log goes. Each public entry point builds one (:func:`resolve_job`) and
+    then does only what is its own."""
+
+    model: Any
+    data: Any
+    adapter: Any
+    effective_batch: int | None
+    target: Target
+    search: Search
+    training: Training
+    options: ProgramOptions
+    log: Any
+
+
+def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weight: Any = None,
+                effective_batch: Any = None, plan: Plan | None = None, optimizer: Any = None,
+                loss_fn: Any = None, trainable: Any = None, learning_rate: Any = None,
+                device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
+                training: Any = None, log: Any = "stderr",
+                needs_batch: bool = True) -> Job:
+    """The :class:`Job` of a call to the entry point ``where``: the effective batch (``None``
+    allowed where ``needs_batch`` is false; the given ``plan``'s when left out), the specs
+    with ``device=``/``budget=`` filled in, the learning rate as an
+    :class:`~autoaccum.LearningRate`, the log stream, the model's adapter and its data.
+
+    Example:
+      >>> import numpy as np
+      >>> from flax import nnx
+      >>> job = resolve_job("plan", nnx.Linear(2, 1, rngs=nnx.Rngs(0)), {"x": np.ones((4, 2))},
+      ...                   effective_batch=4, learning_rate=0.1, device="t4", log=None)
+      >>> job.adapter.name, job.target.device, job.options.learning_rate.value
+      ('flax', 't4', 0.1)
+    """
+    if effective_batch is not None or plan is not None or needs_batch:
+        effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
+                                                                      where))
+    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
+                                                 search=search, training=training)
+    adapter = adapter_for(model)
+    return Job(model=model, data=with_targets(adapter, data, y, sample_weight),
+               adapter=adapter, effective_batch=effective_batch, target=the_target,
+               search=the_search, training=the_training,
+               options=program_options(optimizer=optimizer, loss_fn=loss_fn,
+                                       trainable=trainable,
+                                       learning_rate=learning_rate_spec(learning_rate),
+                                       batch_stats=the_training.batch_stats),
+               log=resolve_log(log))
+
 
 def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
           training: Any = None) -> tuple[Target, Search, Training]:
@@ -69,24 +126,22 @@ def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> A
     return validate_plan_type(plan).effective_batch
 
 
-def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
-                  effective_batch: int, options: ProgramOptions, target: Target,
-                  search: Search,
-                  training: Training, log: Any, where: str) -> tuple[Plan, Any]:
+def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any]:
     """The plan ``fit`` and ``train_step`` train with, and its prepared step: ``plan=``
     checked and reused (the Target and Search fields that only shape planning are refused
     next to it), else planned now. With ``method="auto"`` and elastic steps the first
     training step is the real verification (it backs off on an out-of-memory exactly as
     auto planning would), so planning compiles only."""
-    adapter.check_trainable(model, where)
+    model, target, search = job.model, job.target, job.search
+    job.adapter.check_trainable(model, where)
     if plan is not None:
         given = {**changed(target), **changed(search)}
         the_plan, prepared = reuse_plan(
-            plan, model, data, adapter=adapter, effective_batch=effective_batch,
-            options=options, remat_layers=search.remat_layers,
+            plan, model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,
+            options=job.options, remat_layers=search.remat_layers,
             data_parallel=target.data_parallel,
             planning_options={k: v for k, v in given.items() if k in PLANNING_OPTIONS})
-        announce(prepared.lr_scaling, log)
+        announce(prepared.lr_scaling, job.log)
         return the_plan, prepared
     devices = slice_devices(target.device, target.devices)
     if devices is not None and devices > 1 and is_deviceless(target.device):
@@ -96,10 +151,11 @@ def plan_to_train(model: Any, data: Any, *, adapter: Any, plan: Plan | None,
             f"autoaccum.plan(..., device={target.device!r}); to train, run {where}() where "
             f"the devices are, without device= (it uses every device JAX sees there). "
             f"Received: device={target.device!r}, devices={devices}")
-    if search.method == "auto" and training.elastic:
+    if search.method == "auto" and job.training.elastic:
         search = dataclasses.replace(search, method="compile")
-    return plan_model(model, data, adapter=adapter, effective_batch=effective_batch,
-                      options=options, target=target, search=search, log=log, where=where)
+    return plan_model(model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,
+                      options=job.options, target=target, search=search, log=job.log,
+                      where=where)
 
 
 def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,

@@ -7,22 +7,15 @@ from typing import Any, TextIO
 
 from ._entry_options import (
     drops,
-    effective_batch_of,
     examples_of,
     explains_keywords,
-    learning_rate_spec,
     plan_to_train,
-    program_options,
-    specs,
+    resolve_job,
     with_examples,
-    with_targets,
 )
-from .adapters import adapter_for
 from .devices._context_mesh import keeps_callers_mesh
 from .planning._adapter_interface import FitSettings
 from .planning._option_checks import (
-    resolve_log,
-    validate_effective_batch,
     validate_positive_int,
 )
 from .planning._plan import Plan
@@ -115,15 +108,13 @@ def fit(
         raise ValueError("fit needs the training data as its second argument, e.g. "
                          "`autoaccum.fit(model, (x, y), effective_batch=...)` (Keras models: "
                          "also `autoaccum.fit(model, x, y, ...)`). Received: data=None")
-    effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
-                                                                      "fit"))
     epochs = validate_positive_int("epochs", epochs)
-    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
-                                                 search=search, training=training)
-    lr = learning_rate_spec(learning_rate)
-    log = resolve_log(log)
-    adapter = adapter_for(model)
-    data = with_targets(adapter, data, y, sample_weight)
+    job = resolve_job("fit", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, plan=plan, optimizer=optimizer,
+                      loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
+                      device=device, budget=budget, target=target, search=search,
+                      training=training, log=log)
+    adapter, the_training, the_search, log = job.adapter, job.training, job.search, job.log
     framework_options = {name: value for name, value, default in (
         ("callbacks", callbacks, None), ("validation_data", validation_data, None),
         ("validation_split", validation_split, 0.0),
@@ -132,12 +123,7 @@ def fit(
         ("initial_epoch", the_training.initial_epoch, 0),
         ("steps_per_epoch", steps_per_epoch, None)) if value != default}
     adapter.validate_fit_options(framework_options)
-    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=lr, batch_stats=the_training.batch_stats)
-    the_plan, prepared = plan_to_train(model, data, adapter=adapter, plan=plan,
-                                       effective_batch=effective_batch, options=options,
-                                       target=the_target, search=the_search,
-                                       training=the_training, log=log, where="fit")
+    the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
     if "validation_split" not in framework_options:
         the_plan = with_examples(the_plan, examples_of(prepared),
                                  drops(adapter, the_training.drop_remainder))

@@ -6,15 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._entry_options import (
-    explains_keywords,
-    learning_rate_spec,
-    program_options,
-    refuse_unread,
-    specs,
-    with_targets,
-)
-from .adapters import adapter_for
+from ._entry_options import explains_keywords, refuse_unread, resolve_job
 from .devices._context_mesh import keeps_callers_mesh
 from .planning._cache import resolve_cache
 from .planning._concurrent_compiles import CompileRequest, measure_all
@@ -84,16 +76,19 @@ def measure(
       True
     """
     micro_batch = validate_positive_int("micro_batch", micro_batch)
-    the_target, the_search, the_training = specs(device=device, target=target, search=search,
-                                                 training=training)
+    job = resolve_job("measure", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+                      trainable=trainable, learning_rate=learning_rate, device=device,
+                      target=target, search=search, training=training, log=None,
+                      needs_batch=False)
+    the_target, the_search, the_training = job.target, job.search, job.training
+    adapter, data, effective_batch = job.adapter, job.data, job.effective_batch
     refuse_unread("measure", "target", the_target,
                   read=("device", "memory_fraction", "data_parallel", "strategy"))
     refuse_unread("measure", "search", the_search, read=("remat", "remat_layers", "cache"))
     refuse_unread("measure", "training", the_training, read=("batch_stats",))
     device = the_target.device
     validate_memory_fraction(the_target.memory_fraction, device)
-    adapter = adapter_for(model)
-    data = with_targets(adapter, data, y, sample_weight)
     data_parallel = the_target.data_parallel
     if data_parallel == "auto" and is_deviceless(device):
         data_parallel = 1  # a dry run for a GPU that is not here measures one device
@@ -110,13 +105,10 @@ def measure(
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     accum_steps = validate_positive_int("accum_steps", accum_steps)
-    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=learning_rate_spec(learning_rate),
-                              batch_stats=the_training.batch_stats)
     remat = "none" if the_search.remat == "auto" else the_search.remat
     prepared = prepare(adapter, model, data,
                        effective_batch=effective_batch or micro_batch * dp * accum_steps,
-                       options=options, remat=remat, remat_layers=the_search.remat_layers)
+                       options=job.options, remat=remat, remat_layers=the_search.remat_layers)
     strategy = "replicated" if the_target.strategy == "auto" else the_target.strategy
     program = prepared.program.on_mesh(mesh, strategy)
     placement = program.placement

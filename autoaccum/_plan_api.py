@@ -5,19 +5,8 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from ._entry_options import (
-    drops,
-    examples_of,
-    explains_keywords,
-    learning_rate_spec,
-    program_options,
-    specs,
-    with_examples,
-    with_targets,
-)
-from .adapters import adapter_for
+from ._entry_options import drops, examples_of, explains_keywords, resolve_job, with_examples
 from .devices._context_mesh import keeps_callers_mesh
-from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_model import plan_model
 from .planning._plan_options import LearningRate, Search, Target
@@ -113,28 +102,19 @@ def plan(
       ...                budget="1GiB", log=None).learning_rate
       0.4
     """
-    effective_batch = validate_effective_batch(effective_batch)
-    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
-                                                 search=search, training=training)
-    lr = learning_rate_spec(learning_rate)
-    log = resolve_log(log)
-    adapter = adapter_for(model)
-    data = with_targets(adapter, data, y, sample_weight)
-    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=lr, batch_stats=the_training.batch_stats)
+    job = resolve_job("plan", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+                      trainable=trainable, learning_rate=learning_rate, device=device,
+                      budget=budget, target=target, search=search, training=training, log=log)
     try:
-        plan_, prepared = plan_model(model, data, adapter=adapter,
-                                     effective_batch=effective_batch, options=options,
-                                     target=the_target, search=the_search, log=log)
+        plan_, prepared = plan_model(model, job.data, adapter=job.adapter,
+                                     effective_batch=job.effective_batch, options=job.options,
+                                     target=job.target, search=job.search, log=job.log)
     except DoesNotFitError as error:
         if not advise:
             raise
-        from ._advise_api import advise_planned
+        from ._advise_api import advise_job
 
-        advice = advise_planned(model, data, effective_batch=effective_batch,
-                                optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                                learning_rate=lr, target=the_target, search=the_search,
-                                training=the_training, log=log, original=error)
-        raise advice.error from None
+        raise advise_job(job, original=error).error from None
     return with_examples(plan_, examples_of(prepared),
-                         drops(prepared.adapter, the_training.drop_remainder))
+                         drops(prepared.adapter, job.training.drop_remainder))

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TextIO
 
-from ._entry_options import (
-    effective_batch_of,
-    explains_keywords,
-    learning_rate_spec,
-    plan_to_train,
-    program_options,
-    specs,
-)
-from .adapters import adapter_for
+from ._entry_options import explains_keywords, plan_to_train, resolve_job
 from .adapters.flax import TrainStep
 from .adapters.keras import KerasTrainStep
 from .devices._context_mesh import keeps_callers_mesh
-from .planning._option_checks import resolve_log, validate_effective_batch
 from .planning._plan import Plan
 from .planning._plan_options import LearningRate, Search, Target
 from .training._training_options import Training
@@ -29,8 +20,10 @@ __all__ = ["train_step"]
 def train_step(
     model: Any,
     data: Any,
+    y: Any = None,
     *,
     effective_batch: int | None = None,
+    sample_weight: Any = None,
     optimizer: Any = None,
     loss_fn: Any = None,
     trainable: Any = None,
@@ -41,7 +34,7 @@ def train_step(
     target: Target | None = None,
     search: Search | None = None,
     training: Training | None = None,
-    log: Any = "stderr",
+    log: TextIO | str | None = "stderr",
 ) -> TrainStep | KerasTrainStep:
     """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
     batch, it trains one optimizer step and updates ``model`` in place.
@@ -63,6 +56,8 @@ def train_step(
         Flax: a stream's first effective batch is read (a one-shot iterator's are then
         gone, and the log says so). Keras: a one-shot generator is refused, since planning
         reads from it: pass one of its batches.
+      y, sample_weight: Keras models, as for :func:`autoaccum.fit` (``model.fit(x, y,
+        sample_weight=...)``'s targets and weights of in-memory ``x``).
       effective_batch: examples per optimizer step (per call).
       optimizer, loss_fn, trainable, learning_rate, device, budget, target, search: as for
         :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and ``trainable`` are Flax's: a
@@ -117,19 +112,13 @@ def train_step(
       >>> sorted(out.logs), int(net.optimizer.iterations)
       (['loss', 'mae'], 1)
     """
-    effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
-                                                                      "train_step"))
-    adapter = adapter_for(model)
-    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
-                                                 search=search, training=training)
-    log = resolve_log(log)
-    options = program_options(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                              learning_rate=learning_rate_spec(learning_rate),
-                              batch_stats=the_training.batch_stats)
-    the_plan, prepared = plan_to_train(model, data, adapter=adapter, plan=plan,
-                                       effective_batch=effective_batch, options=options,
-                                       target=the_target, search=the_search,
-                                       training=the_training, log=log, where="train_step")
+    job = resolve_job("train_step", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, plan=plan, optimizer=optimizer,
+                      loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
+                      device=device, budget=budget, target=target, search=search,
+                      training=training, log=log)
+    the_plan, prepared = plan_to_train(job, plan=plan, where="train_step")
+    the_search, the_training, adapter, log = job.search, job.training, job.adapter, job.log
     if plan is None and log is not None:
         print(the_plan.report(), file=log, flush=True)
     return adapter.train_step(
