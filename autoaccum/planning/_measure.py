@@ -303,15 +303,22 @@ DEVICELESS_CODEGEN_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("xla_gpu_disable_gpuasm_optimizations", True),
     ("xla_backend_optimization_level", 0),
     ("xla_llvm_disable_expensive_passes", True),
+    ("xla_gpu_experimental_enable_fusion_autotuner", False),
 )
 """XLA options of every deviceless compile: machine code unoptimised (``ptxas -O0``, LLVM
--O0 without its expensive passes). A deviceless executable is never run; autoaccum reads only
-its memory analysis (buffer assignment, done on the optimised HLO before any machine code),
-which these options do not touch; its flops come from the lowered HLO. The GPU's HLO passes
-(fusion, scheduling, rematerialization) run as on the device. Measured, Gemma3-4B (LoRA 4,
-seq 400, bf16) for a T4: every figure equal at 4, 12 and 34 layers; the 34-layer compile
-28.7 -> 26.7 s, the lab's cold dry run 58.6 -> 55.1 s (``tests/planning/
-test_deviceless_options.py`` checks the figures on a small model)."""
+-O0 without its expensive passes), and no fusion autotuner. A deviceless executable is never
+run; autoaccum reads only its memory analysis (buffer assignment, done on the optimised HLO
+before any machine code), which these options do not touch; its flops come from the lowered
+HLO. The GPU's HLO passes (fusion, scheduling, rematerialization) run as on the device.
+Measured, Gemma3-4B (LoRA 4, seq 400, bf16) for a T4: every figure equal at 4, 12 and 34
+layers; the 34-layer compile 28.7 -> 26.7 s, the lab's cold dry run 58.6 -> 55.1 s
+(``tests/planning/test_deviceless_options.py`` checks the figures on a small model).
+
+The fusion autotuner (XLA's ``config-assigner`` pass from jaxlib 0.12 on) cannot time
+anything without a GPU, yet took 7 of the 11 s of a two-block Gemma3-1B compile for a T4
+(jaxlib 0.12.0.1; 0.10.2's took none of its 6.5 s): off, the same compile takes 4.5 s (A100
+18 -> 10.5 s, H100 15 -> 9.8 s; Gemma3-4B at 34 layers for a T4 52 -> 47 s and 77 -> 65 s)
+with every figure equal to the byte (``benchmarks/plan_speed.py``)."""
 
 
 DEVICELESS_FALLBACK = {"xla_gpu_enable_triton_gemm": False}

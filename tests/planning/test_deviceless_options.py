@@ -1,6 +1,7 @@
-"""A deviceless compile skips optimising machine code that never runs (ptxas -O0, LLVM -O0):
-every memory figure it reports is that of the compile a GPU would run. (Its flops come from
-the lowered HLO, before any compile: ``autoaccum.planning._measure._cost``.)"""
+"""A deviceless compile skips optimising machine code that never runs (ptxas -O0, LLVM -O0)
+and the fusion autotuner that has no GPU to time: every memory figure it reports is that of
+the compile a GPU would run. (Its flops come from the lowered HLO, before any compile:
+``autoaccum.planning._measure._cost``.)"""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from flax import nnx
 
 from autoaccum.adapters.flax._nnx_program import flax_program
+from autoaccum.devices._xla_options import known_compile_options
 from autoaccum.planning._measure import DEVICELESS_CODEGEN_OPTIONS, compile_lowered, lower_step
 from autoaccum.planning._targets import resolve_target
 
@@ -16,8 +18,10 @@ pytestmark = pytest.mark.slow  # deviceless GPU compiles
 
 AS_ON_THE_DEVICE = {"xla_gpu_disable_gpuasm_optimizations": False,
                     "xla_backend_optimization_level": 3,
-                    "xla_llvm_disable_expensive_passes": False}
-"""XLA's defaults, as the step is compiled on the GPU itself."""
+                    "xla_llvm_disable_expensive_passes": False,
+                    "xla_gpu_experimental_enable_fusion_autotuner": True}
+"""XLA's defaults, as the step is compiled on the GPU itself (passed where this jaxlib knows
+them)."""
 
 FIGURES = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
            "temp_size_in_bytes")
@@ -51,7 +55,7 @@ def test_deviceless_compiles_report_the_figures_of_optimised_machine_code(device
     lowered = lower_step(program, 4, 3, target)
     with program.lowering_context():
         planned = compile_lowered(lowered, target)
-        on_device = lowered.compile(compiler_options=AS_ON_THE_DEVICE)
+        on_device = lowered.compile(compiler_options=known_compile_options(AS_ON_THE_DEVICE))
     for figure in FIGURES:
         assert (getattr(planned.memory_analysis(), figure)
                 == getattr(on_device.memory_analysis(), figure)), figure
