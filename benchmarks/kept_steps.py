@@ -45,6 +45,13 @@ def counted(self, *args, **kwargs):
         compiles[0] += 1
     return original(self, *args, **kwargs)
 jax.stages.Lowered.compile = counted
+
+def forget():
+    # every compiled program dropped: autoaccum's kept steps and JAX's caches
+    from autoaccum.planning import _kept_steps
+    _kept_steps._KEPT.clear()
+    jax.clear_caches()
+    compiles[0] = 0
 """
 """Counts the step programs a child compiles (its first lines)."""
 
@@ -67,10 +74,17 @@ def loss_fn(model, batch):
 rng = np.random.default_rng(0)
 data = {"tokens": rng.integers(0, 256, (64, 129)).astype(np.int32)}
 model = TinyTransformerLM(dim=256, heads=4, layers=6, max_len=128, rngs=nnx.Rngs(0))
-start = time.perf_counter()
-result = autoaccum.fit(model, data, effective_batch=16, budget="160MiB", optimizer=optax.adamw,
-                       learning_rate=1e-3, loss_fn=loss_fn, epochs=1, log=None, verbose=0,
-                       cache=False)
+options = dict(optimizer=optax.adamw, learning_rate=1e-3, loss_fn=loss_fn, log=None)
+if sys.argv[1] == "unplanned":  # the same step, planned beforehand and forgotten: no planning
+    plan = autoaccum.plan(model, data, effective_batch=16, budget="160MiB", cache=False,
+                          **options)
+    forget()
+    start = time.perf_counter()
+    result = autoaccum.fit(model, data, plan=plan, epochs=1, verbose=0, **options)
+else:
+    start = time.perf_counter()
+    result = autoaccum.fit(model, data, effective_batch=16, budget="160MiB", epochs=1,
+                           verbose=0, cache=False, **options)
 print(json.dumps({"seconds": time.perf_counter() - start, "compiles": compiles[0],
                   "split": f"{result.plan.micro_batch} x {result.plan.accum_steps}",
                   "loss": float(result.losses[-1])}))
@@ -101,9 +115,16 @@ model.compile(optimizer=keras.optimizers.AdamW(1e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 256, (64, 129)).astype(np.int32)
-start = time.perf_counter()
-history = autoaccum.fit(model, (tokens[:, :-1], tokens[:, 1:]), effective_batch=16,
-                        budget="400MiB", epochs=1, log=None, verbose=0, cache=False)
+xy = (tokens[:, :-1], tokens[:, 1:])
+if sys.argv[1] == "unplanned":  # the same step, planned beforehand and forgotten: no planning
+    plan = autoaccum.plan(model, xy, effective_batch=16, budget="400MiB", log=None, cache=False)
+    forget()
+    start = time.perf_counter()
+    history = autoaccum.fit(model, xy, plan=plan, epochs=1, log=None, verbose=0)
+else:
+    start = time.perf_counter()
+    history = autoaccum.fit(model, xy, effective_batch=16, budget="400MiB", epochs=1, log=None,
+                            verbose=0, cache=False)
 plan = history.autoaccum_plan
 print(json.dumps({"seconds": time.perf_counter() - start, "compiles": compiles[0],
                   "split": f"{plan.micro_batch} x {plan.accum_steps}",
@@ -123,7 +144,8 @@ def main() -> None:
     rows = []
     for framework, child in (("flax", CHILD), ("keras", KERAS_CHILD)):
         for mode, label in (("kept", "plan's step kept (now)"),
-                            ("again", "compiled again (before)")):
+                            ("again", "compiled again (before)"),
+                            ("unplanned", "a plan made earlier")):
             load = os.getloadavg()[0]
             start = time.perf_counter()
             out = run(child, mode)
@@ -132,6 +154,12 @@ def main() -> None:
                          f"{out['loss']:.4f}", f"{load:.1f}"])
     print_table(["fit", "plan", "step compiles", "fit s", "process s", "last loss", "load"],
                 rows)
+    for framework in ("flax", "keras"):
+        seconds = {r[0].split(": ", 1)[1]: float(r[3]) for r in rows
+                   if r[0].startswith(framework)}
+        ratio = seconds["plan's step kept (now)"] / seconds["a plan made earlier"]
+        print(f"{framework}: fit planning its step / fit with a plan made earlier = "
+              f"{ratio:.2f}x")
 
 
 if __name__ == "__main__":
