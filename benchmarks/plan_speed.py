@@ -24,9 +24,22 @@ table; its plans count compiles with ``compile_count()`` only, as one total).
     python benchmarks/plan_speed.py --cases lab-t4,1b-t4 --timeout 900
     python benchmarks/plan_speed.py --root /tmp/before --cases lab-t4
 
-Measured here (2 shared cores, jax 0.12.0.1, this machine often loaded by other work): see
-the tables in docs/guides/planning.md ("How long a plan takes") and the closing note of
-issue 50.
+Measured 2026-11-29 here (2 cores, jax 0.12.0.1), now and then with ``--root`` at 315f016
+(the search before issue 50; one total of compiles), one after the other:
+
+         case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    ---------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+       lab-t4  4 x 2 nothing   143.9     1.7     2        8        10         55.0               2.6
+        1b-t4     4 x 2 none    63.7     1.4     1        6         7         36.3               1.8
+       1b-v5e     8 x 1 none   356.4     2.1     2        6         8         63.0               5.7
+     lab-2xt4     2 x 2 none   239.2     1.5     4       16        20         35.4               6.8
+    advise-4b         4 rows   182.6     2.3                       26
+       nnx-t4     4 x 2 none    56.9    11.6     1        6         7         31.7               1.8
+      nnx-v5e     8 x 1 none   260.9    11.0     1        6         7         88.1               3.0
+
+    before (315f016): lab-t4 393.6 s cold (10 compiles), 1b-t4 156.7 s (7), 1b-v5e 335.2 s (5),
+    nnx-t4 164.1 s (7); the same plans. The rest: docs/guides/planning.md ("How long a plan
+    takes") and the closing notes of issue 50.
 """
 
 from __future__ import annotations

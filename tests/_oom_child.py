@@ -168,46 +168,6 @@ def flax_fit_elastic(*, vocab: int, length: int, n: int, effective: int, fail_af
             "log": log.getvalue()[-3000:]}
 
 
-def flax_restore_oom(*, vocab: int, length: int, n: int, headroom_mib: float,
-                     async_dispatch: bool = False) -> dict:
-    """A step that runs out of memory under a cap so low that the state from before it does
-    not fit back on the device either: the model holds it on the host, nothing is lost, and
-    with the cap lifted training goes on from it."""
-    import numpy as np
-
-    import autoaccum
-    from autoaccum.devices._rlimit import AddressSpaceCap
-    from tests._models import token_loss
-
-    if not async_dispatch:
-        _setup()
-    model, data, tx = _flax_parts(vocab, length, n)
-    step = autoaccum.train_step(model, data, effective_batch=32, optimizer=tx,
-                                loss_fn=token_loss, log=None, budget="2GiB",
-                                training=autoaccum.Training(elastic=False, backup="host"))
-    batch = {k: v[:32] for k, v in data.items()}
-    step(batch)
-    after_one = _params(model)
-    error, notes = "", []
-    cap = AddressSpaceCap(headroom_bytes=1 << 32)
-    with cap:
-        cap.set_headroom(int(headroom_mib * MIB))
-        try:
-            step(batch)
-        except Exception as failure:  # the out-of-memory, with autoaccum's notes
-            error, notes = f"{type(failure).__name__}: {failure}"[:500], list(
-                getattr(failure, "__notes__", []))
-    import jax
-    from flax import nnx
-
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    on_host = all(isinstance(a, np.ndarray) for a in leaves)
-    same = all(np.array_equal(a, b) for a, b in zip(_params(model), after_one, strict=True))
-    out = step(batch)  # the cap lifted: training goes on from the held state
-    return {"error": error, "notes": notes, "on_host": on_host, "same": same,
-            "steps": step.steps, "finite": bool(np.isfinite(out.loss))}
-
-
 def flax_restore_consumed(*, vocab: int, length: int, n: int, headroom_mib: float) -> dict:
     """The state a failed step consumed (donated: deleted), and a cap under which the host
     copy does not fit back on the device: after the real out-of-memory of putting it back,
@@ -491,7 +451,7 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
 
 SCENARIOS = {
     "flax_elastic": flax_elastic, "keras_elastic": keras_elastic,
-    "flax_fit_elastic": flax_fit_elastic, "flax_restore_oom": flax_restore_oom,
+    "flax_fit_elastic": flax_fit_elastic,
     "flax_restore_consumed": flax_restore_consumed,
     "flax_backoff": flax_backoff, "keras_backoff": keras_backoff,
     "keras_train_step_oom": keras_train_step_oom,
