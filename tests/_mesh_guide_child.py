@@ -177,13 +177,8 @@ def guide_0_12_default_mesh() -> dict:
 
 # -- flax 0.11's guide -----------------------------------------------------------------------
 
-class DotReluDot011(nnx.Module):
-    def __init__(self, depth: int, rngs: nnx.Rngs):
-        init_fn = nnx.initializers.lecun_normal()
-        self.dot1 = nnx.Linear(depth, depth,
-                               kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
-                               use_bias=False, rngs=rngs)
-        self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), sharding=("model", None))
+class DotReluDot011(DotReluDot):
+    """The 0.11 guide's block: the same weights, read through ``.value``."""
 
     def __call__(self, x):
         y = jax.nn.relu(self.dot1(x))
@@ -237,20 +232,15 @@ class ExplicitDotReluDot(nnx.Module):
         return z + self.b2
 
 
-class ExplicitMultiDotReluDot(nnx.Module):
+class ExplicitMultiDotReluDot(MultiDotReluDot):
+    """The explicit-axes stack: made by ``jax.vmap``, scanned as the guide's."""
+
     def __init__(self, depth: int, num_layers: int, rngs: nnx.Rngs):
         @partial(jax.vmap, spmd_axis_name=None)
         def create_sublayers(r):
             return ExplicitDotReluDot(depth, r)
 
         self.layers = create_sublayers(rngs.fork(split=num_layers))
-
-    def __call__(self, x):
-        def scan_over_layers(x, layer):
-            return layer(x), None
-
-        x, _ = jax.lax.scan(scan_over_layers, x, self.layers)
-        return x
 
 
 def explicit() -> dict:
