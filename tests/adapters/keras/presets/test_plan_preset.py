@@ -114,3 +114,19 @@ def test_a_tpu_slice_plans_a_preset_over_its_chips_with_a_sharding_strategy():
     assert any(p.kind == "compile" and p.fits for p in plan.probes)
     note = next(n for n in plan.notes if n.startswith("sharding strategy"))
     assert "replicated:" in note
+
+
+def test_a_preset_planned_for_a_tpu_compiles_each_candidate_at_full_depth_only():
+    # libtpu generates code at every depth (two reduced-depth compiles cost more than the
+    # full one) and its small depths are not linear: no reduced-depth compile for a TPU.
+    pytest.importorskip("libtpu")
+    plan = plan_preset("gemma3_1b", effective_batch=4, sequence_length=16, device="v5e-1",
+                       lora_rank=4, backbone_overrides={"num_layers": 8, "vocabulary_size": 512},
+                       log=None, search=autoaccum.Search(cache=False))
+    assert plan.compiles.reduced == 0 and plan.compiles.full == len(plan.probes) >= 1
+    assert all(p.estimate.source == "compiled" for p in plan.probes)
+    assert any("not for a TPU" in n for n in plan.notes)
+    gpu = plan_preset("gemma3_1b", effective_batch=4, sequence_length=16, device="t4",
+                      lora_rank=4, backbone_overrides={"num_layers": 8, "vocabulary_size": 512},
+                      log=None, search=autoaccum.Search(cache=False))
+    assert gpu.compiles.reduced >= 2  # a GPU's reduced depths still stand in
