@@ -318,7 +318,8 @@ The fusion autotuner (XLA's ``config-assigner`` pass from jaxlib 0.12 on) cannot
 anything without a GPU, yet took 7 of the 11 s of a two-block Gemma3-1B compile for a T4
 (jaxlib 0.12.0.1; 0.10.2's took none of its 6.5 s): off, the same compile takes 4.5 s (A100
 18 -> 10.5 s, H100 15 -> 9.8 s; Gemma3-4B at 34 layers for a T4 52 -> 47 s and 77 -> 65 s)
-with every figure equal to the byte (``benchmarks/plan_speed.py``)."""
+with every figure equal to the byte (timed with XLA's per-pass log; the figures checked by
+``tests/planning/test_deviceless_options.py``)."""
 
 
 DEVICELESS_FALLBACK = {"xla_gpu_enable_triton_gemm": False}

@@ -157,17 +157,11 @@ def plan_program(
     dp = int(dry_mesh.size) if dry_mesh is not None and not placed else None
     if dry_mesh is not None and resolved.profile is not None:
         notes += (f"interconnect: {resolved.profile.interconnect_line()}",)
-    target = resolved.compile_target
-    by_depth_worthwhile = depth_variants is not None and depth_variants.worthwhile
-    if by_depth_worthwhile and target.deviceless and target.platform == "tpu":
-        # libtpu generates code at every depth: two reduced-depth compiles cost more than one
-        # at full depth (Gemma3-1B LoRA for a v5e-1: 78 s a pair against 70 s; Gemma3-4B for
-        # a v5e-8: 346 s against 312 s), and its small depths are not linear (1.62 GiB at
-        # two blocks, 1.52 at three): each candidate is compiled at full depth.
-        notes += ("depth extrapolation: not for a TPU (libtpu's reduced depths cost as much "
-                  "as the full one and are not linear in depth): compiled at full depth",)
-        by_depth_worthwhile = False
-    if by_depth_worthwhile and (mesh is None or dry_mesh is not None):
+    skipped = (depth_variants.skipped_for(resolved.compile_target)
+               if depth_variants is not None else None)
+    notes += (skipped,) if skipped else ()
+    if (depth_variants is not None and depth_variants.worthwhile and skipped is None
+            and (mesh is None or dry_mesh is not None)):
         with _marking(beyond_remat):
             by_depth = plan_by_depth(depth_variants, effective_batch=effective_batch,
                                      lr_scaling=lr_scaling, budget=resolved.budget,
