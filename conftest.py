@@ -81,7 +81,7 @@ SLOW_DOCTESTS = (
     "autoaccum/_train_step_api.py",
     "autoaccum/_plan_api.py::autoaccum._plan_api.plan",
     "autoaccum/_fit_api.py::autoaccum._fit_api.fit",
-    "autoaccum/adapters/keras/_keras_train_step.py::autoaccum.adapters.keras._keras_train_step."
+    "autoaccum/adapters/keras/_keras_adapter.py::autoaccum.adapters.keras._keras_adapter."
     "KerasTrainStep",
     "autoaccum/devices/_xla_options.py::autoaccum.devices._xla_options.known_xla_flags",
     "autoaccum/adapters/keras/_keras_fit.py::autoaccum.adapters.keras._keras_fit.keras_fit",

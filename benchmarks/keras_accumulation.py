@@ -36,7 +36,7 @@ from autoaccum.adapters.keras._keras_program import (
     keras_state,
     keras_train_step,
 )
-from autoaccum.adapters.keras._scope import materialize
+from autoaccum.adapters.keras._keras_step import materialize
 
 
 def build(args: argparse.Namespace, accumulation: int | None = None) -> keras.Model:

@@ -88,7 +88,7 @@ import keras
 import numpy as np
 
 from autoaccum.adapters.keras._keras_program import find_layout
-from autoaccum.adapters.keras._step import keras_train_step
+from autoaccum.adapters.keras._keras_step import keras_train_step
 from autoaccum.devices._oom import is_out_of_memory
 from autoaccum.planning._micro_batches import UnevenBatches, split_sizes
 from autoaccum.training._elastic import shrink

@@ -33,8 +33,8 @@ import numpy as np
 
 import autoaccum
 from autoaccum.adapters import adapter_for
+from autoaccum.adapters.keras._keras_fit import KerasState, keras_runner
 from autoaccum.adapters.keras._keras_program import find_layout, keras_state
-from autoaccum.adapters.keras._keras_state import KerasState, keras_runner
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning import split_sizes
 from autoaccum.planning._measure import measure_program

@@ -16,8 +16,7 @@ from _common import median_seconds, print_table
 from flax import nnx
 
 from autoaccum.adapters import adapter_for
-from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
-from autoaccum.adapters.flax._nnx_remat import rematerialized
+from autoaccum.adapters.flax._nnx_program import make_flax_step, rematerialized, split_model
 from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._units import format_bytes
 from autoaccum.planning._measure import CompileTarget, measure_program

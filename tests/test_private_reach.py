@@ -160,7 +160,7 @@ def test_the_rule_catches_every_form_of_reach():
         "    return vars(model)",
         "",
     ])
-    found = _with("autoaccum/adapters/keras/_step.py", extra)
+    found = _with("autoaccum/adapters/keras/_keras_step.py", extra)
     for what in ("import jax._src.xla_bridge", "import jaxlib", "from keras import src",
                  "from jax._src.lib import", "the module name 'jax._src.xla_bridge'",
                  "the private attribute ._jax_state", "getattr(..., '_remat_mode')",

@@ -13,8 +13,12 @@ import pytest
 from flax import nnx
 from packaging.version import Version
 
-from autoaccum.adapters.flax._nnx_program import flax_program, make_flax_step, split_model
-from autoaccum.adapters.flax._nnx_remat import rematerialized
+from autoaccum.adapters.flax._nnx_program import (
+    flax_program,
+    make_flax_step,
+    rematerialized,
+    split_model,
+)
 from autoaccum.devices._xla_options import known_compile_options
 from autoaccum.planning._measure import compile_lowered, lower_step
 from autoaccum_demo._flax_demo import load_corpus

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from autoaccum.adapters.flax._optax_lr import build_optax_optimizer
+from autoaccum.adapters.flax._nnx_optimizer import build_optax_optimizer
 from autoaccum.planning import scale_learning_rate
 
 

@@ -5,14 +5,14 @@ micro-batch as a sum over its valid items with their count, so masking is exact.
 """
 
 from ._nnx_adapter import FlaxAdapter as FlaxAdapter
+from ._nnx_adapter import StepOutput as StepOutput
+from ._nnx_adapter import TrainStep as TrainStep
 from ._nnx_fit import flax_fit as flax_fit
+from ._nnx_optimizer import build_optax_optimizer as build_optax_optimizer
 from ._nnx_program import flax_program as flax_program
 from ._nnx_program import make_flax_step as make_flax_step
+from ._nnx_program import rematerialized as rematerialized
 from ._nnx_program import split_model as split_model
-from ._nnx_remat import rematerialized as rematerialized
-from ._nnx_train_step import StepOutput as StepOutput
-from ._nnx_train_step import TrainStep as TrainStep
-from ._optax_lr import build_optax_optimizer as build_optax_optimizer
 
 __all__ = [
     "FlaxAdapter",

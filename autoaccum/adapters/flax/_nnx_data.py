@@ -36,16 +36,8 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received, type_name
-from ...training._epoch_batches import (
-    as_arrays,
-    batch_rebuilder,
-    epoch_order,
-    num_examples,
-)
+from ...training._epoch_batches import as_arrays, batch_rebuilder, epoch_order, num_examples
 from ...training._rebatch import Rebatcher, concat
-
-__all__ = ["ArrayData", "FlaxStream", "flax_data", "is_records", "list_reading",
-           "stack_records"]
 
 PyTree = Any
 

@@ -2,8 +2,28 @@
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
 (:class:`~autoaccum.training.StepRunner`); what Flax brings to it is :class:`_FlaxHooks`: the
-model's state (:class:`._nnx_state.FlaxState`), the epoch's batches, autoaccum's callbacks
+model's state (:class:`._nnx_fit.FlaxState`), the epoch's batches, autoaccum's callbacks
 and the :class:`~autoaccum.training.FitResult`.
+
+A Flax NNX model's train state for the one step runner
+(:class:`~autoaccum.training._step_runner.StepRunner`), for ``fit`` and ``train_step``.
+
+The state is ``(params, other, opt_state)``: the trained variables and the other state (RNG
+counters, batch statistics) live in the model, the optimizer state here (and, with an
+``nnx.Optimizer``, in it too, written back by the callers). :class:`FlaxState` reads it,
+writes each step's state into the model (``nnx.update``) and lays it out on the devices:
+replicated or split over a data-parallel mesh by the plan's strategy, or in the model's own
+layout (a :class:`~autoaccum.devices._placement.Placement`).
+
+Validation loss of a Flax NNX model in eval mode, with the same ``loss_fn`` as training.
+
+The batches run through the one validator (:class:`autoaccum.training._validator.Validator`:
+one compiled program per batch shape, the model only read). Eval mode is what
+``model.eval()`` sets (``deterministic=True`` for dropout,
+``use_running_average=True`` for BatchNorm), applied to a view of the model
+(``nnx.with_attributes``): the model being trained keeps its own flags. The validation loss
+is ``sum of every batch's loss sum / sum of their counts``, so it weighs every valid item
+(token, example) once, however the batches are cut.
 """
 
 from __future__ import annotations
@@ -11,12 +31,20 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+import jax
+import numpy as np
 import optax
 from flax import nnx
 
+from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
+from ...devices._mesh import place, replicate
+from ...devices._placement import Placement
+from ...devices._placement import place as place_each
+from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, validate_callbacks
@@ -26,14 +54,304 @@ from ...training._interrupts import deferred_interrupts
 from ...training._nonfinite import validate_on_nonfinite
 from ...training._progress import ProgressBar
 from ...training._result import FitResult
-from ...training._step_runner import StepOutcome, StepRunner
+from ...training._step_accumulation import placed_accumulate, step_accumulation
+from ...training._step_runner import StateHooks, StepOutcome, StepRunner
+from ...training._validator import Validator
 from ._nnx_data import ArrayData, FlaxStream, flax_data
-from ._nnx_program import LossFn
-from ._nnx_state import FlaxState, flax_runner
-from ._nnx_validation import Evaluator, warn_if_eval_mode
+from ._nnx_optimizer import handles_nonfinite
+from ._nnx_program import (
+    EffectiveBatchNorm,
+    LossFn,
+    checked_loss,
+    make_flax_step,
+    sharded_layout,
+    split_model,
+)
 from ._sharding import home_shardings, rehome
 
-__all__ = ["flax_fit"]
+
+class FlaxState(StateHooks):
+    """A Flax NNX model's train state, laid out for ``plan`` (see the module docstring).
+
+    Args:
+      model: the module (updated in place).
+      plan: the plan (its strategy lays the state out on ``mesh``).
+      tx, trainable: the optax transformation and the trained filter.
+      mesh: the one-axis data-parallel mesh, or ``None``.
+      placement: the model's own layout over a mesh of several axes (then ``mesh`` is
+        ``None``).
+      nnx_optimizer: the user's ``nnx.Optimizer`` link: training starts from its state.
+      follow_model: before every step, take weights written into the model since the last
+        one (a restored checkpoint; ``train_step``); else the model is only written.
+    """
+
+    def __init__(self, model: nnx.Module, plan: Plan, *, tx: optax.GradientTransformation,
+                 trainable: Any, mesh: Any = None, placement: Placement | None = None,
+                 nnx_optimizer: Any = None, follow_model: bool = False) -> None:
+        self.model, self.trainable, self.mesh, self.placement = model, trainable, mesh, placement
+        self.follow_model = follow_model
+        unshare(model, trainable)  # the steps donate these arrays: not another module's
+        self.graphdef, params, frozen, other = split_model(model, trainable)
+        if placement is not None:  # the user's own layout, kept as it is
+            params, other = place_each((params, other), placement.state[:2])
+            # Each device makes only its own share of the optimizer state.
+            opt_state = (jax.jit(tx.init, out_shardings=placement.state[2])(params)
+                         if nnx_optimizer is None
+                         else place_each(nnx_optimizer.initial(tx, params), placement.state[2]))
+        else:
+            opt_state = (tx.init(params) if nnx_optimizer is None
+                         else nnx_optimizer.initial(tx, params))
+        self.layout = (None if placement is not None
+                       else sharded_layout(plan, mesh, params, opt_state, frozen))
+        self.state, self.frozen = (params, other, opt_state), frozen
+        self._unplaced = mesh is not None or placement is not None
+        self.place_state(self.state, self.frozen)
+
+    @property
+    def trace_mesh(self) -> Any:
+        """The mesh the model's code is traced under: the one the step runs on (the kept
+        layout's, the strategy's or the data-parallel one), or on one device the caller's
+        axis names (see :func:`autoaccum.devices._context_mesh.step_mesh`)."""
+        if self.placement is not None:
+            return self.placement.mesh
+        return step_mesh(self.layout.mesh if self.layout is not None else self.mesh,
+                         callers_mesh())
+
+    @property
+    def data_parallel(self) -> int:
+        """Devices the batches are split over."""
+        if self.placement is not None:
+            return self.placement.data_parallel
+        return 1 if self.mesh is None else int(self.mesh.size)
+
+    def read_state(self) -> tuple[Any, Any]:
+        if self.follow_model:
+            self._follow()
+        return self.state, self.frozen
+
+    def write_state(self, state: Any) -> None:
+        nnx.update(self.model, state[0], state[1])
+        self.state = state
+
+    def place_state(self, state: Any, frozen: Any) -> tuple[Any, Any]:
+        if self._unplaced:
+            self.state, self.frozen = self._placed(state), self._placed_frozen(frozen)
+            self._unplaced = False
+            return self.state, self.frozen
+        return state, frozen
+
+    def set_opt_state(self, value: Any) -> None:
+        """The optimizer state from now on (weights written into the model stay)."""
+        self._follow()
+        params, other, _ = self.state
+        self.state = (params, other, value)
+        self._unplaced = self.mesh is not None or self.placement is not None
+        self.write_state(self.place_state(self.state, self.frozen)[0])
+
+    def _follow(self) -> None:
+        """Takes weights written into the model since the last step (a restored checkpoint)."""
+        _, params, frozen, other = split_model(self.model, self.trainable)
+        live_params, live_other, opt_state = self.state
+        now = jax.tree.leaves((params, other, frozen))
+        held = jax.tree.leaves((live_params, live_other, self.frozen))
+        if len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True)):
+            return
+        self.state, self.frozen = (params, other, opt_state), frozen
+        self._unplaced = self.mesh is not None or self.placement is not None
+
+    def _placed(self, state: Any) -> Any:
+        """``state`` on the mesh: replicated, split as the plan's strategy says, or in the
+        model's own layout."""
+        if self.placement is not None:
+            return place_each(state, self.placement.state)
+        if self.layout is None:
+            return replicate(state, self.mesh)
+        return place(state, self.layout.state_shardings(state[1]))
+
+    def _placed_frozen(self, frozen: Any) -> Any:
+        """Frozen weights on the mesh: replicated, split (``fsdp``), or in the model's own
+        layout."""
+        if self.placement is not None:
+            return place_each((frozen,), self.placement.frozen)[0]
+        if self.layout is not None:  # fsdp splits them; the model holds the split ones
+            frozen = place((frozen,), self.layout.frozen_shardings((frozen,)))[0]
+            if self.layout.strategy == "fsdp":
+                nnx.update(self.model, frozen)
+            return frozen
+        return replicate(frozen, self.mesh)
+
+
+def unshare(model: nnx.Module, trainable: Any) -> int:
+    """Gives ``model`` its own copy of every array a step donates (its trained weights and
+    other state) that another module's variables hold too (``ref = nnx.clone(model)``
+    shares the arrays, ``nnx.merge`` of a model's state into a second module too): the
+    first step would otherwise delete them under the other module. Only shared arrays are
+    copied (the other module kept them on purpose); frozen weights are never donated.
+    Returns how many were copied.
+
+    Example:
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> ref = nnx.clone(model)
+      >>> unshare(model, nnx.Param), model.kernel[...] is ref.kernel[...]
+      (2, False)
+    """
+    import gc
+
+    own = {id(v) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    _, params, _, other = split_model(model, trainable)
+    donated = {}
+    for variable in (v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)):
+        value = variable.get_value()
+        if isinstance(value, jax.Array):
+            donated.setdefault(id(value), (value, []))[1].append(variable)
+    kept = {id(a) for a in jax.tree.leaves((params, other)) if isinstance(a, jax.Array)}
+    arrays = [value for key, (value, _) in donated.items() if key in kept]
+    if not arrays:
+        return 0
+    shared = {id(holder.get_value()) for holder in gc.get_referrers(*arrays)
+              if isinstance(holder, nnx.Variable) and id(holder) not in own}
+    for key in shared:
+        value, holders = donated[key]
+        copy = value.copy()
+        for variable in holders:
+            variable.set_value(copy)
+    return len(shared)
+
+
+def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
+                tx: optax.GradientTransformation, batch_stats: str = "effective",
+                on_nonfinite: str = "stop", elastic: bool = True, backup: str = "auto",
+                log: TextIO | None = None, events: list[str] | None = None,
+                optimizer_skips_nonfinite: bool | None = None) -> StepRunner:
+    """The :class:`StepRunner` of ``plan``'s accumulated Flax step on ``hooks``' state (an
+    epoch's last, smaller step at the largest divisor of the micro-batch, padded when its
+    examples do not divide over the devices)."""
+    model, placement = hooks.model, hooks.placement
+    norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
+    if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
+        optimizer_skips_nonfinite = handles_nonfinite(tx)
+    accumulate = (placed_accumulate(placement) if placement is not None
+                  else step_accumulation(hooks.mesh, hooks.layout))
+    # A kept layout: the state keeps its shardings (GSPMD partitions the step).
+    out = {} if placement is None else {"out_shardings": (placement.state, None)}
+
+    def make_step(weighted: bool) -> Any:
+        return jax.jit(make_flax_step(hooks.graphdef, loss_fn=loss_fn, tx=tx,
+                                      trainable=hooks.trainable, accumulate=accumulate,
+                                      norms=norms, on_nonfinite=on_nonfinite,
+                                      weighted=weighted, layout=hooks.layout,
+                                      optimizer_skips_nonfinite=optimizer_skips_nonfinite,
+                                      trace_mesh=hooks.trace_mesh),
+                       donate_argnums=0, **out)
+
+    return StepRunner(
+        hooks, make_step, split=(plan.accum_steps, plan.micro_batch, plan.last_micro_batch),
+        data_parallel=hooks.data_parallel, mesh=hooks.mesh, placement=placement,
+        uneven=False, pad=True, elastic=elastic, backup=backup, on_nonfinite=on_nonfinite,
+        optimizer_skips_nonfinite=optimizer_skips_nonfinite, check_count=True, log=log,
+        events=events)
+
+
+_EVAL = {"deterministic": True, "use_running_average": True}
+
+
+def _mode_flags(model: nnx.Module) -> list[bool]:
+    """For every module with a mode flag: whether it is set to eval."""
+    flags = []
+    for _, module in nnx.iter_modules(model):
+        for name, eval_value in _EVAL.items():
+            value = getattr(module, name, None)
+            if isinstance(value, bool):
+                flags.append(value == eval_value)
+    return flags
+
+
+def warn_if_eval_mode(model: nnx.Module) -> None:
+    """An ``AutoaccumWarning`` when every dropout/BatchNorm flag of ``model`` says eval mode
+    (as after ``model.eval()``): training would then run without dropout and with frozen
+    BatchNorm statistics.
+
+    Example:
+      >>> warn_if_eval_mode(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))  # no mode flags: silent
+    """
+    flags = _mode_flags(model)
+    if flags and all(flags):
+        warnings.warn(
+            "The model is in eval mode (every Dropout is deterministic and every BatchNorm uses "
+            "its running averages, as after model.eval()); autoaccum.fit trains it as it is. "
+            "Call model.train() before fit to train with dropout and batch statistics, or "
+            "ignore this if the layers are frozen on purpose.",
+            AutoaccumWarning,
+            stacklevel=4,
+        )
+
+
+def _place(batch: Any, mesh: Any) -> Any:
+    """The batch split over the mesh's data axis when it divides, else replicated."""
+    if mesh is None:
+        return batch
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = int(jax.tree.leaves(batch)[0].shape[0])
+    spec = P(mesh.axis_names[0]) if n % mesh.size == 0 else P()
+    return jax.device_put(batch, NamedSharding(mesh, spec))
+
+
+class Evaluator:
+    """``evaluator(state, frozen) -> mean validation loss`` over ``data`` in eval mode.
+
+    Args:
+      model: the model (its flags are not changed).
+      data: validation arrays (as ``as_arrays`` returns them).
+      loss_fn: the training ``loss_fn``.
+      trainable: the filter the train state was split with.
+      batch_size: examples per evaluation batch (the last one may be smaller).
+      steps: evaluate at most this many batches (``None``: all).
+      mesh: the data-parallel mesh of the train state, or ``None``.
+      trace_mesh: the mesh the model's code is traced under (the train step's).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from ._nnx_program import split_model
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
+      >>> data = {"x": np.zeros((5, 2), np.float32)}
+      >>> ev = Evaluator(model, data, loss_fn=loss_fn, trainable=nnx.Param, batch_size=2)
+      >>> _, params, frozen, other = split_model(model, nnx.Param)
+      >>> ev((params, other, None), frozen)
+      0.0
+    """
+
+    def __init__(self, model: nnx.Module, data: Any, *, loss_fn: LossFn, trainable: Any,
+                 batch_size: int, steps: int | None = None, mesh: Any = None,
+                 trace_mesh: Any = None) -> None:
+        view = nnx.with_attributes(model, raise_if_not_found=False, **_EVAL)
+        graphdef = nnx.graphdef(view)
+        self.data, self.batch_size, self.steps, self.mesh = data, batch_size, steps, mesh
+        self.n = int(jax.tree.leaves(data)[0].shape[0])
+
+        def evaluate(state: Any, batch: Any, frozen: Any) -> Any:
+            m = nnx.merge(graphdef, state[0], frozen, state[1], copy=True)
+            return checked_loss(loss_fn(m, batch))
+
+        self._validator = Validator(traced_under(evaluate, trace_mesh),
+                                    place=lambda batch: _place(batch, mesh))
+
+    def __call__(self, state: Any, frozen: Any) -> float:
+        totals = [0.0, 0.0]
+
+        def each(step: int, out: Any) -> None:
+            totals[0] += float(out[0])
+            totals[1] += float(out[1])
+
+        batches = (jax.tree.map(lambda a, s=start: a[s: s + self.batch_size], self.data)
+                   for start in range(0, self.n, self.batch_size))
+        self._validator(batches, lambda: ((state[0], state[1]), frozen), each,
+                        steps=self.steps)
+        total, count = totals
+        return total / count if count > 0 else float(np.nan if total else 0.0)
 
 
 def flax_fit(

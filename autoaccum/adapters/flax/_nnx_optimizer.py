@@ -4,19 +4,23 @@ autoaccum trains with the optimizer's ``tx`` on the variables its ``wrt`` filter
 (``nnx.Param``, ``nnx.LoRAParam``, ...), starts from the optimizer's own state (a restored
 checkpoint goes on where it stopped), and writes the state and the step count back into it
 after training, so a checkpoint of the ``nnx.Optimizer`` holds the trained state.
+
+Applying a learning-rate scaling to an optax optimizer.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
-from ...planning._option_checks import type_name
-
-__all__ = ["NnxOptimizerLink", "refuse_accumulating_optimizer", "unwrap_optimizer"]
+from ...planning._lr_scaling import ADAPTIVE, SGD_LIKE, LearningRateScaling
+from ...planning._option_checks import received, type_name
 
 
 class NnxOptimizerLink:
@@ -153,3 +157,205 @@ def unwrap_optimizer(optimizer: Any, trainable: Any) -> tuple[Any, Any, Any]:
             f"build the optimizer with wrt=that filter. Received: trainable of type "
             f"{type_name(trainable)}")
     return optimizer.tx, wrt, optimizer
+
+
+# What optax builds its optimizers from (the functions named in a transformation's closures).
+_ADAPTIVE_PARTS = frozenset({
+    "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief",
+    "scale_by_factored_rms", "scale_by_rms", "scale_by_rss", "scale_by_novograd",
+    "scale_by_yogi", "scale_by_radam", "scale_by_sm3", "scale_by_lion", "scale_by_adan",
+    "scale_by_adadelta", "scale_by_stddev",
+    "adam", "adamw", "adamax", "adamaxw", "nadam", "nadamw", "radam", "amsgrad", "adabelief",
+    "adafactor", "adagrad", "adadelta", "adan", "lamb", "lion", "novograd", "rmsprop", "sm3",
+    "yogi",
+})
+_SGD_PARTS = frozenset({"sgd", "noisy_sgd", "lars", "trace", "scale", "scale_by_learning_rate",
+                        "scale_by_schedule"})
+# Optimizers of neither family (sign or second-order steps, line searches, Muon): lr_rule=.
+_OTHER_PARTS = frozenset({
+    "scale_by_muon", "muon", "scale_by_polyak", "polyak_sgd", "scale_by_lbfgs", "lbfgs",
+    "scale_by_sign", "sign_sgd", "scale_by_rprop", "rprop", "scale_by_zoom_linesearch",
+    "scale_by_backtracking_linesearch", "fromage", "optimistic_gradient_descent",
+})
+
+
+def is_transformation(optimizer: object) -> bool:
+    """Whether ``optimizer`` is an already built optax ``GradientTransformation``."""
+    return isinstance(optimizer, optax.GradientTransformation)
+
+
+def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
+    """The family of an optax optimizer, for the default learning-rate rule: ``ADAPTIVE``,
+    ``SGD_LIKE`` or ``None`` when it cannot be told (then ``lr_rule=`` is needed).
+
+    A built transformation is read from the optax functions it is made of (its ``update``'s
+    closures: ``optax.adamw(1e-3)`` is a chain holding ``scale_by_adam``; wrappers such as
+    ``optax.chain``, ``optax.apply_if_finite`` and ``optax.inject_hyperparams`` are looked
+    through); a factory by its name, else by what it builds with ``base_learning_rate``.
+
+    Example:
+      >>> import optax
+      >>> optax_family(optax.adamw(1e-3)), optax_family(optax.sgd(0.1, momentum=0.9))
+      ('adaptive', 'sgd')
+      >>> optax_family(optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)))
+      'adaptive'
+    """
+    if not is_transformation(optimizer):
+        named = _part_names(optimizer, set(), 0, top_only=True)
+        family = _family_of(named, built=False)
+        if family is not None or not callable(optimizer) or base_learning_rate is None:
+            return family
+        try:
+            optimizer = optimizer(base_learning_rate)
+        except Exception:  # the factory's own error comes when it is really built
+            return None
+        if not is_transformation(optimizer):
+            return None
+    return _family_of(_part_names(optimizer, set(), 0), built=True)
+
+
+def handles_nonfinite(tx: Any) -> bool:
+    """Whether ``tx`` skips non-finite updates itself (``optax.apply_if_finite`` anywhere in
+    it): then autoaccum lets it, instead of stopping or skipping the step.
+
+    Example:
+      >>> import optax
+      >>> handles_nonfinite(optax.apply_if_finite(optax.adam(1e-3), 3))
+      True
+      >>> handles_nonfinite(optax.adam(1e-3))
+      False
+    """
+    return "apply_if_finite" in _part_names(tx, set(), 0)
+
+
+def _family_of(names: set[str], *, built: bool) -> str | None:
+    if names & _OTHER_PARTS:
+        return None
+    if names & _ADAPTIVE_PARTS:
+        return ADAPTIVE
+    unknown_scalers = {n for n in names if n.startswith("scale_by_")} - _SGD_PARTS - {
+        "scale_by_trust_ratio"}
+    if names & _SGD_PARTS and not unknown_scalers and (built or names & {"sgd", "noisy_sgd",
+                                                                       "lars"}):
+        return SGD_LIKE
+    return None
+
+
+def _part_names(obj: Any, seen: set[int], depth: int, *, top_only: bool = False) -> set[str]:
+    """The names of the functions ``obj`` is built from (closures, partials, chains)."""
+    if id(obj) in seen or depth > 16:
+        return set()
+    seen.add(id(obj))
+    names: set[str] = set()
+    if isinstance(obj, tuple | list):
+        for item in obj:
+            names |= _part_names(item, seen, depth + 1)
+        return names
+    if isinstance(obj, dict):
+        for item in obj.values():
+            names |= _part_names(item, seen, depth + 1)
+        return names
+    if isinstance(obj, functools.partial):
+        return _part_names(obj.func, seen, depth + 1, top_only=top_only)
+    if inspect.isfunction(obj):
+        names.add(obj.__qualname__.split(".<locals>")[0].split(".")[-1])
+        if top_only:
+            return names
+        for cell in obj.__closure__ or ():
+            try:
+                names |= _part_names(cell.cell_contents, seen, depth + 1)
+            except ValueError:  # an empty cell
+                continue
+        return names
+    if inspect.ismethod(obj):
+        return _part_names(vars(obj.__self__) if hasattr(obj.__self__, "__dict__") else (),
+                           seen, depth + 1)
+    if is_transformation(obj):
+        return _part_names(obj.update, seen, depth + 1) | _part_names(obj.init, seen, depth + 1)
+    return names
+
+
+def build_optax_optimizer(
+    optimizer: optax.GradientTransformation | Callable[..., optax.GradientTransformation],
+    scaling: LearningRateScaling,
+) -> optax.GradientTransformation:
+    """Returns the optax transformation that runs with the scaled learning rate.
+
+    * A factory (``optax.adamw``, ``functools.partial(optax.adamw, weight_decay=0.1)``) is
+      called with the scaled learning rate (a float or a schedule of optimizer steps) and,
+      for ``adjust_adam``, the adjusted ``b1``, ``b2`` and ``eps``.
+    * A built transformation gets ``optax.scale(factor)`` chained after it: exactly a
+      learning rate x factor for every optimizer whose update is proportional to its
+      learning rate (sgd, adam, adamw, lion, rmsprop, adafactor, ... and their schedules).
+
+    Example:
+      >>> import optax
+      >>> from autoaccum.planning._lr_scaling import scale_learning_rate
+      >>> s = scale_learning_rate(1e-3, effective_batch=8, base_batch=1, rule="linear")
+      >>> tx = build_optax_optimizer(optax.sgd, s)  # optax.sgd(learning_rate=8e-3)
+    """
+    if is_transformation(optimizer):
+        if scaling.adam is not None:
+            raise ValueError(
+                "adjust_adam needs the optimizer as a factory so its b1, b2 and eps can be set, "
+                "e.g. optimizer=optax.adam, learning_rate=1e-4. Received: a built "
+                "GradientTransformation"
+            )
+        if scaling.base_learning_rate is not None:
+            raise ValueError(
+                "learning_rate= goes with an optimizer factory (optimizer=optax.adamw, "
+                "learning_rate=1e-4), which autoaccum calls with the scaled rate. For a built "
+                "transformation, drop learning_rate=: its updates are scaled by the rule's factor."
+                f" Received: {received('learning_rate', scaling.base_learning_rate)} with a built "
+                "GradientTransformation"
+            )
+        if scaling.factor == 1.0:
+            return optimizer
+        return optax.chain(optimizer, optax.scale(scaling.factor))
+    if not callable(optimizer):
+        raise ValueError(
+            "optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-4)) or a "
+            "factory taking the learning rate (e.g. optax.adamw with learning_rate=1e-4). "
+            f"Received: optimizer of type {type_name(optimizer)}"
+        )
+    if scaling.learning_rate is None:
+        raise ValueError(
+            "An optimizer factory needs the base learning rate: pass learning_rate=..., e.g. "
+            "autoaccum.fit(..., optimizer=optax.adamw, learning_rate=1e-4). "
+            "Received: learning_rate=None"
+        )
+    kwargs: dict[str, Any] = {}
+    if scaling.adam is not None:
+        accepted = _parameters(optimizer)
+        for name in ("b1", "b2", "eps"):
+            if accepted is not None and name not in accepted:
+                raise ValueError(
+                    f"adjust_adam sets {name}, which the optimizer factory does not accept. "
+                    f"Use an Adam-family factory (optax.adam, optax.adamw) or adjust_adam=False. "
+                    f"Received: optimizer {type_name(optimizer)}"
+                )
+        kwargs = {"b1": scaling.adam.b1, "b2": scaling.adam.b2, "eps": scaling.adam.eps}
+    built = optimizer(scaling.learning_rate, **kwargs)
+    if not is_transformation(built):
+        raise ValueError(
+            "The optimizer factory must return an optax GradientTransformation (as optax.adamw "
+            f"does when called with the learning rate), but {_name(optimizer)}"
+            f"(learning_rate) returned {type(built).__module__}.{type(built).__name__}. Pass an "
+            "optax factory (optimizer=optax.adamw) or a built transformation "
+            f"(optimizer=optax.adamw(1e-4)). Received: optimizer {type_name(optimizer)}"
+        )
+    return built
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _parameters(fn: Callable[..., Any]) -> set[str] | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}

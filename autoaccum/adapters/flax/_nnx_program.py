@@ -9,12 +9,38 @@ micro-batch: each micro-batch's model is merged *inside* the differentiated func
 the carried state (fresh variables of that trace) and its new state is returned as aux, so
 dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
 once per optimizer step by default (``batch_stats="effective"``, see
-:mod:`._nnx_batch_norm`).
+:mod:`._nnx_program`).
+
+Per-layer rematerialization (gradient checkpointing) for Flax NNX models.
+
+The wrapper: every module that sits in a sequence of repeated blocks (a path ending in an
+integer, e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple) gets its
+``__call__`` wrapped in ``nnx.remat`` with the chosen policy, so the backward pass
+recomputes that block's activations instead of keeping them. Pass ``layers=`` (a predicate
+on ``(path, module)``) for models whose layers are not in a sequence.
+
+Policies: :mod:`autoaccum.planning._remat_policies`.
+
+``batch_stats="effective"`` for Flax NNX: one BatchNorm running-average update per step.
+
+Each micro-batch's forward pass runs with every ``nnx.BatchNorm``'s momentum set to 0 on the
+step's own copy of the model, so the layer writes exactly that micro-batch's mean and
+(biased) variance into its ``mean`` and ``var`` statistics. Those are read back, added to
+float32 sums (:mod:`autoaccum.training._batch_norm_moments`), and the running averages are put back
+to their value at the start of the step before the next micro-batch. After the last
+micro-batch (and, data-parallel, after the sums are averaged across devices) the running
+averages move once, with the layer's own momentum, from the effective batch's statistics.
+A layer in eval mode (``use_running_average=True``) writes nothing and keeps its averages.
+
+Layers that keep statistics some other way (a custom ``nnx.Variable`` a forward pass
+updates) are carried from micro-batch to micro-batch as with ``"micro"``; a BatchNorm
+called several times in one forward pass contributes its last call's statistics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -25,10 +51,17 @@ from flax import nnx
 from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
 from ...devices._placement import Placement
 from ...planning._micro_batches import micro_steps
+from ...planning._remat_policies import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
 from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
-from ...training._batch_norm_moments import validate_batch_stats
+from ...training._batch_norm_moments import (
+    Moments,
+    add_moments,
+    running_update,
+    validate_batch_stats,
+    zero_moments,
+)
 from ...training._nonfinite import (
     keep_if_finite,
     keep_values_if_finite,
@@ -38,8 +71,92 @@ from ...training._nonfinite import (
 )
 from ...training._step_accumulation import placed_accumulate, step_accumulation
 from ...training._updated_weights import split_until_gathered
-from ._nnx_batch_norm import EffectiveBatchNorm
 from ._sharding import own_placement, own_specs
+
+PyTree = Any
+_STATS = ("mean", "var")
+
+
+def _plain(path: tuple) -> tuple:
+    """A pytree key path as plain keys, without the Variable's trailing ``.value``."""
+    keys = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+            continue
+        keys.append(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+    return tuple(keys)
+
+
+def _leaves_by_path(state: PyTree) -> dict[tuple, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {_plain(p): leaf for p, leaf in flat}
+
+
+class EffectiveBatchNorm:
+    """The BatchNorm layers of a model and how their running averages move once per step.
+
+    Example:
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+      ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> norms = EffectiveBatchNorm(model)
+      >>> norms.paths, norms.momenta
+      ((('layers', 1),), (0.99,))
+    """
+
+    def __init__(self, model: nnx.Module) -> None:
+        found = [(path, m) for path, m in nnx.iter_modules(model)
+                 if isinstance(m, nnx.BatchNorm)]
+        self.paths: tuple[tuple, ...] = tuple(path for path, _ in found)
+        self.momenta: tuple[float, ...] = tuple(float(m.momentum) for _, m in found)
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+    def _stat_paths(self) -> list[tuple]:
+        return [(*p, s) for p in self.paths for s in _STATS]
+
+    def start(self, other: PyTree) -> tuple[Moments, ...]:
+        """Empty sums, one per BatchNorm layer found in ``other`` (the carried state)."""
+        leaves = _leaves_by_path(other)
+        return tuple(zero_moments(leaves[(*p, "mean")]) for p in self._present(leaves))
+
+    def _present(self, leaves: dict[tuple, Any]) -> list[tuple]:
+        return [p for p in self.paths if (*p, "mean") in leaves and (*p, "var") in leaves]
+
+    def zero_momentum(self, model: nnx.Module) -> None:
+        """Sets momentum 0 on the step's own (merged) copy of the model's BatchNorm layers."""
+        for path, module in nnx.iter_modules(model):
+            if isinstance(module, nnx.BatchNorm) and path in self.paths:
+                module.momentum = 0.0
+
+    def collect(self, old: PyTree, new: PyTree, moments: tuple[Moments, ...],
+                weight: Any = 1.0) -> tuple[PyTree, tuple[Moments, ...]]:
+        """Adds one micro-batch's statistics (written into ``new``) to ``moments``; returns
+        ``new`` with the running averages of ``old`` back in place, and the sums."""
+        old_leaves, new_leaves = _leaves_by_path(old), _leaves_by_path(new)
+        out = []
+        for path, m in zip(self._present(old_leaves), moments, strict=True):
+            mean_old, var_old = old_leaves[(*path, "mean")], old_leaves[(*path, "var")]
+            mean_new, var_new = new_leaves[(*path, "mean")], new_leaves[(*path, "var")]
+            updated = jnp.any(mean_new != mean_old) | jnp.any(var_new != var_old)
+            out.append(add_moments(m, mean_new, var_new, weight=weight, updated=updated))
+        stat_paths = set(self._stat_paths())
+        restored = jax.tree_util.tree_map_with_path(
+            lambda p, n, o: o if _plain(p) in stat_paths else n, new, old)
+        return restored, tuple(out)
+
+    def finish(self, other: PyTree, moments: tuple[Moments, ...]) -> PyTree:
+        """``other`` with each layer's running averages moved once from its sums."""
+        leaves = _leaves_by_path(other)
+        updates: dict[tuple, Any] = {}
+        momentum_of = dict(zip(self.paths, self.momenta, strict=True))
+        for path, m in zip(self._present(leaves), moments, strict=True):
+            mean, var = running_update(leaves[(*path, "mean")], leaves[(*path, "var")], m,
+                                       momentum_of[path])
+            updates[(*path, "mean")], updates[(*path, "var")] = mean, var
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: updates.get(_plain(p), x), other)
+
 
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
@@ -429,3 +546,80 @@ def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
                         fixed=fixed if own else None,
                         frozen=None if frozen is None else (frozen,),
                         partitioner=partitioner)
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _remat_class(cls: type, name: str) -> type:
+    key = (cls, name)
+    if key not in _CLASSES:
+        original = cls.__call__
+        policy = REMAT_POLICIES[name]
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+            def run(module: Any, *inner: Any) -> Any:
+                return original(module, *inner, **kwargs)
+
+            return nnx.remat(run, policy=policy)(self, *args)
+
+        _CLASSES[key] = type(f"Remat{cls.__name__}", (cls,), {"__call__": __call__,
+                                                              "__module__": cls.__module__})
+    return _CLASSES[key]
+
+
+def repeated_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """Modules whose path ends in an integer index: the repeated blocks of ``model``."""
+    found = []
+    for path, module in nnx.iter_modules(model):
+        outermost = not any(path[: len(p)] == p for p, _ in found)
+        if path and isinstance(path[-1], int) and outermost:
+            found.append((path, module))
+    return found
+
+
+@contextlib.contextmanager
+def rematerialized(
+    model: nnx.Module,
+    policy: str,
+    *,
+    layers: Callable[[tuple, nnx.Module], bool] | None = None,
+) -> Iterator[int]:
+    """Within the context, ``model``'s layers run under ``nnx.remat(policy=...)``.
+
+    Yields the number of wrapped layers; the model's classes are restored on exit (a step
+    traced inside keeps its rematerialization).
+
+    Example:
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+      >>> model = Net(nnx.Rngs(0))
+      >>> with rematerialized(model, "nothing") as n:
+      ...     type(model.blocks[0]).__name__, n
+      ('RematLinear', 2)
+      >>> type(model.blocks[0]).__name__
+      'Linear'
+    """
+    validate_remat(policy)
+    if policy in ("none", "auto"):
+        yield 0
+        return
+    if layers is None:
+        chosen = repeated_layers(model)
+    else:
+        chosen = [(p, m) for p, m in nnx.iter_modules(model) if p and layers(p, m)]
+    if not chosen:
+        raise ValueError(
+            f"remat={policy!r} found no layers to checkpoint: the model has no sequence of "
+            "repeated blocks (an nnx.List or list of modules). Pass layers=lambda path, module: "
+            "isinstance(module, MyBlock) to choose them."
+        )
+    originals = [(m, type(m)) for _, m in chosen]
+    try:
+        for module, cls in originals:
+            module.__class__ = _remat_class(cls, policy)
+        yield len(originals)
+    finally:
+        for module, cls in originals:
+            module.__class__ = cls

@@ -4,12 +4,46 @@ Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses t
 step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the optimizer
 applied once). The model's variables hold the current state after every step, so callbacks
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
-point leaves the variables holding the state of one optimizer step (:mod:`._keras_state`).
+point leaves the variables holding the state of one optimizer step (:mod:`._keras_fit`).
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
 (:class:`~autoaccum.training.StepRunner`); what Keras brings to it is :class:`_KerasHooks`:
-the model's variables (:class:`._keras_state.KerasState`), the epoch's batches, Keras's callbacks
+the model's variables (:class:`._keras_fit.KerasState`), the epoch's batches, Keras's callbacks
 and ``History``.
+
+A Keras model's train state for the one step runner
+(:class:`~autoaccum.training._step_runner.StepRunner`), for ``fit`` and ``train_step``.
+
+The state is the model's variables (trainable, the non-trainable ones the step writes, the
+optimizer's and the metrics'): :class:`KerasState` reads them before every step (so a
+callback's or the user's writes are what the next step trains), assigns each step's new
+values back, and lays them out: replicated over a data-parallel mesh, split by a sharding
+strategy (``zero1``, ``zero2``, ``fsdp``), or in the user's own layout
+(``keras.distribution.ModelParallel``). The runner writes the new state into the variables
+with Ctrl-C held back, so at any moment they hold the state of one optimizer step; a failed
+step puts them back to the state before it (the inputs when intact, else the host copy taken
+before every step when ``elastic``, else every epoch).
+
+A step may be uneven: full micro-batches and one smaller last one (13 = 5 + 5 + 3,
+:class:`~autoaccum.planning.UnevenBatches`) in one compiled program. A step of fewer examples
+than the effective batch (the last of an epoch) runs its own compiled program, split the same
+way at the fit's micro-batch (``uneven=False``: at the largest micro-batch that divides it);
+it is normalised by its own count, as Keras's last partial batch is.
+
+Validation during a Keras fit: ``model.evaluate`` at the effective batch, accumulated.
+
+The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
+is read in batches of ``validation_batch_size`` (default: the effective batch, as
+``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by the one
+validator (:class:`autoaccum.training._validator.Validator`) with a forward-only step that
+scans micro-batches of the training micro-batch, the last one smaller when it does not divide
+(``uneven``; else the largest divisor) (:func:`~._keras_step.keras_eval_step`): the logged
+``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
+training micro-batch's memory. The model's weights are only read, never donated or purged,
+so a validation that fails or is interrupted leaves the model as it was.
+
+A model that overrides ``test_step`` is validated by ``model.evaluate`` itself; if that fails
+midway (Keras drops the weights it was using), the variables are put back.
 """
 
 from __future__ import annotations
@@ -23,33 +57,202 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...devices._mesh import resolve_mesh
+from ...devices._mesh import replicate, replicated_sharding, resolve_mesh
+from ...devices._placement import place
 from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
 from ...planning._strategies import (
+    StateLayout,
     step_partitioner,
     validate_partitioner,
     validate_strategy,
 )
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._nonfinite import validate_on_nonfinite
-from ...training._step_runner import StepOutcome, StepRunner
+from ...training._step_runner import StateHooks, StepOutcome, StepRunner
+from ...training._validator import Validator as EvalLoop
 from ._distribution import (
     keras_auto_mesh,
     keras_distribution_mesh,
     keras_placement,
     keras_strategy_layout,
+    mark_trained_on,
 )
 from ._internals import metrics_result_or_logs, pythonify_logs, set_jax_state, take_initial_epoch
-from ._keras_batch_norm import validate_batch_stats
-from ._keras_program import KerasLayout, ensure_built, find_layout
-from ._keras_state import KerasState, example_count, keras_runner
-from ._keras_validation import Validator
-from ._model_checks import check_keras_model, validate_keras_fit_kwargs
-from ._scope import materialize
-from ._sources import ArraySource, KerasData, keras_data
+from ._keras_data import ArraySource, KerasData, keras_data
+from ._keras_program import (
+    KerasLayout,
+    check_keras_model,
+    ensure_built,
+    find_layout,
+    keras_state,
+    validate_keras_fit_kwargs,
+    write_back,
+)
+from ._keras_step import (
+    handles_nonfinite,
+    keras_eval_step,
+    keras_lowering_scope,
+    keras_train_step,
+    materialize,
+    strategy_shardings,
+    validate_batch_stats,
+)
 
-__all__ = ["keras_fit"]
+PyTree = Any
+
+
+class KerasState(StateHooks):
+    """A Keras model's variables as the step's ``(state, frozen)`` (see the module docstring).
+
+    Args:
+      model: the compiled, built model.
+      layout: the step's :class:`KerasLayout` (which non-trainable variables it writes).
+      mesh: the one-axis data-parallel mesh, or ``None``.
+      placement: the user's layout of the state (then ``mesh`` is ignored).
+      strategy_layout: a sharding strategy's layout on ``mesh`` (``None``: replicated).
+    """
+
+    def __init__(self, model: Any, layout: KerasLayout, *, mesh: Any = None,
+                 placement: Any = None, strategy_layout: StateLayout | None = None) -> None:
+        self.model, self.layout, self.placement = model, layout, placement
+        self.mesh = None if placement is not None else mesh
+        self.strategy_layout = strategy_layout if self.mesh is not None else None
+        mark_trained_on(model, self.mesh)
+
+    @property
+    def data_parallel(self) -> int:
+        """Devices the batches are split over."""
+        if self.placement is not None:
+            return self.placement.data_parallel
+        return 1 if self.mesh is None else int(self.mesh.size)
+
+    def read_state(self) -> tuple[tuple, list]:
+        return keras_state(self.model, self.layout)
+
+    def write_state(self, state: tuple) -> None:
+        write_back(self.model, self.layout, state)
+
+    def place_state(self, state: tuple, frozen: list) -> tuple[tuple, list]:
+        if self.placement is not None:
+            return (place(state, self.placement.state),
+                    place((frozen,), self.placement.frozen)[0])
+        if self.strategy_layout is not None:
+            shardings = self._frozen_shardings(frozen)
+            if any(getattr(v, "sharding", None) != s
+                   for v, s in zip(frozen, shardings, strict=True)):
+                frozen = place((frozen,), (shardings,))[0]
+                if self.strategy_layout.strategy == "fsdp":  # the model holds them split
+                    for i, value in zip(self.layout.frozen, frozen, strict=True):
+                        self.model.non_trainable_variables[i].assign(value)
+            return place(state, strategy_shardings(self.strategy_layout, state)), frozen
+        if self.mesh is None:
+            return state, frozen
+        return replicate((state, frozen), self.mesh)
+
+    def _frozen_shardings(self, frozen: list) -> list:
+        """The frozen non-trainable variables' shardings under the strategy (split under
+        ``fsdp``, else copied)."""
+        layout = self.strategy_layout
+        if layout.frozen is None:
+            return [replicated_sharding(self.mesh) for _ in frozen]
+        return list(layout.frozen_shardings(layout.frozen)[0])
+
+
+def keras_runner(hooks: KerasState, *, micro_batch: int, accum_steps: int,
+                 last_micro_batch: int | None = None, uneven: bool = True,
+                 lr_scaling: Any = None, batch_stats: str = "effective", backup: str = "auto",
+                 elastic: bool = True, backup_each_step: bool = False,
+                 on_nonfinite: str = "stop") -> StepRunner:
+    """The :class:`StepRunner` of the model's accumulated Keras step on ``hooks``' variables.
+
+    ``backup_each_step``: take the host copy before every step (as ``elastic`` does), so a
+    failed step is undone exactly (``autoaccum.train_step``); else it is refreshed every
+    epoch.
+    """
+    model, placement = hooks.model, hooks.placement
+    jitted = jax.jit(
+        keras_train_step(model, hooks.layout, mesh=hooks.mesh, lr_scaling=lr_scaling,
+                         batch_stats=batch_stats, strategy_layout=hooks.strategy_layout,
+                         placement=placement),
+        donate_argnums=0,
+        out_shardings=None if placement is None else (placement.state, None))
+    return StepRunner(
+        hooks, lambda weighted: jitted, split=(accum_steps, micro_batch, last_micro_batch),
+        data_parallel=hooks.data_parallel, mesh=hooks.mesh, placement=placement,
+        uneven=uneven, elastic=elastic, backup=backup,
+        backup_every_step=elastic or backup_each_step, on_nonfinite=on_nonfinite,
+        optimizer_skips_nonfinite=handles_nonfinite(model.optimizer),
+        steps=int(model.optimizer.iterations), lowering=keras_lowering_scope)
+
+
+def example_count(packed: tuple) -> int:
+    """Examples in ``packed`` host arrays (their leading axis)."""
+    return int(np.shape(jax.tree.leaves(packed)[0])[0])
+
+
+class Validator:
+    """Evaluates ``model`` on ``data`` with the fit's callbacks (``on_test_*`` hooks)."""
+
+    def __init__(self, model: Any, layout: KerasLayout, data: KerasData, raw: Any, *,
+                 batch_size: int, micro_batch: int, steps: int | None,
+                 uneven: bool = True) -> None:
+        self.model = model
+        self.layout = layout
+        self.data = data
+        self.raw = raw
+        """The validation data as the user gave it (for ``model.evaluate``)."""
+        self.batch_size = batch_size
+        self.micro_batch = micro_batch
+        self.steps = steps
+        self.uneven = uneven
+        self._loop = EvalLoop(keras_eval_step(model, layout), micro_batch=micro_batch,
+                              uneven=uneven, lowering=keras_lowering_scope)
+
+    def __call__(self, callbacks: Any) -> dict[str, float]:
+        import keras
+
+        if type(self.model).test_step is not keras.Model.test_step:
+            return self._keras_evaluate(callbacks)
+        model, layout = self.model, self.layout
+        model.reset_metrics()
+        callbacks.on_test_begin()
+        logs: dict[str, float] = {}
+
+        def read() -> tuple[tuple, list]:
+            state, frozen = keras_state(model, layout)
+            trainable, mutable, _, metrics_vars = state
+            return (trainable, mutable, metrics_vars), frozen
+
+        def each(step: int, out: Any) -> None:
+            nonlocal logs
+            (_, metrics_vars), values = out
+            for ref, value in zip(model.metrics_variables, metrics_vars, strict=True):
+                ref.assign(value)
+            logs = {name: float(value) for name, value in values.items()}
+            callbacks.on_test_batch_end(step, logs)
+
+        self._loop(self.data.epoch(batch=self.batch_size, steps=self.steps), read, each,
+                   steps=self.steps, begin=callbacks.on_test_batch_begin)
+        callbacks.on_test_end(logs)
+        return logs
+
+    def _keras_evaluate(self, callbacks: Any) -> dict[str, float]:
+        """``model.evaluate`` (a ``test_step`` override), the variables put back if it fails."""
+        import keras
+
+        model, layout = self.model, self.layout
+        state, _ = keras_state(model, layout)
+        held = jax.tree.map(np.array, jax.device_get(state))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(self.raw)
+        try:
+            return model.evaluate(x, y, sample_weight=sample_weight, batch_size=self.batch_size,
+                                  steps=self.steps, callbacks=callbacks, return_dict=True,
+                                  verbose=0)
+        except BaseException:
+            set_jax_state(model, None)
+            write_back(model, layout, held)
+            raise
 
 
 def keras_fit(
@@ -92,7 +295,7 @@ def keras_fit(
 
     ``data`` is anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays,
     dicts, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a
-    keras-hub task; see :mod:`._sources`). In-memory data is reshuffled every epoch
+    keras-hub task; see :mod:`._keras_data`). In-memory data is reshuffled every epoch
     (``shuffle``, ``seed``); streams are read as they come. The last examples of an epoch
     that do not fill an effective batch are trained as a final, smaller step normalised by
     its own count (``drop_remainder=True``: left out); ``history.autoaccum_remainder`` says
@@ -443,4 +646,3 @@ def _report(history: Any, verbose: Any) -> None:
         print(f"autoaccum: {history.autoaccum_skipped_steps} step(s) with a non-finite loss or "
               "gradient were skipped (on_nonfinite='skip').", file=sys.stderr)
     print(f"autoaccum: {history.autoaccum_noise_advice}", file=sys.stderr)
-

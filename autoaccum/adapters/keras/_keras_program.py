@@ -1,33 +1,223 @@
 """A compiled Keras 3 model (JAX backend) as a :class:`TrainProgram`: one exact accumulated step.
 
-The step itself is :func:`~._step.keras_train_step`. State (donated) = ``(trainable, mutable
+The step itself is :func:`~._keras_step.keras_train_step`. State (donated) = ``(trainable, mutable
 non-trainable, optimizer variables, metric variables)``. Non-trainable variables the step
 never changes (frozen weights, e.g. a LoRA base model) are passed as a separate, *not donated*
 argument, so a failed step cannot delete them.
 
-Planning leaves the model as it was (:mod:`._scope`): an unbuilt model is built with deferred
+Planning leaves the model as it was (:mod:`._keras_step`): an unbuilt model is built with deferred
 variables (no buffers, nothing queued for Keras's deferred initialization), and an unbuilt
 optimizer is not built (a built clone is traced instead).
+
+Per-layer rematerialization for Keras models, with every policy Flax models get.
+
+Keras layers carry a remat mode (set by ``keras.RematScope`` at construction) that makes
+``Layer.__call__`` run ``call`` through ``layer.rematerialized_call``. autoaccum sets both, for
+the duration of planning or training, on the repeated blocks of the model (a keras-hub
+backbone's ``transformer_layers``, else the layers passed as ``layers=``), with its own
+``rematerialized_call``: ``jax.checkpoint`` with the named policy (:data:`REMAT_POLICIES
+<autoaccum.planning.REMAT_POLICIES>`) over the call's array arguments only. Keras's own
+``"full"`` mode checkpoints every argument, so a block called with ``training=True`` fails
+(``if training:`` on a tracer: keras-hub's ``TransformerDecoder``), and offers no policy.
+State a block writes while it runs (a dropout seed, BatchNorm statistics, added losses) is
+returned from the checkpointed function and written into Keras's stateless scope outside it,
+so no value of the inner trace escapes.
+
+Recognising a Keras model and refusing, early and with the fix, what autoaccum cannot train.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
+from ...devices._extras import require_extra
+from ...planning._option_checks import received
+from ...planning._remat_policies import REMAT_POLICIES
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics, TrainProgram
-from ._model_checks import check_keras_model, layers_without_jit
-from ._scope import keras_lowering_scope, optimizer_in_use, planning_optimizer, symbolic_build
-from ._sources import keras_data
-from ._step import keras_train_step, strategy_shardings
+from ...training._fit_options import REFUSED_FIT_OPTIONS
+from ...training._snapshot import validate_backup
+from ._internals import (
+    drop_instance_attribute,
+    flatten_layers,
+    full_remat_mode,
+    has_keras_history,
+    instance_attribute,
+    remat_mode,
+    set_remat_mode,
+    stateless_scope,
+)
+from ._keras_data import keras_data
+from ._keras_step import (
+    CARRIED_SINKS,
+    keras_lowering_scope,
+    keras_train_step,
+    optimizer_in_use,
+    planning_optimizer,
+    strategy_shardings,
+    symbolic_build,
+)
 
-__all__ = ["KerasLayout", "keras_lowering_scope", "keras_program", "keras_train_step"]
+FIT_OPTIONS = (
+    "epochs",
+    "callbacks",
+    "verbose",
+    "validation_data",
+    "validation_split",
+    "validation_batch_size",
+    "validation_steps",
+    "validation_freq",
+    "shuffle",
+    "seed",
+    "initial_epoch",
+    "steps_per_epoch",
+    "backup",
+    "on_nonfinite",
+    "batch_stats",
+    "drop_remainder",
+)
+"""Keyword options that :func:`autoaccum.keras_fit` accepts besides the plan."""
+
+REFUSED_OPTIONS = REFUSED_FIT_OPTIONS
+
+
+def is_keras_model(obj: Any) -> bool:
+    """Whether ``obj`` is a ``keras.Model``; never imports Keras itself.
+
+    If Keras has not been imported, nothing can be a Keras model, so this is ``False``
+    without paying Keras's import time.
+
+    Example:
+      >>> is_keras_model(object())
+      False
+    """
+    keras = sys.modules.get("keras")
+    model_cls = getattr(keras, "Model", None) if keras is not None else None
+    return model_cls is not None and isinstance(obj, model_cls)
+
+
+def check_keras_model(model: Any) -> None:
+    """Raises ``ValueError`` naming the fix if ``model`` cannot be trained by autoaccum (and
+    ``MissingExtraError`` if the installed Keras is outside the range autoaccum supports)."""
+    require_extra("keras", feature="Planning or training a Keras model", packages=("keras",))
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise ValueError(
+            "autoaccum trains Keras models on the JAX backend only. Set the environment "
+            "variable KERAS_BACKEND=jax before keras is first imported (for example "
+            "`import os; os.environ['KERAS_BACKEND'] = 'jax'` as the first line of the "
+            "script or notebook, then restart the kernel), or call "
+            f"`autoaccum.configure()` first. Received: keras.backend.backend()={backend!r}"
+        )
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"Expected a keras.Model. Received: model={type(model).__name__}")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "The Keras model must be compiled with an optimizer and a loss before autoaccum "
+            "can train it: call `model.compile(optimizer=..., loss=...)` first. "
+            f"Received: model.compiled={getattr(model, 'compiled', False)}"
+        )
+    if model.run_eagerly:
+        raise ValueError(
+            "autoaccum compiles one jitted accumulated step with XLA, which an eager model "
+            "cannot provide. Recompile with `model.compile(..., run_eagerly=False)`. "
+            "Received: run_eagerly=True"
+        )
+    if model.jit_compile is False and not layers_without_jit(model):
+        # Every layer runs under XLA, so jit_compile=False was the user's own choice (with
+        # layers Keras flags, 'auto' resolves to False: their step is traced to see, below).
+        raise ValueError(
+            "autoaccum needs an XLA-compiled train step (it measures memory from XLA's "
+            "compiled program). Recompile with `model.compile(..., jit_compile=True)` (or "
+            "leave the default 'auto'). Received: jit_compile=False"
+        )
+    overridden = type(model).train_step is not keras.Model.train_step
+    if overridden:
+        raise ValueError(
+            f"{type(model).__name__} overrides `train_step`, which autoaccum cannot run: it "
+            "trains with its own accumulated step, built from the model's "
+            "`compute_loss_and_updates`/`compute_loss`, `compute_metrics` and optimizer, so "
+            "a custom `train_step` would be silently replaced. Move the custom logic into "
+            "`compute_loss` (extra loss terms, `add_loss`) or `compute_metrics`, which "
+            "autoaccum runs on every micro-batch, or train with `model.fit`. Received: "
+            f"{type(model).__module__}.{type(model).__qualname__}.train_step"
+        )
+    steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(
+            "The optimizer has Keras's own gradient accumulation enabled; together with "
+            "autoaccum's accumulation every update would be accumulated twice. Create the "
+            "optimizer without `gradient_accumulation_steps` (autoaccum's `effective_batch=` "
+            "replaces it) and recompile. "
+            f"Received: optimizer.gradient_accumulation_steps={steps}"
+        )
+
+
+def layers_without_jit(model: Any) -> list[Any]:
+    """The layers of ``model`` that Keras flags ``supports_jit = False`` (``RandomRotation``,
+    ``RandomZoom``, lookups, ...), for which ``compile(jit_compile="auto")`` resolves to
+    ``False`` on every backend. On the JAX backend many of them trace under ``jax.jit`` all
+    the same (their ops are ``keras.ops``); :func:`~._keras_program.find_layout` traces the step to
+    see, and refuses naming them only when it fails.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomRotation(0.1)])
+      >>> [type(layer).__name__ for layer in layers_without_jit(model)], model.jit_compile
+      (['RandomRotation'], False)
+    """
+    return [layer for layer in flatten_layers(model, include_self=False)
+            if not getattr(layer, "supports_jit", True)]
+
+
+def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """Checks keyword options forwarded to :func:`autoaccum.keras_fit`; returns them.
+
+    Raises ``ValueError`` for an option that conflicts with the accumulation plan (such as
+    ``batch_size=`` next to ``effective_batch``) and for unknown names.
+
+    Example:
+      >>> validate_keras_fit_kwargs(epochs=2, verbose=0)
+      {'epochs': 2, 'verbose': 0}
+    """
+    for name, value in kwargs.items():
+        if name in REFUSED_OPTIONS:
+            raise ValueError(f"{REFUSED_OPTIONS[name]}. Received: {received(name, value)}")
+        if name not in FIT_OPTIONS:
+            raise ValueError(
+                f"Unknown option for training a Keras model with autoaccum: `{name}`. "
+                f"Accepted: {', '.join(FIT_OPTIONS)}. Received: {received(name, value)}"
+            )
+    epochs = kwargs.get("epochs", 1)
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
+        raise ValueError("`epochs` must be a non-negative integer. "
+                         f"Received: {received('epochs', epochs)}")
+    split = kwargs.get("validation_split", 0.0)
+    if not 0.0 <= float(split) < 1.0:
+        raise ValueError(
+            f"`validation_split` must be in [0, 1). Received: {received('validation_split', split)}"
+        )
+    if split and kwargs.get("validation_data") is not None:
+        raise ValueError(
+            "Pass either `validation_data` or `validation_split`, not both. "
+            f"Received: {received('validation_split', split)}"
+        )
+    validate_backup(kwargs.get("backup", "auto"))
+    return dict(kwargs)
+
 
 PyTree = Any
 
@@ -62,7 +252,7 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     ``data`` (or ``example_spec``, the ``ShapeDtypeStruct`` of one packed ``(x, y[, w])``
     example) fixes the input shapes. No weight is read and nothing is changed: an unbuilt
     model is built with deferred variables, an unbuilt optimizer is replaced by a built
-    clone (``optimizer``: the one to trace, default :func:`~._scope.planning_optimizer`).
+    clone (``optimizer``: the one to trace, default :func:`~._keras_step.planning_optimizer`).
     ``lr_scaling``: the plan's learning-rate rule, applied inside the step. ``mesh``: a
     one-axis ``jax.sharding.Mesh`` (e.g. that of a ``keras.distribution.DataParallel``) for
     a data-parallel step; see ``autoaccum.training._data_parallel``. ``strategy``: what
@@ -218,8 +408,6 @@ def _spec(variable: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(variable.shape), np.dtype(variable.dtype))
 
 
-
-
 def _is_trace_failure(error: BaseException) -> bool:
     """Whether ``error`` says a traced value was used as a concrete one (under ``jax.jit``)."""
     if isinstance(error, jax.errors.JAXTypeError | jax.errors.ConcretizationTypeError):
@@ -265,3 +453,145 @@ def _failing_layers(error: BaseException, flagged: list) -> list:
                 found[id(owner)] = ids[id(owner)]
         current = current.__cause__ or current.__context__
     return list(found.values())
+
+
+KERAS_REMAT_POLICIES = tuple(REMAT_POLICIES)
+
+
+def keras_blocks(model: Any) -> list[Any]:
+    """The repeated blocks of ``model``: ``transformer_layers`` of it or of its backbone."""
+    for owner in (getattr(model, "backbone", None), model):
+        blocks = getattr(owner, "transformer_layers", None) if owner is not None else None
+        if blocks:
+            return list(blocks)
+    return []
+
+
+@contextlib.contextmanager
+def keras_rematerialized(
+    model: Any, policy: str, *, layers: Callable[[Any], bool] | None = None
+) -> Iterator[int]:
+    """Within the context, the model's blocks are rematerialized; yields how many.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+      >>> dense = lambda layer: isinstance(layer, keras.layers.Dense)
+      >>> with keras_rematerialized(model, "nothing", layers=dense) as n:
+      ...     n
+      1
+    """
+    if policy in ("none", "auto"):
+        yield 0
+        return
+    if policy not in KERAS_REMAT_POLICIES:
+        raise ValueError(
+            f"Unknown remat policy. Use 'auto' or one of "
+            f"{', '.join(map(repr, KERAS_REMAT_POLICIES))}. Received: remat={policy!r}"
+        )
+    if layers is not None:
+        chosen = [layer for layer in flatten_layers(model, include_self=False) if layers(layer)]
+    else:
+        chosen = keras_blocks(model)
+    if not chosen:
+        raise ValueError(
+            f"remat={policy!r} found no blocks to checkpoint: the model has no "
+            "`transformer_layers`. Pass layers=lambda layer: isinstance(layer, MyBlock)."
+        )
+    saved = [(layer, remat_mode(layer), instance_attribute(layer, "rematerialized_call"))
+             for layer in chosen]
+    checkpoint_policy = REMAT_POLICIES[policy]
+    try:
+        for layer, _, _ in saved:
+            set_remat_mode(layer, full_remat_mode())
+            layer.rematerialized_call = _checkpointing(checkpoint_policy)
+        yield len(saved)
+    finally:
+        for layer, mode, own in saved:
+            set_remat_mode(layer, mode)
+            if own is None:
+                drop_instance_attribute(layer, "rematerialized_call")
+            else:
+                layer.rematerialized_call = own
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                           and not has_keras_history(leaf))
+
+
+def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., Any]]:
+    """A ``rematerialized_call`` for one layer: ``call`` under ``jax.checkpoint(policy=...)``,
+    differentiating through array arguments only (``training=True``, ``mask=None`` and other
+    Python values stay Python values), with the layer's state writes carried out."""
+    def rematerialized_call(layer_call: Callable[..., Any], *_: Any, **__: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+            written: list[int] = []
+            scope = stateless_scope()
+
+            sinks = list(CARRIED_SINKS)
+
+            def run(arrays: list[Any]) -> tuple[Any, list[Any], list[Any], list[list]]:
+                full = list(leaves)
+                for i, value in zip(where, arrays, strict=True):
+                    full[i] = value
+                inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
+                lengths = [len(sink) for sink in sinks]
+                before = {} if scope is None else dict(scope.state_mapping)
+                losses_before = 0 if scope is None else len(scope.losses)
+                out = layer_call(*inner_args, **inner_kwargs)
+                appended = [sink[n:] for sink, n in zip(sinks, lengths, strict=True)]
+                for sink, n in zip(sinks, lengths, strict=True):
+                    del sink[n:]
+                if scope is None:
+                    return out, [], [], appended
+                written[:] = [key for key, value in scope.state_mapping.items()
+                              if before.get(key) is not value]
+                updates = [scope.state_mapping[key] for key in written]
+                losses = scope.losses[losses_before:]
+                del scope.losses[losses_before:]
+                for key in written:  # no inner value stays behind
+                    if key in before:
+                        scope.state_mapping[key] = before[key]
+                    else:
+                        del scope.state_mapping[key]
+                return out, updates, losses, appended
+
+            out, updates, losses, appended = jax.checkpoint(run, policy=policy)(
+                [leaves[i] for i in where])
+            for sink, values in zip(sinks, appended, strict=True):
+                sink.extend(values)
+            if scope is not None:
+                for key, value in zip(written, updates, strict=True):
+                    scope.state_mapping[key] = value
+                scope.losses.extend(losses)
+            return out
+
+        return call
+
+    return rematerialized_call
+
+
+def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
+                        layers: Callable[..., bool] | None = None,
+                        **program_options: Any) -> TrainProgram:
+    """The Keras model's accumulated step, traced and lowered with per-block ``remat``
+    (Keras applies remat when a layer is called, so lowering must happen inside it too);
+    ``program_options`` go to :func:`~._keras_program.keras_program`."""
+
+    with keras_rematerialized(model, remat, layers=layers):
+        program = keras_program(model, example_spec=example_spec, **program_options)
+    if remat == "none":
+        return program
+    lower = program.lowering_context
+
+    @contextlib.contextmanager
+    def lowering() -> Iterator[None]:
+        with lower(), keras_rematerialized(model, remat, layers=layers):
+            yield
+
+    return dataclasses.replace(program, lowering_context=lowering)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax import _nnx_state, _nnx_validation
+from autoaccum.adapters.flax import _nnx_fit as flax_fit_module
 from autoaccum.adapters.flax._nnx_fit import flax_fit
 from autoaccum.training import _snapshot
 from tests._oom_child import plan_at
@@ -105,7 +105,7 @@ def test_interrupt_while_the_host_copy_is_taken(monkeypatch):
 
 
 def test_interrupt_halfway_through_the_model_update(monkeypatch):
-    real_write = _nnx_state.FlaxState.write_state
+    real_write = flax_fit_module.FlaxState.write_state
     calls = {"n": 0}
 
     def write_state(self, state):
@@ -115,7 +115,7 @@ def test_interrupt_halfway_through_the_model_update(monkeypatch):
             raise KeyboardInterrupt
         return real_write(self, state)
 
-    monkeypatch.setattr(_nnx_state.FlaxState, "write_state", write_state)
+    monkeypatch.setattr(flax_fit_module.FlaxState, "write_state", write_state)
     model = _model()
     with pytest.raises(KeyboardInterrupt):
         _fit(model)
@@ -126,7 +126,7 @@ def test_interrupt_during_validation(monkeypatch):
     def interrupted(self, state, frozen):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_nnx_validation.Evaluator, "__call__", interrupted)
+    monkeypatch.setattr(flax_fit_module.Evaluator, "__call__", interrupted)
     model = _model()
     with pytest.raises(KeyboardInterrupt):
         _fit(model, validation_data=DATA)

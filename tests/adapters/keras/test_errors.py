@@ -107,7 +107,7 @@ def test_backend_not_jax():
         "import os, sys\n"
         "os.environ['KERAS_BACKEND'] = 'numpy'\n"
         "import keras\n"
-        "from autoaccum.adapters.keras._model_checks import check_keras_model\n"
+        "from autoaccum.adapters.keras._keras_program import check_keras_model\n"
         "m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
         "try:\n"
         "    check_keras_model(m)\n"

@@ -160,7 +160,7 @@ def resident_kib() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
 def test_copies_of_a_large_model_allocate_none_of_its_weights():
-    from autoaccum.adapters.keras._scope import keras_lowering_scope
+    from autoaccum.adapters.keras._keras_step import keras_lowering_scope
 
     warm = keras.Sequential([keras.Input((SEQ,), dtype="int32"), keras.layers.Embedding(8, 4),
                              keras.layers.Dense(4)])  # JAX and Keras set up first

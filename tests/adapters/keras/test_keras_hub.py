@@ -72,7 +72,7 @@ def test_a_keras_nlp_task_is_planned_and_trained_like_its_own_fit():
     import keras_nlp
 
     import autoaccum
-    from autoaccum.adapters.keras._keras_remat import keras_blocks
+    from autoaccum.adapters.keras._keras_program import keras_blocks
 
     from ._models import TEXTS, max_diff, tiny_gpt2
 

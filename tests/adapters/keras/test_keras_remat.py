@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import autoaccum
-from autoaccum.adapters.keras._keras_remat import KERAS_REMAT_POLICIES
+from autoaccum.adapters.keras._keras_program import KERAS_REMAT_POLICIES
 from autoaccum.planning import REMAT_POLICIES
 
 from ._models import TEXTS, max_diff, tiny_gpt2

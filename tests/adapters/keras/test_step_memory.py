@@ -12,7 +12,7 @@ from autoaccum.adapters.keras._keras_program import (
     keras_state,
     keras_train_step,
 )
-from autoaccum.adapters.keras._scope import materialize
+from autoaccum.adapters.keras._keras_step import materialize
 
 SEQ, VOCAB, WIDTH = 32, 256, 64
 

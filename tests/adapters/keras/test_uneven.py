@@ -198,8 +198,8 @@ def test_smaller_steps_split_unevenly_at_the_fit_micro_batch_unless_uneven_is_fa
 def _runner(*, uneven):
     import jax
 
+    from autoaccum.adapters.keras._keras_fit import KerasState, keras_runner
     from autoaccum.adapters.keras._keras_program import find_layout
-    from autoaccum.adapters.keras._keras_state import KerasState, keras_runner
 
     model = dense_model()
     spec = (jax.ShapeDtypeStruct((16,), np.float32), jax.ShapeDtypeStruct((1,), np.float32))

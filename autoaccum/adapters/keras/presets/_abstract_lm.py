@@ -52,7 +52,7 @@ from .._internals import (
     set_uninitialized_variables,
     uninitialized_variables,
 )
-from .._scope import concrete_values_deferred
+from .._keras_step import concrete_values_deferred
 from ._architectures import Architecture, load_architecture
 
 __all__ = [

@@ -34,7 +34,7 @@ from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._targets import slice_devices
 from ....planning._train_program import tree_bytes
 from ....training._keyword_errors import explains_keywords
-from .._keras_remat import keras_remat_program
+from .._keras_program import keras_remat_program
 from ._architectures import Architecture, load_architecture
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")

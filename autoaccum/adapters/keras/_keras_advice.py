@@ -21,7 +21,7 @@ Changes (keys of the change dict):
 The copy is ``type(model).from_config(model.get_config())`` (with the model's own layer
 classes as custom objects), its config rewritten for the change (dtype policies, int8
 policies built straight as ``model.quantize("int8")`` leaves the layers, LoRA ranks), built
-inside :func:`~._scope.keras_lowering_scope` so that every variable is deferred (shape, dtype
+inside :func:`~._keras_step.keras_lowering_scope` so that every variable is deferred (shape, dtype
 and initializer, no buffer; nothing left for Keras to initialize later), and compiled with
 fresh copies of the model's optimizer, loss and metrics. A copy rebuilt from the config alone
 is first compared with the model, variable by variable (shape, dtype, trainable): a model
@@ -45,18 +45,9 @@ from typing import Any
 
 from ...planning._option_checks import received
 from ...planning._plan_options import ProgramOptions
-from ._internals import (
-    backbone_lora_layers,
-    backbone_lora_rank,
-    compile_arguments,
-    flatten_layers,
-)
-from ._scope import keras_lowering_scope
+from ._internals import backbone_lora_layers, backbone_lora_rank, compile_arguments, flatten_layers
+from ._keras_step import keras_lowering_scope
 from .presets._advise_preset import LORA_RANKS
-
-__all__ = ["KERAS_OPTIMIZERS", "LORA_RANK", "keras_advice_changes", "keras_apply_change",
-           "keras_change_hint",
-           "rebuilt_abstractly"]
 
 KERAS_OPTIMIZERS = ("adafactor", "sgd", "lion")
 """Optimizers the advisor tries for a Keras model."""

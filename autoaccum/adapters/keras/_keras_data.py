@@ -17,12 +17,37 @@ random preprocessing, such as masked-LM masking, is fresh every epoch).
 smaller one (``drop_remainder=False``) so no example is lost. With ``steps`` (Keras's
 ``steps_per_epoch``) an epoch takes that many batches and the next epoch continues where it
 stopped, as Keras does; a finite source's end still ends the epoch.
+
+Host arrays with one leading example axis (:class:`KerasArrays`) and the checks and
+conversions of their leaves. Reading data as ``fit`` takes it: :mod:`._keras_data`.
+
+A keras-hub task's preprocessing, run the way keras-hub's own ``fit`` runs it.
+
+keras-hub's ``Task.fit`` maps ``preprocess_samples`` (its ``preprocessor``) over every batch of
+the data: raw inputs (strings, images) become arrays padded to static shapes, and random
+preprocessing (masked-LM masking, augmentation) is fresh every epoch. autoaccum does the same
+per batch. Raw in-memory inputs follow keras-hub's structure rule: tuples and dicts are
+structure, a list is one leaf (a list of strings).
+
+Streams as ``model.fit`` reads them: which inputs are streams, and their batches as numpy.
+
+Re-iterable streams (``tf.data``, ``keras.utils.PyDataset``/``Sequence``, torch
+``DataLoader``, grain) go through Keras's own data adapters (workers, ``on_epoch_end``,
+shuffling of a ``PyDataset``'s batch order as ``model.fit`` does). One-shot generators and
+iterators are read directly, batch by batch, so nothing is read ahead and lost.
+
+A ``tf.data.Dataset`` whose elements are single examples (``from_tensor_slices`` without
+``.batch``) is batched first; one that is batched (``batch``, ``padded_batch``,
+``bucket_by_sequence_length``, ... anywhere in its pipeline, ``drop_remainder`` or not) is
+taken as batches, as Keras takes it.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -31,12 +56,286 @@ import numpy as np
 from ...planning._option_checks import received
 from ...training._epoch_batches import epoch_order
 from ...training._rebatch import Rebatcher, concat
-from ._keras_arrays import KerasArrays, _as_numpy, _check_leading_axis, _is_tf_dataset
-from ._preprocess import map_preprocessing, preprocessing_of, raw_arrays
-from ._streams import batched_tf_dataset, is_stream, stream_batches
+from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
-__all__ = ["ArraySource", "KerasData", "StreamSource", "keras_data", "to_keras_arrays",
-           "with_targets"]
+
+@dataclass(frozen=True)
+class KerasArrays:
+    """``(x, y, sample_weight)`` as numpy pytrees sharing a leading example axis."""
+
+    x: PyTree
+    y: PyTree = None
+    sample_weight: PyTree = None
+
+    @property
+    def packed(self) -> tuple:
+        """``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``, as Keras packs a batch."""
+        if self.sample_weight is not None:
+            return (self.x, self.y, self.sample_weight)
+        if self.y is not None:
+            return (self.x, self.y)
+        return (self.x,)
+
+    @property
+    def num_examples(self) -> int:
+        """Length of the shared leading axis."""
+        return int(np.shape(jax.tree.leaves(self.x)[0])[0])
+
+    def example_spec(self) -> PyTree:
+        """``jax.ShapeDtypeStruct`` of one example of :attr:`packed` (no leading axis)."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], _jax_dtype(a)), self.packed
+        )
+
+    def take(self, index: np.ndarray) -> KerasArrays:
+        """The examples at ``index`` (numpy fancy indexing on every leaf)."""
+        pick = lambda tree: jax.tree.map(lambda a: a[index], tree)  # noqa: E731
+        return KerasArrays(pick(self.x), pick(self.y), pick(self.sample_weight))
+
+    def batches(self, index: np.ndarray, accum_steps: int, micro_batch: int) -> tuple:
+        """:attr:`packed` at ``index`` reshaped to ``[accum_steps, micro_batch, ...]``."""
+        chosen = self.take(index).packed
+        return jax.tree.map(
+            lambda a: np.ascontiguousarray(a).reshape(accum_steps, micro_batch, *a.shape[1:]),
+            chosen,
+        )
+
+    def split(self, fraction: float) -> tuple[KerasArrays, KerasArrays]:
+        """The first ``1 - fraction`` and the last ``fraction`` of the examples (as Keras)."""
+        n = self.num_examples
+        cut = int(n * (1.0 - fraction))
+        return self.take(np.arange(cut)), self.take(np.arange(cut, n))
+
+
+def _as_numpy(tree: PyTree) -> PyTree:
+    if tree is None:
+        return None
+    return jax.tree.map(_leaf_to_numpy, tree)
+
+
+def _leaf_to_numpy(leaf: Any) -> np.ndarray:
+    if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
+        leaf = leaf.numpy()
+    array = np.asarray(leaf)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    elif array.dtype == np.int64:
+        array = array.astype(np.int32)
+    return array
+
+
+def _jax_dtype(array: Any) -> Any:
+    dtype = np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype
+    return np.dtype(dtype)
+
+
+def _check_leading_axis(arrays: KerasArrays, name: str, *, strings: bool = False) -> None:
+    lengths = {}
+    for label, tree in (("x", arrays.x), ("y", arrays.y), ("sample_weight", arrays.sample_weight)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            where = label + jax.tree_util.keystr(path)
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"Every array in `{name}` needs a leading example axis (shape "
+                    f"[num_examples, ...]); wrap a single example with `x[None]`. Received: "
+                    f"{where} with shape {np.shape(leaf)}"
+                )
+            if leaf.dtype.kind in "OUS" and not strings:
+                raise ValueError(
+                    f"`{name}` holds strings at {where} but the model has no preprocessor to "
+                    "turn them into arrays; preprocess the data first or use a keras-hub task "
+                    f"with a preprocessor. Received: {where} of dtype {leaf.dtype}"
+                )
+            lengths[where] = int(np.shape(leaf)[0])
+    if not lengths:
+        raise ValueError(f"`{name}` holds no arrays. Received: {received(name, arrays)}")
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"All arrays in `{name}` must have the same number of examples (leading axis). "
+            f"Received: {lengths}"
+        )
+
+
+def _is_tf_dataset(data: Any) -> bool:
+    return type(data).__module__.startswith("tensorflow") and hasattr(data, "element_spec")
+
+
+def preprocessing_of(model: Any) -> Callable[[tuple], tuple] | None:
+    """A keras-hub task's preprocessing of one packed batch, as its ``fit`` applies it
+    (``None`` for a model without a preprocessor).
+
+    Example:
+      >>> preprocessing_of(object()) is None
+      True
+    """
+    if getattr(model, "preprocessor", None) is None:
+        return None
+    samples = getattr(model, "preprocess_samples", None)
+    if samples is None:  # older keras-hub: the preprocessor takes (x, y, sample_weight)
+        def samples(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
+            return model.preprocessor(x, y, sample_weight)
+
+    def run(packed: tuple) -> tuple:
+        x, y, sample_weight = (*(_python_strings(t) for t in packed), None, None)[:3]
+        try:
+            out = samples(x, y, sample_weight)
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    "autoaccum: the model's preprocessor ran on the data, as keras-hub's fit "
+                    "runs it; to train on data that is already preprocessed, set "
+                    "`model.preprocessor = None` first."
+                )
+            raise
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(_as_numpy(t) for t in out)
+
+    return run
+
+
+def _python_strings(tree: Any) -> Any:
+    """String arrays as (nested) lists of ``str``, which keras-hub tokenizers take."""
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "USO":
+            return _decode(leaf.tolist())
+        return leaf
+
+    return None if tree is None else jax.tree.map(one, tree)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def map_preprocessing(dataset: Any, fn: Callable[..., Any]) -> Any:
+    import tensorflow as tf
+
+    return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+def raw_arrays(arrays: KerasArrays) -> KerasArrays:
+    """Raw keras-hub inputs with every leaf (a list is one leaf) as a numpy array."""
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, list):
+            kinds = {type(v) for v in leaf}
+            return np.asarray(leaf, dtype=object if kinds <= {str, bytes} else None)
+        if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
+            return np.asarray(leaf.numpy())
+        return np.asarray(leaf)
+
+    is_list = lambda v: isinstance(v, list)  # noqa: E731
+    convert = lambda t: None if t is None else jax.tree.map(one, t, is_leaf=is_list)  # noqa: E731
+    return KerasArrays(convert(arrays.x), convert(arrays.y), convert(arrays.sample_weight))
+
+
+CHUNK = 256
+"""Examples per batch when autoaccum batches an unbatched ``tf.data.Dataset``."""
+
+
+def is_stream(data: Any) -> bool:
+    """Whether ``data`` is read as a stream (see the module docstring).
+
+    Example:
+      >>> import numpy as np
+      >>> is_stream((np.zeros(3),)), is_stream(iter([np.zeros(3)]))
+      (False, True)
+    """
+    if is_tf_dataset(data) or is_torch_dataloader(data) or is_grain_dataset(data):
+        return True
+    if _is_py_dataset(data) or inspect.isgenerator(data):
+        return True
+    return hasattr(data, "__next__") and hasattr(data, "__iter__")
+
+
+def _is_py_dataset(data: Any) -> bool:
+    import keras
+
+    return isinstance(data, keras.utils.PyDataset)
+
+
+def _one_shot(data: Any) -> bool:
+    return not _is_py_dataset(data) and hasattr(data, "__next__") and iter(data) is data
+
+
+def stream_batches(data: Any, *, shuffle: bool = False, name: str = "data"
+                   ) -> Iterator[tuple]:
+    """One pass over ``data``: each batch packed as ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
+    import keras
+
+    if _one_shot(data):
+        for batch in data:
+            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+        return
+    adapter = data_adapter(data, shuffle=shuffle and _is_py_dataset(data))
+    adapter.on_epoch_begin()
+    try:
+        for batch in adapter.get_numpy_iterator():
+            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+    finally:
+        adapter.on_epoch_end()
+
+
+def _as_tuple(batch: Any) -> Any:
+    return tuple(batch) if isinstance(batch, list) else batch
+
+
+def _pack(unpacked: tuple) -> tuple:
+    x, y, sample_weight = unpacked
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    if y is not None:
+        return (x, y)
+    return (x,)
+
+
+def batched_tf_dataset(dataset: Any, model: Any = None) -> Any:
+    """``dataset`` if its elements are batches, else ``dataset.batch(CHUNK)``.
+
+    Example:
+      >>> import tensorflow as tf
+      >>> ds = tf.data.Dataset.from_tensor_slices(tf.zeros((5, 3)))
+      >>> [int(b.shape[0]) for b in batched_tf_dataset(ds)], is_batched(ds.batch(2))
+      ([5], True)
+    """
+    return dataset if is_batched(dataset, model) else dataset.batch(CHUNK)
+
+
+def is_batched(dataset: Any, model: Any = None) -> bool:
+    """Whether a ``tf.data.Dataset`` yields batches: the last batching (or unbatching)
+    operation of its pipeline says; with none, elements of the rank of the model's inputs
+    are batches; otherwise elements are examples."""
+    found = _batching(dataset)
+    if found is not None:
+        return found
+    inputs = getattr(model, "inputs", None) if model is not None else None
+    if inputs:
+        import jax
+
+        specs = dataset.element_spec
+        x_spec = specs[0] if isinstance(specs, tuple) else specs
+        first = jax.tree.leaves(x_spec)
+        if first and len(first[0].shape) == len(inputs[0].shape):
+            return True
+    return False
+
+
+def _batching(dataset: Any, depth: int = 0) -> bool | None:
+    if dataset is None or depth > 200:
+        return None
+    name = type(dataset).__name__.lower()
+    if "unbatch" in name:
+        return False
+    if "batch" in name or "groupbywindow" in name:
+        return True
+    parents = getattr(dataset, "_datasets", None) or [getattr(dataset, "_input_dataset", None)]
+    found = [_batching(parent, depth + 1) for parent in parents if parent is not None]
+    known = [f for f in found if f is not None]
+    return known[0] if known and all(f == known[0] for f in known) else None
+
 
 PyTree = Any
 

@@ -23,8 +23,6 @@ from flax import nnx
 
 from ...planning._plan_options import ProgramOptions
 
-__all__ = ["flax_advice_changes", "flax_apply_change", "flax_change_hint"]
-
 _OPTIMIZERS = {"adafactor": optax.adafactor, "sgd": optax.sgd, "lion": optax.lion,
                "adamw": optax.adamw, "adam": optax.adam}
 

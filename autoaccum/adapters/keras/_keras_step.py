@@ -7,9 +7,10 @@ Micro-batches are scanned (an uneven step's smaller last micro-batch,
 :class:`~autoaccum.planning.UnevenBatches`, runs once at its own shape; every micro-batch is
 weighted by its own size); the optimizer is applied once per step (``optimizer.iterations``
 counts optimizer steps, schedules see them), with the learning-rate rule applied while the
-step is traced (:func:`~._keras_lr.scaled_learning_rate`). Losses are weighted as Keras weights one
-big batch (:mod:`._loss`), per-term loss metrics too (:mod:`._loss_metrics`), and
-``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._keras_batch_norm`).
+step is traced (:func:`~._keras_learning_rate.scaled_learning_rate`). Losses are weighted as Keras
+weights one
+big batch (:mod:`._keras_loss`), per-term loss metrics too (:mod:`._keras_loss`), and
+``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._keras_step`).
 
 A step whose loss or gradients are not finite returns the state it was given (weights,
 optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
@@ -17,11 +18,53 @@ the non-finite loss (so ``TerminateOnNaN`` sees it). An optimizer that handles n
 gradients itself (:func:`handles_nonfinite`: a ``LossScaleOptimizer`` skips the update and
 lowers its scale) is left to do so, as ``model.fit`` leaves it: its state is the step's,
 whatever ``on_nonfinite`` says.
+
+Keras ``BatchNormalization`` moving statistics under accumulation.
+
+In training, a Keras ``BatchNormalization`` layer normalises with the statistics of the batch
+it sees and updates ``moving_mean``/``moving_variance`` by ``moving * momentum + batch_stat *
+(1 - momentum)``. With accumulation the forward pass sees micro-batches, so normalisation
+uses micro-batch statistics (inherent to micro-batching). The moving averages follow
+``batch_stats``:
+
+* ``"effective"`` (default): one update per optimizer step with the mean and variance of the
+  whole effective batch, combined exactly from the micro-batch moments (count-weighted, with
+  Chan et al.'s parallel variance, across devices too): the moving averages a big batch
+  would give.
+* ``"micro"``: one update per micro-batch, in the order the step runs them (``accum_steps``
+  updates per step; an uneven step runs its smaller last micro-batch first).
+
+Layers with ``renorm=True`` keep their own per-micro-batch updates in both modes.
+
+Tracing a Keras model without changing it: planning leaves no trace on the user's objects.
+
+* :func:`keras_lowering_scope` builds and traces inside ``keras.StatelessScope(
+  initialize_variables=False)``. Variables created there (the layers of an unbuilt model, its
+  metrics) stay *deferred*: they hold no buffer and read as their initializer's value. Keras
+  would also list them for initialization at the next top-level stateless scope's exit, which
+  can happen inside a later ``jit`` trace (``model.fit``'s step) and leave tracers in them;
+  the scope takes the variables it created off that list, so nothing initializes them behind
+  the user's back.
+* :func:`planning_optimizer`: planning traces ``optimizer.stateless_apply``, which needs a
+  built optimizer. An unbuilt one is not built for that: a clone (``from_config``) is, so
+  ``plan``/``measure`` leave the user's optimizer unbuilt (a later ``enable_lora()`` or
+  ``layer.trainable = False`` still works as with ``model.fit``). An optimizer that makes
+  variables from concrete values while building (``Adafactor``) is built under
+  :func:`concrete_values_deferred`.
+* :func:`materialize` gives every deferred variable of a model (and its optimizer and
+  metrics) its initial value, for training.
+
+Values a rematerialized Keras block appends to a list while it runs (the BatchNorm moments
+``batch_stats="effective"`` records, :mod:`._keras_step`) must leave ``jax.checkpoint`` as its
+outputs, or the compiled step gets stray parameters: the lists registered here are carried
+out by :mod:`._keras_program`'s checkpointed calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -35,14 +78,358 @@ from ...training._accumulate import mean_gradients
 from ...training._nonfinite import keep_if_finite, update_if_finite
 from ...training._step_accumulation import step_accumulation
 from ...training._updated_weights import split_until_gathered
-from ._internals import loss_tracker
-from ._keras_batch_norm import BatchStats
-from ._keras_lr import scaled_learning_rate
-from ._loss import LossRecorder, accumulation_weights, requiring_a_loss, warn_inexact_once
-from ._loss_metrics import TermMetrics
-from ._scope import optimizer_in_use
+from ._internals import (
+    backend_namespace,
+    batch_norm_moments,
+    batch_norm_reduction_axes,
+    build_symbolically,
+    flatten_layers,
+    initialize_deferred,
+    instance_attribute,
+    keras_backend,
+    loss_tracker,
+    optimizer_backend_module,
+    set_instance_attribute,
+    set_module_backend,
+    set_uninitialized_variables,
+    shadow_batch_norm_moments,
+    uninitialized_variables,
+    unshadow_batch_norm_moments,
+    variable_buffer,
+    variable_initializer,
+)
+from ._keras_learning_rate import scaled_learning_rate
+from ._keras_loss import (
+    LossRecorder,
+    TermMetrics,
+    accumulation_weights,
+    requiring_a_loss,
+    warn_inexact_once,
+)
 
-__all__ = ["handles_nonfinite", "keras_eval_step", "keras_train_step", "strategy_shardings"]
+CARRIED_SINKS: list[list] = []  # lists blocks append traced values to while they run
+
+
+@contextlib.contextmanager
+def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
+    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
+    recorded for ``batch_stats="effective"``, :mod:`._keras_step`) are returned from its
+    checkpointed call and appended outside it, so no value of the inner trace escapes."""
+    CARRIED_SINKS.extend(sinks)
+    try:
+        yield
+    finally:
+        for sink in sinks:
+            for i, registered in enumerate(CARRIED_SINKS):
+                if registered is sink:
+                    del CARRIED_SINKS[i]
+                    break
+
+
+BATCH_STATS = ("effective", "micro")
+
+
+def validate_batch_stats(value: object) -> str:
+    """Returns ``value`` if it is ``"effective"`` or ``"micro"``, else a ``ValueError``.
+
+    Example:
+      >>> validate_batch_stats("micro")
+      'micro'
+    """
+    if value not in BATCH_STATS:
+        raise ValueError(
+            "batch_stats must be 'effective' (one moving-average update per optimizer step "
+            "with the effective batch's statistics) or 'micro' (one update per micro-batch). "
+            f"Received: batch_stats={value!r}"
+        )
+    return str(value)
+
+
+@dataclass(frozen=True)
+class _Norm:
+    layer: Any
+    mean_at: int
+    """Position of ``moving_mean`` in the step's list of mutable variables."""
+    variance_at: int
+
+
+class BatchStats:
+    """The ``BatchNormalization`` layers whose moving statistics are combined per step.
+
+    ``mutable_refs`` are the variables of the step's mutable list, in order. With
+    ``mode="micro"`` (or no such layer) every method leaves the state as Keras updates it.
+    """
+
+    def __init__(self, model: Any, mutable_refs: list[Any], mode: str = "effective") -> None:
+        import keras
+
+        validate_batch_stats(mode)
+        position = {id(v): k for k, v in enumerate(mutable_refs)}
+        norms: list[_Norm] = []
+        if mode == "effective":
+            for layer in flatten_layers(model, include_self=False):
+                if (isinstance(layer, keras.layers.BatchNormalization)
+                        and not getattr(layer, "renorm", False)
+                        and id(layer.moving_mean) in position
+                        and id(layer.moving_variance) in position):
+                    norms.append(_Norm(layer, position[id(layer.moving_mean)],
+                                       position[id(layer.moving_variance)]))
+        self.norms = tuple(norms)
+
+    def zeros(self) -> tuple:
+        """Empty accumulators: per layer ``(count, mean, m2)``, per channel, float32."""
+        def zero(norm: _Norm) -> tuple:
+            shape = tuple(norm.layer.moving_mean.shape)
+            return (jnp.zeros(shape, jnp.float32),) * 3
+        return tuple(zero(n) for n in self.norms)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[list[tuple]]]:
+        """While a micro-batch is traced, records each layer's ``(mean, variance, count)``."""
+        records: list[list[tuple]] = [[] for _ in self.norms]
+        for norm, sink in zip(self.norms, records, strict=True):
+            shadow_batch_norm_moments(norm.layer, _recording(norm.layer, sink))
+        try:
+            with carried_out_of_checkpoints(*records):
+                yield records
+        finally:
+            for norm in self.norms:
+                unshadow_batch_norm_moments(norm.layer)
+
+    def accumulate(self, acc: tuple, records: list[list[tuple]], old: list,
+                   new: list) -> tuple[tuple, list]:
+        """Merges the micro-batch moments into ``acc``; the moving statistics keep their
+        values from before the step (``old``) instead of the micro-batch's update."""
+        if not self.norms:
+            return acc, new
+        new = list(new)
+        out = []
+        for norm, layer_acc, recorded in zip(self.norms, acc, records, strict=True):
+            for mean, variance, count in recorded:
+                layer_acc = _merge(layer_acc, (count, mean, variance * count))
+            new[norm.mean_at] = old[norm.mean_at]
+            new[norm.variance_at] = old[norm.variance_at]
+            out.append(layer_acc)
+        return tuple(out), new
+
+    def apply(self, acc: tuple, mutable: list) -> list:
+        """One moving-average update per layer with the effective batch's statistics."""
+        if not self.norms:
+            return mutable
+        mutable = list(mutable)
+        for norm, (count, mean, m2) in zip(self.norms, acc, strict=True):
+            seen = count > 0
+            variance = m2 / jnp.where(seen, count, 1.0)
+            momentum = norm.layer.momentum
+            for at, stat in ((norm.mean_at, mean), (norm.variance_at, variance)):
+                moving = mutable[at]
+                current = moving.astype(jnp.float32)
+                updated = current * momentum + stat * (1.0 - momentum)
+                mutable[at] = jnp.where(seen, updated, current).astype(moving.dtype)
+        return mutable
+
+    def merge_across(self, acc: tuple, axis_name: str) -> tuple:
+        """Every device's accumulators combined (inside ``shard_map``)."""
+        out = []
+        for count, mean, m2 in acc:
+            total = jax.lax.psum(count, axis_name)
+            safe = jnp.where(total > 0, total, 1.0)
+            merged_mean = jax.lax.psum(count * mean, axis_name) / safe
+            merged_m2 = jax.lax.psum(m2 + count * jnp.square(mean - merged_mean), axis_name)
+            out.append((total, merged_mean, merged_m2))
+        return tuple(out)
+
+
+def _merge(acc: tuple, part: tuple) -> tuple:
+    """Chan et al.'s pairwise update of ``(count, mean, m2)``."""
+    n_a, mean_a, m2_a = acc
+    n_b, mean_b, m2_b = part
+    n = n_a + n_b
+    safe = jnp.where(n > 0, n, 1.0)
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (n_b / safe)
+    m2 = m2_a + m2_b + jnp.square(delta) * (n_a * n_b / safe)
+    return n, mean, m2
+
+
+def _recording(layer: Any, sink: list) -> Any:
+    """The layer's moments (:func:`~._internals.batch_norm_moments`) that also append
+    ``(mean, variance, count)`` to ``sink``."""
+    from keras import ops
+
+    original = batch_norm_moments(layer)
+
+    def moments(inputs: Any, mask: Any) -> tuple:
+        mean, variance = original(inputs, mask)
+        axes = batch_norm_reduction_axes(layer)
+        if mask is None:
+            size = 1
+            for axis in axes:
+                size *= int(inputs.shape[axis])
+            count = jnp.full(jnp.shape(mean), float(size), jnp.float32)
+        else:
+            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
+            count = ops.squeeze(ops.sum(ops.cast(weights, "float32"), axes, keepdims=True))
+            count = jnp.broadcast_to(jnp.asarray(count, jnp.float32), jnp.shape(mean))
+        sink.append((jnp.asarray(mean, jnp.float32), jnp.asarray(variance, jnp.float32), count))
+        return mean, variance
+
+    return moments
+
+
+@contextlib.contextmanager
+def keras_lowering_scope() -> Iterator[None]:
+    """``keras.StatelessScope(initialize_variables=False)`` that leaves no variable it created
+    waiting for Keras's deferred initialization.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> layer = keras.layers.Dense(2)
+      >>> with keras_lowering_scope():
+      ...     layer.build((None, 3))
+      >>> variable_buffer(layer.kernel) is None, tuple(layer.kernel.value.shape)
+      (True, (3, 2))
+    """
+    import keras
+
+    before = {id(v) for v in uninitialized_variables()}
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        pending = uninitialized_variables()
+        set_uninitialized_variables([v for v in pending if id(v) in before])
+
+
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """Keras's symbolic build (model, compiled loss and metrics) in a lowering scope,
+    without building the optimizer (see :func:`planning_optimizer`)."""
+    optimizer = getattr(model, "optimizer", None)
+    hide = optimizer is not None and not optimizer.built
+    with keras_lowering_scope():
+        if hide:
+            optimizer.built = True  # Keras skips building an optimizer marked built
+        try:
+            build_symbolically(model, data_batch)
+        finally:
+            if hide:
+                optimizer.built = False
+
+
+@contextlib.contextmanager
+def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
+    """While ``optimizer`` is built abstractly: a variable its module creates from a concrete
+    value (``keras.optimizers.Adafactor`` makes its scalar placeholders with
+    ``backend.Variable(0)``, which a stateless scope refuses) is created from an initializer
+    of that value instead, deferred like every other variable of the abstract model. Only the
+    optimizer's own module sees the substitute.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> weights = [keras.Variable(keras.ops.zeros((4, 3)))]
+      >>> optimizer = keras.optimizers.Adafactor()
+      >>> with keras_lowering_scope(), concrete_values_deferred(optimizer):
+      ...     optimizer.build(weights)
+      >>> all(variable_buffer(v) is None for v in optimizer.variables[2:])  # slots: no buffer
+      True
+    """
+    import numpy as np
+
+    backend = keras_backend()
+    module = optimizer_backend_module(optimizer)
+    if module is None:
+        yield
+        return
+
+    def variable(initializer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not callable(initializer) and not isinstance(initializer, str):
+            value = np.asarray(initializer)
+            kwargs.setdefault("shape", value.shape)
+            kinds = {"b": "bool", "i": "int32", "u": "int32"}
+            kwargs.setdefault("dtype", kinds.get(value.dtype.kind, "float32"))
+
+            def initializer(shape: Any, dtype: Any = None, _value: Any = value) -> Any:
+                return backend.numpy.full(shape, _value, dtype=dtype)
+        return backend.Variable(initializer, *args, **kwargs)
+
+    substitute = backend_namespace()
+    substitute.Variable = variable
+    set_module_backend(module, substitute)
+    try:
+        yield
+    finally:
+        set_module_backend(module, backend)
+
+
+def planning_optimizer(model: Any) -> Any:
+    """The model's optimizer if built, else a built clone of it (deferred variables).
+
+    The clone has the optimizer's class and config, so the same variables in the same order:
+    a step traced with it has the memory and the updates of the real one.
+    """
+    optimizer = model.optimizer
+    if optimizer.built:
+        return optimizer
+    try:
+        clone = type(optimizer).from_config(optimizer.get_config())
+    except Exception:  # a config that does not round-trip (a callable rate): build the real one
+        clone = optimizer
+    with keras_lowering_scope(), concrete_values_deferred(clone):
+        clone.build(model.trainable_variables)
+    return clone
+
+
+def built_for_planning(optimizer: Any, model: Any) -> Any:
+    """``optimizer`` (made outside any stateless scope) built for ``model``'s trainable
+    variables with deferred variables: its slots are never allocated."""
+    with keras_lowering_scope(), concrete_values_deferred(optimizer):
+        optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+@contextlib.contextmanager
+def optimizer_in_use(model: Any, optimizer: Any) -> Iterator[None]:
+    """Within the block ``model.optimizer`` is ``optimizer`` (Keras's loss scaling reads it)."""
+    if optimizer is model.optimizer:
+        yield
+        return
+    saved = instance_attribute(model, "optimizer")
+    set_instance_attribute(model, "optimizer", optimizer)
+    try:
+        yield
+    finally:
+        set_instance_attribute(model, "optimizer", saved)
+
+
+def materialize(model: Any) -> None:
+    """Builds the optimizer if needed and gives every deferred variable of the model, its
+    optimizer and its metrics a buffer holding its initial value (what Keras's ``fit`` does).
+
+    Raises ``ValueError`` for a variable that has neither a value nor an initializer (a
+    Keras ``fit``/``evaluate`` that failed midway can leave such "purged" variables).
+    """
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    seen: set[int] = set()
+    for variable in [*model.variables, *optimizer.variables, *model.metrics_variables]:
+        if id(variable) in seen or variable_buffer(variable) is not None:
+            continue
+        seen.add(id(variable))
+        if variable_initializer(variable) is None:
+            raise ValueError(
+                f"The variable {variable.path!r} holds no value (a Keras fit/evaluate that "
+                "failed midway drops the weights it was using); reload the model or its "
+                "weights from a checkpoint. Received: a variable with value None"
+            )
+        initialize_deferred(variable)
+    set_uninitialized_variables(
+        [v for v in uninitialized_variables() if variable_buffer(v) is None])
+
 
 PyTree = Any
 
