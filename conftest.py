@@ -54,9 +54,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # rounds interleaved: 9.19 -> 8.05 CPU s, -12%; the same memory figures, to the byte).
 # Set XLA_FLAGS yourself to test with other flags. Each flag is kept only where this jaxlib
 # knows it (jaxlib 0.11+ abort at start on an unknown one, and 0.11 removed the emitters'
-# flag): probed once per session by a child process (autoaccum.devices._xla_options).
+# flag): probed once per session by a child process (autoaccum.devices._deviceless).
 if "XLA_FLAGS" not in os.environ:
-    from autoaccum.devices._xla_options import known_xla_flags
+    from autoaccum.devices._deviceless import known_xla_flags
 
     os.environ["XLA_FLAGS"] = known_xla_flags(
         " ".join(TEST_XLA_FLAGS), cache_dir=os.path.join(_SESSION, "xla-flags"))
@@ -75,18 +75,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 SLOW_DOCTESTS = (
     "autoaccum/cli/_plot.py",
-    "autoaccum/adapters/keras/presets/_plan_preset.py",
-    "autoaccum/adapters/keras/presets/_advise_preset.py",
-    "autoaccum/_advise_api.py",
-    "autoaccum/_train_step_api.py",
-    "autoaccum/_plan_api.py::autoaccum._plan_api.plan",
-    "autoaccum/_fit_api.py::autoaccum._fit_api.fit",
+    "autoaccum/adapters/keras/presets/_preset_plans.py",
+    "autoaccum/adapters/keras/presets/_preset_plans.py",
+    "autoaccum/_front_door.py",
+    "autoaccum/_front_door.py",
+    "autoaccum/_front_door.py::autoaccum._front_door.plan",
+    "autoaccum/_front_door.py::autoaccum._front_door.fit",
     "autoaccum/adapters/keras/_keras_adapter.py::autoaccum.adapters.keras._keras_adapter."
     "KerasTrainStep",
-    "autoaccum/devices/_xla_options.py::autoaccum.devices._xla_options.known_xla_flags",
+    "autoaccum/devices/_deviceless.py::autoaccum.devices._deviceless.known_xla_flags",
     "autoaccum/adapters/keras/_keras_fit.py::autoaccum.adapters.keras._keras_fit.keras_fit",
-    "autoaccum/adapters/keras/presets/_abstract_lm.py::"
-    "autoaccum.adapters.keras.presets._abstract_lm.abstract_state",
+    "autoaccum/adapters/keras/presets/_architectures.py::"
+    "autoaccum.adapters.keras.presets._architectures.abstract_state",
     "autoaccum/planning/_depth.py",
     "autoaccum_demo/_gemma_demo.py",
     "autoaccum_demo/_tiny_lm.py",

@@ -27,11 +27,11 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from . import devices as devices
     from . import planning as planning
     from . import training as training
-    from ._advise_api import advise as advise
-    from ._fit_api import fit as fit
-    from ._measure_api import measure as measure
-    from ._plan_api import plan as plan
-    from ._train_step_api import train_step as train_step
+    from ._front_door import advise as advise
+    from ._front_door import fit as fit
+    from ._front_door import measure as measure
+    from ._front_door import plan as plan
+    from ._front_door import train_step as train_step
     from ._version import __version__ as __version__
     from .adapters.flax import StepOutput as StepOutput
     from .adapters.flax import TrainStep as TrainStep
@@ -62,8 +62,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
 # fresh process needs, before JAX starts).
 __getattr__, __dir__ = lazy_exports(__name__, {
     "devices": ".devices", "planning": ".planning", "training": ".training",
-    "advise": "._advise_api", "fit": "._fit_api", "measure": "._measure_api",
-    "plan": "._plan_api", "train_step": "._train_step_api", "__version__": "._version",
+    "advise": "._front_door", "fit": "._front_door", "measure": "._front_door",
+    "plan": "._front_door", "train_step": "._front_door", "__version__": "._version",
     "StepOutput": ".adapters.flax", "TrainStep": ".adapters.flax",
     "advise_preset": ".adapters.keras.presets", "plan_preset": ".adapters.keras.presets",
     "plot_plan": ".cli._plot", "configure": ".devices._configure",

@@ -27,7 +27,7 @@ from flax import nnx
 
 import autoaccum.adapters.flax._nnx_program as flax_program_module
 from autoaccum.adapters.flax._nnx_program import make_flax_step
-from autoaccum.devices._units import format_bytes
+from autoaccum.devices._profiles import format_bytes
 from autoaccum.training._nonfinite import keep_if_finite
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows

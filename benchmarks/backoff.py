@@ -2,7 +2,7 @@
 
 Every method runs in a fresh child process: build a TinyLM (vocab 2048, 256 tokens), warm up
 one small real step, cap the address space at VmSize + ``--headroom-mib`` (compiles lifted,
-see ``autoaccum.devices._rlimit``) and search for the micro-batch of a per-device batch of
+see ``autoaccum.devices._oom``) and search for the micro-batch of a per-device batch of
 ``--batch`` examples (``k = ceil(batch / b)`` accumulation steps per trial):
 
 * ``compile-only``: autoaccum's compile-only search against ``headroom - margin`` (no real
@@ -48,8 +48,7 @@ def _child(method: str, args: argparse.Namespace) -> dict:
     from flax import nnx
 
     from autoaccum.adapters.flax._nnx_program import flax_program, split_model
-    from autoaccum.devices._oom import is_out_of_memory
-    from autoaccum.devices._rlimit import AddressSpaceCap, compiling
+    from autoaccum.devices._oom import AddressSpaceCap, compiling, is_out_of_memory
     from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
     from autoaccum.planning._budget import Budget
     from autoaccum.planning._lr_scaling import scale_learning_rate
@@ -151,7 +150,7 @@ def _child(method: str, args: argparse.Namespace) -> dict:
 
 
 def _spawn(method: str, argv: list[str]) -> dict:
-    from autoaccum.devices._rlimit import CHILD_ENV
+    from autoaccum.devices._oom import CHILD_ENV
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(

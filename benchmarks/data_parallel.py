@@ -85,7 +85,7 @@ def main() -> None:
     sys.path.insert(0, str(here))
     from _common import print_table
 
-    from autoaccum.devices._units import format_bytes
+    from autoaccum.devices._profiles import format_bytes
 
     base = rows[0]["examples_per_s"]
     print(f"TinyTransformerLM dim 128 x 4 layers, seq {SEQ}, effective batch {EFFECTIVE}, "

@@ -97,7 +97,7 @@ def restore_before_issue20() -> None:
 def child_plan(args: argparse.Namespace) -> None:
     """One dry-run plan in this process; prints one JSON line."""
     start = time.perf_counter()
-    import autoaccum.planning._concurrent_compiles as parallel
+    import autoaccum.planning._cache as parallel
     from autoaccum.adapters.keras.presets import plan_preset
 
     if args.before:
@@ -182,8 +182,8 @@ def part_plans(args: argparse.Namespace) -> None:
 def part_parallel(args: argparse.Namespace) -> None:
     """The two small-depth compiles of one probe, one after the other vs side by side."""
     from autoaccum.adapters.keras.presets._architectures import load_architecture
-    from autoaccum.adapters.keras.presets._plan_preset import _preset_program
-    from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
+    from autoaccum.adapters.keras.presets._preset_plans import _preset_program
+    from autoaccum.planning._cache import CompileRequest, measure_all
     from autoaccum.planning._targets import resolve_target
 
     arch = load_architecture(args.parallel_arch)
@@ -206,7 +206,7 @@ def part_parallel(args: argparse.Namespace) -> None:
 def part_accuracy(args: argparse.Namespace) -> None:
     """Extrapolated (depths 2, 3) vs full-depth compile, two micro-batches per architecture."""
     from autoaccum.adapters.keras.presets import list_architectures, load_architecture
-    from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+    from autoaccum.adapters.keras.presets._preset_plans import _preset_program
     from autoaccum.planning._depth import DepthExtrapolator, DepthVariants
     from autoaccum.planning._targets import resolve_target
 

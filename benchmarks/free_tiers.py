@@ -10,7 +10,7 @@ GPUs), remat "none" then "nothing", and on several chips the sharding strategies
 communication first (replicated, zero1, zero2, fsdp). Each cell says how it was decided:
 
 * ``shapes``: the weights and optimizer state per chip exceed the budget under every strategy
-  (``planning/_resident.py``), known from the abstract model before anything is compiled;
+  (``planning/_budget.py``), known from the abstract model before anything is compiled;
 * ``compiled``: the plan (or the refusal) comes from compiles, depth-extrapolated from 2 and 3
   layers and verified at full depth (``full depth``), or extrapolated only
   (``extrapolated ...``, see ``multi_gpu_story.how_decided``);
@@ -105,7 +105,8 @@ def decide_cell(model: str, mode: str, target: str, *, shapes_only: bool = False
     from multi_gpu_story import how_decided
 
     import autoaccum
-    from autoaccum.adapters.keras.presets import _plan_preset, plan_preset
+    from autoaccum.adapters.keras.presets import _preset_plans as _plan_preset
+    from autoaccum.adapters.keras.presets import plan_preset
     from autoaccum.planning import DoesNotFitError
     from autoaccum.planning._measure import compile_count
 

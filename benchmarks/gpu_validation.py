@@ -146,7 +146,7 @@ class Runner:
         if where == "host" or self.gpu is None:
             env["JAX_PLATFORMS"] = "cpu"
         if where == "device" and self.gpu is None:  # a repeatable CPU memory boundary
-            from autoaccum.devices._rlimit import CHILD_ENV
+            from autoaccum.devices._oom import CHILD_ENV
 
             env.update({k: v for k, v in CHILD_ENV.items() if k.startswith("MALLOC_")})
         if where == "device" and self.gpu is not None:

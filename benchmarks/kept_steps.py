@@ -54,7 +54,7 @@ jax.stages.Lowered.compile = counted
 
 def forget():
     # every compiled program dropped: autoaccum's kept steps and JAX's caches
-    from autoaccum.planning import _kept_steps
+    from autoaccum.planning import _cache as _kept_steps
     _kept_steps._KEPT.clear()
     jax.clear_caches()
     compiles[0] = 0

@@ -91,9 +91,8 @@ from autoaccum.adapters.keras._keras_program import find_layout
 from autoaccum.adapters.keras._keras_step import keras_train_step
 from autoaccum.devices._oom import is_out_of_memory
 from autoaccum.planning._micro_batches import UnevenBatches, split_sizes
-from autoaccum.training._elastic import shrink
-from autoaccum.training._interrupts import deferred_interrupts
 from autoaccum.training._snapshot import HostSnapshot, is_consumed
+from autoaccum.training._step_runner import deferred_interrupts, shrink
 
 EFFECTIVE = 10
 EXAMPLES = 25  # 10 + 10 + 5: the epoch's last effective batch is partial

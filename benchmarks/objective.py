@@ -16,7 +16,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import make_flax_step, split_model
-from autoaccum.devices._units import format_bytes
+from autoaccum.devices._profiles import format_bytes
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 

@@ -204,7 +204,7 @@ def child(case: str, cache: str) -> None:
 def one_compile(case: str, micro_batch: int, accum_steps: int) -> None:
     """Compiles the chosen step of ``case`` once at full depth, alone; prints its seconds."""
     import autoaccum
-    from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
+    from autoaccum.planning._cache import CompileRequest, measure_all
     from autoaccum.planning._targets import resolve_target
 
     if case.startswith("lab"):
@@ -225,7 +225,7 @@ def one_compile(case: str, micro_batch: int, accum_steps: int) -> None:
         program, device = prepared.program, NNX[case]
     else:
         from autoaccum.adapters.keras.presets._architectures import load_architecture
-        from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+        from autoaccum.adapters.keras.presets._preset_plans import _preset_program
 
         arch, rank, seq, device, _, _ = PRESETS[case]
         program = _preset_program(load_architecture(arch), dtype="bfloat16", lora_rank=rank,

@@ -15,7 +15,7 @@ from _common import print_table
 from flax import nnx
 
 from autoaccum.adapters import adapter_for
-from autoaccum.devices._units import format_bytes
+from autoaccum.devices._profiles import format_bytes
 from autoaccum.planning import Budget, scale_learning_rate
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan import search_plan

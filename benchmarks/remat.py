@@ -18,11 +18,10 @@ from flax import nnx
 from autoaccum.adapters import adapter_for
 from autoaccum.adapters.flax._nnx_program import make_flax_step, rematerialized, split_model
 from autoaccum.devices._deviceless import deviceless_target
-from autoaccum.devices._units import format_bytes
+from autoaccum.devices._profiles import format_bytes
 from autoaccum.planning._measure import CompileTarget, measure_program
 from autoaccum.planning._plan_model import prepare
-from autoaccum.planning._plan_options import ProgramOptions
-from autoaccum.planning._remat_policies import REMAT_POLICIES
+from autoaccum.planning._plan_options import REMAT_POLICIES, ProgramOptions
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 

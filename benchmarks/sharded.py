@@ -29,7 +29,7 @@ AdamW on the adapters; micro-batch 4 x 2 per device): need per device replicated
 zero1 8.78, zero2 8.61, fsdp 3.64; frozen base per device 8.02 MiB under the first three,
 2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
-``--floor``: need / floor per device (see ``autoaccum.planning._floor``) by strategy x model
+``--floor``: need / floor per device (see ``autoaccum.planning._measure``) by strategy x model
 shape x split, for both partitioners of a strategy's step (``autoaccum.planning.PARTITIONERS``):
 autoaccum's (``shard_map`` data parallelism, the at-use replay under fsdp) and XLA's own
 (``program.on_mesh(mesh, strategy, partitioner="xla")``: the one-device step under ``jax.jit``
@@ -200,7 +200,7 @@ choice is lower changes with the model's size, so only compiling each candidate 
 would take the lower one.
 
 (4 x H100 rerun 2026-11-28 after zero1 and zero2 keep the updated weights split until they
-are gathered, ``autoaccum/training/_updated_weights.py``: the select that skips a non-finite
+are gathered, ``autoaccum/training/_accumulate.py``: the select that skips a non-finite
 step had run on whole gathered weights, and XLA's latency-hiding scheduler kept several of
 them alive beside the old ones. Before: few large zero1 1 x 4 3.13x (1.04), zero1 and zero2
 4 x 1 2.63x (1.17) with XLA's step, zero2 1 x 4 2.63x (1.17); many small zero1 and zero2
@@ -595,7 +595,7 @@ def main() -> None:
     sys.path.insert(0, str(here))
     from _common import print_table
 
-    from autoaccum.devices._units import format_bytes
+    from autoaccum.devices._profiles import format_bytes
 
     print(f"TinyTransformerLM dim 256 x 4 layers, seq {SEQ}, AdamW, weights "
           f"{format_bytes(out['weights'])}; effective batch {EFFECTIVE} on {DEVICES} host "

@@ -91,7 +91,7 @@ def full_need(lowered) -> tuple[float, float]:
 
 def gemma_lowered(arch_name: str, depth: int, micro: int, steps: int, target):
     from autoaccum.adapters.keras.presets._architectures import load_architecture
-    from autoaccum.adapters.keras.presets._plan_preset import _preset_program
+    from autoaccum.adapters.keras.presets._preset_plans import _preset_program
     from autoaccum.planning._measure import lower_step
 
     program = _preset_program(load_architecture(arch_name), dtype="bfloat16", lora_rank=4,

@@ -1,7 +1,7 @@
 """Scenarios that run out of memory for real, in a child process under ``RLIMIT_AS``.
 
 Run as ``python -m tests._oom_child SCENARIO '{"json": "args"}'`` with
-:data:`autoaccum.devices._rlimit.CHILD_ENV`; the last stdout line is a JSON result. The parent test
+:data:`autoaccum.devices._oom.CHILD_ENV`; the last stdout line is a JSON result. The parent test
 process never caps itself. :func:`run_child` does all of that.
 """
 
@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 def run_child(scenario: str, timeout: float = 240, **args: Any) -> dict:
     """Runs ``scenario`` in a fresh interpreter and returns its JSON result."""
-    from autoaccum.devices._rlimit import CHILD_ENV
+    from autoaccum.devices._oom import CHILD_ENV
 
     env = {**os.environ, **CHILD_ENV}
     proc = subprocess.run(
@@ -90,7 +90,7 @@ def flax_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     import numpy as np
 
     from autoaccum.adapters.flax._nnx_fit import flax_fit
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
     from tests._models import token_loss
 
     _setup()
@@ -132,7 +132,7 @@ def flax_fit_elastic(*, vocab: int, length: int, n: int, effective: int, fail_af
     import numpy as np
 
     import autoaccum
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
     from tests._models import token_loss
 
     if not async_dispatch:  # else the error surfaces when the result is read, after donation
@@ -179,7 +179,7 @@ def flax_restore_consumed(*, vocab: int, length: int, n: int, headroom_mib: floa
     from flax import nnx
 
     import autoaccum
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
     from tests._models import token_loss
 
     _setup()
@@ -247,7 +247,7 @@ def keras_elastic(*, vocab: int, length: int, n: int, micro: int, accum: int,
     import numpy as np
 
     from autoaccum.adapters.keras._keras_fit import keras_fit
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
 
     _setup()
     data = _keras_data(vocab, length, n)
@@ -287,7 +287,7 @@ def keras_train_step_oom(*, vocab: int, length: int, n: int, batch: int, fail_af
     import numpy as np
 
     import autoaccum
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
 
     _setup()
     x, y = _keras_data(vocab, length, n)
@@ -371,7 +371,7 @@ def flax_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float,
     import io
 
     from autoaccum.adapters.flax._nnx_program import flax_program, split_model
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
     from autoaccum.planning._backoff import auto_plan, backoff_search, real_step_runner
     from autoaccum.planning._budget import Budget
     from autoaccum.planning._lr_scaling import scale_learning_rate
@@ -429,7 +429,7 @@ def keras_backoff(*, vocab: int, length: int, batch: int, headroom_mib: float) -
     import numpy as np
 
     from autoaccum.adapters.keras import KerasAdapter
-    from autoaccum.devices._rlimit import AddressSpaceCap
+    from autoaccum.devices._oom import AddressSpaceCap
     from autoaccum.planning._backoff import backoff_search
     from autoaccum.planning._plan_options import ProgramOptions
 

@@ -19,7 +19,7 @@ from autoaccum.adapters.flax._nnx_program import (
     rematerialized,
     split_model,
 )
-from autoaccum.devices._xla_options import known_compile_options
+from autoaccum.devices._deviceless import known_compile_options
 from autoaccum.planning._measure import compile_lowered, lower_step
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows

@@ -1,5 +1,9 @@
 """``autoaccum plan --model module:function``: loading the user's builder, reporting what it
-raised, and merging the options it returns with the flags given on the command line."""
+raised, and merging the options it returns with the flags given on the command line.
+
+How the command line reports a failure: one line on stderr, or ``{"error": ...}`` on stdout
+under ``--json``, and a non-zero exit status.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,94 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
 import traceback
 from typing import Any
 
-from ._errors import CliError, import_error_message
+from ..devices._extras import MissingExtraError
 
-__all__ = ["flag_values", "load_model_function", "merge_flags", "spec_kwargs"]
+EXTRAS = {
+    "keras": "keras",
+    "keras_hub": "keras",
+    "keras_nlp": "keras",
+    "tensorflow": "keras",
+    "sentencepiece": "keras",
+    "matplotlib": "plot",
+    "jax_plugins": "dryrun",
+    "pynvml": "dryrun",
+}
+"""Top-level module -> the ``autoaccum[...]`` extra that installs it."""
+
+
+class CliError(Exception):
+    """A failure the user can fix, with the exit status the command returns.
+
+    Example:
+      >>> CliError("Give --effective-batch.").code
+      2
+    """
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def import_error_message(error: ImportError, what: str) -> str:
+    """One line naming the missing package and the ``pip install`` that fixes it.
+
+    Example:
+      >>> import_error_message(ModuleNotFoundError("No module named 'matplotlib'",
+      ...                                          name="matplotlib"), "--plot")
+      "--plot needs matplotlib, which is not installed: pip install 'autoaccum[plot]'"
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, MissingExtraError):  # already names the extra and its install
+        return text
+    module = (getattr(error, "name", None) or "").split(".")[0]
+    if "jax-cuda1" in text or module == "jax_plugins":
+        return f"{what}: {text} (or: pip install 'autoaccum[dryrun]')"
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return f"{what} failed to import a package: {text}"
+    return f"{what} needs {module}, which is not installed: pip install 'autoaccum[{extra}]'"
+
+
+def report_does_not_fit(error: Any, *, json_mode: bool) -> int:
+    """A ``DoesNotFitError``: its message on stderr, or with ``--json`` its JSON form
+    (``{"fits": false, "resident": {...}, "alternatives": [...], "error": ...}``); exit 2.
+
+    Example:
+      >>> from autoaccum.planning import DoesNotFitError
+      >>> report_does_not_fit(DoesNotFitError("no room", budget_bytes=1), json_mode=False)
+      2
+    """
+    if json_mode:
+        print(json.dumps({**error.to_dict(), "exit_code": 2}, indent=2, default=str),
+              flush=True)
+        return 2
+    return report_error(str(error), code=2, json_mode=False)
+
+
+def report_error(message: str, *, code: int, json_mode: bool) -> int:
+    """Prints the error where the mode says and returns ``code``.
+
+    Example:
+      >>> report_error("bad", code=2, json_mode=True)
+      {"error": "bad", "exit_code": 2}
+      2
+    """
+    if json_mode:
+        print(json.dumps({"error": message, "exit_code": code}), flush=True)
+    else:
+        print(f"autoaccum: error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def _plan_parameters() -> set[str]:
-    from .._plan_api import plan
+    from .._front_door import plan
 
     return {name for name, p in inspect.signature(plan).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -33,7 +112,7 @@ def load_model_function(spec: str) -> dict[str, Any]:
       >>> load_model_function("os.path:no_such_builder")
       Traceback (most recent call last):
       ...
-      autoaccum.cli._errors.CliError: --model 'os.path:no_such_builder': module 'os.path' has no attribute 'no_such_builder'
+      autoaccum.cli._builder.CliError: --model 'os.path:no_such_builder': module 'os.path' has no attribute 'no_such_builder'
     """  # noqa: E501
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
@@ -75,7 +154,7 @@ def load_model_function(spec: str) -> dict[str, Any]:
         )
     unknown = sorted(set(built) - {"model", "data"} - _plan_parameters())
     if unknown:
-        from .._entry_options import where_option_lives
+        from ..training._training_options import where_option_lives
 
         hints = [h for h in (where_option_lives(name) for name in unknown) if h]
         raise CliError(f"--model {spec!r} returned options autoaccum.plan does not take: "
@@ -173,7 +252,7 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
     plain learning rate included) with the flags given on the command line, which win (one
     line on stderr says so when the builder set the same option otherwise). A flag for a spec
     the entry point does not take (``arguments``) is a usage error."""
-    from .._entry_options import specs
+    from .._front_door import specs
     from ..planning._plan_options import learning_rate_spec
 
     base = dict(base or {})

@@ -27,17 +27,17 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from ._mesh import replicate as replicate
     from ._mesh import resolve_mesh as resolve_mesh
     from ._mesh import shard_batches as shard_batches
+    from ._oom import AddressSpaceCap as AddressSpaceCap
     from ._oom import is_out_of_memory as is_out_of_memory
     from ._profiles import DeviceProfile as DeviceProfile
     from ._profiles import find_profile as find_profile
+    from ._profiles import format_bytes as format_bytes
     from ._profiles import list_profiles as list_profiles
     from ._quiet import quiet_start as quiet_start
-    from ._rlimit import AddressSpaceCap as AddressSpaceCap
-    from ._units import format_bytes as format_bytes
     from ._warnings import AutoaccumWarning as AutoaccumWarning
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "quiet_start": "._quiet",
+    "quiet_start": "._configure",
     "configure": "._configure",
     "DetectedDevice": "._detect",
     "detect_device": "._detect",
@@ -57,8 +57,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "DeviceProfile": "._profiles",
     "find_profile": "._profiles",
     "list_profiles": "._profiles",
-    "AddressSpaceCap": "._rlimit",
-    "format_bytes": "._units",
+    "AddressSpaceCap": "._oom",
+    "format_bytes": "._profiles",
     "AutoaccumWarning": "._warnings",
 })
 

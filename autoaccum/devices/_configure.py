@@ -13,11 +13,11 @@ import sys
 import warnings
 
 from ._detect import detect_device, jax_started
+from ._deviceless import known_xla_flags
 from ._margins import FRACTION_VARS
 from ._profiles import DeviceProfile, find_profile
 from ._quiet import quiet_start, tpu_absent
 from ._warnings import AutoaccumWarning
-from ._xla_options import known_xla_flags
 
 __all__ = ["configure"]
 
@@ -44,7 +44,7 @@ def configure(
       kept unless ``memory_fraction`` is given, which then replaces it under the name you used;
     * the profile's ``[environment]``: ``XLA_FLAGS`` entries this jaxlib knows are appended
       unless a flag of the same name is already there (an unknown flag would abort JAX at
-      start; :func:`autoaccum.devices._xla_options.known_xla_flags`); other variables are set
+      start; :func:`autoaccum.devices._deviceless.known_xla_flags`); other variables are set
       only if unset.
 
     ``quiet`` (default ``True``): on a machine without a GPU, also keep JAX's and TensorFlow's

@@ -8,15 +8,61 @@ With JAX's CUDA plugin installed (``jax-cuda13-plugin``, JAX's default, or
 With libtpu installed (``jax[tpu]``, autoaccum's ``tpu`` extra), XLA compiles for a TPU
 topology (``"v5e:2x4"``) the same way, per chip; TPU memory is assigned at compile time, so
 a step over a chip's HBM is refused by the compile itself (``CompileTimeHbmOom``).
+
+The platform a step being traced is compiled for.
+
+Usually JAX's default backend; a dry run for a GPU that is not here (a deviceless compile on
+a CPU machine) traces its step for ``"gpu"``. Parts of a step whose best form differs
+between XLA's compilers read it while tracing (``training._nonfinite.update_if_finite``).
+
+Whether this machine's ``ptxas`` can compile for a GPU profile's compute capability.
+
+A deviceless compile (:mod:`._deviceless`) ends with XLA running NVIDIA's ``ptxas`` for the
+named GPU's architecture. CUDA 13's ``ptxas`` no longer targets GPUs older than Turing
+(compute capability 7.5: V100, P100), so on a machine whose ``ptxas`` is CUDA 13 a dry run
+for those fails deep in XLA (``UNIMPLEMENTED: ... ptxas too old``). This module finds the
+``ptxas`` XLA would run (the ``nvidia-cuda-nvcc`` wheel's, else the first on ``PATH``), reads
+its CUDA version, and says in one sentence why a profile cannot be compiled here, and the fix.
+Such GPUs are compiled for with JAX's CUDA 12 plugin and a CUDA 12 ``ptxas``
+(``pip install 'autoaccum[dryrun-cuda12]'`` in an environment without the CUDA 13 plugin).
+
+XLA compile options and ``XLA_FLAGS`` that this jaxlib knows: probed, never assumed.
+
+XLA renames and removes its options between jaxlib releases, and jaxlib 0.11+ refuses what it
+does not know: an unknown compile option fails the compile (``INVALID_ARGUMENT: No such
+compile option``) and an unknown flag in ``XLA_FLAGS`` aborts the process when JAX starts
+(``Unknown flag in XLA_FLAGS``), with no Python traceback. Removed in 0.11:
+``xla_cpu_use_fusion_emitters`` and ``xla_gpu_enable_llvm_module_compilation_parallelism``.
+
+* :func:`known_compile_options` keeps the options a trivial compile in this process accepts
+  (about 10 ms per new name, once per process);
+* :func:`known_xla_flags` keeps the flags a fresh Python with this jaxlib starts with (a child
+  process, since flags are read once when JAX starts; its answer is kept on disk per jaxlib).
+
+Each option or flag left out is said once, in the ``autoaccum`` logger (INFO).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
+
+import jax
 
 from ._detect import jax_started
 from ._extras import (
@@ -26,12 +72,76 @@ from ._extras import (
     installed_version,
     missing_from_extra,
 )
-from ._profiles import DeviceProfile, all_profiles, find_profile
-from ._ptxas import deviceless_blocker
+from ._profiles import DeviceProfile, all_profiles, find_profile, gpu_target_config
 from ._quiet import nvidia_gpu_absent, quiet_native_logs, tpu_absent
-from ._target_config import gpu_target_config
 
-__all__ = ["DevicelessTarget", "deviceless_target", "shard_abstract", "tpu_target"]
+_OLDEST_BY_CUDA = {13: (7, 5)}  # CUDA major -> oldest compute capability its ptxas targets
+
+
+def _ptxas_path() -> str | None:
+    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
+    for wheel in (nvidia / "cu13" / "bin" / "ptxas", nvidia / "cuda_nvcc" / "bin" / "ptxas"):
+        if wheel.is_file():  # NVIDIA's CUDA 13 wheels, then CUDA 12's
+            return str(wheel)
+    cuda_dir = os.environ.get("CUDA_DIR") or os.environ.get("CUDA_HOME")
+    if cuda_dir and (Path(cuda_dir) / "bin" / "ptxas").is_file():
+        return str(Path(cuda_dir) / "bin" / "ptxas")
+    found = shutil.which("ptxas")
+    if found is None and Path("/usr/local/cuda/bin/ptxas").is_file():
+        return "/usr/local/cuda/bin/ptxas"  # where XLA looks last
+    return found
+
+
+@functools.cache
+def ptxas_version() -> tuple[str, tuple[int, int]] | None:
+    """``(path, (major, minor))`` of the ``ptxas`` XLA would run, or ``None`` when there is none
+    (XLA then uses the ``ptxas`` it ships or the driver, which this module does not judge).
+
+    Example:
+      >>> found = ptxas_version()
+      >>> found is None or (isinstance(found[0], str) and len(found[1]) == 2)
+      True
+    """
+    path = _ptxas_path()
+    if path is None:
+        return None
+    try:
+        text = subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=20, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", text)
+    return None if match is None else (path, (int(match.group(1)), int(match.group(2))))
+
+
+def deviceless_blocker(profile: DeviceProfile) -> str | None:
+    """Why ``profile``'s GPU cannot be compiled for on this machine, with the fix; ``None``
+    when nothing known stands in the way (a CPU profile, or a ``ptxas`` that targets it).
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> deviceless_blocker(find_profile("t4")) is None
+      True
+    """
+    if not profile.is_gpu:
+        return None
+    found = ptxas_version()
+    if found is None:
+        return None
+    path, (major, minor) = found
+    oldest = max((cc for cuda, cc in _OLDEST_BY_CUDA.items() if major >= cuda), default=None)
+    capability = profile.gpu.compute_capability
+    if oldest is None or capability >= oldest:
+        return None
+    return (
+        f"this machine's ptxas ({path}, CUDA {major}.{minor}) cannot compile for "
+        f"{profile.name} (compute capability {capability[0]}.{capability[1]}; CUDA {major} "
+        f"targets {oldest[0]}.{oldest[1]} and newer). Compile with JAX's CUDA 12 plugin and a "
+        "CUDA 12 ptxas: pip install 'autoaccum[dryrun-cuda12]' nvidia-cuda-nvcc-cu12 in an "
+        "environment without the CUDA 13 plugin (or CUDA_DIR=/path/to/cuda-12), or plan on "
+        "that GPU itself"
+    )
+
 
 _SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 _MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
@@ -85,7 +195,7 @@ def deviceless_target(
     ``hosts``): JAX's CUDA topology ``"1 x hosts x devices/hosts"``.
 
     ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
-    :func:`autoaccum.devices._target_config.gpu_target_config`). Needs JAX's CUDA 13 (or 12)
+    :func:`autoaccum.devices._profiles.gpu_target_config`). Needs JAX's CUDA 13 (or 12)
     plugin at JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says
     so), and
     JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
@@ -335,3 +445,181 @@ def _allow_cuda_plugin_without_driver() -> None:
     """
     if not jax_started():
         os.environ.setdefault(_SKIP_CHECK_ENV, "1")
+
+
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "autoaccum_compile_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str | None) -> Iterator[None]:
+    """Steps traced inside this context are compiled for ``platform`` (``"cpu"``, ``"gpu"``,
+    ``"tpu"``; ``None``: this process's default backend).
+
+    A step traced here must not be reused for another platform: JAX caches traces by
+    function, so lower it from a function object of its own (as
+    ``autoaccum.planning._measure.lower_step`` does for a deviceless target).
+
+    Example:
+      >>> with compiling_for("gpu"):
+      ...     compile_platform()
+      'gpu'
+    """
+    token = _PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def compile_platform() -> str:
+    """The platform :func:`compiling_for` names, else JAX's default backend.
+
+    Example:
+      >>> compile_platform() == jax.default_backend()
+      True
+    """
+    return _PLATFORM.get() or jax.default_backend()
+
+
+_LOG = logging.getLogger("autoaccum")
+_LOCK = threading.Lock()
+_KNOWN: dict[str, bool] = {}
+_SAID: set[str] = set()
+_UNKNOWN_FLAGS = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+_NO_SUCH_OPTION = "No such compile option"
+
+
+def _say_once(what: str, why: str) -> None:
+    with _LOCK:
+        if what in _SAID:
+            return
+        _SAID.add(what)
+    _LOG.info("%s left out: %s", what, why)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_lowering() -> Any:
+    import jax
+    import numpy as np
+
+    return jax.jit(lambda x: x + 1).lower(np.float32(0))
+
+
+def _compile_option_known(name: str, value: Any) -> bool:
+    with _LOCK:
+        if name in _KNOWN:
+            return _KNOWN[name]
+    try:
+        _probe_lowering().compile(compiler_options={name: value})
+        known = True
+    except Exception as error:
+        known = _NO_SUCH_OPTION not in str(error)
+    with _LOCK:
+        _KNOWN[name] = known
+    return known
+
+
+def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without the compile options this jaxlib does not know.
+
+    Args:
+      options: XLA compile options (``DebugOptions`` field names), as given to
+        ``lowered.compile(compiler_options=...)``.
+
+    Returns:
+      A new dict: the known options with their values, in their order.
+
+    Example:
+      >>> from autoaccum.devices._deviceless import known_compile_options
+      >>> known_compile_options({"xla_backend_optimization_level": 0, "xla_no_such_thing": 1})
+      {'xla_backend_optimization_level': 0}
+    """
+    kept = {}
+    for name, value in options.items():
+        if _compile_option_known(name, value):
+            kept[name] = value
+        else:
+            _say_once(f"XLA compile option {name}",
+                      f"unknown to jaxlib {_jaxlib_version()}")
+    return kept
+
+
+def known_xla_flags(flags: str, *, cache_dir: Path | str | None = None) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) without the flags this jaxlib would abort on.
+
+    A child process of this Python starts JAX on the CPU with ``flags``; the flags it names
+    as unknown are dropped. The answer is kept in ``cache_dir`` per jaxlib version and flags,
+    so a later call costs no process. Call it before JAX starts, where the flags will be set.
+
+    Args:
+      flags: space-separated ``--xla_...`` flags.
+      cache_dir: where the answers are kept; ``None``: ``$AUTOACCUM_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/autoaccum``, else ``~/.cache/autoaccum``.
+
+    Returns:
+      The known flags, space-separated, in their order.
+
+    Example:
+      >>> from autoaccum.devices._deviceless import known_xla_flags
+      >>> known_xla_flags("--xla_force_host_platform_device_count=2 --xla_no_such_flag=1")
+      '--xla_force_host_platform_device_count=2'
+    """
+    tokens = flags.split()
+    if not tokens:
+        return ""
+    version = _jaxlib_version()
+    key = hashlib.sha256(f"{version}\n{sys.executable}\n{flags}".encode()).hexdigest()[:24]
+    path = _cache_folder(cache_dir) / "xla-flags" / f"{key}.json"
+    try:
+        kept = json.loads(path.read_text())["kept"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = _probe_flags(tokens)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"jaxlib": version, "flags": flags, "kept": kept}))
+        except OSError:
+            pass  # a read-only home: probe again next time
+    for token in tokens:
+        if token not in kept:
+            _say_once(f"XLA flag {token}", f"unknown to jaxlib {version} (it would abort)")
+    return " ".join(kept)
+
+
+def _probe_flags(tokens: list[str]) -> list[str]:
+    kept = list(tokens)
+    for _ in range(2):  # jaxlib names every unknown flag at once; one retry confirms the rest
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(XLA_FLAGS=" ".join(kept), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+        result = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+            env=env, capture_output=True, text=True, timeout=300, check=False)
+        if result.returncode == 0:
+            return kept
+        match = _UNKNOWN_FLAGS.search(result.stderr)
+        if match is None:
+            raise RuntimeError(
+                f"JAX did not start with XLA_FLAGS={' '.join(kept)!r} (exit "
+                f"{result.returncode}): {result.stderr.strip()[-600:]}. Check the flags. "
+                f"Received: flags={' '.join(tokens)!r}")
+        unknown = set(match.group(1).split())
+        kept = [token for token in kept if token not in unknown]
+    return kept
+
+
+def _cache_folder(cache_dir: Path | str | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("AUTOACCUM_CACHE_DIR"):
+        return Path(os.environ["AUTOACCUM_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "autoaccum"
+
+
+def _jaxlib_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxlib")
+    except PackageNotFoundError:
+        return "unknown"

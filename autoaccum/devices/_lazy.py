@@ -23,7 +23,7 @@ def lazy_exports(package: str, exports: Mapping[str, str]
     that defines it; a name that is a submodule maps to itself (``{"planning": ".planning"}``).
 
     Example:
-      >>> getattr_, dir_ = lazy_exports("autoaccum.devices", {"format_bytes": "._units"})
+      >>> getattr_, dir_ = lazy_exports("autoaccum.devices", {"format_bytes": "._profiles"})
       >>> getattr_("format_bytes")(2048)
       '2.00 KiB'
       >>> "format_bytes" in dir_()

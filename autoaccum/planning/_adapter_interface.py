@@ -64,7 +64,7 @@ class FitSettings:
     batch_stats: str = "effective"
     """BatchNorm running averages: ``"effective"`` (one update per optimizer step from the
     whole effective batch's moments) or ``"micro"`` (one per micro-batch); see
-    ``autoaccum.training._batch_norm_moments``."""
+    ``autoaccum.training._accumulate``."""
     drop_remainder: bool = False
     """``False``: the examples after the last full effective batch of an epoch make a final,
     smaller step (normalised by its own count); ``True``: they are dropped. Either way the

@@ -12,7 +12,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from ..devices._units import format_bytes
+from ..devices._profiles import format_bytes
 from ._micro_batches import split_text
 
 __all__ = ["Alternative", "describe_change", "error_dict", "error_html", "render_html"]
@@ -56,7 +56,7 @@ class Alternative:
     @property
     def floor_bytes(self) -> int:
         """The floor of the row's step, from shapes (0: not known; see
-        ``autoaccum.planning._floor``)."""
+        ``autoaccum.planning._measure``)."""
         return int(self.plan.floor_bytes) if self.plan is not None else 0
 
     def describe(self) -> str:

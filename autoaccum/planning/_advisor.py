@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TextIO
 
-from ..devices._units import format_bytes
+from ..devices._profiles import format_bytes
 from ._advise_view import Alternative, describe_change, render_html
+from ._budget import Resident
 from ._plan import Plan
-from ._remat_policies import first_line
-from ._resident import Resident
+from ._plan_options import first_line
 from ._search import DoesNotFitError
 
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",

@@ -24,12 +24,10 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from ..devices._oom import first_line, is_out_of_memory, no_micro_batch_fits
-from ..devices._rlimit import compiling
-from ..devices._units import format_bytes
-from ._compile_ledger import record_compile
+from ..devices._oom import compiling, first_line, is_out_of_memory, no_micro_batch_fits
+from ..devices._profiles import format_bytes
 from ._lr_scaling import LearningRateScaling
-from ._measure import MemoryEstimate, estimate_from_compiled
+from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
 from ._plan import Plan, plan_from_search
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
 from ._train_program import TrainProgram

@@ -39,9 +39,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from ..devices._units import format_bytes, format_bytes_pair
+from ..devices._profiles import format_bytes, format_bytes_pair
 from ._budget import Budget
-from ._concurrent_compiles import CompileRequest, measure_all
+from ._cache import CompileRequest, measure_all
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
 from ._option_checks import received

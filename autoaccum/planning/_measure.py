@@ -4,32 +4,369 @@ The step is lowered with abstract inputs (``jax.ShapeDtypeStruct``: no weights a
 and compiled; ``compiled.memory_analysis()`` gives argument, output, alias and temp sizes.
 need = argument + output - alias + temp (jax-ml/jax#31292). ``peak_memory_in_bytes`` is
 not used: on CPU it ignores temp.
+
+What a plan cost in compiles: how many steps it compiled at full depth (the model as it is)
+and at reduced depth (depth extrapolation's two small models), and their seconds.
+
+Planning cost is counted in compiles as well as seconds: a full-depth compile of an LLM step
+takes minutes on a laptop, a reduced-depth one seconds, a cached figure nothing. Every compile
+of a step goes through :func:`~._measure.compile_lowered`, which adds it to the ledgers open
+at that moment (:func:`counting_compiles`; a plan inside an advisor's run counts in both).
+
+The floor of a train step: what one device must hold at least, from shapes alone.
+
+The floor of an accumulated step on one device of its mesh is
+
+    state it holds (weights, optimizer state, frozen weights, other state, as the strategy
+    or the user's layout splits them) + the float32 gradient accumulator (split likewise)
+    + the batch of the step + the largest transient one operation truly needs,
+
+where the transient is, per strategy (:mod:`._strategies`):
+
+* ``fsdp``: one split weight gathered whole, with its whole float32 gradient before the
+  reduce-scatter (the largest such pair; a split frozen weight: gathered, no gradient);
+* ``zero2`` (and ``zero1`` with one micro-batch, whose gradient is reduce-scattered as it
+  is formed): the largest whole float32 gradient before its reduce-scatter;
+* ``replicated``, ``zero1``, one device, and a layout kept as the user made it: the largest
+  float32 gradient leaf as the device holds it (computed, then added to the accumulator).
+  A kept layout's accumulator is split over the data axis too where its weight is not
+  (``_strategies.accumulator_sharding``).
+
+With one micro-batch and a whole (unsplit) accumulator -- one device, ``replicated`` -- there
+is no transient beyond the accumulator: the micro-batch's gradients are the sum the update
+reads (all of them, since a non-finite one skips the whole update), not added to another.
+
+Activations are not in it: the floor is what no micro-batch can go below. The compiled
+step's need (``MemoryEstimate.need_bytes``) sits beside it in plans, reports, JSON
+(``floor_bytes``) and the advisor's rows, so a step that holds what it does not need (a
+whole gradient gathered by a norm, a gathered weight hoisted out of the micro-batch loop)
+shows as a ratio well above 1.
+
+XLA's GPU kernel cache for deviceless compiles: a kernel's machine code is made once per
+process and GPU, not once per compile.
+
+A dry run compiles the same model many times: at two small depths and the full one, at
+several micro-batches, once per strategy or advisor row. Most of their kernels are the same
+fusions at the same shapes (the optimizer update of every weight, the blocks' matmuls at a
+given micro-batch), yet each compile emits LLVM IR and runs ``ptxas`` for every one of them
+again. XLA keeps the machine code of the kernels it compiled in a file when given one
+(``xla_gpu_kernel_cache_file``; before jaxlib 0.11 with per-kernel LLVM modules asked for by
+``xla_gpu_enable_llvm_module_compilation_parallelism``, an option 0.11 removed: each option is
+passed only where this jaxlib knows it, :mod:`autoaccum.devices._deviceless`) and reuses
+those whose fusion, shapes and launch dimensions are the same (it registers the cached kernel
+names first, so new kernels never take their names). Buffer assignment, and so every memory
+figure autoaccum reads, is made on the optimised HLO before any machine code exists: the
+figures are the same with and without the cache (``tests/planning/test_kernel_cache.py``
+compiles both ways), and a deviceless executable is never run.
+
+The files are this process's own (a temporary folder removed when it exits), one per GPU
+(its target description) and per concurrent compile: XLA reads the whole file before a
+compile and writes it back after, so two compiles never share a file at the same time.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import math
 import re
+import shutil
+import tempfile
 import threading
 import time
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
 
-from ..devices._compile_platform import compiling_for
-from ..devices._deviceless import shard_abstract
-from ..devices._units import format_bytes
-from ..devices._xla_options import known_compile_options
-from ._compile_ledger import record_compile
-from ._floor import step_floor
-from ._kernel_cache import kernel_cache_options
-from ._train_program import TrainProgram, local_shape, tree_bytes
+from ..devices._deviceless import compiling_for, known_compile_options, shard_abstract
+from ..devices._profiles import format_bytes
+from ._strategies import accumulator_sharding
+from ._train_program import TrainProgram, itemsize, local_shape, tree_bytes
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCount:
+    """The compiles of one plan (or advice): at full depth and at reduced depth, with their
+    wall seconds, and the figures read from the need cache (no compile).
+
+    Example:
+      >>> count = CompileCount(full=2, full_seconds=61.5, reduced=4, reduced_seconds=9.25)
+      >>> count.line()
+      '2 at full depth (61.5 s), 4 at reduced depth (9.2 s)'
+    """
+
+    full: int = 0
+    full_seconds: float = 0.0
+    reduced: int = 0
+    reduced_seconds: float = 0.0
+    cached: int = 0
+    wall_seconds: float = 0.0
+    """The whole planning call's wall time (compiles, lowering, building the model)."""
+
+    @property
+    def total(self) -> int:
+        """Compiles made, at either depth."""
+        return self.full + self.reduced
+
+    def line(self) -> str:
+        """One line for the report."""
+        parts = [f"{self.full} at full depth ({self.full_seconds:.1f} s)"]
+        if self.reduced:
+            parts.append(f"{self.reduced} at reduced depth ({self.reduced_seconds:.1f} s)")
+        if self.cached:
+            parts.append(f"{self.cached} from the need cache")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``full``, ``full_seconds``, ``reduced``, ``reduced_seconds``,
+        ``cached``."""
+        return {"full": self.full, "full_seconds": round(self.full_seconds, 3),
+                "reduced": self.reduced, "reduced_seconds": round(self.reduced_seconds, 3),
+                "cached": self.cached, "wall_seconds": round(self.wall_seconds, 3)}
+
+
+class CompileLedger:
+    """Counts compiles while open (see :func:`counting_compiles`)."""
+
+    def __init__(self) -> None:
+        self._count = CompileCount()
+
+    def add(self, *, reduced: bool, seconds: float) -> None:
+        c = self._count
+        self._count = (dataclasses.replace(c, reduced=c.reduced + 1,
+                                           reduced_seconds=c.reduced_seconds + seconds)
+                       if reduced else
+                       dataclasses.replace(c, full=c.full + 1,
+                                           full_seconds=c.full_seconds + seconds))
+
+    def add_cached(self) -> None:
+        self._count = dataclasses.replace(self._count, cached=self._count.cached + 1)
+
+    @property
+    def count(self) -> CompileCount:
+        """The compiles counted so far."""
+        return self._count
+
+
+_OPEN: list[CompileLedger] = []
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[CompileLedger]:
+    """A ledger of the compiles made inside (in any thread: the concurrent compiles too).
+
+    Example:
+      >>> with counting_compiles() as ledger:
+      ...     record_compile(reduced=True, seconds=1.5)
+      >>> ledger.count.reduced, ledger.count.full
+      (1, 0)
+    """
+    ledger = CompileLedger()
+    with _LOCK:
+        _OPEN.append(ledger)
+    try:
+        yield ledger
+    finally:
+        with _LOCK:
+            _OPEN.remove(ledger)
+
+
+def record_compile(*, reduced: bool, seconds: float) -> None:
+    """Adds one compile to every open ledger."""
+    with _LOCK:
+        for ledger in _OPEN:
+            ledger.add(reduced=reduced, seconds=seconds)
+
+
+def record_cached() -> None:
+    """Adds one need-cache answer (no compile) to every open ledger."""
+    with _LOCK:
+        for ledger in _OPEN:
+            ledger.add_cached()
+
+
+def counted(fn: F) -> F:
+    """``fn`` (a planning entry point) with its compiles counted: the :class:`Plan` it returns
+    carries them as ``compiles``, as does the ``DoesNotFitError`` it raises."""
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        with counting_compiles() as ledger:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as error:
+                if hasattr(error, "probes"):  # a DoesNotFitError
+                    error.compiles = dataclasses.replace(
+                        ledger.count, wall_seconds=time.perf_counter() - start)
+                raise
+        return _with_count(result, dataclasses.replace(
+            ledger.count, wall_seconds=time.perf_counter() - start))
+
+    return wrapped  # type: ignore[return-value]
+
+
+def _with_count(result: Any, count: CompileCount) -> Any:
+    """``result`` (a plan, or a tuple that starts with one) carrying ``count``."""
+    if isinstance(result, tuple) and result:
+        return (_with_count(result[0], count), *result[1:])
+    if dataclasses.is_dataclass(result) and hasattr(result, "compiles"):
+        return dataclasses.replace(result, compiles=count)
+    return result
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
+
+
+def _specs(tree: Any) -> list[Any]:
+    from jax.sharding import PartitionSpec as P
+
+    return jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, P))
+
+
+def _split(spec: Any) -> bool:
+    return any(a is not None for a in spec)
+
+
+def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
+               last: int | None = None) -> int:
+    """Bytes one device holds at least in ``program``'s step at ``[accum_steps,
+    micro_batch, ...]`` (``micro_batch`` per device; see the module docstring).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> w = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+      >>> program = TrainProgram(None, abstract_state=w, parts={"trainable": w}, trainable=w,
+      ...                        example_spec={"x": jax.ShapeDtypeStruct((64,), jnp.float32)})
+      >>> step_floor(program, 2, 4) == 65536 + 65536 + 65536 + 4 * 2 * 64 * 4
+      True
+      >>> step_floor(program, 8, 1) == 65536 + 65536 + 8 * 64 * 4  # one micro-batch
+      True
+    """
+    parts = program.parts
+    trainable = parts.get("trainable", program.trainable)
+    layout = program.layout
+    batch = tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last))
+    other = sum(tree_bytes(v) for k, v in parts.items()
+                if k not in ("trainable", "frozen", "optimizer"))
+    leaves = _leaves(trainable)
+    # One micro-batch and a whole (unsplit) accumulator: the gradients are the sum itself.
+    single = accum_steps == 1 and last is None
+    if layout is None:  # one device, replicated, or the user's layout (leaves carry it)
+        state = tree_bytes(trainable) + tree_bytes(parts.get("frozen")) + tree_bytes(
+            parts.get("optimizer"))
+        grads = [4 * math.prod(local_shape(x)) for x in leaves]
+        accumulator = sum(grads)
+        placement = program.placement
+        if placement is not None:  # split over the data axis too (see accumulator_sharding)
+            accumulator = sum(
+                4 * math.prod(accumulator_sharding(x.sharding, tuple(x.shape),
+                                                   placement.data_axis).shard_shape(x.shape))
+                if isinstance(getattr(x, "sharding", None), NamedSharding) else g
+                for x, g in zip(leaves, grads, strict=True))
+        whole = single and accumulator == sum(grads)
+        return state + other + batch + accumulator + (0 if whole else max(grads, default=0))
+    f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
+    frozen = program.frozen_args
+    state = (layout.split_bytes(trainable, layout.params)
+             + layout.split_bytes(parts.get("optimizer"), layout.optimizer)
+             + (tree_bytes(parts.get("frozen")) if layout.frozen is None
+                else layout.split_bytes(frozen, layout.frozen)))
+    accumulator = layout.split_bytes(
+        f32, layout.accumulator(accum_steps == 1 and last is None))
+    whole = [4 * math.prod(x.shape) for x in leaves]
+    if layout.strategy == "fsdp":
+        pairs = [g + (math.prod(x.shape) * itemsize(x.dtype) if _split(s) else 0)
+                 for x, g, s in zip(leaves, whole, _specs(layout.params), strict=True)]
+        if layout.frozen is not None:
+            pairs += [math.prod(x.shape) * itemsize(x.dtype)
+                      for x, s in zip(_leaves(frozen), _specs(layout.frozen), strict=True)
+                      if _split(s)]
+        transient = max(pairs, default=0)
+    elif single and accumulator == sum(whole):
+        transient = 0
+    else:  # zero2: whole before its reduce-scatter; replicated, zero1: whole, copied
+        transient = max(whole, default=0)
+    return state + other + batch + accumulator + transient
+
+
+KERNEL_CACHE_MAX_BYTES = 256 * 2**20
+"""A cache file that has grown past this size is started afresh (XLA reads and rewrites the
+whole file at every compile)."""
+
+_FREE: dict[str, list[Path]] = {}
+_FOLDER: list[Path] = []
+_MADE = [0]
+
+
+def _folder() -> Path:
+    if not _FOLDER:
+        folder = Path(tempfile.mkdtemp(prefix="autoaccum-kernels-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _FOLDER.append(folder)
+    return _FOLDER[0]
+
+
+def _take(key: str) -> Path:
+    with _LOCK:
+        free = _FREE.setdefault(key, [])
+        if free:
+            return free.pop()
+        _MADE[0] += 1
+        name = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return _folder() / f"{name}-{_MADE[0]}.kernels"
+
+
+def _give_back(key: str, path: Path) -> None:
+    with _LOCK:
+        _FREE.setdefault(key, []).append(path)
+
+
+@contextlib.contextmanager
+def kernel_cache_options(target_key: str) -> Iterator[dict[str, Any]]:
+    """XLA options that make one deviceless compile reuse (and add to) the kernels this
+    process compiled before for the same GPU.
+
+    The file is held by this compile alone until the block ends. A compile that fails
+    leaves no file behind (the next one starts afresh), nor does one that outgrew
+    :data:`KERNEL_CACHE_MAX_BYTES`.
+
+    Args:
+      target_key: what identifies the GPU (a deviceless target's fingerprint, the
+        ``GpuTargetConfigProto`` text): machine code is kept apart per GPU.
+
+    Yields:
+      The compiler options to add to the compile's own.
+
+    Example:
+      >>> with kernel_cache_options("sm_75") as options:
+      ...     "xla_gpu_kernel_cache_file" in options
+      True
+    """
+    path = _take(target_key)
+    failed = True
+    try:
+        yield known_compile_options({
+            "xla_gpu_enable_llvm_module_compilation_parallelism": True,  # jaxlib < 0.11
+            "xla_gpu_kernel_cache_file": str(path)})
+        failed = False
+    finally:
+        if path.exists() and (failed or path.stat().st_size > KERNEL_CACHE_MAX_BYTES):
+            path.unlink()
+        _give_back(target_key, path)
 
 
 @dataclass(frozen=True)
@@ -49,7 +386,7 @@ class CompileTarget:
     gives XLA), or ``None`` where XLA runs no such pass (CPU)."""
     platform: str = "gpu"
     """What a deviceless target compiles for: ``"gpu"`` or ``"tpu"`` (steps are traced for
-    it, see :func:`autoaccum.devices._compile_platform.compiling_for`)."""
+    it, see :func:`autoaccum.devices._deviceless.compiling_for`)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +430,7 @@ class MemoryEstimate:
     floor_bytes: int = 0
     """What one device must hold at least in this step, from shapes (state as laid out,
     gradient accumulator, batch, and the largest transient an operation needs; see
-    :mod:`._floor`); 0 where not known (an entry of an older need cache)."""
+    :mod:`._measure`); 0 where not known (an entry of an older need cache)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -173,7 +510,7 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 @contextlib.contextmanager
 def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
     """``step`` to trace for ``target``: a deviceless target traces it for its platform
-    (``"gpu"``, ``"tpu"``; :func:`autoaccum.devices._compile_platform.compiling_for`) as a
+    (``"gpu"``, ``"tpu"``; :func:`autoaccum.devices._deviceless.compiling_for`) as a
     function object of its own, so JAX's trace cache never hands a trace made for one
     platform to another."""
     if not target.deviceless:
@@ -245,7 +582,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
                     program: TrainProgram | None = None, reduced: bool = False) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
     reuses the kernels compiled before in this process for the same GPU
-    (:func:`~autoaccum.planning._kernel_cache.kernel_cache_options`), and one that fails
+    (:func:`~autoaccum.planning._measure.kernel_cache_options`), and one that fails
     inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
     :func:`compile_count`.
 
@@ -256,7 +593,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     with the same GEMMs.
 
     ``reduced``: the step is a reduced-depth model's (depth extrapolation), counted apart from
-    full-depth compiles in the open :mod:`._compile_ledger` ledgers."""
+    full-depth compiles in the open :mod:`._measure` ledgers."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     start = time.perf_counter()
@@ -480,7 +817,7 @@ def measure_program(
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
     device's (XLA's memory analysis of an SPMD program is per device). To read repeated
     compiles from the need cache, or compile several at once, see
-    :func:`autoaccum.planning._concurrent_compiles.measure_all`.
+    :func:`autoaccum.planning._cache.measure_all`.
 
     Example:
       >>> import jax, jax.numpy as jnp

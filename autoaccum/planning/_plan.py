@@ -6,11 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..devices._units import format_bytes
+from ..devices._profiles import format_bytes
 from ._budget import Budget
-from ._compile_ledger import CompileCount
 from ._lr_scaling import LearningRateScaling
-from ._measure import MemoryEstimate
+from ._measure import CompileCount, MemoryEstimate
 from ._micro_batches import split_sizes, split_text
 from ._search import Probe, SearchResult, divisors, search_micro_batch
 
@@ -55,7 +54,7 @@ class Plan:
     plan_seconds: float
     notes: tuple[str, ...] = field(default=())
     remat: str = "none"
-    """Rematerialization policy of the chosen step (see ``autoaccum.planning._remat_policies``)."""
+    """Rematerialization policy of the chosen step (see ``autoaccum.planning._plan_options``)."""
     objective: str = "memory"
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())
@@ -147,7 +146,7 @@ class Plan:
     compiles: CompileCount | None = None
     """What planning compiled: steps at full depth and at reduced depth (depth
     extrapolation), their seconds, and the figures the need cache answered
-    (:class:`~._compile_ledger.CompileCount`); ``None`` for a plan not made by a search."""
+    (:class:`~._measure.CompileCount`); ``None`` for a plan not made by a search."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -195,7 +194,7 @@ class Plan:
     @property
     def floor_bytes(self) -> int:
         """What one device must hold at least in the chosen step, from shapes (see
-        ``autoaccum.planning._floor``); 0 where not known."""
+        ``autoaccum.planning._measure``); 0 where not known."""
         return self.estimate.floor_bytes if self.estimate is not None else 0
 
     @property
@@ -362,7 +361,7 @@ def search_plan(
     ``measure_uneven(b, k, last)``: compiles an uneven step, so the plan may end with a smaller
     micro-batch (see :func:`~._search.search_micro_batch`); ``None``: divisors only.
     ``accumulating_floor``: bytes every accumulating step needs at least (state and gradient
-    accumulator, :class:`~._resident.Resident`); over the budget, only the whole batch is
+    accumulator, :class:`~._budget.Resident`); over the budget, only the whole batch is
     compiled.
 
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one

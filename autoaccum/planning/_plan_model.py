@@ -9,17 +9,15 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from ..devices._context_mesh import has_explicit_axes
-from ..devices._units import format_bytes
+from ..devices._mesh import has_explicit_axes
+from ..devices._profiles import format_bytes
 from ._adapter_interface import Adapter, Prepared
-from ._cache import resolve_cache
-from ._compile_ledger import counted
-from ._concurrent_compiles import CompileRequest, measure_all
+from ._budget import Resident, check_resident, program_resident, resident_of
+from ._cache import CompileRequest, measure_all, resolve_cache
 from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr_scaling import LearningRateScaling, announce
-from ._measure import measure_program
+from ._measure import counted, measure_program
 from ._micro_batches import split_sizes
-from ._objective import Candidate, choose_fastest, cost_model_seconds, resolve_objective
 from ._option_checks import (
     check_enough_examples,
     received,
@@ -28,15 +26,20 @@ from ._option_checks import (
     validate_memory_fraction,
 )
 from ._plan import Plan, _process_count, search_plan
-from ._plan_options import ProgramOptions, Search, Target
-from ._remat_policies import (
+from ._plan_options import (
+    Candidate,
+    ProgramOptions,
+    Search,
+    Target,
+    choose_fastest,
+    cost_model_seconds,
     first_line,
     label_policy,
     nothing_fits,
     policies_for,
+    resolve_objective,
     with_failed_policies,
 )
-from ._resident import Resident, check_resident, program_resident, resident_of
 from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import (
@@ -82,7 +85,7 @@ def plan_program(
     runs on needs extrapolated from two small depths and one full-depth compile verifies the
     choice (``verify_depth=False``: not; the advisor's quick rows). ``program`` may be a
     function building it (called only when needed). ``resident``: the program's
-    :class:`~._resident.Resident` memory (or a function computing it more cheaply than
+    :class:`~._budget.Resident` memory (or a function computing it more cheaply than
     building the program); by default read from the program. When its weights and
     optimizer state exceed the budget, planning stops before any compile.
     ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of the named
@@ -274,14 +277,14 @@ def plan_model(
     With ``objective="memory"`` the first policy (least recompute) under which some
     micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
     micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
-    policy is planned and candidates are timed (see :mod:`._objective`).
+    policy is planned and candidates are timed (see :mod:`._plan_options`).
 
     ``target`` (:class:`~._plan_options.Target`: device, budget, devices, data parallelism,
     strategy) says what to plan for; ``search`` (:class:`~._plan_options.Search`: remat,
     objective, method, uneven, cache, depth variant) how. Their fields:
 
     ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
-    ``autoaccum.training._data_parallel.resolve_mesh``): with more than one device the plan is per
+    ``autoaccum.devices.resolve_mesh``): with more than one device the plan is per
     device over that mesh, compile-only (real-step verification, back-off and timed
     throughput candidates run on one device, so they are skipped, with a note).
 
@@ -819,7 +822,7 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget | None) -> list[Candidate]:
     """Each fitting policy's largest micro-batch, plus the next two smaller divisors for the
     policy without remat; timed on the real device, or costed when dry-running."""
-    from ._objective import time_real_steps
+    from ._plan_options import time_real_steps
 
     per_device = tried[0].effective_batch // tried[0].data_parallel
     out: list[Candidate] = []

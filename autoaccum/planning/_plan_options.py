@@ -1,18 +1,48 @@
 """The planning options as users think of them: what to plan for (:class:`Target`), how to
 search (:class:`Search`) and the learning rate (:class:`LearningRate`). Frozen, keyword-only,
 validated once when built; every entry point and the command line take them, with one default
-per option."""
+per option.
+
+Choosing among fitting (remat policy, micro-batch) plans: the fastest, not just the largest.
+
+``objective="memory"`` keeps the largest micro-batch that fits (with the least
+rematerialization). ``objective="throughput"`` times a few real steps of each candidate
+(or, when dry-running for a device that is not here, estimates a step from XLA's cost
+analysis and the device's peak rates) and picks the lowest time per example; among
+candidates within ``tolerance`` of the best it prefers the smaller micro-batch (more
+memory headroom), then the policy with less recompute.
+
+Rematerialization (gradient checkpointing) policies, by name, for every adapter.
+
+Policies (``jax.checkpoint_policies``), in order of increasing recompute:
+
+* ``"none"``: no rematerialization;
+* ``"dots"``: keep matmul outputs, recompute the rest (``dots_saveable``);
+* ``"dots_no_batch"``: keep only matmuls without batch dimensions
+  (``dots_with_no_batch_dims_saveable``: weights-times-activations in a transformer);
+* ``"nothing"``: keep only the block's inputs (``nothing_saveable``): least memory, most
+  recompute.
+
+``"auto"`` (planning only) tries them in this order and keeps the first under which the
+step fits. Each adapter applies a policy to its model's repeated blocks
+(:mod:`autoaccum.adapters.flax._nnx_program`, :mod:`autoaccum.adapters.keras._keras_program`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import jax
 
 from ._budget import parse_budget
 from ._depth import DepthVariant
 from ._lr_scaling import check_base_batch_given, validate_lr_rule
-from ._objective import validate_objective
 from ._option_checks import (
     as_int,
     received,
@@ -21,12 +51,178 @@ from ._option_checks import (
     validate_learning_rate,
     validate_memory_fraction,
 )
-from ._remat_policies import validate_remat
+from ._plan import Plan
+from ._search import ADVISE_HINT, DoesNotFitError
 from ._strategies import validate_strategy
 
-__all__ = ["METHODS", "LearningRate", "ProgramOptions", "Search", "Target", "changed",
-           "learning_rate_spec",
-           "merge_plain", "refuse_unread", "spec_of", "validate_method"]
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+}
+"""Policy names in order of increasing recompute (and decreasing memory)."""
+
+
+def validate_remat(policy: str) -> str:
+    """Returns ``policy`` if known, else raises a ``ValueError`` listing the policies."""
+    if policy not in REMAT_POLICIES and policy != "auto":
+        raise ValueError(
+            f"Unknown remat policy. Use 'auto' or one of {', '.join(map(repr, REMAT_POLICIES))}."
+            f" Received: remat={policy!r}"
+        )
+    return policy
+
+
+# Rematerialization policies during planning: which are tried, in order, and how the plans
+# and failures of each are labelled and reported.
+
+
+def policies_for(remat_policies: tuple[str, ...], remat: str) -> list[str]:
+    """Policies to try for ``remat``, in order of increasing recompute: ``"auto"``, a
+    framework's ``remat_policies``; a name, that one.
+
+    Example:
+      >>> policies_for(("none", "nothing"), "auto"), policies_for(("none",), "dots")
+      (['none', 'nothing'], ['dots'])
+    """
+    validate_remat(remat)
+    if remat != "auto":
+        return [remat]
+    return list(remat_policies)
+
+
+def label_policy(plan: Plan, policy: str) -> Plan:
+    """``plan`` and its probes marked with the remat ``policy`` they were compiled with."""
+    probes = tuple(dataclasses.replace(p, remat=policy) for p in plan.probes)
+    return dataclasses.replace(plan, probes=probes, remat=policy)
+
+
+def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
+    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
+    their policy), and a note saying so."""
+    if not failures:
+        return plan
+    earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
+    note = ("with less rematerialization micro_batch=1 does not fit: "
+            + "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures))
+    return dataclasses.replace(plan, probes=earlier + plan.probes, notes=(*plan.notes, note))
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).split(". ")[0]
+
+
+def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError:
+    if len(failures) == 1:
+        return failures[0][1]
+    tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
+    return DoesNotFitError(
+        f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
+        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
+        f"weights), or a larger budget/device. {ADVISE_HINT}"
+    )
+
+
+OBJECTIVES = ("memory", "throughput")
+THROUGHPUT_TOLERANCE = 0.05
+"""Candidates within 5% of the best time per example count as equally fast."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A fitting (policy, micro-batch) pair and how fast one example trains with it."""
+
+    remat: str
+    micro_batch: int
+    accum_steps: int
+    need_bytes: int
+    seconds_per_example: float
+    source: str
+    """``"measured"`` (real steps) or ``"cost model"`` (XLA cost analysis, dry run)."""
+
+
+def validate_objective(objective: str) -> str:
+    """Returns ``objective`` if known, else a ``ValueError`` listing the objectives."""
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"Unknown objective. Use 'memory' (largest micro-batch that fits) or 'throughput' "
+            f"(fastest fitting plan). Received: objective={objective!r}"
+        )
+    return objective
+
+
+def resolve_objective(objective: str | None, device: str | None) -> str:
+    """``objective``, or by default ``"throughput"`` when planning for a GPU or TPU on this
+    machine, else ``"memory"`` (a dry run for a named device, or a CPU).
+
+    Example:
+      >>> resolve_objective(None, "t4"), resolve_objective("throughput", None)
+      ('memory', 'throughput')
+    """
+    if objective is not None:
+        return validate_objective(objective)
+    if device is not None:
+        return "memory"
+    import jax
+
+    return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
+
+
+def choose_fastest(candidates: Sequence[Candidate], *,
+                   tolerance: float = THROUGHPUT_TOLERANCE) -> Candidate:
+    """The fastest candidate; within ``tolerance`` of it, the smallest micro-batch, then the
+    least recompute. Deterministic given the measurements.
+
+    Example:
+      >>> c = [Candidate("none", 8, 1, 900, 1.00, "measured"),
+      ...      Candidate("none", 4, 2, 500, 1.03, "measured"),
+      ...      Candidate("none", 2, 4, 300, 1.30, "measured")]
+      >>> choose_fastest(c).micro_batch
+      4
+    """
+    if not candidates:
+        raise ValueError("No fitting candidate to choose from.")
+    best = min(c.seconds_per_example for c in candidates)
+    near = [c for c in candidates if c.seconds_per_example <= best * (1 + tolerance)]
+    order = list(REMAT_POLICIES)
+    return min(near, key=lambda c: (c.micro_batch, order.index(c.remat), c.seconds_per_example))
+
+
+def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_steps: int, *,
+                    repeats: int = 3) -> float:
+    """Median seconds per example of ``repeats`` real steps (after one warm-up step that
+    also compiles)."""
+    run(micro_batch, accum_steps)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(micro_batch, accum_steps)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (micro_batch * accum_steps)
+
+
+def peak_rates(profile: Any) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) of a GPU profile: fp32 FMA rate from SMs x FPUs x clock, and DRAM
+    bandwidth. A roofline stand-in: it ranks candidates on one device, not across devices."""
+    gpu = profile.gpu
+    flops = gpu.core_count * gpu.fpus_per_core * 2 * gpu.clock_rate_ghz * 1e9
+    return float(flops), float(gpu.memory_bandwidth)
+
+
+def cost_model_seconds(flops: float, bytes_accessed: float, profile: Any,
+                       examples: int) -> float:
+    """Seconds per example from XLA's cost analysis of a step (``MemoryEstimate.flops`` and
+    ``.bytes_accessed``): max(flops / peak FLOP/s, bytes / bandwidth) / examples.
+
+    Example:
+      >>> from autoaccum.devices._profiles import find_profile
+      >>> round(cost_model_seconds(8.1e12, 1.0, find_profile("t4"), 2), 2)
+      0.5
+    """
+    flops_rate, bandwidth = peak_rates(profile)
+    return max(flops / flops_rate, bytes_accessed / bandwidth) / examples
+
 
 METHODS = ("auto", "compile", "backoff")
 """How a plan is verified: ``"auto"`` (compile-only, then one real step where the target is

@@ -10,7 +10,7 @@ import io
 import re
 from typing import Any, NamedTuple
 
-from ..devices._units import format_bytes, format_bytes_pair
+from ..devices._profiles import format_bytes, format_bytes_pair
 from ._search import Probe
 
 Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports this module)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..devices._units import format_bytes
+from ..devices._profiles import format_bytes
 from ._adapter_interface import Adapter, Prepared
+from ._budget import resident_of
 from ._option_checks import check_enough_examples, received
 from ._plan import Plan
 from ._plan_model import prepare
 from ._plan_options import ProgramOptions
-from ._resident import resident_of
 from ._targets import training_mesh
 from ._train_program import tree_bytes
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from ..devices._units import format_bytes, format_bytes_pair
+from ..devices._profiles import format_bytes, format_bytes_pair
 from ._measure import MemoryEstimate
 
 
@@ -80,7 +80,7 @@ ADVISE_HINT = ("autoaccum.advise(...) (same arguments; CLI: --advise) lists comp
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget.
 
-    ``resident`` (a :class:`~._resident.Resident`, when the verdict came from shapes alone,
+    ``resident`` (a :class:`~._budget.Resident`, when the verdict came from shapes alone,
     before any compile), ``budget_bytes``, ``smallest_profile`` (the smallest shipped GPU
     profile whose budget holds the resident state) and ``alternatives`` (compile-verified
     changes that fit, from :func:`autoaccum.advise`; empty unless the advisor ran) say why
@@ -108,7 +108,7 @@ class DoesNotFitError(ValueError):
         from shapes) is over the budget, with or without accumulation."""
         self.compiles: Any = None
         """What planning compiled before the verdict (a
-        :class:`~._compile_ledger.CompileCount`), set by the planning entry points."""
+        :class:`~._measure.CompileCount`), set by the planning entry points."""
 
     def _copy(self, message: str, **changes: Any) -> DoesNotFitError:
         fields = {"probes": self.probes, "resident": self.resident,

@@ -53,7 +53,7 @@ PARTITIONERS = ("autoaccum", "xla")
 """Who partitions a strategy's step over the devices: ``"autoaccum"`` (``shard_map`` data
 parallelism, each device scanning its own micro-batches; under ``fsdp`` each weight gathered
 where it is used, see ``autoaccum.training._at_use``) or ``"xla"`` (the one-device step with
-the layout's shardings, partitioned by XLA alone, see ``autoaccum.training._xla_partitioned``).
+the layout's shardings, partitioned by XLA alone, see ``autoaccum.training._data_parallel``).
 The planner compiles both for ``zero1``, ``zero2`` and ``fsdp`` and keeps ``"xla"`` where its
 need is within :data:`XLA_PARTITIONER_SLACK` of the other's (the simpler step)."""
 

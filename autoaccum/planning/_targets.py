@@ -7,8 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..devices._detect import detect_device, host_memory, jax_memory_stats
-from ..devices._profiles import DeviceProfile, find_profile
-from ..devices._units import format_bytes, format_bytes_below, format_bytes_pair
+from ..devices._profiles import (
+    DeviceProfile,
+    find_profile,
+    format_bytes,
+    format_bytes_below,
+    format_bytes_pair,
+)
 from ._budget import (
     Budget,
     cpu_default_budget,
@@ -412,7 +417,7 @@ def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
 
     Inside a caller's context mesh (``jax.set_mesh``), that mesh lays out the step where the
     plan is for it: this machine with ``data_parallel="auto"``, or a slice of as many devices
-    (see :func:`autoaccum.devices._context_mesh.context_layout`); else the step runs as asked
+    (see :func:`autoaccum.devices._mesh.context_layout`); else the step runs as asked
     and the model's partition specs resolve on a mesh of the same axis names.
 
     Example:
@@ -420,8 +425,7 @@ def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
       >>> training_mesh(FlaxAdapter(), None, data_parallel=1, device=None) is None
       True
     """
-    from ..devices._context_mesh import callers_mesh, context_mesh_as_layout
-    from ..devices._mesh import resolve_mesh
+    from ..devices._mesh import callers_mesh, context_mesh_as_layout, resolve_mesh
 
     context = callers_mesh()
     deviceless = is_deviceless(device)

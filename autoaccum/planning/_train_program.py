@@ -85,9 +85,9 @@ class TrainProgram:
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
     loop_relowers: bool = False
     """Whether the training loop lowers this very program again (both adapters' loops do):
-    then a compiled probe that can run here is kept for it (:mod:`._kept_steps`)."""
+    then a compiled probe that can run here is kept for it (:mod:`._cache`)."""
     placement: Any = None
-    """The user's own layout of the state (an ``autoaccum.devices._placement.Placement``: a
+    """The user's own layout of the state (an ``autoaccum.devices._mesh.Placement``: a
     Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,
     ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
     compiled with the placement's shardings as input and output shardings (XLA partitions

@@ -8,31 +8,31 @@ state is written, progress, the gradient noise scale, and what ``fit`` returns.
 Imports :mod:`autoaccum.planning` and :mod:`autoaccum.devices`; never a framework adapter.
 """
 
+from ._accumulate import BATCH_STATS_MODES as BATCH_STATS_MODES
 from ._accumulate import AccumulatedGradients as AccumulatedGradients
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._accumulate import mean_gradients as mean_gradients
 from ._accumulate import mean_loss as mean_loss
-from ._batch_norm_moments import BATCH_STATS_MODES as BATCH_STATS_MODES
+from ._accumulate import token_loss_sum as token_loss_sum
 from ._callbacks import Callback as Callback
+from ._callbacks import NoiseScaleEstimator as NoiseScaleEstimator
 from ._callbacks import StopTraining as StopTraining
 from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
+from ._epoch_batches import Rebatcher as Rebatcher
 from ._fit_loop import EpochTally as EpochTally
 from ._fit_loop import FitCallbacks as FitCallbacks
 from ._fit_loop import FitHooks as FitHooks
 from ._fit_loop import FitLoop as FitLoop
+from ._fit_loop import FitResult as FitResult
 from ._fit_loop import run_fit_loop as run_fit_loop
-from ._interrupts import deferred_interrupts as deferred_interrupts
-from ._losses import token_loss_sum as token_loss_sum
-from ._noise_scale import NoiseScaleEstimator as NoiseScaleEstimator
 from ._nonfinite import NONFINITE_POLICIES as NONFINITE_POLICIES
 from ._nonfinite import NonFiniteError as NonFiniteError
-from ._rebatch import Rebatcher as Rebatcher
-from ._result import FitResult as FitResult
 from ._snapshot import HostSnapshot as HostSnapshot
 from ._step_runner import StateHooks as StateHooks
 from ._step_runner import StateLostError as StateLostError
 from ._step_runner import StepOutcome as StepOutcome
 from ._step_runner import StepRunner as StepRunner
+from ._step_runner import deferred_interrupts as deferred_interrupts
 from ._training_options import Training as Training
 
 __all__ = [

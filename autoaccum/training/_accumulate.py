@@ -5,6 +5,54 @@ number of valid items. Summing both over every micro-batch and dividing once by 
 count gives exactly the gradient of the mean loss over the whole effective batch, however
 the valid items (tokens, examples) are spread across micro-batches. Dividing each
 micro-batch by its own count and averaging those means is the classic accumulation bug.
+
+BatchNorm running statistics under accumulation: one update per optimizer step, or one per
+micro-batch.
+
+Training-mode BatchNorm normalises each micro-batch with that micro-batch's own mean and
+variance: that is inherent to micro-batching (a big batch would normalise with the whole
+batch's statistics) and no accumulation scheme changes it. What *can* be chosen is how the
+running averages (used in eval mode) move:
+
+* ``"effective"`` (default): ONE update per optimizer step, ``running = momentum * running +
+  (1 - momentum) * stat``, whose mean and variance are those of the whole effective batch,
+  combined exactly from the micro-batch moments (equal-sized micro-batches, biased variance
+  as BatchNorm keeps it)::
+
+      mean = sum_i n_i m_i / N        var = sum_i n_i (v_i + m_i**2) / N - mean**2
+
+  This is what one big-batch step would do, and the running averages do not depend on the
+  micro-batch the plan picked.
+* ``"micro"``: every micro-batch updates the running averages in turn, so they move
+  ``accum_steps`` times per optimizer step, each time from a micro-batch's statistics.
+
+The sums are kept in float32 and, with several data-parallel devices, averaged across devices
+before the update (every device scans the same number of micro-batches), so the update is
+exact there too. The framework adapters find the BatchNorm layers and read each
+micro-batch's statistics; this module holds the arithmetic they share.
+
+Where a step's updated weights are laid out before they return to their layout at rest.
+
+Under ``zero1`` and ``zero2`` each device updates its share of the weights (where its share
+of the optimizer state is) and the new weights are then gathered whole again. The step also
+selects between the new state and the old one (a non-finite step is skipped,
+:func:`~autoaccum.training._nonfinite.update_if_finite`). Left to XLA's GPU compiler, that
+select ran on whole weights: every new weight was gathered first, and the latency-hiding
+scheduler kept several gathered weights alive beside the old ones (many small layers on
+4 x H100 deviceless, AdamW: 1.30 times the step's floor at 4 x 1). Constraining the selected
+weights to the update's split layout first makes the gather the last operation, writing the
+weights at rest (1.10 at 4 x 1, 1.23 at 1 x 4). On host CPU devices the need is the same
+either way; libtpu held every gathered weight at once with the constraint (1.32 -> 1.86 of
+the floor on a v5e-4), so a TPU step keeps XLA's own choice. Figures:
+``benchmarks/sharded.py --floor [--device h100-80gb|v5e-4]``.
+
+The loss autoaccum accumulates: a *sum* over valid items and their count.
+
+A token-mean loss (what most LLM trainers return, Tunix's and Keras's included) cannot be
+accumulated exactly: the mean of per-micro-batch means weighs a token of a short micro-batch
+more than one of a long one. :func:`token_loss_sum` is the common causal-LM loss written the
+way autoaccum divides: it returns ``(sum of the valid tokens' cross-entropies, number of
+valid tokens)``, and autoaccum divides once, by the valid tokens of the whole effective batch.
 """
 
 from __future__ import annotations
@@ -14,9 +62,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from ..devices._context_mesh import constrain, has_explicit_axes
+from ..devices._deviceless import compile_platform
+from ..devices._mesh import constrain, has_explicit_axes
 from ..planning._micro_batches import UnevenBatches, micro_steps
+from ..planning._option_checks import received
+from ..planning._strategies import StateLayout
 
 PyTree = Any
 
@@ -209,3 +261,168 @@ def mean_loss(accumulated: AccumulatedGradients) -> jax.Array:
       1.5
     """
     return accumulated.loss_sum / jnp.maximum(accumulated.count, 1.0)
+
+
+BATCH_STATS_MODES = ("effective", "micro")
+
+
+def validate_batch_stats(mode: object) -> str:
+    """Returns ``mode`` if it is ``"effective"`` or ``"micro"``, else a ``ValueError``.
+
+    Example:
+      >>> validate_batch_stats("micro")
+      'micro'
+    """
+    if mode not in BATCH_STATS_MODES:
+        raise ValueError(
+            "batch_stats must be 'effective' (BatchNorm running averages move once per optimizer "
+            "step, from the whole effective batch's mean and variance) or 'micro' (once per "
+            f"micro-batch). Received: {received('batch_stats', mode)}"
+        )
+    return str(mode)
+
+
+class Moments(NamedTuple):
+    """Float32 sums over the micro-batches of one optimizer step, for one BatchNorm layer."""
+
+    mean_sum: jax.Array
+    """Sum of weight x micro-batch mean."""
+    square_sum: jax.Array
+    """Sum of weight x (micro-batch variance + mean**2): the second moment."""
+    weight: jax.Array
+    """Sum of the micro-batch weights (1 per real micro-batch, 0 for padding)."""
+    updated: jax.Array
+    """> 0 when some micro-batch updated the statistics (train mode); 0 in eval mode."""
+
+
+def zero_moments(like: Any) -> Moments:
+    """Empty sums shaped like the running mean ``like``.
+
+    Example:
+      >>> zero_moments(jnp.zeros(3)).mean_sum.shape
+      (3,)
+    """
+    zeros = jnp.zeros(jnp.shape(like), jnp.float32)
+    return Moments(zeros, zeros, jnp.float32(0), jnp.float32(0))
+
+
+def add_moments(moments: Moments, mean: Any, var: Any, *, weight: Any = 1.0,
+                updated: Any = True) -> Moments:
+    """``moments`` plus one micro-batch's ``mean`` and (biased) ``var`` with ``weight``.
+
+    ``updated`` says whether the layer computed statistics at all (it does not in eval mode).
+
+    Example:
+      >>> m = add_moments(zero_moments(jnp.zeros(1)), jnp.ones(1), jnp.zeros(1))
+      >>> float(m.mean_sum[0]), float(m.square_sum[0]), float(m.weight)
+      (1.0, 1.0, 1.0)
+    """
+    mean = jnp.asarray(mean, jnp.float32)
+    var = jnp.asarray(var, jnp.float32)
+    w = jnp.asarray(weight, jnp.float32) * jnp.asarray(updated, jnp.float32)
+    return Moments(moments.mean_sum + w * mean,
+                   moments.square_sum + w * (var + mean * mean),
+                   moments.weight + w,
+                   jnp.maximum(moments.updated, w))
+
+
+def running_update(running_mean: Any, running_var: Any, moments: Moments,
+                   momentum: float) -> tuple[jax.Array, jax.Array]:
+    """One running-average update from the effective batch's mean and variance.
+
+    Returns the running mean and variance unchanged (same dtype) when no micro-batch
+    updated them.
+
+    Example:
+      >>> m = zero_moments(jnp.zeros(1))
+      >>> for x in (jnp.array([0.0, 2.0]), jnp.array([4.0, 6.0])):  # two micro-batches
+      ...     m = add_moments(m, x.mean(keepdims=True), x.var(keepdims=True))
+      >>> mean, var = running_update(jnp.zeros(1), jnp.ones(1), m, momentum=0.0)
+      >>> float(mean[0]), float(var[0])  # mean and variance of [0, 2, 4, 6]
+      (3.0, 5.0)
+    """
+    total = jnp.maximum(moments.weight, 1e-30)
+    mean = moments.mean_sum / total
+    var = jnp.maximum(moments.square_sum / total - mean * mean, 0.0)
+    new_mean = momentum * running_mean + (1 - momentum) * mean
+    new_var = momentum * running_var + (1 - momentum) * var
+    keep = moments.updated <= 0
+    return (jnp.where(keep, running_mean, new_mean).astype(jnp.result_type(running_mean)),
+            jnp.where(keep, running_var, new_var).astype(jnp.result_type(running_var)))
+
+
+def split_until_gathered(new_params: Any, layout: StateLayout | None) -> Any:
+    """``new_params`` (a step's selected new weights, traced) constrained to the layout the
+    optimizer updated them in (``layout.reduced``) where that splits weights the layout keeps
+    whole (``zero1``, ``zero2``) and the step is not compiled for a TPU (see the module
+    docstring); else as they are. The caller then constrains them to ``layout.params``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from autoaccum.devices import data_parallel_mesh
+      >>> from autoaccum.planning import state_layout
+      >>> mesh = data_parallel_mesh(jax.devices()[:1])
+      >>> layout = state_layout("zero2", mesh, params=jnp.ones(8), optimizer=())
+      >>> float(jax.jit(lambda w: split_until_gathered(w, layout))(jnp.ones(8)).sum())
+      8.0
+    """
+    if (layout is None or layout.reduced is None or layout.strategy not in ("zero1", "zero2")
+            or compile_platform() == "tpu"):
+        return new_params
+    return jax.lax.with_sharding_constraint(new_params, layout.shardings(layout.reduced))
+
+
+def token_loss_sum(logits: Any, targets: Any, mask: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Softmax cross-entropy of integer ``targets`` under ``logits``, summed over the tokens
+    ``mask`` keeps, and the number of those tokens: a ``loss_fn``'s return value.
+
+    Args:
+      logits: ``[..., vocab]`` (any float dtype; computed in float32).
+      targets: integer token ids, ``logits.shape[:-1]``.
+      mask: which tokens count (``1``/``True``), ``targets.shape``; ``None``: every token.
+
+    Returns:
+      ``(loss_sum, count)``, two float32 scalars.
+
+    Raises:
+      ValueError: the shapes do not line up (the message gives them).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> logits = jnp.zeros((2, 3, 4))  # uniform over 4 tokens: log(4) each
+      >>> targets = jnp.array([[1, 2, 0], [3, 0, 0]])
+      >>> mask = jnp.array([[1, 1, 1], [1, 0, 0]])
+      >>> total, count = token_loss_sum(logits, targets, mask)
+      >>> round(float(total / count), 4), float(count)
+      (1.3863, 4.0)
+
+    A causal LM's loss over right-padded rows (next-token targets, padding masked), as a
+    ``loss_fn`` (``batch["tokens"]`` and ``batch["mask"]`` are ``[batch, seq]``)::
+
+        def loss_fn(model, batch):
+            logits = model(batch["tokens"][:, :-1])
+            return autoaccum.training.token_loss_sum(logits, batch["tokens"][:, 1:],
+                                            batch["mask"][:, 1:])
+    """
+    logits, targets = jnp.asarray(logits), jnp.asarray(targets)
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            "token_loss_sum takes logits [..., vocab] and targets of logits.shape[:-1] (one "
+            "token id per position). Received: logits of shape "
+            f"{logits.shape}, targets of shape {targets.shape}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(
+            "token_loss_sum takes integer token ids as targets (for one-hot or soft targets "
+            "use optax.softmax_cross_entropy and sum it). Received: targets of dtype "
+            f"{targets.dtype}")
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                             targets)
+    if mask is None:
+        return jnp.sum(losses), jnp.float32(losses.size)
+    mask = jnp.asarray(mask)
+    if mask.shape != targets.shape:
+        raise ValueError(
+            "token_loss_sum's mask has one entry per target token. Received: mask of shape "
+            f"{mask.shape}, targets of shape {targets.shape}")
+    weights = mask.astype(jnp.float32)
+    return jnp.sum(losses * weights), jnp.sum(weights)

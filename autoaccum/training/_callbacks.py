@@ -10,16 +10,45 @@ says why. Any other exception propagates, with the model left at the last comple
 
 Keras callbacks (``keras.callbacks.EarlyStopping``, ...) drive a Keras model and are refused
 for a Flax model; objects with some of these methods (duck typing) are accepted.
+
+The training progress bar of Flax ``fit``: live in terminals and notebooks (tqdm), one final
+line in logs and files.
+
+* a terminal, or a Jupyter/Colab notebook writing to its own stdout/stderr: a tqdm bar with
+  the loss and steps/s, redrawn in place (a notebook widget when ipywidgets is installed,
+  else text that the notebook redraws);
+* any other stream (a log file, ``io.StringIO``, a pipe): nothing while training, then the
+  epoch's final line, so logs stay readable.
+
+Keras ``fit`` keeps Keras's own Progbar.
+
+The gradient noise scale, from quantities the accumulated step already has.
+
+McCandlish et al. 2018 (arXiv:1812.06162), appendix A.1: with the squared norm of the
+gradient of a small batch (``B_small`` items) and of a big batch (``B_big`` items),
+
+    |G|^2  ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(S)  ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+are unbiased; each is smoothed with an exponential moving average and
+``B_simple = tr(S) / |G|^2`` is the ratio of the averages. Here the small batches are the
+micro-batches (their mean squared gradient norm is computed inside the scan) and the big
+batch is the whole effective batch, so the estimate costs one dot product per micro-batch.
+It needs at least two micro-batches per step.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import shutil
+import sys
+import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 from ..planning._option_checks import received
-
-__all__ = ["Callback", "CallbackList", "StopTraining", "validate_callbacks"]
 
 HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_end", "on_epoch_end", "on_train_end")
 
@@ -143,3 +172,215 @@ class CallbackList:
             if getattr(cb, "stop_training", False):
                 return f"{type(cb).__name__} set stop_training"
         return None
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter (or Colab) kernel.
+
+    Example:
+      >>> in_notebook()
+      False
+    """
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def _tqdm(notebook: bool) -> Any:
+    """tqdm's notebook bar (with ipywidgets) or its text bar; ``None`` without tqdm."""
+    try:
+        if notebook and importlib.util.find_spec("ipywidgets") is not None:
+            from tqdm.notebook import tqdm
+        else:
+            from tqdm.std import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
+class ProgressBar:
+    """``epoch 1/3 |#####     | 12/40 [00:08, 1.50step/s, loss=2.3102]``, redrawn in place.
+
+    Args:
+      total: optimizer steps in the epoch (``None``: not known, as for a stream).
+      epoch: the epoch, 0-based.
+      epochs: the number of epochs.
+      stream: where to draw (default ``sys.stderr``).
+      width: the text bar's width when tqdm is not installed.
+
+    Example:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> bar = ProgressBar(total=2, epoch=0, epochs=1, stream=out)
+      >>> bar.update(1, loss=1.0); bar.update(2, loss=0.5); bar.close()
+      >>> out.getvalue().startswith("epoch 1/1 [") and "loss 0.5000" in out.getvalue()
+      True
+    """
+
+    def __init__(self, *, total: int | None, epoch: int, epochs: int, stream: TextIO | None = None,
+                 width: int = 30) -> None:
+        self.total, self.epoch, self.epochs, self.width = total, epoch, epochs, width
+        self.stream = sys.stderr if stream is None else stream
+        self.start = time.perf_counter()
+        own_output = self.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+        self.notebook = own_output and in_notebook()
+        self.interactive = self.notebook or bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar: Any = None
+        self._last_line = ""
+
+    def _live_bar(self) -> Any:
+        if self._bar is None:
+            tqdm = _tqdm(self.notebook)
+            if tqdm is None:
+                return None
+            size = {} if self.notebook else dict(zip(
+                ("ncols", "nrows"), shutil.get_terminal_size((100, 24)), strict=True))
+            self._bar = tqdm(total=self.total, desc=f"epoch {self.epoch + 1}/{self.epochs}",
+                             unit="step", file=self.stream, leave=True, mininterval=0.2, **size)
+        return self._bar
+
+    def update(self, done: int, *, loss: float) -> None:
+        """Shows ``done`` of ``total`` steps with the latest loss."""
+        filled = 0 if self.total is None else int(self.width * done / max(self.total, 1))
+        rate = done / max(time.perf_counter() - self.start, 1e-9)
+        self._last_line = (
+            f"epoch {self.epoch + 1}/{self.epochs} [{'#' * filled}{'.' * (self.width - filled)}] "
+            f"{done}/{'?' if self.total is None else self.total}  loss {loss:.4f}  "
+            f"{rate:.2f} steps/s"
+        )
+        if not self.interactive:
+            return
+        bar = self._live_bar()
+        if bar is None:
+            print("\r" + self._last_line, end="", file=self.stream, flush=True)
+            return
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        bar.update(done - bar.n)
+
+    def close(self) -> None:
+        """Ends the bar (prints the final state once when the stream is not live)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.interactive and self._last_line:
+            print(file=self.stream, flush=True)
+        elif self._last_line:
+            print(self._last_line, file=self.stream, flush=True)
+
+
+@dataclass
+class NoiseScaleEstimator:
+    """Moving-average estimate of the critical batch size ``B_simple``.
+
+    Example:
+      >>> est = NoiseScaleEstimator(decay=0.0)
+      >>> # |G|^2 = 1 and tr(S) = 8: |G_B|^2 = 1 + 8 / B for B = 2 and 8.
+      >>> est.update(grad_sq_norm=2.0, micro_grad_sq_norm=5.0, big_batch=8, small_batch=2)
+      8.0
+    """
+
+    decay: float = 0.9
+    """Weight of the past in the moving averages."""
+    trace_sigma: float | None = field(default=None, init=False)
+    grad_sq: float | None = field(default=None, init=False)
+    history: list[float] = field(default_factory=list, init=False)
+
+    def update(self, *, grad_sq_norm: float, micro_grad_sq_norm: float, big_batch: float,
+               small_batch: float) -> float | None:
+        """Folds in one optimizer step; returns the current ``B_simple`` (or ``None``)."""
+        if not big_batch > small_batch > 0:
+            return self.value
+        g2 = (big_batch * grad_sq_norm - small_batch * micro_grad_sq_norm) / (
+            big_batch - small_batch
+        )
+        s = (micro_grad_sq_norm - grad_sq_norm) / (1.0 / small_batch - 1.0 / big_batch)
+        self.grad_sq = g2 if self.grad_sq is None else self.decay * self.grad_sq + (
+            1 - self.decay) * g2
+        self.trace_sigma = s if self.trace_sigma is None else self.decay * self.trace_sigma + (
+            1 - self.decay) * s
+        value = self.value
+        if value is not None:
+            self.history.append(value)
+        return value
+
+    @property
+    def value(self) -> float | None:
+        """``B_simple`` in items (tokens or examples), or ``None`` while not estimable.
+
+        ``inf`` when the noise swamps the signal (the |G|^2 estimate is not positive)."""
+        if self.grad_sq is None or self.trace_sigma is None:
+            return None
+        if self.grad_sq <= 0:
+            return math.inf if self.trace_sigma > 0 else None
+        return max(self.trace_sigma, 0.0) / self.grad_sq
+
+
+def critical_batch_advice(b_simple: float | None, *, effective_items: float,
+                          effective_batch: int) -> str:
+    """A sentence comparing the effective batch with the estimated critical batch.
+
+    ``effective_items`` is the effective batch in the loss's units (valid tokens or
+    examples per step); ``B_simple`` is in the same units.
+
+    Example:
+      >>> critical_batch_advice(4000.0, effective_items=1000, effective_batch=8)[:40]
+      'gradient noise scale B_simple ~ 4000 ite'
+    """
+    if b_simple is None:
+        return ("gradient noise scale: not estimated (needs at least 2 accumulation steps and "
+                "a few optimizer steps)")
+    if math.isinf(b_simple):
+        return ("gradient noise scale B_simple: noise-dominated so far (the mean gradient is "
+                "not yet distinguishable from noise); the effective batch of "
+                f"{effective_items:.0f} items is far below it: a larger effective batch would "
+                "average out more noise per step.")
+    ratio = effective_items / max(b_simple, 1e-12)
+    per_example = effective_items / max(effective_batch, 1)
+    examples = b_simple / max(per_example, 1e-12)
+    head = (f"gradient noise scale B_simple ~ {b_simple:.0f} items (~{examples:.1f} examples); "
+            f"the effective batch is {effective_items:.0f} items ({ratio:.2g}x B_simple): ")
+    if ratio > 4:
+        return head + ("far above it: a smaller effective batch would reach the same loss in "
+                       "fewer examples (less compute per step, more steps).")
+    if ratio < 0.25:
+        return head + ("far below it: a larger effective batch (more accumulation) would "
+                       "train in fewer optimizer steps with little extra data.")
+    return head + "close to it: a sensible effective batch."
+
+
+@dataclass
+class NoiseScaleTracker:
+    """Feeds a :class:`NoiseScaleEstimator` from each step's metrics during ``fit``.
+
+    Example:
+      >>> t = NoiseScaleTracker(NoiseScaleEstimator(decay=0.0))
+      >>> t.update_from((2.0, 5.0, 8.0), accum_steps=4)
+      8.0
+    """
+
+    estimator: NoiseScaleEstimator = field(default_factory=NoiseScaleEstimator)
+    items_per_step: float = 0.0
+
+    def update_from(self, figures: tuple[float, float, float] | None,
+                    accum_steps: int) -> float | None:
+        """``figures`` = (|mean grad|^2, mean |micro-batch grad|^2, valid items per step)."""
+        if figures is None:
+            return self.value
+        grad_sq, micro_sq, count = figures
+        self.items_per_step = count
+        return self.estimator.update(grad_sq_norm=grad_sq, micro_grad_sq_norm=micro_sq,
+                                     big_batch=count, small_batch=count / max(accum_steps, 1))
+
+    @property
+    def value(self) -> float | None:
+        return self.estimator.value
+
+    def advice(self, effective_batch: int) -> str:
+        """:func:`critical_batch_advice` for the run so far."""
+        return critical_batch_advice(self.value, effective_items=self.items_per_step,
+                                     effective_batch=effective_batch)

@@ -11,7 +11,7 @@ not): no extra host sync. ``fit`` then follows ``on_nonfinite``:
 
 Weights and optimizer state are rolled back with :func:`update_if_finite`, whose form
 follows the platform the step is compiled for
-(:func:`autoaccum.devices._compile_platform.compile_platform`), because XLA's
+(:func:`autoaccum.devices._deviceless.compile_platform`), because XLA's
 CPU and GPU compilers keep different buffers alive for each:
 
 * on the CPU the optimizer runs inside ``lax.cond``: selecting between the new and the old
@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..devices._compile_platform import compile_platform
+from ..devices._deviceless import compile_platform
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteError", "keep_if_finite", "keep_values_if_finite",
            "step_is_finite", "update_if_finite", "validate_on_nonfinite"]

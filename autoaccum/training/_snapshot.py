@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..devices._units import GiB
+from ..devices._profiles import GiB
 from ..planning._train_program import tree_bytes
 
 PyTree = Any

@@ -1,18 +1,28 @@
 """How to train (:class:`Training`): example order, where an epoch starts, non-finite steps,
 BatchNorm statistics, the leftover examples, elastic recovery and the host backup. Frozen,
-keyword-only, validated once when built."""
+keyword-only, validated once when built.
+
+``model.fit`` habits that autoaccum's ``fit`` refuses, each with the reason and the fix.
+
+A clear error for a keyword an entry point does not take: an option that lives in a spec
+(``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a ``model.fit`` habit
+(``batch_size=``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import numbers
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..planning._option_checks import received
-from ._batch_norm_moments import validate_batch_stats
+from ..planning._plan_options import LearningRate, Search, Target
+from ._accumulate import validate_batch_stats
 from ._nonfinite import validate_on_nonfinite
 from ._snapshot import validate_backup
-
-__all__ = ["Training"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,3 +82,150 @@ class Training:
         validate_on_nonfinite(self.on_nonfinite)
         validate_batch_stats(self.batch_stats)
         validate_backup(self.backup)
+
+
+REFUSED_FIT_OPTIONS = {
+    "batch_size": (
+        "autoaccum chooses the micro-batch itself; pass `effective_batch=` (examples per "
+        "optimizer step) instead of `batch_size=`"
+    ),
+    "gradient_accumulation_steps": (
+        "autoaccum accumulates gradients itself; pass `effective_batch=` and leave Keras's "
+        "`gradient_accumulation_steps` unset"
+    ),
+    "steps_per_execution": (
+        "autoaccum runs one accumulated optimizer step per call; `steps_per_execution` does "
+        "not apply"
+    ),
+    "class_weight": (
+        "class weights are not supported; pass per-example weights as the third element of "
+        "the data, `(x, y, sample_weight)`"
+    ),
+    "sample_weight": (
+        "pass per-example weights inside the data, `(x, y, sample_weight)`, not as "
+        "`sample_weight=`"
+    ),
+    "x": "pass the data as the second positional argument, `(x, y)` or `(x, y, sample_weight)`",
+    "y": "pass the data as the second positional argument, `(x, y)` or `(x, y, sample_weight)`",
+}
+"""``model.fit`` options that autoaccum refuses, with the reason and the fix."""
+
+
+def refuse_fit_options(options: dict[str, Any]) -> None:
+    """A ``ValueError`` with the fix for a refused option, a ``TypeError`` for an unknown one.
+
+    Example:
+      >>> refuse_fit_options({})
+      >>> refuse_fit_options({"batch_size": 4})
+      Traceback (most recent call last):
+      ...
+      ValueError: autoaccum chooses the micro-batch itself; ... Received: batch_size=4
+    """
+    for name, value in options.items():
+        if name in REFUSED_FIT_OPTIONS:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    if options:
+        raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(sorted(options))}")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Where each option that is not an everyday keyword lives: name -> (argument, spec, field).
+_LR_FIELDS = {"base_batch": "base_batch", "lr_rule": "rule", "adjust_adam": "adjust_adam"}
+_MOVED: dict[str, tuple[str, type, str]] = {
+    **{f.name: ("target", Target, f.name) for f in dataclasses.fields(Target)},
+    **{f.name: ("search", Search, f.name) for f in dataclasses.fields(Search)},
+    **{f.name: ("training", Training, f.name) for f in dataclasses.fields(Training)},
+    **{old: ("learning_rate", LearningRate, new) for old, new in _LR_FIELDS.items()},
+}
+
+
+def explains_keywords(func: F) -> F:
+    """``func`` with a ``ValueError`` naming the fix for a keyword it does not take: an option
+    that lives in a spec (``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a
+    ``model.fit`` habit (``batch_size=``); ``x=`` is taken as ``data`` (``model.fit(x=...,
+    y=...)``). Other unknown keywords get Python's ``TypeError``.
+
+    Example:
+      >>> @explains_keywords
+      ... def entry(model, data=None, *, search=None):
+      ...     return data, search
+      >>> entry(1, remat="nothing")
+      Traceback (most recent call last):
+      ...
+      ValueError: entry() takes remat inside search=: \
+search=autoaccum.Search(remat='nothing'). Received: remat='nothing'
+      >>> entry(1, x=[2])
+      ([2], None)
+      >>> @explains_keywords
+      ... def fit(model, *, learning_rate=None, search=None):
+      ...     pass
+      >>> fit(1, learning_rate=1e-3, base_batch=1, lr_rule="linear", remat="none")
+      Traceback (most recent call last):
+      ...
+      ValueError: fit() takes base_batch, lr_rule, remat inside learning_rate= and search=: \
+learning_rate=autoaccum.LearningRate(value=0.001, base_batch=1, rule='linear'), \
+search=autoaccum.Search(remat='none'). Received: base_batch=1, lr_rule='linear', remat='none'
+    """
+    signature = inspect.signature(func)
+    params = signature.parameters
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            if "x" in unknown and "data" in params and "x" not in params:
+                bound = signature.bind_partial(*args)
+                if "data" not in bound.arguments and "data" not in kwargs:
+                    kwargs["data"] = kwargs.pop("x")
+                    unknown.remove("x")
+            if unknown:
+                _explain(func.__name__, {name: kwargs[name] for name in unknown}, params,
+                         learning_rate=kwargs.get("learning_rate"))
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def where_option_lives(name: str) -> str | None:
+    """Where an option that is not an everyday keyword is given, or ``None``.
+
+    Example:
+      >>> where_option_lives("lr_rule")
+      'lr_rule is given as learning_rate=autoaccum.LearningRate(rule=...)'
+    """
+    if name not in _MOVED:
+        return None
+    argument, cls, field = _MOVED[name]
+    return f"{name} is given as {argument}=autoaccum.{cls.__name__}({field}=...)"
+
+
+def _explain(where: str, unknown: dict[str, Any], params: Any, *,
+             learning_rate: Any = None) -> None:
+    """Raises for the first refused ``model.fit`` habit, else for every option that lives in
+    a spec at once (each spec written out with all of them), else Python's ``TypeError``."""
+    for name, value in unknown.items():
+        if name in REFUSED_FIT_OPTIONS and name not in _MOVED:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    moved = {n: v for n, v in unknown.items() if n in _MOVED and _MOVED[n][0] in params}
+    if moved:
+        specs: dict[str, list[str]] = {}
+        classes: dict[str, str] = {}
+        for name, value in moved.items():
+            argument, cls, field = _MOVED[name]
+            classes[argument] = cls.__name__
+            fields = specs.setdefault(argument, [])
+            if argument == "learning_rate" and not fields and learning_rate is not None and (
+                    not isinstance(learning_rate, LearningRate)):
+                fields.append(f"value={learning_rate!r}")
+            fields.append(f"{field}={value!r}")
+        names = ", ".join(moved)
+        fix = ", ".join(f"{argument}=autoaccum.{classes[argument]}({', '.join(fields)})"
+                        for argument, fields in specs.items())
+        raise ValueError(
+            f"{where}() takes {names} inside {' and '.join(f'{a}=' for a in specs)}: {fix}. "
+            "Received: " + ", ".join(received(n, v) for n, v in moved.items()))
+    for name, value in unknown.items():
+        if name in REFUSED_FIT_OPTIONS:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
+    raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}")

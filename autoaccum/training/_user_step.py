@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..devices._context_mesh import without_context_mesh
+from ..devices._mesh import without_context_mesh
 from ..planning._plan import Plan
 from ._step_runner import StateLostError, StepOutcome, StepRunner
 

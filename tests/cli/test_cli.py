@@ -310,7 +310,7 @@ def test_preset_advise_without_remat_flag_plans_every_row_with_auto(monkeypatch)
     # `autoaccum plan --preset ... --advise` without --remat gave every row of the table
     # "could not plan: Unknown remat policy ... Received: remat=None".
     from autoaccum.adapters.keras import presets
-    from autoaccum.cli import _advise_command
+    from autoaccum.cli import _main as _advise_command
 
     given = {}
 

@@ -16,7 +16,7 @@ from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import MemoryEstimate
 from autoaccum.planning._plan import search_plan
 from autoaccum.planning._search import DoesNotFitError
-from autoaccum.training._elastic import ElasticEvent, shrink
+from autoaccum.training._step_runner import ElasticEvent, shrink
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory allocating 1048576 bytes."
 

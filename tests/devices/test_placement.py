@@ -7,7 +7,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from autoaccum.devices._context_mesh import concrete_mesh
+from autoaccum.devices._mesh import concrete_mesh
 
 
 def test_an_abstract_mesh_goes_onto_this_machines_first_devices_with_its_axes():

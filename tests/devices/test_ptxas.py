@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoaccum.devices import _ptxas
+from autoaccum.devices import _deviceless as _ptxas
 from autoaccum.devices._deviceless import deviceless_target
 from autoaccum.devices._profiles import find_profile
 

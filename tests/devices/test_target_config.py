@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from autoaccum.devices._profiles import all_profiles, find_profile
-from autoaccum.devices._target_config import gpu_target_config
+from autoaccum.devices._profiles import all_profiles, find_profile, gpu_target_config
 from tests._paths import REPO
 
 
@@ -50,7 +49,7 @@ _CHECK_ALL = """
 import json, sys, time
 from jax.experimental import topologies
 from autoaccum.devices._profiles import all_profiles
-from autoaccum.devices._target_config import gpu_target_config
+from autoaccum.devices._profiles import gpu_target_config
 
 result = {}
 for profile in all_profiles():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoaccum.devices._units import MiB, format_bytes, format_bytes_pair
+from autoaccum.devices._profiles import MiB, format_bytes, format_bytes_pair
 
 
 @pytest.mark.parametrize("a, b", [

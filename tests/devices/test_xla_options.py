@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 from packaging.version import Version
 
-from autoaccum.devices import _xla_options
-from autoaccum.devices._xla_options import known_compile_options, known_xla_flags
+from autoaccum.devices import _deviceless as _xla_options
+from autoaccum.devices._deviceless import known_compile_options, known_xla_flags
 
 REMOVED_IN_0_11 = ("xla_cpu_use_fusion_emitters",
                    "xla_gpu_enable_llvm_module_compilation_parallelism")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from autoaccum.devices._deviceless import deviceless_blocker, ptxas_version
 from autoaccum.devices._profiles import GpuSpec, all_profiles, find_profile
-from autoaccum.devices._ptxas import deviceless_blocker, ptxas_version
 from tests._paths import REPO
 
 SPECS = tomllib.loads((Path(__file__).parent / "xla_gpu_specs.toml").read_text())

@@ -12,8 +12,13 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning._cache import NeedCache, compiler_fingerprint, resolve_cache
-from autoaccum.planning._concurrent_compiles import CompileRequest, measure_all
+from autoaccum.planning._cache import (
+    CompileRequest,
+    NeedCache,
+    compiler_fingerprint,
+    measure_all,
+    resolve_cache,
+)
 from autoaccum.planning._measure import CompileTarget
 from tests._models import TinyLM, ragged_tokens, token_loss
 

@@ -13,7 +13,6 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.planning._budget import Budget
-from autoaccum.planning._compile_ledger import counting_compiles
 from autoaccum.planning._depth import (
     REMAT_PASS_OFF,
     DepthExtrapolator,
@@ -24,7 +23,7 @@ from autoaccum.planning._depth import (
     reduced_depth_target,
 )
 from autoaccum.planning._lr_scaling import scale_learning_rate
-from autoaccum.planning._measure import CompileTarget, measure_program
+from autoaccum.planning._measure import CompileTarget, counting_compiles, measure_program
 from autoaccum.planning._search import DoesNotFitError
 from tests._models import ragged_tokens, token_loss
 

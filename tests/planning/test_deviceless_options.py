@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.devices._xla_options import known_compile_options
+from autoaccum.devices._deviceless import known_compile_options
 from autoaccum.planning._measure import DEVICELESS_CODEGEN_OPTIONS, compile_lowered, lower_step
 from autoaccum.planning._targets import resolve_target
 

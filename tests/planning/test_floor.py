@@ -1,4 +1,4 @@
-"""The floor of a step (``planning/_floor.py``): what one device must hold at least, which
+"""The floor of a step (``planning/_measure.py``): what one device must hold at least, which
 the compiled step's need never goes below."""
 
 import jax.numpy as jnp

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._kept_steps import keep_compiled, kept_count, reuse_or_compile
+from autoaccum.planning._cache import keep_compiled, kept_count, reuse_or_compile
 
 
 class MLP(nnx.Module):

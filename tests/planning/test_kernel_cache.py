@@ -11,10 +11,9 @@ import pytest
 from flax import nnx
 from packaging.version import Version
 
-import autoaccum.planning._kernel_cache as kernel_cache
+import autoaccum.planning._measure as kernel_cache
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning._kernel_cache import kernel_cache_options
-from autoaccum.planning._measure import compile_lowered, lower_step
+from autoaccum.planning._measure import compile_lowered, kernel_cache_options, lower_step
 from autoaccum.planning._targets import resolve_target
 
 FIGURES = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",

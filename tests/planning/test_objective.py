@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._objective import Candidate, choose_fastest, cost_model_seconds
+from autoaccum.planning._plan_options import Candidate, choose_fastest, cost_model_seconds
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 

@@ -14,11 +14,10 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning._budget import Budget
+from autoaccum.planning._budget import Budget, resident_of, smallest_profile
 from autoaccum.planning._depth import DepthVariants, plan_by_depth
 from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, compile_count
-from autoaccum.planning._resident import resident_of, smallest_profile
 from autoaccum.planning._search import DoesNotFitError
 
 

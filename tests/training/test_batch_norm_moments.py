@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from autoaccum.training._batch_norm_moments import add_moments, running_update, zero_moments
+from autoaccum.training._accumulate import add_moments, running_update, zero_moments
 
 
 def test_weighted_micro_batch_moments_give_the_whole_batch_mean_and_variance():

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from autoaccum.training._interrupts import deferred_interrupts, interrupt_guard
+from autoaccum.training._step_runner import deferred_interrupts, interrupt_guard
 
 
 def test_ctrl_c_inside_the_block_is_raised_when_it_ends():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from autoaccum.training import accumulate_gradients
-from autoaccum.training._noise_scale import NoiseScaleEstimator, critical_batch_advice
+from autoaccum.training._callbacks import NoiseScaleEstimator, critical_batch_advice
 
 
 def test_estimator_recovers_known_noise_scale_through_the_accumulated_step():

@@ -11,7 +11,7 @@ from flax import nnx
 
 import autoaccum.planning._measure as measure_module
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.devices._compile_platform import compile_platform, compiling_for
+from autoaccum.devices._deviceless import compile_platform, compiling_for
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._targets import resolve_target
 from autoaccum.training._nonfinite import update_if_finite

@@ -5,7 +5,7 @@ import io
 import sys
 import types
 
-from autoaccum.training._progress import ProgressBar, in_notebook
+from autoaccum.training._callbacks import ProgressBar, in_notebook
 
 
 class _Terminal(io.StringIO):

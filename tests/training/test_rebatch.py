@@ -3,7 +3,7 @@ no example lost, reordered or repeated."""
 
 import numpy as np
 
-from autoaccum.training._rebatch import Rebatcher
+from autoaccum.training._epoch_batches import Rebatcher
 
 
 def _parts(sizes, start=0):

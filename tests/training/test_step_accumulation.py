@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autoaccum.devices._placement import Placement
+from autoaccum.devices._mesh import Placement
 from autoaccum.training import accumulate_gradients
-from autoaccum.training._step_accumulation import step_accumulation
+from autoaccum.training._data_parallel import step_accumulation
 
 
 def test_one_device_is_the_plain_accumulation():

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from autoaccum.devices import data_parallel_mesh
-from autoaccum.devices._compile_platform import compiling_for
+from autoaccum.devices._deviceless import compiling_for
 from autoaccum.planning import state_layout
-from autoaccum.training._updated_weights import split_until_gathered
+from autoaccum.training._accumulate import split_until_gathered
 
 
 @pytest.mark.parametrize("strategy", ["replicated", "fsdp"])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autoaccum.planning._micro_batches import UnevenBatches
-from autoaccum.training._validator import Validator
+from autoaccum.training._fit_loop import Validator
 
 
 def _evaluate(state, batches, frozen):

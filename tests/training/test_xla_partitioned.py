@@ -16,8 +16,7 @@ import pytest
 from autoaccum.devices import data_parallel_mesh
 from autoaccum.planning import PARTITIONERS, state_layout
 from autoaccum.planning._strategies import XLA_PARTITIONER_SLACK
-from autoaccum.training._step_accumulation import step_accumulation
-from autoaccum.training._xla_partitioned import xla_partitioned_accumulate
+from autoaccum.training._data_parallel import step_accumulation, xla_partitioned_accumulate
 from tests._paths import REPO, host_devices_env
 
 

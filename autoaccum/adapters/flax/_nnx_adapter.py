@@ -31,10 +31,9 @@ from ...planning._option_checks import (
     validate_positive_int,
 )
 from ...planning._plan import Plan
-from ...planning._plan_options import ProgramOptions
-from ...planning._remat_policies import REMAT_POLICIES
+from ...planning._plan_options import REMAT_POLICIES, ProgramOptions
 from ...planning._train_program import abstract
-from ...training._batch_norm_moments import validate_batch_stats
+from ...training._accumulate import validate_batch_stats
 from ...training._callbacks import validate_callbacks
 from ...training._epoch_batches import as_arrays, example_spec, num_examples
 from ...training._user_step import UserLoopStep
@@ -287,7 +286,7 @@ class FlaxAdapter(Adapter):
 def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
     """Whether ``loss_fn(model, tree)`` traces (shapes only, nothing compiled): how a list of
     items that reads both as batches and as records is told apart (see ``list_reading``)."""
-    from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
+    from ...devices._mesh import callers_mesh, step_mesh, traced_under
     from ...training._epoch_batches import batch_rebuilder
     from ._nnx_program import checked_loss
 

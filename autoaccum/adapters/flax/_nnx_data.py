@@ -36,8 +36,14 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received, type_name
-from ...training._epoch_batches import as_arrays, batch_rebuilder, epoch_order, num_examples
-from ...training._rebatch import Rebatcher, concat
+from ...training._epoch_batches import (
+    Rebatcher,
+    as_arrays,
+    batch_rebuilder,
+    concat,
+    epoch_order,
+    num_examples,
+)
 
 PyTree = Any
 

@@ -13,11 +13,11 @@ counters, batch statistics) live in the model, the optimizer state here (and, wi
 ``nnx.Optimizer``, in it too, written back by the callers). :class:`FlaxState` reads it,
 writes each step's state into the model (``nnx.update``) and lays it out on the devices:
 replicated or split over a data-parallel mesh by the plan's strategy, or in the model's own
-layout (a :class:`~autoaccum.devices._placement.Placement`).
+layout (a :class:`~autoaccum.devices._mesh.Placement`).
 
 Validation loss of a Flax NNX model in eval mode, with the same ``loss_fn`` as training.
 
-The batches run through the one validator (:class:`autoaccum.training._validator.Validator`:
+The batches run through the one validator (:class:`autoaccum.training._fit_loop.Validator`:
 one compiled program per batch shape, the model only read). Eval mode is what
 ``model.eval()`` sets (``deterministic=True`` for dropout,
 ``use_running_average=True`` for BatchNorm), applied to a view of the model
@@ -40,23 +40,24 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
-from ...devices._mesh import place, replicate
-from ...devices._placement import Placement
-from ...devices._placement import place as place_each
+from ...devices._mesh import Placement, callers_mesh, place, replicate, step_mesh, traced_under
 from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
-from ...training._callbacks import Callback, CallbackList, validate_callbacks
+from ...training._callbacks import Callback, CallbackList, ProgressBar, validate_callbacks
+from ...training._data_parallel import placed_accumulate, step_accumulation
 from ...training._epoch_batches import leftover_split
-from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
-from ...training._interrupts import deferred_interrupts
+from ...training._fit_loop import (
+    EpochTally,
+    FitCallbacks,
+    FitHooks,
+    FitLoop,
+    FitResult,
+    Validator,
+    run_fit_loop,
+)
 from ...training._nonfinite import validate_on_nonfinite
-from ...training._progress import ProgressBar
-from ...training._result import FitResult
-from ...training._step_accumulation import placed_accumulate, step_accumulation
-from ...training._step_runner import StateHooks, StepOutcome, StepRunner
-from ...training._validator import Validator
+from ...training._step_runner import StateHooks, StepOutcome, StepRunner, deferred_interrupts
 from ._nnx_data import ArrayData, FlaxStream, flax_data
 from ._nnx_optimizer import handles_nonfinite
 from ._nnx_program import (
@@ -93,11 +94,11 @@ class FlaxState(StateHooks):
         unshare(model, trainable)  # the steps donate these arrays: not another module's
         self.graphdef, params, frozen, other = split_model(model, trainable)
         if placement is not None:  # the user's own layout, kept as it is
-            params, other = place_each((params, other), placement.state[:2])
+            params, other = place((params, other), placement.state[:2])
             # Each device makes only its own share of the optimizer state.
             opt_state = (jax.jit(tx.init, out_shardings=placement.state[2])(params)
                          if nnx_optimizer is None
-                         else place_each(nnx_optimizer.initial(tx, params), placement.state[2]))
+                         else place(nnx_optimizer.initial(tx, params), placement.state[2]))
         else:
             opt_state = (tx.init(params) if nnx_optimizer is None
                          else nnx_optimizer.initial(tx, params))
@@ -111,7 +112,7 @@ class FlaxState(StateHooks):
     def trace_mesh(self) -> Any:
         """The mesh the model's code is traced under: the one the step runs on (the kept
         layout's, the strategy's or the data-parallel one), or on one device the caller's
-        axis names (see :func:`autoaccum.devices._context_mesh.step_mesh`)."""
+        axis names (see :func:`autoaccum.devices._mesh.step_mesh`)."""
         if self.placement is not None:
             return self.placement.mesh
         return step_mesh(self.layout.mesh if self.layout is not None else self.mesh,
@@ -163,7 +164,7 @@ class FlaxState(StateHooks):
         """``state`` on the mesh: replicated, split as the plan's strategy says, or in the
         model's own layout."""
         if self.placement is not None:
-            return place_each(state, self.placement.state)
+            return place(state, self.placement.state)
         if self.layout is None:
             return replicate(state, self.mesh)
         return place(state, self.layout.state_shardings(state[1]))
@@ -172,7 +173,7 @@ class FlaxState(StateHooks):
         """Frozen weights on the mesh: replicated, split (``fsdp``), or in the model's own
         layout."""
         if self.placement is not None:
-            return place_each((frozen,), self.placement.frozen)[0]
+            return place((frozen,), self.placement.frozen)[0]
         if self.layout is not None:  # fsdp splits them; the model holds the split ones
             frozen = place((frozen,), self.layout.frozen_shardings((frozen,)))[0]
             if self.layout.strategy == "fsdp":
@@ -419,7 +420,7 @@ def flax_fit(
         where the last stopped (as Keras's ``steps_per_epoch``). Needed for a stream known to
         be infinite, and for ``epochs > 1`` over a one-shot iterator or generator.
       placement: the model's own layout over a mesh of several axes (a
-        :class:`~autoaccum.devices._placement.Placement` from
+        :class:`~autoaccum.devices._mesh.Placement` from
         :func:`._sharding.own_placement`, with ``mesh=None``): the state keeps it, batches
         are split over its data axis, and after training the model's arrays are back on the
         user's own mesh.

@@ -19,14 +19,14 @@ integer, e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple) gets it
 recomputes that block's activations instead of keeping them. Pass ``layers=`` (a predicate
 on ``(path, module)``) for models whose layers are not in a sequence.
 
-Policies: :mod:`autoaccum.planning._remat_policies`.
+Policies: :mod:`autoaccum.planning._plan_options`.
 
 ``batch_stats="effective"`` for Flax NNX: one BatchNorm running-average update per step.
 
 Each micro-batch's forward pass runs with every ``nnx.BatchNorm``'s momentum set to 0 on the
 step's own copy of the model, so the layer writes exactly that micro-batch's mean and
 (biased) variance into its ``mean`` and ``var`` statistics. Those are read back, added to
-float32 sums (:mod:`autoaccum.training._batch_norm_moments`), and the running averages are put back
+float32 sums (:mod:`autoaccum.training._accumulate`), and the running averages are put back
 to their value at the start of the step before the next micro-batch. After the last
 micro-batch (and, data-parallel, after the sums are averaged across devices) the running
 averages move once, with the layer's own momentum, from the effective batch's statistics.
@@ -48,20 +48,23 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ...devices._context_mesh import callers_mesh, step_mesh, traced_under
-from ...devices._placement import Placement
+from ...devices._mesh import Placement, callers_mesh, step_mesh, traced_under
 from ...planning._micro_batches import micro_steps
-from ...planning._remat_policies import REMAT_POLICIES, validate_remat
+from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract
-from ...training._accumulate import accumulate_gradients, mean_gradients, mean_loss
-from ...training._batch_norm_moments import (
+from ...training._accumulate import (
     Moments,
+    accumulate_gradients,
     add_moments,
+    mean_gradients,
+    mean_loss,
     running_update,
+    split_until_gathered,
     validate_batch_stats,
     zero_moments,
 )
+from ...training._data_parallel import placed_accumulate, step_accumulation
 from ...training._nonfinite import (
     keep_if_finite,
     keep_values_if_finite,
@@ -69,8 +72,6 @@ from ...training._nonfinite import (
     update_if_finite,
     validate_on_nonfinite,
 )
-from ...training._step_accumulation import placed_accumulate, step_accumulation
-from ...training._updated_weights import split_until_gathered
 from ._sharding import own_placement, own_specs
 
 PyTree = Any
@@ -278,7 +279,7 @@ def make_flax_step(
         keeps the layout's shardings (weights, optimizer state split or copied); under
         ``fsdp`` the ``frozen`` weights arrive split too (``layout.frozen``).
       trace_mesh: the context mesh the model's code is traced under (the mesh the step runs
-        on, see :func:`autoaccum.devices._context_mesh.step_mesh`), so the partition specs
+        on, see :func:`autoaccum.devices._mesh.step_mesh`), so the partition specs
         the model names (``with_sharding_constraint``, ``out_sharding=``) resolve.
 
     Returns:
@@ -381,7 +382,7 @@ def flax_program(
     A model whose weights are split over a mesh of several axes keeps that layout instead
     (``program.placement``, see :mod:`._sharding`; ``mesh`` and ``strategy`` do not apply).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
-    :mod:`autoaccum.training._batch_norm_moments`); ``on_nonfinite``: as :func:`make_flax_step`.
+    :mod:`autoaccum.training._accumulate`); ``on_nonfinite``: as :func:`make_flax_step`.
 
     Example:
       >>> import optax

@@ -10,8 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...devices._mesh import data_parallel_mesh
-from ...devices._placement import Placement, same_mesh
+from ...devices._mesh import Placement, data_parallel_mesh, same_mesh
 from ...planning._strategies import StateLayout, state_layout
 from ._internals import to_backend_mesh, variable_buffer, variable_layout
 

@@ -47,7 +47,7 @@ from ...planning._option_checks import received
 from ...planning._plan_options import ProgramOptions
 from ._internals import backbone_lora_layers, backbone_lora_rank, compile_arguments, flatten_layers
 from ._keras_step import keras_lowering_scope
-from .presets._advise_preset import LORA_RANKS
+from .presets._preset_plans import LORA_RANKS
 
 KERAS_OPTIMIZERS = ("adafactor", "sgd", "lion")
 """Optimizers the advisor tries for a Keras model."""

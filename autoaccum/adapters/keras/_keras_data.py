@@ -54,8 +54,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import epoch_order
-from ...training._rebatch import Rebatcher, concat
+from ...training._epoch_batches import Rebatcher, concat, epoch_order
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 

@@ -35,7 +35,7 @@ Validation during a Keras fit: ``model.evaluate`` at the effective batch, accumu
 The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
 is read in batches of ``validation_batch_size`` (default: the effective batch, as
 ``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by the one
-validator (:class:`autoaccum.training._validator.Validator`) with a forward-only step that
+validator (:class:`autoaccum.training._fit_loop.Validator`) with a forward-only step that
 scans micro-batches of the training micro-batch, the last one smaller when it does not divide
 (``uneven``; else the largest divisor) (:func:`~._keras_step.keras_eval_step`): the logged
 ``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
@@ -57,8 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...devices._mesh import replicate, replicated_sharding, resolve_mesh
-from ...devices._placement import place
+from ...devices._mesh import place, replicate, replicated_sharding, resolve_mesh
 from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import received
 from ...planning._strategies import (
@@ -68,9 +67,9 @@ from ...planning._strategies import (
     validate_strategy,
 )
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
+from ...training._fit_loop import Validator as EvalLoop
 from ...training._nonfinite import validate_on_nonfinite
 from ...training._step_runner import StateHooks, StepOutcome, StepRunner
-from ...training._validator import Validator as EvalLoop
 from ._distribution import (
     keras_auto_mesh,
     keras_distribution_mesh,

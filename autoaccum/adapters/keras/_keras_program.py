@@ -41,11 +41,11 @@ import numpy as np
 
 from ...devices._extras import require_extra
 from ...planning._option_checks import received
-from ...planning._remat_policies import REMAT_POLICIES
+from ...planning._plan_options import REMAT_POLICIES
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics, TrainProgram
-from ...training._fit_options import REFUSED_FIT_OPTIONS
 from ...training._snapshot import validate_backup
+from ...training._training_options import REFUSED_FIT_OPTIONS
 from ._internals import (
     drop_instance_attribute,
     flatten_layers,
@@ -85,7 +85,7 @@ FIT_OPTIONS = (
     "batch_stats",
     "drop_remainder",
 )
-"""Keyword options that :func:`autoaccum.keras_fit` accepts besides the plan."""
+"""Keyword options that :func:`autoaccum.adapters.keras.keras_fit` accepts besides the plan."""
 
 REFUSED_OPTIONS = REFUSED_FIT_OPTIONS
 
@@ -184,7 +184,7 @@ def layers_without_jit(model: Any) -> list[Any]:
 
 
 def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
-    """Checks keyword options forwarded to :func:`autoaccum.keras_fit`; returns them.
+    """Checks keyword options forwarded to :func:`autoaccum.adapters.keras.keras_fit`; returns them.
 
     Raises ``ValueError`` for an option that conflicts with the accumulation plan (such as
     ``batch_size=`` next to ``effective_batch``) and for unknown names.
@@ -280,7 +280,7 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     layout = find_layout(model, example_spec, optimizer) if layout is None else layout
 
     # The step that training runs (logs and all): the figures are that step's, and the fit
-    # runs the probe the plan compiled (planning/_kept_steps.py) instead of compiling it again.
+    # runs the probe the plan compiled (planning/_cache.py) instead of compiling it again.
     def step_for(mesh: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
         return keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
                                 lr_scaling=lr_scaling, batch_stats=batch_stats)

@@ -70,14 +70,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ...devices._placement import Placement
+from ...devices._mesh import Placement
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
-from ...training._accumulate import mean_gradients
+from ...training._accumulate import mean_gradients, split_until_gathered
+from ...training._data_parallel import step_accumulation
 from ...training._nonfinite import keep_if_finite, update_if_finite
-from ...training._step_accumulation import step_accumulation
-from ...training._updated_weights import split_until_gathered
 from ._internals import (
     backend_namespace,
     batch_norm_moments,
@@ -556,7 +555,7 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     ``placement``: the layout the user gave the model (``keras.distribution.ModelParallel``;
     :func:`~._distribution.keras_placement`), without ``mesh``: the step is compiled with its
     shardings, and its float32 gradient accumulator is split over the layout's data axis too
-    (:func:`~autoaccum.training._step_accumulation.placed_accumulate`).
+    (:func:`~autoaccum.training._data_parallel.placed_accumulate`).
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)

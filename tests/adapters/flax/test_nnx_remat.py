@@ -9,7 +9,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import make_flax_step, rematerialized, split_model
-from autoaccum.planning._remat_policies import REMAT_POLICIES
+from autoaccum.planning._plan_options import REMAT_POLICIES
 from autoaccum_demo._flax_demo import load_corpus
 from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss, text_windows
 

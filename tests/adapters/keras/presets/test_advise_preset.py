@@ -6,8 +6,7 @@ import pytest
 
 import autoaccum
 from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
-from autoaccum.adapters.keras.presets._advise_preset import advise_preset
-from autoaccum.adapters.keras.presets._plan_preset import plan_preset
+from autoaccum.adapters.keras.presets._preset_plans import advise_preset, plan_preset
 from autoaccum.planning._measure import compile_count
 from autoaccum.planning._search import DoesNotFitError
 

@@ -83,7 +83,7 @@ def test_unknown_name_suggests_near_name() -> None:
 def test_gemma3_1b_builds_abstractly_without_allocating() -> None:
     import keras_hub  # noqa: F401  (imported first: its import alone adds ~800 MiB of RSS)
 
-    from autoaccum.adapters.keras.presets._abstract_lm import (
+    from autoaccum.adapters.keras.presets._architectures import (
         abstract_state,
         build_abstract_causal_lm,
     )
@@ -118,7 +118,7 @@ def test_abstract_model_stays_abstract_after_a_symbolic_call() -> None:
     import jax
     import keras
 
-    from autoaccum.adapters.keras.presets._abstract_lm import (
+    from autoaccum.adapters.keras.presets._architectures import (
         abstract_state,
         build_abstract_causal_lm,
     )
@@ -142,7 +142,7 @@ def test_abstract_model_stays_abstract_after_a_symbolic_call() -> None:
 
 
 def test_bad_lora_rank_is_rejected() -> None:
-    from autoaccum.adapters.keras.presets._abstract_lm import build_abstract_causal_lm
+    from autoaccum.adapters.keras.presets._architectures import build_abstract_causal_lm
 
     with pytest.raises(ValueError, match="lora_rank"):
         build_abstract_causal_lm("gemma3_1b", lora_rank=0)

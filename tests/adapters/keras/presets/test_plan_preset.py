@@ -3,7 +3,7 @@
 import pytest
 
 import autoaccum
-from autoaccum.adapters.keras.presets._plan_preset import plan_preset
+from autoaccum.adapters.keras.presets._preset_plans import plan_preset
 
 pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
 

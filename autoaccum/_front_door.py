@@ -1,0 +1,840 @@
+"""The front door: ``fit``, ``plan``, ``advise``, ``measure`` and ``train_step``.
+
+Each entry point keeps its explicit keyword-only signature and is a few lines after it: one
+job resolver (:func:`resolve_job`) validates every option once (the effective batch against
+the resolved mesh, the option specs, ``y``/``sample_weight``, the learning rate, the log),
+finds the adapter for the model and resolves the mesh; a keyword that lives in a spec gets a
+clear error (``remat=`` -> ``search=autoaccum.Search(remat=...)``).
+
+* ``autoaccum.fit``: plan, print the plan, and train the model in place with exact
+  accumulation.
+* ``autoaccum.plan``: micro-batch x accumulation steps for an effective batch, within the
+  memory of the device, without training.
+* ``autoaccum.advise``: when a model does not fit, the changes that would, each verified by
+  planning (compiling) with the change applied.
+* ``autoaccum.measure``: the itemized memory of one accumulated train step at a given
+  micro-batch, compiled with abstract inputs.
+* ``autoaccum.train_step``: the planned, accumulated step for a training loop you write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, TextIO
+
+from .adapters import adapter_for
+from .devices._mesh import keeps_callers_mesh
+from .planning._adapter_interface import FitSettings
+from .planning._advisor import (
+    Advice,
+    Alternative,
+    Stage,
+    first_fit_stage,
+    larger_devices,
+    more_chips,
+    more_devices,
+    most_sharded_first,
+    run_advisor,
+)
+from .planning._cache import CompileRequest, measure_all, resolve_cache
+from .planning._lr_scaling import announce
+from .planning._measure import MemoryEstimate
+from .planning._option_checks import (
+    resolve_log,
+    validate_effective_batch,
+    validate_memory_fraction,
+    validate_positive_int,
+)
+from .planning._plan import Plan
+from .planning._plan_model import plan_model, prepare
+from .planning._plan_options import (
+    LearningRate,
+    ProgramOptions,
+    Search,
+    Target,
+    changed,
+    learning_rate_spec,
+    merge_plain,
+    refuse_unread,
+    spec_of,
+)
+from .planning._reuse import PLANNING_OPTIONS, reuse_plan, validate_plan_type
+from .planning._search import DoesNotFitError
+from .planning._targets import (
+    device_platform,
+    is_deviceless,
+    resolve_target,
+    slice_devices,
+    training_mesh,
+)
+from .training._epoch_batches import num_examples
+from .training._training_options import Training, explains_keywords
+
+if TYPE_CHECKING:
+    from .adapters.flax import TrainStep
+    from .adapters.keras import KerasTrainStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One entry point's call, every option validated once: the adapter of ``model``, the
+    data with ``y``/``sample_weight`` folded in as ``model.fit`` takes them, the three specs,
+    the program options (optimizer, loss, trainable, learning rate, BatchNorm statistics)
+    and where the log goes. Each public entry point builds one (:func:`resolve_job`) and
+    then does only what is its own."""
+
+    model: Any
+    data: Any
+    adapter: Any
+    effective_batch: int | None
+    target: Target
+    search: Search
+    training: Training
+    options: ProgramOptions
+    log: Any
+
+
+def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weight: Any = None,
+                effective_batch: Any = None, plan: Plan | None = None, optimizer: Any = None,
+                loss_fn: Any = None, trainable: Any = None, learning_rate: Any = None,
+                device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
+                training: Any = None, log: Any = "stderr",
+                needs_batch: bool = True) -> Job:
+    """The :class:`Job` of a call to the entry point ``where``: the effective batch (``None``
+    allowed where ``needs_batch`` is false; the given ``plan``'s when left out), the specs
+    with ``device=``/``budget=`` filled in, the learning rate as an
+    :class:`~autoaccum.LearningRate`, the log stream, the model's adapter and its data.
+
+    Example:
+      >>> import numpy as np
+      >>> from flax import nnx
+      >>> job = resolve_job("plan", nnx.Linear(2, 1, rngs=nnx.Rngs(0)), {"x": np.ones((4, 2))},
+      ...                   effective_batch=4, learning_rate=0.1, device="t4", log=None)
+      >>> job.adapter.name, job.target.device, job.options.learning_rate.value
+      ('flax', 't4', 0.1)
+    """
+    if effective_batch is not None or plan is not None or needs_batch:
+        effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
+                                                                      where))
+    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
+                                                 search=search, training=training)
+    adapter = adapter_for(model)
+    return Job(model=model, data=with_targets(adapter, data, y, sample_weight),
+               adapter=adapter, effective_batch=effective_batch, target=the_target,
+               search=the_search, training=the_training,
+               options=program_options(optimizer=optimizer, loss_fn=loss_fn,
+                                       trainable=trainable,
+                                       learning_rate=learning_rate_spec(learning_rate),
+                                       batch_stats=the_training.batch_stats),
+               log=resolve_log(log))
+
+
+def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
+          training: Any = None) -> tuple[Target, Search, Training]:
+    """The three specs an entry point was given (defaults for ``None``), with ``device=``
+    and ``budget=`` given plainly filled into the target.
+
+    Example:
+      >>> t, s, tr = specs(device="t4", search=Search(remat="nothing"))
+      >>> t.device, s.remat, tr.shuffle
+      ('t4', 'nothing', True)
+    """
+    the_target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
+    return (the_target, spec_of(Search, search, "search"),
+            spec_of(Training, training, "training"))
+
+
+def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> Any:
+    """``effective_batch`` as given, or the given plan's when it is left out (``None``).
+
+    Example:
+      >>> effective_batch_of(8, None, "fit")
+      8
+      >>> try:
+      ...     effective_batch_of(None, None, "fit")
+      ... except ValueError as error:
+      ...     print(str(error)[-30:])
+      Received: effective_batch=None
+    """
+    if effective_batch is not None:
+        return effective_batch
+    if plan is None:
+        raise ValueError(
+            f"{where} needs effective_batch=: the number of examples per optimizer step, e.g. "
+            f"`{where}(model, data, effective_batch=8)` (or plan=autoaccum.plan(...), whose "
+            "effective batch it takes). Received: effective_batch=None")
+    return validate_plan_type(plan).effective_batch
+
+
+def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any]:
+    """The plan ``fit`` and ``train_step`` train with, and its prepared step: ``plan=``
+    checked and reused (the Target and Search fields that only shape planning are refused
+    next to it), else planned now. With ``method="auto"`` and elastic steps the first
+    training step is the real verification (it backs off on an out-of-memory exactly as
+    auto planning would), so planning compiles only."""
+    model, target, search = job.model, job.target, job.search
+    job.adapter.check_trainable(model, where)
+    if plan is not None:
+        given = {**changed(target), **changed(search)}
+        the_plan, prepared = reuse_plan(
+            plan, model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,
+            options=job.options, remat_layers=search.remat_layers,
+            data_parallel=target.data_parallel,
+            planning_options={k: v for k, v in given.items() if k in PLANNING_OPTIONS})
+        announce(prepared.lr_scaling, job.log)
+        return the_plan, prepared
+    devices = slice_devices(target.device, target.devices)
+    if devices is not None and devices > 1 and is_deviceless(target.device):
+        raise ValueError(
+            f"{where}() trains on this machine's devices, and {target.device!r} is {devices} "
+            "devices (GPUs or TPU chips) that are not here. For a dry run use "
+            f"autoaccum.plan(..., device={target.device!r}); to train, run {where}() where "
+            f"the devices are, without device= (it uses every device JAX sees there). "
+            f"Received: device={target.device!r}, devices={devices}")
+    if search.method == "auto" and job.training.elastic:
+        search = dataclasses.replace(search, method="compile")
+    return plan_model(model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,
+                      options=job.options, target=target, search=search, log=job.log,
+                      where=where)
+
+
+def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,
+                    batch_stats: str = "effective") -> ProgramOptions:
+    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
+
+    Example:
+      >>> program_options(optimizer=None, loss_fn=None, trainable=None,
+      ...                 learning_rate=LearningRate(value=0.1)).learning_rate.value
+      0.1
+    """
+    return ProgramOptions(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                          learning_rate=learning_rate, batch_stats=batch_stats)
+
+
+def drops(adapter: Any, drop_remainder: bool) -> bool:
+    """Whether the leftover examples are dropped: asked for, or the adapter does not train
+    them (an adapter that does sets ``trains_leftovers = True``)."""
+    return bool(drop_remainder) or not adapter.trains_leftovers
+
+
+def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
+    """``plan`` with the number of training examples and the leftover policy (``data``: a
+    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
+    examples = getattr(data, "num_examples", None)
+    if not isinstance(examples, int):
+        try:
+            examples = num_examples(data)
+        except (AttributeError, IndexError, TypeError):  # no leading example axis to read
+            return plan
+    if (plan.examples, plan.drop_remainder) == (examples, drop_remainder):
+        return plan  # a plan passed in with plan= comes back as itself
+    return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
+
+
+def examples_of(prepared: Any) -> Any:
+    """What counts the training examples: a Flax model's data source (a stream has no
+    count), else the prepared data."""
+    return prepared.extras.get("source", prepared.data)
+
+
+def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
+    """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
+    sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
+    if y is None and sample_weight is None:
+        return data
+    return adapter.with_targets(data, y, sample_weight)
+
+
+@explains_keywords
+@keeps_callers_mesh
+def fit(
+    model: Any,
+    data: Any = None,
+    y: Any = None,
+    *,
+    effective_batch: int | None = None,
+    sample_weight: Any = None,
+    epochs: int = 1,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    plan: Plan | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
+    callbacks: list[Any] | None = None,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
+    validation_batch_size: int | None = None,
+    validation_steps: int | None = None,
+    validation_freq: int = 1,
+    steps_per_epoch: int | None = None,
+    verbose: int | str = 1,
+    log: TextIO | str | None = "stderr",
+) -> Any:
+    """Plans, prints the plan, and trains ``model`` in place with exact accumulation.
+
+    Args:
+      model, data, y, sample_weight, effective_batch, optimizer, loss_fn, trainable,
+        learning_rate, device, budget, target: as for :func:`autoaccum.plan`. In a
+        multi-process run every process passes the same data and seed. ``x=`` (next to
+        ``y=``, as ``model.fit(x=..., y=...)`` is often written) is taken as ``data``.
+      epochs: passes over the data.
+      plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
+        batch: fit checks that it matches (sizes of weights, optimizer state and examples,
+        learning-rate rule, device count; not a dry run for another GPU) and trains with it
+        without planning again; ``effective_batch`` may then be left out (the plan's).
+        Planning options (``budget``, ``device``, ...) are refused next to it.
+      search: an :class:`autoaccum.Search`, as for :func:`autoaccum.plan`; with
+        ``method="auto"`` the first training step is the real verification.
+      training: an :class:`autoaccum.Training`: example order and seed, the initial epoch,
+        non-finite steps, BatchNorm statistics, leftover examples, elastic recovery on a
+        real out-of-memory, the host backup of the donated state.
+      callbacks: Keras models, Keras callbacks; Flax models, :class:`autoaccum.Callback`
+        objects (``on_step_end(step, logs)``, ``on_epoch_end(epoch, logs)``; set
+        ``self.stop_training = True`` or raise :class:`autoaccum.StopTraining` to stop).
+      validation_data, validation_split, validation_batch_size, validation_steps,
+        validation_freq: as ``model.fit`` (Flax too: the validation loss is ``loss_fn``'s
+        mean in eval mode, ``history["val_loss"]``).
+      steps_per_epoch: optimizer steps per epoch, as ``model.fit`` (Flax and Keras): an
+        epoch ends after that many and the next one continues where it stopped. Needed for
+        an endless stream, and for ``epochs > 1`` over a one-shot iterator or generator.
+      verbose: 0 silences the plan report and the progress bar.
+      log: where the plan and probes are printed (``"stderr"``, a stream, or ``None``).
+
+    ``model.fit`` options autoaccum does not take (``batch_size``, ``class_weight``, ...)
+    and options that live in a spec (``remat=``: ``search=autoaccum.Search(remat=...)``)
+    get a ``ValueError`` naming the fix.
+
+    Returns:
+      Flax: a :class:`FitResult`. Keras: the ``History`` with ``history.autoaccum_plan``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> result = autoaccum.fit(model, data, effective_batch=8, optimizer=optax.sgd,
+      ...                        learning_rate=0.01, loss_fn=loss_fn, epochs=2, budget="1GiB",
+      ...                        verbose=0, log=None)
+      >>> result.steps, result.losses[-1] < result.losses[0]
+      (4, True)
+    """
+    if data is None:
+        raise ValueError("fit needs the training data as its second argument, e.g. "
+                         "`autoaccum.fit(model, (x, y), effective_batch=...)` (Keras models: "
+                         "also `autoaccum.fit(model, x, y, ...)`). Received: data=None")
+    epochs = validate_positive_int("epochs", epochs)
+    job = resolve_job("fit", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, plan=plan, optimizer=optimizer,
+                      loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
+                      device=device, budget=budget, target=target, search=search,
+                      training=training, log=log)
+    adapter, the_training, the_search, log = job.adapter, job.training, job.search, job.log
+    framework_options = {name: value for name, value, default in (
+        ("callbacks", callbacks, None), ("validation_data", validation_data, None),
+        ("validation_split", validation_split, 0.0),
+        ("validation_batch_size", validation_batch_size, None),
+        ("validation_steps", validation_steps, None), ("validation_freq", validation_freq, 1),
+        ("initial_epoch", the_training.initial_epoch, 0),
+        ("steps_per_epoch", steps_per_epoch, None)) if value != default}
+    adapter.validate_fit_options(framework_options)
+    the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
+    if "validation_split" not in framework_options:
+        the_plan = with_examples(the_plan, examples_of(prepared),
+                                 drops(adapter, the_training.drop_remainder))
+    if log is not None and verbose:
+        print(the_plan.report() if plan is None else
+              f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
+              file=log, flush=True)
+    settings = FitSettings(epochs=epochs, shuffle=the_training.shuffle, seed=the_training.seed,
+                           verbose=verbose, log=log, elastic=the_training.elastic,
+                           backup=the_training.backup, mesh=prepared.program.mesh,
+                           on_nonfinite=the_training.on_nonfinite,
+                           batch_stats=the_training.batch_stats,
+                           drop_remainder=the_training.drop_remainder,
+                           uneven=the_search.uneven)
+    with adapter.remat_context(model, the_plan.remat, the_search.remat_layers):
+        return adapter.fit(model, prepared, the_plan, settings=settings,
+                           options=framework_options)
+
+
+@explains_keywords
+@keeps_callers_mesh
+def plan(
+    model: Any,
+    data: Any,
+    y: Any = None,
+    *,
+    effective_batch: int,
+    sample_weight: Any = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
+    advise: bool = False,
+    log: TextIO | str | None = "stderr",
+) -> Plan:
+    """Finds micro-batch x accumulation steps for ``effective_batch`` within the budget.
+
+    Compiles the real accumulated train step with abstract inputs (no weights allocated) at
+    a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
+    the largest micro-batch that fits (the last micro-batch of a step may be smaller, see
+    :class:`autoaccum.Search` ``uneven``).
+
+    Args:
+      model: a ``flax.nnx.Module`` or a compiled Keras 3 model (JAX backend).
+      data: the training data. Flax: a dict/tuple of arrays with a leading example axis, a
+        list of per-example records (dicts or tuples, stacked into arrays), or any iterable of
+        batches (a grain ``DataLoader``, ``tf.data`` as numpy, a generator), re-batched into
+        effective batches and never materialised (planning reads its first effective batch;
+        a one-shot iterator's batches read then are trained first). Keras: what
+        ``model.fit`` takes: ``(x, y[, sample_weight])``, a dataset, ..., or ``x`` alone
+        with ``y`` next to it.
+      y, sample_weight: Keras models, as ``model.fit(x, y, sample_weight=...)``: the targets
+        and per-example weights of in-memory ``x`` (the same as ``data=(x, y,
+        sample_weight)``). A Flax model takes its data as one argument.
+      effective_batch: examples per optimizer step.
+      optimizer: Flax: an optax transformation, or a factory called with the scaled rate
+        (a Keras model brings its own).
+      loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
+      trainable: Flax: an ``nnx`` filter of the trained variables (default ``nnx.Param``).
+      learning_rate: the base learning rate (Keras: default the compiled optimizer's), or an
+        :class:`autoaccum.LearningRate` that also says which batch it was tuned for
+        (``base_batch``) and the scaling rule; without ``base_batch`` the rate is kept.
+      device: a profile name (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``); on a
+        machine without that device the step is compiled deviceless for it. Shorthand for
+        ``target=autoaccum.Target(device=...)``.
+      budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
+        by default from the device (on CPU, half the available RAM). Shorthand for
+        ``target=autoaccum.Target(budget=...)``.
+      target: an :class:`autoaccum.Target`: what to plan for (memory fraction, devices,
+        hosts, data parallelism, sharding strategy).
+      search: an :class:`autoaccum.Search`: how to search (remat, objective, method,
+        uneven last micro-batch, need cache, depth variant).
+      training: an :class:`autoaccum.Training`; a plan reads ``batch_stats`` (it changes
+        the compiled step) and ``drop_remainder`` (what the report says of the leftover
+        examples).
+      advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
+        ``DoesNotFitError`` then carries the compile-verified changes that fit
+        (``error.alternatives``, and a table in its message).
+      log: where probes are logged live (``"stderr"``, a stream, or ``None``).
+
+    Returns:
+      A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
+      ``report()``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> p = autoaccum.plan(model, data, effective_batch=8, optimizer=optax.sgd,
+      ...                    learning_rate=0.1, loss_fn=loss_fn, budget="1GiB", log=None)
+      >>> p.micro_batch * p.accum_steps, p.learning_rate
+      (8, 0.1)
+      >>> autoaccum.plan(model, data, effective_batch=8, optimizer=optax.sgd, loss_fn=loss_fn,
+      ...                learning_rate=autoaccum.LearningRate(value=0.1, base_batch=2),
+      ...                budget="1GiB", log=None).learning_rate
+      0.4
+    """
+    job = resolve_job("plan", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+                      trainable=trainable, learning_rate=learning_rate, device=device,
+                      budget=budget, target=target, search=search, training=training, log=log)
+    try:
+        plan_, prepared = plan_model(model, job.data, adapter=job.adapter,
+                                     effective_batch=job.effective_batch, options=job.options,
+                                     target=job.target, search=job.search, log=job.log)
+    except DoesNotFitError as error:
+        if not advise:
+            raise
+
+        raise advise_job(job, original=error).error from None
+    return with_examples(plan_, examples_of(prepared),
+                         drops(prepared.adapter, job.training.drop_remainder))
+
+
+@explains_keywords
+@keeps_callers_mesh
+def advise(
+    model: Any,
+    data: Any,
+    y: Any = None,
+    *,
+    effective_batch: int,
+    sample_weight: Any = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
+    log: TextIO | str | None = "stderr",
+) -> Advice:
+    """Plans ``model`` as :func:`autoaccum.plan` would; when nothing fits, plans it again with
+    each change that could help and lists the ones that fit.
+
+    Changes: rematerialization policies (when ``remat`` was not ``"auto"``, which tries them
+    already); the framework's own (Flax: another optimizer, moments in bfloat16, training
+    only the ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank,
+    bfloat16 weights; Keras: LoRA at rank 16 on every layer that has ``enable_lora`` (a
+    keras-hub backbone's default targets) or, where LoRA is on, a quarter of its rank, int8
+    frozen weights under LoRA (QLoRA), bfloat16 weights, another optimizer; the LoRA, int8
+    and dtype rows are planned on a copy rebuilt from ``model.get_config()`` with no weight
+    allocated, and a model that cannot be rebuilt lists them under ``tried`` with the
+    reason); the smallest shipped GPU profile where the
+    configuration as given fits; for a named GPU (``device=``), more of the same GPU (2, 4 or
+    8, each planned with the cheapest sharding strategy that fits, shown in the row). Every
+    row's plan succeeded under the same budget (its own for a device row), so its step was
+    compiled and fits; ``relative_flops`` is its compiled
+    step's ``cost_analysis()`` flops over the cheapest row's. When the weights and optimizer
+    state alone are over the budget (known from shapes, before any compile), changes that
+    cannot shrink them are not tried. For keras-hub architectures, ``autoaccum plan --preset
+    NAME --advise`` also tries LoRA ranks, int8 frozen weights under LoRA (QLoRA) and the
+    longest sequence that fits.
+
+    Args:
+      model, data, y, sample_weight, effective_batch, optimizer, loss_fn, trainable,
+        learning_rate, device, budget, target, training: as for :func:`autoaccum.plan`.
+      search: as for :func:`autoaccum.plan`; the rows are always planned compile-only.
+      log: where the original plan's probes and each row's verdict are logged.
+
+    Returns:
+      An :class:`~autoaccum.planning._advisor.Advice`: ``fits`` (the configuration as given),
+      ``plan`` (its plan when it fits), ``resident``, ``alternatives`` (cheapest first),
+      ``tried`` (changes that did not fit) and ``error`` (the ``DoesNotFitError``, with the
+      table attached, when it does not fit). ``report()``, ``to_dict()``, and a table in a
+      notebook.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"]) - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((8, 64), np.float32), "y": np.zeros((8, 64), np.float32)}
+      >>> advice = autoaccum.advise(model, data, effective_batch=8, optimizer=optax.adam,
+      ...                           learning_rate=1e-3, loss_fn=loss_fn, budget="40KiB",
+      ...                           search=autoaccum.Search(cache=False), log=None)
+      >>> advice.fits, advice.resident.state_bytes > advice.budget_bytes
+      (False, True)
+      >>> [a.change for a in advice.alternatives][:1]
+      [{'optimizer': 'sgd'}]
+    """
+    return advise_job(resolve_job(
+        "advise", model, data, y=y, sample_weight=sample_weight,
+        effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+        trainable=trainable, learning_rate=learning_rate, device=device, budget=budget,
+        target=target, search=search, training=training, log=log))
+
+
+def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
+    """:func:`advise` of a resolved call; ``original``: the error of the plan already made
+    (``plan(..., advise=True)``), which is not planned again."""
+    model, data, adapter, options = job.model, job.data, job.adapter, job.options
+    effective_batch, target, search, log = (job.effective_batch, job.target, job.search,
+                                            job.log)
+    device, remat, devices = target.device, search.remat, target.devices
+
+    def plan_with(change: dict[str, Any]) -> Any:
+        framework = {k: v for k, v in change.items()
+                     if k not in ("remat", "device", "devices", "strategy")}
+        the_model, opts = model, options
+        if framework:
+            the_model, opts = adapter.apply_change(model, opts, framework)
+        row_target = target
+        if "device" in change:
+            row_target = dataclasses.replace(row_target, device=change["device"], budget=None,
+                                             memory_fraction=None)
+        row_target = dataclasses.replace(row_target, devices=change.get("devices", devices))
+        # Rows without remat in the change plan without it (cheapest first); the remat stage
+        # combines the changes that failed with the most thorough policy.
+        row_search = search if not change else dataclasses.replace(
+            search, remat=change.get("remat", remat if remat != "auto" else "none"),
+            objective="memory", method="compile")
+        if framework:
+            row_search = dataclasses.replace(row_search, depth_variant=None)
+
+        def plan_under(sharding: str) -> Any:
+            plan, _ = plan_model(
+                the_model, data, adapter=adapter, effective_batch=effective_batch,
+                options=opts, target=dataclasses.replace(row_target, strategy=sharding),
+                search=row_search, log=log if not change else None)
+            return plan
+
+        if "devices" in change:  # the same GPU, more of them
+            return most_sharded_first(plan_under)
+        return plan_under(target.strategy)
+
+    def stages_for(error: DoesNotFitError) -> list[Stage]:
+        shapes = error.resident is not None
+        singles: list[dict[str, Any]] = []
+        if not shapes and remat != "auto":
+            singles += [{"remat": p} for p in adapter.remat_policies if p != remat]
+        framework = list(adapter.advice_changes(model, options))
+        floor = error.resident.state_bytes if shapes else 0
+        stages: list[Stage] = [lambda found, failed: singles + framework]
+        if framework and adapter.has_remat_layers(model, search.remat_layers):
+            stages.append(_with_remat(adapter.remat_policies[-1]))
+        platform = device_platform(device)
+        if is_deviceless(device) and platform == "tpu":  # the same TPU chip, more of them
+            stages.append(first_fit_stage(more_chips(
+                device, effective_batch=effective_batch, floor_bytes=floor,
+                budget_bytes=error.budget_bytes or 0)))
+        elif is_deviceless(device):  # the same GPU, more of them
+            stages.append(first_fit_stage(more_devices(
+                devices or 1, effective_batch=effective_batch, floor_bytes=floor,
+                budget_bytes=error.budget_bytes or 0)))
+        stages.append(first_fit_stage(larger_devices(
+            error.budget_bytes or 0, floor, memory_fraction=target.memory_fraction,
+            platform="tpu" if platform == "tpu" else "gpu")))
+        return stages
+
+    return run_advisor(plan_with, stages_for, log=log, original=original,
+                       target=f"{adapter.name} {type(model).__name__}, {device or 'here'}",
+                       hint=adapter.change_hint)
+
+
+def _with_remat(policy: str) -> Stage:
+    """When no single change fits: the framework changes that failed, with ``policy``."""
+    def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> list[dict]:
+        if found:
+            return []
+        return [{**change, "remat": policy} for change, why in list(failed)
+                if "remat" not in change and "device" not in change
+                and "known from shapes" not in why]
+
+    return stage
+
+
+@explains_keywords
+@keeps_callers_mesh
+def measure(
+    model: Any,
+    data: Any,
+    y: Any = None,
+    *,
+    micro_batch: int,
+    accum_steps: int | None = None,
+    effective_batch: int | None = None,
+    sample_weight: Any = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
+    device: str | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
+) -> MemoryEstimate:
+    """Itemized memory of one accumulated train step at ``micro_batch`` (compiled, abstract).
+
+    Args:
+      model, data, y, sample_weight, optimizer, loss_fn, trainable, learning_rate, device: as
+        for :func:`autoaccum.plan`.
+      micro_batch: examples per micro-batch (per device with several data-parallel devices).
+      accum_steps: micro-batches per optimizer step; default ``ceil(effective_batch /
+        micro_batch)`` when ``effective_batch`` is given, else 1.
+      effective_batch: examples per optimizer step (divided by the device count first).
+      target: an :class:`autoaccum.Target`; measure reads ``device``, ``memory_fraction``,
+        ``data_parallel`` and ``strategy`` (a budget, devices or hosts are refused: there
+        is nothing to compare a measurement with).
+      search: an :class:`autoaccum.Search`; measure reads ``remat`` (``"auto"`` measures
+        without rematerialization: nothing is searched), ``remat_layers`` and ``cache``.
+      training: an :class:`autoaccum.Training`; measure reads ``batch_stats``.
+
+    Returns:
+      A :class:`MemoryEstimate` (one device's with several data-parallel devices).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+      >>> est = autoaccum.measure(model, data, micro_batch=2, accum_steps=4,
+      ...                         optimizer=optax.adam(1e-3), loss_fn=loss_fn)
+      >>> est.need_bytes > est.trainable_bytes > 0
+      True
+    """
+    micro_batch = validate_positive_int("micro_batch", micro_batch)
+    job = resolve_job("measure", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, optimizer=optimizer, loss_fn=loss_fn,
+                      trainable=trainable, learning_rate=learning_rate, device=device,
+                      target=target, search=search, training=training, log=None,
+                      needs_batch=False)
+    the_target, the_search, the_training = job.target, job.search, job.training
+    adapter, data, effective_batch = job.adapter, job.data, job.effective_batch
+    refuse_unread("measure", "target", the_target,
+                  read=("device", "memory_fraction", "data_parallel", "strategy"))
+    refuse_unread("measure", "search", the_search, read=("remat", "remat_layers", "cache"))
+    refuse_unread("measure", "training", the_training, read=("batch_stats",))
+    device = the_target.device
+    validate_memory_fraction(the_target.memory_fraction, device)
+    data_parallel = the_target.data_parallel
+    if data_parallel == "auto" and is_deviceless(device):
+        data_parallel = 1  # a dry run for a GPU that is not here measures one device
+    early = None
+    if is_deviceless(device) and (slice_devices(device, None) or 1) > 1:
+        # A TPU slice that is not here: every chip, on the deviceless target's own mesh.
+        early = resolve_target(device, None, memory_fraction=the_target.memory_fraction)
+    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=device,
+                         slice_mesh=early.mesh if early is not None else None)
+    dp = 1 if mesh is None else mesh.size
+    given_accum = accum_steps
+    if effective_batch is not None:
+        effective_batch = validate_effective_batch(effective_batch, data_parallel=dp)
+    if accum_steps is None:
+        accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
+    accum_steps = validate_positive_int("accum_steps", accum_steps)
+    remat = "none" if the_search.remat == "auto" else the_search.remat
+    prepared = prepare(adapter, model, data,
+                       effective_batch=effective_batch or micro_batch * dp * accum_steps,
+                       options=job.options, remat=remat, remat_layers=the_search.remat_layers)
+    strategy = "replicated" if the_target.strategy == "auto" else the_target.strategy
+    program = prepared.program.on_mesh(mesh, strategy)
+    placement = program.placement
+    if placement is not None and placement.data_parallel != dp:
+        # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
+        dp = placement.data_parallel
+        if effective_batch is not None:
+            validate_effective_batch(effective_batch, data_parallel=dp)
+            if given_accum is None:
+                accum_steps = math.ceil(effective_batch / dp / micro_batch)
+    resolved = early or resolve_target(device, None,
+                                       memory_fraction=the_target.memory_fraction,
+                                       mesh=program.device_mesh)
+    request = CompileRequest(program, micro_batch, accum_steps)
+    return measure_all([request], resolved.compile_target,
+                       cache=resolve_cache(the_search.cache))[0]
+
+
+@explains_keywords
+@keeps_callers_mesh
+def train_step(
+    model: Any,
+    data: Any,
+    y: Any = None,
+    *,
+    effective_batch: int | None = None,
+    sample_weight: Any = None,
+    optimizer: Any = None,
+    loss_fn: Any = None,
+    trainable: Any = None,
+    learning_rate: float | Any | LearningRate | None = None,
+    device: str | None = None,
+    budget: int | float | str | None = None,
+    plan: Plan | None = None,
+    target: Target | None = None,
+    search: Search | None = None,
+    training: Training | None = None,
+    log: TextIO | str | None = "stderr",
+) -> TrainStep | KerasTrainStep:
+    """The step ``autoaccum.fit`` would run, for your own loop: call it with one effective
+    batch, it trains one optimizer step and updates ``model`` in place.
+
+    The same program as ``fit``: one jitted, state-donating XLA step that runs the plan's
+    micro-batches (the last one may be smaller), sums losses and valid counts over the whole
+    batch, divides once and applies the optimizer once, at the learning rate scaled by
+    its rule, with the plan's rematerialization. Evaluate, log and checkpoint between
+    calls as you like: the model holds the trained weights after every step, and
+    ``step.opt_state`` the optimizer state (Keras: the model's own optimizer and metrics
+    hold theirs, in place).
+
+    Args:
+      model: a Flax NNX module, or a compiled Keras model (JAX backend), which trains with
+        its own loss, metrics and optimizer, updated in place (``model.optimizer.iterations``
+        counts the steps; ``model.save`` is the checkpoint).
+      data: the training data, or one effective batch of it (its shapes and dtypes are
+        what the step is planned and compiled for); any form :func:`autoaccum.fit` takes.
+        Flax: a stream's first effective batch is read (a one-shot iterator's are then
+        gone, and the log says so). Keras: a one-shot generator is refused, since planning
+        reads from it: pass one of its batches.
+      y, sample_weight: Keras models, as for :func:`autoaccum.fit` (``model.fit(x, y,
+        sample_weight=...)``'s targets and weights of in-memory ``x``).
+      effective_batch: examples per optimizer step (per call).
+      optimizer, loss_fn, trainable, learning_rate, device, budget, target, search: as for
+        :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and ``trainable`` are Flax's: a
+        Keras model uses what it was compiled with).
+      plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
+        batch (checked, not planned again; ``effective_batch`` may then be left out);
+        ``None``: plan now, as :func:`autoaccum.plan`.
+      training: an :class:`autoaccum.Training`; the step reads ``on_nonfinite`` (``"stop"``
+        raises ``NonFiniteError`` and the model keeps the state before the step; ``"skip"``:
+        the step changes nothing, ``StepOutput.applied`` is False), ``backup`` (a host copy
+        of the state before each step, so a failed or interrupted step leaves the model as
+        it was), ``batch_stats`` and ``elastic`` (``True``, the default: an out-of-memory
+        redoes the step at the next smaller micro-batch by itself; ``False``: it is raised,
+        the model and optimizer state are put back as before the step, and
+        ``step.shrink(error)`` gives the re-planned step).
+      log: where planning is logged (``"stderr"``, a stream, or ``None``).
+
+    Returns:
+      Flax: a :class:`~autoaccum.adapters.flax.TrainStep`: ``step(batch) -> StepOutput(loss,
+      count, grad_norm, applied, step)``, with ``step.plan``, ``step.steps``,
+      ``step.opt_state`` and ``step.shrink(error)``. Keras: a
+      :class:`~autoaccum.adapters.keras.KerasTrainStep`: ``step(batch) ->
+      KerasStepOutput(loss, logs, count, grad_norm, applied, step)`` (``logs`` as
+      ``model.train_on_batch(..., return_dict=True)`` gives them), with ``step.plan``,
+      ``step.steps`` and ``step.shrink(error)``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
+      >>> from flax import nnx
+      >>> def loss_fn(m, b):
+      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> data = {"x": np.ones((26, 4), np.float32), "y": np.zeros(26, np.float32)}
+      >>> step = autoaccum.train_step(model, data, effective_batch=13, optimizer=optax.sgd,
+      ...                             learning_rate=0.01, loss_fn=loss_fn, budget="1GiB",
+      ...                             log=None)
+      >>> for start in (0, 13):
+      ...     out = step({k: v[start:start + 13] for k, v in data.items()})
+      >>> out.step, out.count
+      (2, 13.0)
+
+      A compiled Keras model trains with its own loss, metrics and optimizer:
+
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+      >>> net.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+      >>> step = autoaccum.train_step(net, (data["x"], data["y"]), effective_batch=13,
+      ...                             budget="1GiB", log=None)
+      >>> out = step((data["x"][:13], data["y"][:13]))
+      >>> sorted(out.logs), int(net.optimizer.iterations)
+      (['loss', 'mae'], 1)
+    """
+    job = resolve_job("train_step", model, data, y=y, sample_weight=sample_weight,
+                      effective_batch=effective_batch, plan=plan, optimizer=optimizer,
+                      loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,
+                      device=device, budget=budget, target=target, search=search,
+                      training=training, log=log)
+    the_plan, prepared = plan_to_train(job, plan=plan, where="train_step")
+    the_search, the_training, adapter, log = job.search, job.training, job.adapter, job.log
+    if plan is None and log is not None:
+        print(the_plan.report(), file=log, flush=True)
+    return adapter.train_step(
+        model, prepared, the_plan, remat_layers=the_search.remat_layers,
+        uneven=the_search.uneven, on_nonfinite=the_training.on_nonfinite,
+        batch_stats=the_training.batch_stats, backup=the_training.backup,
+        elastic=the_training.elastic, log=log)
