@@ -74,7 +74,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SLOW_DOCTESTS = (
-    "autoaccum/cli/_plot.py",
+    "autoaccum/reporting/_plot.py",
     "autoaccum/adapters/keras/presets/_preset_plans.py",
     "autoaccum/adapters/keras/presets/_preset_plans.py",
     "autoaccum/_front_door.py",

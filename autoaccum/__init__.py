@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from .adapters.flax import TrainStep as TrainStep
     from .adapters.keras.presets import advise_preset as advise_preset
     from .adapters.keras.presets import plan_preset as plan_preset
-    from .cli import plot_plan as plot_plan
     from .devices import configure as configure
     from .devices import is_out_of_memory as is_out_of_memory
     from .planning import LR_RULES as LR_RULES
@@ -49,6 +48,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from .planning import Plan as Plan
     from .planning import Search as Search
     from .planning import Target as Target
+    from .reporting import plot_plan as plot_plan
     from .training import BATCH_STATS_MODES as BATCH_STATS_MODES
     from .training import NONFINITE_POLICIES as NONFINITE_POLICIES
     from .training import Callback as Callback
@@ -66,7 +66,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "plan": "._front_door", "train_step": "._front_door", "__version__": "._version",
     "StepOutput": ".adapters.flax", "TrainStep": ".adapters.flax",
     "advise_preset": ".adapters.keras.presets", "plan_preset": ".adapters.keras.presets",
-    "plot_plan": ".cli._plot", "configure": ".devices._configure",
+    "plot_plan": ".reporting", "configure": ".devices._configure",
     "is_out_of_memory": ".devices._oom",
     **dict.fromkeys(("LR_RULES", "REMAT_POLICIES", "Advice", "DepthVariant", "DoesNotFitError",
                      "LearningRate", "Plan", "Search", "Target"), ".planning"),

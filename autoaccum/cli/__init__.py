@@ -1,4 +1,4 @@
-"""The ``autoaccum`` command (``plan``, ``devices``, ``demo``) and its plots."""
+"""The ``autoaccum`` command (``plan``, ``advise``, ``devices``, ``demo``)."""
 
 # First: started as the `autoaccum` command, keep JAX's and TensorFlow's start-up quiet before
 # anything below imports them (a library import of autoaccum.cli changes nothing).
@@ -9,6 +9,5 @@ quiet_command_line()
 # isort: split
 from ._main import build_parser as build_parser  # noqa: E402
 from ._main import main as main  # noqa: E402
-from ._plot import plot_plan as plot_plan  # noqa: E402
 
-__all__ = ["build_parser", "main", "plot_plan"]
+__all__ = ["build_parser", "main"]

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from ..devices._quiet import quiet_command_line
 from ..planning._search import ADVISE_HINT
+from ..reporting._plan_report import print_table
 from ._builder import (
     CliError,
     import_error_message,
@@ -28,7 +29,6 @@ from ._builder import (
     spec_kwargs,
     with_flag_spellings,
 )
-from ._tables import print_table
 
 
 def without_tensorflow() -> None:
@@ -164,7 +164,7 @@ def _compute_plan(args: argparse.Namespace) -> Any:
 def _plot(result: Any, path: str) -> str | None:
     """Writes the plot; returns an error line instead of raising (the plan is already out)."""
     try:
-        from ._plot import plot_plan
+        from ..reporting._plot import plot_plan
 
         plot_plan(result, path)
     except ImportError as error:

@@ -35,7 +35,10 @@ from ._micro_batches import UnevenBatches as UnevenBatches
 from ._micro_batches import micro_batch_sizes as micro_batch_sizes
 from ._micro_batches import micro_steps as micro_steps
 from ._micro_batches import split_sizes as split_sizes
+from ._plan import SCHEMA_VERSION as SCHEMA_VERSION
+from ._plan import Limit as Limit
 from ._plan import Plan as Plan
+from ._plan import limiting_factor as limiting_factor
 from ._plan_model import plan_program as plan_program
 from ._plan_options import METHODS as METHODS
 from ._plan_options import REMAT_POLICIES as REMAT_POLICIES
@@ -44,9 +47,6 @@ from ._plan_options import LearningRate as LearningRate
 from ._plan_options import Search as Search
 from ._plan_options import Target as Target
 from ._plan_options import choose_fastest as choose_fastest
-from ._report import SCHEMA_VERSION as SCHEMA_VERSION
-from ._report import Limit as Limit
-from ._report import limiting_factor as limiting_factor
 from ._search import DoesNotFitError as DoesNotFitError
 from ._search import Probe as Probe
 from ._search import SearchResult as SearchResult

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TextIO
 
 from ..devices._profiles import format_bytes
-from ._advise_view import Alternative, describe_change, render_html
 from ._budget import Resident
+from ._micro_batches import split_text
 from ._plan import Plan
 from ._plan_options import first_line
 from ._search import DoesNotFitError
@@ -31,6 +31,71 @@ from ._search import DoesNotFitError
 __all__ = ["Advice", "Alternative", "Stage", "bisect_stage", "describe_change",
            "first_fit_stage", "larger_devices", "more_chips", "more_devices",
            "most_sharded_first", "run_advisor", "step_flops"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """One change that fits, verified by planning with it.
+
+    Example:
+      >>> a = Alternative({"lora_rank": 8}, 1, 8, 900, 1000, 2.0e12, 1.0, "compiled")
+      >>> a.describe(), a.split
+      ('lora_rank=8', '1 x 8')
+    """
+
+    change: dict[str, Any]
+    micro_batch: int
+    accum_steps: int
+    need_bytes: int
+    budget_bytes: int
+    flops: float
+    relative_flops: float
+    source: str
+    """How the chosen step's need was found: ``"compiled"``, ``"cache"`` or
+    ``"extrapolated"`` (depth extrapolation)."""
+    plan: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The plan made with the change applied."""
+    last_micro_batch: int | None = None
+    """The last micro-batch's size where it is smaller (an uneven split), else ``None``."""
+
+    @property
+    def split(self) -> str:
+        """The per-device split as a plan writes it: ``"4 x 3"``, ``"25 + 25 + 14"``.
+
+        Example:
+          >>> Alternative({}, 25, 3, 0, 0, 0.0, 1.0, "compiled", last_micro_batch=14).split
+          '25 + 25 + 14'
+        """
+        return split_text(self.micro_batch, self.accum_steps, self.last_micro_batch)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The floor of the row's step, from shapes (0: not known; see
+        ``autoaccum.planning._measure``)."""
+        return int(self.plan.floor_bytes) if self.plan is not None else 0
+
+    def describe(self) -> str:
+        """The change as ``key=value`` pairs."""
+        return describe_change(self.change)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": dict(self.change), "micro_batch": self.micro_batch,
+                "accum_steps": self.accum_steps, "last_micro_batch": self.last_micro_batch,
+                "need_bytes": self.need_bytes,
+                "floor_bytes": self.floor_bytes, "budget_bytes": self.budget_bytes,
+                "relative_flops": (None if self.relative_flops != self.relative_flops
+                                   else self.relative_flops),  # NaN (no count): null
+                "flops": self.flops, "source": self.source}
+
+
+def describe_change(change: dict[str, Any]) -> str:
+    """``{"lora_rank": 8, "quantize": "int8"}`` -> ``'lora_rank=8, quantize=int8'``.
+
+    Example:
+      >>> describe_change({"optimizer": "adamw", "mu_dtype": "bfloat16"})
+      'optimizer=adamw, mu_dtype=bfloat16'
+    """
+    return ", ".join(f"{k}={v}" for k, v in change.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +171,8 @@ class Advice:
                 "advise_seconds": self.seconds}
 
     def _repr_html_(self) -> str:
+        from ..reporting._advice_report import render_html
+
         return render_html(self.fits, self.resident, self.budget_bytes, self.alternatives,
                      title=f"autoaccum advice ({html.escape(self.target)})")
 

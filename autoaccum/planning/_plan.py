@@ -1,12 +1,19 @@
-"""A plan: micro-batch x data-parallel devices x accumulation steps = effective batch."""
+"""A plan: micro-batch x data-parallel devices x accumulation steps = effective batch.
+
+What it is, why its micro-batch is what it is (:func:`limiting_factor`) and its JSON form
+(:func:`plan_dict`, :data:`SCHEMA_VERSION`); how it shows itself as text and HTML is
+:mod:`autoaccum.reporting`'s.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
-from ..devices._profiles import format_bytes
+from ..devices._profiles import format_bytes, format_bytes_pair
 from ._budget import Budget
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileCount, MemoryEstimate
@@ -204,23 +211,21 @@ class Plan:
     def report(self, *, rich: bool = True) -> str:
         """A readable report: the split and what limited it, the learning rate, the memory and a
         table of probes (drawn by rich when installed; ``rich=False`` for plain columns)."""
-        from ._report import plan_report
+        from ..reporting._plan_report import plan_report
 
         return plan_report(self, rich=rich)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary with stable snake_case keys and a ``schema_version``."""
-        from ._report import plan_dict
-
         return plan_dict(self)
 
     def __repr__(self) -> str:
-        from ._report import plan_repr
+        from ..reporting._plan_report import plan_repr
 
         return plan_repr(self)
 
     def _repr_html_(self) -> str:
-        from ._report import plan_html
+        from ..reporting._plan_report import plan_html
 
         return plan_html(self)
 
@@ -393,3 +398,147 @@ def search_plan(
         target=target,
         notes=notes,
     )
+
+
+SCHEMA_VERSION = 1
+"""Version of :func:`plan_dict`'s layout; raised when a key changes meaning or disappears."""
+
+
+class Limit(NamedTuple):
+    """What capped the micro-batch: ``kind`` and a sentence saying so."""
+
+    kind: str
+    """``"memory"``, ``"effective_batch"``, ``"divisibility"`` or ``"throughput"``."""
+    detail: str
+
+
+def snake_case(name: str) -> str:
+    """A stable JSON key for a report label.
+
+    Example:
+      >>> snake_case("total (need)"), snake_case("activations and temp")
+      ('total_need', 'activations_and_temp')
+    """
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def _per_device(plan: Plan) -> int:
+    return plan.effective_batch // max(plan.data_parallel, 1)
+
+
+def limiting_factor(plan: Plan) -> Limit:
+    """Why the plan's micro-batch is not larger: memory, the effective batch itself,
+    divisibility of the per-device batch, or the throughput objective."""
+    per_device = _per_device(plan)
+    if plan.objective == "throughput" and plan.candidates:
+        return Limit("throughput", f"throughput: the fastest of {len(plan.candidates)} fitting "
+                     "candidates (not necessarily the largest micro-batch)")
+    if plan.micro_batch >= per_device:
+        return Limit("effective_batch", f"effective batch: micro_batch {plan.micro_batch} is the "
+                     f"whole per-device batch of {per_device}, so no accumulation is needed")
+    if plan.max_micro_batch > plan.micro_batch:
+        return Limit("divisibility", f"divisibility: micro_batch {plan.max_micro_batch} fits but "
+                     f"does not divide {per_device}; {plan.micro_batch} is the largest divisor "
+                     "below it")
+    over = [p for p in plan.probes if not p.fits and p.micro_batch > plan.micro_batch
+            and p.remat == plan.remat]
+    if over:
+        first = min(over, key=lambda p: p.micro_batch)
+        if first.need_bytes > plan.budget_bytes:
+            need, budget = format_bytes_pair(first.need_bytes, plan.budget_bytes)
+            return Limit("memory", f"memory: micro_batch {first.micro_batch} needs "
+                         f"{need}, over the {budget} budget")
+        return Limit("memory", f"memory: micro_batch {first.micro_batch} did not fit "
+                     f"({first.why or first.error or 'out of memory'})")
+    return Limit("memory", f"memory: the next divisor of {per_device} above "
+                 f"{plan.micro_batch} does not fit the {format_bytes(plan.budget_bytes)} budget")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: numbers, strings, booleans and None as they are, anything else as text."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def _memory(estimate: Any) -> dict[str, int]:
+    return {snake_case(k): v for k, v in estimate.items().items()}
+
+
+_HANDLED = {
+    "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
+    "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
+    "objective", "candidates", "profile", "deviceless", "strategy", "mesh_axes", "compiles",
+}  # examples, drop_remainder: the loop below; leftover_examples is added by hand
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """A JSON-ready dict with stable snake_case keys (see :data:`SCHEMA_VERSION`).
+
+    Learning rates that are schedules become strings; memory figures are bytes. Fields added
+    to :class:`Plan` later appear under their own name when their value is JSON-ready.
+    """
+    limit = limiting_factor(plan)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "device": plan.target,
+        "profile": plan.profile,
+        "deviceless": plan.deviceless,
+        "budget_bytes": plan.budget_bytes,
+        "budget_source": plan.budget.source,
+        "budget_detail": plan.budget.detail,
+        "micro_batch": plan.micro_batch,
+        "accum_steps": plan.accum_steps,
+        "data_parallel": plan.data_parallel,
+        "devices": plan.devices,
+        "mesh_shape": list(plan.mesh_shape),
+        "mesh_axes": [name for name, _ in plan.mesh_axes] or None,
+        "strategy": plan.strategy,
+        "partitioner": plan.partitioner,
+        "effective_batch": plan.effective_batch,
+        "max_micro_batch": plan.max_micro_batch,
+        "limited_by": limit.kind,
+        "limited_by_detail": limit.detail,
+        "lr_rule": plan.lr_rule,
+        "base_batch": plan.lr_scaling.base_batch,
+        "base_learning_rate": _plain(plan.base_learning_rate),
+        "learning_rate": _plain(plan.learning_rate),
+        "lr_factor": plan.lr_factor,
+        "lr_arithmetic": plan.lr_scaling.arithmetic(),
+        "need_bytes": plan.need_bytes,
+        "floor_bytes": plan.floor_bytes,
+        "memory": _memory(plan.estimate),
+        "remat": plan.remat,
+        "objective": plan.objective,
+        "candidates": [
+            {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
+             "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
+             "source": c.source}
+            for c in plan.candidates
+        ],
+        "probes": [
+            {"remat": p.remat, "strategy": p.strategy, "partitioner": p.partitioner,
+             "micro_batch": p.micro_batch,
+             "accum_steps": p.accum_steps,
+             "last_micro_batch": p.last_micro_batch,
+             "need_bytes": p.need_bytes,
+             "floor_bytes": p.estimate.floor_bytes,
+             "fits": p.fits, "why": p.why, "kind": p.kind,
+             "error": p.error, "compile_seconds": p.estimate.compile_seconds,
+             "memory": _memory(p.estimate)}
+            for p in plan.probes
+        ],
+        "notes": list(plan.notes),
+        "plan_seconds": plan.plan_seconds,
+        "compiles": plan.compiles.to_dict() if plan.compiles is not None else None,
+        "leftover_examples": plan.leftover_examples,
+    }
+    for f in dataclasses.fields(plan):
+        if f.name in _HANDLED or f.name in out:
+            continue
+        value = getattr(plan, f.name)
+        if isinstance(value, tuple | list):
+            out[snake_case(f.name)] = [_plain(v) for v in value]
+        else:
+            out[snake_case(f.name)] = _plain(value)
+    return out

@@ -134,13 +134,23 @@ class DoesNotFitError(ValueError):
                           alternatives=advice.alternatives)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"fits": false, "error": ..., "resident": {...}, "alternatives": [...]}``."""
-        from ._advise_view import error_dict
+        """``{"fits": false, "error": ..., "resident": {...}, "alternatives": [...]}``.
 
-        return error_dict(self)
+        Example:
+          >>> DoesNotFitError("no", budget_bytes=10).to_dict()["fits"]
+          False
+        """
+        resident = self.resident
+        return {"fits": False, "error": str(self), "budget_bytes": self.budget_bytes,
+                "resident": resident.to_dict() if resident is not None else None,
+                "smallest_profile": self.smallest_profile,
+                "alternatives": [a.to_dict() for a in self.alternatives],
+                "probes": [{"micro_batch": p.micro_batch, "accum_steps": p.accum_steps,
+                            "need_bytes": p.need_bytes, "fits": p.fits, "why": p.why}
+                           for p in self.probes]}
 
     def _repr_html_(self) -> str:
-        from ._advise_view import error_html
+        from ..reporting._advice_report import error_html
 
         return error_html(self)
 

@@ -101,7 +101,7 @@ def test_a_plugin_at_another_version_than_jax_is_not_used(monkeypatch):
 
 
 def test_plot_plan_without_matplotlib_says_what_to_install(monkeypatch):
-    from autoaccum.cli import plot_plan
+    from autoaccum.reporting import plot_plan
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'autoaccum\[plot\]'"):

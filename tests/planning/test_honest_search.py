@@ -10,8 +10,8 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.planning._measure import MemoryEstimate
-from autoaccum.planning._report import verdict
 from autoaccum.planning._search import search_micro_batch
+from autoaccum.reporting._plan_report import verdict
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 

@@ -1,85 +1,21 @@
-"""How a :class:`~autoaccum.planning.Plan` shows itself: a short repr, a text report (a rich table
-with a plain fallback), an HTML table for notebooks, a JSON-ready dict, and why the micro-batch
-is what it is."""
+"""How a :class:`~autoaccum.planning.Plan` shows itself: a short repr, a text report (a rich
+table with a plain fallback), an HTML table for notebooks; and the command line's tables.
+
+Its JSON form and why the micro-batch is what it is (:func:`~autoaccum.planning.limiting_factor`)
+are the plan's own (:mod:`autoaccum.planning`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import io
-import re
-from typing import Any, NamedTuple
+import sys
+from collections.abc import Sequence
+from typing import TextIO
 
 from ..devices._profiles import format_bytes, format_bytes_pair
-from ._search import Probe
-
-Plan = Any  # a ``autoaccum.planning.Plan`` (not imported: ``_plan`` imports this module)
-
-__all__ = [
-    "SCHEMA_VERSION",
-    "Limit",
-    "floor_text",
-    "limiting_factor",
-    "plan_dict",
-    "plan_html",
-    "plan_repr",
-    "plan_report",
-    "snake_case",
-    "verdict",
-]
-
-SCHEMA_VERSION = 1
-"""Version of :func:`plan_dict`'s layout; raised when a key changes meaning or disappears."""
-
-
-class Limit(NamedTuple):
-    """What capped the micro-batch: ``kind`` and a sentence saying so."""
-
-    kind: str
-    """``"memory"``, ``"effective_batch"``, ``"divisibility"`` or ``"throughput"``."""
-    detail: str
-
-
-def snake_case(name: str) -> str:
-    """A stable JSON key for a report label.
-
-    Example:
-      >>> snake_case("total (need)"), snake_case("activations and temp")
-      ('total_need', 'activations_and_temp')
-    """
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-
-def _per_device(plan: Plan) -> int:
-    return plan.effective_batch // max(plan.data_parallel, 1)
-
-
-def limiting_factor(plan: Plan) -> Limit:
-    """Why the plan's micro-batch is not larger: memory, the effective batch itself,
-    divisibility of the per-device batch, or the throughput objective."""
-    per_device = _per_device(plan)
-    if plan.objective == "throughput" and plan.candidates:
-        return Limit("throughput", f"throughput: the fastest of {len(plan.candidates)} fitting "
-                     "candidates (not necessarily the largest micro-batch)")
-    if plan.micro_batch >= per_device:
-        return Limit("effective_batch", f"effective batch: micro_batch {plan.micro_batch} is the "
-                     f"whole per-device batch of {per_device}, so no accumulation is needed")
-    if plan.max_micro_batch > plan.micro_batch:
-        return Limit("divisibility", f"divisibility: micro_batch {plan.max_micro_batch} fits but "
-                     f"does not divide {per_device}; {plan.micro_batch} is the largest divisor "
-                     "below it")
-    over = [p for p in plan.probes if not p.fits and p.micro_batch > plan.micro_batch
-            and p.remat == plan.remat]
-    if over:
-        first = min(over, key=lambda p: p.micro_batch)
-        if first.need_bytes > plan.budget_bytes:
-            need, budget = format_bytes_pair(first.need_bytes, plan.budget_bytes)
-            return Limit("memory", f"memory: micro_batch {first.micro_batch} needs "
-                         f"{need}, over the {budget} budget")
-        return Limit("memory", f"memory: micro_batch {first.micro_batch} did not fit "
-                     f"({first.why or first.error or 'out of memory'})")
-    return Limit("memory", f"memory: the next divisor of {per_device} above "
-                 f"{plan.micro_batch} does not fit the {format_bytes(plan.budget_bytes)} budget")
+from ..planning._plan import Plan, limiting_factor
+from ..planning._search import Probe
 
 
 def plan_repr(plan: Plan) -> str:
@@ -310,91 +246,49 @@ def plan_html(plan: Plan) -> str:
     return "".join(parts) + "</div>"
 
 
-def _plain(value: Any) -> Any:
-    """A JSON value: numbers, strings, booleans and None as they are, anything else as text."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
 
 
-def _memory(estimate: Any) -> dict[str, int]:
-    return {snake_case(k): v for k, v in estimate.items().items()}
+def _plain_text(head: Sequence[str], rows: Sequence[Sequence[str]], title: str | None) -> str:
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    lines = [title] if title else []
+    for r in [head, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines)
 
 
-_HANDLED = {
-    "micro_batch", "accum_steps", "data_parallel", "effective_batch", "max_micro_batch",
-    "lr_scaling", "budget", "estimate", "probes", "target", "plan_seconds", "notes", "remat",
-    "objective", "candidates", "profile", "deviceless", "strategy", "mesh_axes", "compiles",
-}  # examples, drop_remainder: the loop below; leftover_examples is added by hand
+def print_table(head: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None,
+                file: TextIO | None = None, rich: bool = True) -> None:
+    """Prints ``rows`` under ``head``; rich draws it (colours only on a terminal).
 
-
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """A JSON-ready dict with stable snake_case keys (see :data:`SCHEMA_VERSION`).
-
-    Learning rates that are schedules become strings; memory figures are bytes. Fields added
-    to :class:`Plan` later appear under their own name when their value is JSON-ready.
+    Example:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> print_table(["profile", "memory"], [["t4", "15.0 GiB"]], file=out, rich=False)
+      >>> print(out.getvalue().strip())
+      profile  memory
+      t4       15.0 GiB
     """
-    limit = limiting_factor(plan)
-    out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "device": plan.target,
-        "profile": plan.profile,
-        "deviceless": plan.deviceless,
-        "budget_bytes": plan.budget_bytes,
-        "budget_source": plan.budget.source,
-        "budget_detail": plan.budget.detail,
-        "micro_batch": plan.micro_batch,
-        "accum_steps": plan.accum_steps,
-        "data_parallel": plan.data_parallel,
-        "devices": plan.devices,
-        "mesh_shape": list(plan.mesh_shape),
-        "mesh_axes": [name for name, _ in plan.mesh_axes] or None,
-        "strategy": plan.strategy,
-        "partitioner": plan.partitioner,
-        "effective_batch": plan.effective_batch,
-        "max_micro_batch": plan.max_micro_batch,
-        "limited_by": limit.kind,
-        "limited_by_detail": limit.detail,
-        "lr_rule": plan.lr_rule,
-        "base_batch": plan.lr_scaling.base_batch,
-        "base_learning_rate": _plain(plan.base_learning_rate),
-        "learning_rate": _plain(plan.learning_rate),
-        "lr_factor": plan.lr_factor,
-        "lr_arithmetic": plan.lr_scaling.arithmetic(),
-        "need_bytes": plan.need_bytes,
-        "floor_bytes": plan.floor_bytes,
-        "memory": _memory(plan.estimate),
-        "remat": plan.remat,
-        "objective": plan.objective,
-        "candidates": [
-            {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
-             "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
-             "source": c.source}
-            for c in plan.candidates
-        ],
-        "probes": [
-            {"remat": p.remat, "strategy": p.strategy, "partitioner": p.partitioner,
-             "micro_batch": p.micro_batch,
-             "accum_steps": p.accum_steps,
-             "last_micro_batch": p.last_micro_batch,
-             "need_bytes": p.need_bytes,
-             "floor_bytes": p.estimate.floor_bytes,
-             "fits": p.fits, "why": p.why, "kind": p.kind,
-             "error": p.error, "compile_seconds": p.estimate.compile_seconds,
-             "memory": _memory(p.estimate)}
-            for p in plan.probes
-        ],
-        "notes": list(plan.notes),
-        "plan_seconds": plan.plan_seconds,
-        "compiles": plan.compiles.to_dict() if plan.compiles is not None else None,
-        "leftover_examples": plan.leftover_examples,
-    }
-    for f in dataclasses.fields(plan):
-        if f.name in _HANDLED or f.name in out:
-            continue
-        value = getattr(plan, f.name)
-        if isinstance(value, tuple | list):
-            out[snake_case(f.name)] = [_plain(v) for v in value]
-        else:
-            out[snake_case(f.name)] = _plain(value)
-    return out
+    file = sys.stdout if file is None else file
+    if rich:
+        try:
+            from rich import box
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            rich = False
+    if not rich:
+        print(_plain_text(head, rows, title), file=file)
+        return
+    table = Table(*head, title=title, box=box.SIMPLE_HEAD, title_justify="left",
+                  show_edge=False, pad_edge=False)
+    for row in rows:
+        table.add_row(*(str(c) for c in row))
+    Console(file=file, highlight=False, soft_wrap=False,
+            width=max(100, _terminal_width(file))).print(table)
+
+
+def _terminal_width(file: TextIO) -> int:
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns if getattr(file, "isatty", None) \
+        and file.isatty() else 160
