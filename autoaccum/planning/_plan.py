@@ -360,6 +360,7 @@ def search_plan(
     accumulating_floor: int = 0,
     agree: bool = True,
     devices: int | None = None,
+    largest_first: bool = False,
 ) -> Plan:
     """Runs the compile-only search and returns the plan.
 
@@ -374,7 +375,9 @@ def search_plan(
     that fits on all of them (:func:`agree_across_processes`), so they run the same program
     (``agree=False``: not, for a trial whose result is agreed on later). ``devices``: every
     device the step runs on, where a layout kept as it is splits each micro-batch over a
-    group of them (for the report).
+    group of them (for the report). ``largest_first``: candidates from the largest down (a
+    TPU, whose compiler refuses a step over the budget early; see
+    :func:`~autoaccum.planning.search_micro_batch`).
     """
     search = search_micro_batch(
         measure,
@@ -383,6 +386,7 @@ def search_plan(
         log=log,
         measure_uneven=measure_uneven,
         accumulating_floor=accumulating_floor,
+        largest_first=largest_first,
     )
     if agree and (data_parallel > 1 or _process_count() > 1):
         search, agreement = agree_across_processes(search, measure,

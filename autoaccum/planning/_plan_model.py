@@ -201,6 +201,9 @@ def plan_program(
             agree=agree,
             devices=(program.device_mesh.size if isinstance(program, TrainProgram)
                      and program.device_mesh is not None else None),
+            # libtpu refuses a step over the budget at its early HBM check and finishes only
+            # one that fits: from the largest candidate down, one finished compile at best.
+            largest_first=resolved.compile_target.platform == "tpu",
         )
     return _marked(_finish(plan, resolved), chosen)
 

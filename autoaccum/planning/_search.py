@@ -220,6 +220,7 @@ def search_micro_batch(
     advice: str = "",
     measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
     accumulating_floor: int = 0,
+    largest_first: bool = False,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
     compiling only steps whose answer could change the plan.
@@ -251,6 +252,13 @@ def search_micro_batch(
     smaller micro-batch failed by more than its loop costs, or micro-batch 1 failed by more
     than its accumulator and :data:`LOOP_ALLOWANCE`), and chosen whenever it fits.
 
+    ``largest_first``: the candidates are compiled from the largest down and the first that
+    fits is the answer, skipping any the line through the probes made so far puts clearly
+    over the budget. For a compiler that refuses a step over the budget early and only
+    finishes one that fits (libtpu's HBM check: a "no" costs seconds to a minute, a "yes" a
+    whole code generation), so a plan makes one finished compile where the largest candidate
+    fits, and rarely more than two.
+
     ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps.
     A probe marked as fitting never needs more than the budget.
 
@@ -275,6 +283,10 @@ def search_micro_batch(
       ...                        measure_uneven=uneven)
       >>> r.micro_batch, r.accum_steps(13), r.last_micro_batch
       (5, 3, 3)
+      >>> r = search_micro_batch(fake, per_device_batch=8, budget_bytes=175, log=None,
+      ...                        largest_first=True)
+      >>> r.micro_batch, [p.micro_batch for p in r.probes]
+      (4, [8, 4])
     """
     log = sys.stderr if log == "stderr" else log
     start = time.perf_counter()
@@ -384,6 +396,19 @@ def search_micro_batch(
     skipped: set[int] = set()
     """Candidates the line put clearly over the budget: not compiled."""
 
+    if largest_first:
+        for c in reversed(candidates):
+            if clearly_over(c, line()):
+                skipped.add(c)
+                continue
+            if measure_at(c, "largest first").fits:
+                break
+        if not any(p.fits for p in probes.values()) and 1 not in probes:
+            measure_at(1, "smallest")
+        lo = max((b for b, p in probes.items() if p.fits), default=0)
+        return _result(lo, probes, order, line(), start, limit, budget_bytes, advice,
+                       measure_uneven is None)
+
     # Two fit points on the line: the smallest candidate >= 2, then one at least twice it.
     first = next((c for c in candidates if c >= 2), None)
     if first is not None and first < limit and measure_at(first, "fit point").fits:
@@ -430,6 +455,15 @@ def search_micro_batch(
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = (limit if limit in probes and probes[limit].fits
           else max((b for b, p in probes.items() if p.fits), default=0))
+    return _result(lo, probes, order, line(), start, limit, budget_bytes, advice,
+                   measure_uneven is None)
+
+
+def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
+            affine: tuple[float, float] | None, start: float, limit: int, budget_bytes: int,
+            advice: str, divisors_only: bool) -> SearchResult:
+    """The search's answer: micro-batch ``lo`` (its own compile fitted), or, with none
+    (``lo == 0``), the error naming micro-batch 1's need and what would help."""
     if lo == 0:
         need = probes[1].need_bytes
         need_text, budget_text = format_bytes_pair(need, budget_bytes)
@@ -442,17 +476,17 @@ def search_micro_batch(
             probes=tuple(order), budget_bytes=budget_bytes,
         )
     chosen = probes[lo]
-    if measure_uneven is None and limit % lo:  # (only divisors are candidates: not reached)
+    if divisors_only and limit % lo:  # (only divisors are candidates: not reached)
         raise AssertionError(f"micro_batch {lo} is not a divisor of {limit}")
     return SearchResult(
         micro_batch=lo,
         max_micro_batch=lo,
         estimate=chosen.estimate,
         probes=tuple(order),
-        affine=line(),
+        affine=affine,
         seconds=time.perf_counter() - start,
         last_micro_batch=chosen.last_micro_batch,
-        divisors_only=measure_uneven is None,
+        divisors_only=divisors_only,
     )
 
 

@@ -114,15 +114,27 @@ def test_an_effective_batch_over_the_hbm_is_planned_around_with_accumulation():
     plan = autoaccum.plan(Wide(nnx.Rngs(0)), data, effective_batch=512, device="v5e-1",
                           optimizer=optax.adam(1e-3), loss_fn=_wide_loss, log=None,
                           search=autoaccum.Search(cache=False))
-    # A micro-batch over the chip is refused by the compiler where it is compiled at all (the
-    # line through the fitting probes puts the whole batch far over: never compiled).
-    refused = [p.estimate for p in plan.probes
-               if "refused by the TPU compiler" in p.estimate.compile_note]
+    # From the largest candidate down: each one over the chip is refused by the compiler at
+    # its early HBM check (seconds); the first that compiles in full is the answer, so the
+    # plan finishes one compile (two where the first finished one is just over the budget).
+    refused = [p for p in plan.probes if "refused by the TPU compiler" in p.estimate.compile_note]
+    finished = [p for p in plan.probes if p not in refused]
     assert all(p.need_bytes > plan.budget_bytes for p in refused)
+    assert all(p.micro_batch > plan.micro_batch for p in refused)
+    assert 1 <= len(finished) <= 2 and finished[-1].micro_batch == plan.micro_batch
+    assert [p.micro_batch for p in plan.probes] == sorted(
+        (p.micro_batch for p in plan.probes), reverse=True)
     assert plan.accum_steps > 1 and plan.micro_batch * plan.accum_steps == 512
     assert plan.need_bytes <= plan.budget_bytes
-    assert not any(p.micro_batch <= plan.micro_batch for p in refused)
     assert plan.compiles.full == len(plan.probes)
+
+
+@pytest.mark.slow  # a TPU compile: about 10 s
+def test_a_tpu_plan_where_the_whole_batch_fits_finishes_one_compile():
+    plan = _plan("v5e-1")
+    assert [p.micro_batch for p in plan.probes] == [16]  # the largest candidate first
+    assert (plan.micro_batch, plan.accum_steps) == (16, 1)
+    assert plan.compiles.full == 1 and plan.compiles.reduced == 0
 
 
 def test_a_slice_asked_for_another_chip_count_is_refused_naming_the_slices():
