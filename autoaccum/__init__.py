@@ -15,7 +15,7 @@ Example:
   >>> import autoaccum
   >>> {"fit", "plan", "train_step", "Plan", "DoesNotFitError"} <= set(autoaccum.__all__)
   True
-  >>> autoaccum.planning.search_micro_batch.__module__
+  >>> autoaccum.internal.search_micro_batch.__module__
   'autoaccum.planning._search'
 """
 

@@ -17,7 +17,7 @@ fraction, XLA flags, malloc settings) before this process starts. Jobs:
 * ``throughput``: examples/s of autoaccum's step, the native big batch and optax.MultiSteps.
 
 On a CPU a real out-of-memory comes from an address-space cap (``RLIMIT_AS``,
-``autoaccum.devices.AddressSpaceCap``); on a GPU from the GPU.
+``autoaccum.internal.AddressSpaceCap``); on a GPU from the GPU.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Squeeze:
             yield self
             self.ballast.clear()
             return
-        from autoaccum.devices import AddressSpaceCap
+        from autoaccum.internal import AddressSpaceCap
 
         self.cap = AddressSpaceCap(headroom_bytes=1 << 40)
         with self.cap:

@@ -205,8 +205,9 @@ def part_parallel(args: argparse.Namespace) -> None:
 
 def part_accuracy(args: argparse.Namespace) -> None:
     """Extrapolated (depths 2, 3) vs full-depth compile, two micro-batches per architecture."""
-    from autoaccum.adapters.keras.presets import list_architectures, load_architecture
+    from autoaccum.adapters.keras.presets import list_architectures
     from autoaccum.adapters.keras.presets._preset_plans import _preset_program
+    from autoaccum.internal import load_architecture
     from autoaccum.planning._depth import DepthExtrapolator, DepthVariants
     from autoaccum.planning._targets import resolve_target
 

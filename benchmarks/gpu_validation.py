@@ -89,8 +89,9 @@ def nvidia_smi() -> tuple[str, int] | None:
 
 def detect_gpu(profile_name: str | None) -> dict | None:
     """This machine's GPU (NVML, else nvidia-smi), its profile and JAX's share of it."""
-    from autoaccum.devices import detect_device, environment_memory_fraction, find_profile
+    from autoaccum.devices import detect_device, find_profile
     from autoaccum.devices._detect import match_profile
+    from autoaccum.internal import environment_memory_fraction
 
     if BASE_ENV.get("JAX_PLATFORMS", "").strip() == "cpu":
         return None  # the CPU path, asked for

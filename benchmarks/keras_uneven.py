@@ -36,7 +36,7 @@ from autoaccum.adapters import adapter_for
 from autoaccum.adapters.keras._keras_fit import KerasState, keras_runner
 from autoaccum.adapters.keras._keras_program import find_layout, keras_state
 from autoaccum.devices._profiles import format_bytes
-from autoaccum.planning import split_sizes
+from autoaccum.internal import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._plan_options import ProgramOptions

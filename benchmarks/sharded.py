@@ -30,7 +30,7 @@ zero1 8.78, zero2 8.61, fsdp 3.64; frozen base per device 8.02 MiB under the fir
 2.02 MiB under fsdp (split over the 4 devices, gathered where used).
 
 ``--floor``: need / floor per device (see ``autoaccum.planning._measure``) by strategy x model
-shape x split, for both partitioners of a strategy's step (``autoaccum.planning.PARTITIONERS``):
+shape x split, for both partitioners of a strategy's step (``autoaccum.internal.PARTITIONERS``):
 autoaccum's (``shard_map`` data parallelism, the at-use replay under fsdp) and XLA's own
 (``program.on_mesh(mesh, strategy, partitioner="xla")``: the one-device step under ``jax.jit``
 with the strategy's shardings, the accumulator constrained to its layout, GSPMD doing the
@@ -290,7 +290,7 @@ def child() -> dict:
     import autoaccum
     from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.devices._mesh import data_parallel_mesh
-    from autoaccum.planning import STRATEGIES
+    from autoaccum.internal import STRATEGIES
     from autoaccum.planning._measure import compile_count, measure_program
     from autoaccum_demo._tiny_lm import TinyTransformerLM, next_token_loss
 
@@ -359,7 +359,7 @@ def lora_rows(mesh) -> dict:
     from flax import nnx
 
     from autoaccum.adapters.flax._nnx_program import flax_program
-    from autoaccum.planning import STRATEGIES
+    from autoaccum.internal import STRATEGIES
     from autoaccum.planning._measure import measure_program
 
     width = LoRAStack.WIDTH
@@ -455,7 +455,7 @@ def floor_child(device: str | None = None, big: bool = False) -> dict:
 
     from autoaccum.adapters.flax._nnx_program import flax_program
     from autoaccum.devices._mesh import data_parallel_mesh
-    from autoaccum.planning import STRATEGIES
+    from autoaccum.internal import STRATEGIES
     from autoaccum.planning._measure import measure_program
     from autoaccum.planning._strategies import XLA_PARTITIONER_SLACK
 

@@ -26,7 +26,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning import measure_program, resolve_target
+from autoaccum.internal import measure_program, resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._models: the tiny LM
 from tests._models import TinyLM, ragged_tokens, token_loss

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from autoaccum.adapters.flax._nnx_program import flax_program, make_flax_step, split_model
 from autoaccum.devices._mesh import data_parallel_mesh, place, replicate, shard_batches
-from autoaccum.planning import STRATEGIES
+from autoaccum.internal import STRATEGIES
 from autoaccum.planning._measure import measure_program
 from autoaccum.training._epoch_batches import split_micro_batches
 from tests._models import TinyLM, ragged_tokens, token_loss

@@ -212,7 +212,7 @@ def _reference() -> str:
 @pytest.mark.parametrize("package", [
     "autoaccum", "autoaccum.planning", "autoaccum.training", "autoaccum.devices",
     "autoaccum.adapters.flax", "autoaccum.adapters.keras", "autoaccum.adapters.keras.presets",
-    "autoaccum.cli"])
+    "autoaccum.reporting", "autoaccum.cli", "autoaccum.internal"])
 def test_the_api_reference_documents_every_public_name(package):
     documented = set(re.findall(r"^::: ([\w.]+)$", _reference(), re.M))
     missing = [name for name in importlib.import_module(package).__all__

@@ -32,7 +32,7 @@ def test_the_engine_is_served_by_subpackages_with_their_own_all():
         for name in package.__all__:
             assert hasattr(package, name), (package.__name__, name)
     assert not hasattr(autoaccum, "search_micro_batch")  # engine names are not at the top
-    assert autoaccum.planning.search_micro_batch is not None
+    assert autoaccum.internal.search_micro_batch is not None
 
 
 def test_importing_autoaccum_changes_nothing_in_the_process():

@@ -121,7 +121,8 @@ def _prepare_environment(device: str | None) -> None:
 
 
 def _list_presets() -> int:
-    from ..adapters.keras.presets import list_architectures, load_architecture
+    from ..adapters.keras.presets import list_architectures
+    from ..internal import load_architecture
 
     rows = []
     for name in list_architectures():
@@ -208,7 +209,8 @@ def _gib(n: int) -> str:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from ..devices import detect_device, host_memory
+    from ..devices import detect_device
+    from ..devices._detect import host_memory
     from ..devices._extras import cuda_plugin, missing_from_extra
     from ..devices._profiles import all_profiles
 

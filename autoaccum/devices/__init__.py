@@ -15,19 +15,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from ._configure import configure as configure
     from ._detect import DetectedDevice as DetectedDevice
     from ._detect import detect_device as detect_device
-    from ._detect import host_memory as host_memory
-    from ._deviceless import DevicelessTarget as DevicelessTarget
-    from ._deviceless import deviceless_target as deviceless_target
     from ._extras import MissingExtraError as MissingExtraError
     from ._extras import require_extra as require_extra
-    from ._margins import Margin as Margin
-    from ._margins import command_buffers_enabled as command_buffers_enabled
-    from ._margins import environment_memory_fraction as environment_memory_fraction
-    from ._mesh import data_parallel_mesh as data_parallel_mesh
-    from ._mesh import replicate as replicate
-    from ._mesh import resolve_mesh as resolve_mesh
-    from ._mesh import shard_batches as shard_batches
-    from ._oom import AddressSpaceCap as AddressSpaceCap
     from ._oom import is_out_of_memory as is_out_of_memory
     from ._profiles import DeviceProfile as DeviceProfile
     from ._profiles import find_profile as find_profile
@@ -41,49 +30,27 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "configure": "._configure",
     "DetectedDevice": "._detect",
     "detect_device": "._detect",
-    "host_memory": "._detect",
-    "DevicelessTarget": "._deviceless",
-    "deviceless_target": "._deviceless",
     "MissingExtraError": "._extras",
     "require_extra": "._extras",
-    "Margin": "._margins",
-    "command_buffers_enabled": "._margins",
-    "environment_memory_fraction": "._margins",
-    "data_parallel_mesh": "._mesh",
-    "replicate": "._mesh",
-    "resolve_mesh": "._mesh",
-    "shard_batches": "._mesh",
     "is_out_of_memory": "._oom",
     "DeviceProfile": "._profiles",
     "find_profile": "._profiles",
     "list_profiles": "._profiles",
-    "AddressSpaceCap": "._oom",
     "format_bytes": "._profiles",
     "AutoaccumWarning": "._warnings",
 })
 
 __all__ = [
-    "AddressSpaceCap",
     "AutoaccumWarning",
     "quiet_start",
     "DetectedDevice",
     "DeviceProfile",
-    "DevicelessTarget",
     "MissingExtraError",
-    "Margin",
-    "command_buffers_enabled",
     "configure",
-    "data_parallel_mesh",
     "detect_device",
-    "deviceless_target",
-    "environment_memory_fraction",
     "find_profile",
     "format_bytes",
-    "host_memory",
     "is_out_of_memory",
     "list_profiles",
-    "replicate",
     "require_extra",
-    "resolve_mesh",
-    "shard_batches",
 ]

@@ -153,7 +153,7 @@ class DevicelessTarget:
     slice's chips (``target_config`` then names its topology): ``topology``,
     a ``mesh`` over its devices and a replicated ``sharding``. Several GPUs: ``devices`` are
     the deviceless devices a data-parallel mesh is made over
-    (``autoaccum.devices.data_parallel_mesh(target.devices)``).
+    (``autoaccum.internal.data_parallel_mesh(target.devices)``).
 
     Compile for it by giving every argument its ``sharding``::
 

@@ -253,7 +253,7 @@ class DeviceProfile:
             if total_mib is None:
                 raise ValueError(
                     f"Profile {self.key!r} has no fixed memory size (memory comes from the "
-                    "host). Pass total_bytes=, e.g. autoaccum.devices.host_memory().available."
+                    "host). Pass total_bytes=, e.g. autoaccum.internal.host_memory().available."
                 )
             total_bytes = total_mib * MIB
         return int(total_bytes * fraction)

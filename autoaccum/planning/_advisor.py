@@ -420,7 +420,7 @@ def more_devices(current: int, *, effective_batch: int | None = None, most: int 
 
 def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
     """Plans a device-count row: under ``"fsdp"`` first, which splits every weight, gradient
-    and moment (the least memory per device of :data:`~autoaccum.planning.STRATEGIES`,
+    and moment (the least memory per device of :data:`~autoaccum.internal.STRATEGIES`,
     which are ordered by it): if even that does not fit, no strategy does, and the row
     fails after one plan instead of one per strategy. If it fits, ``plan_under("auto")``
     keeps the strategy with the least communication that fits (fsdp's own figures come

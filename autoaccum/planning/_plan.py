@@ -135,7 +135,7 @@ class Plan:
     strategy: str = "replicated"
     """What the data-parallel devices split instead of copying: ``"replicated"`` (nothing),
     ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradient accumulator) or ``"fsdp"``
-    (+ weights); see ``autoaccum.planning.STRATEGIES``. Always ``"replicated"`` on one device.
+    (+ weights); see ``autoaccum.internal.STRATEGIES``. Always ``"replicated"`` on one device.
     ``"own"``: the model's own layout is kept as the user made it (a Flax model's weights
     split over a mesh of several axes by ``nnx.with_partitioning``, a Keras model under
     ``keras.distribution.ModelParallel``); ``mesh_axes`` names its mesh."""
@@ -144,7 +144,7 @@ class Plan:
     (``shard_map`` data parallelism; under ``fsdp`` each weight gathered where it is used)
     or ``"xla"`` (the one-device step with the strategy's shardings, partitioned by XLA
     alone), whichever the planner measured as good within 5%, the simpler first (see
-    ``autoaccum.planning.PARTITIONERS``); ``"xla"`` for a layout kept as the user made it
+    ``autoaccum.internal.PARTITIONERS``); ``"xla"`` for a layout kept as the user made it
     (``strategy == "own"``), whose step XLA partitions."""
     mesh_axes: tuple[tuple[str, int], ...] = ()
     """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
@@ -377,7 +377,7 @@ def search_plan(
     device the step runs on, where a layout kept as it is splits each micro-batch over a
     group of them (for the report). ``largest_first``: candidates from the largest down (a
     TPU, whose compiler refuses a step over the budget early; see
-    :func:`~autoaccum.planning.search_micro_batch`).
+    :func:`~autoaccum.internal.search_micro_batch`).
     """
     search = search_micro_batch(
         measure,

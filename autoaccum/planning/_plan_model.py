@@ -97,7 +97,7 @@ def plan_program(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from flax import nnx
-      >>> from autoaccum.adapters.flax import flax_program
+      >>> from autoaccum.internal import flax_program
       >>> def loss_fn(m, b):
       ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
       >>> program = flax_program(nnx.Linear(4, 1, rngs=nnx.Rngs(0)),
@@ -287,7 +287,7 @@ def plan_model(
     objective, method, uneven, cache, depth variant) how. Their fields:
 
     ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
-    ``autoaccum.devices.resolve_mesh``): with more than one device the plan is per
+    ``autoaccum.internal.resolve_mesh``): with more than one device the plan is per
     device over that mesh, compile-only (real-step verification, back-off and timed
     throughput candidates run on one device, so they are skipped, with a note).
 

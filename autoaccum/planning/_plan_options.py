@@ -265,7 +265,7 @@ class Target:
         device's budget.
       strategy: with more than one device, what the devices split instead of copying:
         ``"auto"`` (the least communication that fits), ``"replicated"``, ``"zero1"``,
-        ``"zero2"`` or ``"fsdp"`` (see ``autoaccum.planning.STRATEGIES``).
+        ``"zero2"`` or ``"fsdp"`` (see ``autoaccum.internal.STRATEGIES``).
 
     Example:
       >>> import autoaccum

@@ -40,9 +40,9 @@ class Probe:
     last_micro_batch: int | None = None
     """For a compile of an uneven step: the size of its smaller last micro-batch."""
     strategy: str = "replicated"
-    """The sharding strategy the step was compiled with (see ``autoaccum.planning.STRATEGIES``)."""
+    """The sharding strategy the step was compiled with (see ``autoaccum.internal.STRATEGIES``)."""
     partitioner: str = "autoaccum"
-    """Who partitioned the compiled step (see ``autoaccum.planning.PARTITIONERS``)."""
+    """Who partitioned the compiled step (see ``autoaccum.internal.PARTITIONERS``)."""
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
 
     Example:
       >>> import numpy as np
-      >>> from autoaccum.devices import data_parallel_mesh
+      >>> from autoaccum.internal import data_parallel_mesh
       >>> mesh = data_parallel_mesh(jax.devices()[:1])
       >>> layout = state_layout("fsdp", mesh, params={"w": np.zeros((64, 64))},
       ...                       optimizer={"mu": np.zeros((64, 64))})

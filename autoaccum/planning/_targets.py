@@ -253,7 +253,7 @@ def resolve_target(
     ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU, which is
     not here: compiled deviceless for all of them (JAX's CUDA topology ``"1 x hosts x
     devices/hosts"``), data-parallel over the mesh the result carries
-    (:attr:`ResolvedTarget.mesh`, made by ``autoaccum.devices.data_parallel_mesh``), with one
+    (:attr:`ResolvedTarget.mesh`, made by ``autoaccum.internal.data_parallel_mesh``), with one
     GPU's budget (memory analysis is per device).
 
     ``mesh`` (a data-parallel ``jax.sharding.Mesh``): the target is this machine's devices

@@ -15,10 +15,7 @@ from ._accumulate import mean_gradients as mean_gradients
 from ._accumulate import mean_loss as mean_loss
 from ._accumulate import token_loss_sum as token_loss_sum
 from ._callbacks import Callback as Callback
-from ._callbacks import NoiseScaleEstimator as NoiseScaleEstimator
 from ._callbacks import StopTraining as StopTraining
-from ._data_parallel import data_parallel_accumulate as data_parallel_accumulate
-from ._epoch_batches import Rebatcher as Rebatcher
 from ._fit_loop import EpochTally as EpochTally
 from ._fit_loop import FitCallbacks as FitCallbacks
 from ._fit_loop import FitHooks as FitHooks
@@ -27,12 +24,10 @@ from ._fit_loop import FitResult as FitResult
 from ._fit_loop import run_fit_loop as run_fit_loop
 from ._nonfinite import NONFINITE_POLICIES as NONFINITE_POLICIES
 from ._nonfinite import NonFiniteError as NonFiniteError
-from ._snapshot import HostSnapshot as HostSnapshot
 from ._step_runner import StateHooks as StateHooks
 from ._step_runner import StateLostError as StateLostError
 from ._step_runner import StepOutcome as StepOutcome
 from ._step_runner import StepRunner as StepRunner
-from ._step_runner import deferred_interrupts as deferred_interrupts
 from ._training_options import Training as Training
 
 __all__ = [
@@ -49,15 +44,10 @@ __all__ = [
     "StopTraining",
     "Training",
     "FitResult",
-    "HostSnapshot",
-    "NoiseScaleEstimator",
     "NonFiniteError",
-    "Rebatcher",
     "StepOutcome",
     "StepRunner",
     "accumulate_gradients",
-    "data_parallel_accumulate",
-    "deferred_interrupts",
     "mean_gradients",
     "mean_loss",
     "run_fit_loop",

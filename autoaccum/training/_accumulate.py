@@ -359,8 +359,8 @@ def split_until_gathered(new_params: Any, layout: StateLayout | None) -> Any:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from autoaccum.devices import data_parallel_mesh
-      >>> from autoaccum.planning import state_layout
+      >>> from autoaccum.internal import data_parallel_mesh
+      >>> from autoaccum.internal import state_layout
       >>> mesh = data_parallel_mesh(jax.devices()[:1])
       >>> layout = state_layout("zero2", mesh, params=jnp.ones(8), optimizer=())
       >>> float(jax.jit(lambda w: split_until_gathered(w, layout))(jnp.ones(8)).sum())

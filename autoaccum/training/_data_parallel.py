@@ -35,7 +35,7 @@ construction (it is the one-device step), carried state (batch statistics, RNG, 
 variables) is computed as one device would on a ``dp``-times larger micro-batch, and on some
 targets it needs less memory (measured per target in ``benchmarks/sharded.py --floor``; the
 planner compiles both and keeps this one where its need is within 5% of the other's,
-:data:`~autoaccum.planning.PARTITIONERS`).
+:data:`~autoaccum.internal.PARTITIONERS`).
 
 Which accumulation a train step runs: on one device, over a data-parallel mesh, or inside
 a layout the user made (a kept placement); the same for every framework's step.
@@ -155,7 +155,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from autoaccum.devices import data_parallel_mesh
+      >>> from autoaccum.internal import data_parallel_mesh
       >>> def micro_loss(w, carry, mb):
       ...     return (jnp.sum((mb["x"] * w) ** 2), jnp.float32(mb["x"].shape[0])), carry
       >>> accumulate = data_parallel_accumulate(data_parallel_mesh(jax.devices()[:1]))
@@ -363,8 +363,8 @@ def xla_partitioned_accumulate(layout: StateLayout) -> Accumulate:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from autoaccum.devices import data_parallel_mesh
-      >>> from autoaccum.planning import state_layout
+      >>> from autoaccum.internal import data_parallel_mesh
+      >>> from autoaccum.internal import state_layout
       >>> mesh = data_parallel_mesh(jax.devices()[:1])
       >>> layout = state_layout("fsdp", mesh, params=jnp.ones(4), optimizer=(),
       ...                       partitioner="xla")

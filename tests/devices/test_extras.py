@@ -128,7 +128,7 @@ def test_a_keras_preset_without_keras_hub_says_what_to_install(monkeypatch):
 
 def test_a_keras_model_with_keras_outside_the_range_says_what_to_install(monkeypatch):
     keras = pytest.importorskip("keras")
-    from autoaccum.adapters.keras import check_keras_model
+    from autoaccum.internal import check_keras_model
 
     monkeypatch.setitem(EXTRAS, "keras", ("keras>=99",))
     with pytest.raises(MissingExtraError, match=rf"keras {keras.__version__} is outside >=99"):

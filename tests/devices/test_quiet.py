@@ -107,7 +107,7 @@ def test_configure_first_then_jax_and_keras_hub_then_plan_is_quiet():
             import keras_hub  # TensorFlow's own cudart stub, through tensorflow-text
         except ImportError:
             pass
-        target = autoaccum.devices.deviceless_target("t4")  # loads the CUDA plugin's library
+        target = autoaccum.internal.deviceless_target("t4")  # loads the CUDA plugin's library
         print("deviceless", target.profile.key)
     """)
     _assert_quiet(proc)
@@ -123,7 +123,7 @@ def test_jax_imported_before_autoaccum_still_gets_no_cuda_traceback():
         autoaccum.configure(verbose=False)
         print(dict(autoaccum.devices.quiet_start()))
         print(float(jax.numpy.ones(3).sum()))
-        print("deviceless", autoaccum.devices.deviceless_target("t4").profile.key)
+        print("deviceless", autoaccum.internal.deviceless_target("t4").profile.key)
     """)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for marker in ("Unable to load CUDA", "Jax plugin configuration error"):

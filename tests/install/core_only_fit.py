@@ -58,7 +58,7 @@ def main() -> int:
     assert losses[-1] < losses[0], losses
     missing = []
     for feature, call in (
-        ("deviceless plan", lambda: autoaccum.devices.deviceless_target("t4")),
+        ("deviceless plan", lambda: autoaccum.internal.deviceless_target("t4")),
         ("plot", lambda: autoaccum.plot_plan(plan, "need.png")),
         ("keras-hub preset", _preset),
     ):

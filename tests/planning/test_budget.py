@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoaccum.planning import parse_budget, resolve_target
+from autoaccum.internal import parse_budget, resolve_target
 from autoaccum.planning._budget import cpu_default_budget, device_budget
 
 

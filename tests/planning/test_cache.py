@@ -79,8 +79,8 @@ def test_a_changed_option_recompiles_and_the_original_is_still_cached(tmp_path, 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_a_changed_target_recompiles(tmp_path):
     cache = NeedCache(tmp_path)
-    t4 = autoaccum.planning.resolve_target("t4", memory_fraction=0.9).compile_target
-    smaller_pool = autoaccum.planning.resolve_target("t4", memory_fraction=0.5).compile_target
+    t4 = autoaccum.internal.resolve_target("t4", memory_fraction=0.9).compile_target
+    smaller_pool = autoaccum.internal.resolve_target("t4", memory_fraction=0.5).compile_target
     assert _measure(cache, _program()).source == "compiled"
     assert _measure(cache, _program(), target=t4).source == "compiled"
     assert _measure(cache, _program(), target=smaller_pool).source == "compiled"

@@ -91,7 +91,7 @@ def test_a_step_over_a_budget_under_the_hbm_is_refused_at_libtpus_early_check():
     # A budget of 26 MiB on a 15.75 GiB chip: libtpu is asked to check against it (and its
     # slack), so a step over it is refused before code generation; one under it compiles in
     # full and its memory analysis decides.
-    from autoaccum.adapters.flax import flax_program
+    from autoaccum.internal import flax_program
     from autoaccum.planning._cache import CompileRequest, measure_all
     from autoaccum.planning._targets import hbm_check_mib, resolve_target
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from autoaccum.planning import STRATEGIES, state_layout
+from autoaccum.internal import STRATEGIES, state_layout
 from autoaccum.planning._strategies import leaf_spec, tree_specs, validate_strategy
 from tests._paths import REPO, host_devices_env
 from tests._session import once_per_session

@@ -10,9 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from autoaccum.devices import data_parallel_mesh
 from autoaccum.devices._deviceless import compiling_for
-from autoaccum.planning import state_layout
+from autoaccum.internal import data_parallel_mesh, state_layout
 from autoaccum.training._accumulate import split_until_gathered
 
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoaccum.devices import data_parallel_mesh
-from autoaccum.planning import PARTITIONERS, state_layout
+from autoaccum.internal import PARTITIONERS, data_parallel_mesh, state_layout
 from autoaccum.planning._strategies import XLA_PARTITIONER_SLACK
 from autoaccum.training._data_parallel import step_accumulation, xla_partitioned_accumulate
 from tests._paths import REPO, host_devices_env

@@ -18,31 +18,11 @@ from __future__ import annotations
 from ._keras_adapter import KerasAdapter as KerasAdapter
 from ._keras_adapter import KerasStepOutput as KerasStepOutput
 from ._keras_adapter import KerasTrainStep as KerasTrainStep
-from ._keras_data import KerasArrays as KerasArrays
-from ._keras_data import KerasData as KerasData
-from ._keras_data import keras_data as keras_data
-from ._keras_data import to_keras_arrays as to_keras_arrays
 from ._keras_fit import keras_fit as keras_fit
-from ._keras_learning_rate import scale_keras_learning_rate as scale_keras_learning_rate
-from ._keras_program import check_keras_model as check_keras_model
-from ._keras_program import is_keras_model as is_keras_model
-from ._keras_program import keras_lowering_scope as keras_lowering_scope
-from ._keras_program import keras_program as keras_program
-from ._keras_program import validate_keras_fit_kwargs as validate_keras_fit_kwargs
 
 __all__ = [
     "KerasAdapter",
-    "KerasArrays",
-    "KerasData",
     "KerasStepOutput",
     "KerasTrainStep",
-    "check_keras_model",
-    "is_keras_model",
-    "keras_data",
     "keras_fit",
-    "keras_lowering_scope",
-    "keras_program",
-    "scale_keras_learning_rate",
-    "to_keras_arrays",
-    "validate_keras_fit_kwargs",
 ]

@@ -134,13 +134,13 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
     ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
     (replicated, or one device: every variable copied). With ``layout`` (the step's
     ``KerasLayout``), its frozen non-trainable variables too (split under ``fsdp``).
-    ``partitioner``: who partitions the step (``autoaccum.planning.PARTITIONERS``).
+    ``partitioner``: who partitions the step (``autoaccum.internal.PARTITIONERS``).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
       'jax'
       >>> import keras
-      >>> from autoaccum.devices import data_parallel_mesh
+      >>> from autoaccum.internal import data_parallel_mesh
       >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
       >>> model.compile(optimizer="adam", loss="mse")
       >>> model.optimizer.build(model.trainable_variables)

@@ -325,7 +325,7 @@ def keras_fit(
     them (a split variable stays split: gathering it on one device could need more memory
     than a device has; Keras's ``predict`` runs on it as it is, and a later
     ``autoaccum.fit`` lays it out afresh). ``partitioner``: who partitions the strategy's
-    step (``autoaccum.planning.PARTITIONERS``; the plan's choice).
+    step (``autoaccum.internal.PARTITIONERS``; the plan's choice).
 
     Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
     logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what

@@ -19,7 +19,7 @@ by construction:
 
 Importing this module imports Keras and registers the class as ``autoaccum>ScaledSchedule``,
 so a model saved with one loads after ``import autoaccum.adapters.keras._keras_learning_rate``. Only
-:func:`autoaccum.adapters.keras.scale_keras_learning_rate` creates it; ``autoaccum.fit``
+:func:`autoaccum.internal.scale_keras_learning_rate` creates it; ``autoaccum.fit``
 scales inside the step and never stores a schedule of its own in the optimizer.
 """
 

@@ -631,8 +631,8 @@ def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
 
     Example:
       >>> import numpy as np
-      >>> from autoaccum.devices import data_parallel_mesh
-      >>> from autoaccum.planning import state_layout
+      >>> from autoaccum.internal import data_parallel_mesh
+      >>> from autoaccum.internal import state_layout
       >>> w = jax.ShapeDtypeStruct((64, 64), np.float32)
       >>> layout = state_layout("fsdp", data_parallel_mesh(jax.devices()[:1]), params=[w],
       ...                       optimizer=[w])

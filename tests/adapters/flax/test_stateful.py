@@ -120,7 +120,7 @@ def test_a_model_holding_typed_prng_keys_is_measured_and_restored():
     keys = [leaf for leaf in jax.tree.leaves(nnx.state(model, nnx.RngKey))]
     assert keys and jnp.issubdtype(keys[0].dtype, jax.dtypes.prng_key)
     assert tree_bytes(nnx.state(model, nnx.RngKey)) == 8 * len(keys)
-    from autoaccum.training import HostSnapshot
+    from autoaccum.internal import HostSnapshot
 
     snap = HostSnapshot("host")
     snap.take(nnx.state(model, nnx.RngState))

@@ -12,7 +12,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning import measure_program
+from autoaccum.internal import measure_program
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 LR = 0.5

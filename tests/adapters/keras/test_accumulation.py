@@ -11,7 +11,8 @@ import keras
 import numpy as np
 import pytest
 
-from autoaccum.adapters.keras import keras_fit, scale_keras_learning_rate
+from autoaccum.adapters.keras import keras_fit
+from autoaccum.internal import scale_keras_learning_rate
 
 MICRO, ACCUM = 2, 4
 BATCH = MICRO * ACCUM

@@ -12,12 +12,8 @@ import keras
 import numpy as np
 import pytest
 
-from autoaccum.adapters.keras import (
-    is_keras_model,
-    keras_fit,
-    keras_program,
-    validate_keras_fit_kwargs,
-)
+from autoaccum.adapters.keras import keras_fit
+from autoaccum.internal import is_keras_model, keras_program, validate_keras_fit_kwargs
 from tests._paths import REPO
 
 X = np.zeros((8, 3), "float32")

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("keras_hub")
 pytest.importorskip("tensorflow")
 
-from autoaccum.adapters.keras import keras_fit, keras_program, to_keras_arrays
+from autoaccum.adapters.keras import keras_fit
+from autoaccum.internal import keras_program, to_keras_arrays
 from autoaccum_demo._gemma_demo import build_demo_model, demo_data, load_qa
 
 pytestmark = [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import autoaccum
-from autoaccum.adapters.keras import scale_keras_learning_rate
+from autoaccum.internal import scale_keras_learning_rate
 from tests._paths import REPO
 
 from ._models import dense_model, max_diff, regression_data

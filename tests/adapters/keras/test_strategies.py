@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from autoaccum.planning import STRATEGIES
+from autoaccum.internal import STRATEGIES
 from tests._paths import REPO
 from tests._session import once_per_session
 from tests.training.test_data_parallel import _env, _result

@@ -15,7 +15,7 @@ import pytest
 import autoaccum
 from autoaccum.adapters import adapter_for
 from autoaccum.adapters.keras import keras_fit
-from autoaccum.planning import split_sizes
+from autoaccum.internal import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._plan_options import ProgramOptions

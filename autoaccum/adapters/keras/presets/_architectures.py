@@ -6,7 +6,9 @@ can plan a fine-tune on a machine that cannot download the preset. :func:`load_a
 reads one; :func:`build_abstract_causal_lm` (in :mod:`._architectures`) builds its
 ``CausalLM`` with no weight allocated.
 
->>> from autoaccum.adapters.keras.presets import list_architectures, load_architecture
+>>> from autoaccum.adapters.keras.presets import list_architectures
+
+>>> from autoaccum.internal import load_architecture
 >>> "gemma3_4b" in list_architectures()
 True
 >>> arch = load_architecture("gemma3_instruct_4b_text")     # a keras-hub preset name works too
@@ -44,7 +46,7 @@ The abstract state for ``jax.jit(step).lower(...)`` is then
 ``jax.ShapeDtypeStruct(v.shape, v.dtype)`` for each of ``model.trainable_variables``,
 ``model.non_trainable_variables`` and ``model.optimizer.variables`` (:func:`abstract_state`).
 
->>> from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
+>>> from autoaccum.internal import abstract_state, build_abstract_causal_lm
 >>> model = build_abstract_causal_lm("gemma3_1b", lora_rank=4)
 >>> state = abstract_state(model)
 >>> len(state.trainable), state.trainable[0].dtype, state.non_trainable[0].dtype
@@ -103,7 +105,7 @@ class Architecture:
     def backbone_kwargs(self) -> dict[str, Any]:
         """A fresh ``dict`` of ``backbone_config``, to pass to the backbone class.
 
-        >>> from autoaccum.adapters.keras.presets import load_architecture
+        >>> from autoaccum.internal import load_architecture
         >>> load_architecture("mistral_7b").backbone_kwargs()["sliding_window"]
         4096
         """
@@ -113,7 +115,7 @@ class Architecture:
 def architectures_dir() -> Path:
     """The folder holding the ``<name>.json`` architecture files.
 
-    >>> from autoaccum.adapters.keras.presets import architectures_dir
+    >>> from autoaccum.internal import architectures_dir
     >>> (architectures_dir() / "gemma3_1b.json").is_file()
     True
     """
@@ -136,7 +138,7 @@ def load_architecture(name: str) -> Architecture:
     Case, ``-`` and ``_`` do not matter (``"Gemma3-4B"`` finds ``gemma3_4b``). An unknown
     name raises ``ValueError`` naming close matches and every known architecture.
 
-    >>> from autoaccum.adapters.keras.presets import load_architecture
+    >>> from autoaccum.internal import load_architecture
     >>> load_architecture("Llama3.2-1B").keras_hub_preset
     'llama3.2_instruct_1b'
     >>> load_architecture("gemma3_4")
@@ -244,7 +246,7 @@ def build_abstract_causal_lm(
     no values (see the module docstring): lower ``model.stateless_call`` with
     :func:`abstract_state`; do not call the model, ``fit`` it, or read ``variable.value``.
 
-    >>> from autoaccum.adapters.keras.presets import build_abstract_causal_lm
+    >>> from autoaccum.internal import build_abstract_causal_lm
     >>> model = build_abstract_causal_lm("llama3.2_1b", lora_rank=8)
     >>> type(model).__name__, model.optimizer.__class__.__name__
     ('Llama3CausalLM', 'AdamW')
@@ -336,7 +338,7 @@ def abstract_state(model: Any) -> AbstractState:
     Reads only ``variable.shape`` and ``variable.dtype`` (reading ``.value`` of an abstract
     variable would run its initializer).
 
-    >>> from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
+    >>> from autoaccum.internal import abstract_state, build_abstract_causal_lm
     >>> state = abstract_state(build_abstract_causal_lm("gemma3_1b"))
     >>> sum(s.size for s in state.trainable)
     999885952
@@ -359,7 +361,7 @@ def abstract_token_batch(batch_size: int, sequence_length: int) -> dict[str, Any
     """``{"token_ids", "padding_mask"}`` as int32 ``ShapeDtypeStruct``\\ s of shape
     ``(batch_size, sequence_length)``: a causal LM's preprocessed input.
 
-    >>> from autoaccum.adapters.keras.presets import abstract_token_batch
+    >>> from autoaccum.internal import abstract_token_batch
     >>> abstract_token_batch(2, 400)["token_ids"].shape
     (2, 400)
     """

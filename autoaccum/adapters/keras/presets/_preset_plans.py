@@ -139,7 +139,7 @@ def plan_preset(
     ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of ``device``,
     data-parallel; the micro-batch is per device, the budget one GPU's. ``target.strategy``
     says what the GPUs
-    split instead of copying (:data:`~autoaccum.planning.STRATEGIES`): ``"auto"`` tries
+    split instead of copying (:data:`~autoaccum.internal.STRATEGIES`): ``"auto"`` tries
     them least communication first under each remat policy and keeps the first under which
     micro-batch 1 fits (a strategy whose weights and optimizer state alone exceed one GPU
     is passed over from shapes, before any compile); a name plans that one. Frozen weights

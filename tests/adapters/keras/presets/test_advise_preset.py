@@ -5,8 +5,8 @@ that change."""
 import pytest
 
 import autoaccum
-from autoaccum.adapters.keras.presets import abstract_state, build_abstract_causal_lm
 from autoaccum.adapters.keras.presets._preset_plans import advise_preset, plan_preset
+from autoaccum.internal import abstract_state, build_abstract_causal_lm
 from autoaccum.planning._measure import compile_count
 from autoaccum.planning._search import DoesNotFitError
 

@@ -5,8 +5,8 @@ import pytest
 
 import autoaccum
 import autoaccum.adapters.keras.presets._preset_plans as plan_preset_module
-from autoaccum.adapters.keras.presets import load_architecture
 from autoaccum.adapters.keras.presets._preset_plans import _preset_program, plan_preset
+from autoaccum.internal import load_architecture
 from autoaccum.planning._depth import DepthExtrapolator, DepthVariants
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._targets import resolve_target
