@@ -517,7 +517,7 @@ def advise(
       log: where the original plan's probes and each row's verdict are logged.
 
     Returns:
-      An :class:`~autoaccum.planning._advisor.Advice`: ``fits`` (the configuration as given),
+      An :class:`~autoaccum.Advice`: ``fits`` (the configuration as given),
       ``plan`` (its plan when it fits), ``resident``, ``alternatives`` (cheapest first),
       ``tried`` (changes that did not fit) and ``error`` (the ``DoesNotFitError``, with the
       table attached, when it does not fit). ``report()``, ``to_dict()``, and a table in a

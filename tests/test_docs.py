@@ -19,6 +19,7 @@ A fenced block is marked by an HTML comment on the line before it:
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -247,3 +248,27 @@ def test_the_site_reads_the_house_docstrings_as_markdown():
         "Args:\n  a: one.\n\nWhere it runs:\n  b, c,\n    d: as for plan.\n\nReturns:\n  x.")
     assert grouped == ("Args:\n  a: one.\n\nArgs: Where it runs\n  b, c, d: as for plan.\n\n"
                        "Returns:\n  x.")
+
+
+PRIVATE_PATH = re.compile(
+    r"autoaccum(?:\.\w+)*\._[a-z]\w*|:(?:mod|func|class|data|meth|attr):`~?\.+_\w+")
+"""A dotted path through a private module (``autoaccum.planning._search``), or a relative
+cross-reference to one (``:func:`~._search.divisors```)."""
+
+
+def test_docstrings_name_public_paths_only():
+    """What a docstring points a reader to is public (a subpackage's name, or
+    ``autoaccum.internal``); examples may show a private ``__module__`` as it prints."""
+    found = []
+    for path in sorted((REPO / "autoaccum").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                              | ast.AsyncFunctionDef):
+                continue
+            text, example = ast.get_docstring(node, clean=False) or "", False
+            for line in text.splitlines():
+                stripped = line.strip()
+                example = stripped.startswith(">>>") or (example and bool(stripped))
+                if not example and PRIVATE_PATH.search(line):
+                    found.append(f"{path.relative_to(REPO)}: {stripped}")
+    assert found == []

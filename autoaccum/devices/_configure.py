@@ -44,12 +44,12 @@ def configure(
       kept unless ``memory_fraction`` is given, which then replaces it under the name you used;
     * the profile's ``[environment]``: ``XLA_FLAGS`` entries this jaxlib knows are appended
       unless a flag of the same name is already there (an unknown flag would abort JAX at
-      start; :func:`autoaccum.devices._deviceless.known_xla_flags`); other variables are set
+      start; ``known_xla_flags``); other variables are set
       only if unset.
 
     ``quiet`` (default ``True``): on a machine without a GPU, also keep JAX's and TensorFlow's
     CUDA start-up noise out of the output
-    (:func:`~autoaccum.devices._quiet.quiet_start`: ``JAX_PLATFORMS=cpu`` and
+    (:func:`~autoaccum.devices.quiet_start`: ``JAX_PLATFORMS=cpu`` and
     ``TF_CPP_MIN_LOG_LEVEL=3`` unless set, and the known cudart/absl lines dropped from the
     first ``import jax`` and ``import tensorflow``); nothing on a GPU.
 

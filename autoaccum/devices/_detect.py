@@ -35,7 +35,7 @@ class DetectedDevice:
 
     ``source`` is ``"nvml"`` (a GPU seen by the driver), ``"jax"`` (a GPU seen by an
     already-running JAX) or ``"cpu"`` (no GPU; memory is the host's). ``profile`` is the
-    matching :class:`~autoaccum.devices._profiles.DeviceProfile`, or ``None`` for a GPU no profile
+    matching :class:`~autoaccum.devices.DeviceProfile`, or ``None`` for a GPU no profile
     describes. ``reason`` explains a fallback or a missing match ("" otherwise).
     """
 

@@ -17,7 +17,7 @@ between XLA's compilers read it while tracing (``training._nonfinite.update_if_f
 
 Whether this machine's ``ptxas`` can compile for a GPU profile's compute capability.
 
-A deviceless compile (:mod:`._deviceless`) ends with XLA running NVIDIA's ``ptxas`` for the
+A deviceless compile (:mod:`autoaccum.devices`) ends with XLA running NVIDIA's ``ptxas`` for the
 named GPU's architecture. CUDA 13's ``ptxas`` no longer targets GPUs older than Turing
 (compute capability 7.5: V100, P100), so on a machine whose ``ptxas`` is CUDA 13 a dry run
 for those fails deep in XLA (``UNIMPLEMENTED: ... ptxas too old``). This module finds the
@@ -195,7 +195,7 @@ def deviceless_target(
     ``hosts``): JAX's CUDA topology ``"1 x hosts x devices/hosts"``.
 
     ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
-    :func:`autoaccum.devices._profiles.gpu_target_config`). Needs JAX's CUDA 13 (or 12)
+    ``gpu_target_config``). Needs JAX's CUDA 13 (or 12)
     plugin at JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says
     so), and
     JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
@@ -458,7 +458,7 @@ def compiling_for(platform: str | None) -> Iterator[None]:
 
     A step traced here must not be reused for another platform: JAX caches traces by
     function, so lower it from a function object of its own (as
-    ``autoaccum.planning._measure.lower_step`` does for a deviceless target).
+    the planner does when it lowers a step for a deviceless target).
 
     Example:
       >>> with compiling_for("gpu"):

@@ -338,7 +338,7 @@ def context_mesh_as_layout(enabled: bool) -> None:
 
 def context_layout() -> Mesh | None:
     """The caller's context mesh over devices (an abstract one laid over this machine's
-    devices, as :func:`~autoaccum.devices._mesh.concrete_mesh` does), when it lays out
+    devices, as ``concrete_mesh`` does), when it lays out
     the steps built now; else ``None``.
 
     Example:

@@ -4,7 +4,7 @@ files.
 One file per device lives in ``profiles/`` (``autoaccum/profiles/`` in an installed wheel).
 A profile says how much memory the device has, how much of it JAX's pool should take, the
 environment to set before JAX starts, where its figures come from (``source``), and either
-the ``[gpu]`` table from which :func:`autoaccum.devices._profiles.gpu_target_config`
+the ``[gpu]`` table from which ``gpu_target_config``
 writes the ``GpuTargetConfigProto`` used to compile for that GPU without having one, or the
 ``[tpu]`` table naming the TPU topology libtpu compiles for (:class:`TpuSpec`).
 
@@ -129,14 +129,14 @@ class DeviceProfile:
       + temp): the pool, capped at what the margins outside it leave of CUDA's total (the
       CUDA context, command buffers when enabled), minus the margins inside it (the cuDNN
       workspace a deviceless compile does not see), plus any measured credit. Each margin
-      and its source is in ``margins`` (:mod:`autoaccum.devices._margins`).
+      and its source is in ``margins`` (:mod:`autoaccum.devices`).
 
     A TPU profile's pool is one chip's usable HBM (``tpu.usable_hbm_mib``, what XLA's
     compile-time check allows) times the fraction (1 unless given: no other process shares a
     TPU, and no margin applies: the compile itself refuses a step over the HBM).
 
     The CPU profile has no ``memory_mib``; pass the host's memory (see
-    :func:`autoaccum.devices._detect.host_memory`) as ``total_bytes``.
+    :func:`autoaccum.internal.host_memory`) as ``total_bytes``.
 
     >>> from autoaccum.devices._profiles import find_profile
     >>> t4 = find_profile("Tesla-T4")
@@ -279,7 +279,7 @@ class DeviceProfile:
         """The pool, the margins that apply and the budget they leave.
 
         ``command_buffers=None`` asks the environment and the profile's ``[environment]``
-        (:func:`autoaccum.devices._margins.command_buffers_enabled`).
+        (:func:`autoaccum.internal.command_buffers_enabled`).
 
         >>> from autoaccum.devices._profiles import find_profile
         >>> r = find_profile("t4").pool_arithmetic(0.9)

@@ -16,6 +16,7 @@ from ._depth import DepthVariant as DepthVariant
 from ._lr_scaling import LR_RULES as LR_RULES
 from ._lr_scaling import LearningRateScaling as LearningRateScaling
 from ._lr_scaling import scale_learning_rate as scale_learning_rate
+from ._measure import CompileCount as CompileCount
 from ._measure import MemoryEstimate as MemoryEstimate
 from ._micro_batches import UnevenBatches as UnevenBatches
 from ._plan import SCHEMA_VERSION as SCHEMA_VERSION
@@ -42,6 +43,7 @@ __all__ = [
     "Alternative",
     "Budget",
     "Candidate",
+    "CompileCount",
     "DepthVariant",
     "DoesNotFitError",
     "FitSettings",

@@ -3,7 +3,7 @@
 The planner, back-off and ``fit`` talk only to an :class:`Adapter`; only the public entry points
 (``autoaccum.plan``, ``measure``, ``fit``) pick one for the model they are given
 (:func:`autoaccum.adapters.adapter_for`). An adapter recognises its models, builds their
-accumulated train step as a :class:`~autoaccum.planning._train_program.TrainProgram`, runs real
+accumulated train step as a :class:`~autoaccum.planning.TrainProgram`, runs real
 steps for back-off, applies a rematerialization policy to the model's blocks, and trains.
 Imports point one way: adapters -> training / planning -> devices.
 """
@@ -60,11 +60,11 @@ class FitSettings:
     on_nonfinite: str = "stop"
     """A step whose loss or gradients are not finite: ``"stop"`` (raise ``NonFiniteError``, the
     model keeps the last finite state) or ``"skip"`` (state unchanged, counted, go on); see
-    ``autoaccum.training._nonfinite``."""
+    ``autoaccum.training``."""
     batch_stats: str = "effective"
     """BatchNorm running averages: ``"effective"`` (one update per optimizer step from the
     whole effective batch's moments) or ``"micro"`` (one per micro-batch); see
-    ``autoaccum.training._accumulate``."""
+    ``autoaccum.training``."""
     drop_remainder: bool = False
     """``False``: the examples after the last full effective batch of an epoch make a final,
     smaller step (normalised by its own count); ``True``: they are dropped. Either way the
@@ -94,7 +94,7 @@ class Adapter(abc.ABC):
     trains_leftovers: bool = False
     """The examples after the last full effective batch make a final, smaller step."""
     uneven_batches: bool = False
-    """The adapter's steps take :class:`~._micro_batches.UnevenBatches`, so plans may end with
+    """The adapter's steps take :class:`~autoaccum.planning.UnevenBatches`, so plans may end with
     a smaller micro-batch."""
 
     # -- what every framework writes -------------------------------------------------------

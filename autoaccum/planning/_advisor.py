@@ -71,7 +71,7 @@ class Alternative:
     @property
     def floor_bytes(self) -> int:
         """The floor of the row's step, from shapes (0: not known; see
-        ``autoaccum.planning._measure``)."""
+        ``autoaccum.planning``)."""
         return int(self.plan.floor_bytes) if self.plan is not None else 0
 
     def describe(self) -> str:

@@ -18,7 +18,7 @@ them, whatever the micro-batch. While it accumulates (more than one micro-batch 
 optimizer step) it also carries one float32 gradient accumulator the size of the trainable
 weights. All of it is known from shapes: the abstract model (``nnx.eval_shape``, Keras's
 deferred variables) and the optimizer state initialised on abstract parameters
-(``jax.eval_shape(tx.init, params)``), which every :class:`~._train_program.TrainProgram` already
+(``jax.eval_shape(tx.init, params)``), which every :class:`~autoaccum.planning.TrainProgram` already
 holds in ``parts``. When that exceeds the budget, planning stops before compiling anything
 (:func:`check_resident`) and names the smallest shipped GPU profile whose budget holds it.
 
@@ -64,7 +64,7 @@ class Budget:
     detail: str
     """The arithmetic that produced it, for reports."""
     margins: tuple[Any, ...] = field(default=())
-    """The explicit allowances that shaped it (``autoaccum.devices._margins.Margin``), each
+    """The explicit allowances that shaped it (``autoaccum.internal.Margin``), each
     with its source: shown by :meth:`margin_lines` and in the plan's notes."""
 
     def margin_lines(self) -> list[str]:
@@ -223,7 +223,7 @@ def resolve_fraction(profile: Any, memory_fraction: float | None,
 def profile_budget(profile: Any, memory_fraction: float | None = None, *,
                    deviceless: bool = True, environ: Any = None) -> Budget:
     """The budget of a named GPU from its profile: JAX's pool (fraction x CUDA's total)
-    after the profile's explicit margins (:mod:`autoaccum.devices._margins`).
+    after the profile's explicit margins (:mod:`autoaccum.devices`).
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -390,7 +390,7 @@ def smallest_profile(need_bytes: int, *, memory_fraction: float | None = None) -
 
 def check_resident(resident: Resident, budget_bytes: int, *,
                    memory_fraction: float | None = None, target: str = "") -> None:
-    """Raises :class:`~._search.DoesNotFitError` (before any compile) when the state alone
+    """Raises :class:`~autoaccum.DoesNotFitError` (before any compile) when the state alone
     (:attr:`Resident.state_bytes`) exceeds ``budget_bytes``.
 
     Example:
@@ -424,7 +424,7 @@ def check_resident(resident: Resident, budget_bytes: int, *,
 def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
                    other: Any) -> Resident:
     """The :class:`Resident` memory of one device when a sharding strategy's ``layout`` (a
-    :class:`~._strategies.StateLayout`) splits ``trainable`` weights, their float32
+    :class:`~autoaccum.planning.StateLayout`) splits ``trainable`` weights, their float32
     gradient accumulator and the ``optimizer`` state; ``frozen`` weights are split as
     ``layout.frozen`` says (``fsdp``; copied without it), ``other`` state is copied on every
     device.

@@ -1,7 +1,7 @@
 """A keyed cache of compiled need figures: a repeated dry run of the same configuration
 skips its compiles.
 
-Each entry is the :class:`~autoaccum.planning._measure.MemoryEstimate` of one compiled step
+Each entry is the :class:`~autoaccum.planning.MemoryEstimate` of one compiled step
 (as a dict of its fields), stored as JSON under a key that hashes everything that changes the
 compiled program:
 
@@ -340,10 +340,10 @@ class CompileRequest:
     accum_steps: int
     identity: Mapping[str, Any] | None = None
     last: int | None = None
-    """An uneven step's last micro-batch (see :func:`~._measure.lower_step`), else ``None``."""
+    """An uneven step's last micro-batch (see ``lower_step``), else ``None``."""
     reduced: bool = False
     """The program is a reduced-depth model's (depth extrapolation): counted apart from
-    full-depth compiles (:mod:`._measure`)."""
+    full-depth compiles (:mod:`autoaccum.planning`)."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""

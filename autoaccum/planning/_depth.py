@@ -67,7 +67,7 @@ class DepthVariant:
     the number of blocks of the model you plan. Weights are never read: a Flax factory may
     build under ``nnx.eval_shape``. autoaccum compiles the step at ``depths`` (two small
     depths), extrapolates every micro-batch to ``depth``, and compiles the final choice once
-    at full depth (see :mod:`autoaccum.planning._depth`).
+    at full depth (see :mod:`autoaccum.planning`).
 
     Why a factory and not surgery on your model: dropping blocks from an existing model can
     change the program in ways nothing checks (shared weights, layer-index-dependent

@@ -10,7 +10,7 @@ and at reduced depth (depth extrapolation's two small models), and their seconds
 
 Planning cost is counted in compiles as well as seconds: a full-depth compile of an LLM step
 takes minutes on a laptop, a reduced-depth one seconds, a cached figure nothing. Every compile
-of a step goes through :func:`~._measure.compile_lowered`, which adds it to the ledgers open
+of a step goes through ``compile_lowered``, which adds it to the ledgers open
 at that moment (:func:`counting_compiles`; a plan inside an advisor's run counts in both).
 
 The floor of a train step: what one device must hold at least, from shapes alone.
@@ -21,7 +21,7 @@ The floor of an accumulated step on one device of its mesh is
     or the user's layout splits them) + the float32 gradient accumulator (split likewise)
     + the batch of the step + the largest transient one operation truly needs,
 
-where the transient is, per strategy (:mod:`._strategies`):
+where the transient is, per strategy (:mod:`autoaccum.planning`):
 
 * ``fsdp``: one split weight gathered whole, with its whole float32 gradient before the
   reduce-scatter (the largest such pair; a split frozen weight: gathered, no gradient);
@@ -52,7 +52,7 @@ given micro-batch), yet each compile emits LLVM IR and runs ``ptxas`` for every 
 again. XLA keeps the machine code of the kernels it compiled in a file when given one
 (``xla_gpu_kernel_cache_file``; before jaxlib 0.11 with per-kernel LLVM modules asked for by
 ``xla_gpu_enable_llvm_module_compilation_parallelism``, an option 0.11 removed: each option is
-passed only where this jaxlib knows it, :mod:`autoaccum.devices._deviceless`) and reuses
+passed only where this jaxlib knows it, :mod:`autoaccum.devices`) and reuses
 those whose fusion, shapes and launch dimensions are the same (it registers the cached kernel
 names first, so new kernels never take their names). Buffer assignment, and so every memory
 figure autoaccum reads, is made on the optimised HLO before any machine code exists: the
@@ -386,7 +386,7 @@ class CompileTarget:
     gives XLA), or ``None`` where XLA runs no such pass (CPU)."""
     platform: str = "gpu"
     """What a deviceless target compiles for: ``"gpu"`` or ``"tpu"`` (steps are traced for
-    it, see :func:`autoaccum.devices._deviceless.compiling_for`)."""
+    it, see ``compiling_for``)."""
 
 
 @dataclass(frozen=True)
@@ -426,11 +426,11 @@ class MemoryEstimate:
     source: str = "compiled"
     """``"compiled"`` (this step was compiled), ``"cache"`` (a compile of the same program for
     the same target, read from the need cache) or ``"extrapolated"`` (predicted from
-    compiles of the same model at two smaller depths, see :mod:`._depth`)."""
+    compiles of the same model at two smaller depths, see :mod:`autoaccum.planning`)."""
     floor_bytes: int = 0
     """What one device must hold at least in this step, from shapes (state as laid out,
     gradient accumulator, batch, and the largest transient an operation needs; see
-    :mod:`._measure`); 0 where not known (an entry of an older need cache)."""
+    :mod:`autoaccum.planning`); 0 where not known (an entry of an older need cache)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -510,7 +510,7 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 @contextlib.contextmanager
 def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
     """``step`` to trace for ``target``: a deviceless target traces it for its platform
-    (``"gpu"``, ``"tpu"``; :func:`autoaccum.devices._deviceless.compiling_for`) as a
+    (``"gpu"``, ``"tpu"``; ``compiling_for``) as a
     function object of its own, so JAX's trace cache never hands a trace made for one
     platform to another."""
     if not target.deviceless:
@@ -582,7 +582,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
                     program: TrainProgram | None = None, reduced: bool = False) -> Any:
     """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
     reuses the kernels compiled before in this process for the same GPU
-    (:func:`~autoaccum.planning._measure.kernel_cache_options`), and one that fails
+    (``kernel_cache_options``), and one that fails
     inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
     :func:`compile_count`.
 
@@ -593,7 +593,7 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     with the same GEMMs.
 
     ``reduced``: the step is a reduced-depth model's (depth extrapolation), counted apart from
-    full-depth compiles in the open :mod:`._measure` ledgers."""
+    full-depth compiles in the open :mod:`autoaccum.planning` ledgers."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     start = time.perf_counter()
@@ -817,7 +817,7 @@ def measure_program(
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
     device's (XLA's memory analysis of an SPMD program is per device). To read repeated
     compiles from the need cache, or compile several at once, see
-    :func:`autoaccum.planning._cache.measure_all`.
+    :func:`autoaccum.internal.measure_all`.
 
     Example:
       >>> import jax, jax.numpy as jnp

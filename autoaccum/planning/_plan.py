@@ -61,7 +61,7 @@ class Plan:
     plan_seconds: float
     notes: tuple[str, ...] = field(default=())
     remat: str = "none"
-    """Rematerialization policy of the chosen step (see ``autoaccum.planning._plan_options``)."""
+    """Rematerialization policy of the chosen step (see ``autoaccum.planning``)."""
     objective: str = "memory"
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())
@@ -153,7 +153,7 @@ class Plan:
     compiles: CompileCount | None = None
     """What planning compiled: steps at full depth and at reduced depth (depth
     extrapolation), their seconds, and the figures the need cache answered
-    (:class:`~._measure.CompileCount`); ``None`` for a plan not made by a search."""
+    (:class:`~autoaccum.planning.CompileCount`); ``None`` for a plan not made by a search."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -201,7 +201,7 @@ class Plan:
     @property
     def floor_bytes(self) -> int:
         """What one device must hold at least in the chosen step, from shapes (see
-        ``autoaccum.planning._measure``); 0 where not known."""
+        ``autoaccum.planning``); 0 where not known."""
         return self.estimate.floor_bytes if self.estimate is not None else 0
 
     @property
@@ -365,9 +365,9 @@ def search_plan(
     """Runs the compile-only search and returns the plan.
 
     ``measure_uneven(b, k, last)``: compiles an uneven step, so the plan may end with a smaller
-    micro-batch (see :func:`~._search.search_micro_batch`); ``None``: divisors only.
+    micro-batch (see :func:`~autoaccum.internal.search_micro_batch`); ``None``: divisors only.
     ``accumulating_floor``: bytes every accumulating step needs at least (state and gradient
-    accumulator, :class:`~._budget.Resident`); over the budget, only the whole batch is
+    accumulator, :class:`~autoaccum.planning.Resident`); over the budget, only the whole batch is
     compiled.
 
     With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one

@@ -70,28 +70,28 @@ def plan_program(
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
-    ``uneven``: the program's step takes :class:`~._micro_batches.UnevenBatches`, so the plan may
+    ``uneven``: the program's step takes :class:`~autoaccum.planning.UnevenBatches`, so the plan may
     end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1).
 
-    ``target`` (:class:`~._plan_options.Target`; its ``data_parallel`` is not read: put the
+    ``target`` (:class:`~autoaccum.Target`; its ``data_parallel`` is not read: put the
     program on a mesh instead): the device, budget and memory fraction (which overrides the
     named device profile's default share of GPU memory that JAX's pool gets; when not given,
     the environment's value wins over the profile's). A data-parallel program
     (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
     size, the budget is one device's, and every process agrees on the micro-batch.
     ``cache``: a need cache (``True``, a folder or a
-    :class:`~autoaccum.planning._cache.NeedCache`) that answers repeated compiles.
-    ``depth_variants``: the same model at other depths (:mod:`._depth`); the search then
+    :class:`~autoaccum.internal.NeedCache`) that answers repeated compiles.
+    ``depth_variants``: the same model at other depths (:mod:`autoaccum.planning`); the search then
     runs on needs extrapolated from two small depths and one full-depth compile verifies the
     choice (``verify_depth=False``: not; the advisor's quick rows). ``program`` may be a
     function building it (called only when needed). ``resident``: the program's
-    :class:`~._budget.Resident` memory (or a function computing it more cheaply than
+    :class:`~autoaccum.planning.Resident` memory (or a function computing it more cheaply than
     building the program); by default read from the program. When its weights and
     optimizer state exceed the budget, planning stops before any compile.
     ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of the named
     GPU ``target.device``, data-parallel over their deviceless devices; the programs (and
     the depth variants) are put on that mesh here, with the sharding ``target.strategy`` (one
-    of :data:`~._strategies.STRATEGIES`; ``"auto"``: the program's own, replicated for a
+    of :data:`~autoaccum.internal.STRATEGIES`; ``"auto"``: the program's own, replicated for a
     function building it). The plan is marked with the program's strategy.
 
     Example:
@@ -280,10 +280,10 @@ def plan_model(
     With ``objective="memory"`` the first policy (least recompute) under which some
     micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
     micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
-    policy is planned and candidates are timed (see :mod:`._plan_options`).
+    policy is planned and candidates are timed (see :mod:`autoaccum.planning`).
 
-    ``target`` (:class:`~._plan_options.Target`: device, budget, devices, data parallelism,
-    strategy) says what to plan for; ``search`` (:class:`~._plan_options.Search`: remat,
+    ``target`` (:class:`~autoaccum.Target`: device, budget, devices, data parallelism,
+    strategy) says what to plan for; ``search`` (:class:`~autoaccum.Search`: remat,
     objective, method, uneven, cache, depth variant) how. Their fields:
 
     ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
@@ -291,21 +291,22 @@ def plan_model(
     device over that mesh, compile-only (real-step verification, back-off and timed
     throughput candidates run on one device, so they are skipped, with a note).
 
-    ``cache`` (the need cache, see :mod:`._cache`) and ``depth_variant`` (the model at other
-    depths, see :class:`~._depth.DepthVariant`) speed up compile-only planning.
+    ``cache`` (the need cache, see :mod:`autoaccum.planning`) and ``depth_variant`` (the model at
+    other
+    depths, see :class:`~autoaccum.DepthVariant`) speed up compile-only planning.
 
     ``uneven``: allow a split whose last micro-batch is smaller (13 = 5 + 5 + 3), where the
     adapter's steps take one (``adapter.uneven_batches``); ``False``: divisors only.
 
     ``strategy`` (with more than one device): ``"auto"`` tries the sharding strategies in
-    :data:`~._strategies.STRATEGIES` order (least communication first) under each remat
+    :data:`~autoaccum.internal.STRATEGIES` order (least communication first) under each remat
     policy and keeps the first under which micro-batch 1 fits one device's budget, with its
     largest fitting micro-batch; a name plans that strategy only. Each is measured from the
     partitioned program's per-device memory analysis. On one device it is ignored.
 
     ``devices`` (over ``hosts`` hosts): how many GPUs the plan is for. For a named GPU that
     is not here, a dry run compiled for that many deviceless GPUs, data-parallel (the mesh
-    comes with the resolved target, :func:`~._targets.resolve_target`); on this machine,
+    comes with the resolved target, :func:`~autoaccum.internal.resolve_target`); on this machine,
     ``data_parallel=devices``.
     """
     log = sys.stderr if log == "stderr" else log
@@ -651,7 +652,7 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
                          replan: Callable[..., Plan] | None = None) -> tuple[Plan, Prepared]:
     """``plan`` and ``prepared`` as they are, or partitioned by XLA alone where that step
     fits a larger micro-batch, or (at the plan's split) needs at most
-    :data:`~._strategies.XLA_PARTITIONER_SLACK` times autoaccum's and fits the budget: the
+    ``XLA_PARTITIONER_SLACK`` times autoaccum's and fits the budget: the
     simpler step wherever it is as good. One compile at the plan's split (answered by the need
     ``cache`` when it has it); where the plan accumulates, one more at the smallest split
     autoaccum's step was refused at, and where XLA's fits there, ``replan(prepared=...)`` (a

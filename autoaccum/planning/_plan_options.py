@@ -25,7 +25,7 @@ Policies (``jax.checkpoint_policies``), in order of increasing recompute:
 
 ``"auto"`` (planning only) tries them in this order and keeps the first under which the
 step fits. Each adapter applies a policy to its model's repeated blocks
-(:mod:`autoaccum.adapters.flax._nnx_program`, :mod:`autoaccum.adapters.keras._keras_program`).
+(:mod:`autoaccum.adapters.flax`, :mod:`autoaccum.adapters.keras`).
 """
 
 from __future__ import annotations

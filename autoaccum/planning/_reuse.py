@@ -66,7 +66,7 @@ def _check_sizes(plan: Plan, prepared: Prepared) -> None:
 
 
 def validate_plan_type(plan: Any) -> Plan:
-    """``plan`` if it is a :class:`~._plan.Plan`, else a ``ValueError`` saying what ``plan=``
+    """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError`` saying what ``plan=``
     takes (a dict from ``Plan.to_dict()`` or ``--json`` is a report of a plan, not one).
 
     Example:

@@ -80,7 +80,7 @@ ADVISE_HINT = ("autoaccum.advise(...) (same arguments; CLI: --advise) lists comp
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget.
 
-    ``resident`` (a :class:`~._budget.Resident`, when the verdict came from shapes alone,
+    ``resident`` (a :class:`~autoaccum.planning.Resident`, when the verdict came from shapes alone,
     before any compile), ``budget_bytes``, ``smallest_profile`` (the smallest shipped GPU
     profile whose budget holds the resident state) and ``alternatives`` (compile-verified
     changes that fit, from :func:`autoaccum.advise`; empty unless the advisor ran) say why

@@ -1,7 +1,7 @@
 """Sharding strategies for a data-parallel mesh: what each device holds of the train state.
 
 Every strategy is data parallelism over the mesh's one axis (each device scans its own
-micro-batches, see ``autoaccum.training._data_parallel``); they differ in what is split over
+micro-batches, see ``autoaccum.training``); they differ in what is split over
 the same devices instead of being copied on each:
 
 ==============  ==========  ==================  =================  ============================
@@ -20,7 +20,7 @@ strategy        weights     gradient            optimizer state    communication
 
 Under ``fsdp`` each micro-step gathers a weight only where an operation uses it, and
 gathers it again in that operation's backward pass, where its gradient is reduce-scattered
-(``autoaccum.training._at_use``): a device holds its shard of every weight plus about one
+(``autoaccum.training``): a device holds its shard of every weight plus about one
 layer's gathered weights at a time, never a whole-model gradient. Frozen weights (a LoRA
 model's base) are split too under ``fsdp`` (:attr:`StateLayout.frozen`); the other
 strategies copy them.
@@ -52,8 +52,8 @@ STRATEGIES = ("replicated", "zero1", "zero2", "fsdp")
 PARTITIONERS = ("autoaccum", "xla")
 """Who partitions a strategy's step over the devices: ``"autoaccum"`` (``shard_map`` data
 parallelism, each device scanning its own micro-batches; under ``fsdp`` each weight gathered
-where it is used, see ``autoaccum.training._at_use``) or ``"xla"`` (the one-device step with
-the layout's shardings, partitioned by XLA alone, see ``autoaccum.training._data_parallel``).
+where it is used, see ``autoaccum.training``) or ``"xla"`` (the one-device step with
+the layout's shardings, partitioned by XLA alone, see ``autoaccum.training``).
 The planner compiles both for ``zero1``, ``zero2`` and ``fsdp`` and keeps ``"xla"`` where its
 need is within :data:`XLA_PARTITIONER_SLACK` of the other's (the simpler step)."""
 

@@ -266,11 +266,11 @@ def resolve_target(
     The fraction is ``memory_fraction``, else the environment's
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the training process will run with it), else the
     profile's default; the budget is the pool after the profile's explicit margins
-    (:func:`~autoaccum.planning._budget.profile_budget`).
+    (:func:`~autoaccum.planning.profile_budget`).
 
     A TPU slice (``"v5e-8"``) that is not here is compiled for over all its chips with
     libtpu (``devices`` defaults to the slice's), its budget one chip's usable HBM
-    (:func:`~autoaccum.planning._budget.tpu_budget`); the compile refuses a step over it.
+    (``tpu_budget``); the compile refuses a step over it.
 
     Example:
       >>> resolve_target(None, "1GiB").budget.bytes
@@ -417,7 +417,7 @@ def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
 
     Inside a caller's context mesh (``jax.set_mesh``), that mesh lays out the step where the
     plan is for it: this machine with ``data_parallel="auto"``, or a slice of as many devices
-    (see :func:`autoaccum.devices._mesh.context_layout`); else the step runs as asked
+    (see ``context_layout``); else the step runs as asked
     and the model's partition specs resolve on a mesh of the same axis names.
 
     Example:

@@ -29,7 +29,7 @@ class StepMetrics(NamedTuple):
     micro_grad_sq_norm: jax.Array
     """Mean over micro-batches of |micro-batch mean gradient|^2."""
     finite: jax.Array | bool = True
-    """Whether the step's loss and gradients were finite (see ``autoaccum.training._nonfinite``);
+    """Whether the step's loss and gradients were finite (see ``autoaccum.training``);
     computed on the device, so reading it costs no extra host sync."""
     logs: Mapping[str, jax.Array] | None = None
     """The framework's own logs of the step, where it keeps any (Keras: the loss tracker's
@@ -66,26 +66,26 @@ class TrainProgram:
     """``data_parallel_step(mesh)`` builds the step for a data-parallel mesh, or the
     single-device step for ``None`` (set by the Flax and Keras adapters)."""
     sharded_step: Callable[[Any], tuple[Callable[..., Any], PyTree]] | None = None
-    """``sharded_step(layout)`` builds the step for a :class:`~._strategies.StateLayout`
+    """``sharded_step(layout)`` builds the step for a :class:`~autoaccum.planning.StateLayout`
     (a strategy other than ``"replicated"``) and returns it with the shardings of the state
     (a tree of ``NamedSharding`` with the structure of ``abstract_state``); ``None``: this
     program runs replicated data parallelism only."""
     strategy: str = "replicated"
-    """The sharding strategy of the step on its mesh (see :mod:`._strategies`)."""
+    """The sharding strategy of the step on its mesh (see :mod:`autoaccum.planning`)."""
     partitioner: str = "autoaccum"
     """Who partitions the step over its mesh: autoaccum's ``shard_map`` step or XLA alone
-    (see :data:`~._strategies.PARTITIONERS`)."""
+    (see :data:`~autoaccum.internal.PARTITIONERS`)."""
     state_shardings: PyTree = None
     """Shardings of ``abstract_state`` for a sharded strategy (``None``: copied on every
     device of the mesh)."""
     layout: Any = None
-    """The :class:`~._strategies.StateLayout` of a sharded strategy, else ``None``."""
+    """The :class:`~autoaccum.planning.StateLayout` of a sharded strategy, else ``None``."""
     own_specs: tuple[Any, ...] | None = None
     """The model's own sharding: for each leaf of ``trainable`` (``jax.tree.leaves`` order)
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
     loop_relowers: bool = False
     """Whether the training loop lowers this very program again (both adapters' loops do):
-    then a compiled probe that can run here is kept for it (:mod:`._cache`)."""
+    then a compiled probe that can run here is kept for it (:mod:`autoaccum.planning`)."""
     placement: Any = None
     """The user's own layout of the state (an ``autoaccum.devices._mesh.Placement``: a
     Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,
@@ -98,8 +98,8 @@ class TrainProgram:
     deviceless_fallback: set[str] = field(default_factory=set, init=False, compare=False,
                                           repr=False)
     """The deviceless targets (their fingerprints) for which a compile of this step failed
-    inside XLA and compiled with :data:`~._measure.DEVICELESS_FALLBACK`: its other
-    micro-batches for that GPU are compiled so at once (see :func:`~._measure.compile_lowered`)."""
+    inside XLA and compiled with ``DEVICELESS_FALLBACK``: its other
+    micro-batches for that GPU are compiled so at once (see ``compile_lowered``)."""
 
     @property
     def data_parallel(self) -> int:
@@ -117,8 +117,8 @@ class TrainProgram:
     def on_mesh(self, mesh: Any, strategy: str = "replicated", *,
                 partitioner: str = "autoaccum") -> TrainProgram:
         """This program, data-parallel over ``mesh`` (``None``: single device), with the
-        sharding ``strategy`` (see :mod:`._strategies`; ignored on one device), partitioned
-        by ``partitioner`` (:data:`~._strategies.PARTITIONERS`).
+        sharding ``strategy`` (see :mod:`autoaccum.planning`; ignored on one device), partitioned
+        by ``partitioner`` (:data:`~autoaccum.internal.PARTITIONERS`).
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -202,7 +202,7 @@ class TrainProgram:
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
                    last: int | None = None, last_sharding: Any = None) -> PyTree:
         """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering; with
-        ``last``, an :class:`~._micro_batches.UnevenBatches` of ``[accum_steps - 1,
+        ``last``, an :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps - 1,
         micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
 
         ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.

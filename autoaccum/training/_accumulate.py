@@ -36,7 +36,7 @@ Where a step's updated weights are laid out before they return to their layout a
 Under ``zero1`` and ``zero2`` each device updates its share of the weights (where its share
 of the optimizer state is) and the new weights are then gathered whole again. The step also
 selects between the new state and the old one (a non-finite step is skipped,
-:func:`~autoaccum.training._nonfinite.update_if_finite`). Left to XLA's GPU compiler, that
+``update_if_finite``). Left to XLA's GPU compiler, that
 select ran on whole weights: every new weight was gathered first, and the latency-hiding
 scheduler kept several gathered weights alive beside the old ones (many small layers on
 4 x H100 deviceless, AdamW: 1.30 times the step's floor at 4 x 1). Constraining the selected

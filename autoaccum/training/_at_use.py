@@ -6,7 +6,7 @@ equation by equation: a weight leaf (and whatever is computed from weights alone
 cast to bfloat16 or a transpose) stays a recipe until an equation combines it with values
 computed from ``args`` (activations). That equation runs as one ``jax.custom_vjp``
 operation. Its forward pass gathers the weights it reads once the activations it combines
-them with exist (a data dependence, see :func:`_tied`); its backward pass gathers them
+them with exist (a data dependence, see ``_tied``); its backward pass gathers them
 again once the incoming cotangent exists, and reduce-scatters their gradients right there.
 So no gather can be scheduled before the operation that needs it, in the forward or the
 backward pass, the whole weights of one operation are held only around it, and no
@@ -82,7 +82,7 @@ def _lookup_grads(eqn: Any, table: _Recipe, deps: list[int], whole: list[Any],
                   trained: list[int], ct: Any, saved: list[Any], act_specs: list,
                   scatter: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list]:
     """The backward pass of ``gather(table, indices)`` with ``table`` computed from weights:
-    the cotangent scatter-added into zeros tied to it (see :func:`_tied`), then carried back
+    the cotangent scatter-added into zeros tied to it (see ``_tied``), then carried back
     to the weights the table is made from. (The zeros JAX's own transpose makes depend on
     nothing, and XLA:CPU scheduled them at the start of the micro-step: a whole table per
     device held through the backward pass of every other layer.)"""

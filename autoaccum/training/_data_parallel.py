@@ -13,7 +13,7 @@ Carried state (``carry``) has a policy, because each device threads its own copy
 own micro-batches: by default floating leaves (batch statistics) are averaged over devices
 and other leaves (RNG counters and keys, step counters) are taken from the first device, so
 every device holds the same value afterwards. A framework may give its own rule (Keras sums
-its metric-variable updates across devices; see ``autoaccum.adapters.keras._keras_program``).
+its metric-variable updates across devices; see ``autoaccum.adapters.keras``).
 
 Stochastic layers: each device folds its index into every typed PRNG key of the carried
 state (``jax.random.fold_in``) for its own micro-batches, so dropout masks differ across
@@ -21,7 +21,7 @@ devices (and from a single-device run; exactness holds for deterministic forward
 Keys the forward pass left unchanged come back as they were; RNG counters advance as on one
 device (device 0's).
 
-Meshes and placing arrays on them: :mod:`autoaccum.devices._mesh`.
+Meshes and placing arrays on them: :mod:`autoaccum.devices`.
 
 A sharding strategy's step partitioned by XLA alone (GSPMD): the simpler of the two steps.
 
@@ -40,12 +40,12 @@ planner compiles both and keeps this one where its need is within 5% of the othe
 Which accumulation a train step runs: on one device, over a data-parallel mesh, or inside
 a layout the user made (a kept placement); the same for every framework's step.
 
-A kept placement (:class:`~autoaccum.devices._mesh.Placement`: a Keras ``ModelParallel``
+A kept placement (``Placement``: a Keras ``ModelParallel``
 layout map, Flax ``with_partitioning`` annotations) compiles the single-device step with
 the user's shardings and lets XLA partition it. Left alone, XLA lays the float32 gradient
 accumulator out like its weight, so every device of the data axis holds the whole sum of a
 weight that the data axis does not split; :func:`placed_accumulate` splits the accumulator
-over the data axis too (:func:`~autoaccum.planning._strategies.accumulator_sharding`), so
+over the data axis too (``accumulator_sharding``), so
 each device keeps its share of the sum, as ``zero2`` does.
 """
 
@@ -148,7 +148,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     ``grad_sum`` comes back split by ``layout.grads``). Leaves the layout copies are summed
     once at the end. Under ``fsdp`` the weights (and ``frozen``, split by
     ``layout.frozen``) arrive split and every micro-step gathers each one where it is used
-    and reduce-scatters its gradient there (:func:`~._at_use.gathered_at_use`): a device
+    and reduce-scatters its gradient there (``gathered_at_use``): a device
     holds its shards plus about one operation's whole weights, never the whole model's
     weights or gradient. ``frozen`` (keyword): weights ``micro_loss`` reads as a fourth
     argument (as :func:`accumulate_gradients` takes them).
@@ -438,10 +438,10 @@ def step_accumulation(mesh: Any = None, layout: StateLayout | None = None, *,
                       carry_reduce: CarryReduce | None = None) -> Accumulate:
     """The accumulation of a step: inside the user's ``placement`` (see
     :func:`placed_accumulate`), else data-parallel over the one-axis ``mesh`` with the
-    sharding strategy's ``layout`` (:func:`~._data_parallel.data_parallel_accumulate`, whose
+    sharding strategy's ``layout`` (:func:`~autoaccum.internal.data_parallel_accumulate`, whose
     ``carry_reduce`` makes carried state agree across devices; or, for a layout partitioned
     by XLA, ``layout.partitioner == "xla"``, the one-device accumulation with the layout's
-    shardings, :func:`~._data_parallel.xla_partitioned_accumulate`), else on one device
+    shardings, ``xla_partitioned_accumulate``), else on one device
     (:func:`accumulate_gradients`).
 
     Example:

@@ -1,7 +1,7 @@
 """The one training loop of ``autoaccum.fit``, for every framework.
 
 :func:`run_fit_loop` runs epochs of optimizer steps through a
-:class:`~autoaccum.training._step_runner.StepRunner` and owns what every framework's fit has
+:class:`~autoaccum.training.StepRunner` and owns what every framework's fit has
 in common: the order of the callback hooks, the progress bar, how often validation runs, the
 non-finite policy (a non-finite step under ``on_nonfinite="stop"`` ends training unless a
 callback already stopped it), stopping early (a callback's request, or

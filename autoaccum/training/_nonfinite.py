@@ -11,7 +11,7 @@ not): no extra host sync. ``fit`` then follows ``on_nonfinite``:
 
 Weights and optimizer state are rolled back with :func:`update_if_finite`, whose form
 follows the platform the step is compiled for
-(:func:`autoaccum.devices._deviceless.compile_platform`), because XLA's
+(``compile_platform``), because XLA's
 CPU and GPU compilers keep different buffers alive for each:
 
 * on the CPU the optimizer runs inside ``lax.cond``: selecting between the new and the old

@@ -18,7 +18,7 @@ every framework.
 * recovery: a step that fails puts the state from before it back (the inputs when intact,
   else the host copy); a real out-of-memory with ``elastic`` is redone from that state at the
   next smaller micro-batch (more accumulation, the same effective batch,
-  :mod:`._step_runner`);
+  :mod:`autoaccum.training`);
 * what a non-finite step does (``on_nonfinite``), and :meth:`settle`: after any exception,
   the model on the live arrays of one whole step.
 
@@ -27,7 +27,7 @@ jitted step. The runner imports no framework.
 
 Elastic recovery: after a real out-of-memory mid-training, redo the same step smaller.
 
-The step runner (:class:`~autoaccum.training._step_runner.StepRunner`) runs a step through
+The step runner (:class:`~autoaccum.training.StepRunner`) runs a step through
 :func:`retry_smaller`: after a real out-of-memory it restores the state from before the
 failed step, then calls :func:`shrink` for the next split: the largest divisor of the
 per-device effective batch below the failed micro-batch, with accumulation raised so the
@@ -526,7 +526,7 @@ class StepRunner:
         return self._compiled(state, self._abstract_batches(spec, split), frozen, False)
 
     def _abstract_batches(self, spec: PyTree, split: Split) -> PyTree:
-        """Abstract batches of ``split``, laid out as :meth:`_place` places them."""
+        """Abstract batches of ``split``, laid out as ``_place`` places them."""
         accum, micro, last = split
         full_sharding = last_sharding = None
         if self.placement is not None:
@@ -675,7 +675,7 @@ class StepRunner:
         freed before the host copy goes back on the device: after an out-of-memory they hold
         the very memory the copy needs. When even the copy does not fit, the model holds it on
         the host (numpy arrays, nothing lost) and :class:`StateLostError`'s sibling message
-        says so (:func:`_restore_failed`)."""
+        says so (``_restore_failed``)."""
         failed = self.state if self.state is not before else None
         self.pending = None
         if not is_consumed(before):
@@ -722,7 +722,7 @@ class StepRunner:
     def settle(self, error: BaseException | None = None) -> None:
         """After any exception (``error``, which gets autoaccum's notes): the model holds
         the arrays of one whole optimizer step (on the host when the device has no room left
-        for them, see :meth:`_restore`).
+        for them, see ``_restore``).
 
         A step dispatched but not yet taken is kept (and counted) when it completed,
         else the state before it is put back; a write into the model that stopped halfway is
@@ -757,7 +757,7 @@ class StepRunner:
     def shrink(self, error: BaseException) -> Any:
         """After an out-of-memory of a full step: the next smaller micro-batch for it (the same
         effective batch; smaller steps are split again at it). Returns the
-        :class:`~autoaccum.training._step_runner.ElasticEvent`.
+        ``ElasticEvent``.
 
         Raises:
           autoaccum.planning.DoesNotFitError: the micro-batch was already 1.

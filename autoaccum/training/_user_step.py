@@ -2,7 +2,7 @@
 on the one step runner, for every framework.
 
 :class:`UserLoopStep` runs one effective batch (or a smaller last one) per call through a
-:class:`~autoaccum.training._step_runner.StepRunner`: the model holds the new state after the
+:class:`~autoaccum.training.StepRunner`: the model holds the new state after the
 call; a failed or interrupted call leaves it on the state of one whole step
 (:meth:`StepRunner.settle`); a non-finite step under ``on_nonfinite="stop"`` raises
 :class:`~autoaccum.training.NonFiniteError`; :meth:`UserLoopStep.shrink` gives the next smaller

@@ -138,14 +138,14 @@ class FlaxAdapter(Adapter):
                          "nnx_optimizer": link, "source": source, **kwargs})
 
     def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
-        """Changes the advisor may plan for this model (see :mod:`._nnx_advice`)."""
+        """Changes the advisor may plan for this model (see :mod:`autoaccum.adapters.flax`)."""
         from ._nnx_advice import flax_advice_changes
 
         return flax_advice_changes(model, options)
 
     def change_hint(self, key: str, value: Any) -> str | None:
         """How a user applies an advice row's ``key=value`` (``None``: not this
-        framework's change; see :func:`._nnx_advice.flax_change_hint`)."""
+        framework's change; see ``flax_change_hint``)."""
         from ._nnx_advice import flax_change_hint
 
         return flax_change_hint(key, value)
@@ -167,7 +167,7 @@ class FlaxAdapter(Adapter):
     def own_mesh(self, model: Any, mesh: Any) -> Any:
         """The data-parallel training mesh: ``mesh``, the one-axis mesh the model's weights
         are split over, or ``None`` for weights split over a mesh of several axes (that
-        layout is kept by the program's placement; see ``autoaccum.adapters.flax._sharding``)."""
+        layout is kept by the program's placement; see ``autoaccum.adapters.flax``)."""
         from ._sharding import own_mesh
 
         return own_mesh(model, mesh)
@@ -366,7 +366,7 @@ class TrainStep(UserLoopStep):
     normalised by its own count). ``plan`` is the split it runs now, ``steps`` the optimizer
     steps taken, ``opt_state`` the optimizer state (read it for a checkpoint, assign it to
     restore one). The step runs on the one user-loop step,
-    :class:`~autoaccum.training._user_step.UserLoopStep`.
+    ``UserLoopStep``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum

@@ -1,23 +1,23 @@
 """Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``).
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
-(:class:`~autoaccum.training.StepRunner`); what Flax brings to it is :class:`_FlaxHooks`: the
-model's state (:class:`._nnx_fit.FlaxState`), the epoch's batches, autoaccum's callbacks
+(:class:`~autoaccum.training.StepRunner`); what Flax brings to it is ``_FlaxHooks``: the
+model's state (``FlaxState``), the epoch's batches, autoaccum's callbacks
 and the :class:`~autoaccum.training.FitResult`.
 
 A Flax NNX model's train state for the one step runner
-(:class:`~autoaccum.training._step_runner.StepRunner`), for ``fit`` and ``train_step``.
+(:class:`~autoaccum.training.StepRunner`), for ``fit`` and ``train_step``.
 
 The state is ``(params, other, opt_state)``: the trained variables and the other state (RNG
 counters, batch statistics) live in the model, the optimizer state here (and, with an
 ``nnx.Optimizer``, in it too, written back by the callers). :class:`FlaxState` reads it,
 writes each step's state into the model (``nnx.update``) and lays it out on the devices:
 replicated or split over a data-parallel mesh by the plan's strategy, or in the model's own
-layout (a :class:`~autoaccum.devices._mesh.Placement`).
+layout (a ``Placement``).
 
 Validation loss of a Flax NNX model in eval mode, with the same ``loss_fn`` as training.
 
-The batches run through the one validator (:class:`autoaccum.training._fit_loop.Validator`:
+The batches run through the one validator (``Validator``:
 one compiled program per batch shape, the model only read). Eval mode is what
 ``model.eval()`` sets (``deterministic=True`` for dropout,
 ``use_running_average=True`` for BatchNorm), applied to a view of the model
@@ -112,7 +112,7 @@ class FlaxState(StateHooks):
     def trace_mesh(self) -> Any:
         """The mesh the model's code is traced under: the one the step runs on (the kept
         layout's, the strategy's or the data-parallel one), or on one device the caller's
-        axis names (see :func:`autoaccum.devices._mesh.step_mesh`)."""
+        axis names (see ``step_mesh``)."""
         if self.placement is not None:
             return self.placement.mesh
         return step_mesh(self.layout.mesh if self.layout is not None else self.mesh,
@@ -392,7 +392,7 @@ def flax_fit(
         put in eval mode).
       data: host arrays with a leading example axis, a list of per-example records, or a
         stream of batches (an :class:`ArrayData` or :class:`FlaxStream`; see
-        ``autoaccum.adapters.flax._nnx_data``).
+        ``autoaccum.adapters.flax``).
       plan: the plan (micro-batch, accumulation steps, data-parallel devices).
       loss_fn, tx, trainable: the step's loss, optax transformation and trained filter.
       epochs, initial_epoch: train epochs ``initial_epoch .. epochs - 1``.
@@ -401,7 +401,7 @@ def flax_fit(
       elastic: on a real out-of-memory, redo the same step from the same state at the next
         smaller micro-batch (more accumulation, same effective batch).
       mesh: the one-axis data-parallel mesh of the plan, or ``None``.
-      backup: the host-copy policy (``autoaccum.training._snapshot``).
+      backup: the host-copy policy (``autoaccum.training``).
       on_nonfinite: ``"stop"`` (raise :class:`NonFiniteError`, the model keeps the last finite
         state) or ``"skip"`` (that step changes no weight; training goes on; counted).
       batch_stats: ``"effective"`` or ``"micro"`` (BatchNorm running averages).
@@ -420,8 +420,8 @@ def flax_fit(
         where the last stopped (as Keras's ``steps_per_epoch``). Needed for a stream known to
         be infinite, and for ``epochs > 1`` over a one-shot iterator or generator.
       placement: the model's own layout over a mesh of several axes (a
-        :class:`~autoaccum.devices._mesh.Placement` from
-        :func:`._sharding.own_placement`, with ``mesh=None``): the state keeps it, batches
+        ``Placement`` from
+        ``own_placement``, with ``mesh=None``): the state keeps it, batches
         are split over its data axis, and after training the model's arrays are back on the
         user's own mesh.
 

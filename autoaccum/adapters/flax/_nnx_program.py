@@ -9,7 +9,7 @@ micro-batch: each micro-batch's model is merged *inside* the differentiated func
 the carried state (fresh variables of that trace) and its new state is returned as aux, so
 dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
 once per optimizer step by default (``batch_stats="effective"``, see
-:mod:`._nnx_program`).
+:mod:`autoaccum.adapters.flax`).
 
 Per-layer rematerialization (gradient checkpointing) for Flax NNX models.
 
@@ -19,14 +19,14 @@ integer, e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple) gets it
 recomputes that block's activations instead of keeping them. Pass ``layers=`` (a predicate
 on ``(path, module)``) for models whose layers are not in a sequence.
 
-Policies: :mod:`autoaccum.planning._plan_options`.
+Policies: :mod:`autoaccum.planning`.
 
 ``batch_stats="effective"`` for Flax NNX: one BatchNorm running-average update per step.
 
 Each micro-batch's forward pass runs with every ``nnx.BatchNorm``'s momentum set to 0 on the
 step's own copy of the model, so the layer writes exactly that micro-batch's mean and
 (biased) variance into its ``mean`` and ``var`` statistics. Those are read back, added to
-float32 sums (:mod:`autoaccum.training._accumulate`), and the running averages are put back
+float32 sums (:mod:`autoaccum.training`), and the running averages are put back
 to their value at the start of the step before the next micro-batch. After the last
 micro-batch (and, data-parallel, after the sums are averaged across devices) the running
 averages move once, with the layer's own momentum, from the effective batch's statistics.
@@ -279,7 +279,7 @@ def make_flax_step(
         keeps the layout's shardings (weights, optimizer state split or copied); under
         ``fsdp`` the ``frozen`` weights arrive split too (``layout.frozen``).
       trace_mesh: the context mesh the model's code is traced under (the mesh the step runs
-        on, see :func:`autoaccum.devices._mesh.step_mesh`), so the partition specs
+        on, see ``step_mesh``), so the partition specs
         the model names (``with_sharding_constraint``, ``out_sharding=``) resolve.
 
     Returns:
@@ -376,13 +376,14 @@ def flax_program(
 
     ``model`` may be concrete or abstract (``nnx.eval_shape(lambda: Model(...))``).
     ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (see
-    ``autoaccum.training._data_parallel``); ``program.on_mesh(mesh)`` does the same later.
+    ``autoaccum.training``); ``program.on_mesh(mesh)`` does the same later.
     ``strategy``: what the devices of ``mesh`` split instead of copying (``"replicated"``,
-    ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`).
+    ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning`).
     A model whose weights are split over a mesh of several axes keeps that layout instead
-    (``program.placement``, see :mod:`._sharding`; ``mesh`` and ``strategy`` do not apply).
+    (``program.placement``, see :mod:`autoaccum.adapters.flax`; ``mesh`` and ``strategy`` do not
+    apply).
     ``batch_stats``: ``"effective"`` or ``"micro"`` (see
-    :mod:`autoaccum.training._accumulate`); ``on_nonfinite``: as :func:`make_flax_step`.
+    :mod:`autoaccum.training`); ``on_nonfinite``: as :func:`make_flax_step`.
 
     Example:
       >>> import optax
@@ -448,7 +449,7 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
                    norms: EffectiveBatchNorm | None, on_nonfinite: str, state: Any,
                    frozen: Any) -> TrainProgram:
     """The program of a model whose layout is kept as the user made it (``placement``, see
-    :func:`._sharding.own_placement`): the single-device step on global batches, compiled
+    ``own_placement``): the single-device step on global batches, compiled
     with the placement's shardings (its abstract state carries them, so the resident memory
     the planner checks first is one device's)."""
     def step_for(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:

@@ -12,7 +12,7 @@ Two cases, told apart by the mesh the split weights live on:
 * **A mesh of several axes** (tensor parallelism as in the JAX AI stack's miniGPT:
   ``jax.make_mesh((2, 2), ('batch', 'model'))``, kernels split over ``'model'``): the
   model's layout is kept as it is (:func:`own_placement`, an
-  ``autoaccum.devices._mesh.Placement``). Every variable keeps its sharding (a variable
+  a ``Placement``). Every variable keeps its sharding (a variable
   not on that mesh is copied over it), the optimizer's moments (sub-trees shaped like the
   weights, as optax's are) and the float32 gradient accumulator are laid out like the
   weights, and the batch is split over the mesh's data axis (:func:`data_axis`). The one
@@ -148,7 +148,7 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     is split over devices, the one-axis mesh its split weights live on, or ``None`` when the
     step keeps a layout (:func:`own_placement`: split weights on a mesh of several axes, or
     the caller's context mesh, ``jax.set_mesh``, when it lays out the step,
-    :func:`~autoaccum.devices._mesh.context_layout`). The devices are checked
+    ``context_layout``). The devices are checked
     against ``mesh``, the devices autoaccum would train on: the same, in the same order, for
     a one-axis mesh; among them for several axes.
 
@@ -218,7 +218,7 @@ def own_placement(model: Any, state: Any, frozen: Any, *,
     (params, other, opt_state)`` (``opt_state`` may be abstract) and ``frozen`` weights: the
     mesh of several axes its split weights live on, or the caller's context mesh
     (``jax.set_mesh``) when it lays out the step
-    (:func:`~autoaccum.devices._mesh.context_layout`) when the model's code cannot
+    (``context_layout``) when the model's code cannot
     run data-parallel (``data_parallel_traces(mesh)``, the loss traced inside autoaccum's
     ``shard_map`` over a one-axis mesh: a ``with_sharding_constraint`` naming a mesh axis
     cannot); ``None`` otherwise (no weight split, or split over a one-axis mesh: the

@@ -5,7 +5,7 @@ The planned step of a compiled Keras model for your own training loop
 
 :class:`KerasTrainStep` runs the step ``autoaccum.fit`` runs for a Keras model (the same
 step runner, :class:`~autoaccum.training.StepRunner`, under the one user-loop step,
-:class:`~autoaccum.training._user_step.UserLoopStep`, and the same compiled accumulating
+``UserLoopStep``, and the same compiled accumulating
 step: exact sums over the effective
 batch as Keras's big-batch step weighs them, the optimizer applied once, the plan's learning
 rate and remat) on one effective batch per call. The model's variables, its optimizer's and
@@ -121,8 +121,8 @@ class KerasAdapter(Adapter):
         layer that has ``enable_lora``; a smaller rank where LoRA is on), int8 frozen weights
         under LoRA (QLoRA), bfloat16 weights when some are float32, another optimizer (Keras
         keeps moments in the weights' dtype). Each is planned on an abstract copy of the
-        model (:func:`~._keras_advice.keras_apply_change`); see
-        :mod:`._keras_advice`.
+        model (``keras_apply_change``); see
+        :mod:`autoaccum.adapters.keras`.
 
         Args:
           model: a compiled ``keras.Model``.
@@ -149,7 +149,7 @@ class KerasAdapter(Adapter):
 
     def change_hint(self, key: str, value: Any) -> str | None:
         """How a user applies an advice row's ``key=value`` (``None``: not this
-        framework's change; see :func:`._keras_advice.keras_change_hint`)."""
+        framework's change; see ``keras_change_hint``)."""
         from ._keras_advice import keras_change_hint
 
         return keras_change_hint(key, value)
@@ -169,7 +169,7 @@ class KerasAdapter(Adapter):
         Returns:
           ``(model_to_plan, options)``.
 
-        Example (a copy with a change: :func:`~._keras_advice.keras_apply_change`):
+        Example (a copy with a change: ``keras_apply_change``):
           >>> try:
           ...     KerasAdapter().apply_change(None, {}, {"mu_dtype": "bfloat16"})
           ... except ValueError as error:

@@ -21,7 +21,8 @@ Changes (keys of the change dict):
 The copy is ``type(model).from_config(model.get_config())`` (with the model's own layer
 classes as custom objects), its config rewritten for the change (dtype policies, int8
 policies built straight as ``model.quantize("int8")`` leaves the layers, LoRA ranks), built
-inside :func:`~._keras_step.keras_lowering_scope` so that every variable is deferred (shape, dtype
+inside :func:`~autoaccum.internal.keras_lowering_scope` so that every variable is deferred (shape,
+dtype
 and initializer, no buffer; nothing left for Keras to initialize later), and compiled with
 fresh copies of the model's optimizer, loss and metrics. A copy rebuilt from the config alone
 is first compared with the model, variable by variable (shape, dtype, trainable): a model

@@ -19,7 +19,7 @@ smaller one (``drop_remainder=False``) so no example is lost. With ``steps`` (Ke
 stopped, as Keras does; a finite source's end still ends the epoch.
 
 Host arrays with one leading example axis (:class:`KerasArrays`) and the checks and
-conversions of their leaves. Reading data as ``fit`` takes it: :mod:`._keras_data`.
+conversions of their leaves. Reading data as ``fit`` takes it: :mod:`autoaccum.adapters.keras`.
 
 A keras-hub task's preprocessing, run the way keras-hub's own ``fit`` runs it.
 

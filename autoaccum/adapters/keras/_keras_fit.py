@@ -4,15 +4,16 @@ Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses t
 step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the optimizer
 applied once). The model's variables hold the current state after every step, so callbacks
 (a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
-point leaves the variables holding the state of one optimizer step (:mod:`._keras_fit`).
+point leaves the variables holding the state of one optimizer step
+(:mod:`autoaccum.adapters.keras`).
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
-(:class:`~autoaccum.training.StepRunner`); what Keras brings to it is :class:`_KerasHooks`:
-the model's variables (:class:`._keras_fit.KerasState`), the epoch's batches, Keras's callbacks
+(:class:`~autoaccum.training.StepRunner`); what Keras brings to it is ``_KerasHooks``:
+the model's variables (``KerasState``), the epoch's batches, Keras's callbacks
 and ``History``.
 
 A Keras model's train state for the one step runner
-(:class:`~autoaccum.training._step_runner.StepRunner`), for ``fit`` and ``train_step``.
+(:class:`~autoaccum.training.StepRunner`), for ``fit`` and ``train_step``.
 
 The state is the model's variables (trainable, the non-trainable ones the step writes, the
 optimizer's and the metrics'): :class:`KerasState` reads them before every step (so a
@@ -35,9 +36,9 @@ Validation during a Keras fit: ``model.evaluate`` at the effective batch, accumu
 The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
 is read in batches of ``validation_batch_size`` (default: the effective batch, as
 ``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by the one
-validator (:class:`autoaccum.training._fit_loop.Validator`) with a forward-only step that
+validator (``Validator``) with a forward-only step that
 scans micro-batches of the training micro-batch, the last one smaller when it does not divide
-(``uneven``; else the largest divisor) (:func:`~._keras_step.keras_eval_step`): the logged
+(``uneven``; else the largest divisor) (``keras_eval_step``): the logged
 ``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
 training micro-batch's memory. The model's weights are only read, never donated or purged,
 so a validation that fails or is interrupted leaves the model as it was.
@@ -294,7 +295,7 @@ def keras_fit(
 
     ``data`` is anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays,
     dicts, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a
-    keras-hub task; see :mod:`._keras_data`). In-memory data is reshuffled every epoch
+    keras-hub task; see :mod:`autoaccum.adapters.keras`). In-memory data is reshuffled every epoch
     (``shuffle``, ``seed``); streams are read as they come. The last examples of an epoch
     that do not fill an effective batch are trained as a final, smaller step normalised by
     its own count (``drop_remainder=True``: left out); ``history.autoaccum_remainder`` says
@@ -319,7 +320,7 @@ def keras_fit(
     ``keras.distribution.DataParallel`` if one is set, else one device; ``"auto"`` every
     device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
     is then per device). ``strategy`` (with a data-parallel mesh): ``"replicated"``,
-    ``"zero1"``, ``"zero2"`` or ``"fsdp"`` (see :mod:`autoaccum.planning._strategies`): the
+    ``"zero1"``, ``"zero2"`` or ``"fsdp"`` (see :mod:`autoaccum.planning`): the
     optimizer variables (and the weights under ``"fsdp"``) are split over the devices; after
     the fit the model's variables hold the trained values laid out as the strategy keeps
     them (a split variable stays split: gathering it on one device could need more memory

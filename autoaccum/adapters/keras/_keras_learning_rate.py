@@ -18,7 +18,7 @@ by construction:
 ``ScaledSchedule``: a Keras learning-rate schedule times a constant, serializable.
 
 Importing this module imports Keras and registers the class as ``autoaccum>ScaledSchedule``,
-so a model saved with one loads after ``import autoaccum.adapters.keras._keras_learning_rate``. Only
+so a model saved with one loads after ``import autoaccum.adapters.keras``. Only
 :func:`autoaccum.internal.scale_keras_learning_rate` creates it; ``autoaccum.fit``
 scales inside the step and never stores a schedule of its own in the optimizer.
 """
@@ -182,7 +182,7 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
     """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate.
 
     The optimizer's current-rate method (what its updates and weight decay read,
-    :func:`~._internals.current_learning_rate_function`) is shadowed on the instance and
+    ``current_learning_rate_function``) is shadowed on the instance and
     restored on exit, as are ``beta_1``/``beta_2``/``epsilon``
     when ``scaling.adam`` adjusts them; the optimizer's variables and config never change.
 
@@ -244,7 +244,7 @@ def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
     A standalone helper (``autoaccum.fit`` does not use it: it scales inside the step and
     leaves the optimizer's rate alone). A float rate is assigned ``lr x factor``; a
     ``LearningRateSchedule`` is wrapped in ``ScaledSchedule(schedule, factor)`` (registered
-    with Keras when this helper first runs: import ``autoaccum.adapters.keras._keras_learning_rate``
+    with Keras when this helper first runs: import ``autoaccum.adapters.keras``
     before loading a model saved with one); a callable becomes ``lambda: factor x
     callable()``.
 

@@ -24,14 +24,14 @@ With several compiled loss terms, Keras keeps a ``Mean`` per term and updates it
 batch, with the term's reduced value weighted by the batch size. Updated per micro-batch that
 would log the mean of micro-batch values: a ``reduction="sum"`` term divided by
 ``accum_steps``, a masked mean weighted wrongly. Instead each term's numerator and
-denominator (recorded by :class:`~._keras_loss.LossRecorder` as Keras reduces it) are summed over
+denominator (recorded by ``LossRecorder`` as Keras reduces it) are summed over
 the micro-batches, and each metric is updated once per step with the big batch's value:
 ``sum_j S_j / sum_j d_j`` (``sum_j value_j`` for ``"sum"``), weighted by the step's examples.
 
 The same sums give the big batch's *total* loss (``sum_t weight_t x term_t`` plus the
 regularization loss averaged over the examples, as Keras divides activity regularization by
 the batch size), which is what is logged when the gradient itself cannot be accumulated
-exactly (several terms, one with a data-dependent denominator; see :mod:`._keras_loss`).
+exactly (several terms, one with a data-dependent denominator; see :mod:`autoaccum.adapters.keras`).
 """
 
 from __future__ import annotations

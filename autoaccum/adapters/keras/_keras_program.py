@@ -1,11 +1,12 @@
 """A compiled Keras 3 model (JAX backend) as a :class:`TrainProgram`: one exact accumulated step.
 
-The step itself is :func:`~._keras_step.keras_train_step`. State (donated) = ``(trainable, mutable
+The step itself is ``keras_train_step``. State (donated) = ``(trainable, mutable
 non-trainable, optimizer variables, metric variables)``. Non-trainable variables the step
 never changes (frozen weights, e.g. a LoRA base model) are passed as a separate, *not donated*
 argument, so a failed step cannot delete them.
 
-Planning leaves the model as it was (:mod:`._keras_step`): an unbuilt model is built with deferred
+Planning leaves the model as it was (:mod:`autoaccum.adapters.keras`): an unbuilt model is built
+with deferred
 variables (no buffers, nothing queued for Keras's deferred initialization), and an unbuilt
 optimizer is not built (a built clone is traced instead).
 
@@ -168,7 +169,7 @@ def layers_without_jit(model: Any) -> list[Any]:
     """The layers of ``model`` that Keras flags ``supports_jit = False`` (``RandomRotation``,
     ``RandomZoom``, lookups, ...), for which ``compile(jit_compile="auto")`` resolves to
     ``False`` on every backend. On the JAX backend many of them trace under ``jax.jit`` all
-    the same (their ops are ``keras.ops``); :func:`~._keras_program.find_layout` traces the step to
+    the same (their ops are ``keras.ops``); ``find_layout`` traces the step to
     see, and refuses naming them only when it fails.
 
     Example:
@@ -252,12 +253,12 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     ``data`` (or ``example_spec``, the ``ShapeDtypeStruct`` of one packed ``(x, y[, w])``
     example) fixes the input shapes. No weight is read and nothing is changed: an unbuilt
     model is built with deferred variables, an unbuilt optimizer is replaced by a built
-    clone (``optimizer``: the one to trace, default :func:`~._keras_step.planning_optimizer`).
+    clone (``optimizer``: the one to trace, default ``planning_optimizer``).
     ``lr_scaling``: the plan's learning-rate rule, applied inside the step. ``mesh``: a
     one-axis ``jax.sharding.Mesh`` (e.g. that of a ``keras.distribution.DataParallel``) for
-    a data-parallel step; see ``autoaccum.training._data_parallel``. ``strategy``: what
+    a data-parallel step; see ``autoaccum.training``. ``strategy``: what
     the devices of ``mesh`` split instead of copying (``"replicated"``, ``"zero1"``,
-    ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning._strategies`);
+    ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning`);
     ``program.on_mesh(mesh, strategy)`` does the same later. The trainable and optimizer
     variables follow the strategy; the other variables are copied on every device.
 
@@ -581,7 +582,7 @@ def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
                         **program_options: Any) -> TrainProgram:
     """The Keras model's accumulated step, traced and lowered with per-block ``remat``
     (Keras applies remat when a layer is called, so lowering must happen inside it too);
-    ``program_options`` go to :func:`~._keras_program.keras_program`."""
+    ``program_options`` go to :func:`~autoaccum.internal.keras_program`."""
 
     with keras_rematerialized(model, remat, layers=layers):
         program = keras_program(model, example_spec=example_spec, **program_options)

@@ -7,10 +7,11 @@ Micro-batches are scanned (an uneven step's smaller last micro-batch,
 :class:`~autoaccum.planning.UnevenBatches`, runs once at its own shape; every micro-batch is
 weighted by its own size); the optimizer is applied once per step (``optimizer.iterations``
 counts optimizer steps, schedules see them), with the learning-rate rule applied while the
-step is traced (:func:`~._keras_learning_rate.scaled_learning_rate`). Losses are weighted as Keras
+step is traced (``scaled_learning_rate``). Losses are weighted as Keras
 weights one
-big batch (:mod:`._keras_loss`), per-term loss metrics too (:mod:`._keras_loss`), and
-``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`._keras_step`).
+big batch (:mod:`autoaccum.adapters.keras`), per-term loss metrics too
+(:mod:`autoaccum.adapters.keras`), and
+``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`autoaccum.adapters.keras`).
 
 A step whose loss or gradients are not finite returns the state it was given (weights,
 optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
@@ -55,9 +56,10 @@ Tracing a Keras model without changing it: planning leaves no trace on the user'
   metrics) its initial value, for training.
 
 Values a rematerialized Keras block appends to a list while it runs (the BatchNorm moments
-``batch_stats="effective"`` records, :mod:`._keras_step`) must leave ``jax.checkpoint`` as its
+``batch_stats="effective"`` records, :mod:`autoaccum.adapters.keras`) must leave ``jax.checkpoint``
+as its
 outputs, or the compiled step gets stray parameters: the lists registered here are carried
-out by :mod:`._keras_program`'s checkpointed calls.
+out by :mod:`autoaccum.adapters.keras`'s checkpointed calls.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ CARRIED_SINKS: list[list] = []  # lists blocks append traced values to while the
 @contextlib.contextmanager
 def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
     """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
-    recorded for ``batch_stats="effective"``, :mod:`._keras_step`) are returned from its
+    recorded for ``batch_stats="effective"``, :mod:`autoaccum.adapters.keras`) are returned from its
     checkpointed call and appended outside it, so no value of the inner trace escapes."""
     CARRIED_SINKS.extend(sinks)
     try:
@@ -252,7 +254,7 @@ def _merge(acc: tuple, part: tuple) -> tuple:
 
 
 def _recording(layer: Any, sink: list) -> Any:
-    """The layer's moments (:func:`~._internals.batch_norm_moments`) that also append
+    """The layer's moments (``batch_norm_moments``) that also append
     ``(mean, variance, count)`` to ``sink``."""
     from keras import ops
 
@@ -517,7 +519,7 @@ class _Micro:
 
     def carry_reduce(self, initial: tuple, local: tuple, axis_name: str) -> tuple:
         """Across devices: metric and loss sums added, batch statistics merged, the rest
-        agreeing (see ``autoaccum.training._data_parallel``)."""
+        agreeing (see ``autoaccum.training``)."""
         from ...training._data_parallel import default_carry_reduce, sum_updates
 
         mutable0, metrics0, loss0, terms0, _ = initial
@@ -544,7 +546,7 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     Keras's step on all the examples at once.
 
     ``strategy_layout``: a sharding strategy's :class:`~autoaccum.planning.StateLayout` on
-    ``mesh`` (``zero1``, ``zero2``, ``fsdp``; see :mod:`autoaccum.planning._strategies`):
+    ``mesh`` (``zero1``, ``zero2``, ``fsdp``; see :mod:`autoaccum.planning`):
     ``state`` arrives laid out by :func:`strategy_shardings` and the new state keeps that
     layout (optimizer variables, and under ``fsdp`` the weights, split over the devices;
     under ``zero2`` and ``fsdp`` the gradient accumulator too; under ``fsdp`` the frozen
@@ -553,9 +555,9 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     device.
 
     ``placement``: the layout the user gave the model (``keras.distribution.ModelParallel``;
-    :func:`~._distribution.keras_placement`), without ``mesh``: the step is compiled with its
+    ``keras_placement``), without ``mesh``: the step is compiled with its
     shardings, and its float32 gradient accumulator is split over the layout's data axis too
-    (:func:`~autoaccum.training._data_parallel.placed_accumulate`).
+    (``placed_accumulate``).
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)

@@ -3,7 +3,7 @@
 ``autoaccum/data/architectures/<name>.json`` holds what keras-hub's ``Backbone.get_config()``
 gives for a public preset (Gemma 2/3, Llama 3.x, Mistral), so ``autoaccum plan --preset NAME``
 can plan a fine-tune on a machine that cannot download the preset. :func:`load_architecture`
-reads one; :func:`build_abstract_causal_lm` (in :mod:`._architectures`) builds its
+reads one; :func:`build_abstract_causal_lm` (in :mod:`autoaccum.adapters.keras.presets`) builds its
 ``CausalLM`` with no weight allocated.
 
 >>> from autoaccum.adapters.keras.presets import list_architectures

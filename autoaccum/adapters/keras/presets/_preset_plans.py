@@ -1,7 +1,8 @@
 """``autoaccum plan --preset NAME``: plan a keras-hub architecture that is not downloaded.
 
 The architecture's backbone config ships as data; the model is built with no weight
-allocated (:mod:`._architectures`), compiled with the chosen optimizer, and its real Keras
+allocated (:mod:`autoaccum.adapters.keras.presets`), compiled with the chosen optimizer, and its
+real Keras
 train step (our accumulated one) is compiled for the target device at each probe.
 
 ``autoaccum plan --preset NAME --advise``: what would make a shipped keras-hub architecture
@@ -114,7 +115,8 @@ def plan_preset(
     verify_depth: bool = True,
     verify_sharded: bool = True,
 ) -> Plan:
-    """A dry-run plan for a shipped keras-hub architecture (see :mod:`._architectures`).
+    """A dry-run plan for a shipped keras-hub architecture (see
+    :mod:`autoaccum.adapters.keras.presets`).
 
     ``target`` (:class:`autoaccum.Target`; ``device=`` and ``budget=`` are its shorthand)
     says what to plan for; ``data_parallel`` is not read (a dry run makes its own mesh).
@@ -122,7 +124,7 @@ def plan_preset(
     blocks only when micro-batch 1 does not fit without it; ``"none"`` never does,
     ``"nothing"`` always does. ``cache`` (default on; ``False`` bypasses it) reuses the need
     figures of an earlier dry run of the same configuration without building the model
-    (:mod:`autoaccum.planning._cache`); ``objective``, ``method``, ``uneven`` and
+    (:mod:`autoaccum.planning`); ``objective``, ``method``, ``uneven`` and
     ``depth_variant`` are not read (a preset is planned compile-only, by depth
     extrapolation: see ``extrapolate``).
     ``learning_rate`` (default 5e-5, or an :class:`autoaccum.LearningRate`) is kept unless
@@ -131,7 +133,7 @@ def plan_preset(
     lab's story is ``LearningRate(base_batch=1, rule="linear")``.
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
-    compile (:mod:`autoaccum.planning._depth`; ``verify_depth=False`` skips that compile,
+    compile (:mod:`autoaccum.planning`; ``verify_depth=False`` skips that compile,
     as the advisor's quick rows do, except under a sharding strategy other than
     ``"replicated"``, whose need can exceed the linear prediction, unless ``verify_sharded``
     is ``False`` too: the advisor's device-count rows, for which one full-depth sharded
@@ -145,7 +147,7 @@ def plan_preset(
     is passed over from shapes, before any compile); a name plans that one. Frozen weights
     (a LoRA base model) are copied on every GPU, except under ``"fsdp"``, which splits them.
     ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
-    ``lora_rank``: QLoRA; see :func:`._architectures.build_abstract_causal_lm`).
+    ``lora_rank``: QLoRA; see :func:`autoaccum.internal.build_abstract_causal_lm`).
 
     Example:
       >>> from autoaccum import Search
@@ -311,7 +313,7 @@ def advise_preset(
 ) -> Advice:
     """The advisor for a shipped architecture: :func:`plan_preset`'s arguments (but
     ``extrapolate``, ``quantize`` and the verification switches, which each row sets); returns an
-    :class:`~autoaccum.planning._advisor.Advice` (its ``error`` carries the table when the
+    :class:`~autoaccum.Advice` (its ``error`` carries the table when the
     configuration as given does not fit).
 
     Rows are planned with depth extrapolation and not verified by a full-depth compile (the
