@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from .planning._targets import resolve_target as resolve_target
     from .training._callbacks import NoiseScaleEstimator as NoiseScaleEstimator
     from .training._data_parallel import data_parallel_accumulate as data_parallel_accumulate
+    from .training._epoch_batches import EpochBatches as EpochBatches
     from .training._epoch_batches import Rebatcher as Rebatcher
     from .training._snapshot import HostSnapshot as HostSnapshot
     from .training._step_runner import deferred_interrupts as deferred_interrupts
@@ -153,6 +154,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "resolve_target": "autoaccum.planning._targets",
     "NoiseScaleEstimator": "autoaccum.training._callbacks",
     "data_parallel_accumulate": "autoaccum.training._data_parallel",
+    "EpochBatches": "autoaccum.training._epoch_batches",
     "Rebatcher": "autoaccum.training._epoch_batches",
     "HostSnapshot": "autoaccum.training._snapshot",
     "deferred_interrupts": "autoaccum.training._step_runner",
@@ -181,6 +183,7 @@ __all__ = [
     "deviceless_target",
     "DevicelessTarget",
     "environment_memory_fraction",
+    "EpochBatches",
     "flax_program",
     "host_memory",
     "HostSnapshot",

@@ -172,6 +172,62 @@ def epoch_order(n: int, *, shuffle: bool, seed: int | None, epoch: int) -> np.nd
     return np.random.default_rng(None if seed is None else [seed, epoch]).permutation(n)
 
 
+class EpochBatches:
+    """The example indices of each batch of an epoch over ``num_examples`` examples held in
+    memory: what both adapters' in-memory data reads (Flax by tree index, Keras by
+    ``take``).
+
+    Without ``steps`` each epoch is one pass in the order :func:`epoch_order` gives for
+    ``(seed, epoch)``, so a run resumed at an epoch reads it as the uninterrupted run did; with
+    ``steps`` an epoch takes at most that many batches and the next one continues the pass (a
+    new pass, seeded by its number, starts when one ends). ``dropped``: examples of the last
+    epoch left out by ``drop_remainder``; ``leftover``: the size of the last short batch.
+
+    Example:
+      >>> batches = EpochBatches(10)
+      >>> [i.tolist() for i in batches.epoch(batch=4, shuffle=False)]
+      [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+      >>> [i.tolist() for i in batches.epoch(batch=4, shuffle=False, drop_remainder=True)]
+      [[0, 1, 2, 3], [4, 5, 6, 7]]
+      >>> batches.dropped, batches.leftover
+      (2, 2)
+    """
+
+    def __init__(self, num_examples: int) -> None:
+        self.num_examples = num_examples
+        self.dropped = 0
+        self.leftover = num_examples
+        self._order: np.ndarray | None = None
+        self._position = 0
+        self._passes = 0
+
+    def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = True,
+              seed: int | None = 0, epoch: int = 0, steps: int | None = None
+              ) -> Iterator[np.ndarray]:
+        """The indices of the epoch's batches of ``batch`` examples, the last one smaller
+        unless ``drop_remainder``."""
+        n = self.num_examples
+        if steps is None or self._order is None or self._position >= n:
+            key = epoch if steps is None else self._passes
+            self._order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=key)
+            self._position = 0
+            self._passes += 1
+        self.dropped = 0
+        taken = 0
+        while (steps is None or taken < steps) and self._position < n:
+            end = min(self._position + batch, n)
+            if end - self._position < batch:
+                self.leftover = end - self._position
+                if drop_remainder:
+                    self.dropped = self.leftover
+                    self._position = n
+                    return
+            index = self._order[self._position:end]
+            self._position = end
+            taken += 1
+            yield index
+
+
 def effective_batches(
     tree: PyTree,
     *,

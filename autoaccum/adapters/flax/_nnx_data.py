@@ -37,11 +37,11 @@ import numpy as np
 
 from ...planning._option_checks import received, type_name
 from ...training._epoch_batches import (
+    EpochBatches,
     Rebatcher,
     as_arrays,
     batch_rebuilder,
     concat,
-    epoch_order,
     num_examples,
 )
 
@@ -59,17 +59,23 @@ class ArrayData:
 
     rebuild: Any = None
     """Makes the user's batch type again from a batch's fields (a plain dataclass, see
-    ``autoaccum.training._epoch_batches.batch_rebuilder``), or ``None``."""
+    autoaccum.internal's batch rebuilder), or ``None``."""
 
     def __init__(self, tree: PyTree, *, rebuild: Any = None) -> None:
         self.tree = tree
         self.rebuild = rebuild
         self.num_examples = num_examples(tree)
-        self._order: np.ndarray | None = None
-        self._position = 0
-        self._passes = 0
-        self.dropped = 0
-        self.leftover = self.num_examples
+        self._batches = EpochBatches(self.num_examples)
+
+    @property
+    def dropped(self) -> int:
+        """Examples the last epoch left out (``drop_remainder``)."""
+        return self._batches.dropped
+
+    @property
+    def leftover(self) -> int:
+        """The size of the last short batch."""
+        return self._batches.leftover
 
     def sample(self, n: int) -> PyTree:
         return self.tree
@@ -77,28 +83,10 @@ class ArrayData:
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = True,
               seed: int = 0, epoch: int = 0, steps: int | None = None) -> Iterator[PyTree]:
         """The epoch's batches of ``batch`` examples, the last one smaller unless
-        ``drop_remainder``. Without ``steps`` each epoch is one pass in the order
-        ``epoch_order(seed, epoch)``; with ``steps`` an epoch takes at most that many batches
-        and the next epoch continues the pass (a new pass starts when one ends)."""
-        n = self.num_examples
-        if steps is None or self._order is None or self._position >= n:
-            key = epoch if steps is None else self._passes
-            self._order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=key)
-            self._position = 0
-            self._passes += 1
-        self.dropped = 0
-        taken = 0
-        while (steps is None or taken < steps) and self._position < n:
-            end = min(self._position + batch, n)
-            if end - self._position < batch:
-                self.leftover = end - self._position
-                if drop_remainder:
-                    self.dropped = self.leftover
-                    self._position = n
-                    return
-            index = self._order[self._position:end]
-            self._position = end
-            taken += 1
+        ``drop_remainder`` (the order and ``steps`` as
+        :class:`~autoaccum.internal.EpochBatches` reads them)."""
+        for index in self._batches.epoch(batch=batch, drop_remainder=drop_remainder,
+                                         shuffle=shuffle, seed=seed, epoch=epoch, steps=steps):
             yield jax.tree.map(lambda a, i=index: a[i], self.tree)
 
 

@@ -54,7 +54,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import Rebatcher, concat, epoch_order
+from ...training._epoch_batches import EpochBatches, Rebatcher, concat
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 
@@ -384,9 +384,12 @@ class ArraySource(KerasData):
         self.arrays = arrays
         self.preprocess = preprocess
         self.num_examples = _length(arrays.x)
-        self._order: np.ndarray | None = None
-        self._position = 0
-        self._passes = 0
+        self._batches = EpochBatches(self.num_examples)
+
+    @property
+    def dropped(self) -> int:
+        """Examples the last epoch left out (``drop_remainder``)."""
+        return self._batches.dropped
 
     def take(self, index: np.ndarray) -> tuple:
         """The examples at ``index``, packed and (keras-hub) preprocessed, as numpy."""
@@ -417,25 +420,10 @@ class ArraySource(KerasData):
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
               seed: int | None = 0, epoch: int = 0, steps: int | None = None
               ) -> Iterator[tuple]:
-        n = self.num_examples
-        if steps is None or self._order is None or self._position >= n:
-            # Seeded by (seed, epoch), as the Flax adapter's: a run resumed at an epoch
-            # shuffles it as the uninterrupted run did (with steps: by pass).
-            key = epoch if steps is None else self._passes
-            self._order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=key)
-            self._position = 0
-            self._passes += 1
-        self.dropped = 0
-        taken = 0
-        while (steps is None or taken < steps) and self._position < n:
-            end = min(self._position + batch, n)
-            if end - self._position < batch and drop_remainder:
-                self.dropped = n - self._position
-                self._position = n
-                return
-            index = self._order[self._position:end]
-            self._position = end
-            taken += 1
+        # Seeded by (seed, epoch), as the Flax adapter's: a run resumed at an epoch shuffles
+        # it as the uninterrupted run did (with steps: by pass).
+        for index in self._batches.epoch(batch=batch, drop_remainder=drop_remainder,
+                                         shuffle=shuffle, seed=seed, epoch=epoch, steps=steps):
             yield self.take(index)
 
 
