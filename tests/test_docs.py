@@ -257,18 +257,19 @@ cross-reference to one (``:func:`~._search.divisors```)."""
 
 
 def test_docstrings_name_public_paths_only():
-    """What a docstring points a reader to is public (a subpackage's name, or
-    ``autoaccum.internal``); examples may show a private ``__module__`` as it prints."""
+    """What a docstring (a module's, a class's, a function's or an attribute's) points a
+    reader to is public (a subpackage's name, or ``autoaccum.internal``); examples may show a
+    private ``__module__`` as it prints."""
     found = []
     for path in sorted((REPO / "autoaccum").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
-                              | ast.AsyncFunctionDef):
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)):
                 continue
-            text, example = ast.get_docstring(node, clean=False) or "", False
-            for line in text.splitlines():
+            example = False
+            for line in node.value.value.splitlines():
                 stripped = line.strip()
                 example = stripped.startswith(">>>") or (example and bool(stripped))
                 if not example and PRIVATE_PATH.search(line):
-                    found.append(f"{path.relative_to(REPO)}: {stripped}")
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {stripped}")
     assert found == []

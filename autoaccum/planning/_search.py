@@ -100,15 +100,16 @@ class DoesNotFitError(ValueError):
         self.smallest_profile = smallest_profile
         """Key of the smallest shipped GPU profile whose budget holds the resident state."""
         self.alternatives = tuple(alternatives)
-        """Compile-verified changes that fit (:class:`~._advisor.Alternative`), best first."""
+        """Compile-verified changes that fit (:class:`~autoaccum.planning.Alternative`),
+        best first."""
         self.advice: Any = None
-        """The whole :class:`~._advisor.Advice` when the advisor ran."""
+        """The whole :class:`~autoaccum.planning.Advice` when the advisor ran."""
         self.beyond_remat = False
         """Whether no rematerialization can make it fit: the state with its gradients (known
         from shapes) is over the budget, with or without accumulation."""
         self.compiles: Any = None
         """What planning compiled before the verdict (a
-        :class:`~._measure.CompileCount`), set by the planning entry points."""
+        :class:`~autoaccum.planning.CompileCount`), set by the planning entry points."""
 
     def _copy(self, message: str, **changes: Any) -> DoesNotFitError:
         fields = {"probes": self.probes, "resident": self.resident,

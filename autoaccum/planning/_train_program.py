@@ -87,7 +87,7 @@ class TrainProgram:
     """Whether the training loop lowers this very program again (both adapters' loops do):
     then a compiled probe that can run here is kept for it (:mod:`autoaccum.planning`)."""
     placement: Any = None
-    """The user's own layout of the state (an ``autoaccum.devices._mesh.Placement``: a
+    """The user's own layout of the state (a ``Placement``: a
     Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,
     ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
     compiled with the placement's shardings as input and output shardings (XLA partitions

@@ -59,7 +59,7 @@ class ArrayData:
 
     rebuild: Any = None
     """Makes the user's batch type again from a batch's fields (a plain dataclass, see
-    autoaccum.internal's batch rebuilder), or ``None``."""
+    ``batch_rebuilder``), or ``None``."""
 
     def __init__(self, tree: PyTree, *, rebuild: Any = None) -> None:
         self.tree = tree

@@ -525,7 +525,7 @@ class _FlaxHooks(FlaxState, FitHooks):
         self.epochs, self.nnx_optimizer = epochs, nnx_optimizer
         self.home = home
         """The shardings the model's arrays had before training (on several devices), put
-        back at the end (see :func:`._sharding.rehome`)."""
+        back at the end (see ``rehome``)."""
         self.written_back = False
 
     def batches(self, epoch: int) -> Iterator[Any]:
