@@ -700,8 +700,6 @@ def measure(
                          slice_mesh=early.mesh if early is not None else None)
     dp = 1 if mesh is None else mesh.size
     given_accum = accum_steps
-    if effective_batch is not None:
-        effective_batch = validate_effective_batch(effective_batch, data_parallel=dp)
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     accum_steps = validate_positive_int("accum_steps", accum_steps)
@@ -715,10 +713,10 @@ def measure(
     if placement is not None and placement.data_parallel != dp:
         # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
         dp = placement.data_parallel
-        if effective_batch is not None:
-            validate_effective_batch(effective_batch, data_parallel=dp)
-            if given_accum is None:
-                accum_steps = math.ceil(effective_batch / dp / micro_batch)
+        if effective_batch is not None and given_accum is None:
+            accum_steps = math.ceil(effective_batch / dp / micro_batch)
+    if effective_batch is not None:  # the split, once the step's data-parallel size is known
+        validate_effective_batch(effective_batch, data_parallel=dp)
     resolved = early or resolve_target(device, None,
                                        memory_fraction=the_target.memory_fraction,
                                        mesh=program.device_mesh)

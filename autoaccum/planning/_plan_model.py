@@ -117,7 +117,6 @@ def plan_program(
     validate_memory_fraction(memory_fraction, device)
     strategy = None if target.strategy == "auto" else target.strategy
     if resolved is None and devices is not None and devices > 1 and is_deviceless(device):
-        effective_batch = validate_effective_batch(effective_batch, data_parallel=devices)
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
                                   devices=devices, hosts=hosts)
     placed = isinstance(program, TrainProgram) and program.placement is not None
@@ -132,9 +131,13 @@ def plan_program(
                           else "replicated")
     if resolved is not None and resolved.mesh is not None and not placed:
         mesh = resolved.mesh
-    if resolved is None:  # called directly (plan_model resolves the target, and validated)
-        effective_batch = validate_effective_batch(
-            effective_batch, data_parallel=1 if mesh is None else int(mesh.size))
+    # The one check of the effective batch against the data-parallel size its step runs at
+    # (every plan of more than one device comes here): a kept layout's data axis, else the
+    # mesh's devices.
+    effective_batch = validate_effective_batch(
+        effective_batch, data_parallel=(program.placement.data_parallel if placed
+                                        else 1 if mesh is None else int(mesh.size)))
+    if resolved is None:  # called directly (plan_model resolves the target)
         weights = 0
         if isinstance(program, TrainProgram):
             weights = (tree_bytes(program.parts.get("trainable"))
@@ -340,7 +343,6 @@ def plan_model(
                          slice_mesh=early.mesh if early is not None else None)
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
-        validate_effective_batch(effective_batch, data_parallel=mesh.size)
         if method == "backoff":
             raise ValueError(
                 "method='backoff' runs real single-device steps; a data-parallel plan is "
@@ -386,7 +388,7 @@ def plan_model(
             program = by_strategy[strategies[0]].program
             if program.placement is not None:  # the user's own layout (e.g. ModelParallel)
                 method, objective, dp_notes = placed_plan_options(
-                    program.placement, effective_batch, method, objective, dp_notes)
+                    program.placement, method, objective, dp_notes)
             own = [s for s in (program.own_specs or ()) if s is not None]
             if own and mesh is None:
                 raise ValueError(
@@ -738,12 +740,11 @@ def with_strategy(plan: Plan, strategy: str,
                  "sharding (" + "; ".join(f"{name}: {first_line(error)}"
                                           for name, error in skipped) + ")")
     return dataclasses.replace(plan, strategy=strategy, probes=earlier + probes, notes=notes)
-def placed_plan_options(placement: Any, effective_batch: int, method: str,
+def placed_plan_options(placement: Any, method: str,
                         objective: str | None, notes: tuple[str, ...]
                         ) -> tuple[str, str | None, tuple[str, ...]]:
     """``(method, objective, notes)`` for a program that keeps the user's layout over several
     devices: compile-only, by memory (real steps and timings run on one device)."""
-    validate_effective_batch(effective_batch, data_parallel=placement.data_parallel)
     split = (f"batches split over {placement.data_axis!r}" if placement.data_axis is not None
              else "batches not split: every device reads the whole micro-batch")
     notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
