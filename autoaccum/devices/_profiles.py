@@ -107,11 +107,6 @@ class TpuSpec:
     """Google Cloud's accelerator type (``"v5litepod-8"``), as ``TPU_ACCELERATOR_TYPE`` holds
     it on a TPU VM."""
 
-    @property
-    def chips_per_host(self) -> int:
-        """Chips on each host of the slice."""
-        return self.chips // self.hosts
-
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:

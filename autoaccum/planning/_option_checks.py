@@ -88,17 +88,6 @@ def validate_devices(devices: object, hosts: object = None, *,
     return devices, hosts
 
 
-def no_leftovers(options: dict, where: str) -> None:
-    """Raises ``TypeError`` naming options that nothing consumed, as Python does.
-
-    Example:
-      >>> no_leftovers({}, "plan")
-    """
-    if options:
-        raise TypeError(f"{where}() got unexpected keyword argument(s): "
-                        f"{', '.join(sorted(options))}")
-
-
 def check_enough_examples(tree: Any, effective_batch: int) -> int:
     """Returns the number of examples, or raises if not even one effective batch is there."""
     n = int(jax.tree.leaves(tree)[0].shape[0])

@@ -111,23 +111,6 @@ REFUSED_FIT_OPTIONS = {
 """``model.fit`` options that autoaccum refuses, with the reason and the fix."""
 
 
-def refuse_fit_options(options: dict[str, Any]) -> None:
-    """A ``ValueError`` with the fix for a refused option, a ``TypeError`` for an unknown one.
-
-    Example:
-      >>> refuse_fit_options({})
-      >>> refuse_fit_options({"batch_size": 4})
-      Traceback (most recent call last):
-      ...
-      ValueError: autoaccum chooses the micro-batch itself; ... Received: batch_size=4
-    """
-    for name, value in options.items():
-        if name in REFUSED_FIT_OPTIONS:
-            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
-    if options:
-        raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(sorted(options))}")
-
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Where each option that is not an everyday keyword lives: name -> (argument, spec, field).

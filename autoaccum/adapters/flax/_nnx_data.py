@@ -302,19 +302,6 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
     return "batches" if as_batches else "records"
 
 
-def is_records(data: Any) -> bool:
-    """Whether ``data`` is a list of per-example records (:func:`list_reading` without the
-    model's say).
-
-    Example:
-      >>> is_records([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}])
-      True
-      >>> is_records([np.zeros((4, 2)), np.zeros(4)])
-      False
-    """
-    return list_reading(data) == "records"
-
-
 def _has_scalar(record: Any) -> bool:
     return any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(record))
 

@@ -162,11 +162,6 @@ class EffectiveBatchNorm:
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
 
 
-def is_nnx_module(model: object) -> bool:
-    """Whether ``model`` is a Flax NNX module."""
-    return isinstance(model, nnx.Module)
-
-
 def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
     """graphdef, trainable params, frozen params, other state (RNG counters, statistics)."""
     return nnx.split(model, trainable, nnx.Param, ...)
