@@ -443,6 +443,13 @@ def plan_model(
         for name in strategies:
             if log is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
+            ruled_out = ruled_out_by_less_sharding(name, skipped, by_strategy,
+                                                   resolved.budget.bytes)
+            if ruled_out is not None:
+                if log is not None:
+                    print(f"autoaccum:   {ruled_out}", file=log, flush=True)
+                skipped.append((name, ruled_out))
+                continue
             try:
                 plan = plan_strategy(name, agree=not trial)
             except DoesNotFitError as error:
@@ -604,6 +611,55 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
                "device (known from shapes, nothing compiled)" for s in strategies
                if s not in fitting]
     return fitting, skipped
+
+
+SPLIT_UPDATE_SHARE = 1.0
+"""How much a strategy's optimizer update may save beside the state it splits, as a share of
+that state: the update runs on the split optimizer state and gradients, its temporaries at
+most as large as they are."""
+
+
+def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitError]],
+                               by_strategy: dict[str, Prepared],
+                               budget_bytes: int) -> DoesNotFitError | None:
+    """Why strategy ``name`` cannot fit, without a compile, or ``None`` to plan it.
+
+    A less sharded strategy in ``failed`` whose micro-batch 1 was compiled at full depth
+    and did not fit bounds this one: the two steps differ by the state ``name`` splits off
+    per device (weights, gradient accumulator, optimizer state, known from shapes) and the
+    update's temporaries on it (:data:`SPLIT_UPDATE_SHARE`). Where that step's need less all
+    of it is still over the budget, ``name``'s is too (a LoRA model's zero1 and zero2 split
+    off a few MiB of optimizer state, where the replicated step missed by more).
+
+    Example:
+      >>> from autoaccum.planning import Probe, MemoryEstimate
+      >>> estimate = MemoryEstimate(1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 110, "t", 0.0)
+      >>> missed = DoesNotFitError("no", probes=(Probe(1, 4, 110, False, "", estimate),))
+      >>> ruled_out_by_less_sharding("zero1", [("replicated", missed)], {}, 100) is None
+      True
+    """
+    if name not in by_strategy:
+        return None
+    mine = resident_of(by_strategy[name].program)
+    for base, error in failed:
+        full = [p.need_bytes for p in error.probes if p.micro_batch == 1 and not p.fits
+                and p.kind != "real step" and p.estimate.source != "extrapolated"
+                and "refused" not in p.estimate.compile_note]  # a TPU's early figure
+        if base not in by_strategy or not full:
+            continue
+        theirs = resident_of(by_strategy[base].program)
+        saved = int(max(0, theirs.accumulating_bytes - mine.accumulating_bytes)
+                    * (1 + SPLIT_UPDATE_SHARE))
+        least = min(full) - saved
+        if least > budget_bytes:
+            return DoesNotFitError(
+                f"not compiled: micro_batch=1 needs at least {format_bytes(least)} under "
+                f"{name}, over the budget of {format_bytes(budget_bytes)}: the {base} step "
+                f"needs {format_bytes(min(full))} at full depth (compiled) and {name} splits "
+                f"off at most {format_bytes(saved)} of it per device (its state from shapes, "
+                "and as much again for the optimizer's update)",
+                probes=(), budget_bytes=budget_bytes)
+    return None
 
 
 def _partitioner_of(program: Any) -> str:
