@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from ..devices._mesh import has_explicit_axes
-from ..devices._profiles import format_bytes
+from ..devices._profiles import format_bytes, format_bytes_pair
 from ._adapter_interface import Adapter, Prepared
 from ._budget import Resident, check_resident, program_resident, resident_of
 from ._cache import CompileRequest, measure_all, resolve_cache
@@ -443,8 +443,8 @@ def plan_model(
         for name in strategies:
             if log is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
-            ruled_out = ruled_out_by_less_sharding(name, skipped, by_strategy,
-                                                   resolved.budget.bytes)
+            ruled_out = ruled_out_by_less_sharding(
+                name, skipped, functools.partial(_strategy_resident, by_strategy))
             if ruled_out is not None:
                 if log is not None:
                     print(f"autoaccum:   {ruled_out}", file=log, flush=True)
@@ -613,6 +613,12 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
     return fitting, skipped
 
 
+def _strategy_resident(by_strategy: dict[str, Prepared], strategy: str) -> Resident | None:
+    """The per-device resident memory of ``strategy``'s program, or ``None`` if not built."""
+    prepared = by_strategy.get(strategy)
+    return resident_of(prepared.program) if prepared is not None else None
+
+
 SPLIT_UPDATE_SHARE = 1.0
 """How much a strategy's optimizer update may save beside the state it splits, as a share of
 that state: the update runs on the split optimizer state and gradients, its temporaries at
@@ -620,13 +626,13 @@ most as large as they are."""
 
 
 def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitError]],
-                               by_strategy: dict[str, Prepared],
-                               budget_bytes: int) -> DoesNotFitError | None:
+                               resident: Callable[[str], Resident]) -> DoesNotFitError | None:
     """Why strategy ``name`` cannot fit, without a compile, or ``None`` to plan it.
 
     A less sharded strategy in ``failed`` whose micro-batch 1 was compiled at full depth
     and did not fit bounds this one: the two steps differ by the state ``name`` splits off
-    per device (weights, gradient accumulator, optimizer state, known from shapes) and the
+    per device (weights, gradient accumulator, optimizer state, known from shapes:
+    ``resident(strategy)``) and the
     update's temporaries on it (:data:`SPLIT_UPDATE_SHARE`). Where that step's need less all
     of it is still over the budget, ``name``'s is too (a LoRA model's zero1 and zero2 split
     off a few MiB of optimizer state, where the replicated step missed by more).
@@ -635,27 +641,35 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
       >>> from autoaccum.planning import Probe, MemoryEstimate
       >>> estimate = MemoryEstimate(1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 110, "t", 0.0)
       >>> missed = DoesNotFitError("no", probes=(Probe(1, 4, 110, False, "", estimate),))
-      >>> ruled_out_by_less_sharding("zero1", [("replicated", missed)], {}, 100) is None
+      >>> from autoaccum.planning import Resident
+      >>> missed = DoesNotFitError("no", probes=(Probe(1, 4, 110, False, "", estimate),),
+      ...                          budget_bytes=100)
+      >>> state = {"replicated": Resident(0, 4, 4, 8, 0), "zero1": Resident(0, 4, 4, 4, 0)}
+      >>> str(ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get))[:37]
+      'not compiled: micro_batch=1 needs at '
+      >>> state["zero1"] = Resident(0, 4, 4, 0, 0)  # splits off enough: compile it
+      >>> ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get) is None
       True
     """
-    if name not in by_strategy:
-        return None
-    mine = resident_of(by_strategy[name].program)
+    mine = resident(name)
     for base, error in failed:
         full = [p.need_bytes for p in error.probes if p.micro_batch == 1 and not p.fits
                 and p.kind != "real step" and p.estimate.source != "extrapolated"
                 and "refused" not in p.estimate.compile_note]  # a TPU's early figure
-        if base not in by_strategy or not full:
+        theirs = resident(base)
+        if not full or mine is None or theirs is None or not error.budget_bytes:
             continue
-        theirs = resident_of(by_strategy[base].program)
+        budget_bytes = error.budget_bytes
         saved = int(max(0, theirs.accumulating_bytes - mine.accumulating_bytes)
                     * (1 + SPLIT_UPDATE_SHARE))
         least = min(full) - saved
         if least > budget_bytes:
+            least_text, budget_text = format_bytes_pair(least, budget_bytes)
             return DoesNotFitError(
-                f"not compiled: micro_batch=1 needs at least {format_bytes(least)} under "
-                f"{name}, over the budget of {format_bytes(budget_bytes)}: the {base} step "
-                f"needs {format_bytes(min(full))} at full depth (compiled) and {name} splits "
+                f"not compiled: micro_batch=1 needs at least {least_text} under {name}, over "
+                f"the budget of {budget_text}: the {base} step needs "
+                f"{format_bytes_pair(min(full), budget_bytes)[0]} at full depth (compiled) and "
+                f"{name} splits "
                 f"off at most {format_bytes(saved)} of it per device (its state from shapes, "
                 "and as much again for the optimizer's update)",
                 probes=(), budget_bytes=budget_bytes)

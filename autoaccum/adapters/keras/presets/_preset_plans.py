@@ -47,7 +47,7 @@ from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learnin
 from ....planning._measure import counted
 from ....planning._option_checks import validate_effective_batch, validate_positive_int
 from ....planning._plan import Plan
-from ....planning._plan_model import plan_program, with_strategy
+from ....planning._plan_model import plan_program, ruled_out_by_less_sharding, with_strategy
 from ....planning._plan_options import (
     LearningRate,
     Search,
@@ -223,6 +223,12 @@ def plan_preset(
 
             if stream is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
+            ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
+            if ruled_out is not None:
+                if stream is not None:
+                    print(f"autoaccum:   {ruled_out}", file=stream, flush=True)
+                skipped.append((name, ruled_out))
+                continue
             try:
                 plan = plan_program(build, effective_batch=effective_batch,
                                     lr_scaling=scaling, resident=resident,
