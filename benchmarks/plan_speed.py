@@ -32,7 +32,7 @@ Measured 2026-11-29 here (2 cores, jax 0.12.0.1), now and then with ``--root`` a
        lab-t4  4 x 2 nothing   143.9     1.7     2        8        10         55.0               2.6
         1b-t4     4 x 2 none    63.7     1.4     1        6         7         36.3               1.8
        1b-v5e     8 x 1 none    83.0     3.2     1        0         1         73.6               1.1
-     lab-2xt4     2 x 2 none   239.2     1.5     4       16        20         35.4               6.8
+     lab-2xt4     2 x 2 none   156.6    13.4     2        8        10         43.2               3.6
     advise-4b         4 rows   182.6     2.3                       26
        nnx-t4     4 x 2 none    56.9    11.6     1        6         7         31.7               1.8
       nnx-v5e     8 x 1 none    90.3     9.3     1        0         1         78.5               1.2
@@ -40,7 +40,8 @@ Measured 2026-11-29 here (2 cores, jax 0.12.0.1), now and then with ``--root`` a
     (the v5e rows measured after a TPU plan's candidates went from the largest down, libtpu
     refusing each one over the budget early: 1 finished compile; from the smallest up, each at
     full depth, they were 239.7 s (3 full) and 255.7 s; with reduced depths 356.4 s, 2 full +
-    6 reduced, and 260.9 s, 1 full + 6 reduced)
+    6 reduced, and 260.9 s, 1 full + 6 reduced; lab-2xt4 measured after zero1 and zero2 were
+    ruled out by replicated's miss, before that 239.2 s, 4 full + 16 reduced, 6.8x)
     before (315f016): lab-t4 393.6 s cold (10 compiles), 1b-t4 156.7 s (7), 1b-v5e 335.2 s (5),
     nnx-t4 164.1 s (7); the same plans. The rest: docs/guides/planning.md ("How long a plan
     takes") and the closing notes of issue 50.
