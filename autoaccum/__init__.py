@@ -9,7 +9,9 @@ errors, callbacks and the names of the rules, each imported when first used (imp
 autoaccum changes nothing in the process). The engine is public in documented subpackages,
 each with its own ``__all__``: :mod:`autoaccum.planning` (budgets, compiled memory, the search,
 learning-rate rules), :mod:`autoaccum.training` (exact accumulation, data parallelism,
-callbacks), :mod:`autoaccum.devices` (profiles, detection, deviceless targets, meshes).
+callbacks), :mod:`autoaccum.devices` (profiles, detection, deviceless targets, meshes),
+:mod:`autoaccum.reporting` (reports, tables, plots); the engine's unstable parts are in
+:mod:`autoaccum.internal`.
 
 Example:
   >>> import autoaccum
@@ -25,7 +27,9 @@ from .devices._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from . import devices as devices
+    from . import internal as internal
     from . import planning as planning
+    from . import reporting as reporting
     from . import training as training
     from ._front_door import advise as advise
     from ._front_door import fit as fit
@@ -62,6 +66,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
 # fresh process needs, before JAX starts).
 __getattr__, __dir__ = lazy_exports(__name__, {
     "devices": ".devices", "planning": ".planning", "training": ".training",
+    "reporting": ".reporting", "internal": ".internal",
     "advise": "._front_door", "fit": "._front_door", "measure": "._front_door",
     "plan": "._front_door", "train_step": "._front_door", "__version__": "._version",
     "StepOutput": ".adapters.flax", "TrainStep": ".adapters.flax",

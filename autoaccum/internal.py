@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from .adapters.keras._keras_program import (
         validate_keras_fit_kwargs as validate_keras_fit_kwargs,
     )
+    from .adapters.keras._schedule import ScaledSchedule as ScaledSchedule
     from .adapters.keras.presets._architectures import Architecture as Architecture
     from .adapters.keras.presets._architectures import abstract_state as abstract_state
     from .adapters.keras.presets._architectures import abstract_token_batch as abstract_token_batch
@@ -107,6 +108,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "keras_lowering_scope": "autoaccum.adapters.keras._keras_program",
     "keras_program": "autoaccum.adapters.keras._keras_program",
     "validate_keras_fit_kwargs": "autoaccum.adapters.keras._keras_program",
+    "ScaledSchedule": "autoaccum.adapters.keras._schedule",
     "Architecture": "autoaccum.adapters.keras.presets._architectures",
     "abstract_state": "autoaccum.adapters.keras.presets._architectures",
     "abstract_token_batch": "autoaccum.adapters.keras.presets._architectures",
@@ -217,6 +219,7 @@ __all__ = [
     "resolve_target",
     "ResolvedTarget",
     "scale_keras_learning_rate",
+    "ScaledSchedule",
     "search_micro_batch",
     "SearchResult",
     "shard_batches",

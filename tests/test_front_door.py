@@ -51,7 +51,7 @@ def test_importing_autoaccum_changes_nothing_in_the_process():
               "jax" in sys.modules, "autoaccum.cli" in sys.modules)
         print(autoaccum.fit.__name__, autoaccum.devices.format_bytes(1024), sorted(dir(autoaccum))
               == sorted(set(autoaccum.__all__) | {"devices", "planning", "training",
-                                                  "__version__"}))
+                                                  "reporting", "internal", "__version__"}))
     """
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "KERAS_BACKEND")}

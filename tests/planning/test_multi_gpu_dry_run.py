@@ -167,9 +167,9 @@ def _head_loss(model, batch):
 @pytest.mark.slow  # about 10 compiles of a small model for 2 deviceless T4s: about 15 s
 def test_a_strategy_that_splits_off_less_than_a_missed_step_missed_by_is_not_compiled():
     # Replicated misses the 12 MiB budget at micro-batch 1 by about 1.4 MiB; zero1 and zero2
-    # split off the head's optimizer state and gradients (at most 0.5 and 0.75 MiB with the
-    # update's temporaries): they cannot fit, so neither is compiled. fsdp splits the frozen
-    # embedding too, and is planned as before.
+    # split off the head's optimizer state (and gradients), at most 0.75 and 1 MiB with a
+    # gradient's share and the temporaries: they cannot fit, so neither is compiled. fsdp
+    # splits the frozen embedding too, and is planned as before.
     def plan(strategy: str):
         return autoaccum.plan(
             nnx.eval_shape(lambda: FrozenEmbedding(nnx.Rngs(0))),

@@ -15,12 +15,9 @@ by construction:
   next step;
 * saved optimizers hold only Keras's own objects: they load in any process, without autoaccum.
 
-``ScaledSchedule``: a Keras learning-rate schedule times a constant, serializable.
-
-Importing this module imports Keras and registers the class as ``autoaccum>ScaledSchedule``,
-so a model saved with one loads after ``import autoaccum.adapters.keras``. Only
-:func:`autoaccum.internal.scale_keras_learning_rate` creates it; ``autoaccum.fit``
-scales inside the step and never stores a schedule of its own in the optimizer.
+A user's ``LearningRateSchedule`` scaled outside the step (only
+:func:`autoaccum.internal.scale_keras_learning_rate` does it) becomes a ``ScaledSchedule``
+(its own module, which imports Keras when it is first used).
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import keras
 
 from ...planning._lr_scaling import LearningRateScaling, scale_learning_rate
 from ...planning._option_checks import received
@@ -262,6 +257,7 @@ def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
     """
     import keras
 
+    from ._schedule import ScaledSchedule
 
     factor = float(factor)
     if not factor > 0.0:
@@ -278,37 +274,3 @@ def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
             leaf.learning_rate = float(current) * factor
     return optimizer
 
-
-@keras.saving.register_keras_serializable(package="autoaccum", name="ScaledSchedule")
-class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """``factor x schedule(step)``; serializes with the wrapped schedule's config.
-
-    Example:
-      >>> base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
-      >>> scaled = ScaledSchedule(base, 2.0)
-      >>> round(float(scaled(0)), 6)
-      0.2
-      >>> again = keras.optimizers.schedules.deserialize(
-      ...     keras.optimizers.schedules.serialize(scaled))
-      >>> round(float(again(0)), 6), again.factor
-      (0.2, 2.0)
-    """
-
-    def __init__(self, schedule: Any, factor: float) -> None:
-        if isinstance(schedule, dict):
-            schedule = keras.optimizers.schedules.deserialize(schedule)
-        self.schedule = schedule
-        self.factor = float(factor)
-
-    def __call__(self, step: Any) -> Any:
-        value = self.schedule(step)
-        return keras.ops.multiply(value, keras.ops.cast(self.factor, value.dtype))
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "schedule": keras.optimizers.schedules.serialize(self.schedule),
-            "factor": self.factor,
-        }
-
-    def __repr__(self) -> str:
-        return f"ScaledSchedule({self.schedule!r}, factor={self.factor:g})"
