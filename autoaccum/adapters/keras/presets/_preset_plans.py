@@ -25,6 +25,7 @@ budget.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -190,6 +191,14 @@ def plan_preset(
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
     announce(scaling, stream)
+    @functools.cache
+    def resident_of(strategy: str) -> Resident:
+        """A strategy's resident memory, built once a plan (every policy and the strategy
+        rule read it)."""
+        return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
+                                learning_rate=base_lr, overrides=dict(backbone_overrides or {}),
+                                quantize=quantize, strategy=strategy, devices=devices or 1)
+
     for policy in policies:
         def build(layers: int | None = None, policy: str = policy) -> Any:
             overrides = dict(backbone_overrides or {})
@@ -215,11 +224,7 @@ def plan_preset(
         skipped: list[tuple[str, DoesNotFitError]] = []
         for name in strategies:
             def resident(name: str = name) -> Resident:  # the abstract model: no build
-                return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank,
-                                        optimizer=optimizer, learning_rate=base_lr,
-                                        overrides=dict(backbone_overrides or {}),
-                                        quantize=quantize, strategy=name,
-                                        devices=devices or 1)
+                return resident_of(name)
 
             if stream is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
