@@ -46,7 +46,15 @@ from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
 from ._option_checks import received
 from ._plan import Plan, plan_from_search, search_plan
-from ._search import PREDICTION_MARGIN, DoesNotFitError, Probe, SearchResult, divisors
+from ._search import (
+    PREDICTION_MARGIN,
+    DoesNotFitError,
+    Probe,
+    SearchResult,
+    divisors,
+    line_need,
+    need_line,
+)
 from ._train_program import TrainProgram
 
 __all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "validate_depths"]
@@ -549,15 +557,24 @@ def plan_by_depth(
     check = Probe(plan.micro_batch, plan.accum_steps, verified.need_bytes,
                   verified.need_bytes <= budget.bytes, "verify at full depth", verified)
     if check.fits:
+        searched = plan.probes
         probes = (*label_sources(plan.probes), check)
         plan = dataclasses.replace(plan, estimate=verified, probes=probes)
         # The pass lowered the need below the line: the next larger micro-batch may fit too.
         saved = predicted.need_bytes - verified.need_bytes
         larger = [d for d in divisors(per_device) if d > plan.micro_batch]
+        reach = budget.bytes * (1 + PREDICTION_MARGIN)
         if larger and saved > variants.tolerance * predicted.need_bytes:
             up = larger[0]
-            line = extrapolator.measure(up, per_device // up)
-            if line.need_bytes - saved <= budget.bytes * (1 + PREDICTION_MARGIN):
+            # The search's line through its reduced-depth probes, less the pass's saving,
+            # clearly over: no compile at any depth could make it fit.
+            guess = line_need(need_line(searched, per_device), up, searched, per_device)
+            if guess is not None and guess - saved > reach and stream is not None:
+                print(f"autoaccum: depth extrapolation: micro_batch {up} not compiled: the "
+                      f"line says {format_bytes(guess)}, less the {format_bytes(saved)} the "
+                      "pass saved, over the budget", file=stream, flush=True)
+            if ((guess is None or guess - saved <= reach)
+                    and extrapolator.measure(up, per_device // up).need_bytes - saved <= reach):
                 if stream is not None:
                     print(f"autoaccum: depth extrapolation: XLA's rematerialization pass saved "
                           f"{format_bytes(saved)} at micro_batch {plan.micro_batch}; "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -356,34 +356,10 @@ def search_micro_batch(
     candidates = (step_candidates(limit) if measure_uneven is not None else divisors(limit))
 
     def line() -> tuple[float, float] | None:
-        """(intercept, slope) through the smallest and the largest fitting probes at b >= 2
-        with k > 1 (the whole batch drops its loop: off the line)."""
-        points = sorted((b, p.need_bytes) for b, p in probes.items() if 2 <= b < limit)
-        fitting = [(b, n) for b, n in points if probes[b].fits]
-        points = fitting if len(fitting) >= 2 else points
-        if len(points) < 2:
-            return None
-        (b0, n0), (b1, n1) = points[0], points[-1]
-        if b1 == b0:
-            return None
-        slope = (n1 - n0) / (b1 - b0)
-        return n0 - slope * b0, slope
-
-    def predicted(b: int, fit: tuple[float, float] | None) -> float | None:
-        """The line's need at ``b``; at the whole batch, less what dropping the loop saves
-        (twice the accumulator and stacked batch of the largest accumulating probe)."""
-        if fit is None:
-            return None
-        need = fit[0] + fit[1] * b
-        if b == limit:
-            ref = max((p for x, p in probes.items() if x < limit), key=lambda p: p.micro_batch,
-                      default=None)
-            if ref is not None:
-                need -= 2 * (ref.estimate.accumulator_bytes + ref.estimate.batch_bytes)
-        return need
+        return need_line(probes.values(), limit)
 
     def clearly_over(b: int, fit: tuple[float, float] | None) -> bool:
-        need = predicted(b, fit)
+        need = line_need(fit, b, probes.values(), limit)
         return need is not None and need > budget_bytes * (1 + PREDICTION_MARGIN)
 
     def between(lo: int, hi: int) -> list[int]:
@@ -489,6 +465,54 @@ def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
         last_micro_batch=chosen.last_micro_batch,
         divisors_only=divisors_only,
     )
+
+
+def need_line(probes: Iterable[Probe], limit: int) -> tuple[float, float] | None:
+    """(intercept, slope) of need against micro-batch through the smallest and the largest
+    fitting probes at ``2 <= b < limit`` (all of them where fewer than two fit), ``limit``
+    being the per-device batch: micro-batch 1 saves a weight-sized buffer and the whole
+    batch drops its loop, so both are off the line. ``None`` without two such probes.
+
+    Example:
+      >>> from autoaccum.planning._measure import MemoryEstimate
+      >>> def probe(b, need):
+      ...     e = MemoryEstimate(b, 8 // b, 0, 0, 0, 0, 0, 0, need, 0, 0, 0, need, "t", 0.0)
+      ...     return Probe(b, 8 // b, need, True, "fit point", e)
+      >>> need_line([probe(2, 120), probe(4, 140)], 8)
+      (100.0, 10.0)
+    """
+    by_b = {p.micro_batch: p for p in probes if 2 <= p.micro_batch < limit}
+    points = sorted((b, p.need_bytes) for b, p in by_b.items())
+    fitting = [(b, n) for b, n in points if by_b[b].fits]
+    points = fitting if len(fitting) >= 2 else points
+    if len(points) < 2:
+        return None
+    (b0, n0), (b1, n1) = points[0], points[-1]
+    if b1 == b0:
+        return None
+    slope = (n1 - n0) / (b1 - b0)
+    return n0 - slope * b0, slope
+
+
+def line_need(fit: tuple[float, float] | None, b: int, probes: Iterable[Probe],
+              limit: int) -> float | None:
+    """The need line ``fit`` (:func:`need_line`) at micro-batch ``b``; at the whole batch
+    (``b == limit``), less what dropping the loop saves: twice the accumulator and stacked
+    batch of the largest accumulating probe. ``None`` without a line.
+
+    Example:
+      >>> line_need((100.0, 10.0), 4, [], 8)
+      140.0
+    """
+    if fit is None:
+        return None
+    need = fit[0] + fit[1] * b
+    if b == limit:
+        ref = max((p for p in probes if p.micro_batch < limit), key=lambda p: p.micro_batch,
+                  default=None)
+        if ref is not None:
+            need -= 2 * (ref.estimate.accumulator_bytes + ref.estimate.batch_bytes)
+    return need
 
 
 PREDICTION_MARGIN = 0.05

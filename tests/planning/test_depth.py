@@ -229,3 +229,30 @@ def test_the_cache_identity_on_a_mesh_names_its_shape_and_strategy():
     assert keys[(4, "fsdp")] == {"kind": "test", "mesh": {"data": 4}, "strategy": "fsdp",
                                  "depth": 16}
     assert variants.on_mesh(None).key(16) == {"kind": "test", "depth": 16}
+
+
+@pytest.mark.slow  # a search's worth of compiles
+def test_a_next_larger_micro_batch_the_line_puts_clearly_over_is_not_compiled_at_any_depth():
+    # The real model is narrower than its shallow copies (as XLA's rematerialization pass
+    # makes a full-depth GPU step smaller than the line): the chosen micro-batch 4 verifies
+    # more than the tolerance under its prediction, so the next larger (the whole batch 8)
+    # might fit; the search's own line, less that saving, puts it far over the budget, so it
+    # is compiled neither at reduced depth nor in full.
+    spec = {"tokens": jax.ShapeDtypeStruct((128,), jnp.int32),
+            "mask": jax.ShapeDtypeStruct((128,), jnp.int32)}
+
+    def build(depth, **kwargs):
+        model = nnx.eval_shape(lambda: DeepLM(depth, rngs=nnx.Rngs(0), **kwargs))
+        return flax_program(model, spec, loss_fn=token_loss, tx=optax.adamw(1e-3))
+
+    variants = DepthVariants(full_depth=8, build=build, full=build(8, narrow_from=0))
+    predicted = DepthExtrapolator(variants, CompileTarget()).measure(4, 2).need_bytes
+    with counting_compiles() as ledger:
+        plan = plan_by_depth(variants, effective_batch=8,
+                             lr_scaling=scale_learning_rate(None, effective_batch=8),
+                             budget=Budget(int(predicted * 1.03), "user", ""),
+                             target=CompileTarget(), log=None)
+    assert (plan.micro_batch, plan.accum_steps) == (4, 2)
+    assert plan.need_bytes < predicted / (1 + variants.tolerance)  # the "pass" saved enough
+    assert {p.micro_batch for p in plan.probes} == {2, 4}  # 8 never measured
+    assert (ledger.count.full, ledger.count.reduced) == (1, 4)
