@@ -64,9 +64,9 @@ from .planning._search import DoesNotFitError
 from .planning._targets import (
     device_platform,
     is_deviceless,
+    resolve_step_devices,
     resolve_target,
     slice_devices,
-    training_mesh,
 )
 from .training._epoch_batches import num_examples
 from .training._training_options import Training, explains_keywords
@@ -179,8 +179,7 @@ def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any
         given = {**changed(target), **changed(search)}
         the_plan, prepared = reuse_plan(
             plan, model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,
-            options=job.options, remat_layers=search.remat_layers,
-            data_parallel=target.data_parallel,
+            options=job.options, remat_layers=search.remat_layers, target=target,
             planning_options={k: v for k, v in given.items() if k in PLANNING_OPTIONS})
         announce(prepared.lr_scaling, job.log)
         return the_plan, prepared
@@ -689,15 +688,8 @@ def measure(
     refuse_unread("measure", "training", the_training, read=("batch_stats",))
     device = the_target.device
     validate_memory_fraction(the_target.memory_fraction, device)
-    data_parallel = the_target.data_parallel
-    if data_parallel == "auto" and is_deviceless(device):
-        data_parallel = 1  # a dry run for a GPU that is not here measures one device
-    early = None
-    if is_deviceless(device) and (slice_devices(device, None) or 1) > 1:
-        # A TPU slice that is not here: every chip, on the deviceless target's own mesh.
-        early = resolve_target(device, None, memory_fraction=the_target.memory_fraction)
-    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=device,
-                         slice_mesh=early.mesh if early is not None else None)
+    step_devices = resolve_step_devices(adapter, model, the_target)
+    mesh, early = step_devices.mesh, step_devices.slice
     dp = 1 if mesh is None else mesh.size
     given_accum = accum_steps
     if accum_steps is None:

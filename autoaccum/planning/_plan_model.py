@@ -21,7 +21,6 @@ from ._micro_batches import split_sizes
 from ._option_checks import (
     check_enough_examples,
     received,
-    validate_devices,
     validate_effective_batch,
     validate_memory_fraction,
 )
@@ -45,9 +44,9 @@ from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import (
     ResolvedTarget,
     is_deviceless,
+    resolve_step_devices,
     resolve_target,
     slice_devices,
-    training_mesh,
 )
 from ._train_program import TrainProgram, tree_bytes
 
@@ -316,31 +315,13 @@ def plan_model(
     target = Target() if target is None else target
     search = Search() if search is None else search
     device, budget, memory_fraction = target.device, target.budget, target.memory_fraction
-    data_parallel, strategy, devices = target.data_parallel, target.strategy, target.devices
+    strategy = target.strategy
     remat, remat_layers, method = search.remat, search.remat_layers, search.method
     cache, depth_variant, uneven = search.cache, search.depth_variant, search.uneven
     validate_memory_fraction(memory_fraction, device)
     objective = resolve_objective(search.objective, device)
-    devices, hosts = validate_devices(devices, target.hosts, data_parallel=data_parallel)
-    devices = slice_devices(device, devices)  # a TPU slice: all its chips
-    early: ResolvedTarget | None = None
-    if is_deviceless(device):
-        data_parallel = 1  # a dry run for GPUs that are not here makes its own mesh
-        if devices is not None and devices > 1:
-            early = resolve_target(device, budget, memory_fraction=memory_fraction,
-                                   devices=devices, hosts=hosts)
-    elif devices is not None:
-        import jax
-
-        here = len(jax.devices())
-        if devices > here:
-            raise ValueError(
-                f"devices={devices} asks for more devices than this machine has ({here}). For "
-                "a dry run of GPUs that are not here, name them: device='t4', 'l4', "
-                f"'a100-80gb', ... Received: devices={devices}, device={device!r}")
-        data_parallel = devices
-    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=device,
-                         slice_mesh=early.mesh if early is not None else None)
+    step_devices = resolve_step_devices(adapter, model, target)
+    mesh, early = step_devices.mesh, step_devices.slice
     dp_notes: tuple[str, ...] = ()
     if mesh is not None:
         if method == "backoff":

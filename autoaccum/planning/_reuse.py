@@ -12,8 +12,8 @@ from ._budget import resident_of
 from ._option_checks import check_enough_examples, received
 from ._plan import Plan
 from ._plan_model import prepare
-from ._plan_options import ProgramOptions
-from ._targets import training_mesh
+from ._plan_options import ProgramOptions, Target
+from ._targets import resolve_step_devices
 from ._train_program import tree_bytes
 
 __all__ = ["PLANNING_OPTIONS", "reuse_plan", "validate_plan_type"]
@@ -86,7 +86,7 @@ def validate_plan_type(plan: Any) -> Plan:
 
 
 def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_batch: int,
-               options: ProgramOptions, remat_layers: Any = None, data_parallel: Any = "auto",
+               options: ProgramOptions, remat_layers: Any = None, target: Target | None = None,
                planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
     """Checks ``plan`` against ``model``, ``data`` and the options; returns it with the
     prepared step (built abstractly: nothing is compiled here).
@@ -126,7 +126,8 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"{effective_batch}, or pass effective_batch={plan.effective_batch}. Received: "
             f"effective_batch={effective_batch}"
         )
-    mesh = training_mesh(adapter, model, data_parallel=data_parallel, device=None)
+    target = Target() if target is None else target
+    mesh = resolve_step_devices(adapter, model, target).mesh
     prepared = prepare(adapter, model, data, effective_batch=effective_batch, options=options,
                        remat=plan.remat, remat_layers=remat_layers)
     if mesh is not None and prepared.program.placement is None:  # a kept layout stays
@@ -138,7 +139,7 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
         raise ValueError(
             f"plan= was made for {plan.data_parallel} data-parallel device(s), fit would use "
             f"{devices}. Plan with the same data_parallel. Received: data_parallel="
-            f"{data_parallel!r}"
+            f"{target.data_parallel!r}"
         )
     check_enough_examples(prepared.data, effective_batch)
     if not _same_lr(plan.lr_scaling, prepared.lr_scaling):

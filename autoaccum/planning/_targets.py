@@ -406,35 +406,66 @@ def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
 
 
 
-def training_mesh(adapter: Any, model: Any, *, data_parallel: Any, device: Any,
-                  slice_mesh: Any = None) -> Any:
-    """The devices a step of ``model`` runs on, resolved once for ``plan``, ``measure`` and
-    ``fit``: the target slice's own mesh (``slice_mesh``: a dry run for several GPUs or TPU
-    chips that are not here), else ``data_parallel`` over this machine's devices
-    (``"auto"``, an int, or a one-axis mesh; ``None``: one device), then the model's own
-    sharding, kept or refused (``adapter.own_mesh``). ``None`` for one device, or for a step
-    that keeps a layout of its own (its program's placement).
+@dataclass(frozen=True)
+class StepDevices:
+    """Where a step runs, resolved once for ``plan``, ``measure`` and ``fit(plan=...)``
+    (:func:`resolve_step_devices`).
+
+    ``mesh``: the devices the step is laid out over (``None``: one device, or a step that
+    keeps a layout of its own, its program's placement). ``slice``: the resolved target of
+    a dry run for several GPUs or TPU chips that are not here (its mesh is ``mesh``), else
+    ``None``.
+    """
+
+    mesh: Any
+    slice: ResolvedTarget | None = None
+
+
+def resolve_step_devices(adapter: Any, model: Any, target: Any) -> StepDevices:
+    """The devices a step of ``model`` runs on for the :class:`autoaccum.Target` ``target``:
+    a slice that is not here (``device=`` a TPU slice, or ``devices=N`` deviceless GPUs: the
+    slice's own mesh), else ``devices=N`` or ``data_parallel`` over this machine's devices
+    (``"auto"``, an int, or a one-axis mesh), then the model's own sharding, kept or refused
+    (``adapter.own_mesh``).
 
     Inside a caller's context mesh (``jax.set_mesh``), that mesh lays out the step where the
     plan is for it: this machine with ``data_parallel="auto"``, or a slice of as many devices
-    (see ``context_layout``); else the step runs as asked
-    and the model's partition specs resolve on a mesh of the same axis names.
+    (see ``context_layout``); else the step runs as asked and the model's partition specs
+    resolve on a mesh of the same axis names.
 
     Example:
+      >>> import autoaccum
       >>> from autoaccum.adapters.flax import FlaxAdapter
-      >>> training_mesh(FlaxAdapter(), None, data_parallel=1, device=None) is None
-      True
+      >>> resolve_step_devices(FlaxAdapter(), None, autoaccum.Target(data_parallel=1))
+      StepDevices(mesh=None, slice=None)
     """
-    from ..devices._mesh import callers_mesh, context_mesh_as_layout, resolve_mesh
+    import jax
 
+    from ..devices._mesh import callers_mesh, context_mesh_as_layout, resolve_mesh
+    from ._option_checks import validate_devices
+
+    device, data_parallel = target.device, target.data_parallel
+    devices, hosts = validate_devices(target.devices, target.hosts, data_parallel=data_parallel)
+    devices = slice_devices(device, devices)  # a TPU slice: all its chips
     context = callers_mesh()
-    deviceless = is_deviceless(device)
-    if deviceless:
-        as_layout = slice_mesh is not None and context is not None and (
-            slice_mesh.size == context.size)
-    else:
-        as_layout = isinstance(data_parallel, str) and data_parallel == "auto"
-    context_mesh_as_layout(as_layout)
-    if deviceless:
-        return slice_mesh
-    return adapter.own_mesh(model, resolve_mesh(data_parallel, auto=adapter.auto_mesh))
+    if is_deviceless(device):
+        early = None
+        if devices is not None and devices > 1:
+            early = resolve_target(device, target.budget,
+                                   memory_fraction=target.memory_fraction, devices=devices,
+                                   hosts=hosts)
+        mesh = None if early is None else early.mesh
+        context_mesh_as_layout(mesh is not None and context is not None
+                               and mesh.size == context.size)
+        return StepDevices(mesh, early)
+    if devices is not None:
+        here = len(jax.devices())
+        if devices > here:
+            raise ValueError(
+                f"devices={devices} asks for more devices than this machine has ({here}). For "
+                "a dry run of GPUs that are not here, name them: device='t4', 'l4', "
+                f"'a100-80gb', ... Received: devices={devices}, device={device!r}")
+        data_parallel = devices
+    context_mesh_as_layout(isinstance(data_parallel, str) and data_parallel == "auto")
+    return StepDevices(adapter.own_mesh(model, resolve_mesh(data_parallel,
+                                                            auto=adapter.auto_mesh)))
