@@ -21,8 +21,9 @@ compiles follow:
 * where the pass saved more than the tolerance, the next larger micro-batch, when the line
   less that saving puts it within the search's margin of the budget.
 
-Where micro-batch 1 is over the line but the pass could bring it under (its temp at the
-pass's target would fit), micro-batch 1 is compiled at full depth. Where the verification
+Where the smallest micro-batch tried (1, or the whole batch where no accumulating step can
+fit) is over the line but the pass could bring it under (its temp at the pass's target would
+fit), it is compiled at full depth: a refusal is a full-depth compile's. Where the verification
 needs more than the budget (the line under-predicted), the search is redone with full-depth
 compiles (the report says so); where the need falls with depth (seen on TPU), that
 micro-batch is compiled at full depth.
@@ -517,29 +518,36 @@ def plan_by_depth(
     try:
         plan = search_plan(extrapolator.measure, notes=notes, **common)
     except DoesNotFitError as error:
-        smallest = [p for p in error.probes if p.micro_batch == 1]
+        # The smallest micro-batch tried: 1, or the whole batch where no accumulating step
+        # can fit (its weights, optimizer state and accumulator alone are over the budget).
+        smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
         # XLA's rematerialization pass can bring the full-depth step under the line (an upper
         # bound); where even its best (temp at the pass's target) is over, no compile can fit.
-        line = smallest[-1].estimate if smallest else None
+        line = smallest.estimate if smallest is not None else None
         if (not verify or line is None or line.source != "extrapolated"
                 or io_bytes(line) > budget.bytes
                 or min(extrapolator.optimistic(line),  # the pass at its best
                        line.need_bytes / (1 + variants.tolerance)) > budget.bytes):
             error.probes = label_sources(error.probes)
             raise
-        one = extrapolator.verify(1, per_device)
-        check = Probe(1, per_device, one.need_bytes, one.need_bytes <= budget.bytes,
+        b, k = smallest.micro_batch, smallest.accum_steps
+        one = extrapolator.verify(b, k)
+        check = Probe(b, k, one.need_bytes, one.need_bytes <= budget.bytes,
                       "full depth: the line is an upper bound within reach", one)
         if not check.fits:
             need, budget_text = format_bytes_pair(one.need_bytes, budget.bytes)
             rest = str(error).partition(". ")[2]
+            what = (f"Even micro_batch={b}" if k > 1 or b == 1 else
+                    f"No accumulating step fits (its weights, optimizer state and float32 "
+                    f"gradient accumulator alone are over the budget, from shapes), and the "
+                    f"whole batch of {b} in one step")
             raise error._copy(
-                f"Even micro_batch=1 needs {need} at full depth (compiled; the line through "
-                f"two reduced depths said {format_bytes(line.need_bytes)}), over the budget "
-                f"of {budget_text} by {format_bytes(one.need_bytes - budget.bytes)}. {rest}",
+                f"{what} needs {need} at full depth (compiled; the line through two reduced "
+                f"depths said {format_bytes(line.need_bytes)}), over the budget of "
+                f"{budget_text} by {format_bytes(one.need_bytes - budget.bytes)}. {rest}",
                 probes=(*label_sources(error.probes), check)) from None
         plan = plan_from_search(
-            SearchResult(micro_batch=1, max_micro_batch=1, estimate=one,
+            SearchResult(micro_batch=b, max_micro_batch=b, estimate=one,
                          probes=(*label_sources(error.probes), check), affine=None,
                          seconds=0.0),
             effective_batch=effective_batch, data_parallel=data_parallel,

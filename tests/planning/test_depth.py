@@ -256,3 +256,22 @@ def test_a_next_larger_micro_batch_the_line_puts_clearly_over_is_not_compiled_at
     assert plan.need_bytes < predicted / (1 + variants.tolerance)  # the "pass" saved enough
     assert {p.micro_batch for p in plan.probes} == {2, 4}  # 8 never measured
     assert (ledger.count.full, ledger.count.reduced) == (1, 4)
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_whole_batch_only_refusal_over_the_line_is_decided_by_one_full_compile():
+    # No accumulating step can fit (weights, optimizer state and accumulator from shapes),
+    # so only the whole batch is tried; the line puts it over, the pass's best case under:
+    # one full-depth compile decides, and the refusal names the whole batch it compiled.
+    full = measure_program(_build(8), 8, 1)
+    budget = (io_bytes(full) + full.need_bytes) // 2
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    with counting_compiles() as ledger, pytest.raises(DoesNotFitError) as refused:
+        plan_by_depth(DepthVariants(full_depth=8, build=_build), effective_batch=8,
+                      lr_scaling=scale_learning_rate(None, effective_batch=8),
+                      budget=Budget(budget, "user", ""), target=target, log=None,
+                      accumulating_floor=budget + 1)
+    last = refused.value.probes[-1]
+    assert (last.micro_batch, last.accum_steps, last.estimate.source) == (8, 1, "compiled")
+    assert "whole batch of 8 in one step needs" in str(refused.value)
+    assert ledger.count.full == 1
