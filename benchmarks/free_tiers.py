@@ -102,7 +102,7 @@ class _NeedsCompileError(Exception):
 def decide_cell(model: str, mode: str, target: str, *, shapes_only: bool = False) -> dict:
     """One cell, planned in this process: a JSON-ready dict (``status`` "fits", "no" or,
     with ``shapes_only`` when a compile would be needed, "not run")."""
-    from multi_gpu_story import how_decided
+    from multi_gpu_story import deciding_probe, how_decided
 
     import autoaccum
     from autoaccum.adapters.keras.presets import _preset_plans as _plan_preset
@@ -133,8 +133,7 @@ def decide_cell(model: str, mode: str, target: str, *, shapes_only: bool = False
             why = (f"weights + optimizer state {_gib(error.resident.state_bytes)} > "
                    f"{_gib(error.budget_bytes or 0)} per chip{strategies}")
         else:
-            smallest = min(error.probes, key=lambda p: (p.micro_batch, p.need_bytes),
-                           default=None)
+            smallest = deciding_probe(error)
             why = (f"micro-batch {smallest.micro_batch} x {smallest.accum_steps} needs "
                    f"{_gib(smallest.need_bytes)} > {_gib(error.budget_bytes or 0)}"
                    if smallest else str(error).splitlines()[0][:100])

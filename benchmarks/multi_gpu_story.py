@@ -178,6 +178,17 @@ def parse_boxes(text: str) -> list[tuple[str, int]]:
     return [box for box in BOXES if box in wanted]
 
 
+def deciding_probe(error: Any) -> Any:
+    """The probe a refusal rests on: the smallest micro-batch tried, its full-depth compile
+    where it had one (a depth-extrapolated figure is an upper bound), else its smallest need."""
+    if not error.probes:
+        return None
+    least = min(p.micro_batch for p in error.probes)
+    tried = [p for p in error.probes if p.micro_batch == least]
+    full = [p for p in tried if p.estimate.source in ("compiled", "cache")]
+    return min(full or tried, key=lambda p: p.need_bytes)
+
+
 def how_decided(plan_or_error: Any) -> str:
     """How a cell was decided: from shapes, extrapolated from depths 2 and 3, or compiled at
     full depth. An extrapolated "no" is proven only where the arguments and outputs alone
@@ -190,7 +201,7 @@ def how_decided(plan_or_error: Any) -> str:
         error = plan_or_error
         if error.resident is not None:
             return "shapes"
-        smallest = min(error.probes, key=lambda p: (p.micro_batch, p.need_bytes), default=None)
+        smallest = deciding_probe(error)
         if smallest is None or smallest.estimate.source != "extrapolated":
             return "full depth"
         if error.budget_bytes is not None and io_bytes(smallest.estimate) > error.budget_bytes:
