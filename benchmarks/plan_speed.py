@@ -43,8 +43,21 @@ Measured 2026-11-29 here (2 cores, jax 0.12.0.1), now and then with ``--root`` a
     6 reduced, and 260.9 s, 1 full + 6 reduced; lab-2xt4 measured after zero1 and zero2 were
     ruled out by replicated's miss, before that 239.2 s, 4 full + 16 reduced, 6.8x)
     before (315f016): lab-t4 393.6 s cold (10 compiles), 1b-t4 156.7 s (7), 1b-v5e 335.2 s (5),
-    nnx-t4 164.1 s (7); the same plans. The rest: docs/guides/planning.md ("How long a plan
-    takes") and the closing notes of issue 50.
+    nnx-t4 164.1 s (7); the same plans.
+
+Then, the GPU rows again after the next larger micro-batch stopped being measured where the
+search's own line puts it out of reach (``--cases 1b-t4,nnx-t4,lab-t4,lab-2xt4``, a quiet
+machine; the lone compiles ran faster than in the run above, so the ratios moved less than
+the cold seconds):
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+       1b-t4     4 x 2 none    46.9     6.2     1        4         5         23.7               2.0
+      nnx-t4     4 x 2 none    42.5     9.6     1        4         5         28.3               1.5
+      lab-t4  4 x 2 nothing   124.7     6.5     2        8        10         45.7               2.7
+    lab-2xt4     2 x 2 none   137.6     7.6     2        8        10         32.5               4.2
+
+The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 
 from __future__ import annotations

@@ -150,17 +150,25 @@ def test_a_probe_where_the_pass_would_act_is_extrapolated_and_its_best_case_know
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
-def test_a_plan_over_the_line_everywhere_compiles_micro_batch_one_in_full_once():
-    # The pass could bring micro-batch 1 under the budget (its best case fits), the line says
-    # no: one full-depth compile decides (on this CPU the pass does not exist: it does not).
-    full = measure_program(_build(8), 1, 8)
+@pytest.mark.parametrize("whole_batch_only", [False, True], ids=["micro_batch_1", "whole_batch"])
+def test_a_refusal_over_the_line_is_decided_by_one_full_compile(whole_batch_only):
+    # The pass could bring the smallest micro-batch tried under the budget (its best case
+    # fits), the line says no: one full-depth compile decides (on this CPU the pass does not
+    # exist: it does not). The smallest tried is 1, or the whole batch where no accumulating
+    # step can fit (weights, optimizer state and accumulator from shapes).
+    b, k = (8, 1) if whole_batch_only else (1, 8)
+    full = measure_program(_build(8), b, k)
     budget = (io_bytes(full) + full.need_bytes) // 2
     target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
     with counting_compiles() as ledger, pytest.raises(DoesNotFitError) as refused:
         plan_by_depth(DepthVariants(full_depth=8, build=_build), effective_batch=8,
                       lr_scaling=scale_learning_rate(None, effective_batch=8),
-                      budget=Budget(budget, "user", ""), target=target, log=None)
-    assert refused.value.probes[-1].estimate.source == "compiled"
+                      budget=Budget(budget, "user", ""), target=target, log=None,
+                      accumulating_floor=budget + 1 if whole_batch_only else 0)
+    last = refused.value.probes[-1]
+    assert (last.micro_batch, last.accum_steps, last.estimate.source) == (b, k, "compiled")
+    assert ("whole batch of 8 in one step needs" if whole_batch_only
+            else "Even micro_batch=1 needs") in str(refused.value)
     assert ledger.count.full == 1 and ledger.count.reduced >= 2
 
 
@@ -257,21 +265,3 @@ def test_a_next_larger_micro_batch_the_line_puts_clearly_over_is_not_compiled_at
     assert {p.micro_batch for p in plan.probes} == {2, 4}  # 8 never measured
     assert (ledger.count.full, ledger.count.reduced) == (1, 4)
 
-
-@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
-def test_a_whole_batch_only_refusal_over_the_line_is_decided_by_one_full_compile():
-    # No accumulating step can fit (weights, optimizer state and accumulator from shapes),
-    # so only the whole batch is tried; the line puts it over, the pass's best case under:
-    # one full-depth compile decides, and the refusal names the whole batch it compiled.
-    full = measure_program(_build(8), 8, 1)
-    budget = (io_bytes(full) + full.need_bytes) // 2
-    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
-    with counting_compiles() as ledger, pytest.raises(DoesNotFitError) as refused:
-        plan_by_depth(DepthVariants(full_depth=8, build=_build), effective_batch=8,
-                      lr_scaling=scale_learning_rate(None, effective_batch=8),
-                      budget=Budget(budget, "user", ""), target=target, log=None,
-                      accumulating_floor=budget + 1)
-    last = refused.value.probes[-1]
-    assert (last.micro_batch, last.accum_steps, last.estimate.source) == (8, 1, "compiled")
-    assert "whole batch of 8 in one step needs" in str(refused.value)
-    assert ledger.count.full == 1
