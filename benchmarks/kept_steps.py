@@ -24,6 +24,10 @@ accumulated step compiled once with no planning):
     flax: fit planning its step / fit with a plan made earlier = 2.23x
     keras: fit planning its step / fit with a plan made earlier = 3.70x
 
+Again on 2026-11-29, a quiet machine (load 0.3-1.3): Flax 20.99 s kept, 24.09 s compiled
+again, 10.50 s with a plan made earlier (2.00x); Keras 24.77, 27.76 and 7.50 s (3.30x); the
+same plans, compiles and losses.
+
 One compile of the chosen step less per fit, the same losses to the last digit. A fit that
 plans still costs 2.2x (Flax) and 3.7x (Keras) one that is handed its plan: the probes' own
 compiles (on a CPU, where no dry run stands in for them), over issue 50's 1.5x target. On
