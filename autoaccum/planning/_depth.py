@@ -577,11 +577,12 @@ def plan_by_depth(
             # The search's line through its reduced-depth probes, less the pass's saving,
             # clearly over: no compile at any depth could make it fit.
             guess = line_need(need_line(searched, per_device), up, searched, per_device)
-            if guess is not None and guess - saved > reach and stream is not None:
+            out_of_reach = guess is not None and guess - saved > reach
+            if out_of_reach and stream is not None:
                 print(f"autoaccum: depth extrapolation: micro_batch {up} not compiled: the "
                       f"line says {format_bytes(guess)}, less the {format_bytes(saved)} the "
                       "pass saved, over the budget", file=stream, flush=True)
-            if ((guess is None or guess - saved <= reach)
+            if (not out_of_reach
                     and extrapolator.measure(up, per_device // up).need_bytes - saved <= reach):
                 if stream is not None:
                     print(f"autoaccum: depth extrapolation: XLA's rematerialization pass saved "

@@ -191,6 +191,7 @@ def plan_preset(
     failures: list[tuple[str, DoesNotFitError]] = []
     stream = sys.stderr if log == "stderr" else log
     announce(scaling, stream)
+
     @functools.cache
     def resident_of(strategy: str) -> Resident:
         """A strategy's resident memory, built once a plan (every policy and the strategy
@@ -223,12 +224,9 @@ def plan_preset(
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
         skipped: list[tuple[str, DoesNotFitError]] = []
         for name in strategies:
-            def resident(name: str = name) -> Resident:  # the abstract model: no build
-                return resident_of(name)
-
             if stream is not None and len(strategies) > 1:
                 print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
-            ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
+            ruled_out = ruled_out_by_less_sharding(name, skipped, resident_of)
             if ruled_out is not None:
                 if stream is not None:
                     print(f"autoaccum:   {ruled_out}", file=stream, flush=True)
@@ -236,7 +234,8 @@ def plan_preset(
                 continue
             try:
                 plan = plan_program(build, effective_batch=effective_batch,
-                                    lr_scaling=scaling, resident=resident,
+                                    lr_scaling=scaling,
+                                    resident=functools.partial(resident_of, name),
                                     target=dataclasses.replace(target, strategy=name),
                                     log=log, cache=search.cache, depth_variants=variants,
                                     # A sharded step is always verified at full depth:
