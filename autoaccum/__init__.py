@@ -4,14 +4,13 @@ Finds the largest per-device micro-batch whose compiled train step fits the acce
 accumulates gradients exactly over the rest inside one jitted step, scales the learning
 rate by a named rule when you say which batch it was tuned for, and trains.
 
-The top level is the front door: the entry points, the plan and what training returns, the
-errors, callbacks and the names of the rules, each imported when first used (importing
-autoaccum changes nothing in the process). The engine is public in documented subpackages,
-each with its own ``__all__``: :mod:`autoaccum.planning` (budgets, compiled memory, the search,
-learning-rate rules), :mod:`autoaccum.training` (exact accumulation, data parallelism,
-callbacks), :mod:`autoaccum.devices` (profiles, detection, deviceless targets, meshes),
-:mod:`autoaccum.reporting` (reports, tables, plots); the engine's unstable parts are in
-:mod:`autoaccum.internal`.
+The top level is the front door: entry points, plans and results, errors, callbacks and the
+names of the rules, each imported when first used (importing autoaccum changes nothing in the
+process). The engine is public in documented subpackages: :mod:`autoaccum.planning` (budgets,
+compiled memory, the search, learning-rate rules), :mod:`autoaccum.training` (exact
+accumulation, data parallelism, callbacks), :mod:`autoaccum.devices` (profiles, detection,
+deviceless targets, meshes), :mod:`autoaccum.reporting` (reports, tables, plots); unstable
+parts are in :mod:`autoaccum.internal`.
 
 Example:
   >>> import autoaccum
@@ -61,9 +60,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and the docs
     from .training import StopTraining as StopTraining
     from .training import Training as Training
 
-# Imported when first used: ``import autoaccum`` imports neither JAX nor a framework, sets no
-# environment variable and installs no import hook (``autoaccum.configure()`` does what a
-# fresh process needs, before JAX starts).
+# Imported when first used: ``import autoaccum`` imports neither JAX nor a framework.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "devices": ".devices", "planning": ".planning", "training": ".training",
     "reporting": ".reporting", "internal": ".internal",

@@ -1,20 +1,9 @@
 """The front door: ``fit``, ``plan``, ``advise``, ``measure`` and ``train_step``.
 
-Each entry point keeps its explicit keyword-only signature and is a few lines after it: one
-job resolver (:func:`resolve_job`) validates every option once (the effective batch against
-the resolved mesh, the option specs, ``y``/``sample_weight``, the learning rate, the log),
-finds the adapter for the model and resolves the mesh; a keyword that lives in a spec gets a
-clear error (``remat=`` -> ``search=autoaccum.Search(remat=...)``).
-
-* ``autoaccum.fit``: plan, print the plan, and train the model in place with exact
-  accumulation.
-* ``autoaccum.plan``: micro-batch x accumulation steps for an effective batch, within the
-  memory of the device, without training.
-* ``autoaccum.advise``: when a model does not fit, the changes that would, each verified by
-  planning (compiling) with the change applied.
-* ``autoaccum.measure``: the itemized memory of one accumulated train step at a given
-  micro-batch, compiled with abstract inputs.
-* ``autoaccum.train_step``: the planned, accumulated step for a training loop you write.
+Each entry point keeps its explicit keyword-only signature; one job resolver
+(:func:`resolve_job`) validates every option's value once and finds the model's adapter (the
+devices a step runs on are resolved by ``resolve_step_devices``). A keyword that lives in a
+spec gets a clear error (``remat=`` -> ``search=autoaccum.Search(remat=...)``).
 """
 
 from __future__ import annotations
@@ -78,11 +67,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One entry point's call, every option validated once: the adapter of ``model``, the
-    data with ``y``/``sample_weight`` folded in as ``model.fit`` takes them, the three specs,
-    the program options (optimizer, loss, trainable, learning rate, BatchNorm statistics)
-    and where the log goes. Each public entry point builds one (:func:`resolve_job`) and
-    then does only what is its own."""
+    """One entry point's call, every option validated once: the adapter, the data (with
+    ``y``/``sample_weight`` folded in), the three specs, the program options and the log."""
 
     model: Any
     data: Any
@@ -101,10 +87,8 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
                 device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
                 training: Any = None, log: Any = "stderr",
                 needs_batch: bool = True) -> Job:
-    """The :class:`Job` of a call to the entry point ``where``: the effective batch (``None``
-    allowed where ``needs_batch`` is false; the given ``plan``'s when left out), the specs
-    with ``device=``/``budget=`` filled in, the learning rate as an
-    :class:`~autoaccum.LearningRate`, the log stream, the model's adapter and its data.
+    """The :class:`Job` of a call to the entry point ``where``; the effective batch may be
+    ``None`` where ``needs_batch`` is false, and is the given ``plan``'s when left out.
 
     Example:
       >>> import numpy as np
@@ -132,8 +116,7 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
 
 def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
           training: Any = None) -> tuple[Target, Search, Training]:
-    """The three specs an entry point was given (defaults for ``None``), with ``device=``
-    and ``budget=`` given plainly filled into the target.
+    """The three specs (defaults for ``None``), with ``device=``/``budget=`` put in the target.
 
     Example:
       >>> t, s, tr = specs(device="t4", search=Search(remat="nothing"))
@@ -168,11 +151,9 @@ def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> A
 
 
 def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any]:
-    """The plan ``fit`` and ``train_step`` train with, and its prepared step: ``plan=``
-    checked and reused (the Target and Search fields that only shape planning are refused
-    next to it), else planned now. With ``method="auto"`` and elastic steps the first
-    training step is the real verification (it backs off on an out-of-memory exactly as
-    auto planning would), so planning compiles only."""
+    """The plan ``fit``/``train_step`` train with, and its prepared step: ``plan=`` checked
+    and reused, else planned now. With ``method="auto"`` and elastic steps the first training
+    step is the real verification (it backs off on an out-of-memory), so planning compiles."""
     model, target, search = job.model, job.target, job.search
     job.adapter.check_trainable(model, where)
     if plan is not None:
@@ -212,14 +193,12 @@ def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_ra
 
 
 def drops(adapter: Any, drop_remainder: bool) -> bool:
-    """Whether the leftover examples are dropped: asked for, or the adapter does not train
-    them (an adapter that does sets ``trains_leftovers = True``)."""
+    """Whether leftover examples are dropped: asked for, or the adapter does not train them."""
     return bool(drop_remainder) or not adapter.trains_leftovers
 
 
 def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
-    """``plan`` with the number of training examples and the leftover policy (``data``: a
-    pytree of arrays, or an object with a ``num_examples`` attribute such as Keras's)."""
+    """``plan`` with the number of training examples and the leftover policy."""
     examples = getattr(data, "num_examples", None)
     if not isinstance(examples, int):
         try:
@@ -232,14 +211,12 @@ def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
 
 
 def examples_of(prepared: Any) -> Any:
-    """What counts the training examples: a Flax model's data source (a stream has no
-    count), else the prepared data."""
+    """What counts the training examples: a Flax model's data source, else the prepared data."""
     return prepared.extras.get("source", prepared.data)
 
 
 def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
-    """``data`` with ``y`` and ``sample_weight`` given apart, as ``model.fit(x, y,
-    sample_weight=...)`` takes them (Keras models); a Flax model's data is one argument."""
+    """``data`` with Keras's separately given ``y`` and ``sample_weight`` folded in."""
     if y is None and sample_weight is None:
         return data
     return adapter.with_targets(data, y, sample_weight)
@@ -280,28 +257,28 @@ def fit(
     Args:
       model, data, y, sample_weight, effective_batch, optimizer, loss_fn, trainable,
         learning_rate, device, budget, target: as for :func:`autoaccum.plan`. In a
-        multi-process run every process passes the same data and seed. ``x=`` (next to
-        ``y=``, as ``model.fit(x=..., y=...)`` is often written) is taken as ``data``.
+        multi-process run every process passes the same data and seed. ``x=`` (as in
+        ``model.fit(x=..., y=...)``) is taken as ``data``.
       epochs: passes over the data.
       plan: a :class:`Plan` from :func:`autoaccum.plan` for this model, data and effective
         batch: fit checks that it matches (sizes of weights, optimizer state and examples,
         learning-rate rule, device count; not a dry run for another GPU) and trains with it
-        without planning again; ``effective_batch`` may then be left out (the plan's).
-        Planning options (``budget``, ``device``, ...) are refused next to it.
+        without planning again; ``effective_batch`` may then be left out. Planning options
+        (``budget``, ``device``, ...) are refused next to it.
       search: an :class:`autoaccum.Search`, as for :func:`autoaccum.plan`; with
         ``method="auto"`` the first training step is the real verification.
-      training: an :class:`autoaccum.Training`: example order and seed, the initial epoch,
-        non-finite steps, BatchNorm statistics, leftover examples, elastic recovery on a
-        real out-of-memory, the host backup of the donated state.
+      training: an :class:`autoaccum.Training`: example order and seed, initial epoch,
+        non-finite steps, BatchNorm statistics, leftover examples, elastic recovery on a real
+        out-of-memory, host backup of the donated state.
       callbacks: Keras models, Keras callbacks; Flax models, :class:`autoaccum.Callback`
         objects (``on_step_end(step, logs)``, ``on_epoch_end(epoch, logs)``; set
         ``self.stop_training = True`` or raise :class:`autoaccum.StopTraining` to stop).
       validation_data, validation_split, validation_batch_size, validation_steps,
         validation_freq: as ``model.fit`` (Flax too: the validation loss is ``loss_fn``'s
         mean in eval mode, ``history["val_loss"]``).
-      steps_per_epoch: optimizer steps per epoch, as ``model.fit`` (Flax and Keras): an
-        epoch ends after that many and the next one continues where it stopped. Needed for
-        an endless stream, and for ``epochs > 1`` over a one-shot iterator or generator.
+      steps_per_epoch: optimizer steps per epoch, as ``model.fit``: an epoch ends after that
+        many and the next continues where it stopped. Needed for an endless stream, and for
+        ``epochs > 1`` over a one-shot iterator or generator.
       verbose: 0 silences the plan report and the progress bar.
       log: where the plan and probes are printed (``"stderr"``, a stream, or ``None``).
 
@@ -389,7 +366,7 @@ def plan(
 
     Compiles the real accumulated train step with abstract inputs (no weights allocated) at
     a few micro-batches, fits need ~ a + b x micro_batch, verifies by compiling, and picks
-    the largest micro-batch that fits (the last micro-batch of a step may be smaller, see
+    the largest micro-batch that fits (a step's last micro-batch may be smaller, see
     :class:`autoaccum.Search` ``uneven``).
 
     Args:
@@ -399,10 +376,10 @@ def plan(
         batches (a grain ``DataLoader``, ``tf.data`` as numpy, a generator), re-batched into
         effective batches and never materialised (planning reads its first effective batch;
         a one-shot iterator's batches read then are trained first). Keras: what
-        ``model.fit`` takes: ``(x, y[, sample_weight])``, a dataset, ..., or ``x`` alone
+        ``model.fit`` takes (``(x, y[, sample_weight])``, a dataset, ...), or ``x`` alone
         with ``y`` next to it.
-      y, sample_weight: Keras models, as ``model.fit(x, y, sample_weight=...)``: the targets
-        and per-example weights of in-memory ``x`` (the same as ``data=(x, y,
+      y, sample_weight: Keras models: the targets and per-example weights of in-memory
+        ``x``, as ``model.fit(x, y, sample_weight=...)`` (same as ``data=(x, y,
         sample_weight)``). A Flax model takes its data as one argument.
       effective_batch: examples per optimizer step.
       optimizer: Flax: an optax transformation, or a factory called with the scaled rate
@@ -410,7 +387,7 @@ def plan(
       loss_fn: Flax: ``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``.
       trainable: Flax: an ``nnx`` filter of the trained variables (default ``nnx.Param``).
       learning_rate: the base learning rate (Keras: default the compiled optimizer's), or an
-        :class:`autoaccum.LearningRate` that also says which batch it was tuned for
+        :class:`autoaccum.LearningRate` that also gives the batch it was tuned for
         (``base_batch``) and the scaling rule; without ``base_batch`` the rate is kept.
       device: a profile name (``"t4"``, ``"a100-80gb"``, see ``autoaccum devices``); on a
         machine without that device the step is compiled deviceless for it. Shorthand for
@@ -423,15 +400,14 @@ def plan(
       search: an :class:`autoaccum.Search`: how to search (remat, objective, method,
         uneven last micro-batch, need cache, depth variant).
       training: an :class:`autoaccum.Training`; a plan reads ``batch_stats`` (it changes
-        the compiled step) and ``drop_remainder`` (what the report says of the leftover
-        examples).
+        the compiled step) and ``drop_remainder`` (for the report's leftover examples).
       advise: when nothing fits, run :func:`autoaccum.advise` before raising: the
         ``DoesNotFitError`` then carries the compile-verified changes that fit
         (``error.alternatives``, and a table in its message).
       log: where probes are logged live (``"stderr"``, a stream, or ``None``).
 
     Returns:
-      A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes`` and
+      A :class:`Plan`: ``micro_batch``, ``accum_steps``, ``learning_rate``, ``probes``,
       ``report()``.
 
     Example:
@@ -490,24 +466,22 @@ def advise(
     """Plans ``model`` as :func:`autoaccum.plan` would; when nothing fits, plans it again with
     each change that could help and lists the ones that fit.
 
-    Changes: rematerialization policies (when ``remat`` was not ``"auto"``, which tries them
-    already); the framework's own (Flax: another optimizer, moments in bfloat16, training
-    only the ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank,
-    bfloat16 weights; Keras: LoRA at rank 16 on every layer that has ``enable_lora`` (a
-    keras-hub backbone's default targets) or, where LoRA is on, a quarter of its rank, int8
-    frozen weights under LoRA (QLoRA), bfloat16 weights, another optimizer; the LoRA, int8
-    and dtype rows are planned on a copy rebuilt from ``model.get_config()`` with no weight
-    allocated, and a model that cannot be rebuilt lists them under ``tried`` with the
-    reason); the smallest shipped GPU profile where the
-    configuration as given fits; for a named GPU (``device=``), more of the same GPU (2, 4 or
-    8, each planned with the cheapest sharding strategy that fits, shown in the row). Every
-    row's plan succeeded under the same budget (its own for a device row), so its step was
-    compiled and fits; ``relative_flops`` is its compiled
-    step's ``cost_analysis()`` flops over the cheapest row's. When the weights and optimizer
-    state alone are over the budget (known from shapes, before any compile), changes that
-    cannot shrink them are not tried. For keras-hub architectures, ``autoaccum plan --preset
-    NAME --advise`` also tries LoRA ranks, int8 frozen weights under LoRA (QLoRA) and the
-    longest sequence that fits.
+    Changes: rematerialization policies (unless ``remat="auto"``, which tries them already);
+    the framework's own (Flax: another optimizer, moments in bfloat16, training only the
+    ``nnx.LoRAParam`` adapters of a model with LoRA layers or at a smaller rank, bfloat16
+    weights; Keras: LoRA at rank 16 on every layer that has ``enable_lora`` (a keras-hub
+    backbone's default targets) or, where LoRA is on, a quarter of its rank, int8 frozen
+    weights under LoRA (QLoRA), bfloat16 weights, another optimizer; the LoRA, int8 and dtype
+    rows are planned on a copy rebuilt from ``model.get_config()`` with no weight allocated,
+    and a model that cannot be rebuilt lists them under ``tried`` with the reason); the
+    smallest shipped GPU profile where the configuration as given fits; for a named GPU
+    (``device=``), 2, 4 or 8 of it, each with the cheapest sharding strategy that fits (shown
+    in the row). Every row's plan succeeded under the same budget (a device row's own), so its
+    step compiled and fits; ``relative_flops`` is its compiled step's ``cost_analysis()``
+    flops over the cheapest row's. When the weights and optimizer state alone are over the
+    budget (known from shapes, before any compile), changes that cannot shrink them are not
+    tried. For keras-hub architectures, ``autoaccum plan --preset NAME --advise`` also tries
+    LoRA ranks, int8 frozen weights under LoRA (QLoRA) and the longest sequence that fits.
 
     Args:
       model, data, y, sample_weight, effective_batch, optimizer, loss_fn, trainable,
@@ -516,11 +490,10 @@ def advise(
       log: where the original plan's probes and each row's verdict are logged.
 
     Returns:
-      An :class:`~autoaccum.Advice`: ``fits`` (the configuration as given),
-      ``plan`` (its plan when it fits), ``resident``, ``alternatives`` (cheapest first),
-      ``tried`` (changes that did not fit) and ``error`` (the ``DoesNotFitError``, with the
-      table attached, when it does not fit). ``report()``, ``to_dict()``, and a table in a
-      notebook.
+      An :class:`~autoaccum.Advice`: ``fits`` (the configuration as given), ``plan`` (its
+      plan when it fits), ``resident``, ``alternatives`` (cheapest first), ``tried`` (changes
+      that did not fit) and ``error`` (the ``DoesNotFitError``, with the table attached, when
+      it does not fit); ``report()``, ``to_dict()``, and a table in a notebook.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
@@ -545,8 +518,7 @@ def advise(
 
 
 def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
-    """:func:`advise` of a resolved call; ``original``: the error of the plan already made
-    (``plan(..., advise=True)``), which is not planned again."""
+    """:func:`advise` of a resolved call; ``original``: the error of a plan already made."""
     model, data, adapter, options = job.model, job.data, job.adapter, job.options
     effective_batch, target, search, log = (job.effective_batch, job.target, job.search,
                                             job.log)
@@ -653,8 +625,8 @@ def measure(
         micro_batch)`` when ``effective_batch`` is given, else 1.
       effective_batch: examples per optimizer step (divided by the device count first).
       target: an :class:`autoaccum.Target`; measure reads ``device``, ``memory_fraction``,
-        ``data_parallel`` and ``strategy`` (a budget, devices or hosts are refused: there
-        is nothing to compare a measurement with).
+        ``data_parallel`` and ``strategy`` (a budget, devices or hosts are refused: nothing
+        to compare a measurement with).
       search: an :class:`autoaccum.Search`; measure reads ``remat`` (``"auto"`` measures
         without rematerialization: nothing is searched), ``remat_layers`` and ``cache``.
       training: an :class:`autoaccum.Training`; measure reads ``batch_stats``.
@@ -743,23 +715,21 @@ def train_step(
 
     The same program as ``fit``: one jitted, state-donating XLA step that runs the plan's
     micro-batches (the last one may be smaller), sums losses and valid counts over the whole
-    batch, divides once and applies the optimizer once, at the learning rate scaled by
-    its rule, with the plan's rematerialization. Evaluate, log and checkpoint between
-    calls as you like: the model holds the trained weights after every step, and
-    ``step.opt_state`` the optimizer state (Keras: the model's own optimizer and metrics
-    hold theirs, in place).
+    batch, divides once and applies the optimizer once, at the rule-scaled learning rate,
+    with the plan's rematerialization. Evaluate, log and checkpoint between calls: the model
+    holds the trained weights after every step, and ``step.opt_state`` the optimizer state
+    (Keras: the model's own optimizer and metrics hold theirs, in place).
 
     Args:
       model: a Flax NNX module, or a compiled Keras model (JAX backend), which trains with
         its own loss, metrics and optimizer, updated in place (``model.optimizer.iterations``
         counts the steps; ``model.save`` is the checkpoint).
-      data: the training data, or one effective batch of it (its shapes and dtypes are
-        what the step is planned and compiled for); any form :func:`autoaccum.fit` takes.
-        Flax: a stream's first effective batch is read (a one-shot iterator's are then
-        gone, and the log says so). Keras: a one-shot generator is refused, since planning
-        reads from it: pass one of its batches.
-      y, sample_weight: Keras models, as for :func:`autoaccum.fit` (``model.fit(x, y,
-        sample_weight=...)``'s targets and weights of in-memory ``x``).
+      data: the training data, or one effective batch of it (the step is planned and
+        compiled for its shapes and dtypes); any form :func:`autoaccum.fit` takes. Flax: a
+        stream's first effective batch is read (a one-shot iterator's are then gone, and the
+        log says so). Keras: a one-shot generator is refused, since planning reads from it:
+        pass one of its batches.
+      y, sample_weight: Keras models, as for :func:`autoaccum.fit`.
       effective_batch: examples per optimizer step (per call).
       optimizer, loss_fn, trainable, learning_rate, device, budget, target, search: as for
         :func:`autoaccum.fit` (``optimizer``, ``loss_fn`` and ``trainable`` are Flax's: a
@@ -768,13 +738,13 @@ def train_step(
         batch (checked, not planned again; ``effective_batch`` may then be left out);
         ``None``: plan now, as :func:`autoaccum.plan`.
       training: an :class:`autoaccum.Training`; the step reads ``on_nonfinite`` (``"stop"``
-        raises ``NonFiniteError`` and the model keeps the state before the step; ``"skip"``:
-        the step changes nothing, ``StepOutput.applied`` is False), ``backup`` (a host copy
-        of the state before each step, so a failed or interrupted step leaves the model as
-        it was), ``batch_stats`` and ``elastic`` (``True``, the default: an out-of-memory
-        redoes the step at the next smaller micro-batch by itself; ``False``: it is raised,
-        the model and optimizer state are put back as before the step, and
-        ``step.shrink(error)`` gives the re-planned step).
+        raises ``NonFiniteError``, the model keeping its state from before the step;
+        ``"skip"``: the step changes nothing, ``StepOutput.applied`` is False), ``backup`` (a
+        host copy of the state before each step, so a failed or interrupted step leaves the
+        model as it was), ``batch_stats`` and ``elastic`` (``True``, the default: an
+        out-of-memory redoes the step at the next smaller micro-batch; ``False``: it is
+        raised with model and optimizer state restored, and ``step.shrink(error)`` gives the
+        re-planned step).
       log: where planning is logged (``"stderr"``, a stream, or ``None``).
 
     Returns:
@@ -782,9 +752,9 @@ def train_step(
       count, grad_norm, applied, step)``, with ``step.plan``, ``step.steps``,
       ``step.opt_state`` and ``step.shrink(error)``. Keras: a
       :class:`~autoaccum.adapters.keras.KerasTrainStep`: ``step(batch) ->
-      KerasStepOutput(loss, logs, count, grad_norm, applied, step)`` (``logs`` as
-      ``model.train_on_batch(..., return_dict=True)`` gives them), with ``step.plan``,
-      ``step.steps`` and ``step.shrink(error)``.
+      KerasStepOutput(loss, logs, count, grad_norm, applied, step)`` (``logs`` as from
+      ``model.train_on_batch(..., return_dict=True)``), with ``step.plan``, ``step.steps``
+      and ``step.shrink(error)``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum

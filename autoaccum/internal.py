@@ -2,11 +2,10 @@
 
 What the guides use is in :mod:`autoaccum` and its documented subpackages
 (:mod:`autoaccum.planning`, :mod:`autoaccum.training`, :mod:`autoaccum.devices`,
-:mod:`autoaccum.reporting`, the adapters). The names here are the machinery under them: the
-compile requests and the need cache, the search and its depth extrapolation, real-step
-back-off, deviceless targets, meshes, the adapters' program builders. Tests, benchmarks and
-readers who want to take the engine apart use them; they may change in any release, without
-a deprecation (the changelog says what moved).
+:mod:`autoaccum.reporting`, the adapters). Here is the machinery under them (compile requests,
+the need cache, the search, back-off, deviceless targets, meshes, the adapters' program
+builders), for tests, benchmarks and readers; it may change in any release without a
+deprecation (the changelog says what moved).
 
 Example:
   >>> from autoaccum.internal import search_micro_batch

@@ -1,7 +1,6 @@
 """The ``autoaccum`` command (``plan``, ``advise``, ``devices``, ``demo``)."""
 
-# First: started as the `autoaccum` command, keep JAX's and TensorFlow's start-up quiet before
-# anything below imports them (a library import of autoaccum.cli changes nothing).
+# First: as the `autoaccum` command, quiet the start-up before anything below imports JAX.
 from ..devices._quiet import quiet_command_line
 
 quiet_command_line()

@@ -1,8 +1,6 @@
-"""``autoaccum plan --model module:function``: loading the user's builder, reporting what it
-raised, and merging the options it returns with the flags given on the command line.
-
-How the command line reports a failure: one line on stderr, or ``{"error": ...}`` on stdout
-under ``--json``, and a non-zero exit status.
+"""``autoaccum plan --model module:function``: loading the user's builder, merging its options
+with the flags, and reporting failures (one line on stderr, or ``{"error": ...}`` on stdout
+under ``--json``, and a non-zero exit status).
 """
 
 from __future__ import annotations
@@ -67,8 +65,7 @@ def import_error_message(error: ImportError, what: str) -> str:
 
 
 def report_does_not_fit(error: Any, *, json_mode: bool) -> int:
-    """A ``DoesNotFitError``: its message on stderr, or with ``--json`` its JSON form
-    (``{"fits": false, "resident": {...}, "alternatives": [...], "error": ...}``); exit 2.
+    """A ``DoesNotFitError`` on stderr, or with ``--json`` its JSON form; exit 2.
 
     Example:
       >>> from autoaccum.planning import DoesNotFitError
@@ -105,8 +102,7 @@ def _plan_parameters() -> set[str]:
 
 
 def load_model_function(spec: str) -> dict[str, Any]:
-    """Imports ``module:function`` and calls it; it returns the keyword arguments of
-    :func:`autoaccum.plan` (at least ``model`` and ``data``).
+    """Imports ``module:function`` and calls it for the keyword arguments of ``plan``.
 
     Example:
       >>> load_model_function("os.path:no_such_builder")
@@ -164,7 +160,7 @@ def load_model_function(spec: str) -> dict[str, Any]:
 
 
 def _builder_failure(spec: str, function_name: str, error: Exception) -> str:
-    """One paragraph: what the builder raised, where, and how to see the whole traceback."""
+    """What the builder raised, where, and how to see the whole traceback."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     text = " ".join(str(error).split()) or "(no message)"
@@ -197,23 +193,22 @@ _FLAGS: dict[tuple[str, str], tuple[str, str]] = {
     ("training", "batch_stats"): ("--batch-stats", "batch_stats"),
     ("training", "drop_remainder"): ("--drop-remainder", "drop_remainder"),
 }
-"""Each option of a spec that a flag sets: ``(argument, field) -> (flag, attribute of the
-parsed arguments)``."""
+"""``(argument, field) -> (flag, parsed attribute)``."""
 
 _SPELLINGS = {**{field: flag for (_, field), (flag, _) in _FLAGS.items()
                  if field not in ("value", "uneven", "cache")},
               "effective_batch": "--effective-batch", "lr_rule": "--lr-rule"}
-"""Keywords of the Python API that error messages name, and the flag that sets each."""
+"""Python keywords that error messages name -> the flag that sets each."""
 
 _PLAIN = {("target", "device"), ("target", "budget")}
-"""Spec fields the entry points also take as plain keywords (``device=``, ``budget=``)."""
+"""Spec fields the entry points also take as plain keywords."""
 
 _SWITCHES = {"no_uneven": False, "no_cache": False, "adjust_adam": True, "drop_remainder": True}
 """Flags without a value: the field's value when the flag is given."""
 
 
 def flag_values(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
-    """The spec fields the flags on the command line set (flags not given are left out).
+    """The spec fields the flags given set.
 
     Example:
       >>> from autoaccum.cli import build_parser
@@ -247,11 +242,9 @@ def _data_parallel(text: str) -> Any:
 def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
                 arguments: tuple[str, ...] = ("target", "search", "learning_rate",
                                               "training")) -> dict[str, Any]:
-    """``target=``, ``search=``, ``learning_rate=`` and ``training=`` for an entry point: the
-    specs in ``base`` (a ``--model`` builder's options; plain ``device``/``budget`` and a
-    plain learning rate included) with the flags given on the command line, which win (one
-    line on stderr says so when the builder set the same option otherwise). A flag for a spec
-    the entry point does not take (``arguments``) is a usage error."""
+    """The spec keywords for an entry point: ``base`` (a builder's options) with the flags,
+    which win (said on stderr when the builder set otherwise). A flag for a spec not in
+    ``arguments`` is a usage error."""
     from .._front_door import specs
     from ..planning._plan_options import learning_rate_spec
 
@@ -288,9 +281,7 @@ def attribute_is_switch(argument: str, field: str) -> bool:
 
 
 def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """A builder's options with the flags given on the command line: a flag that was given
-    wins over the builder's value for the same option (one line on stderr says so); an option
-    neither gives takes its default."""
+    """A builder's options with the flags given, which win (said on stderr)."""
     merged = dict(built)
     if args.effective_batch is not None:
         if "effective_batch" in built and built["effective_batch"] != args.effective_batch:
@@ -323,8 +314,7 @@ def _shown(value: Any) -> str:
 
 
 def with_flag_spellings(message: str) -> str:
-    """``message`` (an error the Python API raised, which names its keywords) with the flags
-    that set the keywords it names, so a command-line user knows what to type.
+    """``message`` (from the Python API) with the flags that set the keywords it names.
 
     Example:
       >>> with_flag_spellings("needs base_batch too. Received: rule='linear', base_batch=None")

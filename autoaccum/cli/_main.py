@@ -1,9 +1,6 @@
-"""The ``autoaccum`` command: ``plan`` (dry-run memory reports) and ``devices``.
+"""The ``autoaccum`` command: ``plan`` (dry-run memory reports, ``--advise``) and ``devices``.
 
 The demo has its own command, ``autoaccum-demo`` (the library never imports the demo).
-
-``autoaccum plan ... --advise``: what would fit, each row compiled (see
-:func:`autoaccum.advise`), and the TensorFlow-free start of a preset dry run.
 """
 
 from __future__ import annotations
@@ -32,19 +29,15 @@ from ._builder import (
 
 
 def without_tensorflow() -> None:
-    """Keeps TensorFlow out of a ``--preset`` dry run: keras-hub imports it only for its
-    tf.data preprocessing, which a dry run (an abstract model, compiled by JAX) never uses,
-    and the import costs several seconds of a cold "does it fit?" (about 7 s on a loaded
-    2-core machine). ``import tensorflow`` then raises ImportError, which keras and
-    keras-hub treat as TensorFlow not being installed. Only in this process, and only if
-    nothing imported TensorFlow yet."""
+    """Keeps TensorFlow out of a ``--preset`` dry run (if not imported yet): keras-hub uses it
+    only for tf.data preprocessing, and the import costs about 7 s on a loaded 2-core
+    machine. keras and keras-hub take the ImportError as TensorFlow not installed."""
     if "tensorflow" not in sys.modules:
         sys.modules["tensorflow"] = None  # type: ignore[assignment]
 
 
 def _compute_advice(args: argparse.Namespace) -> Any:
-    """``--advise``: the configuration's verdict and, when it does not fit, the changes that
-    would (see :func:`autoaccum.advise`)."""
+    """``--advise``: the verdict and, when it does not fit, the changes that would."""
     log = None if args.quiet else sys.stderr
     if args.preset is not None:
         without_tensorflow()
@@ -65,8 +58,7 @@ def _compute_advice(args: argparse.Namespace) -> Any:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    """``autoaccum plan ... --advise``: prints the advice (or its JSON); exit 0 when the
-    configuration fits as given, 2 when it does not (the table says what would)."""
+    """``autoaccum plan ... --advise``: prints the advice; exit 0 when it fits as given, else 2."""
     if args.plot:
         raise CliError("--plot draws a plan; --advise prints a table of alternatives. Drop "
                        "one of them.")
@@ -87,7 +79,7 @@ PRESET_SPECS = ("target", "search", "learning_rate")
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors become :class:`CliError` (so ``--json`` can report them as JSON)."""
+    """Usage errors become :class:`CliError` (so ``--json`` reports them as JSON)."""
 
     def error(self, message: str) -> NoReturn:
         raise CliError(f"{message} (see: {self.prog} --help)", 2)
@@ -163,7 +155,7 @@ def _compute_plan(args: argparse.Namespace) -> Any:
 
 
 def _plot(result: Any, path: str) -> str | None:
-    """Writes the plot; returns an error line instead of raising (the plan is already out)."""
+    """Writes the plot; returns an error line rather than raise (the plan is already out)."""
     try:
         from ..reporting._plot import plot_plan
 

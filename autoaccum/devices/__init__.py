@@ -1,10 +1,8 @@
 """Devices: profiles, detection, set-up before JAX starts, deviceless GPU targets, meshes, and
 how a real out-of-memory looks. The lowest layer: it imports nothing else of autoaccum.
 
-Every name is imported when first used: ``autoaccum.configure()`` (:func:`configure`) runs
-before anything imports JAX, and :func:`quiet_start` keeps JAX and TensorFlow quiet on a
-machine without a GPU when asked (``configure()`` asks by default; the ``autoaccum`` command
-always does).
+Every name is imported when first used, so :func:`configure` can run before anything imports
+JAX; :func:`quiet_start` keeps JAX and TensorFlow quiet on a machine without a GPU.
 """
 
 from typing import TYPE_CHECKING

@@ -1,9 +1,7 @@
 """Set the environment JAX reads at start-up, from the device's profile (e.g. on Colab).
 
-JAX reads its memory settings once, when its backends start (at the first computation or
-``jax.devices()``, not at ``import jax``); Keras reads ``KERAS_BACKEND`` when it is imported.
-So :func:`configure` must run before ``keras``/``keras_hub`` is imported and before JAX runs
-anything; to be safe, call it first.
+JAX reads its memory settings once, when its backends start (the first computation or
+``jax.devices()``, not ``import jax``); Keras reads ``KERAS_BACKEND`` when it is imported.
 """
 
 from __future__ import annotations
@@ -39,26 +37,21 @@ def configure(
     GPU with NVML. On a GPU it sets:
 
     * the memory fraction, ``memory_fraction`` or the profile's ``default_memory_fraction``,
-      as ``XLA_CLIENT_MEM_FRACTION`` (every supported jax reads it). If you already set it,
-      or its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX refuses both), your value is
-      kept unless ``memory_fraction`` is given, which then replaces it under the name you used;
+      as ``XLA_CLIENT_MEM_FRACTION`` (every supported jax reads it). A value you set there or
+      under ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX refuses both) is kept unless
+      ``memory_fraction`` is given, which replaces it under the name you used;
     * the profile's ``[environment]``: ``XLA_FLAGS`` entries this jaxlib knows are appended
-      unless a flag of the same name is already there (an unknown flag would abort JAX at
-      start; ``known_xla_flags``); other variables are set
-      only if unset.
+      unless a flag of the same name is there (an unknown flag would abort JAX at start);
+      other variables only if unset.
 
-    ``quiet`` (default ``True``): on a machine without a GPU, also keep JAX's and TensorFlow's
-    CUDA start-up noise out of the output
-    (:func:`~autoaccum.devices.quiet_start`: ``JAX_PLATFORMS=cpu`` and
-    ``TF_CPP_MIN_LOG_LEVEL=3`` unless set, and the known cudart/absl lines dropped from the
-    first ``import jax`` and ``import tensorflow``); nothing on a GPU.
+    ``quiet`` (default ``True``): on a machine without a GPU, also run
+    :func:`~autoaccum.devices.quiet_start` to keep CUDA start-up noise out of the output.
 
     On a TPU only ``KERAS_BACKEND`` is set (XLA assigns TPU memory at compile time; there is
-    no pool to size). On the CPU only ``KERAS_BACKEND`` and
-    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (so dry-run plans for a named GPU work later in the
-    process) are set. A ``KERAS_BACKEND`` other than
-    ``jax`` is kept (with a warning). If JAX has already started its backends (importing jax
-    alone does not), a warning says the memory settings will not apply until the next start.
+    no pool to size). On the CPU, ``KERAS_BACKEND`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``
+    (so dry-run plans for a named GPU work later). A ``KERAS_BACKEND`` other than ``jax`` is
+    kept, with a warning; so is a call after JAX started its backends (the memory settings
+    apply only after a restart).
 
     >>> from autoaccum.devices._configure import configure
     >>> changed = configure("t4", verbose=False)  # doctest: +SKIP
@@ -102,8 +95,7 @@ def configure(
         changed.update(_fraction(profile, memory_fraction, notes))
         changed.update(_environment(profile, notes))
     elif profile.is_tpu or (device is None and not tpu_absent()):
-        # On a TPU (Colab's v5e-1, Kaggle's v5e-8) there is no pool to size: XLA assigns
-        # each step's memory when it compiles it, and refuses one that does not fit.
+        # A TPU (Colab's v5e-1, Kaggle's v5e-8): no pool to size.
         notes.append("TPU: XLA assigns memory when it compiles a step (no pool, no fraction "
                      "to set); plan() and fit() use every chip JAX sees")
         if memory_fraction is not None:
@@ -111,10 +103,7 @@ def configure(
     else:
         notes.append("CPU: no GPU memory settings apply")
         if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ:
-            # Lets autoaccum compile deviceless for a named GPU (plan(device="t4")) later in
-            # this process (JAX's CUDA plugin otherwise refuses to start without CUDA; see
-            # docs/install.md, "Quiet on a machine without a GPU"); without a GPU it changes
-            # nothing else.
+            # Else JAX's CUDA plugin refuses to start without CUDA (deviceless plans).
             changed["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
         if memory_fraction is not None:
             notes.append("memory_fraction ignored on the CPU")
@@ -156,7 +145,7 @@ def _fraction(
             "both. Unset one of them. Received: "
             + ", ".join(f"{n}={os.environ[n]!r}" for n in FRACTION_VARS)
         )
-    name = present[0] if present else "XLA_CLIENT_MEM_FRACTION"  # every supported jax reads it
+    name = present[0] if present else "XLA_CLIENT_MEM_FRACTION"
     if present and memory_fraction is None:
         notes.append(f"kept your {name}={os.environ[name]}")
         return {}
@@ -169,7 +158,7 @@ def _environment(profile: DeviceProfile, notes: list[str]) -> dict[str, str]:
     for key, value in profile.environment:
         if key in FRACTION_VARS:
             continue  # the fraction comes from default_memory_fraction / memory_fraction
-        if key == "XLA_FLAGS":  # only flags this jaxlib knows: it aborts on any other
+        if key == "XLA_FLAGS":
             merged = _merge_flags(os.environ.get(key, ""), known_xla_flags(value))
             if merged != os.environ.get(key, ""):
                 changed[key] = merged

@@ -1,9 +1,7 @@
 """Find out which device this process would train on, without importing JAX.
 
-:func:`detect_device` asks NVML (the ``nvidia-ml-py`` package, imported as ``pynvml``) about
-GPU 0 and matches its name and memory to a profile. Without NVML or a driver it falls back
-to the CPU and says why; it never raises for a missing GPU. JAX is not imported here because
-:func:`autoaccum.configure` must run before JAX starts.
+NVML (``nvidia-ml-py``, imported as ``pynvml``) describes the GPU, matched to a profile by
+name and memory; JAX is not imported because :func:`autoaccum.configure` must run before it.
 """
 
 from __future__ import annotations
@@ -33,10 +31,10 @@ __all__ = [
 class DetectedDevice:
     """The device found by :func:`detect_device`.
 
-    ``source`` is ``"nvml"`` (a GPU seen by the driver), ``"jax"`` (a GPU seen by an
-    already-running JAX) or ``"cpu"`` (no GPU; memory is the host's). ``profile`` is the
-    matching :class:`~autoaccum.devices.DeviceProfile`, or ``None`` for a GPU no profile
-    describes. ``reason`` explains a fallback or a missing match ("" otherwise).
+    ``source``: ``"nvml"`` (seen by the driver), ``"jax"`` (seen by an already-running JAX)
+    or ``"cpu"`` (no GPU; memory is the host's). ``profile``: the matching
+    :class:`~autoaccum.devices.DeviceProfile`, or ``None`` for a GPU no profile describes.
+    ``reason`` explains a fallback or a missing match ("" otherwise).
     """
 
     source: Literal["nvml", "jax", "cpu"]
@@ -63,7 +61,7 @@ class HostMemory(NamedTuple):
 def detect_device(*, index: int = 0) -> DetectedDevice:
     """Describe GPU ``index`` via NVML, else an already-imported JAX's GPU, else the CPU.
 
-    Never imports JAX and never raises because there is no GPU.
+    Never imports JAX; without NVML or a driver it falls back to the CPU and says why.
 
     >>> from autoaccum.devices._detect import detect_device
     >>> device = detect_device()
@@ -81,8 +79,7 @@ def detect_device(*, index: int = 0) -> DetectedDevice:
 
 
 def match_profile(device_name: str, *, memory_mib: float | None = None) -> DeviceProfile | None:
-    """The profile whose ``name_patterns`` match ``device_name``; among several, the one
-    whose ``memory_mib`` is closest to ``memory_mib`` (e.g. A100 40GB vs 80GB).
+    """The profile matching ``device_name``; among several, the closest in ``memory_mib``.
 
     >>> from autoaccum.devices._detect import match_profile
     >>> match_profile("NVIDIA A100-SXM4-80GB", memory_mib=81920).key
@@ -131,11 +128,9 @@ def host_memory() -> HostMemory:
 
 
 def jax_memory_stats(*, index: int = 0, device: Any = None) -> dict[str, int] | None:
-    """``jax.devices()[index].memory_stats()`` (``bytes_limit``, ``bytes_in_use``,
-    ``peak_bytes_in_use`` ...) of device ``index`` (or of ``device``), or ``None`` where JAX
-    reports none (the CPU).
+    """``memory_stats()`` of device ``index`` (or ``device``), or ``None`` (the CPU).
 
-    Imports JAX (and so starts it): call it after :func:`autoaccum.configure`.
+    Starts JAX: call it after :func:`autoaccum.configure`.
 
     >>> from autoaccum.devices._detect import jax_memory_stats
     >>> stats = jax_memory_stats()
@@ -202,7 +197,7 @@ def _from_nvml(index: int) -> DetectedDevice | str:
 
 
 def _from_running_jax(index: int) -> DetectedDevice | None:
-    """Ask JAX about a GPU, but only if JAX has already started (never start it here)."""
+    """Ask JAX about a GPU, only if JAX has already started."""
     jax: Any = sys.modules.get("jax")
     if jax is None or not hasattr(jax, "devices") or not jax_started():
         return None
@@ -241,10 +236,8 @@ def _from_running_jax(index: int) -> DetectedDevice | None:
 
 
 def jax_started() -> bool:
-    """True once JAX has loaded its plugins/backends, i.e. read its environment variables.
-
-    Importing jax alone reads none of them; the first computation (or ``jax.devices()``) does.
-    Never imports or starts JAX.
+    """True once JAX has loaded its backends and so read its environment variables (importing
+    jax reads none; the first computation or ``jax.devices()`` does).
 
     >>> from autoaccum.devices._detect import jax_started
     >>> isinstance(jax_started(), bool)

@@ -1,45 +1,23 @@
 """Compile for a named GPU or TPU slice that is not there (a "deviceless" compile).
 
-With JAX's CUDA plugin installed (``jax-cuda13-plugin``, JAX's default, or
-``jax-cuda12-plugin``), XLA can compile a program for a GPU described by a
-``GpuTargetConfigProto`` without a driver or a GPU. The compiled program's
-``memory_analysis()`` is then what that GPU would need, remat pass included.
+With JAX's CUDA plugin (``jax-cuda13-plugin``, JAX's default, or ``jax-cuda12-plugin``), XLA
+compiles for a GPU described by a ``GpuTargetConfigProto`` without a driver or a GPU; the
+program's ``memory_analysis()`` is what that GPU would need, remat pass included. With libtpu
+(``jax[tpu]``, the ``tpu`` extra) it compiles for a TPU topology (``"v5e:2x4"``), per chip; TPU
+memory is assigned at compile time, so a step over a chip's HBM fails the compile itself
+(``CompileTimeHbmOom``).
 
-With libtpu installed (``jax[tpu]``, autoaccum's ``tpu`` extra), XLA compiles for a TPU
-topology (``"v5e:2x4"``) the same way, per chip; TPU memory is assigned at compile time, so
-a step over a chip's HBM is refused by the compile itself (``CompileTimeHbmOom``).
+The compile ends with NVIDIA's ``ptxas`` for the GPU's architecture. CUDA 13's ``ptxas`` no
+longer targets GPUs older than Turing (compute capability 7.5: V100, P100): a dry run for those
+fails deep in XLA (``UNIMPLEMENTED: ... ptxas too old``). They need JAX's CUDA 12 plugin and a
+CUDA 12 ``ptxas`` (``autoaccum[dryrun-cuda12]`` without the CUDA 13 plugin).
 
-The platform a step being traced is compiled for.
-
-Usually JAX's default backend; a dry run for a GPU that is not here (a deviceless compile on
-a CPU machine) traces its step for ``"gpu"``. Parts of a step whose best form differs
-between XLA's compilers read it while tracing (``training._nonfinite.update_if_finite``).
-
-Whether this machine's ``ptxas`` can compile for a GPU profile's compute capability.
-
-A deviceless compile (:mod:`autoaccum.devices`) ends with XLA running NVIDIA's ``ptxas`` for the
-named GPU's architecture. CUDA 13's ``ptxas`` no longer targets GPUs older than Turing
-(compute capability 7.5: V100, P100), so on a machine whose ``ptxas`` is CUDA 13 a dry run
-for those fails deep in XLA (``UNIMPLEMENTED: ... ptxas too old``). This module finds the
-``ptxas`` XLA would run (the ``nvidia-cuda-nvcc`` wheel's, else the first on ``PATH``), reads
-its CUDA version, and says in one sentence why a profile cannot be compiled here, and the fix.
-Such GPUs are compiled for with JAX's CUDA 12 plugin and a CUDA 12 ``ptxas``
-(``pip install 'autoaccum[dryrun-cuda12]'`` in an environment without the CUDA 13 plugin).
-
-XLA compile options and ``XLA_FLAGS`` that this jaxlib knows: probed, never assumed.
-
-XLA renames and removes its options between jaxlib releases, and jaxlib 0.11+ refuses what it
-does not know: an unknown compile option fails the compile (``INVALID_ARGUMENT: No such
-compile option``) and an unknown flag in ``XLA_FLAGS`` aborts the process when JAX starts
+XLA compile options and ``XLA_FLAGS`` are probed, never assumed: jaxlib 0.11+ refuses what it
+does not know. An unknown compile option fails the compile (``INVALID_ARGUMENT: No such
+compile option``); an unknown flag in ``XLA_FLAGS`` aborts the process when JAX starts
 (``Unknown flag in XLA_FLAGS``), with no Python traceback. Removed in 0.11:
 ``xla_cpu_use_fusion_emitters`` and ``xla_gpu_enable_llvm_module_compilation_parallelism``.
-
-* :func:`known_compile_options` keeps the options a trivial compile in this process accepts
-  (about 10 ms per new name, once per process);
-* :func:`known_xla_flags` keeps the flags a fresh Python with this jaxlib starts with (a child
-  process, since flags are read once when JAX starts; its answer is kept on disk per jaxlib).
-
-Each option or flag left out is said once, in the ``autoaccum`` logger (INFO).
+Each one left out is said once, in the ``autoaccum`` logger (INFO).
 """
 
 from __future__ import annotations
@@ -94,8 +72,7 @@ def _ptxas_path() -> str | None:
 
 @functools.cache
 def ptxas_version() -> tuple[str, tuple[int, int]] | None:
-    """``(path, (major, minor))`` of the ``ptxas`` XLA would run, or ``None`` when there is none
-    (XLA then uses the ``ptxas`` it ships or the driver, which this module does not judge).
+    """``(path, (major, minor))`` of the ``ptxas`` XLA would run, or ``None`` (not judged).
 
     Example:
       >>> found = ptxas_version()
@@ -115,8 +92,7 @@ def ptxas_version() -> tuple[str, tuple[int, int]] | None:
 
 
 def deviceless_blocker(profile: DeviceProfile) -> str | None:
-    """Why ``profile``'s GPU cannot be compiled for on this machine, with the fix; ``None``
-    when nothing known stands in the way (a CPU profile, or a ``ptxas`` that targets it).
+    """Why ``profile``'s GPU cannot be compiled for here, with the fix; else ``None``.
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -150,10 +126,9 @@ _MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 @dataclasses.dataclass(frozen=True)
 class DevicelessTarget:
     """A compile target of ``count`` GPUs on ``hosts`` hosts (default one GPU), or of a TPU
-    slice's chips (``target_config`` then names its topology): ``topology``,
-    a ``mesh`` over its devices and a replicated ``sharding``. Several GPUs: ``devices`` are
-    the deviceless devices a data-parallel mesh is made over
-    (``autoaccum.internal.data_parallel_mesh(target.devices)``).
+    slice's chips (``target_config`` then names its topology): ``topology``, a ``mesh`` over
+    its devices and a replicated ``sharding``. A data-parallel mesh over several GPUs:
+    ``autoaccum.internal.data_parallel_mesh(target.devices)``.
 
     Compile for it by giving every argument its ``sharding``::
 
@@ -191,15 +166,12 @@ def deviceless_target(
 ) -> DevicelessTarget:
     """A :class:`DevicelessTarget` for ``profile``'s GPU, usable on a machine without one.
 
-    ``devices``: how many of them, over ``hosts`` hosts (``devices`` a multiple of
-    ``hosts``): JAX's CUDA topology ``"1 x hosts x devices/hosts"``.
-
-    ``device_memory_bytes`` defaults to ``profile.pool_bytes()`` (see
-    ``gpu_target_config``). Needs JAX's CUDA 13 (or 12)
-    plugin at JAX's version (``pip install 'autoaccum[dryrun]'``; a ``MissingExtraError`` says
-    so), and
-    JAX started with ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` on a
-    machine without CUDA (set for you if JAX has not yet loaded its plugins).
+    ``devices``: how many, over ``hosts`` hosts (``devices`` a multiple of ``hosts``).
+    ``device_memory_bytes`` defaults to ``profile.pool_bytes()``. Needs JAX's CUDA 13 (or 12)
+    plugin at JAX's version (``pip install 'autoaccum[dryrun]'``; else a
+    ``MissingExtraError``), and on a machine without CUDA, JAX started with
+    ``JAX_PLATFORMS=cpu`` or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (set for you if JAX has not
+    yet loaded its plugins).
 
     >>> import jax, jax.numpy as jnp
     >>> from autoaccum.devices._deviceless import deviceless_target
@@ -244,8 +216,7 @@ def deviceless_target(
 
 
 def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
-    """The TPU slices with ``chips`` chips, ``profile``'s generation first, or every slice
-    where none has that many (or ``chips`` is ``None``).
+    """The TPU slices with ``chips`` chips (else all), ``profile``'s generation first.
 
     Example:
       >>> _slices_with(4, find_profile("v6e-8"))
@@ -261,12 +232,7 @@ def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
 
 def tpu_target(profile: DeviceProfile, *, devices: int | None = None,
                hosts: int | None = None) -> DevicelessTarget:
-    """A :class:`DevicelessTarget` over the chips of ``profile``'s TPU slice, compiled for by
-    libtpu on a machine without a TPU (``jax.experimental.topologies``).
-
-    ``devices`` / ``hosts``: the slice's own (``None``); anything else is refused naming the
-    profile that has that many chips.
-    """
+    """A :class:`DevicelessTarget` over all chips of ``profile``'s TPU slice, via libtpu."""
     spec = profile.tpu
     if spec is None:
         raise ValueError(f"{profile.name} is not a TPU slice. Received: device={profile.key!r}")
@@ -308,9 +274,7 @@ def topology_text(devices: int = 1, hosts: int = 1) -> str:
 
 
 def shard_abstract(tree: Any, sharding: Any) -> Any:
-    """Turn every array-like leaf (``.shape`` and ``.dtype``) of ``tree`` into a
-    ``jax.ShapeDtypeStruct`` carrying ``sharding``; other leaves are kept as they are.
-    ``sharding=None`` returns ``tree`` unchanged.
+    """Array-like leaves of ``tree`` as ``jax.ShapeDtypeStruct`` carrying ``sharding``.
 
     >>> import jax, jax.numpy as jnp
     >>> from autoaccum.devices._deviceless import shard_abstract
@@ -380,14 +344,12 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
     options: dict[str, Any] = {"chips_per_host_bounds": tuple(bounds)}
     if chip_config:
         options["chip_config_name"] = chip_config
-    # libtpu logs its start-up (no TPU accelerator type, no worker hostnames) to fd 2 when it
-    # loads on a machine without a TPU; on a TPU VM nothing is held back.
+    # libtpu logs its start-up to fd 2 on a machine without a TPU.
     absent = tpu_absent()
     quiet = quiet_native_logs() if absent else contextlib.nullcontext()
     if absent:
-        # libtpu lets one process at a time load it (/tmp/libtpu_lockfile), to guard the
-        # chips; with none here there is nothing to guard, and dry runs in several processes
-        # (a test runner's workers, a notebook beside a script) must not refuse each other.
+        # libtpu lets one process at a time load it (/tmp/libtpu_lockfile) to guard the
+        # chips; with none here, dry runs in several processes must not refuse each other.
         os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
     try:
         with quiet:
@@ -403,7 +365,7 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
 
 
 def _require_libtpu(profile: DeviceProfile) -> None:
-    """An ImportError naming the ``tpu`` extra unless libtpu is installed."""
+    """Raise naming the ``tpu`` extra unless libtpu is installed."""
     problems = missing_from_extra("tpu")
     if problems:
         raise MissingExtraError(
@@ -416,9 +378,8 @@ def _require_libtpu(profile: DeviceProfile) -> None:
 
 
 def _require_cuda_plugin() -> str:
-    """The CUDA plugin to compile with (``"cuda13"``, else ``"cuda12"``): plugin and PJRT
-    library at exactly JAX's version, or an ImportError naming the extra that installs them
-    (before JAX's own ``No module named ...``)."""
+    """The CUDA plugin at JAX's version (``"cuda13"``, else ``"cuda12"``), or an error naming
+    the extra (before JAX's own ``No module named ...``)."""
     found = cuda_plugin()
     if found is not None:
         return found
@@ -438,10 +399,8 @@ def _require_cuda_plugin() -> str:
 def _allow_cuda_plugin_without_driver() -> None:
     """Let the CUDA plugin load without CUDA if JAX has not discovered its plugins yet.
 
-    The plugin refuses to register when its CUDA version check fails (no driver), unless
-    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is set or ``JAX_PLATFORMS`` excludes CUDA. Both are
-    read once, at plugin discovery; setting the former before then is harmless on a machine
-    with CUDA (it skips a version check) and makes the topology call work on one without.
+    Without a driver the plugin refuses to register unless ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``
+    is set or ``JAX_PLATFORMS`` excludes CUDA, both read once at plugin discovery.
     """
     if not jax_started():
         os.environ.setdefault(_SKIP_CHECK_ENV, "1")
@@ -453,12 +412,10 @@ _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def compiling_for(platform: str | None) -> Iterator[None]:
-    """Steps traced inside this context are compiled for ``platform`` (``"cpu"``, ``"gpu"``,
-    ``"tpu"``; ``None``: this process's default backend).
+    """Steps traced inside are compiled for ``platform`` (``None``: the default backend).
 
-    A step traced here must not be reused for another platform: JAX caches traces by
-    function, so lower it from a function object of its own (as
-    the planner does when it lowers a step for a deviceless target).
+    Parts of a step whose best form differs between XLA's compilers read it while tracing.
+    JAX caches traces by function, so lower such a step from a function object of its own.
 
     Example:
       >>> with compiling_for("gpu"):
@@ -521,14 +478,9 @@ def _compile_option_known(name: str, value: Any) -> bool:
 
 
 def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` without the compile options this jaxlib does not know.
+    """``options`` (``compiler_options``) without those this jaxlib does not know.
 
-    Args:
-      options: XLA compile options (``DebugOptions`` field names), as given to
-        ``lowered.compile(compiler_options=...)``.
-
-    Returns:
-      A new dict: the known options with their values, in their order.
+    A trivial compile probes each new name (about 10 ms, once per process).
 
     Example:
       >>> from autoaccum.devices._deviceless import known_compile_options
@@ -548,17 +500,10 @@ def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def known_xla_flags(flags: str, *, cache_dir: Path | str | None = None) -> str:
     """``flags`` (an ``XLA_FLAGS`` value) without the flags this jaxlib would abort on.
 
-    A child process of this Python starts JAX on the CPU with ``flags``; the flags it names
-    as unknown are dropped. The answer is kept in ``cache_dir`` per jaxlib version and flags,
-    so a later call costs no process. Call it before JAX starts, where the flags will be set.
-
-    Args:
-      flags: space-separated ``--xla_...`` flags.
-      cache_dir: where the answers are kept; ``None``: ``$AUTOACCUM_CACHE_DIR``, else
-        ``$XDG_CACHE_HOME/autoaccum``, else ``~/.cache/autoaccum``.
-
-    Returns:
-      The known flags, space-separated, in their order.
+    A child Python starts JAX on the CPU with ``flags`` (flags are read once, at start) and
+    the ones it names unknown are dropped; the answer is kept in ``cache_dir`` (default
+    ``$AUTOACCUM_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoaccum`` or ``~/.cache/autoaccum``) per
+    jaxlib and flags.
 
     Example:
       >>> from autoaccum.devices._deviceless import known_xla_flags

@@ -1,23 +1,14 @@
 """Optional features and the extra that installs each: one check, one message.
 
-``pip install autoaccum`` plans and trains Flax NNX models on any device. The rest comes in
-extras, whose requirements are read from one place, the package's own metadata
-(``pyproject.toml``; :data:`EXTRAS` is that table, never a second copy):
+``pip install autoaccum`` plans and trains Flax NNX models on any device; the rest comes in
+extras, read from the package's own metadata (:data:`EXTRAS`, never a second copy):
 
-* ``keras``: Keras 3 models, keras-hub presets and the default demo (keras-hub brings
-  TensorFlow through tensorflow-text; no second TensorFlow is added), and ``keras_nlp``
-  (keras-nlp, at keras-hub's version: a shim whose models are keras-hub's);
-* ``dryrun``: compiling for a named GPU that is not here (JAX's CUDA 13 plugin at exactly
-  JAX's version, without the CUDA libraries: no driver or GPU is needed); ``dryrun-cuda12``
-  the same with the CUDA 12 plugin (for GPUs older than compute capability 7.5, which CUDA 13
-  no longer targets: V100, P100);
-* ``cuda13`` (JAX's default) and ``cuda12``: JAX on an NVIDIA GPU (the plugin at JAX's version
-  with the CUDA libraries): what a GPU machine or Colab needs so that the plugin follows JAX
-  when JAX moves;
+* ``keras``: Keras 3 models, keras-hub presets (bringing TensorFlow through tensorflow-text)
+  and the default demo, and ``keras_nlp`` (a shim whose models are keras-hub's);
+* ``dryrun`` / ``dryrun-cuda12``: compiling for a named GPU that is not here (JAX's CUDA 13 /
+  12 plugin at exactly JAX's version, without the CUDA libraries);
+* ``cuda13`` (JAX's default) and ``cuda12``: JAX on an NVIDIA GPU, the plugin following JAX;
 * ``plot``: ``plot_plan`` and ``autoaccum plan --plot``.
-
-:func:`require_extra` raises an ``ImportError`` naming the ``pip install 'autoaccum[...]'``
-that fixes a missing or out-of-range package, before any traceback from deep inside.
 """
 
 from __future__ import annotations
@@ -48,9 +39,8 @@ _PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def _declared() -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
-    """The core requirements and each extra's, as ``pyproject.toml`` declares them: read from
-    the checkout's ``pyproject.toml`` when autoaccum runs from one (a source tree on
-    ``PYTHONPATH`` or an editable install), else from the installed package's metadata."""
+    """The core requirements and each extra's: from the checkout's ``pyproject.toml`` when
+    running from one, else from the installed package's metadata."""
     project = tomllib.loads(_PYPROJECT.read_text()).get("project", {}) \
         if _PYPROJECT.is_file() else {}
     if project.get("name") == "autoaccum":
@@ -73,19 +63,17 @@ def _declared() -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
 
 
 CORE_REQUIREMENTS, EXTRAS = _declared()
-"""The core requirements, and the requirements of each extra (``dev`` aside), exactly as the
-package declares them."""
+"""The core requirements, and each extra's (``dev`` aside), as declared."""
 
 JAX_RANGE = str(next(Requirement(r) for r in CORE_REQUIREMENTS
                      if Requirement(r).name == "jax").specifier)
-"""The jax versions autoaccum supports (its core requirement on jax)."""
+"""The jax versions autoaccum supports."""
 
 CUDA_PLUGINS: dict[str, tuple[str, str, str]] = {
     "cuda13": ("jax-cuda13-plugin", "jax-cuda13-pjrt", "dryrun"),
     "cuda12": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "dryrun-cuda12"),
 }
-"""JAX's CUDA plugins, preferred first: CUDA major -> (plugin, PJRT library, the autoaccum
-extra that installs it without the CUDA libraries)."""
+"""JAX's CUDA plugins, preferred first: (plugin, PJRT library, autoaccum extra)."""
 
 _MODULES = {"keras-hub": "keras_hub", "jax-cuda12-pjrt": "jax_plugins.xla_cuda12",
             "jax-cuda13-pjrt": "jax_plugins.xla_cuda13"}
@@ -97,9 +85,8 @@ _LOCKSTEP = {f"{cuda}{local}": plugins[:2]
 
 
 def cuda_plugin() -> str | None:
-    """The CUDA plugin JAX can compile for a GPU with here: ``"cuda13"`` or ``"cuda12"`` (the
-    first installed of :data:`CUDA_PLUGINS`, plugin and PJRT library at jax's exact version),
-    or ``None``.
+    """The first CUDA plugin installed at jax's exact version (``"cuda13"``, ``"cuda12"``), or
+    ``None``.
 
     Example:
       >>> from autoaccum.devices._extras import cuda_plugin
@@ -113,8 +100,8 @@ def cuda_plugin() -> str | None:
 
 
 class MissingExtraError(ImportError):
-    """An optional feature whose extra is not installed (or not in range); the message names
-    the ``pip install 'autoaccum[...]'`` that fixes it, ``extra`` the extra's name.
+    """An optional feature's extra is not installed (or not in range); the message names the
+    ``pip install 'autoaccum[...]'`` that fixes it, ``extra`` the extra's name.
 
     Example:
       >>> str(MissingExtraError("plot_plan needs ...", extra="plot"))
@@ -127,8 +114,7 @@ class MissingExtraError(ImportError):
 
 
 def installed_version(distribution: str) -> str | None:
-    """The installed version of ``distribution``; ``""`` if its module is there but it has no
-    metadata (a source checkout); ``None`` if its module cannot be found.
+    """The installed version; ``""`` for a module without metadata; ``None`` without module.
 
     >>> from autoaccum.devices._extras import installed_version
     >>> installed_version("numpy") is not None, installed_version("no-such-package-xyz")
@@ -147,16 +133,7 @@ def installed_version(distribution: str) -> str | None:
 
 
 def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> list[str]:
-    """What of ``extra`` is missing or outside its range here, one phrase each (``[]``: all
-    there). ``packages`` limits the check to those distribution names.
-
-    Args:
-      extra: a key of :data:`EXTRAS`.
-      packages: distribution names of that extra to check; default all of them.
-
-    Returns:
-      Phrases such as ``"keras is not installed"`` or ``"jax-cuda13-plugin 0.11.2 is not jax's
-      0.12.0"``.
+    """What of ``extra`` (or of its ``packages``) is missing or out of range, one phrase each.
 
     >>> from autoaccum.devices._extras import missing_from_extra
     >>> missing_from_extra("plot", packages=["matplotlib"])
@@ -182,7 +159,7 @@ def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> lis
 def require_extra(extra: str, *, feature: str, packages: Sequence[str] | None = None) -> None:
     """Raise :class:`MissingExtraError` (an ``ImportError``) naming ``pip install
     'autoaccum[extra]'`` unless every package of ``extra`` (or of ``packages``) is installed
-    within its range.
+    within its range, before any traceback from deep inside.
 
     Args:
       extra: a key of :data:`EXTRAS`.

@@ -1,12 +1,9 @@
 """autoaccum's one door to JAX internals: every ``jax._src``/``jaxlib`` reach and private
-attribute.
+attribute, so a new JAX release touches this file only.
 
-Every other module of autoaccum uses JAX's public API (``jax``, ``jax.extend``,
-``jax.experimental``) or a function here, so a new JAX release touches this file only. Each
-function names the JAX behaviour it relies on; all were checked on jax/jaxlib 0.12.0.1, and
-``tests/devices/test_jax_internals.py`` tests each behaviour on the installed JAX.
-``tests/test_private_reach.py`` fails when another module reaches past this door. This module
-imports no JAX itself: each function imports what it needs, or none.
+Each function names the JAX behaviour it relies on, checked on jax/jaxlib 0.12.0.1 and tested
+on the installed JAX by ``tests/devices/test_jax_internals.py``; ``tests/test_private_reach.py``
+fails when another module reaches past this door.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ __all__ = ["backends_started", "hlo_module_cost_analysis", "legacy_context_mesh"
 
 
 def backends_started() -> bool:
-    """Whether JAX has discovered its plugins or started a backend, i.e. read its platform
-    environment variables: ``jax._src.xla_bridge._plugins_registered``, else its
-    ``backends_are_initialized()``; ``False`` before ``jax._src.xla_bridge`` is imported.
-    Never imports or starts JAX (jax 0.12.0.1)."""
+    """Whether JAX has read its platform variables: ``jax._src.xla_bridge._plugins_registered``,
+    else its ``backends_are_initialized()`` (jax 0.12.0.1). Never imports or starts JAX."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is None:
         return False
@@ -32,18 +27,15 @@ def backends_started() -> bool:
 
 
 def hlo_module_cost_analysis(client: Any, module: Any) -> dict[str, float]:
-    """XLA's cost analysis (``flops``, ``bytes accessed``, ...) of an HLO module
-    (``lowered.compiler_ir("hlo").get_hlo_module()``) on ``client`` (a device's
-    ``.client``), without compiling it: ``jax._src.lib.xla_client._xla
-    .hlo_module_cost_analysis`` (jaxlib 0.12.0.1)."""
+    """XLA's cost analysis of an HLO module on ``client`` (a device's ``.client``), without
+    compiling it: ``jax._src.lib.xla_client._xla.hlo_module_cost_analysis`` (jaxlib 0.12.0.1)."""
     from jax._src.lib import xla_client
 
     return xla_client._xla.hlo_module_cost_analysis(client, module)
 
 
 def legacy_context_mesh() -> Any:
-    """The mesh of the legacy ``with mesh:`` context (deprecated, still honoured by JAX: its
-    bare ``PartitionSpec``s resolve against it), or ``None``:
+    """The mesh of the legacy ``with mesh:`` context (deprecated, still honoured), or ``None``:
     ``jax._src.mesh.thread_resources.env.physical_mesh`` (jax 0.10.2 to 0.12.0.1), which
     ``jax.sharding.get_mesh`` does not report."""
     from jax._src import mesh as mesh_lib

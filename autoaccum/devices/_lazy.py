@@ -1,10 +1,7 @@
-"""Names a package re-exports, imported when first used (PEP 562), so that importing the
-package imports nothing heavy and changes nothing in the process.
+"""Names a package re-exports, imported when first used (PEP 562).
 
-``import autoaccum`` imports neither JAX nor a framework: ``autoaccum.configure()`` can then
-still set what JAX reads when it is imported and when its backends start (the GPU memory
-fraction, the quiet start on a machine without a GPU), and the first use of an entry point
-(``autoaccum.fit``, ``autoaccum.planning``) imports what it needs.
+``import autoaccum`` then imports neither JAX nor a framework, so ``autoaccum.configure()`` can
+still set what JAX reads when it is imported and when its backends start.
 """
 
 from __future__ import annotations
@@ -18,9 +15,8 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, exports: Mapping[str, str]
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``, whose ``exports`` maps each public name to
-    the module (relative to the package, e.g. ``"._fit_api"``, or ``"."`` plus a subpackage)
-    that defines it; a name that is a submodule maps to itself (``{"planning": ".planning"}``).
+    """``(__getattr__, __dir__)`` for ``package``; ``exports`` maps each name to its relative
+    module (a submodule maps to itself: ``{"planning": ".planning"}``).
 
     Example:
       >>> getattr_, dir_ = lazy_exports("autoaccum.devices", {"format_bytes": "._profiles"})

@@ -1,27 +1,15 @@
-"""The explicit allowances in a GPU's memory arithmetic, each with its source, and what the
-environment of the training process says about the pool (memory fraction, allocator,
-command buffers).
+"""The allowances in a GPU's memory arithmetic, each with its source, and what the process's
+environment says about the pool (memory fraction, allocator, command buffers).
 
-JAX's pool on a GPU is ``memory fraction x CUDA's total`` (XLA's BFC allocator,
-``XLA_PYTHON_CLIENT_MEM_FRACTION``). A margin lives either
+JAX's pool on a GPU is ``memory fraction x CUDA's total`` (XLA's BFC allocator). A margin
+``"outside"`` the pool (CUDA context, library handles, CUDA-graph executables) caps the pool,
+which matters when the fraction is close to 1; one in the ``"pool"`` (a workspace the compile
+does not show) lowers the budget, and a negative one is a credit.
 
-* ``"outside"`` the pool (the CUDA context, the CUDA libraries' handles, CUDA-graph
-  executables): the pool can only be as large as what they leave, which matters when the
-  fraction is close to 1; or
-* ``"pool"``: inside the pool, beside the compiled step (a workspace the compile does not
-  show), lowering the budget; a negative one is a credit (a tolerance measured against a
-  real device).
-
-``when`` says where a margin applies: ``"always"``, ``"command_buffers"`` (only when XLA's
-command buffers are enabled) or ``"deviceless"`` (only for a compile without the device).
-
-``provenance`` says which figure a margin's size came from: ``"estimate: <document>"`` (read
-or reasoned, not measured by autoaccum) or ``"measured: <table, commit>"``. No GPU has been
-measured by ``benchmarks/gpu_validation.py`` yet, so the defaults below are estimates; the
-one measured margin is the T4 lab tolerance in ``profiles/t4.toml`` (a real Colab T4, the
-seed notebook). :func:`suggest_margins` turns a GPU run's table (compiled needs against
-``peak_bytes_in_use``) into the margins it supports, with a ``measured:`` provenance, so the
-next session with a GPU corrects the profiles from it (see ``docs/accuracy.md``).
+No GPU has been measured by ``benchmarks/gpu_validation.py`` yet, so the defaults are
+estimates; the one measured margin is the T4 lab tolerance in ``profiles/t4.toml`` (a real
+Colab T4). :func:`suggest_margins` turns a GPU run's table (compiled needs against
+``peak_bytes_in_use``) into the margins it supports (see ``docs/accuracy.md``).
 """
 
 from __future__ import annotations
@@ -84,12 +72,12 @@ COMMAND_BUFFER_PROVENANCE = (
     "measured: the profiles disable command buffers"
 )
 PROVENANCE_KINDS = ("estimate:", "measured:")
-"""How a provenance starts: an estimate from a document, or a measurement (table, commit)."""
+"""How a provenance starts."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Margin:
-    """One allowance in a device's memory arithmetic (see the module docstring).
+    """One allowance in a device's memory arithmetic.
 
     Example:
       >>> m = Margin("CUDA context", 300, "outside", "measured on a T4")
@@ -105,10 +93,11 @@ class Margin:
     source: str
     """Where the figure comes from."""
     when: str = "always"
-    """``"always"``, ``"command_buffers"`` or ``"deviceless"``."""
+    """``"always"``, ``"command_buffers"`` (only with XLA's command buffers on) or
+    ``"deviceless"`` (only for a compile without the device)."""
     provenance: str = ""
-    """Which figure the size came from: ``"estimate: <document>"`` or ``"measured: <table,
-    commit>"`` (``""``: not stated)."""
+    """Which figure the size came from: ``"estimate: <document>"`` (read or reasoned) or
+    ``"measured: <table, commit>"`` (``""``: not stated)."""
 
     def __post_init__(self) -> None:
         if self.where not in _WHERE:
@@ -127,8 +116,7 @@ class Margin:
         return round(self.mib * 2**20)
 
     def applies(self, *, deviceless: bool, command_buffers: bool) -> bool:
-        """Whether the margin counts for a compile ``deviceless`` or not, with command
-        buffers enabled or not."""
+        """Whether the margin counts for this kind of compile."""
         if self.when == "deviceless":
             return deviceless
         if self.when == "command_buffers":
@@ -137,7 +125,7 @@ class Margin:
 
     @property
     def measured(self) -> bool:
-        """Whether the size was measured (its provenance starts with ``"measured:"``).
+        """Whether the provenance starts with ``"measured:"``.
 
         Example:
           >>> Margin("x", 1, "pool", "s", provenance="measured: table 3, commit abc").measured
@@ -156,8 +144,7 @@ class Margin:
 
 
 def default_margins(*, cuda_context_reserve_mib: int, workspace_margin_mib: int) -> tuple:
-    """The margins every GPU profile gets from its ``cuda_context_reserve_mib`` and
-    ``workspace_margin_mib`` fields (a profile's ``[[margins]]`` add to or replace them).
+    """The margins every GPU profile gets from its two fields.
 
     Example:
       >>> [m.name for m in default_margins(cuda_context_reserve_mib=300,
@@ -209,8 +196,7 @@ def environment_memory_fraction(environ: Mapping[str, str] | None = None
 
 
 def platform_allocator(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (no pool: allocations come straight
-    from CUDA, so the limit is what the context leaves)."""
+    """Whether ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (no pool: the context's leftover)."""
     environ = os.environ if environ is None else environ
     return environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform"
 
@@ -219,10 +205,9 @@ def command_buffers_enabled(profile_environment: Mapping[str, str],
                             environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
     """``(enabled, why)``: whether XLA's command buffers (CUDA graphs) will be on.
 
-    ``XLA_FLAGS`` in the environment decides when it names
-    ``--xla_gpu_enable_command_buffer``; otherwise the profile's ``[environment]`` does (as
-    ``autoaccum.configure()`` merges it into ``XLA_FLAGS`` on the device); otherwise XLA's
-    default (on).
+    ``XLA_FLAGS`` in the environment decides when it names ``--xla_gpu_enable_command_buffer``;
+    else the profile's ``[environment]`` (``autoaccum.configure()`` merges it into
+    ``XLA_FLAGS``); else XLA's default (on).
 
     Example:
       >>> command_buffers_enabled({}, {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})
@@ -277,11 +262,7 @@ def apply_margins(pool: int, total: int, margins: tuple[Margin, ...], *, devicel
 
 
 def profile_margins(path: Path, data: dict[str, Any]) -> tuple[Margin, ...]:
-    """The default margins, with the profile's ``[[margins]]`` replacing or adding.
-
-    A ``[[margins]]`` table has ``name``, ``mib``, ``where`` and ``source``, optionally
-    ``when`` and ``provenance`` (``"estimate: ..."`` or ``"measured: ..."``; without one the
-    margin says that its profile does not state it)."""
+    """The default margins, with the profile's ``[[margins]]`` replacing or adding."""
     margins = {m.name: m for m in default_margins(
         cuda_context_reserve_mib=data["cuda_context_reserve_mib"],
         workspace_margin_mib=data["workspace_margin_mib"])}
@@ -316,22 +297,20 @@ def profile_margins(path: Path, data: dict[str, Any]) -> tuple[Margin, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredPoint:
-    """One train step measured on a GPU, in bytes: the need compiled there and deviceless for
-    its profile (``argument + output - alias + temp``), and what JAX's allocator really held
-    (``memory_stats()["peak_bytes_in_use"]`` after real steps)."""
+    """One train step measured on a GPU, in bytes: needs compiled there and deviceless, and
+    ``peak_bytes_in_use`` after real steps."""
 
     need: int
     peak: int
     need_deviceless: int | None = None
     bytes_limit: int | None = None
     context: int | None = None
-    """GPU memory the process held outside JAX's pool (CUDA context, libraries), if known."""
+    """GPU memory the process held outside JAX's pool, if known."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SuggestedMargin:
-    """What a measurement says of one margin: ``current`` (``None``: the profile has none),
-    ``suggested`` (``None``: the measurement does not reach it) and why."""
+    """What a measurement says of one margin (``None``: none / not reached)."""
 
     name: str
     current: Margin | None
@@ -340,25 +319,18 @@ class SuggestedMargin:
 
 
 def _mib_up(value: int, step: int = 16) -> float:
-    """Bytes as MiB rounded away from a smaller margin: up for an allowance, toward zero for
-    a credit (a smaller credit is the safe side)."""
+    """Bytes as MiB rounded to the safe side: up for an allowance, toward zero for a credit."""
     mib = value / 2**20
     return float(-(int(-mib // step) * step) if mib >= 0 else -(int(-mib) // step) * step)
 
 
 def suggest_margins(points: list[MeasuredPoint], margins: tuple[Margin, ...], *,
                     provenance: str) -> list[SuggestedMargin]:
-    """The margins that ``points`` (steps that ran on one GPU) support, each with a
-    ``"measured: ..."`` provenance built from ``provenance`` (the table and commit).
+    """The margins that ``points`` (steps run on one GPU) support, ``"measured: ..."``.
 
-    * inside the pool, always (the cuDNN workspace): the largest ``peak - need`` compiled on
-      the device (what the compile does not show: autotuning workspaces, the allocator's
-      rounding), rounded up to 16 MiB, at least 0;
-    * inside the pool, deviceless only: the largest ``peak - need_deviceless`` less that
-      workspace; negative is a credit (deviceless figures above the device's);
-    * outside the pool (the CUDA context): the largest memory held outside the pool, when
-      known;
-    * command buffers: not measured (the harness runs with them disabled, as the profiles do).
+    Workspace: the largest ``peak - need`` compiled on the device, up to 16 MiB. Deviceless:
+    the largest ``peak - need_deviceless`` less that workspace (negative: a credit). Context:
+    the largest memory held outside the pool. Command buffers: not measured.
 
     Example:
       >>> ms = default_margins(cuda_context_reserve_mib=300, workspace_margin_mib=32)

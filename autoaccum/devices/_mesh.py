@@ -1,36 +1,17 @@
 """Data-parallel device meshes: one axis over the devices, and placing arrays on it.
 
-effective batch = micro-batch x data-parallel devices x accumulation steps. The batches of one
-optimizer step, ``[accum_steps, data_parallel * micro_batch, ...]``, are split over the mesh's
-one axis (``PartitionSpec(None, axis)``); weights and optimizer state are replicated.
+A step's batches ``[accum_steps, data_parallel * micro_batch, ...]`` are split over the mesh's
+one axis; weights and optimizer state are replicated. Multi-host: ``jax.devices()`` spans every
+process after ``jax.distributed.initialize()``; each process passes the same data and seed and
+feeds only its own devices' slices.
 
-Multi-host: after ``jax.distributed.initialize()``, ``jax.devices()`` spans every process, so
-:func:`data_parallel_mesh` covers all hosts; every process must pass the same data and seed
-(each process feeds only its own devices' slices, see :func:`shard_batches`).
-
-The caller's context mesh, and the mesh a user's code is traced under.
-
-JAX resolves a bare ``PartitionSpec`` (``jax.lax.with_sharding_constraint(y, P('data',
-'model'))``, ``jnp.dot(..., out_sharding=P('data', None))``, ``jnp.zeros(...,
-out_sharding=...)``) against the *context* mesh of the trace: the mesh of ``jax.set_mesh``,
-of ``jax.sharding.use_abstract_mesh``, or of the legacy ``with mesh:``. A trace that runs in
-another thread (autoaccum compiles probes concurrently), after the caller's ``with`` block
-is left (``autoaccum.train_step`` returns a step called later), or under a mesh of
-autoaccum's own sees none, and the user's model fails inside JAX.
-
-So autoaccum does two things:
-
-* Its entry points record the caller's context mesh (:func:`keeps_callers_mesh`), then do
-  their own work (placing arrays, autoaccum's own ``shard_map`` on its own meshes) with no
-  context mesh: a ``jax.make_mesh`` mesh has ``Explicit`` axes, under which autoaccum's
-  layouts would be asserts. :func:`callers_mesh` reads the recorded mesh back anywhere in
-  the call.
-* Every step that runs the user's code is traced under the mesh it runs on
-  (:func:`traced_under`, with ``jax.sharding.use_abstract_mesh`` *inside* the traced
-  function, so it holds in whatever thread traces): a kept layout's mesh (the user's axis
-  names), the data-parallel mesh (the caller's own one-axis mesh when the call had one), or
-  on one device a mesh of size-1 axes named as the caller's (:func:`step_mesh`), so the
-  user's specs resolve and constrain nothing.
+JAX resolves a bare ``PartitionSpec`` against the trace's *context* mesh (``jax.set_mesh``,
+``use_abstract_mesh``, legacy ``with mesh:``). A trace in another thread (probes compile
+concurrently), after the caller's ``with`` block (``train_step`` returns a step called later)
+or under autoaccum's own mesh sees none, and the user's model fails inside JAX. So entry points
+record the caller's mesh (:func:`keeps_callers_mesh`) and work with no context mesh (under a
+``jax.make_mesh`` mesh's ``Explicit`` axes autoaccum's layouts would be asserts), and the
+user's code is traced under the mesh it runs on (:func:`traced_under`, :func:`step_mesh`).
 
 Example:
   >>> import numpy as np
@@ -41,18 +22,9 @@ Example:
   >>> float(jax.jit(traced_under(loss, mesh))(jax.numpy.ones((2, 2))))
   8.0
 
-A train step's state laid out as the user laid it out: one sharding per state leaf.
-
-A :class:`Placement` says where every array of an accumulated step lives: the mesh, the
-``NamedSharding`` of each state leaf and frozen argument (as the user's framework placed
-them: a Keras ``ModelParallel`` layout map, arrays that arrive sharded), and which mesh axis
-the batches are split over. The step is then compiled with those shardings as its input AND
-output shardings (``jax.jit`` lets XLA partition the computation, GSPMD), so the updated
-state keeps the user's layout and ``memory_analysis()`` is that of one device.
-
-The step itself is the single-device step on global batches ``[accum_steps, dp * micro,
-...]`` (``dp``: the size of the data axis), so it is exact by construction: XLA inserts the
-cross-device reductions the sharded computation needs.
+A :class:`Placement` keeps the user's layout (a Keras ``ModelParallel`` layout map, arrays that
+arrive sharded) as the step's input AND output shardings (GSPMD): ``memory_analysis()`` is one
+device's, and XLA inserts the cross-device reductions, so the step is exact.
 """
 
 from __future__ import annotations
@@ -94,10 +66,9 @@ def resolve_mesh(data_parallel: int | str | Mesh | None, *,
                  auto: Callable[[], Mesh | None] | None = None) -> Mesh | None:
     """The data-parallel mesh for a user's ``data_parallel`` option, or ``None`` for one device.
 
-    ``"auto"``: ``auto()`` when given (an adapter's own rule: Keras uses the mesh of a
-    ``keras.distribution.DataParallel``), else every device (``jax.devices()``). An int ``n``:
-    the first ``n`` devices. A one-axis ``jax.sharding.Mesh``: itself. ``1`` (or ``None``, or
-    "auto" on a single-device machine): ``None``, the single-device path.
+    ``"auto"``: ``auto()`` when given (Keras uses a ``keras.distribution.DataParallel``'s
+    mesh), else every device. An int ``n``: the first ``n`` devices. A one-axis
+    ``jax.sharding.Mesh``: itself. ``1``, ``None``, or "auto" on one device: ``None``.
 
     Example:
       >>> resolve_mesh(1) is None
@@ -146,9 +117,7 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def from_host(value: Any, sharding: NamedSharding) -> jax.Array:
-    """``value`` as a ``jax.Array`` laid out by ``sharding``: kept when it already is, moved
-    when it is on this process's devices, else built from the host copy, each device (of every
-    process) taking its own slice."""
+    """``value`` laid out by ``sharding``; from a host copy, each device takes its own slice."""
     if isinstance(value, jax.Array) and value.sharding == sharding:
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable:
@@ -160,8 +129,7 @@ def from_host(value: Any, sharding: NamedSharding) -> jax.Array:
 def shard_batches(batches: PyTree, mesh: Mesh) -> PyTree:
     """Places host batches ``[k, dp * micro, ...]`` on the mesh, each device its own slice.
 
-    Works across processes: every process holds the same global batch and feeds only its
-    own devices (``jax.make_array_from_callback``).
+    Multi-process: every process holds the same global batch and feeds only its own devices.
 
     Example:
       >>> import numpy as np
@@ -172,8 +140,7 @@ def shard_batches(batches: PyTree, mesh: Mesh) -> PyTree:
     """
     sharding = batch_sharding(mesh)
     if isinstance(batches, tuple) and getattr(batches, "_fields", None) == ("full", "last"):
-        # Uneven batches (autoaccum.planning.UnevenBatches): the last, smaller micro-batch
-        # ``[dp * last, ...]`` is split over the devices along its leading axis.
+        # Uneven batches: the last, smaller micro-batch ``[dp * last, ...]`` splits on axis 0.
         leading = NamedSharding(mesh, P(mesh_axis(mesh)))
         return type(batches)(jax.tree.map(lambda a: from_host(a, sharding), batches.full),
                              jax.tree.map(lambda a: from_host(a, leading), batches.last))
@@ -196,8 +163,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
 def agree_micro_batch(micro_batch: int) -> tuple[int, tuple[int, ...]]:
     """The smallest ``micro_batch`` over every process, and each process's own value.
 
-    Every process plans against its own devices' budgets; the smallest fitting micro-batch
-    wins so all processes run the same program. With one process it is returned as is.
+    Each process plans against its own budgets; the smallest wins so all run one program.
 
     Example:
       >>> agree_micro_batch(8)
@@ -219,8 +185,7 @@ _CALLERS: contextvars.ContextVar[Any] = contextvars.ContextVar("autoaccum_caller
 
 
 def _context() -> Mesh | AbstractMesh | None:
-    """The context mesh JAX holds now: ``jax.set_mesh``'s (concrete), else
-    ``use_abstract_mesh``'s, else the legacy ``with mesh:`` one; ``None`` without any."""
+    """The context mesh JAX holds now (concrete, abstract, or legacy), or ``None``."""
     concrete = jax.sharding.get_mesh()
     if not concrete.empty:
         return concrete
@@ -231,9 +196,7 @@ def _context() -> Mesh | AbstractMesh | None:
 
 
 def callers_mesh() -> Mesh | AbstractMesh | None:
-    """The context mesh of the call autoaccum is serving: the one its entry point recorded
-    (:func:`keeps_callers_mesh`), else the one JAX holds now; ``None`` when the caller set
-    none.
+    """The caller's context mesh: the one its entry point recorded, else JAX's now, or ``None``.
 
     Example:
       >>> callers_mesh() is None
@@ -245,8 +208,7 @@ def callers_mesh() -> Mesh | AbstractMesh | None:
 
 @contextlib.contextmanager
 def without_context_mesh() -> Iterator[None]:
-    """No context mesh inside (the caller's is back after); the caller's stays readable
-    with :func:`callers_mesh`.
+    """No context mesh inside; the caller's stays readable with :func:`callers_mesh`.
 
     Example:
       >>> with without_context_mesh():
@@ -266,9 +228,7 @@ def without_context_mesh() -> Iterator[None]:
 
 
 def keeps_callers_mesh(fn: F) -> F:
-    """``fn`` (an entry point) run under :func:`without_context_mesh`, the caller's context
-    mesh recorded for the steps it traces, in a copy of the caller's ``contextvars`` context
-    (what the call decides about the mesh ends with it)."""
+    """``fn`` run under :func:`without_context_mesh`, in a copy of the caller's context."""
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         def call() -> Any:
@@ -291,10 +251,8 @@ def has_explicit_axes(mesh: Any) -> bool:
 
 
 def step_mesh(mesh: Any, callers: Any = None) -> Any:
-    """The mesh a step over ``mesh`` (the devices it runs on; ``None``: one device) traces the
-    user's code under: ``mesh`` itself, or on one device, when the caller had a context mesh
-    (``callers``), a mesh of the caller's axis names and types, each of size 1 (the user's
-    specs resolve and split nothing); ``None`` when neither.
+    """The mesh a step over ``mesh`` traces the user's code under: ``mesh``, or on one device
+    (``None``) the caller's axes at size 1, so the user's specs resolve and split nothing.
 
     Example:
       >>> step_mesh(None, AbstractMesh((2, 4), ("data", "model"))).axis_sizes
@@ -309,8 +267,7 @@ def step_mesh(mesh: Any, callers: Any = None) -> Any:
 
 
 def traced_under(fn: F, mesh: Any) -> F:
-    """``fn`` whose trace runs with ``mesh`` (concrete or abstract) as the context mesh, in
-    whatever thread traces it; ``fn`` itself for ``None``."""
+    """``fn`` traced with ``mesh`` as context mesh, in any thread; ``fn`` itself for ``None``."""
     if mesh is None:
         return fn
     abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
@@ -328,18 +285,13 @@ _AS_LAYOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("autoaccum_con
 
 
 def context_mesh_as_layout(enabled: bool) -> None:
-    """Whether the caller's context mesh lays out the steps built from now on in this call
-    (see :func:`context_layout`; an entry point runs in a copy of the caller's context, so
-    this ends with it): a plan for this machine's devices with ``data_parallel="auto"`` keeps
-    it; one for another device count, or a one-device plan, does not (the user's specs then
-    still resolve, on :func:`step_mesh`)."""
+    """Whether the caller's context mesh lays out the steps built from now on in this call:
+    yes for a plan on this machine's devices with ``data_parallel="auto"``, else no."""
     _AS_LAYOUT.set(bool(enabled))
 
 
 def context_layout() -> Mesh | None:
-    """The caller's context mesh over devices (an abstract one laid over this machine's
-    devices, as ``concrete_mesh`` does), when it lays out
-    the steps built now; else ``None``.
+    """The caller's context mesh over devices, when it lays out the steps built now.
 
     Example:
       >>> context_layout() is None
@@ -352,12 +304,9 @@ def context_layout() -> Mesh | None:
 
 
 def concrete_mesh(mesh: Mesh | AbstractMesh) -> Mesh:
-    """``mesh`` over devices: itself when it has devices; for an ``AbstractMesh`` (the mesh of
-    a model made with ``nnx.eval_shape`` under ``jax.set_mesh``, whose arrays are shapes
-    only), the context mesh (``jax.set_mesh``) when it is that mesh over devices, else the
-    same axis names, sizes and types over the first devices in ``jax.devices()`` order (as
-    autoaccum's data-parallel mesh takes them). A dry run then moves the layout onto its
-    target's devices (:meth:`Placement.onto`).
+    """``mesh`` over devices. An ``AbstractMesh`` (from ``nnx.eval_shape`` under
+    ``jax.set_mesh``) becomes the context mesh when that matches, else the same axes over the
+    first ``jax.devices()``.
 
     Raises:
       ValueError: this machine has fewer devices than the abstract mesh.
@@ -390,10 +339,8 @@ def concrete_mesh(mesh: Mesh | AbstractMesh) -> Mesh:
 
 
 def constrain(tree: Any, shardings: Any) -> Any:
-    """``tree`` laid out by ``shardings`` inside a traced step (one ``NamedSharding`` for every
-    leaf, or a tree of them): ``jax.lax.with_sharding_constraint`` over automatic axes,
-    ``jax.sharding.reshard`` over ``Explicit`` ones (where a constraint is only an assert and
-    an array's sharding is part of its type).
+    """``tree`` laid out by ``shardings`` inside a traced step: ``with_sharding_constraint``
+    over automatic axes, ``reshard`` over ``Explicit`` ones (where a constraint only asserts).
 
     Example:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -416,9 +363,7 @@ def constrain(tree: Any, shardings: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a step's arrays live: ``mesh``, one sharding per leaf of ``state`` and
-    ``frozen``, and ``data_axis``, the mesh axis the batches are split over (``None``: every
-    device sees the whole batch).
+    """Where a step's arrays live; ``data_axis`` splits the batches (``None``: not split).
 
     Example:
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
@@ -434,12 +379,11 @@ class Placement:
     """The shardings of the program's ``frozen_args``."""
     data_axis: str | None = None
     source: str = ""
-    """Who laid the state out (for reports and errors), e.g.
-    ``keras.distribution.ModelParallel``."""
+    """Who laid the state out, e.g. ``keras.distribution.ModelParallel``."""
 
     @property
     def data_parallel(self) -> int:
-        """Devices the batch is split over: the size of ``data_axis`` (1 without one)."""
+        """Devices the batch is split over (1 without ``data_axis``)."""
         return 1 if self.data_axis is None else int(self.mesh.shape[self.data_axis])
 
     def batch_sharding(self) -> NamedSharding:
@@ -451,18 +395,14 @@ class Placement:
         return NamedSharding(self.mesh, P(self.data_axis))
 
     def abstract(self, tree: PyTree, shardings: PyTree) -> PyTree:
-        """``tree``'s leaves as ``ShapeDtypeStruct`` carrying ``shardings`` (same structure,
-        or a prefix of it)."""
+        """``tree``'s leaves as ``ShapeDtypeStruct`` carrying ``shardings``."""
         return jax.tree.map(
             lambda s, leaf: jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), leaf),
             shardings, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
     def onto(self, devices: Any) -> Placement:
-        """The same layout over other ``devices`` (as many as the mesh has): a mesh of the
-        same shape and axis names over them, every sharding's spec kept. A dry run uses it to
-        keep a layout made over this machine's devices on a slice that is not here (a TPU's
-        chips, compiled deviceless).
+        """The same layout over other ``devices`` (as many), e.g. a deviceless TPU slice.
 
         Example:
           >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
@@ -488,7 +428,7 @@ class Placement:
             frozen=tuple(jax.tree.map(moved, f, is_leaf=is_leaf) for f in self.frozen))
 
     def other_count(self, devices: int) -> ValueError:
-        """The error for a target of ``devices`` devices, which this layout is not over.
+        """The error for a target whose device count this layout does not match.
 
         Example:
           >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
@@ -505,7 +445,7 @@ class Placement:
             + f". Received: {devices} target device(s)")
 
     def place_batches(self, batches: PyTree) -> PyTree:
-        """Host batches placed as the step takes them (every process feeds its own devices)."""
+        """Host batches placed as the step takes them."""
         full = self.batch_sharding()
         if isinstance(batches, tuple) and getattr(batches, "_fields", None) == ("full", "last"):
             return type(batches)(place(batches.full, full), place(batches.last,
@@ -514,8 +454,7 @@ class Placement:
 
 
 def place(tree: PyTree, shardings: PyTree) -> PyTree:
-    """Every leaf of ``tree`` with the sharding ``shardings`` gives it (one sharding for all,
-    or a tree of them); arrays already placed so are returned as they are.
+    """``tree`` placed by ``shardings`` (one for all, or a tree of them).
 
     Example:
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
@@ -529,7 +468,7 @@ def place(tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:
-    """Whether two meshes have the same devices in the same places and the same axis names.
+    """Whether two meshes have the same devices, placement and axis names.
 
     Example:
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))

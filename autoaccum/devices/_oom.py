@@ -1,24 +1,16 @@
 """Recognising a real out-of-memory error, and explaining one that no micro-batch avoids.
 
 XLA reports running out of device memory as ``jax.errors.JaxRuntimeError`` (a
-``RuntimeError``) whose message starts ``RESOURCE_EXHAUSTED:``. It can also surface masked:
-cuDNN's autotuner starved of scratch ("INTERNAL: No reference output found!", "Failed to
-determine best cudnn convolution algorithm"), or on CPU a kernel's scratch allocation failing
-near the limit ("INTERNAL: YNNPACK operation failed"). All of them mean: less memory per step.
+``RuntimeError``) starting ``RESOURCE_EXHAUSTED:``, or masked: cuDNN's autotuner starved of
+scratch ("INTERNAL: No reference output found!", "Failed to determine best cudnn convolution
+algorithm"), or on CPU a kernel's scratch allocation failing near the limit ("INTERNAL:
+YNNPACK operation failed").
 
-A real out-of-memory on a CPU: cap this process's address space (``RLIMIT_AS``).
-
-Useful to rehearse what happens on an accelerator that runs out of memory (back-off, elastic
-recovery) on a laptop or in CI. Only the *soft* limit is set; the hard limit stays unlimited
-so the cap can be lifted again (around XLA compiles, which leave ~40 MiB of address space
-behind each time and would otherwise eat the headroom). Use it in a child process: once
-capped, anything that allocates (Python included) may fail.
-
-For a repeatable boundary (the same allocation fails on every run, as tests/_oom_child.py and
-benchmarks/gpu_validation.py's back-off rows rely on) set, before JAX starts,
-``MALLOC_ARENA_MAX=1``, ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (fixed
-values), and ``jax.config.update("jax_cpu_enable_async_dispatch", False)``: see
-:data:`CHILD_ENV`.
+``AddressSpaceCap`` makes a real out-of-memory on a CPU (``RLIMIT_AS``), to rehearse
+back-off and recovery on a laptop or in CI. Only the *soft* limit is set, so the cap can be
+lifted around XLA compiles (each leaves ~40 MiB of address space behind). Use it in a child
+process: once capped, anything that allocates may fail. For a repeatable boundary, start JAX
+with :data:`CHILD_ENV` and ``jax.config.update("jax_cpu_enable_async_dispatch", False)``.
 
 Example:
   >>> cap = AddressSpaceCap(headroom_bytes=1 << 40)   # a cap far away: nothing fails
@@ -46,7 +38,7 @@ OOM_MARKERS: tuple[str, ...] = (
     "Failed to determine best cudnn convolution algorithm",
     "YNNPACK operation failed",
 )
-"""Substrings of an XLA runtime error's message that mean the step ran out of memory."""
+"""Substrings of an XLA runtime error that mean the step ran out of memory."""
 
 _REQUESTED = re.compile(r"(?:allocat\w*|request for)\s+(\d+)\s*(?:bytes|B\b)", re.IGNORECASE)
 
@@ -54,10 +46,9 @@ _REQUESTED = re.compile(r"(?:allocat\w*|request for)\s+(\d+)\s*(?:bytes|B\b)", r
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) is a device out-of-memory.
 
-    Runtime errors count: ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``), and the
-    ``ValueError`` with the same message that jit's C++ fast path raises when a cached
-    executable is called with numpy inputs (measured, jax 0.10.2). A Python ``MemoryError``
-    is the host's: a smaller micro-batch does not cure it.
+    Counts ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``), and the ``ValueError`` that
+    jit's C++ fast path raises for a cached executable called with numpy inputs (measured, jax
+    0.10.2). A Python ``MemoryError`` is the host's: a smaller micro-batch does not cure it.
 
     Example:
       >>> is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes."))
@@ -82,7 +73,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def first_line(error: BaseException, *, limit: int = 160) -> str:
-    """The first non-empty line of ``error``'s message (no final period), at most ``limit`` long.
+    """The first non-empty line of ``error``'s message, shortened to ``limit``.
 
     Example:
       >>> first_line(RuntimeError("RESOURCE_EXHAUSTED: Out of memory\\nmore detail"))
@@ -143,7 +134,8 @@ CHILD_ENV: dict[str, str] = {
     "TF_CPP_MIN_LOG_LEVEL": "3",
     "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
 }
-"""Environment for a child process whose out-of-memory boundary should be repeatable."""
+"""Environment for a child process whose out-of-memory boundary should be repeatable (fixed
+malloc thresholds)."""
 
 
 _ARMED: list[AddressSpaceCap] = []
@@ -153,10 +145,8 @@ _ARMED: list[AddressSpaceCap] = []
 def compiling() -> Iterator[None]:
     """Lifts an armed :class:`AddressSpaceCap` around an XLA compile (no-op without one).
 
-    autoaccum compiles inside this wherever it compiles while training or probing: on an
-    accelerator a compile uses host memory, not the device's, so a cap that stands in for
-    device memory should not count it (and a compile starved of address space aborts the
-    process instead of raising).
+    On an accelerator a compile uses host memory, so a cap standing in for device memory must
+    not count it (and a compile starved of address space aborts instead of raising).
 
     Example:
       >>> with compiling():
@@ -171,7 +161,7 @@ def compiling() -> Iterator[None]:
 
 
 def vm_size_bytes() -> int:
-    """This process's virtual memory size (``VmSize`` in ``/proc/self/status``), in bytes."""
+    """This process's ``VmSize`` in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmSize:"):
@@ -182,12 +172,11 @@ def vm_size_bytes() -> int:
 class AddressSpaceCap:
     """Caps the address space at ``VmSize + headroom_bytes`` while armed.
 
-    ``with cap:`` arms it (relative to the VmSize at that moment); :meth:`lifted` lifts it for
-    a block (a compile) and re-arms it relative to the VmSize after the block, so what the
-    block leaves behind does not count. :meth:`set_headroom` moves the cap while armed (to make
-    a later step fail). Allocations beyond the cap fail: XLA reports
-    ``RESOURCE_EXHAUSTED: Out of memory ...`` (or, near the limit, ``YNNPACK operation
-    failed``).
+    ``with cap:`` arms it at the VmSize of that moment; :meth:`lifted` lifts it for a block (a
+    compile) and re-arms it after, so what the block leaves behind does not count.
+    :meth:`set_headroom` moves the cap while armed (to make a later step fail). XLA reports
+    an allocation beyond the cap as ``RESOURCE_EXHAUSTED: Out of memory ...`` (or, near the
+    limit, ``YNNPACK operation failed``).
     """
 
     def __init__(self, *, headroom_bytes: int) -> None:
@@ -205,7 +194,7 @@ class AddressSpaceCap:
             _ARMED.append(self)
 
     def disarm(self) -> None:
-        """Lifts the soft limit to the hard limit (unlimited unless someone lowered it)."""
+        """Lifts the soft limit to the hard limit."""
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         self.armed = False

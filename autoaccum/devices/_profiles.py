@@ -1,21 +1,9 @@
-"""Device profiles: what autoaccum knows about a GPU, a TPU slice (or the CPU), read from TOML
-files.
+"""Device profiles: what autoaccum knows about a GPU, a TPU slice (or the CPU), and byte units.
 
-One file per device lives in ``profiles/`` (``autoaccum/profiles/`` in an installed wheel).
-A profile says how much memory the device has, how much of it JAX's pool should take, the
-environment to set before JAX starts, where its figures come from (``source``), and either
-the ``[gpu]`` table from which ``gpu_target_config``
-writes the ``GpuTargetConfigProto`` used to compile for that GPU without having one, or the
-``[tpu]`` table naming the TPU topology libtpu compiles for (:class:`TpuSpec`).
-
-Write the ``stream_executor.GpuTargetConfigProto`` text for a GPU profile.
-
-XLA compiles for a GPU it cannot see from this text (``get_topology_desc(platform="cuda",
-target_config=...)``). The format follows XLA's own examples in
-``xla/backends/gpu/target_config/specs/*.txtpb``, restricted to the fields both JAX CUDA
-plugins' XLA parse (the CUDA 12 one rejects e.g. ``mem_clock_ghz``).
-
-Byte units and how autoaccum prints sizes.
+One TOML file per device in ``profiles/`` (``autoaccum/profiles/`` in an installed wheel): its
+memory, the share JAX's pool takes, the environment to set before JAX starts, where its
+figures come from (``source``), and either a ``[gpu]`` table (the GPU to compile for without
+having one) or a ``[tpu]`` table (the topology libtpu compiles for, :class:`TpuSpec`).
 """
 
 from __future__ import annotations
@@ -43,11 +31,8 @@ PROFILES_DIR_ENV = "AUTOACCUM_PROFILES_DIR"
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """The ``[gpu]`` table of a profile: fields of ``stream_executor.GpuDeviceInfoProto``.
-
-    Field names follow XLA's ``device_description.proto``; values come from XLA's spec files
-    (``xla/backends/gpu/target_config/specs/``) or from the vendor's public specifications.
-    """
+    """The ``[gpu]`` table: fields of ``stream_executor.GpuDeviceInfoProto``, from XLA's spec
+    files or the vendor's public specifications."""
 
     device_name: str
     compute_capability_major: int
@@ -85,14 +70,13 @@ class GpuSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TpuSpec:
-    """The ``[tpu]`` table of a profile: the TPU slice libtpu compiles for, without a TPU.
+    """The ``[tpu]`` table: the TPU slice libtpu compiles for, without a TPU.
 
-    ``topology`` is libtpu's name (``"v5e:2x4"``: generation, then chips per axis), given to
-    ``jax.experimental.topologies.get_topology_desc`` with ``chips_per_host_bounds`` (how
-    the chips sit on one host: ``(2, 4, 1)`` makes a v5e-8 one host of 8 chips, as Kaggle
-    and Google Cloud's ``v5litepod-8`` have them) and ``chip_config_name`` (``"megacore"``
-    for v4 and v5p, whose two TensorCores act as one device). ``usable_hbm_mib`` is the HBM
-    of one chip that XLA's compile-time check allows (``exceeds available HBM (15.75G)``).
+    ``topology``: libtpu's name (``"v5e:2x4"``). ``chips_per_host_bounds``: ``(2, 4, 1)`` makes
+    a v5e-8 one host of 8 chips, as Kaggle and Google Cloud's ``v5litepod-8`` have them.
+    ``chip_config_name``: ``"megacore"`` for v4 and v5p (two TensorCores act as one device).
+    ``usable_hbm_mib``: one chip's HBM that XLA's compile-time check allows
+    (``exceeds available HBM (15.75G)``).
     """
 
     topology: str
@@ -102,10 +86,9 @@ class TpuSpec:
     usable_hbm_mib: int
     chip_config_name: str = ""
     device_kind: str = ""
-    """What ``jax.devices()[0].device_kind`` says on this TPU (``"TPU v5 lite"``)."""
+    """``jax.devices()[0].device_kind`` on this TPU (``"TPU v5 lite"``)."""
     accelerator_type: str = ""
-    """Google Cloud's accelerator type (``"v5litepod-8"``), as ``TPU_ACCELERATOR_TYPE`` holds
-    it on a TPU VM."""
+    """``TPU_ACCELERATOR_TYPE`` on a TPU VM (``"v5litepod-8"``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,21 +97,19 @@ class DeviceProfile:
 
     Memory arithmetic (``MiB = 2**20``):
 
-    * ``pool_bytes(f)  = total_mib * MiB * f`` where ``total_mib`` is ``cuda_total_mib`` when
-      the profile knows it (CUDA's total, which XLA's allocator multiplies by the fraction;
-      it is a little below the ``memory_mib`` nvidia-smi shows), else ``memory_mib``; ``f``
-      defaults to ``default_memory_fraction``. This is the pool JAX preallocates when
-      ``XLA_PYTHON_CLIENT_MEM_FRACTION=f``. The CUDA context (``cuda_context_reserve_mib``)
-      lives outside this pool, in the remaining ``1 - f``.
+    * ``pool_bytes(f) = total_mib * MiB * f``, the pool JAX preallocates with
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION=f`` (``f`` defaults to ``default_memory_fraction``).
+      ``total_mib`` is ``cuda_total_mib`` when known (CUDA's total, which XLA's allocator
+      multiplies by the fraction, a little below nvidia-smi's ``memory_mib``), else
+      ``memory_mib``. The CUDA context (``cuda_context_reserve_mib``) lives in the ``1 - f``.
     * ``budget_bytes(f)``: what one compiled train step may need (argument + output - alias
-      + temp): the pool, capped at what the margins outside it leave of CUDA's total (the
-      CUDA context, command buffers when enabled), minus the margins inside it (the cuDNN
+      + temp): the pool, capped at what the margins outside it leave of CUDA's total (CUDA
+      context, command buffers when enabled), minus the margins inside it (the cuDNN
       workspace a deviceless compile does not see), plus any measured credit. Each margin
-      and its source is in ``margins`` (:mod:`autoaccum.devices`).
+      and its source is in ``margins``.
 
-    A TPU profile's pool is one chip's usable HBM (``tpu.usable_hbm_mib``, what XLA's
-    compile-time check allows) times the fraction (1 unless given: no other process shares a
-    TPU, and no margin applies: the compile itself refuses a step over the HBM).
+    A TPU profile's pool is one chip's ``tpu.usable_hbm_mib`` times the fraction (1 unless
+    given); no margin applies: the compile itself refuses a step over the HBM.
 
     The CPU profile has no ``memory_mib``; pass the host's memory (see
     :func:`autoaccum.internal.host_memory`) as ``total_bytes``.
@@ -156,20 +137,19 @@ class DeviceProfile:
     cuda_total_mib: int | None = None
     path: Path | None = None
     margins: tuple[Margin, ...] = ()
-    """The explicit allowances of this device's memory arithmetic, each with its source: the
-    defaults from ``cuda_context_reserve_mib`` and ``workspace_margin_mib``, plus the
-    profile's ``[[margins]]`` tables (which replace a default of the same name)."""
+    """The allowances of the memory arithmetic, each with its source: defaults from
+    ``cuda_context_reserve_mib`` and ``workspace_margin_mib``, plus the ``[[margins]]`` tables
+    (which replace a default of the same name)."""
     interconnect: str = ""
-    """How several of these GPUs talk to each other (``"PCIe Gen3 x16, no NVLink"``), shown
-    in multi-GPU plans: it decides how costly sharding the weights across them is."""
+    """How several of these GPUs talk (``"PCIe Gen3 x16, no NVLink"``), shown in multi-GPU
+    plans: it decides how costly sharding the weights is."""
     interconnect_gbps: float | None = None
-    """GPU-to-GPU bandwidth per GPU in GB/s, both directions together, as vendors quote it
-    (PCIe Gen3 x16: 32, Gen4: 64; NVLink 3: 600, NVLink 4: 900)."""
+    """GPU-to-GPU GB/s per GPU, both directions, as vendors quote it (PCIe Gen3 x16: 32,
+    Gen4: 64; NVLink 3: 600, NVLink 4: 900)."""
     tpu: TpuSpec | None = None
     """The TPU slice (a ``[tpu]`` table), else ``None``."""
     source: str = ""
-    """Where the profile's figures come from (XLA's spec file, a vendor's datasheet, a
-    compile for the topology)."""
+    """Where the figures come from (XLA's spec file, a datasheet, a compile)."""
 
     def interconnect_line(self) -> str:
         """One line for reports, e.g. ``"PCIe Gen3 x16, no NVLink (32 GB/s per GPU)"``.
@@ -189,12 +169,12 @@ class DeviceProfile:
 
     @property
     def is_gpu(self) -> bool:
-        """True when the profile describes a GPU (it has a ``[gpu]`` table)."""
+        """True for a GPU profile (a ``[gpu]`` table)."""
         return self.gpu is not None
 
     @property
     def is_tpu(self) -> bool:
-        """True when the profile describes a TPU slice (it has a ``[tpu]`` table).
+        """True for a TPU slice (a ``[tpu]`` table).
 
         >>> from autoaccum.devices._profiles import find_profile
         >>> find_profile("kaggle-tpu").is_tpu, find_profile("kaggle-tpu").tpu.chips
@@ -204,7 +184,7 @@ class DeviceProfile:
 
     @property
     def is_accelerator(self) -> bool:
-        """A GPU or a TPU (a profile autoaccum can compile for without having it)."""
+        """A GPU or a TPU (compilable without having it)."""
         return self.gpu is not None or self.tpu is not None
 
     @property
@@ -223,8 +203,7 @@ class DeviceProfile:
 
     @property
     def _capacity_mib(self) -> int | None:
-        """What a fraction of this device is taken of: a TPU chip's usable HBM, else CUDA's
-        total where known, else the card's memory (``None``: the host's, given apart)."""
+        """What the memory fraction is taken of (``None``: the host's, given apart)."""
         if self.tpu is not None:
             return self.tpu.usable_hbm_mib
         return self.cuda_total_mib or self.memory_mib
@@ -232,7 +211,7 @@ class DeviceProfile:
     def pool_bytes(
         self, memory_fraction: float | None = None, *, total_bytes: int | None = None
     ) -> int:
-        """Bytes of JAX's preallocated pool on this device (see the class docstring).
+        """Bytes of JAX's preallocated pool (see the class docstring).
 
         >>> from autoaccum.devices._profiles import find_profile
         >>> find_profile("cpu").pool_bytes(0.5, total_bytes=1000)
@@ -273,8 +252,7 @@ class DeviceProfile:
     ) -> PoolArithmetic:
         """The pool, the margins that apply and the budget they leave.
 
-        ``command_buffers=None`` asks the environment and the profile's ``[environment]``
-        (:func:`autoaccum.internal.command_buffers_enabled`).
+        ``command_buffers=None`` asks the environment and the profile's ``[environment]``.
 
         >>> from autoaccum.devices._profiles import find_profile
         >>> r = find_profile("t4").pool_arithmetic(0.9)
@@ -291,10 +269,7 @@ class DeviceProfile:
 
 
 def profiles_dir() -> Path:
-    """The folder holding the ``*.toml`` profiles.
-
-    ``$AUTOACCUM_PROFILES_DIR`` if set, else ``autoaccum/profiles`` (installed wheel), else the
-    repository's top-level ``profiles/``.
+    """``$AUTOACCUM_PROFILES_DIR``, else ``autoaccum/profiles``, else the repository's.
 
     >>> from autoaccum.devices._profiles import profiles_dir
     >>> (profiles_dir() / "t4.toml").is_file()
@@ -330,7 +305,7 @@ def list_profiles() -> list[str]:
 
 
 def load_profile(name_or_path: str | os.PathLike[str]) -> DeviceProfile:
-    """Load a profile by key/alias (see :func:`find_profile`) or from a ``.toml`` file path.
+    """A profile by key/alias or from a ``.toml`` file path.
 
     >>> from autoaccum.devices._profiles import load_profile
     >>> load_profile("A100-80GB").key
@@ -370,7 +345,7 @@ def find_profile(name: str) -> DeviceProfile:
 
 
 def all_profiles() -> list[DeviceProfile]:
-    """Every profile in :func:`profiles_dir`, parsed (sorted by key)."""
+    """Every profile, parsed, sorted by key."""
     return [_parse(p) for p in sorted(profiles_dir().glob("*.toml"))]
 
 
@@ -543,7 +518,7 @@ def _check_type(path: Path, field: str, value: Any, kind: type | tuple[type, ...
         )
 
 
-# CUDA toolkit versions the text claims, per JAX CUDA plugin (each targets its CUDA major).
+# CUDA toolkit version the text claims, per JAX CUDA plugin.
 _RUNTIME_VERSION = {"cuda12": "12.8.0", "cuda13": "13.0.0"}
 
 _INT_FIELDS_BEFORE_MEMORY = (
@@ -568,11 +543,10 @@ def gpu_target_config(
 ) -> str:
     """The ``GpuTargetConfigProto`` text that makes XLA compile as if on ``profile``'s GPU.
 
-    ``device_memory_size`` is set to ``device_memory_bytes``, by default
-    ``profile.pool_bytes()``: the pool the program will really get (CUDA's total times the
-    memory fraction), so that XLA's rematerialization pass, which triggers on a share of
-    ``device_memory_size``, behaves as it will on the device. ``cuda``: the JAX plugin that
-    compiles it (``"cuda13"`` or ``"cuda12"``), whose CUDA version the text claims.
+    The format follows XLA's ``xla/backends/gpu/target_config/specs/*.txtpb``, restricted to
+    the fields both CUDA plugins' XLA parse (the CUDA 12 one rejects e.g. ``mem_clock_ghz``).
+    ``device_memory_size`` defaults to ``profile.pool_bytes()``, the pool the program really
+    gets, as XLA's rematerialization triggers on a share of it. ``cuda``: the compiling plugin.
 
     >>> from autoaccum.devices._profiles import gpu_target_config
     >>> text = gpu_target_config("t4", device_memory_bytes=2**30)
@@ -668,8 +642,7 @@ def format_bytes(n: float) -> str:
 
 
 def format_bytes_below(n: float) -> str:
-    """``n`` in binary units with two decimals, rounded down: a limit written so that the
-    figure, typed back, is within it.
+    """``n`` with two decimals, rounded down, so the figure typed back is within the limit.
 
     Example:
       >>> format_bytes_below(15.75 * 2**30 - 1), format_bytes_below(1536)
@@ -682,8 +655,7 @@ def format_bytes_below(n: float) -> str:
 
 
 def format_bytes_pair(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` as :func:`format_bytes` writes them, with more digits when needed so
-    that two different sizes never read the same (down to exact bytes).
+    """:func:`format_bytes` of both, with more digits where needed so that they differ.
 
     Example:
       >>> format_bytes_pair(2.3 * 2**20, 2.3 * 2**20 - 100)

@@ -1,50 +1,24 @@
 """Quiet start-up on a machine without a GPU: no cudart, absl or "Unable to load CUDA" noise.
 
-With the CUDA plugin (``autoaccum[dryrun]``) or TensorFlow (``autoaccum[keras]`` brings it
-through keras-hub) installed on a machine without an NVIDIA driver, native code writes lines
-straight to file descriptor 2, which no Python setting reaches:
+With the CUDA plugin (``autoaccum[dryrun]``) or TensorFlow (``autoaccum[keras]``, via
+keras-hub) installed and no NVIDIA driver, native code writes straight to file descriptor 2,
+which no Python setting reaches:
 
-* ``import jax`` loads the ``jax_cuda12_plugin`` kernels (``jaxlib.gpu_*``); each shared library
-  carries its own absl and its own cudart stub and prints ``WARNING: All log messages before
-  absl::InitializeLog() ...`` and ``cudart_stub.cc:31] Could not find cuda drivers on your
-  machine, GPU will not be used.`` (three times in jax 0.10.2). ``TF_CPP_MIN_LOG_LEVEL`` does
-  not reach them: absl prints everything before ``absl::InitializeLog()``.
-* ``import tensorflow`` (keras-hub -> tensorflow-text -> tensorflow) prints the same pair from
-  its own cudart stub, then ``cpu_feature_guard`` and ``failed call to cuInit`` lines, which
-  ``TF_CPP_MIN_LOG_LEVEL`` does reach.
-* JAX's first computation discovers the CUDA plugin, whose version check fails without CUDA
-  and logs a 26-line ``Unable to load CUDA. Is it installed?`` traceback before falling back
-  to the CPU.
-* libtpu (``autoaccum[tpu]``, for dry runs of TPU slices) on a machine without a TPU
-  (:func:`tpu_absent`) prints three lines when JAX starts its TPU backend, and again when a
-  TPU topology is described for a deviceless compile.
+* ``import jax`` loads the ``jax_cuda12_plugin`` kernels; each library has its own absl and
+  cudart stub and prints ``WARNING: All log messages before absl::InitializeLog() ...`` and
+  ``cudart_stub.cc:31] Could not find cuda drivers ...`` (three times in jax 0.10.2);
+  ``TF_CPP_MIN_LOG_LEVEL`` does not reach them (absl prints all before ``InitializeLog()``).
+* ``import tensorflow`` prints the same pair, then ``cpu_feature_guard`` and ``failed call to
+  cuInit`` lines, which ``TF_CPP_MIN_LOG_LEVEL`` does reach.
+* JAX's first computation discovers the CUDA plugin, whose version check fails and logs a
+  26-line ``Unable to load CUDA. Is it installed?`` traceback before falling back to the CPU.
+* libtpu without a TPU prints three lines when JAX starts its TPU backend, and again when a
+  topology is described for a deviceless compile.
 
-:func:`quiet_start` (run by ``autoaccum.configure()`` and by the ``autoaccum`` command, never by
-importing autoaccum, which changes nothing in the process) does something only where no NVIDIA
-GPU can be present (no driver files, NVML sees none), so nothing changes on a GPU:
-
-* ``JAX_PLATFORMS=cpu`` if unset, jax is not imported yet (jax reads it at import) and no
-  other accelerator plugin (ROCm; libtpu where a TPU is attached) is installed; otherwise
-  ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (read when the plugin starts). Either stops the
-  traceback, and both keep deviceless compiles for a named GPU working (docs/install.md,
-  "Quiet on a machine without a GPU"). JAX would use the CPU here anyway; deviceless TPU
-  compiles still work (the topology is described under :func:`quiet_native_logs`);
-* ``TF_CPP_MIN_LOG_LEVEL=3`` if unset (TensorFlow's own log lines);
-* the first ``import jax`` and ``import tensorflow`` run with file descriptor 2 captured, and
-  every captured line except the known noise above is written back to stderr afterwards; the
-  CUDA plugin's library is loaded inside that capture too (its cudart stub logs at load, which
-  JAX does at its first computation). If jax was imported before autoaccum, its import lines
-  are already out; only the library is preloaded.
-
-Set ``AUTOACCUM_QUIET=0`` to turn all of it off. Variables you set yourself are never changed.
-
-The ``autoaccum`` command goes one step further (:func:`quiet_command_line`, started by the
-command before it imports JAX, never when autoaccum is imported as a library): file
-descriptor 2 runs through :class:`NativeLogFilter` for the whole process, which drops the
-informational lines of :data:`INFORMATIONAL` (absl ``I...`` lines from the CUDA plugin and
-TensorFlow, SentencePiece's ``LOG(INFO)``) and passes everything else through at once (partial
-lines too, so progress bars still redraw). ``AUTOACCUM_NATIVE_LOGS=1`` turns that filter off.
-One table of patterns serves both.
+:func:`quiet_start` handles these (never on importing autoaccum). The ``autoaccum`` command
+also runs fd 2 through :class:`NativeLogFilter` for the whole process, dropping
+:data:`INFORMATIONAL` lines and passing the rest at once (partial lines too, so progress bars
+still redraw); ``AUTOACCUM_NATIVE_LOGS=1`` turns that filter off.
 """
 
 from __future__ import annotations
@@ -88,8 +62,7 @@ NOISE: tuple[re.Pattern[str], ...] = (
                r"to STDERR"),
     re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on "
                r"your machine, GPU will not be used\."),
-    # libtpu loaded where no TPU is (a dry run for a TPU slice): it asks the TPU VM's
-    # metadata for its accelerator type and worker hostnames, and says it found none.
+    # libtpu where no TPU is: it finds no accelerator type or worker hostnames in metadata.
     re.compile(r"Failed to find host bounds for accelerator type: WARNING: could not determine "
                r"TPU accelerator type.*"),
     re.compile(r"E\d{4} [\d:.]+\s+\d+ common_lib\.cc:\d+\] INVALID_ARGUMENT: Error: unexpected "
@@ -97,15 +70,14 @@ NOISE: tuple[re.Pattern[str], ...] = (
     re.compile(r"WARNING: Logging before InitGoogle\(\) is written to STDERR"),
     re.compile(r"=== Source Location Trace: ===\s*|learning/[\w/]+/libtpu_init_utils\.cc:\d+\s*"),
 )
-"""Whole lines dropped by :func:`quiet_native_logs` (each matched against the full line)."""
+"""Whole lines dropped by :func:`quiet_native_logs`."""
 
 INFORMATIONAL: tuple[re.Pattern[str], ...] = (
     *NOISE,
     re.compile(r"I\d{4} [\d:.]+\s+\d+ [\w/.-]+\.cc:\d+\] .*"),  # absl INFO (cudart included)
     re.compile(r"[\w/.-]+\.cc\(\d+\) LOG\(INFO\) .*"),  # SentencePiece
 )
-"""Whole lines the ``autoaccum`` command drops (:func:`is_native_noise`): :data:`NOISE` and
-native libraries' informational lines, which are not errors."""
+"""Whole lines the ``autoaccum`` command drops: :data:`NOISE` and native INFO lines."""
 
 _DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg",
                  "/dev/nvhost-ctrl-gpu")
@@ -115,8 +87,7 @@ _QUIET_IMPORTS = ("jax", "tensorflow")
 
 
 def nvidia_gpu_absent() -> bool:
-    """True only where no NVIDIA GPU can be used: no driver or device file, and NVML (if
-    installed) sees no GPU. Cheap where there is none; never imports JAX.
+    """True only where no driver or device file exists and NVML (if any) sees no GPU.
 
     >>> from autoaccum.devices._quiet import nvidia_gpu_absent
     >>> isinstance(nvidia_gpu_absent(), bool)
@@ -127,13 +98,11 @@ def nvidia_gpu_absent() -> bool:
     return not isinstance(_from_nvml(0), DetectedDevice)  # else the reason NVML sees none
 
 
-_TPU_PCI_VENDOR = "0x1ae0"  # Google, the vendor of every TPU chip on a TPU VM's PCI bus
+_TPU_PCI_VENDOR = "0x1ae0"  # Google, every TPU chip's PCI vendor
 
 
 def tpu_absent() -> bool:
-    """True only where no TPU can be used: no TPU chip on the PCI bus (vendor Google,
-    as JAX itself looks for them), no ``/dev/accel*`` or ``/dev/vfio/<n>`` device file.
-    Never imports JAX or libtpu.
+    """True only where no TPU chip is on the PCI bus (as JAX looks) and no device file.
 
     >>> from autoaccum.devices._quiet import tpu_absent
     >>> isinstance(tpu_absent(), bool)
@@ -166,11 +135,7 @@ def filter_noise(text: bytes, patterns: Sequence[re.Pattern[str]] = NOISE) -> by
 
 @contextlib.contextmanager
 def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[None]:
-    """Capture file descriptor 2 (native code's stderr) while the block runs; afterwards write
-    back every captured line that is not noise. Nothing else is lost, only delayed.
-
-    Args:
-      patterns: lines to drop (each must match a whole line); default :data:`NOISE`.
+    """Capture file descriptor 2 in the block, then write back every line not in ``patterns``.
 
     >>> import os
     >>> from autoaccum.devices._quiet import quiet_native_logs
@@ -199,8 +164,7 @@ def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[N
 
 
 class QuietStart(dict):
-    """What :func:`quiet_start` did: the variables it set (name -> value); ``quieted`` lists
-    the modules whose first import runs with the noise filtered.
+    """The variables :func:`quiet_start` set; ``quieted``: the imports it filters.
 
     Example:
       >>> from autoaccum.devices import quiet_start
@@ -215,13 +179,15 @@ _STARTED: list[QuietStart] = []
 
 
 def quiet_start() -> QuietStart:
-    """Set what keeps JAX and TensorFlow quiet on a machine without a GPU (see module notes);
-    ``autoaccum.configure()`` calls it (``quiet=True``, its default), and so does the
-    ``autoaccum`` command. Once per process: later calls return what the first one did.
+    """Keep JAX and TensorFlow quiet on a machine without a GPU, once per process.
 
-    Does nothing where a GPU may be present, where neither the CUDA plugin, libtpu (without a
-    TPU) nor TensorFlow is installed, or with ``AUTOACCUM_QUIET=0``. Never overrides a
-    variable you set.
+    ``autoaccum.configure()`` (``quiet=True``, its default) and the ``autoaccum`` command call
+    it; later calls return what the first did. Where no NVIDIA GPU can be present and the CUDA
+    plugin, libtpu (without a TPU) or TensorFlow is installed, it sets ``JAX_PLATFORMS=cpu``
+    (before jax is imported, with no other accelerator plugin), else
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``, and ``TF_CPP_MIN_LOG_LEVEL=3``, and filters native
+    noise from the first ``import jax`` / ``import tensorflow``. Deviceless compiles still
+    work. Never overrides a variable you set; ``AUTOACCUM_QUIET=0`` turns it off.
 
     Returns:
       A :class:`QuietStart`: the variables set, and the imports that will be filtered.
@@ -249,13 +215,12 @@ def _quiet_start() -> QuietStart:
         return done
     if (cuda_plugin or libtpu) and not jax_started():
         if "jax" in sys.modules or _other_accelerator_plugins():
-            # JAX_PLATFORMS is read when jax is imported; this one when the plugin starts.
+            # JAX_PLATFORMS is read at jax import; this one when the plugin starts.
             if cuda_plugin:
                 _set_default("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1", done)
             if (libtpu and "jax" in sys.modules and "JAX_PLATFORMS" not in os.environ
                     and not _other_accelerator_plugins()):
-                # jax came first: its TPU backend would load libtpu (three lines) to find
-                # no TPU. Tell JAX directly, as JAX_PLATFORMS=cpu would have.
+                # jax came first: its TPU backend would load libtpu (three lines) for nothing.
                 sys.modules["jax"].config.update("jax_platforms", "cpu")
                 done["jax_platforms"] = "cpu"
         else:
@@ -276,7 +241,7 @@ def _quiet_start() -> QuietStart:
 
 
 class _QuietImports(importlib.abc.MetaPathFinder):
-    """Runs the first import of each named top-level module under :func:`quiet_native_logs`."""
+    """Runs the first import of each named module under :func:`quiet_native_logs`."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self._pending = set(names)
@@ -297,9 +262,8 @@ class _QuietImports(importlib.abc.MetaPathFinder):
         return None
 
     def _imported(self, fullname: str) -> None:
-        """``fullname`` was imported (quietly): nothing more to do for it. Only an import
-        counts: ``importlib.util.find_spec`` alone (a library checking whether TensorFlow is
-        installed, as JAX's compilation cache does through etils) imports nothing."""
+        """``fullname`` was imported. A bare ``find_spec`` (JAX's compilation cache checks for
+        TensorFlow through etils) does not count."""
         self._pending.discard(fullname)
         if not self._pending and self in sys.meta_path:
             sys.meta_path.remove(self)
@@ -332,9 +296,8 @@ class _QuietLoader(importlib.abc.Loader):
 
 
 def _preload_cuda_plugin() -> None:
-    """Load the CUDA plugin's library now, inside the capture: its cudart stub logs once, at
-    load, and JAX's own load at its first computation (plugin discovery loads it even with
-    ``JAX_PLATFORMS=cpu``) then finds it loaded. Nothing is initialized or registered."""
+    """Load the CUDA plugin's library inside the capture: its cudart stub logs at load, and
+    plugin discovery loads it later even with ``JAX_PLATFORMS=cpu``."""
     for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
         try:
             spec = importlib.util.find_spec(name)
@@ -356,8 +319,7 @@ def _installed(module: str) -> bool:
 
 
 def _other_accelerator_plugins() -> bool:
-    """A TPU or ROCm runtime that JAX could use (JAX_PLATFORMS=cpu would hide it): libtpu
-    counts only where a TPU is attached (a dry run for a TPU slice needs none)."""
+    """A TPU (attached) or ROCm runtime that JAX_PLATFORMS=cpu would hide."""
     if _installed("libtpu") and not tpu_absent():
         return True
     try:
@@ -391,8 +353,7 @@ _MAYBE_NOISE = re.compile(rb"^(W(A(R(N(I(N(G(: .*)?)?)?)?)?)?)?|I\d{0,4}( .*)?|[
 
 
 def is_native_noise(line: bytes) -> bool:
-    """Whether one line (without its newline) is a native library's informational message
-    (one of :data:`INFORMATIONAL`).
+    """Whether one line (without newline) matches :data:`INFORMATIONAL`.
 
     Example:
       >>> from autoaccum.devices._quiet import is_native_noise
@@ -521,8 +482,8 @@ _FILTER = NativeLogFilter()
 
 
 def quiet_command_line() -> None:
-    """For the ``autoaccum`` command (nothing otherwise): :func:`quiet_start`, and the filter
-    of file descriptor 2 for the rest of the process. Run before the command imports JAX."""
+    """For the ``autoaccum`` command only: :func:`quiet_start` and the fd 2 filter, before
+    JAX is imported."""
     if is_command_line() and not _FILTER.running:
         quiet_start()
         _FILTER.start()

@@ -1,11 +1,8 @@
 """The one interface between autoaccum's core and a framework: what an adapter implements.
 
 The planner, back-off and ``fit`` talk only to an :class:`Adapter`; only the public entry points
-(``autoaccum.plan``, ``measure``, ``fit``) pick one for the model they are given
-(:func:`autoaccum.adapters.adapter_for`). An adapter recognises its models, builds their
-accumulated train step as a :class:`~autoaccum.planning.TrainProgram`, runs real
-steps for back-off, applies a rematerialization policy to the model's blocks, and trains.
-Imports point one way: adapters -> training / planning -> devices.
+pick one for their model (:func:`autoaccum.adapters.adapter_for`). Imports point one way:
+adapters -> training / planning -> devices.
 """
 
 from __future__ import annotations
@@ -59,12 +56,10 @@ class FitSettings:
     """The one-axis data-parallel ``jax.sharding.Mesh`` of the plan, or ``None``."""
     on_nonfinite: str = "stop"
     """A step whose loss or gradients are not finite: ``"stop"`` (raise ``NonFiniteError``, the
-    model keeps the last finite state) or ``"skip"`` (state unchanged, counted, go on); see
-    ``autoaccum.training``."""
+    model keeps the last finite state) or ``"skip"`` (state unchanged, counted, go on)."""
     batch_stats: str = "effective"
     """BatchNorm running averages: ``"effective"`` (one update per optimizer step from the
-    whole effective batch's moments) or ``"micro"`` (one per micro-batch); see
-    ``autoaccum.training``."""
+    whole effective batch's moments) or ``"micro"`` (one per micro-batch)."""
     drop_remainder: bool = False
     """``False``: the examples after the last full effective batch of an epoch make a final,
     smaller step (normalised by its own count); ``True``: they are dropped. Either way the
@@ -75,9 +70,9 @@ class FitSettings:
 
 
 class Adapter(abc.ABC):
-    """What a framework adapter implements (see :mod:`autoaccum.adapters`): every method the
-    core calls, the abstract ones a new framework must write and the rest with the default a
-    framework without that feature gets. The core never asks which adapter it holds.
+    """What a framework adapter implements: every method the core calls, abstract where a new
+    framework must write it, else with the default for a framework without that feature. The
+    core never asks which adapter it holds.
 
     Example:
       >>> from autoaccum.adapters import adapter_for
@@ -124,7 +119,7 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def validate_fit_options(self, options: dict) -> None:
         """Raises a ``ValueError`` naming the fix for ``fit`` options (the framework's own,
-        ``model.fit``-style: callbacks, validation, ...) it cannot honour, before planning."""
+        ``model.fit``-style) it cannot honour, before planning."""
 
     @abc.abstractmethod
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,

@@ -1,15 +1,10 @@
 """What would fit: single changes and the cheapest combinations, each verified by planning.
 
-The advisor is framework-free. It receives the changes worth trying (each a small dict such
-as ``{"remat": "nothing"}``, ``{"lora_rank": 8}``, ``{"optimizer": "adafactor"}``,
-``{"device": "a100-40gb"}``) and a function that plans with a change applied; what a change
-means for a model (a new LoRA rank, another optimizer, int8 frozen weights) is the
-adapter's business (``Adapter.advice_changes`` / ``Adapter.apply_change``) or the preset
-planner's. A row is only ever listed when planning with its change succeeded, i.e. its
-step was compiled (or, for a model of repeated blocks, depth-extrapolated and verified as
-the planner always does) and fits the same budget; its cost is the compiled program's
-``cost_analysis()`` flops relative to the cheapest row. Changes whose resident state is
-over the budget are refused from shapes alone (no compile), as planning always does.
+Framework-free: it receives the changes worth trying (small dicts such as
+``{"lora_rank": 8}``, ``{"device": "a100-40gb"}``) and a function that plans with one
+applied; what a change means for a model is the adapter's (``Adapter.apply_change``) or the
+preset planner's. A row is listed only when planning with its change succeeded within the
+same budget; its cost is its compiled flops relative to the cheapest row.
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ class Alternative:
 
     @property
     def floor_bytes(self) -> int:
-        """The floor of the row's step, from shapes (0: not known; see
-        ``autoaccum.planning``)."""
+        """The floor of the row's step, from shapes (0: not known)."""
         return int(self.plan.floor_bytes) if self.plan is not None else 0
 
     def describe(self) -> str:
@@ -198,12 +192,11 @@ def run_advisor(
     original: Plan | DoesNotFitError | None = None,
     hint: Callable[[str, Any], str | None] | None = None,
 ) -> Advice:
-    """Plans the configuration as given; if it does not fit, each change the stages propose.
+    """Plans the configuration as given; if it does not fit, each change the stages propose
+    (once), keeping the rows whose plan succeeded.
 
-    ``stages_for(error)`` gets the original verdict (with ``error.resident`` when the weights
-    and optimizer state alone were over the budget, so changes that cannot shrink them are
-    not proposed). A change is planned once; a row is kept only when its plan succeeded.
-    ``hint(key, value)``: how a user applies a framework's change (see :func:`change_hints`).
+    ``stages_for(error)`` gets the original verdict (``error.resident`` set when the state
+    alone was over the budget). ``hint(key, value)``: how a user applies a framework's change.
 
     Example:
       >>> from autoaccum.planning._search import DoesNotFitError
@@ -278,8 +271,8 @@ def run_advisor(
 
 def change_hints(changes: Sequence[dict[str, Any]],
                  hint: Callable[[str, Any], str | None] | None = None) -> tuple[str, ...]:
-    """One line per kind of change in ``changes`` (its first value): how a user applies it,
-    the planner's own (remat, device, devices, strategy) or ``hint``'s (a framework's).
+    """One line per kind of change in ``changes``: how a user applies it (a framework's kinds
+    by ``hint``).
 
     Example:
       >>> for line in change_hints([{"device": "t4"}, {"remat": "dots", "lora_rank": 16}]):
@@ -307,10 +300,9 @@ def change_hints(changes: Sequence[dict[str, Any]],
 
 
 def step_flops(plan: Plan) -> float:
-    """Flops of one optimizer step of ``plan``: XLA's cost analysis counts the body of the
-    accumulation loop once, so the compiled figure is scaled by the micro-steps (exact for
-    the micro-batches; the optimizer update, outside the loop, is counted ``k`` times, small
-    beside a forward and backward pass over a micro-batch).
+    """Flops of one optimizer step: XLA's cost analysis counts the accumulation loop's body
+    once, so the figure is scaled by the micro-steps (the update, outside the loop, is then
+    counted ``k`` times: small beside a micro-batch's forward and backward pass).
 
     Example:
       >>> from types import SimpleNamespace as NS
@@ -337,8 +329,8 @@ def _longest_sequences(found: list[Alternative]) -> list[Alternative]:
 
 def bisect_stage(key: str, low: int, high: int, *, base: dict[str, Any] | None = None,
                  step: int = 8, max_tries: int = 6) -> Stage:
-    """A stage that bisects ``key`` (e.g. ``"sequence_length"``) for the largest value in
-    ``[low, high)`` that fits, in multiples of ``step``, at most ``max_tries`` plans.
+    """A stage that bisects ``key`` for the largest value in ``[low, high)`` that fits, in
+    multiples of ``step``, at most ``max_tries`` plans.
 
     Example:
       >>> stage = bisect_stage("sequence_length", 8, 64)
@@ -374,8 +366,7 @@ def bisect_stage(key: str, low: int, high: int, *, base: dict[str, Any] | None =
 
 
 def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
-    """A stage that tries ``changes`` in order and stops at the first that fits (the
-    smallest device where the configuration fits, the largest LoRA rank, ...).
+    """A stage that tries ``changes`` in order and stops at the first that fits.
 
     Example:
       >>> stage = first_fit_stage([{"device": "l4"}, {"device": "a100-40gb"}])
@@ -395,15 +386,10 @@ def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
 
 def more_devices(current: int, *, effective_batch: int | None = None, most: int = 8,
                  floor_bytes: int = 0, budget_bytes: int = 0) -> list[dict[str, Any]]:
-    """``{"devices": n}`` for the device counts above ``current`` (2, 4 and 8, at most
-    ``most``), fewest first: the same GPU, more of them, each planned with the cheapest
-    sharding strategy that fits (``strategy="auto"``); with ``effective_batch``, only the
-    counts that divide it (every device gets the same micro-batches).
-
-    With ``budget_bytes`` (one device's budget), a count is left out when ``floor_bytes``
-    (the weights and optimizer state of the whole model, :attr:`Resident.state_bytes`)
-    split evenly over it is still over the budget: no strategy can hold less per device
-    than fsdp's even split, so that count cannot fit and is not compiled.
+    """``{"devices": n}`` for 2, 4 and 8 above ``current`` (at most ``most``), fewest first;
+    with ``effective_batch``, only counts that divide it. A count is left out when
+    ``floor_bytes`` (the whole model's state) split evenly over it is over ``budget_bytes``:
+    no strategy holds less per device than fsdp's even split.
 
     Example:
       >>> more_devices(1), more_devices(2), more_devices(8)
@@ -419,12 +405,9 @@ def more_devices(current: int, *, effective_batch: int | None = None, most: int 
 
 
 def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
-    """Plans a device-count row: under ``"fsdp"`` first, which splits every weight, gradient
-    and moment (the least memory per device of :data:`~autoaccum.internal.STRATEGIES`,
-    which are ordered by it): if even that does not fit, no strategy does, and the row
-    fails after one plan instead of one per strategy. If it fits, ``plan_under("auto")``
-    keeps the strategy with the least communication that fits (fsdp's own figures come
-    from the need cache).
+    """Plans a device-count row under ``"fsdp"`` first (the least memory per device): if that
+    does not fit, no strategy does, and the row fails after one plan. Then
+    ``plan_under("auto")`` keeps the least communication that fits (fsdp's figures cached).
 
     Example:
       >>> tried = []
@@ -444,9 +427,8 @@ def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
 def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
                    memory_fraction: float | None = None,
                    platform: str = "gpu") -> list[dict[str, Any]]:
-    """``{"device": key}`` for each shipped profile of ``platform`` whose budget is above
-    both ``budget_bytes`` and ``floor_bytes``, smallest budget first: GPUs, or one-chip TPU
-    slices (more chips of the same TPU: :func:`more_chips`).
+    """``{"device": key}`` for each shipped GPU (or one-chip TPU) profile whose budget is
+    above ``budget_bytes`` and ``floor_bytes``, smallest first.
 
     Example:
       >>> [c["device"] for c in larger_devices(30 * 2**30)][:1]
@@ -472,9 +454,8 @@ def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
 
 def more_chips(device: str, *, effective_batch: int | None = None, floor_bytes: int = 0,
                budget_bytes: int = 0) -> list[dict[str, Any]]:
-    """``{"device": key}`` for each larger slice of the TPU ``device`` names (the same chip,
-    more of them: v5e-1 -> v5e-4, v5e-8) whose chips divide ``effective_batch`` and hold the
-    state split over them (``floor_bytes / chips`` within ``budget_bytes``), fewest first.
+    """``{"device": key}`` for each larger slice of the TPU ``device`` whose chips divide
+    ``effective_batch`` and hold ``floor_bytes`` split over them, fewest first.
 
     Example:
       >>> more_chips("v5e-1", effective_batch=8)

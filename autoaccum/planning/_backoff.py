@@ -1,15 +1,11 @@
 """Planning with real train steps: back-off after real out-of-memory errors, and ``"auto"``.
 
-:func:`backoff_search` runs one real step per candidate micro-batch and bisects between the
-largest that ran and the smallest that ran out of memory (in the list of candidates, by
-default the divisors of the per-device batch), then runs the winner once more to verify it.
-:func:`real_step_runner` is the step it runs: the program's own train step, jitted *without*
-donation, on the live state, so a probe that fails cannot delete or change the user's
-weights; its outputs are deleted as soon as the step is done. (Without donation a probe holds
-the state twice, so it is conservative by the size of the state.)
-
-:func:`auto_plan` verifies a compile-only plan with one real step and, if that step runs out
-of memory, backs off below the compiled estimate.
+:func:`backoff_search` bisects real steps between the largest micro-batch that ran and the
+smallest that ran out of memory, then runs the winner once more. The step is the program's
+own, jitted *without* donation on the live state, so a failing probe cannot delete or change
+the user's weights (and holding the state twice, it is conservative by the state's size).
+:func:`auto_plan` verifies a compile-only plan with one real step, backing off on
+out-of-memory.
 """
 
 from __future__ import annotations
@@ -111,12 +107,9 @@ def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
                      data: PyTree) -> RealStepRunner:
     """A ``run_step(micro_batch, accum_steps)`` that runs one real step and leaves no trace.
 
-    ``state`` and ``frozen_args`` are the live values the program's step takes (for Flax:
-    ``(params, other, opt_state)`` and ``(frozen,)``; for Keras: ``keras_state(model,
-    layout)``); ``data`` is a pytree of host arrays with a leading example axis (the first
-    ``micro_batch * accum_steps`` examples, wrapped around if needed, make the batch). The step
-    is jitted without donation: nothing the caller holds is deleted or changed, even when it
-    runs out of memory.
+    ``state`` and ``frozen_args`` are the live values the step takes (Flax: ``(params, other,
+    opt_state)`` and ``(frozen,)``; Keras: ``keras_state(model, layout)``); ``data`` is a
+    pytree of host arrays with a leading example axis (wrapped around as needed).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -151,12 +144,12 @@ def backoff_search(
     ``run_step(b, k)`` runs one step at micro-batch ``b`` with ``k = ceil(per_device_batch /
     b)`` accumulation steps and raises on out-of-memory (:func:`autoaccum.is_out_of_memory`);
     any other error propagates. The first probe is the largest candidate ``<= upper``
-    (default: the whole per-device batch); after a failure the search bisects the candidates
-    strictly between the largest that ran and the smallest that failed. The winner is then
-    run once more (``verify``). The returned micro-batch divides ``per_device_batch``.
-    ``known_failure`` (e.g. the compile-only plan's failed verification) is recorded first.
+    (default: the whole per-device batch; ``candidates`` default to its divisors); after a
+    failure the search bisects between the largest that ran and the smallest that failed, and
+    runs the winner once more (``verify``). The returned micro-batch divides
+    ``per_device_batch``. ``known_failure`` (e.g. a failed verification) is recorded first.
 
-    If ``run_step`` has an ``estimate(b, k)`` method (as :class:`RealStepRunner` has), each
+    With an ``estimate(b, k)`` method on ``run_step`` (as :class:`RealStepRunner` has), each
     probe records that compile's memory; otherwise ``need_bytes`` is -1.
 
     Raises:
@@ -288,10 +281,9 @@ def auto_plan(
 ) -> Plan:
     """``method="auto"``: verify a compile-only plan with one real step; back off on OOM.
 
-    ``run_step`` is ``None`` where there is no real device to run on (a deviceless plan for a
-    GPU that is not here): the compiled plan is returned with a note. If the real step at
-    the plan's micro-batch runs out of memory, :func:`backoff_search` takes over with the
-    next smaller divisor as its first candidate (the compiled estimate as the upper bound).
+    ``run_step`` is ``None`` where there is no real device (a deviceless plan): the compiled
+    plan is returned with a note. If the real step runs out of memory, :func:`backoff_search`
+    takes over below the plan's micro-batch.
 
     Example:
       >>> from autoaccum.planning._search import search_micro_batch

@@ -1,4 +1,5 @@
-"""How many bytes one train step may use: parsed from the user, or read from the device.
+"""How many bytes one train step may use (parsed from the user, or read from the device), and
+the memory no micro-batch can avoid.
 
 Budget rules (also in docs/guides/margins.md, "Budgets"):
 
@@ -10,21 +11,10 @@ Budget rules (also in docs/guides/margins.md, "Budgets"):
 * ``budget=12 * 2**30`` (bytes), ``"12GiB"``, ``"12 GB"``, ``"800MiB"``: that many bytes.
 * ``budget=0.8`` or ``"80%"``: that fraction of the device's capacity.
 
-The memory no micro-batch can avoid, from abstract shapes alone (no compile).
-
-A train step's arguments hold the weights (trainable and frozen), the optimizer state and
-any other state (batch statistics, RNG counters, metrics); the step cannot start without
-them, whatever the micro-batch. While it accumulates (more than one micro-batch per
-optimizer step) it also carries one float32 gradient accumulator the size of the trainable
-weights. All of it is known from shapes: the abstract model (``nnx.eval_shape``, Keras's
-deferred variables) and the optimizer state initialised on abstract parameters
-(``jax.eval_shape(tx.init, params)``), which every :class:`~autoaccum.planning.TrainProgram` already
-holds in ``parts``. When that exceeds the budget, planning stops before compiling anything
-(:func:`check_resident`) and names the smallest shipped GPU profile whose budget holds it.
-
-The step's whole batch in one micro-batch (no accumulation loop) may avoid the accumulator
-(XLA can consume each layer's gradient as soon as it is made), so the floor for every plan
-is the state alone; the accumulator is a floor only for plans that accumulate.
+The resident memory (weights, optimizer state, other state and, while accumulating, a float32
+gradient accumulator the size of the trainable weights) is known from abstract shapes alone.
+The whole batch in one micro-batch may avoid the accumulator (XLA can consume each gradient as
+it is made), so the accumulator is a floor only for plans that accumulate.
 """
 
 from __future__ import annotations
@@ -169,11 +159,8 @@ def cpu_default_budget() -> Budget:
 
 
 def device_budget(memory_stats: dict, *, resident_bytes: int = 0) -> Budget:
-    """Budget from ``jax.Device.memory_stats()``: what the program may still use.
-
-    ``resident_bytes`` are bytes already live on the device that the step receives as
-    arguments (the model's own weights); they count in the step's need, so they are not
-    subtracted twice.
+    """Budget from ``jax.Device.memory_stats()``. ``resident_bytes`` (the model's own weights,
+    already live) count in the step's need, so they are not subtracted as in use.
 
     Example:
       >>> round(device_budget({"bytes_limit": 16 * 2**30, "bytes_in_use": 2**30},
@@ -195,10 +182,9 @@ def device_budget(memory_stats: dict, *, resident_bytes: int = 0) -> Budget:
 
 def resolve_fraction(profile: Any, memory_fraction: float | None,
                      environ: Any = None) -> tuple[float, str]:
-    """JAX's share of ``profile``'s GPU for a plan, and where it comes from: the
-    ``memory_fraction`` given, else the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or
-    ``XLA_CLIENT_MEM_FRACTION``; the training process will run with it), else the profile's
-    default. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0.
+    """JAX's share of ``profile``'s GPU and its source: ``memory_fraction``, else the
+    environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or ``XLA_CLIENT_MEM_FRACTION``), else the
+    profile's default. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0.
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -251,9 +237,8 @@ def profile_budget(profile: Any, memory_fraction: float | None = None, *,
 
 
 def tpu_budget(profile: Any) -> Budget:
-    """The budget of one chip of a TPU slice: the HBM XLA's compile-time check allows
-    (``tpu.usable_hbm_mib``). No margin: TPU memory is assigned when the step is compiled,
-    and a step over it is refused then.
+    """One TPU chip's budget: the HBM XLA's compile-time check allows. No margin: a step over
+    it is refused at compile time.
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -423,11 +408,8 @@ def check_resident(resident: Resident, budget_bytes: int, *,
 
 def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
                    other: Any) -> Resident:
-    """The :class:`Resident` memory of one device when a sharding strategy's ``layout`` (a
-    :class:`~autoaccum.planning.StateLayout`) splits ``trainable`` weights, their float32
-    gradient accumulator and the ``optimizer`` state; ``frozen`` weights are split as
-    ``layout.frozen`` says (``fsdp``; copied without it), ``other`` state is copied on every
-    device.
+    """One device's :class:`Resident` memory under a sharding strategy's ``layout``: frozen
+    weights split as ``layout.frozen`` says (copied without it), other state copied.
 
     Example:
       >>> import jax, numpy as np
@@ -455,10 +437,9 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
 
 def program_resident(program: Any, built: list[TrainProgram], variants: Any, cache: Any,
                      given: Any = None) -> Resident:
-    """The full-depth program's resident memory: ``given`` (a :class:`Resident` or a function
-    computing one), else from the need cache when the depth variants' identity is known
-    (nothing built), else from the program's abstract state (``program`` may be a function
-    building it; the built program is appended to ``built``, once)."""
+    """The full-depth program's resident memory: ``given`` (a :class:`Resident` or a function),
+    else from the need cache (nothing built), else from the program, built once into
+    ``built``."""
     if isinstance(given, Resident):
         return given
     key = None

@@ -1,43 +1,26 @@
-"""A keyed cache of compiled need figures: a repeated dry run of the same configuration
-skips its compiles.
+"""A keyed cache of compiled need figures (a repeated dry run skips its compiles), the steps
+compiled while planning kept for the training loop, and concurrent compiles.
 
-Each entry is the :class:`~autoaccum.planning.MemoryEstimate` of one compiled step
-(as a dict of its fields), stored as JSON under a key that hashes everything that changes the
-compiled program:
+Each entry is one compiled step's ``MemoryEstimate`` as JSON, under a key hashing everything
+that changes the compiled program:
 
-* the program itself: the SHA-256 of its lowered StableHLO text (architecture, depth, dtype,
-  LoRA rank, sequence length, optimizer and its state shapes, remat policy, micro-batch and
-  accumulation steps all show there), or, for a shipped keras-hub architecture, the
-  configuration that builds it (so a warm run needs no model at all);
-* the target: the ``GpuTargetConfigProto`` text of a deviceless GPU (device, memory pool),
-  or the local device's kind and memory limit;
+* the program: the SHA-256 of its lowered StableHLO text, or, for a shipped keras-hub
+  architecture, the configuration that builds it (so a warm run needs no model at all);
+* the target: a deviceless GPU's ``GpuTargetConfigProto`` text, or the local device's kind
+  and memory limit;
 * the compiler: jax, jaxlib, the CUDA plugin, keras, keras-hub, flax and optax versions,
-  ``XLA_FLAGS``, the JAX settings that change a compile, the compiler options autoaccum passes;
-* autoaccum itself: its version and a hash of its source files.
+  ``XLA_FLAGS``, the JAX settings that change a compile, autoaccum's compiler options;
+* autoaccum's version and a hash of its source files.
 
-The folder is ``$AUTOACCUM_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoaccum/needs``, else
-``~/.cache/autoaccum/needs``. ``cache=False`` (``autoaccum plan --no-cache``) bypasses it.
+The planner also keeps its last compiled steps, keyed by the lowered program: ``fit`` runs the
+kept executable when its own lowering is the same program with arguments placed as expected,
+instead of compiling again (a minute or more for a large model on a GPU; JAX's compilation
+cache is off unless a user turns it on). A program that calls back into Python is never kept.
 
-Steps compiled while planning, kept for the training loop.
-
-A plan compiles the steps it probes to read their memory; ``fit`` then lowers its chosen step
-again with the live state and used to compile it a second time (JAX's compilation cache is
-off unless a user turns it on): a minute or more for a large model on a GPU. The planner keeps
-its last compiled steps here, keyed by the lowered program itself (its text without debug
-information, argument and result structure, donation and compiler options); the training
-loop looks its own lowering up and runs the kept executable when the program is the same and
-its arguments sit where the executable expects them, else compiles as before. A program that
-calls back into Python is never kept: its text does not say which function it calls.
-
-Measuring several steps at once: cached figures first, then the missing compiles side by
-side.
-
-Lowering (tracing the model) holds Python's GIL and touches framework state (Keras scopes),
-so requests are lowered one after the other on the calling thread; XLA's compile releases the
-GIL, so the compiles of independent requests run in a thread pool. XLA already spreads one
-GPU compile's code generation over threads; its HLO passes are single-threaded, which is
-where a second concurrent compile gains on a 2-core machine (``benchmarks/dryrun.py``
-measures it).
+Lowering holds the GIL and touches framework state (Keras scopes), so requests are lowered one
+after the other; XLA's compile releases the GIL, so independent compiles run in a thread pool.
+XLA's HLO passes are single-threaded, which is where a second concurrent compile gains on a
+2-core machine (``benchmarks/dryrun.py`` measures it).
 """
 
 from __future__ import annotations
@@ -262,9 +245,8 @@ def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> N
 
 
 def _placed_as_expected(compiled: Any, args: tuple) -> bool:
-    """Every array of ``args`` where ``compiled`` expects it: a ``jax.Array`` (or an abstract
-    one with a sharding) with that sharding, a host array or an abstract one without a
-    sharding (jit puts it on the default device) where one device's is."""
+    """Whether every array of ``args`` sits where ``compiled`` expects it (jit puts a host or
+    unsharded abstract array on the default device)."""
     expected = jax.tree.leaves(compiled.input_shardings[0])
     given = jax.tree.leaves(args)
     default = jax.config.jax_default_device or jax.devices()[0]
@@ -280,16 +262,8 @@ def _placed_as_expected(compiled: Any, args: tuple) -> bool:
 
 
 def reuse_or_compile(lowered: Any, args: tuple) -> Any:
-    """The executable of ``lowered`` for ``args`` (the arguments it was lowered with): one kept
-    by the planner when it compiled this very program with its arguments placed the same
-    way, else ``lowered.compile()``.
-
-    Args:
-      lowered: ``jax.jit(step, ...).lower(*args)``.
-      args: the arrays the step will be called with.
-
-    Returns:
-      A ``jax.stages.Compiled``.
+    """The executable of ``lowered`` for ``args``: one the planner kept for this very program
+    with arguments placed the same way, else ``lowered.compile()``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -312,8 +286,7 @@ def reuse_or_compile(lowered: Any, args: tuple) -> Any:
 
 
 def kept_count() -> int:
-    """How many times :func:`reuse_or_compile` ran a step the planner had compiled (in this
-    process), for tests and benchmarks.
+    """How many times :func:`reuse_or_compile` reused a kept step in this process (for tests).
 
     Example:
       >>> kept_count() >= 0
@@ -327,12 +300,12 @@ WORKERS_ENV = "AUTOACCUM_COMPILE_WORKERS"
 
 @dataclasses.dataclass(frozen=True)
 class CompileRequest:
-    """One step to measure: ``program`` (or a function building it, called only when the
-    figure is not cached) at ``micro_batch`` x ``accum_steps``.
+    """One step to measure: ``program`` (or a function building it, called only on a cache
+    miss) at ``micro_batch`` x ``accum_steps``.
 
-    ``identity``: what builds the program, when it says everything that changes it (a
-    shipped architecture's config, depth, dtype, LoRA rank, ...): the cache is then looked up
-    before the program is even built. Without it the key is the lowered program's text.
+    ``identity``: what builds the program, when it says everything that changes it (a shipped
+    architecture's config, depth, dtype, LoRA rank, ...): the cache is then looked up before
+    building anything. Without it the key is the lowered program's text.
     """
 
     program: TrainProgram | Callable[[], TrainProgram]
@@ -340,10 +313,10 @@ class CompileRequest:
     accum_steps: int
     identity: Mapping[str, Any] | None = None
     last: int | None = None
-    """An uneven step's last micro-batch (see ``lower_step``), else ``None``."""
+    """An uneven step's last micro-batch, else ``None``."""
     reduced: bool = False
-    """The program is a reduced-depth model's (depth extrapolation): counted apart from
-    full-depth compiles (:mod:`autoaccum.planning`)."""
+    """A reduced-depth model's program (depth extrapolation), counted apart from full-depth
+    compiles."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""

@@ -1,35 +1,24 @@
 """Depth extrapolation: plan a model of N repeated blocks from compiles of the same model
 at two small depths, and verify only the final choice with one full-depth compile.
 
-XLA's buffer assignment of a train step grows by the same amount with every repeated block
-(its weights, optimizer state, gradient accumulator, saved activations), so for each
-micro-batch ``need(depth) = a + b x depth``: two compiles at small depths ``d1 < d2`` (cheap:
-a few blocks instead of dozens) predict the full depth. Each part of the estimate (argument,
-output, alias, temp, and the itemized weights) is extrapolated the same way.
+Every repeated block adds the same buffers (weights, optimizer state, accumulator, saved
+activations), so per micro-batch each part of the estimate is linear in depth and two cheap
+compiles at ``d1 < d2`` predict the full depth.
 
 XLA's GPU rematerialization pass rewrites a program once its temp exceeds ``(base -
 inputs/outputs) x 0.95`` (``GetSchedulerMemoryLimit``; ``base`` is the pool JAX gives XLA,
-0.8 x the device memory of a deviceless target): at full depth the weights make that target
-small and the pass acts, at two blocks it does not, so the need is not linear in depth. The
-small models are therefore compiled with the pass off (``xla_disable_hlo_passes=
-rematerialization``): their need is linear in depth, and the line predicts the full-depth
-step without the pass, an upper bound of the real one (the pass only lowers temp). The search
-runs on those predictions alone, with no full-depth compile, and at most two full-depth
-compiles follow:
+0.8 x the device memory of a deviceless target): it acts at full depth, not at two blocks.
+The small models are therefore compiled with the pass off, and the line is an upper bound of
+the real step (the pass only lowers temp). The search runs on the line alone; at most two
+full-depth compiles follow: the final choice (verifying it) and, where the pass saved more
+than the tolerance, the next larger micro-batch when the line less that saving is within the
+search's margin of the budget.
 
-* the final choice, which verifies it (and says how much the pass saved);
-* where the pass saved more than the tolerance, the next larger micro-batch, when the line
-  less that saving puts it within the search's margin of the budget.
-
-Where the smallest micro-batch tried (1, or the whole batch where no accumulating step can
-fit) is over the line but the pass could bring it under (its temp at the pass's target would
-fit), it is compiled at full depth: a refusal is a full-depth compile's. Where the verification
-needs more than the budget (the line under-predicted), the search is redone with full-depth
-compiles (the report says so); where the need falls with depth (seen on TPU), that
-micro-batch is compiled at full depth.
-
-Models with layer patterns (Gemma's sliding/global attention) are extrapolated from the first
-blocks; the verification catches a pattern whose blocks differ in memory.
+A full-depth compile also stands in for the line where the smallest micro-batch is over it but
+the pass could bring it under, and where the need falls with depth (seen on TPU); a
+verification over the budget redoes the search at full depth. Layer patterns (Gemma's
+sliding/global attention) are extrapolated from the first blocks; the verification catches
+blocks that differ in memory.
 """
 
 from __future__ import annotations
@@ -71,17 +60,15 @@ _LINEAR_FIELDS = ("trainable_bytes", "frozen_bytes", "optimizer_bytes", "other_s
 class DepthVariant:
     """How to build your model at another depth, for ``autoaccum.plan(..., depth_variant=)``.
 
-    ``build(depth)`` returns the same model (same config, dtype, LoRA, and for Keras
-    compiled with the same optimizer and loss) with ``depth`` repeated blocks; ``depth`` is
-    the number of blocks of the model you plan. Weights are never read: a Flax factory may
-    build under ``nnx.eval_shape``. autoaccum compiles the step at ``depths`` (two small
-    depths), extrapolates every micro-batch to ``depth``, and compiles the final choice once
-    at full depth (see :mod:`autoaccum.planning`).
+    ``build(depth)`` returns the same model (same config, dtype, LoRA; for Keras compiled
+    with the same optimizer and loss) with ``depth`` repeated blocks; ``depth`` is the block
+    count of the model you plan. Weights are never read: a Flax factory may build under
+    ``nnx.eval_shape``. The step is compiled at ``depths`` (two small depths), extrapolated to
+    ``depth``, and the final choice compiled once at full depth.
 
-    Why a factory and not surgery on your model: dropping blocks from an existing model can
-    change the program in ways nothing checks (shared weights, layer-index-dependent
-    behaviour, residual scaling by depth); your own constructor builds exactly the model you
-    would train, at another depth, and the full-depth compile verifies the prediction.
+    A factory, not surgery on your model: dropping blocks can change the program in ways
+    nothing checks (shared weights, layer-index-dependent behaviour, residual scaling by
+    depth); your own constructor builds exactly the model you would train.
 
     Example:
       >>> from flax import nnx
@@ -109,8 +96,8 @@ class DepthVariants:
 
     ``build(depth)`` returns the :class:`TrainProgram` of the model with ``depth`` blocks
     (same config, dtype, optimizer, remat policy); ``full`` the real one (default
-    ``build(full_depth)``). ``identity`` (optional) is what builds it, for the need cache:
-    with it a cached figure is found without building anything.
+    ``build(full_depth)``). ``identity`` (optional) keys the need cache, so a cached figure is
+    found without building anything.
 
     Example:
       >>> v = DepthVariants(full_depth=34, build=lambda depth: None)
@@ -131,16 +118,15 @@ class DepthVariants:
 
     _built: dict[int, TrainProgram] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
-    """Programs built so far, by depth: one build serves every micro-batch (building a
-    keras-hub model and finding its layout took 8-12 s per probe for Gemma3-4B)."""
+    """Programs built so far, by depth (building a keras-hub Gemma3-4B and finding its layout
+    took 8-12 s per probe)."""
 
     def __post_init__(self) -> None:
         validate_depths(self.full_depth, self.depths)
 
     def on_mesh(self, mesh: Any, strategy: str = "replicated") -> DepthVariants:
-        """The same variants, each program data-parallel over ``mesh`` (``None``: as is)
-        with the sharding ``strategy`` (part of the cache identity when not replicated, as
-        is the mesh's shape: a split state's size per device depends on it)."""
+        """The same variants data-parallel over ``mesh`` (``None``: as is) with ``strategy``;
+        the mesh's shape and a non-replicated strategy join the cache identity."""
         if mesh is None:
             return self
         full = self.full
@@ -160,8 +146,7 @@ class DepthVariants:
                              tolerance=self.tolerance)
 
     def program(self, depth: int) -> TrainProgram | Callable[[], TrainProgram]:
-        """The program at ``depth`` (lazily: a function for the cache to call on a miss;
-        built once, then reused for every micro-batch)."""
+        """The program at ``depth``, lazily (a function for the cache to call on a miss)."""
         if depth == self.full_depth and isinstance(self.full, TrainProgram):
             return self.full
 
@@ -185,12 +170,10 @@ class DepthVariants:
         return self.full_depth >= 2 * self.depths[1]
 
     def skipped_for(self, target: CompileTarget) -> str | None:
-        """Why the reduced depths do not stand in for the full one when compiling for
-        ``target`` though they are :attr:`worthwhile`, else ``None``. A TPU: libtpu generates
-        code at every depth, so two reduced-depth compiles cost more than one at full depth
-        (Gemma3-1B LoRA for a v5e-1: 78 s a pair against 70 s; Gemma3-4B for a v5e-8: 346 s
-        against 312 s), and its small depths are not linear (1.62 GiB at two blocks, 1.52 at
-        three).
+        """Why the reduced depths do not stand in for the full one on ``target``, else
+        ``None``. A TPU: libtpu generates code at every depth, so two reduced-depth compiles
+        cost more than one at full depth (Gemma3-1B LoRA for a v5e-1: 78 s a pair against
+        70 s; Gemma3-4B for a v5e-8: 346 s against 312 s), and they are not linear.
 
         Example:
           >>> variants = DepthVariants(full_depth=12, build=lambda depth: None)
@@ -268,16 +251,13 @@ class DepthExtrapolator:
                  full_compiles: bool = True) -> None:
         self.variants = variants
         self.full_compiles = full_compiles
-        """``False`` (the advisor's quick rows): no full-depth compile at all, not even where
-        the line does not hold; a quick "fits" is then not a verified one (a sharded full
-        fine-tune can need more at full depth than the line says:
-        ``benchmarks/multi_gpu_story.py``, Gemma3-4B on 2 x T4 under fsdp, 16.8 GiB
-        predicted, 28.9 GiB compiled)."""
+        """``False`` (the advisor's quick rows): no full-depth compile at all, so a quick
+        "fits" is not a verified one (``benchmarks/multi_gpu_story.py``: Gemma3-4B on 2 x T4
+        under fsdp, 16.8 GiB predicted, 28.9 GiB compiled)."""
         self.budget_bytes = budget_bytes
         self.target = target
         self.reduced_target = reduced_depth_target(target)
-        """What the reduced-depth models compile for: ``target`` with XLA's GPU
-        rematerialization pass off (a GPU target), so their need is linear in depth."""
+        """``target`` with XLA's GPU rematerialization pass off, for the reduced depths."""
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.workers = workers
@@ -287,11 +267,9 @@ class DepthExtrapolator:
         self._predicted: dict[tuple[int, int], MemoryEstimate] = {}
 
     def measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
-        """The full-depth estimate at ``micro_batch`` x ``accum_steps``, extrapolated from
-        two reduced-depth compiles (compiled with XLA's GPU rematerialization pass off, so
-        the need is linear in depth: an upper bound of the full-depth step's, which the pass
-        only lowers); compiled at full depth where even that does not hold (need that falls
-        with depth, or a model that cannot be built that shallow)."""
+        """The full-depth estimate, extrapolated from two reduced-depth compiles; compiled at
+        full depth where the line does not hold (need falling with depth, or a model that
+        cannot be built that shallow)."""
         if (micro_batch, accum_steps) in self._predicted:
             return self._predicted[(micro_batch, accum_steps)]
         estimate = self._measure(micro_batch, accum_steps)
@@ -331,17 +309,15 @@ class DepthExtrapolator:
         return predicted
 
     def optimistic(self, estimate: MemoryEstimate) -> float:
-        """The least the full-depth step at ``estimate`` (a reduced-depth extrapolation)
-        can need: its arguments and outputs, and its temp brought down to the target of
-        XLA's rematerialization pass where the pass acts (it goes no lower); the
-        extrapolation itself where there is no such pass (CPU, TPU)."""
+        """The least the full-depth step at ``estimate`` (an extrapolation) can need: temp
+        brought down to the rematerialization pass's target where the pass runs."""
         limit = self._remat_target(estimate)
         if limit is None or estimate.temp_bytes <= limit:
             return float(estimate.need_bytes)
         return io_bytes(estimate) + max(limit, 0.0)
 
     def full(self, micro_batch: int, accum_steps: int, *, why: str = "") -> MemoryEstimate:
-        """The full-depth compile at ``micro_batch`` x ``accum_steps`` (cached)."""
+        """The full-depth compile (cached)."""
         key = (micro_batch, accum_steps)
         if key not in self._full:
             depth = self.variants.full_depth
@@ -400,15 +376,12 @@ class DepthExtrapolator:
 
 
 REMAT_PASS_OFF = ("xla_disable_hlo_passes", "rematerialization")
-"""The XLA option that turns the GPU rematerialization pass off (what
-``jax_compiler_enable_remat_pass=False`` sets)."""
+"""Turns XLA's GPU rematerialization pass off (as ``jax_compiler_enable_remat_pass=False``)."""
 
 
 def reduced_depth_target(target: CompileTarget) -> CompileTarget:
-    """``target`` for reduced-depth compiles: with XLA's GPU rematerialization pass off where
-    the target runs one (its memory target depends on the weights' size, so it acts at full
-    depth and not at two blocks: with it, the need is not linear in depth). A GPU compile of
-    two blocks measured the same with and without it (Gemma3-4B LoRA, T4)."""
+    """``target`` with XLA's GPU rematerialization pass off where it runs one. A GPU compile
+    of two blocks measured the same with and without it (Gemma3-4B LoRA, T4)."""
     if target.remat_pass_base_bytes is None or REMAT_PASS_OFF in target.compiler_options:
         return target
     return dataclasses.replace(target, compiler_options=(*target.compiler_options,
@@ -416,8 +389,7 @@ def reduced_depth_target(target: CompileTarget) -> CompileTarget:
 
 
 def io_bytes(estimate: MemoryEstimate) -> int:
-    """Arguments + outputs - aliased: the part of a step's need that XLA's rematerialization
-    cannot shrink (weights, optimizer state, batch, results).
+    """Arguments + outputs - aliased: the need XLA's rematerialization cannot shrink.
 
     Example:
       >>> io_bytes(MemoryEstimate(2, 4, 0, 0, 0, 0, 0, 0, 100, 90, 80, 50, 160, "t", 0.0))
@@ -453,10 +425,6 @@ def extrapolate(low: MemoryEstimate, high: MemoryEstimate, d1: int, d2: int,
         compile_seconds=low.compile_seconds + high.compile_seconds)
     return estimate, math.ceil((high.need_bytes - low.need_bytes) / span)
 
-
-# The micro-batch search run on depth-extrapolated needs, verified by one full-depth compile
-# (see :mod:`._depth`), with a full-depth search as the fallback where the fit does not hold.
-
 __all__ = ["label_sources", "plan_by_depth"]
 
 
@@ -475,15 +443,14 @@ def plan_by_depth(
     verify: bool = True,
     data_parallel: int = 1,
 ) -> Plan:
-    """Plans from depth-extrapolated needs (``data_parallel``: the programs run on a mesh of
-    that many devices, the micro-batch is per device); the chosen micro-batch is compiled at
-    full depth (``verify=False``: not, and a note says so; nor is any probe compiled at full depth:
-    where XLA's rematerialization pass may act the linear prediction, an upper bound, is
-    used; the advisor's quick rows).
+    """Plans from depth-extrapolated needs and compiles the chosen micro-batch at full depth
+    (``data_parallel``: the programs run on a mesh of that many devices, the micro-batch is
+    per device).
 
     The plan stands when that compile fits and is within ``variants.tolerance`` of the
     prediction; otherwise the search is redone with full-depth compiles and the report says
-    why. Either way the plan's need is a full-depth compile's.
+    why. ``verify=False`` (the advisor's quick rows): no full-depth compile at all, the line
+    (an upper bound) is used, and a note says so.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -518,11 +485,9 @@ def plan_by_depth(
     try:
         plan = search_plan(extrapolator.measure, notes=notes, **common)
     except DoesNotFitError as error:
-        # The smallest micro-batch tried: 1, or the whole batch where no accumulating step
-        # can fit (its weights, optimizer state and accumulator alone are over the budget).
+        # 1, or the whole batch where no accumulating step can fit.
         smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
-        # XLA's rematerialization pass can bring the full-depth step under the line (an upper
-        # bound); where even its best (temp at the pass's target) is over, no compile can fit.
+        # Where even the rematerialization pass at its best is over, no compile can fit.
         line = smallest.estimate if smallest is not None else None
         if (not verify or line is None or line.source != "extrapolated"
                 or io_bytes(line) > budget.bytes
@@ -574,8 +539,7 @@ def plan_by_depth(
         reach = budget.bytes * (1 + PREDICTION_MARGIN)
         if larger and saved > variants.tolerance * predicted.need_bytes:
             up = larger[0]
-            # The search's line through its reduced-depth probes, less the pass's saving,
-            # clearly over: no compile at any depth could make it fit.
+            # The search's line less the pass's saving clearly over: no compile could fit.
             guess = line_need(need_line(searched, per_device), up, searched, per_device)
             out_of_reach = guess is not None and guess - saved > reach
             if out_of_reach and stream is not None:

@@ -1,20 +1,15 @@
-"""Learning-rate scaling rules for a larger effective batch.
+"""Learning-rate scaling rules for a larger effective batch, k = effective_batch / base_batch
+(``base_batch``: the batch size the base learning rate was tuned for):
 
 * ``"linear"``: lr x k (Goyal et al. 2017, arXiv:1706.02677; use with warmup).
 * ``"sqrt"``: lr x sqrt(k), the Adam-family rule (Malladi et al. 2022, arXiv:2205.10287);
   optionally also 1 - beta -> k (1 - beta) and eps -> eps / sqrt(k).
 * ``"none"``: leave the learning rate alone.
 
-Here k = effective_batch / base_batch, and ``base_batch`` is the batch size the base
-learning rate was tuned for.
-
-A rate is changed only when ``base_batch`` is given (timm's model): without it the rate is the
-one the user tuned for the batch they asked for, and it is kept (factor 1, rule ``"none"``,
-reported as ``none (base_batch not given)``). With ``base_batch`` and no ``lr_rule`` the rule
-is the optimizer family's: :data:`ADAPTIVE` optimizers (Adam and its relatives) get
-``"sqrt"``, :data:`SGD_LIKE` ones (SGD, momentum, Nesterov, LARS) get ``"linear"``; an
-optimizer of neither known family needs ``lr_rule=``. Every change of a rate is announced in
-one line (:meth:`LearningRateScaling.notice`).
+A rate is changed only when ``base_batch`` is given (timm's model); without it the rate is kept
+(reported as ``none (base_batch not given)``). With ``base_batch`` and no rule, the optimizer
+family's: :data:`ADAPTIVE` get ``"sqrt"``, :data:`SGD_LIKE` ``"linear"``; any other optimizer
+needs ``lr_rule=``. Every change is announced in one line.
 """
 
 from __future__ import annotations
@@ -32,9 +27,9 @@ LR_RULES = ("linear", "sqrt", "none")
 ADAPTIVE = "adaptive"
 """The Adam family (per-coordinate adaptive steps): adam, adamw, adamax, nadam, radam,
 amsgrad, adabelief, adafactor, adagrad, adadelta, adan, lamb, lion, novograd, rmsprop, sm3,
-yogi, ftrl. The square-root rule fits them (Malladi et al. 2022)."""
+yogi, ftrl."""
 SGD_LIKE = "sgd"
-"""Plain SGD, SGD with (Nesterov) momentum, LARS: the linear rule (Goyal et al. 2017)."""
+"""Plain SGD, SGD with (Nesterov) momentum, LARS."""
 FAMILY_RULES = {ADAPTIVE: "sqrt", SGD_LIKE: "linear"}
 FAMILY_NAMES = {ADAPTIVE: "Adam-family", SGD_LIKE: "SGD-family"}
 NOT_GIVEN = "base_batch not given"
@@ -138,8 +133,7 @@ def announce(scaling: LearningRateScaling, log: Any) -> None:
 
 
 def validate_lr_rule(rule: str | None) -> str | None:
-    """Returns ``rule`` (``LearningRate.rule``) if known (or ``None``), else raises a
-    ``ValueError`` listing them."""
+    """``rule`` if known (or ``None``), else a ``ValueError``."""
     if rule is None:
         return None
     if not isinstance(rule, str) or rule not in LR_RULES:
@@ -154,7 +148,7 @@ def validate_lr_rule(rule: str | None) -> str | None:
 def check_base_batch_given(rule: str | None, base_batch: int | None,
                            adjust_adam: bool = False) -> None:
     """A ``ValueError`` where a rule that scales the rate (or ``adjust_adam``) comes without
-    the ``base_batch`` to scale it from (``LearningRate`` checks it when it is built).
+    ``base_batch``.
 
     Example:
       >>> check_base_batch_given("linear", 8)

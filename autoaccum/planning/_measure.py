@@ -1,67 +1,25 @@
 """Memory of one accumulated train step, read from XLA's buffer assignment.
 
-The step is lowered with abstract inputs (``jax.ShapeDtypeStruct``: no weights allocated)
-and compiled; ``compiled.memory_analysis()`` gives argument, output, alias and temp sizes.
-need = argument + output - alias + temp (jax-ml/jax#31292). ``peak_memory_in_bytes`` is
-not used: on CPU it ignores temp.
+The step is lowered with abstract inputs (no weights allocated) and compiled; need = argument
++ output - alias + temp of ``compiled.memory_analysis()`` (jax-ml/jax#31292;
+``peak_memory_in_bytes`` ignores temp on CPU). Every compile goes through ``compile_lowered``,
+which counts it (at full or reduced depth, with its seconds) in every open ledger.
 
-What a plan cost in compiles: how many steps it compiled at full depth (the model as it is)
-and at reduced depth (depth extrapolation's two small models), and their seconds.
+The floor of a step (what one device must hold at least, from shapes) is its state and float32
+gradient accumulator as split, the batch, and the largest transient: ``fsdp``, one split weight
+gathered whole plus its float32 gradient; ``zero2`` (and ``zero1`` with one micro-batch), the
+largest whole float32 gradient before its reduce-scatter; otherwise the largest float32
+gradient leaf as held, or none with one micro-batch and a whole accumulator (the gradients are
+the sum). Activations are not in it: need / floor well above 1 shows a step holding what it
+does not need.
 
-Planning cost is counted in compiles as well as seconds: a full-depth compile of an LLM step
-takes minutes on a laptop, a reduced-depth one seconds, a cached figure nothing. Every compile
-of a step goes through ``compile_lowered``, which adds it to the ledgers open
-at that moment (:func:`counting_compiles`; a plan inside an advisor's run counts in both).
-
-The floor of a train step: what one device must hold at least, from shapes alone.
-
-The floor of an accumulated step on one device of its mesh is
-
-    state it holds (weights, optimizer state, frozen weights, other state, as the strategy
-    or the user's layout splits them) + the float32 gradient accumulator (split likewise)
-    + the batch of the step + the largest transient one operation truly needs,
-
-where the transient is, per strategy (:mod:`autoaccum.planning`):
-
-* ``fsdp``: one split weight gathered whole, with its whole float32 gradient before the
-  reduce-scatter (the largest such pair; a split frozen weight: gathered, no gradient);
-* ``zero2`` (and ``zero1`` with one micro-batch, whose gradient is reduce-scattered as it
-  is formed): the largest whole float32 gradient before its reduce-scatter;
-* ``replicated``, ``zero1``, one device, and a layout kept as the user made it: the largest
-  float32 gradient leaf as the device holds it (computed, then added to the accumulator).
-  A kept layout's accumulator is split over the data axis too where its weight is not
-  (``_strategies.accumulator_sharding``).
-
-With one micro-batch and a whole (unsplit) accumulator -- one device, ``replicated`` -- there
-is no transient beyond the accumulator: the micro-batch's gradients are the sum the update
-reads (all of them, since a non-finite one skips the whole update), not added to another.
-
-Activations are not in it: the floor is what no micro-batch can go below. The compiled
-step's need (``MemoryEstimate.need_bytes``) sits beside it in plans, reports, JSON
-(``floor_bytes``) and the advisor's rows, so a step that holds what it does not need (a
-whole gradient gathered by a norm, a gathered weight hoisted out of the micro-batch loop)
-shows as a ratio well above 1.
-
-XLA's GPU kernel cache for deviceless compiles: a kernel's machine code is made once per
-process and GPU, not once per compile.
-
-A dry run compiles the same model many times: at two small depths and the full one, at
-several micro-batches, once per strategy or advisor row. Most of their kernels are the same
-fusions at the same shapes (the optimizer update of every weight, the blocks' matmuls at a
-given micro-batch), yet each compile emits LLVM IR and runs ``ptxas`` for every one of them
-again. XLA keeps the machine code of the kernels it compiled in a file when given one
-(``xla_gpu_kernel_cache_file``; before jaxlib 0.11 with per-kernel LLVM modules asked for by
-``xla_gpu_enable_llvm_module_compilation_parallelism``, an option 0.11 removed: each option is
-passed only where this jaxlib knows it, :mod:`autoaccum.devices`) and reuses
-those whose fusion, shapes and launch dimensions are the same (it registers the cached kernel
-names first, so new kernels never take their names). Buffer assignment, and so every memory
-figure autoaccum reads, is made on the optimised HLO before any machine code exists: the
-figures are the same with and without the cache (``tests/planning/test_kernel_cache.py``
-compiles both ways), and a deviceless executable is never run.
-
-The files are this process's own (a temporary folder removed when it exits), one per GPU
-(its target description) and per concurrent compile: XLA reads the whole file before a
-compile and writes it back after, so two compiles never share a file at the same time.
+Deviceless GPU compiles share XLA's kernel cache (``xla_gpu_kernel_cache_file``): a dry run
+compiles the same fusions at the same shapes many times, and XLA reuses kernels whose fusion,
+shapes and launch dimensions match. Before jaxlib 0.11 this also needed
+``xla_gpu_enable_llvm_module_compilation_parallelism``, an option 0.11 removed. Buffer
+assignment precedes machine code, so every figure is the same with and without the cache
+(``tests/planning/test_kernel_cache.py``). Files are per process, GPU and concurrent compile:
+XLA reads the whole file before a compile and writes it back after.
 """
 
 from __future__ import annotations
@@ -98,8 +56,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclasses.dataclass(frozen=True)
 class CompileCount:
-    """The compiles of one plan (or advice): at full depth and at reduced depth, with their
-    wall seconds, and the figures read from the need cache (no compile).
+    """The compiles of one plan (or advice) at full and at reduced depth, with their seconds,
+    and the figures read from the need cache (no compile).
 
     Example:
       >>> count = CompileCount(full=2, full_seconds=61.5, reduced=4, reduced_seconds=9.25)
@@ -130,8 +88,7 @@ class CompileCount:
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``full``, ``full_seconds``, ``reduced``, ``reduced_seconds``,
-        ``cached``."""
+        """The fields as a JSON-ready dict."""
         return {"full": self.full, "full_seconds": round(self.full_seconds, 3),
                 "reduced": self.reduced, "reduced_seconds": round(self.reduced_seconds, 3),
                 "cached": self.cached, "wall_seconds": round(self.wall_seconds, 3)}
@@ -199,8 +156,7 @@ def record_cached() -> None:
 
 
 def counted(fn: F) -> F:
-    """``fn`` (a planning entry point) with its compiles counted: the :class:`Plan` it returns
-    carries them as ``compiles``, as does the ``DoesNotFitError`` it raises."""
+    """``fn`` with its compiles counted in its plan's (or ``DoesNotFitError``'s) ``compiles``."""
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -263,7 +219,6 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
     other = sum(tree_bytes(v) for k, v in parts.items()
                 if k not in ("trainable", "frozen", "optimizer"))
     leaves = _leaves(trainable)
-    # One micro-batch and a whole (unsplit) accumulator: the gradients are the sum itself.
     single = accum_steps == 1 and last is None
     if layout is None:  # one device, replicated, or the user's layout (leaves carry it)
         state = tree_bytes(trainable) + tree_bytes(parts.get("frozen")) + tree_bytes(
@@ -337,19 +292,11 @@ def _give_back(key: str, path: Path) -> None:
 
 @contextlib.contextmanager
 def kernel_cache_options(target_key: str) -> Iterator[dict[str, Any]]:
-    """XLA options that make one deviceless compile reuse (and add to) the kernels this
-    process compiled before for the same GPU.
+    """XLA options (to add to a compile's own) that make one deviceless compile reuse and add
+    to this process's kernels for the GPU ``target_key`` (a deviceless target's fingerprint).
 
-    The file is held by this compile alone until the block ends. A compile that fails
-    leaves no file behind (the next one starts afresh), nor does one that outgrew
-    :data:`KERNEL_CACHE_MAX_BYTES`.
-
-    Args:
-      target_key: what identifies the GPU (a deviceless target's fingerprint, the
-        ``GpuTargetConfigProto`` text): machine code is kept apart per GPU.
-
-    Yields:
-      The compiler options to add to the compile's own.
+    The file is this compile's alone until the block ends; one that failed or outgrew
+    :data:`KERNEL_CACHE_MAX_BYTES` is deleted.
 
     Example:
       >>> with kernel_cache_options("sm_75") as options:
@@ -377,16 +324,15 @@ class CompileTarget:
     sharding: Any = None
     deviceless: bool = False
     fingerprint: str = ""
-    """What identifies the target for the need cache: the ``GpuTargetConfigProto`` text of a
-    deviceless GPU, or the local device's platform, kind and memory limit."""
+    """The target's key in the need cache: a deviceless GPU's ``GpuTargetConfigProto`` text,
+    or the local device's platform, kind and memory limit."""
     compiler_options: tuple[tuple[str, Any], ...] = ()
-    """XLA debug options passed to every compile for this target (``lowered.compile``)."""
+    """XLA debug options passed to every compile for this target."""
     remat_pass_base_bytes: int | None = None
     """XLA's memory base for its GPU rematerialization pass on this target (the pool JAX
     gives XLA), or ``None`` where XLA runs no such pass (CPU)."""
     platform: str = "gpu"
-    """What a deviceless target compiles for: ``"gpu"`` or ``"tpu"`` (steps are traced for
-    it, see ``compiling_for``)."""
+    """What a deviceless target compiles (and traces steps) for: ``"gpu"`` or ``"tpu"``."""
 
 
 @dataclass(frozen=True)
@@ -416,21 +362,20 @@ class MemoryEstimate:
     flops: float = 0.0
     """XLA's cost analysis of the step: floating-point operations."""
     last_micro_batch: int | None = None
-    """For an uneven step, the size of its smaller last micro-batch (``accum_steps - 1``
-    micro-batches of ``micro_batch``, then this one); ``None`` when every micro-batch is
-    ``micro_batch``."""
+    """For an uneven step, the size of its smaller last micro-batch (after ``accum_steps - 1``
+    of ``micro_batch``); ``None`` when every micro-batch is ``micro_batch``."""
     bytes_accessed: float = 0.0
     """XLA's cost analysis of the step: bytes read and written."""
     compile_note: str = ""
     """How the compile departed from the default, e.g. the deviceless fallback it needed."""
     source: str = "compiled"
-    """``"compiled"`` (this step was compiled), ``"cache"`` (a compile of the same program for
-    the same target, read from the need cache) or ``"extrapolated"`` (predicted from
-    compiles of the same model at two smaller depths, see :mod:`autoaccum.planning`)."""
+    """``"compiled"``, ``"cache"`` (the same program for the same target, read from the need
+    cache) or ``"extrapolated"`` (predicted from compiles of the model at two smaller
+    depths)."""
     floor_bytes: int = 0
     """What one device must hold at least in this step, from shapes (state as laid out,
-    gradient accumulator, batch, and the largest transient an operation needs; see
-    :mod:`autoaccum.planning`); 0 where not known (an entry of an older need cache)."""
+    gradient accumulator, batch, the largest transient an operation needs); 0 where not
+    known (an older need cache's entry)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -462,15 +407,9 @@ class MemoryEstimate:
 
 def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                target: CompileTarget | None = None, *, last: int | None = None) -> Any:
-    """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``
-    (with ``last``: an uneven step, ``accum_steps - 1`` micro-batches then one of ``last``).
-
-    ``micro_batch`` is per device: a data-parallel program (``program.mesh``) is lowered as
-    one SPMD program over its mesh, the state laid out by its sharding strategy
-    (``program.state_shardings``; replicated by default), frozen weights replicated and batches
-    ``[accum_steps, dp * micro_batch, ...]`` split over the data axis, so XLA's memory
-    analysis is that of one device.
-    """
+    """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``; a
+    data-parallel program as one SPMD program over its mesh, so ``micro_batch`` is per device
+    and XLA's memory analysis is one device's."""
     target = target or CompileTarget()
     if program.placement is not None:
         return _lower_placed(program, micro_batch, accum_steps, target, last=last)
@@ -509,10 +448,9 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
 
 @contextlib.contextmanager
 def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
-    """``step`` to trace for ``target``: a deviceless target traces it for its platform
-    (``"gpu"``, ``"tpu"``; ``compiling_for``) as a
-    function object of its own, so JAX's trace cache never hands a trace made for one
-    platform to another."""
+    """``step`` to trace for ``target``: for a deviceless target, a function object of its own
+    traced for its platform, so JAX's trace cache never hands one platform's trace to
+    another."""
     if not target.deviceless:
         yield step
         return
@@ -539,9 +477,8 @@ def _on_target(mesh: Any, target: CompileTarget) -> bool:
 
 def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
                   target: CompileTarget, *, last: int | None) -> Any:
-    """Lowers a program whose state keeps the user's layout (``program.placement``): the
-    placement's shardings are the step's input and output shardings, batches are split over
-    its data axis, and XLA partitions the rest."""
+    """Lowers a program that keeps the user's layout: its placement's shardings are the step's
+    input and output shardings, and XLA partitions the rest."""
     placement = program.placement
     if target.deviceless and not _on_target(placement.mesh, target):
         raise ValueError(
@@ -567,9 +504,7 @@ _COMPILES_LOCK = threading.Lock()
 
 
 def compile_count() -> int:
-    """How many steps autoaccum's planning has compiled in this process (every compile of a
-    step goes through :func:`compile_lowered`), for tests and benchmarks that check no
-    compile is wasted.
+    """Steps compiled by planning in this process, for tests that check no compile is wasted.
 
     Example:
       >>> compile_count() >= 0
@@ -580,20 +515,11 @@ def compile_count() -> int:
 
 def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
                     program: TrainProgram | None = None, reduced: bool = False) -> Any:
-    """``lowered.compile()`` with the target's compiler options; a deviceless target's compile
-    reuses the kernels compiled before in this process for the same GPU
-    (``kernel_cache_options``), and one that fails
-    inside XLA is retried once with :data:`DEVICELESS_FALLBACK`. Counted by
-    :func:`compile_count`.
+    """``lowered.compile()`` with the target's options, counted by :func:`compile_count`.
 
-    ``program``: the step ``lowered`` is a lowering of. Once one of its compiles for a GPU
-    needed the fallback, its other micro-batches for that GPU are compiled with it at once
-    (``program.deviceless_fallback``): the same XLA error would come again (a compile that
-    fails costs as much as one that succeeds), and every probe of the step is then measured
-    with the same GEMMs.
-
-    ``reduced``: the step is a reduced-depth model's (depth extrapolation), counted apart from
-    full-depth compiles in the open :mod:`autoaccum.planning` ledgers."""
+    Once one deviceless compile of ``program`` for a GPU needed :data:`DEVICELESS_FALLBACK`,
+    its others for that GPU use it at once: a failing compile costs as much as one that
+    succeeds, and every probe is then measured with the same GEMMs."""
     with _COMPILES_LOCK:
         _COMPILES[0] += 1
     start = time.perf_counter()
@@ -626,10 +552,8 @@ def _compile_for(lowered: Any, target: CompileTarget | None, program: Any) -> An
 
 @contextlib.contextmanager
 def _without_jax_cache_warnings() -> Iterator[None]:
-    """Silences JAX's warning on reading a deviceless GPU or TPU executable from its persistent
-    compilation cache (when the user set one): such an entry cannot be loaded without a GPU
-    client ("PjRtCompiler must be constructed with a Client"), so JAX compiles again, as it
-    would without the entry. autoaccum's need cache keeps the figures instead."""
+    """Silences JAX's warning on a deviceless executable in its persistent compilation cache:
+    such an entry cannot be loaded without a GPU client, so JAX compiles again anyway."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message="Error reading persistent compilation cache entry")
@@ -643,29 +567,24 @@ DEVICELESS_CODEGEN_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("xla_gpu_experimental_enable_fusion_autotuner", False),
 )
 """XLA options of every deviceless compile: machine code unoptimised (``ptxas -O0``, LLVM
--O0 without its expensive passes), and no fusion autotuner. A deviceless executable is never
-run; autoaccum reads only its memory analysis (buffer assignment, done on the optimised HLO
-before any machine code), which these options do not touch; its flops come from the lowered
-HLO. The GPU's HLO passes (fusion, scheduling, rematerialization) run as on the device.
-Measured, Gemma3-4B (LoRA 4, seq 400, bf16) for a T4: every figure equal at 4, 12 and 34
-layers; the 34-layer compile 28.7 -> 26.7 s, the lab's cold dry run 58.6 -> 55.1 s
-(``tests/planning/test_deviceless_options.py`` checks the figures on a small model).
+-O0 without its expensive passes) and no fusion autotuner. A deviceless executable is never
+run; its memory analysis (buffer assignment on the optimised HLO) is untouched, as the GPU's
+HLO passes run as on the device. Measured, Gemma3-4B (LoRA 4, seq 400, bf16) for a T4: every
+figure equal at 4, 12 and 34 layers; the 34-layer compile 28.7 -> 26.7 s, the lab's cold dry
+run 58.6 -> 55.1 s (``tests/planning/test_deviceless_options.py`` checks the figures).
 
-The fusion autotuner (XLA's ``config-assigner`` pass from jaxlib 0.12 on) cannot time
-anything without a GPU, yet took 7 of the 11 s of a two-block Gemma3-1B compile for a T4
-(jaxlib 0.12.0.1; 0.10.2's took none of its 6.5 s): off, the same compile takes 4.5 s (A100
-18 -> 10.5 s, H100 15 -> 9.8 s; Gemma3-4B at 34 layers for a T4 52 -> 47 s and 77 -> 65 s)
-with every figure equal to the byte (timed with XLA's per-pass log; the figures checked by
-``tests/planning/test_deviceless_options.py``)."""
+The fusion autotuner (``config-assigner``, jaxlib 0.12 on) cannot time anything without a
+GPU, yet took 7 of the 11 s of a two-block Gemma3-1B compile for a T4 (jaxlib 0.12.0.1;
+0.10.2's took none of its 6.5 s): off, 4.5 s (A100 18 -> 10.5 s, H100 15 -> 9.8 s;
+Gemma3-4B at 34 layers for a T4 52 -> 47 s and 77 -> 65 s), every figure equal to the byte."""
 
 
 DEVICELESS_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
-"""XLA options of the retry when a deviceless GPU compile fails inside XLA: GEMMs go to cuBLAS
-instead of Triton fusions. Deviceless compiles run no autotuning, and XLA's Triton GEMM
-tiling can find no tile for some shapes (``INTERNAL: Couldn't find output tile sizes that
-satisfy hlo: %dot ...``, seen for A100/H100 targets at sequence length 128); the cuBLAS
-path compiles them. Measured on a small transformer (H100/A100 targets, seq 129 where both
-compile): within 0.03% at micro-batch 32, higher (more conservative) at micro-batch 2."""
+"""XLA options of the retry when a deviceless GPU compile fails inside XLA: cuBLAS GEMMs
+instead of Triton. Without autotuning, Triton's GEMM tiling finds no tile for some shapes
+(``INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot ...``, A100/H100 targets
+at sequence length 128). Measured on a small transformer (H100/A100, seq 129): within 0.03%
+at micro-batch 32, higher (more conservative) at micro-batch 2."""
 
 
 _HBM_OOM = re.compile(r"(?:CompileTimeHbmOom|Ran out of memory on HBM).*?required for [^(]*"
@@ -681,11 +600,9 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def compile_within_hbm(lowered: Any, options: dict | None = None) -> Any:
-    """``lowered.compile()`` for a TPU, where memory is assigned at compile time: a step over
-    a chip's HBM is refused by the compiler (``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``),
-    which is the chip's own verdict that it does not fit. That refusal comes back as a
-    compiled-like :class:`HbmRefused` whose memory analysis holds what the compiler said the
-    step needs, so planning searches around it instead of crashing; other errors raise.
+    """``lowered.compile()`` for a TPU, whose compiler refuses a step over its HBM
+    (``RESOURCE_EXHAUSTED: ... CompileTimeHbmOom``): the refusal comes back as an
+    :class:`HbmRefused` holding the need it reported, so planning searches around it.
 
     Example:
       >>> refused = HbmRefused(need=2**35, available=2**34, message="...")
@@ -707,8 +624,8 @@ def compile_within_hbm(lowered: Any, options: dict | None = None) -> Any:
 
 
 class HbmRefused:
-    """A TPU compile refused for want of HBM: what the compiler said the step needs, as a
-    memory analysis (all of it in ``temp``), and its message as the compile note."""
+    """A refused TPU compile as a compiled-like object: the need in ``temp``, the message as
+    its compile note."""
 
     def __init__(self, *, need: int, available: int, message: str) -> None:
         self.need = need
@@ -731,13 +648,12 @@ class DevicelessCompileError(RuntimeError):
 
 def compile_deviceless(lowered: Any, target_name: str, options: dict | None = None, *,
                        fallback_first: bool = False) -> Any:
-    """``lowered.compile()``; on an XLA ``INTERNAL`` error, once more with
-    :data:`DEVICELESS_FALLBACK`. The compiled object's ``autoaccum_compile_note`` says when
-    the fallback was used. ``fallback_first``: an earlier compile of the same step for this
-    GPU needed the fallback; compile with it at once (and without it only if that fails).
+    """``lowered.compile()``, once more with :data:`DEVICELESS_FALLBACK` (noted in
+    ``autoaccum_compile_note``) on an XLA ``INTERNAL`` error; ``fallback_first``: with it
+    first.
 
     Raises:
-      DevicelessCompileError: both compiles failed (the message names both errors).
+      DevicelessCompileError: both compiles failed.
     """
     options = dict(options or {})
     with_fallback = known_compile_options({**options, **DEVICELESS_FALLBACK})
@@ -812,11 +728,10 @@ def measure_program(
     reduced: bool = False,
 ) -> MemoryEstimate:
     """Compiles the step at ``[accum_steps, micro_batch, ...]`` and itemizes its memory
-    (``last``: an uneven step whose last micro-batch has this size, see :func:`lower_step`).
+    (``last``: an uneven step whose last micro-batch has this size).
 
     For a data-parallel program ``micro_batch`` is per device and the estimate is one
-    device's (XLA's memory analysis of an SPMD program is per device). To read repeated
-    compiles from the need cache, or compile several at once, see
+    device's. For the need cache or several compiles at once, see
     :func:`autoaccum.internal.measure_all`.
 
     Example:
@@ -911,10 +826,8 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
 
 
 def _cost(compiled: Any, lowered: Any = None) -> dict:
-    """XLA's cost analysis of the compiled step; where the backend gives none (a deviceless
-    GPU compile reports no flops), XLA's HLO cost analysis of the lowered step on the CPU
-    client (the same program before backend passes; rematerialized blocks count twice, as
-    they run)."""
+    """XLA's cost analysis of the compiled step or, where it has no flops (deviceless GPU),
+    of the lowered HLO on the CPU client (rematerialized blocks count twice, as they run)."""
     try:
         analysis = compiled.cost_analysis()
     except Exception:  # some backends have no cost model

@@ -1,7 +1,6 @@
 """The batches of one train step: ``[accum_steps, micro_batch, ...]``, or uneven ones.
 
-Part of the program contract (:mod:`autoaccum.planning`): every step takes either layout, and the
-planner lowers either.
+Part of the program contract: every step takes either layout, and the planner lowers either.
 """
 
 from __future__ import annotations

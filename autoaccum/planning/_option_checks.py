@@ -48,9 +48,8 @@ def validate_positive_int(name: str, value: object) -> int:
 
 def validate_devices(devices: object, hosts: object = None, *,
                      data_parallel: object = "auto") -> tuple[int | None, int]:
-    """``(devices, hosts)`` checked: ``devices`` ``None`` or a positive int (how many GPUs a
-    plan is for), ``hosts`` ``None`` (1) or a positive int dividing ``devices``; a
-    ``data_parallel`` other than its default or ``1`` must agree with ``devices``.
+    """``(devices, hosts)`` checked: ``devices`` ``None`` or a positive int, ``hosts`` ``None``
+    (1) or a positive divisor of it; ``data_parallel`` must agree with ``devices``.
 
     Example:
       >>> validate_devices(2), validate_devices(None), validate_devices(8, 2)
@@ -101,8 +100,7 @@ def check_enough_examples(tree: Any, effective_batch: int) -> int:
 
 
 def as_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` as a Python int when it is an integer (numpy integers included) of at least
-    ``minimum``, else a ``ValueError`` naming ``name``.
+    """``value`` as a Python int (numpy integers too) of at least ``minimum``, else an error.
 
     Example:
       >>> import numpy as np
@@ -135,8 +133,7 @@ def validate_device(device: object) -> Any:
 
 def validate_memory_fraction(memory_fraction: object, device: object = None, *,
                              needs_device: bool = True) -> float | None:
-    """``memory_fraction`` as a float in (0, 1], given only with a named GPU device
-    (``needs_device=False``: the range only; the device may be given later).
+    """``memory_fraction`` in (0, 1], only with a named GPU (``needs_device=False``: range only).
 
     Example:
       >>> validate_memory_fraction(0.9, "t4")
@@ -172,8 +169,7 @@ def _is_cpu_profile(device: object) -> bool:
 
 
 def validate_learning_rate(learning_rate: object) -> Any:
-    """``learning_rate`` if it is ``None``, a schedule (a callable of the step) or a positive
-    finite number, else a ``ValueError`` naming the fix.
+    """``learning_rate`` if ``None``, a schedule or a positive finite number, else an error.
 
     Example:
       >>> validate_learning_rate(1e-4)
@@ -197,8 +193,7 @@ def validate_learning_rate(learning_rate: object) -> Any:
 
 
 def resolve_log(log: object) -> Any:
-    """Where probes and reports go: ``"stderr"``, ``"stdout"``, a stream with ``write``, or
-    ``None`` (silent).
+    """The log stream for ``"stderr"``, ``"stdout"``, a stream with ``write``, or ``None``.
 
     Example:
       >>> resolve_log(None) is None
@@ -249,9 +244,8 @@ _LITERALS = (type(None), bool, numbers.Number, str, bytes)
 
 
 def received(name: str, value: object) -> str:
-    """``name=value`` for an error message's "Received:" part: a short literal as written
-    (``effective_batch=0``, ``lr_rule='cubic'``), anything else by its type
-    (``optimizer of type flax.nnx.training.optimizer.Optimizer``), never a long ``repr``.
+    """``name=value`` for an error's "Received:" part: a short literal as written, anything
+    else by its type, never a long ``repr``.
 
     Example:
       >>> received("epochs", 0), received("lr_rule", "x" * 100)[:30]

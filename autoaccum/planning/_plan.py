@@ -27,9 +27,8 @@ class Plan:
 
     ``micro_batch * data_parallel * accum_steps == effective_batch`` holds for an even split;
     an uneven one (13 = 5 + 5 + 3) ends with a smaller micro-batch, ``last_micro_batch``, and
-    ``sum(micro_batches) * data_parallel == effective_batch``. In a notebook
-    a plan shows as a table; ``repr`` is one line, ``report()`` the full text, ``to_dict()``
-    the JSON-ready form.
+    ``sum(micro_batches) * data_parallel == effective_batch``. In a notebook a plan shows as a
+    table; ``repr`` is one line, ``report()`` the full text, ``to_dict()`` the JSON form.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
@@ -61,7 +60,7 @@ class Plan:
     plan_seconds: float
     notes: tuple[str, ...] = field(default=())
     remat: str = "none"
-    """Rematerialization policy of the chosen step (see ``autoaccum.planning``)."""
+    """Rematerialization policy of the chosen step."""
     objective: str = "memory"
     """``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest fitting)."""
     candidates: tuple[Any, ...] = field(default=())
@@ -70,8 +69,7 @@ class Plan:
     """Training examples per epoch the plan was made for (``None``: not known)."""
     last_micro_batch: int | None = None
     """Per-device size of the last micro-batch when it is smaller than ``micro_batch`` (an
-    uneven split: ``accum_steps - 1`` micro-batches of ``micro_batch``, then this one, inside
-    the same compiled step); ``None`` for an even split."""
+    uneven split, in the same compiled step); ``None`` for an even split."""
     drop_remainder: bool = False
     """What happens to the examples after the last full effective batch of an epoch:
     ``False``, a final smaller step trains them; ``True``, they are dropped."""
@@ -135,25 +133,21 @@ class Plan:
     strategy: str = "replicated"
     """What the data-parallel devices split instead of copying: ``"replicated"`` (nothing),
     ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradient accumulator) or ``"fsdp"``
-    (+ weights); see ``autoaccum.internal.STRATEGIES``. Always ``"replicated"`` on one device.
-    ``"own"``: the model's own layout is kept as the user made it (a Flax model's weights
-    split over a mesh of several axes by ``nnx.with_partitioning``, a Keras model under
-    ``keras.distribution.ModelParallel``); ``mesh_axes`` names its mesh."""
+    (+ weights); always ``"replicated"`` on one device. ``"own"``: the model's own layout is
+    kept (a Flax model split over a multi-axis mesh by ``nnx.with_partitioning``, a Keras
+    model under ``keras.distribution.ModelParallel``); ``mesh_axes`` names its mesh."""
     partitioner: str = "autoaccum"
-    """Who partitions a sharded strategy's step over the devices: ``"autoaccum"``
-    (``shard_map`` data parallelism; under ``fsdp`` each weight gathered where it is used)
-    or ``"xla"`` (the one-device step with the strategy's shardings, partitioned by XLA
-    alone), whichever the planner measured as good within 5%, the simpler first (see
-    ``autoaccum.internal.PARTITIONERS``); ``"xla"`` for a layout kept as the user made it
-    (``strategy == "own"``), whose step XLA partitions."""
+    """Who partitions a sharded strategy's step: ``"autoaccum"`` (``shard_map`` data
+    parallelism) or ``"xla"`` (the one-device step with the strategy's shardings, partitioned
+    by XLA), the simpler where within 5% of the other (see
+    ``autoaccum.internal.PARTITIONERS``); ``"xla"`` for ``strategy == "own"``."""
     mesh_axes: tuple[tuple[str, int], ...] = ()
     """With ``strategy == "own"``: ``(axis name, size)`` of each axis of the user's mesh
     (e.g. ``(("batch", 2), ("model", 2))``; the batch is split over its data axis, so
     ``data_parallel`` is that axis's size); else ``()``."""
     compiles: CompileCount | None = None
-    """What planning compiled: steps at full depth and at reduced depth (depth
-    extrapolation), their seconds, and the figures the need cache answered
-    (:class:`~autoaccum.planning.CompileCount`); ``None`` for a plan not made by a search."""
+    """What planning compiled, at full and at reduced depth, with their seconds and the need
+    cache's answers; ``None`` for a plan not made by a search."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -200,8 +194,8 @@ class Plan:
 
     @property
     def floor_bytes(self) -> int:
-        """What one device must hold at least in the chosen step, from shapes (see
-        ``autoaccum.planning``); 0 where not known."""
+        """What one device must hold at least in the chosen step, from shapes; 0 where not
+        known."""
         return self.estimate.floor_bytes if self.estimate is not None else 0
 
     @property
@@ -299,11 +293,8 @@ def _process_count() -> int:
 
 def agree_across_processes(search: SearchResult, measure: Any, *,
                            per_device: int) -> tuple[SearchResult, tuple[int, ...]]:
-    """The search result at the smallest micro-batch chosen by any process, and each choice.
-
-    One process: unchanged. Otherwise a micro-batch smaller than this process's own is
-    measured here (its estimate reported) unless it was probed already.
-    """
+    """The search result at the smallest micro-batch chosen by any process (measured here
+    unless probed already), and each choice."""
     import dataclasses
 
     from ..devices._mesh import agree_micro_batch
@@ -323,9 +314,8 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
 
 def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...],
                    devices: int | None = None) -> str:
-    """What the report says about the plan being the same on every device and process;
-    ``devices``: all the devices, where a layout kept as it is splits each micro-batch over a
-    group of them (``data_parallel`` groups).
+    """The report's line on the plan being the same on every device and process; ``devices``:
+    all the devices, where a kept layout splits each micro-batch over a group of them.
 
     Example:
       >>> agreement_note(4, 8, (4, 8))
@@ -362,22 +352,12 @@ def search_plan(
     devices: int | None = None,
     largest_first: bool = False,
 ) -> Plan:
-    """Runs the compile-only search and returns the plan.
+    """Runs the compile-only search (arguments as ``search_micro_batch``'s) and returns the plan.
 
-    ``measure_uneven(b, k, last)``: compiles an uneven step, so the plan may end with a smaller
-    micro-batch (see :func:`~autoaccum.internal.search_micro_batch`); ``None``: divisors only.
-    ``accumulating_floor``: bytes every accumulating step needs at least (state and gradient
-    accumulator, :class:`~autoaccum.planning.Resident`); over the budget, only the whole batch is
-    compiled.
-
-    With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one
-    device at per-device micro-batch ``b``; every process then takes the smallest micro-batch
-    that fits on all of them (:func:`agree_across_processes`), so they run the same program
-    (``agree=False``: not, for a trial whose result is agreed on later). ``devices``: every
-    device the step runs on, where a layout kept as it is splits each micro-batch over a
-    group of them (for the report). ``largest_first``: candidates from the largest down (a
-    TPU, whose compiler refuses a step over the budget early; see
-    :func:`~autoaccum.internal.search_micro_batch`).
+    With ``data_parallel > 1`` (or several processes) ``measure(b, k)`` compiles for one device
+    at per-device micro-batch ``b``, and every process takes the smallest micro-batch that fits
+    on all of them, so they run the same program (``agree=False``: not, for a trial agreed on
+    later). ``devices``: every device the step runs on, for the report.
     """
     search = search_micro_batch(
         measure,

@@ -69,29 +69,28 @@ def plan_program(
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
-    ``uneven``: the program's step takes :class:`~autoaccum.planning.UnevenBatches`, so the plan may
-    end with a smaller micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1).
-
-    ``target`` (:class:`~autoaccum.Target`; its ``data_parallel`` is not read: put the
-    program on a mesh instead): the device, budget and memory fraction (which overrides the
-    named device profile's default share of GPU memory that JAX's pool gets; when not given,
-    the environment's value wins over the profile's). A data-parallel program
-    (``program.on_mesh(mesh)``) is planned per device: ``Plan.data_parallel`` is the mesh's
-    size, the budget is one device's, and every process agrees on the micro-batch.
-    ``cache``: a need cache (``True``, a folder or a
-    :class:`~autoaccum.internal.NeedCache`) that answers repeated compiles.
-    ``depth_variants``: the same model at other depths (:mod:`autoaccum.planning`); the search then
-    runs on needs extrapolated from two small depths and one full-depth compile verifies the
-    choice (``verify_depth=False``: not; the advisor's quick rows). ``program`` may be a
-    function building it (called only when needed). ``resident``: the program's
-    :class:`~autoaccum.planning.Resident` memory (or a function computing it more cheaply than
-    building the program); by default read from the program. When its weights and
+    ``program`` may be a function building it (called only when needed). ``uneven``: the step
+    takes :class:`~autoaccum.planning.UnevenBatches`, so the plan may end with a smaller
+    micro-batch (13 = 5 + 5 + 3) instead of a divisor (13 x 1). ``cache``: a need cache
+    (``True``, a folder or a :class:`~autoaccum.internal.NeedCache`) that answers repeated
+    compiles. ``depth_variants``: the same model at other depths; the search then runs on
+    needs extrapolated from two small depths and one full-depth compile verifies the choice
+    (``verify_depth=False``: not; the advisor's quick rows). ``resident``: the program's
+    :class:`~autoaccum.planning.Resident` memory (or a function computing it more cheaply
+    than building the program), by default read from the program; when its weights and
     optimizer state exceed the budget, planning stops before any compile.
-    ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of the named
-    GPU ``target.device``, data-parallel over their deviceless devices; the programs (and
-    the depth variants) are put on that mesh here, with the sharding ``target.strategy`` (one
-    of :data:`~autoaccum.internal.STRATEGIES`; ``"auto"``: the program's own, replicated for a
-    function building it). The plan is marked with the program's strategy.
+
+    ``target`` (:class:`~autoaccum.Target`; ``data_parallel`` is not read: put the program on
+    a mesh instead): the device, budget and memory fraction (which overrides the named
+    profile's default share of GPU memory for JAX's pool; when not given, the environment's
+    value wins over the profile's). A data-parallel program (``program.on_mesh(mesh)``) is
+    planned per device: ``Plan.data_parallel`` is the mesh's size, the budget one device's,
+    and every process agrees on the micro-batch. ``target.devices`` (over ``target.hosts``
+    hosts): a dry run for that many of the named GPU ``target.device``, data-parallel over
+    deviceless devices, the programs and depth variants put on that mesh with sharding
+    ``target.strategy`` (one of :data:`~autoaccum.internal.STRATEGIES`; ``"auto"``: the
+    program's own, replicated for a function building it). The plan is marked with the
+    program's strategy.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -130,9 +129,7 @@ def plan_program(
                           else "replicated")
     if resolved is not None and resolved.mesh is not None and not placed:
         mesh = resolved.mesh
-    # The one check of the effective batch against the data-parallel size its step runs at
-    # (every plan of more than one device comes here): a kept layout's data axis, else the
-    # mesh's devices.
+    # The one check of the effective batch against its step's data-parallel size.
     effective_batch = validate_effective_batch(
         effective_batch, data_parallel=(program.placement.data_parallel if placed
                                         else 1 if mesh is None else int(mesh.size)))
@@ -153,8 +150,7 @@ def plan_program(
     if built and depth_variants is not None and depth_variants.full is program:
         depth_variants = dataclasses.replace(depth_variants, full=built[0])
     floor = resident.accumulating_bytes
-    # The state with its gradients in the weights' dtype over the budget, and every
-    # accumulating step over it too: no rematerialization can make a step fit.
+    # The state with its gradients (weights' dtype) over the budget: no remat can make it fit.
     budget_bytes = resolved.budget.bytes
     beyond_remat = (floor > budget_bytes
                     and resident.state_bytes + resident.trainable_bytes > budget_bytes)
@@ -212,8 +208,7 @@ def plan_program(
 
 @contextlib.contextmanager
 def _marking(beyond_remat: bool) -> Iterator[None]:
-    """A :class:`DoesNotFitError` raised inside, marked ``beyond_remat`` when the state with
-    its gradients is over the budget (the remat policies after it are not tried)."""
+    """A :class:`DoesNotFitError` raised inside, marked ``beyond_remat`` (no later policy tried)."""
     try:
         yield
     except DoesNotFitError as error:
@@ -228,8 +223,7 @@ def _marked(plan: Plan, strategy: str) -> Plan:
 
 def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any,
              strategy: str | None = None) -> tuple[Any, Any]:
-    """``program`` (or the function building it) and the depth variants, on ``mesh`` with
-    ``strategy`` (``None``: a built program's own, else replicated); a built program keeps
+    """``program`` (or its builder) and the depth variants on ``mesh``; a built program keeps
     its partitioner under its own strategy."""
     if isinstance(program, TrainProgram):
         strategy = program.strategy if strategy is None else strategy
@@ -279,37 +273,18 @@ def plan_model(
 ) -> tuple[Plan, Prepared]:
     """Plans ``model`` over remat policies; returns the plan and the chosen policy's program.
 
-    With ``objective="memory"`` the first policy (least recompute) under which some
-    micro-batch fits wins, with its largest fitting micro-batch: remat is used only when
-    micro-batch 1 does not fit without it. With ``objective="throughput"`` every fitting
-    policy is planned and candidates are timed (see :mod:`autoaccum.planning`).
+    ``objective="memory"``: the first policy (least recompute) under which some micro-batch
+    fits wins, with its largest fitting micro-batch, so remat is used only when micro-batch 1
+    does not fit without it; ``"throughput"``: every fitting policy is planned and candidates
+    are timed. ``uneven`` applies only where ``adapter.uneven_batches``.
 
-    ``target`` (:class:`~autoaccum.Target`: device, budget, devices, data parallelism,
-    strategy) says what to plan for; ``search`` (:class:`~autoaccum.Search`: remat,
-    objective, method, uneven, cache, depth variant) how. Their fields:
-
-    ``data_parallel`` (``"auto"``, an int, or a one-axis mesh; see
-    ``autoaccum.internal.resolve_mesh``): with more than one device the plan is per
-    device over that mesh, compile-only (real-step verification, back-off and timed
-    throughput candidates run on one device, so they are skipped, with a note).
-
-    ``cache`` (the need cache, see :mod:`autoaccum.planning`) and ``depth_variant`` (the model at
-    other
-    depths, see :class:`~autoaccum.DepthVariant`) speed up compile-only planning.
-
-    ``uneven``: allow a split whose last micro-batch is smaller (13 = 5 + 5 + 3), where the
-    adapter's steps take one (``adapter.uneven_batches``); ``False``: divisors only.
-
-    ``strategy`` (with more than one device): ``"auto"`` tries the sharding strategies in
-    :data:`~autoaccum.internal.STRATEGIES` order (least communication first) under each remat
-    policy and keeps the first under which micro-batch 1 fits one device's budget, with its
-    largest fitting micro-batch; a name plans that strategy only. Each is measured from the
-    partitioned program's per-device memory analysis. On one device it is ignored.
-
-    ``devices`` (over ``hosts`` hosts): how many GPUs the plan is for. For a named GPU that
-    is not here, a dry run compiled for that many deviceless GPUs, data-parallel (the mesh
-    comes with the resolved target, :func:`~autoaccum.internal.resolve_target`); on this machine,
-    ``data_parallel=devices``.
+    With more than one device (``data_parallel``; or ``devices`` over ``hosts``: for a named
+    GPU not here a dry run on that many deviceless GPUs, here ``data_parallel=devices``) the
+    plan is per device and compile-only: real-step verification, back-off and timed candidates
+    run on one device, so they are skipped, with a note. ``strategy="auto"`` then tries
+    :data:`~autoaccum.internal.STRATEGIES` in order (least communication first) under each
+    policy and keeps the first under which micro-batch 1 fits one device's budget (measured
+    from the partitioned program's per-device memory analysis); a name plans that one only.
     """
     log = sys.stderr if log == "stderr" else log
     target = Target() if target is None else target
@@ -365,7 +340,7 @@ def plan_model(
         by_strategy = {s: prepared if mesh is None or s == "own" else dataclasses.replace(
             prepared, program=prepared.program.on_mesh(mesh, s)) for s in strategies}
         if resolved is None:
-            announce(prepared.lr_scaling, log)  # one line, only when the rate is changed
+            announce(prepared.lr_scaling, log)
             program = by_strategy[strategies[0]].program
             if program.placement is not None:  # the user's own layout (e.g. ModelParallel)
                 method, objective, dp_notes = placed_plan_options(
@@ -390,8 +365,7 @@ def plan_model(
             resolved = early or resolve_target(device, budget, resident_bytes=resident,
                                                memory_fraction=memory_fraction,
                                                mesh=program.device_mesh)
-            # Weights and optimizer state over the budget (per device, with the most sharded
-            # strategy tried): no policy, no micro-batch can help.
+            # Weights and optimizer state over the budget: no policy or micro-batch can help.
             strategies, over_budget = _resident_strategies(strategies, by_strategy, resolved,
                                                            memory_fraction=memory_fraction)
             if over_budget:
@@ -401,9 +375,8 @@ def plan_model(
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         skipped: list[tuple[str, DoesNotFitError]] = []
         plan = None
-        # Several processes choosing among strategies: each tries them without agreeing on
-        # a micro-batch (the agreement is a collective every process must join), then all
-        # take the most sharded choice and plan it once more, agreeing (see below).
+        # Several processes try the strategies without agreeing (a collective all must join),
+        # then all plan the most sharded choice once more, agreeing (see below).
         trial = len(strategies) > 1 and _process_count() > 1
 
         def plan_strategy(name: str, agree: bool, by_strategy: dict = by_strategy,
@@ -523,9 +496,8 @@ def plan_model(
 
 
 def agree_strategy(mine: str | None) -> str | None:
-    """The strategy every process runs: the most sharded one any process chose (a process's
-    less sharded choice then fits too, having more room), or ``None`` when some process
-    found none that fits. One process: ``mine``."""
+    """The strategy every process runs: the most sharded any process chose (a less sharded
+    choice then fits too), or ``None`` when some process found none that fits."""
     if _process_count() == 1:
         return mine
     import numpy as np
@@ -538,12 +510,9 @@ def agree_strategy(mine: str | None) -> str | None:
 
 
 def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tuple[str, ...]:
-    """The strategies to try, in order: a program that keeps the user's own layout
-    (``program.placement``): ``"own"`` (a named strategy is refused); one device, or
-    ``"auto"`` for a program that runs replicated data parallelism only (no
-    ``sharded_step``, e.g. a custom :class:`TrainProgram`): replicated; ``"auto"``: all of
-    :data:`STRATEGIES` (Flax and Keras programs); a name: that one (``program.on_mesh``
-    refuses a sharded one it cannot run, with the fix)."""
+    """The strategies to try, in order: ``"own"`` for a program keeping the user's layout (a
+    named strategy is refused); replicated on one device or for ``"auto"`` without a
+    ``sharded_step``; else all of :data:`STRATEGIES` for ``"auto"``, or the one named."""
     if program.placement is not None and (mesh is None or set(mesh.devices.flat)
                                           == set(program.placement.mesh.devices.flat)):
         if strategy != "auto":
@@ -581,8 +550,7 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
                          resolved: ResolvedTarget, *,
                          memory_fraction: float | None) -> tuple[tuple[str, ...], list[str]]:
     """The strategies whose state alone fits one device's budget, and a line for each that
-    does not; when none does, the resident-memory error of the last (most sharded) one,
-    before any compile."""
+    does not; when none does, the most sharded one's resident-memory error."""
     states = {s: resident_of(by_strategy[s].program).state_bytes for s in strategies}
     fitting = tuple(s for s in strategies if states[s] <= resolved.budget.bytes)
     if not fitting:
@@ -601,24 +569,20 @@ def _strategy_resident(by_strategy: dict[str, Prepared], strategy: str) -> Resid
 
 
 SPLIT_SLACK = 2.0
-"""How many times what a strategy splits off (per device, from shapes) its step may save:
-the state itself, and as much again in the temporaries around it (the optimizer's update on
-the split state; the gradients reduce-scattered rather than all-reduced: a zero1 step of a
-1-layer Gemma3-1B on 2 T4s saves 159 MiB where its optimizer state and a gradient's share
-are 105 MiB)."""
+"""How many times what a strategy splits off per device (from shapes) its step may save: the
+state, and as much again in temporaries (update on the split state, reduce-scattered
+gradients). A zero1 step of a 1-layer Gemma3-1B on 2 T4s saves 159 MiB where its optimizer
+state and a gradient's share are 105 MiB."""
 
 
 def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitError]],
                                resident: Callable[[str], Resident]) -> DoesNotFitError | None:
     """Why strategy ``name`` cannot fit, without a compile, or ``None`` to plan it.
 
-    A less sharded strategy in ``failed`` whose micro-batch 1 was compiled at full depth
-    and did not fit bounds this one: the two steps differ by the state ``name`` splits off
-    per device (weights, gradient accumulator, optimizer state, known from shapes:
-    ``resident(strategy)``, with a gradient's share where the optimizer state is split) and
-    the temporaries around it (:data:`SPLIT_SLACK`). Where that step's need less all
-    of it is still over the budget, ``name``'s is too (a LoRA model's zero1 and zero2 split
-    off a few MiB of optimizer state, where the replicated step missed by more).
+    A less sharded strategy in ``failed`` whose micro-batch 1 missed at full depth (compiled)
+    bounds this one: if its need, less what ``name`` splits off per device (``resident``, with
+    a gradient's share where the optimizer state is split, times :data:`SPLIT_SLACK`), is
+    still over the budget, so is ``name``'s (e.g. a LoRA model's zero1 and zero2).
 
     Example:
       >>> from autoaccum.planning import MemoryEstimate, Probe, Resident
@@ -641,8 +605,7 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
         if not full or mine is None or theirs is None or not error.budget_bytes:
             continue
         budget_bytes = error.budget_bytes
-        # The share of the optimizer state split off (1 - 1/n over n devices): the gradients'
-        # reduction shrinks by as much.
+        # The optimizer state's split share (1 - 1/n): the gradients' reduction shrinks as much.
         share = (1 - mine.optimizer_bytes / theirs.optimizer_bytes
                  if theirs.optimizer_bytes else 0.0)
         saved = int(SPLIT_SLACK * (max(0, theirs.accumulating_bytes - mine.accumulating_bytes)
@@ -667,8 +630,7 @@ def _partitioner_of(program: Any) -> str:
 
 
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:
-    """A :class:`Plan` (or a :class:`DoesNotFitError`) whose probes say who partitioned the
-    step they compiled: ``prepared``'s program's partitioner."""
+    """``found`` (a plan or an error) with probes naming ``prepared``'s partitioner."""
     partitioner = _partitioner_of(prepared.program)
     if partitioner == "autoaccum":
         return found
@@ -682,9 +644,8 @@ def _by_partitioner(found: Any, prepared: Prepared) -> Any:
 
 
 def _xla_program(prepared: Prepared, mesh: Any, strategy: str) -> Prepared | None:
-    """``prepared`` with its step partitioned by XLA alone (``partitioner="xla"``), where the
-    planner weighs that step against autoaccum's: a sharded strategy (``zero1``, ``zero2``,
-    ``fsdp``) of a built program that is not laid out by the user; else ``None``."""
+    """``prepared`` with its step partitioned by XLA alone, for a sharded strategy of a built
+    program not laid out by the user; else ``None``."""
     program = prepared.program
     if (mesh is None or strategy not in STRATEGIES[1:]
             or not isinstance(program, TrainProgram) or program.sharded_step is None
@@ -695,8 +656,7 @@ def _xla_program(prepared: Prepared, mesh: Any, strategy: str) -> Prepared | Non
 
 
 def _partitioned_by_xla(plan: Plan, error: DoesNotFitError) -> Plan:
-    """``plan`` (of XLA's partitioning) after autoaccum's step's probes (``error``'s), with a
-    note saying why autoaccum's step was not kept."""
+    """XLA's ``plan`` after autoaccum's step's probes, noting why that step was not kept."""
     return dataclasses.replace(plan, partitioner="xla", probes=(*error.probes, *plan.probes),
                                notes=(*plan.notes, "partitioner: XLA's own partitioning of "
                                       "the step (autoaccum's step does not fit: "
@@ -707,13 +667,11 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
                          resolved: ResolvedTarget | None, log: TextIO | None,
                          cache: Any = None, *,
                          replan: Callable[..., Plan] | None = None) -> tuple[Plan, Prepared]:
-    """``plan`` and ``prepared`` as they are, or partitioned by XLA alone where that step
-    fits a larger micro-batch, or (at the plan's split) needs at most
-    ``XLA_PARTITIONER_SLACK`` times autoaccum's and fits the budget: the
-    simpler step wherever it is as good. One compile at the plan's split (answered by the need
-    ``cache`` when it has it); where the plan accumulates, one more at the smallest split
-    autoaccum's step was refused at, and where XLA's fits there, ``replan(prepared=...)`` (a
-    whole search with XLA's step) finds its largest."""
+    """``plan`` and ``prepared``, or partitioned by XLA alone (the simpler step) where that
+    fits a larger micro-batch, or at the plan's split fits the budget within
+    ``XLA_PARTITIONER_SLACK`` times autoaccum's need. One compile at the plan's split; where
+    the plan accumulates, one more at the smallest refused split, and where XLA's fits there
+    ``replan(prepared=...)`` finds its largest."""
     xla = _xla_program(prepared, mesh, strategy)
     if xla is None or resolved is None or plan.estimate is None:
         return plan, prepared
@@ -770,9 +728,8 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
 
 def _neither_partitioner_fits(ours: DoesNotFitError,
                              theirs: DoesNotFitError) -> DoesNotFitError:
-    """One error for a strategy whose step fits under neither partitioner: both verdicts'
-    first sentences, then the rest of autoaccum's step's (what would help), with both steps'
-    probes."""
+    """One error for a strategy that fits under neither partitioner: both first sentences,
+    then the rest of autoaccum's (what would help), with both steps' probes."""
     rest = str(ours).split(". ", 1)
     return DoesNotFitError(
         f"Neither partitioner's step fits: autoaccum's step: {first_line(ours)}; XLA's own "
@@ -784,8 +741,7 @@ def _neither_partitioner_fits(ours: DoesNotFitError,
 
 def with_strategy(plan: Plan, strategy: str,
                   skipped: list[tuple[str, DoesNotFitError]]) -> Plan:
-    """``plan`` marked with its sharding ``strategy``, preceded by the probes of the
-    strategies under which micro-batch 1 did not fit, and a note saying so."""
+    """``plan`` marked with ``strategy``, after the failed strategies' probes and a note."""
     probes = tuple(dataclasses.replace(p, strategy=strategy) for p in plan.probes)
     earlier = tuple(dataclasses.replace(p, strategy=name)
                     for name, error in skipped for p in error.probes)
@@ -798,8 +754,7 @@ def with_strategy(plan: Plan, strategy: str,
 def placed_plan_options(placement: Any, method: str,
                         objective: str | None, notes: tuple[str, ...]
                         ) -> tuple[str, str | None, tuple[str, ...]]:
-    """``(method, objective, notes)`` for a program that keeps the user's layout over several
-    devices: compile-only, by memory (real steps and timings run on one device)."""
+    """``(method, objective, notes)`` for a program keeping the user's multi-device layout."""
     split = (f"batches split over {placement.data_axis!r}" if placement.data_axis is not None
              else "batches not split: every device reads the whole micro-batch")
     notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
@@ -880,8 +835,7 @@ def _estimate_for(plan: Plan, micro_batch: int) -> Any:
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget | None) -> list[Candidate]:
-    """Each fitting policy's largest micro-batch, plus the next two smaller divisors for the
-    policy without remat; timed on the real device, or costed when dry-running."""
+    """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed."""
     from ._plan_options import time_real_steps
 
     per_device = tried[0].effective_batch // tried[0].data_parallel
@@ -916,7 +870,6 @@ __all__ = ["plan_model", "plan_program", "policies_for", "prepare"]
 
 def prepare(adapter: Adapter, model: Any, data: Any, *, effective_batch: int,
             options: ProgramOptions, remat: str = "none", remat_layers: Any = None) -> Prepared:
-    """``adapter.prepare(...)``: the model's step as a program, its sample of the data and
-    its learning-rate scaling, for one remat policy."""
+    """``adapter.prepare(...)`` for one remat policy: program, data sample, learning-rate rule."""
     return adapter.prepare(model, data, effective_batch=effective_batch, options=options,
                            remat=remat, remat_layers=remat_layers)

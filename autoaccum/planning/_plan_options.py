@@ -1,31 +1,12 @@
-"""The planning options as users think of them: what to plan for (:class:`Target`), how to
-search (:class:`Search`) and the learning rate (:class:`LearningRate`). Frozen, keyword-only,
-validated once when built; every entry point and the command line take them, with one default
-per option.
-
-Choosing among fitting (remat policy, micro-batch) plans: the fastest, not just the largest.
+"""The planning options as users give them (:class:`Target`, :class:`Search`,
+:class:`LearningRate`: frozen, keyword-only, validated when built), remat policies, and the
+choice among fitting (remat policy, micro-batch) plans.
 
 ``objective="memory"`` keeps the largest micro-batch that fits (with the least
-rematerialization). ``objective="throughput"`` times a few real steps of each candidate
-(or, when dry-running for a device that is not here, estimates a step from XLA's cost
-analysis and the device's peak rates) and picks the lowest time per example; among
-candidates within ``tolerance`` of the best it prefers the smaller micro-batch (more
-memory headroom), then the policy with less recompute.
-
-Rematerialization (gradient checkpointing) policies, by name, for every adapter.
-
-Policies (``jax.checkpoint_policies``), in order of increasing recompute:
-
-* ``"none"``: no rematerialization;
-* ``"dots"``: keep matmul outputs, recompute the rest (``dots_saveable``);
-* ``"dots_no_batch"``: keep only matmuls without batch dimensions
-  (``dots_with_no_batch_dims_saveable``: weights-times-activations in a transformer);
-* ``"nothing"``: keep only the block's inputs (``nothing_saveable``): least memory, most
-  recompute.
-
-``"auto"`` (planning only) tries them in this order and keeps the first under which the
-step fits. Each adapter applies a policy to its model's repeated blocks
-(:mod:`autoaccum.adapters.flax`, :mod:`autoaccum.adapters.keras`).
+rematerialization). ``objective="throughput"`` times a few real steps of each candidate (on a
+dry run, estimates them from XLA's cost analysis and the device's peak rates) and picks the
+lowest time per example; within ``tolerance`` of the best it prefers the smaller micro-batch
+(more headroom), then less recompute.
 """
 
 from __future__ import annotations
@@ -61,7 +42,17 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "nothing": jax.checkpoint_policies.nothing_saveable,
 }
-"""Policy names in order of increasing recompute (and decreasing memory)."""
+"""Rematerialization policies (``jax.checkpoint_policies``) by name, in order of increasing
+recompute and decreasing memory:
+
+* ``"none"``: no rematerialization;
+* ``"dots"``: keep matmul outputs, recompute the rest (``dots_saveable``);
+* ``"dots_no_batch"``: keep only matmuls without batch dimensions
+  (``dots_with_no_batch_dims_saveable``: weights-times-activations in a transformer);
+* ``"nothing"``: keep only the block's inputs (``nothing_saveable``).
+
+``"auto"`` (planning only) tries them in this order and keeps the first under which the step
+fits. Each adapter applies a policy to its model's repeated blocks."""
 
 
 def validate_remat(policy: str) -> str:
@@ -74,13 +65,8 @@ def validate_remat(policy: str) -> str:
     return policy
 
 
-# Rematerialization policies during planning: which are tried, in order, and how the plans
-# and failures of each are labelled and reported.
-
-
 def policies_for(remat_policies: tuple[str, ...], remat: str) -> list[str]:
-    """Policies to try for ``remat``, in order of increasing recompute: ``"auto"``, a
-    framework's ``remat_policies``; a name, that one.
+    """Policies to try for ``remat``: for ``"auto"``, a framework's ``remat_policies``.
 
     Example:
       >>> policies_for(("none", "nothing"), "auto"), policies_for(("none",), "dots")
@@ -99,8 +85,8 @@ def label_policy(plan: Plan, policy: str) -> Plan:
 
 
 def with_failed_policies(plan: Plan, failures: list[tuple[str, DoesNotFitError]]) -> Plan:
-    """``plan`` preceded by the probes of the policies under which nothing fitted (marked with
-    their policy), and a note saying so."""
+    """``plan`` preceded by the probes of the policies under which nothing fitted, with a
+    note."""
     if not failures:
         return plan
     earlier = tuple(dataclasses.replace(p, remat=pol) for pol, e in failures for p in e.probes)
@@ -153,8 +139,7 @@ def validate_objective(objective: str) -> str:
 
 
 def resolve_objective(objective: str | None, device: str | None) -> str:
-    """``objective``, or by default ``"throughput"`` when planning for a GPU or TPU on this
-    machine, else ``"memory"`` (a dry run for a named device, or a CPU).
+    """``objective``, by default ``"throughput"`` for a GPU or TPU here, else ``"memory"``.
 
     Example:
       >>> resolve_objective(None, "t4"), resolve_objective("throughput", None)
@@ -191,8 +176,7 @@ def choose_fastest(candidates: Sequence[Candidate], *,
 
 def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_steps: int, *,
                     repeats: int = 3) -> float:
-    """Median seconds per example of ``repeats`` real steps (after one warm-up step that
-    also compiles)."""
+    """Median seconds per example of ``repeats`` real steps, after one warm-up step."""
     run(micro_batch, accum_steps)
     times = []
     for _ in range(repeats):
@@ -203,8 +187,8 @@ def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_step
 
 
 def peak_rates(profile: Any) -> tuple[float, float]:
-    """(FLOP/s, bytes/s) of a GPU profile: fp32 FMA rate from SMs x FPUs x clock, and DRAM
-    bandwidth. A roofline stand-in: it ranks candidates on one device, not across devices."""
+    """(FLOP/s, bytes/s) of a GPU profile: fp32 FMA rate and DRAM bandwidth. A roofline
+    stand-in: it ranks candidates on one device, not across devices."""
     gpu = profile.gpu
     flops = gpu.core_count * gpu.fpus_per_core * 2 * gpu.clock_rate_ghz * 1e9
     return float(flops), float(gpu.memory_bandwidth)
@@ -212,8 +196,7 @@ def peak_rates(profile: Any) -> tuple[float, float]:
 
 def cost_model_seconds(flops: float, bytes_accessed: float, profile: Any,
                        examples: int) -> float:
-    """Seconds per example from XLA's cost analysis of a step (``MemoryEstimate.flops`` and
-    ``.bytes_accessed``): max(flops / peak FLOP/s, bytes / bandwidth) / examples.
+    """Seconds per example from XLA's cost analysis: max(flops / FLOP/s, bytes / bandwidth).
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -230,7 +213,7 @@ here), ``"compile"`` (compile only) or ``"backoff"`` (real steps only)."""
 
 
 def validate_method(method: object) -> str:
-    """Returns ``method`` if it is one of :data:`METHODS`, else a ``ValueError`` naming them.
+    """``method`` if it is one of :data:`METHODS`, else a ``ValueError``.
 
     Example:
       >>> validate_method("compile")
@@ -249,20 +232,19 @@ class Target:
 
     Attributes:
       device: a profile name (``"t4"``, ``"a100-80gb"``, ``"v5e-1"``; see ``autoaccum
-        devices``), or ``None`` for this machine's first device. On a machine without that
-        device the step is compiled deviceless for it (a dry run).
+        devices``), or ``None`` for this machine's first device. A device not here is
+        compiled for deviceless (a dry run).
       budget: bytes, a size string (``"12GiB"``) or a fraction of the device (``"90%"``);
         ``None``: from the device (on CPU, half the available RAM).
       memory_fraction: JAX's share of that GPU (``XLA_CLIENT_MEM_FRACTION``); ``None``: the
         environment's, else the profile's.
-      devices: how many devices the plan is for. With ``device=`` naming a GPU that is not
-        here, a dry run compiled for that many of it; on this machine the same as
-        ``data_parallel=devices``.
+      devices: how many devices the plan is for: for a named GPU not here, a dry run for
+        that many; on this machine, ``data_parallel=devices``.
       hosts: the machines those ``devices`` are spread over (the same number on each).
       data_parallel: ``"auto"`` (every device; for Keras the mesh of a
         ``keras.distribution.DataParallel`` if one is set), an int, or a one-axis
-        ``jax.sharding.Mesh``. The micro-batch is then per device, planned against one
-        device's budget.
+        ``jax.sharding.Mesh``. The micro-batch is then per device, against one device's
+        budget.
       strategy: with more than one device, what the devices split instead of copying:
         ``"auto"`` (the least communication that fits), ``"replicated"``, ``"zero1"``,
         ``"zero2"`` or ``"fsdp"`` (see ``autoaccum.internal.STRATEGIES``).
@@ -315,10 +297,10 @@ class Search:
       remat_layers: which layers to rematerialize when the model has no sequence of blocks.
       objective: ``"memory"`` (largest fitting micro-batch) or ``"throughput"`` (fastest
         fitting plan, timed); ``None``: throughput on a GPU/TPU here, memory otherwise.
-      method: ``"auto"`` (compile-only plan, then one real verification step when the target
-        is on this machine, backing off on a real out-of-memory; in ``fit`` the first
-        training step is that verification), ``"compile"`` or ``"backoff"`` (real steps,
-        bisecting between the last fit and the first out-of-memory).
+      method: ``"auto"`` (compile-only plan, then one real step verifies it when the target
+        is here, backing off on a real out-of-memory; in ``fit`` the first training step is
+        that step), ``"compile"`` or ``"backoff"`` (real steps, bisecting between the last
+        fit and the first out-of-memory).
       uneven: ``True``: when the largest fitting micro-batch does not divide the per-device
         batch, the step may end with a smaller micro-batch (13 with room for 5: 5 + 5 + 3),
         exact as ever; ``False``: divisors only.
@@ -394,8 +376,8 @@ class LearningRate:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProgramOptions:
-    """What shapes the compiled train step and its learning rate, as one call was given it:
-    one typed value from the entry point to the adapter (nothing popped, nothing left over).
+    """What shapes the compiled step and its learning rate, as one value from the entry point
+    to the adapter.
 
     Attributes:
       optimizer: Flax: an optax transformation, a factory of the learning rate, or an
@@ -405,7 +387,7 @@ class ProgramOptions:
       learning_rate: the rate and the batch it was tuned for (:class:`LearningRate`).
       batch_stats: ``"effective"`` or ``"micro"`` (BatchNorm statistics).
       planning_optimizer: an optimizer planned in place of the model's own (the advisor's
-        optimizer rows for a Keras model), else ``None``.
+        Keras optimizer rows).
 
     Example:
       >>> options = ProgramOptions(learning_rate=LearningRate(value=0.1))
@@ -425,8 +407,7 @@ Spec = TypeVar("Spec")
 
 
 def spec_of(cls: type[Spec], value: Any, name: str) -> Spec:
-    """``value`` if it is a ``cls``, ``cls()`` for ``None``, else a ``ValueError`` naming the
-    fix.
+    """``value`` if it is a ``cls``, ``cls()`` for ``None``, else a ``ValueError``.
 
     Example:
       >>> spec_of(Search, None, "search").remat
@@ -446,8 +427,8 @@ def spec_of(cls: type[Spec], value: Any, name: str) -> Spec:
 
 
 def merge_plain(spec: Spec, **plain: Any) -> Spec:
-    """``spec`` with the everyday keywords given plainly (``device=``, ``budget=``) filled in;
-    the same option given both ways with different values is a ``ValueError``.
+    """``spec`` with the keywords given plainly (``device=``) filled in; ``ValueError`` if one
+    is given both ways with different values.
 
     Example:
       >>> merge_plain(Target(budget="1GiB"), device="t4", budget=None)
@@ -474,8 +455,7 @@ data_parallel='auto', strategy='auto')
 
 
 def learning_rate_spec(learning_rate: Any) -> LearningRate:
-    """``learning_rate=`` as a :class:`LearningRate`: a spec as it is, a number or schedule
-    as its ``value``.
+    """``learning_rate=`` as a :class:`LearningRate` (a number or schedule as its ``value``).
 
     Example:
       >>> learning_rate_spec(0.1)
@@ -499,8 +479,7 @@ def changed(spec: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def refuse_unread(where: str, name: str, spec: Any, read: tuple[str, ...]) -> None:
-    """A ``ValueError`` when ``spec`` sets a field that ``where`` does not read (a budget
-    given to ``measure``, which reports the need and compares it with nothing).
+    """A ``ValueError`` when ``spec`` sets a field that ``where`` does not read.
 
     Example:
       >>> refuse_unread("measure", "target", Target(budget="1GiB"), read=("device",))

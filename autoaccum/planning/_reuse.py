@@ -66,8 +66,7 @@ def _check_sizes(plan: Plan, prepared: Prepared) -> None:
 
 
 def validate_plan_type(plan: Any) -> Plan:
-    """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError`` saying what ``plan=``
-    takes (a dict from ``Plan.to_dict()`` or ``--json`` is a report of a plan, not one).
+    """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError``.
 
     Example:
       >>> try:
@@ -88,13 +87,8 @@ def validate_plan_type(plan: Any) -> Plan:
 def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_batch: int,
                options: ProgramOptions, remat_layers: Any = None, target: Target | None = None,
                planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
-    """Checks ``plan`` against ``model``, ``data`` and the options; returns it with the
-    prepared step (built abstractly: nothing is compiled here).
-
-    Refused, each with the fix: not a :class:`Plan`; a deviceless plan (made for a GPU that is
-    not here); another effective batch, device count, learning-rate rule or base rate; weights,
-    optimizer state or example sizes other than those the plan compiled; planning options
-    (``budget``, ``device``, ...) given next to it.
+    """Checks ``plan`` against ``model``, ``data`` and the options (each refusal naming the
+    fix); returns it with the prepared step, built abstractly (nothing compiled).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum

@@ -1,11 +1,7 @@
 """Compile-only search for the largest micro-batch whose compiled need fits a budget.
 
 Need is affine in the micro-batch from 2 on (micro-batch 1 saves one weight-sized buffer),
-so two compiles at b >= 2 predict the boundary; the prediction is verified by compiling,
-and where the curve is not affine (XLA's rematerialization near the memory limit) the
-search bisects between the largest fitting and the smallest failing probe. Every probe is
-recorded and reported live. A micro-batch is only ever returned after its own exact
-compile fitted.
+so two compiles at b >= 2 predict the boundary. Every probe is recorded and reported live.
 """
 
 from __future__ import annotations
@@ -80,11 +76,9 @@ ADVISE_HINT = ("autoaccum.advise(...) (same arguments; CLI: --advise) lists comp
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget.
 
-    ``resident`` (a :class:`~autoaccum.planning.Resident`, when the verdict came from shapes alone,
-    before any compile), ``budget_bytes``, ``smallest_profile`` (the smallest shipped GPU
-    profile whose budget holds the resident state) and ``alternatives`` (compile-verified
-    changes that fit, from :func:`autoaccum.advise`; empty unless the advisor ran) say why
-    and what would help; :meth:`to_dict` is the JSON form, and a notebook shows it as tables.
+    Its attributes (``resident``, ``budget_bytes``, ``smallest_profile``, ``alternatives`` from
+    :func:`autoaccum.advise`) say why and what would help; :meth:`to_dict` is the JSON form,
+    and a notebook shows it as tables.
     """
 
     def __init__(self, message: str, *, probes: tuple[Probe, ...] = (), resident: Any = None,
@@ -94,14 +88,14 @@ class DoesNotFitError(ValueError):
         self.probes = probes
         """The probes that led to the verdict."""
         self.resident = resident
-        """Bytes the step holds whatever the micro-batch, per category (``None`` when the
-        verdict came from compiles)."""
+        """Bytes the step holds whatever the micro-batch, per category (a
+        :class:`~autoaccum.planning.Resident`; ``None`` when the verdict came from compiles)."""
         self.budget_bytes = budget_bytes
         self.smallest_profile = smallest_profile
         """Key of the smallest shipped GPU profile whose budget holds the resident state."""
         self.alternatives = tuple(alternatives)
         """Compile-verified changes that fit (:class:`~autoaccum.planning.Alternative`),
-        best first."""
+        best first; empty unless the advisor ran."""
         self.advice: Any = None
         """The whole :class:`~autoaccum.planning.Advice` when the advisor ran."""
         self.beyond_remat = False
@@ -174,18 +168,15 @@ affine fit predicts more than this many times the budget for it."""
 
 def _whole_batch_may_fit(affine: tuple[float, float] | None, limit: int,
                          budget_bytes: int, failed: Probe | None = None) -> bool:
-    """Whether the k=1 step is worth a compile: XLA drops the accumulation loop (its carried
-    accumulator and per-iteration buffers) there, so its need can lie below the affine fit
-    through k>1 probes (tiny models: below micro-batch 2's need).
+    """Whether the k=1 step is worth a compile: XLA drops the accumulation loop there, so its
+    need can lie below the affine fit through k>1 probes (tiny models: below micro-batch 2's).
 
-    Without an affine fit, ``failed`` (a smaller micro-batch that did not fit, with k > 1)
-    decides: the whole batch runs at least that micro-batch's work without the loop, and the
-    loop costs the accumulator, the stacked batch and a few scalars (measured: 864 bytes of
-    a 20-byte accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 + 3.1
-    KB for a tiny LM), so the whole batch is compiled only if ``failed`` less twice those
-    fits. Gemma3-4B LoRA on a T4: micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example
-    step (35.7 GiB, 112 s of compile under load) is not compiled. A probe with no itemized
-    loop (no accumulator or batch bytes) says nothing: the whole batch is compiled."""
+    Without a fit, ``failed`` (a smaller micro-batch with k > 1 that did not fit) decides: the
+    loop costs the accumulator, the stacked batch and a few scalars (measured: 864 bytes of a
+    20-byte accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 + 3.1 KB
+    for a tiny LM), so the whole batch is compiled only if ``failed`` less twice those fits.
+    Gemma3-4B LoRA on a T4: micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example step
+    (35.7 GiB, 112 s of compile under load) is not compiled."""
     if affine is not None:
         intercept, slope = affine
         return intercept + slope * limit <= WHOLE_BATCH_SLACK * budget_bytes
@@ -202,10 +193,8 @@ fits where micro-batch 1 does not."""
 
 
 def _whole_batch_after_one(one: Probe | None, budget_bytes: int) -> bool:
-    """Whether the whole batch is worth a compile given micro-batch 1's probe: only if that
-    need, less what the loop-free step may drop (the gradient accumulator and
-    :data:`LOOP_ALLOWANCE`), fits; the whole batch's arguments (the same examples) and
-    activations are at least micro-batch 1's."""
+    """Whether the whole batch is worth a compile given micro-batch 1's probe: only if its
+    need, less what the loop-free step may drop (accumulator and :data:`LOOP_ALLOWANCE`), fits."""
     if one is None or one.fits:
         return True
     droppable = one.estimate.accumulator_bytes + LOOP_ALLOWANCE
@@ -224,44 +213,32 @@ def search_micro_batch(
     largest_first: bool = False,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
-    compiling only steps whose answer could change the plan.
+    compiling only steps whose answer could change the plan. ``measure(b, k)`` compiles the
+    step at micro-batch ``b`` with ``k`` accumulation steps; a micro-batch is only returned
+    after its own compile fitted.
 
-    The candidates are one micro-batch per number of micro-steps ``k``: the smallest that
+    The candidates are one micro-batch per number of micro-steps ``k``, the smallest that
     takes ``k`` steps (:func:`step_candidates`; 8 -> 8, 4, 3, 2, 1), or, without
-    ``measure_uneven``, the divisors of ``per_device_batch`` (13 -> 13, 1). A micro-batch
-    between two candidates takes as many steps as the larger-``k`` one, so it is never
-    compiled. Need is affine in the micro-batch from 2 on (micro-batch 1 saves one
-    weight-sized buffer): the two smallest candidates from 2 (the second at least twice the
-    first) are fit points, the line through the fitting probes predicts the boundary, and
-    the search goes to the largest candidate the line puts under the budget; a candidate the
-    line puts more than :data:`PREDICTION_MARGIN` over it is not compiled, nor any larger
-    one. Where the curve is not affine (XLA's rematerialization near the memory limit), the
-    bracketing probes narrow the range. A micro-batch is only ever returned after its own
-    compile fitted.
+    ``measure_uneven``, the divisors of ``per_device_batch``. The two smallest candidates
+    from 2 (the second at least twice the first) are fit points; the search goes to the
+    largest candidate the line through the fitting probes puts under the budget, compiles
+    none it puts more than :data:`PREDICTION_MARGIN` over, and bisects between bracketing
+    probes where the curve is not affine (XLA's rematerialization near the memory limit).
 
-    With ``measure_uneven(b, k, last)`` (compiles the uneven step: ``k - 1`` micro-batches of
-    ``b``, then one of ``last``), a candidate that does not divide the batch is compiled as
-    that uneven step, so the chosen step is the one measured (13 with room for 5: 5 + 5 + 3;
-    12: 4 x 3, the even split with as few micro-steps, is the candidate). Without it only
-    divisors of ``per_device_batch`` are chosen (13 with room for 5: 13 micro-batches of 1).
+    With ``measure_uneven(b, k, last)`` (``k - 1`` micro-batches of ``b``, then one of
+    ``last``), a candidate that does not divide the batch is compiled as that uneven step (13
+    with room for 5: 5 + 5 + 3). Without it only divisors are chosen (13 micro-batches of 1).
 
-    ``accumulating_floor``: bytes every step with ``k > 1`` needs at least (weights,
-    optimizer state and the gradient accumulator, known from shapes); when it exceeds the
-    budget only the whole batch (``k = 1``) is compiled. The whole batch (no accumulation
-    loop) is its own case: compiled only if the line, less twice the accumulator and stacked
-    batch its loop-free step drops, puts it within the margin (without a line: unless a
-    smaller micro-batch failed by more than its loop costs, or micro-batch 1 failed by more
-    than its accumulator and :data:`LOOP_ALLOWANCE`), and chosen whenever it fits.
+    ``accumulating_floor``: bytes every step with ``k > 1`` needs at least (known from
+    shapes); over the budget, only the whole batch (``k = 1``) is compiled. The whole batch
+    (no accumulation loop) is compiled only if the line, less twice the accumulator and
+    stacked batch it drops, puts it within the margin (without a line: unless a smaller
+    micro-batch failed by more than the loop costs), and chosen whenever it fits.
 
-    ``largest_first``: the candidates are compiled from the largest down and the first that
-    fits is the answer, skipping any the line through the probes made so far puts clearly
-    over the budget. For a compiler that refuses a step over the budget early and only
-    finishes one that fits (libtpu's HBM check: a "no" costs seconds to a minute, a "yes" a
-    whole code generation), so a plan makes one finished compile where the largest candidate
-    fits, and rarely more than two.
-
-    ``measure(b, k)`` compiles the step at micro-batch ``b`` with ``k`` accumulation steps.
-    A probe marked as fitting never needs more than the budget.
+    ``largest_first``: candidates are compiled from the largest down and the first that fits
+    is the answer, skipping those the line puts clearly over. For a compiler that refuses an
+    over-budget step early and only finishes one that fits (libtpu's HBM check: a "no" costs
+    seconds to a minute, a "yes" a whole code generation).
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -321,9 +298,8 @@ def search_micro_batch(
         return p
 
     def measure_at(b: int, why: str) -> Probe:
-        """Compiles the step that would run at micro-batch ``b``: ``k = ceil(limit / b)``
-        micro-steps, the last one smaller where ``b`` does not divide ``limit`` (then the
-        uneven step itself, so the plan's step is the one compiled)."""
+        """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
+        divide ``limit``)."""
         k = math.ceil(limit / b)
         last = limit - (k - 1) * b
         if measure_uneven is None or last == b:
@@ -349,10 +325,7 @@ def search_micro_batch(
             f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes)
 
-    # The micro-batches worth a compile: one per number of micro-steps k, the smallest that
-    # takes k steps (ceil(limit / k): 8 -> 8, 4, 3, 2, 1), or the divisors without uneven
-    # steps. A micro-batch between two of them takes as many steps as the larger-k one, so it
-    # cannot change the plan.
+    # A micro-batch between two candidates takes as many steps as the larger-k one.
     candidates = (step_candidates(limit) if measure_uneven is not None else divisors(limit))
 
     def line() -> tuple[float, float] | None:
@@ -386,7 +359,6 @@ def search_micro_batch(
         return _result(lo, probes, order, line(), start, limit, budget_bytes, advice,
                        measure_uneven is None)
 
-    # Two fit points on the line: the smallest candidate >= 2, then one at least twice it.
     first = next((c for c in candidates if c >= 2), None)
     if first is not None and first < limit and measure_at(first, "fit point").fits:
         second = next((c for c in candidates if c >= 2 * first and c < limit),
@@ -468,10 +440,9 @@ def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
 
 
 def need_line(probes: Iterable[Probe], limit: int) -> tuple[float, float] | None:
-    """(intercept, slope) of need against micro-batch through the smallest and the largest
-    fitting probes at ``2 <= b < limit`` (all of them where fewer than two fit), ``limit``
-    being the per-device batch: micro-batch 1 saves a weight-sized buffer and the whole
-    batch drops its loop, so both are off the line. ``None`` without two such probes.
+    """(intercept, slope) of need against micro-batch through the smallest and largest fitting
+    probes at ``2 <= b < limit`` (all where fewer than two fit): micro-batch 1 and the whole
+    batch are off the line. ``None`` without two such probes.
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -496,9 +467,8 @@ def need_line(probes: Iterable[Probe], limit: int) -> tuple[float, float] | None
 
 def line_need(fit: tuple[float, float] | None, b: int, probes: Iterable[Probe],
               limit: int) -> float | None:
-    """The need line ``fit`` (:func:`need_line`) at micro-batch ``b``; at the whole batch
-    (``b == limit``), less what dropping the loop saves: twice the accumulator and stacked
-    batch of the largest accumulating probe. ``None`` without a line.
+    """The need line ``fit`` at micro-batch ``b``; at the whole batch, less twice the
+    accumulator and stacked batch of the largest accumulating probe.
 
     Example:
       >>> line_need((100.0, 10.0), 4, [], 8)
@@ -516,15 +486,13 @@ def line_need(fit: tuple[float, float] | None, b: int, probes: Iterable[Probe],
 
 
 PREDICTION_MARGIN = 0.05
-"""A candidate whose need the line through the fitting probes puts more than this fraction
-over the budget is not compiled (need grows with the micro-batch: nor is any larger one); a
-candidate within it is, since only its compile can say."""
+"""A candidate the line puts more than this fraction over the budget is not compiled (nor any
+larger one); within it, only its compile can say."""
 
 
 def step_candidates(limit: int) -> list[int]:
-    """The micro-batches worth a compile for a per-device batch of ``limit`` when the last
-    micro-batch may be smaller: for each number of micro-steps ``k``, the smallest
-    micro-batch that takes ``k`` steps, ``ceil(limit / k)``.
+    """The micro-batches worth a compile when the last micro-batch may be smaller: for each
+    number of micro-steps ``k``, ``ceil(limit / k)``.
 
     Example:
       >>> step_candidates(8), step_candidates(13)

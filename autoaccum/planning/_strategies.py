@@ -1,8 +1,7 @@
 """Sharding strategies for a data-parallel mesh: what each device holds of the train state.
 
-Every strategy is data parallelism over the mesh's one axis (each device scans its own
-micro-batches, see ``autoaccum.training``); they differ in what is split over
-the same devices instead of being copied on each:
+Every strategy is data parallelism over the mesh's one axis; they differ in what is split over
+the devices instead of copied on each (:data:`STRATEGIES` is in this order):
 
 ==============  ==========  ==================  =================  ============================
 strategy        weights     gradient            optimizer state    communication per opt. step
@@ -18,16 +17,9 @@ strategy        weights     gradient            optimizer state    communication
                                                                    backward pass
 ==============  ==========  ==================  =================  ============================
 
-Under ``fsdp`` each micro-step gathers a weight only where an operation uses it, and
-gathers it again in that operation's backward pass, where its gradient is reduce-scattered
-(``autoaccum.training``): a device holds its shard of every weight plus about one
-layer's gathered weights at a time, never a whole-model gradient. Frozen weights (a LoRA
-model's base) are split too under ``fsdp`` (:attr:`StateLayout.frozen`); the other
-strategies copy them.
-
-:data:`STRATEGIES` is in that order: least communication first. A leaf is split along its
-first axis that the mesh size divides (:func:`leaf_spec`); small leaves (biases, norms,
-scalars, step counters) and leaves with no divisible axis stay copied on every device.
+Under ``fsdp`` a weight is gathered only where an operation uses it, and again in its
+backward pass, where its gradient is reduce-scattered: a device holds its shard of every
+weight plus about one layer's gathered weights, never a whole-model gradient.
 """
 
 from __future__ import annotations
@@ -52,15 +44,13 @@ STRATEGIES = ("replicated", "zero1", "zero2", "fsdp")
 PARTITIONERS = ("autoaccum", "xla")
 """Who partitions a strategy's step over the devices: ``"autoaccum"`` (``shard_map`` data
 parallelism, each device scanning its own micro-batches; under ``fsdp`` each weight gathered
-where it is used, see ``autoaccum.training``) or ``"xla"`` (the one-device step with
-the layout's shardings, partitioned by XLA alone, see ``autoaccum.training``).
-The planner compiles both for ``zero1``, ``zero2`` and ``fsdp`` and keeps ``"xla"`` where its
-need is within :data:`XLA_PARTITIONER_SLACK` of the other's (the simpler step)."""
+where it is used) or ``"xla"`` (the one-device step with the layout's shardings, partitioned
+by XLA alone). The planner compiles both for ``zero1``, ``zero2`` and ``fsdp`` and keeps the
+simpler ``"xla"`` where its need is within :data:`XLA_PARTITIONER_SLACK` of the other's."""
 
 XLA_PARTITIONER_SLACK = 1.05
-"""XLA's own partitioning of a strategy's step is kept where its need is at most this many
-times that of autoaccum's step at the same split (issue 39: "the simpler one wherever it is
-within 5% of the other's need")."""
+"""XLA's partitioning is kept where its need is at most this many times autoaccum's at the
+same split (issue 39)."""
 
 MIN_SHARDED_ELEMENTS = 1024
 """Leaves with fewer elements stay copied on every device (splitting them saves nothing
@@ -99,9 +89,8 @@ def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
 
 
 def step_partitioner(partitioner: str, placement: Any) -> str:
-    """Who partitions a step: ``partitioner`` (its layout's), or ``"xla"`` for a layout kept
-    as the user made it (``placement``: the one-device step under ``jax.jit`` with the user's
-    shardings, which XLA partitions).
+    """Who partitions a step: ``partitioner``, or ``"xla"`` for a kept user layout
+    (``placement``).
 
     Example:
       >>> step_partitioner("autoaccum", None), step_partitioner("autoaccum", object())
@@ -140,16 +129,14 @@ def validate_partitioner(partitioner: Any) -> str:
 
 def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
               min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
-    """The ``PartitionSpec`` splitting the first axis of ``shape`` that ``devices`` divides
-    over the mesh axis ``axis``; ``P()`` (copied on every device) for small leaves, scalars,
-    or when no axis divides.
+    """The ``PartitionSpec`` splitting the first axis of ``shape`` that ``devices`` divides;
+    ``P()`` (copied) for small leaves or when no axis divides.
 
-    The first (row-major: outermost) axis, not the largest: a shard along it is one
-    contiguous block, so gathering a weight (``fsdp``) or reduce-scattering a gradient
-    (``zero2``, ``fsdp``) writes and reads it in place. Split along an inner axis, XLA:CPU
-    gathered into a transposed layout and copied it back, one more whole weight per device
-    (an 8192 x 256 embedding and its 256 x 8192 projection, AdamW, 4 devices: fsdp 3.03x
-    the weights per device against 3.64x, zero2 2.88x against 3.25x).
+    The first (outermost) axis, not the largest: its shard is one contiguous block, gathered
+    or reduce-scattered in place. Split along an inner axis, XLA:CPU gathered into a
+    transposed layout and copied it back, one more whole weight per device (an 8192 x 256
+    embedding and its 256 x 8192 projection, AdamW, 4 devices: fsdp 3.03x the weights per
+    device against 3.64x, zero2 2.88x against 3.25x).
 
     Example:
       >>> leaf_spec((512, 768), 4, "data")
@@ -183,11 +170,10 @@ def tree_specs(tree: PyTree, devices: int, axis: str, *,
 @dataclass(frozen=True)
 class StateLayout:
     """Where a strategy puts the train state on ``mesh``: ``PartitionSpec`` trees for the
-    trained weights at rest (``params``), the float32 gradient accumulator (``grads``, the
-    structure of ``params``), the optimizer state (``optimizer``) and the frozen weights the
-    step reads (``frozen``: split under ``fsdp``, else copied; ``None`` when the layout was
-    made without them, i.e. all copied). Everything else (batch statistics, RNG state) is
-    copied on every device."""
+    trained weights (``params``), the float32 gradient accumulator (``grads``, structured as
+    ``params``), the optimizer state (``optimizer``) and the frozen weights the step reads
+    (``frozen``: split under ``fsdp``, else copied; ``None``: all copied). Other state (batch
+    statistics, RNG state) is copied on every device."""
 
     strategy: str
     mesh: Mesh
@@ -196,17 +182,16 @@ class StateLayout:
     optimizer: PyTree
     frozen: PyTree = None
     reduced: PyTree = None
-    """How the step's summed gradient leaves the cross-device reduction (the structure of
+    """How the step's summed gradient leaves the cross-device reduction (structured as
     ``params``): split where the optimizer state is (``zero1``: a reduce-scatter of the
-    copied accumulator, so no second whole gradient is formed for an update each device
-    computes a share of), else as :attr:`grads`; ``None``: as :attr:`grads`."""
+    copied accumulator, so no second whole gradient is formed), else (or ``None``) as
+    :attr:`grads`."""
     partitioner: str = "autoaccum"
     """Who partitions the step over the mesh (one of :data:`PARTITIONERS`)."""
 
     def accumulator(self, one_micro_batch: bool) -> PyTree:
-        """How a step lays out its float32 gradient accumulator: as :attr:`grads`; with one
-        micro-batch (nothing to accumulate) as :attr:`reduced`, since each gradient is then
-        reduced as it is formed (``zero1``: reduce-scattered at once, no whole one kept).
+        """The float32 gradient accumulator's layout: as :attr:`grads`, or with one
+        micro-batch as :attr:`reduced` (each gradient is then reduced as it is formed).
 
         Example:
           >>> import jax
@@ -233,8 +218,8 @@ class StateLayout:
                             is_leaf=lambda s: isinstance(s, P))
 
     def frozen_shardings(self, frozen: PyTree) -> PyTree:
-        """``NamedSharding`` of every leaf of ``frozen`` (the tree the layout was made for, or
-        one with its structure): as :attr:`frozen` splits it, all copied without one."""
+        """``NamedSharding`` of every leaf of ``frozen``: as :attr:`frozen` splits it, all
+        copied without one."""
         if self.frozen is None:
             return jax.tree.map(lambda _: self.replicated, frozen)
         return self.shardings(self.frozen)
@@ -261,12 +246,10 @@ class StateLayout:
 def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
                          axis: str | None, *,
                          min_elements: int = MIN_SHARDED_ELEMENTS) -> NamedSharding:
-    """The float32 gradient accumulator's sharding for a weight of ``shape`` that a kept
-    layout lays out by ``sharding``: the weight's own, with the data axis ``axis`` added on
-    its first whole dimension that the axis divides. Each device then keeps its share of the
-    sum over the data axis (as ``zero2`` does), not all of it: the weights stay as the user
-    laid them out, the accumulator is autoaccum's. Unchanged without a data axis, when the
-    weight is split over it already, small, or has no such dimension.
+    """The float32 accumulator's sharding for a weight a kept layout lays out by ``sharding``:
+    the weight's own plus ``axis`` on its first whole dimension the axis divides, so each
+    device keeps a share of the sum (as ``zero2`` does). Unchanged without a data axis, or
+    when the weight is split over it already, small, or has no such dimension.
 
     Example:
       >>> import numpy as np
@@ -291,8 +274,7 @@ def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
 
 
 def shaped_like(params: PyTree) -> Callable[[Any], bool]:
-    """Whether a sub-tree of the optimizer state has the structure of ``params`` (as optax's
-    moments have): such a sub-tree is laid out like the weights.
+    """Whether an optimizer sub-tree is structured as ``params`` (as optax's moments are).
 
     Example:
       >>> is_moment = shaped_like({"w": 0, "b": 0})
@@ -309,14 +291,12 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
                  partitioner: str = "autoaccum") -> StateLayout:
     """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
     ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
-    ``frozen``: the weights the step reads but never changes (e.g. a program's
-    ``frozen_args``), split like the trained ones under ``fsdp`` and copied otherwise.
+    ``frozen``: weights the step reads but never changes, split under ``fsdp``, else copied.
 
-    ``fixed``: for each leaf of ``params`` (``jax.tree.leaves`` order), the spec the user's
-    model already splits it by, or ``None``. A fixed leaf keeps its spec under every strategy
-    (weights, gradient accumulator, and the optimizer state's copies of it: sub-trees of the
-    optimizer state with the structure of ``params``, as optax's moments have); the others
-    follow ``strategy``.
+    ``fixed``: per leaf of ``params`` (``jax.tree.leaves`` order), the spec the user's model
+    already splits it by, or ``None``. A fixed leaf keeps its spec under every strategy
+    (weights, accumulator, and optimizer sub-trees structured as ``params``, as optax's
+    moments are); the others follow ``strategy``.
 
     ``partitioner``: who partitions the step (:data:`PARTITIONERS`); the layout is the same.
 
@@ -389,11 +369,9 @@ def _itemsize(dtype: Any) -> int:
 
 def fixed_on_mesh(specs: tuple[Any, ...] | None, mesh: Any, trainable: PyTree = None
                   ) -> tuple[Any, ...] | None:
-    """A model's own specs (split over a one-axis mesh of its own, e.g. ``'fsdp'``) over the
-    one axis of ``mesh``: the same split, named as ``mesh`` names it (a dry run's target
-    mesh is ``'data'``, and may have another device count); unchanged where ``mesh`` has
-    that axis. ``trainable``: the weights the specs are for (``jax.tree.leaves`` order),
-    checked to split evenly over ``mesh``.
+    """A model's own one-axis specs (e.g. over ``'fsdp'``) renamed to ``mesh``'s one axis (a
+    dry run's target mesh is ``'data'``); ``trainable``: the weights, checked to split evenly
+    over ``mesh``.
 
     Raises:
       ValueError: a split dimension of a weight does not divide over ``mesh``'s devices.

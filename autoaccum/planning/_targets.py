@@ -72,7 +72,7 @@ def _local_target(mesh: Any = None) -> CompileTarget:
 
 
 def _bytes_limit(device: Any) -> int | None:
-    """A GPU's pool (JAX passes it to XLA as the module's memory size), else ``None``."""
+    """A GPU's memory pool, else ``None``."""
     if device.platform != "gpu":
         return None
     stats = _local_stats(device)
@@ -85,7 +85,7 @@ def _device_fingerprint(device: Any, count: int) -> str:
 
 
 def _mesh_local_devices(mesh: Any) -> list:
-    """The mesh's devices on this process (the ones whose memory this process can read)."""
+    """The mesh's devices on this process (whose memory it can read)."""
     import jax
 
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -111,8 +111,7 @@ def _local(budget: Any, *, resident_bytes: int, mesh: Any = None) -> ResolvedTar
 
 
 def check_host_budget(resolved: Budget, given: Any) -> None:
-    """A ``ValueError`` when a budget for the host's RAM (CPU) exceeds the machine's RAM: the
-    plan would pick a micro-batch that cannot run here.
+    """A ``ValueError`` when a CPU budget exceeds this machine's RAM (the step could not run).
 
     Example:
       >>> check_host_budget(parse_budget("1MiB"), "1MiB")
@@ -133,9 +132,9 @@ def per_device_budget(budget: Any, mesh: Any, *, resident_bytes: int = 0) -> Bud
 
     Devices that report memory (GPU, TPU): the smallest :func:`device_budget` over this
     process's devices of the mesh. Host-platform CPU devices share the host's RAM: the CPU
-    default budget (50% of available RAM - 256 MiB) divided by the number of this process's
-    devices in the mesh. A user ``budget`` is per device (a fraction is of one device's
-    capacity: its ``bytes_limit``, or the host's available RAM divided likewise).
+    default budget (50% of available RAM - 256 MiB) divided by their number. A user
+    ``budget`` is per device (a fraction is of one device's ``bytes_limit``, or of the host's
+    available RAM divided likewise).
 
     Example:
       >>> from autoaccum.devices._mesh import data_parallel_mesh
@@ -187,8 +186,7 @@ def is_deviceless(device: str | DeviceProfile | None) -> bool:
 
 
 def tpu_here(profile: DeviceProfile) -> bool:
-    """Whether this process runs on the TPU slice ``profile`` names: JAX's devices are TPU
-    chips of its kind, as many as the slice has (a real TPU runtime plans for real).
+    """Whether this process runs on the TPU slice ``profile`` names (its chips' kind and count).
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
@@ -225,8 +223,7 @@ def device_platform(device: str | DeviceProfile | None) -> str:
 
 
 def slice_devices(device: str | DeviceProfile | None, devices: int | None) -> int | None:
-    """How many devices a plan for ``device`` is over when ``devices`` is not given: every
-    chip of a TPU slice (``"v5e-8"``: 8), else ``devices`` as given.
+    """How many devices a plan for ``device`` is over: ``devices``, else a TPU slice's chips.
 
     Example:
       >>> slice_devices("kaggle-tpu", None), slice_devices("t4", None)
@@ -250,27 +247,23 @@ def resolve_target(
 ) -> ResolvedTarget:
     """Chooses the compile target and budget for ``device`` (a profile name, or ``None``).
 
-    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU, which is
-    not here: compiled deviceless for all of them (JAX's CUDA topology ``"1 x hosts x
-    devices/hosts"``), data-parallel over the mesh the result carries
-    (:attr:`ResolvedTarget.mesh`, made by ``autoaccum.internal.data_parallel_mesh``), with one
-    GPU's budget (memory analysis is per device).
+    A named GPU that is present (NVML sees it) is planned against for real; one that is not
+    is compiled for deviceless with the memory pool it would really give JAX (CUDA's total x
+    memory fraction), so XLA's rematerialization behaves as on the device. The fraction is
+    ``memory_fraction``, else the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the
+    training process will run with it), else the profile's default; the budget is the pool
+    after the profile's explicit margins (:func:`~autoaccum.planning.profile_budget`).
 
-    ``mesh`` (a data-parallel ``jax.sharding.Mesh``): the target is this machine's devices
-    and the budget is per device (see :func:`per_device_budget`); a named GPU that is not
-    here cannot be planned data-parallel (a ``ValueError``).
-
-    A named GPU that is present (NVML sees it) is planned against for real; one that is
-    not is compiled for deviceless with the memory pool it would really give JAX
-    (CUDA's total x memory fraction), so XLA's rematerialization behaves as on the device.
-    The fraction is ``memory_fraction``, else the environment's
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (the training process will run with it), else the
-    profile's default; the budget is the pool after the profile's explicit margins
-    (:func:`~autoaccum.planning.profile_budget`).
-
-    A TPU slice (``"v5e-8"``) that is not here is compiled for over all its chips with
-    libtpu (``devices`` defaults to the slice's), its budget one chip's usable HBM
+    ``devices`` (over ``hosts`` hosts): a dry run for that many of the named GPU, compiled
+    deviceless for all of them (JAX's CUDA topology ``"1 x hosts x devices/hosts"``),
+    data-parallel over :attr:`ResolvedTarget.mesh`, with one GPU's budget (memory analysis is
+    per device). A TPU slice (``"v5e-8"``) that is not here is compiled for over all its
+    chips with libtpu (``devices`` defaults to the slice's), its budget one chip's usable HBM
     (``tpu_budget``); the compile refuses a step over it.
+
+    ``mesh`` (a data-parallel ``jax.sharding.Mesh``): the target is this machine's devices,
+    with a per-device budget (:func:`per_device_budget`); a named GPU that is not here cannot
+    be planned data-parallel (a ``ValueError``).
 
     Example:
       >>> resolve_target(None, "1GiB").budget.bytes
@@ -337,8 +330,7 @@ def resolve_target(
 
 def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, mesh: Any,
                  devices: int | None) -> ResolvedTarget:
-    """A TPU slice: its chips for real where this process runs on them, else a deviceless
-    compile for its topology (every chip, data-parallel over them)."""
+    """A TPU slice: its chips where this process runs on them, else a deviceless compile."""
     if tpu_here(profile):
         local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
         return ResolvedTarget(local.compile_target, local.budget, "real", profile)
@@ -374,10 +366,8 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, me
 
 
 HBM_CHECK_SLACK = 0.03
-"""How far above the budget libtpu's early HBM check is set: its figure is up to 2% over
-the need the full compile assigns (``benchmarks/tpu_compile_time.py``), so only a step over
-the budget by more than that is refused early; the rest is compiled in full and its memory
-analysis decides."""
+"""How far above the budget libtpu's early HBM check is set: its figure is up to 2% over the
+full compile's need (``benchmarks/tpu_compile_time.py``); closer steps compile in full."""
 
 
 def hbm_check_mib(budget_bytes: int) -> int:
@@ -391,9 +381,8 @@ def hbm_check_mib(budget_bytes: int) -> int:
 
 
 def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
-    """A user's ``budget`` for a named device, refused when over ``pool`` (``what`` the
-    device gives, its ``{pool}`` written with as many digits as tell the two apart,
-    ``larger`` what to name instead)."""
+    """A user's ``budget`` for a named device, refused when over ``pool`` (``what``: the
+    device's pool, with a ``{pool}`` field; ``larger``: what to name instead)."""
     resolved = parse_budget(budget, capacity_bytes=pool)
     if resolved.bytes > pool:
         asked = format_bytes_pair(resolved.bytes, pool)[0]
@@ -408,13 +397,10 @@ def _within(budget: Any, pool: int, what: str, larger: str) -> Budget:
 
 @dataclass(frozen=True)
 class StepDevices:
-    """Where a step runs, resolved once for ``plan``, ``measure`` and ``fit(plan=...)``
-    (:func:`resolve_step_devices`).
+    """Where a step runs, resolved once by :func:`resolve_step_devices`.
 
-    ``mesh``: the devices the step is laid out over (``None``: one device, or a step that
-    keeps a layout of its own, its program's placement). ``slice``: the resolved target of
-    a dry run for several GPUs or TPU chips that are not here (its mesh is ``mesh``), else
-    ``None``.
+    ``mesh``: the devices the step is laid out over (``None``: one device, or the program's
+    own placement). ``slice``: the resolved target of a dry run for several devices not here.
     """
 
     mesh: Any
@@ -422,16 +408,12 @@ class StepDevices:
 
 
 def resolve_step_devices(adapter: Any, model: Any, target: Any) -> StepDevices:
-    """The devices a step of ``model`` runs on for the :class:`autoaccum.Target` ``target``:
-    a slice that is not here (``device=`` a TPU slice, or ``devices=N`` deviceless GPUs: the
-    slice's own mesh), else ``devices=N`` or ``data_parallel`` over this machine's devices
-    (``"auto"``, an int, or a one-axis mesh), then the model's own sharding, kept or refused
-    (``adapter.own_mesh``).
-
-    Inside a caller's context mesh (``jax.set_mesh``), that mesh lays out the step where the
-    plan is for it: this machine with ``data_parallel="auto"``, or a slice of as many devices
-    (see ``context_layout``); else the step runs as asked and the model's partition specs
-    resolve on a mesh of the same axis names.
+    """The devices a step of ``model`` runs on for ``target``: a slice that is not here (a TPU
+    slice, or ``devices=N`` deviceless GPUs), else ``devices=N`` or ``data_parallel`` over this
+    machine's devices, then the model's own sharding, kept or refused (``adapter.own_mesh``).
+    A caller's context mesh (``jax.set_mesh``) lays out the step where the plan is for it
+    (here with ``data_parallel="auto"``, or a slice of as many devices); else the model's
+    partition specs resolve on a mesh of the same axis names.
 
     Example:
       >>> import autoaccum

@@ -29,12 +29,12 @@ class StepMetrics(NamedTuple):
     micro_grad_sq_norm: jax.Array
     """Mean over micro-batches of |micro-batch mean gradient|^2."""
     finite: jax.Array | bool = True
-    """Whether the step's loss and gradients were finite (see ``autoaccum.training``);
-    computed on the device, so reading it costs no extra host sync."""
+    """Whether the step's loss and gradients were finite; computed on the device, so reading
+    it costs no extra host sync."""
     logs: Mapping[str, jax.Array] | None = None
-    """The framework's own logs of the step, where it keeps any (Keras: the loss tracker's
-    and the compiled metrics' results, as ``model.fit`` logs them); ``None`` otherwise. Part
-    of the compiled step, so the step planning measures is the step training runs."""
+    """The framework's own logs of the step (Keras: the loss tracker's and compiled metrics'
+    results, as ``model.fit`` logs them), else ``None``. Part of the compiled step, so the
+    step planning measures is the step training runs."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,10 @@ class TrainProgram:
     single-device step for ``None`` (set by the Flax and Keras adapters)."""
     sharded_step: Callable[[Any], tuple[Callable[..., Any], PyTree]] | None = None
     """``sharded_step(layout)`` builds the step for a :class:`~autoaccum.planning.StateLayout`
-    (a strategy other than ``"replicated"``) and returns it with the shardings of the state
-    (a tree of ``NamedSharding`` with the structure of ``abstract_state``); ``None``: this
-    program runs replicated data parallelism only."""
+    (a strategy other than ``"replicated"``) and returns it with the state's shardings
+    (structured as ``abstract_state``); ``None``: replicated data parallelism only."""
     strategy: str = "replicated"
-    """The sharding strategy of the step on its mesh (see :mod:`autoaccum.planning`)."""
+    """The sharding strategy of the step on its mesh."""
     partitioner: str = "autoaccum"
     """Who partitions the step over its mesh: autoaccum's ``shard_map`` step or XLA alone
     (see :data:`~autoaccum.internal.PARTITIONERS`)."""
@@ -85,21 +84,19 @@ class TrainProgram:
     the ``PartitionSpec`` it arrived split by, or ``None``; kept under every strategy."""
     loop_relowers: bool = False
     """Whether the training loop lowers this very program again (both adapters' loops do):
-    then a compiled probe that can run here is kept for it (:mod:`autoaccum.planning`)."""
+    a compiled probe that can run here is then kept for it."""
     placement: Any = None
-    """The user's own layout of the state (a ``Placement``: a
-    Keras ``ModelParallel`` layout map, arrays that arrive sharded), or ``None``. With one,
-    ``step`` is the single-device step on global batches ``[accum_steps, dp * micro, ...]``,
-    compiled with the placement's shardings as input and output shardings (XLA partitions
-    it); ``mesh`` is then ``None``."""
+    """The user's own layout of the state (a ``Placement``: a Keras ``ModelParallel`` layout
+    map, arrays that arrive sharded), or ``None``. With one, ``step`` is the single-device
+    step on global batches, compiled with the placement's shardings as input and output
+    shardings (XLA partitions it); ``mesh`` is then ``None``."""
     placed_step: Callable[[Any], Any] | None = None
     """For a placed program: builds ``step`` for another ``Placement`` (the same layout over
     other devices, see :meth:`placed_onto`); ``None`` where the step does not depend on it."""
     deviceless_fallback: set[str] = field(default_factory=set, init=False, compare=False,
                                           repr=False)
-    """The deviceless targets (their fingerprints) for which a compile of this step failed
-    inside XLA and compiled with ``DEVICELESS_FALLBACK``: its other
-    micro-batches for that GPU are compiled so at once (see ``compile_lowered``)."""
+    """Fingerprints of the deviceless targets for which a compile of this step needed
+    ``DEVICELESS_FALLBACK``: its other micro-batches for that GPU use it at once."""
 
     @property
     def data_parallel(self) -> int:
@@ -116,9 +113,9 @@ class TrainProgram:
 
     def on_mesh(self, mesh: Any, strategy: str = "replicated", *,
                 partitioner: str = "autoaccum") -> TrainProgram:
-        """This program, data-parallel over ``mesh`` (``None``: single device), with the
-        sharding ``strategy`` (see :mod:`autoaccum.planning`; ignored on one device), partitioned
-        by ``partitioner`` (:data:`~autoaccum.internal.PARTITIONERS`).
+        """This program data-parallel over ``mesh`` (``None``: single device) with the sharding
+        ``strategy`` (ignored on one device), partitioned by ``partitioner``
+        (:data:`~autoaccum.internal.PARTITIONERS`).
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -180,8 +177,7 @@ class TrainProgram:
 
     def placed_onto(self, devices: Any) -> TrainProgram:
         """This placed program with its layout kept over other ``devices`` (as many as its
-        mesh has): a dry run for a slice that is not here (a TPU's chips, several GPUs)
-        compiles the user's own layout for them (``Placement.onto``).
+        mesh has), for a dry run for a slice that is not here.
 
         Example:
           >>> import jax
@@ -255,9 +251,8 @@ def tree_bytes(tree: PyTree) -> int:
 
 
 def local_shape(leaf: Any) -> tuple[int, ...]:
-    """The shape one device holds of ``leaf``: an abstract leaf (``jax.ShapeDtypeStruct``)
-    carrying a sharding gives its shard's shape (so :func:`tree_bytes` of a sharded abstract
-    state is per device); anything else its whole shape.
+    """The shape one device holds of ``leaf``: its shard's for an abstract leaf with a
+    sharding, else the whole shape.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np

@@ -1,9 +1,8 @@
 """How plans and advice show themselves: text reports, notebook HTML, tables and plots.
 
-Above planning: it reads :class:`~autoaccum.planning.Plan`, :class:`~autoaccum.planning.Advice`
-and :class:`~autoaccum.planning.DoesNotFitError`, and planning imports it only when one of
-them is shown (``plan.report()``, ``repr(plan)``, a notebook's HTML). A plan's JSON form
-(``plan.to_dict()``) is the plan's own.
+It shows :class:`~autoaccum.planning.Plan`, :class:`~autoaccum.planning.Advice` and
+:class:`~autoaccum.planning.DoesNotFitError`; planning imports it only when one is shown
+(``plan.report()``, ``repr(plan)``, a notebook's HTML).
 
 Example:
   >>> import io

@@ -1,5 +1,4 @@
-"""How the advisor's rows and a ``DoesNotFitError`` show themselves in a notebook (HTML): the
-verdict, what is held whatever the micro-batch, and the changes that would fit."""
+"""The notebook HTML of the advisor's rows and of a ``DoesNotFitError``."""
 
 from __future__ import annotations
 

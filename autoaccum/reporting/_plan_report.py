@@ -1,8 +1,5 @@
-"""How a :class:`~autoaccum.planning.Plan` shows itself: a short repr, a text report (a rich
-table with a plain fallback), an HTML table for notebooks; and the command line's tables.
-
-Its JSON form and why the micro-batch is what it is (:func:`~autoaccum.planning.limiting_factor`)
-are the plan's own (:mod:`autoaccum.planning`).
+"""How a :class:`~autoaccum.planning.Plan` shows itself: a short repr, a text report (rich,
+with a plain fallback), HTML for notebooks; and the command line's tables.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ from ..planning._search import Probe
 
 
 def plan_repr(plan: Plan) -> str:
-    """One line: the split, memory, what limited it, the learning rate and the target (see the
-    :class:`~autoaccum.planning.Plan` example)."""
+    """One line: the split, memory, what limited it, the learning rate and the target."""
     where = plan.profile or plan.target.split(",")[0]
     if plan.deviceless:
         where += ", deviceless"
@@ -78,7 +74,7 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
 
 
 def floor_text(need: int, floor: int) -> str:
-    """``"; floor X (need / floor = r)"`` beside a need, or ``""`` when the floor is not known.
+    """The floor beside a need, or ``""`` when it is not known.
 
     Example:
       >>> floor_text(150, 100)
@@ -114,7 +110,7 @@ _COLUMNS = (
 
 
 def _probe_rows(probes: tuple[Probe, ...], budget_bytes: int) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the probe table (the ``other`` column only when some probe has it)."""
+    """Header and cells of the probe table."""
     columns = [c for c in _COLUMNS
                if c[0] != "other" or any(p.estimate.other_state_bytes for p in probes)]
     head = ["remat", "micro", "accum", *(name for name, _ in columns), "budget", "fits", "why"]
@@ -130,9 +126,8 @@ def _probe_rows(probes: tuple[Probe, ...], budget_bytes: int) -> tuple[list[str]
 
 
 def verdict(probe: Probe, budget_bytes: int) -> str:
-    """The table's fits column: compiles ``yes``/``no`` against the budget; real steps ``ran``
-    or ``oom`` (a real step's row shows its non-donating compile, which can be above the
-    budget although the donating step fits), so ``yes`` never sits beside a need above it.
+    """The fits column: compiles ``yes``/``no``; real steps ``ran``/``oom`` (their row shows a
+    non-donating compile, which can exceed the budget although the step fits).
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -156,7 +151,7 @@ def _candidate_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
 
 
 def _plain_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """Right-aligned columns (the last one left-aligned), indented by four spaces."""
+    """Right-aligned columns (the last left-aligned), indented."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     out = []
     for r in [head, *rows]:
@@ -166,7 +161,7 @@ def _plain_table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _rich_table(head: list[str], rows: list[list[str]]) -> list[str] | None:
-    """The same table drawn by rich, or ``None`` when rich is not installed."""
+    """The table drawn by rich, or ``None`` without rich."""
     try:
         from rich import box
         from rich.console import Console

@@ -1,8 +1,7 @@
-"""Need vs micro-batch, the budget line and the choice: ``autoaccum.plot_plan(plan)`` and
-``autoaccum plan --plot FILE.png``.
+"""Need vs micro-batch, the budget line and the choice (``autoaccum plan --plot FILE.png``).
 
-Built with matplotlib's object-oriented API (``matplotlib.figure.Figure``): no pyplot state and
-no backend change, so a user's own ``plt.show()`` keeps working.
+Built on ``matplotlib.figure.Figure``, without pyplot: no pyplot state or backend change, so a
+user's own ``plt.show()`` keeps working.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def _unit(largest: float) -> tuple[str, int]:
-    """The largest binary unit in which ``largest`` is at least 1."""
+    """The largest binary unit of which ``largest`` is at least 1."""
     for name, size in _UNITS:
         if largest >= size:
             return name, size
@@ -53,18 +52,17 @@ def _figure_class() -> type:
 def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> Any:
     """Draws each probe's compiled need against its micro-batch, the budget and the choice.
 
-    Probes that fit are dots, probes over the budget are red crosses (one curve per
-    rematerialization policy); the star is the chosen micro-batch, and the subtitle says what
-    limited it: memory (the next micro-batch needs more than the budget) or the effective batch
-    (the whole per-device batch fits in one micro-batch). The y unit follows the figures' size.
+    Probes that fit are dots, those over the budget red crosses (one curve per remat policy);
+    the star is the chosen micro-batch, and the subtitle says what limited it: memory (the next
+    micro-batch needs more than the budget) or the effective batch (it fits in one micro-batch).
 
     Args:
       plan: a :class:`~autoaccum.Plan` from :func:`autoaccum.plan` (or ``fit``'s plan).
-      path: if given, the figure is also written there (format from the suffix, e.g. ``.png``).
+      path: if given, the figure is also written there (format from the suffix).
       dpi: resolution of the saved file and of the notebook image.
 
     Returns:
-      A ``matplotlib.figure.Figure`` (shown inline by Jupyter when it is a cell's value).
+      A ``matplotlib.figure.Figure`` (Jupyter shows it inline).
 
     Needs matplotlib (``pip install 'autoaccum[plot]'``).
 
@@ -149,7 +147,7 @@ def _strategy(probe: Any) -> str:
 
 
 def _group_label(group: tuple[str, str], *, many: bool) -> str:
-    """`` (remat full, zero1)`` for a line of probes, or ``""`` for the one plain line."""
+    """`` (remat full, zero1)`` for a line of probes, or ``""``."""
     remat, strategy = group
     parts = ([f"remat {remat}"] if many or remat != "none" else []) + (
         [strategy] if many or strategy != "replicated" else [])

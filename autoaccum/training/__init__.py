@@ -1,9 +1,8 @@
-"""The training engine: the one step runner both adapters run their steps with
-(:class:`StepRunner`, each framework supplying its model's state as :class:`StateHooks`), the
-one training loop on top of it (:func:`run_fit_loop`, each framework supplying its
-:class:`FitHooks`), exact accumulation (one device or data-parallel),
-batching and stream re-batching, elastic recovery, host snapshots, Ctrl-C held back while
-state is written, progress, the gradient noise scale, and what ``fit`` returns.
+"""The training engine: the one step runner both adapters use (:class:`StepRunner`, each
+framework supplying its model's state as :class:`StateHooks`), the one training loop on top of
+it (:func:`run_fit_loop`, with a framework's :class:`FitHooks`), exact accumulation (one device
+or data-parallel), batching and stream re-batching, elastic recovery, host snapshots, Ctrl-C
+held back while state is written, progress, the gradient noise scale, and what ``fit`` returns.
 
 Imports :mod:`autoaccum.planning` and :mod:`autoaccum.devices`; never a framework adapter.
 """

@@ -1,58 +1,38 @@
 """Exact gradient accumulation: one ``lax.scan`` over micro-batches, one normalisation.
 
-The loss of a micro-batch is returned as a *sum* over its valid items together with the
-number of valid items. Summing both over every micro-batch and dividing once by the total
-count gives exactly the gradient of the mean loss over the whole effective batch, however
-the valid items (tokens, examples) are spread across micro-batches. Dividing each
-micro-batch by its own count and averaging those means is the classic accumulation bug.
+Why it is exact: a micro-batch's loss is a *sum* over its valid items, returned with their
+count. Summing both over every micro-batch and dividing once by the total count gives exactly
+the gradient of the mean loss over the whole effective batch, however the valid items (tokens,
+examples) are spread across micro-batches. Dividing each micro-batch by its own count and
+averaging those means (a token-mean loss, what most LLM trainers return, Tunix's and Keras's
+included) weighs an item of a short micro-batch more than one of a long one: the classic
+accumulation bug. :func:`token_loss_sum` is the common causal-LM loss written this way.
 
-BatchNorm running statistics under accumulation: one update per optimizer step, or one per
-micro-batch.
-
-Training-mode BatchNorm normalises each micro-batch with that micro-batch's own mean and
-variance: that is inherent to micro-batching (a big batch would normalise with the whole
-batch's statistics) and no accumulation scheme changes it. What *can* be chosen is how the
-running averages (used in eval mode) move:
+BatchNorm: training mode normalises each micro-batch with its own statistics, inherent to
+micro-batching; ``batch_stats`` chooses how the running averages (used in eval mode) move:
 
 * ``"effective"`` (default): ONE update per optimizer step, ``running = momentum * running +
-  (1 - momentum) * stat``, whose mean and variance are those of the whole effective batch,
-  combined exactly from the micro-batch moments (equal-sized micro-batches, biased variance
-  as BatchNorm keeps it)::
+  (1 - momentum) * stat``, from the whole effective batch's mean and variance, combined exactly
+  from the micro-batch moments (equal-sized micro-batches, biased variance)::
 
       mean = sum_i n_i m_i / N        var = sum_i n_i (v_i + m_i**2) / N - mean**2
 
-  This is what one big-batch step would do, and the running averages do not depend on the
-  micro-batch the plan picked.
-* ``"micro"``: every micro-batch updates the running averages in turn, so they move
-  ``accum_steps`` times per optimizer step, each time from a micro-batch's statistics.
+  as one big-batch step would, whatever micro-batch the plan picked.
+* ``"micro"``: every micro-batch updates them in turn, ``accum_steps`` times per step.
 
-The sums are kept in float32 and, with several data-parallel devices, averaged across devices
-before the update (every device scans the same number of micro-batches), so the update is
-exact there too. The framework adapters find the BatchNorm layers and read each
-micro-batch's statistics; this module holds the arithmetic they share.
+The sums are float32 and, with data-parallel devices, averaged across devices before the update
+(every device scans as many micro-batches), so it is exact there too.
 
-Where a step's updated weights are laid out before they return to their layout at rest.
-
-Under ``zero1`` and ``zero2`` each device updates its share of the weights (where its share
-of the optimizer state is) and the new weights are then gathered whole again. The step also
-selects between the new state and the old one (a non-finite step is skipped,
-``update_if_finite``). Left to XLA's GPU compiler, that
-select ran on whole weights: every new weight was gathered first, and the latency-hiding
-scheduler kept several gathered weights alive beside the old ones (many small layers on
-4 x H100 deviceless, AdamW: 1.30 times the step's floor at 4 x 1). Constraining the selected
-weights to the update's split layout first makes the gather the last operation, writing the
-weights at rest (1.10 at 4 x 1, 1.23 at 1 x 4). On host CPU devices the need is the same
-either way; libtpu held every gathered weight at once with the constraint (1.32 -> 1.86 of
-the floor on a v5e-4), so a TPU step keeps XLA's own choice. Figures:
-``benchmarks/sharded.py --floor [--device h100-80gb|v5e-4]``.
-
-The loss autoaccum accumulates: a *sum* over valid items and their count.
-
-A token-mean loss (what most LLM trainers return, Tunix's and Keras's included) cannot be
-accumulated exactly: the mean of per-micro-batch means weighs a token of a short micro-batch
-more than one of a long one. :func:`token_loss_sum` is the common causal-LM loss written the
-way autoaccum divides: it returns ``(sum of the valid tokens' cross-entropies, number of
-valid tokens)``, and autoaccum divides once, by the valid tokens of the whole effective batch.
+Under ``zero1`` and ``zero2`` each device updates its share of the weights, which are then
+gathered whole again, and the step selects between the new state and the old one (a non-finite
+step is skipped). Left to XLA's GPU compiler that select ran on whole weights, and the
+latency-hiding scheduler kept several gathered weights alive beside the old ones (many small
+layers on 4 x H100 deviceless, AdamW: 1.30 times the step's floor at 4 x 1). Constraining the
+selected weights to the update's split layout first makes the gather the last operation (1.10
+at 4 x 1, 1.23 at 1 x 4). On host CPU devices the need is the same either way; libtpu held every
+gathered weight at once with the constraint (1.32 -> 1.86 of the floor on a v5e-4), so a TPU
+step keeps XLA's own choice. Figures: ``benchmarks/sharded.py --floor [--device
+h100-80gb|v5e-4]``.
 """
 
 from __future__ import annotations
@@ -73,11 +53,8 @@ from ..planning._strategies import StateLayout
 PyTree = Any
 
 MicroLoss = Callable[[PyTree, PyTree, PyTree], tuple[tuple[jax.Array, jax.Array], PyTree]]
-"""``micro_loss(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``.
-
-``carry`` is state that a forward pass may update (RNG counters, batch statistics,
-metric variables); it is threaded through the micro-batches in order.
-"""
+"""``micro_loss(trainable, carry, micro_batch) -> ((loss_sum, count), new_carry)``; ``carry``
+(RNG counters, batch statistics, metric variables) is threaded through the micro-batches."""
 
 
 class AccumulatedGradients(NamedTuple):
@@ -178,21 +155,19 @@ def accumulate_gradients(
     init = (zeros, jnp.float32(0), jnp.float32(0), carry, jnp.float32(0))
     params = trainable
     if isinstance(batches, UnevenBatches) and micro_steps(batches) == 2:
-        # Two micro-batches of different shapes: a two-step loop whose body picks one with
-        # lax.cond, so XLA holds only the larger one's buffers. (Straight-line, XLA:CPU kept
-        # both micro-batches' temporaries: 1.69 MB vs 1.40 MB here for 5 + 2 in a test LM.)
+        # A two-step loop picking one micro-batch by lax.cond holds only the larger one's
+        # buffers (straight-line, XLA:CPU kept both: 1.69 MB vs 1.40 MB for 5 + 2, a test LM).
         out = _two_micro_batches(body, init, batches)
     else:
         if isinstance(batches, UnevenBatches):
-            # The smaller micro-batch runs first, before the loop, its sums seeding the loop's
-            # carry; the barrier makes the loop wait for it, so its temporaries are dead when
-            # the loop starts (without it the deviceless T4 step needed 12% more for 5 + 2).
+            # The smaller micro-batch seeds the loop's carry; the barrier makes the loop wait,
+            # so its temporaries are dead (without it a deviceless T4 step needed 12% more for
+            # 5 + 2).
             init, _ = body(init, batches.last)
             init, params = jax.lax.optimization_barrier((init, trainable))
             batches = batches.full
         if jax.tree.leaves(batches)[0].shape[0] == 1:
-            # One micro-batch: no loop. (XLA:CPU runs convolutions inside a while loop several
-            # times slower; the planner compiles this same program, so its need is measured.)
+            # No loop: XLA:CPU runs convolutions inside a while loop several times slower.
             out, _ = body(init, jax.tree.map(lambda b: b[0], batches), params)
         else:
             out, _ = jax.lax.scan(lambda c, b: body(c, b, params), init, batches)
@@ -201,12 +176,11 @@ def accumulate_gradients(
 
 
 def tree_sq_norm(tree: PyTree) -> jax.Array:
-    """``sum(|leaf|^2)`` over the leaves of ``tree``, in float32, as a sum of squares.
+    """``sum(|leaf|^2)`` over the leaves of ``tree``, in float32.
 
-    A reduction the partitioner keeps split: each device squares and sums its own shard of a
-    split leaf and the partial sums are added (an all-reduce of one scalar). ``jnp.vdot``
-    flattens its operands first, and a reshape of a leaf split over a mesh axis other than
-    its first gathered the whole leaf on every device (an all-gather per gradient).
+    The partitioner keeps this split (a one-scalar all-reduce); ``jnp.vdot`` flattens its
+    operands, and that reshape gathered a leaf split over a mesh axis other than its first on
+    every device.
 
     Example:
       >>> import jax.numpy as jnp
@@ -308,9 +282,8 @@ def zero_moments(like: Any) -> Moments:
 
 def add_moments(moments: Moments, mean: Any, var: Any, *, weight: Any = 1.0,
                 updated: Any = True) -> Moments:
-    """``moments`` plus one micro-batch's ``mean`` and (biased) ``var`` with ``weight``.
-
-    ``updated`` says whether the layer computed statistics at all (it does not in eval mode).
+    """``moments`` plus one micro-batch's ``mean`` and (biased) ``var`` with ``weight``;
+    ``updated``: whether the layer computed statistics (not in eval mode).
 
     Example:
       >>> m = add_moments(zero_moments(jnp.zeros(1)), jnp.ones(1), jnp.zeros(1))
@@ -328,10 +301,8 @@ def add_moments(moments: Moments, mean: Any, var: Any, *, weight: Any = 1.0,
 
 def running_update(running_mean: Any, running_var: Any, moments: Moments,
                    momentum: float) -> tuple[jax.Array, jax.Array]:
-    """One running-average update from the effective batch's mean and variance.
-
-    Returns the running mean and variance unchanged (same dtype) when no micro-batch
-    updated them.
+    """One running-average update from the effective batch's mean and variance (unchanged
+    when no micro-batch updated them).
 
     Example:
       >>> m = zero_moments(jnp.zeros(1))
@@ -352,10 +323,9 @@ def running_update(running_mean: Any, running_var: Any, moments: Moments,
 
 
 def split_until_gathered(new_params: Any, layout: StateLayout | None) -> Any:
-    """``new_params`` (a step's selected new weights, traced) constrained to the layout the
-    optimizer updated them in (``layout.reduced``) where that splits weights the layout keeps
-    whole (``zero1``, ``zero2``) and the step is not compiled for a TPU (see the module
-    docstring); else as they are. The caller then constrains them to ``layout.params``.
+    """A step's selected new weights constrained to the optimizer's update layout
+    (``layout.reduced``) under ``zero1``/``zero2``, except on TPU (see the module docstring);
+    the caller then constrains them to ``layout.params``.
 
     Example:
       >>> import jax.numpy as jnp

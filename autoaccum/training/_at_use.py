@@ -1,21 +1,18 @@
 """Weights gathered where they are used (FSDP / ZeRO-3), for any model.
 
-:func:`gathered_at_use` runs ``fn(whole_weights, *args)`` while each device holds only its
-shard of the split weights. ``fn`` is traced once (``jax.make_jaxpr``) and evaluated
-equation by equation: a weight leaf (and whatever is computed from weights alone, e.g. a
-cast to bfloat16 or a transpose) stays a recipe until an equation combines it with values
-computed from ``args`` (activations). That equation runs as one ``jax.custom_vjp``
-operation. Its forward pass gathers the weights it reads once the activations it combines
-them with exist (a data dependence, see ``_tied``); its backward pass gathers them
-again once the incoming cotangent exists, and reduce-scatters their gradients right there.
-So no gather can be scheduled before the operation that needs it, in the forward or the
-backward pass, the whole weights of one operation are held only around it, and no
-whole-model gradient is formed: what FSDP implementations do per module, found from the
-program instead of the model's classes.
+:func:`gathered_at_use` traces ``fn(whole_weights, *args)`` once (``jax.make_jaxpr``) and
+evaluates it equation by equation while each device holds only its shard of the split weights.
+A weight leaf, and whatever is computed from weights alone (a cast to bfloat16, a transpose),
+stays a recipe until an equation combines it with activations (values computed from ``args``);
+that equation runs as one ``jax.custom_vjp`` operation, which gathers its weights once the
+activations exist and again, in the backward pass, once the cotangent exists, reduce-scattering
+their gradients there (a data dependence, ``_tied``). So no gather is scheduled before the
+operation that needs it, whole weights are held only around it, and no whole-model gradient is
+formed: what FSDP implementations do per module, found from the program instead of the model.
 
-Nested ``jit`` calls are evaluated inline; any other higher-order equation that reads
-weights (``jax.checkpoint``-ed layers, ``lax.scan`` over stacked layers, custom
-derivatives) is one operation: its weights are gathered together, around it.
+Nested ``jit`` calls are evaluated inline; any other higher-order equation that reads weights
+(``jax.checkpoint``-ed layers, ``lax.scan`` over stacked layers, custom derivatives) is one
+operation.
 """
 
 from __future__ import annotations
@@ -57,12 +54,10 @@ def _bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
 def _tied(shards: list[Any], tie: Any) -> list[Any]:
     """``shards`` made to wait for ``tie`` (the activations, or the cotangent) by a data
     dependence XLA cannot remove (an ``optimization_barrier`` is expanded before XLA:CPU
-    schedules): ``shard + (e != e)`` for one element ``e`` of ``tie`` taken as a float, i.e.
-    ``shard + 0`` unless ``e`` is NaN (then the step's result is NaN anyway). Integer
-    activations (an embedding's token ids) tie too: ``float(i) != float(i)`` is never true,
-    but XLA does not fold it, so the gather of an embedding table is not hoisted out of the
-    micro-batch loop and carried through it (a whole table per device). Without an array
-    leaf in ``tie``, the shards are returned as they are."""
+    schedules): ``shard + (e != e)`` for one element ``e`` of ``tie`` as a float, ``+ 0``
+    unless ``e`` is NaN (then the result is NaN anyway). XLA does not fold it for integer
+    activations either (token ids), so an embedding table's gather is not hoisted out of the
+    micro-batch loop (a whole table per device)."""
     leaves = [x for x in jax.tree.leaves(tie)
               if hasattr(x, "dtype") and jnp.size(x) > 0
               and (jnp.issubdtype(x.dtype, jnp.floating)
@@ -81,11 +76,10 @@ def _tied(shards: list[Any], tie: Any) -> list[Any]:
 def _lookup_grads(eqn: Any, table: _Recipe, deps: list[int], whole: list[Any],
                   trained: list[int], ct: Any, saved: list[Any], act_specs: list,
                   scatter: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list]:
-    """The backward pass of ``gather(table, indices)`` with ``table`` computed from weights:
-    the cotangent scatter-added into zeros tied to it (see ``_tied``), then carried back
-    to the weights the table is made from. (The zeros JAX's own transpose makes depend on
-    nothing, and XLA:CPU scheduled them at the start of the micro-step: a whole table per
-    device held through the backward pass of every other layer.)"""
+    """The backward pass of ``gather(table, indices)``, ``table`` computed from weights: the
+    cotangent scatter-added into zeros tied to it, then carried back to the weights. (JAX's own
+    transpose makes zeros that XLA:CPU scheduled at the start of the micro-step: a whole table
+    per device held through every other layer's backward pass.)"""
     dn = eqn.params["dimension_numbers"]
     indices = saved[0]
     like = jax.ShapeDtypeStruct(jnp.shape(table.make(dict(zip(deps, whole, strict=True)))),

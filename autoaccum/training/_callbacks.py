@@ -1,40 +1,23 @@
-"""Callbacks for ``autoaccum.fit`` on Flax models: see each optimizer step and epoch, stop early.
+"""Callbacks for ``autoaccum.fit`` on Flax models, Flax ``fit``'s progress bar, and the gradient
+noise scale.
 
-Written like Keras callbacks, for a Flax NNX model trained with optax: subclass
-:class:`Callback` and override the hooks you need. ``self.model`` is the model being trained
-(it holds the weights after the step that just ended, so a checkpoint written from it is
-that step's), ``self.result`` the :class:`~autoaccum.training.FitResult` so far. To stop
-training, set ``self.stop_training = True`` (training ends after the current step) or raise
-:class:`StopTraining` from any hook; ``fit`` then returns normally and ``result.stopped``
-says why. Any other exception propagates, with the model left at the last completed step.
+Progress: a terminal, or a Jupyter/Colab notebook writing to its own stdout/stderr, gets a tqdm
+bar with the loss and steps/s redrawn in place (a notebook widget when ipywidgets is
+installed); any other stream (a log file, ``io.StringIO``, a pipe) gets only the epoch's final
+line, so logs stay readable. Keras ``fit`` keeps Keras's own Progbar.
 
-Keras callbacks (``keras.callbacks.EarlyStopping``, ...) drive a Keras model and are refused
-for a Flax model; objects with some of these methods (duck typing) are accepted.
-
-The training progress bar of Flax ``fit``: live in terminals and notebooks (tqdm), one final
-line in logs and files.
-
-* a terminal, or a Jupyter/Colab notebook writing to its own stdout/stderr: a tqdm bar with
-  the loss and steps/s, redrawn in place (a notebook widget when ipywidgets is installed,
-  else text that the notebook redraws);
-* any other stream (a log file, ``io.StringIO``, a pipe): nothing while training, then the
-  epoch's final line, so logs stay readable.
-
-Keras ``fit`` keeps Keras's own Progbar.
-
-The gradient noise scale, from quantities the accumulated step already has.
-
-McCandlish et al. 2018 (arXiv:1812.06162), appendix A.1: with the squared norm of the
-gradient of a small batch (``B_small`` items) and of a big batch (``B_big`` items),
+The gradient noise scale, McCandlish et al. 2018 (arXiv:1812.06162), appendix A.1: with the
+squared norm of the gradient of a small batch (``B_small`` items) and of a big batch (``B_big``
+items),
 
     |G|^2  ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(S)  ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
 
 are unbiased; each is smoothed with an exponential moving average and
-``B_simple = tr(S) / |G|^2`` is the ratio of the averages. Here the small batches are the
-micro-batches (their mean squared gradient norm is computed inside the scan) and the big
-batch is the whole effective batch, so the estimate costs one dot product per micro-batch.
-It needs at least two micro-batches per step.
+``B_simple = tr(S) / |G|^2`` is the ratio of the averages. The small batches are the
+micro-batches (their squared norm is computed inside the scan) and the big one the effective
+batch, so the estimate costs one dot product per micro-batch and needs at least two
+micro-batches per step.
 """
 
 from __future__ import annotations
@@ -64,6 +47,14 @@ class StopTraining(Exception):  # noqa: N818 - named like the action, as Keras u
 
 class Callback:
     """Base class of ``autoaccum.fit`` callbacks (Flax models); every hook does nothing.
+
+    ``self.model`` is the model being trained (after a step it holds that step's weights, so a
+    checkpoint written from it is that step's), ``self.result`` the
+    :class:`~autoaccum.training.FitResult` so far. To stop, set ``self.stop_training = True``
+    (training ends after the current step) or raise :class:`StopTraining` from any hook;
+    ``fit`` then returns normally and ``result.stopped`` says why. Any other exception
+    propagates, the model left at the last completed step. Keras callbacks are refused for a
+    Flax model; objects with some of these hooks (duck typing) are accepted.
 
     ``logs`` of :meth:`on_step_end`: ``loss`` (mean over the step's effective batch),
     ``examples`` (in the step), ``skipped`` (``True`` for a non-finite step skipped under
@@ -208,8 +199,7 @@ class ProgressBar:
 
     Args:
       total: optimizer steps in the epoch (``None``: not known, as for a stream).
-      epoch: the epoch, 0-based.
-      epochs: the number of epochs.
+      epoch, epochs: the epoch (0-based) and the number of epochs.
       stream: where to draw (default ``sys.stderr``).
       width: the text bar's width when tqdm is not installed.
 
@@ -310,8 +300,7 @@ class NoiseScaleEstimator:
 
     @property
     def value(self) -> float | None:
-        """``B_simple`` in items (tokens or examples), or ``None`` while not estimable.
-
+        """``B_simple`` in items (tokens or examples), or ``None`` while not estimable;
         ``inf`` when the noise swamps the signal (the |G|^2 estimate is not positive)."""
         if self.grad_sq is None or self.trace_sigma is None:
             return None
@@ -322,10 +311,8 @@ class NoiseScaleEstimator:
 
 def critical_batch_advice(b_simple: float | None, *, effective_items: float,
                           effective_batch: int) -> str:
-    """A sentence comparing the effective batch with the estimated critical batch.
-
-    ``effective_items`` is the effective batch in the loss's units (valid tokens or
-    examples per step); ``B_simple`` is in the same units.
+    """A sentence comparing the effective batch with the estimated critical batch;
+    ``effective_items``: the effective batch in ``B_simple``'s units (valid items per step).
 
     Example:
       >>> critical_batch_advice(4000.0, effective_items=1000, effective_batch=8)[:40]

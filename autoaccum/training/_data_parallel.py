@@ -1,52 +1,30 @@
 """Data parallelism on ``jax.sharding``: one mesh axis, each device scans its own micro-batches.
 
-effective batch = micro-batch x data-parallel devices x accumulation steps. The batches of one
-optimizer step, ``[accum_steps, data_parallel * micro_batch, ...]``, are sharded over the
-mesh's one axis (``PartitionSpec(None, axis)``): every device scans its own
-``[accum_steps, micro_batch, ...]`` slice with :func:`accumulate_gradients`, then the float32
-sums (gradients, loss, valid-item count) are ``psum``-ed across devices ONCE per optimizer
-step. Dividing by the total count after that reduction makes the step exact: it equals the
-single-device step on the whole effective batch, however valid items (tokens, masked
-examples) are spread across devices.
+effective batch = micro-batch x data-parallel devices x accumulation steps. A step's batches,
+``[accum_steps, data_parallel * micro_batch, ...]``, are sharded ``PartitionSpec(None, axis)``;
+each device scans its own slice with :func:`accumulate_gradients`, then the float32 sums
+(gradients, loss, valid-item count) are ``psum``-ed across devices ONCE per optimizer step and
+divided once, so the step equals the single-device step on the whole effective batch.
 
-Carried state (``carry``) has a policy, because each device threads its own copy through its
-own micro-batches: by default floating leaves (batch statistics) are averaged over devices
-and other leaves (RNG counters and keys, step counters) are taken from the first device, so
-every device holds the same value afterwards. A framework may give its own rule (Keras sums
-its metric-variable updates across devices; see ``autoaccum.adapters.keras``).
+Carried state: each device threads its own copy, so a policy makes them agree: by default
+floating leaves (batch statistics) are averaged and others (RNG keys, step counters) taken from
+the first device; a framework may give its own rule (Keras sums its metric-variable updates).
+Each device folds its index into every typed PRNG key (``jax.random.fold_in``), so dropout
+masks differ across devices (and from a single-device run: exactness holds for deterministic
+forward passes); keys the forward pass left unchanged come back as they were.
 
-Stochastic layers: each device folds its index into every typed PRNG key of the carried
-state (``jax.random.fold_in``) for its own micro-batches, so dropout masks differ across
-devices (and from a single-device run; exactness holds for deterministic forward passes).
-Keys the forward pass left unchanged come back as they were; RNG counters advance as on one
-device (device 0's).
-
-Meshes and placing arrays on them: :mod:`autoaccum.devices`.
-
-A sharding strategy's step partitioned by XLA alone (GSPMD): the simpler of the two steps.
-
-autoaccum runs a strategy's step itself by default (``shard_map`` data parallelism, each
-device scanning its own micro-batches; under ``fsdp`` every weight gathered where it is used,
-``._at_use``). The other step is the one-device accumulation on global batches ``[accum_steps,
-dp * micro, ...]`` under ``jax.jit``, with the strategy's layout as the state's input and
-output shardings and the float32 accumulator constrained to the layout's gradient shardings:
-XLA's partitioner inserts every gather, reduce-scatter and all-reduce. It is exact by
-construction (it is the one-device step), carried state (batch statistics, RNG, metric
-variables) is computed as one device would on a ``dp``-times larger micro-batch, and on some
-targets it needs less memory (measured per target in ``benchmarks/sharded.py --floor``; the
-planner compiles both and keeps this one where its need is within 5% of the other's,
+The strategy's other step (``xla_partitioned_accumulate``) is the one-device accumulation on
+global batches under ``jax.jit`` with the layout's shardings, XLA inserting every collective. It
+is exact by construction, computes carried state as one device would on a ``dp``-times larger
+micro-batch, and on some targets needs less memory (``benchmarks/sharded.py --floor``; the
+planner keeps it where its need is within 5% of the other's,
 :data:`~autoaccum.internal.PARTITIONERS`).
 
-Which accumulation a train step runs: on one device, over a data-parallel mesh, or inside
-a layout the user made (a kept placement); the same for every framework's step.
-
-A kept placement (``Placement``: a Keras ``ModelParallel``
-layout map, Flax ``with_partitioning`` annotations) compiles the single-device step with
-the user's shardings and lets XLA partition it. Left alone, XLA lays the float32 gradient
-accumulator out like its weight, so every device of the data axis holds the whole sum of a
-weight that the data axis does not split; :func:`placed_accumulate` splits the accumulator
-over the data axis too (``accumulator_sharding``), so
-each device keeps its share of the sum, as ``zero2`` does.
+A kept placement (a Keras ``ModelParallel`` layout map, Flax ``with_partitioning``
+annotations) compiles the single-device step with the user's shardings. Left alone, XLA lays
+the float32 accumulator out like its weight, so every device of the data axis holds the whole
+sum of a weight the data axis does not split; :func:`placed_accumulate` splits it over the data
+axis too, as ``zero2`` does.
 """
 
 from __future__ import annotations
@@ -132,26 +110,23 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                              layout: StateLayout | None = None) -> Accumulate:
     """A drop-in for :func:`accumulate_gradients` that runs on every device of ``mesh``.
 
-    ``batches`` are ``[accum_steps, dp * micro_batch, ...]`` (global), or an
+    ``batches`` are global, ``[accum_steps, dp * micro_batch, ...]``, or an
     :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps - 1, dp * micro_batch, ...]``
-    and ``[dp * last_micro_batch, ...]``; inside ``shard_map`` each device scans its
-    ``[accum_steps, micro_batch, ...]`` slice (then its share of the last micro-batch);
-    ``grad_sum``, ``loss_sum`` and ``count`` are summed across devices once, at the end.
+    and ``[dp * last_micro_batch, ...]``; inside ``shard_map`` each device scans its own slice,
+    and ``grad_sum``, ``loss_sum`` and ``count`` are summed across devices once, at the end.
     ``micro_grad_sq_norm_sum`` is averaged over devices, so dividing it by ``accum_steps``
     still gives the mean over all ``dp * accum_steps`` micro-batches. ``carry_reduce``
     (default :func:`default_carry_reduce`) makes the carried state agree across devices.
 
     ``layout`` (a :class:`~autoaccum.planning.StateLayout`; default: everything copied) says
-    which weights arrive split over the devices and which gradient leaves are accumulated
-    split (``zero2``, ``fsdp``: each micro-batch's gradients are reduce-scattered into this
-    device's share, so the float32 accumulator is ``1 / devices`` of the weights;
-    ``grad_sum`` comes back split by ``layout.grads``). Leaves the layout copies are summed
-    once at the end. Under ``fsdp`` the weights (and ``frozen``, split by
-    ``layout.frozen``) arrive split and every micro-step gathers each one where it is used
-    and reduce-scatters its gradient there (``gathered_at_use``): a device
-    holds its shards plus about one operation's whole weights, never the whole model's
-    weights or gradient. ``frozen`` (keyword): weights ``micro_loss`` reads as a fourth
-    argument (as :func:`accumulate_gradients` takes them).
+    which weights arrive split and which gradient leaves are accumulated split (``zero2``,
+    ``fsdp``: each micro-batch's gradients are reduce-scattered into this device's share, so
+    the float32 accumulator is ``1 / devices`` of the weights; ``grad_sum`` comes back split by
+    ``layout.grads``); copied leaves are summed once at the end. Under ``fsdp`` the weights
+    (and ``frozen``, split by ``layout.frozen``) arrive split and every micro-step gathers each
+    one where it is used and reduce-scatters its gradient there: a device holds its shards
+    plus about one operation's whole weights, never the whole model's weights or gradient.
+    ``frozen`` (keyword): weights ``micro_loss`` reads as a fourth argument.
 
     Example:
       >>> import jax.numpy as jnp
@@ -196,21 +171,16 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 shape[d] //= devices
             return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
 
-        # Which leaves each micro-batch's gradient is reduce-scattered on: the accumulator's
-        # split ones (zero2, fsdp; zero1 too with one micro-batch, see
-        # StateLayout.accumulator).
+        # The accumulator's split leaves (zero2, fsdp; zero1 with one micro-batch).
         accumulated = (grad_specs if layout is None
                        else layout.accumulator(micro_steps(batches) == 1))
         scattered = [_split_dim(s) for s in jax.tree.leaves(accumulated, is_leaf=is_spec)]
-        # Shapes of this device's share (of the user's whole trainable tree).
         accumulator = jax.tree.unflatten(treedef, [
             shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), scattered,
                                               strict=True)])
         any_split_grads = any(d is not None for d in scattered)
         at_use = any(d is not None for d in split_params + split_frozen)
-        # zero2 (zero1 with one micro-batch): whole weights, split gradients: each leaf's
-        # gradient is reduce-scattered where the backward pass completes it
-        # (_scattered_grad), not after the whole micro-batch gradient exists.
+        # zero2 (zero1 with one micro-batch): whole weights, split gradients.
         early = any_split_grads and not at_use
 
         def all_gather(d: int | None) -> Any:
@@ -232,9 +202,8 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                                             strict=True)]
 
         def summed_sq(grads: PyTree) -> jax.Array:
-            # fsdp, zero2: split leaves arrive summed over the devices' micro-batches (the
-            # gather's transpose, the reduce-scatter where each gradient is complete);
-            # copied leaves are summed here. |sum over devices|^2.
+            # |sum over devices|^2: split leaves arrive summed (fsdp, zero2), copied ones
+            # are summed here.
             sq = jnp.float32(0)
             for g, d in zip(jax.tree.leaves(grads), arrive_summed, strict=True):
                 if d is None:
@@ -262,15 +231,12 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
             whole = jax.tree.leaves(trainable)
 
             def used(differentiated: PyTree) -> list:
-                # A whole weight with a split gradient is used whole in the forward pass; its
-                # gradient comes back as this device's share of its sum, taken as soon as the
-                # backward pass has it (differentiated with respect to the share).
+                # A whole weight with a split gradient: differentiated with respect to the share.
                 return [s if f is None else f(s, w) for s, w, f in zip(
                     jax.tree.leaves(differentiated), whole, scatter_where_complete, strict=True)]
 
             def local_loss(shards: PyTree, c: PyTree, b: PyTree) -> Any:
-                # Each split weight gathered where it is used, its gradient reduce-scattered
-                # there (see ._at_use); differentiated with respect to the shards.
+                # fsdp: differentiated with respect to the shards (see ._at_use).
                 return gathered_at_use(loss, [*used(shards), *jax.tree.leaves(frozen)], (c, b),
                                        gather=gathers, scatter=scatters)
 
@@ -295,9 +261,9 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 big = summed_sq(acc.grad_sum) / (total * total)
                 steps = micro_steps(batches)
                 sq = devices * sq - (devices - 1) * steps * big
-            # The one cross-device reduction of the optimizer step (split leaves were
-            # reduce-scattered at every micro-batch already); a copied leaf the optimizer
-            # updates split (zero1) is reduce-scattered: no second whole gradient.
+            # The step's one cross-device reduction (split leaves were reduce-scattered per
+            # micro-batch); a copied leaf the optimizer updates split (zero1) is
+            # reduce-scattered: no second whole gradient.
             grad_sum = jax.tree.unflatten(treedef, [
                 g if d is not None else jax.lax.psum(g, axis) if r is None
                 else reduce_scatter(r)(g)
@@ -322,9 +288,9 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
 
 
 def _scattered_grad(reduce_scatter: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
-    """``f(share, whole) -> whole`` whose gradient with respect to ``share`` (float32, the
-    shape of this device's share) is ``reduce_scatter`` of the float32 cotangent of
-    ``whole``, taken where the backward pass completes it; ``whole`` gets none.
+    """``f(share, whole) -> whole`` whose gradient with respect to ``share`` is
+    ``reduce_scatter`` of ``whole``'s float32 cotangent, taken where the backward pass
+    completes it; ``whole`` gets none.
 
     Example:
       >>> f = _scattered_grad(lambda g: g[:1])
@@ -355,11 +321,9 @@ def _split_dim(spec: P) -> int | None:
 
 
 def xla_partitioned_accumulate(layout: StateLayout) -> Accumulate:
-    """:func:`accumulate_gradients` on global batches with the float32 accumulator laid out
-    as ``layout`` lays out the gradients (its share of the sum on each device under ``zero2``
-    and ``fsdp``), and the summed gradients leaving in the layout the optimizer updates in
-    (``layout.reduced``: split under ``zero1`` too). Under ``jax.jit`` over ``layout.mesh``
-    with the layout's state shardings, XLA partitions the rest.
+    """:func:`accumulate_gradients` on global batches, the float32 accumulator laid out as
+    ``layout``'s gradients and the sums leaving in the optimizer's layout (``layout.reduced``);
+    XLA partitions the rest.
 
     Example:
       >>> import jax.numpy as jnp
@@ -389,11 +353,9 @@ def xla_partitioned_accumulate(layout: StateLayout) -> Accumulate:
 
 
 def placed_accumulate(placement: Placement) -> Accumulate:
-    """:func:`accumulate_gradients` whose float32 gradient accumulator is laid out like the
-    trained weights of ``placement`` (its ``state[0]``, a sharding per trained leaf), and
-    split over its data axis too where a weight is not (a device holds its share of the
-    sum; the DotReluDot of Flax's guide, 2 x 2 mesh, AdamW: 6.01 -> 5.51 times a device's
-    weights at 1 x 4).
+    """:func:`accumulate_gradients` with the float32 accumulator laid out like ``placement``'s
+    trained weights (``state[0]``) and split over its data axis too (the DotReluDot of Flax's
+    guide, 2 x 2 mesh, AdamW: 6.01 -> 5.51 times a device's weights at 1 x 4).
 
     Example:
       >>> import numpy as np
@@ -436,13 +398,9 @@ def _on_tpu(placement: Placement) -> bool:
 def step_accumulation(mesh: Any = None, layout: StateLayout | None = None, *,
                       placement: Placement | None = None,
                       carry_reduce: CarryReduce | None = None) -> Accumulate:
-    """The accumulation of a step: inside the user's ``placement`` (see
-    :func:`placed_accumulate`), else data-parallel over the one-axis ``mesh`` with the
-    sharding strategy's ``layout`` (:func:`~autoaccum.internal.data_parallel_accumulate`, whose
-    ``carry_reduce`` makes carried state agree across devices; or, for a layout partitioned
-    by XLA, ``layout.partitioner == "xla"``, the one-device accumulation with the layout's
-    shardings, ``xla_partitioned_accumulate``), else on one device
-    (:func:`accumulate_gradients`).
+    """The accumulation of a step: inside the user's ``placement``, else data-parallel over
+    ``mesh`` with the strategy's ``layout`` (``xla_partitioned_accumulate`` when
+    ``layout.partitioner == "xla"``), else :func:`accumulate_gradients` on one device.
 
     Example:
       >>> step_accumulation() is accumulate_gradients

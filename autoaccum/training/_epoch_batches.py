@@ -1,14 +1,6 @@
 """User data (a dict, tuple, NamedTuple or dataclass of numpy arrays, or one array, with a
-leading example axis) to batches of shape ``[accum_steps, micro_batch, ...]``.
-
-A stream's batches re-cut into effective batches as they arrive (never materialised).
-
-Both adapters read streams (a tf.data pipeline, a grain loader, a generator) whose batches
-have any size; a step needs exactly ``effective_batch`` examples. :class:`Rebatcher` keeps
-the examples received but not yet trained, yields each full batch as soon as it has one,
-and at the end of the data the smaller rest (or counts it as dropped). With ``steps``
-(Keras's ``steps_per_epoch``) an epoch takes at most that many batches and the next epoch
-goes on where it stopped.
+leading example axis) to batches of shape ``[accum_steps, micro_batch, ...]``, and a stream's
+batches re-cut into effective batches as they arrive (:class:`Rebatcher`).
 """
 
 from __future__ import annotations
@@ -28,13 +20,11 @@ PyTree = Any
 
 
 def as_arrays(data: object, *, name: str = "data") -> PyTree:
-    """Validates ``data`` and returns it as a pytree of numpy arrays.
+    """``data`` validated, as a pytree of numpy arrays sharing a leading (example) axis.
 
-    Accepts a mapping, a tuple or list, a ``NamedTuple``, a dataclass (a ``flax.struct``
-    one, or a plain ``dataclasses.dataclass``: its fields, as a dict; see
-    :func:`batch_rebuilder`) of array-likes, or one array, each with the same leading
-    (example) axis. A ``NamedTuple`` or a pytree dataclass keeps its type; ``None`` fields
-    are kept as ``None``.
+    Accepts a mapping, tuple or list, ``NamedTuple`` or dataclass of array-likes, or one array.
+    A ``NamedTuple`` or pytree dataclass (``flax.struct``) keeps its type, a plain dataclass
+    becomes a dict of its fields (see :func:`batch_rebuilder`); ``None`` fields stay ``None``.
 
     Example:
       >>> tree = as_arrays({"x": [[1, 2], [3, 4]], "y": [0, 1]})
@@ -97,10 +87,8 @@ def _is_pytree_node(obj: object) -> bool:
 
 
 def batch_rebuilder(data: object) -> Callable[[Any], Any] | None:
-    """For a batch that is a plain ``dataclasses.dataclass`` (not a JAX pytree), the function
-    that makes one from its fields (as :func:`as_arrays` holds them: a dict), so a
-    ``loss_fn`` receives the batch's own type; ``None`` for any other batch, which keeps its
-    type anyway.
+    """For a plain ``dataclasses.dataclass`` batch (not a JAX pytree), the function that makes
+    one from its fields (a dict), so a ``loss_fn`` receives the batch's own type; else ``None``.
 
     Example:
       >>> @dataclasses.dataclass
@@ -131,7 +119,6 @@ def _to_numpy(obj: object, path: str = "", *, name: str = "data") -> PyTree:
             return jax.tree_util.tree_map_with_path(
                 lambda key, leaf: _to_numpy(leaf, path + jax.tree_util.keystr(key), name=name),
                 obj)
-        # A plain dataclass: its fields, as a dict (batch_rebuilder makes it again).
         return {f.name: _to_numpy(getattr(obj, f.name), f"{path}.{f.name}", name=name)
                 for f in dataclasses.fields(obj)}
     try:
@@ -173,15 +160,14 @@ def epoch_order(n: int, *, shuffle: bool, seed: int | None, epoch: int) -> np.nd
 
 
 class EpochBatches:
-    """The example indices of each batch of an epoch over ``num_examples`` examples held in
-    memory: what both adapters' in-memory data reads (Flax by tree index, Keras by
-    ``take``).
+    """The example indices of each batch of an epoch over ``num_examples`` in-memory examples
+    (what both adapters' in-memory data reads).
 
     Without ``steps`` each epoch is one pass in the order :func:`epoch_order` gives for
     ``(seed, epoch)``, so a run resumed at an epoch reads it as the uninterrupted run did; with
-    ``steps`` an epoch takes at most that many batches and the next one continues the pass (a
-    new pass, seeded by its number, starts when one ends). ``dropped``: examples of the last
-    epoch left out by ``drop_remainder``; ``leftover``: the size of the last short batch.
+    ``steps`` an epoch takes at most that many batches and the next continues the pass (a new
+    pass, seeded by its number, starts when one ends). ``dropped``: examples of the last epoch
+    left out by ``drop_remainder``; ``leftover``: the size of the last short batch.
 
     Example:
       >>> batches = EpochBatches(10)
@@ -235,10 +221,8 @@ def effective_batches(
     accum_steps: int,
     order: np.ndarray,
 ) -> Iterator[PyTree]:
-    """Yields every full effective batch in ``order``, shaped ``[accum_steps, micro, ...]``.
-
-    The examples after the last full effective batch (fewer than ``effective_batch``) are
-    not yielded here; see :func:`leftover_split` and :func:`leftover_batches`.
+    """Yields every full effective batch in ``order``, shaped ``[accum_steps, micro, ...]``
+    (the rest: :func:`leftover_split` and :func:`leftover_batches`).
 
     Example:
       >>> tree = {"x": np.arange(10)}
@@ -255,10 +239,9 @@ def effective_batches(
 
 
 def split_micro_batches(examples: PyTree, *, micro_batch: int, data_parallel: int = 1) -> PyTree:
-    """One step's examples ``[n, ...]`` as the step's batches: ``[k, dp * micro_batch, ...]``
-    when ``micro_batch`` divides the per-device share, else :class:`UnevenBatches` whose last
-    micro-batch is smaller (same order: the first ``(k - 1) * dp * micro_batch`` examples are
-    the full micro-batches).
+    """One step's examples ``[n, ...]`` as its batches, in order: ``[k, dp * micro_batch, ...]``,
+    or :class:`UnevenBatches` with a smaller last micro-batch when ``micro_batch`` does not
+    divide the per-device share.
 
     Example:
       >>> b = split_micro_batches({"x": np.arange(13)}, micro_batch=5)
@@ -322,10 +305,8 @@ def leftover_split(examples: int, *, micro_batch: int, data_parallel: int = 1) -
 def leftover_batches(tree: PyTree, index: np.ndarray, split: LeftoverSplit,
                      data_parallel: int = 1) -> tuple[PyTree, np.ndarray | None]:
     """The leftover examples ``index`` shaped ``[accum, data_parallel * micro, ...]``, and
-    per-example weights when the split pads (else ``None``).
-
-    Padding slots repeat the first leftover example (so the forward pass stays finite) and
-    have weight 0.
+    per-example weights when the split pads (else ``None``): padding slots repeat the first
+    leftover example (so the forward pass stays finite) with weight 0.
 
     Example:
       >>> b, w = leftover_batches({"x": np.arange(10)}, np.array([7, 8, 9]),
@@ -345,7 +326,13 @@ def leftover_batches(tree: PyTree, index: np.ndarray, split: LeftoverSplit,
 
 
 class Rebatcher:
-    """Cuts a stream of batches of any size into batches of a fixed size.
+    """Cuts a stream of batches of any size (a tf.data pipeline, a grain loader, a generator)
+    into batches of a fixed size as they arrive, never materialising the stream.
+
+    It keeps the examples received but not yet batched, yields each full batch as soon as it
+    has one, and at the end of the data the smaller rest (or counts it as dropped). With
+    ``steps`` (Keras's ``steps_per_epoch``) an epoch takes at most that many batches and the
+    next epoch goes on where it stopped.
 
     Example:
       >>> parts = [np.arange(3), np.arange(3, 5), np.arange(5, 10)]

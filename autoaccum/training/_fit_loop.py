@@ -1,35 +1,17 @@
-"""The one training loop of ``autoaccum.fit``, for every framework.
+"""The one training loop of ``autoaccum.fit``, for every framework, and its validator.
 
 :func:`run_fit_loop` runs epochs of optimizer steps through a
-:class:`~autoaccum.training.StepRunner` and owns what every framework's fit has
-in common: the order of the callback hooks, the progress bar, how often validation runs, the
-non-finite policy (a non-finite step under ``on_nonfinite="stop"`` ends training unless a
-callback already stopped it), stopping early (a callback's request, or
-:class:`~autoaccum.training.StopTraining` raised from one), an input that runs out of data,
-the leftover steps (fewer examples than the effective batch) and what an exception leaves
-behind.
+:class:`~autoaccum.training.StepRunner` and owns what every framework's fit has in common: the
+order of the callback hooks, the progress bar, how often validation runs, the non-finite
+policy, stopping early (a callback's request, or :class:`~autoaccum.training.StopTraining`), an
+input that runs out of data, the leftover steps, and what an exception leaves behind: the model
+on the state of one whole step (:meth:`StepRunner.settle`), with Ctrl-C held back until it is
+whole. An adapter supplies only what differs, as a :class:`FitHooks`; the loop imports no
+framework.
 
-After an exception (a ``KeyboardInterrupt`` included) the runner puts the model back on the
-state of one whole step (:meth:`StepRunner.settle`) with Ctrl-C held back, so a second
-Ctrl-C cannot stop that halfway; it is delivered once the model is whole.
-
-An adapter supplies only what differs, as a :class:`FitHooks` subclass of six methods: its
-model's state (reading it, writing it back, placing it: what the step runner uses), the
-epoch's batches, its framework's callbacks and logs (a :class:`FitCallbacks`), and what fit
-returns (its history). The loop imports no framework.
-
-What ``autoaccum.fit`` returns for Flax/optax training.
-
-The one validator: evaluation during ``fit``, for every framework.
-
-:class:`Validator` runs a forward-only evaluation step over the validation batches: each batch
-split into micro-batches of the training micro-batch (the last one smaller when it does not
-divide, ``uneven``; else the largest divisor; ``None``: the batch at once), laid out as the
-adapter places batches, run by a program compiled once per batch shape, on the model's state
-as it is now. The step never donates: the model is only read, so a validation that fails or
-is interrupted leaves it as it was. An adapter supplies the evaluation step, how the state is
-read, and what it makes of each batch's output (a running sum, its framework's metrics and
-callbacks).
+:class:`Validator` evaluates on the model's state as it is now, each batch split like the
+training micro-batch. Its step never donates, so a validation that fails or is interrupted
+leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -257,7 +239,7 @@ def _run(hooks: FitHooks, runner: StepRunner, loop: FitLoop, guard: InterruptGua
     callbacks = hooks.callbacks()
     try:
         first = callbacks.train_begin(initial_epoch)
-        runner.refresh()  # the host copy a failed step goes back to (when not every step)
+        runner.refresh()
         for epoch in range(first, epochs):
             tally = EpochTally(epoch)
             loop.tallies.append(tally)
@@ -286,8 +268,8 @@ def _run(hooks: FitHooks, runner: StepRunner, loop: FitLoop, guard: InterruptGua
                 loop.stopped = stop
                 break
     except BaseException as error:
-        guard.holding = True  # first, before any call: a second Ctrl-C waits until
-        try:                  # the model is whole (InterruptGuard)
+        guard.holding = True  # first, before any call (see InterruptGuard)
+        try:
             handled = _settle(runner, loop, error)
         finally:
             guard.release()
@@ -297,8 +279,7 @@ def _run(hooks: FitHooks, runner: StepRunner, loop: FitLoop, guard: InterruptGua
 
 
 def _settle(runner: StepRunner, loop: FitLoop, error: BaseException) -> bool:
-    """After any exception in the loop: the model on the state of one whole step. Returns
-    whether ``error`` was handled (:class:`StopTraining`: training ends normally)."""
+    """Settles the model after ``error``; whether it was handled (:class:`StopTraining`)."""
     try:
         runner.settle(error)
     except StateLostError as lost:
@@ -473,9 +454,8 @@ class Validator:
     def __call__(self, batches: Iterable[PyTree], read_state: Callable[[], tuple[Any, Any]],
                  each: Callable[[int, Any], None], *, steps: int | None = None,
                  begin: Callable[[int], None] | None = None) -> None:
-        """Evaluates at most ``steps`` of ``batches`` (host arrays, leading axis = examples)
-        on ``read_state()`` -> ``(state, frozen)``, read before every batch; ``begin(step)``
-        before a batch, ``each(step, outputs)`` after it."""
+        """Evaluates at most ``steps`` of ``batches`` on ``read_state()`` (read before each
+        batch), calling ``begin(step)`` before a batch and ``each(step, outputs)`` after it."""
         for step, examples in enumerate(itertools.islice(batches, steps)):
             if begin is not None:
                 begin(step)
@@ -508,7 +488,7 @@ class Validator:
 
 
 def _spec(tree: PyTree) -> PyTree:
-    """Abstract values keeping a committed array's sharding when it spans several devices."""
+    """Abstract values of ``tree``, with their ``_sharding``."""
     return jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype if hasattr(v, "dtype")
                                        else np.asarray(v).dtype, sharding=_sharding(v)), tree)

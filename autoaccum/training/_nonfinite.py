@@ -1,20 +1,15 @@
 """What happens when a step's loss or gradients are not finite (NaN or inf).
 
-The accumulated step computes ``StepMetrics.finite`` on the device (``isfinite`` of the mean
-loss and of the squared gradient norm, which is not finite as soon as one gradient entry is
-not): no extra host sync. ``fit`` then follows ``on_nonfinite``:
+The step computes ``StepMetrics.finite`` on the device (``isfinite`` of the mean loss and of
+the squared gradient norm, not finite as soon as one gradient entry is not): no extra host
+sync. ``on_nonfinite="stop"`` (default) ends training with :class:`NonFiniteError`, the model
+on the last finite state (the host copy is never replaced by a non-finite one); ``"skip"``
+leaves weights and optimizer state unchanged inside the step and counts the skipped steps.
 
-* ``"stop"`` (default): training stops with :class:`NonFiniteError` naming the step; the model
-  keeps the last finite state (the host copy is never replaced by a non-finite one);
-* ``"skip"``: the step leaves weights and optimizer state unchanged (inside the step, with
-  :func:`update_if_finite`), training continues, and skipped steps are counted.
+:func:`update_if_finite`'s form follows the platform the step is compiled for
+(``compile_platform``), because XLA's CPU and GPU compilers keep different buffers alive:
 
-Weights and optimizer state are rolled back with :func:`update_if_finite`, whose form
-follows the platform the step is compiled for
-(``compile_platform``), because XLA's
-CPU and GPU compilers keep different buffers alive for each:
-
-* on the CPU the optimizer runs inside ``lax.cond``: selecting between the new and the old
+* on the CPU the optimizer runs inside ``lax.cond``: a select between the new and the old
   state kept both alive there, 0.57 x the float32 trainable parameters of extra memory in
   the accumulated step of a 4-layer transformer (``benchmarks/accumulation.py``);
 * on a GPU (or TPU) the new state is selected leaf by leaf (``jnp.where``), which XLA fuses
@@ -101,12 +96,10 @@ def update_if_finite(finite: jax.Array, update: Callable[..., PyTree], old: PyTr
                      *args: Any) -> PyTree:
     """``update(old, *args)`` where ``finite`` is true, else ``old`` (inside a jitted step).
 
-    The same result as ``keep_if_finite(finite, update(old, *args), old)``, in the form that
-    lets the compiler write the new state where the old one was (donated buffers) on the
-    platform the step is compiled for (``compile_platform()``): ``lax.cond`` on the CPU,
-    a select XLA fuses into the update elsewhere (see the module docstring). Use it for
-    anything weight-sized (weights, optimizer state). A new leaf whose dtype differs from
-    the old one's (``where`` would promote) comes back in the new dtype either way.
+    ``keep_if_finite(finite, update(old, *args), old)`` in the form that lets the compiler
+    write the new state into the donated buffers (see the module docstring): use it for
+    anything weight-sized. A new leaf whose dtype differs from the old one's (``where`` would
+    promote) comes back in the new dtype either way.
 
     Args:
       finite: a scalar boolean (traced).
@@ -132,8 +125,7 @@ def update_if_finite(finite: jax.Array, update: Callable[..., PyTree], old: PyTr
         return jax.tree.map(lambda n, o: jnp.where(finite, n, _cast_like(o, n)), new, old)
     shapes = jax.eval_shape(update, old, *args)
     if jax.tree.structure(shapes) != jax.tree.structure(old):
-        # Not the same kind of state (a transform that changes its state's structure):
-        # select, as keep_if_finite does.
+        # A transform that changes its state's structure: select.
         return keep_if_finite(finite, update(old, *args), old)
 
     def keep(old: PyTree, *_: Any) -> PyTree:

@@ -1,16 +1,12 @@
 """A host copy of the donated train state, so a failed step does not lose it.
 
 JAX deletes the arguments donated to a call that fails (an out-of-memory during the step,
-say). The trainers (Flax and Keras) keep the state as of the last completed step on the
-host and put it back after a failure. The copy costs one device-to-host transfer of the
-donated state (trainable weights, optimizer state; never the frozen weights) per step, so
-the ``backup`` policy bounds it:
-
-* ``"auto"`` (default): keep the copy while the donated state is at most 4 GiB (LoRA and
-  small models: always); above that a consumed state cannot be restored and the error says
-  to reload a checkpoint;
-* ``"host"``: always keep it;
-* ``"none"``: never.
+say), so the trainers put the last completed step's state back from a host copy. It costs one
+device-to-host transfer of the donated state (trainable weights, optimizer state; never the
+frozen weights) per step, so ``backup`` bounds it: ``"auto"`` (default) keeps it while the
+donated state is at most 4 GiB (LoRA and small models: always; above that a consumed state
+cannot be restored and the error says to reload a checkpoint), ``"host"`` always, ``"none"``
+never.
 """
 
 from __future__ import annotations
@@ -86,11 +82,8 @@ class HostSnapshot:
         return self._held is not None
 
     def take(self, tree: PyTree, *, step: int | None = None) -> None:
-        """Copies ``tree`` to host memory in one transfer (blocks until it is ready).
-
-        ``step`` tags the copy (the optimizer steps it has taken); typed PRNG keys are
-        kept as their key data and implementation.
-        """
+        """Copies ``tree`` to host memory in one transfer (blocks until it is ready), tagged
+        with ``step`` (the optimizer steps it has taken)."""
         if self.backup == "none" or (
             self.backup == "auto" and tree_bytes(tree) > self.limit_bytes
         ):
@@ -111,9 +104,8 @@ class HostSnapshot:
         self._held = (host, shardings, impls, step)
 
     def on_host(self) -> PyTree:
-        """The copy as it can live in host memory: numpy arrays (typed PRNG keys made again
-        from their data, a few bytes each), for a model to hold when the device has no room
-        for it. ``None`` when a leaf is split over several processes (no whole copy here)."""
+        """The copy as numpy arrays (typed PRNG keys made again), for a model to hold when the
+        device has no room for it; ``None`` when a leaf is split over several processes."""
         if self._held is None:
             return None
         host, _, impls, _ = self._held

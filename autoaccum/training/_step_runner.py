@@ -1,46 +1,23 @@
 """The one step runner: how ``fit`` and ``train_step`` run an accumulated optimizer step, for
 every framework.
 
-:class:`StepRunner` owns what running a donating, accumulated step takes, whatever the model:
+:class:`StepRunner` splits a step into ``accum_steps x micro_batch`` per device (the last
+micro-batch may be smaller, :class:`~autoaccum.planning.UnevenBatches`), compiles one program
+per batch shape (reusing the planner's probe where it compiled this very program), and runs it:
+the model's state is read, copied to the host (:class:`HostSnapshot`), the step dispatched and
+its new state written back with Ctrl-C held back, so the model holds one whole step's state at
+every moment; the next batch is read while the device works. An adapter supplies only its
+model's state (:class:`StateHooks`) and its jitted step; the runner imports no framework.
 
-* the split: ``accum_steps x micro_batch`` per device (the last micro-batch may be smaller,
-  :class:`~autoaccum.planning.UnevenBatches`); a step of fewer examples than the effective
-  batch (an epoch's last) gets its own split at the same micro-batch (``uneven``; else the
-  largest divisor of it, with padding slots of weight 0 when ``pad`` and the examples do not
-  divide over the data-parallel devices);
-* one compiled program per batch shape (``make_step(weighted)`` jitted by the adapter,
-  lowered here, the planner's kept probe reused where it compiled this very program);
-* the attempt: the model's state is read (:meth:`StateHooks.read_state`) and laid out
-  (:meth:`StateHooks.place_state`), copied to the host (:class:`HostSnapshot`), the step is
-  dispatched and its new state written into the model (:meth:`StateHooks.write_state`) with
-  Ctrl-C held back, so the model holds one whole step's state at every moment; the next
-  batch is read while the device works;
-* recovery: a step that fails puts the state from before it back (the inputs when intact,
-  else the host copy); a real out-of-memory with ``elastic`` is redone from that state at the
-  next smaller micro-batch (more accumulation, the same effective batch,
-  :mod:`autoaccum.training`);
-* what a non-finite step does (``on_nonfinite``), and :meth:`settle`: after any exception,
-  the model on the live arrays of one whole step.
+Elastic recovery: after a real out-of-memory the state from before the step is put back and the
+same examples, in the same order, are split again at the largest divisor of the per-device batch
+below the failed micro-batch, with more accumulation. The redone step computes the same gradient
+(sums in another order: equal to float rounding); step count, learning-rate schedule and data
+order are unchanged.
 
-An adapter supplies only its model's state, as a :class:`StateHooks` (three methods), and its
-jitted step. The runner imports no framework.
-
-Elastic recovery: after a real out-of-memory mid-training, redo the same step smaller.
-
-The step runner (:class:`~autoaccum.training.StepRunner`) runs a step through
-:func:`retry_smaller`: after a real out-of-memory it restores the state from before the
-failed step, then calls :func:`shrink` for the next split: the largest divisor of the
-per-device effective batch below the failed micro-batch, with accumulation raised so the
-effective batch is unchanged. The same examples, in the same order, are split again into
-more micro-batches, so the redone step computes the same gradient (sums in another order:
-equal to float rounding). Step count, learning-rate schedule and data order are unchanged.
-
-Holding Ctrl-C back for the few lines that swap a model's state.
-
-Between dispatching a donating step and writing its outputs into the model's variables, the
-variables hold the donated (deleted) inputs. A ``KeyboardInterrupt`` there would leave the
-model without weights; :func:`deferred_interrupts` delays it until the swap is done (the
-step itself keeps running on the device and finishes into the new arrays).
+Ctrl-C: between dispatching a donating step and writing its outputs into the model, the
+variables hold the donated (deleted) inputs; a ``KeyboardInterrupt`` there would leave the model
+without weights, so it is delayed until the swap is done (the step finishes on the device).
 """
 
 from __future__ import annotations
@@ -82,10 +59,8 @@ T = TypeVar("T")
 
 def retry_smaller(attempt: Callable[[], T], *, elastic: bool,
                   recover: Callable[[BaseException], None]) -> T:
-    """``attempt()`` (one optimizer step at the current split) until it does not run out of
-    memory: after a real out-of-memory with ``elastic``, ``recover(error)`` puts the state
-    from before the step back and shrinks the split (it raises when it cannot: the state was
-    consumed, or the micro-batch was already 1); any other error propagates.
+    """``attempt()`` until it does not run out of memory: after a real out-of-memory with
+    ``elastic``, ``recover(error)`` restores the state and shrinks the split (or raises).
 
     Example:
       >>> splits = [8]
@@ -152,9 +127,8 @@ class ElasticEvent:
 def shrink(error: BaseException, *, step: int, micro_batch: int,
            accum_steps: int, data_parallel: int = 1,
            per_device: int | None = None) -> ElasticEvent:
-    """The next split after ``error`` at ``micro_batch x accum_steps``, as an event: the largest
-    divisor of the per-device batch below ``micro_batch`` (``per_device``, when the failed
-    split was uneven; default ``micro_batch x accum_steps``).
+    """The next split after ``error``, as an event: the largest divisor of the per-device batch
+    (``per_device``; default ``micro_batch x accum_steps``) below ``micro_batch``.
 
     Raises:
       DoesNotFitError: ``micro_batch`` was already 1 (raised from ``error``, with advice).
@@ -206,16 +180,14 @@ def deferred_interrupts() -> Iterator[None]:
 
 
 class InterruptGuard:
-    """A SIGINT handler for a whole training loop that raises ``KeyboardInterrupt`` as the
-    previous handler would, except while :attr:`holding` is true: then the signal is kept
-    and delivered by :meth:`release`.
+    """A SIGINT handler for a whole training loop: delivers as the previous handler would,
+    except while :attr:`holding` is true, when the signal is kept for :meth:`release`.
 
-    Python runs a signal handler only at a call, a backward jump or a function's start, so a
-    plain ``guard.holding = True`` as the first statement of an ``except`` block takes
-    effect before any further Ctrl-C can be raised there: the write-back after a failed step
-    is never interrupted, not even in the instant :func:`deferred_interrupts` would need to
-    install its handler (a second Ctrl-C there left a model holding donated, deleted arrays:
-    about 1 in 10 runs of ``tests/adapters/flax/test_interrupts.py``'s random Ctrl-Cs).
+    Python runs a signal handler only at a call, a backward jump or a function's start, so
+    ``guard.holding = True`` as the first statement of an ``except`` block takes effect before
+    another Ctrl-C can be raised: the write-back after a failed step is never interrupted (a
+    Ctrl-C while :func:`deferred_interrupts` installed its handler left a model on donated,
+    deleted arrays in about 1 in 10 runs of ``tests/adapters/flax/test_interrupts.py``).
 
     Example:
       >>> with interrupt_guard() as guard:
@@ -235,8 +207,7 @@ class InterruptGuard:
         _deliver(self.previous, signum, frame)
 
     def release(self) -> None:
-        """Stops holding; a Ctrl-C held meanwhile is delivered now (as ``KeyboardInterrupt``
-        under Python's default handler)."""
+        """Stops holding and delivers a Ctrl-C held meanwhile."""
         self.holding = False
         if self.held:
             signum, frame = self.held[0]
@@ -253,8 +224,8 @@ def _deliver(previous: object, signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def interrupt_guard() -> Iterator[InterruptGuard]:
-    """An :class:`InterruptGuard` installed as the SIGINT handler for the block (in the main
-    thread; elsewhere, where Python delivers no signal, a guard that is never called).
+    """An :class:`InterruptGuard` installed as the SIGINT handler for the block (main thread
+    only; elsewhere a guard that is never called).
 
     Example:
       >>> with interrupt_guard() as guard:
@@ -278,8 +249,7 @@ def interrupt_guard() -> Iterator[InterruptGuard]:
 PyTree = Any
 
 Split = tuple[int, int, "int | None"]
-"""``(accum_steps, micro_batch, last_micro_batch)`` of one step, per device; ``last`` is
-``None`` when every micro-batch is ``micro_batch``."""
+"""``(accum_steps, micro_batch, last_micro_batch)`` per device (``last`` ``None``: all equal)."""
 
 _LOST = ("the failed step had consumed (donated) the training state and no host copy was "
          "kept (backup='none', or the state is above 4 GiB with backup='auto'); reload the "
@@ -357,9 +327,8 @@ class StateHooks:
 
 
 def split_examples(examples: PyTree, split: Split, data_parallel: int = 1) -> PyTree:
-    """``[n, ...]`` host arrays as a step's batches, in the same order: ``[accum_steps,
-    dp * micro_batch, ...]``, or :class:`UnevenBatches` when ``split`` has a smaller last
-    micro-batch.
+    """``[n, ...]`` host arrays as a step's batches ``[accum_steps, dp * micro_batch, ...]`` in
+    order, or :class:`UnevenBatches` when ``split`` has a smaller last micro-batch.
 
     Example:
       >>> b = split_examples({"x": np.arange(13)}, (3, 5, 3))
@@ -383,7 +352,8 @@ def split_examples(examples: PyTree, split: Split, data_parallel: int = 1) -> Py
 
 
 class StepRunner:
-    """Runs accumulated optimizer steps on a model's state (see the module docstring).
+    """Runs accumulated optimizer steps on a model's state, with elastic recovery and Ctrl-C
+    held back while the state is written.
 
     Args:
       hooks: the model's state (:class:`StateHooks`).
@@ -393,7 +363,10 @@ class StepRunner:
       split: the full step's ``(accum_steps, micro_batch, last_micro_batch)`` per device.
       data_parallel, mesh, placement: the devices the batches are split over: a one-axis
         data-parallel ``mesh``, or the model's own ``placement`` (its data axis).
-      uneven, pad: how a smaller step is split (see the module docstring).
+      uneven, pad: how a step smaller than the effective batch (an epoch's last) is split:
+        at ``micro_batch`` with a smaller last micro-batch (``uneven``), else at the largest
+        divisor; ``pad``: with padding slots of weight 0 when its examples do not divide over
+        the devices (else that is a ``ValueError``).
       elastic: redo a step that runs out of memory at the next smaller micro-batch.
       backup, backup_every_step: the host copy's policy, and whether it is taken before every
         step (else by :meth:`refresh`, e.g. every epoch).
@@ -471,10 +444,7 @@ class StepRunner:
         return (self.micro_batch * (self.accum_steps - 1) + last) * self.dp
 
     def split(self, examples: int) -> Split:
-        """The split of a step of ``examples``: the full step's for an effective batch; for a
-        smaller one, micro-batches of the full step's micro-batch and a smaller last one
-        (``uneven=False``: the largest divisor; ``pad``: one example per device and micro-batch
-        when they do not divide over the devices)."""
+        """The split of a step of ``examples`` (a smaller one's as ``uneven`` and ``pad`` say)."""
         if examples == self.effective_batch:
             return self.accum_steps, self.micro_batch, self.last_micro_batch
         if examples not in self._splits:
@@ -513,7 +483,6 @@ class StepRunner:
                 self._jitted[weighted] = self._make(weighted)
             args = (state, batches, frozen)
             with compiling(), self.lowering():
-                # The plan's probe of this very step, when it compiled one, else a compile.
                 self._executables[key] = reuse_or_compile(
                     self._jitted[weighted].lower(*args), args)
         return self._executables[key]
@@ -604,7 +573,7 @@ class StepRunner:
                 raise
             self.state, self.pending = new_state, metrics
             self._write(new_state)
-        following()  # the next batch is read on the host while the device works
+        following()
         try:
             host = _read(metrics)
         except Exception as error:
@@ -631,7 +600,7 @@ class StepRunner:
             self.losses.append(loss)
         else:
             what = f"step {step}: the loss ({loss:g}) or the gradients were not finite"
-            if self.optimizer_skips_nonfinite:  # the optimizer skipped it, counting it itself
+            if self.optimizer_skips_nonfinite:
                 self.events.append(f"{what}; skipped by the optimizer (optax.apply_if_finite "
                                    "or a loss-scale optimizer), which counts it in its own "
                                    "state")
@@ -645,8 +614,7 @@ class StepRunner:
             micro_batches=split[0] * self.dp, logs=logs, count=count, grad_sq_norm=grad_sq)
 
     def nonfinite_error(self, outcome: StepOutcome) -> NonFiniteError:
-        """The error that stops training after a non-finite step under ``on_nonfinite="stop"``
-        (the step was not applied: the model holds the state after the last finite step);
+        """The error that stops training after a non-finite step (``on_nonfinite="stop"``);
         the reason is added to the events."""
         step = self.steps + 1
         self.events.append(f"step {step}: the loss ({outcome.loss:g}) or the gradients were "
@@ -667,15 +635,11 @@ class StepRunner:
             self._writing = False
 
     def _restore(self, before: PyTree, error: BaseException) -> None:
-        """After a failed step: the model back on ``before``, the state the step was given (if
-        intact, else the host copy); without either, a note on ``error`` says how to
-        recover.
+        """After a failed step: the model back on ``before`` if intact, else on the host copy;
+        without either, a note on ``error`` says how to recover.
 
-        The failed step's outputs (written into the model when its error surfaced late) are
-        freed before the host copy goes back on the device: after an out-of-memory they hold
-        the very memory the copy needs. When even the copy does not fit, the model holds it on
-        the host (numpy arrays, nothing lost) and :class:`StateLostError`'s sibling message
-        says so (``_restore_failed``)."""
+        The failed step's outputs are freed first: after an out-of-memory they hold the very
+        memory the host copy needs."""
         failed = self.state if self.state is not before else None
         self.pending = None
         if not is_consumed(before):
@@ -689,8 +653,8 @@ class StepRunner:
         self._restore_from_host(error, failed)
 
     def _restore_from_host(self, error: BaseException, failed: PyTree = None) -> None:
-        """The model back on the host copy, on the device if it fits there, else (after a
-        second out-of-memory) on the host, with the reason added to ``error``."""
+        """The model back on the host copy: on the device if it fits, else (numpy arrays,
+        nothing lost) on the host, with the reason added to ``error``."""
         _free(failed)
         try:
             self.state = self.snapshot.restore()
@@ -720,13 +684,11 @@ class StepRunner:
             self.snapshot.take(state, step=self.steps)
 
     def settle(self, error: BaseException | None = None) -> None:
-        """After any exception (``error``, which gets autoaccum's notes): the model holds
-        the arrays of one whole optimizer step (on the host when the device has no room left
-        for them, see ``_restore``).
+        """After any exception (``error``, which gets autoaccum's notes): the model holds the
+        arrays of one whole optimizer step (on the host when the device has no room for them).
 
-        A step dispatched but not yet taken is kept (and counted) when it completed,
-        else the state before it is put back; a write into the model that stopped halfway is
-        redone.
+        A step dispatched but not yet taken is kept (and counted) when it completed, else the
+        state before it is put back; a write into the model that stopped halfway is redone.
 
         Raises:
           StateLostError: the state was consumed by a failed step and no host copy is held.
@@ -756,8 +718,7 @@ class StepRunner:
     # -- elastic -------------------------------------------------------------------------------
     def shrink(self, error: BaseException) -> Any:
         """After an out-of-memory of a full step: the next smaller micro-batch for it (the same
-        effective batch; smaller steps are split again at it). Returns the
-        ``ElasticEvent``.
+        effective batch; smaller steps are split again at it). Returns the ``ElasticEvent``.
 
         Raises:
           autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
@@ -785,7 +746,6 @@ class StepRunner:
         new = (event.new_accum_steps, event.new_micro_batch, None)
         if examples == self.effective_batch:
             self.accum_steps, self.micro_batch, self.last_micro_batch = new
-            # Smaller steps are split again at the new micro-batch.
             self._splits = {k: s for k, s in self._splits.items() if s[1] <= new[1]}
         else:
             self._splits[examples] = new
@@ -793,8 +753,8 @@ class StepRunner:
 
 
 def _read(metrics: Any) -> tuple:
-    """A step's metrics on the host: ``(finite, count, loss, |grad|^2, micro |grad|^2,
-    logs)`` (blocks until the step is done; raises its error)."""
+    """A step's metrics on the host: ``(finite, count, loss, |grad|^2, micro |grad|^2, logs)``
+    (blocks until the step is done; raises its error)."""
     finite, count, loss, grad_sq, micro_sq, logs = jax.device_get(
         (metrics.finite, metrics.count, metrics.loss, metrics.grad_sq_norm,
          metrics.micro_grad_sq_norm, metrics.logs or {}))

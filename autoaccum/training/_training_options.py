@@ -1,12 +1,5 @@
-"""How to train (:class:`Training`): example order, where an epoch starts, non-finite steps,
-BatchNorm statistics, the leftover examples, elastic recovery and the host backup. Frozen,
-keyword-only, validated once when built.
-
-``model.fit`` habits that autoaccum's ``fit`` refuses, each with the reason and the fix.
-
-A clear error for a keyword an entry point does not take: an option that lives in a spec
-(``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a ``model.fit`` habit
-(``batch_size=``).
+"""How to train (:class:`Training`, frozen, keyword-only, validated once when built), and a
+clear error, with the reason and the fix, for a keyword an entry point does not take.
 """
 
 from __future__ import annotations

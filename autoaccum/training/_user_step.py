@@ -1,14 +1,6 @@
 """The one user-loop step: the planned step of ``autoaccum.train_step`` for a loop you write,
-on the one step runner, for every framework.
-
-:class:`UserLoopStep` runs one effective batch (or a smaller last one) per call through a
-:class:`~autoaccum.training.StepRunner`: the model holds the new state after the
-call; a failed or interrupted call leaves it on the state of one whole step
-(:meth:`StepRunner.settle`); a non-finite step under ``on_nonfinite="stop"`` raises
-:class:`~autoaccum.training.NonFiniteError`; :meth:`UserLoopStep.shrink` gives the next smaller
-micro-batch after an out-of-memory, and :attr:`UserLoopStep.plan` says the split the step runs
-now. An adapter's step (Flax's ``TrainStep``, Keras's ``KerasTrainStep``) adds only how its
-framework's batches and outputs look.
+on the one step runner, for every framework. An adapter's step (Flax's ``TrainStep``, Keras's
+``KerasTrainStep``) adds only how its framework's batches and outputs look.
 """
 
 from __future__ import annotations
@@ -24,8 +16,8 @@ __all__ = ["UserLoopStep"]
 
 
 class UserLoopStep:
-    """One effective batch in, one optimizer step out, on ``runner``; ``plan`` is the plan it
-    was built from.
+    """One effective batch (or a smaller last one) in, one optimizer step out, on ``runner``;
+    after a failed or interrupted call the model holds the state of one whole step.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -118,7 +110,7 @@ class UserLoopStep:
                 outcome = runner.run(examples)
         except BaseException as error:
             try:
-                runner.settle(error)  # the model holds an intact state
+                runner.settle(error)
             except StateLostError as lost:
                 if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
                     error.add_note(f"autoaccum: {lost}")

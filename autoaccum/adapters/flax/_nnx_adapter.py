@@ -1,13 +1,4 @@
-"""The Flax NNX + optax adapter: ``autoaccum.fit(nnx_module, data, optimizer=..., loss_fn=...)``.
-
-The planned step of a Flax NNX model for your own training loop (``autoaccum.train_step``).
-
-:class:`TrainStep` runs the same accumulated, donating XLA step as ``autoaccum.fit`` (exact
-sums over the effective batch, one optimizer update, the plan's learning rate and remat) on
-one effective batch per call, and writes the new weights and state into the model after
-every step. The model is the source of truth: weights written into it between calls (a
-restored checkpoint, a hand edit) are what the next step trains.
-"""
+"""The Flax NNX + optax adapter (``autoaccum.fit``), and :class:`TrainStep` (``train_step``)."""
 
 from __future__ import annotations
 
@@ -138,7 +129,7 @@ class FlaxAdapter(Adapter):
                          "nnx_optimizer": link, "source": source, **kwargs})
 
     def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
-        """Changes the advisor may plan for this model (see :mod:`autoaccum.adapters.flax`)."""
+        """Changes the advisor may plan for this model."""
         from ._nnx_advice import flax_advice_changes
 
         return flax_advice_changes(model, options)
@@ -165,9 +156,8 @@ class FlaxAdapter(Adapter):
         return layers is not None or bool(repeated_layers(model))
 
     def own_mesh(self, model: Any, mesh: Any) -> Any:
-        """The data-parallel training mesh: ``mesh``, the one-axis mesh the model's weights
-        are split over, or ``None`` for weights split over a mesh of several axes (that
-        layout is kept by the program's placement; see ``autoaccum.adapters.flax``)."""
+        """The data-parallel training mesh: ``mesh``, the one-axis mesh the weights are split
+        over, or ``None`` for weights split over several axes (a layout the program keeps)."""
         from ._sharding import own_mesh
 
         return own_mesh(model, mesh)
@@ -361,12 +351,12 @@ class StepOutput(NamedTuple):
 class TrainStep(UserLoopStep):
     """One effective batch in, one optimizer step out; the model is updated in place.
 
-    Built by :func:`autoaccum.train_step`. Call it with a batch (a pytree of arrays whose
-    leading axis is ``plan.effective_batch``; a final smaller batch is allowed and is
-    normalised by its own count). ``plan`` is the split it runs now, ``steps`` the optimizer
-    steps taken, ``opt_state`` the optimizer state (read it for a checkpoint, assign it to
-    restore one). The step runs on the one user-loop step,
-    ``UserLoopStep``.
+    Built by :func:`autoaccum.train_step`: the same accumulated step as ``autoaccum.fit``.
+    Call it with a batch (a pytree of arrays whose leading axis is ``plan.effective_batch``;
+    a final smaller batch is allowed, normalised by its own count). Weights written into the
+    model between calls (a restored checkpoint, a hand edit) are what the next step trains.
+    ``plan`` is the split it runs now, ``steps`` the optimizer steps taken, ``opt_state`` the
+    optimizer state (read it for a checkpoint, assign it to restore one).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
@@ -391,7 +381,6 @@ class TrainStep(UserLoopStep):
         self._remat, self._remat_layers = prepared.remat, remat_layers
         self._tx = extras["tx"]
         self._link = extras.get("nnx_optimizer")
-        # The model's own layout over a mesh of several axes (see ._sharding), kept.
         self._state = FlaxState(model, plan, tx=self._tx,
                                 trainable=extras.get("trainable", nnx.Param), mesh=mesh,
                                 placement=prepared.program.placement,

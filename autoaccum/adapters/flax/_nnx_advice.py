@@ -1,13 +1,8 @@
-"""The Flax adapter's side of the advisor: which changes a Flax NNX model can take, and how
-each is applied to an abstract copy (the user's model is never touched).
-
-Changes (keys of the change dict):
-
-* ``optimizer`` (``"adafactor"``, ``"sgd"``, ``"lion"``, ``"adamw"``) with ``mu_dtype``
-  (``"bfloat16"``: optax keeps the first moment in bfloat16; ``nu`` stays float32);
-* ``trainable: "lora"``: train only the ``nnx.LoRAParam`` adapters of a model that has
-  ``nnx.LoRA`` / ``nnx.LoRALinear`` layers, and ``lora_rank``: those layers at another rank;
-* ``weight_dtype: "bfloat16"``: every float32 parameter stored in bfloat16.
+"""The Flax adapter's side of the advisor: the changes a Flax NNX model can take, applied to
+an abstract copy (the user's model is never touched). Keys: ``optimizer`` with ``mu_dtype``
+(``"bfloat16"``: optax keeps the first moment in bfloat16, ``nu`` in float32);
+``trainable: "lora"`` (only the ``nnx.LoRAParam`` adapters) and ``lora_rank``;
+``weight_dtype: "bfloat16"`` (every float32 parameter).
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """What a Flax ``fit`` trains on: arrays in memory, per-example records, or a stream of batches.
 
-* **In memory**: a dict or tuple of arrays (or one array) whose first axis is the example
-  axis. Read by index and reshuffled every epoch (``shuffle=True``).
-* **Records**: a Python ``list`` of per-example dicts or tuples (``[{"x": ..., "y": 3},
-  ...]``, ``[(input, target), ...]``), what a converted dataset often is. They are stacked
-  into arrays (every record must have the same structure and shapes) and then read as
-  in-memory arrays. A list whose items are arrays (``[x, y]``) stays a container of arrays,
-  as before.
-* **Streams**: any other iterable of batches (each a dict/tuple of arrays with a leading
-  batch axis): a grain ``DataLoader`` or ``IterDataset``, ``tf.data`` as numpy
-  (``ds.as_numpy_iterator()``, ``tfds.as_numpy(ds)``), a generator, an iterator. Batches
-  are re-batched into effective batches as they arrive, never materialised; the stream is
-  shuffled by its producer. A *re-iterable* (``iter(data)`` gives a fresh pass, as a grain
-  ``DataLoader`` does) is read once per epoch; a *one-shot* iterator or generator is read
-  once in all, so ``epochs > 1`` needs ``steps_per_epoch`` (the epochs then share the one
-  stream). Planning reads the stream's first effective batch of examples: from a fresh pass
-  of a re-iterable, or, for a one-shot stream, kept and trained first, so nothing is lost.
-
-As in the Keras adapter: the examples after the last full effective batch make a final,
-smaller step (normalised by its own count) unless ``drop_remainder=True``; with
-``steps_per_epoch`` an epoch takes at most that many optimizer steps and the next epoch
-continues where it stopped; batches whose shapes change are refused with the fix, and so is
-a stream known to be infinite without ``steps_per_epoch``.
+* **In memory**: a dict or tuple of arrays (or one array) with a leading example axis, read
+  by index and reshuffled every epoch.
+* **Records**: a ``list`` of per-example dicts or tuples (``[(input, target), ...]``), stacked
+  into in-memory arrays (same structure and shapes in every record). A list of arrays
+  (``[x, y]``) stays a container of arrays.
+* **Streams**: any other iterable of batches (a grain ``DataLoader``, ``tfds.as_numpy(ds)``,
+  a generator), re-batched into effective batches as they arrive, never materialised,
+  shuffled by its producer. A re-iterable (``iter(data)`` gives a fresh pass) is read once
+  per epoch, a one-shot iterator once in all, so ``epochs > 1`` needs ``steps_per_epoch``.
+  Planning reads the first effective batch: from a fresh pass, or, for a one-shot stream,
+  kept and trained first, so nothing is lost. Batches whose shapes change are refused, and
+  so is a stream known to be infinite without ``steps_per_epoch``.
 """
 
 from __future__ import annotations
@@ -83,8 +73,7 @@ class ArrayData:
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = True,
               seed: int = 0, epoch: int = 0, steps: int | None = None) -> Iterator[PyTree]:
         """The epoch's batches of ``batch`` examples, the last one smaller unless
-        ``drop_remainder`` (the order and ``steps`` as
-        :class:`~autoaccum.internal.EpochBatches` reads them)."""
+        ``drop_remainder`` (order and ``steps``: :class:`~autoaccum.internal.EpochBatches`)."""
         for index in self._batches.epoch(batch=batch, drop_remainder=drop_remainder,
                                          shuffle=shuffle, seed=seed, epoch=epoch, steps=steps):
             yield jax.tree.map(lambda a, i=index: a[i], self.tree)
@@ -152,10 +141,8 @@ class FlaxStream:
         return tree
 
     def sample(self, n: int) -> PyTree:
-        """The stream's first ``n`` examples (fewer if it is shorter), for planning.
-
-        A re-iterable is read from a fresh pass; a one-shot stream's batches read here are
-        kept and are the first trained, so planning consumes nothing."""
+        """The stream's first ``n`` examples (fewer if shorter), for planning; a one-shot
+        stream's batches read here are kept and trained first."""
         if self.one_shot:
             count = sum(num_examples(b) for b in self._peeked)
             fresh = self._fresh()
@@ -182,9 +169,8 @@ class FlaxStream:
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, steps: int | None = None,
               **_: Any) -> Iterator[PyTree]:
-        """The epoch's effective batches of ``batch`` examples, then (at the end of the data)
-        the smaller rest unless ``drop_remainder``. With ``steps``, at most that many, and the
-        next epoch continues where this one stopped."""
+        """The epoch's effective batches, the smaller rest unless ``drop_remainder``; with
+        ``steps``, at most that many, the next epoch continuing where this one stopped."""
         def start() -> Iterator[PyTree]:
             replay, self._peeked = self._peeked, []
             return itertools.chain(replay, self._fresh())
@@ -243,21 +229,16 @@ def _structured(item: Any) -> bool:
 
 def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> str | None:
     """How a ``list`` of dicts, tuples, ``NamedTuple``s or dataclasses is read: ``"records"``
-    (one example each, stacked), ``"batches"`` (a stream of batches, each with a leading
-    batch axis), or ``None`` for anything else (a container of arrays, ``[x, y]``).
+    (one example each, stacked), ``"batches"`` (a stream), or ``None`` (a container of arrays).
 
-    Told apart by shape: items holding a scalar, or whose arrays differ in their leading
-    sizes, are records; items whose arrays share a leading size that differs between items
-    (a smaller last batch) are batches. Items that read both ways (every array with one
-    leading size, the same shapes in every item) are batches when they are typed batches
-    (dataclasses or ``NamedTuple``s, as Tunix's ``TrainingInput``); dicts and tuples are
-    decided by ``traces(tree)`` (whether the model's loss traces on ``tree``): on the first
-    item as a batch, and on the first two stacked as records. Without ``traces``, or when
-    neither reading traces, records (their stacking, or the model, says what is wrong).
+    Items holding a scalar, or whose arrays differ in leading size, are records; items whose
+    shared leading size differs between items (a smaller last batch) are batches. Items that
+    read both ways are batches when typed (dataclasses, ``NamedTuple``s: Tunix's
+    ``TrainingInput``); dicts and tuples are decided by ``traces(tree)`` (the model's loss
+    traced on the first item as a batch, on the first two stacked as records); else records.
 
     Raises:
-      ValueError: both readings trace (the message names what was seen and how to say
-        which is meant).
+      ValueError: both readings trace.
 
     Example:
       >>> list_reading([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}])
@@ -282,7 +263,7 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
     if len(shapes) > 1:
         return "batches" if len({next(iter(s)) for s in leading}) > 1 else "records"
     if all(_is_dataclass(i) or hasattr(i, "_fields") for i in data):
-        return "batches"  # a typed batch (Tunix's TrainingInput): its fields share the axis
+        return "batches"  # a typed batch: its fields share the axis
     if traces is None:
         return "records"
     as_batches = traces(trees[0])

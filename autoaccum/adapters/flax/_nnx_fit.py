@@ -1,29 +1,18 @@
 """Training a Flax NNX model in place with the plan's accumulated step (``autoaccum.fit``).
 
 The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
-(:class:`~autoaccum.training.StepRunner`); what Flax brings to it is ``_FlaxHooks``: the
-model's state (``FlaxState``), the epoch's batches, autoaccum's callbacks
-and the :class:`~autoaccum.training.FitResult`.
+(:class:`~autoaccum.training.StepRunner`); Flax brings ``_FlaxHooks``: the model's state,
+the epoch's batches, the callbacks and the :class:`~autoaccum.training.FitResult`.
 
-A Flax NNX model's train state for the one step runner
-(:class:`~autoaccum.training.StepRunner`), for ``fit`` and ``train_step``.
+The train state (:class:`FlaxState`, for ``fit`` and ``train_step``) is ``(params, other,
+opt_state)``: trained variables and other state (RNG counters, batch statistics) live in the
+model, the optimizer state here (and in a user's ``nnx.Optimizer``, written back by the
+callers); it is replicated, split by the plan's strategy, or in the model's own layout.
 
-The state is ``(params, other, opt_state)``: the trained variables and the other state (RNG
-counters, batch statistics) live in the model, the optimizer state here (and, with an
-``nnx.Optimizer``, in it too, written back by the callers). :class:`FlaxState` reads it,
-writes each step's state into the model (``nnx.update``) and lays it out on the devices:
-replicated or split over a data-parallel mesh by the plan's strategy, or in the model's own
-layout (a ``Placement``).
-
-Validation loss of a Flax NNX model in eval mode, with the same ``loss_fn`` as training.
-
-The batches run through the one validator (``Validator``:
-one compiled program per batch shape, the model only read). Eval mode is what
-``model.eval()`` sets (``deterministic=True`` for dropout,
-``use_running_average=True`` for BatchNorm), applied to a view of the model
-(``nnx.with_attributes``): the model being trained keeps its own flags. The validation loss
-is ``sum of every batch's loss sum / sum of their counts``, so it weighs every valid item
-(token, example) once, however the batches are cut.
+Validation runs in eval mode (``deterministic=True``, ``use_running_average=True``, as
+``model.eval()`` sets) on a view of the model (``nnx.with_attributes``), so the trained model
+keeps its flags. Its loss is ``sum of loss sums / sum of counts``: every valid item (token,
+example) weighs once, however the batches are cut.
 """
 
 from __future__ import annotations
@@ -75,15 +64,11 @@ class FlaxState(StateHooks):
     """A Flax NNX model's train state, laid out for ``plan`` (see the module docstring).
 
     Args:
-      model: the module (updated in place).
-      plan: the plan (its strategy lays the state out on ``mesh``).
-      tx, trainable: the optax transformation and the trained filter.
       mesh: the one-axis data-parallel mesh, or ``None``.
-      placement: the model's own layout over a mesh of several axes (then ``mesh`` is
-        ``None``).
+      placement: the model's own layout over a mesh of several axes (then ``mesh`` is None).
       nnx_optimizer: the user's ``nnx.Optimizer`` link: training starts from its state.
       follow_model: before every step, take weights written into the model since the last
-        one (a restored checkpoint; ``train_step``); else the model is only written.
+        one (a restored checkpoint; ``train_step``).
     """
 
     def __init__(self, model: nnx.Module, plan: Plan, *, tx: optax.GradientTransformation,
@@ -93,7 +78,7 @@ class FlaxState(StateHooks):
         self.follow_model = follow_model
         unshare(model, trainable)  # the steps donate these arrays: not another module's
         self.graphdef, params, frozen, other = split_model(model, trainable)
-        if placement is not None:  # the user's own layout, kept as it is
+        if placement is not None:
             params, other = place((params, other), placement.state[:2])
             # Each device makes only its own share of the optimizer state.
             opt_state = (jax.jit(tx.init, out_shardings=placement.state[2])(params)
@@ -110,9 +95,8 @@ class FlaxState(StateHooks):
 
     @property
     def trace_mesh(self) -> Any:
-        """The mesh the model's code is traced under: the one the step runs on (the kept
-        layout's, the strategy's or the data-parallel one), or on one device the caller's
-        axis names (see ``step_mesh``)."""
+        """The mesh the model's code is traced under: the step's, or on one device the
+        caller's axis names (``step_mesh``)."""
         if self.placement is not None:
             return self.placement.mesh
         return step_mesh(self.layout.mesh if self.layout is not None else self.mesh,
@@ -161,8 +145,7 @@ class FlaxState(StateHooks):
         self._unplaced = self.mesh is not None or self.placement is not None
 
     def _placed(self, state: Any) -> Any:
-        """``state`` on the mesh: replicated, split as the plan's strategy says, or in the
-        model's own layout."""
+        """``state`` on the mesh: replicated, split by the strategy, or in its own layout."""
         if self.placement is not None:
             return place(state, self.placement.state)
         if self.layout is None:
@@ -170,11 +153,10 @@ class FlaxState(StateHooks):
         return place(state, self.layout.state_shardings(state[1]))
 
     def _placed_frozen(self, frozen: Any) -> Any:
-        """Frozen weights on the mesh: replicated, split (``fsdp``), or in the model's own
-        layout."""
+        """Frozen weights on the mesh, as ``_placed`` (split only under ``fsdp``)."""
         if self.placement is not None:
             return place((frozen,), self.placement.frozen)[0]
-        if self.layout is not None:  # fsdp splits them; the model holds the split ones
+        if self.layout is not None:  # under fsdp the model holds the split ones
             frozen = place((frozen,), self.layout.frozen_shardings((frozen,)))[0]
             if self.layout.strategy == "fsdp":
                 nnx.update(self.model, frozen)
@@ -183,12 +165,9 @@ class FlaxState(StateHooks):
 
 
 def unshare(model: nnx.Module, trainable: Any) -> int:
-    """Gives ``model`` its own copy of every array a step donates (its trained weights and
-    other state) that another module's variables hold too (``ref = nnx.clone(model)``
-    shares the arrays, ``nnx.merge`` of a model's state into a second module too): the
-    first step would otherwise delete them under the other module. Only shared arrays are
-    copied (the other module kept them on purpose); frozen weights are never donated.
-    Returns how many were copied.
+    """Copies every donated array (trained weights, other state) another module shares
+    (``ref = nnx.clone(model)``, ``nnx.merge``): the first step would delete it under that
+    module. Returns how many were copied.
 
     Example:
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
@@ -224,9 +203,8 @@ def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
                 on_nonfinite: str = "stop", elastic: bool = True, backup: str = "auto",
                 log: TextIO | None = None, events: list[str] | None = None,
                 optimizer_skips_nonfinite: bool | None = None) -> StepRunner:
-    """The :class:`StepRunner` of ``plan``'s accumulated Flax step on ``hooks``' state (an
-    epoch's last, smaller step at the largest divisor of the micro-batch, padded when its
-    examples do not divide over the devices)."""
+    """The :class:`StepRunner` of ``plan``'s step on ``hooks``' state (an epoch's smaller last
+    step at the largest divisor of the micro-batch, padded to divide over the devices)."""
     model, placement = hooks.model, hooks.placement
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
     if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
@@ -268,9 +246,7 @@ def _mode_flags(model: nnx.Module) -> list[bool]:
 
 
 def warn_if_eval_mode(model: nnx.Module) -> None:
-    """An ``AutoaccumWarning`` when every dropout/BatchNorm flag of ``model`` says eval mode
-    (as after ``model.eval()``): training would then run without dropout and with frozen
-    BatchNorm statistics.
+    """An ``AutoaccumWarning`` when every dropout/BatchNorm flag of ``model`` says eval mode.
 
     Example:
       >>> warn_if_eval_mode(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))  # no mode flags: silent
@@ -303,13 +279,9 @@ class Evaluator:
     """``evaluator(state, frozen) -> mean validation loss`` over ``data`` in eval mode.
 
     Args:
-      model: the model (its flags are not changed).
-      data: validation arrays (as ``as_arrays`` returns them).
-      loss_fn: the training ``loss_fn``.
+      data: validation arrays (as ``as_arrays`` returns them), in batches of ``batch_size``
+        (the last may be smaller), at most ``steps`` of them.
       trainable: the filter the train state was split with.
-      batch_size: examples per evaluation batch (the last one may be smaller).
-      steps: evaluate at most this many batches (``None``: all).
-      mesh: the data-parallel mesh of the train state, or ``None``.
       trace_mesh: the mesh the model's code is traced under (the train step's).
 
     Example:
@@ -388,22 +360,21 @@ def flax_fit(
     """Trains ``model`` in place with the plan's accumulated step; returns a FitResult.
 
     Args:
-      model: the Flax NNX module (trained as it is: call ``model.train()`` first if it was
+      model: the Flax NNX module, trained as it is (call ``model.train()`` first if it was
         put in eval mode).
       data: host arrays with a leading example axis, a list of per-example records, or a
-        stream of batches (an :class:`ArrayData` or :class:`FlaxStream`; see
-        ``autoaccum.adapters.flax``).
+        stream of batches (an :class:`ArrayData` or :class:`FlaxStream`).
       plan: the plan (micro-batch, accumulation steps, data-parallel devices).
       loss_fn, tx, trainable: the step's loss, optax transformation and trained filter.
       epochs, initial_epoch: train epochs ``initial_epoch .. epochs - 1``.
       shuffle, seed: each epoch's order (a permutation seeded by ``(seed, epoch)``).
       verbose, stream: progress output.
-      elastic: on a real out-of-memory, redo the same step from the same state at the next
-        smaller micro-batch (more accumulation, same effective batch).
+      elastic: on a real out-of-memory, redo the step from the same state at the next
+        smaller micro-batch (same effective batch).
       mesh: the one-axis data-parallel mesh of the plan, or ``None``.
       backup: the host-copy policy (``autoaccum.training``).
       on_nonfinite: ``"stop"`` (raise :class:`NonFiniteError`, the model keeps the last finite
-        state) or ``"skip"`` (that step changes no weight; training goes on; counted).
+        state) or ``"skip"`` (that step changes no weight and is counted).
       batch_stats: ``"effective"`` or ``"micro"`` (BatchNorm running averages).
       drop_remainder: ``False`` (default): the examples after the last full effective batch
         make a final, smaller step each epoch, normalised by its own count; ``True``: dropped.
@@ -414,16 +385,14 @@ def flax_fit(
         many epochs.
       on_step_end: ``on_step_end(step, loss)`` after every step (the callbacks' older form).
       nnx_optimizer: the user's ``nnx.Optimizer`` (a :class:`NnxOptimizerLink`): training
-        starts from its state, and its state and step count are written back at the end
-        (also when training stops with an error).
-      steps_per_epoch: at most this many optimizer steps per epoch; the next epoch goes on
-        where the last stopped (as Keras's ``steps_per_epoch``). Needed for a stream known to
-        be infinite, and for ``epochs > 1`` over a one-shot iterator or generator.
-      placement: the model's own layout over a mesh of several axes (a
-        ``Placement`` from
-        ``own_placement``, with ``mesh=None``): the state keeps it, batches
-        are split over its data axis, and after training the model's arrays are back on the
-        user's own mesh.
+        starts from its state; its state and step count are written back at the end (also
+        after an error).
+      steps_per_epoch: at most this many optimizer steps per epoch, the next epoch going on
+        where the last stopped (as in Keras). Needed for an infinite stream, and for
+        ``epochs > 1`` over a one-shot iterator or generator.
+      placement: the model's own layout over a mesh of several axes (a ``Placement`` from
+        ``own_placement``, with ``mesh=None``): the state keeps it, batches are split over its
+        data axis, and after training the model's arrays are back on the user's own mesh.
 
     Returns:
       A :class:`FitResult`. An exception (``KeyboardInterrupt`` included) leaves the model
@@ -448,8 +417,7 @@ def flax_fit(
     if on_step_end is not None:
         callback_list.append(_StepFunction(on_step_end))
     warn_if_eval_mode(model)
-    # Where the model's arrays live (a kept layout, or split over the user's one-axis mesh),
-    # to put them back on the user's mesh after training.
+    # To put the model's arrays back on the user's mesh after training.
     home = home_shardings(model) if placement is not None or mesh is not None else None
     source = flax_data(data)
     check_stream(source, epochs=epochs - initial_epoch, steps_per_epoch=steps_per_epoch)
@@ -505,8 +473,7 @@ def flax_fit(
 
 
 class _FlaxHooks(FlaxState, FitHooks):
-    """What a Flax NNX model brings to the training loop: its state (:class:`FlaxState`), the
-    epoch's batches, autoaccum's callbacks, and the :class:`FitResult`."""
+    """What a Flax NNX model brings to the training loop (see the module docstring)."""
 
     runner: StepRunner
 
@@ -524,8 +491,7 @@ class _FlaxHooks(FlaxState, FitHooks):
         self.steps_per_epoch, self.verbose, self.stream = steps_per_epoch, verbose, stream
         self.epochs, self.nnx_optimizer = epochs, nnx_optimizer
         self.home = home
-        """The shardings the model's arrays had before training (on several devices), put
-        back at the end (see ``rehome``)."""
+        """The model's shardings before training, put back at the end (``rehome``)."""
         self.written_back = False
 
     def batches(self, epoch: int) -> Iterator[Any]:
@@ -566,8 +532,7 @@ class _FlaxHooks(FlaxState, FitHooks):
 
 
 class _FlaxCallbacks(FitCallbacks):
-    """autoaccum's callbacks (:class:`~autoaccum.training.Callback`) as the loop drives
-    them; the epoch's logs kept on the :class:`FitResult`."""
+    """autoaccum's callbacks as the loop drives them; the epoch's logs kept on the result."""
 
     def __init__(self, hooks: _FlaxHooks) -> None:
         self.hooks, self.result, self.list = hooks, hooks.result, hooks._callbacks

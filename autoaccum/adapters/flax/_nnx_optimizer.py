@@ -1,11 +1,8 @@
-"""``optimizer=nnx.Optimizer(model, tx, wrt=...)``, as every Flax NNX tutorial builds it.
+"""optax optimizers: ``nnx.Optimizer`` links, learning-rate scaling, optimizer families.
 
-autoaccum trains with the optimizer's ``tx`` on the variables its ``wrt`` filter selects
-(``nnx.Param``, ``nnx.LoRAParam``, ...), starts from the optimizer's own state (a restored
-checkpoint goes on where it stopped), and writes the state and the step count back into it
-after training, so a checkpoint of the ``nnx.Optimizer`` holds the trained state.
-
-Applying a learning-rate scaling to an optax optimizer.
+With ``optimizer=nnx.Optimizer(model, tx, wrt=...)`` autoaccum trains with its ``tx`` on the
+variables ``wrt`` selects, starts from its state (a restored checkpoint goes on where it
+stopped), and writes the state and step count back into it after training.
 """
 
 from __future__ import annotations
@@ -24,12 +21,8 @@ from ...planning._option_checks import received, type_name
 
 
 class NnxOptimizerLink:
-    """The user's ``nnx.Optimizer`` and how its state maps to the step's optimizer state.
-
-    The step's transformation is the optimizer's ``tx``, or ``optax.chain(tx,
-    optax.scale(factor))`` when the learning rate is scaled (``chained``): then the
-    optimizer's state is the first element of the step's.
-    """
+    """The user's ``nnx.Optimizer``; with a scaled learning rate (``chained``: the step's
+    ``optax.chain(tx, optax.scale(factor))``) its state is the first element of the step's."""
 
     def __init__(self, optimizer: Any, *, chained: bool) -> None:
         self.optimizer = optimizer
@@ -84,15 +77,10 @@ def _holds_multi_steps(state: Any) -> bool:
 
 
 def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None) -> None:
-    """A ``ValueError`` when the optimizer accumulates gradients itself (``optax.MultiSteps``:
-    the object, its ``gradient_transformation()``, inside an ``optax.chain`` or an
-    ``nnx.Optimizer``, or built by a factory): autoaccum already sums the whole effective
-    batch into one update, so a ``MultiSteps`` would wait for k of them (no weight moves for
-    k - 1 steps, an effective batch k times the one asked), averaging means of means.
-
-    ``given``: what the user passed as ``optimizer=``; ``tx``: the transformation built from
-    it, and ``params`` the trained weights (abstract is fine), when it is built (else only
-    ``given`` is looked at).
+    """A ``ValueError`` when the optimizer accumulates gradients itself (``optax.MultiSteps``,
+    directly, in a chain or an ``nnx.Optimizer``, or built by a factory): on top of
+    autoaccum's accumulation the weights would move once per k steps, on means of means.
+    ``tx`` (built from ``given``) and ``params`` (abstract is fine) are looked into too.
 
     Example:
       >>> refuse_accumulating_optimizer(optax.sgd(0.1), optax.sgd(0.1), {"w": jax.numpy.ones(2)})
@@ -185,13 +173,11 @@ def is_transformation(optimizer: object) -> bool:
 
 
 def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
-    """The family of an optax optimizer, for the default learning-rate rule: ``ADAPTIVE``,
-    ``SGD_LIKE`` or ``None`` when it cannot be told (then ``lr_rule=`` is needed).
-
-    A built transformation is read from the optax functions it is made of (its ``update``'s
-    closures: ``optax.adamw(1e-3)`` is a chain holding ``scale_by_adam``; wrappers such as
-    ``optax.chain``, ``optax.apply_if_finite`` and ``optax.inject_hyperparams`` are looked
-    through); a factory by its name, else by what it builds with ``base_learning_rate``.
+    """The family of an optax optimizer for the default learning-rate rule: ``ADAPTIVE``,
+    ``SGD_LIKE`` or ``None`` (then ``lr_rule=`` is needed). A built transformation is read
+    from the optax functions in its ``update``'s closures (through ``optax.chain``,
+    ``apply_if_finite``, ``inject_hyperparams``); a factory by its name, else by what it
+    builds with ``base_learning_rate``.
 
     Example:
       >>> import optax

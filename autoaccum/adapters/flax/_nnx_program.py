@@ -1,40 +1,21 @@
 """A Flax NNX model and an optax optimizer as a :class:`TrainProgram`: one accumulated step.
 
-``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``: the loss of a
-micro-batch as a sum over its valid items, with their count, so masking is exact.
+``loss_fn(model, batch) -> (sum_of_losses, number_of_valid_items)``, so masking is exact.
 
-State a forward pass mutates (``nnx.BatchNorm`` statistics, the counters of ``nnx.Rngs``
-behind ``nnx.Dropout``, any other ``nnx.Variable``) is carried from micro-batch to
-micro-batch: each micro-batch's model is merged *inside* the differentiated function from
-the carried state (fresh variables of that trace) and its new state is returned as aux, so
-dropout keys advance once per micro-batch and never repeat. BatchNorm running averages move
-once per optimizer step by default (``batch_stats="effective"``, see
-:mod:`autoaccum.adapters.flax`).
+State a forward pass mutates (``nnx.BatchNorm`` statistics, the ``nnx.Rngs`` counters behind
+``nnx.Dropout``, any other ``nnx.Variable``) is carried from micro-batch to micro-batch: each
+micro-batch's model is merged *inside* the differentiated function from the carried state and
+its new state returned as aux, so dropout keys advance once per micro-batch and never repeat.
 
-Per-layer rematerialization (gradient checkpointing) for Flax NNX models.
+``batch_stats="effective"``: each micro-batch runs with every BatchNorm's momentum set to 0 on
+the step's copy of the model, so the layer writes exactly that micro-batch's mean and (biased)
+variance; these are added to float32 sums and the running averages put back before the next
+micro-batch. After the last one (data-parallel: after the cross-device mean) the averages move
+once, with the layer's own momentum. A layer in eval mode writes nothing. Other statistics (a
+custom ``nnx.Variable``) are carried as with ``"micro"``; a BatchNorm called several times in
+one forward pass contributes its last call.
 
-The wrapper: every module that sits in a sequence of repeated blocks (a path ending in an
-integer, e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple) gets its
-``__call__`` wrapped in ``nnx.remat`` with the chosen policy, so the backward pass
-recomputes that block's activations instead of keeping them. Pass ``layers=`` (a predicate
-on ``(path, module)``) for models whose layers are not in a sequence.
-
-Policies: :mod:`autoaccum.planning`.
-
-``batch_stats="effective"`` for Flax NNX: one BatchNorm running-average update per step.
-
-Each micro-batch's forward pass runs with every ``nnx.BatchNorm``'s momentum set to 0 on the
-step's own copy of the model, so the layer writes exactly that micro-batch's mean and
-(biased) variance into its ``mean`` and ``var`` statistics. Those are read back, added to
-float32 sums (:mod:`autoaccum.training`), and the running averages are put back
-to their value at the start of the step before the next micro-batch. After the last
-micro-batch (and, data-parallel, after the sums are averaged across devices) the running
-averages move once, with the layer's own momentum, from the effective batch's statistics.
-A layer in eval mode (``use_running_average=True``) writes nothing and keeps its averages.
-
-Layers that keep statistics some other way (a custom ``nnx.Variable`` a forward pass
-updates) are carried from micro-batch to micro-batch as with ``"micro"``; a BatchNorm
-called several times in one forward pass contributes its last call's statistics.
+Per-layer rematerialization (gradient checkpointing): ``rematerialized``.
 """
 
 from __future__ import annotations
@@ -169,10 +150,8 @@ def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, Any, Any, Any]:
 
 def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
     """A ``ValueError`` before any compile when ``loss_fn`` cannot be called as
-    ``loss_fn(model, batch)`` (two positional arguments; a batch is what one example of the
-    data is, stacked: a dict, a tuple, a dataclass of arrays), with a wrapper for a loss
-    written as ``loss_fn(model, **inputs)`` (Tunix's) or over several arrays. A callable whose
-    signature Python cannot read is let through.
+    ``loss_fn(model, batch)``, showing a wrapper for a loss written over the batch's fields
+    (Tunix's ``loss_fn(model, **inputs)``). An unreadable signature is let through.
 
     Example:
       >>> check_loss_signature(lambda model, batch: (0.0, 1))
@@ -259,23 +238,20 @@ def make_flax_step(
       norms: the model's BatchNorm layers for ``batch_stats="effective"`` (``None``: every
         micro-batch updates the running averages).
       on_nonfinite: ``"stop"`` or ``"skip"``. Either way a step whose loss or gradients are
-        not finite (or whose ``loss_fn`` count is 0 with a non-zero sum) returns the state it
-        was given (``"skip"`` still advances RNG counters, so the next step draws new keys);
+        not finite (or whose count is 0 with a non-zero sum) returns the state it was given
+        (``"skip"`` still advances RNG counters, so the next step draws new keys);
         ``StepMetrics.finite`` says which happened.
-      weighted: ``batches`` is ``(data, weights)`` with ``weights`` of shape ``[accum_steps,
-        micro_batch]`` (each micro-batch's first weight counts): a micro-batch of weight 0
-        is padding and changes nothing (used to spread a leftover over several devices).
-      optimizer_skips_nonfinite: ``tx`` handles non-finite updates itself
-        (``optax.apply_if_finite``): a non-finite step still runs ``tx.update``, so the
-        optimizer skips it and counts it in its own state; only the other state (batch
-        statistics) keeps its values.
-      layout: a sharding strategy's :class:`~autoaccum.planning.StateLayout` (pass
-        ``accumulate=data_parallel_accumulate(mesh, layout=layout)`` with it): the new state
-        keeps the layout's shardings (weights, optimizer state split or copied); under
-        ``fsdp`` the ``frozen`` weights arrive split too (``layout.frozen``).
-      trace_mesh: the context mesh the model's code is traced under (the mesh the step runs
-        on, see ``step_mesh``), so the partition specs
-        the model names (``with_sharding_constraint``, ``out_sharding=``) resolve.
+      weighted: ``batches`` is ``(data, weights)``, ``weights`` of shape ``[accum_steps,
+        micro_batch]`` (each micro-batch's first weight counts): weight 0 is padding and
+        changes nothing (a leftover spread over several devices).
+      optimizer_skips_nonfinite: ``tx`` skips non-finite updates itself
+        (``optax.apply_if_finite``): ``tx.update`` always runs and counts the skip in its own
+        state; only the other state (batch statistics) keeps its values.
+      layout: a sharding strategy's :class:`~autoaccum.planning.StateLayout` (with
+        ``accumulate=data_parallel_accumulate(mesh, layout=layout)``): the new state keeps its
+        shardings; under ``fsdp`` the ``frozen`` weights arrive split too.
+      trace_mesh: the context mesh the model's code is traced under (the step's, see
+        ``step_mesh``), so the partition specs the model names resolve.
 
     Returns:
       The pure step function (jit it with ``donate_argnums=0``).
@@ -327,9 +303,8 @@ def make_flax_step(
             updates, new_opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), new_opt_state
 
-        # The optimizer runs only for a finite step (lax.cond): the new weights and moments
-        # take the donated buffers of the old ones (no second copy, see _nonfinite). An
-        # optimizer that skips non-finite updates itself (optax.apply_if_finite) always runs.
+        # lax.cond: the optimizer runs only for a finite step (always if tx skips non-finite
+        # updates itself), its outputs taking the old ones' donated buffers (no second copy).
         new_params, new_opt_state = update_if_finite(
             counted if optimizer_skips_nonfinite else ok, apply, (params, opt_state),
             acc.grad_sum)
@@ -370,15 +345,12 @@ def flax_program(
     """The accumulated step of ``model`` as a :class:`TrainProgram` (nothing allocated).
 
     ``model`` may be concrete or abstract (``nnx.eval_shape(lambda: Model(...))``).
-    ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (see
-    ``autoaccum.training``); ``program.on_mesh(mesh)`` does the same later.
-    ``strategy``: what the devices of ``mesh`` split instead of copying (``"replicated"``,
-    ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning`).
-    A model whose weights are split over a mesh of several axes keeps that layout instead
-    (``program.placement``, see :mod:`autoaccum.adapters.flax`; ``mesh`` and ``strategy`` do not
-    apply).
-    ``batch_stats``: ``"effective"`` or ``"micro"`` (see
-    :mod:`autoaccum.training`); ``on_nonfinite``: as :func:`make_flax_step`.
+    ``mesh``: a one-axis ``jax.sharding.Mesh`` for a data-parallel step (or later,
+    ``program.on_mesh(mesh)``); ``strategy``: what its devices split instead of copying
+    (``"replicated"``, ``"zero1"``, ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning`).
+    Weights split over a mesh of several axes keep that layout instead (``program.placement``;
+    ``mesh`` and ``strategy`` do not apply). ``batch_stats``: ``"effective"`` or ``"micro"``;
+    ``on_nonfinite``: as :func:`make_flax_step`.
 
     Example:
       >>> import optax
@@ -405,8 +377,7 @@ def flax_program(
         return _loss_traces_data_parallel(graphdef, mesh, abstract_state, abstract(frozen),
                                           example_spec, loss_fn)
 
-    # A layout kept as it is: the model's split over a mesh of several axes, or the caller's
-    # context mesh where the model's code names its axes (see ._sharding).
+    # A kept layout: weights split over several axes, or the context mesh (see ._sharding).
     placement = own_placement(model, (params, other, opt_state), frozen, traces=traces,
                               data_parallel_traces=data_parallel_traces)
     fixed = own_specs(params)  # weights the user's model splits over devices itself
@@ -443,10 +414,8 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
                    *, loss_fn: LossFn, tx: optax.GradientTransformation, trainable: Any,
                    norms: EffectiveBatchNorm | None, on_nonfinite: str, state: Any,
                    frozen: Any) -> TrainProgram:
-    """The program of a model whose layout is kept as the user made it (``placement``, see
-    ``own_placement``): the single-device step on global batches, compiled
-    with the placement's shardings (its abstract state carries them, so the resident memory
-    the planner checks first is one device's)."""
+    """The program keeping the model's own layout (``placement``): the one-device step on
+    global batches; its abstract state carries the shardings, so resident memory is per device."""
     def step_for(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:
         return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
                               accumulate=placed_accumulate(placement), norms=norms,
@@ -461,9 +430,8 @@ def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, examp
 
 def _loss_traces(graphdef: Any, placement: Placement, state: Any, frozen: Any,
                  example_spec: Any, loss_fn: LossFn) -> BaseException | None:
-    """``None`` when ``loss_fn`` traces on one micro-batch of one example per data-parallel
-    device with the state laid out by ``placement`` (under its mesh), else the error (a
-    model written for ``Explicit`` mesh axes fails on automatic ones, and back)."""
+    """``None`` when ``loss_fn`` traces on one example per device laid out by ``placement``,
+    else the error (code for ``Explicit`` mesh axes fails on automatic ones, and back)."""
     params, other, _ = placement.abstract(state, placement.state)
     (frozen,) = placement.abstract((frozen,), placement.frozen)
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
@@ -482,10 +450,8 @@ def _loss_traces(graphdef: Any, placement: Placement, state: Any, frozen: Any,
 
 def _loss_traces_data_parallel(graphdef: Any, mesh: Any, state: Any, frozen: Any,
                                example_spec: Any, loss_fn: LossFn) -> BaseException | None:
-    """``None`` when ``loss_fn`` traces as autoaccum's data-parallel step runs it: inside
-    ``jax.shard_map`` over the one-axis ``mesh``, on one example per device, else the error
-    (a ``with_sharding_constraint`` naming a mesh axis cannot: the axis is manual there, or
-    not in the mesh at all)."""
+    """``None`` when ``loss_fn`` traces inside the data-parallel ``jax.shard_map`` over
+    ``mesh``, else the error (a ``with_sharding_constraint`` naming a mesh axis cannot)."""
     from jax.sharding import PartitionSpec as P
 
     axis = mesh.axis_names[0]
@@ -511,8 +477,7 @@ def _loss_traces_data_parallel(graphdef: Any, mesh: Any, state: Any, frozen: Any
 
 def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: Any,
                    state: tuple[Any, Any, Any], frozen: Any, **extra: Any) -> TrainProgram:
-    """The :class:`TrainProgram` of a Flax step over ``state`` = ``(params, other,
-    optimizer state)`` (abstract) with ``frozen`` weights; ``extra``: its other fields."""
+    """The :class:`TrainProgram` of a Flax step over abstract ``(params, other, opt_state)``."""
     params, other, opt_state = state
     return TrainProgram(
         step=step,
@@ -529,10 +494,8 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
 
 def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
                    frozen: Any = None) -> StateLayout | None:
-    """The state layout of ``plan.strategy`` on ``mesh``, partitioned as ``plan.partitioner``
-    says (``None``: replicated or one device), for weights ``params``, optimizer state
-    ``opt_state`` and ``frozen`` weights (the step's one frozen argument; split under
-    ``fsdp``)."""
+    """The state layout of ``plan.strategy`` and ``plan.partitioner`` on ``mesh`` (``None``:
+    replicated or one device); ``frozen`` is split too under ``fsdp``."""
     strategy = getattr(plan, "strategy", "replicated")
     partitioner = getattr(plan, "partitioner", "autoaccum")
     fixed = own_specs(params)
@@ -584,8 +547,10 @@ def rematerialized(
 ) -> Iterator[int]:
     """Within the context, ``model``'s layers run under ``nnx.remat(policy=...)``.
 
-    Yields the number of wrapped layers; the model's classes are restored on exit (a step
-    traced inside keeps its rematerialization).
+    The layers are the modules in a sequence of repeated blocks (a path ending in an integer,
+    e.g. ``model.blocks[3]`` in an ``nnx.List``, a list or a tuple), or those for which
+    ``layers(path, module)`` is true. Yields the number of wrapped layers; the model's classes
+    are restored on exit (a step traced inside keeps its rematerialization).
 
     Example:
       >>> class Net(nnx.Module):

@@ -2,40 +2,21 @@
 ``jax.set_mesh`` with ``nnx.with_partitioning``, or placed by the user) are trained split the
 same way, never silently copied onto every device.
 
-Two cases, told apart by the mesh the split weights live on:
-
-* **A one-axis mesh** (FSDP-like, e.g. ``jax.make_mesh((n,), ('fsdp',))`` and
-  ``nnx.with_partitioning(init, (None, 'fsdp'))``): that mesh becomes autoaccum's
-  data-parallel mesh (the batch is split over its axis too); the split weights keep their
-  specs under every strategy (``zero1``, ``fsdp``, ...) and the other weights follow the
-  plan's strategy (:func:`own_mesh`, :func:`own_specs`).
-* **A mesh of several axes** (tensor parallelism as in the JAX AI stack's miniGPT:
-  ``jax.make_mesh((2, 2), ('batch', 'model'))``, kernels split over ``'model'``): the
-  model's layout is kept as it is (:func:`own_placement`, an
-  a ``Placement``). Every variable keeps its sharding (a variable
-  not on that mesh is copied over it), the optimizer's moments (sub-trees shaped like the
-  weights, as optax's are) and the float32 gradient accumulator are laid out like the
-  weights, and the batch is split over the mesh's data axis (:func:`data_axis`). The one
-  accumulated step (micro-batch scan, one optimizer update) is compiled with those
-  shardings as its input and output shardings and XLA partitions it (GSPMD): exact by
-  construction, and its ``memory_analysis()`` is one device's. ``Plan.strategy`` is then
-  ``"own"`` and ``Plan.mesh_shape`` the mesh's shape; the sharding strategies, which lay the
-  state out themselves, are refused on such a mesh (``strategy="auto"`` keeps the layout).
-
-The data axis of a mesh of several axes: the axis named ``'batch'`` or ``'data'`` when the
-mesh has one of them (miniGPT's ``'batch'``; weights may be split over it too, FSDP-style),
-else the one axis of more than one device that no weight is split over; when no axis is free
-of weights, the batch is not split (every device reads the whole micro-batch: pure model
-parallelism, said in the plan's notes). Two candidates are ambiguous: a ``ValueError`` asks to
-name the batch axis ``'batch'``.
+* **A one-axis mesh** (FSDP-like, e.g. ``jax.make_mesh((n,), ('fsdp',))``): it becomes
+  autoaccum's data-parallel mesh; the split weights keep their specs under every strategy and
+  the other weights follow the plan's (:func:`own_mesh`, :func:`own_specs`).
+* **A mesh of several axes** (tensor parallelism as in the JAX AI stack's miniGPT,
+  ``('batch', 'model')``): the layout is kept (:func:`own_placement`). Optimizer moments
+  (sub-trees shaped like the weights) and the float32 accumulator are laid out like the
+  weights, the batch is split over the data axis (:func:`data_axis`), and XLA partitions the
+  one accumulated step (GSPMD): exact by construction, its ``memory_analysis()`` one device's.
+  ``Plan.strategy`` is then ``"own"`` and ``Plan.mesh_shape`` the mesh's shape; the sharding
+  strategies are refused on such a mesh (``strategy="auto"`` keeps the layout).
 
 The step runs on a copy of the user's mesh with automatic axes (``jax.make_mesh`` gives
-``Explicit`` axes, under which a model's gathers and matmuls need explicit output
-shardings); the devices, axis names and specs are the user's, and after ``fit`` the model's
-arrays are put back on the user's own mesh (the same buffers, no copy).
-
-Anything else (weights split over different meshes, over devices autoaccum does not train
-on) is refused with a ``ValueError`` that says what autoaccum can keep.
+``Explicit`` axes, under which gathers and matmuls need explicit output shardings); after
+``fit`` the arrays go back on the user's own mesh (same buffers, no copy). Anything else
+(weights on different meshes, or on devices autoaccum does not train on) is refused.
 """
 
 from __future__ import annotations
@@ -77,8 +58,7 @@ def _split_arrays(model: nnx.Module) -> list[tuple[str, Any]]:
 
 
 def _plain_mesh(mesh: Any) -> Mesh:
-    """``mesh`` with automatic axes (what autoaccum's steps run on); the same devices in the
-    same order and the same axis names."""
+    """``mesh`` with automatic axes (what the steps run on), same devices and axis names."""
     return Mesh(mesh.devices, mesh.axis_names)
 
 
@@ -107,13 +87,13 @@ def _user_mesh(split: list[tuple[str, Any]]) -> Mesh:
 
 
 def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
-    """The data axis of a mesh of several axes for weights split by ``split_specs``: the
-    axis named ``'batch'`` or ``'data'``, else the one axis of more than one device no
-    weight is split over, else ``None`` (no axis is free: the batch is not split).
+    """The data axis of a mesh of several axes: the axis named ``'batch'`` or ``'data'``
+    (weights may be split over it too), else the one axis of more than one device no weight
+    is split over, else ``None`` (the batch is not split: pure model parallelism).
 
     Raises:
       ValueError: the mesh names both ``'batch'`` and ``'data'``, or two axes of several
-        devices are free of weights (which one the batch is split over is not known).
+        devices are free of weights.
 
     Example:
       >>> import numpy as np
@@ -144,17 +124,12 @@ def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
 
 
 def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
-    """The data-parallel training mesh for ``model``: ``mesh`` when no weight of the model
-    is split over devices, the one-axis mesh its split weights live on, or ``None`` when the
-    step keeps a layout (:func:`own_placement`: split weights on a mesh of several axes, or
-    the caller's context mesh, ``jax.set_mesh``, when it lays out the step,
-    ``context_layout``). The devices are checked
-    against ``mesh``, the devices autoaccum would train on: the same, in the same order, for
-    a one-axis mesh; among them for several axes.
+    """The data-parallel training mesh for ``model``: ``mesh`` when no weight is split, the
+    one-axis mesh its split weights live on, or ``None`` when the step keeps a layout
+    (:func:`own_placement`).
 
     Raises:
-      ValueError: the model's own sharding cannot be kept (the message says why and what
-        autoaccum can keep).
+      ValueError: the model's own sharding cannot be kept.
     """
     if not isinstance(model, nnx.Module):
         return mesh
@@ -199,8 +174,7 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
 
 
 def _check_devices(layout: Mesh, mesh: Mesh, what: str) -> None:
-    """A ``ValueError`` unless every device of ``layout`` is among those of ``mesh`` (the
-    devices autoaccum would train on)."""
+    """A ``ValueError`` unless every device of ``layout`` is among those of ``mesh``."""
     ours = [d.id for d in mesh.devices.flat]
     theirs = [d.id for d in layout.devices.flat]
     if not set(theirs) <= set(ours):
@@ -214,23 +188,16 @@ def own_placement(model: Any, state: Any, frozen: Any, *,
                   traces: Callable[[Placement], BaseException | None] | None = None,
                   data_parallel_traces: Callable[[Mesh], BaseException | None] | None = None,
                   ) -> Placement | None:
-    """The layout a step of ``model`` keeps, as a :class:`Placement` for the step's ``state =
-    (params, other, opt_state)`` (``opt_state`` may be abstract) and ``frozen`` weights: the
-    mesh of several axes its split weights live on, or the caller's context mesh
-    (``jax.set_mesh``) when it lays out the step
-    (``context_layout``) when the model's code cannot
-    run data-parallel (``data_parallel_traces(mesh)``, the loss traced inside autoaccum's
-    ``shard_map`` over a one-axis mesh: a ``with_sharding_constraint`` naming a mesh axis
-    cannot); ``None`` otherwise (no weight split, or split over a one-axis mesh: the
-    data-parallel path of :func:`own_mesh`, where every sharding strategy is open).
+    """The layout a step of ``model`` keeps, as a :class:`Placement` for ``state = (params,
+    other, opt_state)`` and ``frozen``: the mesh of several axes its split weights live on, or
+    the caller's context mesh (``jax.set_mesh``) when the model's code cannot run
+    data-parallel (``data_parallel_traces(mesh)``); else ``None`` (the data-parallel path of
+    :func:`own_mesh`, where every sharding strategy is open).
 
-    Every array keeps its spec (an array not on that mesh, e.g. an RNG key or an unsplit
-    weight, is copied on every device); the optimizer state's sub-trees shaped like
-    ``params`` (optax's moments) take the weights' specs, the rest of it is copied. The step
-    runs on a copy of the mesh with automatic axes, where XLA chooses every intermediate
-    layout; a mesh with ``Explicit`` axes is kept as it is when ``traces`` (the model's loss
-    traced on a placement, ``None`` or the error) says the model's code needs it
-    (``out_sharding=`` specs, which name explicit axes only).
+    Arrays keep their specs (one not on that mesh, e.g. an RNG key, is copied on every
+    device). The step runs on an automatic-axes copy of the mesh, where XLA chooses every
+    intermediate layout; an ``Explicit``-axes mesh is kept when ``traces(placement)`` says the
+    model's code needs it (``out_sharding=`` specs name explicit axes only).
 
     Raises:
       ValueError: the weights are split over different meshes, or the data axis is
@@ -276,16 +243,14 @@ def context_data_mesh(context: Mesh) -> Mesh | None:
 
 def _data_parallel_traces(check: Callable[[Mesh], BaseException | None] | None,
                           mesh: Mesh | None) -> bool:
-    """Whether the model's code runs in autoaccum's data-parallel step over ``mesh`` (a mesh
-    of one device, or no check: yes)."""
+    """Whether the model's code runs data-parallel over ``mesh`` (no mesh or check: yes)."""
     return mesh is None or check is None or check(mesh) is None
 
 
 def _placement(mesh: Mesh, user: Mesh, state: Any, frozen: Any, axis: str | None,
                source: str) -> Placement:
-    """Every leaf of ``state`` and ``frozen`` on ``mesh`` (the user's mesh or its copy): the
-    spec it has on ``user``, else copied; optimizer sub-trees shaped like the weights take
-    the weights' specs."""
+    """Every leaf of ``state`` and ``frozen`` on ``mesh`` with its spec on ``user``, else
+    copied; optimizer sub-trees shaped like the weights take the weights' specs."""
     replicated = NamedSharding(mesh, P())
 
     def own(leaf: Any) -> NamedSharding:
@@ -318,12 +283,10 @@ def home_shardings(model: nnx.Module) -> Any:
 
 
 def rehome(model: nnx.Module, home: Any) -> None:
-    """Puts every array of ``model`` that is laid out as in ``home`` (the same devices and
-    spec, e.g. on the automatic-axes copy of the user's mesh) back on its sharding in
-    ``home``: the same buffers, no copy. An array the plan's strategy laid out anew on the
-    automatic-axes copy of a user's mesh (one whose axes are not all automatic, as
-    ``jax.make_mesh`` makes them) goes on that mesh with the strategy's spec, so the model
-    runs under the user's ``jax.set_mesh`` as before."""
+    """Puts every array of ``model`` laid out as in ``home`` (same devices and spec, e.g. on
+    the automatic-axes copy of the user's mesh) back on its ``home`` sharding (no copy). An
+    array the strategy laid out anew goes on the user's own non-automatic mesh with the
+    strategy's spec, so the model runs under the user's ``jax.set_mesh`` as before."""
     state = nnx.state(model)
     users = {id(s.mesh): s.mesh for s in jax.tree.leaves(home)
              if isinstance(s, NamedSharding) and not _all_auto(s.mesh)}

@@ -3,13 +3,13 @@
 Nothing here imports Keras until a Keras model is handled. The public entry points pick
 :class:`KerasAdapter` when :func:`is_keras_model` is true; its parts are usable alone:
 
-* planning: ``program = keras_program(model, data)`` is a :class:`TrainProgram`;
-* training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``; one step
-  at a time in a loop you write: :class:`KerasTrainStep` (``autoaccum.train_step``);
-* data as ``model.fit`` takes it: ``keras_data(model, data)`` (read by epoch, streamed),
+* planning: ``keras_program(model, data)`` is a :class:`TrainProgram`;
+* training: ``keras_fit(model, data, micro_batch=b, accum_steps=k, **options)``; one step at a
+  time in your own loop: :class:`KerasTrainStep` (``autoaccum.train_step``);
+* data as ``model.fit`` takes it: ``keras_data(model, data)`` (streamed by epoch),
   ``to_keras_arrays(model, data)`` (materialised);
-* learning rate: applied inside the step; ``scale_keras_learning_rate(optimizer, factor)``
-  rescales an optimizer in place;
+* ``scale_keras_learning_rate(optimizer, factor)`` rescales an optimizer in place (training
+  applies the rule inside the step instead);
 * options forwarded from ``autoaccum.fit``: ``validate_keras_fit_kwargs(**options)``.
 """
 

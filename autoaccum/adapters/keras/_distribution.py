@@ -19,11 +19,8 @@ __all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement",
 
 
 def keras_distribution_mesh() -> Any:
-    """The ``jax.sharding.Mesh`` of the ``keras.distribution.DataParallel`` set, else ``None``.
-
-    Any other distribution (``ModelParallel``) gives ``None``: autoaccum's data-parallel step
-    replicates every variable, so it is not used then.
-    """
+    """The ``jax.sharding.Mesh`` of the ``keras.distribution.DataParallel`` set, else ``None``
+    (also under ``ModelParallel``: the data-parallel step replicates every variable)."""
     try:
         import keras
     except ImportError:  # pragma: no cover - Keras is optional
@@ -63,17 +60,13 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
 
     A model built under ``keras.distribution.ModelParallel`` (a ``LayoutMap``; keras-hub
     backbones have ``get_layout_map(device_mesh)``), or whose variables arrive sharded over
-    several devices, keeps that layout: every variable (weights, optimizer moments, metric
-    totals) has the sharding Keras gave it (``variable.value.sharding``; a variable not yet
-    initialized: its layout), and batches are split over the distribution's
-    ``batch_dim_name`` (none set: not split, as ``model.fit`` does without a distribution).
-    A variable with no layout is replicated over the mesh, as Keras places it. Under a
-    ``keras.distribution.DataParallel`` (every variable replicated) or with no sharded
-    variable, ``None``: the data-parallel or single-device step is used.
+    several devices, keeps that layout: every variable keeps the sharding Keras gave it (none:
+    replicated), and batches are split over the distribution's ``batch_dim_name`` (none set:
+    not split, as ``model.fit``). ``None`` under ``DataParallel`` or with no sharded variable.
 
     Raises:
-      ValueError: naming the variable, where its layout cannot be kept (another mesh than the
-        others', or a sharding that is not a ``jax.sharding.NamedSharding``).
+      ValueError: naming a variable whose layout cannot be kept (on another mesh, or not a
+        ``jax.sharding.NamedSharding``).
     """
     import keras
 
@@ -131,10 +124,8 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
                           optimizer: Any = None, layout: Any = None, *,
                           partitioner: str = "autoaccum") -> StateLayout | None:
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
-    ``mesh`` for the model's trainable and optimizer variables (shapes only), or ``None``
-    (replicated, or one device: every variable copied). With ``layout`` (the step's
-    ``KerasLayout``), its frozen non-trainable variables too (split under ``fsdp``).
-    ``partitioner``: who partitions the step (``autoaccum.internal.PARTITIONERS``).
+    ``mesh`` for the model's trainable and optimizer variables, or ``None`` (replicated, or one
+    device); with ``layout`` (the step's ``KerasLayout``), its frozen variables too.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -160,9 +151,8 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
 
 
 def mark_trained_on(model: Any, mesh: Any) -> None:
-    """Notes that autoaccum laid the model's variables out over ``mesh`` (a data-parallel
-    fit, replicated or split by a strategy): a later plan or fit reads that layout as
-    autoaccum's own, not the user's (:func:`keras_placement`), and lays them out afresh.
+    """Notes that autoaccum laid the model's variables out over ``mesh``, so a later plan or
+    fit reads that layout as its own, not the user's (:func:`keras_placement`).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -182,9 +172,8 @@ def _ids(mesh: Any) -> list[int]:
 
 
 def _sharding_of(variable: Any, distribution: Any) -> NamedSharding | None:
-    """The ``NamedSharding`` a Keras variable has (its value's; a variable not yet
-    initialized: its layout, or the distribution's for it), or ``None`` (no layout: one
-    device, or replicated on the mesh)."""
+    """A Keras variable's ``NamedSharding`` (its value's; if deferred, its layout or the
+    distribution's), or ``None`` (one device, or replicated)."""
     value = variable_buffer(variable)
     if isinstance(value, jax.Array):
         sharding = value.sharding

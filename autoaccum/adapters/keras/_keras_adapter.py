@@ -1,18 +1,11 @@
 """The Keras 3 adapter: ``autoaccum.fit(compiled_keras_model, data, ...)`` on the JAX backend.
 
-The planned step of a compiled Keras model for your own training loop
-(``autoaccum.train_step(keras_model, ...)``).
-
-:class:`KerasTrainStep` runs the step ``autoaccum.fit`` runs for a Keras model (the same
-step runner, :class:`~autoaccum.training.StepRunner`, under the one user-loop step,
-``UserLoopStep``, and the same compiled accumulating
-step: exact sums over the effective
-batch as Keras's big-batch step weighs them, the optimizer applied once, the plan's learning
-rate and remat) on one effective batch per call. The model's variables, its optimizer's and
-its metrics' are the state: they are read before every step and hold the new values after it,
-so ``model.predict``, ``model.evaluate``, ``model.save`` and ``model.optimizer.iterations``
-see every step, and weights loaded into the model between calls (``model.load_weights``, a
-hand edit) are what the next step trains.
+:class:`KerasTrainStep` (``autoaccum.train_step(keras_model, ...)``) runs the step
+``autoaccum.fit`` runs for a Keras model (the same step runner and compiled accumulating step)
+on one effective batch per call, for your own loop. The model's, its optimizer's and its
+metrics' variables are the state: read before every step and holding the new values after it,
+so ``model.predict``, ``model.save`` and ``model.optimizer.iterations`` see every step, and
+weights loaded between calls (``model.load_weights``) are what the next step trains.
 """
 
 from __future__ import annotations
@@ -120,9 +113,7 @@ class KerasAdapter(Adapter):
         """Changes the advisor may plan for a Keras model: LoRA (rank 16 on every trainable
         layer that has ``enable_lora``; a smaller rank where LoRA is on), int8 frozen weights
         under LoRA (QLoRA), bfloat16 weights when some are float32, another optimizer (Keras
-        keeps moments in the weights' dtype). Each is planned on an abstract copy of the
-        model (``keras_apply_change``); see
-        :mod:`autoaccum.adapters.keras`.
+        keeps moments in the weights' dtype), each planned on an abstract copy of the model.
 
         Args:
           model: a compiled ``keras.Model``.
@@ -232,10 +223,8 @@ class KerasAdapter(Adapter):
     def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
                    uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
                    elastic: bool, log: TextIO | None) -> Any:
-        """The planned step for a loop the user writes (``autoaccum.train_step``): the
-        runner ``fit`` trains with, one effective batch per call; the learning rate as
-        ``fit`` sets it (an explicit ``learning_rate=`` becomes the optimizer's base rate,
-        the plan's rule scales it inside the step)."""
+        """The planned step for a loop the user writes (``autoaccum.train_step``): ``fit``'s
+        runner and learning rate, one effective batch per call."""
 
         del log  # Keras's own progress and callbacks report
 
@@ -267,9 +256,8 @@ class KerasStepOutput(NamedTuple):
     """The batch's loss, as Keras's step computes it for the whole batch at once."""
     logs: dict[str, float]
     """Keras's logs after the step (``loss`` and the compiled metrics), as
-    ``model.train_on_batch(..., return_dict=True)`` returns them for the same batch (with
-    ``reset_metrics=False``: as ``model.fit``'s batch logs, averaged since the last
-    ``model.reset_metrics()``)."""
+    ``model.train_on_batch(..., return_dict=True)`` returns them (``reset_metrics=False``: as
+    ``model.fit``'s batch logs, averaged since the last ``model.reset_metrics()``)."""
     count: float
     """The valid count the losses were divided by (examples, or the summed weights/mask of a
     masked or weighted mean)."""
@@ -279,21 +267,19 @@ class KerasStepOutput(NamedTuple):
     """``False`` when the step was skipped (non-finite loss or gradients with
     ``on_nonfinite="skip"``)."""
     step: int
-    """``model.optimizer.iterations`` after the step: optimizer steps taken (also those of
-    earlier ``fit`` calls or of a loaded model; schedules read it)."""
+    """``model.optimizer.iterations`` after the step (earlier ``fit`` calls' and a loaded
+    model's steps included; schedules read it)."""
 
 
 class KerasTrainStep(UserLoopStep):
     """One effective batch in, one optimizer step out; the Keras model is updated in place.
 
     Built by :func:`autoaccum.train_step` for a compiled Keras model (JAX backend). Call it
-    with one batch in any form ``model.fit`` takes as ``x`` for in-memory data: ``(x, y)``,
-    ``(x, y, sample_weight)``, dicts or lists of arrays, ``x`` alone (a ``compute_loss``
-    that needs no ``y``), raw inputs for a keras-hub task with a preprocessor. Its leading
-    axis is ``plan.effective_batch``; a final smaller batch is one step normalised by its
-    own count, as Keras's last partial batch is. The checkpoint is the model itself
-    (``model.save``, ``model.save_weights``: the optimizer's variables and iterations
-    included); ``plan`` is the split it runs now, ``steps`` the optimizer's step count.
+    with one batch of ``plan.effective_batch`` examples in any in-memory form ``model.fit``
+    takes as ``x`` (``(x, y)``, ``(x, y, sample_weight)``, dicts or lists of arrays, ``x``
+    alone, a keras-hub task's raw inputs); a final smaller batch is one step normalised by its
+    own count. The checkpoint is the model itself (``model.save``: optimizer variables and
+    iterations included); ``plan`` is the split it runs now, ``steps`` the optimizer's count.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -348,8 +334,7 @@ class KerasTrainStep(UserLoopStep):
 
         Raises:
           ValueError: the batch is larger than the effective batch, empty, not split evenly
-            over the data-parallel devices, or not shaped like the data the step was planned
-            with.
+            over the data-parallel devices, or not shaped like the planned data.
           autoaccum.NonFiniteError: ``on_nonfinite="stop"`` and the step was not finite (the
             model keeps the state before it).
           Exception: an out-of-memory with ``elastic=False``: the model and optimizer are put

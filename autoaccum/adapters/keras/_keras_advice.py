@@ -1,40 +1,28 @@
 """The Keras adapter's side of the advisor: which changes a compiled Keras model can take, and
-how each is applied to an abstract copy (the user's model is never touched, and the copy's
-weights are never allocated).
+how each is applied to an abstract copy (the user's model is never touched, the copy's weights
+never allocated).
 
 Changes (keys of the change dict):
 
 * ``optimizer`` (``"adafactor"``, ``"sgd"``, ``"lion"``): a fresh optimizer of that class
   (Keras keeps the moments in the weights' dtype);
-* ``lora_rank``: for a fully fine-tuned model, ``layer.enable_lora(rank)`` on every trainable
-  layer that has it (``Dense``, ``EinsumDense``, ``Embedding``, the convolutions; a keras-hub
+* ``lora_rank``: ``layer.enable_lora(rank)`` on every trainable layer that has it (a keras-hub
   backbone: ``backbone.enable_lora(rank)``, its default targets); for a model with LoRA
   layers, those layers at that rank;
-* ``quantize: "int8"`` (with ``lora_rank``): the layers ``model.quantize("int8")`` converts
-  (``Dense``, ``EinsumDense``, ``Embedding``, ``ReversibleEmbedding``; for a keras-hub task
-  ``model.backbone.quantize("int8")``) hold int8 kernels, then LoRA as above: the QLoRA
-  route;
-* ``dtype: "bfloat16"``: every float32 (or mixed) dtype policy of the model becomes
-  ``"bfloat16"`` (weights and compute), as if the model had been built with
-  ``dtype="bfloat16"``.
+* ``quantize: "int8"`` (with ``lora_rank``): int8 kernels where ``model.quantize("int8")``
+  puts them, then LoRA: the QLoRA route;
+* ``dtype: "bfloat16"``: every float32 (or mixed) dtype policy becomes ``"bfloat16"``, as if
+  the model had been built with ``dtype="bfloat16"``.
 
-The copy is ``type(model).from_config(model.get_config())`` (with the model's own layer
-classes as custom objects), its config rewritten for the change (dtype policies, int8
-policies built straight as ``model.quantize("int8")`` leaves the layers, LoRA ranks), built
-inside :func:`~autoaccum.internal.keras_lowering_scope` so that every variable is deferred (shape,
-dtype
-and initializer, no buffer; nothing left for Keras to initialize later), and compiled with
-fresh copies of the model's optimizer, loss and metrics. A copy rebuilt from the config alone
-is first compared with the model, variable by variable (shape, dtype, trainable): a model
-that cannot be rebuilt from its config (a subclassed model without ``get_config``, or one
-whose rebuild differs) is refused with the reason, never planned as something else.
-
-A keras-hub task (``GPT2CausalLM``, ``Gemma3CausalLM``, ...) is rebuilt the same way, with
-``compile=False`` (its default compile would make an optimizer inside the scope), the
-model's own preprocessor (only read, to turn raw data into token arrays), the LoRA its
-backbone had (``backbone.enable_lora`` is not in the config) and, for int8, a
-``DTypePolicyMap`` on the backbone naming the layers to quantize (its config holds the
-backbone's arguments, not its layers).
+The copy is ``type(model).from_config(model.get_config())`` (the model's layer classes as
+custom objects), its config rewritten for the change, built inside
+:func:`~autoaccum.internal.keras_lowering_scope` (every variable deferred) and compiled with
+fresh copies of the model's optimizer, loss and metrics. A model with no config, or whose
+plain rebuild differs from it variable by variable, is refused with the reason, never planned
+as something else. A keras-hub task is rebuilt with ``compile=False`` (its default compile
+would make an optimizer inside the scope), the model's own preprocessor (only read), its
+backbone's LoRA (``backbone.enable_lora`` is not in the config) and, for int8, a
+``DTypePolicyMap`` on the backbone (its config holds the backbone's arguments, not its layers).
 """
 
 from __future__ import annotations
@@ -63,21 +51,10 @@ _KEYS = ("optimizer", "lora_rank", "quantize", "dtype")
 
 
 def keras_advice_changes(model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
-    """The changes worth planning for a compiled Keras ``model`` (``options``: plan's).
-
-    LoRA (``{"lora_rank": 16}``) when no layer has LoRA enabled and some trainable layer
-    can take it, else a smaller rank (``rank // 4``, when the rank is 4 or more); int8
-    frozen weights under LoRA (``{"lora_rank": r, "quantize": "int8"}``) unless the model is
-    quantized already; bfloat16 weights (``{"dtype": "bfloat16"}``) when some layer keeps
-    float32 weights; another optimizer.
-
-    Args:
-      model: a compiled, built ``keras.Model``.
-      options: the plan's options (unused by Keras: the model trains with what it was
-        compiled with).
-
-    Returns:
-      Change dicts for :func:`keras_apply_change`, in the order the advisor tries them.
+    """Change dicts for :func:`keras_apply_change`, in the order the advisor tries them: LoRA
+    (rank 16; ``rank // 4`` where LoRA is on), int8 under LoRA unless quantized already,
+    bfloat16 when some weights are float32, another optimizer. ``options`` are unused (a
+    Keras model trains with what it was compiled with).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -112,24 +89,10 @@ def keras_advice_changes(model: Any, options: ProgramOptions) -> list[dict[str, 
 
 def keras_apply_change(model: Any, options: ProgramOptions,
                        change: dict[str, Any]) -> tuple[Any, dict]:
-    """The model to plan and a copy of ``options`` with ``change`` applied.
+    """``(model_to_plan, options)`` with ``change`` applied, or ``ValueError`` saying why not.
 
-    An optimizer change alone keeps ``model`` (a fresh optimizer, traced in place of the
-    model's own); LoRA, int8 and dtype changes give an abstract copy of ``model``
-    (:func:`rebuilt_abstractly`). ``model`` itself is never changed.
-
-    Args:
-      model: a compiled, built ``keras.Model``.
-      options: the plan's options.
-      change: keys among ``optimizer``, ``lora_rank``, ``quantize`` (``"int8"``, with
-        ``lora_rank``) and ``dtype`` (``"bfloat16"``); see the module docstring.
-
-    Returns:
-      ``(model_to_plan, options)``.
-
-    Raises:
-      ValueError: for a change the Keras adapter cannot apply, or a model it cannot rebuild
-        abstractly (the message says why).
+    An optimizer change alone keeps ``model`` (the fresh optimizer is traced in place of its
+    own); LoRA, int8 and dtype changes give an abstract copy (:func:`rebuilt_abstractly`).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -159,23 +122,11 @@ def keras_apply_change(model: Any, options: ProgramOptions,
 
 def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: str | None = None,
                        dtype: str | None = None, optimizer: Any = None) -> Any:
-    """A compiled copy of ``model`` with no weight allocated, optionally changed.
-
-    Args:
-      model: a compiled, built ``keras.Model`` (it is only read).
-      lora_rank: LoRA at this rank (see the module docstring); ``None``: as the model is.
-      quantize: ``"int8"``: int8 kernels where ``model.quantize("int8")`` would put them.
-      dtype: ``"bfloat16"``: float32 and mixed dtype policies become ``"bfloat16"``.
-      optimizer: the copy's optimizer, made outside any stateless scope; ``None``: a fresh
-        one like the model's (``from_config``).
-
-    Returns:
-      The copy, compiled; every variable of it is deferred (it holds no buffer):
-      plan it, do not call or fit it (reading ``variable.value`` would allocate).
-
-    Raises:
-      ValueError: when the model is not built or compiled, cannot be rebuilt from its config,
-        or its rebuild differs from it (naming the first variable that differs).
+    """A compiled copy of ``model`` with no weight allocated, changed as the module docstring
+    says (``None``: as the model is). ``optimizer``: the copy's, made outside any stateless
+    scope (default: a fresh one like the model's). Plan the copy; do not call or fit it
+    (reading ``variable.value`` would allocate). ``ValueError`` when the model is not built
+    and compiled, or its config does not rebuild it as it is.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -274,10 +225,7 @@ def _variable_dtype(layer: Any) -> str | None:
 
 
 def _model_config(model: Any) -> tuple[dict, dict[str, type]]:
-    """``model.get_config()`` and the classes of its layers (custom objects for the rebuild).
-
-    Raises ``ValueError`` with the reason where the model has no config.
-    """
+    """``model.get_config()`` and its layers' classes (custom objects for the rebuild)."""
     custom = {type(layer).__name__: type(layer)
               for layer in flatten_layers(model, include_self=True)}
     try:
@@ -334,8 +282,7 @@ def _build(model: Any, config: dict, custom: dict[str, type], *, dtype: str | No
 
 
 def _hub_lora(model: Any) -> tuple[int, list[str]] | None:
-    """``(rank, layer names)`` where a keras-hub task's backbone has LoRA enabled
-    (``backbone.enable_lora(rank)``, which its config does not record), else ``None``."""
+    """``(rank, layer names)`` of a keras-hub task's backbone LoRA, else ``None``."""
     backbone = getattr(model, "backbone", None) if _is_hub_task(model) else None
     indices = backbone_lora_layers(backbone)
     if not indices:
@@ -403,11 +350,9 @@ def _rewrite_dtype(config: dict, dtype: str) -> None:
 
 
 def _rewrite_int8(config: dict, model: Any, plain: Any) -> None:
-    """Keras's own int8-convertible layers get an ``int8_from_<their dtype>`` policy: built
-    with int8 kernels and scales, as ``model.quantize("int8")`` leaves them. A keras-hub
-    task's backbone (its config holds arguments, not layers; it hands its dtype policy down
-    to every layer) gets a ``DTypePolicyMap`` naming those layers by path (found in
-    ``plain``, the copy rebuilt as the model is)."""
+    """Int8-convertible layers get an ``int8_from_<their dtype>`` policy; a keras-hub backbone,
+    which hands its dtype policy down to every layer, a ``DTypePolicyMap`` naming them by path
+    (found in ``plain``, the copy rebuilt as the model is)."""
     backbone = config.get("backbone") if _is_hub_task(model) else None
     if isinstance(backbone, dict) and isinstance(backbone.get("config"), dict):
         import keras
@@ -502,16 +447,15 @@ def _enable_lora(clone: Any, rank: int) -> None:
 
 
 def _compile_arguments(model: Any, custom: dict[str, type], optimizer: Any) -> dict[str, Any]:
-    """``model.compile``'s arguments, with fresh objects (the compile config deserialized)
-    where they round-trip, else the model's own loss and metrics objects (only read while
-    planning); the optimizer: ``optimizer`` or a fresh one from the model's config."""
+    """``model.compile``'s arguments as fresh objects where the compile config round-trips,
+    else the model's own loss and metrics (only read); ``optimizer`` or a fresh one."""
     import keras
 
     raw = compile_arguments(model)
     try:
         with keras.saving.custom_object_scope(custom):
             kwargs = dict(keras.saving.deserialize_keras_object(model.get_compile_config()))
-    except Exception:  # a loss or metric that does not round-trip: the model's own objects
+    except Exception:
         kwargs = dict(raw)
         kwargs["optimizer"] = None
     if optimizer is None:

@@ -5,41 +5,22 @@ Every input ``model.fit`` takes is accepted:
 * **in memory** (numpy/jax/tf arrays, dicts/tuples/lists of them; for a keras-hub task with a
   preprocessor, raw inputs such as a Python list of strings): random access, reshuffled every
   epoch when ``shuffle=True``;
-* **streams** (``tf.data.Dataset`` batched or not, ``.repeat()``-ed or not,
-  ``keras.utils.PyDataset``/``Sequence``, generators and iterators, torch ``DataLoader``,
-  grain): read through Keras's own data adapters, so each batch is what ``model.fit`` would
-  see, and never materialised: examples are re-batched into effective batches as they arrive.
+* **streams** (``tf.data.Dataset``, ``keras.utils.PyDataset``/``Sequence``, torch
+  ``DataLoader``, grain, generators and iterators): never materialised, re-batched into
+  effective batches as they arrive. Re-iterable streams go through Keras's own data adapters
+  (workers, ``on_epoch_end``, a ``PyDataset``'s shuffling), so each batch is what ``model.fit``
+  would see; one-shot generators and iterators are read directly, so nothing is read ahead and
+  lost. A ``tf.data.Dataset`` of single examples is batched first; one batched anywhere in its
+  pipeline (``batch``, ``padded_batch``, ``bucket_by_sequence_length``, ...) is taken as
+  batches, as Keras takes it.
 
-A keras-hub task's ``preprocessor`` runs on every batch, as keras-hub's ``fit`` runs it (so
-random preprocessing, such as masked-LM masking, is fresh every epoch).
+A keras-hub task's ``preprocessor`` runs on every batch, as keras-hub's ``Task.fit`` runs it,
+so random preprocessing (masked-LM masking, augmentation) is fresh every epoch. Raw in-memory
+inputs follow keras-hub's structure rule: tuples and dicts are structure, a list is one leaf.
 
-``epoch()`` yields batches of ``batch`` examples and, at the end of the data, the remaining
-smaller one (``drop_remainder=False``) so no example is lost. With ``steps`` (Keras's
-``steps_per_epoch``) an epoch takes that many batches and the next epoch continues where it
-stopped, as Keras does; a finite source's end still ends the epoch.
-
-Host arrays with one leading example axis (:class:`KerasArrays`) and the checks and
-conversions of their leaves. Reading data as ``fit`` takes it: :mod:`autoaccum.adapters.keras`.
-
-A keras-hub task's preprocessing, run the way keras-hub's own ``fit`` runs it.
-
-keras-hub's ``Task.fit`` maps ``preprocess_samples`` (its ``preprocessor``) over every batch of
-the data: raw inputs (strings, images) become arrays padded to static shapes, and random
-preprocessing (masked-LM masking, augmentation) is fresh every epoch. autoaccum does the same
-per batch. Raw in-memory inputs follow keras-hub's structure rule: tuples and dicts are
-structure, a list is one leaf (a list of strings).
-
-Streams as ``model.fit`` reads them: which inputs are streams, and their batches as numpy.
-
-Re-iterable streams (``tf.data``, ``keras.utils.PyDataset``/``Sequence``, torch
-``DataLoader``, grain) go through Keras's own data adapters (workers, ``on_epoch_end``,
-shuffling of a ``PyDataset``'s batch order as ``model.fit`` does). One-shot generators and
-iterators are read directly, batch by batch, so nothing is read ahead and lost.
-
-A ``tf.data.Dataset`` whose elements are single examples (``from_tensor_slices`` without
-``.batch``) is batched first; one that is batched (``batch``, ``padded_batch``,
-``bucket_by_sequence_length``, ... anywhere in its pipeline, ``drop_remainder`` or not) is
-taken as batches, as Keras takes it.
+``epoch()`` yields batches of ``batch`` examples and, at the end of the data, the smaller
+remainder (``drop_remainder=False``). With ``steps`` (Keras's ``steps_per_epoch``) an epoch
+takes that many batches and the next continues where it stopped, as Keras does.
 """
 
 from __future__ import annotations
@@ -534,10 +515,7 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
 
 def with_targets(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
     """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``: ``(x, y)`` or
-    ``(x, y, sample_weight)`` (``x`` alone when neither is given).
-
-    As in ``model.fit``, ``y`` and ``sample_weight`` go with in-memory ``x`` only: a dataset,
-    generator or ``PyDataset`` yields ``(x, y[, sample_weight])`` batches itself.
+    ``(x, y, sample_weight)`` (``x`` alone when neither is given; a stream refuses them).
 
     Example:
       >>> import numpy as np
@@ -560,10 +538,8 @@ def with_targets(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
 
 
 def _unpacked(data: Any, name: str, *, raw: bool) -> KerasArrays:
-    """``(x,)``, ``(x, y)``, ``(x, y, sample_weight)`` or a bare ``x``, as ``KerasArrays``.
-
-    A tuple is the packing; so is a list of 1-3 items, except for a keras-hub task (``raw``),
-    whose raw inputs take a list as one leaf (a list of strings), as keras-hub does."""
+    """``(x,)``, ``(x, y)``, ``(x, y, sample_weight)`` or a bare ``x``, as ``KerasArrays``; a
+    list of 1-3 items is a packing too, except for a keras-hub task (``raw``)."""
     if isinstance(data, tuple) or (isinstance(data, list) and not raw and 1 <= len(data) <= 3):
         if not 1 <= len(data) <= 3:
             raise ValueError(

@@ -1,50 +1,23 @@
 """Training a compiled Keras model with autoaccum's accumulated step, Keras-style.
 
-Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses them; the
-step is autoaccum's (one XLA program: ``accum_steps`` micro-batches scanned, the optimizer
-applied once). The model's variables hold the current state after every step, so callbacks
-(a checkpoint, a generation monitor) always see it, and a failure or an interrupt at any
-point leaves the variables holding the state of one optimizer step
-(:mod:`autoaccum.adapters.keras`).
-
-The loop is :func:`autoaccum.training.run_fit_loop` over the one step runner
-(:class:`~autoaccum.training.StepRunner`); what Keras brings to it is ``_KerasHooks``:
-the model's variables (``KerasState``), the epoch's batches, Keras's callbacks
-and ``History``.
-
-A Keras model's train state for the one step runner
-(:class:`~autoaccum.training.StepRunner`), for ``fit`` and ``train_step``.
+Keras's callbacks, progress bar and ``History`` are used as ``model.fit`` uses them; the step
+is autoaccum's (``accum_steps`` micro-batches scanned in one XLA program, the optimizer applied
+once), run by :func:`autoaccum.training.run_fit_loop`.
 
 The state is the model's variables (trainable, the non-trainable ones the step writes, the
-optimizer's and the metrics'): :class:`KerasState` reads them before every step (so a
-callback's or the user's writes are what the next step trains), assigns each step's new
-values back, and lays them out: replicated over a data-parallel mesh, split by a sharding
-strategy (``zero1``, ``zero2``, ``fsdp``), or in the user's own layout
-(``keras.distribution.ModelParallel``). The runner writes the new state into the variables
-with Ctrl-C held back, so at any moment they hold the state of one optimizer step; a failed
-step puts them back to the state before it (the inputs when intact, else the host copy taken
-before every step when ``elastic``, else every epoch).
+optimizer's and the metrics'), read before every step (so a callback's or the user's writes
+are what the next step trains) and assigned back after it with Ctrl-C held back: callbacks
+always see the current state, and the variables always hold that of one optimizer step. A
+failed step puts them back to the state before it (the inputs when intact, else the host copy
+taken before every step when ``elastic``, else every epoch).
 
-A step may be uneven: full micro-batches and one smaller last one (13 = 5 + 5 + 3,
-:class:`~autoaccum.planning.UnevenBatches`) in one compiled program. A step of fewer examples
-than the effective batch (the last of an epoch) runs its own compiled program, split the same
-way at the fit's micro-batch (``uneven=False``: at the largest micro-batch that divides it);
-it is normalised by its own count, as Keras's last partial batch is.
-
-Validation during a Keras fit: ``model.evaluate`` at the effective batch, accumulated.
-
-The validation data (any form ``fit`` takes, or the ``validation_split`` of in-memory data)
-is read in batches of ``validation_batch_size`` (default: the effective batch, as
-``model.fit(batch_size=effective_batch)`` validates) and each batch is evaluated by the one
-validator (``Validator``) with a forward-only step that
-scans micro-batches of the training micro-batch, the last one smaller when it does not divide
-(``uneven``; else the largest divisor) (``keras_eval_step``): the logged
-``val_`` losses and metrics are those of Keras's evaluation at that batch size, at the
-training micro-batch's memory. The model's weights are only read, never donated or purged,
-so a validation that fails or is interrupted leaves the model as it was.
-
-A model that overrides ``test_step`` is validated by ``model.evaluate`` itself; if that fails
-midway (Keras drops the weights it was using), the variables are put back.
+Validation: ``model.evaluate``'s step at ``validation_batch_size`` (default: the effective
+batch, as ``model.fit(batch_size=effective_batch)`` validates), each batch scanned in
+micro-batches of the training micro-batch: Keras's ``val_`` logs at the training
+micro-batch's memory. The weights are only read, never donated, so a failed validation leaves
+the model as it was. A model that overrides ``test_step`` is validated by ``model.evaluate``
+itself; if that fails midway (Keras drops the weights it was using), the variables are put
+back.
 """
 
 from __future__ import annotations
@@ -103,14 +76,11 @@ PyTree = Any
 
 
 class KerasState(StateHooks):
-    """A Keras model's variables as the step's ``(state, frozen)`` (see the module docstring).
+    """A Keras model's variables as the step's ``(state, frozen)``.
 
-    Args:
-      model: the compiled, built model.
-      layout: the step's :class:`KerasLayout` (which non-trainable variables it writes).
-      mesh: the one-axis data-parallel mesh, or ``None``.
-      placement: the user's layout of the state (then ``mesh`` is ignored).
-      strategy_layout: a sharding strategy's layout on ``mesh`` (``None``: replicated).
+    ``layout``: which non-trainable variables the step writes; ``mesh``: the data-parallel
+    mesh or ``None``; ``placement``: the user's layout (``mesh`` then ignored);
+    ``strategy_layout``: a sharding strategy's layout on ``mesh`` (``None``: replicated).
     """
 
     def __init__(self, model: Any, layout: KerasLayout, *, mesh: Any = None,
@@ -164,11 +134,8 @@ def keras_runner(hooks: KerasState, *, micro_batch: int, accum_steps: int,
                  lr_scaling: Any = None, batch_stats: str = "effective", backup: str = "auto",
                  elastic: bool = True, backup_each_step: bool = False,
                  on_nonfinite: str = "stop") -> StepRunner:
-    """The :class:`StepRunner` of the model's accumulated Keras step on ``hooks``' variables.
-
-    ``backup_each_step``: take the host copy before every step (as ``elastic`` does), so a
-    failed step is undone exactly (``autoaccum.train_step``); else it is refreshed every
-    epoch.
+    """The :class:`StepRunner` of the model's accumulated Keras step on ``hooks``' variables;
+    ``backup_each_step``: the host copy taken before every step (as ``elastic``), not per epoch.
     """
     model, placement = hooks.model, hooks.placement
     jitted = jax.jit(
@@ -287,50 +254,43 @@ def keras_fit(
 ) -> Any:
     """Trains ``model`` for ``epochs`` with ``micro_batch x accum_steps`` examples per step.
 
-    ``last_micro_batch`` (a plan's, smaller than ``micro_batch``): an uneven step of
-    ``accum_steps - 1`` micro-batches of ``micro_batch`` and a last one of this size (13 =
-    5 + 5 + 3), in one compiled step, exactly Keras's step on the 13 examples. ``uneven``: a
-    smaller step (the last of an epoch) or a validation batch that ``micro_batch`` does not
-    divide is split the same way (``False``: at its largest divisor up to ``micro_batch``).
+    ``data``: anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays, dicts,
+    a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a keras-hub
+    task). In-memory data is reshuffled every epoch (``shuffle``, ``seed``); streams are read
+    as they come. An epoch's last examples that do not fill an effective batch are a final,
+    smaller step normalised by its own count (``drop_remainder=True``: left out); see
+    ``history.autoaccum_remainder``. Validation runs at the effective batch
+    (``validation_batch_size``), as ``model.fit(batch_size=effective_batch)`` does.
 
-    ``data`` is anything ``model.fit`` takes as ``x`` (``(x, y[, sample_weight])`` arrays,
-    dicts, a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a generator; raw inputs for a
-    keras-hub task; see :mod:`autoaccum.adapters.keras`). In-memory data is reshuffled every epoch
-    (``shuffle``, ``seed``); streams are read as they come. The last examples of an epoch
-    that do not fill an effective batch are trained as a final, smaller step normalised by
-    its own count (``drop_remainder=True``: left out); ``history.autoaccum_remainder`` says
-    how many. Validation evaluates at the effective batch (``validation_batch_size``) with
-    accumulation, as ``model.fit(batch_size=effective_batch)`` validates.
+    ``last_micro_batch`` (below ``micro_batch``): an uneven step, ``accum_steps - 1``
+    micro-batches of ``micro_batch`` then one of this size (13 = 5 + 5 + 3), exactly Keras's
+    step on the 13 examples. ``uneven``: a smaller step or validation batch is split the same
+    way (``False``: at its largest divisor up to ``micro_batch``).
 
     ``lr_scaling``: the plan's learning-rate rule, applied inside the step (the optimizer
-    keeps its own, base, rate). ``on_nonfinite``: a step with a non-finite loss or gradient
-    leaves the state unchanged; ``"stop"`` then raises :class:`NonFiniteError` (unless a
-    callback such as ``TerminateOnNaN``, which sees the loss in the logs, stopped training),
-    ``"skip"`` goes on (``history.autoaccum_skipped_steps``); an optimizer that handles
-    non-finite gradients itself (a ``LossScaleOptimizer``) is left to, as in ``model.fit``
-    (``history.autoaccum_optimizer_skipped_steps``). ``batch_stats``:
-    ``BatchNormalization`` moving statistics updated once per step with the effective
-    batch's (``"effective"``) or per micro-batch (``"micro"``).
+    keeps its base rate). ``on_nonfinite``: a non-finite step leaves the state unchanged, then
+    ``"stop"`` raises :class:`NonFiniteError` (unless a callback such as ``TerminateOnNaN``
+    stopped training) and ``"skip"`` goes on (``history.autoaccum_skipped_steps``); a
+    ``LossScaleOptimizer`` handles it itself, as in ``model.fit``
+    (``history.autoaccum_optimizer_skipped_steps``). ``batch_stats``: ``BatchNormalization``
+    moving statistics updated per step with the effective batch's (``"effective"``) or per
+    micro-batch (``"micro"``).
 
-    ``backup`` keeps a host copy of the donated state (refreshed every epoch, every step with
-    ``elastic``) to restore if a step fails after consuming it: ``"auto"`` when that state is
-    at most 4 GiB, ``"host"`` always, ``"none"`` never. ``elastic``: a step that runs out of
-    memory is redone from the state before it with the same examples at the next smaller
-    micro-batch (``history.autoaccum_events``). ``data_parallel``: ``None`` uses the mesh of a
-    ``keras.distribution.DataParallel`` if one is set, else one device; ``"auto"`` every
-    device; an int the first that many; or a one-axis ``jax.sharding.Mesh`` (``micro_batch``
-    is then per device). ``strategy`` (with a data-parallel mesh): ``"replicated"``,
-    ``"zero1"``, ``"zero2"`` or ``"fsdp"`` (see :mod:`autoaccum.planning`): the
-    optimizer variables (and the weights under ``"fsdp"``) are split over the devices; after
-    the fit the model's variables hold the trained values laid out as the strategy keeps
-    them (a split variable stays split: gathering it on one device could need more memory
-    than a device has; Keras's ``predict`` runs on it as it is, and a later
-    ``autoaccum.fit`` lays it out afresh). ``partitioner``: who partitions the strategy's
-    step (``autoaccum.internal.PARTITIONERS``; the plan's choice).
+    ``backup``: a host copy of the donated state (refreshed every epoch; every step with
+    ``elastic``), restored if a step fails after consuming it: ``"auto"`` up to 4 GiB of state,
+    ``"host"`` always, ``"none"`` never. ``elastic``: a step that runs out of memory is redone
+    with the same examples at the next smaller micro-batch (``history.autoaccum_events``).
+    ``data_parallel``: ``None``: a set ``keras.distribution.DataParallel``'s mesh, else one
+    device; ``"auto"``: every device; an int: the first that many; or a one-axis
+    ``jax.sharding.Mesh`` (``micro_batch`` is then per device). ``strategy`` (with a
+    data-parallel mesh): ``"replicated"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"`` splits the
+    optimizer variables (and under ``"fsdp"`` the weights) over the devices; they stay split
+    after the fit (gathering could need more memory than a device has; ``predict`` runs on
+    them as they are, a later ``autoaccum.fit`` lays them out afresh). ``partitioner``: who
+    partitions the strategy's step (``autoaccum.internal.PARTITIONERS``).
 
-    Returns the ``keras.callbacks.History`` of the run: ``history.history`` holds exactly the
-    logs ``model.fit`` writes (and callbacks such as ``CSVLogger`` see only those); what
-    autoaccum adds is on the object: ``autoaccum_gradient_noise_scale`` (per epoch),
+    Returns the run's ``keras.callbacks.History``: ``history.history`` holds exactly the logs
+    ``model.fit`` writes; autoaccum adds ``autoaccum_gradient_noise_scale`` (per epoch),
     ``autoaccum_noise_advice``, ``autoaccum_remainder``, ``autoaccum_skipped_steps``, ...
 
     Example:
@@ -442,7 +402,7 @@ def keras_fit(
 
 class _KerasHooks(KerasState, FitHooks):
     """What a Keras model brings to the training loop: its variables (:class:`KerasState`),
-    the epoch's batches, Keras's callbacks, progress bar and ``History``."""
+    the epoch's batches, Keras's callbacks and ``History``."""
 
     runner: StepRunner
     keras_callbacks: Any = None
@@ -557,9 +517,6 @@ class _KerasCallbacks(FitCallbacks):
         return "a callback set model.stop_training" if self.model.stop_training else None
 
     def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
-        # Keras's logs, exactly as model.fit's; when every step of the epoch was skipped
-        # (on_nonfinite="skip") the metrics hold nothing, and Keras shows the non-finite
-        # values: the last step's.
         return _epoch_logs(self.model, tally.logs, any_finite=tally.finite_steps > 0)
 
     def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
@@ -573,9 +530,8 @@ class _KerasCallbacks(FitCallbacks):
 
 def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
                 ) -> dict[str, float]:
-    """The epoch's logs from the metric variables, as Keras reads them (a skipped step's
-    non-finite values are in its batch logs, not in the metrics it left unchanged; with no
-    step taken, the last skipped step's logs: ``nan`` where ``model.fit`` shows ``nan``)."""
+    """The epoch's logs from the metric variables, as ``model.fit`` makes them; when every step
+    was skipped, the last step's logs (``nan`` where ``model.fit`` shows ``nan``)."""
     if not logs:
         return {}
     if not any_finite:
@@ -603,8 +559,7 @@ def _validation(model: Any, source: KerasData, validation_data: Any,
 
 
 def _check_last_micro_batch(last: Any, *, micro_batch: int, accum_steps: int) -> None:
-    """``last_micro_batch``: ``None``, or a positive integer below ``micro_batch`` with at
-    least two micro-steps."""
+    """``last_micro_batch``: ``None``, or below ``micro_batch`` with two micro-steps or more."""
     if last is None:
         return
     if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or last < 1:

@@ -1,23 +1,13 @@
 """The learning-rate rule for a Keras optimizer, applied inside the step; the optimizer keeps
 the user's rate.
 
-autoaccum never stores a scaled rate in the optimizer. ``optimizer.learning_rate`` stays the
-*base* rate (a float variable, a ``LearningRateSchedule`` or a callable: whatever the user
-compiled, set, loaded or a callback assigned). While the accumulated step is traced, the
-optimizer's current rate is multiplied by the plan's factor (and, with ``adjust_adam``, its
-``beta_1``/``beta_2``/``epsilon`` are replaced), so every update uses ``factor x base``. Hence,
-by construction:
-
-* repeated ``fit`` calls, save -> load -> ``fit`` and checkpoint resumes never scale twice (the
-  saved optimizer holds the base rate, and nothing else);
-* a rate the user sets (``optimizer.learning_rate = 1e-4``), a newly compiled optimizer, or a
-  ``LearningRateScheduler``/``ReduceLROnPlateau`` assignment is the new base, scaled at the
-  next step;
-* saved optimizers hold only Keras's own objects: they load in any process, without autoaccum.
-
-A user's ``LearningRateSchedule`` scaled outside the step (only
-:func:`autoaccum.internal.scale_keras_learning_rate` does it) becomes a ``ScaledSchedule``
-(its own module, which imports Keras when it is first used).
+``optimizer.learning_rate`` stays the *base* rate (whatever the user compiled, set, loaded or a
+callback assigned); while the accumulated step is traced, the optimizer's current rate is
+multiplied by the plan's factor (and, with ``adjust_adam``, its ``beta_1``/``beta_2``/
+``epsilon`` replaced). Hence repeated ``fit`` calls, save -> load -> ``fit`` and checkpoint
+resumes never scale twice; a rate the user sets, a newly compiled optimizer or a
+``LearningRateScheduler``/``ReduceLROnPlateau`` assignment is the new base, scaled at the next
+step; saved optimizers hold only Keras's own objects and load without autoaccum.
 """
 
 from __future__ import annotations
@@ -74,13 +64,9 @@ def base_learning_rate(optimizer: Any) -> Any:
 
 def keras_lr_scaling(model: Any, rate: LearningRate, *,
                      effective_batch: int) -> LearningRateScaling:
-    """The plan's learning-rate scaling for the model's compiled optimizer.
-
-    ``rate.value`` (a positive float or a schedule), when given, is the base instead of the
-    optimizer's rate (``fit`` then sets it on the optimizer, see
-    :func:`set_base_learning_rate`). With ``rate.adjust_adam`` the optimizer's own betas and
-    epsilon are the ones adjusted.
-    """
+    """The plan's learning-rate scaling for the model's compiled optimizer; ``rate.value``,
+    when given, is the base instead of the optimizer's rate (``fit`` then sets it,
+    :func:`set_base_learning_rate`)."""
     base = rate.value
     if base is None:
         base = base_learning_rate(model.optimizer)
@@ -174,12 +160,9 @@ def set_base_learning_rate(optimizer: Any, value: Any) -> None:
 
 @contextlib.contextmanager
 def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) -> Iterator[None]:
-    """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate.
-
-    The optimizer's current-rate method (what its updates and weight decay read,
-    ``current_learning_rate_function``) is shadowed on the instance and
-    restored on exit, as are ``beta_1``/``beta_2``/``epsilon``
-    when ``scaling.adam`` adjusts them; the optimizer's variables and config never change.
+    """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate: its
+    current-rate method (read by updates and weight decay) is shadowed on the instance, as are
+    ``beta_1``/``beta_2``/``epsilon`` with ``scaling.adam``, and restored on exit.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -236,12 +219,10 @@ def _restore(leaf: Any, name: str, value: Any) -> None:
 def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:
     """Multiplies ``optimizer``'s own learning rate by ``factor`` in place; returns it.
 
-    A standalone helper (``autoaccum.fit`` does not use it: it scales inside the step and
-    leaves the optimizer's rate alone). A float rate is assigned ``lr x factor``; a
-    ``LearningRateSchedule`` is wrapped in ``ScaledSchedule(schedule, factor)`` (registered
-    with Keras when this helper first runs: import ``autoaccum.adapters.keras``
-    before loading a model saved with one); a callable becomes ``lambda: factor x
-    callable()``.
+    A standalone helper (``autoaccum.fit`` scales inside the step instead). A float rate
+    becomes ``lr x factor``; a ``LearningRateSchedule`` is wrapped in ``ScaledSchedule(schedule,
+    factor)`` (import ``autoaccum.internal.ScaledSchedule`` before loading a model saved with
+    one); a callable becomes ``lambda: factor x callable()``.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")

@@ -10,28 +10,20 @@ Keras reduces each compiled loss term ``values`` (per element) as:
 * ``"sum"``: ``sum(values * w)``.
 
 So per micro-batch ``j`` a term is ``S_j / d_j``, and the big-batch value is
-``sum_j S_j / sum_j d_j``: the micro-batch loss is returned as ``(d_j * value_j, d_j)``. When
-``d_j`` is static (no mask, "sum_over_batch_size") it is proportional to the micro-batch's
-size, so micro-batches of different sizes (an uneven split, 13 = 5 + 5 + 3) weigh exactly as
-their examples do; when it depends on the data (masks, "mean_with_sample_weight") it is
-read as Keras computes it. A "sum" term is not divided: each micro-batch adds its own sum.
-:class:`LossRecorder` wraps the compiled loss terms while the step is traced to read
-``value_j`` and ``d_j`` exactly as Keras computes them.
+``sum_j S_j / sum_j d_j``: the micro-batch loss is returned as ``(d_j * value_j, d_j)``, with
+``value_j`` and ``d_j`` read as Keras computes them (:class:`LossRecorder`). A static ``d_j``
+(no mask, "sum_over_batch_size") is proportional to the micro-batch's size, so micro-batches
+of different sizes (13 = 5 + 5 + 3) weigh exactly as their examples do. A "sum" term is not
+divided: each micro-batch adds its own sum.
 
-Keras's per-term loss metrics (``"<output>_loss"``), logged as for one big batch.
-
-With several compiled loss terms, Keras keeps a ``Mean`` per term and updates it, every
-batch, with the term's reduced value weighted by the batch size. Updated per micro-batch that
-would log the mean of micro-batch values: a ``reduction="sum"`` term divided by
-``accum_steps``, a masked mean weighted wrongly. Instead each term's numerator and
-denominator (recorded by ``LossRecorder`` as Keras reduces it) are summed over
-the micro-batches, and each metric is updated once per step with the big batch's value:
-``sum_j S_j / sum_j d_j`` (``sum_j value_j`` for ``"sum"``), weighted by the step's examples.
-
-The same sums give the big batch's *total* loss (``sum_t weight_t x term_t`` plus the
-regularization loss averaged over the examples, as Keras divides activity regularization by
-the batch size), which is what is logged when the gradient itself cannot be accumulated
-exactly (several terms, one with a data-dependent denominator; see :mod:`autoaccum.adapters.keras`).
+Per-term loss metrics (``"<output>_loss"``): Keras updates a ``Mean`` per term every batch with
+the term's value weighted by the batch size; per micro-batch that would log the mean of
+micro-batch values (a "sum" term divided by ``accum_steps``, a masked mean weighted wrongly).
+Instead each term's ``S_j`` and ``d_j`` are summed over the micro-batches and each metric is
+updated once per step with the big batch's value, weighted by the step's examples. The same
+sums give the big batch's total loss (plus the regularization loss averaged over the examples,
+as Keras divides activity regularization by the batch size), which is logged when the gradient
+cannot be accumulated exactly (several terms, one with a data-dependent denominator).
 """
 
 from __future__ import annotations
@@ -103,15 +95,9 @@ class LossRecorder:
 
 @contextmanager
 def requiring_a_loss(model: Any) -> Iterator[None]:
-    """Within the block (a step being traced), the model's default ``compute_loss`` raises as
-    ``model.fit`` does on Keras's TensorFlow and torch backends when nothing supplies a loss.
-
-    Keras's rule (``keras.src.trainers.trainer.Trainer.compute_loss``): "No loss to compute"
-    when neither the compiled loss (``compile(loss=...)``) nor ``add_loss`` (the forward
-    pass's ``model.losses``) gives a term. A ``compute_loss`` override is the user's own and
-    is never checked. On the JAX backend Keras skips the check and trains a constant zero
-    loss (the weights never move); autoaccum refuses that, as the other backends do.
-    """
+    """Within the block, the model's default ``compute_loss`` raises when neither the compiled
+    loss nor ``add_loss`` gives a term, as ``model.fit`` does on Keras's TensorFlow and torch
+    backends (on JAX, Keras trains a constant zero loss). An override is never checked."""
     default = type(model).compute_loss is trainer_compute_loss()
     if not default or instance_attribute(model, "compute_loss") is not None:
         yield
@@ -144,22 +130,13 @@ def accumulation_weights(
     micro_batch: int,
     examples: int,
 ) -> tuple[jax.Array, jax.Array, bool]:
-    """``(loss_sum, count)`` for one micro-batch from Keras's loss ``total_loss``, and whether
-    the step is exact.
+    """``(loss_sum, count, exact)`` for one micro-batch from Keras's loss ``total_loss``
+    (regularization included) and its recorded ``terms``; ``micro_batch``: its examples on
+    this device, ``examples``: the whole step's.
 
-    Args:
-      total_loss: Keras's loss on the micro-batch (regularization losses included).
-      terms: the compiled loss terms as :class:`LossRecorder` recorded them (no ``None``
-        denominator left).
-      micro_batch: this micro-batch's examples (on this device).
-      examples: the step's examples, over all its micro-batches and devices.
-
-    Returns:
-      ``loss_sum / count`` summed over the micro-batches of a step (``sum loss_sum / sum
-      count``) equals the loss Keras computes on the whole effective batch (``exact``), for
-      micro-batches of any sizes, except when a model has several loss terms and one of them
-      has a data-dependent denominator: then each micro-batch is weighted by its size, and
-      ``exact`` is ``False``. Regularization losses count once, as in one big batch.
+    ``sum loss_sum / sum count`` over a step is Keras's loss on the whole effective batch
+    (regularization counted once), except with several terms, one with a data-dependent
+    denominator: then each micro-batch is weighted by its size and ``exact`` is ``False``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -291,12 +268,9 @@ def warn_inexact_once(model: Any) -> None:
 
 
 class TermMetrics:
-    """The per-term loss metrics of a compiled model and where their variables are.
-
-    ``mapped`` is set while a micro-batch is traced: whether the recorded terms are the
-    compiled ones, one per metric (a ``compute_loss`` override that calls the compiled loss
-    once keeps them; otherwise Keras's own per-micro-batch updates are kept).
-    """
+    """The per-term loss metrics of a compiled model and where their variables are;
+    ``mapped`` (set while tracing): whether the recorded terms are one per metric (else
+    Keras's own per-micro-batch updates are kept)."""
 
     def __init__(self, model: Any) -> None:
         compile_loss = compiled_loss(model)
@@ -316,9 +290,8 @@ class TermMetrics:
 
     def accumulate(self, acc: tuple, terms: list[LossTerm], total: Any, old: list, new: list,
                    *, examples: int) -> tuple[tuple, list]:
-        """Adds one micro-batch's terms (``total``: its whole loss, regularization included;
-        ``examples``: the micro-batch's); the micro-batch's own updates of the metrics are
-        undone."""
+        """Adds one micro-batch's terms (``total``: its whole loss; ``examples``: its size) and
+        undoes its own metric updates."""
         self.mapped = bool(self.metrics) and len(terms) == len(self.metrics)
         if not self.mapped:
             return acc, new

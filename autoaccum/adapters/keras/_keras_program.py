@@ -1,30 +1,20 @@
 """A compiled Keras 3 model (JAX backend) as a :class:`TrainProgram`: one exact accumulated step.
 
-The step itself is ``keras_train_step``. State (donated) = ``(trainable, mutable
-non-trainable, optimizer variables, metric variables)``. Non-trainable variables the step
-never changes (frozen weights, e.g. a LoRA base model) are passed as a separate, *not donated*
-argument, so a failed step cannot delete them.
-
-Planning leaves the model as it was (:mod:`autoaccum.adapters.keras`): an unbuilt model is built
-with deferred
-variables (no buffers, nothing queued for Keras's deferred initialization), and an unbuilt
+State (donated) = ``(trainable, mutable non-trainable, optimizer variables, metric
+variables)``. Non-trainable variables the step never changes (frozen weights, e.g. a LoRA base
+model) are a separate, *not donated* argument, so a failed step cannot delete them. Planning
+leaves the model as it was: an unbuilt model is built with deferred variables, and an unbuilt
 optimizer is not built (a built clone is traced instead).
 
-Per-layer rematerialization for Keras models, with every policy Flax models get.
-
-Keras layers carry a remat mode (set by ``keras.RematScope`` at construction) that makes
-``Layer.__call__`` run ``call`` through ``layer.rematerialized_call``. autoaccum sets both, for
-the duration of planning or training, on the repeated blocks of the model (a keras-hub
-backbone's ``transformer_layers``, else the layers passed as ``layers=``), with its own
-``rematerialized_call``: ``jax.checkpoint`` with the named policy (:data:`REMAT_POLICIES
-<autoaccum.planning.REMAT_POLICIES>`) over the call's array arguments only. Keras's own
-``"full"`` mode checkpoints every argument, so a block called with ``training=True`` fails
-(``if training:`` on a tracer: keras-hub's ``TransformerDecoder``), and offers no policy.
-State a block writes while it runs (a dropout seed, BatchNorm statistics, added losses) is
-returned from the checkpointed function and written into Keras's stateless scope outside it,
-so no value of the inner trace escapes.
-
-Recognising a Keras model and refusing, early and with the fix, what autoaccum cannot train.
+Per-layer rematerialization, with every policy Flax models get: a layer's remat mode (set by
+``keras.RematScope``) makes ``Layer.__call__`` run ``call`` through
+``layer.rematerialized_call``. autoaccum sets both on the model's repeated blocks while
+planning or training, with its own ``rematerialized_call``: ``jax.checkpoint`` with the named
+policy over the call's array arguments only. Keras's own ``"full"`` mode checkpoints every
+argument, so a block called with ``training=True`` fails (``if training:`` on a tracer:
+keras-hub's ``TransformerDecoder``), and offers no policy. State a block writes while it runs
+(a dropout seed, BatchNorm statistics, added losses) is returned from the checkpointed
+function and written into Keras's stateless scope outside it, so no inner value escapes.
 """
 
 from __future__ import annotations
@@ -92,10 +82,8 @@ REFUSED_OPTIONS = REFUSED_FIT_OPTIONS
 
 
 def is_keras_model(obj: Any) -> bool:
-    """Whether ``obj`` is a ``keras.Model``; never imports Keras itself.
-
-    If Keras has not been imported, nothing can be a Keras model, so this is ``False``
-    without paying Keras's import time.
+    """Whether ``obj`` is a ``keras.Model``; never imports Keras (if it is not imported yet,
+    nothing is a Keras model).
 
     Example:
       >>> is_keras_model(object())
@@ -166,11 +154,9 @@ def check_keras_model(model: Any) -> None:
 
 
 def layers_without_jit(model: Any) -> list[Any]:
-    """The layers of ``model`` that Keras flags ``supports_jit = False`` (``RandomRotation``,
-    ``RandomZoom``, lookups, ...), for which ``compile(jit_compile="auto")`` resolves to
-    ``False`` on every backend. On the JAX backend many of them trace under ``jax.jit`` all
-    the same (their ops are ``keras.ops``); ``find_layout`` traces the step to
-    see, and refuses naming them only when it fails.
+    """The layers Keras flags ``supports_jit = False`` (``RandomRotation``, lookups, ...), for
+    which ``jit_compile="auto"`` resolves to ``False``. On JAX many trace under ``jax.jit`` all
+    the same (their ops are ``keras.ops``); ``find_layout`` traces the step to see.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -187,8 +173,8 @@ def layers_without_jit(model: Any) -> list[Any]:
 def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
     """Checks keyword options forwarded to :func:`autoaccum.adapters.keras.keras_fit`; returns them.
 
-    Raises ``ValueError`` for an option that conflicts with the accumulation plan (such as
-    ``batch_size=`` next to ``effective_batch``) and for unknown names.
+    Raises ``ValueError`` for an unknown name or an option that conflicts with the plan (such
+    as ``batch_size=`` next to ``effective_batch``).
 
     Example:
       >>> validate_keras_fit_kwargs(epochs=2, verbose=0)
@@ -252,15 +238,13 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
 
     ``data`` (or ``example_spec``, the ``ShapeDtypeStruct`` of one packed ``(x, y[, w])``
     example) fixes the input shapes. No weight is read and nothing is changed: an unbuilt
-    model is built with deferred variables, an unbuilt optimizer is replaced by a built
-    clone (``optimizer``: the one to trace, default ``planning_optimizer``).
-    ``lr_scaling``: the plan's learning-rate rule, applied inside the step. ``mesh``: a
-    one-axis ``jax.sharding.Mesh`` (e.g. that of a ``keras.distribution.DataParallel``) for
-    a data-parallel step; see ``autoaccum.training``. ``strategy``: what
-    the devices of ``mesh`` split instead of copying (``"replicated"``, ``"zero1"``,
-    ``"zero2"``, ``"fsdp"``; see :mod:`autoaccum.planning`);
-    ``program.on_mesh(mesh, strategy)`` does the same later. The trainable and optimizer
-    variables follow the strategy; the other variables are copied on every device.
+    model is built with deferred variables, an unbuilt optimizer is replaced by a built clone
+    (``optimizer``: the one to trace). ``lr_scaling``: the plan's learning-rate rule, applied
+    inside the step. ``mesh``: a one-axis ``jax.sharding.Mesh`` (e.g. a
+    ``keras.distribution.DataParallel``'s) for a data-parallel step. ``strategy``: what the
+    devices of ``mesh`` split instead of copying (``"replicated"``, ``"zero1"``, ``"zero2"``,
+    ``"fsdp"``): the trainable and optimizer variables follow it, the others are copied;
+    ``program.on_mesh(mesh, strategy)`` does the same later.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -351,9 +335,8 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
 
 
 def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
-    """Builds the model and its compiled loss and metrics symbolically (deferred variables,
-    nothing allocated) on ``batch_size`` examples (so that Keras's own shape errors show the
-    batch the user asked for); the optimizer is left as it is."""
+    """Builds the model, compiled loss and metrics symbolically (nothing allocated) on
+    ``batch_size`` examples, so Keras's shape errors show the user's batch; not the optimizer."""
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
                          example_spec)
     try:
@@ -367,11 +350,9 @@ def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> No
 
 def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
                 batch_size: int = 1) -> KerasLayout:
-    """Traces the model's loss on ``batch_size`` examples (abstractly, nothing compiled) to
-    see which non-trainable variables the step writes, and that the step traces at all: a
-    mistake in the data (labels of the wrong shape) is reported as Keras reports it for a
-    batch of ``batch_size`` (give the effective batch), and a layer Keras flags as not
-    XLA-compatible whose step does not trace is named."""
+    """Traces the model's loss abstractly on ``batch_size`` examples (give the effective batch,
+    which Keras's data errors then name) to see which non-trainable variables the step writes;
+    a flagged layer (``layers_without_jit``) whose step does not trace is named."""
     count = len(model.non_trainable_variables)
     flagged = layers_without_jit(model)
     import keras
@@ -524,9 +505,8 @@ def _is_array(leaf: Any) -> bool:
 
 
 def _checkpointing(policy: Callable[..., bool]) -> Callable[..., Callable[..., Any]]:
-    """A ``rematerialized_call`` for one layer: ``call`` under ``jax.checkpoint(policy=...)``,
-    differentiating through array arguments only (``training=True``, ``mask=None`` and other
-    Python values stay Python values), with the layer's state writes carried out."""
+    """A ``rematerialized_call``: ``call`` under ``jax.checkpoint(policy=...)`` over the array
+    arguments only (Python values stay Python values), the layer's state writes carried out."""
     def rematerialized_call(layer_call: Callable[..., Any], *_: Any, **__: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -581,8 +561,7 @@ def keras_remat_program(model: Any, example_spec: Any, remat: str, *,
                         layers: Callable[..., bool] | None = None,
                         **program_options: Any) -> TrainProgram:
     """The Keras model's accumulated step, traced and lowered with per-block ``remat``
-    (Keras applies remat when a layer is called, so lowering must happen inside it too);
-    ``program_options`` go to :func:`~autoaccum.internal.keras_program`."""
+    (Keras applies remat when a layer is called, so lowering must happen inside it too)."""
 
     with keras_rematerialized(model, remat, layers=layers):
         program = keras_program(model, example_spec=example_spec, **program_options)

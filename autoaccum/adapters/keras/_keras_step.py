@@ -3,63 +3,26 @@
 Built from the model's own pieces, as Keras's ``JAXTrainer.train_step``/``test_step`` are:
 ``model.compute_loss_and_updates`` (``stateless_call`` + the compiled loss, or a
 ``compute_loss`` override), ``model.compute_metrics`` and ``optimizer.stateless_apply``.
-Micro-batches are scanned (an uneven step's smaller last micro-batch,
-:class:`~autoaccum.planning.UnevenBatches`, runs once at its own shape; every micro-batch is
-weighted by its own size); the optimizer is applied once per step (``optimizer.iterations``
-counts optimizer steps, schedules see them), with the learning-rate rule applied while the
-step is traced (``scaled_learning_rate``). Losses are weighted as Keras
-weights one
-big batch (:mod:`autoaccum.adapters.keras`), per-term loss metrics too
-(:mod:`autoaccum.adapters.keras`), and
-``BatchNormalization`` moving statistics follow ``batch_stats`` (:mod:`autoaccum.adapters.keras`).
+Micro-batches are scanned, each weighted by its own size; the optimizer is applied once per
+step (``optimizer.iterations`` counts optimizer steps), the learning-rate rule applied while
+the step is traced. A non-finite step returns the state it was given, its logs showing the
+non-finite loss (so ``TerminateOnNaN`` sees it), except under a ``LossScaleOptimizer``, which
+skips the update and lowers its scale itself, as in ``model.fit``.
 
-A step whose loss or gradients are not finite returns the state it was given (weights,
-optimizer, metrics, batch statistics), with ``StepMetrics.finite`` false and logs that show
-the non-finite loss (so ``TerminateOnNaN`` sees it). An optimizer that handles non-finite
-gradients itself (:func:`handles_nonfinite`: a ``LossScaleOptimizer`` skips the update and
-lowers its scale) is left to do so, as ``model.fit`` leaves it: its state is the step's,
-whatever ``on_nonfinite`` says.
+``BatchNormalization`` normalises with micro-batch statistics; its moving averages follow
+``batch_stats``: ``"effective"`` (default) updates them once per step with the effective
+batch's mean and variance, combined exactly from the micro-batch moments (Chan et al.'s
+parallel variance, across devices too); ``"micro"`` once per micro-batch, in the order the
+step runs them (an uneven step's smaller last one first). Layers with ``renorm=True`` keep
+their own per-micro-batch updates.
 
-Keras ``BatchNormalization`` moving statistics under accumulation.
-
-In training, a Keras ``BatchNormalization`` layer normalises with the statistics of the batch
-it sees and updates ``moving_mean``/``moving_variance`` by ``moving * momentum + batch_stat *
-(1 - momentum)``. With accumulation the forward pass sees micro-batches, so normalisation
-uses micro-batch statistics (inherent to micro-batching). The moving averages follow
-``batch_stats``:
-
-* ``"effective"`` (default): one update per optimizer step with the mean and variance of the
-  whole effective batch, combined exactly from the micro-batch moments (count-weighted, with
-  Chan et al.'s parallel variance, across devices too): the moving averages a big batch
-  would give.
-* ``"micro"``: one update per micro-batch, in the order the step runs them (``accum_steps``
-  updates per step; an uneven step runs its smaller last micro-batch first).
-
-Layers with ``renorm=True`` keep their own per-micro-batch updates in both modes.
-
-Tracing a Keras model without changing it: planning leaves no trace on the user's objects.
-
-* :func:`keras_lowering_scope` builds and traces inside ``keras.StatelessScope(
-  initialize_variables=False)``. Variables created there (the layers of an unbuilt model, its
-  metrics) stay *deferred*: they hold no buffer and read as their initializer's value. Keras
-  would also list them for initialization at the next top-level stateless scope's exit, which
-  can happen inside a later ``jit`` trace (``model.fit``'s step) and leave tracers in them;
-  the scope takes the variables it created off that list, so nothing initializes them behind
-  the user's back.
-* :func:`planning_optimizer`: planning traces ``optimizer.stateless_apply``, which needs a
-  built optimizer. An unbuilt one is not built for that: a clone (``from_config``) is, so
-  ``plan``/``measure`` leave the user's optimizer unbuilt (a later ``enable_lora()`` or
-  ``layer.trainable = False`` still works as with ``model.fit``). An optimizer that makes
-  variables from concrete values while building (``Adafactor``) is built under
-  :func:`concrete_values_deferred`.
-* :func:`materialize` gives every deferred variable of a model (and its optimizer and
-  metrics) its initial value, for training.
-
-Values a rematerialized Keras block appends to a list while it runs (the BatchNorm moments
-``batch_stats="effective"`` records, :mod:`autoaccum.adapters.keras`) must leave ``jax.checkpoint``
-as its
-outputs, or the compiled step gets stray parameters: the lists registered here are carried
-out by :mod:`autoaccum.adapters.keras`'s checkpointed calls.
+Planning leaves no trace on the user's objects. Variables created inside
+:func:`keras_lowering_scope` stay *deferred* (no buffer; they read as their initializer's
+value); Keras would also queue them for initialization at the next top-level stateless
+scope's exit, which can happen inside a later ``jit`` trace (``model.fit``'s step) and leave
+tracers in them, so the scope takes them off that queue. An unbuilt optimizer is not built
+for tracing, a clone is (:func:`planning_optimizer`), so a later ``enable_lora()`` or
+``layer.trainable = False`` still works as with ``model.fit``.
 """
 
 from __future__ import annotations
@@ -113,9 +76,9 @@ CARRIED_SINKS: list[list] = []  # lists blocks append traced values to while the
 
 @contextlib.contextmanager
 def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
-    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments
-    recorded for ``batch_stats="effective"``, :mod:`autoaccum.adapters.keras`) are returned from its
-    checkpointed call and appended outside it, so no value of the inner trace escapes."""
+    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments)
+    leave its ``jax.checkpoint`` as outputs and are appended outside it: a value of the inner
+    trace left in a list would become a stray parameter of the compiled step."""
     CARRIED_SINKS.extend(sinks)
     try:
         yield
@@ -155,11 +118,9 @@ class _Norm:
 
 
 class BatchStats:
-    """The ``BatchNormalization`` layers whose moving statistics are combined per step.
-
-    ``mutable_refs`` are the variables of the step's mutable list, in order. With
-    ``mode="micro"`` (or no such layer) every method leaves the state as Keras updates it.
-    """
+    """The ``BatchNormalization`` layers whose moving statistics are combined per step
+    (``mutable_refs``: the step's mutable variables, in order). With ``mode="micro"`` every
+    method leaves the state as Keras updates it."""
 
     def __init__(self, model: Any, mutable_refs: list[Any], mode: str = "effective") -> None:
         import keras
@@ -199,8 +160,7 @@ class BatchStats:
 
     def accumulate(self, acc: tuple, records: list[list[tuple]], old: list,
                    new: list) -> tuple[tuple, list]:
-        """Merges the micro-batch moments into ``acc``; the moving statistics keep their
-        values from before the step (``old``) instead of the micro-batch's update."""
+        """Merges the micro-batch moments into ``acc``; undoes the micro-batch's own update."""
         if not self.norms:
             return acc, new
         new = list(new)
@@ -254,8 +214,7 @@ def _merge(acc: tuple, part: tuple) -> tuple:
 
 
 def _recording(layer: Any, sink: list) -> Any:
-    """The layer's moments (``batch_norm_moments``) that also append
-    ``(mean, variance, count)`` to ``sink``."""
+    """The layer's moments, also appending ``(mean, variance, count)`` to ``sink``."""
     from keras import ops
 
     original = batch_norm_moments(layer)
@@ -305,8 +264,7 @@ def keras_lowering_scope() -> Iterator[None]:
 
 
 def symbolic_build(model: Any, data_batch: Any) -> None:
-    """Keras's symbolic build (model, compiled loss and metrics) in a lowering scope,
-    without building the optimizer (see :func:`planning_optimizer`)."""
+    """Keras's symbolic build of model, compiled loss and metrics; the optimizer left unbuilt."""
     optimizer = getattr(model, "optimizer", None)
     hide = optimizer is not None and not optimizer.built
     with keras_lowering_scope():
@@ -321,11 +279,9 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
 
 @contextlib.contextmanager
 def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
-    """While ``optimizer`` is built abstractly: a variable its module creates from a concrete
-    value (``keras.optimizers.Adafactor`` makes its scalar placeholders with
-    ``backend.Variable(0)``, which a stateless scope refuses) is created from an initializer
-    of that value instead, deferred like every other variable of the abstract model. Only the
-    optimizer's own module sees the substitute.
+    """While ``optimizer`` is built abstractly, a variable its module makes from a concrete
+    value (``Adafactor``'s ``backend.Variable(0)``, which a stateless scope refuses) is made
+    from an initializer of that value instead, deferred. Only that module sees the substitute.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -367,11 +323,8 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
 
 
 def planning_optimizer(model: Any) -> Any:
-    """The model's optimizer if built, else a built clone of it (deferred variables).
-
-    The clone has the optimizer's class and config, so the same variables in the same order:
-    a step traced with it has the memory and the updates of the real one.
-    """
+    """The model's optimizer if built, else a built clone of it (deferred variables): same
+    class and config, so a step traced with it has the real one's memory and updates."""
     optimizer = model.optimizer
     if optimizer.built:
         return optimizer
@@ -385,8 +338,7 @@ def planning_optimizer(model: Any) -> Any:
 
 
 def built_for_planning(optimizer: Any, model: Any) -> Any:
-    """``optimizer`` (made outside any stateless scope) built for ``model``'s trainable
-    variables with deferred variables: its slots are never allocated."""
+    """``optimizer`` (made outside any stateless scope) built with deferred slots."""
     with keras_lowering_scope(), concrete_values_deferred(optimizer):
         optimizer.build(model.trainable_variables)
     return optimizer
@@ -408,11 +360,8 @@ def optimizer_in_use(model: Any, optimizer: Any) -> Iterator[None]:
 
 def materialize(model: Any) -> None:
     """Builds the optimizer if needed and gives every deferred variable of the model, its
-    optimizer and its metrics a buffer holding its initial value (what Keras's ``fit`` does).
-
-    Raises ``ValueError`` for a variable that has neither a value nor an initializer (a
-    Keras ``fit``/``evaluate`` that failed midway can leave such "purged" variables).
-    """
+    optimizer and metrics its initial value, as Keras's ``fit`` does; ``ValueError`` for a
+    variable purged by a failed Keras ``fit``/``evaluate`` (no value, no initializer)."""
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
@@ -455,8 +404,7 @@ class _Micro:
 
     def __call__(self, params: list, carry: tuple, batch: PyTree, *, frozen: list,
                  optimizer_vars: list | None, examples: int) -> tuple[tuple, tuple]:
-        """One micro-batch (its examples on this device: the leading axis of ``batch``) of a
-        step of ``examples`` examples in all (every micro-batch, every device)."""
+        """One micro-batch (this device's share) of a step of ``examples`` examples in all."""
         import keras
 
         model, layout = self.model, self.layout
@@ -482,9 +430,8 @@ class _Micro:
         term_acc, new_metrics = self.terms.accumulate(
             term_acc, terms, jax.lax.stop_gradient(unscaled), metrics_vars, list(new_metrics),
             examples=local_micro)
-        # Evaluating: y_pred as Keras's test_step passes it, its Keras mask attached (a
-        # padded sequence's metrics count its valid tokens). Training: as Keras's JAX
-        # train_step, whose y_pred leaves the differentiated function without its mask.
+        # As Keras passes y_pred: test_step with its Keras mask (a padded sequence's metrics
+        # count valid tokens); the JAX train_step's leaves the differentiated function without.
         new_metrics = _update_compiled_metrics(
             model, new_metrics, x, y,
             jax.lax.stop_gradient(y_pred) if self.training else y_pred, sample_weight
@@ -496,8 +443,7 @@ class _Micro:
         return (loss_sum, count), carry
 
     def loss(self, accumulated: Any, term_acc: tuple, examples: int) -> Any:
-        """The big batch's loss (``examples``: the step's): the accumulated one, or (when the
-        accumulation weights are not exact) the one the per-term sums give."""
+        """The big batch's loss: the accumulated one, or, when not exact, the per-term sums'."""
         if self.exact or not self.terms.mapped:
             return accumulated
         return self.terms.total(term_acc, examples)
@@ -518,8 +464,7 @@ class _Micro:
         return _collect(scope, model.metrics_variables, metrics_vars), logs
 
     def carry_reduce(self, initial: tuple, local: tuple, axis_name: str) -> tuple:
-        """Across devices: metric and loss sums added, batch statistics merged, the rest
-        agreeing (see ``autoaccum.training``)."""
+        """Across devices: metric and loss sums added, batch statistics merged."""
         from ...training._data_parallel import default_carry_reduce, sum_updates
 
         mutable0, metrics0, loss0, terms0, _ = initial
@@ -534,30 +479,21 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
                      strategy_layout: StateLayout | None = None,
                      placement: Placement | None = None) -> Callable[..., tuple]:
     """``step(state, batches, frozen) -> (new_state, StepMetrics)``; pure, jittable; Keras's
-    logs (``model.fit``'s) are ``StepMetrics.logs``.
+    logs are ``StepMetrics.logs``.
 
     ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
-    defaults to the model's (planning passes a built clone); ``lr_scaling`` is the plan's
-    :class:`~autoaccum.planning.LearningRateScaling`. ``mesh``: a one-axis ``jax.sharding.Mesh``
-    for a data-parallel step; ``batches`` are then ``[accum_steps, dp * micro_batch, ...]``, each
-    device scans its own slice, gradients and valid counts are summed across devices once,
-    the optimizer is applied once (replicated). ``batches`` may be
-    :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3): the result is still that of
-    Keras's step on all the examples at once.
+    defaults to the model's (planning passes a built clone); ``lr_scaling``: the plan's
+    :class:`~autoaccum.planning.LearningRateScaling`. ``batches`` may be
+    :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3).
 
+    ``mesh``: a one-axis mesh for a data-parallel step (``batches`` are then ``[accum_steps,
+    dp * micro_batch, ...]``; gradients and counts are summed across devices once).
     ``strategy_layout``: a sharding strategy's :class:`~autoaccum.planning.StateLayout` on
-    ``mesh`` (``zero1``, ``zero2``, ``fsdp``; see :mod:`autoaccum.planning`):
-    ``state`` arrives laid out by :func:`strategy_shardings` and the new state keeps that
-    layout (optimizer variables, and under ``fsdp`` the weights, split over the devices;
-    under ``zero2`` and ``fsdp`` the gradient accumulator too; under ``fsdp`` the frozen
-    non-trainable variables too, as ``strategy_layout.frozen`` says: ``frozen`` arrives so).
-    Everything else (mutable non-trainable variables, metric variables) is copied on every
-    device.
-
-    ``placement``: the layout the user gave the model (``keras.distribution.ModelParallel``;
-    ``keras_placement``), without ``mesh``: the step is compiled with its
-    shardings, and its float32 gradient accumulator is split over the layout's data axis too
-    (``placed_accumulate``).
+    ``mesh``: ``state`` (and ``frozen``) arrive laid out by :func:`strategy_shardings` and keep
+    that layout (optimizer variables split; under ``fsdp`` the weights and frozen variables
+    too; under ``zero2`` and ``fsdp`` the gradient accumulator too; the rest copied).
+    ``placement``: the user's own layout (``keras.distribution.ModelParallel``), without
+    ``mesh``; the float32 gradient accumulator is split over its data axis too.
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
@@ -602,8 +538,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         if own_handling:  # e.g. a LossScaleOptimizer: it skips a non-finite update itself
             new_trainable, new_optimizer = apply(old, acc.grad_sum)
         else:
-            # The optimizer runs only for a finite step (lax.cond): the new weights and
-            # optimizer variables take the donated buffers of the old ones (see _nonfinite).
+            # lax.cond: the new weights and optimizer variables take the old ones' donated
+            # buffers (see _nonfinite).
             new_trainable, new_optimizer = update_if_finite(finite, apply, old, acc.grad_sum)
             new_mutable, new_metrics = keep_if_finite(finite, (new_mutable, new_metrics),
                                                       (mutable, metrics_vars))
@@ -626,10 +562,8 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
 
 
 def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
-    """The ``NamedSharding`` of every variable of a Keras step's ``state = (trainable,
-    mutable, optimizer variables, metric variables)`` under a strategy's ``layout``: the
-    trainable and optimizer variables as the layout splits them (``layout.params``,
-    ``layout.optimizer``), the mutable non-trainable and metric variables copied.
+    """The ``NamedSharding`` of every variable of a Keras step's ``state`` under a strategy's
+    ``layout``: trainable and optimizer variables split as it says, the others copied.
 
     Example:
       >>> import numpy as np
@@ -654,9 +588,7 @@ def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
 
 def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
     """``step((trainable, mutable, metric vars), batches, frozen) -> ((mutable, metric vars),
-    logs)``: ``model.evaluate``'s ``test_step`` on one batch of ``accum_steps x micro_batch``
-    examples (or :class:`~autoaccum.planning.UnevenBatches`), scanned micro-batch by
-    micro-batch, the loss weighted as for the big batch."""
+    logs)``: ``model.evaluate``'s ``test_step`` on one batch, scanned by micro-batch."""
     micro = _Micro(model, layout, training=False, batch_stats="micro")
 
     def step(state: tuple, batches: PyTree, frozen: list) -> tuple:
@@ -690,9 +622,7 @@ def _is_loss_scale(optimizer: Any) -> bool:
 
 
 def handles_nonfinite(optimizer: Any) -> bool:
-    """Whether ``optimizer`` deals with non-finite gradients itself (a Keras
-    ``LossScaleOptimizer``: it skips the update and lowers its loss scale), so that
-    ``on_nonfinite`` leaves such steps to it, as ``model.fit`` does.
+    """Whether ``optimizer`` handles non-finite gradients itself (a ``LossScaleOptimizer``).
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")

@@ -2,8 +2,7 @@
 
 Importing this module imports Keras and registers the class as ``autoaccum>ScaledSchedule``,
 so a model saved with one loads after ``from autoaccum.internal import ScaledSchedule``. Only
-:func:`autoaccum.internal.scale_keras_learning_rate` creates it; ``autoaccum.fit``
-scales inside the step and never stores a schedule of its own in the optimizer.
+:func:`autoaccum.internal.scale_keras_learning_rate` creates it.
 """
 
 from __future__ import annotations

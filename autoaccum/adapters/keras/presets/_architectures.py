@@ -1,10 +1,8 @@
 """Offline keras-hub architectures: backbone configs shipped as data, built without weights.
 
-``autoaccum/data/architectures/<name>.json`` holds what keras-hub's ``Backbone.get_config()``
-gives for a public preset (Gemma 2/3, Llama 3.x, Mistral), so ``autoaccum plan --preset NAME``
-can plan a fine-tune on a machine that cannot download the preset. :func:`load_architecture`
-reads one; :func:`build_abstract_causal_lm` (in :mod:`autoaccum.adapters.keras.presets`) builds its
-``CausalLM`` with no weight allocated.
+``autoaccum/data/architectures/<name>.json`` holds keras-hub's ``Backbone.get_config()`` for a
+public preset (Gemma 2/3, Llama 3.x, Mistral), so ``autoaccum plan --preset NAME`` can plan a
+fine-tune on a machine that cannot download the preset.
 
 >>> from autoaccum.adapters.keras.presets import list_architectures
 
@@ -15,36 +13,26 @@ True
 >>> arch.name, arch.backbone_class, arch.backbone_config["num_layers"]
 ('gemma3_4b', 'Gemma3Backbone', 34)
 
-Build a keras-hub ``CausalLM`` from a shipped architecture with no weight allocated.
-
-The recipe (keras 3.15, keras-hub 0.32, JAX backend), found by experiment:
+Building a ``CausalLM`` with no weight allocated (keras 3.15, keras-hub 0.32, JAX backend),
+found by experiment:
 
 1. Create the optimizer OUTSIDE any ``keras.StatelessScope``: ``Optimizer.__init__`` makes its
-   ``iterations`` and ``learning_rate`` variables from concrete values, and a concrete-valued
-   variable inside a stateless scope raises ``ValueError: You are attempting to create a
-   variable while in a stateless scope``. They are two scalars.
+   two scalar variables from concrete values, and a stateless scope raises ``ValueError: You
+   are attempting to create a variable while in a stateless scope``.
 2. Inside ``keras.StatelessScope(initialize_variables=False)``, every variable made with a
-   callable initializer (all layer weights, LoRA ``lora_kernel_a``/``lora_kernel_b``, the
-   optimizer's slots from ``optimizer.build``, metric totals) gets ``_value = None``, keeps
-   its shape, dtype and initializer, and is added to keras's global list of uninitialized
-   variables. Nothing is allocated: building Gemma3 4B this way moves RSS by < 20 MB.
-3. The task must be made with ``compile=False``: keras-hub's ``Task.__init__`` otherwise calls
-   ``compile()``, which creates a default ``Adam`` inside the scope (step 1's error). Then
-   ``backbone.enable_lora(rank)`` works unchanged inside the scope (it freezes the kernels and
-   adds float32 LoRA factors, even under a bfloat16 policy); ``model.compile(optimizer=...)``
-   and ``optimizer.build(model.trainable_variables)`` add only deferred variables.
-4. The danger: leaving the OUTERMOST stateless scope with ``initialize_variables=True`` (the
-   default) runs ``initialize_all_variables()``, which materializes every pending variable
-   (8 GB for Gemma3 4B in bfloat16). Keras opens such scopes itself: every symbolic call
-   (``compute_output_spec``), ``stateless_call``, ``optimizer.stateless_apply``. Reading
-   ``variable.value`` of an uninitialized variable runs its initializer too. So this module
-   removes the variables it made from keras's pending list before returning: the returned
-   model is abstract for good, and lowering ``model.stateless_call`` later, inside or outside
-   any scope, allocates nothing. Use :func:`abstract_state` for their shapes, never ``.value``.
-
-The abstract state for ``jax.jit(step).lower(...)`` is then
-``jax.ShapeDtypeStruct(v.shape, v.dtype)`` for each of ``model.trainable_variables``,
-``model.non_trainable_variables`` and ``model.optimizer.variables`` (:func:`abstract_state`).
+   callable initializer (layer weights, LoRA factors, optimizer slots, metric totals) gets
+   ``_value = None``, keeps its shape, dtype and initializer, and is queued on keras's global
+   list of uninitialized variables. Building Gemma3 4B this way moves RSS by < 20 MB.
+3. Make the task with ``compile=False``: keras-hub's ``Task.__init__`` otherwise compiles with
+   a default ``Adam`` inside the scope (step 1's error). ``backbone.enable_lora(rank)`` (float32
+   LoRA factors, even under a bfloat16 policy), ``model.compile(optimizer=...)`` and
+   ``optimizer.build`` then add only deferred variables.
+4. Leaving the OUTERMOST stateless scope with ``initialize_variables=True`` (the default, in
+   the scopes Keras opens itself: every symbolic call, ``stateless_call``,
+   ``optimizer.stateless_apply``) materializes every queued variable (8 GB for Gemma3 4B in
+   bfloat16), as reading ``variable.value`` does. So this module takes the variables it made
+   off that list: the model stays abstract for good, and lowering ``model.stateless_call``
+   allocates nothing. Use :func:`abstract_state` for their shapes, never ``.value``.
 
 >>> from autoaccum.internal import abstract_state, build_abstract_causal_lm
 >>> model = build_abstract_causal_lm("gemma3_1b", lora_rank=4)
@@ -214,10 +202,8 @@ class AbstractState(NamedTuple):
 
 
 def default_optimizer(learning_rate: float = 5e-5, *, weight_decay: float = 0.01) -> Any:
-    """``keras.optimizers.AdamW`` as keras-hub's LoRA fine-tuning guides configure it.
-
-    Call it outside any ``keras.StatelessScope`` (its two scalar variables are concrete).
-    """
+    """``keras.optimizers.AdamW`` as keras-hub's LoRA fine-tuning guides configure it (make it
+    outside any ``keras.StatelessScope``)."""
     import keras
 
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=weight_decay)
@@ -238,13 +224,11 @@ def build_abstract_causal_lm(
     default targets (attention query and value); ``optimizer`` defaults to
     :func:`default_optimizer` and, if given, must have been made outside any stateless scope;
     ``backbone_overrides`` replace entries of the shipped backbone config (e.g. a smaller
-    ``num_layers`` for a quick test). ``quantize="int8"`` builds the backbone's dense
-    projections (every ``Dense``/``EinsumDense`` in its blocks) with int8 kernels and a
-    scale, as ``model.quantize("int8")`` leaves them, so LoRA on top is the QLoRA route;
-    built from a quantized dtype policy, no float kernel is ever made. No preprocessor is
-    attached. The model's variables have
-    no values (see the module docstring): lower ``model.stateless_call`` with
-    :func:`abstract_state`; do not call the model, ``fit`` it, or read ``variable.value``.
+    ``num_layers`` for a quick test). ``quantize="int8"`` builds every ``Dense``/``EinsumDense``
+    in the backbone's blocks with int8 kernels and a scale, as ``model.quantize("int8")``
+    leaves them (no float kernel is ever made): LoRA on top is the QLoRA route. No
+    preprocessor is attached. Lower ``model.stateless_call`` with :func:`abstract_state`; do
+    not call the model, ``fit`` it, or read ``variable.value``.
 
     >>> from autoaccum.internal import build_abstract_causal_lm
     >>> model = build_abstract_causal_lm("llama3.2_1b", lora_rank=8)
@@ -333,10 +317,8 @@ def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str) -> Any:
 
 
 def abstract_state(model: Any) -> AbstractState:
-    """Shape/dtype stand-ins for the variables of ``model`` and ``model.optimizer``.
-
-    Reads only ``variable.shape`` and ``variable.dtype`` (reading ``.value`` of an abstract
-    variable would run its initializer).
+    """Shape/dtype stand-ins for the variables of ``model`` and ``model.optimizer`` (never
+    reads ``.value``, which would run an abstract variable's initializer).
 
     >>> from autoaccum.internal import abstract_state, build_abstract_causal_lm
     >>> state = abstract_state(build_abstract_causal_lm("gemma3_1b"))

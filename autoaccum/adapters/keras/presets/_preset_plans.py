@@ -1,25 +1,15 @@
 """``autoaccum plan --preset NAME``: plan a keras-hub architecture that is not downloaded.
 
-The architecture's backbone config ships as data; the model is built with no weight
-allocated (:mod:`autoaccum.adapters.keras.presets`), compiled with the chosen optimizer, and its
-real Keras
-train step (our accumulated one) is compiled for the target device at each probe.
-
-``autoaccum plan --preset NAME --advise``: what would make a shipped keras-hub architecture
-fit, each row planned (compiled, depth-extrapolated) with its change.
-
-Changes a preset can take: ``lora_rank`` (LoRA instead of a full fine-tune, or a smaller
-rank), ``quantize: "int8"`` with LoRA (int8 frozen weights: QLoRA), ``optimizer``
-(``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype, so there is
-no separate moment dtype, and Keras's Adafactor keeps a full-size velocity), ``dtype``
-(``bfloat16`` weights when they were ``float32``), ``remat`` (``nothing``: rematerialize
-every block), ``sequence_length`` (the longest that fits, by bisection), ``device``
-(the smallest shipped GPU profile where the configuration as given fits) and, for a named
-GPU, ``devices`` (2, 4 or 8 of it, fewest first, under fsdp, which splits every weight,
-gradient and moment; a count whose even split of the weights and optimizer state is still
-over one GPU's budget is not planned). Changes that
-cannot shrink the weights and optimizer state are not tried when those alone are over the
-budget.
+The shipped backbone config is built with no weight allocated, compiled with the chosen
+optimizer, and its real Keras train step (our accumulated one) compiled for the target device
+at each probe. ``--advise`` rows, each planned (depth-extrapolated) with its change:
+``lora_rank`` (LoRA, or a smaller rank), ``quantize: "int8"`` with LoRA (QLoRA),
+``optimizer`` (``sgd``, ``lion``; Keras optimizers keep their moments in the weights' dtype,
+so there is no moment-dtype row), ``dtype`` (``bfloat16`` for ``float32`` weights), ``remat``
+(``nothing``), ``sequence_length`` (the longest that fits, by bisection), ``device`` (the
+smallest shipped GPU profile that fits) and, for a named GPU, ``devices`` (2, 4 or 8, fewest
+first, under fsdp; a count whose even split of the state is still over one GPU's budget is
+not planned). Changes that cannot shrink the state are not tried when it alone is over budget.
 """
 
 from __future__ import annotations
@@ -124,31 +114,28 @@ def plan_preset(
     ``search`` (:class:`autoaccum.Search`): ``remat="auto"`` rematerializes the transformer
     blocks only when micro-batch 1 does not fit without it; ``"none"`` never does,
     ``"nothing"`` always does. ``cache`` (default on; ``False`` bypasses it) reuses the need
-    figures of an earlier dry run of the same configuration without building the model
-    (:mod:`autoaccum.planning`); ``objective``, ``method``, ``uneven`` and
-    ``depth_variant`` are not read (a preset is planned compile-only, by depth
-    extrapolation: see ``extrapolate``).
+    figures of an earlier dry run of the same configuration without building the model;
+    ``objective``, ``method``, ``uneven`` and ``depth_variant`` are not read (a preset is
+    planned compile-only, by depth extrapolation).
     ``learning_rate`` (default 5e-5, or an :class:`autoaccum.LearningRate`) is kept unless
     its ``base_batch`` says which batch it was tuned for; then it is scaled by its ``rule``
     (default: ``"sqrt"`` for the Adam-family optimizers, ``"linear"`` for ``"sgd"``). The
     lab's story is ``LearningRate(base_batch=1, rule="linear")``.
     ``extrapolate`` compiles the step at two small depths (``num_layers`` 2 and 3) and
     extrapolates to the architecture's depth, verifying the choice with one full-depth
-    compile (:mod:`autoaccum.planning`; ``verify_depth=False`` skips that compile,
-    as the advisor's quick rows do, except under a sharding strategy other than
-    ``"replicated"``, whose need can exceed the linear prediction, unless ``verify_sharded``
-    is ``False`` too: the advisor's device-count rows, for which one full-depth sharded
-    compile of gemma3_4b takes minutes); ``False`` compiles every probe in full.
+    compile (``verify_depth=False`` skips it, as the advisor's quick rows do, except under a
+    sharding strategy other than ``"replicated"``, whose need can exceed the linear
+    prediction, unless ``verify_sharded`` is ``False`` too, as for the advisor's device-count
+    rows); ``False`` compiles every probe in full.
     ``target.devices`` (over ``target.hosts`` hosts): a dry run for that many of ``device``,
     data-parallel; the micro-batch is per device, the budget one GPU's. ``target.strategy``
-    says what the GPUs
-    split instead of copying (:data:`~autoaccum.internal.STRATEGIES`): ``"auto"`` tries
-    them least communication first under each remat policy and keeps the first under which
-    micro-batch 1 fits (a strategy whose weights and optimizer state alone exceed one GPU
-    is passed over from shapes, before any compile); a name plans that one. Frozen weights
-    (a LoRA base model) are copied on every GPU, except under ``"fsdp"``, which splits them.
-    ``quantize="int8"``: the backbone's dense projections hold int8 weights (with
-    ``lora_rank``: QLoRA; see :func:`autoaccum.internal.build_abstract_causal_lm`).
+    says what the GPUs split instead of copying (:data:`~autoaccum.internal.STRATEGIES`):
+    ``"auto"`` tries them least communication first under each remat policy and keeps the
+    first under which micro-batch 1 fits (one whose weights and optimizer state alone exceed
+    one GPU is passed over from shapes, before any compile); a name plans that one. Frozen
+    weights (a LoRA base model) are copied on every GPU, except under ``"fsdp"``, which
+    splits them. ``quantize="int8"``: the backbone's dense projections hold int8 weights
+    (with ``lora_rank``: QLoRA; see :func:`autoaccum.internal.build_abstract_causal_lm`).
 
     Example:
       >>> from autoaccum import Search
@@ -172,8 +159,7 @@ def plan_preset(
     refuse_unread("plan_preset", "search", search, read=("remat", "cache"))
     lr = learning_rate_spec(learning_rate)
     refuse_unread("plan_preset", "learning_rate", lr, read=("value", "base_batch", "rule"))
-    # A TPU slice (device="v5e-8") is its chips: every strategy is tried over them, as for
-    # devices=N GPUs (its weights and optimizer state split, not copied on every chip).
+    # A TPU slice (device="v5e-8") is its chips: every strategy is tried over them.
     devices = slice_devices(target.device, target.devices)
     strategy, remat = target.strategy, search.remat
     base_lr = 5e-5 if lr.value is None else lr.value
@@ -194,8 +180,7 @@ def plan_preset(
 
     @functools.cache
     def resident_of(strategy: str) -> Resident:
-        """A strategy's resident memory, built once a plan (every policy and the strategy
-        rule read it)."""
+        """A strategy's resident memory, built once a plan."""
         return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
                                 learning_rate=base_lr, overrides=dict(backbone_overrides or {}),
                                 quantize=quantize, strategy=strategy, devices=devices or 1)
@@ -261,8 +246,7 @@ def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, o
                      learning_rate: float, overrides: dict[str, Any],
                      quantize: str | None = None, strategy: str = "replicated",
                      devices: int = 1) -> Resident:
-    """The resident memory of ``arch`` from its abstract variables (no step is traced), per
-    device under ``strategy`` over ``devices``."""
+    """Per-device resident memory of ``arch`` under ``strategy``, from abstract variables."""
     import math
 
     from ._architectures import abstract_state, build_abstract_causal_lm
@@ -300,8 +284,7 @@ def _preset_program(arch: Architecture, *, dtype: str, lora_rank: int | None, op
 
 
 LORA_RANKS = (16, 4)
-"""Ranks tried (largest first, the first that fits is kept) when the preset is fully
-fine-tuned."""
+"""LoRA ranks tried for a fully fine-tuned preset, largest first; the first that fits is kept."""
 
 
 @explains_keywords
@@ -322,13 +305,12 @@ def advise_preset(
     backbone_overrides: dict[str, Any] | None = None,
 ) -> Advice:
     """The advisor for a shipped architecture: :func:`plan_preset`'s arguments (but
-    ``extrapolate``, ``quantize`` and the verification switches, which each row sets); returns an
-    :class:`~autoaccum.Advice` (its ``error`` carries the table when the
-    configuration as given does not fit).
+    ``extrapolate``, ``quantize`` and the verification switches, which each row sets); returns
+    an :class:`~autoaccum.Advice` (its ``error`` carries the table when the configuration as
+    given does not fit).
 
-    Rows are planned with depth extrapolation and not verified by a full-depth compile (the
-    ``source`` column says ``extrapolated``); plan the row you pick with ``plan_preset`` to
-    verify it in full.
+    Rows are depth-extrapolated, not verified by a full-depth compile (``source`` column:
+    ``extrapolated``); plan the row you pick with ``plan_preset`` to verify it in full.
 
     Example:
       >>> from autoaccum import Search
@@ -348,8 +330,7 @@ def advise_preset(
     def plan_with(change: dict[str, Any]) -> Any:
         settings = {**given, **{k: v for k, v in change.items() if k in given}}
         if change and "remat" not in change and "device" not in change and remat == "auto":
-            # One policy per row: every block rematerialized, the one most likely to fit
-            # (the row says so; plan it without remat to see whether less recompute fits).
+            # One policy per row: every block rematerialized, the most likely to fit.
             settings["remat"] = "nothing"
         row = target
         if "device" in change:
@@ -358,9 +339,8 @@ def advise_preset(
         verify_sharded = True
         if "devices" in change:
             # The same GPU, more of them, under fsdp (the least memory per GPU), extrapolated
-            # like every row: a full-depth sharded compile of gemma3_4b takes minutes here,
-            # and a cheaper strategy's extrapolation is not trusted (zero2, 4B on 4 x L4:
-            # 17.6 GiB predicted, 25.6 compiled); plan_preset(strategy="auto") verifies.
+            # like every row (a full-depth sharded compile of gemma3_4b takes minutes here;
+            # a cheaper strategy's extrapolation is not trusted); plan_preset verifies.
             row = dataclasses.replace(row, devices=change["devices"], strategy="fsdp")
             verify_sharded = False
         row_search = dataclasses.replace(search, remat=settings.pop("remat"))
