@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ...devices._mesh import callers_mesh, step_mesh, traced_under
 from ...planning._adapter_interface import Adapter, FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._lr_scaling import scale_learning_rate
@@ -26,7 +27,7 @@ from ...planning._plan_options import REMAT_POLICIES, ProgramOptions
 from ...planning._train_program import abstract
 from ...training._accumulate import validate_batch_stats
 from ...training._callbacks import validate_callbacks
-from ...training._epoch_batches import as_arrays, example_spec, num_examples
+from ...training._epoch_batches import as_arrays, batch_rebuilder, example_spec, num_examples
 from ...training._user_step import UserLoopStep
 from ._nnx_data import ArrayData, flax_data
 from ._nnx_fit import FlaxState, flax_fit, flax_runner
@@ -39,11 +40,13 @@ from ._nnx_optimizer import (
 )
 from ._nnx_program import (
     check_loss_signature,
+    checked_loss,
     flax_program,
     rematerialized,
     repeated_layers,
     split_model,
 )
+from ._sharding import own_mesh
 
 
 class FlaxAdapter(Adapter):
@@ -158,8 +161,6 @@ class FlaxAdapter(Adapter):
     def own_mesh(self, model: Any, mesh: Any) -> Any:
         """The data-parallel training mesh: ``mesh``, the one-axis mesh the weights are split
         over, or ``None`` for weights split over several axes (a layout the program keeps)."""
-        from ._sharding import own_mesh
-
         return own_mesh(model, mesh)
 
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
@@ -276,10 +277,6 @@ class FlaxAdapter(Adapter):
 def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
     """Whether ``loss_fn(model, tree)`` traces (shapes only, nothing compiled): how a list of
     items that reads both as batches and as records is told apart (see ``list_reading``)."""
-    from ...devices._mesh import callers_mesh, step_mesh, traced_under
-    from ...training._epoch_batches import batch_rebuilder
-    from ._nnx_program import checked_loss
-
     graphdef, state = nnx.split(model)
     rebuild = batch_rebuilder(tree)
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
@@ -327,8 +324,6 @@ def split_validation(data: Any, split: float) -> tuple[Any, Any]:
             f"validation_split={split} of {n} examples leaves "
             f"{'no validation' if cut == n else 'no training'} example; use a larger or "
             f"smaller fraction, or validation_data=. Received: validation_split={split}")
-    import jax
-
     return (jax.tree.map(lambda a: a[:cut], data), jax.tree.map(lambda a: a[cut:], data))
 
 

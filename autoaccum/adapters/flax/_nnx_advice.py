@@ -26,10 +26,6 @@ def _lora_modules(model: nnx.Module) -> list[nnx.LoRA]:
     return [m for _, m in model.iter_modules() if isinstance(m, nnx.LoRA)]
 
 
-def _trains_only_lora(trainable: Any) -> bool:
-    return trainable is nnx.LoRAParam
-
-
 def flax_advice_changes(model: nnx.Module, options: ProgramOptions) -> list[dict[str, Any]]:
     """The framework changes worth planning for ``model`` with ``options`` (plan's options).
 
@@ -44,8 +40,7 @@ def flax_advice_changes(model: nnx.Module, options: ProgramOptions) -> list[dict
     loras = _lora_modules(model)
     if loras:
         rank = max(int(m.lora_a.value.shape[-1]) for m in loras)
-        only = _trains_only_lora(options.trainable)
-        if not only:
+        if options.trainable is not nnx.LoRAParam:
             changes.append({"trainable": "lora"})
         if rank >= 4:  # a smaller rank (the adapters are small already: one row)
             changes.append({"trainable": "lora", "lora_rank": rank // 4})

@@ -42,6 +42,7 @@ from ...training._accumulate import (
     mean_loss,
     running_update,
     split_until_gathered,
+    tree_sq_norm,
     validate_batch_stats,
     zero_moments,
 )
@@ -288,10 +289,7 @@ def make_flax_step(
         if effective:
             new_other = norms.finish(new_other, moments)
         loss = mean_loss(acc)
-        grad_sq_norm = sum(
-            jnp.sum(jnp.square(g.astype(jnp.float32)))
-            for g in jax.tree.leaves(mean_gradients(acc, params))
-        )
+        grad_sq_norm = tree_sq_norm(mean_gradients(acc, params))
         finite = step_is_finite(loss, grad_sq_norm)
         # A count of 0 with a non-zero sum would be an unnormalised update: never applied.
         ok = finite & ((acc.count > 0) | (acc.loss_sum == 0))

@@ -39,9 +39,6 @@ from ...devices._mesh import (
 )
 from ...planning._strategies import shaped_like
 
-__all__ = ["DATA_AXIS_NAMES", "context_data_mesh", "data_axis", "home_shardings", "own_mesh",
-           "own_placement", "own_specs", "rehome"]
-
 DATA_AXIS_NAMES = ("batch", "data")
 """Mesh axis names taken as the data (batch) axis of a mesh of several axes."""
 

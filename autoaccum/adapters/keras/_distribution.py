@@ -12,45 +12,29 @@ from jax.sharding import PartitionSpec as P
 
 from ...devices._mesh import Placement, data_parallel_mesh, same_mesh
 from ...planning._strategies import StateLayout, state_layout
-from ._internals import to_backend_mesh, variable_buffer, variable_layout
-
-__all__ = ["keras_auto_mesh", "keras_distribution_mesh", "keras_placement",
-           "keras_strategy_layout", "mark_trained_on"]
+from ._internals import variable_buffer, variable_layout
 
 
 def keras_distribution_mesh() -> Any:
     """The ``jax.sharding.Mesh`` of the ``keras.distribution.DataParallel`` set, else ``None``
     (also under ``ModelParallel``: the data-parallel step replicates every variable)."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - Keras is optional
-        return None
+    import keras
+
     current = keras.distribution.distribution()
     if not isinstance(current, keras.distribution.DataParallel):
         return None
-    device_mesh = current.device_mesh
-    mesh = getattr(device_mesh, "backend_mesh", None)
-    if mesh is None:  # pragma: no cover - older Keras
-        mesh = to_backend_mesh(device_mesh)
-    return mesh
-
-
-def _keras_distribution_set() -> bool:
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - Keras is optional
-        return False
-    return keras.distribution.distribution() is not None
-
+    return current.device_mesh.backend_mesh
 
 
 def keras_auto_mesh() -> Any:
     """``data_parallel="auto"`` for Keras: the mesh of a ``keras.distribution.DataParallel``
     that is set; one device under any other Keras distribution; else every device."""
+    import keras
+
     mesh = keras_distribution_mesh()
     if mesh is not None:
         return mesh
-    if _keras_distribution_set():
+    if keras.distribution.distribution() is not None:
         return None
     return data_parallel_mesh() if len(jax.devices()) > 1 else None
 

@@ -14,60 +14,6 @@ from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-__all__ = [
-    "apply_mask",
-    "backbone_lora_layers",
-    "backbone_lora_rank",
-    "backend_namespace",
-    "batch_norm_moments",
-    "batch_norm_reduction_axes",
-    "build_symbolically",
-    "compile_arguments",
-    "compiled_loss",
-    "current_learning_rate_function",
-    "data_adapter",
-    "drop_instance_attribute",
-    "flat_losses",
-    "flatten_layers",
-    "full_remat_mode",
-    "get_keras_mask",
-    "has_keras_history",
-    "in_stateless_scope",
-    "initialize_deferred",
-    "instance_attribute",
-    "is_grain_dataset",
-    "is_tf_dataset",
-    "is_torch_dataloader",
-    "keras_backend",
-    "loss_tracker",
-    "metrics_result_or_logs",
-    "optimizer_backend_module",
-    "own_learning_rate",
-    "pythonify_logs",
-    "reduce_weighted_values",
-    "remat_mode",
-    "set_flat_losses",
-    "set_instance_attribute",
-    "set_jax_state",
-    "set_module_backend",
-    "set_remat_mode",
-    "set_uninitialized_variables",
-    "shadow_batch_norm_moments",
-    "shadow_current_learning_rate",
-    "squeeze_or_expand_to_same_rank",
-    "stateless_scope",
-    "take_initial_epoch",
-    "to_backend_mesh",
-    "trainer_compute_loss",
-    "uninitialized_variables",
-    "unshadow_batch_norm_moments",
-    "unshadow_current_learning_rate",
-    "variable_buffer",
-    "variable_initializer",
-    "variable_layout",
-    "with_loss",
-]
-
 _UNINITIALIZED = "uninitialized_variables"
 """Keras's global-state key listing the variables waiting for deferred initialization."""
 
@@ -409,17 +355,6 @@ def data_adapter(data: Any, *, shuffle: bool) -> Any:
     from keras.src.trainers.data_adapters import get_data_adapter
 
     return get_data_adapter(data, shuffle=shuffle)
-
-
-# -- distribution --------------------------------------------------------------------------
-
-
-def to_backend_mesh(device_mesh: Any) -> Any:
-    """``distribution_lib._to_backend_mesh``: a ``DeviceMesh`` as a ``jax.sharding.Mesh``
-    (Keras 3.15.1)."""
-    from keras.src.backend.jax.distribution_lib import _to_backend_mesh
-
-    return _to_backend_mesh(device_mesh)
 
 
 # -- keras-hub -----------------------------------------------------------------------------

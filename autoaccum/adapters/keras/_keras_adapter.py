@@ -24,20 +24,27 @@ from ...planning._plan_options import ProgramOptions
 from ...training._user_step import UserLoopStep
 from ._distribution import keras_auto_mesh, keras_placement, keras_strategy_layout, placed_program
 from ._internals import set_jax_state
-from ._keras_data import ArraySource, KerasArrays, KerasData, is_stream, keras_data
-from ._keras_fit import KerasState, keras_runner
+from ._keras_data import KerasArrays, KerasData, is_stream, keras_data, with_targets
+from ._keras_fit import KerasState, keras_fit, keras_runner
 from ._keras_learning_rate import keras_lr_scaling, set_base_learning_rate
 from ._keras_program import (
     KERAS_REMAT_POLICIES,
     check_keras_model,
     ensure_built,
+    find_layout,
     is_keras_model,
     keras_blocks,
     keras_remat_program,
     keras_rematerialized,
+    keras_state,
     validate_keras_fit_kwargs,
 )
-from ._keras_step import materialize, validate_batch_stats
+from ._keras_step import (
+    built_for_planning,
+    materialize,
+    planning_optimizer,
+    validate_batch_stats,
+)
 
 
 class KerasAdapter(Adapter):
@@ -65,16 +72,10 @@ class KerasAdapter(Adapter):
 
     def with_targets(self, data: Any, y: Any, sample_weight: Any) -> Any:
         """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``."""
-        from ._keras_data import with_targets
-
         return with_targets(data, y, sample_weight)
 
     def prepare(self, model: Any, data: Any, *, effective_batch: int,
                 options: ProgramOptions, remat: str, remat_layers: Any) -> Prepared:
-        from ._keras_data import keras_data
-        from ._keras_program import ensure_built, find_layout
-        from ._keras_step import built_for_planning, planning_optimizer
-
         check_keras_model(model)
         for name in ("optimizer", "loss_fn", "trainable"):
             if getattr(options, name) is not None:
@@ -183,22 +184,15 @@ class KerasAdapter(Adapter):
 
     def step_runner(self, model: Any, prepared: Prepared) -> RealStepRunner:
         """The live variables (a deferred one reads as its initial value) and the sample."""
-        from ._keras_program import keras_state
-
         state, frozen = keras_state(model, prepared.extras["layout"],
                                     prepared.extras["optimizer"])
         return RealStepRunner(prepared.program, state, (frozen,), prepared.data)
-
-    def check_trainable(self, model: Any, where: str) -> None:
-        pass  # a Keras model always holds its variables (built by fit if need be)
 
     def validate_fit_options(self, options: dict) -> None:
         validate_keras_fit_kwargs(**options)
 
     def fit(self, model: Any, prepared: Prepared, plan: Plan, *, settings: FitSettings,
             options: dict) -> Any:
-        from ._keras_fit import keras_fit
-
         if prepared.extras.get("learning_rate") is not None:
             set_base_learning_rate(model.optimizer, prepared.extras["learning_rate"])
         mesh = settings.mesh
@@ -365,8 +359,6 @@ class KerasTrainStep(UserLoopStep):
                 f"batches of {effective} examples. Received: batch of type "
                 f"{type(batch).__name__}")
         source = keras_data(self.model, batch, name="batch")
-        if not isinstance(source, ArraySource):  # pragma: no cover - streams refused above
-            raise ValueError(f"Received: batch of type {type(batch).__name__}")
         n = source.num_examples
         self.check_size(n, f" (batch of type {type(batch).__name__})")
         dp = self._runner.dp

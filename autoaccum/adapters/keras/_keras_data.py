@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import EpochBatches, Rebatcher, concat
+from ...training._epoch_batches import EpochBatches, Rebatcher, concat, num_examples
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 
@@ -66,25 +66,6 @@ class KerasArrays:
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], _jax_dtype(a)), self.packed
         )
-
-    def take(self, index: np.ndarray) -> KerasArrays:
-        """The examples at ``index`` (numpy fancy indexing on every leaf)."""
-        pick = lambda tree: jax.tree.map(lambda a: a[index], tree)  # noqa: E731
-        return KerasArrays(pick(self.x), pick(self.y), pick(self.sample_weight))
-
-    def batches(self, index: np.ndarray, accum_steps: int, micro_batch: int) -> tuple:
-        """:attr:`packed` at ``index`` reshaped to ``[accum_steps, micro_batch, ...]``."""
-        chosen = self.take(index).packed
-        return jax.tree.map(
-            lambda a: np.ascontiguousarray(a).reshape(accum_steps, micro_batch, *a.shape[1:]),
-            chosen,
-        )
-
-    def split(self, fraction: float) -> tuple[KerasArrays, KerasArrays]:
-        """The first ``1 - fraction`` and the last ``fraction`` of the examples (as Keras)."""
-        n = self.num_examples
-        cut = int(n * (1.0 - fraction))
-        return self.take(np.arange(cut)), self.take(np.arange(cut, n))
 
 
 def _as_numpy(tree: PyTree) -> PyTree:
@@ -449,20 +430,20 @@ class StreamSource(KerasData):
 
     def sample(self, n: int) -> tuple:
         if self._one_shot:  # what is read for planning is replayed at the start of training
-            count = sum(_size(p) for p in self._peeked)
+            count = sum(num_examples(p) for p in self._peeked)
             fresh = self._fresh(False)
             while count < n:
                 packed = next(fresh, None)
                 if packed is None:
                     break
                 self._peeked.append(packed)
-                count += _size(packed)
+                count += num_examples(packed)
             taken = list(self._peeked)
         else:
             taken, count = [], 0
             for packed in self._fresh(False):
                 taken.append(packed)
-                count += _size(packed)
+                count += num_examples(packed)
                 if count >= n:
                     break
         if not taken:
@@ -573,10 +554,6 @@ def _length(tree: Any) -> int:
 
 def _unpack(packed: tuple) -> tuple:
     return (*packed, None, None)[:3]
-
-
-def _size(packed: tuple) -> int:
-    return int(np.shape(jax.tree.leaves(packed)[0])[0])
 
 
 def _slice(packed: tuple, start: int, stop: int) -> tuple:

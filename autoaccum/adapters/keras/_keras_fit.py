@@ -23,7 +23,6 @@ back.
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +39,7 @@ from ...planning._strategies import (
     validate_partitioner,
     validate_strategy,
 )
+from ...training._epoch_batches import num_examples
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._fit_loop import Validator as EvalLoop
 from ...training._nonfinite import validate_on_nonfinite
@@ -153,11 +153,6 @@ def keras_runner(hooks: KerasState, *, micro_batch: int, accum_steps: int,
         steps=int(model.optimizer.iterations), lowering=keras_lowering_scope)
 
 
-def example_count(packed: tuple) -> int:
-    """Examples in ``packed`` host arrays (their leading axis)."""
-    return int(np.shape(jax.tree.leaves(packed)[0])[0])
-
-
 class Validator:
     """Evaluates ``model`` on ``data`` with the fit's callbacks (``on_test_*`` hooks)."""
 
@@ -170,9 +165,7 @@ class Validator:
         self.raw = raw
         """The validation data as the user gave it (for ``model.evaluate``)."""
         self.batch_size = batch_size
-        self.micro_batch = micro_batch
         self.steps = steps
-        self.uneven = uneven
         self._loop = EvalLoop(keras_eval_step(model, layout), micro_batch=micro_batch,
                               uneven=uneven, lowering=keras_lowering_scope)
 
@@ -367,9 +360,7 @@ def keras_fit(
         hooks, micro_batch=int(micro_batch), accum_steps=int(accum_steps),
         last_micro_batch=last, uneven=bool(uneven), lr_scaling=lr_scaling,
         batch_stats=batch_stats, backup=backup, elastic=elastic, on_nonfinite=on_nonfinite)
-    start = time.perf_counter()
     runner.compile(spec)
-    model._autoaccum_compile_seconds = time.perf_counter() - start
     validator = None if val_source is None else Validator(
         model, layout, val_source, val_raw, batch_size=validation_batch_size or effective,
         micro_batch=int(micro_batch), steps=validation_steps, uneven=bool(uneven))
@@ -429,8 +420,8 @@ class _KerasHooks(KerasState, FitHooks):
             seed=self.seed, epoch=epoch, steps=self.steps_per_epoch)
         try:
             for packed in batches:
-                packed = self._trim(packed) if example_count(packed) < self.effective else packed
-                if example_count(packed) == 0:  # fewer than one example per device
+                packed = self._trim(packed) if num_examples(packed) < self.effective else packed
+                if num_examples(packed) == 0:  # fewer than one example per device
                     return
                 yield packed
         finally:
@@ -439,7 +430,7 @@ class _KerasHooks(KerasState, FitHooks):
 
     def _trim(self, packed: tuple) -> tuple:
         """A final batch cut to a multiple of the data-parallel devices (with a warning)."""
-        n, dp = example_count(packed), self.data_parallel
+        n, dp = num_examples(packed), self.data_parallel
         keep = n - n % dp
         if keep == n:
             return packed

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,11 +66,7 @@ def keras_lr_scaling(model: Any, rate: LearningRate, *,
     """The plan's learning-rate scaling for the model's compiled optimizer; ``rate.value``,
     when given, is the base instead of the optimizer's rate (``fit`` then sets it,
     :func:`set_base_learning_rate`)."""
-    base = rate.value
-    if base is None:
-        base = base_learning_rate(model.optimizer)
-    else:
-        _check_base(base)
+    base = rate.value if rate.value is not None else base_learning_rate(model.optimizer)
     adjust_adam = rate.adjust_adam
     adam = {}
     if adjust_adam:
@@ -128,20 +123,6 @@ def keras_family(optimizer: Any) -> str | None:
         else:
             return None
     return families.pop() if len(families) == 1 else None
-
-
-def _check_base(value: Any) -> None:
-    if callable(value):
-        return
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not (math.isfinite(number) and number > 0) or isinstance(value, bool):
-        raise ValueError(
-            "learning_rate must be a positive number or a keras.optimizers.schedules schedule "
-            f"(the base rate for base_batch). Received: {received('learning_rate', value)}"
-        )
 
 
 def set_base_learning_rate(optimizer: Any, value: Any) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...devices._extras import require_extra
 from ...planning._option_checks import received
-from ...planning._plan_options import REMAT_POLICIES
+from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics, TrainProgram
 from ...training._snapshot import validate_backup
@@ -77,8 +77,6 @@ FIT_OPTIONS = (
     "drop_remainder",
 )
 """Keyword options that :func:`autoaccum.adapters.keras.keras_fit` accepts besides the plan."""
-
-REFUSED_OPTIONS = REFUSED_FIT_OPTIONS
 
 
 def is_keras_model(obj: Any) -> bool:
@@ -181,8 +179,8 @@ def validate_keras_fit_kwargs(**kwargs: Any) -> dict[str, Any]:
       {'epochs': 2, 'verbose': 0}
     """
     for name, value in kwargs.items():
-        if name in REFUSED_OPTIONS:
-            raise ValueError(f"{REFUSED_OPTIONS[name]}. Received: {received(name, value)}")
+        if name in REFUSED_FIT_OPTIONS:
+            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
         if name not in FIT_OPTIONS:
             raise ValueError(
                 f"Unknown option for training a Keras model with autoaccum: `{name}`. "
@@ -468,11 +466,7 @@ def keras_rematerialized(
     if policy in ("none", "auto"):
         yield 0
         return
-    if policy not in KERAS_REMAT_POLICIES:
-        raise ValueError(
-            f"Unknown remat policy. Use 'auto' or one of "
-            f"{', '.join(map(repr, KERAS_REMAT_POLICIES))}. Received: remat={policy!r}"
-        )
+    validate_remat(policy)
     if layers is not None:
         chosen = [layer for layer in flatten_layers(model, include_self=False) if layers(layer)]
     else:

@@ -39,7 +39,7 @@ from ...devices._mesh import Placement
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
-from ...training._accumulate import mean_gradients, split_until_gathered
+from ...training._accumulate import BATCH_STATS_MODES, mean_gradients, split_until_gathered
 from ...training._data_parallel import step_accumulation
 from ...training._nonfinite import keep_if_finite, update_if_finite
 from ._internals import (
@@ -90,9 +90,6 @@ def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
                     break
 
 
-BATCH_STATS = ("effective", "micro")
-
-
 def validate_batch_stats(value: object) -> str:
     """Returns ``value`` if it is ``"effective"`` or ``"micro"``, else a ``ValueError``.
 
@@ -100,7 +97,7 @@ def validate_batch_stats(value: object) -> str:
       >>> validate_batch_stats("micro")
       'micro'
     """
-    if value not in BATCH_STATS:
+    if value not in BATCH_STATS_MODES:
         raise ValueError(
             "batch_stats must be 'effective' (one moving-average update per optimizer step "
             "with the effective batch's statistics) or 'micro' (one update per micro-batch). "
@@ -615,12 +612,6 @@ def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
     return step
 
 
-def _is_loss_scale(optimizer: Any) -> bool:
-    import keras
-
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-
 def handles_nonfinite(optimizer: Any) -> bool:
     """Whether ``optimizer`` handles non-finite gradients itself (a ``LossScaleOptimizer``).
 
@@ -633,12 +624,14 @@ def handles_nonfinite(optimizer: Any) -> bool:
       >>> handles_nonfinite(keras.optimizers.SGD())
       False
     """
-    return _is_loss_scale(optimizer)
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def _loss_scale(optimizer: Any, optimizer_vars: list) -> Any:
     """The dynamic loss scale of a ``LossScaleOptimizer`` (traced), else ``None``."""
-    if not _is_loss_scale(optimizer):
+    if not handles_nonfinite(optimizer):
         return None
     for ref, value in zip(optimizer.variables, optimizer_vars, strict=True):
         if ref is optimizer.dynamic_scale:

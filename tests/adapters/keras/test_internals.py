@@ -587,18 +587,6 @@ def test_is_tf_dataset_recognises_a_tf_data_dataset():
     assert not door.is_torch_dataloader(dataset) and not door.is_grain_dataset(dataset)
 
 
-# -- distribution ---------------------------------------------------------------------------
-
-
-def test_to_backend_mesh_is_the_jax_mesh_of_a_keras_device_mesh():
-    device_mesh = keras.distribution.DeviceMesh((1,), ["batch"],
-                                                devices=keras.distribution.list_devices()[:1])
-    mesh = door.to_backend_mesh(device_mesh)
-    assert isinstance(mesh, jax.sharding.Mesh)
-    assert mesh.axis_names == ("batch",) and mesh.devices.shape == (1,)
-    assert mesh == device_mesh.backend_mesh
-
-
 # -- keras-hub ----------------------------------------------------------------------------------
 
 
