@@ -104,13 +104,13 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
     the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
                                                  search=search, training=training)
     adapter = adapter_for(model)
-    return Job(model=model, data=with_targets(adapter, data, y, sample_weight),
-               adapter=adapter, effective_batch=effective_batch, target=the_target,
-               search=the_search, training=the_training,
-               options=program_options(optimizer=optimizer, loss_fn=loss_fn,
-                                       trainable=trainable,
-                                       learning_rate=learning_rate_spec(learning_rate),
-                                       batch_stats=the_training.batch_stats),
+    if y is not None or sample_weight is not None:  # Keras's separately given targets
+        data = adapter.with_targets(data, y, sample_weight)
+    return Job(model=model, data=data, adapter=adapter, effective_batch=effective_batch,
+               target=the_target, search=the_search, training=the_training,
+               options=ProgramOptions(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
+                                      learning_rate=learning_rate_spec(learning_rate),
+                                      batch_stats=the_training.batch_stats),
                log=resolve_log(log))
 
 
@@ -179,19 +179,6 @@ def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any
                       where=where)
 
 
-def program_options(*, optimizer: Any, loss_fn: Any, trainable: Any, learning_rate: LearningRate,
-                    batch_stats: str = "effective") -> ProgramOptions:
-    """The options that shape the train step and its learning rate, for ``adapter.prepare``.
-
-    Example:
-      >>> program_options(optimizer=None, loss_fn=None, trainable=None,
-      ...                 learning_rate=LearningRate(value=0.1)).learning_rate.value
-      0.1
-    """
-    return ProgramOptions(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                          learning_rate=learning_rate, batch_stats=batch_stats)
-
-
 def drops(adapter: Any, drop_remainder: bool) -> bool:
     """Whether leftover examples are dropped: asked for, or the adapter does not train them."""
     return bool(drop_remainder) or not adapter.trains_leftovers
@@ -213,13 +200,6 @@ def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
 def examples_of(prepared: Any) -> Any:
     """What counts the training examples: a Flax model's data source, else the prepared data."""
     return prepared.extras.get("source", prepared.data)
-
-
-def with_targets(adapter: Any, data: Any, y: Any, sample_weight: Any) -> Any:
-    """``data`` with Keras's separately given ``y`` and ``sample_weight`` folded in."""
-    if y is None and sample_weight is None:
-        return data
-    return adapter.with_targets(data, y, sample_weight)
 
 
 @explains_keywords

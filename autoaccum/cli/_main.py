@@ -36,33 +36,12 @@ def without_tensorflow() -> None:
         sys.modules["tensorflow"] = None  # type: ignore[assignment]
 
 
-def _compute_advice(args: argparse.Namespace) -> Any:
-    """``--advise``: the verdict and, when it does not fit, the changes that would."""
-    log = None if args.quiet else sys.stderr
-    if args.preset is not None:
-        without_tensorflow()
-        try:
-            from ..adapters.keras.presets import advise_preset
-        except ImportError as error:
-            raise CliError(import_error_message(error, "--preset"), 1) from error
-        return advise_preset(
-            args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
-            sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
-            log=log, **spec_kwargs(args, arguments=("target", "search", "learning_rate")),
-        )
-    from .._front_door import advise
-
-    built = merge_flags(load_model_function(args.model), args)  # flags win, as for a plan
-    model, data = built.pop("model"), built.pop("data")
-    return advise(model, data, **built)
-
-
 def cmd_advise(args: argparse.Namespace) -> int:
     """``autoaccum plan ... --advise``: prints the advice; exit 0 when it fits as given, else 2."""
     if args.plot:
         raise CliError("--plot draws a plan; --advise prints a table of alternatives. Drop "
                        "one of them.")
-    advice = _compute_advice(args)
+    advice = _compute(args, advise=True)
     if args.json:
         print(json.dumps(advice.to_dict(), indent=2, default=str), flush=True)
     else:
@@ -126,22 +105,25 @@ def _list_presets() -> int:
     return 0
 
 
-def _compute_plan(args: argparse.Namespace) -> Any:
+def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
+    """The plan, or with ``advise`` (``--advise``) the verdict and, when it does not fit, the
+    changes that would."""
     log = None if args.quiet else sys.stderr
     if args.preset is not None:
         without_tensorflow()
         try:
-            from ..adapters.keras.presets import plan_preset
+            from ..adapters.keras.presets import advise_preset, plan_preset
         except ImportError as error:
             raise CliError(import_error_message(error, "--preset"), 1) from error
         try:
-            return plan_preset(
+            return (advise_preset if advise else plan_preset)(
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                 sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
                 log=log, **spec_kwargs(args, arguments=PRESET_SPECS),
             )
         except ImportError as error:
             raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
+    from .._front_door import advise as advise_model
     from .._front_door import plan
 
     built = merge_flags(load_model_function(args.model), args)
@@ -149,7 +131,7 @@ def _compute_plan(args: argparse.Namespace) -> Any:
     if args.device is None and isinstance(built["target"].device, str):
         _prepare_environment(built["target"].device)
     try:
-        return plan(model, data, **built)
+        return (advise_model if advise else plan)(model, data, **built)
     except ImportError as error:
         raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
 
@@ -179,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _prepare_environment(args.device)
     if args.advise:
         return cmd_advise(args)
-    result = _compute_plan(args)
+    result = _compute(args)
     if args.json:
         out = result.to_dict()
         error = _plot(result, args.plot) if args.plot else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from ._jax_internals import backends_started
-from ._profiles import MIB, DeviceProfile, all_profiles, find_profile
+from ._profiles import DeviceProfile, MiB, all_profiles, find_profile
 
 __all__ = [
     "DetectedDevice",
@@ -183,7 +183,7 @@ def _from_nvml(index: int) -> DetectedDevice | str:
         with contextlib.suppress(nvml_error, OSError):
             pynvml.nvmlShutdown()
     total = int(memory.total)
-    profile = match_profile(name, memory_mib=total / MIB)
+    profile = match_profile(name, memory_mib=total / MiB)
     reason = "" if profile else _no_profile_reason(name)
     return DetectedDevice(
         source="nvml",

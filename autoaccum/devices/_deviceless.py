@@ -493,7 +493,7 @@ def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
             kept[name] = value
         else:
             _say_once(f"XLA compile option {name}",
-                      f"unknown to jaxlib {_jaxlib_version()}")
+                      f"unknown to jaxlib {installed_version('jaxlib') or 'unknown'}")
     return kept
 
 
@@ -513,7 +513,7 @@ def known_xla_flags(flags: str, *, cache_dir: Path | str | None = None) -> str:
     tokens = flags.split()
     if not tokens:
         return ""
-    version = _jaxlib_version()
+    version = installed_version("jaxlib") or "unknown"
     key = hashlib.sha256(f"{version}\n{sys.executable}\n{flags}".encode()).hexdigest()[:24]
     path = _cache_folder(cache_dir) / "xla-flags" / f"{key}.json"
     try:
@@ -559,12 +559,3 @@ def _cache_folder(cache_dir: Path | str | None) -> Path:
         return Path(os.environ["AUTOACCUM_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "autoaccum"
-
-
-def _jaxlib_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("jaxlib")
-    except PackageNotFoundError:
-        return "unknown"

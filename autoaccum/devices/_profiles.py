@@ -25,7 +25,7 @@ from ._margins import (
     profile_margins,
 )
 
-MIB = 1024 * 1024
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 PROFILES_DIR_ENV = "AUTOACCUM_PROFILES_DIR"
 
 
@@ -229,7 +229,7 @@ class DeviceProfile:
                     f"Profile {self.key!r} has no fixed memory size (memory comes from the "
                     "host). Pass total_bytes=, e.g. autoaccum.internal.host_memory().available."
                 )
-            total_bytes = total_mib * MIB
+            total_bytes = total_mib * MiB
         return int(total_bytes * fraction)
 
     def budget_bytes(
@@ -261,7 +261,7 @@ class DeviceProfile:
         """
         pool = self.pool_bytes(memory_fraction, total_bytes=total_bytes)
         if total_bytes is None:
-            total_bytes = (self._capacity_mib or 0) * MIB
+            total_bytes = (self._capacity_mib or 0) * MiB
         if command_buffers is None:
             command_buffers = command_buffers_enabled(self.env)[0]
         return apply_margins(pool, total_bytes, self.margins, deviceless=deviceless,
@@ -621,9 +621,6 @@ def gpu_target_config(
 
 def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
 
 def format_bytes(n: float) -> str:

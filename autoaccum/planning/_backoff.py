@@ -93,8 +93,8 @@ class RealStepRunner:
             out = compiled(self.state, batches, *self.frozen_args)
             jax.block_until_ready(out)
         finally:
-            _delete(out)
-            _delete(batches)
+            delete_arrays(out)
+            delete_arrays(batches)
             del out, batches
         return estimate
 
@@ -137,7 +137,6 @@ def backoff_search(
     known_failure: Probe | None = None,
     verify: bool = True,
     log: TextIO | str | None = "stderr",
-    advice: str = "",
 ) -> SearchResult:
     """The largest micro-batch whose *real* step runs, found by bisection on real steps.
 
@@ -218,7 +217,7 @@ def backoff_search(
             else:
                 hi = mid
         if lo < 0:
-            _raise_no_fit(last_error, order, per, advice)
+            _raise_no_fit(last_error, order, per)
         chosen = max(d for d in divisors(per) if d <= pool[lo])
         if not verify and chosen == pool[lo]:
             break
@@ -240,13 +239,11 @@ def backoff_search(
     )
 
 
-def _raise_no_fit(last_error: list[BaseException], probes: list[Probe], per: int,
-                  advice: str) -> None:
+def _raise_no_fit(last_error: list[BaseException], probes: list[Probe], per: int) -> None:
     one = next((p for p in reversed(probes) if p.micro_batch == 1), None)
     error = last_error[0] if last_error else RuntimeError("RESOURCE_EXHAUSTED")
     raise DoesNotFitError(
-        no_micro_batch_fits(error, need_bytes=one.need_bytes if one else None,
-                            accum_steps=per, advice=advice),
+        no_micro_batch_fits(error, need_bytes=one.need_bytes if one else None, accum_steps=per),
         probes=tuple(probes),
     ) from error
 
@@ -255,22 +252,16 @@ def backoff_plan(
     run_step: RealStep,
     *,
     effective_batch: int,
-    data_parallel: int = 1,
     lr_scaling: LearningRateScaling,
     budget: Any,
     target: str,
-    upper: int | None = None,
     log: TextIO | str | None = "stderr",
-    notes: tuple[str, ...] = (),
 ) -> Plan:
     """``method="backoff"``: a :class:`Plan` from :func:`backoff_search` (real steps only)."""
-    search = backoff_search(run_step, per_device_batch=effective_batch // data_parallel,
-                            upper=upper, log=log)
-    return plan_from_search(
-        search, effective_batch=effective_batch, data_parallel=data_parallel,
-        lr_scaling=lr_scaling, budget=budget, target=f"{target}, real steps",
-        notes=(*notes, _summary(search)),
-    )
+    search = backoff_search(run_step, per_device_batch=effective_batch, log=log)
+    return plan_from_search(search, effective_batch=effective_batch, data_parallel=1,
+                            lr_scaling=lr_scaling, budget=budget,
+                            target=f"{target}, real steps", notes=(_summary(search),))
 
 
 def auto_plan(
@@ -357,7 +348,8 @@ def _summary(search: SearchResult) -> str:
             f"{search.seconds:.1f} s; largest that ran: micro_batch={search.max_micro_batch}")
 
 
-def _delete(tree: Any) -> None:
+def delete_arrays(tree: Any) -> None:
+    """Deletes the device buffers of ``tree`` (a step's outputs), if any."""
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             leaf.delete()

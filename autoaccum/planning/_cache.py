@@ -46,10 +46,10 @@ import jax
 from ._measure import (
     CompileTarget,
     MemoryEstimate,
-    _cost,
     compile_lowered,
-    estimate_from_analysis,
+    estimate_from_compiled,
     lower_step,
+    no_memory_analysis,
     record_cached,
 )
 from ._option_checks import received
@@ -426,20 +426,12 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
         request = requests[i]
         if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
             keep_compiled(lowered, compiled, dict(target.compiler_options))
-        analysis = compiled.memory_analysis()
-        if analysis is None:
-            raise RuntimeError(
-                f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a "
-                "backend that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA "
-                "target)."
-            )
-        estimate = estimate_from_analysis(program, analysis, _cost(compiled, lowered),
-                                          request.micro_batch, request.accum_steps,
-                                          last=request.last,
-                                          target=target.name,
+        estimate = estimate_from_compiled(program, compiled, request.micro_batch,
+                                          request.accum_steps, target=target.name,
                                           seconds=seconds + material.get("lower_seconds", 0.0),
-                                          compile_note=getattr(compiled, "autoaccum_compile_note",
-                                                               ""))
+                                          last=request.last, lowered=lowered)
+        if estimate is None:
+            raise no_memory_analysis(target.name)
         results[i] = estimate
         if cache is not None:
             stored = {k: v for k, v in material.items() if k != "lower_seconds"}

@@ -47,7 +47,8 @@ from ._search import (
 )
 from ._train_program import TrainProgram
 
-__all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "validate_depths"]
+__all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "label_sources",
+           "plan_by_depth", "validate_depths"]
 
 REMAT_SLOP = 0.95
 """XLA's ``xla_gpu_memory_limit_slop_factor`` default (95%)."""
@@ -246,22 +247,13 @@ class DepthExtrapolator:
     """
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
-                 log: TextIO | str | None = None, workers: int | None = None,
-                 per_device_batch: int | None = None, budget_bytes: int | None = None,
-                 full_compiles: bool = True) -> None:
+                 log: TextIO | str | None = None) -> None:
         self.variants = variants
-        self.full_compiles = full_compiles
-        """``False`` (the advisor's quick rows): no full-depth compile at all, so a quick
-        "fits" is not a verified one (``benchmarks/multi_gpu_story.py``: Gemma3-4B on 2 x T4
-        under fsdp, 16.8 GiB predicted, 28.9 GiB compiled)."""
-        self.budget_bytes = budget_bytes
         self.target = target
         self.reduced_target = reduced_depth_target(target)
         """``target`` with XLA's GPU rematerialization pass off, for the reduced depths."""
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
-        self.workers = workers
-        self.per_device_batch = per_device_batch
         self.checks: dict[int, DepthCheck] = {}
         self._full: dict[tuple[int, int], MemoryEstimate] = {}
         self._predicted: dict[tuple[int, int], MemoryEstimate] = {}
@@ -282,13 +274,13 @@ class DepthExtrapolator:
             small = measure_all(
                 [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
                                 self.variants.key(d), reduced=True) for d in (d1, d2)],
-                self.reduced_target, cache=self.cache, workers=self.workers)
+                self.reduced_target, cache=self.cache)
         except Exception as error:  # a model that cannot be built or compiled that shallow
             why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
             self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, 0, 0, False,
                                                   why[:300])
             self._say(f"micro_batch={micro_batch}: {why[:300]} (compiling full depth)")
-            return self.full(micro_batch, accum_steps, why=why)
+            return self.full(micro_batch, accum_steps)
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
         self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
                   f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
@@ -303,7 +295,7 @@ class DepthExtrapolator:
             self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps,
                                                   predicted.need_bytes, per_block, False, why)
             self._say(f"micro_batch={micro_batch}: {why} (compiling full depth)")
-            return self.full(micro_batch, accum_steps, why=why)
+            return self.full(micro_batch, accum_steps)
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
                                               per_block, True, "linear in depth")
         return predicted
@@ -316,7 +308,7 @@ class DepthExtrapolator:
             return float(estimate.need_bytes)
         return io_bytes(estimate) + max(limit, 0.0)
 
-    def full(self, micro_batch: int, accum_steps: int, *, why: str = "") -> MemoryEstimate:
+    def full(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
         """The full-depth compile (cached)."""
         key = (micro_batch, accum_steps)
         if key not in self._full:
@@ -329,7 +321,7 @@ class DepthExtrapolator:
 
     def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
         """Compiles the final choice at full depth and records the prediction's error."""
-        estimate = self.full(micro_batch, accum_steps, why="verify")
+        estimate = self.full(micro_batch, accum_steps)
         check = self.checks.get(micro_batch)
         if check is not None:
             self.checks[micro_batch] = dataclasses.replace(check,
@@ -339,12 +331,6 @@ class DepthExtrapolator:
                       f"{format_bytes(estimate.need_bytes)} (predicted "
                       f"{format_bytes(check.predicted_bytes)}, {error:+.2%})")
         return estimate
-
-    def holds(self, micro_batch: int) -> bool:
-        """Whether the verified prediction at ``micro_batch`` is within the tolerance."""
-        check = self.checks.get(micro_batch)
-        return (check is not None and check.error is not None
-                and abs(check.error) <= self.variants.tolerance)
 
     def _remat_target(self, estimate: MemoryEstimate) -> float | None:
         """The temp above which XLA's GPU rematerialization pass rewrites this step."""
@@ -425,8 +411,6 @@ def extrapolate(low: MemoryEstimate, high: MemoryEstimate, d1: int, d2: int,
         compile_seconds=low.compile_seconds + high.compile_seconds)
     return estimate, math.ceil((high.need_bytes - low.need_bytes) / span)
 
-__all__ = ["label_sources", "plan_by_depth"]
-
 
 def plan_by_depth(
     variants: DepthVariants,
@@ -438,7 +422,6 @@ def plan_by_depth(
     cache: Any = None,
     log: TextIO | str | None = "stderr",
     notes: tuple[str, ...] = (),
-    workers: int | None = None,
     accumulating_floor: int = 0,
     verify: bool = True,
     data_parallel: int = 1,
@@ -474,9 +457,7 @@ def plan_by_depth(
       >>> plan.micro_batch, plan.estimate.source  # the whole batch (k=1) compiles in full
       (8, 'compiled')
     """
-    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log, workers=workers,
-                                     per_device_batch=effective_batch // data_parallel,
-                                     budget_bytes=budget.bytes, full_compiles=verify)
+    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor,
                   data_parallel=data_parallel)

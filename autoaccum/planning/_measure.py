@@ -48,8 +48,8 @@ from jax.sharding import NamedSharding
 
 from ..devices._deviceless import compiling_for, known_compile_options, shard_abstract
 from ..devices._profiles import format_bytes
-from ._strategies import accumulator_sharding
-from ._train_program import TrainProgram, itemsize, local_shape, tree_bytes
+from ._strategies import accumulator_sharding, itemsize
+from ._train_program import TrainProgram, local_shape, tree_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -757,11 +757,16 @@ def measure_program(
                                       target=target.name, seconds=seconds, last=last,
                                       lowered=lowered)
     if estimate is None:
-        raise RuntimeError(
-            f"XLA gave no memory analysis for target {target.name!r}; autoaccum needs a backend "
-            "that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA target)."
-        )
+        raise no_memory_analysis(target.name)
     return estimate
+
+
+def no_memory_analysis(target: str) -> RuntimeError:
+    """The error for a compile whose backend reports no memory analysis."""
+    return RuntimeError(
+        f"XLA gave no memory analysis for target {target!r}; autoaccum needs a backend "
+        "that reports compiled memory (CPU, CUDA, TPU, or a deviceless CUDA target)."
+    )
 
 
 def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: int,

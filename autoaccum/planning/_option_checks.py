@@ -40,7 +40,14 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
 
 
 def validate_positive_int(name: str, value: object) -> int:
-    """Returns ``value`` if it is a positive int, else a ``ValueError`` naming ``name``."""
+    """``value`` as a Python int (numpy integers too) if it is positive, else a ``ValueError``
+    naming ``name``.
+
+    Example:
+      >>> import numpy as np
+      >>> validate_positive_int("base_batch", np.int64(4))
+      4
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"{name} must be a positive integer. Received: {received(name, value)}")
     return int(value)
@@ -97,20 +104,6 @@ def check_enough_examples(tree: Any, effective_batch: int) -> int:
             f"Received: effective_batch={effective_batch}"
         )
     return n
-
-
-def as_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` as a Python int (numpy integers too) of at least ``minimum``, else an error.
-
-    Example:
-      >>> import numpy as np
-      >>> as_int("base_batch", np.int64(4))
-      4
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        bound = "positive" if minimum == 1 else f"at least {minimum}"
-        raise ValueError(f"{name} must be a {bound} integer. Received: {received(name, value)}")
-    return int(value)
 
 
 def validate_device(device: object) -> Any:

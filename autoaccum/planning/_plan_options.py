@@ -25,15 +25,15 @@ from ._budget import parse_budget
 from ._depth import DepthVariant
 from ._lr_scaling import check_base_batch_given, validate_lr_rule
 from ._option_checks import (
-    as_int,
     received,
     validate_device,
     validate_devices,
     validate_learning_rate,
     validate_memory_fraction,
+    validate_positive_int,
 )
 from ._plan import Plan
-from ._search import ADVISE_HINT, DoesNotFitError
+from ._search import ADVISE_HINT, WHAT_HELPS, DoesNotFitError
 from ._strategies import validate_strategy
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -105,8 +105,7 @@ def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError
     tried = "; ".join(f"remat={pol}: {first_line(err)}" for pol, err in failures)
     return DoesNotFitError(
         f"No rematerialization policy makes micro_batch=1 fit ({tried}). What would help: "
-        "training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
-        f"weights), or a larger budget/device. {ADVISE_HINT}"
+        f"{WHAT_HELPS} {ADVISE_HINT}"
     )
 
 
@@ -366,7 +365,8 @@ class LearningRate:
     def __post_init__(self) -> None:
         validate_learning_rate(self.value)
         if self.base_batch is not None:
-            object.__setattr__(self, "base_batch", as_int("base_batch", self.base_batch))
+            object.__setattr__(self, "base_batch",
+                               validate_positive_int("base_batch", self.base_batch))
         validate_lr_rule(self.rule)
         if not isinstance(self.adjust_adam, bool):
             raise ValueError(f"adjust_adam must be True or False. Received: "

@@ -72,6 +72,10 @@ ADVISE_HINT = ("autoaccum.advise(...) (same arguments; CLI: --advise) lists comp
                "changes that fit.")
 """The sentence every does-not-fit message ends with: where to find what would fit."""
 
+WHAT_HELPS = ("training fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 "
+              "weights), or a larger budget/device.")
+"""The end of "What would help: ..." in a compile-only does-not-fit message."""
+
 
 class DoesNotFitError(ValueError):
     """Even micro-batch 1 needs more memory than the budget.
@@ -161,25 +165,17 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-WHOLE_BATCH_SLACK = 2.0
-"""The whole batch (one micro-batch, no accumulation loop) is compiled as well unless the
-affine fit predicts more than this many times the budget for it."""
+def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None) -> bool:
+    """Whether the k=1 step is worth a compile where no affine fit through k>1 probes exists:
+    XLA drops the accumulation loop there, so its need can lie below theirs (tiny models:
+    below micro-batch 2's).
 
-
-def _whole_batch_may_fit(affine: tuple[float, float] | None, limit: int,
-                         budget_bytes: int, failed: Probe | None = None) -> bool:
-    """Whether the k=1 step is worth a compile: XLA drops the accumulation loop there, so its
-    need can lie below the affine fit through k>1 probes (tiny models: below micro-batch 2's).
-
-    Without a fit, ``failed`` (a smaller micro-batch with k > 1 that did not fit) decides: the
-    loop costs the accumulator, the stacked batch and a few scalars (measured: 864 bytes of a
-    20-byte accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 + 3.1 KB
-    for a tiny LM), so the whole batch is compiled only if ``failed`` less twice those fits.
+    ``failed`` (a smaller micro-batch with k > 1 that did not fit) decides: the loop costs the
+    accumulator, the stacked batch and a few scalars (measured: 864 bytes of a 20-byte
+    accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 + 3.1 KB for a
+    tiny LM), so the whole batch is compiled only if ``failed`` less twice those fits.
     Gemma3-4B LoRA on a T4: micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example step
     (35.7 GiB, 112 s of compile under load) is not compiled."""
-    if affine is not None:
-        intercept, slope = affine
-        return intercept + slope * limit <= WHOLE_BATCH_SLACK * budget_bytes
     if failed is None or failed.accum_steps < 2:
         return True
     loop = failed.estimate.accumulator_bytes + failed.estimate.batch_bytes
@@ -207,7 +203,6 @@ def search_micro_batch(
     per_device_batch: int,
     budget_bytes: int,
     log: TextIO | str | None = "stderr",
-    advice: str = "",
     measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
     accumulating_floor: int = 0,
     largest_first: bool = False,
@@ -273,42 +268,29 @@ def search_micro_batch(
     order: list[Probe] = []
 
     def probe(b: int, why: str) -> Probe:
+        """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
+        divide ``limit``: ``k - 1`` micro-batches of ``b``, then ``last``)."""
         if b in probes:
             return probes[b]
         k = math.ceil(limit / b)
+        last = limit - (k - 1) * b
+        uneven = measure_uneven if last != b else None
         if log is not None:
-            print(f"autoaccum: compiling micro_batch={b} x {k} steps ({why}) ...",
-                  file=log, flush=True)
-        estimate = measure(b, k)
-        p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate)
+            print(f"autoaccum: compiling micro_batch={b} x {k} steps"
+                  f"{f', last {last}' if uneven else ''} ({why}) ...", file=log, flush=True)
+        estimate = uneven(b, k, last) if uneven is not None else measure(b, k)
+        p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
+                  last_micro_batch=last if uneven is not None else None)
         probes[b] = p
         order.append(p)
         if log is not None:
             verdict = "fits" if p.fits else "does not fit"
             need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
-            print(
-                f"autoaccum:   micro_batch={b:<5} need {need:>10} "
-                f"/ budget {budget}  {verdict}  "
-                f"(compile {estimate.compile_seconds:.1f} s)",
-                file=log,
-                flush=True,
-            )
+            split = f"{b} x {k - 1} + {last:<3}" if uneven else f"micro_batch={b:<5}"
+            print(f"autoaccum:   {split} need {need:>10} / budget {budget}  {verdict}  "
+                  f"(compile {estimate.compile_seconds:.1f} s)", file=log, flush=True)
             if estimate.compile_note:
                 print(f"autoaccum:   note: {estimate.compile_note}", file=log, flush=True)
-        return p
-
-    def measure_at(b: int, why: str) -> Probe:
-        """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
-        divide ``limit``)."""
-        k = math.ceil(limit / b)
-        last = limit - (k - 1) * b
-        if measure_uneven is None or last == b:
-            return probe(b, why)
-        if b in probes:
-            return probes[b]
-        p = _probe_uneven(measure_uneven, b, k, last, budget_bytes, log, why=why)
-        probes[b] = p
-        order.append(p)
         return p
 
     if limit > 1 and accumulating_floor > budget_bytes:
@@ -322,7 +304,7 @@ def search_micro_batch(
             f"{format_bytes(accumulating_floor)} (weights, optimizer state and the float32 "
             f"gradient accumulator, known from shapes), over the budget of "
             f"{format_bytes(budget_bytes)}, and the whole batch of {limit} in one step needs "
-            f"{format_bytes(p.need_bytes)}.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
+            f"{format_bytes(p.need_bytes)}. {ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes)
 
     # A micro-batch between two candidates takes as many steps as the larger-k one.
@@ -351,20 +333,20 @@ def search_micro_batch(
             if clearly_over(c, line()):
                 skipped.add(c)
                 continue
-            if measure_at(c, "largest first").fits:
+            if probe(c, "largest first").fits:
                 break
         if not any(p.fits for p in probes.values()) and 1 not in probes:
-            measure_at(1, "smallest")
+            probe(1, "smallest")
         lo = max((b for b, p in probes.items() if p.fits), default=0)
-        return _result(lo, probes, order, line(), start, limit, budget_bytes, advice,
+        return _result(lo, probes, order, line(), start, budget_bytes,
                        measure_uneven is None)
 
     first = next((c for c in candidates if c >= 2), None)
-    if first is not None and first < limit and measure_at(first, "fit point").fits:
+    if first is not None and first < limit and probe(first, "fit point").fits:
         second = next((c for c in candidates if c >= 2 * first and c < limit),
                       next((c for c in reversed(candidates) if first < c < limit), None))
         if second is not None:
-            measure_at(second, "fit point")
+            probe(second, "fit point")
     lo, hi = bounds()
     while True:
         fit = line()
@@ -388,29 +370,29 @@ def search_micro_batch(
         if clearly_over(guess, fit):
             skipped.update(c for c in open_ if c >= guess)  # need grows with b: all above too
             continue
-        measure_at(guess, why)
+        probe(guess, why)
         lo, hi = bounds()
     if lo == 0 and 1 not in probes:
-        measure_at(1, "smallest")
+        probe(1, "smallest")
         lo, hi = bounds()
     failed = min((p for p in order if not p.fits and p.micro_batch < limit),
                  key=lambda p: p.micro_batch, default=None)
     fit = line()
     worth = (not clearly_over(limit, fit) if fit is not None
-             else _whole_batch_may_fit(None, limit, budget_bytes, failed))
+             else _whole_batch_may_fit(budget_bytes, failed))
     if (lo < limit and limit not in probes and limit not in skipped and worth
             and _whole_batch_after_one(probes.get(1), budget_bytes)):
-        measure_at(limit, "whole batch (no accumulation loop)")
+        probe(limit, "whole batch (no accumulation loop)")
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = (limit if limit in probes and probes[limit].fits
           else max((b for b, p in probes.items() if p.fits), default=0))
-    return _result(lo, probes, order, line(), start, limit, budget_bytes, advice,
+    return _result(lo, probes, order, line(), start, budget_bytes,
                    measure_uneven is None)
 
 
 def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
-            affine: tuple[float, float] | None, start: float, limit: int, budget_bytes: int,
-            advice: str, divisors_only: bool) -> SearchResult:
+            affine: tuple[float, float] | None, start: float, budget_bytes: int,
+            divisors_only: bool) -> SearchResult:
     """The search's answer: micro-batch ``lo`` (its own compile fitted), or, with none
     (``lo == 0``), the error naming micro-batch 1's need and what would help."""
     if lo == 0:
@@ -419,14 +401,11 @@ def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
         raise DoesNotFitError(
             f"Even micro_batch=1 needs {need_text}, over the budget of "
             f"{budget_text} by {format_bytes(need - budget_bytes)}. What would "
-            "help: rematerialization (jax.checkpoint / gradient checkpointing), training "
-            "fewer parameters (LoRA), shorter sequences, a smaller dtype (bfloat16 weights), "
-            f"or a larger budget/device.{(' ' + advice) if advice else ''} {ADVISE_HINT}",
+            f"help: rematerialization (jax.checkpoint / gradient checkpointing), {WHAT_HELPS} "
+            f"{ADVISE_HINT}",
             probes=tuple(order), budget_bytes=budget_bytes,
         )
     chosen = probes[lo]
-    if divisors_only and limit % lo:  # (only divisors are candidates: not reached)
-        raise AssertionError(f"micro_batch {lo} is not a divisor of {limit}")
     return SearchResult(
         micro_batch=lo,
         max_micro_batch=lo,
@@ -499,21 +478,3 @@ def step_candidates(limit: int) -> list[int]:
       ([1, 2, 3, 4, 8], [1, 2, 3, 4, 5, 7, 13])
     """
     return sorted({-(-limit // k) for k in range(1, limit + 1)})
-
-
-def _probe_uneven(measure_uneven: Callable[[int, int, int], MemoryEstimate], b: int, k: int,
-                  last: int, budget_bytes: int, log: TextIO | None,
-                  why: str = "uneven split") -> Probe:
-    """Compiles the uneven step (``k - 1`` micro-batches of ``b``, then ``last``)."""
-    if log is not None:
-        print(f"autoaccum: compiling micro_batch={b} x {k} steps, last {last} ({why}) ...",
-              file=log, flush=True)
-    estimate = measure_uneven(b, k, last)
-    p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
-              last_micro_batch=last)
-    if log is not None:
-        need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
-        print(f"autoaccum:   {b} x {k - 1} + {last:<3} need {need:>10} "
-              f"/ budget {budget}  {'fits' if p.fits else 'does not fit'}  "
-              f"(compile {estimate.compile_seconds:.1f} s)", file=log, flush=True)
-    return p

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -238,7 +239,7 @@ class StateLayout:
                 specs, is_leaf=lambda s: isinstance(s, P)), strict=True):
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 continue
-            size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
+            size = math.prod(leaf.shape) * itemsize(leaf.dtype)
             total += size // n if any(a is not None for a in spec) else size
         return total
 
@@ -359,10 +360,8 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
     )
 
 
-def _itemsize(dtype: Any) -> int:
-    """Bytes per element, extended dtypes (PRNG keys) included."""
-    import numpy as np
-
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``, extended dtypes (PRNG keys) included."""
     size = getattr(dtype, "itemsize", None)
     return int(size) if size is not None else np.dtype(dtype).itemsize
 

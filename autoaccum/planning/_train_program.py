@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ._micro_batches import UnevenBatches
+from ._strategies import itemsize
 
 PyTree = Any
 
@@ -267,12 +268,6 @@ def local_shape(leaf: Any) -> tuple[int, ...]:
     if sharding is not None and hasattr(sharding, "shard_shape"):
         return tuple(sharding.shard_shape(shape))
     return shape
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element of ``dtype``, extended dtypes (PRNG keys) included."""
-    size = getattr(dtype, "itemsize", None)
-    return int(size) if size is not None else np.dtype(dtype).itemsize
 
 
 def abstract(tree: PyTree) -> PyTree:

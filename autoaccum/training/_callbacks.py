@@ -278,7 +278,6 @@ class NoiseScaleEstimator:
     """Weight of the past in the moving averages."""
     trace_sigma: float | None = field(default=None, init=False)
     grad_sq: float | None = field(default=None, init=False)
-    history: list[float] = field(default_factory=list, init=False)
 
     def update(self, *, grad_sq_norm: float, micro_grad_sq_norm: float, big_batch: float,
                small_batch: float) -> float | None:
@@ -293,10 +292,7 @@ class NoiseScaleEstimator:
             1 - self.decay) * g2
         self.trace_sigma = s if self.trace_sigma is None else self.decay * self.trace_sigma + (
             1 - self.decay) * s
-        value = self.value
-        if value is not None:
-            self.history.append(value)
-        return value
+        return self.value
 
     @property
     def value(self) -> float | None:

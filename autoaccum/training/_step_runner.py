@@ -47,6 +47,7 @@ from ..devices._oom import (
     requested_bytes,
 )
 from ..devices._warnings import AutoaccumWarning
+from ..planning._backoff import delete_arrays
 from ..planning._cache import reuse_or_compile
 from ..planning._micro_batches import UnevenBatches, split_sizes
 from ..planning._search import DoesNotFitError, divisors
@@ -645,7 +646,7 @@ class StepRunner:
         if not is_consumed(before):
             self.state = before
             self._write(before)
-            _free(failed)
+            delete_arrays(failed)
             return
         if not self.snapshot.available:
             _note(error, f"autoaccum: {_LOST}")
@@ -655,7 +656,7 @@ class StepRunner:
     def _restore_from_host(self, error: BaseException, failed: PyTree = None) -> None:
         """The model back on the host copy: on the device if it fits, else (numpy arrays,
         nothing lost) on the host, with the reason added to ``error``."""
-        _free(failed)
+        delete_arrays(failed)
         try:
             self.state = self.snapshot.restore()
         except Exception as again:
@@ -760,15 +761,6 @@ def _read(metrics: Any) -> tuple:
          metrics.micro_grad_sq_norm, metrics.logs or {}))
     return (bool(finite), float(count), float(loss), float(grad_sq), float(micro_sq),
             {name: float(value) for name, value in logs.items()})
-
-
-def _free(tree: PyTree) -> None:
-    """Deletes the device buffers of ``tree`` (a failed step's outputs), if any."""
-    if tree is None:
-        return
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 def _restore_failed(step: int | None, again: BaseException) -> str:

@@ -10,7 +10,7 @@ from autoaccum.devices._margins import (
     command_buffers_enabled,
     environment_memory_fraction,
 )
-from autoaccum.devices._profiles import MIB, find_profile, load_profile, profiles_dir
+from autoaccum.devices._profiles import MiB, find_profile, load_profile, profiles_dir
 from autoaccum.planning._budget import profile_budget, resolve_fraction
 
 # Gemma3-4B text, bf16, LoRA 4, seq 400, AdamW, compiled deviceless for the T4 at the lab's
@@ -78,12 +78,12 @@ def test_command_buffers_follow_the_environment_then_the_profile():
 
 def test_the_pool_is_capped_by_the_margins_outside_it_near_fraction_one():
     t4 = find_profile("t4")
-    total = t4.cuda_total_mib * MIB
+    total = t4.cuda_total_mib * MiB
     at_one = t4.pool_arithmetic(1.0, command_buffers=False)
     assert at_one.pool == total
-    assert at_one.usable_pool == total - 300 * MIB  # the CUDA context stays outside
+    assert at_one.usable_pool == total - 300 * MiB  # the CUDA context stays outside
     with_graphs = t4.pool_arithmetic(1.0, command_buffers=True)
-    assert with_graphs.usable_pool == total - (300 + 64) * MIB
+    assert with_graphs.usable_pool == total - (300 + 64) * MiB
     at_09 = t4.pool_arithmetic(0.9, command_buffers=True)
     assert at_09.usable_pool == at_09.pool  # 10% left covers them
 
@@ -99,7 +99,7 @@ def test_the_lab_ground_truth_micro_batch_one_fits_and_two_does_not():
 def test_on_the_device_itself_the_lab_tolerance_does_not_apply():
     t4 = find_profile("t4")
     assert (t4.budget_bytes(0.9, deviceless=True) - t4.budget_bytes(0.9, deviceless=False)
-            == 128 * MIB)
+            == 128 * MiB)
 
 
 def test_every_margin_line_names_its_size_place_and_source():
@@ -187,10 +187,10 @@ def test_a_gpu_run_turns_into_the_margins_it_supports():
     from autoaccum.devices._margins import MeasuredPoint, suggest_margins
 
     points = [  # need here, peak, need deviceless, memory outside the pool (MiB)
-        MeasuredPoint(need=10_000 * MIB, peak=10_050 * MIB, need_deviceless=10_300 * MIB,
-                      bytes_limit=76_000 * MIB, context=520 * MIB),
-        MeasuredPoint(need=30_000 * MIB, peak=30_020 * MIB, need_deviceless=29_990 * MIB,
-                      bytes_limit=76_000 * MIB, context=None),
+        MeasuredPoint(need=10_000 * MiB, peak=10_050 * MiB, need_deviceless=10_300 * MiB,
+                      bytes_limit=76_000 * MiB, context=520 * MiB),
+        MeasuredPoint(need=30_000 * MiB, peak=30_020 * MiB, need_deviceless=29_990 * MiB,
+                      bytes_limit=76_000 * MiB, context=None),
     ]
     h100 = find_profile("h100")
     out = {s.name: s for s in suggest_margins(points, h100.margins, provenance="table, abc")}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from autoaccum.devices._profiles import (
-    MIB,
     DeviceProfile,
+    MiB,
     all_profiles,
     find_profile,
     list_profiles,
@@ -41,7 +41,7 @@ def test_every_profile_loads_with_sane_values():
             assert tpu.chips * profile.memory_mib > 10_000
             assert 0.9 * profile.memory_mib < tpu.usable_hbm_mib <= 1.01 * profile.memory_mib
             assert tpu.device_kind.startswith("TPU") and tpu.accelerator_type
-            assert profile.pool_bytes() == profile.budget_bytes() == tpu.usable_hbm_mib * MIB
+            assert profile.pool_bytes() == profile.budget_bytes() == tpu.usable_hbm_mib * MiB
         if profile.is_gpu:
             gpu = profile.gpu
             assert profile.memory_mib and profile.memory_mib > 10_000
@@ -153,15 +153,15 @@ def test_profiles_dir_env_var_pointing_nowhere_is_an_error(tmp_path: Path, monke
 
 def test_pool_is_cuda_total_times_fraction_and_budget_subtracts_margin():
     t4 = find_profile("t4")
-    assert t4.pool_bytes() == int(t4.cuda_total_mib * MIB * t4.default_memory_fraction)
-    assert t4.pool_bytes(0.5) == int(t4.cuda_total_mib * MIB * 0.5)
+    assert t4.pool_bytes() == int(t4.cuda_total_mib * MiB * t4.default_memory_fraction)
+    assert t4.pool_bytes(0.5) == int(t4.cuda_total_mib * MiB * 0.5)
     # On the device: the pool minus the cuDNN workspace; a deviceless T4 plan adds the lab's
     # credit (profiles/t4.toml [[margins]]).
     assert (t4.budget_bytes(0.5, deviceless=False)
-            == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MIB)
-    assert t4.budget_bytes(0.5) == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MIB + 128 * MIB
+            == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MiB)
+    assert t4.budget_bytes(0.5) == t4.pool_bytes(0.5) - t4.workspace_margin_mib * MiB + 128 * MiB
     l4 = find_profile("l4")  # no cuda_total_mib: falls back to memory_mib
-    assert l4.pool_bytes(1.0) == l4.memory_mib * MIB
+    assert l4.pool_bytes(1.0) == l4.memory_mib * MiB
 
 
 def test_invalid_memory_fraction_is_rejected():
@@ -174,7 +174,7 @@ def test_cpu_pool_needs_the_host_memory():
     assert not cpu.is_gpu
     with pytest.raises(ValueError, match="total_bytes"):
         cpu.pool_bytes()
-    assert cpu.pool_bytes(total_bytes=10 * MIB) == int(10 * MIB * cpu.default_memory_fraction)
+    assert cpu.pool_bytes(total_bytes=10 * MiB) == int(10 * MiB * cpu.default_memory_fraction)
 
 
 def test_tpu_slices_answer_to_the_names_google_cloud_colab_and_kaggle_use():
