@@ -27,6 +27,7 @@ import contextlib
 import re
 import resource
 from collections.abc import Iterator
+from typing import Any
 
 from ._profiles import format_bytes
 
@@ -158,6 +159,16 @@ def compiling() -> Iterator[None]:
         return
     with cap.lifted():
         yield
+
+
+def delete_arrays(tree: Any) -> None:
+    """Deletes the device buffers of ``tree`` (a failed step's outputs), if any, so the next
+    attempt has their memory."""
+    import jax
+
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
 
 def vm_size_bytes() -> int:

@@ -638,6 +638,20 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``, extended dtypes (PRNG keys) included.
+
+    Example:
+      >>> import numpy as np
+      >>> itemsize(np.dtype("float32")), itemsize(np.dtype("int8"))
+      (4, 1)
+    """
+    import numpy as np
+
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else np.dtype(dtype).itemsize
+
+
 def format_bytes_below(n: float) -> str:
     """``n`` with two decimals, rounded down, so the figure typed back is within the limit.
 

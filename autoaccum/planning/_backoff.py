@@ -20,7 +20,13 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from ..devices._oom import compiling, first_line, is_out_of_memory, no_micro_batch_fits
+from ..devices._oom import (
+    compiling,
+    delete_arrays,
+    first_line,
+    is_out_of_memory,
+    no_micro_batch_fits,
+)
 from ..devices._profiles import format_bytes
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
@@ -346,13 +352,6 @@ def _summary(search: SearchResult) -> str:
     ooms = sum(not p.fits for p in real)
     return (f"back-off: {len(real)} real step(s), {ooms} out of memory, "
             f"{search.seconds:.1f} s; largest that ran: micro_batch={search.max_micro_batch}")
-
-
-def delete_arrays(tree: Any) -> None:
-    """Deletes the device buffers of ``tree`` (a step's outputs), if any."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 def _unknown_estimate(micro_batch: int, accum_steps: int) -> MemoryEstimate:

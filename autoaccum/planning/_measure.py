@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ..devices._deviceless import compiling_for, known_compile_options, shard_abstract
-from ..devices._profiles import format_bytes
-from ._strategies import accumulator_sharding, itemsize
+from ..devices._profiles import format_bytes, itemsize
+from ._strategies import accumulator_sharding
 from ._train_program import TrainProgram, local_shape, tree_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])

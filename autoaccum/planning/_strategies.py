@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..devices._profiles import itemsize
 from ._option_checks import received
 
 PyTree = Any
@@ -358,12 +358,6 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         reduced=reduced_specs,
         partitioner=partitioner,
     )
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element of ``dtype``, extended dtypes (PRNG keys) included."""
-    size = getattr(dtype, "itemsize", None)
-    return int(size) if size is not None else np.dtype(dtype).itemsize
 
 
 def fixed_on_mesh(specs: tuple[Any, ...] | None, mesh: Any, trainable: PyTree = None

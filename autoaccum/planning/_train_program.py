@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ..devices._profiles import itemsize
 from ._micro_batches import UnevenBatches
-from ._strategies import itemsize
 
 PyTree = Any
 

@@ -41,13 +41,13 @@ from jax.sharding import PartitionSpec as P
 from ..devices._mesh import batch_sharding, mesh_axis, shard_batches
 from ..devices._oom import (
     compiling,
+    delete_arrays,
     first_line,
     is_out_of_memory,
     no_micro_batch_fits,
     requested_bytes,
 )
 from ..devices._warnings import AutoaccumWarning
-from ..planning._backoff import delete_arrays
 from ..planning._cache import reuse_or_compile
 from ..planning._micro_batches import UnevenBatches, split_sizes
 from ..planning._search import DoesNotFitError, divisors
