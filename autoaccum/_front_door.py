@@ -1,8 +1,9 @@
 """The front door: ``fit``, ``plan``, ``advise``, ``measure`` and ``train_step``.
 
 Each entry point keeps its explicit keyword-only signature; one job resolver
-(:func:`resolve_job`) validates every option's value once and finds the model's adapter (the
-devices a step runs on are resolved by ``resolve_step_devices``). A keyword that lives in a
+(:func:`resolve_job`) validates every option's value once (the specs by ``resolve_specs``,
+which the presets use too) and finds the model's adapter (the devices a step runs on are
+resolved by ``resolve_step_devices``). A keyword that lives in a
 spec gets a clear error (``remat=`` -> ``search=autoaccum.Search(remat=...)``).
 """
 
@@ -31,21 +32,19 @@ from .planning._lr_scaling import announce
 from .planning._measure import MemoryEstimate
 from .planning._option_checks import (
     resolve_log,
-    validate_effective_batch,
     validate_memory_fraction,
     validate_positive_int,
 )
 from .planning._plan import Plan
-from .planning._plan_model import plan_model, prepare
+from .planning._plan_model import plan_model, prepare, split_over_devices
 from .planning._plan_options import (
     LearningRate,
     ProgramOptions,
     Search,
     Target,
     changed,
-    learning_rate_spec,
-    merge_plain,
     refuse_unread,
+    resolve_specs,
     spec_of,
 )
 from .planning._reuse import PLANNING_OPTIONS, reuse_plan, validate_plan_type
@@ -99,33 +98,20 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
       ('flax', 't4', 0.1)
     """
     if effective_batch is not None or plan is not None or needs_batch:
-        effective_batch = validate_effective_batch(effective_batch_of(effective_batch, plan,
-                                                                      where))
-    the_target, the_search, the_training = specs(device=device, budget=budget, target=target,
-                                                 search=search, training=training)
+        effective_batch = effective_batch_of(effective_batch, plan, where)
+    specs = resolve_specs(effective_batch=effective_batch, device=device, budget=budget,
+                          target=target, search=search, learning_rate=learning_rate,
+                          batch_optional=True)
+    the_training = spec_of(Training, training, "training")
     adapter = adapter_for(model)
     if y is not None or sample_weight is not None:  # Keras's separately given targets
         data = adapter.with_targets(data, y, sample_weight)
-    return Job(model=model, data=data, adapter=adapter, effective_batch=effective_batch,
-               target=the_target, search=the_search, training=the_training,
+    return Job(model=model, data=data, adapter=adapter, effective_batch=specs.effective_batch,
+               target=specs.target, search=specs.search, training=the_training,
                options=ProgramOptions(optimizer=optimizer, loss_fn=loss_fn, trainable=trainable,
-                                      learning_rate=learning_rate_spec(learning_rate),
+                                      learning_rate=specs.learning_rate,
                                       batch_stats=the_training.batch_stats),
                log=resolve_log(log))
-
-
-def specs(*, device: Any = None, budget: Any = None, target: Any = None, search: Any = None,
-          training: Any = None) -> tuple[Target, Search, Training]:
-    """The three specs (defaults for ``None``), with ``device=``/``budget=`` put in the target.
-
-    Example:
-      >>> t, s, tr = specs(device="t4", search=Search(remat="nothing"))
-      >>> t.device, s.remat, tr.shuffle
-      ('t4', 'nothing', True)
-    """
-    the_target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
-    return (the_target, spec_of(Search, search, "search"),
-            spec_of(Training, training, "training"))
 
 
 def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> Any:
@@ -659,8 +645,8 @@ def measure(
         dp = placement.data_parallel
         if effective_batch is not None and given_accum is None:
             accum_steps = math.ceil(effective_batch / dp / micro_batch)
-    if effective_batch is not None:  # the split, once the step's data-parallel size is known
-        validate_effective_batch(effective_batch, data_parallel=dp)
+    if effective_batch is not None:
+        split_over_devices(effective_batch, program, program.mesh)
     resolved = early or resolve_target(device, None,
                                        memory_fraction=the_target.memory_fraction,
                                        mesh=program.device_mesh)

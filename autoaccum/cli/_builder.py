@@ -245,17 +245,17 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
     """The spec keywords for an entry point: ``base`` (a builder's options) with the flags,
     which win (said on stderr when the builder set otherwise). A flag for a spec not in
     ``arguments`` is a usage error."""
-    from .._front_door import specs
-    from ..planning._plan_options import learning_rate_spec
+    from ..planning._plan_options import resolve_specs, spec_of
+    from ..training import Training
 
     base = dict(base or {})
-    target, search, training = specs(device=base.pop("device", None),
-                                     budget=base.pop("budget", None),
-                                     target=base.pop("target", None),
-                                     search=base.pop("search", None),
-                                     training=base.pop("training", None))
-    built = {"target": target, "search": search, "training": training,
-             "learning_rate": learning_rate_spec(base.pop("learning_rate", None))}
+    specs = resolve_specs(device=base.pop("device", None), budget=base.pop("budget", None),
+                          target=base.pop("target", None), search=base.pop("search", None),
+                          learning_rate=base.pop("learning_rate", None),
+                          batch_optional=True)
+    built = {"target": specs.target, "search": specs.search,
+             "training": spec_of(Training, base.pop("training", None), "training"),
+             "learning_rate": specs.learning_rate}
     changed: dict[str, dict[str, Any]] = {}
     for (argument, field), value in flag_values(args).items():
         flag = _FLAGS[(argument, field)][0]

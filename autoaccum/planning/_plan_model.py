@@ -129,10 +129,7 @@ def plan_program(
                           else "replicated")
     if resolved is not None and resolved.mesh is not None and not placed:
         mesh = resolved.mesh
-    # The one check of the effective batch against its step's data-parallel size.
-    effective_batch = validate_effective_batch(
-        effective_batch, data_parallel=(program.placement.data_parallel if placed
-                                        else 1 if mesh is None else int(mesh.size)))
+    effective_batch = split_over_devices(effective_batch, program, mesh)
     if resolved is None:  # called directly (plan_model resolves the target)
         weights = 0
         if isinstance(program, TrainProgram):
@@ -204,6 +201,21 @@ def plan_program(
             largest_first=resolved.compile_target.platform == "tpu",
         )
     return _marked(_finish(plan, resolved), chosen)
+
+
+def split_over_devices(effective_batch: int, program: Any, mesh: Any) -> int:
+    """``effective_batch`` checked against the data-parallel size of ``program``'s step, where
+    it is first known: a kept layout's data axis (a placed program), else ``mesh``'s devices
+    (``None``: one). The effective batch's value is checked earlier, by ``resolve_specs``.
+
+    Example:
+      >>> split_over_devices(8, None, None)
+      8
+    """
+    placed = isinstance(program, TrainProgram) and program.placement is not None
+    return validate_effective_batch(
+        effective_batch, data_parallel=(program.placement.data_parallel if placed
+                                        else 1 if mesh is None else int(mesh.size)))
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 
@@ -28,6 +28,7 @@ from ._option_checks import (
     received,
     validate_device,
     validate_devices,
+    validate_effective_batch,
     validate_learning_rate,
     validate_memory_fraction,
     validate_positive_int,
@@ -465,6 +466,36 @@ def learning_rate_spec(learning_rate: Any) -> LearningRate:
         return learning_rate
     validate_learning_rate(learning_rate)
     return LearningRate(value=learning_rate)
+
+
+class Specs(NamedTuple):
+    """Every entry point's options, checked once by :func:`resolve_specs`."""
+
+    effective_batch: int | None
+    target: Target
+    search: Search
+    learning_rate: LearningRate
+
+
+def resolve_specs(*, effective_batch: Any = None, device: Any = None, budget: Any = None,
+                  target: Any = None, search: Any = None, learning_rate: Any = None,
+                  batch_optional: bool = False) -> Specs:
+    """The one check of what every entry point is given: ``effective_batch`` (``None`` stays
+    ``None`` if ``batch_optional``), the target with ``device=``/``budget=`` put in, the
+    search and the learning rate; defaults for ``None``. The split of the effective batch
+    over data-parallel devices is checked once its step's layout is known
+    (``split_over_devices``).
+
+    Example:
+      >>> s = resolve_specs(effective_batch=8, device="t4", learning_rate=0.1)
+      >>> s.effective_batch, s.target.device, s.search.remat, s.learning_rate.value
+      (8, 't4', 'auto', 0.1)
+    """
+    return Specs(
+        None if effective_batch is None and batch_optional
+        else validate_effective_batch(effective_batch),
+        merge_plain(spec_of(Target, target, "target"), device=device, budget=budget),
+        spec_of(Search, search, "search"), learning_rate_spec(learning_rate))
 
 
 def changed(spec: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:

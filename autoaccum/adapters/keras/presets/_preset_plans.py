@@ -36,7 +36,7 @@ from ....planning._budget import Resident, split_resident
 from ....planning._depth import DepthVariants
 from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learning_rate
 from ....planning._measure import counted
-from ....planning._option_checks import validate_effective_batch, validate_positive_int
+from ....planning._option_checks import validate_positive_int
 from ....planning._plan import Plan
 from ....planning._plan_model import plan_program, ruled_out_by_less_sharding, with_strategy
 from ....planning._plan_options import (
@@ -44,10 +44,8 @@ from ....planning._plan_options import (
     Search,
     Target,
     label_policy,
-    learning_rate_spec,
-    merge_plain,
     refuse_unread,
-    spec_of,
+    resolve_specs,
     with_failed_policies,
 )
 from ....planning._search import DoesNotFitError
@@ -148,16 +146,15 @@ def plan_preset(
     require_extra("keras", feature="keras-hub presets (autoaccum plan --preset)",
                   packages=("keras", "keras-hub"))
 
-    validate_effective_batch(effective_batch)
+    effective_batch, target, search, lr = resolve_specs(
+        effective_batch=effective_batch, device=device, budget=budget, target=target,
+        search=search, learning_rate=learning_rate)
     validate_positive_int("sequence_length", sequence_length)
     if lora_rank is not None:
         validate_positive_int("lora_rank", lora_rank)
-    target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
-    search = spec_of(Search, search, "search")
     refuse_unread("plan_preset", "target", target, read=("device", "budget", "memory_fraction",
                                                           "devices", "hosts", "strategy"))
     refuse_unread("plan_preset", "search", search, read=("remat", "cache"))
-    lr = learning_rate_spec(learning_rate)
     refuse_unread("plan_preset", "learning_rate", lr, read=("value", "base_batch", "rule"))
     # A TPU slice (device="v5e-8") is its chips: every strategy is tried over them.
     devices = slice_devices(target.device, target.devices)
@@ -320,8 +317,9 @@ def advise_preset(
       >>> advice.fits
       True
     """
-    target = merge_plain(spec_of(Target, target, "target"), device=device, budget=budget)
-    search = spec_of(Search, search, "search")
+    effective_batch, target, search, learning_rate = resolve_specs(
+        effective_batch=effective_batch, device=device, budget=budget, target=target,
+        search=search, learning_rate=learning_rate)
     device, remat, memory_fraction = target.device, search.remat, target.memory_fraction
     stream = sys.stderr if log == "stderr" else log
     given = dict(lora_rank=lora_rank, sequence_length=sequence_length, dtype=dtype,
