@@ -6,6 +6,7 @@ batches re-cut into effective batches as they arrive (:class:`Rebatcher`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from ..planning._micro_batches import UnevenBatches, split_sizes
-from ..planning._option_checks import received
+from ..planning._option_checks import received, type_name
 
 PyTree = Any
 
@@ -32,7 +33,7 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
       2
     """
     if (not isinstance(data, Mapping | tuple | list) and not hasattr(data, "shape")
-            and not _is_dataclass(data)):
+            and not is_dataclass_instance(data)):
         raise ValueError(
             f"{name} must be a dict, tuple, NamedTuple or dataclass of numpy arrays (or one "
             "array) whose first axis is the example axis. Received: "
@@ -76,7 +77,8 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
     return jax.tree.unflatten(treedef, arrays)
 
 
-def _is_dataclass(obj: object) -> bool:
+def is_dataclass_instance(obj: object) -> bool:
+    """Whether ``obj`` is a dataclass instance (not a dataclass type)."""
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
@@ -98,7 +100,7 @@ def batch_rebuilder(data: object) -> Callable[[Any], Any] | None:
       >>> type(rebuild(as_arrays(Batch(x=np.zeros(2))))).__name__
       'Batch'
     """
-    if not _is_dataclass(data) or _is_pytree_node(data):
+    if not is_dataclass_instance(data) or _is_pytree_node(data):
         return None
     cls = type(data)
     return lambda fields: cls(**fields)
@@ -114,7 +116,7 @@ def _to_numpy(obj: object, path: str = "", *, name: str = "data") -> PyTree:
     if isinstance(obj, tuple):
         items = [_to_numpy(v, f"{path}[{i}]", name=name) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if _is_dataclass(obj):
+    if is_dataclass_instance(obj):
         if _is_pytree_node(obj):  # a flax.struct dataclass: the same type, arrays inside
             return jax.tree_util.tree_map_with_path(
                 lambda key, leaf: _to_numpy(leaf, path + jax.tree_util.keystr(key), name=name),
@@ -212,6 +214,19 @@ class EpochBatches:
             self._position = end
             taken += 1
             yield index
+
+
+class IndexedData(EpochBatches):
+    """In-memory examples read by index: each batch of indices :meth:`EpochBatches.epoch`
+    gives, as a subclass's :meth:`take` reads it."""
+
+    def take(self, index: np.ndarray) -> PyTree:
+        """The examples at ``index``."""
+        raise NotImplementedError
+
+    def epoch(self, **options: Any) -> Iterator[PyTree]:  # type: ignore[override]
+        """The examples of each batch :meth:`EpochBatches.epoch` gives (same options)."""
+        yield from map(self.take, super().epoch(**options))
 
 
 def effective_batches(
@@ -380,6 +395,59 @@ class Rebatcher:
             elif rest.count:
                 yield rest.pop(rest.count)
             return
+
+
+class ReplayedStream(Rebatcher):
+    """A stream of batches, cut as :class:`Rebatcher` cuts them; what :meth:`sample` reads of
+    a one-shot iterator is kept and trained first, so nothing is lost. A subclass gives
+    ``_fresh(shuffle)``, one pass of its batches as numpy pytrees."""
+
+    num_examples: int | None = None
+    """Unknown for a stream."""
+    no_batch: str
+    """The error for a stream that yields no batch (``{name}`` and ``{type}`` filled in)."""
+
+    def __init__(self, data: Any, *, name: str) -> None:
+        super().__init__()
+        self.data = data
+        self.name = name
+        self.one_shot = iter(data) is data if hasattr(data, "__next__") else False
+        self._peeked: list[PyTree] = []
+
+    def _fresh(self, shuffle: bool) -> Iterator[PyTree]:
+        raise NotImplementedError
+
+    @property
+    def held(self) -> int:
+        """Examples a one-shot stream gave to planning, held to be trained first."""
+        return sum(num_examples(b) for b in self._peeked)
+
+    def sample(self, n: int) -> PyTree:
+        """The stream's first ``n`` examples (fewer if shorter), for planning."""
+        taken = self._peeked if self.one_shot else []
+        count, fresh = sum(num_examples(b) for b in taken), self._fresh(False)
+        while count < n:
+            batch = next(fresh, None)
+            if batch is None:
+                break
+            taken.append(batch)
+            count += num_examples(batch)
+        if not taken:
+            raise ValueError(self.no_batch.format(name=self.name, type=type_name(self.data)))
+        return _slice(concat(taken), 0, min(n, count))
+
+    def epoch(self, *, batch: int, drop_remainder: bool = False,  # type: ignore[override]
+              shuffle: bool = False, seed: int | None = 0, epoch: int = 0,
+              steps: int | None = None) -> Iterator[PyTree]:
+        """:meth:`Rebatcher.epoch` over the held batches, then a fresh pass (``shuffle`` asks
+        the stream's producer; ``seed`` and ``epoch`` do not apply)."""
+        del seed, epoch
+
+        def start() -> Iterator[PyTree]:
+            replay, self._peeked = self._peeked, []
+            return itertools.chain(replay, self._fresh(shuffle))
+
+        return super().epoch(start, batch=batch, drop_remainder=drop_remainder, steps=steps)
 
 
 class _Buffer:

@@ -27,18 +27,18 @@ import numpy as np
 
 from ...planning._option_checks import received, type_name
 from ...training._epoch_batches import (
-    EpochBatches,
-    Rebatcher,
+    IndexedData,
+    ReplayedStream,
     as_arrays,
     batch_rebuilder,
-    concat,
+    is_dataclass_instance,
     num_examples,
 )
 
 PyTree = Any
 
 
-class ArrayData:
+class ArrayData(IndexedData):
     """In-memory arrays, read by index (see the module docstring).
 
     Example:
@@ -52,59 +52,34 @@ class ArrayData:
     ``batch_rebuilder``), or ``None``."""
 
     def __init__(self, tree: PyTree, *, rebuild: Any = None) -> None:
+        super().__init__(num_examples(tree))
         self.tree = tree
         self.rebuild = rebuild
-        self.num_examples = num_examples(tree)
-        self._batches = EpochBatches(self.num_examples)
-
-    @property
-    def dropped(self) -> int:
-        """Examples the last epoch left out (``drop_remainder``)."""
-        return self._batches.dropped
-
-    @property
-    def leftover(self) -> int:
-        """The size of the last short batch."""
-        return self._batches.leftover
 
     def sample(self, n: int) -> PyTree:
         return self.tree
 
-    def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = True,
-              seed: int = 0, epoch: int = 0, steps: int | None = None) -> Iterator[PyTree]:
-        """The epoch's batches of ``batch`` examples, the last one smaller unless
-        ``drop_remainder`` (order and ``steps``: :class:`~autoaccum.internal.EpochBatches`)."""
-        for index in self._batches.epoch(batch=batch, drop_remainder=drop_remainder,
-                                         shuffle=shuffle, seed=seed, epoch=epoch, steps=steps):
-            yield jax.tree.map(lambda a, i=index: a[i], self.tree)
+    def take(self, index: np.ndarray) -> PyTree:
+        return jax.tree.map(lambda a: a[index], self.tree)
 
 
-class FlaxStream:
+class FlaxStream(ReplayedStream):
     """A stream of batches, re-batched into effective batches (see the module docstring)."""
 
-    num_examples: int | None = None
-    """Unknown for a stream."""
     rebuild: Any = None
     """As :attr:`ArrayData.rebuild`, known from the first batch."""
+    no_batch = ("{name} yielded no batch (an empty or already exhausted iterator). Pass data "
+                "that yields batches. Received: an empty {type}")
 
     def __init__(self, data: Any, *, name: str = "data") -> None:
-        self.data = data
-        self.name = name
-        self.one_shot = iter(data) is data if hasattr(data, "__next__") else False
+        super().__init__(data, name=name)
         self.infinite = _known_infinite(data)
-        self._peeked: list[PyTree] = []
-        self._rebatch = Rebatcher()
         self._structure: Any = None
         self._read = 0
         self.ended = False
         """A one-shot stream has been read to its end."""
 
-    @property
-    def held(self) -> int:
-        """Examples a one-shot stream gave to planning, held to be trained first."""
-        return sum(num_examples(b) for b in self._peeked)
-
-    def _fresh(self) -> Iterator[PyTree]:
+    def _fresh(self, shuffle: bool) -> Iterator[PyTree]:
         if self.ended:
             return
         for batch in (self.data if self.one_shot else iter(self.data)):
@@ -118,7 +93,7 @@ class FlaxStream:
         if isinstance(batch, list):
             batch = tuple(batch)
         if (not isinstance(batch, Mapping | tuple) and not hasattr(batch, "shape")
-                and not _is_dataclass(batch)):
+                and not is_dataclass_instance(batch)):
             raise ValueError(
                 f"Each item of a stream is a batch: a dict, tuple, NamedTuple or dataclass of "
                 f"arrays (or one array) with a leading batch axis. {where} is not. Received: "
@@ -139,54 +114,6 @@ class FlaxStream:
                 f"Received: examples of shapes {_shapes(self._structure)} in the first batch, "
                 f"then {_shapes(shapes)} in {where}")
         return tree
-
-    def sample(self, n: int) -> PyTree:
-        """The stream's first ``n`` examples (fewer if shorter), for planning; a one-shot
-        stream's batches read here are kept and trained first."""
-        if self.one_shot:
-            count = sum(num_examples(b) for b in self._peeked)
-            fresh = self._fresh()
-            while count < n:
-                batch = next(fresh, None)
-                if batch is None:
-                    break
-                self._peeked.append(batch)
-                count += num_examples(batch)
-            taken = list(self._peeked)
-        else:
-            taken, count = [], 0
-            for batch in self._fresh():
-                taken.append(batch)
-                count += num_examples(batch)
-                if count >= n:
-                    break
-        if not taken:
-            raise ValueError(
-                f"{self.name} yielded no batch (an empty or already exhausted iterator). Pass "
-                f"data that yields batches. Received: an empty {type_name(self.data)}")
-        whole = concat(taken)
-        return jax.tree.map(lambda a: a[:min(n, count)], whole)
-
-    def epoch(self, *, batch: int, drop_remainder: bool = False, steps: int | None = None,
-              **_: Any) -> Iterator[PyTree]:
-        """The epoch's effective batches, the smaller rest unless ``drop_remainder``; with
-        ``steps``, at most that many, the next epoch continuing where this one stopped."""
-        def start() -> Iterator[PyTree]:
-            replay, self._peeked = self._peeked, []
-            return itertools.chain(replay, self._fresh())
-
-        return self._rebatch.epoch(start, batch=batch, drop_remainder=drop_remainder,
-                                   steps=steps)
-
-    @property
-    def dropped(self) -> int:
-        """Examples left out of the last epoch (``drop_remainder=True``)."""
-        return self._rebatch.dropped
-
-    @property
-    def leftover(self) -> int:
-        """Examples in the last epoch's final smaller batch (0 when it was full)."""
-        return self._rebatch.leftover
 
 
 def _shapes(structure: Any) -> str:
@@ -218,13 +145,9 @@ def _known_infinite(data: Any) -> bool:
         return False
 
 
-def _is_dataclass(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
 def _structured(item: Any) -> bool:
     """A dict, tuple (a ``NamedTuple`` too) or dataclass: one record, or one batch."""
-    return isinstance(item, Mapping | tuple) or _is_dataclass(item)
+    return isinstance(item, Mapping | tuple) or is_dataclass_instance(item)
 
 
 def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> str | None:
@@ -262,7 +185,7 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
               for t in trees}
     if len(shapes) > 1:
         return "batches" if len({next(iter(s)) for s in leading}) > 1 else "records"
-    if all(_is_dataclass(i) or hasattr(i, "_fields") for i in data):
+    if all(is_dataclass_instance(i) or hasattr(i, "_fields") for i in data):
         return "batches"  # a typed batch: its fields share the axis
     if traces is None:
         return "records"
@@ -297,7 +220,7 @@ def _record(obj: Any) -> PyTree:
     if isinstance(obj, tuple):
         items = [_record(v) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if _is_dataclass(obj):
+    if is_dataclass_instance(obj):
         if not jax.tree_util.all_leaves([obj]):  # a pytree dataclass keeps its type
             return jax.tree.map(_record, obj)
         return {f.name: _record(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -357,6 +280,6 @@ def flax_data(data: Any, *, name: str = "data",
         return FlaxStream(data, name=name)
     if (isinstance(data, Mapping | tuple | list) or hasattr(data, "shape")
             or isinstance(data, str | bytes) or not hasattr(data, "__iter__")
-            or _is_dataclass(data)):
+            or is_dataclass_instance(data)):
         return ArrayData(as_arrays(data, name=name), rebuild=batch_rebuilder(data))
     return FlaxStream(data, name=name)

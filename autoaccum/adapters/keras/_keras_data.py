@@ -26,7 +26,6 @@ takes that many batches and the next continues where it stopped, as Keras does.
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import EpochBatches, Rebatcher, concat, num_examples
+from ...training._epoch_batches import IndexedData, ReplayedStream, concat
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 
@@ -69,9 +68,7 @@ class KerasArrays:
 
 
 def _as_numpy(tree: PyTree) -> PyTree:
-    if tree is None:
-        return None
-    return jax.tree.map(_leaf_to_numpy, tree)
+    return jax.tree.map(_leaf_to_numpy, tree)  # None stays None
 
 
 def _leaf_to_numpy(leaf: Any) -> np.ndarray:
@@ -229,28 +226,19 @@ def stream_batches(data: Any, *, shuffle: bool = False, name: str = "data"
 
     if _one_shot(data):
         for batch in data:
-            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+            yield KerasArrays(*keras.utils.unpack_x_y_sample_weight(_as_tuple(batch))).packed
         return
     adapter = data_adapter(data, shuffle=shuffle and _is_py_dataset(data))
     adapter.on_epoch_begin()
     try:
         for batch in adapter.get_numpy_iterator():
-            yield _pack(keras.utils.unpack_x_y_sample_weight(_as_tuple(batch)))
+            yield KerasArrays(*keras.utils.unpack_x_y_sample_weight(_as_tuple(batch))).packed
     finally:
         adapter.on_epoch_end()
 
 
 def _as_tuple(batch: Any) -> Any:
     return tuple(batch) if isinstance(batch, list) else batch
-
-
-def _pack(unpacked: tuple) -> tuple:
-    x, y, sample_weight = unpacked
-    if sample_weight is not None:
-        return (x, y, sample_weight)
-    if y is not None:
-        return (x, y)
-    return (x,)
 
 
 def batched_tf_dataset(dataset: Any, model: Any = None) -> Any:
@@ -338,20 +326,14 @@ class KerasData:
         return count if cap is None else min(count, cap)
 
 
-class ArraySource(KerasData):
+class ArraySource(IndexedData, KerasData):
     """In-memory examples with random access; ``preprocess`` (keras-hub) runs per batch."""
 
     def __init__(self, arrays: KerasArrays, preprocess: Callable[[tuple], tuple] | None = None
                  ) -> None:
+        super().__init__(_length(arrays.x))
         self.arrays = arrays
         self.preprocess = preprocess
-        self.num_examples = _length(arrays.x)
-        self._batches = EpochBatches(self.num_examples)
-
-    @property
-    def dropped(self) -> int:
-        """Examples the last epoch left out (``drop_remainder``)."""
-        return self._batches.dropped
 
     def take(self, index: np.ndarray) -> tuple:
         """The examples at ``index``, packed and (keras-hub) preprocessed, as numpy."""
@@ -379,33 +361,28 @@ class ArraySource(KerasData):
                                          self.preprocess)
         return part(np.arange(cut)), part(np.arange(cut, n))
 
-    def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              seed: int | None = 0, epoch: int = 0, steps: int | None = None
-              ) -> Iterator[tuple]:
-        # Seeded by (seed, epoch), as the Flax adapter's: a run resumed at an epoch shuffles
-        # it as the uninterrupted run did (with steps: by pass).
-        for index in self._batches.epoch(batch=batch, drop_remainder=drop_remainder,
-                                         shuffle=shuffle, seed=seed, epoch=epoch, steps=steps):
-            yield self.take(index)
+    def epoch(self, *, shuffle: bool = False, **options: Any) -> Iterator[tuple]:
+        """As :meth:`IndexedData.epoch`, but unshuffled unless ``shuffle=True``."""
+        return super().epoch(shuffle=shuffle, **options)
 
 
-class StreamSource(KerasData):
+class StreamSource(ReplayedStream, KerasData):
     """A stream read through Keras's data adapters, re-batched; never materialised."""
+
+    no_batch = "`{name}` yielded no batch. Received: an empty {name}"
 
     def __init__(self, data: Any, *, preprocess: Callable[[tuple], tuple] | None = None,
                  model: Any = None, name: str = "data") -> None:
         self.preprocess = preprocess
-        self.name = name
         if _is_tf_dataset(data):
             data = batched_tf_dataset(data, model)
             if preprocess is not None and getattr(model, "preprocess_samples", None):
                 data = map_preprocessing(data, model.preprocess_samples)
                 self.preprocess = None
-        self.data = data
-        self._one_shot = iter(data) is data if hasattr(data, "__next__") else False
-        self._peeked: list[tuple] = []
-        self._rebatch = Rebatcher()
+        super().__init__(data, name=name)
         self._structure: Any = None
+
+    _one_shot = property(lambda self: self.one_shot)  # read by the adapter's train_step
 
     def _fresh(self, shuffle: bool) -> Iterator[tuple]:
         for packed in stream_batches(self.data, shuffle=shuffle, name=self.name):
@@ -414,7 +391,7 @@ class StreamSource(KerasData):
             yield self._checked(packed)
 
     def _checked(self, packed: tuple) -> tuple:
-        packed = tuple(_as_numpy(t) if t is not None else None for t in packed)
+        packed = tuple(_as_numpy(t) for t in packed)
         _check_leading_axis(KerasArrays(*_unpack(packed)), self.name)
         shapes = jax.tree.map(lambda a: (np.shape(a)[1:], np.asarray(a).dtype), packed)
         if self._structure is None:
@@ -427,45 +404,6 @@ class StreamSource(KerasData):
                 f"`sequence_length`). Received: {self._structure} then {shapes}"
             )
         return packed
-
-    def sample(self, n: int) -> tuple:
-        if self._one_shot:  # what is read for planning is replayed at the start of training
-            count = sum(num_examples(p) for p in self._peeked)
-            fresh = self._fresh(False)
-            while count < n:
-                packed = next(fresh, None)
-                if packed is None:
-                    break
-                self._peeked.append(packed)
-                count += num_examples(packed)
-            taken = list(self._peeked)
-        else:
-            taken, count = [], 0
-            for packed in self._fresh(False):
-                taken.append(packed)
-                count += num_examples(packed)
-                if count >= n:
-                    break
-        if not taken:
-            raise ValueError(f"`{self.name}` yielded no batch. Received: an empty {self.name}")
-        return _slice(concat(taken), 0, min(n, count))
-
-    def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
-              seed: int | None = 0, epoch: int = 0, steps: int | None = None
-              ) -> Iterator[tuple]:
-        del seed, epoch  # a stream is shuffled by its producer, as in Keras
-
-        def start() -> Iterator[tuple]:
-            replay, self._peeked = self._peeked, []
-            return itertools.chain(replay, self._fresh(shuffle))
-
-        return self._rebatch.epoch(start, batch=batch, drop_remainder=drop_remainder,
-                                   steps=steps)
-
-    @property
-    def dropped(self) -> int:  # type: ignore[override]
-        """Examples left out of the last epoch (``drop_remainder=True``)."""
-        return self._rebatch.dropped
 
 
 def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
@@ -556,10 +494,6 @@ def _unpack(packed: tuple) -> tuple:
     return (*packed, None, None)[:3]
 
 
-def _slice(packed: tuple, start: int, stop: int) -> tuple:
-    return jax.tree.map(lambda a: a[start:stop], packed)
-
-
 def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays:
     """``data``, as ``model.fit`` takes it, materialised as host arrays: in-memory data
     converted, a finite stream read to its end, a keras-hub task's raw inputs preprocessed
@@ -583,8 +517,8 @@ def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays
         packed = source.sample(source.num_examples)
     else:
         batches = list(source.epoch(batch=_MATERIALISE_BATCH))
-        packed = jax.tree.map(lambda *leaves: np.concatenate(leaves, axis=0), *batches)
-    arrays = KerasArrays(*(*packed, None, None)[:3])
+        packed = concat(batches)
+    arrays = KerasArrays(*_unpack(packed))
     _check_leading_axis(arrays, name)
     return arrays
 
