@@ -238,7 +238,7 @@ def throughput_rows(report: dict) -> list[list[Any]]:
 
 
 def _measured_points(report: dict) -> list[Any]:
-    from autoaccum.devices._margins import MeasuredPoint
+    from _margins_fit import MeasuredPoint
 
     out = []
     for p in report.get("points", []):
@@ -252,8 +252,9 @@ def _measured_points(report: dict) -> list[Any]:
 def margin_rows(report: dict) -> list[list[Any]]:
     """Each margin of this run's profile, its provenance, and what this run says it should be
     (a GPU run only), plus the on-device margin of ``autoaccum/planning/_budget.py``."""
+    from _margins_fit import suggest_margins
+
     from autoaccum.devices import find_profile
-    from autoaccum.devices._margins import suggest_margins
     from autoaccum.planning._budget import DEVICE_MARGIN_FRACTION, DEVICE_MARGIN_MIN_BYTES
 
     key = report.get("profile")

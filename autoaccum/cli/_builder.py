@@ -258,7 +258,7 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
              "learning_rate": specs.learning_rate}
     changed: dict[str, dict[str, Any]] = {}
     for (argument, field), value in flag_values(args).items():
-        flag = _FLAGS[(argument, field)][0]
+        flag, attribute = _FLAGS[(argument, field)]
         if argument not in arguments:
             raise CliError(f"{flag} does not apply here: this command takes no {argument}. "
                            "Drop it.", 2)
@@ -266,7 +266,7 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
         mine = getattr(spec, field)
         default = next(f.default for f in dataclasses.fields(spec) if f.name == field)
         if mine != default and not _same(mine, value):
-            shown = "" if attribute_is_switch(argument, field) else f" {_shown(value)}"
+            shown = "" if attribute in _SWITCHES else f" {_shown(value)}"
             named = field if (argument, field) in _PLAIN else f"{argument}.{field}"
             print(f"autoaccum: {flag}{shown} given on the command line wins over "
                   f"{named}={_shown(mine)} from the --model builder",
@@ -274,10 +274,6 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
         changed.setdefault(argument, {})[field] = value
     return {name: dataclasses.replace(spec, **changed.get(name, {}))
             for name, spec in built.items() if name in arguments}
-
-
-def attribute_is_switch(argument: str, field: str) -> bool:
-    return _FLAGS[(argument, field)][1] in _SWITCHES
 
 
 def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from ._warnings import AutoaccumWarning
 __all__ = ["configure"]
 
 
-
 def configure(
     device: str | DeviceProfile | None = None,
     *,

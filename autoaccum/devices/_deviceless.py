@@ -284,8 +284,6 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
     >>> out["w"].shape, out["w"].sharding == s
     ((2, 3), True)
     """
-    import jax
-
     if sharding is None:
         return tree
 
@@ -328,7 +326,6 @@ def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
 
 def _over_all(topology: Any) -> tuple[Any, Any, Any]:
     """``topology``, a one-axis mesh over all its devices, and a replicated sharding on it."""
-    import jax
     from jax.experimental import topologies
 
     mesh = topologies.make_mesh(topology, (len(topology.devices),), ("x",))
@@ -457,7 +454,6 @@ def _say_once(what: str, why: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _probe_lowering() -> Any:
-    import jax
     import numpy as np
 
     return jax.jit(lambda x: x + 1).lower(np.float32(0))

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -382,21 +383,9 @@ def _parse(path: Path) -> DeviceProfile:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"Device profile {str(path)!r} is not valid TOML: {e}") from e
-    for field, kind in (*_REQUIRED.items(), *_OPTIONAL.items()):
-        if field not in data:
-            if field in _REQUIRED:
-                raise ValueError(
-                    f"Device profile {str(path)!r} is missing the field {field!r}. "
-                    f"Required fields: {', '.join(_REQUIRED)}."
-                )
-            continue
-        _check_type(path, field, data[field], kind)
-    unknown = set(data) - set(_REQUIRED) - set(_OPTIONAL)
-    if unknown:
-        raise ValueError(
-            f"Device profile {str(path)!r} has unknown field(s) {sorted(unknown)}. "
-            f"Known fields: {', '.join([*_REQUIRED, *_OPTIONAL])}."
-        )
+    _check_fields(path, data, {**_REQUIRED, **_OPTIONAL}, _REQUIRED,
+                  note=f" Required fields: {', '.join(_REQUIRED)}.")
+    _reject_unknown(path, data, [*_REQUIRED, *_OPTIONAL])
     fraction = float(data["default_memory_fraction"])
     if not 0.0 < fraction <= 1.0:
         raise ValueError(
@@ -462,12 +451,7 @@ _TPU_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 
 def _parse_tpu(path: Path, table: dict[str, Any]) -> TpuSpec:
-    unknown = set(table) - set(_TPU_FIELDS)
-    if unknown:
-        raise ValueError(
-            f"Device profile {str(path)!r}: [tpu] has unknown field(s) {sorted(unknown)}. "
-            f"Known fields: {', '.join(_TPU_FIELDS)}."
-        )
+    _reject_unknown(path, table, _TPU_FIELDS, ": [tpu]")
     for name in ("topology", "chips", "hosts", "chips_per_host_bounds", "usable_hbm_mib"):
         if name not in table:
             raise ValueError(f"Device profile {str(path)!r} is missing the field 'tpu.{name}'.")
@@ -487,23 +471,31 @@ def _parse_tpu(path: Path, table: dict[str, Any]) -> TpuSpec:
 
 
 def _parse_gpu(path: Path, table: dict[str, Any]) -> GpuSpec:
-    fields = {f.name: f for f in dataclasses.fields(GpuSpec)}
-    unknown = set(table) - set(fields)
-    if unknown:
-        raise ValueError(
-            f"Device profile {str(path)!r}: [gpu] has unknown field(s) {sorted(unknown)}. "
-            f"Known fields: {', '.join(fields)}."
-        )
-    for name, field in fields.items():
-        if name not in table:
-            if field.default is dataclasses.MISSING:
-                raise ValueError(f"Device profile {str(path)!r} is missing the field 'gpu.{name}'.")
-            continue
-        kind = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(field.type)]
-        _check_type(path, f"gpu.{name}", table[name], kind)
-    values = dict(table)
-    values["clock_rate_ghz"] = float(values["clock_rate_ghz"])
-    return GpuSpec(**values)
+    fields = dataclasses.fields(GpuSpec)
+    kinds = {f.name: {"int": int, "float": (int, float), "str": str, "bool": bool}[str(f.type)]
+             for f in fields}
+    _reject_unknown(path, table, kinds, ": [gpu]")
+    _check_fields(path, table, kinds, [f.name for f in fields if f.default is dataclasses.MISSING],
+                  prefix="gpu.")
+    return GpuSpec(**{**table, "clock_rate_ghz": float(table["clock_rate_ghz"])})
+
+
+def _reject_unknown(path: Path, table: dict[str, Any], known: Iterable[str], where: str = ""
+                    ) -> None:
+    if unknown := set(table) - set(known):
+        raise ValueError(f"Device profile {str(path)!r}{where} has unknown field(s) "
+                         f"{sorted(unknown)}. Known fields: {', '.join(known)}.")
+
+
+def _check_fields(path: Path, table: dict[str, Any], kinds: dict[str, Any],
+                  required: Iterable[str], *, prefix: str = "", note: str = "") -> None:
+    """Raises at the first of ``kinds`` that is ``required`` and missing, or of another type."""
+    for field, kind in kinds.items():
+        if field in table:
+            _check_type(path, prefix + field, table[field], kind)
+        elif field in required:
+            raise ValueError(f"Device profile {str(path)!r} is missing the field "
+                             f"{prefix + field!r}.{note}")
 
 
 def _check_type(path: Path, field: str, value: Any, kind: type | tuple[type, ...]) -> None:

@@ -270,8 +270,8 @@ class _QuietImports(importlib.abc.MetaPathFinder):
 
 
 class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, *, after: Callable[[], None] | None = None,
-                 imported: Callable[[], None] | None = None) -> None:
+    def __init__(self, loader: Any, *, after: Callable[[], None] | None,
+                 imported: Callable[[], None]) -> None:
         self._loader = loader
         self._after = after
         self._imported = imported
@@ -284,8 +284,7 @@ class _QuietLoader(importlib.abc.Loader):
         module.__loader__ = self._loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
-        if self._imported is not None:
-            self._imported()
+        self._imported()
         with quiet_native_logs():
             self._loader.exec_module(module)
             if self._after is not None:
@@ -299,10 +298,7 @@ def _preload_cuda_plugin() -> None:
     """Load the CUDA plugin's library inside the capture: its cudart stub logs at load, and
     plugin discovery loads it later even with ``JAX_PLATFORMS=cpu``."""
     for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
+        spec = _installed(name)
         for location in (spec.submodule_search_locations or []) if spec else []:
             library = Path(location).resolve() / "xla_cuda_plugin.so"
             if library.is_file():
@@ -311,23 +307,20 @@ def _preload_cuda_plugin() -> None:
                 return
 
 
-def _installed(module: str) -> bool:
+def _installed(module: str) -> importlib.machinery.ModuleSpec | None:
+    """``module``'s spec (truthy) where it can be imported, else ``None``."""
     try:
-        return importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module)
     except (ImportError, ValueError):
-        return False
+        return None
 
 
 def _other_accelerator_plugins() -> bool:
     """A TPU (attached) or ROCm runtime that JAX_PLATFORMS=cpu would hide."""
     if _installed("libtpu") and not tpu_absent():
         return True
-    try:
-        spec = importlib.util.find_spec("jax_plugins")
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
+    spec = _installed("jax_plugins")
+    for location in (spec.submodule_search_locations or []) if spec else []:
         with contextlib.suppress(OSError):
             for entry in Path(location).iterdir():
                 name = entry.name.split(".")[0]

@@ -8,7 +8,7 @@ import html
 import io
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ..planning._plan import Plan, limiting_factor
@@ -150,33 +150,34 @@ def _candidate_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _plain_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """Right-aligned columns (the last left-aligned), indented."""
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    out = []
-    for r in [head, *rows]:
-        cells = [c.rjust(w) for c, w in zip(r[:-1], widths[:-1], strict=True)]
-        out.append("    " + "  ".join([*cells, r[-1]]).rstrip())
-    return out
+def _plain_lines(head: Sequence[str], rows: Sequence[Sequence[str]], *, right: bool = False,
+                 indent: str = "") -> list[str]:
+    """Columns two spaces apart, left-aligned (``right``: right-aligned but the last)."""
+    cells = [[str(c) for c in r] for r in [head, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    return [indent + "  ".join([*((c.rjust(w) if right else c.ljust(w))
+                                  for c, w in zip(r[:-1], widths[:-1], strict=True)), *r[-1:]]
+                               ).rstrip() for r in cells]
 
 
-def _rich_table(head: list[str], rows: list[list[str]]) -> list[str] | None:
-    """The table drawn by rich, or ``None`` without rich."""
+def _rich_print(head: Sequence[str], rows: Sequence[Sequence[str]], file: TextIO, *,
+                title: str | None = None, right: bool = False, **console: Any) -> bool:
+    """Draws the table with rich on ``file`` (``right``: right-aligned but the last column);
+    ``False`` without rich."""
     try:
         from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        return None
-    table = Table(*head, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for column in table.columns[:-1]:
+        return False
+    table = Table(*head, title=title, box=box.SIMPLE_HEAD, title_justify="left",
+                  show_edge=False, pad_edge=False)
+    for column in table.columns[:-1] if right else []:
         column.justify = "right"
     for row in rows:
-        table.add_row(*row)
-    buffer = io.StringIO()
-    Console(file=buffer, width=400, color_system=None, highlight=False,
-            force_terminal=False, force_jupyter=False, soft_wrap=False).print(table)
-    return ["    " + line.rstrip() for line in buffer.getvalue().splitlines() if line.strip()]
+        table.add_row(*(str(c) for c in row))
+    Console(file=file, highlight=False, soft_wrap=False, **console).print(table)
+    return True
 
 
 def plan_report(plan: Plan, *, rich: bool = True) -> str:
@@ -189,8 +190,12 @@ def plan_report(plan: Plan, *, rich: bool = True) -> str:
     lines += [f"  {key:<17} {value}" for key, value in _summary(plan)]
 
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
-        drawn = _rich_table(head, rows) if rich else None
-        return drawn if drawn is not None else _plain_table(head, rows)
+        buffer = io.StringIO()
+        if rich and _rich_print(head, rows, buffer, right=True, width=400, color_system=None,
+                                force_terminal=False, force_jupyter=False):
+            return ["    " + line.rstrip() for line in buffer.getvalue().splitlines()
+                    if line.strip()]
+        return _plain_lines(head, rows, right=True, indent="    ")
 
     if plan.probes:
         real = any(p.kind == "real step" for p in plan.probes)
@@ -241,16 +246,6 @@ def plan_html(plan: Plan) -> str:
     return "".join(parts) + "</div>"
 
 
-
-
-def _plain_text(head: Sequence[str], rows: Sequence[Sequence[str]], title: str | None) -> str:
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    lines = [title] if title else []
-    for r in [head, *rows]:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return "\n".join(lines)
-
-
 def print_table(head: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None,
                 file: TextIO | None = None, rich: bool = True) -> None:
     """Prints ``rows`` under ``head``; rich draws it (colours only on a terminal).
@@ -264,22 +259,9 @@ def print_table(head: Sequence[str], rows: Sequence[Sequence[str]], *, title: st
       t4       15.0 GiB
     """
     file = sys.stdout if file is None else file
-    if rich:
-        try:
-            from rich import box
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            rich = False
-    if not rich:
-        print(_plain_text(head, rows, title), file=file)
-        return
-    table = Table(*head, title=title, box=box.SIMPLE_HEAD, title_justify="left",
-                  show_edge=False, pad_edge=False)
-    for row in rows:
-        table.add_row(*(str(c) for c in row))
-    Console(file=file, highlight=False, soft_wrap=False,
-            width=max(100, _terminal_width(file))).print(table)
+    if not (rich and _rich_print(head, rows, file, title=title,
+                                 width=max(100, _terminal_width(file)))):
+        print("\n".join([*([title] if title else []), *_plain_lines(head, rows)]), file=file)
 
 
 def _terminal_width(file: TextIO) -> int:

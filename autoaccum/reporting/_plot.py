@@ -27,12 +27,6 @@ def _unit(largest: float) -> tuple[str, int]:
     return "B", 1
 
 
-def _limit(plan: Plan) -> Any:
-    from ..planning import limiting_factor
-
-    return limiting_factor(plan)
-
-
 def _figure_class() -> type:
     from matplotlib.figure import Figure
 
@@ -83,6 +77,8 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     require_extra("plot", feature="plot_plan (autoaccum plan --plot)")
     from matplotlib.ticker import MaxNLocator
 
+    from ..planning import limiting_factor
+
     probes = sorted(plan.probes, key=lambda p: (p.remat, _strategy(p), p.micro_batch))
     values = [p.need_bytes for p in probes] + [plan.budget_bytes, plan.need_bytes]
     unit, size = _unit(max(values))
@@ -132,7 +128,7 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
                  f"{plan.data_parallel} device(s) x {plan.accum_steps} accumulation on {where}"
                  + (f", {chosen[1]}" if plan.data_parallel > 1 else ""),
                  fontsize=10)
-    fig.text(0.5, 0.015, f"limited by {_limit(plan).detail}", ha="center", va="bottom",
+    fig.text(0.5, 0.015, f"limited by {limiting_factor(plan).detail}", ha="center", va="bottom",
              fontsize=8.5, color="dimgray", wrap=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
