@@ -40,7 +40,6 @@ from autoaccum.internal import split_sizes
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._plan_options import ProgramOptions
-from autoaccum.training._step_runner import split_examples
 from benchmarks._common import median_seconds, print_table
 
 
@@ -92,7 +91,7 @@ def step_seconds(args: argparse.Namespace, plan: autoaccum.Plan, batch: tuple) -
                           elastic=False)
     split = runner.split(len(batch[0]))
     compiled = runner.compile(spec, len(batch[0]))
-    batches = jax.device_put(split_examples(batch, split))
+    batches = jax.device_put(runner.host_batches(batch, split)[0])
     holder = [keras_state(model, layout)]
 
     def run() -> None:

@@ -198,36 +198,47 @@ class TrainProgram:
 
     def batch_spec(self, micro_batch: int, accum_steps: int, sharding: Any = None, *,
                    last: int | None = None, last_sharding: Any = None) -> PyTree:
-        """Abstract batches of shape ``[accum_steps, micro_batch, ...]`` for lowering; with
-        ``last``, an :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps - 1,
-        micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
-
-        ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.
+        """:func:`abstract_batches` of this program's ``example_spec``.
 
         Example:
           >>> import jax, jax.numpy as jnp
           >>> program = TrainProgram(step=None, abstract_state=(), parts={}, trainable=(),
           ...                        example_spec={"x": jax.ShapeDtypeStruct((7,), jnp.int32)})
-          >>> spec = program.batch_spec(5, 3, last=3)
-          >>> spec.full["x"].shape, spec.last["x"].shape
-          ((2, 5, 7), (3, 7))
+          >>> program.batch_spec(4, 2)["x"].shape
+          (2, 4, 7)
         """
-        def full(steps: int) -> PyTree:
-            return jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(
-                    (steps, micro_batch, *s.shape), s.dtype, sharding=sharding
-                ),
-                self.example_spec,
-            )
+        return abstract_batches(self.example_spec, micro_batch, accum_steps, sharding,
+                                last=last, last_sharding=last_sharding)
 
-        if last is None or last == micro_batch or accum_steps < 2:
-            return full(accum_steps)
-        tail = last_sharding if last_sharding is not None else sharding
-        return UnevenBatches(
-            full=full(accum_steps - 1),
-            last=jax.tree.map(lambda s: jax.ShapeDtypeStruct((last, *s.shape), s.dtype,
-                                                             sharding=tail), self.example_spec),
-        )
+
+def abstract_batches(example_spec: PyTree, micro_batch: int, accum_steps: int,
+                     sharding: Any = None, *, last: int | None = None,
+                     last_sharding: Any = None) -> PyTree:
+    """Abstract batches of ``example_spec`` of shape ``[accum_steps, micro_batch, ...]`` for
+    lowering; with ``last``, an :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps -
+    1, micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
+
+    ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> spec = abstract_batches({"x": jax.ShapeDtypeStruct((7,), jnp.int32)}, 5, 3, last=3)
+      >>> spec.full["x"].shape, spec.last["x"].shape
+      ((2, 5, 7), (3, 7))
+    """
+    def full(steps: int) -> PyTree:
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((steps, micro_batch, *s.shape), s.dtype,
+                                           sharding=sharding), example_spec)
+
+    if last is None or last == micro_batch or accum_steps < 2:
+        return full(accum_steps)
+    tail = last_sharding if last_sharding is not None else sharding
+    return UnevenBatches(
+        full=full(accum_steps - 1),
+        last=jax.tree.map(lambda s: jax.ShapeDtypeStruct((last, *s.shape), s.dtype,
+                                                         sharding=tail), example_spec),
+    )
 
 
 def tree_bytes(tree: PyTree) -> int:

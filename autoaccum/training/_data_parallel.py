@@ -43,6 +43,7 @@ from ..planning._micro_batches import UnevenBatches, micro_steps
 from ..planning._strategies import StateLayout, accumulator_sharding
 from ._accumulate import AccumulatedGradients, MicroLoss, accumulate_gradients, tree_sq_norm
 from ._at_use import gathered_at_use
+from ._snapshot import is_key
 
 PyTree = Any
 CarryReduce = Callable[[PyTree, PyTree, str], PyTree]
@@ -66,10 +67,6 @@ def _same_everywhere(x: Any, axis_name: str) -> Any:
     return jax.lax.all_gather(x, axis_name)[0]
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def fold_device_keys(carry: PyTree, index: Any) -> PyTree:
     """Every typed PRNG key of ``carry`` folded with ``index`` (the device's position).
 
@@ -79,7 +76,7 @@ def fold_device_keys(carry: PyTree, index: Any) -> PyTree:
       ...               == jax.random.key_data(k)))
       False
     """
-    return jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x, carry)
+    return jax.tree.map(lambda x: jax.random.fold_in(x, index) if is_key(x) else x, carry)
 
 
 def unfold_device_keys(initial: PyTree, folded: PyTree, final: PyTree) -> PyTree:
@@ -87,7 +84,7 @@ def unfold_device_keys(initial: PyTree, folded: PyTree, final: PyTree) -> PyTree
     to its ``initial`` value."""
 
     def one(x0: Any, xf: Any, x: Any) -> Any:
-        if not _is_key(x):
+        if not is_key(x):
             return x
         same = jnp.all(jax.random.key_data(x) == jax.random.key_data(xf))
         return jnp.where(same, x0, x)
@@ -201,21 +198,17 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                          for p, d, f in zip(split_params, scattered, scatter_where_complete,
                                             strict=True)]
 
-        def summed_sq(grads: PyTree) -> jax.Array:
-            # |sum over devices|^2: split leaves arrive summed (fsdp, zero2), copied ones
-            # are summed here.
+        def summed_sq_norm(grads: PyTree, count: jax.Array) -> jax.Array:
+            # |mean gradient|^2 of the dp micro-batches together (a dp x larger batch): split
+            # leaves arrive summed (fsdp, zero2), copied ones are summed here.
+            total = jnp.maximum(jax.lax.psum(count, axis), 1.0)
             sq = jnp.float32(0)
             for g, d in zip(jax.tree.leaves(grads), arrive_summed, strict=True):
                 if d is None:
                     sq = sq + tree_sq_norm(jax.lax.psum(g, axis)) / devices
                 else:
                     sq = sq + tree_sq_norm(g)
-            return jax.lax.psum(sq, axis)
-
-        def summed_sq_norm(grads: PyTree, count: jax.Array) -> jax.Array:
-            # The mean gradient of the dp micro-batches together (a dp x larger batch).
-            total = jnp.maximum(jax.lax.psum(count, axis), 1.0)
-            return summed_sq(grads) / (total * total)
+            return jax.lax.psum(sq, axis) / (total * total)
 
         def per_device(trainable: PyTree, carry: PyTree, batches: PyTree,
                        frozen: PyTree) -> tuple:
@@ -257,8 +250,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
                 # Each term is |g|^2 of a dp x micro-batch; E|g_b|^2 = |G|^2 + tr(S)/b, so
                 # dp x (term - |G|^2) + |G|^2 has the expectation of one device's micro-batch
                 # (what the noise-scale estimate reads), |G|^2 from the step's whole sums.
-                total = jnp.maximum(jax.lax.psum(acc.count, axis), 1.0)
-                big = summed_sq(acc.grad_sum) / (total * total)
+                big = summed_sq_norm(acc.grad_sum, acc.count)
                 steps = micro_steps(batches)
                 sq = devices * sq - (devices - 1) * steps * big
             # The step's one cross-device reduction (split leaves were reduce-scattered per

@@ -125,11 +125,14 @@ class HostSnapshot:
         return jax.tree.map(_placed, host, shardings, impls)
 
 
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _key_impl(x: Any) -> Any:
     """The PRNG implementation of a typed key array, else ``None``."""
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return _Impl(jax.random.key_impl(x))
-    return None
+    return _Impl(jax.random.key_impl(x)) if is_key(x) else None
 
 
 class _Impl:
@@ -140,9 +143,7 @@ class _Impl:
 
 
 def _key_data(x: Any) -> Any:
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(x)
-    return x
+    return jax.random.key_data(x) if is_key(x) else x
 
 
 def _spans_processes(x: Any) -> bool:

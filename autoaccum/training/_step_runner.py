@@ -31,7 +31,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import jax
 import numpy as np
@@ -49,36 +49,12 @@ from ..devices._oom import (
 )
 from ..devices._warnings import AutoaccumWarning
 from ..planning._cache import reuse_or_compile
-from ..planning._micro_batches import UnevenBatches, split_sizes
+from ..planning._micro_batches import split_sizes
 from ..planning._search import DoesNotFitError, divisors
-from ._epoch_batches import LeftoverSplit, leftover_batches
+from ..planning._train_program import abstract_batches
+from ._epoch_batches import LeftoverSplit, leftover_batches, split_micro_batches
 from ._nonfinite import NonFiniteError, validate_on_nonfinite
 from ._snapshot import HostSnapshot, is_consumed
-
-T = TypeVar("T")
-
-
-def retry_smaller(attempt: Callable[[], T], *, elastic: bool,
-                  recover: Callable[[BaseException], None]) -> T:
-    """``attempt()`` until it does not run out of memory: after a real out-of-memory with
-    ``elastic``, ``recover(error)`` restores the state and shrinks the split (or raises).
-
-    Example:
-      >>> splits = [8]
-      >>> def attempt():
-      ...     if splits[-1] > 2:
-      ...         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
-      ...     return splits[-1]
-      >>> retry_smaller(attempt, elastic=True, recover=lambda e: splits.append(splits[-1] // 2))
-      2
-    """
-    while True:
-        try:
-            return attempt()
-        except Exception as error:
-            if not (elastic and is_out_of_memory(error)):
-                raise
-            recover(error)
 
 
 @dataclass(frozen=True)
@@ -117,11 +93,9 @@ class ElasticEvent:
         tail = f", the last of {last}" if last != self.old_micro_batch else ""
         return (
             f"step {self.step}: out of memory at micro_batch {self.old_micro_batch}{devices} x "
-            f"{self.old_accum_steps} accumulation{tail} ({self.error}{asked}); redone "
-            "from the same "
-            f"state and data at micro_batch {self.new_micro_batch}{devices} x "
-            f"{self.new_accum_steps} (effective batch "
-            f"{per * dp} unchanged)"
+            f"{self.old_accum_steps} accumulation{tail} ({self.error}{asked}); redone from the "
+            f"same state and data at micro_batch {self.new_micro_batch}{devices} x "
+            f"{self.new_accum_steps} (effective batch {per * dp} unchanged)"
         )
 
 
@@ -155,29 +129,15 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
-    """Within the block SIGINT is recorded, and delivered (as the previous handler would
-    have, e.g. ``KeyboardInterrupt``) when the block ends. Only in the main thread (the only
-    one Python delivers signals to); elsewhere a no-op.
+    """Within the block SIGINT is held, and delivered (as the previous handler would have,
+    e.g. ``KeyboardInterrupt``) when the block ends (:func:`interrupt_guard`, holding).
 
     Example:
       >>> with deferred_interrupts():
       ...     pass
     """
-    if threading.current_thread() is not threading.main_thread():
+    with interrupt_guard(holding=True):
         yield
-        return
-    received: list[tuple[int, object]] = []
-
-    def record(signum: int, frame: object) -> None:
-        received.append((signum, frame))
-
-    previous = signal.signal(signal.SIGINT, record)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            _deliver(previous, *received[0])
 
 
 class InterruptGuard:
@@ -196,8 +156,8 @@ class InterruptGuard:
       ...     guard.release()
     """
 
-    def __init__(self, previous: object = None) -> None:
-        self.holding = False
+    def __init__(self, previous: object = None, holding: bool = False) -> None:
+        self.holding = holding
         self.previous = previous
         self.held: list[tuple[int, object]] = []
 
@@ -224,9 +184,10 @@ def _deliver(previous: object, signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def interrupt_guard() -> Iterator[InterruptGuard]:
-    """An :class:`InterruptGuard` installed as the SIGINT handler for the block (main thread
-    only; elsewhere a guard that is never called).
+def interrupt_guard(holding: bool = False) -> Iterator[InterruptGuard]:
+    """An :class:`InterruptGuard` (``holding`` from the start, or not) installed as the SIGINT
+    handler for the block (main thread only, the one Python delivers signals to; elsewhere a
+    guard that is never called); a Ctrl-C still held is delivered when the block ends.
 
     Example:
       >>> with interrupt_guard() as guard:
@@ -234,9 +195,9 @@ def interrupt_guard() -> Iterator[InterruptGuard]:
       False
     """
     if threading.current_thread() is not threading.main_thread():
-        yield InterruptGuard()
+        yield InterruptGuard(holding=holding)
         return
-    guard = InterruptGuard(signal.getsignal(signal.SIGINT))
+    guard = InterruptGuard(signal.getsignal(signal.SIGINT), holding)
     if guard.previous is signal.SIG_IGN:  # Ctrl-C is ignored: leave it so
         yield guard
         return
@@ -245,6 +206,7 @@ def interrupt_guard() -> Iterator[InterruptGuard]:
         yield guard
     finally:
         signal.signal(signal.SIGINT, guard.previous)
+        guard.release()  # a Ctrl-C still held goes to the handler now restored
 
 
 PyTree = Any
@@ -325,31 +287,6 @@ class StateHooks:
     def place_state(self, state: PyTree, frozen: PyTree) -> tuple[PyTree, PyTree]:
         """``(state, frozen)`` laid out as the step takes them (default: as they are)."""
         return state, frozen
-
-
-def split_examples(examples: PyTree, split: Split, data_parallel: int = 1) -> PyTree:
-    """``[n, ...]`` host arrays as a step's batches ``[accum_steps, dp * micro_batch, ...]`` in
-    order, or :class:`UnevenBatches` when ``split`` has a smaller last micro-batch.
-
-    Example:
-      >>> b = split_examples({"x": np.arange(13)}, (3, 5, 3))
-      >>> b.full["x"].tolist(), b.last["x"].tolist()
-      ([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], [10, 11, 12])
-      >>> split_examples({"x": np.arange(8)}, (2, 2, None), 2)["x"].shape
-      (2, 4)
-    """
-    accum, micro, last = split
-    width = micro * data_parallel
-
-    def full(a: Any, steps: int) -> Any:
-        return np.ascontiguousarray(a).reshape(steps, width, *np.shape(a)[1:])
-
-    if last is None:
-        return jax.tree.map(lambda a: full(a, accum), examples)
-    cut = (accum - 1) * width
-    return UnevenBatches(full=jax.tree.map(lambda a: full(np.asarray(a)[:cut], accum - 1),
-                                           examples),
-                         last=jax.tree.map(lambda a: np.asarray(a)[cut:], examples))
 
 
 class StepRunner:
@@ -471,7 +408,7 @@ class StepRunner:
         accum, micro, last = split
         slots = (micro * (accum - 1) + (micro if last is None else last)) * self.dp
         if slots == n:
-            return split_examples(examples, split, self.dp), None
+            return split_micro_batches(examples, micro_batch=micro, data_parallel=self.dp), None
         return leftover_batches(examples, np.arange(n),
                                 LeftoverSplit(n, micro, accum, slots - n), self.dp)
 
@@ -498,23 +435,14 @@ class StepRunner:
     def _abstract_batches(self, spec: PyTree, split: Split) -> PyTree:
         """Abstract batches of ``split``, laid out as ``_place`` places them."""
         accum, micro, last = split
-        full_sharding = last_sharding = None
+        full = tail = None
         if self.placement is not None:
-            full_sharding, last_sharding = (self.placement.batch_sharding(),
-                                            self.placement.last_sharding())
+            full, tail = self.placement.batch_sharding(), self.placement.last_sharding()
         elif self.mesh is not None:
-            full_sharding = batch_sharding(self.mesh)
-            last_sharding = NamedSharding(self.mesh, P(mesh_axis(self.mesh)))
-
-        def full(steps: int) -> PyTree:
-            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-                (steps, micro * self.dp, *s.shape), s.dtype, sharding=full_sharding), spec)
-
-        if last is None:
-            return full(accum)
-        return UnevenBatches(full(accum - 1), jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct((last * self.dp, *s.shape), s.dtype,
-                                           sharding=last_sharding), spec))
+            full = batch_sharding(self.mesh)
+            tail = NamedSharding(self.mesh, P(mesh_axis(self.mesh)))
+        return abstract_batches(spec, micro * self.dp, accum, full, last_sharding=tail,
+                                last=None if last is None else last * self.dp)
 
     def _place(self, batches: PyTree) -> PyTree:
         """Host batches placed as the step takes them."""
@@ -544,15 +472,15 @@ class StepRunner:
                 fetched.append(following())
             return fetched[0] if fetched else None
 
-        def attempt() -> StepOutcome:
-            return self._attempt(examples, n, self.split(n), following_once)
-
-        def recover(error: BaseException) -> None:
-            if self.state is None or is_consumed(self.state):
-                raise error  # nothing to redo the step from (see the note on the error)
-            self._shrink(error, n, self.split(n))
-
-        return retry_smaller(attempt, elastic=self.elastic, recover=recover)
+        while True:
+            try:
+                return self._attempt(examples, n, self.split(n), following_once)
+            except Exception as error:
+                if not (self.elastic and is_out_of_memory(error)):
+                    raise
+                if self.state is None or is_consumed(self.state):
+                    raise  # nothing to redo the step from (see the note on the error)
+                self._shrink(error, n, self.split(n))
 
     def _attempt(self, examples: PyTree, n: int, split: Split,
                  following: Callable[[], Any]) -> StepOutcome:
@@ -660,8 +588,6 @@ class StepRunner:
         try:
             self.state = self.snapshot.restore()
         except Exception as again:
-            from ..devices._oom import is_out_of_memory
-
             held = self.snapshot.on_host()
             # (A MemoryError too: a CPU's device memory is the host's.)
             if not (is_out_of_memory(again) or isinstance(again, MemoryError)) or held is None:

@@ -181,7 +181,7 @@ def _explain(where: str, unknown: dict[str, Any], params: Any, *,
     """Raises for the first refused ``model.fit`` habit, else for every option that lives in
     a spec at once (each spec written out with all of them), else Python's ``TypeError``."""
     for name, value in unknown.items():
-        if name in REFUSED_FIT_OPTIONS and name not in _MOVED:
+        if name in REFUSED_FIT_OPTIONS:
             raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
     moved = {n: v for n, v in unknown.items() if n in _MOVED and _MOVED[n][0] in params}
     if moved:
@@ -201,7 +201,4 @@ def _explain(where: str, unknown: dict[str, Any], params: Any, *,
         raise ValueError(
             f"{where}() takes {names} inside {' and '.join(f'{a}=' for a in specs)}: {fix}. "
             "Received: " + ", ".join(received(n, v) for n, v in moved.items()))
-    for name, value in unknown.items():
-        if name in REFUSED_FIT_OPTIONS:
-            raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
     raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}")

@@ -11,12 +11,7 @@ from autoaccum.devices._warnings import AutoaccumWarning
 from autoaccum.planning._micro_batches import UnevenBatches
 from autoaccum.planning._search import DoesNotFitError
 from autoaccum.planning._train_program import StepMetrics
-from autoaccum.training._step_runner import (
-    StateHooks,
-    StateLostError,
-    StepRunner,
-    split_examples,
-)
+from autoaccum.training._step_runner import StateHooks, StateLostError, StepRunner
 
 
 class Model(StateHooks):
@@ -113,7 +108,7 @@ def test_padding_slots_weigh_nothing_when_the_examples_do_not_divide_over_the_de
 
 
 def test_split_examples_keeps_the_order():
-    b = split_examples({"x": np.arange(13)}, (3, 5, 3))
+    b, _ = _runner().host_batches({"x": np.arange(13)}, (3, 5, 3))
     assert b.full["x"].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     assert b.last["x"].tolist() == [10, 11, 12]
 

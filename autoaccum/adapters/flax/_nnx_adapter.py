@@ -237,9 +237,8 @@ class FlaxAdapter(Adapter):
             if (plan.examples, plan.drop_remainder) != (examples, settings.drop_remainder):
                 plan = dataclasses.replace(plan, examples=examples,
                                            drop_remainder=settings.drop_remainder)
-        data = source
         return flax_fit(
-            model, data, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
+            model, source, plan=plan, loss_fn=extras["loss_fn"], tx=extras["tx"],
             epochs=settings.epochs, shuffle=settings.shuffle, seed=settings.seed,
             verbose=settings.verbose, stream=settings.log, elastic=settings.elastic,
             backup=settings.backup, mesh=settings.mesh, on_nonfinite=settings.on_nonfinite,

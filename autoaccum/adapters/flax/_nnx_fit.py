@@ -34,7 +34,7 @@ from ...devices._warnings import AutoaccumWarning
 from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, ProgressBar, validate_callbacks
-from ...training._data_parallel import placed_accumulate, step_accumulation
+from ...training._data_parallel import step_accumulation
 from ...training._epoch_batches import leftover_split
 from ...training._fit_loop import (
     EpochTally,
@@ -201,16 +201,13 @@ def unshare(model: nnx.Module, trainable: Any) -> int:
 def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
                 tx: optax.GradientTransformation, batch_stats: str = "effective",
                 on_nonfinite: str = "stop", elastic: bool = True, backup: str = "auto",
-                log: TextIO | None = None, events: list[str] | None = None,
-                optimizer_skips_nonfinite: bool | None = None) -> StepRunner:
+                log: TextIO | None = None, events: list[str] | None = None) -> StepRunner:
     """The :class:`StepRunner` of ``plan``'s step on ``hooks``' state (an epoch's smaller last
     step at the largest divisor of the micro-batch, padded to divide over the devices)."""
-    model, placement = hooks.model, hooks.placement
-    norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
-    if optimizer_skips_nonfinite is None:  # optax.apply_if_finite: defer to it
-        optimizer_skips_nonfinite = handles_nonfinite(tx)
-    accumulate = (placed_accumulate(placement) if placement is not None
-                  else step_accumulation(hooks.mesh, hooks.layout))
+    placement = hooks.placement
+    norms = EffectiveBatchNorm(hooks.model) if batch_stats == "effective" else None
+    optimizer_skips_nonfinite = handles_nonfinite(tx)  # optax.apply_if_finite: defer to it
+    accumulate = step_accumulation(hooks.mesh, hooks.layout, placement=placement)
     # A kept layout: the state keeps its shardings (GSPMD partitions the step).
     out = {} if placement is None else {"out_shardings": (placement.state, None)}
 

@@ -233,12 +233,8 @@ def _part_names(obj: Any, seen: set[int], depth: int, *, top_only: bool = False)
         return set()
     seen.add(id(obj))
     names: set[str] = set()
-    if isinstance(obj, tuple | list):
-        for item in obj:
-            names |= _part_names(item, seen, depth + 1)
-        return names
-    if isinstance(obj, dict):
-        for item in obj.values():
+    if isinstance(obj, tuple | list | dict):
+        for item in obj.values() if isinstance(obj, dict) else obj:
             names |= _part_names(item, seen, depth + 1)
         return names
     if isinstance(obj, functools.partial):

@@ -21,6 +21,7 @@ Per-layer rematerialization (gradient checkpointing): ``rematerialized``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,9 +96,6 @@ class EffectiveBatchNorm:
     def __bool__(self) -> bool:
         return bool(self.paths)
 
-    def _stat_paths(self) -> list[tuple]:
-        return [(*p, s) for p in self.paths for s in _STATS]
-
     def start(self, other: PyTree) -> tuple[Moments, ...]:
         """Empty sums, one per BatchNorm layer found in ``other`` (the carried state)."""
         leaves = _leaves_by_path(other)
@@ -123,7 +121,7 @@ class EffectiveBatchNorm:
             mean_new, var_new = new_leaves[(*path, "mean")], new_leaves[(*path, "var")]
             updated = jnp.any(mean_new != mean_old) | jnp.any(var_new != var_old)
             out.append(add_moments(m, mean_new, var_new, weight=weight, updated=updated))
-        stat_paths = set(self._stat_paths())
+        stat_paths = {(*p, s) for p in self.paths for s in _STATS}
         restored = jax.tree_util.tree_map_with_path(
             lambda p, n, o: o if _plain(p) in stat_paths else n, new, old)
         return restored, tuple(out)
@@ -292,8 +290,8 @@ def make_flax_step(
         grad_sq_norm = tree_sq_norm(mean_gradients(acc, params))
         finite = step_is_finite(loss, grad_sq_norm)
         # A count of 0 with a non-zero sum would be an unnormalised update: never applied.
-        ok = finite & ((acc.count > 0) | (acc.loss_sum == 0))
         counted = (acc.count > 0) | (acc.loss_sum == 0)
+        ok = finite & counted
 
         def apply(old: Any, grad_sum: Any) -> Any:
             params, opt_state = old
@@ -367,36 +365,33 @@ def flax_program(
     abstract_state = (abstract(params), abstract(other), opt_state)
     callers = callers_mesh()
 
-    def traces(placement: Placement) -> BaseException | None:
-        return _loss_traces(graphdef, placement, abstract_state, abstract(frozen),
-                            example_spec, loss_fn)
-
-    def data_parallel_traces(mesh: Any) -> BaseException | None:
-        return _loss_traces_data_parallel(graphdef, mesh, abstract_state, abstract(frozen),
-                                          example_spec, loss_fn)
-
+    traces = functools.partial(_loss_traces, graphdef, abstract_state, abstract(frozen),
+                               example_spec, loss_fn)
     # A kept layout: weights split over several axes, or the context mesh (see ._sharding).
-    placement = own_placement(model, (params, other, opt_state), frozen, traces=traces,
-                              data_parallel_traces=data_parallel_traces)
+    placement = own_placement(
+        model, (params, other, opt_state), frozen,
+        traces=lambda placement: traces(placement=placement),
+        data_parallel_traces=lambda mesh: traces(mesh=mesh))
     fixed = own_specs(params)  # weights the user's model splits over devices itself
     params, frozen, other = abstract(params), abstract(frozen), abstract(other)
     norms = EffectiveBatchNorm(model) if batch_stats == "effective" else None
-    if placement is not None:
-        return placed_program(
-            model, graphdef, placement, example_spec, loss_fn=loss_fn, tx=tx,
-            trainable=trainable, norms=norms, on_nonfinite=on_nonfinite,
-            state=(params, other, opt_state), frozen=frozen)
+    make = functools.partial(make_flax_step, graphdef, loss_fn=loss_fn, tx=tx,
+                             trainable=trainable, norms=norms, on_nonfinite=on_nonfinite)
+    if placement is not None:  # the one-device step on global batches, state laid out
+        def placed_step(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:
+            return make(accumulate=placed_accumulate(placement), trace_mesh=placement.mesh)
+
+        state = placement.abstract((params, other, opt_state), placement.state)
+        (frozen,) = placement.abstract((frozen,), placement.frozen)
+        return _train_program(model, placed_step(placement), example_spec, state, frozen,
+                              placement=placement, placed_step=placed_step)
 
     def step_for(mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
-        return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                              accumulate=step_accumulation(mesh), norms=norms,
-                              on_nonfinite=on_nonfinite, trace_mesh=step_mesh(mesh, callers))
+        return make(accumulate=step_accumulation(mesh), trace_mesh=step_mesh(mesh, callers))
 
     def sharded_step(layout: StateLayout) -> tuple[Callable[..., Any], Any]:
-        step = make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                              accumulate=step_accumulation(layout.mesh, layout), norms=norms,
-                              on_nonfinite=on_nonfinite, layout=layout,
-                              trace_mesh=layout.mesh)
+        step = make(accumulate=step_accumulation(layout.mesh, layout), layout=layout,
+                    trace_mesh=layout.mesh)
         return step, layout.state_shardings(other)
 
     program = _train_program(
@@ -408,67 +403,41 @@ def flax_program(
     return program.on_mesh(mesh, strategy)
 
 
-def placed_program(model: nnx.Module, graphdef: Any, placement: Placement, example_spec: Any,
-                   *, loss_fn: LossFn, tx: optax.GradientTransformation, trainable: Any,
-                   norms: EffectiveBatchNorm | None, on_nonfinite: str, state: Any,
-                   frozen: Any) -> TrainProgram:
-    """The program keeping the model's own layout (``placement``): the one-device step on
-    global batches; its abstract state carries the shardings, so resident memory is per device."""
-    def step_for(placement: Placement) -> Callable[..., tuple[Any, StepMetrics]]:
-        return make_flax_step(graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable,
-                              accumulate=placed_accumulate(placement), norms=norms,
-                              on_nonfinite=on_nonfinite, trace_mesh=placement.mesh)
-
-    params, other, opt_state = placement.abstract(state, placement.state)
-    (frozen,) = placement.abstract((frozen,), placement.frozen)
-    return _train_program(model, step_for(placement), example_spec,
-                          (params, other, opt_state), frozen, placement=placement,
-                          placed_step=step_for)
-
-
-def _loss_traces(graphdef: Any, placement: Placement, state: Any, frozen: Any,
-                 example_spec: Any, loss_fn: LossFn) -> BaseException | None:
-    """``None`` when ``loss_fn`` traces on one example per device laid out by ``placement``,
-    else the error (code for ``Explicit`` mesh axes fails on automatic ones, and back)."""
-    params, other, _ = placement.abstract(state, placement.state)
-    (frozen,) = placement.abstract((frozen,), placement.frozen)
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-        (placement.data_parallel, *s.shape), s.dtype, sharding=placement.last_sharding()),
-        example_spec)
+def _loss_traces(graphdef: Any, state: Any, frozen: Any, example_spec: Any, loss_fn: LossFn,
+                 *, placement: Placement | None = None,
+                 mesh: Any = None) -> BaseException | None:
+    """``None`` when ``loss_fn`` traces on one example per device, laid out by ``placement``
+    (code for ``Explicit`` mesh axes fails on automatic ones, and back) or else inside the
+    data-parallel ``jax.shard_map`` over ``mesh`` (a ``with_sharding_constraint`` naming a
+    mesh axis cannot); else the error, returned for the caller to weigh."""
+    from jax.sharding import PartitionSpec as P
 
     def loss(p: Any, o: Any, f: Any, b: Any) -> Any:
         return checked_loss(loss_fn(nnx.merge(graphdef, p, f, o, copy=True), b))
 
-    try:
-        jax.eval_shape(traced_under(loss, placement.mesh), params, other, frozen, batch)
-    except Exception as error:  # returned: the caller tries the other axis types
-        return error
-    return None
-
-
-def _loss_traces_data_parallel(graphdef: Any, mesh: Any, state: Any, frozen: Any,
-                               example_spec: Any, loss_fn: LossFn) -> BaseException | None:
-    """``None`` when ``loss_fn`` traces inside the data-parallel ``jax.shard_map`` over
-    ``mesh``, else the error (a ``with_sharding_constraint`` naming a mesh axis cannot)."""
-    from jax.sharding import PartitionSpec as P
-
-    axis = mesh.axis_names[0]
     params, other, _ = state
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mesh.size, *s.shape), s.dtype),
-                         example_spec)
+    if placement is not None:
+        params, other, _ = placement.abstract(state, placement.state)
+        (frozen,) = placement.abstract((frozen,), placement.frozen)
+        mesh, run = placement.mesh, loss
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+            (placement.data_parallel, *s.shape), s.dtype, sharding=placement.last_sharding()),
+            example_spec)
+    else:
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mesh.size, *s.shape), s.dtype),
+                             example_spec)
 
-    def per_device(p: Any, o: Any, f: Any, b: Any) -> Any:
-        loss_sum, count = checked_loss(loss_fn(nnx.merge(graphdef, p, f, o, copy=True), b))
-        return jnp.stack([jnp.asarray(loss_sum, jnp.float32),
-                          jnp.asarray(count, jnp.float32)])[None]
+        def per_device(*args: Any) -> Any:
+            return jnp.stack([jnp.asarray(x, jnp.float32) for x in loss(*args)])[None]
 
-    def run(p: Any, o: Any, f: Any, b: Any) -> Any:
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(axis)),
-                             out_specs=P(axis))(p, o, f, b)
+        def run(*args: Any) -> Any:
+            axis = P(mesh.axis_names[0])
+            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), axis),
+                                 out_specs=axis)(*args)
 
     try:
         jax.eval_shape(traced_under(run, mesh), params, other, frozen, batch)
-    except Exception as error:  # returned: the caller keeps the context's layout instead
+    except Exception as error:
         return error
     return None
 

@@ -311,11 +311,6 @@ def _all_auto(mesh: Any) -> bool:
 def own_specs(params: Any) -> tuple[P | None, ...]:
     """For each leaf of ``params`` (``jax.tree.leaves`` order): its ``PartitionSpec`` when it
     is split over devices (the model's own sharding), else ``None`` (free)."""
-    out = []
-    for leaf in jax.tree.leaves(params):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
-            out.append(P(*sharding.spec))
-        else:
-            out.append(None)
-    return tuple(out)
+    shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(params)]
+    return tuple(P(*s.spec) if isinstance(s, NamedSharding) and not s.is_fully_replicated
+                 else None for s in shardings)
