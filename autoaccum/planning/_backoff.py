@@ -80,8 +80,11 @@ class RealStepRunner:
             seconds = time.perf_counter() - start
             self.compiles += 1
             record_compile(reduced=False, seconds=seconds)
-            self._compiled[key] = (compiled, _estimate(self.program, compiled, micro_batch,
-                                                       accum_steps, seconds))
+            # Itemized as measure_program's; None where XLA reports no memory.
+            estimate = estimate_from_compiled(self.program, compiled, micro_batch, accum_steps,
+                                              target="real step (not donated)", seconds=seconds)
+            self._compiled[key] = (compiled,
+                                   estimate or _unknown_estimate(micro_batch, accum_steps))
         return self._compiled[key]
 
     def estimate(self, micro_batch: int, accum_steps: int) -> MemoryEstimate | None:
@@ -357,11 +360,3 @@ def _summary(search: SearchResult) -> str:
 def _unknown_estimate(micro_batch: int, accum_steps: int) -> MemoryEstimate:
     return MemoryEstimate(micro_batch, accum_steps, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1,
                           "real step", 0.0)
-
-
-def _estimate(program: TrainProgram, compiled: Any, micro_batch: int, accum_steps: int,
-              seconds: float) -> MemoryEstimate:
-    """The memory of a compiled (non-donating) probe, itemized as :func:`measure_program`."""
-    estimate = estimate_from_compiled(program, compiled, micro_batch, accum_steps,
-                                      target="real step (not donated)", seconds=seconds)
-    return estimate or _unknown_estimate(micro_batch, accum_steps)

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+
 from ..devices._detect import host_memory
 from ..devices._profiles import GiB, KiB, MiB, TiB, format_bytes
 from ._train_program import TrainProgram, local_shape, tree_bytes
@@ -94,13 +96,13 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
     if isinstance(value, bool):
         raise ValueError(_fix_hint(value))
     fraction: float | None = None
+    number = 0
     if isinstance(value, numbers.Integral):  # numpy integers too
         number = int(value)
     elif isinstance(value, numbers.Real):
         value = float(value)
         if 0 < value <= 1:
             fraction = value
-            number = 0
         elif value > 1 and value.is_integer():
             number = int(value)
         else:
@@ -115,7 +117,6 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         elif unit in _UNITS:
             if unit == "" and 0 < amount <= 1 and "." in match.group(1):
                 fraction = amount
-                number = 0
             else:
                 number = int(amount * _UNITS[unit])
         else:
@@ -141,14 +142,9 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
     return Budget(int(number), "user", f"given: {value!r}")
 
 
-def host_available_bytes() -> int:
-    """The host's available RAM (``MemAvailable``)."""
-    return host_memory().available
-
-
 def cpu_default_budget() -> Budget:
     """50% of available host RAM minus a 256 MiB margin (see the module docstring)."""
-    available = host_available_bytes()
+    available = host_memory().available
     value = max(int(available * CPU_RAM_FRACTION) - CPU_MARGIN_BYTES, 0)
     return Budget(
         value,
@@ -335,20 +331,14 @@ def resident_of(program: TrainProgram) -> Resident:
         return split_resident(layout, trainable=parts.get("trainable"),
                               frozen=parts.get("frozen"), optimizer=parts.get("optimizer"),
                               other=[v for k, v in parts.items() if k not in known])
-    elements = sum(math.prod(local_shape(leaf)) for leaf in _leaves(program.trainable))
     return Resident(
         frozen_bytes=tree_bytes(parts.get("frozen")),
         trainable_bytes=tree_bytes(parts.get("trainable")),
-        gradient_bytes=4 * int(elements),
+        gradient_bytes=4 * sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(
+            program.trainable) if hasattr(leaf, "shape")),
         optimizer_bytes=tree_bytes(parts.get("optimizer")),
         other_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
     )
-
-
-def _leaves(tree: Any) -> list[Any]:
-    import jax
-
-    return [leaf for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape")]
 
 
 def smallest_profile(need_bytes: int, *, memory_fraction: float | None = None) -> Any:
@@ -421,8 +411,6 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
       >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes
       (4096, 4096, 4096)
     """
-    import jax
-
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
                        if hasattr(x, "shape") else x, trainable)
     return Resident(

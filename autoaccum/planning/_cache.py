@@ -163,14 +163,8 @@ def compiler_fingerprint(compiler_options: Mapping[str, Any] | None = None) -> d
       >>> sorted(fp)[:3], fp["compiler_options"]
       (['autoaccum', 'autoaccum_source', 'compiler_options'], {'xla_gpu_cuda_data_dir': '/x'})
     """
-    import jax
-
-    settings = {}
-    for name in _JAX_SETTINGS:
-        try:
-            settings[name] = str(getattr(jax.config, name))
-        except AttributeError:
-            settings[name] = None
+    settings = {name: str(getattr(jax.config, name)) if hasattr(jax.config, name) else None
+                for name in _JAX_SETTINGS}
     return {
         "versions": _versions(),
         "autoaccum": _version("autoaccum"),

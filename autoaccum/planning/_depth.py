@@ -262,11 +262,10 @@ class DepthExtrapolator:
         """The full-depth estimate, extrapolated from two reduced-depth compiles; compiled at
         full depth where the line does not hold (need falling with depth, or a model that
         cannot be built that shallow)."""
-        if (micro_batch, accum_steps) in self._predicted:
-            return self._predicted[(micro_batch, accum_steps)]
-        estimate = self._measure(micro_batch, accum_steps)
-        self._predicted[(micro_batch, accum_steps)] = estimate
-        return estimate
+        key = (micro_batch, accum_steps)
+        if key not in self._predicted:
+            self._predicted[key] = self._measure(micro_batch, accum_steps)
+        return self._predicted[key]
 
     def _measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
         d1, d2 = self.variants.depths
@@ -337,8 +336,7 @@ class DepthExtrapolator:
         base = self.target.remat_pass_base_bytes
         if base is None:
             return None
-        io = estimate.argument_bytes + estimate.output_bytes - estimate.alias_bytes
-        return (base - io) * REMAT_SLOP
+        return (base - io_bytes(estimate)) * REMAT_SLOP
 
     def _say(self, text: str) -> None:
         if self.log is not None:
@@ -499,13 +497,11 @@ def plan_by_depth(
             effective_batch=effective_batch, data_parallel=data_parallel,
             lr_scaling=lr_scaling, budget=budget, target=target.name, notes=notes)
         return dataclasses.replace(plan, notes=(*plan.notes, *extrapolator.notes()))
-    if plan.estimate.source != "extrapolated":  # the choice was compiled at full depth
+    extrapolated = plan.estimate.source == "extrapolated"
+    if not extrapolated or not verify:  # compiled at full depth, or an advisor's quick row
+        quick = ("depth-extrapolated, not verified at full depth",) if extrapolated else ()
         return dataclasses.replace(plan, probes=label_sources(plan.probes),
-                                   notes=(*plan.notes, *extrapolator.notes()))
-    if not verify:  # the advisor's quick rows: extrapolated, and they say so
-        return dataclasses.replace(plan, probes=label_sources(plan.probes),
-                                   notes=(*plan.notes, *extrapolator.notes(),
-                                          "depth-extrapolated, not verified at full depth"))
+                                   notes=(*plan.notes, *extrapolator.notes(), *quick))
     predicted = plan.estimate
     verified = extrapolator.verify(plan.micro_batch, plan.accum_steps)
     check = Probe(plan.micro_batch, plan.accum_steps, verified.need_bytes,

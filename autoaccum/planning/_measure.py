@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..devices._deviceless import compiling_for, known_compile_options, shard_abstract
 from ..devices._profiles import format_bytes, itemsize
@@ -98,23 +99,8 @@ class CompileLedger:
     """Counts compiles while open (see :func:`counting_compiles`)."""
 
     def __init__(self) -> None:
-        self._count = CompileCount()
-
-    def add(self, *, reduced: bool, seconds: float) -> None:
-        c = self._count
-        self._count = (dataclasses.replace(c, reduced=c.reduced + 1,
-                                           reduced_seconds=c.reduced_seconds + seconds)
-                       if reduced else
-                       dataclasses.replace(c, full=c.full + 1,
-                                           full_seconds=c.full_seconds + seconds))
-
-    def add_cached(self) -> None:
-        self._count = dataclasses.replace(self._count, cached=self._count.cached + 1)
-
-    @property
-    def count(self) -> CompileCount:
+        self.count = CompileCount()
         """The compiles counted so far."""
-        return self._count
 
 
 _OPEN: list[CompileLedger] = []
@@ -143,16 +129,20 @@ def counting_compiles() -> Iterator[CompileLedger]:
 
 def record_compile(*, reduced: bool, seconds: float) -> None:
     """Adds one compile to every open ledger."""
-    with _LOCK:
-        for ledger in _OPEN:
-            ledger.add(reduced=reduced, seconds=seconds)
+    _record(**({"reduced": 1, "reduced_seconds": seconds} if reduced
+               else {"full": 1, "full_seconds": seconds}))
 
 
 def record_cached() -> None:
     """Adds one need-cache answer (no compile) to every open ledger."""
+    _record(cached=1)
+
+
+def _record(**added: float) -> None:
     with _LOCK:
         for ledger in _OPEN:
-            ledger.add_cached()
+            ledger.count = dataclasses.replace(
+                ledger.count, **{k: getattr(ledger.count, k) + v for k, v in added.items()})
 
 
 def counted(fn: F) -> F:
@@ -188,8 +178,6 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 def _specs(tree: Any) -> list[Any]:
-    from jax.sharding import PartitionSpec as P
-
     return jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, P))
 
 
@@ -263,16 +251,14 @@ KERNEL_CACHE_MAX_BYTES = 256 * 2**20
 whole file at every compile)."""
 
 _FREE: dict[str, list[Path]] = {}
-_FOLDER: list[Path] = []
 _MADE = [0]
 
 
+@functools.cache
 def _folder() -> Path:
-    if not _FOLDER:
-        folder = Path(tempfile.mkdtemp(prefix="autoaccum-kernels-"))
-        atexit.register(shutil.rmtree, folder, True)
-        _FOLDER.append(folder)
-    return _FOLDER[0]
+    folder = Path(tempfile.mkdtemp(prefix="autoaccum-kernels-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _take(key: str) -> Path:
@@ -409,12 +395,25 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                target: CompileTarget | None = None, *, last: int | None = None) -> Any:
     """Lowers ``program.step`` for abstract inputs at ``[accum_steps, micro_batch, ...]``; a
     data-parallel program as one SPMD program over its mesh, so ``micro_batch`` is per device
-    and XLA's memory analysis is one device's."""
+    and XLA's memory analysis is one device's. A program that keeps the user's layout has its
+    placement's shardings as the step's input and output shardings; XLA partitions the rest."""
     target = target or CompileTarget()
-    if program.placement is not None:
-        return _lower_placed(program, micro_batch, accum_steps, target, last=last)
-    if program.mesh is not None:
-        if target.deviceless and not _on_target(program.mesh, target):
+    placement, mesh = program.placement, program.mesh
+    out: dict[str, Any] = {}
+    if placement is not None:
+        if target.deviceless and not _on_target(placement.mesh, target):
+            raise ValueError(
+                f"This model's variables are laid out by {placement.source or 'the user'} over "
+                f"this machine's devices (mesh {dict(placement.mesh.shape)}); a dry run for a "
+                "GPU that is not here cannot keep that layout. Plan on the machine that has the "
+                "devices (device=None), or build the model without the distribution for a dry "
+                f"run. Received: target={target.name!r}")
+        state = placement.abstract(program.abstract_state, placement.state)
+        frozen = placement.abstract(program.frozen_args, placement.frozen)
+        sharding, last_sharding = placement.batch_sharding(), placement.last_sharding()
+        out = {"out_shardings": (placement.state, None)}
+    elif mesh is not None:
+        if target.deviceless and not _on_target(mesh, target):
             raise ValueError(
                 "A data-parallel plan over this machine's devices cannot be compiled for a "
                 "named GPU that is not here; a dry run makes its own mesh over that many "
@@ -422,28 +421,25 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
                 f"device=..., devices=N)). Received: target={target.name!r}, "
                 f"data_parallel={program.data_parallel}"
             )
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        axis = program.mesh.axis_names[0]
-        replicated = NamedSharding(program.mesh, P())
+        replicated = NamedSharding(mesh, P())
         state = (shard_abstract(program.abstract_state, replicated)
                  if program.state_shardings is None
                  else _shard_each(program.abstract_state, program.state_shardings))
         frozen = (shard_abstract(program.frozen_args, replicated) if program.layout is None
                   else _shard_each(program.frozen_args,
                                    program.layout.frozen_shardings(program.frozen_args)))
-        batches = program.batch_spec(micro_batch * program.data_parallel, accum_steps,
-                                     sharding=NamedSharding(program.mesh, P(None, axis)),
-                                     last=None if last is None else last * program.data_parallel,
-                                     last_sharding=NamedSharding(program.mesh, P(axis)))
+        axis = mesh.axis_names[0]
+        sharding, last_sharding = NamedSharding(mesh, P(None, axis)), NamedSharding(mesh, P(axis))
     else:
         state = shard_abstract(program.abstract_state, target.sharding)
         frozen = shard_abstract(program.frozen_args, target.sharding)
-        batches = program.batch_spec(micro_batch, accum_steps, sharding=target.sharding,
-                                     last=last)
+        sharding = last_sharding = target.sharding
+    dp = program.data_parallel  # global batches over the devices
+    batches = program.batch_spec(micro_batch * dp, accum_steps, sharding=sharding,
+                                 last=None if last is None else last * dp,
+                                 last_sharding=last_sharding)
     with program.lowering_context(), _traced_for(target, program.step) as step:
-        return jax.jit(step, donate_argnums=0).lower(state, batches, *frozen)
+        return jax.jit(step, donate_argnums=0, **out).lower(state, batches, *frozen)
 
 
 @contextlib.contextmanager
@@ -469,34 +465,12 @@ def _shard_each(tree: Any, shardings: Any) -> Any:
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if hasattr(x, "shape") else x
         for x, s in zip(leaves, treedef.flatten_up_to(shardings), strict=True)])
+
+
 def _on_target(mesh: Any, target: CompileTarget) -> bool:
     """Whether ``mesh`` is made of the deviceless target's own devices (a multi-GPU dry run)."""
     own = getattr(target.sharding, "mesh", None)
     return own is not None and set(mesh.devices.flat) <= set(own.devices.flat)
-
-
-def _lower_placed(program: TrainProgram, micro_batch: int, accum_steps: int,
-                  target: CompileTarget, *, last: int | None) -> Any:
-    """Lowers a program that keeps the user's layout: its placement's shardings are the step's
-    input and output shardings, and XLA partitions the rest."""
-    placement = program.placement
-    if target.deviceless and not _on_target(placement.mesh, target):
-        raise ValueError(
-            f"This model's variables are laid out by {placement.source or 'the user'} over "
-            f"this machine's devices (mesh {dict(placement.mesh.shape)}); a dry run for a GPU "
-            "that is not here cannot keep that layout. Plan on the machine that has the "
-            "devices (device=None), or build the model without the distribution for a dry "
-            f"run. Received: target={target.name!r}")
-    dp = placement.data_parallel
-    state = placement.abstract(program.abstract_state, placement.state)
-    frozen = placement.abstract(program.frozen_args, placement.frozen)
-    batches = program.batch_spec(micro_batch * dp, accum_steps,
-                                 sharding=placement.batch_sharding(),
-                                 last=None if last is None else last * dp,
-                                 last_sharding=placement.last_sharding())
-    with program.lowering_context(), _traced_for(target, program.step) as step:
-        return jax.jit(step, donate_argnums=0,
-                       out_shardings=(placement.state, None)).lower(state, batches, *frozen)
 
 
 _COMPILES = [0]
@@ -773,26 +747,19 @@ def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: in
                            accum_steps: int, *, target: str, seconds: float,
                            last: int | None = None, lowered: Any = None
                            ) -> MemoryEstimate | None:
-    """Itemizes a compiled step of ``program`` (``None`` if XLA reports no memory)."""
+    """Itemizes XLA's ``memory_analysis()`` (and cost analysis) of a compiled step of
+    ``program`` (``None`` if XLA reports no memory)."""
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
-    return estimate_from_analysis(program, analysis, _cost(compiled, lowered), micro_batch,
-                                  accum_steps,
-                                  target=target, seconds=seconds, last=last,
-                                  compile_note=getattr(compiled, "autoaccum_compile_note", ""))
-
-
-def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, micro_batch: int,
-                           accum_steps: int, *, target: str, seconds: float,
-                           compile_note: str = "", last: int | None = None) -> MemoryEstimate:
-    """Itemizes XLA's ``memory_analysis()`` (and cost analysis) of a step of ``program``."""
+    cost = _cost(compiled, lowered)
     argument = int(analysis.argument_size_in_bytes)
     output = int(analysis.output_size_in_bytes)
     alias = int(analysis.alias_size_in_bytes)
     temp = int(analysis.temp_size_in_bytes)
     parts = program.parts
-    accumulator = 4 * _elements(program.trainable)
+    accumulator = 4 * sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(
+        program.trainable) if hasattr(leaf, "shape"))
     known = {"trainable", "frozen", "optimizer"}
     trainable_bytes = tree_bytes(parts.get("trainable"))
     optimizer_bytes = tree_bytes(parts.get("optimizer"))
@@ -805,7 +772,7 @@ def estimate_from_analysis(program: TrainProgram, analysis: Any, cost: dict, mic
                          parts.get("trainable")),
             layout.accumulator(accum_steps == 1 and last is None))
     return MemoryEstimate(
-        compile_note=compile_note,
+        compile_note=getattr(compiled, "autoaccum_compile_note", ""),
         micro_batch=micro_batch,
         accum_steps=accum_steps,
         trainable_bytes=trainable_bytes,
@@ -857,8 +824,3 @@ def _hlo_cost(lowered: Any) -> dict:
     except Exception:
         return {}
     return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
-
-
-def _elements(tree: Any) -> int:
-    return sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(tree)
-               if hasattr(leaf, "shape"))

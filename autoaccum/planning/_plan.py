@@ -295,8 +295,6 @@ def agree_across_processes(search: SearchResult, measure: Any, *,
                            per_device: int) -> tuple[SearchResult, tuple[int, ...]]:
     """The search result at the smallest micro-batch chosen by any process (measured here
     unless probed already), and each choice."""
-    import dataclasses
-
     from ..devices._mesh import agree_micro_batch
 
     agreed, each = agree_micro_batch(search.micro_batch)
@@ -406,14 +404,10 @@ def snake_case(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def _per_device(plan: Plan) -> int:
-    return plan.effective_batch // max(plan.data_parallel, 1)
-
-
 def limiting_factor(plan: Plan) -> Limit:
     """Why the plan's micro-batch is not larger: memory, the effective batch itself,
     divisibility of the per-device batch, or the throughput objective."""
-    per_device = _per_device(plan)
+    per_device = plan.effective_batch // max(plan.data_parallel, 1)
     if plan.objective == "throughput" and plan.candidates:
         return Limit("throughput", f"throughput: the fastest of {len(plan.candidates)} fitting "
                      "candidates (not necessarily the largest micro-batch)")

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from ..devices._mesh import has_explicit_axes
@@ -118,17 +118,17 @@ def plan_program(
         resolved = resolve_target(device, budget, memory_fraction=memory_fraction,
                                   devices=devices, hosts=hosts)
     placed = isinstance(program, TrainProgram) and program.placement is not None
-    if resolved is not None and resolved.mesh is not None and not placed:
-        # Several GPUs (TPU chips), not here; a placed program keeps its own layout on them.
+    # Several GPUs (TPU chips), not here; a placed program keeps its own layout on them.
+    on_dry_mesh = resolved is not None and resolved.mesh is not None and not placed
+    if on_dry_mesh:
         program, depth_variants = _on_mesh(program, depth_variants, resolved.mesh, strategy)
     need_program = resolved is None and not is_deviceless(device)
     if callable(program) and not isinstance(program, TrainProgram) and need_program:
         program = program()
-    mesh = program.device_mesh if isinstance(program, TrainProgram) else None
+    mesh = (resolved.mesh if on_dry_mesh
+            else program.device_mesh if isinstance(program, TrainProgram) else None)
     chosen = strategy or (program.strategy if isinstance(program, TrainProgram)
                           else "replicated")
-    if resolved is not None and resolved.mesh is not None and not placed:
-        mesh = resolved.mesh
     effective_batch = split_over_devices(effective_batch, program, mesh)
     if resolved is None:  # called directly (plan_model resolves the target)
         weights = 0
@@ -200,7 +200,9 @@ def plan_program(
             # one that fits: from the largest candidate down, one finished compile at best.
             largest_first=resolved.compile_target.platform == "tpu",
         )
-    return _marked(_finish(plan, resolved), chosen)
+    return _marked(dataclasses.replace(plan, probes=label_sources(plan.probes),
+                                       profile=_profile_key(resolved),
+                                       deviceless=resolved.kind == "deviceless"), chosen)
 
 
 def split_over_devices(effective_batch: int, program: Any, mesh: Any) -> int:
@@ -247,13 +249,6 @@ def _on_mesh(program: Any, variants: DepthVariants | None, mesh: Any,
     if variants is not None:
         variants = variants.on_mesh(mesh, strategy or "replicated")
     return program, variants
-
-
-def _finish(plan: Plan, resolved: ResolvedTarget) -> Plan:
-    """``plan`` with its probes labelled by source, and the profile it is for."""
-    return dataclasses.replace(plan, probes=label_sources(plan.probes),
-                               profile=_profile_key(resolved),
-                               deviceless=resolved.kind == "deviceless")
 
 
 def _profile_key(resolved: ResolvedTarget) -> str | None:
@@ -386,7 +381,6 @@ def plan_model(
         if log is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
         skipped: list[tuple[str, DoesNotFitError]] = []
-        plan = None
         # Several processes try the strategies without agreeing (a collective all must join),
         # then all plan the most sharded choice once more, agreeing (see below).
         trial = len(strategies) > 1 and _process_count() > 1
@@ -406,44 +400,38 @@ def plan_model(
             except DoesNotFitError as missed:
                 raise _by_partitioner(missed, prepared) from None
 
-        for name in strategies:
-            if log is not None and len(strategies) > 1:
-                print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
-            ruled_out = ruled_out_by_less_sharding(
-                name, skipped, functools.partial(_strategy_resident, by_strategy))
-            if ruled_out is not None:
-                if log is not None:
-                    print(f"autoaccum:   {ruled_out}", file=log, flush=True)
-                skipped.append((name, ruled_out))
-                continue
+        def plan_under(name: str, by_strategy: dict = by_strategy, trial: bool = trial,
+                       plan_strategy: Callable[..., Plan] = plan_strategy,
+                       resolved: Any = resolved) -> Plan:
             try:
                 plan = plan_strategy(name, agree=not trial)
-            except DoesNotFitError as error:
+            except DoesNotFitError as ours:
                 # autoaccum's step does not fit: XLA's own partitioning of it may.
                 xla = _xla_program(by_strategy[name], mesh, name)
                 if xla is None:
-                    skipped.append((name, error))
-                    continue
+                    raise
                 try:
                     plan = _partitioned_by_xla(plan_strategy(name, agree=not trial,
-                                                             prepared=xla), error)
-                    by_strategy[name] = xla
+                                                             prepared=xla), ours)
                 except DoesNotFitError as theirs:
-                    skipped.append((name, _neither_partitioner_fits(error, theirs)))
-                    continue
-            else:
-                # Several processes agree on one search; a second search is one they might
-                # not all make, so only one process weighs a larger split of XLA's step.
-                plan, by_strategy[name] = _simpler_partitioner(
-                    plan, by_strategy[name], mesh, name, resolved, log, cache,
-                    replan=None if _process_count() > 1 else functools.partial(
-                        plan_strategy, name, agree=False))
-            plan = with_strategy(plan, name, skipped)
-            placement = by_strategy[name].program.placement
-            if placement is not None:  # the user's own layout: its mesh, every axis
-                plan = dataclasses.replace(plan, mesh_axes=tuple(
-                    (str(a), int(n)) for a, n in placement.mesh.shape.items()))
-            break
+                    raise _neither_partitioner_fits(ours, theirs) from None
+                by_strategy[name] = xla
+                return plan
+            # Several processes agree on one search; a second search is one they might not
+            # all make, so only one process weighs a larger split of XLA's step.
+            plan, by_strategy[name] = _simpler_partitioner(
+                plan, by_strategy[name], mesh, name, resolved, log, cache,
+                replan=None if _process_count() > 1 else functools.partial(
+                    plan_strategy, name, agree=False))
+            return plan
+
+        plan = first_fitting_strategy(
+            strategies, skipped, lambda s, ours=by_strategy: resident_of(ours[s].program),
+            plan_under, log)
+        placement = by_strategy[plan.strategy].program.placement if plan is not None else None
+        if placement is not None:  # the user's own layout: its mesh, every axis
+            plan = dataclasses.replace(plan, mesh_axes=tuple(
+                (str(a), int(n)) for a, n in placement.mesh.shape.items()))
         if trial:
             agreed = agree_strategy(plan.strategy if plan is not None else None)
             if agreed is None:
@@ -497,7 +485,8 @@ def plan_model(
         accum_steps=best.accum_steps,
         last_micro_batch=split_sizes(effective_batch // base.data_parallel,
                                      best.micro_batch)[1],
-        estimate=(_estimate_for(base, best.micro_batch)
+        estimate=(next((p.estimate for p in base.probes  # the search's compile, if made
+                        if p.micro_batch == best.micro_batch and p.kind == "compile"), None)
                   or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
                                      best.accum_steps, resolved.compile_target)),
         probes=all_probes,
@@ -574,12 +563,6 @@ def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Pre
     return fitting, skipped
 
 
-def _strategy_resident(by_strategy: dict[str, Prepared], strategy: str) -> Resident | None:
-    """The per-device resident memory of ``strategy``'s program, or ``None`` if not built."""
-    prepared = by_strategy.get(strategy)
-    return resident_of(prepared.program) if prepared is not None else None
-
-
 SPLIT_SLACK = 2.0
 """How many times what a strategy splits off per device (from shapes) its step may save: the
 state, and as much again in temporaries (update on the split state, reduce-scattered
@@ -633,6 +616,30 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
                 f"off at most {format_bytes(saved)} of it per device (its state and a "
                 "gradient's share from shapes, and as much again in temporaries)",
                 probes=(), budget_bytes=budget_bytes)
+    return None
+
+
+def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, DoesNotFitError]],
+                           resident: Callable[[str], Resident], plan_under: Callable[[str], Plan],
+                           log: TextIO | None) -> Plan | None:
+    """The plan of the first of ``strategies`` that ``plan_under`` plans, marked with it
+    (:func:`with_strategy`), or ``None``; each one ruled out by a less sharded one
+    (:func:`ruled_out_by_less_sharding`) or that does not fit joins ``skipped``."""
+    for name in strategies:
+        if log is not None and len(strategies) > 1:
+            print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
+        ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
+        if ruled_out is not None:
+            if log is not None:
+                print(f"autoaccum:   {ruled_out}", file=log, flush=True)
+            skipped.append((name, ruled_out))
+            continue
+        try:
+            plan = plan_under(name)
+        except DoesNotFitError as error:
+            skipped.append((name, error))
+            continue
+        return with_strategy(plan, name, skipped)
     return None
 
 
@@ -809,41 +816,30 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
     from ._backoff import auto_plan, backoff_plan
 
     real_device = resolved.kind != "deviceless"
-    if method == "backoff":
-        if not real_device:
-            raise ValueError(
-                "method='backoff' runs real steps, but the target device is not on this machine "
-                "(a dry run). Use method='compile' or 'auto' for a named GPU that is not here. "
-                f"Received: method='backoff', {received('device', resolved.profile.key)}"
-            )
-        runner = prepared.adapter.step_runner(model, prepared)
-        try:
-            with prepared.adapter.remat_context(model, prepared.remat):
-                return backoff_plan(runner, effective_batch=effective_batch,
-                                    lr_scaling=prepared.lr_scaling, budget=resolved.budget,
-                                    target=resolved.compile_target.name, log=log)
-        finally:
-            runner.release()
-    plan = plan_program(prepared.program, effective_batch=effective_batch,
-                        lr_scaling=prepared.lr_scaling, resolved=resolved, log=log,
-                        cache=cache, depth_variants=depth_variants, uneven=uneven, agree=agree)
+    if method == "backoff" and not real_device:
+        raise ValueError(
+            "method='backoff' runs real steps, but the target device is not on this machine "
+            "(a dry run). Use method='compile' or 'auto' for a named GPU that is not here. "
+            f"Received: method='backoff', {received('device', resolved.profile.key)}"
+        )
+    plan = None if method == "backoff" else plan_program(
+        prepared.program, effective_batch=effective_batch, lr_scaling=prepared.lr_scaling,
+        resolved=resolved, log=log, cache=cache, depth_variants=depth_variants, uneven=uneven,
+        agree=agree)
     if method == "compile":
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None
     try:
         with prepared.adapter.remat_context(model, prepared.remat):
+            if plan is None:  # real steps only
+                return backoff_plan(runner, effective_batch=effective_batch,
+                                    lr_scaling=prepared.lr_scaling, budget=resolved.budget,
+                                    target=resolved.compile_target.name, log=log)
             return auto_plan(plan, runner, log=log)
     finally:
         if runner is not None:
             runner.release()
 
-
-def _estimate_for(plan: Plan, micro_batch: int) -> Any:
-    """The compile-only probe's estimate at ``micro_batch``, if the search made one."""
-    for p in plan.probes:
-        if p.micro_batch == micro_batch and p.kind == "compile":
-            return p.estimate
-    return None
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget | None) -> list[Candidate]:

@@ -67,16 +67,14 @@ def validate_remat(policy: str) -> str:
 
 
 def policies_for(remat_policies: tuple[str, ...], remat: str) -> list[str]:
-    """Policies to try for ``remat``: for ``"auto"``, a framework's ``remat_policies``.
+    """Policies to try for ``remat`` (checked by :class:`Search`): for ``"auto"``, a
+    framework's ``remat_policies``.
 
     Example:
       >>> policies_for(("none", "nothing"), "auto"), policies_for(("none",), "dots")
       (['none', 'nothing'], ['dots'])
     """
-    validate_remat(remat)
-    if remat != "auto":
-        return [remat]
-    return list(remat_policies)
+    return list(remat_policies) if remat == "auto" else [remat]
 
 
 def label_policy(plan: Plan, policy: str) -> Plan:
@@ -149,8 +147,6 @@ def resolve_objective(objective: str | None, device: str | None) -> str:
         return validate_objective(objective)
     if device is not None:
         return "memory"
-    import jax
-
     return "throughput" if jax.devices()[0].platform in ("gpu", "tpu") else "memory"
 
 

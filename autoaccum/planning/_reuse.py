@@ -24,16 +24,6 @@ PLANNING_OPTIONS = ("device", "budget", "memory_fraction", "devices", "hosts", "
 ``plan=``."""
 
 
-def _refuse_planning_options(given: dict[str, Any]) -> None:
-    if given:
-        listed = ", ".join(f"{received(k, v)}" for k, v in given.items())
-        raise ValueError(
-            "plan= reuses a plan as it is; options that shape planning would be ignored. Drop "
-            "them, or plan again with them: autoaccum.plan(model, data, effective_batch=..., "
-            f"target=..., search=...) with {', '.join(given)}. Received: {listed}"
-        )
-
-
 def _same_lr(a: Any, b: Any) -> bool:
     if a.rule != b.rule or a.base_batch != b.base_batch or a.factor != b.factor:
         return False
@@ -106,7 +96,13 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
       ValueError: plan= was made for effective_batch=8. Plan for 4, or pass effective_batch=8. Received: effective_batch=4
     """  # noqa: E501
     validate_plan_type(plan)
-    _refuse_planning_options(planning_options or {})
+    if planning_options:  # options that shape planning, refused next to a plan
+        listed = ", ".join(f"{received(k, v)}" for k, v in planning_options.items())
+        raise ValueError(
+            "plan= reuses a plan as it is; options that shape planning would be ignored. Drop "
+            "them, or plan again with them: autoaccum.plan(model, data, effective_batch=..., "
+            f"target=..., search=...) with {', '.join(planning_options)}. Received: {listed}"
+        )
     if plan.deviceless:
         raise ValueError(
             f"plan= is a dry run for {plan.profile or plan.target}, compiled for a GPU that is "

@@ -296,9 +296,7 @@ def search_micro_batch(
     if limit > 1 and accumulating_floor > budget_bytes:
         p = probe(limit, "whole batch: no accumulating step can fit")
         if p.fits:
-            return SearchResult(micro_batch=limit, max_micro_batch=limit, estimate=p.estimate,
-                                probes=tuple(order), affine=None,
-                                seconds=time.perf_counter() - start)
+            return _result(limit, probes, order, None, start, budget_bytes, False)
         raise DoesNotFitError(
             f"No micro-batch fits: every accumulating step needs at least "
             f"{format_bytes(accumulating_floor)} (weights, optimizer state and the float32 "
@@ -363,8 +361,7 @@ def search_micro_batch(
             guess, why = open_[len(open_) // 2], "bisect"
         else:
             guess, why = open_[0], "next up"
-        if guess == limit and (probes.get(1) is not None and not _whole_batch_after_one(
-                probes.get(1), budget_bytes)):
+        if guess == limit and not _whole_batch_after_one(probes.get(1), budget_bytes):
             skipped.add(guess)
             continue
         if clearly_over(guess, fit):

@@ -128,10 +128,9 @@ def validate_partitioner(partitioner: Any) -> str:
     return partitioner
 
 
-def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
-              min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
+def leaf_spec(shape: tuple[int, ...], devices: int, axis: str) -> P:
     """The ``PartitionSpec`` splitting the first axis of ``shape`` that ``devices`` divides;
-    ``P()`` (copied) for small leaves or when no axis divides.
+    ``P()`` (copied) for small leaves (:data:`MIN_SHARDED_ELEMENTS`) or when no axis divides.
 
     The first (outermost) axis, not the largest: its shard is one contiguous block, gathered
     or reduce-scattered in place. Split along an inner axis, XLA:CPU gathered into a
@@ -147,7 +146,7 @@ def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
       >>> leaf_spec((3, 5001), 4, "data"), leaf_spec((64,), 4, "data")
       (P(), P())
     """
-    if devices <= 1 or math.prod(shape) < max(min_elements, devices):
+    if devices <= 1 or math.prod(shape) < max(MIN_SHARDED_ELEMENTS, devices):
         return P()
     for i, n in enumerate(shape):
         if n % devices == 0:
@@ -155,15 +154,14 @@ def leaf_spec(shape: tuple[int, ...], devices: int, axis: str, *,
     return P()
 
 
-def tree_specs(tree: PyTree, devices: int, axis: str, *,
-               min_elements: int = MIN_SHARDED_ELEMENTS) -> PyTree:
+def tree_specs(tree: PyTree, devices: int, axis: str) -> PyTree:
     """:func:`leaf_spec` of every array leaf (real or abstract) of ``tree``; ``P()`` for
     leaves without a shape (typed PRNG keys count by their shape)."""
     def one(leaf: Any) -> P:
         shape = getattr(leaf, "shape", None)
         if shape is None:
             return P()
-        return leaf_spec(tuple(shape), devices, axis, min_elements=min_elements)
+        return leaf_spec(tuple(shape), devices, axis)
 
     return jax.tree.map(one, tree)
 
@@ -245,8 +243,7 @@ class StateLayout:
 
 
 def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
-                         axis: str | None, *,
-                         min_elements: int = MIN_SHARDED_ELEMENTS) -> NamedSharding:
+                         axis: str | None) -> NamedSharding:
     """The float32 accumulator's sharding for a weight a kept layout lays out by ``sharding``:
     the weight's own plus ``axis`` on its first whole dimension the axis divides, so each
     device keeps a share of the sum (as ``zero2`` does). Unchanged without a data axis, or
@@ -259,7 +256,7 @@ def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
       >>> accumulator_sharding(NamedSharding(mesh, P(None, "model")), (64, 64), "data").spec
       P('data', 'model')
     """
-    if axis is None or math.prod(shape) < min_elements:
+    if axis is None or math.prod(shape) < MIN_SHARDED_ELEMENTS:
         return sharding
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     used = {a for entry in spec if entry is not None
@@ -288,7 +285,6 @@ def shaped_like(params: PyTree) -> Callable[[Any], bool]:
 
 def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree,
                  fixed: tuple[P | None, ...] | None = None, frozen: PyTree = None,
-                 min_elements: int = MIN_SHARDED_ELEMENTS,
                  partitioner: str = "autoaccum") -> StateLayout:
     """The :class:`StateLayout` of ``strategy`` on the one-axis ``mesh`` for trained weights
     ``params`` and optimizer state ``optimizer`` (real or abstract: only shapes are read).
@@ -317,9 +313,9 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
             "A sharding strategy runs on a one-axis (data) mesh. Received: a mesh with axes "
             f"{mesh.axis_names}")
     axis, n = mesh.axis_names[0], int(mesh.size)
-    split_params = tree_specs(params, n, axis, min_elements=min_elements)
+    split_params = tree_specs(params, n, axis)
     copied_params = jax.tree.map(lambda _: P(), split_params, is_leaf=lambda s: isinstance(s, P))
-    split_opt = tree_specs(optimizer, n, axis, min_elements=min_elements)
+    split_opt = tree_specs(optimizer, n, axis)
     copied_opt = jax.tree.map(lambda _: P(), split_opt, is_leaf=lambda s: isinstance(s, P))
     rank = STRATEGIES.index(strategy)
     param_specs = split_params if rank >= 3 else copied_params
@@ -344,7 +340,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
             optimizer, opt_specs, is_leaf=mirrors)
     frozen_specs = None
     if frozen is not None:
-        frozen_specs = tree_specs(frozen, n, axis, min_elements=min_elements)
+        frozen_specs = tree_specs(frozen, n, axis)
         if rank < 3:
             frozen_specs = jax.tree.map(lambda _: P(), frozen_specs,
                                         is_leaf=lambda s: isinstance(s, P))

@@ -276,16 +276,14 @@ def resolve_target(
     if device is None:
         return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
     profile = device if isinstance(device, DeviceProfile) else find_profile(device)
-    if profile.is_tpu:
-        return _resolve_tpu(profile, budget, resident_bytes=resident_bytes, mesh=mesh,
-                            devices=devices)
-    devices = 1 if devices is None else devices
-    if not profile.is_gpu:
+    if not (profile.is_gpu or profile.is_tpu):
         return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
-    detected = detect_device()
-    if detected.is_gpu and detected.profile is not None and detected.profile.key == profile.key:
+    if not is_deviceless(profile):  # the named GPU, or this process's TPU slice, is here
         local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
         return ResolvedTarget(local.compile_target, local.budget, "real", profile)
+    if profile.is_tpu:
+        return _resolve_tpu(profile, budget, mesh=mesh, devices=devices)
+    devices = 1 if devices is None else devices
     if mesh is not None:
         raise ValueError(
             f"A data-parallel plan compiles for this machine's devices, but no {profile.name} is "
@@ -328,12 +326,9 @@ def resolve_target(
     )
 
 
-def _resolve_tpu(profile: DeviceProfile, budget: Any, *, resident_bytes: int, mesh: Any,
+def _resolve_tpu(profile: DeviceProfile, budget: Any, *, mesh: Any,
                  devices: int | None) -> ResolvedTarget:
-    """A TPU slice: its chips where this process runs on them, else a deviceless compile."""
-    if tpu_here(profile):
-        local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
-        return ResolvedTarget(local.compile_target, local.budget, "real", profile)
+    """A TPU slice that is not here: a deviceless compile over its chips."""
     if mesh is not None:
         raise ValueError(
             f"A data-parallel plan on this machine's devices cannot be for a {profile.name}, "

@@ -38,7 +38,7 @@ from ....planning._lr_scaling import ADAPTIVE, SGD_LIKE, announce, scale_learnin
 from ....planning._measure import counted
 from ....planning._option_checks import validate_positive_int
 from ....planning._plan import Plan
-from ....planning._plan_model import plan_program, ruled_out_by_less_sharding, with_strategy
+from ....planning._plan_model import first_fitting_strategy, plan_program
 from ....planning._plan_options import (
     LearningRate,
     Search,
@@ -51,7 +51,6 @@ from ....planning._plan_options import (
 from ....planning._search import DoesNotFitError
 from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._targets import device_platform, is_deviceless, slice_devices
-from ....planning._train_program import tree_bytes
 from ....training._training_options import explains_keywords
 from .._keras_program import keras_remat_program
 from ._architectures import Architecture, load_architecture
@@ -204,33 +203,22 @@ def plan_preset(
                                      identity=identity)
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
+
+        def plan_under(name: str, build: Any = build, variants: Any = variants) -> Plan:
+            return plan_program(build, effective_batch=effective_batch, lr_scaling=scaling,
+                                resident=functools.partial(resident_of, name),
+                                target=dataclasses.replace(target, strategy=name), log=log,
+                                cache=search.cache, depth_variants=variants,
+                                # A sharded step is always verified at full depth: its need
+                                # was measured far above the linear prediction (gemma3_4b
+                                # full fine-tune, 4 x L4, zero2: 25.6 GiB against 17.6;
+                                # benchmarks/multi_gpu_story.py).
+                                verify_depth=verify_depth or (
+                                    verify_sharded and name != "replicated"))
+
         skipped: list[tuple[str, DoesNotFitError]] = []
-        for name in strategies:
-            if stream is not None and len(strategies) > 1:
-                print(f"autoaccum: sharding strategy {name!r}", file=stream, flush=True)
-            ruled_out = ruled_out_by_less_sharding(name, skipped, resident_of)
-            if ruled_out is not None:
-                if stream is not None:
-                    print(f"autoaccum:   {ruled_out}", file=stream, flush=True)
-                skipped.append((name, ruled_out))
-                continue
-            try:
-                plan = plan_program(build, effective_batch=effective_batch,
-                                    lr_scaling=scaling,
-                                    resident=functools.partial(resident_of, name),
-                                    target=dataclasses.replace(target, strategy=name),
-                                    log=log, cache=search.cache, depth_variants=variants,
-                                    # A sharded step is always verified at full depth:
-                                    # its need was measured far above the linear
-                                    # prediction (gemma3_4b full fine-tune, 4 x L4, zero2:
-                                    # 25.6 GiB against 17.6; benchmarks/multi_gpu_story.py).
-                                    verify_depth=verify_depth or (
-                                        verify_sharded and name != "replicated"))
-            except DoesNotFitError as error:
-                skipped.append((name, error))
-                continue
-            if len(strategies) > 1:
-                plan = with_strategy(plan, name, skipped)
+        plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under, stream)
+        if plan is not None:
             return with_failed_policies(label_policy(plan, policy), failures)
         error = skipped[-1][1]  # the most sharded one tried
         if error.resident is not None:  # known from shapes: no policy can help
@@ -243,41 +231,39 @@ def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, o
                      learning_rate: float, overrides: dict[str, Any],
                      quantize: str | None = None, strategy: str = "replicated",
                      devices: int = 1) -> Resident:
-    """Per-device resident memory of ``arch`` under ``strategy``, from abstract variables."""
-    import math
+    """Per-device resident memory of ``arch`` under ``strategy``, from abstract variables
+    (``"replicated"``, or one device: every part copied)."""
+    from jax.sharding import AbstractMesh
 
-    from ._architectures import abstract_state, build_abstract_causal_lm
+    from ._architectures import abstract_state
 
-    model = build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
-                                     optimizer=_optimizer(optimizer, learning_rate),
-                                     backbone_overrides=overrides, quantize=quantize)
-    state = abstract_state(model)
-    if strategy != "replicated" and devices > 1:
-        from jax.sharding import AbstractMesh
-
-        layout = state_layout(strategy, AbstractMesh((devices,), ("data",)),
-                              params=list(state.trainable), optimizer=list(state.optimizer),
-                              frozen=state.non_trainable)
-        return split_resident(layout, trainable=list(state.trainable),
-                              frozen=state.non_trainable, optimizer=list(state.optimizer),
-                              other=state.metrics)
-    return Resident(frozen_bytes=tree_bytes(state.non_trainable),
-                    trainable_bytes=tree_bytes(state.trainable),
-                    gradient_bytes=4 * sum(math.prod(s.shape) for s in state.trainable),
-                    optimizer_bytes=tree_bytes(state.optimizer),
-                    other_bytes=tree_bytes(state.metrics))
+    state = abstract_state(_abstract_lm(arch, dtype=dtype, lora_rank=lora_rank,
+                                        optimizer=optimizer, learning_rate=learning_rate,
+                                        overrides=overrides, quantize=quantize))
+    layout = state_layout(strategy, AbstractMesh((devices,), ("data",)),
+                          params=list(state.trainable), optimizer=list(state.optimizer),
+                          frozen=state.non_trainable)
+    return split_resident(layout, trainable=list(state.trainable), frozen=state.non_trainable,
+                          optimizer=list(state.optimizer), other=state.metrics)
 
 
 def _preset_program(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
                     learning_rate: float, overrides: dict[str, Any], sequence_length: int,
                     policy: str, quantize: str | None = None) -> Any:
     """The accumulated Keras step of ``arch`` (with ``overrides``), built with no weights."""
+    model = _abstract_lm(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
+                         learning_rate=learning_rate, overrides=overrides, quantize=quantize)
+    return keras_remat_program(model, token_example_spec(sequence_length), policy)
+
+
+def _abstract_lm(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
+                 learning_rate: float, overrides: dict[str, Any], quantize: str | None) -> Any:
+    """``arch``'s causal LM (with ``overrides``), compiled with ``optimizer``, no weights."""
     from ._architectures import build_abstract_causal_lm
 
-    model = build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
-                                     optimizer=_optimizer(optimizer, learning_rate),
-                                     backbone_overrides=overrides, quantize=quantize)
-    return keras_remat_program(model, token_example_spec(sequence_length), policy)
+    return build_abstract_causal_lm(arch, dtype=dtype, lora_rank=lora_rank,
+                                    optimizer=_optimizer(optimizer, learning_rate),
+                                    backbone_overrides=overrides, quantize=quantize)
 
 
 LORA_RANKS = (16, 4)
