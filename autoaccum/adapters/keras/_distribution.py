@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...devices._mesh import Placement, data_parallel_mesh, same_mesh
 from ...planning._strategies import StateLayout, state_layout
 from ._internals import variable_buffer, variable_layout
+from ._keras_step import variable_specs
 
 
 def keras_distribution_mesh() -> Any:
@@ -104,8 +104,7 @@ def keras_placement(model: Any, layout: Any, optimizer: Any = None) -> Placement
                      source=source)
 
 
-def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
-                          optimizer: Any = None, layout: Any = None, *,
+def keras_strategy_layout(model: Any, strategy: str, mesh: Any, layout: Any = None, *,
                           partitioner: str = "autoaccum") -> StateLayout | None:
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
     ``mesh`` for the model's trainable and optimizer variables, or ``None`` (replicated, or one
@@ -124,13 +123,10 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any,
     """
     if mesh is None or mesh.size == 1 or strategy == "replicated":
         return None
-    optimizer = model.optimizer if optimizer is None else optimizer
-    shapes = lambda variables: [  # noqa: E731
-        jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for v in variables]
     frozen = (None if layout is None
-              else (shapes(layout.split(list(model.non_trainable_variables))[1]),))
-    return state_layout(strategy, mesh, params=shapes(model.trainable_variables),
-                        optimizer=shapes(optimizer.variables), frozen=frozen,
+              else (variable_specs(layout.split(list(model.non_trainable_variables))[1]),))
+    return state_layout(strategy, mesh, params=variable_specs(model.trainable_variables),
+                        optimizer=variable_specs(model.optimizer.variables), frozen=frozen,
                         partitioner=partitioner)
 
 

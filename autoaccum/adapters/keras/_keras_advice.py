@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...planning._option_checks import received
@@ -49,22 +49,17 @@ INT8_LAYERS = ("Dense", "EinsumDense", "Embedding", "ReversibleEmbedding")
 
 _KEYS = ("optimizer", "lora_rank", "quantize", "dtype")
 
+_REBUILT = ("LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from its "
+            "config")
+_APPLY = "Apply the change to the model and plan it."
+
 
 def keras_advice_changes(model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
     """Change dicts for :func:`keras_apply_change`, in the order the advisor tries them: LoRA
     (rank 16; ``rank // 4`` where LoRA is on), int8 under LoRA unless quantized already,
-    bfloat16 when some weights are float32, another optimizer. ``options`` are unused (a
-    Keras model trains with what it was compiled with).
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-      >>> model.compile(optimizer="adam", loss="mse")
-      >>> keras_advice_changes(model, {})[:3]
-      [{'lora_rank': 16}, {'lora_rank': 16, 'quantize': 'int8'}, {'dtype': 'bfloat16'}]
-    """
+    bfloat16 when some weights are float32, another optimizer (see the example of
+    ``KerasAdapter.advice_changes``). ``options`` are unused (a Keras model trains with what it
+    was compiled with)."""
     changes: list[dict[str, Any]] = []
     layers = _leaf_layers(model)
     ranks = [int(layer.lora_rank) for layer in layers if getattr(layer, "lora_enabled", False)]
@@ -140,9 +135,8 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
     """
     if not getattr(model, "built", False) or not getattr(model, "compiled", False):
         raise ValueError(
-            "LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from its "
-            "config, which needs a built and compiled model: build it (`model.build(shape)`, "
-            "or plan it once) and compile it first. Received: model "
+            f"{_REBUILT}, which needs a built and compiled model: build it (`model.build("
+            "shape)`, or plan it once) and compile it first. Received: model "
             f"{type(model).__name__} with built={getattr(model, 'built', None)}, "
             f"compiled={getattr(model, 'compiled', None)}")
     config, custom = _model_config(model)
@@ -165,12 +159,15 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
     else:
         clone = _build(model, rewritten, custom, dtype=dtype, hub_lora=hub_lora)
     if quantize is not None:
-        _check_quantized(model, clone)
+        _check_applied("int8 weights", model, clone, lambda a, b: _int8_convertible(a)
+                       and b.quantization_mode != "int8")
     if dtype is not None:
-        _check_dtype(model, clone, dtype)
+        _check_applied(f"dtype={dtype!r}", model, clone, lambda a, b: a.weights
+                       and _variable_dtype(a) == "float32" and _variable_dtype(b) != dtype)
     if lora_rank is not None:
         if has_lora:
-            _check_ranks(model, clone, lora_rank)
+            _check_applied(f"lora_rank={lora_rank}", model, clone, lambda a, b: getattr(
+                a, "lora_enabled", False) and getattr(b, "lora_rank", None) != lora_rank)
         else:
             with keras_lowering_scope():
                 _enable_lora(clone, lora_rank)
@@ -231,12 +228,11 @@ def _model_config(model: Any) -> tuple[dict, dict[str, type]]:
     try:
         config = model.get_config()
     except Exception as error:
-        raise ValueError(
-            f"LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from its "
-            f"config, and this {type(model).__name__} has none: {type(error).__name__}: "
+        raise _refused(model,
+            f"{_REBUILT}, and this {type(model).__name__} has none: {type(error).__name__}: "
             f"{_first_line(error)} Give the model class `get_config()` (and `from_config()` "
             "if its arguments are not plain values), or apply the change to the model and plan "
-            f"it. Received: model of type {type(model).__name__}") from error
+            "it.") from error
     return config, custom
 
 
@@ -265,19 +261,18 @@ def _build(model: Any, config: dict, custom: dict[str, type], *, dtype: str | No
                 # model unmarked; the variables are compared with the model's below.
                 clone.built = bool(clone.weights) or not model.weights
     except Exception as error:
-        raise ValueError(
-            f"LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from its "
-            f"config, and {type(model).__name__}.from_config(model.get_config()) failed: "
+        raise _refused(model,
+            f"{_REBUILT}, and {type(model).__name__}.from_config(model.get_config()) failed: "
             f"{type(error).__name__}: {_first_line(error)} Give the model class a "
             "`get_config()`/`from_config()` pair that rebuilds it, or apply the change to the "
-            f"model and plan it. Received: model of type {type(model).__name__}") from error
+            "model and plan it.") from error
     finally:
         keras.config.set_dtype_policy(saved)
     if not clone.built:
-        raise ValueError(
-            f"The copy of the model rebuilt from its config is not built: the model has no "
+        raise _refused(model,
+            "The copy of the model rebuilt from its config is not built: the model has no "
             "build config (`model.get_build_config()`). Build the model with `model.build("
-            f"input_shape)` or give it an `Input`. Received: model of type {type(model).__name__}")
+            "input_shape)` or give it an `Input`.")
     return clone
 
 
@@ -308,18 +303,14 @@ def _check_same_variables(model: Any, clone: Any) -> None:
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if (tuple(a.shape), a.dtype, bool(a.trainable)) != (tuple(b.shape), b.dtype,
                                                             bool(b.trainable)):
-            raise ValueError(
-                "LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from "
-                f"its config, and the rebuild differs from the model at variable {i}: "
+            raise _refused(model,
+                f"{_REBUILT}, and the rebuild differs from the model at variable {i}: "
                 f"{_describe(a)} in the model, {_describe(b)} in the copy (a flag or weight "
-                "set after the model was built is not in its config). Apply the change to "
-                f"the model and plan it. Received: model of type {type(model).__name__}")
+                f"set after the model was built is not in its config). {_APPLY}")
     if len(ours) != len(theirs):
-        raise ValueError(
-            "LoRA, dtype and int8 changes are planned on a copy of the model rebuilt from its "
-            f"config, and the rebuild has {len(theirs)} variables where the model has "
-            f"{len(ours)}. Apply the change to the model and plan it. Received: model of type "
-            f"{type(model).__name__}")
+        raise _refused(model,
+            f"{_REBUILT}, and the rebuild has {len(theirs)} variables where the model has "
+            f"{len(ours)}. {_APPLY}")
 
 
 def _nodes(config: Any) -> Iterator[dict]:
@@ -383,23 +374,26 @@ def _rewrite_lora_rank(config: dict, rank: int) -> None:
             node["lora_rank"] = rank
 
 
-def _paired_layers(model: Any, clone: Any) -> list[tuple[Any, Any]]:
+def _check_applied(what: str, model: Any, clone: Any,
+                   missed: Callable[[Any, Any], bool]) -> None:
+    """``ValueError`` naming the copy's layers the change did not reach from the config:
+    those where ``missed(model_layer, copy_layer)``."""
     ours, theirs = _leaf_layers(model), _leaf_layers(clone)
     if [type(a) for a in ours] != [type(b) for b in theirs]:
-        raise ValueError(
+        raise _refused(model,
             "The copy of the model rebuilt from its config has other layers than the model "
-            f"({len(theirs)} vs {len(ours)}). Apply the change to the model and plan it. "
-            f"Received: model of type {type(model).__name__}")
-    return list(zip(ours, theirs, strict=True))
+            f"({len(theirs)} vs {len(ours)}). {_APPLY}")
+    layers = [b for a, b in zip(ours, theirs, strict=True) if missed(a, b)]
+    if layers:
+        names = ", ".join(f"{type(layer).__name__} {layer.name!r}" for layer in layers[:4])
+        raise _refused(model,
+            f"{what} could not be applied from the config of this {type(model).__name__} to "
+            f"{len(layers)} layer(s) ({names}): its config builds them from arguments it does "
+            f"not record per layer. {_APPLY}")
 
 
-def _refuse_layers(what: str, layers: list[Any], model: Any) -> ValueError:
-    names = ", ".join(f"{type(layer).__name__} {layer.name!r}" for layer in layers[:4])
-    return ValueError(
-        f"{what} could not be applied from the config of this {type(model).__name__} to "
-        f"{len(layers)} layer(s) ({names}): its config builds them from arguments it does not "
-        f"record per layer. Apply the change to the model and plan it. Received: model of "
-        f"type {type(model).__name__}")
+def _refused(model: Any, reason: str) -> ValueError:
+    return ValueError(f"{reason} Received: model of type {type(model).__name__}")
 
 
 def _int8_convertible(layer: Any) -> bool:
@@ -409,28 +403,6 @@ def _int8_convertible(layer: Any) -> bool:
 
     return type(layer).__name__ in INT8_LAYERS and type(layer) is getattr(
         keras.layers, type(layer).__name__, None)
-
-
-def _check_quantized(model: Any, clone: Any) -> None:
-    missed = [b for a, b in _paired_layers(model, clone)
-              if _int8_convertible(a) and b.quantization_mode != "int8"]
-    if missed:
-        raise _refuse_layers("int8 weights", missed, model)
-
-
-def _check_dtype(model: Any, clone: Any, dtype: str) -> None:
-    missed = [b for a, b in _paired_layers(model, clone)
-              if a.weights and _variable_dtype(a) == "float32"
-              and _variable_dtype(b) != dtype]
-    if missed:
-        raise _refuse_layers(f"dtype={dtype!r}", missed, model)
-
-
-def _check_ranks(model: Any, clone: Any, rank: int) -> None:
-    missed = [b for a, b in _paired_layers(model, clone)
-              if getattr(a, "lora_enabled", False) and getattr(b, "lora_rank", None) != rank]
-    if missed:
-        raise _refuse_layers(f"lora_rank={rank}", missed, model)
 
 
 def _enable_lora(clone: Any, rank: int) -> None:

@@ -72,8 +72,6 @@ from ._keras_step import (
     validate_batch_stats,
 )
 
-PyTree = Any
-
 
 class KerasState(StateHooks):
     """A Keras model's variables as the step's ``(state, frozen)``.
@@ -508,7 +506,13 @@ class _KerasCallbacks(FitCallbacks):
         return "a callback set model.stop_training" if self.model.stop_training else None
 
     def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
-        return _epoch_logs(self.model, tally.logs, any_finite=tally.finite_steps > 0)
+        """The epoch's logs from the metric variables, as ``model.fit`` makes them; when every
+        step was skipped, the last step's logs (``nan`` where ``model.fit`` shows ``nan``)."""
+        if not tally.logs:
+            return {}
+        if tally.finite_steps <= 0:
+            return pythonify_logs(dict(tally.logs))
+        return pythonify_logs(metrics_result_or_logs(self.model, tally.logs))
 
     def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
         self.list.on_epoch_end(epoch, logs)
@@ -517,17 +521,6 @@ class _KerasCallbacks(FitCallbacks):
         if self.hooks.epochs > 0:
             self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
         self.list.on_train_end(logs=logs)
-
-
-def _epoch_logs(model: Any, logs: dict[str, float], *, any_finite: bool = True
-                ) -> dict[str, float]:
-    """The epoch's logs from the metric variables, as ``model.fit`` makes them; when every step
-    was skipped, the last step's logs (``nan`` where ``model.fit`` shows ``nan``)."""
-    if not logs:
-        return {}
-    if not any_finite:
-        return pythonify_logs(dict(logs))
-    return pythonify_logs(metrics_result_or_logs(model, logs))
 
 
 def _validation(model: Any, source: KerasData, validation_data: Any,

@@ -11,7 +11,7 @@ Keras reduces each compiled loss term ``values`` (per element) as:
 
 So per micro-batch ``j`` a term is ``S_j / d_j``, and the big-batch value is
 ``sum_j S_j / sum_j d_j``: the micro-batch loss is returned as ``(d_j * value_j, d_j)``, with
-``value_j`` and ``d_j`` read as Keras computes them (:class:`LossRecorder`). A static ``d_j``
+``value_j`` and ``d_j`` read as Keras computes them (:func:`recorded_loss_terms`). A static ``d_j``
 (no mask, "sum_over_batch_size") is proportional to the micro-batch's size, so micro-batches
 of different sizes (13 = 5 + 5 + 3) weigh exactly as their examples do. A "sum" term is not
 divided: each micro-batch adds its own sum.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -67,30 +67,22 @@ class LossTerm:
     """The term's ``loss_weights`` entry."""
 
 
-@dataclass
-class LossRecorder:
-    """Swaps the model's compiled loss terms for recording twins while a step is traced."""
-
-    model: Any
-    terms: list[LossTerm] = field(default_factory=list)
-
-    @contextmanager
-    def recording(self) -> Iterator[list[LossTerm]]:
-        """Within the block every compiled loss term appends a :class:`LossTerm`."""
-        compile_loss = compiled_loss(self.model)
-        flat = flat_losses(compile_loss)
-        self.terms = []
-        if not flat:
-            yield self.terms
-            return
-        set_flat_losses(compile_loss, [
-            with_loss(entry, _Recording(entry.loss, entry.loss_weights, self.terms))
-            for entry in flat
-        ])
-        try:
-            yield self.terms
-        finally:
-            set_flat_losses(compile_loss, flat)
+@contextmanager
+def recorded_loss_terms(model: Any) -> Iterator[list[LossTerm]]:
+    """Within the block the model's compiled loss terms are recording twins: each appends a
+    :class:`LossTerm` to the list yielded."""
+    compile_loss = compiled_loss(model)
+    flat = flat_losses(compile_loss)
+    terms: list[LossTerm] = []
+    if not flat:
+        yield terms
+        return
+    set_flat_losses(compile_loss, [
+        with_loss(entry, _Recording(entry.loss, entry.loss_weights, terms)) for entry in flat])
+    try:
+        yield terms
+    finally:
+        set_flat_losses(compile_loss, flat)
 
 
 @contextmanager

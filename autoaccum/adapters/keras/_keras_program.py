@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -28,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
 from ...devices._extras import require_extra
 from ...planning._option_checks import received
 from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout
-from ...planning._train_program import StepMetrics, TrainProgram
+from ...planning._train_program import TrainProgram
 from ...training._snapshot import validate_backup
 from ...training._training_options import REFUSED_FIT_OPTIONS
 from ._internals import (
@@ -56,6 +56,7 @@ from ._keras_step import (
     planning_optimizer,
     strategy_shardings,
     symbolic_build,
+    variable_specs,
 )
 
 FIT_OPTIONS = (
@@ -264,29 +265,19 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
 
     # The step that training runs (logs and all): the figures are that step's, and the fit
     # runs the probe the plan compiled (planning/_cache.py) instead of compiling it again.
-    def step_for(mesh: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
-        return keras_train_step(model, layout, mesh=mesh, optimizer=optimizer,
-                                lr_scaling=lr_scaling, batch_stats=batch_stats)
-
-    def placed_step(placement: Any) -> Callable[..., tuple[PyTree, StepMetrics]]:
-        return keras_train_step(model, layout, optimizer=optimizer, lr_scaling=lr_scaling,
-                                batch_stats=batch_stats, placement=placement)
+    step = functools.partial(keras_train_step, model, layout, optimizer=optimizer,
+                             lr_scaling=lr_scaling, batch_stats=batch_stats)
 
     def sharded_step(strategy: StateLayout) -> tuple[Callable[..., Any], PyTree]:
-        step = keras_train_step(model, layout, mesh=strategy.mesh, optimizer=optimizer,
-                                lr_scaling=lr_scaling, batch_stats=batch_stats,
-                                strategy_layout=strategy)
-        return step, strategy_shardings(strategy, (trainable, mutable, optimizer_spec,
-                                                   metrics))
+        return (step(mesh=strategy.mesh, strategy_layout=strategy),
+                strategy_shardings(strategy, (trainable, mutable, optimizer_spec, metrics)))
 
-    spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
-    non_trainable = spec(model.non_trainable_variables)
-    mutable, frozen = layout.split(non_trainable)
-    trainable = spec(model.trainable_variables)
-    optimizer_spec = spec(optimizer.variables)
-    metrics = spec(model.metrics_variables)
+    mutable, frozen = layout.split(variable_specs(model.non_trainable_variables))
+    trainable = variable_specs(model.trainable_variables)
+    optimizer_spec = variable_specs(optimizer.variables)
+    metrics = variable_specs(model.metrics_variables)
     program = TrainProgram(
-        step=step_for(None),
+        step=step(),
         abstract_state=(trainable, mutable, optimizer_spec, metrics),
         example_spec=example_spec,
         parts={
@@ -300,9 +291,9 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         frozen_args=(frozen,),
         lowering_context=keras_lowering_scope,
         description=f"keras {type(model).__name__} {model.name!r}",
-        data_parallel_step=step_for,
+        data_parallel_step=lambda mesh: step(mesh=mesh),
         sharded_step=sharded_step,
-        placed_step=placed_step,
+        placed_step=lambda placement: step(placement=placement),
         loop_relowers=True,  # the fit's StepRunner lowers this same step: it runs the kept probe
     )
     return program.on_mesh(mesh, strategy)
@@ -335,15 +326,9 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
 def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
     """Builds the model, compiled loss and metrics symbolically (nothing allocated) on
     ``batch_size`` examples, so Keras's shape errors show the user's batch; not the optimizer."""
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
-                         example_spec)
-    try:
+    batch = _batch_spec(example_spec, batch_size)
+    with _untraceable_named(model):
         symbolic_build(model, batch)
-    except Exception as error:
-        flagged = layers_without_jit(model)
-        if flagged and _is_trace_failure(error):
-            raise _not_traceable(model, flagged, error) from error
-        raise
 
 
 def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
@@ -352,7 +337,6 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
     which Keras's data errors then name) to see which non-trainable variables the step writes;
     a flagged layer (``layers_without_jit``) whose step does not trace is named."""
     count = len(model.non_trainable_variables)
-    flagged = layers_without_jit(model)
     import keras
 
     def probe(trainable, non_trainable, metrics_vars, optimizer_vars, batch):
@@ -364,18 +348,12 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
         return list(aux[2])
 
     optimizer = model.optimizer if optimizer is None else optimizer
-    spec = lambda variables: [_spec(v) for v in variables]  # noqa: E731
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
-                         example_spec)
-    args = (spec(model.trainable_variables), spec(model.non_trainable_variables),
-            spec(model.metrics_variables), spec(optimizer.variables), batch)
-    with keras_lowering_scope(), optimizer_in_use(model, optimizer):
-        try:
-            closed = jax.make_jaxpr(probe)(*args)
-        except Exception as error:
-            if flagged and _is_trace_failure(error):
-                raise _not_traceable(model, flagged, error) from error
-            raise
+    args = (variable_specs(model.trainable_variables),
+            variable_specs(model.non_trainable_variables),
+            variable_specs(model.metrics_variables), variable_specs(optimizer.variables),
+            _batch_spec(example_spec, batch_size))
+    with keras_lowering_scope(), optimizer_in_use(model, optimizer), _untraceable_named(model):
+        closed = jax.make_jaxpr(probe)(*args)
     offset = len(model.trainable_variables)
     invars = closed.jaxpr.invars[offset:offset + count]
     outvars = closed.jaxpr.outvars
@@ -384,8 +362,22 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
     return KerasLayout(mutable, frozen)
 
 
-def _spec(variable: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(variable.shape), np.dtype(variable.dtype))
+def _batch_spec(example_spec: PyTree, batch_size: int) -> PyTree:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
+                        example_spec)
+
+
+@contextlib.contextmanager
+def _untraceable_named(model: Any) -> Iterator[None]:
+    """A failure to trace inside the block, with layers Keras flags (``layers_without_jit``),
+    raised as a ``ValueError`` naming them."""
+    try:
+        yield
+    except Exception as error:
+        flagged = layers_without_jit(model)
+        if flagged and _is_trace_failure(error):
+            raise _not_traceable(model, flagged, error) from error
+        raise
 
 
 def _is_trace_failure(error: BaseException) -> bool:

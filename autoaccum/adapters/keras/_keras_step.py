@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ...devices._mesh import Placement
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
@@ -41,7 +42,7 @@ from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
 from ...training._accumulate import BATCH_STATS_MODES, mean_gradients, split_until_gathered
 from ...training._data_parallel import step_accumulation
-from ...training._nonfinite import keep_if_finite, update_if_finite
+from ...training._nonfinite import keep_if_finite, step_is_finite, update_if_finite
 from ._internals import (
     backend_namespace,
     batch_norm_moments,
@@ -64,9 +65,9 @@ from ._internals import (
 )
 from ._keras_learning_rate import scaled_learning_rate
 from ._keras_loss import (
-    LossRecorder,
     TermMetrics,
     accumulation_weights,
+    recorded_loss_terms,
     requiring_a_loss,
     warn_inexact_once,
 )
@@ -137,10 +138,8 @@ class BatchStats:
 
     def zeros(self) -> tuple:
         """Empty accumulators: per layer ``(count, mean, m2)``, per channel, float32."""
-        def zero(norm: _Norm) -> tuple:
-            shape = tuple(norm.layer.moving_mean.shape)
-            return (jnp.zeros(shape, jnp.float32),) * 3
-        return tuple(zero(n) for n in self.norms)
+        return tuple((jnp.zeros(tuple(n.layer.moving_mean.shape), jnp.float32),) * 3
+                     for n in self.norms)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[list[list[tuple]]]:
@@ -260,6 +259,11 @@ def keras_lowering_scope() -> Iterator[None]:
         set_uninitialized_variables([v for v in pending if id(v) in before])
 
 
+def variable_specs(variables: Any) -> list[jax.ShapeDtypeStruct]:
+    """A ``jax.ShapeDtypeStruct`` per Keras variable (its value never read)."""
+    return [jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for v in variables]
+
+
 def symbolic_build(model: Any, data_batch: Any) -> None:
     """Keras's symbolic build of model, compiled loss and metrics; the optimizer left unbuilt."""
     optimizer = getattr(model, "optimizer", None)
@@ -291,8 +295,6 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
       >>> all(variable_buffer(v) is None for v in optimizer.variables[2:])  # slots: no buffer
       True
     """
-    import numpy as np
-
     backend = keras_backend()
     module = optimizer_backend_module(optimizer)
     if module is None:
@@ -329,9 +331,7 @@ def planning_optimizer(model: Any) -> Any:
         clone = type(optimizer).from_config(optimizer.get_config())
     except Exception:  # a config that does not round-trip (a callable rate): build the real one
         clone = optimizer
-    with keras_lowering_scope(), concrete_values_deferred(clone):
-        clone.build(model.trainable_variables)
-    return clone
+    return built_for_planning(clone, model)
 
 
 def built_for_planning(optimizer: Any, model: Any) -> Any:
@@ -389,7 +389,6 @@ class _Micro:
         self.model = model
         self.layout = layout
         self.training = training
-        self.recorder = LossRecorder(model)
         self.terms = TermMetrics(model)
         refs = [model.non_trainable_variables[i] for i in layout.mutable]
         self.stats = BatchStats(model, refs, batch_stats if training else "micro")
@@ -408,7 +407,7 @@ class _Micro:
         mutable, metrics_vars, unscaled_sum, term_acc, stats_acc = carry
         local_micro = int(jax.tree.leaves(batch)[0].shape[0])
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        with self.recorder.recording() as terms, self.stats.capturing() as moments, \
+        with recorded_loss_terms(model) as terms, self.stats.capturing() as moments, \
                 requiring_a_loss(model):
             _, aux = model.compute_loss_and_updates(
                 params, layout.merge(mutable, frozen), metrics_vars, x, y, sample_weight,
@@ -429,36 +428,33 @@ class _Micro:
             examples=local_micro)
         # As Keras passes y_pred: test_step with its Keras mask (a padded sequence's metrics
         # count valid tokens); the JAX train_step's leaves the differentiated function without.
-        new_metrics = _update_compiled_metrics(
-            model, new_metrics, x, y,
-            jax.lax.stop_gradient(y_pred) if self.training else y_pred, sample_weight
-        )
+        if self.training:
+            y_pred = jax.lax.stop_gradient(y_pred)
+        new_metrics, _ = _on_metric_values(
+            model, new_metrics, lambda: model.compute_metrics(x, y, y_pred, sample_weight))
         new_mutable, _ = layout.split(list(non_trainable))
         stats_acc, new_mutable = self.stats.accumulate(stats_acc, moments, mutable, new_mutable)
         carry = (new_mutable, new_metrics, unscaled_sum + jax.lax.stop_gradient(loss_sum),
                  term_acc, stats_acc)
         return (loss_sum, count), carry
 
-    def loss(self, accumulated: Any, term_acc: tuple, examples: int) -> Any:
-        """The big batch's loss: the accumulated one, or, when not exact, the per-term sums'."""
-        if self.exact or not self.terms.mapped:
-            return accumulated
-        return self.terms.total(term_acc, examples)
-
-    def finish(self, metrics_vars: list, loss: Any, batch_size: int, term_acc: tuple
-               ) -> tuple[list, dict]:
-        """The loss tracker and per-term metrics updated once, as for Keras's big batch."""
-        import keras
-
+    def finish(self, metrics_vars: list, unscaled_sum: Any, count: Any, term_acc: tuple,
+               batch_size: int) -> tuple[Any, list, dict]:
+        """``(loss, metric values, logs)`` of the big batch: the accumulated loss (when not
+        exact, the per-term sums'), the loss tracker and per-term metrics updated once."""
         model = self.model
-        mapping = list(zip(model.metrics_variables, metrics_vars, strict=True))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        loss = unscaled_sum / jnp.maximum(count, 1.0)
+        if not self.exact and self.terms.mapped:
+            loss = self.terms.total(term_acc, batch_size)
+
+        def update() -> dict:
             tracker = loss_tracker(model)
             if tracker is not None:
                 tracker.update_state(loss, sample_weight=batch_size)
             self.terms.update(term_acc, batch_size)
-            logs = model.get_metrics_result()
-        return _collect(scope, model.metrics_variables, metrics_vars), logs
+            return model.get_metrics_result()
+
+        return loss, *_on_metric_values(model, metrics_vars, update)
 
     def carry_reduce(self, initial: tuple, local: tuple, axis_name: str) -> tuple:
         """Across devices: metric and loss sums added, batch statistics merged."""
@@ -516,12 +512,12 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         new_mutable, new_metrics, unscaled_sum, term_acc, stats_acc = acc.carry
         new_mutable = micro.stats.apply(stats_acc, new_mutable)
         grads = mean_gradients(acc, trainable)
-        loss = micro.loss(unscaled_sum / jnp.maximum(acc.count, 1.0), term_acc, examples)
-        new_metrics, logs = micro.finish(new_metrics, loss, examples, term_acc)
+        loss, new_metrics, logs = micro.finish(new_metrics, unscaled_sum, acc.count, term_acc,
+                                               examples)
         unscale = 1.0 if scale is None else 1.0 / scale
         grad_sq = jnp.asarray(sum(jnp.sum(jnp.square(g.astype(jnp.float32) * unscale))
                                   for g in jax.tree.leaves(grads)), jnp.float32)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_sq)
+        finite = step_is_finite(loss, grad_sq)
 
         def apply(old: tuple, grad_sum: Any) -> tuple:
             params, opt_vars = old
@@ -604,9 +600,8 @@ def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
             batches = batches.full
         carry, counts = jax.lax.scan(body, carry, batches)
         new_mutable, new_metrics, unscaled_sum, term_acc, _ = carry
-        loss = micro.loss(unscaled_sum / jnp.maximum(count + jnp.sum(counts), 1.0), term_acc,
-                          examples)
-        new_metrics, logs = micro.finish(new_metrics, loss, examples, term_acc)
+        _, new_metrics, logs = micro.finish(new_metrics, unscaled_sum, count + jnp.sum(counts),
+                                            term_acc, examples)
         return (new_mutable, new_metrics), logs
 
     return step
@@ -639,20 +634,15 @@ def _loss_scale(optimizer: Any, optimizer_vars: list) -> Any:
     return None
 
 
-def _update_compiled_metrics(model: Any, metrics_vars: list, x: Any, y: Any, y_pred: Any,
-                             sample_weight: Any) -> list:
-    """``model.compute_metrics`` on one micro-batch, statelessly (loss tracker untouched)."""
+def _on_metric_values(model: Any, metrics_vars: list, update: Callable[[], Any]
+                      ) -> tuple[list, Any]:
+    """``(new metric values, update())``: ``update`` run in a stateless scope where the
+    model's metrics hold ``metrics_vars``."""
     import keras
 
-    mapping = list(zip(model.metrics_variables, metrics_vars, strict=True))
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        model.compute_metrics(x, y, y_pred, sample_weight)
-    return _collect(scope, model.metrics_variables, metrics_vars)
-
-
-def _collect(scope: Any, refs: list, old: list) -> list:
-    new = []
-    for ref, value in zip(refs, old, strict=True):
-        current = scope.get_current_value(ref)
-        new.append(value if current is None else current)
-    return new
+    refs = model.metrics_variables
+    with keras.StatelessScope(state_mapping=list(zip(refs, metrics_vars, strict=True))) as scope:
+        result = update()
+    new = [scope.get_current_value(ref) for ref in refs]
+    return [old if value is None else value
+            for old, value in zip(metrics_vars, new, strict=True)], result

@@ -64,7 +64,7 @@ from .._internals import (
     set_uninitialized_variables,
     uninitialized_variables,
 )
-from .._keras_step import concrete_values_deferred
+from .._keras_step import concrete_values_deferred, variable_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +293,6 @@ QUANTIZABLE = ("Dense", "EinsumDense")
 def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str) -> Any:
     """A ``DTypePolicyMap``: ``int8_from_<dtype>`` for every dense projection inside the
     backbone's blocks (found by building it once, abstractly), ``dtype`` elsewhere."""
-    import re
-
     import keras
     from keras.dtype_policies import DTypePolicyMap
 
@@ -325,17 +323,12 @@ def abstract_state(model: Any) -> AbstractState:
     >>> sum(s.size for s in state.trainable)
     999885952
     """
-    import jax
-
-    def structs(variables: Any) -> list[Any]:
-        return [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in variables]
-
     optimizer = getattr(model, "optimizer", None)
     return AbstractState(
-        trainable=structs(model.trainable_variables),
-        non_trainable=structs(model.non_trainable_variables),
-        optimizer=structs(optimizer.variables if optimizer is not None else []),
-        metrics=structs(model.metrics_variables),
+        trainable=variable_specs(model.trainable_variables),
+        non_trainable=variable_specs(model.non_trainable_variables),
+        optimizer=variable_specs(optimizer.variables if optimizer is not None else []),
+        metrics=variable_specs(model.metrics_variables),
     )
 
 
