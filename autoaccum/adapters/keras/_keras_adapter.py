@@ -21,6 +21,7 @@ from ...planning._backoff import RealStepRunner
 from ...planning._option_checks import received
 from ...planning._plan import Plan
 from ...planning._plan_options import ProgramOptions
+from ...training._accumulate import validate_batch_stats
 from ...training._user_step import UserLoopStep
 from ._distribution import keras_auto_mesh, keras_placement, keras_strategy_layout, placed_program
 from ._internals import set_jax_state
@@ -43,7 +44,6 @@ from ._keras_step import (
     built_for_planning,
     materialize,
     planning_optimizer,
-    validate_batch_stats,
 )
 
 

@@ -39,6 +39,7 @@ from ...planning._strategies import (
     validate_partitioner,
     validate_strategy,
 )
+from ...training._accumulate import validate_batch_stats
 from ...training._epoch_batches import num_examples
 from ...training._fit_loop import EpochTally, FitCallbacks, FitHooks, FitLoop, run_fit_loop
 from ...training._fit_loop import Validator as EvalLoop
@@ -69,7 +70,6 @@ from ._keras_step import (
     keras_train_step,
     materialize,
     strategy_shardings,
-    validate_batch_stats,
 )
 
 

@@ -40,7 +40,11 @@ from ...devices._mesh import Placement
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
-from ...training._accumulate import BATCH_STATS_MODES, mean_gradients, split_until_gathered
+from ...training._accumulate import (
+    mean_gradients,
+    split_until_gathered,
+    validate_batch_stats,
+)
 from ...training._data_parallel import step_accumulation
 from ...training._nonfinite import keep_if_finite, step_is_finite, update_if_finite
 from ._internals import (
@@ -89,22 +93,6 @@ def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
                 if registered is sink:
                     del CARRIED_SINKS[i]
                     break
-
-
-def validate_batch_stats(value: object) -> str:
-    """Returns ``value`` if it is ``"effective"`` or ``"micro"``, else a ``ValueError``.
-
-    Example:
-      >>> validate_batch_stats("micro")
-      'micro'
-    """
-    if value not in BATCH_STATS_MODES:
-        raise ValueError(
-            "batch_stats must be 'effective' (one moving-average update per optimizer step "
-            "with the effective batch's statistics) or 'micro' (one update per micro-batch). "
-            f"Received: batch_stats={value!r}"
-        )
-    return str(value)
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,8 @@ from ....devices._extras import require_extra
 from .._internals import (
     flatten_layers,
     in_stateless_scope,
-    set_uninitialized_variables,
-    uninitialized_variables,
 )
-from .._keras_step import concrete_values_deferred, variable_specs
+from .._keras_step import concrete_values_deferred, keras_lowering_scope, variable_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,10 +270,9 @@ def build_abstract_causal_lm(
 
     if quantize is not None and quantize != "int8":
         raise ValueError(f"quantize must be None or 'int8'. Received: quantize={quantize!r}")
-    pending_before = _pending_ids()
     if quantize is not None:
         kwargs["dtype"] = _quantized_policy(backbone_cls, kwargs, dtype)
-    with keras.StatelessScope(initialize_variables=False):
+    with keras_lowering_scope():
         backbone = backbone_cls(**kwargs)
         model = task_cls(backbone=backbone, preprocessor=None, compile=False)
         if lora_rank is not None:
@@ -283,7 +280,6 @@ def build_abstract_causal_lm(
         model.compile(optimizer=optimizer)
         with concrete_values_deferred(optimizer):
             optimizer.build(model.trainable_variables)
-    _forget_pending(keep=pending_before)
     return model
 
 
@@ -296,16 +292,14 @@ def _quantized_policy(backbone_cls: Any, kwargs: dict, dtype: str) -> Any:
     import keras
     from keras.dtype_policies import DTypePolicyMap
 
-    keep = _pending_ids()
     small = {**kwargs}
     if isinstance(small.get("num_layers"), int):  # the names repeat block after block
         small["num_layers"] = min(small["num_layers"], 2)
-    with keras.StatelessScope(initialize_variables=False):
+    with keras_lowering_scope():
         probe = backbone_cls(**small)
     paths = sorted({re.sub(r"\d+", r"\\d+", re.escape(layer.path))
                     for layer in flatten_layers(probe)
                     if type(layer).__name__ in QUANTIZABLE and "/" in layer.path})
-    _forget_pending(keep=keep)
     if not paths:
         raise ValueError(f"{backbone_cls.__name__} has no Dense/EinsumDense layer inside its "
                          "blocks to quantize. Received: quantize='int8'")
@@ -353,12 +347,3 @@ def abstract_token_batch(batch_size: int, sequence_length: int) -> dict[str, Any
     }
 
 
-def _pending_ids() -> set[int]:
-    return {id(v) for v in uninitialized_variables()}
-
-
-def _forget_pending(*, keep: set[int]) -> None:
-    """Drop the variables registered since ``keep`` from keras's to-initialize list."""
-    pending = uninitialized_variables()
-    if pending:
-        set_uninitialized_variables([v for v in pending if id(v) in keep])
