@@ -22,6 +22,7 @@ from ...planning._option_checks import received
 from ...planning._plan import Plan
 from ...planning._plan_options import ProgramOptions
 from ...training._accumulate import validate_batch_stats
+from ...training._epoch_batches import ReplayedStream
 from ...training._user_step import UserLoopStep
 from ._distribution import keras_auto_mesh, keras_placement, keras_strategy_layout, placed_program
 from ._internals import set_jax_state
@@ -223,9 +224,8 @@ class KerasAdapter(Adapter):
         del log  # Keras's own progress and callbacks report
 
         source = prepared.extras["data"]
-        read = sum(int(np.shape(jax.tree.leaves(p)[0])[0])
-                   for p in getattr(source, "_peeked", []))
-        if getattr(source, "_one_shot", False) and read:
+        read = source.held if isinstance(source, ReplayedStream) and source.one_shot else 0
+        if read:
             raise ValueError(
                 f"train_step planned from `data`, a one-shot iterator, and so read its first "
                 f"{read} examples, which your loop would then miss. Pass one batch of it as "

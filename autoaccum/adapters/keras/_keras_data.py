@@ -382,8 +382,6 @@ class StreamSource(ReplayedStream, KerasData):
         super().__init__(data, name=name)
         self._structure: Any = None
 
-    _one_shot = property(lambda self: self.one_shot)  # read by the adapter's train_step
-
     def _fresh(self, shuffle: bool) -> Iterator[tuple]:
         for packed in stream_batches(self.data, shuffle=shuffle, name=self.name):
             if self.preprocess is not None:
