@@ -97,8 +97,13 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
       >>> job.adapter.name, job.target.device, job.options.learning_rate.value
       ('flax', 't4', 0.1)
     """
-    if effective_batch is not None or plan is not None or needs_batch:
-        effective_batch = effective_batch_of(effective_batch, plan, where)
+    if effective_batch is None and plan is not None:
+        effective_batch = validate_plan_type(plan).effective_batch
+    elif effective_batch is None and needs_batch:
+        raise ValueError(
+            f"{where} needs effective_batch=: the number of examples per optimizer step, e.g. "
+            f"`{where}(model, data, effective_batch=8)` (or plan=autoaccum.plan(...), whose "
+            "effective batch it takes). Received: effective_batch=None")
     specs = resolve_specs(effective_batch=effective_batch, device=device, budget=budget,
                           target=target, search=search, learning_rate=learning_rate,
                           batch_optional=True)
@@ -112,28 +117,6 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
                                       learning_rate=specs.learning_rate,
                                       batch_stats=the_training.batch_stats),
                log=resolve_log(log))
-
-
-def effective_batch_of(effective_batch: Any, plan: Plan | None, where: str) -> Any:
-    """``effective_batch`` as given, or the given plan's when it is left out (``None``).
-
-    Example:
-      >>> effective_batch_of(8, None, "fit")
-      8
-      >>> try:
-      ...     effective_batch_of(None, None, "fit")
-      ... except ValueError as error:
-      ...     print(str(error)[-30:])
-      Received: effective_batch=None
-    """
-    if effective_batch is not None:
-        return effective_batch
-    if plan is None:
-        raise ValueError(
-            f"{where} needs effective_batch=: the number of examples per optimizer step, e.g. "
-            f"`{where}(model, data, effective_batch=8)` (or plan=autoaccum.plan(...), whose "
-            "effective batch it takes). Received: effective_batch=None")
-    return validate_plan_type(plan).effective_batch
 
 
 def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any]:
@@ -165,13 +148,12 @@ def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any
                       where=where)
 
 
-def drops(adapter: Any, drop_remainder: bool) -> bool:
-    """Whether leftover examples are dropped: asked for, or the adapter does not train them."""
-    return bool(drop_remainder) or not adapter.trains_leftovers
-
-
-def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
-    """``plan`` with the number of training examples and the leftover policy."""
+def with_examples(plan: Plan, prepared: Any, drop_remainder: bool) -> Plan:
+    """``plan`` with the number of training examples (a Flax model's data source, else the
+    prepared data) and the leftover policy (dropped when asked, or when the adapter does not
+    train leftovers)."""
+    data = prepared.extras.get("source", prepared.data)
+    drop_remainder = bool(drop_remainder) or not prepared.adapter.trains_leftovers
     examples = getattr(data, "num_examples", None)
     if not isinstance(examples, int):
         try:
@@ -181,11 +163,6 @@ def with_examples(plan: Plan, data: Any, drop_remainder: bool) -> Plan:
     if (plan.examples, plan.drop_remainder) == (examples, drop_remainder):
         return plan  # a plan passed in with plan= comes back as itself
     return dataclasses.replace(plan, examples=examples, drop_remainder=drop_remainder)
-
-
-def examples_of(prepared: Any) -> Any:
-    """What counts the training examples: a Flax model's data source, else the prepared data."""
-    return prepared.extras.get("source", prepared.data)
 
 
 @explains_keywords
@@ -289,8 +266,7 @@ def fit(
     adapter.validate_fit_options(framework_options)
     the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
     if "validation_split" not in framework_options:
-        the_plan = with_examples(the_plan, examples_of(prepared),
-                                 drops(adapter, the_training.drop_remainder))
+        the_plan = with_examples(the_plan, prepared, the_training.drop_remainder)
     if log is not None and verbose:
         print(the_plan.report() if plan is None else
               f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
@@ -403,10 +379,8 @@ def plan(
     except DoesNotFitError as error:
         if not advise:
             raise
-
         raise advise_job(job, original=error).error from None
-    return with_examples(plan_, examples_of(prepared),
-                         drops(prepared.adapter, job.training.drop_remainder))
+    return with_examples(plan_, prepared, job.training.drop_remainder)
 
 
 @explains_keywords
@@ -526,22 +500,20 @@ def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
         if not shapes and remat != "auto":
             singles += [{"remat": p} for p in adapter.remat_policies if p != remat]
         framework = list(adapter.advice_changes(model, options))
-        floor = error.resident.state_bytes if shapes else 0
+        floor, budget = error.resident.state_bytes if shapes else 0, error.budget_bytes or 0
         stages: list[Stage] = [lambda found, failed: singles + framework]
         if framework and adapter.has_remat_layers(model, search.remat_layers):
             stages.append(_with_remat(adapter.remat_policies[-1]))
-        platform = device_platform(device)
-        if is_deviceless(device) and platform == "tpu":  # the same TPU chip, more of them
-            stages.append(first_fit_stage(more_chips(
-                device, effective_batch=effective_batch, floor_bytes=floor,
-                budget_bytes=error.budget_bytes or 0)))
-        elif is_deviceless(device):  # the same GPU, more of them
-            stages.append(first_fit_stage(more_devices(
-                devices or 1, effective_batch=effective_batch, floor_bytes=floor,
-                budget_bytes=error.budget_bytes or 0)))
+        tpu = device_platform(device) == "tpu"
+        if is_deviceless(device):  # the same TPU chip or GPU, more of them
+            more = (more_chips(device, effective_batch=effective_batch, floor_bytes=floor,
+                               budget_bytes=budget) if tpu else
+                    more_devices(devices or 1, effective_batch=effective_batch,
+                                 floor_bytes=floor, budget_bytes=budget))
+            stages.append(first_fit_stage(more))
         stages.append(first_fit_stage(larger_devices(
-            error.budget_bytes or 0, floor, memory_fraction=target.memory_fraction,
-            platform="tpu" if platform == "tpu" else "gpu")))
+            budget, floor, memory_fraction=target.memory_fraction,
+            platform="tpu" if tpu else "gpu")))
         return stages
 
     return run_advisor(plan_with, stages_for, log=log, original=original,

@@ -64,21 +64,6 @@ def import_error_message(error: ImportError, what: str) -> str:
     return f"{what} needs {module}, which is not installed: pip install 'autoaccum[{extra}]'"
 
 
-def report_does_not_fit(error: Any, *, json_mode: bool) -> int:
-    """A ``DoesNotFitError`` on stderr, or with ``--json`` its JSON form; exit 2.
-
-    Example:
-      >>> from autoaccum.planning import DoesNotFitError
-      >>> report_does_not_fit(DoesNotFitError("no room", budget_bytes=1), json_mode=False)
-      2
-    """
-    if json_mode:
-        print(json.dumps({**error.to_dict(), "exit_code": 2}, indent=2, default=str),
-              flush=True)
-        return 2
-    return report_error(str(error), code=2, json_mode=False)
-
-
 def report_error(message: str, *, code: int, json_mode: bool) -> int:
     """Prints the error where the mode says and returns ``code``.
 
@@ -92,13 +77,6 @@ def report_error(message: str, *, code: int, json_mode: bool) -> int:
     else:
         print(f"autoaccum: error: {message}", file=sys.stderr, flush=True)
     return code
-
-
-def _plan_parameters() -> set[str]:
-    from .._front_door import plan
-
-    return {name for name, p in inspect.signature(plan).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def load_model_function(spec: str) -> dict[str, Any]:
@@ -148,7 +126,11 @@ def load_model_function(spec: str) -> dict[str, Any]:
             f"{type(built).__name__}" + (f" with keys {sorted(built)}" if isinstance(built, dict)
                                          else "")
         )
-    unknown = sorted(set(built) - {"model", "data"} - _plan_parameters())
+    from .._front_door import plan
+
+    unknown = sorted(set(built) - {"model", "data"} - {
+        name for name, p in inspect.signature(plan).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY})
     if unknown:
         from ..training._training_options import where_option_lives
 
@@ -173,29 +155,19 @@ def _builder_failure(spec: str, function_name: str, error: Exception) -> str:
             f"python -c 'import {module}; {module}.{function_name}()'")
 
 
-_FLAGS: dict[tuple[str, str], tuple[str, str]] = {
-    ("target", "device"): ("--device", "device"),
-    ("target", "budget"): ("--budget", "budget"),
-    ("target", "memory_fraction"): ("--memory-fraction", "memory_fraction"),
-    ("target", "devices"): ("--devices", "devices"),
-    ("target", "hosts"): ("--hosts", "hosts"),
-    ("target", "strategy"): ("--strategy", "strategy"),
-    ("target", "data_parallel"): ("--data-parallel", "data_parallel"),
-    ("search", "remat"): ("--remat", "remat"),
-    ("search", "objective"): ("--objective", "objective"),
-    ("search", "method"): ("--method", "method"),
-    ("search", "uneven"): ("--no-uneven", "no_uneven"),
-    ("search", "cache"): ("--no-cache", "no_cache"),
-    ("learning_rate", "value"): ("--base-lr", "base_lr"),
-    ("learning_rate", "base_batch"): ("--base-batch", "base_batch"),
-    ("learning_rate", "rule"): ("--lr-rule", "lr_rule"),
-    ("learning_rate", "adjust_adam"): ("--adjust-adam", "adjust_adam"),
-    ("training", "batch_stats"): ("--batch-stats", "batch_stats"),
-    ("training", "drop_remainder"): ("--drop-remainder", "drop_remainder"),
+_FLAGS: dict[tuple[str, str], str] = {
+    **{("target", field): "--" + field.replace("_", "-") for field in (
+        "device", "budget", "memory_fraction", "devices", "hosts", "strategy", "data_parallel")},
+    **{("search", field): f"--{field}" for field in ("remat", "objective", "method")},
+    ("search", "uneven"): "--no-uneven", ("search", "cache"): "--no-cache",
+    ("learning_rate", "value"): "--base-lr", ("learning_rate", "base_batch"): "--base-batch",
+    ("learning_rate", "rule"): "--lr-rule", ("learning_rate", "adjust_adam"): "--adjust-adam",
+    ("training", "batch_stats"): "--batch-stats",
+    ("training", "drop_remainder"): "--drop-remainder",
 }
-"""``(argument, field) -> (flag, parsed attribute)``."""
+"""``(argument, field) -> flag`` (parsed as the flag's name with underscores)."""
 
-_SPELLINGS = {**{field: flag for (_, field), (flag, _) in _FLAGS.items()
+_SPELLINGS = {**{field: flag for (_, field), flag in _FLAGS.items()
                  if field not in ("value", "uneven", "cache")},
               "effective_batch": "--effective-batch", "lr_rule": "--lr-rule"}
 """Python keywords that error messages name -> the flag that sets each."""
@@ -203,7 +175,8 @@ _SPELLINGS = {**{field: flag for (_, field), (flag, _) in _FLAGS.items()
 _PLAIN = {("target", "device"), ("target", "budget")}
 """Spec fields the entry points also take as plain keywords."""
 
-_SWITCHES = {"no_uneven": False, "no_cache": False, "adjust_adam": True, "drop_remainder": True}
+_SWITCHES = {"--no-uneven": False, "--no-cache": False, "--adjust-adam": True,
+             "--drop-remainder": True}
 """Flags without a value: the field's value when the flag is given."""
 
 
@@ -219,13 +192,13 @@ def flag_values(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
 ('learning_rate', 'base_batch'): 1}
     """
     out: dict[tuple[str, str], Any] = {}
-    for key, (_, attribute) in _FLAGS.items():
-        value = getattr(args, attribute, None)
-        if attribute in _SWITCHES:
+    for key, flag in _FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if flag in _SWITCHES:
             if value:
-                out[key] = _SWITCHES[attribute]
+                out[key] = _SWITCHES[flag]
         elif value is not None:
-            out[key] = _data_parallel(value) if attribute == "data_parallel" else value
+            out[key] = _data_parallel(value) if flag == "--data-parallel" else value
     return out
 
 
@@ -258,7 +231,7 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
              "learning_rate": specs.learning_rate}
     changed: dict[str, dict[str, Any]] = {}
     for (argument, field), value in flag_values(args).items():
-        flag, attribute = _FLAGS[(argument, field)]
+        flag = _FLAGS[(argument, field)]
         if argument not in arguments:
             raise CliError(f"{flag} does not apply here: this command takes no {argument}. "
                            "Drop it.", 2)
@@ -266,7 +239,7 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
         mine = getattr(spec, field)
         default = next(f.default for f in dataclasses.fields(spec) if f.name == field)
         if mine != default and not _same(mine, value):
-            shown = "" if attribute in _SWITCHES else f" {_shown(value)}"
+            shown = "" if flag in _SWITCHES else f" {_shown(value)}"
             named = field if (argument, field) in _PLAIN else f"{argument}.{field}"
             print(f"autoaccum: {flag}{shown} given on the command line wins over "
                   f"{named}={_shown(mine)} from the --model builder",

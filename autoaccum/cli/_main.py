@@ -21,7 +21,6 @@ from ._builder import (
     import_error_message,
     load_model_function,
     merge_flags,
-    report_does_not_fit,
     report_error,
     spec_kwargs,
     with_flag_spellings,
@@ -51,10 +50,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
                   flush=True)
         print(advice.report(), flush=True)
     return 0 if advice.fits else 2
-
-
-PRESET_SPECS = ("target", "search", "learning_rate")
-"""The specs ``plan_preset`` and ``advise_preset`` take (no ``training``)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,7 +114,7 @@ def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
             return (advise_preset if advise else plan_preset)(
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
                 sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
-                log=log, **spec_kwargs(args, arguments=PRESET_SPECS),
+                log=log, **spec_kwargs(args, arguments=("target", "search", "learning_rate")),
             )
         except ImportError as error:
             raise CliError(import_error_message(error, f"--preset {args.preset}"), 1) from error
@@ -390,9 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # DoesNotFitError included: bad input or no fit, explained
         from ..planning import DoesNotFitError
 
-        if isinstance(error, DoesNotFitError):
-            return report_does_not_fit(error, json_mode=json_mode)
-        return report_error(with_flag_spellings(str(error)), code=2, json_mode=json_mode)
+        if not isinstance(error, DoesNotFitError):
+            return report_error(with_flag_spellings(str(error)), code=2, json_mode=json_mode)
+        if not json_mode:
+            return report_error(str(error), code=2, json_mode=False)
+        print(json.dumps({**error.to_dict(), "exit_code": 2}, indent=2, default=str), flush=True)
+        return 2
     except ImportError as error:
         return report_error(import_error_message(error, "autoaccum"), code=1,
                             json_mode=json_mode)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import io
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -34,20 +35,17 @@ def plan_repr(plan: Plan) -> str:
             f"remat={plan.remat!r}, target={where!r})")
 
 
-def _need_label(plan: Plan) -> str:
-    if not plan.probes:
-        return ""
-    if all(p.kind == "real step" for p in plan.probes):
-        return " [compiled without donation; the step ran on the device]"
-    return " [compile-only estimate]"
-
-
 def _summary(plan: Plan) -> list[tuple[str, str]]:
     b = plan.budget
     need_text, budget_text = format_bytes_pair(plan.need_bytes, plan.budget_bytes)
+    label = ("" if not plan.probes else
+             " [compiled without donation; the step ran on the device]"
+             if all(p.kind == "real step" for p in plan.probes) else " [compile-only estimate]")
     need = (f"{need_text} of {budget_text} "
-            f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){_need_label(plan)}"
-            + floor_text(plan.need_bytes, plan.floor_bytes))
+            f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){label}")
+    if plan.floor_bytes:
+        need += (f"; floor {format_bytes(plan.floor_bytes)} "
+                 f"(need {plan.need_bytes / plan.floor_bytes:.2f}x it)")
     replicas = f"{plan.data_parallel} device(s)"
     if plan.devices > plan.data_parallel:  # a kept layout: each micro-batch over a group
         replicas = (f"{plan.data_parallel} group(s) of {plan.devices // plan.data_parallel} "
@@ -71,18 +69,6 @@ def _summary(plan: Plan) -> list[tuple[str, str]]:
                         f"{plan.compiles.wall_seconds:.1f} s")]
           if plan.compiles is not None else []),
     ]
-
-
-def floor_text(need: int, floor: int) -> str:
-    """The floor beside a need, or ``""`` when it is not known.
-
-    Example:
-      >>> floor_text(150, 100)
-      '; floor 100 B (need 1.50x it)'
-    """
-    if not floor:
-        return ""
-    return f"; floor {format_bytes(floor)} (need {need / floor:.2f}x it)"
 
 
 _STRATEGY_TEXT = {
@@ -259,13 +245,7 @@ def print_table(head: Sequence[str], rows: Sequence[Sequence[str]], *, title: st
       t4       15.0 GiB
     """
     file = sys.stdout if file is None else file
-    if not (rich and _rich_print(head, rows, file, title=title,
-                                 width=max(100, _terminal_width(file)))):
-        print("\n".join([*([title] if title else []), *_plain_lines(head, rows)]), file=file)
-
-
-def _terminal_width(file: TextIO) -> int:
-    import shutil
-
-    return shutil.get_terminal_size((120, 24)).columns if getattr(file, "isatty", None) \
+    width = shutil.get_terminal_size((120, 24)).columns if getattr(file, "isatty", None) \
         and file.isatty() else 160
+    if not (rich and _rich_print(head, rows, file, title=title, width=max(100, width))):
+        print("\n".join([*([title] if title else []), *_plain_lines(head, rows)]), file=file)

@@ -79,18 +79,18 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
 
     from ..planning import limiting_factor
 
-    probes = sorted(plan.probes, key=lambda p: (p.remat, _strategy(p), p.micro_batch))
+    probes = sorted(plan.probes, key=lambda p: (p.remat, p.strategy, p.micro_batch))
     values = [p.need_bytes for p in probes] + [plan.budget_bytes, plan.need_bytes]
     unit, size = _unit(max(values))
     fig = _figure_class()(figsize=(7.5, 4.6), dpi=dpi)
     ax = fig.add_subplot()
     chosen = (plan.remat, plan.strategy)
-    policies = sorted({(p.remat, _strategy(p)) for p in probes},
+    policies = sorted({(p.remat, p.strategy) for p in probes},
                       key=lambda r: (r != chosen, r))
     colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:gray"]
     failed_labelled = False
     for i, policy in enumerate(policies):
-        mine = [p for p in probes if (p.remat, _strategy(p)) == policy]
+        mine = [p for p in probes if (p.remat, p.strategy) == policy]
         by_micro: dict[int, Any] = {}
         for p in mine:  # the last probe at a micro-batch (the verification) wins
             by_micro[p.micro_batch] = p
@@ -113,7 +113,7 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     ax.plot(plan.micro_batch, plan.need_bytes / size, "*", color="tab:green", markersize=18,
             markeredgecolor="black", markeredgewidth=0.6, zorder=5,
             label=f"chosen: micro_batch {plan.micro_batch} x {plan.accum_steps} accumulation")
-    for p in {p.micro_batch: p for p in probes if (p.remat, _strategy(p)) == chosen}.values():
+    for p in {p.micro_batch: p for p in probes if (p.remat, p.strategy) == chosen}.values():
         ax.annotate(f"{p.need_bytes / size:.3g}", (p.micro_batch, p.need_bytes / size),
                     textcoords="offset points", xytext=(0, 9), ha="center", fontsize=7.5,
                     color="dimgray")
@@ -136,10 +136,6 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     if path is not None:
         fig.savefig(Path(path))
     return fig
-
-
-def _strategy(probe: Any) -> str:
-    return getattr(probe, "strategy", "replicated")
 
 
 def _group_label(group: tuple[str, str], *, many: bool) -> str:
