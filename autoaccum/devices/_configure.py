@@ -108,7 +108,11 @@ def configure(
             notes.append("memory_fraction ignored on the CPU")
     os.environ.update(changed)
     if verbose:
-        _report(profile, detected_note, changed, notes)
+        print(f"autoaccum.configure: {profile.name}"
+              + (f" ({detected_note})" if detected_note else ""))
+        lines = [f"set {key}={value}" for key, value in changed.items()] or ["nothing to set"]
+        for line in [*lines, *notes]:
+            print(f"  {line}")
     return changed
 
 
@@ -179,16 +183,3 @@ def _merge_flags(existing: str, additions: str) -> str:
             flags.append(flag)
             names.add(name)
     return " ".join(flags)
-
-
-def _report(
-    profile: DeviceProfile, detected_note: str, changed: dict[str, str], notes: list[str]
-) -> None:
-    head = f"autoaccum.configure: {profile.name}"
-    print(head + (f" ({detected_note})" if detected_note else ""))
-    for key, value in changed.items():
-        print(f"  set {key}={value}")
-    if not changed:
-        print("  nothing to set")
-    for note in notes:
-        print(f"  {note}")

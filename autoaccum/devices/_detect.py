@@ -68,14 +68,17 @@ def detect_device(*, index: int = 0) -> DetectedDevice:
     >>> device.source in ("nvml", "jax", "cpu") and device.memory_total_bytes > 0
     True
     """
-    found = _from_nvml(index)
-    if isinstance(found, DetectedDevice):
-        return found
-    reason = found
+    reason = _from_nvml(index)
+    if isinstance(reason, DetectedDevice):
+        return reason
     found = _from_running_jax(index)
-    if isinstance(found, DetectedDevice):
+    if found is not None:
         return found
-    return _cpu_device(reason)
+    memory = host_memory()
+    return DetectedDevice(source="cpu", name="CPU", memory_total_bytes=memory.total,
+                          memory_free_bytes=memory.available, compute_capability=None,
+                          profile=find_profile("cpu"),
+                          reason=f"{reason}; using the CPU and host memory")
 
 
 def match_profile(device_name: str, *, memory_mib: float | None = None) -> DeviceProfile | None:
@@ -243,22 +246,7 @@ def jax_started() -> bool:
     >>> isinstance(jax_started(), bool)
     True
     """
-    if "jax" not in sys.modules:
-        return False
-    return backends_started()
-
-
-def _cpu_device(reason: str) -> DetectedDevice:
-    memory = host_memory()
-    return DetectedDevice(
-        source="cpu",
-        name="CPU",
-        memory_total_bytes=memory.total,
-        memory_free_bytes=memory.available,
-        compute_capability=None,
-        profile=find_profile("cpu"),
-        reason=f"{reason}; using the CPU and host memory",
-    )
+    return "jax" in sys.modules and backends_started()
 
 
 def _no_profile_reason(name: str) -> str:

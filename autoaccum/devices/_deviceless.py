@@ -191,28 +191,44 @@ def deviceless_target(
     """
     if isinstance(profile, str):
         profile = find_profile(profile)
-    if profile.is_tpu:
-        return tpu_target(profile, devices=devices, hosts=hosts)
-    devices = 1 if devices is None else devices
-    hosts = 1 if hosts is None else hosts
-    if device_memory_bytes is None:
-        device_memory_bytes = profile.pool_bytes()
-    cuda = _require_cuda_plugin()
-    text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes, cuda=cuda)
-    blocker = deviceless_blocker(profile)
-    if blocker is not None:
-        raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
-                           f"Received: device={profile.key!r}")
-    topology, mesh, sharding = _make_target(text, topology_text(devices, hosts))
-    return DevicelessTarget(
-        profile=profile,
-        device_memory_bytes=int(device_memory_bytes),
-        target_config=text,
-        topology=topology,
-        mesh=mesh,
-        sharding=sharding,
-        hosts=int(hosts),
-    )
+    spec = profile.tpu
+    if spec is not None:  # all the slice's chips, via libtpu
+        if devices not in (None, spec.chips) or hosts not in (None, spec.hosts):
+            raise ValueError(
+                f"A {profile.name} has {spec.chips} chip(s) on {spec.hosts} host(s), and a dry "
+                f"run plans over all of them. Name the slice with the chips you want instead "
+                f"({_slices_with(devices, profile)}: `autoaccum devices` lists them) and leave "
+                f"devices/hosts unset. Received: device={profile.key!r}, devices={devices}, "
+                f"hosts={hosts}")
+        if problems := missing_from_extra("tpu"):
+            raise MissingExtraError(
+                f"Compiling for a {profile.name} that is not here (deviceless) needs libtpu, "
+                f"which jax's `tpu` extra pins to its version (no TPU needed): "
+                f"{'; '.join(problems)}. Install it with: pip install 'autoaccum[tpu]'. "
+                f"Received: jax={installed_version('jax')}, libtpu={installed_version('libtpu')}",
+                extra="tpu",
+            )
+        topology, mesh, sharding = _make_tpu_target(spec.topology, spec.chips_per_host_bounds,
+                                                    spec.chip_config_name)
+        text = (f"tpu topology {spec.topology} chips_per_host_bounds "
+                f"{list(spec.chips_per_host_bounds)} chip_config {spec.chip_config_name!r} "
+                f"libtpu {installed_version('libtpu')}")
+        device_memory_bytes, hosts = profile.pool_bytes(), spec.hosts
+    else:
+        hosts = 1 if hosts is None else hosts
+        if device_memory_bytes is None:
+            device_memory_bytes = profile.pool_bytes()
+        cuda = _require_cuda_plugin()
+        text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes, cuda=cuda)
+        blocker = deviceless_blocker(profile)
+        if blocker is not None:
+            raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
+                               f"Received: device={profile.key!r}")
+        topology, mesh, sharding = _make_target(text, topology_text(
+            1 if devices is None else devices, hosts))
+    return DevicelessTarget(profile=profile, device_memory_bytes=int(device_memory_bytes),
+                            target_config=text, topology=topology, mesh=mesh,
+                            sharding=sharding, hosts=int(hosts))
 
 
 def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
@@ -228,36 +244,6 @@ def _slices_with(chips: int | None, profile: DeviceProfile) -> str:
     family = profile.key.split("-")[0]
     chosen.sort(key=lambda p: p.key.split("-")[0] != family)
     return ", ".join(p.key for p in chosen)
-
-
-def tpu_target(profile: DeviceProfile, *, devices: int | None = None,
-               hosts: int | None = None) -> DevicelessTarget:
-    """A :class:`DevicelessTarget` over all chips of ``profile``'s TPU slice, via libtpu."""
-    spec = profile.tpu
-    if spec is None:
-        raise ValueError(f"{profile.name} is not a TPU slice. Received: device={profile.key!r}")
-    if devices not in (None, spec.chips) or hosts not in (None, spec.hosts):
-        raise ValueError(
-            f"A {profile.name} has {spec.chips} chip(s) on {spec.hosts} host(s), and a dry run "
-            f"plans over all of them. Name the slice with the chips you want instead "
-            f"({_slices_with(devices, profile)}: `autoaccum devices` lists them) and leave "
-            f"devices/hosts unset. Received: device={profile.key!r}, devices={devices}, "
-            f"hosts={hosts}")
-    _require_libtpu(profile)
-    topology, mesh, sharding = _make_tpu_target(spec.topology, spec.chips_per_host_bounds,
-                                                spec.chip_config_name)
-    description = (f"tpu topology {spec.topology} chips_per_host_bounds "
-                   f"{list(spec.chips_per_host_bounds)} chip_config {spec.chip_config_name!r} "
-                   f"libtpu {installed_version('libtpu')}")
-    return DevicelessTarget(
-        profile=profile,
-        device_memory_bytes=profile.pool_bytes(),
-        target_config=description,
-        topology=topology,
-        mesh=mesh,
-        sharding=sharding,
-        hosts=spec.hosts,
-    )
 
 
 def topology_text(devices: int = 1, hosts: int = 1) -> str:
@@ -289,12 +275,8 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
 
     def convert(leaf: Any) -> Any:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            return jax.ShapeDtypeStruct(
-                leaf.shape,
-                leaf.dtype,
-                sharding=sharding,
-                weak_type=bool(getattr(leaf, "weak_type", False)),
-            )
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding,
+                                        weak_type=bool(getattr(leaf, "weak_type", False)))
         return leaf
 
     return jax.tree_util.tree_map(convert, tree)
@@ -303,13 +285,15 @@ def shard_abstract(tree: Any, sharding: Any) -> Any:
 @functools.lru_cache(maxsize=32)
 def _make_target(text: str, shape: str = "1x1x1") -> tuple[Any, Any, Any]:
     # Cached: a fresh topology means fresh device objects, and jit would recompile.
-    _allow_cuda_plugin_without_driver()
+    if not jax_started():
+        # Without a driver the CUDA plugin refuses to register unless this is set (or
+        # JAX_PLATFORMS excludes CUDA), both read once, at plugin discovery.
+        os.environ.setdefault(_SKIP_CHECK_ENV, "1")
     from jax.experimental import topologies
 
     # Loading the plugin's library here logs a cudart line on a machine without CUDA.
-    quiet = quiet_native_logs() if nvidia_gpu_absent() else contextlib.nullcontext()
     try:
-        with quiet:
+        with quiet_native_logs() if nvidia_gpu_absent() else contextlib.nullcontext():
             topology = topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=shape
             )
@@ -343,13 +327,12 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
         options["chip_config_name"] = chip_config
     # libtpu logs its start-up to fd 2 on a machine without a TPU.
     absent = tpu_absent()
-    quiet = quiet_native_logs() if absent else contextlib.nullcontext()
     if absent:
         # libtpu lets one process at a time load it (/tmp/libtpu_lockfile) to guard the
         # chips; with none here, dry runs in several processes must not refuse each other.
         os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
     try:
-        with quiet:
+        with quiet_native_logs() if absent else contextlib.nullcontext():
             topology = topologies.get_topology_desc(platform="tpu", topology_name=name,
                                                     **options)
     except Exception as e:
@@ -359,19 +342,6 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
             "the version jax pins (pip install 'autoaccum[tpu]'), or plan on the TPU itself."
         ) from e
     return _over_all(topology)
-
-
-def _require_libtpu(profile: DeviceProfile) -> None:
-    """Raise naming the ``tpu`` extra unless libtpu is installed."""
-    problems = missing_from_extra("tpu")
-    if problems:
-        raise MissingExtraError(
-            f"Compiling for a {profile.name} that is not here (deviceless) needs libtpu, "
-            f"which jax's `tpu` extra pins to its version (no TPU needed): "
-            f"{'; '.join(problems)}. Install it with: pip install 'autoaccum[tpu]'. Received: "
-            f"jax={installed_version('jax')}, libtpu={installed_version('libtpu')}",
-            extra="tpu",
-        )
 
 
 def _require_cuda_plugin() -> str:
@@ -391,16 +361,6 @@ def _require_cuda_plugin() -> str:
         f"each pins the plugin to the jax that resolves. Received: {received}",
         extra="dryrun",
     )
-
-
-def _allow_cuda_plugin_without_driver() -> None:
-    """Let the CUDA plugin load without CUDA if JAX has not discovered its plugins yet.
-
-    Without a driver the plugin refuses to register unless ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``
-    is set or ``JAX_PLATFORMS`` excludes CUDA, both read once at plugin discovery.
-    """
-    if not jax_started():
-        os.environ.setdefault(_SKIP_CHECK_ENV, "1")
 
 
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -459,20 +419,6 @@ def _probe_lowering() -> Any:
     return jax.jit(lambda x: x + 1).lower(np.float32(0))
 
 
-def _compile_option_known(name: str, value: Any) -> bool:
-    with _LOCK:
-        if name in _KNOWN:
-            return _KNOWN[name]
-    try:
-        _probe_lowering().compile(compiler_options={name: value})
-        known = True
-    except Exception as error:
-        known = _NO_SUCH_OPTION not in str(error)
-    with _LOCK:
-        _KNOWN[name] = known
-    return known
-
-
 def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` (``compiler_options``) without those this jaxlib does not know.
 
@@ -485,7 +431,17 @@ def known_compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """
     kept = {}
     for name, value in options.items():
-        if _compile_option_known(name, value):
+        with _LOCK:
+            known = _KNOWN.get(name)
+        if known is None:
+            try:
+                _probe_lowering().compile(compiler_options={name: value})
+                known = True
+            except Exception as error:
+                known = _NO_SUCH_OPTION not in str(error)
+            with _LOCK:
+                _KNOWN[name] = known
+        if known:
             kept[name] = value
         else:
             _say_once(f"XLA compile option {name}",
@@ -511,7 +467,14 @@ def known_xla_flags(flags: str, *, cache_dir: Path | str | None = None) -> str:
         return ""
     version = installed_version("jaxlib") or "unknown"
     key = hashlib.sha256(f"{version}\n{sys.executable}\n{flags}".encode()).hexdigest()[:24]
-    path = _cache_folder(cache_dir) / "xla-flags" / f"{key}.json"
+    if cache_dir is None and os.environ.get("AUTOACCUM_CACHE_DIR"):
+        cache_dir = os.environ["AUTOACCUM_CACHE_DIR"]
+    if cache_dir is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = Path(base) / "autoaccum"
+    else:
+        folder = Path(cache_dir).expanduser()
+    path = folder / "xla-flags" / f"{key}.json"
     try:
         kept = json.loads(path.read_text())["kept"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -546,12 +509,3 @@ def _probe_flags(tokens: list[str]) -> list[str]:
         unknown = set(match.group(1).split())
         kept = [token for token in kept if token not in unknown]
     return kept
-
-
-def _cache_folder(cache_dir: Path | str | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("AUTOACCUM_CACHE_DIR"):
-        return Path(os.environ["AUTOACCUM_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "autoaccum"

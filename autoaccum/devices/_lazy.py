@@ -7,6 +7,7 @@ still set what JAX reads when it is imported and when its backends start.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,8 +32,6 @@ def lazy_exports(package: str, exports: Mapping[str, str]
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(where, package)
         value = module if where.rsplit(".", 1)[-1] == name else getattr(module, name)
-        import sys
-
         setattr(sys.modules[package], name, value)  # later lookups skip this function
         return value
 

@@ -138,13 +138,7 @@ def shard_batches(batches: PyTree, mesh: Mesh) -> PyTree:
       >>> placed["x"].shape == (2, 4 * mesh.size)
       True
     """
-    sharding = batch_sharding(mesh)
-    if isinstance(batches, tuple) and getattr(batches, "_fields", None) == ("full", "last"):
-        # Uneven batches: the last, smaller micro-batch ``[dp * last, ...]`` splits on axis 0.
-        leading = NamedSharding(mesh, P(mesh_axis(mesh)))
-        return type(batches)(jax.tree.map(lambda a: from_host(a, sharding), batches.full),
-                             jax.tree.map(lambda a: from_host(a, leading), batches.last))
-    return jax.tree.map(lambda a: from_host(a, sharding), batches)
+    return Placement(mesh, (), (), data_axis=mesh_axis(mesh)).place_batches(batches)
 
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -156,8 +150,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> w.sharding.is_fully_replicated
       True
     """
-    sharding = replicated_sharding(mesh)
-    return jax.tree.map(lambda a: from_host(a, sharding), tree)
+    return place(tree, replicated_sharding(mesh))
 
 
 def agree_micro_batch(micro_batch: int) -> tuple[int, tuple[int, ...]]:
@@ -184,26 +177,22 @@ _CALLERS: contextvars.ContextVar[Any] = contextvars.ContextVar("autoaccum_caller
                                                                default=None)
 
 
-def _context() -> Mesh | AbstractMesh | None:
-    """The context mesh JAX holds now (concrete, abstract, or legacy), or ``None``."""
-    concrete = jax.sharding.get_mesh()
-    if not concrete.empty:
-        return concrete
-    abstract = jax.sharding.get_abstract_mesh()
-    if not abstract.empty:
-        return abstract
-    return legacy_context_mesh()
-
-
 def callers_mesh() -> Mesh | AbstractMesh | None:
-    """The caller's context mesh: the one its entry point recorded, else JAX's now, or ``None``.
+    """The caller's context mesh: the one its entry point recorded, else JAX's now (concrete,
+    abstract or legacy), or ``None``.
 
     Example:
       >>> callers_mesh() is None
       True
     """
     recorded = _CALLERS.get()
-    return recorded if recorded is not None else _context()
+    if recorded is not None:
+        return recorded
+    concrete = jax.sharding.get_mesh()
+    if not concrete.empty:
+        return concrete
+    abstract = jax.sharding.get_abstract_mesh()
+    return abstract if not abstract.empty else legacy_context_mesh()
 
 
 @contextlib.contextmanager
@@ -215,14 +204,11 @@ def without_context_mesh() -> Iterator[None]:
       ...     jax.sharding.get_abstract_mesh().empty
       True
     """
-    mesh = callers_mesh()
-    token = _CALLERS.set(mesh)
+    none = jax.sharding.get_abstract_mesh().empty and jax.sharding.get_mesh().empty
+    token = _CALLERS.set(callers_mesh())
     try:
-        if jax.sharding.get_abstract_mesh().empty and jax.sharding.get_mesh().empty:
+        with contextlib.nullcontext() if none else jax.set_mesh(None):
             yield
-        else:
-            with jax.set_mesh(None):
-                yield
     finally:
         _CALLERS.reset(token)
 
@@ -396,10 +382,8 @@ class Placement:
 
     def abstract(self, tree: PyTree, shardings: PyTree) -> PyTree:
         """``tree``'s leaves as ``ShapeDtypeStruct`` carrying ``shardings``."""
-        return jax.tree.map(
-            lambda s, leaf: jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), leaf),
-            shardings, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+        return _per_leaf(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                         tree, shardings)
 
     def onto(self, devices: Any) -> Placement:
         """The same layout over other ``devices`` (as many), e.g. a deviceless TPU slice.
@@ -417,15 +401,10 @@ class Placement:
         mesh = Mesh(np.array(devices, dtype=object).reshape(self.mesh.devices.shape),
                     self.mesh.axis_names, axis_types=self.mesh.axis_types)
 
-        def moved(s: Any) -> Any:
-            return NamedSharding(mesh, s.spec) if isinstance(s, NamedSharding) else s
-
-        def is_leaf(x: Any) -> bool:
-            return isinstance(x, NamedSharding)
-
-        return dataclasses.replace(
-            self, mesh=mesh, state=jax.tree.map(moved, self.state, is_leaf=is_leaf),
-            frozen=tuple(jax.tree.map(moved, f, is_leaf=is_leaf) for f in self.frozen))
+        state, frozen = jax.tree.map(
+            lambda s: NamedSharding(mesh, s.spec) if _named(s) else s,
+            (self.state, tuple(self.frozen)), is_leaf=_named)
+        return dataclasses.replace(self, mesh=mesh, state=state, frozen=frozen)
 
     def other_count(self, devices: int) -> ValueError:
         """The error for a target whose device count this layout does not match.
@@ -461,10 +440,17 @@ def place(tree: PyTree, shardings: PyTree) -> PyTree:
       >>> place({"w": np.ones(2)}, NamedSharding(mesh, P()))["w"].sharding.spec
       P()
     """
-    if isinstance(shardings, NamedSharding):
-        return jax.tree.map(lambda a: from_host(a, shardings), tree)
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda a: from_host(a, s), sub),
-                        shardings, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return _per_leaf(from_host, tree, shardings)
+
+
+def _named(x: Any) -> bool:
+    return isinstance(x, NamedSharding)
+
+
+def _per_leaf(fn: Callable[[Any, Any], Any], tree: PyTree, shardings: PyTree) -> PyTree:
+    """``fn(leaf, sharding)`` over ``tree``; ``shardings``: one for all, or a prefix tree."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: fn(x, s), sub), shardings, tree,
+                        is_leaf=_named)
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:

@@ -153,11 +153,7 @@ def compiling() -> Iterator[None]:
       >>> with compiling():
       ...     pass
     """
-    cap = _ARMED[-1] if _ARMED else None
-    if cap is None:
-        yield
-        return
-    with cap.lifted():
+    with _ARMED[-1].lifted() if _ARMED else contextlib.nullcontext():
         yield
 
 

@@ -514,17 +514,9 @@ def _check_type(path: Path, field: str, value: Any, kind: type | tuple[type, ...
 _RUNTIME_VERSION = {"cuda12": "12.8.0", "cuda13": "13.0.0"}
 
 _INT_FIELDS_BEFORE_MEMORY = (
-    "threads_per_block_limit",
-    "threads_per_warp",
-    "shared_memory_per_block",
-    "shared_memory_per_core",
-    "threads_per_core_limit",
-    "core_count",
-    "fpus_per_core",
-    "block_dim_limit_x",
-    "block_dim_limit_y",
-    "block_dim_limit_z",
-    "memory_bandwidth",
+    "threads_per_block_limit", "threads_per_warp", "shared_memory_per_block",
+    "shared_memory_per_core", "threads_per_core_limit", "core_count", "fpus_per_core",
+    "block_dim_limit_x", "block_dim_limit_y", "block_dim_limit_z", "memory_bandwidth",
     "l2_cache_size",
 )
 
@@ -584,11 +576,9 @@ def gpu_target_config(
         f"    minor: {minor}",
         f"    feature_extension: {gpu.feature_extension}",
         "  }",
-        f"  registers_per_core_limit: {gpu.registers_per_core_limit}",
-        f"  registers_per_block_limit: {gpu.registers_per_block_limit}",
-        f"  thread_dim_limit_x: {gpu.thread_dim_limit_x}",
-        f"  thread_dim_limit_y: {gpu.thread_dim_limit_y}",
-        f"  thread_dim_limit_z: {gpu.thread_dim_limit_z}",
+        *(f"  {name}: {getattr(gpu, name)}" for name in (
+            "registers_per_core_limit", "registers_per_block_limit", "thread_dim_limit_x",
+            "thread_dim_limit_y", "thread_dim_limit_z")),
         '  device_vendor: "NVIDIA Corporation"',
         f'  platform_version: "Compute Capability {major}.{minor}{suffix}"',
         f"  model_str: {_quote(model)}",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -175,9 +176,7 @@ class QuietStart(dict):
     quieted: tuple[str, ...] = ()
 
 
-_STARTED: list[QuietStart] = []
-
-
+@functools.cache
 def quiet_start() -> QuietStart:
     """Keep JAX and TensorFlow quiet on a machine without a GPU, once per process.
 
@@ -197,14 +196,6 @@ def quiet_start() -> QuietStart:
     >>> isinstance(done, dict) and quiet_start() is done
     True
     """
-    if _STARTED:
-        return _STARTED[0]
-    done = _quiet_start()
-    _STARTED.append(done)
-    return done
-
-
-def _quiet_start() -> QuietStart:
     done = QuietStart()
     if os.environ.get(OPT_OUT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return done
