@@ -182,18 +182,6 @@ def in_notebook() -> bool:
     return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
-def _tqdm(notebook: bool) -> Any:
-    """tqdm's notebook bar (with ipywidgets) or its text bar; ``None`` without tqdm."""
-    try:
-        if notebook and importlib.util.find_spec("ipywidgets") is not None:
-            from tqdm.notebook import tqdm
-        else:
-            from tqdm.std import tqdm
-    except ImportError:
-        return None
-    return tqdm
-
-
 class ProgressBar:
     """``epoch 1/3 |#####     | 12/40 [00:08, 1.50step/s, loss=2.3102]``, redrawn in place.
 
@@ -224,9 +212,14 @@ class ProgressBar:
         self._last_line = ""
 
     def _live_bar(self) -> Any:
+        """tqdm's notebook bar (with ipywidgets) or its text bar; ``None`` without tqdm."""
         if self._bar is None:
-            tqdm = _tqdm(self.notebook)
-            if tqdm is None:
+            try:
+                if self.notebook and importlib.util.find_spec("ipywidgets") is not None:
+                    from tqdm.notebook import tqdm
+                else:
+                    from tqdm.std import tqdm
+            except ImportError:
                 return None
             size = {} if self.notebook else dict(zip(
                 ("ncols", "nrows"), shutil.get_terminal_size((100, 24)), strict=True))
@@ -349,11 +342,9 @@ class NoiseScaleTracker:
     estimator: NoiseScaleEstimator = field(default_factory=NoiseScaleEstimator)
     items_per_step: float = 0.0
 
-    def update_from(self, figures: tuple[float, float, float] | None,
+    def update_from(self, figures: tuple[float, float, float],
                     accum_steps: int) -> float | None:
         """``figures`` = (|mean grad|^2, mean |micro-batch grad|^2, valid items per step)."""
-        if figures is None:
-            return self.value
         grad_sq, micro_sq, count = figures
         self.items_per_step = count
         return self.estimator.update(grad_sq_norm=grad_sq, micro_grad_sq_norm=micro_sq,

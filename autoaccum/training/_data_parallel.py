@@ -370,7 +370,8 @@ def placed_accumulate(placement: Placement) -> Accumulate:
             is_leaf=lambda s: isinstance(s, NamedSharding))
         acc = accumulate_gradients(micro_loss, trainable, carry, batches,
                                    accumulator_sharding=shardings, **options)
-        if not (_on_tpu(placement) or has_explicit_axes(placement.mesh)):
+        if not (placement.mesh.devices.flat[0].platform == "tpu"
+                or has_explicit_axes(placement.mesh)):
             return acc
         # On a TPU the sums go back to the weights' layout for the update: else XLA runs the
         # optimizer in the accumulator's finer layout and gathers every new weight and
@@ -381,10 +382,6 @@ def placed_accumulate(placement: Placement) -> Accumulate:
         return acc._replace(grad_sum=constrain(acc.grad_sum, placement.state[0]))
 
     return accumulate
-
-
-def _on_tpu(placement: Placement) -> bool:
-    return placement.mesh.devices.flat[0].platform == "tpu"
 
 
 def step_accumulation(mesh: Any = None, layout: StateLayout | None = None, *,

@@ -46,8 +46,8 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
             f"{name} is empty: give at least one array with a leading example axis. "
             f"Received: {received(name, data)}"
         )
-    arrays = leaves
-    for path, array in zip(_paths(tree), arrays, strict=True):
+    paths = _paths(tree)
+    for path, array in zip(paths, leaves, strict=True):
         if array.ndim == 0:
             raise ValueError(
                 f"Every array in {name} needs a leading example axis; {name}{path} is a scalar. "
@@ -65,7 +65,7 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
                 "to a numeric array first (e.g. token ids, np.int32). "
                 f"Received: {name}{path} with dtype {array.dtype}"
             )
-    lengths = {path: a.shape[0] for path, a in zip(_paths(tree), arrays, strict=True)}
+    lengths = {path: a.shape[0] for path, a in zip(paths, leaves, strict=True)}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{name}{p}: {n}" for p, n in lengths.items())
         raise ValueError(
@@ -74,7 +74,7 @@ def as_arrays(data: object, *, name: str = "data") -> PyTree:
         )
     if next(iter(lengths.values())) == 0:
         raise ValueError(f"{name} is empty: it has 0 examples. Received: leading axis of size 0")
-    return jax.tree.unflatten(treedef, arrays)
+    return jax.tree.unflatten(treedef, leaves)  # (dict keys sorted, as JAX orders them)
 
 
 def is_dataclass_instance(obj: object) -> bool:
@@ -227,30 +227,6 @@ class IndexedData(EpochBatches):
     def epoch(self, **options: Any) -> Iterator[PyTree]:  # type: ignore[override]
         """The examples of each batch :meth:`EpochBatches.epoch` gives (same options)."""
         yield from map(self.take, super().epoch(**options))
-
-
-def effective_batches(
-    tree: PyTree,
-    *,
-    effective_batch: int,
-    accum_steps: int,
-    order: np.ndarray,
-) -> Iterator[PyTree]:
-    """Yields every full effective batch in ``order``, shaped ``[accum_steps, micro, ...]``
-    (the rest: :func:`leftover_split` and :func:`leftover_batches`).
-
-    Example:
-      >>> tree = {"x": np.arange(10)}
-      >>> [b["x"].tolist() for b in effective_batches(tree, effective_batch=4, accum_steps=2,
-      ...                                             order=np.arange(10))]
-      [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    """
-    micro = effective_batch // accum_steps
-    for start in range(0, len(order) - effective_batch + 1, effective_batch):
-        index = order[start : start + effective_batch]
-        yield jax.tree.map(
-            lambda a, i=index: a[i].reshape(accum_steps, micro, *a.shape[1:]), tree
-        )
 
 
 def split_micro_batches(examples: PyTree, *, micro_batch: int, data_parallel: int = 1) -> PyTree:

@@ -90,12 +90,14 @@ class HostSnapshot:
             self._held = None
             return
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
-        impls = jax.tree.map(_key_impl, tree)
-        raw = jax.tree.map(_key_data, tree)
+        impls = jax.tree.map(lambda x: _Impl(jax.random.key_impl(x)) if is_key(x) else None,
+                             tree)
+        raw = jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
         # np.array copies: on CPU device_get can alias buffers that a donation later frees.
         # An array split over several processes' devices: this process's shards only.
         leaves, treedef = jax.tree.flatten(raw)
-        local = [_LocalShards(x) if _spans_processes(x) else None for x in leaves]
+        local = [_LocalShards(x) if isinstance(x, jax.Array) and not x.is_fully_addressable
+                 else None for x in leaves]
         fetched = jax.device_get([x for x, mine in zip(leaves, local, strict=True)
                                   if mine is None])
         it = iter(fetched)
@@ -130,24 +132,11 @@ def is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _key_impl(x: Any) -> Any:
-    """The PRNG implementation of a typed key array, else ``None``."""
-    return _Impl(jax.random.key_impl(x)) if is_key(x) else None
-
-
 class _Impl:
     """A PRNG implementation held as a pytree leaf (not a container)."""
 
     def __init__(self, impl: Any) -> None:
         self.impl = impl
-
-
-def _key_data(x: Any) -> Any:
-    return jax.random.key_data(x) if is_key(x) else x
-
-
-def _spans_processes(x: Any) -> bool:
-    return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 class _LocalShards:

@@ -378,8 +378,7 @@ class StepRunner:
     @property
     def effective_batch(self) -> int:
         """Examples in a full step (over all devices)."""
-        last = self.micro_batch if self.last_micro_batch is None else self.last_micro_batch
-        return (self.micro_batch * (self.accum_steps - 1) + last) * self.dp
+        return _slots((self.accum_steps, self.micro_batch, self.last_micro_batch)) * self.dp
 
     def split(self, examples: int) -> Split:
         """The split of a step of ``examples`` (a smaller one's as ``uneven`` and ``pad`` say)."""
@@ -405,8 +404,8 @@ class StepRunner:
         """One step's examples ``[n, ...]`` as its host batches at ``split``, and the weights
         of its slots when it pads (else ``None``)."""
         n = _size(examples)
-        accum, micro, last = split
-        slots = (micro * (accum - 1) + (micro if last is None else last)) * self.dp
+        accum, micro, _ = split
+        slots = _slots(split) * self.dp
         if slots == n:
             return split_micro_batches(examples, micro_batch=micro, data_parallel=self.dp), None
         return leftover_batches(examples, np.arange(n),
@@ -594,7 +593,12 @@ class StepRunner:
                 raise
             self.state = held
             self._write(self.state)
-            _note(error, _restore_failed(self.snapshot.step, again))
+            first = str(again).splitlines()[0] if str(again) else type(again).__name__
+            _note(error, "autoaccum: the step ran out of memory, and so did putting the state "
+                         f"from before it (the host copy of step {self.snapshot.step}) back on "
+                         f"the device ({first[:200]}). Nothing is lost: the model holds that "
+                         "copy in host memory (numpy arrays). Free device memory (delete other "
+                         "arrays), then train on: the next step puts it back.")
             return
         self._write(self.state)
         if not self.backup_every_step:
@@ -650,17 +654,15 @@ class StepRunner:
         Raises:
           autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
         """
-        return self._shrink(error, self.effective_batch,
-                            (self.accum_steps, self.micro_batch, self.last_micro_batch),
-                            report=False)
+        full = self.effective_batch
+        return self._shrink(error, full, self.split(full), report=False)
 
     def _shrink(self, error: BaseException, examples: int, split: Split, *,
                 report: bool = True) -> Any:
-        accum, micro, last = split
-        slots = (micro * (accum - 1) + (micro if last is None else last))
+        accum, micro, _ = split
         try:
             event = shrink(error, step=self.steps + 1, micro_batch=micro, accum_steps=accum,
-                           data_parallel=self.dp, per_device=slots)
+                           data_parallel=self.dp, per_device=_slots(split))
         except Exception:
             self.events.append(
                 f"step {self.steps + 1}: out of memory at micro_batch {micro}; model restored "
@@ -689,19 +691,17 @@ def _read(metrics: Any) -> tuple:
             {name: float(value) for name, value in logs.items()})
 
 
-def _restore_failed(step: int | None, again: BaseException) -> str:
-    first = str(again).splitlines()[0] if str(again) else type(again).__name__
-    return (f"autoaccum: the step ran out of memory, and so did putting the state from before "
-            f"it (the host copy of step {step}) back on the device ({first[:200]}). Nothing "
-            "is lost: the model holds that copy in host memory (numpy arrays). Free device "
-            "memory (delete other arrays), then train on: the next step puts it back.")
-
-
 def _note(error: BaseException, note: str, *, warn: bool = False) -> None:
     if warn:
         warnings.warn(note, AutoaccumWarning, stacklevel=4)
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
+
+
+def _slots(split: Split) -> int:
+    """Examples per device in a step at ``split``."""
+    accum, micro, last = split
+    return micro * (accum - 1) + (micro if last is None else last)
 
 
 def _size(examples: PyTree) -> int:

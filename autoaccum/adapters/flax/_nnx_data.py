@@ -145,11 +145,6 @@ def _known_infinite(data: Any) -> bool:
         return False
 
 
-def _structured(item: Any) -> bool:
-    """A dict, tuple (a ``NamedTuple`` too) or dataclass: one record, or one batch."""
-    return isinstance(item, Mapping | tuple) or is_dataclass_instance(item)
-
-
 def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> str | None:
     """How a ``list`` of dicts, tuples, ``NamedTuple``s or dataclasses is read: ``"records"``
     (one example each, stacked), ``"batches"`` (a stream), or ``None`` (a container of arrays).
@@ -171,10 +166,12 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
       >>> list_reading([np.zeros((4, 2)), np.zeros(4)]) is None
       True
     """
-    if not isinstance(data, list) or not data or not all(_structured(i) for i in data):
+    if not isinstance(data, list) or not data or not all(
+            isinstance(i, Mapping | tuple) or is_dataclass_instance(i) for i in data):
         return None
     if all(isinstance(i, tuple) and not hasattr(i, "_fields") for i in data) and (
-            len({len(i) for i in data}) == 1 and len(data) <= 3 and not _has_scalar(data[0])):
+            len({len(i) for i in data}) == 1 and len(data) <= 3
+            and not any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(data[0]))):
         return None  # [(xa, xb), (ya, yb)]: a container of arrays, as before
     trees = [_record(item) for item in data]
     leading = [{np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(t)}
@@ -204,10 +201,6 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
             f"them into one {type_name(data[0])} of arrays with a leading example axis. "
             f"Received: data as a list of {len(data)} {type_name(data[0])} items")
     return "batches" if as_batches else "records"
-
-
-def _has_scalar(record: Any) -> bool:
-    return any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(record))
 
 
 def _record(obj: Any) -> PyTree:

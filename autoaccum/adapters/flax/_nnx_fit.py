@@ -119,10 +119,21 @@ class FlaxState(StateHooks):
         self.state = state
 
     def place_state(self, state: Any, frozen: Any) -> tuple[Any, Any]:
-        if self._unplaced:
-            self.state, self.frozen = self._placed(state), self._placed_frozen(frozen)
-            self._unplaced = False
-            return self.state, self.frozen
+        """On the mesh: replicated, split by the strategy, or in the model's own layout; the
+        frozen weights are split only under ``fsdp`` (then the model holds the split ones)."""
+        if not self._unplaced:
+            return state, frozen
+        if self.placement is not None:
+            state = place(state, self.placement.state)
+            frozen = place((frozen,), self.placement.frozen)[0]
+        elif self.layout is None:
+            state, frozen = replicate(state, self.mesh), replicate(frozen, self.mesh)
+        else:
+            state = place(state, self.layout.state_shardings(state[1]))
+            frozen = place((frozen,), self.layout.frozen_shardings((frozen,)))[0]
+            if self.layout.strategy == "fsdp":
+                nnx.update(self.model, frozen)
+        self.state, self.frozen, self._unplaced = state, frozen, False
         return state, frozen
 
     def set_opt_state(self, value: Any) -> None:
@@ -143,25 +154,6 @@ class FlaxState(StateHooks):
             return
         self.state, self.frozen = (params, other, opt_state), frozen
         self._unplaced = self.mesh is not None or self.placement is not None
-
-    def _placed(self, state: Any) -> Any:
-        """``state`` on the mesh: replicated, split by the strategy, or in its own layout."""
-        if self.placement is not None:
-            return place(state, self.placement.state)
-        if self.layout is None:
-            return replicate(state, self.mesh)
-        return place(state, self.layout.state_shardings(state[1]))
-
-    def _placed_frozen(self, frozen: Any) -> Any:
-        """Frozen weights on the mesh, as ``_placed`` (split only under ``fsdp``)."""
-        if self.placement is not None:
-            return place((frozen,), self.placement.frozen)[0]
-        if self.layout is not None:  # under fsdp the model holds the split ones
-            frozen = place((frozen,), self.layout.frozen_shardings((frozen,)))[0]
-            if self.layout.strategy == "fsdp":
-                nnx.update(self.model, frozen)
-            return frozen
-        return replicate(frozen, self.mesh)
 
 
 def unshare(model: nnx.Module, trainable: Any) -> int:
@@ -231,24 +223,15 @@ def flax_runner(hooks: FlaxState, plan: Plan, *, loss_fn: LossFn,
 _EVAL = {"deterministic": True, "use_running_average": True}
 
 
-def _mode_flags(model: nnx.Module) -> list[bool]:
-    """For every module with a mode flag: whether it is set to eval."""
-    flags = []
-    for _, module in nnx.iter_modules(model):
-        for name, eval_value in _EVAL.items():
-            value = getattr(module, name, None)
-            if isinstance(value, bool):
-                flags.append(value == eval_value)
-    return flags
-
-
 def warn_if_eval_mode(model: nnx.Module) -> None:
     """An ``AutoaccumWarning`` when every dropout/BatchNorm flag of ``model`` says eval mode.
 
     Example:
       >>> warn_if_eval_mode(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))  # no mode flags: silent
     """
-    flags = _mode_flags(model)
+    flags = [value == eval_value for _, module in nnx.iter_modules(model)
+             for name, eval_value in _EVAL.items()
+             if isinstance(value := getattr(module, name, None), bool)]
     if flags and all(flags):
         warnings.warn(
             "The model is in eval mode (every Dropout is deterministic and every BatchNorm uses "
@@ -278,7 +261,6 @@ class Evaluator:
     Args:
       data: validation arrays (as ``as_arrays`` returns them), in batches of ``batch_size``
         (the last may be smaller), at most ``steps`` of them.
-      trainable: the filter the train state was split with.
       trace_mesh: the mesh the model's code is traced under (the train step's).
 
     Example:
@@ -288,15 +270,14 @@ class Evaluator:
       >>> def loss_fn(m, b):
       ...     return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
       >>> data = {"x": np.zeros((5, 2), np.float32)}
-      >>> ev = Evaluator(model, data, loss_fn=loss_fn, trainable=nnx.Param, batch_size=2)
+      >>> ev = Evaluator(model, data, loss_fn=loss_fn, batch_size=2)
       >>> _, params, frozen, other = split_model(model, nnx.Param)
       >>> ev((params, other, None), frozen)
       0.0
     """
 
-    def __init__(self, model: nnx.Module, data: Any, *, loss_fn: LossFn, trainable: Any,
-                 batch_size: int, steps: int | None = None, mesh: Any = None,
-                 trace_mesh: Any = None) -> None:
+    def __init__(self, model: nnx.Module, data: Any, *, loss_fn: LossFn, batch_size: int,
+                 steps: int | None = None, mesh: Any = None, trace_mesh: Any = None) -> None:
         view = nnx.with_attributes(model, raise_if_not_found=False, **_EVAL)
         graphdef = nnx.graphdef(view)
         self.data, self.batch_size, self.steps, self.mesh = data, batch_size, steps, mesh
@@ -436,7 +417,7 @@ def flax_fit(
     hooks.runner = runner
     validate = None
     if validation_data is not None:
-        evaluator = Evaluator(model, validation_data, loss_fn=loss_fn, trainable=trainable,
+        evaluator = Evaluator(model, validation_data, loss_fn=loss_fn,
                               batch_size=validation_batch_size or plan.micro_batch * dp,
                               steps=validation_steps, mesh=mesh, trace_mesh=hooks.trace_mesh)
 

@@ -71,11 +71,6 @@ def _multi_steps(optimizer: Any) -> Any:
     return owner if isinstance(owner, optax.MultiSteps) else None
 
 
-def _holds_multi_steps(state: Any) -> bool:
-    return any(isinstance(node, optax.MultiStepsState) for node in jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)))
-
-
 def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None) -> None:
     """A ``ValueError`` when the optimizer accumulates gradients itself (``optax.MultiSteps``,
     directly, in a chain or an ``nnx.Optimizer``, or built by a factory): on top of
@@ -100,7 +95,10 @@ def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None
         if tx is None:
             return
         init = getattr(tx, "init", None)
-        if not callable(init) or not _holds_multi_steps(jax.eval_shape(init, params)):
+        if not callable(init) or not any(
+                isinstance(node, optax.MultiStepsState) for node in jax.tree.leaves(
+                    jax.eval_shape(init, params),
+                    is_leaf=lambda x: isinstance(x, optax.MultiStepsState))):
             return
     fix = ("Pass its inner optimizer instead, optimizer=multi_steps.inner_opt (in an "
            "nnx.Optimizer too: nnx.Optimizer(model, multi_steps.inner_opt, wrt=...)), and the "
@@ -321,16 +319,13 @@ def build_optax_optimizer(
     if not is_transformation(built):
         raise ValueError(
             "The optimizer factory must return an optax GradientTransformation (as optax.adamw "
-            f"does when called with the learning rate), but {_name(optimizer)}"
+            "does when called with the learning rate), but "
+            f"{getattr(optimizer, '__name__', type(optimizer).__name__)}"
             f"(learning_rate) returned {type(built).__module__}.{type(built).__name__}. Pass an "
             "optax factory (optimizer=optax.adamw) or a built transformation "
             f"(optimizer=optax.adamw(1e-4)). Received: optimizer {type_name(optimizer)}"
         )
     return built
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _parameters(fn: Callable[..., Any]) -> set[str] | None:

@@ -133,7 +133,12 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
     context = context_layout()
     split = _split_arrays(model)
     if context is not None and mesh is not None:
-        _check_devices(context, mesh, "The context mesh (jax.set_mesh)")
+        ours, theirs = [d.id for d in mesh.devices.flat], [d.id for d in context.devices.flat]
+        if not set(theirs) <= set(ours):
+            raise ValueError(
+                f"The context mesh (jax.set_mesh) is over devices {theirs}, but autoaccum would "
+                f"train on devices {ours}. Pass data_parallel='auto' (the layout's devices). "
+                f"Received: a mesh {dict(context.shape)}")
         if not split:  # data parallel over the context's devices, or its layout (program's)
             return context_data_mesh(context)
     if not split:
@@ -168,17 +173,6 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
             + ("" if several else " or data_parallel=<the mesh your weights are on>")
             + f". {_KEEPS} Received: {example}")
     return None if several else _plain_mesh(user)
-
-
-def _check_devices(layout: Mesh, mesh: Mesh, what: str) -> None:
-    """A ``ValueError`` unless every device of ``layout`` is among those of ``mesh``."""
-    ours = [d.id for d in mesh.devices.flat]
-    theirs = [d.id for d in layout.devices.flat]
-    if not set(theirs) <= set(ours):
-        raise ValueError(
-            f"{what} is over devices {theirs}, but autoaccum would train on devices {ours}. "
-            f"Pass data_parallel='auto' (the layout's devices). Received: a mesh "
-            f"{dict(layout.shape)}")
 
 
 def own_placement(model: Any, state: Any, frozen: Any, *,
