@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from ..devices._profiles import format_bytes
 from ._budget import Resident
 from ._micro_batches import split_text
+from ._option_checks import say
 from ._plan import Plan
 from ._plan_options import first_line
 from ._search import DoesNotFitError
@@ -230,9 +231,7 @@ def run_advisor(
             if change in seen:
                 continue
             seen.append(change)
-            if stream is not None:
-                print(f"autoaccum: advise: trying {describe_change(change)} ...", file=stream,
-                      flush=True)
+            say(stream, f"autoaccum: advise: trying {describe_change(change)} ...")
             t0 = time.perf_counter()
             try:
                 plan = plan_with(change)
@@ -244,9 +243,8 @@ def run_advisor(
                     first = ("could not plan: "
                              f"{type(why).__name__}: {(str(why) or '-').splitlines()[0]}")
                 failed.append((change, first if len(first) <= 240 else first[:239] + "…"))
-                if stream is not None:
-                    print(f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "
-                          f"s): {first[:160]}", file=stream, flush=True)
+                say(stream, f"autoaccum: advise:   does not fit ({time.perf_counter() - t0:.1f} "
+                    f"s): {first[:160]}")
                 continue
             budget = budget or plan.budget_bytes
             change = {**change, **({"remat": plan.remat} if plan.remat != "none"
@@ -257,10 +255,8 @@ def run_advisor(
                                      plan.need_bytes, plan.budget_bytes, step_flops(plan),
                                      0.0, plan.estimate.source, plan,
                                      last_micro_batch=plan.last_micro_batch))
-            if stream is not None:
-                print(f"autoaccum: advise:   fits at {plan.split_text()}, need "
-                      f"{format_bytes(plan.need_bytes)} ({time.perf_counter() - t0:.1f} s)",
-                      file=stream, flush=True)
+            say(stream, f"autoaccum: advise:   fits at {plan.split_text()}, need "
+                f"{format_bytes(plan.need_bytes)} ({time.perf_counter() - t0:.1f} s)")
     alternatives = _ranked(_longest_sequences(found))
     advice = Advice(False, budget, target, resident=error.resident,
                     alternatives=alternatives, tried=tuple(failed),
@@ -439,17 +435,11 @@ def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
     from ..devices._profiles import all_profiles
     from ._budget import profile_budget, tpu_budget
 
-    rows = []
-    for profile in all_profiles():
-        if profile.platform != platform or platform not in ("gpu", "tpu"):
-            continue
-        if profile.is_tpu and profile.tpu.chips > 1:
-            continue
-        b = (tpu_budget(profile) if profile.is_tpu
-             else profile_budget(profile, memory_fraction)).bytes
-        if b > budget_bytes and b >= floor_bytes:
-            rows.append((b, profile.key))
-    return [{"device": key} for _, key in sorted(rows)]
+    rows = sorted(((tpu_budget(p) if p.is_tpu else profile_budget(p, memory_fraction)).bytes,
+                   p.key) for p in all_profiles()
+                  if p.platform == platform and platform in ("gpu", "tpu")
+                  and not (p.is_tpu and p.tpu.chips > 1))
+    return [{"device": key} for b, key in rows if b > budget_bytes and b >= floor_bytes]
 
 
 def more_chips(device: str, *, effective_batch: int | None = None, floor_bytes: int = 0,
@@ -463,21 +453,15 @@ def more_chips(device: str, *, effective_batch: int | None = None, floor_bytes: 
     """
     from ..devices._profiles import all_profiles, find_profile
 
-    here = find_profile(device)
-    if here.tpu is None:
+    here = find_profile(device).tpu
+    if here is None:
         return []
-    rows = []
-    for profile in all_profiles():
-        spec = profile.tpu
-        if (spec is None or spec.device_kind != here.tpu.device_kind
-                or spec.chips <= here.tpu.chips):
-            continue
-        if effective_batch is not None and effective_batch % spec.chips:
-            continue
-        if budget_bytes and -(-floor_bytes // spec.chips) > budget_bytes:
-            continue
-        rows.append((spec.chips, profile.key))
-    return [{"device": key} for _, key in sorted(rows)]
+    rows = sorted((p.tpu.chips, p.key) for p in all_profiles()
+                  if p.tpu is not None and p.tpu.device_kind == here.device_kind
+                  and p.tpu.chips > here.chips
+                  and (effective_batch is None or effective_batch % p.tpu.chips == 0)
+                  and (not budget_bytes or -(-floor_bytes // p.tpu.chips) <= budget_bytes))
+    return [{"device": key} for _, key in rows]
 
 
 def _ranked(found: list[Alternative]) -> tuple[Alternative, ...]:

@@ -30,6 +30,7 @@ from ..devices._oom import (
 from ..devices._profiles import format_bytes
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
+from ._option_checks import say
 from ._plan import Plan, plan_from_search
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
 from ._train_program import TrainProgram
@@ -187,9 +188,7 @@ def backoff_search(
 
     def probe(b: int, why: str) -> bool:
         k = math.ceil(per / b)
-        if log is not None:
-            print(f"autoaccum: real step at micro_batch={b} x {k} ({why}) ...", file=log,
-                  flush=True)
+        say(log, f"autoaccum: real step at micro_batch={b} x {k} ({why}) ...")
         t0 = time.perf_counter()
         error = ""
         try:
@@ -226,7 +225,11 @@ def backoff_search(
             else:
                 hi = mid
         if lo < 0:
-            _raise_no_fit(last_error, order, per)
+            one = next((p for p in reversed(order) if p.micro_batch == 1), None)
+            error = last_error[0] if last_error else RuntimeError("RESOURCE_EXHAUSTED")
+            raise DoesNotFitError(no_micro_batch_fits(
+                error, need_bytes=one.need_bytes if one else None, accum_steps=per),
+                probes=tuple(order)) from error
         chosen = max(d for d in divisors(per) if d <= pool[lo])
         if not verify and chosen == pool[lo]:
             break
@@ -246,15 +249,6 @@ def backoff_search(
         affine=None,
         seconds=time.perf_counter() - start,
     )
-
-
-def _raise_no_fit(last_error: list[BaseException], probes: list[Probe], per: int) -> None:
-    one = next((p for p in reversed(probes) if p.micro_batch == 1), None)
-    error = last_error[0] if last_error else RuntimeError("RESOURCE_EXHAUSTED")
-    raise DoesNotFitError(
-        no_micro_batch_fits(error, need_bytes=one.need_bytes if one else None, accum_steps=per),
-        probes=tuple(probes),
-    ) from error
 
 
 def backoff_plan(
@@ -310,9 +304,7 @@ def auto_plan(
             *plan.notes, "not verified by a real step (no real device for this target)"))
     per = plan.effective_batch // plan.data_parallel
     b, k = plan.micro_batch, plan.accum_steps
-    if log is not None:
-        print(f"autoaccum: verifying the plan with one real step at micro_batch={b} x {k} ...",
-              file=log, flush=True)
+    say(log, f"autoaccum: verifying the plan with one real step at micro_batch={b} x {k} ...")
     estimate_of = getattr(run_step, "estimate", None)
     try:
         run_step(b, k)
@@ -321,9 +313,8 @@ def auto_plan(
             raise
         failed = Probe(b, k, plan.need_bytes, False, "verify compiled plan", plan.estimate,
                        kind="real step", error=first_line(error))
-        if log is not None:
-            print(f"autoaccum:   out of memory ({first_line(error)}); backing off below "
-                  f"micro_batch={b}", file=log, flush=True)
+        say(log, f"autoaccum:   out of memory ({first_line(error)}); backing off below "
+            f"micro_batch={b}")
         if b == 1:
             raise DoesNotFitError(no_micro_batch_fits(
                 error, need_bytes=plan.need_bytes, accum_steps=k)) from error
@@ -342,8 +333,7 @@ def auto_plan(
     estimate = estimate_of(b, k) if callable(estimate_of) else None
     verified = Probe(b, k, plan.need_bytes, True, "verify compiled plan",
                      estimate or plan.estimate, kind="real step")
-    if log is not None:
-        print(f"autoaccum:   micro_batch={b} ran", file=log, flush=True)
+    say(log, f"autoaccum:   micro_batch={b} ran")
     return dataclasses.replace(
         plan, probes=(*plan.probes, verified),
         notes=(*plan.notes, f"verified by one real step at micro_batch={b} x {k}"),

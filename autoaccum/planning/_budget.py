@@ -23,6 +23,7 @@ import dataclasses
 import math
 import numbers
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -423,11 +424,10 @@ def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
     )
 
 
-def program_resident(program: Any, built: list[TrainProgram], variants: Any, cache: Any,
+def program_resident(program: Callable[[], TrainProgram], variants: Any, cache: Any,
                      given: Any = None) -> Resident:
     """The full-depth program's resident memory: ``given`` (a :class:`Resident` or a function),
-    else from the need cache (nothing built), else from the program, built once into
-    ``built``."""
+    else from the need cache (nothing built), else from ``program()``."""
     if isinstance(given, Resident):
         return given
     key = None
@@ -439,12 +439,7 @@ def program_resident(program: Any, built: list[TrainProgram], variants: Any, cac
                 return Resident(**figures)
             except TypeError:  # written by another version
                 pass
-    if callable(given):
-        resident = given()
-    else:
-        if not built:
-            built.append(program if isinstance(program, TrainProgram) else program())
-        resident = resident_of(built[0])
+    resident = given() if callable(given) else resident_of(program())
     if key is not None:
         cache.put(key, dataclasses.asdict(resident), material={"resident": "figures"})
     return resident

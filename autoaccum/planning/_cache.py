@@ -394,14 +394,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
                 continue
         pending.append((i, program, lowered, keys, {"lower_seconds": lower_seconds,
                                                     **material}))
-    if pending:
-        _compile_pending(pending, requests, results, target, cache, workers)
-    return [r for r in results if r is not None]
 
-
-def _compile_pending(pending: list, requests: Sequence[CompileRequest],
-                     results: list, target: CompileTarget, cache: NeedCache | None,
-                     workers: int) -> None:
     def compile_one(item: tuple) -> tuple[Any, float]:
         i, program, lowered, _, _ = item
         start = time.perf_counter()
@@ -433,6 +426,7 @@ def _compile_pending(pending: list, requests: Sequence[CompileRequest],
                 stored["identity"] = request.identity
             for key in keys:
                 cache.put(key, dataclasses.asdict(estimate), material=stored)
+    return [r for r in results if r is not None]
 
 
 def _from_cache(cache: NeedCache, key: str, target: CompileTarget) -> MemoryEstimate | None:

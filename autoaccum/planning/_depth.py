@@ -34,7 +34,7 @@ from ._budget import Budget
 from ._cache import CompileRequest, measure_all
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
-from ._option_checks import received
+from ._option_checks import received, say
 from ._plan import Plan, plan_from_search, search_plan
 from ._search import (
     PREDICTION_MARGIN,
@@ -301,8 +301,9 @@ class DepthExtrapolator:
 
     def optimistic(self, estimate: MemoryEstimate) -> float:
         """The least the full-depth step at ``estimate`` (an extrapolation) can need: temp
-        brought down to the rematerialization pass's target where the pass runs."""
-        limit = self._remat_target(estimate)
+        brought down to the target of XLA's GPU rematerialization pass where it runs."""
+        base = self.target.remat_pass_base_bytes
+        limit = None if base is None else (base - io_bytes(estimate)) * REMAT_SLOP
         if limit is None or estimate.temp_bytes <= limit:
             return float(estimate.need_bytes)
         return io_bytes(estimate) + max(limit, 0.0)
@@ -331,16 +332,8 @@ class DepthExtrapolator:
                       f"{format_bytes(check.predicted_bytes)}, {error:+.2%})")
         return estimate
 
-    def _remat_target(self, estimate: MemoryEstimate) -> float | None:
-        """The temp above which XLA's GPU rematerialization pass rewrites this step."""
-        base = self.target.remat_pass_base_bytes
-        if base is None:
-            return None
-        return (base - io_bytes(estimate)) * REMAT_SLOP
-
     def _say(self, text: str) -> None:
-        if self.log is not None:
-            print(f"autoaccum:   depth extrapolation: {text}", file=self.log, flush=True)
+        say(self.log, f"autoaccum:   depth extrapolation: {text}")
 
     def notes(self) -> tuple[str, ...]:
         """Plan notes: predicted vs verified need, and where the fit did not hold."""
@@ -519,17 +512,15 @@ def plan_by_depth(
             # The search's line less the pass's saving clearly over: no compile could fit.
             guess = line_need(need_line(searched, per_device), up, searched, per_device)
             out_of_reach = guess is not None and guess - saved > reach
-            if out_of_reach and stream is not None:
-                print(f"autoaccum: depth extrapolation: micro_batch {up} not compiled: the "
-                      f"line says {format_bytes(guess)}, less the {format_bytes(saved)} the "
-                      "pass saved, over the budget", file=stream, flush=True)
+            if out_of_reach:
+                say(stream, f"autoaccum: depth extrapolation: micro_batch {up} not compiled: "
+                    f"the line says {format_bytes(guess)}, less the {format_bytes(saved)} the "
+                    "pass saved, over the budget")
             if (not out_of_reach
                     and extrapolator.measure(up, per_device // up).need_bytes - saved <= reach):
-                if stream is not None:
-                    print(f"autoaccum: depth extrapolation: XLA's rematerialization pass saved "
-                          f"{format_bytes(saved)} at micro_batch {plan.micro_batch}; "
-                          f"micro_batch {up} at full depth may fit too", file=stream,
-                          flush=True)
+                say(stream, f"autoaccum: depth extrapolation: XLA's rematerialization pass "
+                    f"saved {format_bytes(saved)} at micro_batch {plan.micro_batch}; "
+                    f"micro_batch {up} at full depth may fit too")
                 wider = extrapolator.full(up, per_device // up)
                 probe = Probe(up, per_device // up, wider.need_bytes,
                               wider.need_bytes <= budget.bytes,
@@ -543,9 +534,8 @@ def plan_by_depth(
     reason = (f"micro_batch {plan.micro_batch} at full depth needs "
               f"{format_bytes(verified.need_bytes)}, over the budget "
               f"({extrapolator.checks[plan.micro_batch].error:+.1%} from the prediction)")
-    if stream is not None:
-        print(f"autoaccum: depth extrapolation did not hold ({reason}); planning with "
-              "full-depth compiles", file=stream, flush=True)
+    say(stream, f"autoaccum: depth extrapolation did not hold ({reason}); planning with "
+        "full-depth compiles")
     full = search_plan(extrapolator.full, notes=notes, **common)
     return dataclasses.replace(
         full,

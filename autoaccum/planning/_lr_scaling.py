@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._option_checks import received
+from ._option_checks import received, say
 
 LR_RULES = ("linear", "sqrt", "none")
 
@@ -90,12 +90,9 @@ class LearningRateScaling:
             what = (f"learning rate {_fmt(self.base_learning_rate)} -> "
                     f"{_fmt(self.learning_rate)}")
         why = f", {self.reason}" if self.reason else ""
-        text = (f"autoaccum: {what} ({self.rule} rule{why}; effective batch "
-                f"{self.effective_batch} / base batch {self.base_batch})")
-        if self.adam is not None:
-            text += (f"; Adam b1 -> {self.adam.b1:.6g}, b2 -> {self.adam.b2:.6g}, "
-                     f"eps -> {self.adam.eps:.3g}")
-        return text
+        return (f"autoaccum: {what} ({self.rule} rule{why}; effective batch "
+                f"{self.effective_batch} / base batch {self.base_batch})"
+                + self._adam_text("Adam "))
 
     def arithmetic(self) -> str:
         """Human-readable arithmetic, e.g. ``"8e-04 = 1e-04 x 8/1, linear"``."""
@@ -111,14 +108,14 @@ class LearningRateScaling:
         elif callable(self.base_learning_rate):
             text = f"schedule x {self.factor:.4g} = schedule x {how}, {self.rule}"
         else:
-            text = (
-                f"{_fmt(self.learning_rate)} = {_fmt(self.base_learning_rate)} x {how}, {self.rule}"
-            )
-        if self.adam is not None:
-            text += (
-                f"; b1 -> {self.adam.b1:.6g}, b2 -> {self.adam.b2:.6g}, eps -> {self.adam.eps:.3g}"
-            )
-        return text
+            text = (f"{_fmt(self.learning_rate)} = {_fmt(self.base_learning_rate)} x {how}, "
+                    f"{self.rule}")
+        return text + self._adam_text("")
+
+    def _adam_text(self, prefix: str) -> str:
+        a = self.adam
+        return "" if a is None else (
+            f"; {prefix}b1 -> {a.b1:.6g}, b2 -> {a.b2:.6g}, eps -> {a.eps:.3g}")
 
 
 def _fmt(value: Any) -> str:
@@ -127,9 +124,8 @@ def _fmt(value: Any) -> str:
 
 def announce(scaling: LearningRateScaling, log: Any) -> None:
     """Prints ``scaling.notice()`` (one line) to ``log`` when the rate was changed."""
-    line = scaling.notice()
-    if line is not None and log is not None:
-        print(line, file=log, flush=True)
+    if (line := scaling.notice()) is not None:
+        say(log, line)
 
 
 def validate_lr_rule(rule: str | None) -> str | None:

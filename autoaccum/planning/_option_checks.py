@@ -208,6 +208,12 @@ def resolve_log(log: object) -> Any:
     return log
 
 
+def say(log: Any, text: str) -> None:
+    """Prints ``text`` as one line to the stream ``log`` (``None``: nowhere)."""
+    if log is not None:
+        print(text, file=log, flush=True)
+
+
 def type_name(obj: object) -> str:
     """How an error message names a user's object: its type (a function by its name), never
     its ``repr`` (a model, an optimizer or an array can print thousands of lines).

@@ -291,25 +291,6 @@ def _process_count() -> int:
     return jax.process_count()
 
 
-def agree_across_processes(search: SearchResult, measure: Any, *,
-                           per_device: int) -> tuple[SearchResult, tuple[int, ...]]:
-    """The search result at the smallest micro-batch chosen by any process (measured here
-    unless probed already), and each choice."""
-    from ..devices._mesh import agree_micro_batch
-
-    agreed, each = agree_micro_batch(search.micro_batch)
-    if agreed == search.micro_batch:
-        return search, each
-    probed = {p.micro_batch: p for p in search.probes}
-    if agreed in probed:
-        estimate = probed[agreed].estimate
-    else:
-        estimate = measure(agreed, math.ceil(per_device / agreed))
-    return (dataclasses.replace(search, micro_batch=agreed, max_micro_batch=agreed,
-                                estimate=estimate,
-                                last_micro_batch=split_sizes(per_device, agreed)[1]), each)
-
-
 def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...],
                    devices: int | None = None) -> str:
     """The report's line on the plan being the same on every device and process; ``devices``:
@@ -367,10 +348,19 @@ def search_plan(
         largest_first=largest_first,
     )
     if agree and (data_parallel > 1 or _process_count() > 1):
-        search, agreement = agree_across_processes(search, measure,
-                                                   per_device=effective_batch // data_parallel)
-        notes = (*notes, agreement_note(search.micro_batch, data_parallel, agreement,
-                                        devices))
+        from ..devices._mesh import agree_micro_batch
+
+        # The smallest micro-batch any process chose, measured here unless probed already.
+        per_device = effective_batch // data_parallel
+        agreed, each = agree_micro_batch(search.micro_batch)
+        if agreed != search.micro_batch:
+            probed = {p.micro_batch: p.estimate for p in search.probes}
+            estimate = (probed[agreed] if agreed in probed
+                        else measure(agreed, math.ceil(per_device / agreed)))
+            search = dataclasses.replace(search, micro_batch=agreed, max_micro_batch=agreed,
+                                         estimate=estimate,
+                                         last_micro_batch=split_sizes(per_device, agreed)[1])
+        notes = (*notes, agreement_note(search.micro_batch, data_parallel, each, devices))
     return plan_from_search(
         search,
         effective_batch=effective_batch,

@@ -21,6 +21,7 @@ from ._micro_batches import split_sizes
 from ._option_checks import (
     check_enough_examples,
     received,
+    say,
     validate_effective_batch,
     validate_memory_fraction,
 )
@@ -141,7 +142,13 @@ def plan_program(
     notes += tuple(resolved.budget.margin_lines())
     need_cache = resolve_cache(cache)
     built: list[TrainProgram] = [program] if isinstance(program, TrainProgram) else []
-    resident = program_resident(program, built, depth_variants, need_cache, resident)
+
+    def the_program() -> TrainProgram:
+        if not built:
+            built.append(program if isinstance(program, TrainProgram) else program())
+        return built[0]
+
+    resident = program_resident(the_program, depth_variants, need_cache, resident)
     check_resident(resident, resolved.budget.bytes, memory_fraction=memory_fraction,
                    target=resolved.compile_target.name)
     if built and depth_variants is not None and depth_variants.full is program:
@@ -168,11 +175,6 @@ def plan_program(
                                      verify=verify_depth, data_parallel=dp or 1)
         return _marked(dataclasses.replace(by_depth, profile=_profile_key(resolved),
                                            deviceless=resolved.kind == "deviceless"), chosen)
-
-    def the_program() -> TrainProgram:
-        if not built:
-            built.append(program if isinstance(program, TrainProgram) else program())
-        return built[0]
 
     identity = (depth_variants.key(depth_variants.full_depth)
                 if depth_variants is not None else None)
@@ -630,8 +632,7 @@ def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, D
             print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
         ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
         if ruled_out is not None:
-            if log is not None:
-                print(f"autoaccum:   {ruled_out}", file=log, flush=True)
+            say(log, f"autoaccum:   {ruled_out}")
             skipped.append((name, ruled_out))
             continue
         try:
@@ -697,10 +698,8 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
     budget = resolved.budget.bytes
 
     def probe_at(micro: int, steps: int, last: int | None, against: int) -> Probe:
-        if log is not None:
-            print(f"autoaccum: {strategy}: XLA's own partitioning of the step at "
-                  f"{micro} x {steps}{'' if last is None else f' (last {last})'}",
-                  file=log, flush=True)
+        say(log, f"autoaccum: {strategy}: XLA's own partitioning of the step at "
+            f"{micro} x {steps}{'' if last is None else f' (last {last})'}")
         (estimate,) = measure_all([CompileRequest(xla.program, micro, steps, last=last)],
                                   resolved.compile_target, cache=resolve_cache(cache),
                                   workers=1)

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ._measure import MemoryEstimate
+from ._option_checks import say
 
 
 @dataclass(frozen=True)
@@ -275,9 +276,8 @@ def search_micro_batch(
         k = math.ceil(limit / b)
         last = limit - (k - 1) * b
         uneven = measure_uneven if last != b else None
-        if log is not None:
-            print(f"autoaccum: compiling micro_batch={b} x {k} steps"
-                  f"{f', last {last}' if uneven else ''} ({why}) ...", file=log, flush=True)
+        say(log, f"autoaccum: compiling micro_batch={b} x {k} steps"
+            f"{f', last {last}' if uneven else ''} ({why}) ...")
         estimate = uneven(b, k, last) if uneven is not None else measure(b, k)
         p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
                   last_micro_batch=last if uneven is not None else None)
@@ -315,9 +315,6 @@ def search_micro_batch(
         need = line_need(fit, b, probes.values(), limit)
         return need is not None and need > budget_bytes * (1 + PREDICTION_MARGIN)
 
-    def between(lo: int, hi: int) -> list[int]:
-        return [c for c in candidates if lo < c < hi]
-
     def bounds() -> tuple[int, int]:
         fitting = [b for b, p in probes.items() if p.fits]
         failing = [b for b, p in probes.items() if not p.fits]
@@ -335,8 +332,7 @@ def search_micro_batch(
                 break
         if not any(p.fits for p in probes.values()) and 1 not in probes:
             probe(1, "smallest")
-        lo = max((b for b, p in probes.items() if p.fits), default=0)
-        return _result(lo, probes, order, line(), start, budget_bytes,
+        return _result(bounds()[0], probes, order, line(), start, budget_bytes,
                        measure_uneven is None)
 
     first = next((c for c in candidates if c >= 2), None)
@@ -348,7 +344,7 @@ def search_micro_batch(
     lo, hi = bounds()
     while True:
         fit = line()
-        open_ = [c for c in between(lo, hi) if c not in skipped]
+        open_ = [c for c in candidates if lo < c < hi and c not in skipped]
         if not open_ or lo == 0:
             break
         if fit is not None and fit[1] > 0:
@@ -381,10 +377,8 @@ def search_micro_batch(
             and _whole_batch_after_one(probes.get(1), budget_bytes)):
         probe(limit, "whole batch (no accumulation loop)")
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
-    lo = (limit if limit in probes and probes[limit].fits
-          else max((b for b, p in probes.items() if p.fits), default=0))
-    return _result(lo, probes, order, line(), start, budget_bytes,
-                   measure_uneven is None)
+    lo = limit if limit in probes and probes[limit].fits else bounds()[0]
+    return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
 
 
 def _result(lo: int, probes: dict[int, Probe], order: list[Probe],

@@ -313,15 +313,15 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
             "A sharding strategy runs on a one-axis (data) mesh. Received: a mesh with axes "
             f"{mesh.axis_names}")
     axis, n = mesh.axis_names[0], int(mesh.size)
-    split_params = tree_specs(params, n, axis)
-    copied_params = jax.tree.map(lambda _: P(), split_params, is_leaf=lambda s: isinstance(s, P))
-    split_opt = tree_specs(optimizer, n, axis)
-    copied_opt = jax.tree.map(lambda _: P(), split_opt, is_leaf=lambda s: isinstance(s, P))
     rank = STRATEGIES.index(strategy)
-    param_specs = split_params if rank >= 3 else copied_params
-    grad_specs = split_params if rank >= 2 else copied_params
-    opt_specs = split_opt if rank >= 1 else copied_opt
-    reduced_specs = split_params if rank >= 1 else copied_params
+
+    def split_from(least: int, tree: PyTree) -> PyTree:  # split from strategy rank ``least``
+        specs = tree_specs(tree, n, axis)
+        return specs if rank >= least else jax.tree.map(
+            lambda _: P(), specs, is_leaf=lambda s: isinstance(s, P))
+
+    param_specs, grad_specs = split_from(3, params), split_from(2, params)
+    opt_specs, reduced_specs = split_from(1, optimizer), split_from(1, params)
     if fixed is not None and any(f is not None for f in fixed):
         treedef = jax.tree.structure(params)
 
@@ -338,12 +338,7 @@ def state_layout(strategy: str, mesh: Mesh, *, params: PyTree, optimizer: PyTree
         opt_specs = jax.tree.map(
             lambda sub, spec: pin(spec) if mirrors(sub) else spec,
             optimizer, opt_specs, is_leaf=mirrors)
-    frozen_specs = None
-    if frozen is not None:
-        frozen_specs = tree_specs(frozen, n, axis)
-        if rank < 3:
-            frozen_specs = jax.tree.map(lambda _: P(), frozen_specs,
-                                        is_leaf=lambda s: isinstance(s, P))
+    frozen_specs = None if frozen is None else split_from(3, frozen)
     return StateLayout(
         strategy=strategy,
         mesh=mesh,
