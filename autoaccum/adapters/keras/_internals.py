@@ -242,15 +242,6 @@ def stateless_scope() -> Any:
     return get_stateless_scope()
 
 
-def in_stateless_scope() -> bool:
-    """Whether a ``keras.StatelessScope`` is open in this thread (Keras 3.15.1)."""
-    from keras.src.backend.common.stateless_scope import (
-        in_stateless_scope as keras_in_stateless_scope,
-    )
-
-    return bool(keras_in_stateless_scope())
-
-
 # -- variables and deferred initialization ---------------------------------------------------
 
 

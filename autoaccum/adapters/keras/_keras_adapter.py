@@ -24,7 +24,7 @@ from ...planning._plan_options import ProgramOptions
 from ...training._accumulate import validate_batch_stats
 from ...training._epoch_batches import ReplayedStream
 from ...training._user_step import UserLoopStep
-from ._distribution import keras_auto_mesh, keras_placement, keras_strategy_layout, placed_program
+from ._distribution import keras_auto_mesh, keras_placement, placed_program
 from ._internals import set_jax_state
 from ._keras_data import KerasArrays, KerasData, is_stream, keras_data, with_targets
 from ._keras_fit import KerasState, keras_fit, keras_runner
@@ -93,7 +93,7 @@ class KerasAdapter(Adapter):
         if source is None:
             source = keras_data(model, data)  # read once: later policies reuse it
         sample = source.sample(effective_batch)
-        arrays = KerasArrays(*(*sample, None, None)[:3])
+        arrays = KerasArrays.of(sample)
         spec = arrays.example_spec()
         batch = arrays.num_examples  # Keras's first batch: its shape errors name it
         ensure_built(model, spec, batch_size=batch)
@@ -300,11 +300,9 @@ class KerasTrainStep(UserLoopStep):
         materialize(model)
         self._spec = spec
         layout = prepared.extras["layout"]
-        state = KerasState(
-            model, layout, mesh=mesh, placement=keras_placement(model, layout),
-            strategy_layout=keras_strategy_layout(
-                model, getattr(plan, "strategy", "replicated"), mesh, layout=layout,
-                partitioner=getattr(plan, "partitioner", "autoaccum")))
+        state = KerasState(model, layout, mesh=mesh, placement=keras_placement(model, layout),
+                           strategy=getattr(plan, "strategy", "replicated"),
+                           partitioner=getattr(plan, "partitioner", "autoaccum"))
         super().__init__(keras_runner(
             state, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
             last_micro_batch=plan.last_micro_batch, uneven=uneven, lr_scaling=plan.lr_scaling,
@@ -368,7 +366,7 @@ class KerasTrainStep(UserLoopStep):
                 f"devices; pass a multiple of {dp} examples (or drop the last {n % dp}). "
                 f"Received: a batch of {n} examples")
         packed = source.sample(n)
-        spec = KerasArrays(*(*packed, None, None)[:3]).example_spec()
+        spec = KerasArrays.of(packed).example_spec()
         if _describe(spec) != _describe(self._spec):
             raise ValueError(
                 "The batch is not shaped like the data the step was planned and compiled for "

@@ -46,6 +46,16 @@ class KerasArrays:
     y: PyTree = None
     sample_weight: PyTree = None
 
+    @classmethod
+    def of(cls, packed: tuple) -> KerasArrays:
+        """From a packed ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+        return cls(*(*packed, None, None)[:3])
+
+    def map(self, fn: Callable[[PyTree], PyTree]) -> KerasArrays:
+        """``fn`` applied to each of ``x``, ``y``, ``sample_weight`` that is not ``None``."""
+        return KerasArrays(*(None if t is None else fn(t)
+                             for t in (self.x, self.y, self.sample_weight)))
+
     @property
     def packed(self) -> tuple:
         """``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``, as Keras packs a batch."""
@@ -62,9 +72,9 @@ class KerasArrays:
 
     def example_spec(self) -> PyTree:
         """``jax.ShapeDtypeStruct`` of one example of :attr:`packed` (no leading axis)."""
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], _jax_dtype(a)), self.packed
-        )
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            np.shape(a)[1:], np.dtype(a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)),
+            self.packed)
 
 
 def _as_numpy(tree: PyTree) -> PyTree:
@@ -80,11 +90,6 @@ def _leaf_to_numpy(leaf: Any) -> np.ndarray:
     elif array.dtype == np.int64:
         array = array.astype(np.int32)
     return array
-
-
-def _jax_dtype(array: Any) -> Any:
-    dtype = np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype
-    return np.dtype(dtype)
 
 
 def _check_leading_axis(arrays: KerasArrays, name: str, *, strings: bool = False) -> None:
@@ -185,9 +190,7 @@ def raw_arrays(arrays: KerasArrays) -> KerasArrays:
             return np.asarray(leaf.numpy())
         return np.asarray(leaf)
 
-    is_list = lambda v: isinstance(v, list)  # noqa: E731
-    convert = lambda t: None if t is None else jax.tree.map(one, t, is_leaf=is_list)  # noqa: E731
-    return KerasArrays(convert(arrays.x), convert(arrays.y), convert(arrays.sample_weight))
+    return arrays.map(lambda t: jax.tree.map(one, t, is_leaf=lambda v: isinstance(v, list)))
 
 
 CHUNK = 256
@@ -219,26 +222,22 @@ def _one_shot(data: Any) -> bool:
     return not _is_py_dataset(data) and hasattr(data, "__next__") and iter(data) is data
 
 
-def stream_batches(data: Any, *, shuffle: bool = False, name: str = "data"
-                   ) -> Iterator[tuple]:
-    """One pass over ``data``: each batch packed as ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
+def stream_batches(data: Any, *, shuffle: bool = False) -> Iterator[tuple]:
+    """One pass over ``data`` (a one-shot iterator read directly, else through Keras's data
+    adapter): each batch packed as ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
     import keras
 
-    if _one_shot(data):
-        for batch in data:
-            yield KerasArrays(*keras.utils.unpack_x_y_sample_weight(_as_tuple(batch))).packed
-        return
-    adapter = data_adapter(data, shuffle=shuffle and _is_py_dataset(data))
-    adapter.on_epoch_begin()
+    adapter = None if _one_shot(data) else data_adapter(
+        data, shuffle=shuffle and _is_py_dataset(data))
+    if adapter is not None:
+        adapter.on_epoch_begin()
     try:
-        for batch in adapter.get_numpy_iterator():
-            yield KerasArrays(*keras.utils.unpack_x_y_sample_weight(_as_tuple(batch))).packed
+        for batch in data if adapter is None else adapter.get_numpy_iterator():
+            batch = tuple(batch) if isinstance(batch, list) else batch
+            yield KerasArrays(*keras.utils.unpack_x_y_sample_weight(batch)).packed
     finally:
-        adapter.on_epoch_end()
-
-
-def _as_tuple(batch: Any) -> Any:
-    return tuple(batch) if isinstance(batch, list) else batch
+        if adapter is not None:
+            adapter.on_epoch_end()
 
 
 def batched_tf_dataset(dataset: Any, model: Any = None) -> Any:
@@ -262,8 +261,6 @@ def is_batched(dataset: Any, model: Any = None) -> bool:
         return found
     inputs = getattr(model, "inputs", None) if model is not None else None
     if inputs:
-        import jax
-
         specs = dataset.element_spec
         x_spec = specs[0] if isinstance(specs, tuple) else specs
         first = jax.tree.leaves(x_spec)
@@ -310,7 +307,7 @@ class KerasData:
 
     def example_spec(self) -> PyTree:
         """``jax.ShapeDtypeStruct`` of one packed example."""
-        return KerasArrays(*_unpack(self.sample(1))).example_spec()
+        return KerasArrays.of(self.sample(1)).example_spec()
 
     def epoch(self, *, batch: int, drop_remainder: bool = False, shuffle: bool = False,
               seed: int | None = 0, epoch: int = 0, steps: int | None = None
@@ -383,14 +380,14 @@ class StreamSource(ReplayedStream, KerasData):
         self._structure: Any = None
 
     def _fresh(self, shuffle: bool) -> Iterator[tuple]:
-        for packed in stream_batches(self.data, shuffle=shuffle, name=self.name):
+        for packed in stream_batches(self.data, shuffle=shuffle):
             if self.preprocess is not None:
                 packed = self.preprocess(packed)
             yield self._checked(packed)
 
     def _checked(self, packed: tuple) -> tuple:
         packed = tuple(_as_numpy(t) for t in packed)
-        _check_leading_axis(KerasArrays(*_unpack(packed)), self.name)
+        _check_leading_axis(KerasArrays.of(packed), self.name)
         shapes = jax.tree.map(lambda a: (np.shape(a)[1:], np.asarray(a).dtype), packed)
         if self._structure is None:
             self._structure = shapes
@@ -463,19 +460,18 @@ def _unpacked(data: Any, name: str, *, raw: bool) -> KerasArrays:
                 f"Expected `{name}` as (x,), (x, y) or (x, y, sample_weight). Received: "
                 f"{name}=a {type(data).__name__} of length {len(data)}"
             )
-        return KerasArrays(*((*tuple(data), None, None))[:3])
+        return KerasArrays.of(tuple(data))
     return KerasArrays(data)
 
 
 def _numpy_arrays(arrays: KerasArrays, name: str) -> KerasArrays:
-    out = KerasArrays(*(_as_numpy(t) for t in (arrays.x, arrays.y, arrays.sample_weight)))
+    out = arrays.map(_as_numpy)
     _check_leading_axis(out, name)
     return out
 
 
 def _take_arrays(arrays: KerasArrays, index: np.ndarray) -> KerasArrays:
-    pick = lambda t: None if t is None else jax.tree.map(lambda a: a[index], t)  # noqa: E731
-    return KerasArrays(pick(arrays.x), pick(arrays.y), pick(arrays.sample_weight))
+    return arrays.map(lambda t: jax.tree.map(lambda a: a[index], t))
 
 
 def _length(tree: Any) -> int:
@@ -486,10 +482,6 @@ def _length(tree: Any) -> int:
             f"...]). Received: {type(tree).__name__}"
         )
     return int(np.shape(leaves[0])[0])
-
-
-def _unpack(packed: tuple) -> tuple:
-    return (*packed, None, None)[:3]
 
 
 def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays:
@@ -511,14 +503,8 @@ def to_keras_arrays(model: Any, data: Any, *, name: str = "data") -> KerasArrays
             f"(`.take(n)`) or train on the stream with `keras_fit(..., steps_per_epoch=...)`. "
             f"Received: {name} with infinite cardinality"
         )
-    if source.num_examples is not None:
-        packed = source.sample(source.num_examples)
-    else:
-        batches = list(source.epoch(batch=_MATERIALISE_BATCH))
-        packed = concat(batches)
-    arrays = KerasArrays(*_unpack(packed))
+    packed = (source.sample(source.num_examples) if source.num_examples is not None
+              else concat(list(source.epoch(batch=4096))))
+    arrays = KerasArrays.of(packed)
     _check_leading_axis(arrays, name)
     return arrays
-
-
-_MATERIALISE_BATCH = 4096

@@ -77,15 +77,19 @@ class KerasState(StateHooks):
     """A Keras model's variables as the step's ``(state, frozen)``.
 
     ``layout``: which non-trainable variables the step writes; ``mesh``: the data-parallel
-    mesh or ``None``; ``placement``: the user's layout (``mesh`` then ignored);
-    ``strategy_layout``: a sharding strategy's layout on ``mesh`` (``None``: replicated).
+    mesh or ``None``; ``placement``: the user's layout (``mesh`` then ignored); ``strategy``
+    and ``partitioner``: how a data-parallel ``mesh`` splits the state (``strategy_layout``).
     """
 
     def __init__(self, model: Any, layout: KerasLayout, *, mesh: Any = None,
-                 placement: Any = None, strategy_layout: StateLayout | None = None) -> None:
+                 placement: Any = None, strategy: str = "replicated",
+                 partitioner: str = "autoaccum") -> None:
         self.model, self.layout, self.placement = model, layout, placement
         self.mesh = None if placement is not None else mesh
-        self.strategy_layout = strategy_layout if self.mesh is not None else None
+        strategy_layout = keras_strategy_layout(model, strategy, mesh, layout=layout,
+                                                partitioner=partitioner)
+        self.strategy_layout: StateLayout | None = (strategy_layout if self.mesh is not None
+                                                    else None)
         mark_trained_on(model, self.mesh)
 
     @property
@@ -105,26 +109,20 @@ class KerasState(StateHooks):
         if self.placement is not None:
             return (place(state, self.placement.state),
                     place((frozen,), self.placement.frozen)[0])
-        if self.strategy_layout is not None:
-            shardings = self._frozen_shardings(frozen)
+        layout = self.strategy_layout
+        if layout is not None:
+            shardings = ([replicated_sharding(self.mesh) for _ in frozen] if layout.frozen is None
+                         else list(layout.frozen_shardings(layout.frozen)[0]))
             if any(getattr(v, "sharding", None) != s
                    for v, s in zip(frozen, shardings, strict=True)):
                 frozen = place((frozen,), (shardings,))[0]
-                if self.strategy_layout.strategy == "fsdp":  # the model holds them split
+                if layout.strategy == "fsdp":  # the model holds them split
                     for i, value in zip(self.layout.frozen, frozen, strict=True):
                         self.model.non_trainable_variables[i].assign(value)
-            return place(state, strategy_shardings(self.strategy_layout, state)), frozen
+            return place(state, strategy_shardings(layout, state)), frozen
         if self.mesh is None:
             return state, frozen
         return replicate((state, frozen), self.mesh)
-
-    def _frozen_shardings(self, frozen: list) -> list:
-        """The frozen non-trainable variables' shardings under the strategy (split under
-        ``fsdp``, else copied)."""
-        layout = self.strategy_layout
-        if layout.frozen is None:
-            return [replicated_sharding(self.mesh) for _ in frozen]
-        return list(layout.frozen_shardings(layout.frozen)[0])
 
 
 def keras_runner(hooks: KerasState, *, micro_batch: int, accum_steps: int,
@@ -157,22 +155,29 @@ class Validator:
     def __init__(self, model: Any, layout: KerasLayout, data: KerasData, raw: Any, *,
                  batch_size: int, micro_batch: int, steps: int | None,
                  uneven: bool = True) -> None:
-        self.model = model
-        self.layout = layout
-        self.data = data
+        self.model, self.layout, self.data, self.batch_size, self.steps = (
+            model, layout, data, batch_size, steps)
         self.raw = raw
         """The validation data as the user gave it (for ``model.evaluate``)."""
-        self.batch_size = batch_size
-        self.steps = steps
         self._loop = EvalLoop(keras_eval_step(model, layout), micro_batch=micro_batch,
                               uneven=uneven, lowering=keras_lowering_scope)
 
     def __call__(self, callbacks: Any) -> dict[str, float]:
         import keras
 
-        if type(self.model).test_step is not keras.Model.test_step:
-            return self._keras_evaluate(callbacks)
         model, layout = self.model, self.layout
+        if type(model).test_step is not keras.Model.test_step:
+            # model.evaluate (a test_step override), the variables put back if it fails.
+            held = jax.tree.map(np.array, jax.device_get(keras_state(model, layout)[0]))
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(self.raw)
+            try:
+                return model.evaluate(x, y, sample_weight=sample_weight,
+                                      batch_size=self.batch_size, steps=self.steps,
+                                      callbacks=callbacks, return_dict=True, verbose=0)
+            except BaseException:
+                set_jax_state(model, None)
+                write_back(model, layout, held)
+                raise
         model.reset_metrics()
         callbacks.on_test_begin()
         logs: dict[str, float] = {}
@@ -194,23 +199,6 @@ class Validator:
                    steps=self.steps, begin=callbacks.on_test_batch_begin)
         callbacks.on_test_end(logs)
         return logs
-
-    def _keras_evaluate(self, callbacks: Any) -> dict[str, float]:
-        """``model.evaluate`` (a ``test_step`` override), the variables put back if it fails."""
-        import keras
-
-        model, layout = self.model, self.layout
-        state, _ = keras_state(model, layout)
-        held = jax.tree.map(np.array, jax.device_get(state))
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(self.raw)
-        try:
-            return model.evaluate(x, y, sample_weight=sample_weight, batch_size=self.batch_size,
-                                  steps=self.steps, callbacks=callbacks, return_dict=True,
-                                  verbose=0)
-        except BaseException:
-            set_jax_state(model, None)
-            write_back(model, layout, held)
-            raise
 
 
 def keras_fit(
@@ -311,7 +299,18 @@ def keras_fit(
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer. "
                              f"Received: {received(name, value)}")
-    _check_last_micro_batch(last_micro_batch, micro_batch=micro_batch, accum_steps=accum_steps)
+    last = last_micro_batch
+    if last is not None and (not isinstance(last, (int, np.integer)) or isinstance(last, bool)
+                             or last < 1):
+        raise ValueError("`last_micro_batch` must be a positive integer (or None for an even "
+                         f"split). Received: {received('last_micro_batch', last)}")
+    if last is not None and (last >= micro_batch or accum_steps < 2):
+        raise ValueError(
+            "`last_micro_batch` is the smaller last micro-batch of an uneven step: it must be "
+            "below `micro_batch`, with `accum_steps` >= 2 (accum_steps - 1 micro-batches of "
+            "micro_batch, then it); pass None for an even split. Received: "
+            f"{received('last_micro_batch', last)}, micro_batch={micro_batch}, "
+            f"accum_steps={accum_steps}")
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, (int, np.integer))
                                         or steps_per_epoch < 1):
         raise ValueError(
@@ -333,11 +332,19 @@ def keras_fit(
                 f"(None). Received: data_parallel={mesh.size}")
         mesh = None
     dp = placement.data_parallel if placement is not None else 1 if mesh is None else mesh.size
-    last = None if last_micro_batch is None else int(last_micro_batch)
+    last = None if last is None else int(last)
     effective = (int(micro_batch) * (int(accum_steps) - 1) + (last or int(micro_batch))) * dp
     source = keras_data(model, data)
     source, val_source, val_raw = _validation(model, source, validation_data, validation_split)
-    _check_finite_input(source, steps_per_epoch)
+    cardinality = getattr(getattr(source, "data", None), "cardinality", None)
+    if steps_per_epoch is None and cardinality is not None:
+        import tensorflow as tf
+
+        if int(cardinality()) == tf.data.INFINITE_CARDINALITY:
+            raise ValueError(
+                "The dataset repeats forever (`.repeat()`): pass steps_per_epoch= (optimizer "
+                "steps per epoch), as model.fit requires for an infinite dataset. Received: "
+                "steps_per_epoch=None")
 
     spec = source.example_spec()
     first = min(effective, source.num_examples or effective)  # Keras's first batch
@@ -348,12 +355,11 @@ def keras_fit(
     if placement is not None:  # built now (optimizer and all): its layout as it is
         placement = keras_placement(model, layout)
     hooks = _KerasHooks(
-        model, layout, mesh=mesh, placement=placement,
-        strategy_layout=keras_strategy_layout(model, strategy, mesh, layout=layout,
-                                              partitioner=partitioner),
-        source=source, effective=effective, shuffle=shuffle, seed=seed,
-        steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder, epochs=epochs,
-        lr_scaling=lr_scaling, on_nonfinite=on_nonfinite, batch_stats=batch_stats)
+        model, layout, mesh=mesh, placement=placement, strategy=strategy,
+        partitioner=partitioner, source=source, effective=effective, shuffle=shuffle,
+        seed=seed, steps_per_epoch=steps_per_epoch, drop_remainder=drop_remainder,
+        epochs=epochs, lr_scaling=lr_scaling, on_nonfinite=on_nonfinite,
+        batch_stats=batch_stats)
     runner = hooks.runner = keras_runner(
         hooks, micro_batch=int(micro_batch), accum_steps=int(accum_steps),
         last_micro_batch=last, uneven=bool(uneven), lr_scaling=lr_scaling,
@@ -389,20 +395,21 @@ def keras_fit(
     return history
 
 
-class _KerasHooks(KerasState, FitHooks):
+class _KerasHooks(KerasState, FitHooks, FitCallbacks):
     """What a Keras model brings to the training loop: its variables (:class:`KerasState`),
-    the epoch's batches, Keras's callbacks and ``History``."""
+    the epoch's batches, ``History``, and Keras's ``CallbackList`` (progress bar and
+    ``History`` included) as the loop drives it, with Keras's metrics as the logs."""
 
     runner: StepRunner
     keras_callbacks: Any = None
     history_callback: Any = None
 
-    def __init__(self, model: Any, layout: Any, *, mesh: Any, placement: Any,
-                 strategy_layout: Any, source: KerasData, effective: int, shuffle: bool,
+    def __init__(self, model: Any, layout: Any, *, mesh: Any, placement: Any, strategy: str,
+                 partitioner: str, source: KerasData, effective: int, shuffle: bool,
                  seed: int | None, steps_per_epoch: int | None, drop_remainder: bool,
                  epochs: int, lr_scaling: Any, on_nonfinite: str, batch_stats: str) -> None:
-        super().__init__(model, layout, mesh=mesh, placement=placement,
-                         strategy_layout=strategy_layout)
+        super().__init__(model, layout, mesh=mesh, placement=placement, strategy=strategy,
+                         partitioner=partitioner)
         self.source, self.effective, self.shuffle, self.seed = source, effective, shuffle, seed
         self.steps_per_epoch, self.drop_remainder = steps_per_epoch, drop_remainder
         self.epochs, self.lr_scaling = epochs, lr_scaling
@@ -439,7 +446,7 @@ class _KerasHooks(KerasState, FitHooks):
         return jax.tree.map(lambda a: a[:keep], packed)
 
     def callbacks(self) -> FitCallbacks:
-        return _KerasCallbacks(self)
+        return self
 
     def history(self, loop: FitLoop) -> Any:
         """Keeps what autoaccum did on the run's ``History`` (also when training failed)."""
@@ -476,31 +483,24 @@ class _KerasHooks(KerasState, FitHooks):
         return history
 
 
-class _KerasCallbacks(FitCallbacks):
-    """Keras's ``CallbackList`` (progress bar and ``History`` included) as the loop drives
-    it, and Keras's metrics as the logs."""
-
-    def __init__(self, hooks: _KerasHooks) -> None:
-        self.hooks, self.model, self.list = hooks, hooks.model, hooks.keras_callbacks
-
     def train_begin(self, initial_epoch: int) -> int:
-        self.list.on_train_begin()
+        self.keras_callbacks.on_train_begin()
         resumed = take_initial_epoch(self.model)  # set by BackupAndRestore
-        if self.hooks.history_callback is not None:
-            self.model.history = self.hooks.history_callback
+        if self.history_callback is not None:
+            self.model.history = self.history_callback
         # Keras's count of steps (BackupAndRestore may have restored it).
-        self.hooks.runner.steps = int(self.model.optimizer.iterations)
+        self.runner.steps = int(self.model.optimizer.iterations)
         return resumed or initial_epoch
 
     def epoch_begin(self, epoch: int) -> None:
         self.model.reset_metrics()
-        self.list.on_epoch_begin(epoch)
+        self.keras_callbacks.on_epoch_begin(epoch)
 
     def step_begin(self, index: int) -> None:
-        self.list.on_train_batch_begin(index)
+        self.keras_callbacks.on_train_batch_begin(index)
 
     def step_end(self, index: int, outcome: StepOutcome) -> None:
-        self.list.on_train_batch_end(index, outcome.logs)
+        self.keras_callbacks.on_train_batch_end(index, outcome.logs)
 
     def stop_requested(self) -> str | None:
         return "a callback set model.stop_training" if self.model.stop_training else None
@@ -515,12 +515,12 @@ class _KerasCallbacks(FitCallbacks):
         return pythonify_logs(metrics_result_or_logs(self.model, tally.logs))
 
     def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
-        self.list.on_epoch_end(epoch, logs)
+        self.keras_callbacks.on_epoch_end(epoch, logs)
 
     def train_end(self, logs: dict[str, Any]) -> None:
-        if self.hooks.epochs > 0:
+        if self.epochs > 0:
             self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
-        self.list.on_train_end(logs=logs)
+        self.keras_callbacks.on_train_end(logs=logs)
 
 
 def _validation(model: Any, source: KerasData, validation_data: Any,
@@ -540,36 +540,6 @@ def _validation(model: Any, source: KerasData, validation_data: Any,
     val = keras_data(model, validation_data, name="validation_data")
     val.sample(1)  # a malformed validation set fails now, before any training
     return source, val, validation_data
-
-
-def _check_last_micro_batch(last: Any, *, micro_batch: int, accum_steps: int) -> None:
-    """``last_micro_batch``: ``None``, or below ``micro_batch`` with two micro-steps or more."""
-    if last is None:
-        return
-    if not isinstance(last, (int, np.integer)) or isinstance(last, bool) or last < 1:
-        raise ValueError("`last_micro_batch` must be a positive integer (or None for an even "
-                         f"split). Received: {received('last_micro_batch', last)}")
-    if last >= micro_batch or accum_steps < 2:
-        raise ValueError(
-            "`last_micro_batch` is the smaller last micro-batch of an uneven step: it must be "
-            "below `micro_batch`, with `accum_steps` >= 2 (accum_steps - 1 micro-batches of "
-            "micro_batch, then it); pass None for an even split. Received: "
-            f"{received('last_micro_batch', last)}, micro_batch={micro_batch}, "
-            f"accum_steps={accum_steps}")
-
-
-def _check_finite_input(source: KerasData, steps_per_epoch: int | None) -> None:
-    data = getattr(source, "data", None)
-    cardinality = getattr(data, "cardinality", None)
-    if steps_per_epoch is None and cardinality is not None:
-        import tensorflow as tf
-
-        if int(cardinality()) == tf.data.INFINITE_CARDINALITY:
-            raise ValueError(
-                "The dataset repeats forever (`.repeat()`): pass steps_per_epoch= (optimizer "
-                "steps per epoch), as model.fit requires for an infinite dataset. Received: "
-                "steps_per_epoch=None"
-            )
 
 
 def _report(history: Any, verbose: Any) -> None:

@@ -38,6 +38,7 @@ from ...planning._train_program import TrainProgram
 from ...training._snapshot import validate_backup
 from ...training._training_options import REFUSED_FIT_OPTIONS
 from ._internals import (
+    build_symbolically,
     drop_instance_attribute,
     flatten_layers,
     full_remat_mode,
@@ -55,7 +56,6 @@ from ._keras_step import (
     optimizer_in_use,
     planning_optimizer,
     strategy_shardings,
-    symbolic_build,
     variable_specs,
 )
 
@@ -280,13 +280,8 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
         step=step(),
         abstract_state=(trainable, mutable, optimizer_spec, metrics),
         example_spec=example_spec,
-        parts={
-            "trainable": trainable,
-            "frozen": frozen,
-            "optimizer": optimizer_spec,
-            "mutable": mutable,
-            "metrics": metrics,
-        },
+        parts={"trainable": trainable, "frozen": frozen, "optimizer": optimizer_spec,
+               "mutable": mutable, "metrics": metrics},
         trainable=trainable,
         frozen_args=(frozen,),
         lowering_context=keras_lowering_scope,
@@ -312,23 +307,26 @@ def keras_state(model: Any, layout: KerasLayout, optimizer: Any = None) -> tuple
 
 def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
     """Assigns ``state`` to the model's (and optimizer's, metrics') variables."""
-    trainable, mutable, optimizer, metrics = state
-    for ref, value in zip(model.trainable_variables, trainable, strict=True):
-        ref.assign(value)
-    for i, value in zip(layout.mutable, mutable, strict=True):
-        model.non_trainable_variables[i].assign(value)
-    for ref, value in zip(model.optimizer.variables, optimizer, strict=True):
-        ref.assign(value)
-    for ref, value in zip(model.metrics_variables, metrics, strict=True):
-        ref.assign(value)
+    mutable = [model.non_trainable_variables[i] for i in layout.mutable]
+    for refs, values in zip((model.trainable_variables, mutable, model.optimizer.variables,
+                             model.metrics_variables), state, strict=True):
+        for ref, value in zip(refs, values, strict=True):
+            ref.assign(value)
 
 
 def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
     """Builds the model, compiled loss and metrics symbolically (nothing allocated) on
     ``batch_size`` examples, so Keras's shape errors show the user's batch; not the optimizer."""
-    batch = _batch_spec(example_spec, batch_size)
-    with _untraceable_named(model):
-        symbolic_build(model, batch)
+    batch, optimizer = _batch_spec(example_spec, batch_size), getattr(model, "optimizer", None)
+    hide = optimizer is not None and not optimizer.built
+    with _untraceable_named(model), keras_lowering_scope():
+        if hide:
+            optimizer.built = True  # Keras skips building an optimizer marked built
+        try:
+            build_symbolically(model, batch)
+        finally:
+            if hide:
+                optimizer.built = False
 
 
 def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,

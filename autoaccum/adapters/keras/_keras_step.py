@@ -51,7 +51,6 @@ from ._internals import (
     backend_namespace,
     batch_norm_moments,
     batch_norm_reduction_axes,
-    build_symbolically,
     flatten_layers,
     initialize_deferred,
     instance_attribute,
@@ -145,8 +144,6 @@ class BatchStats:
     def accumulate(self, acc: tuple, records: list[list[tuple]], old: list,
                    new: list) -> tuple[tuple, list]:
         """Merges the micro-batch moments into ``acc``; undoes the micro-batch's own update."""
-        if not self.norms:
-            return acc, new
         new = list(new)
         out = []
         for norm, layer_acc, recorded in zip(self.norms, acc, records, strict=True):
@@ -159,8 +156,6 @@ class BatchStats:
 
     def apply(self, acc: tuple, mutable: list) -> list:
         """One moving-average update per layer with the effective batch's statistics."""
-        if not self.norms:
-            return mutable
         mutable = list(mutable)
         for norm, (count, mean, m2) in zip(self.norms, acc, strict=True):
             seen = count > 0
@@ -250,20 +245,6 @@ def keras_lowering_scope() -> Iterator[None]:
 def variable_specs(variables: Any) -> list[jax.ShapeDtypeStruct]:
     """A ``jax.ShapeDtypeStruct`` per Keras variable (its value never read)."""
     return [jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for v in variables]
-
-
-def symbolic_build(model: Any, data_batch: Any) -> None:
-    """Keras's symbolic build of model, compiled loss and metrics; the optimizer left unbuilt."""
-    optimizer = getattr(model, "optimizer", None)
-    hide = optimizer is not None and not optimizer.built
-    with keras_lowering_scope():
-        if hide:
-            optimizer.built = True  # Keras skips building an optimizer marked built
-        try:
-            build_symbolically(model, data_batch)
-        finally:
-            if hide:
-                optimizer.built = False
 
 
 @contextlib.contextmanager
@@ -374,9 +355,7 @@ class _Micro:
     ``(mutable, metrics variables, loss sum, per-term sums, batch-statistics sums)``."""
 
     def __init__(self, model: Any, layout: Any, *, training: bool, batch_stats: str) -> None:
-        self.model = model
-        self.layout = layout
-        self.training = training
+        self.model, self.layout, self.training = model, layout, training
         self.terms = TermMetrics(model)
         refs = [model.non_trainable_variables[i] for i in layout.mutable]
         self.stats = BatchStats(model, refs, batch_stats if training else "micro")
@@ -486,7 +465,11 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
         trainable, mutable, optimizer_vars, metrics_vars = state
         accum_steps = micro_steps(batches)
         examples = sum(micro_batch_sizes(batches))
-        scale = _loss_scale(optimizer, optimizer_vars)
+        scale = None  # a LossScaleOptimizer's dynamic loss scale (traced)
+        if own_handling:
+            scale = next((jnp.asarray(value, jnp.float32) for ref, value in zip(
+                optimizer.variables, optimizer_vars, strict=True)
+                if ref is optimizer.dynamic_scale), None)
 
         def micro_loss(params: list, carry: tuple, batch: PyTree, frozen: list) -> tuple:
             (loss_sum, count), carry = micro(
@@ -610,16 +593,6 @@ def handles_nonfinite(optimizer: Any) -> bool:
     import keras
 
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-
-def _loss_scale(optimizer: Any, optimizer_vars: list) -> Any:
-    """The dynamic loss scale of a ``LossScaleOptimizer`` (traced), else ``None``."""
-    if not handles_nonfinite(optimizer):
-        return None
-    for ref, value in zip(optimizer.variables, optimizer_vars, strict=True):
-        if ref is optimizer.dynamic_scale:
-            return jnp.asarray(value, jnp.float32)
-    return None
 
 
 def _on_metric_values(model: Any, metrics_vars: list, update: Callable[[], Any]

@@ -418,9 +418,9 @@ def test_stateless_scope_is_the_open_scope_that_collects_writes_and_losses():
             return x
 
     variable = keras.Variable(np.zeros(2, "float32"))
-    assert door.stateless_scope() is None and not door.in_stateless_scope()
+    assert door.stateless_scope() is None
     with keras.StatelessScope(collect_losses=True) as scope:
-        assert door.stateless_scope() is scope and door.in_stateless_scope()
+        assert door.stateless_scope() is scope
         with keras.StatelessScope() as inner:
             assert door.stateless_scope() is inner
         assert door.stateless_scope() is scope
@@ -428,7 +428,7 @@ def test_stateless_scope_is_the_open_scope_that_collects_writes_and_losses():
         Adds()(np.full((1, 2), 3.0, "float32"))
         np.testing.assert_allclose(np.array(scope.state_mapping[id(variable)]), 1.0)
         assert [float(loss) for loss in scope.losses] == [6.0]
-    assert door.stateless_scope() is None and not door.in_stateless_scope()
+    assert door.stateless_scope() is None
     np.testing.assert_allclose(np.array(variable.value), 0.0)  # the write stayed in the scope
 
 

@@ -58,10 +58,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ....devices._extras import require_extra
-from .._internals import (
-    flatten_layers,
-    in_stateless_scope,
-)
+from .._internals import flatten_layers, stateless_scope
 from .._keras_step import concrete_values_deferred, keras_lowering_scope, variable_specs
 
 
@@ -253,7 +250,7 @@ def build_abstract_causal_lm(
             f"keras is imported. Received: backend={keras.backend.backend()!r}"
         )
     if optimizer is None:
-        if in_stateless_scope():
+        if stateless_scope() is not None:
             raise ValueError(
                 "Cannot create the default optimizer inside a keras.StatelessScope (its "
                 "iteration counter is a concrete variable). Create it first, outside the scope, "
