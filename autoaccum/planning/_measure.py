@@ -222,28 +222,34 @@ def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                 for x, g in zip(leaves, grads, strict=True))
         whole = single and accumulator == sum(grads)
         return state + other + batch + accumulator + (0 if whole else max(grads, default=0))
-    f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
-    frozen = program.frozen_args
-    state = (layout.split_bytes(trainable, layout.params)
-             + layout.split_bytes(parts.get("optimizer"), layout.optimizer)
-             + (tree_bytes(parts.get("frozen")) if layout.frozen is None
-                else layout.split_bytes(frozen, layout.frozen)))
-    accumulator = layout.split_bytes(
-        f32, layout.accumulator(accum_steps == 1 and last is None))
+    *state_parts, accumulator = _split_state(program, trainable, single)
+    state = sum(state_parts)
     whole = [4 * math.prod(x.shape) for x in leaves]
     if layout.strategy == "fsdp":
         pairs = [g + (math.prod(x.shape) * itemsize(x.dtype) if _split(s) else 0)
                  for x, g, s in zip(leaves, whole, _specs(layout.params), strict=True)]
         if layout.frozen is not None:
             pairs += [math.prod(x.shape) * itemsize(x.dtype)
-                      for x, s in zip(_leaves(frozen), _specs(layout.frozen), strict=True)
-                      if _split(s)]
+                      for x, s in zip(_leaves(program.frozen_args), _specs(layout.frozen),
+                                      strict=True) if _split(s)]
         transient = max(pairs, default=0)
     elif single and accumulator == sum(whole):
         transient = 0
     else:  # zero2: whole before its reduce-scatter; replicated, zero1: whole, copied
         transient = max(whole, default=0)
     return state + other + batch + accumulator + transient
+
+
+def _split_state(program: TrainProgram, trainable: Any, single: bool) -> tuple[int, ...]:
+    """One device's bytes of ``program``'s split state under its layout: trainable, frozen,
+    optimizer, and the float32 gradient accumulator (``single``: one micro-batch)."""
+    layout, parts = program.layout, program.parts
+    f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), trainable)
+    return (layout.split_bytes(trainable, layout.params),
+            (tree_bytes(parts.get("frozen")) if layout.frozen is None
+             else layout.split_bytes(program.frozen_args, layout.frozen)),
+            layout.split_bytes(parts.get("optimizer"), layout.optimizer),
+            layout.split_bytes(f32, layout.accumulator(single)))
 
 
 KERNEL_CACHE_MAX_BYTES = 256 * 2**20
@@ -271,11 +277,6 @@ def _take(key: str) -> Path:
         return _folder() / f"{name}-{_MADE[0]}.kernels"
 
 
-def _give_back(key: str, path: Path) -> None:
-    with _LOCK:
-        _FREE.setdefault(key, []).append(path)
-
-
 @contextlib.contextmanager
 def kernel_cache_options(target_key: str) -> Iterator[dict[str, Any]]:
     """XLA options (to add to a compile's own) that make one deviceless compile reuse and add
@@ -299,7 +300,8 @@ def kernel_cache_options(target_key: str) -> Iterator[dict[str, Any]]:
     finally:
         if path.exists() and (failed or path.stat().st_size > KERNEL_CACHE_MAX_BYTES):
             path.unlink()
-        _give_back(target_key, path)
+        with _LOCK:
+            _FREE.setdefault(target_key, []).append(path)
 
 
 @dataclass(frozen=True)
@@ -438,25 +440,13 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     batches = program.batch_spec(micro_batch * dp, accum_steps, sharding=sharding,
                                  last=None if last is None else last * dp,
                                  last_sharding=last_sharding)
-    with program.lowering_context(), _traced_for(target, program.step) as step:
+    step = program.step
+    if target.deviceless:  # a function object of its own, traced for the target's platform,
+        # so JAX's trace cache never hands one platform's trace to another
+        step = functools.wraps(step)(lambda *args: program.step(*args))
+    with (program.lowering_context(), compiling_for(target.platform) if target.deviceless
+          else contextlib.nullcontext()):
         return jax.jit(step, donate_argnums=0, **out).lower(state, batches, *frozen)
-
-
-@contextlib.contextmanager
-def _traced_for(target: CompileTarget, step: Any) -> Iterator[Any]:
-    """``step`` to trace for ``target``: for a deviceless target, a function object of its own
-    traced for its platform, so JAX's trace cache never hands one platform's trace to
-    another."""
-    if not target.deviceless:
-        yield step
-        return
-
-    @functools.wraps(step)
-    def for_the_device(*args: Any) -> Any:
-        return step(*args)
-
-    with compiling_for(target.platform):
-        yield for_the_device
 
 
 def _shard_each(tree: Any, shardings: Any) -> Any:
@@ -474,7 +464,6 @@ def _on_target(mesh: Any, target: CompileTarget) -> bool:
 
 
 _COMPILES = [0]
-_COMPILES_LOCK = threading.Lock()
 
 
 def compile_count() -> int:
@@ -494,34 +483,30 @@ def compile_lowered(lowered: Any, target: CompileTarget | None = None, *,
     Once one deviceless compile of ``program`` for a GPU needed :data:`DEVICELESS_FALLBACK`,
     its others for that GPU use it at once: a failing compile costs as much as one that
     succeeds, and every probe is then measured with the same GEMMs."""
-    with _COMPILES_LOCK:
+    with _LOCK:
         _COMPILES[0] += 1
     start = time.perf_counter()
     try:
-        return _compile_for(lowered, target, program)
+        options = {} if target is None else dict(target.compiler_options)
+        if target is not None and not (target.deviceless and target.platform == "tpu"):
+            # Probed by a compile on this machine's backend, which would drop every libtpu
+            # option (``xla_tpu_*``) of a TPU that is not here: libtpu checks those itself.
+            options = known_compile_options(options)
+        if target is not None and target.platform == "tpu":
+            with _without_jax_cache_warnings():
+                return compile_within_hbm(lowered, options)
+        if target is not None and target.deviceless:
+            known = program is not None and target.fingerprint in program.deviceless_fallback
+            with (_without_jax_cache_warnings(),
+                  kernel_cache_options(target.fingerprint) as kernels):
+                compiled = compile_deviceless(lowered, target.name, {**options, **kernels},
+                                              fallback_first=known)
+            if program is not None and getattr(compiled, "autoaccum_compile_note", ""):
+                program.deviceless_fallback.add(target.fingerprint)
+            return compiled
+        return _compile(lowered, options)
     finally:
         record_compile(reduced=reduced, seconds=time.perf_counter() - start)
-
-
-def _compile_for(lowered: Any, target: CompileTarget | None, program: Any) -> Any:
-    """:func:`compile_lowered`'s work, uncounted."""
-    options = {} if target is None else dict(target.compiler_options)
-    if target is not None and not (target.deviceless and target.platform == "tpu"):
-        # Probed by a compile on this machine's backend, which would drop every libtpu
-        # option (``xla_tpu_*``) of a TPU that is not here: libtpu checks those itself.
-        options = known_compile_options(options)
-    if target is not None and target.platform == "tpu":
-        with _without_jax_cache_warnings():
-            return compile_within_hbm(lowered, options)
-    if target is not None and target.deviceless:
-        known = program is not None and target.fingerprint in program.deviceless_fallback
-        with _without_jax_cache_warnings(), kernel_cache_options(target.fingerprint) as kernels:
-            compiled = compile_deviceless(lowered, target.name, {**options, **kernels},
-                                          fallback_first=known)
-        if program is not None and getattr(compiled, "autoaccum_compile_note", ""):
-            program.deviceless_fallback.add(target.fingerprint)
-        return compiled
-    return _compile(lowered, options)
 
 
 @contextlib.contextmanager
@@ -631,6 +616,7 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
     """
     options = dict(options or {})
     with_fallback = known_compile_options({**options, **DEVICELESS_FALLBACK})
+    second = None  # the fallback's error
     if fallback_first:  # each way compiled at most once
         try:
             return _Noted(lowered.compile(compiler_options=with_fallback),
@@ -639,23 +625,21 @@ def compile_deviceless(lowered: Any, target_name: str, options: dict | None = No
                           "(an XLA error with Triton's GEMMs)")
         except Exception as error:
             second = _first_line(error)
-        try:
-            return _compile(lowered, options)
-        except Exception as error:
-            raise _both_failed(target_name, _first_line(error), second) from None
     try:
         return _compile(lowered, options)
     except Exception as error:
         first = _first_line(error)
-        if "INTERNAL" not in first:
+        if second is None and "INTERNAL" not in first:
             raise
-    try:
-        compiled = lowered.compile(compiler_options=with_fallback)
-    except Exception as retry:
-        raise _both_failed(target_name, first, _first_line(retry)) from None
-    note = (f"deviceless compile hit an XLA error ({first[:160]}); compiled again with "
-            "xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs instead of Triton)")
-    return _Noted(compiled, note)
+    if second is None:
+        try:
+            return _Noted(lowered.compile(compiler_options=with_fallback),
+                          f"deviceless compile hit an XLA error ({first[:160]}); compiled "
+                          "again with xla_gpu_enable_triton_gemm=False (cuBLAS GEMMs instead "
+                          "of Triton)")
+        except Exception as retry:
+            second = _first_line(retry)
+    raise _both_failed(target_name, first, second) from None
 
 
 def _compile(lowered: Any, options: dict) -> Any:
@@ -753,32 +737,23 @@ def estimate_from_compiled(program: TrainProgram, compiled: Any, micro_batch: in
     if analysis is None:
         return None
     cost = _cost(compiled, lowered)
-    argument = int(analysis.argument_size_in_bytes)
-    output = int(analysis.output_size_in_bytes)
-    alias = int(analysis.alias_size_in_bytes)
-    temp = int(analysis.temp_size_in_bytes)
+    argument, output, alias, temp = (int(getattr(analysis, f"{k}_size_in_bytes"))
+                                     for k in ("argument", "output", "alias", "temp"))
     parts = program.parts
     accumulator = 4 * sum(math.prod(local_shape(leaf)) for leaf in jax.tree.leaves(
         program.trainable) if hasattr(leaf, "shape"))
     known = {"trainable", "frozen", "optimizer"}
-    trainable_bytes = tree_bytes(parts.get("trainable"))
-    optimizer_bytes = tree_bytes(parts.get("optimizer"))
-    layout = program.layout
-    if layout is not None:  # one device's share of the split state
-        trainable_bytes = layout.split_bytes(parts.get("trainable"), layout.params)
-        optimizer_bytes = layout.split_bytes(parts.get("optimizer"), layout.optimizer)
-        accumulator = layout.split_bytes(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32"),
-                         parts.get("trainable")),
-            layout.accumulator(accum_steps == 1 and last is None))
+    trainable_bytes, frozen_bytes, optimizer_bytes = (
+        tree_bytes(parts.get(k)) for k in ("trainable", "frozen", "optimizer"))
+    if program.layout is not None:  # one device's share of the split state
+        trainable_bytes, frozen_bytes, optimizer_bytes, accumulator = _split_state(
+            program, parts.get("trainable"), accum_steps == 1 and last is None)
     return MemoryEstimate(
         compile_note=getattr(compiled, "autoaccum_compile_note", ""),
         micro_batch=micro_batch,
         accum_steps=accum_steps,
         trainable_bytes=trainable_bytes,
-        frozen_bytes=(tree_bytes(parts.get("frozen"))
-                      if layout is None or layout.frozen is None
-                      else layout.split_bytes(program.frozen_args, layout.frozen)),
+        frozen_bytes=frozen_bytes,
         optimizer_bytes=optimizer_bytes,
         other_state_bytes=sum(tree_bytes(v) for k, v in parts.items() if k not in known),
         batch_bytes=tree_bytes(program.batch_spec(micro_batch, accum_steps, last=last)),
@@ -808,19 +783,12 @@ def _cost(compiled: Any, lowered: Any = None) -> dict:
         analysis = analysis[0] if analysis else {}
     cost = dict(analysis or {})
     if not cost.get("flops") and lowered is not None:
-        cost = {**cost, **_hlo_cost(lowered)}
+        try:  # none where XLA's analysis is not reachable in this jaxlib
+            from ..devices._jax_internals import hlo_module_cost_analysis
+
+            module = lowered.compiler_ir("hlo").get_hlo_module()
+            hlo = hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        except Exception:
+            hlo = {}
+        cost.update({k: float(hlo[k]) for k in ("flops", "bytes accessed") if k in hlo})
     return cost
-
-
-def _hlo_cost(lowered: Any) -> dict:
-    """``flops`` and ``bytes accessed`` of a lowered step from its HLO (``{}`` if XLA's
-    analysis is not reachable in this jaxlib)."""
-    try:
-        from ..devices._jax_internals import hlo_module_cost_analysis
-
-        module = lowered.compiler_ir("hlo").get_hlo_module()
-        client = jax.devices("cpu")[0].client
-        cost = hlo_module_cost_analysis(client, module)
-    except Exception:
-        return {}
-    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}

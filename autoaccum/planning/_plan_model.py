@@ -351,9 +351,22 @@ def plan_model(
         if resolved is None:
             announce(prepared.lr_scaling, log)
             program = by_strategy[strategies[0]].program
-            if program.placement is not None:  # the user's own layout (e.g. ModelParallel)
-                method, objective, dp_notes = placed_plan_options(
-                    program.placement, method, objective, dp_notes)
+            placement = program.placement
+            if placement is not None:  # the user's own layout (e.g. ModelParallel)
+                split = (f"batches split over {placement.data_axis!r}"
+                         if placement.data_axis is not None
+                         else "batches not split: every device reads the whole micro-batch")
+                dp_notes += (f"layout: kept as {placement.source} laid it out (mesh "
+                             f"{dict(placement.mesh.shape)}, {split}); memory per device",)
+                if method == "backoff":
+                    raise ValueError(
+                        "method='backoff' runs real single-device steps; a model laid out over "
+                        "several devices is planned compile-only. Use method='compile' (or "
+                        f"'auto'). Received: method='backoff' with {placement.source}")
+                if method == "auto":
+                    method = "compile"
+                    dp_notes += ("layout: compile-only plan (no real verification step)",)
+                objective = "memory" if objective == "throughput" else objective
             own = [s for s in (program.own_specs or ()) if s is not None]
             if own and mesh is None:
                 raise ValueError(
@@ -375,13 +388,21 @@ def plan_model(
                                                memory_fraction=memory_fraction,
                                                mesh=program.device_mesh)
             # Weights and optimizer state over the budget: no policy or micro-batch can help.
-            strategies, over_budget = _resident_strategies(strategies, by_strategy, resolved,
-                                                           memory_fraction=memory_fraction)
+            states = {s: resident_of(by_strategy[s].program).state_bytes for s in strategies}
+            fitting = tuple(s for s in strategies if states[s] <= resolved.budget.bytes)
+            if not fitting:  # the most sharded one's resident-memory error
+                check_resident(resident_of(by_strategy[strategies[-1]].program),
+                               resolved.budget.bytes, memory_fraction=memory_fraction,
+                               target=resolved.compile_target.name)
+            over_budget = [f"{s}: its weights and optimizer state alone need "
+                           f"{format_bytes(states[s])} per device (known from shapes, nothing "
+                           "compiled)" for s in strategies if s not in fitting]
+            strategies = fitting
             if over_budget:
                 dp_notes += (f"sharding: over the budget of {format_bytes(resolved.budget.bytes)}"
                              " per device before any compile: " + "; ".join(over_budget),)
-        if log is not None and len(policies) > 1:
-            print(f"autoaccum: remat policy {policy!r}", file=log, flush=True)
+        if len(policies) > 1:
+            say(log, f"autoaccum: remat policy {policy!r}")
         skipped: list[tuple[str, DoesNotFitError]] = []
         # Several processes try the strategies without agreeing (a collective all must join),
         # then all plan the most sharded choice once more, agreeing (see below).
@@ -413,12 +434,14 @@ def plan_model(
                 if xla is None:
                     raise
                 try:
-                    plan = _partitioned_by_xla(plan_strategy(name, agree=not trial,
-                                                             prepared=xla), ours)
+                    plan = plan_strategy(name, agree=not trial, prepared=xla)
                 except DoesNotFitError as theirs:
                     raise _neither_partitioner_fits(ours, theirs) from None
                 by_strategy[name] = xla
-                return plan
+                return dataclasses.replace(  # noting why autoaccum's step was not kept
+                    plan, partitioner="xla", probes=(*ours.probes, *plan.probes),
+                    notes=(*plan.notes, "partitioner: XLA's own partitioning of the step "
+                           f"(autoaccum's step does not fit: {first_line(ours)})"))
             # Several processes agree on one search; a second search is one they might not
             # all make, so only one process weighs a larger split of XLA's step.
             plan, by_strategy[name] = _simpler_partitioner(
@@ -448,7 +471,8 @@ def plan_model(
                     plan = None
         prepared = by_strategy[plan.strategy] if plan is not None else prepared
         if plan is not None:
-            plan = dataclasses.replace(plan, partitioner=_partitioner_of(prepared.program))
+            plan = dataclasses.replace(plan, partitioner=step_partitioner(
+                prepared.program.partitioner, prepared.program.placement))
         if plan is None:
             error = skipped[-1][1] if len(skipped) == 1 else DoesNotFitError(
                 "micro_batch=1 fits under no sharding strategy ("
@@ -549,22 +573,6 @@ def candidate_strategies(strategy: str, mesh: Any, program: TrainProgram) -> tup
     return STRATEGIES if strategy == "auto" else (strategy,)
 
 
-def _resident_strategies(strategies: tuple[str, ...], by_strategy: dict[str, Prepared],
-                         resolved: ResolvedTarget, *,
-                         memory_fraction: float | None) -> tuple[tuple[str, ...], list[str]]:
-    """The strategies whose state alone fits one device's budget, and a line for each that
-    does not; when none does, the most sharded one's resident-memory error."""
-    states = {s: resident_of(by_strategy[s].program).state_bytes for s in strategies}
-    fitting = tuple(s for s in strategies if states[s] <= resolved.budget.bytes)
-    if not fitting:
-        check_resident(resident_of(by_strategy[strategies[-1]].program), resolved.budget.bytes,
-                       memory_fraction=memory_fraction, target=resolved.compile_target.name)
-    skipped = [f"{s}: its weights and optimizer state alone need {format_bytes(states[s])} per "
-               "device (known from shapes, nothing compiled)" for s in strategies
-               if s not in fitting]
-    return fitting, skipped
-
-
 SPLIT_SLACK = 2.0
 """How many times what a strategy splits off per device (from shapes) its step may save: the
 state, and as much again in temporaries (update on the split state, reduce-scattered
@@ -628,8 +636,8 @@ def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, D
     (:func:`with_strategy`), or ``None``; each one ruled out by a less sharded one
     (:func:`ruled_out_by_less_sharding`) or that does not fit joins ``skipped``."""
     for name in strategies:
-        if log is not None and len(strategies) > 1:
-            print(f"autoaccum: sharding strategy {name!r}", file=log, flush=True)
+        if len(strategies) > 1:
+            say(log, f"autoaccum: sharding strategy {name!r}")
         ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
         if ruled_out is not None:
             say(log, f"autoaccum:   {ruled_out}")
@@ -644,14 +652,10 @@ def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, D
     return None
 
 
-def _partitioner_of(program: Any) -> str:
-    """Who partitions ``program``'s step over its devices (see :func:`step_partitioner`)."""
-    return step_partitioner(program.partitioner, program.placement)
-
-
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:
     """``found`` (a plan or an error) with probes naming ``prepared``'s partitioner."""
-    partitioner = _partitioner_of(prepared.program)
+    program = prepared.program
+    partitioner = step_partitioner(program.partitioner, program.placement)
     if partitioner == "autoaccum":
         return found
     probes = tuple(dataclasses.replace(p, partitioner=partitioner,
@@ -675,17 +679,8 @@ def _xla_program(prepared: Prepared, mesh: Any, strategy: str) -> Prepared | Non
                                                                  partitioner="xla"))
 
 
-def _partitioned_by_xla(plan: Plan, error: DoesNotFitError) -> Plan:
-    """XLA's ``plan`` after autoaccum's step's probes, noting why that step was not kept."""
-    return dataclasses.replace(plan, partitioner="xla", probes=(*error.probes, *plan.probes),
-                               notes=(*plan.notes, "partitioner: XLA's own partitioning of "
-                                      "the step (autoaccum's step does not fit: "
-                                      f"{first_line(error)})"))
-
-
 def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: str,
-                         resolved: ResolvedTarget | None, log: TextIO | None,
-                         cache: Any = None, *,
+                         resolved: ResolvedTarget, log: TextIO | None, cache: Any, *,
                          replan: Callable[..., Plan] | None = None) -> tuple[Plan, Prepared]:
     """``plan`` and ``prepared``, or partitioned by XLA alone (the simpler step) where that
     fits a larger micro-batch, or at the plan's split fits the budget within
@@ -693,7 +688,7 @@ def _simpler_partitioner(plan: Plan, prepared: Prepared, mesh: Any, strategy: st
     the plan accumulates, one more at the smallest refused split, and where XLA's fits there
     ``replan(prepared=...)`` finds its largest."""
     xla = _xla_program(prepared, mesh, strategy)
-    if xla is None or resolved is None or plan.estimate is None:
+    if xla is None or plan.estimate is None:
         return plan, prepared
     budget = resolved.budget.bytes
 
@@ -769,25 +764,6 @@ def with_strategy(plan: Plan, strategy: str,
                  "sharding (" + "; ".join(f"{name}: {first_line(error)}"
                                           for name, error in skipped) + ")")
     return dataclasses.replace(plan, strategy=strategy, probes=earlier + probes, notes=notes)
-def placed_plan_options(placement: Any, method: str,
-                        objective: str | None, notes: tuple[str, ...]
-                        ) -> tuple[str, str | None, tuple[str, ...]]:
-    """``(method, objective, notes)`` for a program keeping the user's multi-device layout."""
-    split = (f"batches split over {placement.data_axis!r}" if placement.data_axis is not None
-             else "batches not split: every device reads the whole micro-batch")
-    notes = (*notes, f"layout: kept as {placement.source} laid it out (mesh "
-             f"{dict(placement.mesh.shape)}, {split}); memory per device")
-    if method == "backoff":
-        raise ValueError(
-            "method='backoff' runs real single-device steps; a model laid out over several "
-            "devices is planned compile-only. Use method='compile' (or 'auto'). Received: "
-            f"method='backoff' with {placement.source}")
-    if method == "auto":
-        method = "compile"
-        notes = (*notes, "layout: compile-only plan (no real verification step)")
-    if objective == "throughput":
-        objective = "memory"
-    return method, objective, notes
 
 
 def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Prepared,
@@ -841,17 +817,17 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
 
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
-                resolved: ResolvedTarget | None) -> list[Candidate]:
+                resolved: ResolvedTarget) -> list[Candidate]:
     """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed."""
     from ._plan_options import time_real_steps
 
     per_device = tried[0].effective_batch // tried[0].data_parallel
+    dry = resolved.kind == "deviceless"
     out: list[Candidate] = []
     for plan in tried:
         fitting = [d for d in divisors(per_device) if d <= plan.micro_batch]
         pairs = fitting[-3:] if plan.remat == "none" else fitting[-1:]
         prep = prepared[plan.remat]
-        dry = resolved is not None and resolved.kind == "deviceless"
         runner = None if dry else prep.adapter.step_runner(model, prep)
         for micro in reversed(pairs):
             accum = per_device // micro

@@ -32,29 +32,6 @@ def _same_lr(a: Any, b: Any) -> bool:
     return a.base_learning_rate == b.base_learning_rate
 
 
-def _check_sizes(plan: Plan, prepared: Prepared) -> None:
-    """The model's weights, optimizer state and one batch are the sizes the plan compiled."""
-    est, program = plan.estimate, prepared.program
-    resident = resident_of(program)  # one device's share under a sharding strategy
-    here = {
-        "trainable weights": resident.trainable_bytes,
-        "frozen weights": tree_bytes(program.parts.get("frozen")),
-        "optimizer state": resident.optimizer_bytes,
-        "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps,
-                                               last=est.last_micro_batch)),
-    }
-    planned = {"trainable weights": est.trainable_bytes, "frozen weights": est.frozen_bytes,
-               "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}
-    differ = [f"{k} {format_bytes(here[k])} here vs {format_bytes(planned[k])} in the plan"
-              for k in here if here[k] != planned[k]]
-    if differ:
-        raise ValueError(
-            "plan= was made for another model or data: " + "; ".join(differ) + ". Plan this "
-            "model and data (autoaccum.plan(model, data, effective_batch=...)) and pass that "
-            "plan, or leave plan= out and let fit plan."
-        )
-
-
 def validate_plan_type(plan: Any) -> Plan:
     """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError``.
 
@@ -140,5 +117,23 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"again). Received: {received('rule', prepared.lr_scaling.rule)}, "
             f"base_batch={prepared.lr_scaling.base_batch}"
         )
-    _check_sizes(plan, prepared)
+    est, program = plan.estimate, prepared.program  # the sizes the plan compiled
+    resident = resident_of(program)  # one device's share under a sharding strategy
+    here = {
+        "trainable weights": resident.trainable_bytes,
+        "frozen weights": tree_bytes(program.parts.get("frozen")),
+        "optimizer state": resident.optimizer_bytes,
+        "batch": tree_bytes(program.batch_spec(est.micro_batch, est.accum_steps,
+                                               last=est.last_micro_batch)),
+    }
+    planned = {"trainable weights": est.trainable_bytes, "frozen weights": est.frozen_bytes,
+               "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}
+    differ = [f"{k} {format_bytes(here[k])} here vs {format_bytes(planned[k])} in the plan"
+              for k in here if here[k] != planned[k]]
+    if differ:
+        raise ValueError(
+            "plan= was made for another model or data: " + "; ".join(differ) + ". Plan this "
+            "model and data (autoaccum.plan(model, data, effective_batch=...)) and pass that "
+            "plan, or leave plan= out and let fit plan."
+        )
     return plan, prepared

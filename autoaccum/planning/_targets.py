@@ -273,13 +273,12 @@ def resolve_target(
 
     validate_device(device)
     validate_memory_fraction(memory_fraction, device)
-    if device is None:
-        return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
-    profile = device if isinstance(device, DeviceProfile) else find_profile(device)
-    if not (profile.is_gpu or profile.is_tpu):
-        return _local(budget, resident_bytes=resident_bytes, mesh=mesh)
-    if not is_deviceless(profile):  # the named GPU, or this process's TPU slice, is here
+    profile = (None if device is None else device if isinstance(device, DeviceProfile)
+               else find_profile(device))
+    if not is_deviceless(profile):  # this machine, the named GPU, or its TPU slice, is here
         local = _local(budget, resident_bytes=resident_bytes, mesh=mesh)
+        if profile is None or not (profile.is_gpu or profile.is_tpu):
+            return local
         return ResolvedTarget(local.compile_target, local.budget, "real", profile)
     if profile.is_tpu:
         return _resolve_tpu(profile, budget, mesh=mesh, devices=devices)
@@ -292,6 +291,7 @@ def resolve_target(
             f"device={device!r}, data_parallel={mesh.size}"
         )
     from ..devices._deviceless import deviceless_target, topology_text
+    from ..devices._mesh import data_parallel_mesh
 
     fraction, _ = resolve_fraction(profile, memory_fraction)
     pool = profile.pool_bytes(fraction)
@@ -305,12 +305,10 @@ def resolve_target(
         budget, pool, f"larger than the memory JAX gets on a {profile.name}: "
                       f"{{pool}} ({fraction:.0%} of its memory)", "device"))
     name = f"{profile.name}, deviceless compile (no {profile.name} on this machine)"
-    dp_mesh = None
+    # The one place meshes are made.
+    dp_mesh = data_parallel_mesh(target.devices) if target.count > 1 else None
     fingerprint = target.target_config
     if target.count > 1:
-        from ..devices._mesh import data_parallel_mesh
-
-        dp_mesh = data_parallel_mesh(target.devices)  # the one place meshes are made
         where = f" on {hosts} hosts" if hosts > 1 else ""
         name = (f"{target.count} x {profile.name}{where}, deviceless compile (no "
                 f"{profile.name} on this machine), per device")
@@ -335,6 +333,7 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, mesh: Any,
             f"which is not here. Leave data_parallel unset: a dry run for a TPU slice plans "
             f"over all its chips. Received: device={profile.key!r}, data_parallel={mesh.size}")
     from ..devices._deviceless import deviceless_target
+    from ..devices._mesh import data_parallel_mesh
 
     target = deviceless_target(profile, devices=devices)
     chip = tpu_budget(profile)
@@ -343,12 +342,8 @@ def _resolve_tpu(profile: DeviceProfile, budget: Any, *, mesh: Any,
         budget, pool, f"more than one chip of a {profile.name} has: {{pool}} of HBM that "
                       "XLA allows", "slice")
     name = f"{profile.name}, deviceless compile for TPU topology {profile.tpu.topology}"
-    dp_mesh = None
-    if target.count > 1:
-        from ..devices._mesh import data_parallel_mesh
-
-        dp_mesh = data_parallel_mesh(target.devices)
-        name += ", per chip"
+    dp_mesh = data_parallel_mesh(target.devices) if target.count > 1 else None
+    name += ", per chip" if target.count > 1 else ""
     # A budget under the chip's HBM: libtpu's early HBM check refuses a step over it in
     # seconds, before its minutes of code generation (never the verdict that one fits).
     check = ((("xla_tpu_max_hbm_size_mib", hbm_check_mib(resolved.bytes)),)
@@ -426,11 +421,9 @@ def resolve_step_devices(adapter: Any, model: Any, target: Any) -> StepDevices:
     devices = slice_devices(device, devices)  # a TPU slice: all its chips
     context = callers_mesh()
     if is_deviceless(device):
-        early = None
-        if devices is not None and devices > 1:
-            early = resolve_target(device, target.budget,
-                                   memory_fraction=target.memory_fraction, devices=devices,
-                                   hosts=hosts)
+        early = (resolve_target(device, target.budget, memory_fraction=target.memory_fraction,
+                                devices=devices, hosts=hosts)
+                 if devices is not None and devices > 1 else None)
         mesh = None if early is None else early.mesh
         context_mesh_as_layout(mesh is not None and context is not None
                                and mesh.size == context.size)

@@ -253,13 +253,9 @@ def tree_bytes(tree: PyTree) -> int:
       >>> tree_bytes({"key": jax.random.key(0)})
       8
     """
-    return int(
-        sum(
-            int(np.prod(local_shape(leaf))) * itemsize(leaf.dtype)
-            for leaf in jax.tree.leaves(tree)
-            if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-        )
-    )
+    return int(sum(int(np.prod(local_shape(leaf))) * itemsize(leaf.dtype)
+                   for leaf in jax.tree.leaves(tree)
+                   if hasattr(leaf, "shape") and hasattr(leaf, "dtype")))
 
 
 def local_shape(leaf: Any) -> tuple[int, ...]:
@@ -283,8 +279,5 @@ def local_shape(leaf: Any) -> tuple[int, ...]:
 
 def abstract(tree: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` leaves for every array-like leaf of ``tree``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)), tree)
-
-
-def _dtype_of(x: Any) -> Any:
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), tree)
