@@ -171,9 +171,8 @@ def plan_report(plan: Plan, *, rich: bool = True) -> str:
 
     ``rich=False`` (or rich not installed) draws the tables with plain spaces.
     """
-    title = f"autoaccum plan ({plan.target})"
-    lines = [title]
-    lines += [f"  {key:<17} {value}" for key, value in _summary(plan)]
+    lines = [f"autoaccum plan ({plan.target})",
+             *(f"  {key:<17} {value}" for key, value in _summary(plan))]
 
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
         buffer = io.StringIO()
@@ -191,9 +190,7 @@ def plan_report(plan: Plan, *, rich: bool = True) -> str:
     if plan.candidates:
         lines.append(f"  candidates ({plan.objective} objective):")
         lines += table(*_candidate_rows(plan))
-    lines += [f"  note: {note}" for note in plan.notes]
-    if plan.leftover_note():
-        lines.append(f"  note: {plan.leftover_note()}")
+    lines += [f"  note: {n}" for n in [*plan.notes, *filter(None, [plan.leftover_note()])]]
     return "\n".join(lines)
 
 
@@ -226,9 +223,8 @@ def plan_html(plan: Plan) -> str:
     if plan.candidates:
         parts += [f"<p>candidates ({html.escape(plan.objective)} objective)</p>",
                   _html_table(*_candidate_rows(plan))]
-    parts += [f"<p>note: {html.escape(n)}</p>" for n in plan.notes]
-    if plan.leftover_note():
-        parts.append(f"<p>note: {html.escape(plan.leftover_note())}</p>")
+    parts += [f"<p>note: {html.escape(n)}</p>"
+              for n in [*plan.notes, *filter(None, [plan.leftover_note()])]]
     return "".join(parts) + "</div>"
 
 

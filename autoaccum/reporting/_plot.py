@@ -19,30 +19,6 @@ __all__ = ["plot_plan"]
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-def _unit(largest: float) -> tuple[str, int]:
-    """The largest binary unit of which ``largest`` is at least 1."""
-    for name, size in _UNITS:
-        if largest >= size:
-            return name, size
-    return "B", 1
-
-
-def _figure_class() -> type:
-    from matplotlib.figure import Figure
-
-    class PlanFigure(Figure):
-        """A Figure that notebooks show as a PNG even when pyplot was never imported."""
-
-        def _repr_png_(self) -> bytes:
-            import io
-
-            buffer = io.BytesIO()
-            self.savefig(buffer, format="png")
-            return buffer.getvalue()
-
-    return PlanFigure
-
-
 def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> Any:
     """Draws each probe's compiled need against its micro-batch, the budget and the choice.
 
@@ -75,14 +51,26 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
       (True, 'PlanFigure')
     """
     require_extra("plot", feature="plot_plan (autoaccum plan --plot)")
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     from ..planning import limiting_factor
 
+    class PlanFigure(Figure):
+        """A Figure that notebooks show as a PNG even when pyplot was never imported."""
+
+        def _repr_png_(self) -> bytes:
+            import io
+
+            buffer = io.BytesIO()
+            self.savefig(buffer, format="png")
+            return buffer.getvalue()
+
     probes = sorted(plan.probes, key=lambda p: (p.remat, p.strategy, p.micro_batch))
     values = [p.need_bytes for p in probes] + [plan.budget_bytes, plan.need_bytes]
-    unit, size = _unit(max(values))
-    fig = _figure_class()(figsize=(7.5, 4.6), dpi=dpi)
+    # The largest binary unit of which the largest value is at least 1.
+    unit, size = next(((n, s) for n, s in _UNITS if max(values) >= s), ("B", 1))
+    fig = PlanFigure(figsize=(7.5, 4.6), dpi=dpi)
     ax = fig.add_subplot()
     chosen = (plan.remat, plan.strategy)
     policies = sorted({(p.remat, p.strategy) for p in probes},
@@ -90,10 +78,8 @@ def plot_plan(plan: Plan, path: str | Path | None = None, *, dpi: int = 110) -> 
     colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:gray"]
     failed_labelled = False
     for i, policy in enumerate(policies):
-        mine = [p for p in probes if (p.remat, p.strategy) == policy]
-        by_micro: dict[int, Any] = {}
-        for p in mine:  # the last probe at a micro-batch (the verification) wins
-            by_micro[p.micro_batch] = p
+        # The last probe at a micro-batch (the verification) wins.
+        by_micro = {p.micro_batch: p for p in probes if (p.remat, p.strategy) == policy}
         points = sorted(by_micro.values(), key=lambda p: p.micro_batch)
         color = colors[i % len(colors)]
         label = "compiled need" + _group_label(policy, many=len(policies) > 1)

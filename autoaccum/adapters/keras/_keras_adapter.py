@@ -86,7 +86,6 @@ class KerasAdapter(Adapter):
                     f"`layer.trainable = False`). Received: "
                     f"{received(name, getattr(options, name))}"
                 )
-        explicit = options.learning_rate.value
         scaling = keras_lr_scaling(model, options.learning_rate, effective_batch=effective_batch)
         batch_stats = validate_batch_stats(options.batch_stats)
         source = next((src for sample, src in self._sources if sample is data), None)
@@ -108,7 +107,7 @@ class KerasAdapter(Adapter):
         program = placed_program(program, keras_placement(model, layout, optimizer))
         self._sources.append((sample, source))
         extras = {"data": source, "optimizer": optimizer, "layout": layout,
-                  "learning_rate": explicit}
+                  "learning_rate": options.learning_rate.value}
         return Prepared(program, sample, scaling, self, remat, extras)
 
     def advice_changes(self, model: Any, options: ProgramOptions) -> list[dict[str, Any]]:
@@ -295,10 +294,9 @@ class KerasTrainStep(UserLoopStep):
                  elastic: bool = False) -> None:
         self.model = model
         self._remat, self._remat_layers = plan.remat, remat_layers
-        spec = prepared.program.example_spec
-        ensure_built(model, spec)
+        self._spec = prepared.program.example_spec
+        ensure_built(model, self._spec)
         materialize(model)
-        self._spec = spec
         layout = prepared.extras["layout"]
         state = KerasState(model, layout, mesh=mesh, placement=keras_placement(model, layout),
                            strategy=getattr(plan, "strategy", "replicated"),

@@ -86,8 +86,12 @@ def keras_apply_change(model: Any, options: ProgramOptions,
                        change: dict[str, Any]) -> tuple[Any, dict]:
     """``(model_to_plan, options)`` with ``change`` applied, or ``ValueError`` saying why not.
 
-    An optimizer change alone keeps ``model`` (the fresh optimizer is traced in place of its
-    own); LoRA, int8 and dtype changes give an abstract copy (:func:`rebuilt_abstractly`).
+    An optimizer change alone keeps ``model`` (the fresh optimizer, made outside any stateless
+    scope, is traced in place of its own); LoRA, int8 and dtype changes give a compiled copy
+    of the model with no weight allocated, changed as the module docstring says (with the
+    fresh optimizer, else one like the model's). Plan the copy; do not call or fit it (reading
+    ``variable.value`` would allocate). ``ValueError`` when the model is not built and
+    compiled, or its config does not rebuild it as it is.
 
     Example:
       >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -102,37 +106,20 @@ def keras_apply_change(model: Any, options: ProgramOptions,
       >>> from autoaccum.adapters.keras._internals import variable_buffer
       >>> all(variable_buffer(v) is None for v in copy.weights)  # nothing allocated
       True
-    """
-    _check_change(change)
-    optimizer = None
-    if "optimizer" in change:
-        optimizer = _fresh_optimizer(change["optimizer"])
-    if set(change) == {"optimizer"}:
-        return model, dataclasses.replace(options, planning_optimizer=optimizer)
-    copy = rebuilt_abstractly(model, lora_rank=change.get("lora_rank"),
-                              quantize=change.get("quantize"), dtype=change.get("dtype"),
-                              optimizer=optimizer)
-    return copy, options
-
-
-def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: str | None = None,
-                       dtype: str | None = None, optimizer: Any = None) -> Any:
-    """A compiled copy of ``model`` with no weight allocated, changed as the module docstring
-    says (``None``: as the model is). ``optimizer``: the copy's, made outside any stateless
-    scope (default: a fresh one like the model's). Plan the copy; do not call or fit it
-    (reading ``variable.value`` would allocate). ``ValueError`` when the model is not built
-    and compiled, or its config does not rebuild it as it is.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-      >>> model.compile(optimizer="adam", loss="mse")
-      >>> copy = rebuilt_abstractly(model, dtype="bfloat16")
+      >>> copy, _ = keras_apply_change(model, ProgramOptions(), {"dtype": "bfloat16"})
       >>> copy.layers[0].kernel.dtype, model.layers[0].kernel.dtype
       ('bfloat16', 'float32')
     """
+    import keras
+
+    _check_change(change)
+    optimizer = None
+    if "optimizer" in change:  # a fresh one of that class
+        optimizer = getattr(keras.optimizers, {"adafactor": "Adafactor", "sgd": "SGD",
+                                               "lion": "Lion"}[change["optimizer"]])()
+    if set(change) == {"optimizer"}:
+        return model, dataclasses.replace(options, planning_optimizer=optimizer)
+    lora_rank, quantize, dtype = (change.get(k) for k in ("lora_rank", "quantize", "dtype"))
     if not getattr(model, "built", False) or not getattr(model, "compiled", False):
         raise ValueError(
             f"{_REBUILT}, which needs a built and compiled model: build it (`model.build("
@@ -151,7 +138,9 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
     if quantize is not None:
         _rewrite_int8(rewritten, model, plain)
     if lora_rank is not None and has_lora:
-        _rewrite_lora_rank(rewritten, lora_rank)
+        for node in _nodes(rewritten):
+            if node.get("lora_rank"):
+                node["lora_rank"] = lora_rank
     if hub_lora is not None and lora_rank is not None:
         hub_lora = (lora_rank, hub_lora[1])
     if rewritten == config and dtype is None and hub_lora == _hub_lora(model):
@@ -173,7 +162,7 @@ def rebuilt_abstractly(model: Any, *, lora_rank: int | None = None, quantize: st
                 _enable_lora(clone, lora_rank)
     with keras_lowering_scope():
         clone.compile(**compile_kwargs)
-    return clone
+    return clone, options
 
 
 def _check_change(change: dict[str, Any]) -> None:
@@ -194,14 +183,6 @@ def _check_change(change: dict[str, Any]) -> None:
                          f"train only through LoRA). Received: change={change!r}")
     if "dtype" in change and change["dtype"] != "bfloat16":
         raise ValueError(f"`dtype` must be 'bfloat16'. Received: change={change!r}")
-
-
-def _fresh_optimizer(name: str) -> Any:
-    import keras
-
-    classes = {"adafactor": keras.optimizers.Adafactor, "sgd": keras.optimizers.SGD,
-               "lion": keras.optimizers.Lion}
-    return classes[name]()
 
 
 def _leaf_layers(model: Any) -> list[Any]:
@@ -366,12 +347,6 @@ def _rewrite_int8(config: dict, model: Any, plain: Any) -> None:
                     "module": "keras.dtype_policies", "class_name": "QuantizedDTypePolicy",
                     "config": {"mode": "int8", "source_name": policy["config"]["name"]},
                     "registered_name": None}
-
-
-def _rewrite_lora_rank(config: dict, rank: int) -> None:
-    for node in _nodes(config):
-        if node.get("lora_rank"):
-            node["lora_rank"] = rank
 
 
 def _check_applied(what: str, model: Any, clone: Any,

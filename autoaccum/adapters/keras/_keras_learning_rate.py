@@ -67,10 +67,10 @@ def keras_lr_scaling(model: Any, rate: LearningRate, *,
     when given, is the base instead of the optimizer's rate (``fit`` then sets it,
     :func:`set_base_learning_rate`)."""
     base = rate.value if rate.value is not None else base_learning_rate(model.optimizer)
-    adjust_adam = rate.adjust_adam
+    leaves = leaf_optimizers(model.optimizer)
     adam = {}
-    if adjust_adam:
-        leaf = leaf_optimizers(model.optimizer)[0]
+    if rate.adjust_adam:
+        leaf = leaves[0]
         missing = [n for n in ("beta_1", "beta_2", "epsilon") if not hasattr(leaf, n)]
         if missing:
             raise ValueError(
@@ -85,9 +85,8 @@ def keras_lr_scaling(model: Any, rate: LearningRate, *,
         base_batch=rate.base_batch,
         rule=rate.rule,
         family=keras_family(model.optimizer),
-        optimizer_name=" and ".join(sorted({type(leaf).__name__
-                                            for leaf in leaf_optimizers(model.optimizer)})),
-        adjust_adam=adjust_adam,
+        optimizer_name=" and ".join(sorted({type(leaf).__name__ for leaf in leaves})),
+        adjust_adam=rate.adjust_adam,
         **adam,
     )
 
@@ -177,8 +176,10 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
             if scaling.adam is not None:
                 for name, value in (("beta_1", scaling.adam.b1), ("beta_2", scaling.adam.b2),
                                     ("epsilon", scaling.adam.eps)):
-                    undo.append(functools.partial(
-                        _restore, leaf, name, instance_attribute(leaf, name, _MISSING)))
+                    own = instance_attribute(leaf, name, _MISSING)  # restored on exit
+                    undo.append(functools.partial(drop_instance_attribute, leaf, name)
+                                if own is _MISSING
+                                else functools.partial(set_instance_attribute, leaf, name, own))
                     set_instance_attribute(leaf, name, value)
         yield
     finally:
@@ -187,14 +188,6 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
 
 
 _MISSING = object()
-
-
-def _restore(leaf: Any, name: str, value: Any) -> None:
-    """Puts ``leaf``'s own attribute ``name`` back to ``value`` (``_MISSING``: none)."""
-    if value is _MISSING:
-        drop_instance_attribute(leaf, name)
-    else:
-        set_instance_attribute(leaf, name, value)
 
 
 def scale_keras_learning_rate(optimizer: Any, factor: float) -> Any:

@@ -28,6 +28,7 @@ cannot be accumulated exactly (several terms, one with a data-dependent denomina
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,7 +160,10 @@ class _Recording:
 
     def __init__(self, inner: Any, weight: Any, sink: list[LossTerm]) -> None:
         self.inner = inner
-        self.weight = 1.0 if weight is None else weight
+        try:
+            self.weight = 1.0 if weight is None else float(weight)
+        except (TypeError, ValueError):
+            self.weight = 1.0
         self.sink = sink
 
     def __getattr__(self, name: str) -> Any:
@@ -177,7 +181,7 @@ class _Recording:
         if not standard or reduction not in ("sum_over_batch_size", "mean", "sum",
                                              "mean_with_sample_weight"):
             value = inner(y_true, y_pred, sample_weight)
-            self.sink.append(LossTerm(value, None, "static", self._weight()))
+            self.sink.append(LossTerm(value, None, "static", self.weight))
             return value
 
         # keras.losses.Loss.__call__, with the denominator of the reduction kept.
@@ -187,26 +191,15 @@ class _Recording:
             y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, inner.dtype), y_true)
             values = inner.call(y_true, y_pred)
             out_mask = get_keras_mask(values)
-            mask = _combine(in_mask, out_mask)
+            mask = (in_mask & out_mask if in_mask is not None and out_mask is not None
+                    else out_mask if in_mask is None else in_mask)
             value = reduce_weighted_values(
                 values, sample_weight=sample_weight, mask=mask, reduction=reduction,
                 dtype=inner.dtype,
             )
             kind, denominator = _denominator(values, sample_weight, mask, reduction, inner.dtype)
-        self.sink.append(LossTerm(value, denominator, kind, self._weight()))
+        self.sink.append(LossTerm(value, denominator, kind, self.weight))
         return value
-
-    def _weight(self) -> float:
-        try:
-            return float(self.weight)
-        except (TypeError, ValueError):
-            return 1.0
-
-
-def _combine(in_mask: Any, out_mask: Any) -> Any:
-    if in_mask is not None and out_mask is not None:
-        return in_mask & out_mask
-    return in_mask if in_mask is not None else out_mask
 
 
 def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
@@ -214,9 +207,7 @@ def _denominator(values: Any, sample_weight: Any, mask: Any, reduction: str,
     """What ``keras.src.losses.loss.reduce_values`` divides by, and whether it is static."""
     from keras import ops
 
-    size = 1
-    for dim in values.shape:
-        size *= int(dim)
+    size = math.prod(int(dim) for dim in values.shape)
     if tuple(values.shape) in ((), (0,)):  # the loss reduced itself: taken as a mean
         return "static", None
     if reduction == "sum":
