@@ -171,8 +171,7 @@ def accumulate_gradients(
             out, _ = body(init, jax.tree.map(lambda b: b[0], batches), params)
         else:
             out, _ = jax.lax.scan(lambda c, b: body(c, b, params), init, batches)
-    grad_sum, loss_sum, count, carry, sq_sum = out
-    return AccumulatedGradients(grad_sum, loss_sum, count, carry, sq_sum)
+    return AccumulatedGradients(*out)
 
 
 def tree_sq_norm(tree: PyTree) -> jax.Array:
@@ -290,8 +289,7 @@ def add_moments(moments: Moments, mean: Any, var: Any, *, weight: Any = 1.0,
       >>> float(m.mean_sum[0]), float(m.square_sum[0]), float(m.weight)
       (1.0, 1.0, 1.0)
     """
-    mean = jnp.asarray(mean, jnp.float32)
-    var = jnp.asarray(var, jnp.float32)
+    mean, var = jnp.asarray(mean, jnp.float32), jnp.asarray(var, jnp.float32)
     w = jnp.asarray(weight, jnp.float32) * jnp.asarray(updated, jnp.float32)
     return Moments(moments.mean_sum + w * mean,
                    moments.square_sum + w * (var + mean * mean),

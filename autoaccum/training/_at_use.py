@@ -73,19 +73,14 @@ def _tied(shards: list[Any], tie: Any) -> list[Any]:
             for s in shards]
 
 
-def _lookup_grads(eqn: Any, table: _Recipe, deps: list[int], whole: list[Any],
-                  trained: list[int], ct: Any, saved: list[Any], act_specs: list,
-                  scatter: Sequence[Callable[[Any], Any] | None]) -> tuple[list, list]:
-    """The backward pass of ``gather(table, indices)``, ``table`` computed from weights: the
-    cotangent scatter-added into zeros tied to it, then carried back to the weights. (JAX's own
-    transpose makes zeros that XLA:CPU scheduled at the start of the micro-step: a whole table
-    per device held through every other layer's backward pass.)"""
+def _lookup_cotangent(eqn: Any, table: Any, indices: Any, ct: Any) -> Any:
+    """The cotangent of ``table`` in ``gather(table, indices)``: ``ct`` scatter-added into
+    zeros tied to it. (JAX's own transpose makes zeros that XLA:CPU scheduled at the start of
+    the micro-step: a whole table per device held through every other layer's backward
+    pass.)"""
     dn = eqn.params["dimension_numbers"]
-    indices = saved[0]
-    like = jax.ShapeDtypeStruct(jnp.shape(table.make(dict(zip(deps, whole, strict=True)))),
-                                jnp.result_type(ct))
-    (zeros,) = _tied([jnp.zeros(like.shape, like.dtype)], ct)
-    d_table = jax.lax.scatter_add(
+    (zeros,) = _tied([jnp.zeros(jnp.shape(table), jnp.result_type(ct))], ct)
+    return jax.lax.scatter_add(
         zeros, indices, ct,
         jax.lax.ScatterDimensionNumbers(
             update_window_dims=dn.offset_dims, inserted_window_dims=dn.collapsed_slice_dims,
@@ -94,19 +89,6 @@ def _lookup_grads(eqn: Any, table: _Recipe, deps: list[int], whole: list[Any],
             scatter_indices_batching_dims=dn.start_indices_batching_dims),
         indices_are_sorted=eqn.params["indices_are_sorted"],
         unique_indices=eqn.params["unique_indices"], mode=eqn.params["mode"])
-
-    def make(part: list[Any]) -> Any:
-        full = list(whole)
-        for k, w in zip(trained, part, strict=True):
-            full[k] = w
-        return table.make(dict(zip(deps, full, strict=True)))
-
-    _, vjp = jax.vjp(make, [whole[k] for k in trained])
-    (d_trained,) = vjp(d_table.astype(jnp.result_type(make([whole[k] for k in trained]))))
-    d_shards: list[Any] = [None] * len(deps)
-    for k, g in zip(trained, d_trained, strict=True):
-        d_shards[k] = scatter[deps[k]](g)
-    return d_shards, [np.zeros(shape, jax.dtypes.float0) for shape, _ in act_specs]
 
 
 def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple, *,
@@ -136,8 +118,7 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
       >>> float(gathered_at_use(fn, [w], (x,), gather=[twice], scatter=[None]))
       60.0
     """
-    weights = list(weights)
-    gather, scatter = list(gather), list(scatter)
+    weights, gather, scatter = list(weights), list(gather), list(scatter)
     whole_spec = [jax.eval_shape(gather[i], weights[i]) if gather[i] is not None
                   else jax.ShapeDtypeStruct(jnp.shape(weights[i]), jnp.result_type(weights[i]))
                   for i in range(len(weights))]
@@ -189,28 +170,35 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
 
         def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
             shards, saved = res
+            no_grads = [np.zeros(shape, jax.dtypes.float0) for shape, _ in act_specs]
             if not trained and not float_acts:
                 # Frozen weights read with integer activations (an embedding lookup): no
                 # gradient to compute, nothing to gather again.
-                return [None] * len(deps), [np.zeros(shape, jax.dtypes.float0)
-                                            for shape, _ in act_specs]
+                return [None] * len(deps), no_grads
             acts_now = ([jnp.zeros(shape, dtype) for shape, dtype in act_specs] if linear
                         else saved)
             whole = gather_tied(deps, shards, ct)
-            if lookup:
-                return _lookup_grads(eqn, ins[0], deps, whole, trained, ct[0], saved,
-                                     act_specs, scatter)
 
-            def run_trained(part: list[Any], acts: list[Any]) -> list[Any]:
+            def with_trained(part: list[Any]) -> list[Any]:
                 # Differentiated only with respect to trained weights: frozen ones are
                 # constants here (no gradient of the size of a frozen weight is formed).
                 full = list(whole)
                 for k, w in zip(trained, part, strict=True):
                     full[k] = w
-                return run(full, acts)
+                return full
 
-            _, vjp = jax.vjp(run_trained, [whole[k] for k in trained], acts_now)
-            d_trained, d_acts = vjp(ct)
+            part = [whole[k] for k in trained]
+            if lookup:  # the table's cotangent, then carried back to the weights
+                def table(part: list[Any]) -> Any:
+                    return ins[0].make(dict(zip(deps, with_trained(part), strict=True)))
+
+                value = table(part)
+                d_table = _lookup_cotangent(eqn, value, saved[0], ct[0])
+                _, vjp = jax.vjp(table, part)
+                (d_trained,), d_acts = vjp(d_table.astype(jnp.result_type(value))), no_grads
+            else:
+                _, vjp = jax.vjp(lambda p, a: run(with_trained(p), a), part, acts_now)
+                d_trained, d_acts = vjp(ct)
             d_shards: list[Any] = [None] * len(deps)
             for k, g in zip(trained, d_trained, strict=True):
                 d_shards[k] = scatter[deps[k]](g)
@@ -239,8 +227,7 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
             acts = [is_active(v) for v in eqn.invars]
             recipes = [isinstance(x, _Recipe) for x in ins]
             if not any(recipes):
-                outs, out_active = _bind(eqn, ins), any(acts)
-                out_active = [out_active] * len(eqn.outvars)
+                outs, out_active = _bind(eqn, ins), [any(acts)] * len(eqn.outvars)
             elif eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
                 inner = eqn.params["jaxpr"]
                 inner_jaxpr = getattr(inner, "jaxpr", inner)

@@ -34,7 +34,6 @@ from ._callbacks import NoiseScaleTracker, StopTraining
 from ._epoch_batches import split_micro_batches
 from ._nonfinite import NonFiniteError
 from ._step_runner import (
-    InterruptGuard,
     StateHooks,
     StateLostError,
     StepOutcome,
@@ -224,69 +223,66 @@ def run_fit_loop(
     assert isinstance(hooks, FitHooks), "run_fit_loop needs a runner over FitHooks"
     try:
         with interrupt_guard() as guard:
-            _run(hooks, runner, loop, guard, epochs=epochs, initial_epoch=initial_epoch,
-                 steps_per_epoch=steps_per_epoch, validate=validate,
-                 validation_freq=validation_freq, progress=progress, data_advice=data_advice)
+            callbacks = hooks.callbacks()
+            try:
+                first = callbacks.train_begin(initial_epoch)
+                runner.refresh()
+                for epoch in range(first, epochs):
+                    tally = EpochTally(epoch)
+                    loop.tallies.append(tally)
+                    callbacks.epoch_begin(epoch)
+                    _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
+                           bar=None if progress is None else progress(epoch))
+                    if not callbacks.stop_requested() and (tally.steps == 0 or (
+                            steps_per_epoch is not None and tally.steps < steps_per_epoch)):
+                        warnings.warn(
+                            "autoaccum: your input ran out of data; interrupting training. "
+                            f"{data_advice}Received: {tally.steps} step(s) in epoch "
+                            f"{epoch + 1}", AutoaccumWarning, stacklevel=3)
+                        if tally.steps == 0:
+                            loop.stopped = f"the data ran out in epoch {epoch + 1}"
+                            break
+                    loop.noise_scales.append(loop.noise.value)
+                    logs = callbacks.epoch_logs(tally, loop.noise.value)
+                    if validate is not None and (epoch + 1) % validation_freq == 0:
+                        logs.update(validate(epoch))
+                    runner.refresh()
+                    callbacks.epoch_end(epoch, logs)
+                    loop.logs = logs
+                    stop = callbacks.stop_requested()
+                    if stop:
+                        loop.stopped = stop
+                        break
+            except BaseException as error:
+                guard.holding = True  # first, before any call (see InterruptGuard)
+                try:
+                    handled = _settle(runner, loop, error)
+                finally:
+                    guard.release()
+                if not handled:
+                    raise
+            callbacks.train_end(loop.logs)
     finally:
         history = hooks.history(loop)
     return history
 
 
-def _run(hooks: FitHooks, runner: StepRunner, loop: FitLoop, guard: InterruptGuard, *,
-         epochs: int, initial_epoch: int, steps_per_epoch: int | None,
-         validate: Callable[[int], dict[str, Any]] | None, validation_freq: int,
-         progress: Callable[[int], Any] | None, data_advice: str) -> None:
-    callbacks = hooks.callbacks()
+def settle(runner: StepRunner, error: BaseException, *, record: bool = True) -> None:
+    """``runner.settle(error)``; when the state is lost, ``error`` is raised with a note (and
+    the loss is in ``runner.events`` when ``record``)."""
     try:
-        first = callbacks.train_begin(initial_epoch)
-        runner.refresh()
-        for epoch in range(first, epochs):
-            tally = EpochTally(epoch)
-            loop.tallies.append(tally)
-            callbacks.epoch_begin(epoch)
-            _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
-                   bar=None if progress is None else progress(epoch))
-            stop = callbacks.stop_requested()
-            if not stop and (tally.steps == 0 or (steps_per_epoch is not None
-                                                  and tally.steps < steps_per_epoch)):
-                warnings.warn(
-                    "autoaccum: your input ran out of data; interrupting training. "
-                    f"{data_advice}Received: {tally.steps} step(s) in epoch {epoch + 1}",
-                    AutoaccumWarning, stacklevel=4)
-                if tally.steps == 0:
-                    loop.stopped = f"the data ran out in epoch {epoch + 1}"
-                    break
-            loop.noise_scales.append(loop.noise.value)
-            logs = callbacks.epoch_logs(tally, loop.noise.value)
-            if validate is not None and (epoch + 1) % validation_freq == 0:
-                logs.update(validate(epoch))
-            runner.refresh()
-            callbacks.epoch_end(epoch, logs)
-            loop.logs = logs
-            stop = callbacks.stop_requested()
-            if stop:
-                loop.stopped = stop
-                break
-    except BaseException as error:
-        guard.holding = True  # first, before any call (see InterruptGuard)
-        try:
-            handled = _settle(runner, loop, error)
-        finally:
-            guard.release()
-        if not handled:
-            raise
-    callbacks.train_end(loop.logs)
+        runner.settle(error)
+    except StateLostError as lost:
+        if record:
+            runner.events.append(str(lost))
+        if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
+            error.add_note(f"autoaccum: {lost}")
+        raise error from None
 
 
 def _settle(runner: StepRunner, loop: FitLoop, error: BaseException) -> bool:
     """Settles the model after ``error``; whether it was handled (:class:`StopTraining`)."""
-    try:
-        runner.settle(error)
-    except StateLostError as lost:
-        runner.events.append(str(lost))
-        if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
-            error.add_note(f"autoaccum: {lost}")
-        raise error from None
+    settle(runner, error)
     if isinstance(error, StopTraining):
         loop.stopped = f"StopTraining: {error}" if str(error) else "StopTraining"
         return True
@@ -446,8 +442,7 @@ class Validator:
                  uneven: bool = True, place: Callable[[PyTree], PyTree] | None = None,
                  lowering: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.micro_batch, self.uneven = micro_batch, uneven
-        self.place = place
-        self.lowering = lowering
+        self.place, self.lowering = place, lowering
         self._jitted = jax.jit(evaluate)
         self._compiled: dict[tuple, Any] = {}
 
@@ -488,13 +483,12 @@ class Validator:
 
 
 def _spec(tree: PyTree) -> PyTree:
-    """Abstract values of ``tree``, with their ``_sharding``."""
-    return jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype if hasattr(v, "dtype")
-                                       else np.asarray(v).dtype, sharding=_sharding(v)), tree)
+    """Abstract values of ``tree``, with a committed array's sharding when it spans several
+    devices."""
+    def one(v: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(v, "sharding", None) if isinstance(v, jax.Array) else None
+        return jax.ShapeDtypeStruct(
+            np.shape(v), v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype,
+            sharding=sharding if sharding is not None and len(sharding.device_set) > 1 else None)
 
-
-def _sharding(value: Any) -> Any:
-    """A committed array's sharding when it spans several devices, else ``None``."""
-    sharding = getattr(value, "sharding", None) if isinstance(value, jax.Array) else None
-    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+    return jax.tree.map(one, tree)

@@ -118,23 +118,22 @@ def update_if_finite(finite: jax.Array, update: Callable[..., PyTree], old: PyTr
       >>> update_if_finite(jnp.bool_(False), sgd, jnp.ones(2), jnp.ones(2)).tolist()
       [1.0, 1.0]
     """
-    if compile_platform() != "cpu":  # a GPU/TPU step: select, in the new state's dtypes
-        new = update(old, *args)
-        if jax.tree.structure(new) != jax.tree.structure(old):
-            return keep_if_finite(finite, new, old)
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, _cast_like(o, n)), new, old)
-    shapes = jax.eval_shape(update, old, *args)
-    if jax.tree.structure(shapes) != jax.tree.structure(old):
-        # A transform that changes its state's structure: select.
-        return keep_if_finite(finite, update(old, *args), old)
+    if compile_platform() == "cpu":
+        shapes = jax.eval_shape(update, old, *args)
+        if jax.tree.structure(shapes) == jax.tree.structure(old):
+            def keep(old: PyTree, *_: Any) -> PyTree:
+                return jax.tree.map(_cast_like, old, shapes)
 
-    def keep(old: PyTree, *_: Any) -> PyTree:
-        return jax.tree.map(_cast_like, old, shapes)
+            def new(old: PyTree, *args: Any) -> PyTree:
+                return jax.tree.map(_cast_like, update(old, *args), shapes)
 
-    def new(old: PyTree, *args: Any) -> PyTree:
-        return jax.tree.map(_cast_like, update(old, *args), shapes)
-
-    return jax.lax.cond(finite, new, keep, old, *args)
+            return jax.lax.cond(finite, new, keep, old, *args)
+    # A GPU/TPU step, or a transform that changes its state's structure: select (in the new
+    # state's dtypes when the structure is kept).
+    new_state = update(old, *args)
+    if jax.tree.structure(new_state) != jax.tree.structure(old):
+        return keep_if_finite(finite, new_state, old)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, _cast_like(o, n)), new_state, old)
 
 
 def _cast_like(x: Any, like: Any) -> Any:
@@ -152,11 +151,5 @@ def keep_values_if_finite(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree
       >>> out["w"].tolist(), int(out["n"])
       ([0.0], 3)
     """
-
-    def one(n: Any, o: Any) -> Any:
-        dtype = jnp.result_type(n)
-        if jnp.issubdtype(dtype, jnp.inexact):
-            return jnp.where(finite, n, o)
-        return n
-
-    return jax.tree.map(one, new, old)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o)
+                        if jnp.issubdtype(jnp.result_type(n), jnp.inexact) else n, new, old)

@@ -185,20 +185,18 @@ def _explain(where: str, unknown: dict[str, Any], params: Any, *,
             raise ValueError(f"{REFUSED_FIT_OPTIONS[name]}. Received: {received(name, value)}")
     moved = {n: v for n, v in unknown.items() if n in _MOVED and _MOVED[n][0] in params}
     if moved:
-        specs: dict[str, list[str]] = {}
-        classes: dict[str, str] = {}
+        specs: dict[tuple[str, str], list[str]] = {}  # (argument, its class) -> fields
         for name, value in moved.items():
             argument, cls, field = _MOVED[name]
-            classes[argument] = cls.__name__
-            fields = specs.setdefault(argument, [])
+            fields = specs.setdefault((argument, cls.__name__), [])
             if argument == "learning_rate" and not fields and learning_rate is not None and (
                     not isinstance(learning_rate, LearningRate)):
                 fields.append(f"value={learning_rate!r}")
             fields.append(f"{field}={value!r}")
         names = ", ".join(moved)
-        fix = ", ".join(f"{argument}=autoaccum.{classes[argument]}({', '.join(fields)})"
-                        for argument, fields in specs.items())
+        fix = ", ".join(f"{argument}=autoaccum.{cls}({', '.join(fields)})"
+                        for (argument, cls), fields in specs.items())
         raise ValueError(
-            f"{where}() takes {names} inside {' and '.join(f'{a}=' for a in specs)}: {fix}. "
+            f"{where}() takes {names} inside {' and '.join(f'{a}=' for a, _ in specs)}: {fix}. "
             "Received: " + ", ".join(received(n, v) for n, v in moved.items()))
     raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}")

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..devices._mesh import without_context_mesh
 from ..planning._plan import Plan
-from ._step_runner import StateLostError, StepOutcome, StepRunner
+from ._fit_loop import settle
+from ._step_runner import StepOutcome, StepRunner
 
 __all__ = ["UserLoopStep"]
 
@@ -44,9 +45,7 @@ class UserLoopStep:
     """
 
     def __init__(self, runner: StepRunner, plan: Plan) -> None:
-        self._runner = runner
-        self._plan = plan
-        self._noted = 0
+        self._runner, self._plan, self._noted = runner, plan, 0
 
     @property
     def plan(self) -> Plan:
@@ -109,12 +108,7 @@ class UserLoopStep:
             with without_context_mesh():  # the step's meshes are autoaccum's (see there)
                 outcome = runner.run(examples)
         except BaseException as error:
-            try:
-                runner.settle(error)
-            except StateLostError as lost:
-                if not any("backup='host'" in note for note in getattr(error, "__notes__", ())):
-                    error.add_note(f"autoaccum: {lost}")
-                raise error from None
+            settle(runner, error, record=False)
             raise
         if (not outcome.finite and not outcome.optimizer_skipped
                 and runner.on_nonfinite == "stop"):

@@ -122,7 +122,10 @@ class FlaxAdapter(Adapter):
         tree = source.sample(effective_batch)
         self._sources.append((tree, source))
         if source.rebuild is not None:  # a plain dataclass: the loss gets its own type back
-            loss_fn = _rebuilt(loss_fn, source.rebuild)
+            user_loss, rebuild = loss_fn, source.rebuild
+
+            def loss_fn(model: Any, batch: Any) -> Any:
+                return user_loss(model, rebuild(batch))
         kwargs = {} if trainable is None else {"trainable": trainable}
         with self.remat_context(model, remat, remat_layers):
             program = flax_program(model, example_spec(tree), loss_fn=loss_fn, tx=tx,
@@ -227,8 +230,17 @@ class FlaxAdapter(Adapter):
                     "validation_split holds out the last examples of in-memory data; a stream "
                     "has no last examples to hold out. Pass validation_data= (arrays) instead. "
                     f"Received: validation_split={split} with a stream of batches")
-            train, validation = split_validation(source.tree, split)
-            source = ArrayData(train)
+            # The first 1 - split of the examples train, the last split validate (before
+            # shuffling, as Keras does).
+            n = num_examples(source.tree)
+            cut = int(n * (1 - split))
+            if cut == n or cut == 0:
+                raise ValueError(
+                    f"validation_split={split} of {n} examples leaves "
+                    f"{'no validation' if cut == n else 'no training'} example; use a larger or "
+                    f"smaller fraction, or validation_data=. Received: validation_split={split}")
+            validation = jax.tree.map(lambda a: a[cut:], source.tree)
+            source = ArrayData(jax.tree.map(lambda a: a[:cut], source.tree))
         if validation is not None:
             validation = as_arrays(validation, name="validation_data")
         if isinstance(source, ArrayData):
@@ -255,13 +267,11 @@ class FlaxAdapter(Adapter):
             **({"trainable": extras["trainable"]} if "trainable" in extras else {}),
         )
 
-
     def train_step(self, model: Any, prepared: Prepared, plan: Plan, *, remat_layers: Any,
                    uneven: bool, on_nonfinite: str, batch_stats: str, backup: str,
                    elastic: bool, log: TextIO | None) -> Any:
         """:class:`TrainStep`: the planned step for a loop the user writes. ``uneven`` and
         ``batch_stats`` are the prepared program's already."""
-
         del uneven, batch_stats
         held = getattr(prepared.extras.get("source"), "held", 0)
         if held and log is not None:  # say what planning took from a one-shot iterator
@@ -272,6 +282,7 @@ class FlaxAdapter(Adapter):
         return TrainStep(model, prepared, plan, mesh=prepared.program.mesh,
                          remat_layers=remat_layers, on_nonfinite=on_nonfinite, backup=backup,
                          elastic=elastic, log=log)
+
 
 def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
     """Whether ``loss_fn(model, tree)`` traces (shapes only, nothing compiled): how a list of
@@ -293,37 +304,9 @@ def _loss_takes(model: nnx.Module, loss_fn: Any, tree: Any) -> bool:
     return True
 
 
-def _rebuilt(loss_fn: Any, rebuild: Any) -> Any:
-    """``loss_fn`` called with the user's own batch type, made again from its fields."""
-    def loss(model: Any, batch: Any) -> Any:
-        return loss_fn(model, rebuild(batch))
-
-    return loss
-
-
 FIT_OPTIONS = ("callbacks", "validation_data", "validation_split", "validation_batch_size",
                "validation_steps", "validation_freq", "initial_epoch", "steps_per_epoch")
 """The ``model.fit``-style options ``autoaccum.fit`` takes for a Flax model."""
-
-
-def split_validation(data: Any, split: float) -> tuple[Any, Any]:
-    """The first ``1 - split`` of the examples to train on and the last ``split`` to validate
-    on (before shuffling, as Keras does).
-
-    Example:
-      >>> import numpy as np
-      >>> train, val = split_validation({"x": np.arange(10)}, 0.2)
-      >>> train["x"].tolist(), val["x"].tolist()
-      ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
-    """
-    n = num_examples(data)
-    cut = int(n * (1 - split))
-    if cut == n or cut == 0:
-        raise ValueError(
-            f"validation_split={split} of {n} examples leaves "
-            f"{'no validation' if cut == n else 'no training'} example; use a larger or "
-            f"smaller fraction, or validation_data=. Received: validation_split={split}")
-    return (jax.tree.map(lambda a: a[:cut], data), jax.tree.map(lambda a: a[cut:], data))
 
 
 class StepOutput(NamedTuple):

@@ -58,22 +58,16 @@ from ...training._nonfinite import (
 from ._sharding import own_placement, own_specs
 
 PyTree = Any
-_STATS = ("mean", "var")
 
 
 def _plain(path: tuple) -> tuple:
     """A pytree key path as plain keys, without the Variable's trailing ``.value``."""
-    keys = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
-            continue
-        keys.append(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-    return tuple(keys)
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
+                 if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value"))
 
 
 def _leaves_by_path(state: PyTree) -> dict[tuple, Any]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    return {_plain(p): leaf for p, leaf in flat}
+    return {_plain(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
 class EffectiveBatchNorm:
@@ -121,7 +115,7 @@ class EffectiveBatchNorm:
             mean_new, var_new = new_leaves[(*path, "mean")], new_leaves[(*path, "var")]
             updated = jnp.any(mean_new != mean_old) | jnp.any(var_new != var_old)
             out.append(add_moments(m, mean_new, var_new, weight=weight, updated=updated))
-        stat_paths = {(*p, s) for p in self.paths for s in _STATS}
+        stat_paths = {(*p, s) for p in self.paths for s in ("mean", "var")}
         restored = jax.tree_util.tree_map_with_path(
             lambda p, n, o: o if _plain(p) in stat_paths else n, new, old)
         return restored, tuple(out)
@@ -256,7 +250,7 @@ def make_flax_step(
       The pure step function (jit it with ``donate_argnums=0``).
     """
     validate_on_nonfinite(on_nonfinite)
-    effective = norms is not None and bool(norms)
+    effective = bool(norms)
 
     def step(state: Any, batches: Any, frozen: Any) -> tuple[Any, StepMetrics]:
         params, other, opt_state = state
@@ -276,8 +270,7 @@ def make_flax_step(
                 new, moments = norms.collect(old, new, moments,
                                              1.0 if weight is None else weight)
             if weight is not None:
-                loss_sum = loss_sum * weight
-                count = count * weight
+                loss_sum, count = loss_sum * weight, count * weight
                 new = jax.tree.map(lambda n, o: jnp.where(weight > 0, n, o), new, old)
             return (loss_sum, count), (new, moments)
 
@@ -313,15 +306,9 @@ def make_flax_step(
                              layout.shardings(layout.params))
             new_opt_state = wsc(new_opt_state, layout.shardings(layout.optimizer))
             new_other = wsc(new_other, jax.tree.map(lambda _: layout.replicated, new_other))
-        accum_steps = micro_steps(batches)
-        metrics = StepMetrics(
-            loss=loss,
-            count=acc.count,
-            grad_sq_norm=grad_sq_norm,
-            micro_grad_sq_norm=acc.micro_grad_sq_norm_sum / accum_steps,
-            finite=finite,
-        )
-        return (new_params, new_other, new_opt_state), metrics
+        return (new_params, new_other, new_opt_state), StepMetrics(
+            loss=loss, count=acc.count, grad_sq_norm=grad_sq_norm,
+            micro_grad_sq_norm=acc.micro_grad_sq_norm_sum / micro_steps(batches), finite=finite)
 
     return traced_under(step, trace_mesh)
 
@@ -460,7 +447,7 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
 
 
 def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
-                   frozen: Any = None) -> StateLayout | None:
+                   frozen: Any) -> StateLayout | None:
     """The state layout of ``plan.strategy`` and ``plan.partitioner`` on ``mesh`` (``None``:
     replicated or one device); ``frozen`` is split too under ``fsdp``."""
     strategy = getattr(plan, "strategy", "replicated")
@@ -471,7 +458,7 @@ def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
         return None
     return state_layout(strategy, mesh, params=params, optimizer=opt_state,
                         fixed=fixed if own else None,
-                        frozen=None if frozen is None else (frozen,),
+                        frozen=(frozen,),
                         partitioner=partitioner)
 
 
@@ -534,10 +521,8 @@ def rematerialized(
     if policy in ("none", "auto"):
         yield 0
         return
-    if layers is None:
-        chosen = repeated_layers(model)
-    else:
-        chosen = [(p, m) for p, m in nnx.iter_modules(model) if p and layers(p, m)]
+    chosen = (repeated_layers(model) if layers is None
+              else [(p, m) for p, m in nnx.iter_modules(model) if p and layers(p, m)])
     if not chosen:
         raise ValueError(
             f"remat={policy!r} found no layers to checkpoint: the model has no sequence of "
