@@ -161,6 +161,21 @@ def epoch_order(n: int, *, shuffle: bool, seed: int | None, epoch: int) -> np.nd
     return np.random.default_rng(None if seed is None else [seed, epoch]).permutation(n)
 
 
+def epoch_steps(num_examples: int | None, batch: int, drop_remainder: bool,
+                cap: int | None) -> int | None:
+    """Batches of ``batch`` in an epoch over ``num_examples`` (``None``: a stream, unknown),
+    at most ``cap`` (``steps_per_epoch``), for a progress bar.
+
+    Example:
+      >>> epoch_steps(10, 4, False, None), epoch_steps(10, 4, True, None), epoch_steps(None, 4, False, 3)
+      (3, 2, 3)
+    """  # noqa: E501
+    if num_examples is None:
+        return cap
+    count = num_examples // batch if drop_remainder else -(-num_examples // batch)
+    return count if cap is None else min(count, cap)
+
+
 class EpochBatches:
     """The example indices of each batch of an epoch over ``num_examples`` in-memory examples
     (what both adapters' in-memory data reads).

@@ -35,7 +35,7 @@ from ...planning._option_checks import type_name
 from ...planning._plan import Plan
 from ...training._callbacks import Callback, CallbackList, ProgressBar, validate_callbacks
 from ...training._data_parallel import step_accumulation
-from ...training._epoch_batches import leftover_split
+from ...training._epoch_batches import epoch_steps, leftover_split
 from ...training._fit_loop import (
     EpochTally,
     FitCallbacks,
@@ -429,7 +429,8 @@ def flax_fit(
             return {"val_loss": result.val_losses[-1]}
 
     def progress(epoch: int) -> ProgressBar:
-        total = _total(source, plan.effective_batch, drop_remainder, steps_per_epoch)
+        total = epoch_steps(source.num_examples, plan.effective_batch, drop_remainder,
+                            steps_per_epoch)
         return ProgressBar(total=total, epoch=epoch, epochs=epochs, stream=stream)
 
     start = time.perf_counter()
@@ -450,8 +451,9 @@ def flax_fit(
     return result
 
 
-class _FlaxHooks(FlaxState, FitHooks):
-    """What a Flax NNX model brings to the training loop (see the module docstring)."""
+class _FlaxHooks(FlaxState, FitHooks, FitCallbacks):
+    """What a Flax NNX model brings to the training loop (see the module docstring), and
+    autoaccum's callbacks as the loop drives them (the epoch's logs kept on the result)."""
 
     runner: StepRunner
 
@@ -471,6 +473,7 @@ class _FlaxHooks(FlaxState, FitHooks):
         self.home = home
         """The model's shardings before training, put back at the end (``rehome``)."""
         self.written_back = False
+        self.epoch = 0
 
     def batches(self, epoch: int) -> Iterator[Any]:
         result, source = self.result, self.source
@@ -484,7 +487,7 @@ class _FlaxHooks(FlaxState, FitHooks):
                 result.leftover_examples = source.leftover
 
     def callbacks(self) -> FitCallbacks:
-        return _FlaxCallbacks(self)
+        return self
 
     def history(self, loop: FitLoop) -> FitResult:
         self.write_back()
@@ -494,6 +497,43 @@ class _FlaxHooks(FlaxState, FitHooks):
         result.skipped_steps = loop.skipped + loop.optimizer_skipped
         result.stopped = result.stopped or loop.stopped or ""
         return result
+
+    def train_begin(self, initial_epoch: int) -> int:
+        self._callbacks.call("on_train_begin", {})
+        return initial_epoch
+
+    def epoch_begin(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._callbacks.call("on_epoch_begin", epoch, {})
+
+    def step_end(self, index: int, outcome: StepOutcome) -> None:
+        result = self.result
+        result.steps = self.runner.steps
+        if outcome.noise is not None:
+            result.noise_scale.append(outcome.noise_scale)
+        self._callbacks.call("on_step_end", result.steps,
+                             {"loss": outcome.loss, "examples": outcome.examples,
+                              "skipped": not outcome.applied, "epoch": self.epoch})
+
+    def stop_requested(self) -> str | None:
+        return self._callbacks.stop_requested()
+
+    def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
+        self.result.epoch_losses.append(tally.mean_loss)
+        self.result.epoch_noise_scale.append(noise_scale)
+        return {"loss": tally.mean_loss, "gradient_noise_scale": noise_scale}
+
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        self._callbacks.call("on_epoch_end", epoch, logs)
+
+    def train_end(self, logs: dict[str, Any]) -> None:
+        self.write_back()
+        stopped = self.result.stopped or self.record.stopped
+        if stopped and self.verbose:
+            print(f"autoaccum: training stopped early ({stopped})", file=self.stream,
+                  flush=True)
+        losses = self.runner.losses
+        self._callbacks.call("on_train_end", {"loss": losses[-1] if losses else math.nan})
 
     def write_back(self) -> None:
         """Once, at the end: the user's ``nnx.Optimizer`` receives the optimizer state and step
@@ -507,52 +547,6 @@ class _FlaxHooks(FlaxState, FitHooks):
         if self.nnx_optimizer is not None:
             with deferred_interrupts():
                 self.nnx_optimizer.write(self.state[2], self.runner.steps)
-
-
-class _FlaxCallbacks(FitCallbacks):
-    """autoaccum's callbacks as the loop drives them; the epoch's logs kept on the result."""
-
-    def __init__(self, hooks: _FlaxHooks) -> None:
-        self.hooks, self.result, self.list = hooks, hooks.result, hooks._callbacks
-        self.epoch = 0
-
-    def train_begin(self, initial_epoch: int) -> int:
-        self.list.call("on_train_begin", {})
-        return initial_epoch
-
-    def epoch_begin(self, epoch: int) -> None:
-        self.epoch = epoch
-        self.list.call("on_epoch_begin", epoch, {})
-
-    def step_end(self, index: int, outcome: StepOutcome) -> None:
-        result = self.result
-        result.steps = self.hooks.runner.steps
-        if outcome.noise is not None:
-            result.noise_scale.append(outcome.noise_scale)
-        self.list.call("on_step_end", result.steps,
-                       {"loss": outcome.loss, "examples": outcome.examples,
-                        "skipped": not outcome.applied, "epoch": self.epoch})
-
-    def stop_requested(self) -> str | None:
-        return self.list.stop_requested()
-
-    def epoch_logs(self, tally: EpochTally, noise_scale: float | None) -> dict[str, Any]:
-        self.result.epoch_losses.append(tally.mean_loss)
-        self.result.epoch_noise_scale.append(noise_scale)
-        return {"loss": tally.mean_loss, "gradient_noise_scale": noise_scale}
-
-    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
-        self.list.call("on_epoch_end", epoch, logs)
-
-    def train_end(self, logs: dict[str, Any]) -> None:
-        hooks, result = self.hooks, self.result
-        hooks.write_back()
-        stopped = result.stopped or hooks.record.stopped
-        if stopped and hooks.verbose:
-            print(f"autoaccum: training stopped early ({stopped})", file=hooks.stream,
-                  flush=True)
-        losses = hooks.runner.losses
-        self.list.call("on_train_end", {"loss": losses[-1] if losses else math.nan})
 
 
 def check_stream(source: ArrayData | FlaxStream, *, epochs: int,
@@ -574,16 +568,6 @@ def check_stream(source: ArrayData | FlaxStream, *, epochs: int,
             "Dataset's as_numpy_iterator() called per epoch via a class with __iter__), or "
             "steps_per_epoch= to share the one stream between the epochs. "
             f"Received: epochs={epochs}, steps_per_epoch=None")
-
-
-def _total(source: ArrayData | FlaxStream, effective: int, drop_remainder: bool,
-           steps_per_epoch: int | None) -> int | None:
-    """Optimizer steps in the coming epoch, when known (for the progress bar)."""
-    if source.num_examples is None:
-        return steps_per_epoch
-    full, rest = divmod(source.num_examples, effective)
-    count = full + (1 if rest and not drop_remainder else 0)
-    return count if steps_per_epoch is None else min(count, steps_per_epoch)
 
 
 class _StepFunction(Callback):

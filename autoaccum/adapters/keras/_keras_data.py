@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import IndexedData, ReplayedStream, concat
+from ...training._epoch_batches import IndexedData, ReplayedStream, concat, epoch_steps
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 
@@ -316,11 +316,7 @@ class KerasData:
 
     def steps(self, batch: int, drop_remainder: bool, cap: int | None) -> int | None:
         """Batches per epoch, when known (for the progress bar)."""
-        if self.num_examples is None:
-            return cap
-        full, left = divmod(self.num_examples, batch)
-        count = full + (1 if left and not drop_remainder else 0)
-        return count if cap is None else min(count, cap)
+        return epoch_steps(self.num_examples, batch, drop_remainder, cap)
 
 
 class ArraySource(IndexedData, KerasData):

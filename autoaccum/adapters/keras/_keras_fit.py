@@ -419,31 +419,26 @@ class _KerasHooks(KerasState, FitHooks, FitCallbacks):
 
     def batches(self, epoch: int) -> Iterator[Any]:
         """The epoch's batches, a final one cut to a multiple of the data-parallel devices
-        (none left: the end)."""
+        (with a warning; none left: the end)."""
         batches = self.source.epoch(
             batch=self.effective, drop_remainder=self.drop_remainder, shuffle=self.shuffle,
             seed=self.seed, epoch=epoch, steps=self.steps_per_epoch)
         try:
             for packed in batches:
-                packed = self._trim(packed) if num_examples(packed) < self.effective else packed
-                if num_examples(packed) == 0:  # fewer than one example per device
-                    return
+                n, dp = num_examples(packed), self.data_parallel
+                keep = n - n % dp  # a full batch (a multiple of dp) is kept whole
+                if keep < n:
+                    warnings.warn(
+                        f"autoaccum: the last {n} examples of the epoch cannot be split evenly "
+                        f"over {dp} data-parallel devices; {n - keep} of them are left out of "
+                        "this epoch.", AutoaccumWarning, stacklevel=2)
+                    if not keep:  # fewer than one example per device
+                        return
+                    packed = jax.tree.map(lambda a, k=keep: a[:k], packed)
                 yield packed
         finally:
             batches.close()
             self.dropped = self.source.dropped
-
-    def _trim(self, packed: tuple) -> tuple:
-        """A final batch cut to a multiple of the data-parallel devices (with a warning)."""
-        n, dp = num_examples(packed), self.data_parallel
-        keep = n - n % dp
-        if keep == n:
-            return packed
-        warnings.warn(
-            f"autoaccum: the last {n} examples of the epoch cannot be split evenly over "
-            f"{dp} data-parallel devices; {n - keep} of them are left out of this epoch.",
-            AutoaccumWarning, stacklevel=3)
-        return jax.tree.map(lambda a: a[:keep], packed)
 
     def callbacks(self) -> FitCallbacks:
         return self
