@@ -276,10 +276,8 @@ class DepthExtrapolator:
                 self.reduced_target, cache=self.cache)
         except Exception as error:  # a model that cannot be built or compiled that shallow
             why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
-            self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, 0, 0, False,
-                                                  why[:300])
-            self._say(f"micro_batch={micro_batch}: {why[:300]} (compiling full depth)")
-            return self.full(micro_batch, accum_steps)
+            return self._full_instead(DepthCheck(micro_batch, accum_steps, 0, 0, False,
+                                                 why[:300]))
         predicted, per_block = extrapolate(small[0], small[1], d1, d2, self.variants.full_depth)
         self._say(f"micro_batch={micro_batch}: depths {d1},{d2} -> "
                   f"{format_bytes(small[0].need_bytes)}, {format_bytes(small[1].need_bytes)}; "
@@ -291,13 +289,17 @@ class DepthExtrapolator:
             # predicts nothing, not even an upper bound.
             why = (f"need falls with depth ({format_bytes(small[0].need_bytes)} at {d1}, "
                    f"{format_bytes(small[1].need_bytes)} at {d2}): not linear")
-            self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps,
-                                                  predicted.need_bytes, per_block, False, why)
-            self._say(f"micro_batch={micro_batch}: {why} (compiling full depth)")
-            return self.full(micro_batch, accum_steps)
+            return self._full_instead(DepthCheck(micro_batch, accum_steps,
+                                                 predicted.need_bytes, per_block, False, why))
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
                                               per_block, True, "linear in depth")
         return predicted
+
+    def _full_instead(self, check: DepthCheck) -> MemoryEstimate:
+        """Records ``check`` (why the line does not stand in) and compiles at full depth."""
+        self.checks[check.micro_batch] = check
+        self._say(f"micro_batch={check.micro_batch}: {check.why} (compiling full depth)")
+        return self.full(check.micro_batch, check.accum_steps)
 
     def optimistic(self, estimate: MemoryEstimate) -> float:
         """The least the full-depth step at ``estimate`` (an extrapolation) can need: temp
@@ -501,35 +503,31 @@ def plan_by_depth(
                   verified.need_bytes <= budget.bytes, "verify at full depth", verified)
     if check.fits:
         searched = plan.probes
-        probes = (*label_sources(plan.probes), check)
-        plan = dataclasses.replace(plan, estimate=verified, probes=probes)
+        plan = dataclasses.replace(plan, estimate=verified,
+                                   probes=(*label_sources(plan.probes), check))
         # The pass lowered the need below the line: the next larger micro-batch may fit too.
         saved = predicted.need_bytes - verified.need_bytes
         larger = [d for d in divisors(per_device) if d > plan.micro_batch]
         reach = budget.bytes * (1 + PREDICTION_MARGIN)
         if larger and saved > variants.tolerance * predicted.need_bytes:
-            up = larger[0]
+            up, k = larger[0], per_device // larger[0]
             # The search's line less the pass's saving clearly over: no compile could fit.
             guess = line_need(need_line(searched, per_device), up, searched, per_device)
-            out_of_reach = guess is not None and guess - saved > reach
-            if out_of_reach:
+            if guess is not None and guess - saved > reach:
                 say(stream, f"autoaccum: depth extrapolation: micro_batch {up} not compiled: "
                     f"the line says {format_bytes(guess)}, less the {format_bytes(saved)} the "
                     "pass saved, over the budget")
-            if (not out_of_reach
-                    and extrapolator.measure(up, per_device // up).need_bytes - saved <= reach):
+            elif extrapolator.measure(up, k).need_bytes - saved <= reach:
                 say(stream, f"autoaccum: depth extrapolation: XLA's rematerialization pass "
                     f"saved {format_bytes(saved)} at micro_batch {plan.micro_batch}; "
                     f"micro_batch {up} at full depth may fit too")
-                wider = extrapolator.full(up, per_device // up)
-                probe = Probe(up, per_device // up, wider.need_bytes,
-                              wider.need_bytes <= budget.bytes,
+                wider = extrapolator.full(up, k)
+                probe = Probe(up, k, wider.need_bytes, wider.need_bytes <= budget.bytes,
                               "next larger, full depth (the pass lowers the line)", wider)
-                probes = (*probes, probe)
-                plan = dataclasses.replace(plan, probes=probes)
+                plan = dataclasses.replace(plan, probes=(*plan.probes, probe))
                 if probe.fits:
                     plan = dataclasses.replace(plan, micro_batch=up, max_micro_batch=up,
-                                               accum_steps=per_device // up, estimate=wider)
+                                               accum_steps=k, estimate=wider)
         return dataclasses.replace(plan, notes=(*plan.notes, *extrapolator.notes()))
     reason = (f"micro_batch {plan.micro_batch} at full depth needs "
               f"{format_bytes(verified.need_bytes)}, over the budget "

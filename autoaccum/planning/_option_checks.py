@@ -39,6 +39,11 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
     return value
 
 
+def is_positive_int(value: object) -> bool:
+    """Whether ``value`` is an int (numpy integers too, ``bool`` not) of at least 1."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+
+
 def validate_positive_int(name: str, value: object) -> int:
     """``value`` as a Python int (numpy integers too) if it is positive, else a ``ValueError``
     naming ``name``.
@@ -48,7 +53,7 @@ def validate_positive_int(name: str, value: object) -> int:
       >>> validate_positive_int("base_batch", np.int64(4))
       4
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+    if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer. Received: {received(name, value)}")
     return int(value)
 
@@ -64,11 +69,9 @@ def validate_devices(devices: object, hosts: object = None, *,
     """
     fix = ("Pass devices=N, a positive integer: the number of GPUs the plan is for (with "
            "device='t4', ... a dry run compiles for N of them)")
-    if devices is not None and (isinstance(devices, bool)
-                                or not isinstance(devices, numbers.Integral) or devices < 1):
+    if devices is not None and not is_positive_int(devices):
         raise ValueError(f"{fix}. Received: {received('devices', devices)}")
-    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, numbers.Integral)
-                              or hosts < 1):
+    if hosts is not None and not is_positive_int(hosts):
         raise ValueError("hosts must be a positive integer: the number of machines the GPUs "
                          f"are spread over (the same number on each). Received: "
                          f"{received('hosts', hosts)}")
@@ -85,8 +88,7 @@ def validate_devices(devices: object, hosts: object = None, *,
             f"e.g. devices={hosts * max(1, devices // hosts)}. Received: devices={devices}, "
             f"hosts={hosts}")
     if not (isinstance(data_parallel, str) and data_parallel == "auto") and not (
-            isinstance(data_parallel, numbers.Integral) and not isinstance(data_parallel, bool)
-            and int(data_parallel) in (1, devices)):
+            is_positive_int(data_parallel) and int(data_parallel) in (1, devices)):
         raise ValueError(
             f"devices={devices} says how many GPUs the plan is for; data_parallel must then "
             f"be left out (or be {devices}). Received: "
@@ -141,7 +143,10 @@ def validate_memory_fraction(memory_fraction: object, device: object = None, *,
             "(XLA_CLIENT_MEM_FRACTION), a number in (0, 1] such as 0.9. "
             f"Received: {received('memory_fraction', memory_fraction)}"
         )
-    if (device is None and needs_device) or (device is not None and _is_cpu_profile(device)):
+    from ..devices._profiles import DeviceProfile, find_profile
+
+    if (device is None and needs_device) or (device is not None and not (
+            device if isinstance(device, DeviceProfile) else find_profile(str(device))).is_gpu):
         raise ValueError(
             "memory_fraction applies to a named GPU (device='t4', 'a100-80gb', ...): it sets "
             "the pool JAX gets there. With no GPU device (the CPU, or a TPU, whose memory XLA "
@@ -152,13 +157,6 @@ def validate_memory_fraction(memory_fraction: object, device: object = None, *,
             f"{received('device', device)}"
         )
     return float(memory_fraction)
-
-
-def _is_cpu_profile(device: object) -> bool:
-    from ..devices._profiles import DeviceProfile, find_profile
-
-    profile = device if isinstance(device, DeviceProfile) else find_profile(str(device))
-    return not profile.is_gpu
 
 
 def validate_learning_rate(learning_rate: object) -> Any:

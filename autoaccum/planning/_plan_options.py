@@ -12,7 +12,6 @@ lowest time per example; within ``tolerance`` of the best it prefers the smaller
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from ._budget import parse_budget
 from ._depth import DepthVariant
 from ._lr_scaling import check_base_batch_given, validate_lr_rule
 from ._option_checks import (
+    is_positive_int,
     received,
     validate_device,
     validate_devices,
@@ -182,25 +182,20 @@ def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_step
     return statistics.median(times) / (micro_batch * accum_steps)
 
 
-def peak_rates(profile: Any) -> tuple[float, float]:
-    """(FLOP/s, bytes/s) of a GPU profile: fp32 FMA rate and DRAM bandwidth. A roofline
-    stand-in: it ranks candidates on one device, not across devices."""
-    gpu = profile.gpu
-    flops = gpu.core_count * gpu.fpus_per_core * 2 * gpu.clock_rate_ghz * 1e9
-    return float(flops), float(gpu.memory_bandwidth)
-
-
 def cost_model_seconds(flops: float, bytes_accessed: float, profile: Any,
                        examples: int) -> float:
-    """Seconds per example from XLA's cost analysis: max(flops / FLOP/s, bytes / bandwidth).
+    """Seconds per example from XLA's cost analysis: max(flops / FLOP/s, bytes / bandwidth),
+    at the GPU profile's fp32 FMA rate and DRAM bandwidth (a roofline stand-in: it ranks
+    candidates on one device, not across devices).
 
     Example:
       >>> from autoaccum.devices._profiles import find_profile
       >>> round(cost_model_seconds(8.1e12, 1.0, find_profile("t4"), 2), 2)
       0.5
     """
-    flops_rate, bandwidth = peak_rates(profile)
-    return max(flops / flops_rate, bytes_accessed / bandwidth) / examples
+    gpu = profile.gpu
+    flops_rate = float(gpu.core_count * gpu.fpus_per_core * 2 * gpu.clock_rate_ghz * 1e9)
+    return max(flops / flops_rate, bytes_accessed / float(gpu.memory_bandwidth)) / examples
 
 
 METHODS = ("auto", "compile", "backoff")
@@ -270,17 +265,12 @@ class Target:
         if self.budget is not None:
             parse_budget(self.budget, capacity_bytes=1 << 40)  # the form; bytes come later
         validate_devices(self.devices, self.hosts, data_parallel=self.data_parallel)
-        _check_data_parallel(self.data_parallel)
+        value = self.data_parallel
+        if not (value == "auto" or is_positive_int(value) or hasattr(value, "axis_names")):
+            raise ValueError("data_parallel must be 'auto' (every device), a positive int or "
+                             f"a one-axis jax.sharding.Mesh. Received: "
+                             f"{received('data_parallel', value)}")
         validate_strategy(self.strategy)
-
-
-def _check_data_parallel(value: Any) -> None:
-    if value == "auto" or (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                           and value >= 1) or hasattr(value, "axis_names"):
-        return
-    raise ValueError("data_parallel must be 'auto' (every device), a positive int or a "
-                     "one-axis jax.sharding.Mesh. Received: "
-                     f"{received('data_parallel', value)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -283,14 +283,12 @@ def search_micro_batch(
                   last_micro_batch=last if uneven is not None else None)
         probes[b] = p
         order.append(p)
-        if log is not None:
-            verdict = "fits" if p.fits else "does not fit"
-            need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
-            split = f"{b} x {k - 1} + {last:<3}" if uneven else f"micro_batch={b:<5}"
-            print(f"autoaccum:   {split} need {need:>10} / budget {budget}  {verdict}  "
-                  f"(compile {estimate.compile_seconds:.1f} s)", file=log, flush=True)
-            if estimate.compile_note:
-                print(f"autoaccum:   note: {estimate.compile_note}", file=log, flush=True)
+        need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
+        split = f"{b} x {k - 1} + {last:<3}" if uneven else f"micro_batch={b:<5}"
+        say(log, f"autoaccum:   {split} need {need:>10} / budget {budget}  "
+            f"{'fits' if p.fits else 'does not fit'}  (compile {estimate.compile_seconds:.1f} s)")
+        if estimate.compile_note:
+            say(log, f"autoaccum:   note: {estimate.compile_note}")
         return p
 
     if limit > 1 and accumulating_floor > budget_bytes:
