@@ -138,7 +138,6 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
     """
     axis = mesh_axis(mesh)
     reduce = default_carry_reduce if carry_reduce is None else carry_reduce
-    is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
     def accumulate(micro_loss: MicroLoss, trainable: PyTree, carry: PyTree,
                    batches: PyTree, *, frozen: PyTree = None) -> AccumulatedGradients:
@@ -147,13 +146,12 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         grad_specs = copied if layout is None else layout.grads
         reduced_specs = (grad_specs if layout is None or layout.reduced is None
                          else layout.reduced)
-        split_reduced = [_split_dim(s) for s in jax.tree.leaves(reduced_specs, is_leaf=is_spec)]
-        split_params = [_split_dim(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec)]
+        split_reduced, split_params = _split_dims(reduced_specs), _split_dims(param_specs)
         treedef = jax.tree.structure(trainable)
         frozen_specs = jax.tree.map(lambda _: P(), frozen)
         if frozen is not None and layout is not None and layout.frozen is not None:
             (frozen_specs,) = layout.frozen  # the layout is made for the step's (frozen,)
-        split_frozen = [_split_dim(s) for s in jax.tree.leaves(frozen_specs, is_leaf=is_spec)]
+        split_frozen = _split_dims(frozen_specs)
         frozen_def = jax.tree.structure(frozen)
         devices = int(mesh.size)
 
@@ -171,7 +169,7 @@ def data_parallel_accumulate(mesh: Mesh, *, carry_reduce: CarryReduce | None = N
         # The accumulator's split leaves (zero2, fsdp; zero1 with one micro-batch).
         accumulated = (grad_specs if layout is None
                        else layout.accumulator(micro_steps(batches) == 1))
-        scattered = [_split_dim(s) for s in jax.tree.leaves(accumulated, is_leaf=is_spec)]
+        scattered = _split_dims(accumulated)
         accumulator = jax.tree.unflatten(treedef, [
             shard_shape(x, d) for x, d in zip(jax.tree.leaves(trainable), scattered,
                                               strict=True)])
@@ -304,12 +302,10 @@ def _scattered_grad(reduce_scatter: Callable[[Any], Any]) -> Callable[[Any, Any]
     return use
 
 
-def _split_dim(spec: P) -> int | None:
-    """The dimension a one-axis ``PartitionSpec`` splits, or ``None`` (copied)."""
-    for i, name in enumerate(spec):
-        if name is not None:
-            return i
-    return None
+def _split_dims(specs: PyTree) -> list[int | None]:
+    """The dimension each one-axis ``PartitionSpec`` of ``specs`` splits, or ``None`` (copied)."""
+    return [next((i for i, name in enumerate(s) if name is not None), None)
+            for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))]
 
 
 def xla_partitioned_accumulate(layout: StateLayout) -> Accumulate:

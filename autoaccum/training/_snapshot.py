@@ -113,11 +113,7 @@ class HostSnapshot:
         host, _, impls, _ = self._held
         if any(isinstance(leaf, _LocalShards) for leaf in jax.tree.leaves(host)):
             return None
-
-        def one(data: Any, impl: Any) -> Any:
-            return data if impl is None else jax.random.wrap_key_data(data, impl=impl.impl)
-
-        return jax.tree.map(one, host, impls)
+        return jax.tree.map(_keyed, host, impls)
 
     def restore(self) -> PyTree:
         """Fresh device arrays holding the copy (placed with the shardings they had)."""
@@ -155,6 +151,9 @@ def _placed(host: Any, sharding: Any, impl: Any) -> Any:
         array = jax.device_put(host, sharding)
     else:
         array = jax.numpy.asarray(host)
-    if impl is not None:
-        return jax.random.wrap_key_data(array, impl=impl.impl)
-    return array
+    return _keyed(array, impl)
+
+
+def _keyed(data: Any, impl: Any) -> Any:
+    """``data`` as a typed PRNG key of ``impl`` (an :class:`_Impl`), or as it is (``None``)."""
+    return data if impl is None else jax.random.wrap_key_data(data, impl=impl.impl)

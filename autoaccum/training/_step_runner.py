@@ -428,20 +428,17 @@ class StepRunner:
         """Compiles the step for a batch of ``examples`` (default: the effective batch) whose
         examples are shaped like ``spec`` (``ShapeDtypeStruct`` leaves), before any step."""
         split = self.split(self.effective_batch if examples is None else examples)
-        state, frozen = self.hooks.place_state(*self.hooks.read_state())
-        return self._compiled(state, self._abstract_batches(spec, split), frozen, False)
-
-    def _abstract_batches(self, spec: PyTree, split: Split) -> PyTree:
-        """Abstract batches of ``split``, laid out as ``_place`` places them."""
         accum, micro, last = split
-        full = tail = None
+        full = tail = None  # laid out as _place places the batches
         if self.placement is not None:
             full, tail = self.placement.batch_sharding(), self.placement.last_sharding()
         elif self.mesh is not None:
             full = batch_sharding(self.mesh)
             tail = NamedSharding(self.mesh, P(mesh_axis(self.mesh)))
-        return abstract_batches(spec, micro * self.dp, accum, full, last_sharding=tail,
-                                last=None if last is None else last * self.dp)
+        batches = abstract_batches(spec, micro * self.dp, accum, full, last_sharding=tail,
+                                   last=None if last is None else last * self.dp)
+        state, frozen = self.hooks.place_state(*self.hooks.read_state())
+        return self._compiled(state, batches, frozen, False)
 
     def _place(self, batches: PyTree) -> PyTree:
         """Host batches placed as the step takes them."""
@@ -610,9 +607,8 @@ class StepRunner:
         """Takes the host copy of the model's state now (with ``backup_every_step=False``:
         the copy a failed step is restored from, e.g. once per epoch)."""
         if not self.backup_every_step:
-            state = self.hooks.place_state(*self.hooks.read_state())[0]
-            self.state = state
-            self.snapshot.take(state, step=self.steps)
+            self.state = self.hooks.place_state(*self.hooks.read_state())[0]
+            self.snapshot.take(self.state, step=self.steps)
 
     def settle(self, error: BaseException | None = None) -> None:
         """After any exception (``error``, which gets autoaccum's notes): the model holds the
@@ -627,20 +623,16 @@ class StepRunner:
         metrics, self.pending = self.pending, None
         if self.state is None:
             return
+        host = None
         if metrics is not None:
-            try:
+            with contextlib.suppress(Exception):
                 host = _read(metrics)
-            except Exception:
-                host = None
-            if host is not None and not is_consumed(self.state):
-                if self._writing:
-                    self._write(self.state)
-                with contextlib.suppress(ValueError):
-                    self._outcome(host)
-                return
-        elif not is_consumed(self.state):
+        if (metrics is None or host is not None) and not is_consumed(self.state):
             if self._writing:
                 self._write(self.state)  # redo: an interrupted write left it half done
+            if host is not None:
+                with contextlib.suppress(ValueError):
+                    self._outcome(host)
             return
         if not self.snapshot.available:
             raise StateLostError(f"step {self.steps + 1}: {_LOST}")

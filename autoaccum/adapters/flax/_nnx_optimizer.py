@@ -86,11 +86,8 @@ def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None
       ...
       ValueError: optimizer= accumulates gradients itself (optax.MultiSteps, ...
     """
-    inner = _multi_steps(given)
-    if inner is None and isinstance(given, nnx.Optimizer):
-        inner = _multi_steps(given.tx)
-    if inner is None and tx is not None:
-        inner = _multi_steps(tx)
+    wrapped = given.tx if isinstance(given, nnx.Optimizer) else None
+    inner = next((m for m in map(_multi_steps, (given, wrapped, tx)) if m is not None), None)
     if inner is None:
         if tx is None:
             return
@@ -165,11 +162,6 @@ _OTHER_PARTS = frozenset({
 })
 
 
-def is_transformation(optimizer: object) -> bool:
-    """Whether ``optimizer`` is an already built optax ``GradientTransformation``."""
-    return isinstance(optimizer, optax.GradientTransformation)
-
-
 def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
     """The family of an optax optimizer for the default learning-rate rule: ``ADAPTIVE``,
     ``SGD_LIKE`` or ``None`` (then ``lr_rule=`` is needed). A built transformation is read
@@ -184,7 +176,7 @@ def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
       >>> optax_family(optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)))
       'adaptive'
     """
-    if not is_transformation(optimizer):
+    if not isinstance(optimizer, optax.GradientTransformation):
         named = _part_names(optimizer, set(), 0, top_only=True)
         family = _family_of(named, built=False)
         if family is not None or not callable(optimizer) or base_learning_rate is None:
@@ -193,7 +185,7 @@ def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
             optimizer = optimizer(base_learning_rate)
         except Exception:  # the factory's own error comes when it is really built
             return None
-        if not is_transformation(optimizer):
+        if not isinstance(optimizer, optax.GradientTransformation):
             return None
     return _family_of(_part_names(optimizer, set(), 0), built=True)
 
@@ -250,7 +242,7 @@ def _part_names(obj: Any, seen: set[int], depth: int, *, top_only: bool = False)
     if inspect.ismethod(obj):
         return _part_names(vars(obj.__self__) if hasattr(obj.__self__, "__dict__") else (),
                            seen, depth + 1)
-    if is_transformation(obj):
+    if isinstance(obj, optax.GradientTransformation):
         return _part_names(obj.update, seen, depth + 1) | _part_names(obj.init, seen, depth + 1)
     return names
 
@@ -274,7 +266,7 @@ def build_optax_optimizer(
       >>> s = scale_learning_rate(1e-3, effective_batch=8, base_batch=1, rule="linear")
       >>> tx = build_optax_optimizer(optax.sgd, s)  # optax.sgd(learning_rate=8e-3)
     """
-    if is_transformation(optimizer):
+    if isinstance(optimizer, optax.GradientTransformation):
         if scaling.adam is not None:
             raise ValueError(
                 "adjust_adam needs the optimizer as a factory so its b1, b2 and eps can be set, "
@@ -316,7 +308,7 @@ def build_optax_optimizer(
                 )
         kwargs = {"b1": scaling.adam.b1, "b2": scaling.adam.b2, "eps": scaling.adam.eps}
     built = optimizer(scaling.learning_rate, **kwargs)
-    if not is_transformation(built):
+    if not isinstance(built, optax.GradientTransformation):
         raise ValueError(
             "The optimizer factory must return an optax GradientTransformation (as optax.adamw "
             "does when called with the learning rate), but "

@@ -143,8 +143,7 @@ def own_mesh(model: Any, mesh: Mesh | None) -> Mesh | None:
             return context_data_mesh(context)
     if not split:
         return mesh
-    path, array = split[0]
-    example = _example(path, array)
+    example = _example(*split[0])
     user = _user_mesh(split)
     several = len(user.axis_names) > 1
     if not several:

@@ -130,8 +130,7 @@ def check_keras_model(model: Any) -> None:
             "compiled program). Recompile with `model.compile(..., jit_compile=True)` (or "
             "leave the default 'auto'). Received: jit_compile=False"
         )
-    overridden = type(model).train_step is not keras.Model.train_step
-    if overridden:
+    if type(model).train_step is not keras.Model.train_step:
         raise ValueError(
             f"{type(model).__name__} overrides `train_step`, which autoaccum cannot run: it "
             "trains with its own accumulated step, built from the model's "
@@ -217,12 +216,9 @@ class KerasLayout:
 
     def merge(self, mutable: list, frozen: list) -> list:
         """The full non-trainable list, in the model's order."""
-        out: list = [None] * (len(self.mutable) + len(self.frozen))
-        for i, v in zip(self.mutable, mutable, strict=True):
-            out[i] = v
-        for i, v in zip(self.frozen, frozen, strict=True):
-            out[i] = v
-        return out
+        at = {**dict(zip(self.mutable, mutable, strict=True)),
+              **dict(zip(self.frozen, frozen, strict=True))}
+        return [at[i] for i in range(len(at))]
 
     def split(self, non_trainable: list) -> tuple[list, list]:
         """``(mutable, frozen)`` parts of a full non-trainable list."""

@@ -45,7 +45,7 @@ from ...training._accumulate import (
     split_until_gathered,
     validate_batch_stats,
 )
-from ...training._data_parallel import step_accumulation
+from ...training._data_parallel import default_carry_reduce, step_accumulation, sum_updates
 from ...training._nonfinite import keep_if_finite, step_is_finite, update_if_finite
 from ._internals import (
     backend_namespace,
@@ -75,23 +75,10 @@ from ._keras_loss import (
     warn_inexact_once,
 )
 
-CARRIED_SINKS: list[list] = []  # lists blocks append traced values to while they run
-
-
-@contextlib.contextmanager
-def carried_out_of_checkpoints(*sinks: list) -> Iterator[None]:
-    """While inside, values a rematerialized block appends to ``sinks`` (BatchNorm moments)
-    leave its ``jax.checkpoint`` as outputs and are appended outside it: a value of the inner
-    trace left in a list would become a stray parameter of the compiled step."""
-    CARRIED_SINKS.extend(sinks)
-    try:
-        yield
-    finally:
-        for sink in sinks:
-            for i, registered in enumerate(CARRIED_SINKS):
-                if registered is sink:
-                    del CARRIED_SINKS[i]
-                    break
+CARRIED_SINKS: list[list] = []
+"""Lists blocks append traced values to while they run (BatchNorm moments): a rematerialized
+block returns what it appended from its ``jax.checkpoint`` and appends it outside, as a value
+of the inner trace left in a list would become a stray parameter of the compiled step."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +121,11 @@ class BatchStats:
         records: list[list[tuple]] = [[] for _ in self.norms]
         for norm, sink in zip(self.norms, records, strict=True):
             shadow_batch_norm_moments(norm.layer, _recording(norm.layer, sink))
+        CARRIED_SINKS.extend(records)
         try:
-            with carried_out_of_checkpoints(*records):
-                yield records
+            yield records
         finally:
+            CARRIED_SINKS[:] = [s for s in CARRIED_SINKS if all(s is not r for r in records)]
             for norm in self.norms:
                 unshadow_batch_norm_moments(norm.layer)
 
@@ -238,8 +226,7 @@ def keras_lowering_scope() -> Iterator[None]:
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
-        pending = uninitialized_variables()
-        set_uninitialized_variables([v for v in pending if id(v) in before])
+        set_uninitialized_variables([v for v in uninitialized_variables() if id(v) in before])
 
 
 def variable_specs(variables: Any) -> list[jax.ShapeDtypeStruct]:
@@ -425,8 +412,6 @@ class _Micro:
 
     def carry_reduce(self, initial: tuple, local: tuple, axis_name: str) -> tuple:
         """Across devices: metric and loss sums added, batch statistics merged."""
-        from ...training._data_parallel import default_carry_reduce, sum_updates
-
         mutable0, metrics0, loss0, terms0, _ = initial
         mutable, metrics, loss, terms, stats = local
         return (default_carry_reduce(mutable0, mutable, axis_name),
