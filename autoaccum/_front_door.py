@@ -467,9 +467,8 @@ def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
     def plan_with(change: dict[str, Any]) -> Any:
         framework = {k: v for k, v in change.items()
                      if k not in ("remat", "device", "devices", "strategy")}
-        the_model, opts = model, options
-        if framework:
-            the_model, opts = adapter.apply_change(model, opts, framework)
+        the_model, opts = (adapter.apply_change(model, options, framework) if framework
+                           else (model, options))
         row_target = target
         if "device" in change:
             row_target = dataclasses.replace(row_target, device=change["device"], budget=None,
@@ -484,11 +483,10 @@ def advise_job(job: Job, original: DoesNotFitError | None = None) -> Advice:
             row_search = dataclasses.replace(row_search, depth_variant=None)
 
         def plan_under(sharding: str) -> Any:
-            plan, _ = plan_model(
+            return plan_model(
                 the_model, data, adapter=adapter, effective_batch=effective_batch,
                 options=opts, target=dataclasses.replace(row_target, strategy=sharding),
-                search=row_search, log=log if not change else None)
-            return plan
+                search=row_search, log=log if not change else None)[0]
 
         if "devices" in change:  # the same GPU, more of them
             return most_sharded_first(plan_under)
@@ -601,22 +599,19 @@ def measure(
     step_devices = resolve_step_devices(adapter, model, the_target)
     mesh, early = step_devices.mesh, step_devices.slice
     dp = 1 if mesh is None else mesh.size
-    given_accum = accum_steps
-    if accum_steps is None:
-        accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
-    accum_steps = validate_positive_int("accum_steps", accum_steps)
+    if accum_steps is not None:
+        accum_steps = validate_positive_int("accum_steps", accum_steps)
     remat = "none" if the_search.remat == "auto" else the_search.remat
     prepared = prepare(adapter, model, data,
-                       effective_batch=effective_batch or micro_batch * dp * accum_steps,
+                       effective_batch=effective_batch or micro_batch * dp * (accum_steps or 1),
                        options=job.options, remat=remat, remat_layers=the_search.remat_layers)
     strategy = "replicated" if the_target.strategy == "auto" else the_target.strategy
     program = prepared.program.on_mesh(mesh, strategy)
-    placement = program.placement
-    if placement is not None and placement.data_parallel != dp:
+    if program.placement is not None:
         # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
-        dp = placement.data_parallel
-        if effective_batch is not None and given_accum is None:
-            accum_steps = math.ceil(effective_batch / dp / micro_batch)
+        dp = program.placement.data_parallel
+    if accum_steps is None:
+        accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
     if effective_batch is not None:
         split_over_devices(effective_batch, program, program.mesh)
     resolved = early or resolve_target(device, None,

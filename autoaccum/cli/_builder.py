@@ -251,15 +251,14 @@ def spec_kwargs(args: argparse.Namespace, *, base: dict[str, Any] | None = None,
 
 def merge_flags(built: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A builder's options with the flags given, which win (said on stderr)."""
-    merged = dict(built)
+    # device= and budget= are folded into target= by spec_kwargs, which gives every spec.
+    merged = {k: v for k, v in built.items() if k not in ("device", "budget")}
     if args.effective_batch is not None:
         if "effective_batch" in built and built["effective_batch"] != args.effective_batch:
             print(f"autoaccum: --effective-batch {args.effective_batch} given on the command "
                   f"line wins over effective_batch={built['effective_batch']!r} from the "
                   "--model builder", file=sys.stderr, flush=True)
         merged["effective_batch"] = args.effective_batch
-    for name in ("device", "budget", "target", "search", "training", "learning_rate"):
-        merged.pop(name, None)
     merged.update(spec_kwargs(args, base=built))
     if args.quiet:
         merged["log"] = None

@@ -13,7 +13,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..devices._quiet import quiet_command_line
 from ..planning._search import ADVISE_HINT
 from ..reporting._plan_report import print_table
 from ._builder import (
@@ -33,23 +32,6 @@ def without_tensorflow() -> None:
     machine. keras and keras-hub take the ImportError as TensorFlow not installed."""
     if "tensorflow" not in sys.modules:
         sys.modules["tensorflow"] = None  # type: ignore[assignment]
-
-
-def cmd_advise(args: argparse.Namespace) -> int:
-    """``autoaccum plan ... --advise``: prints the advice; exit 0 when it fits as given, else 2."""
-    if args.plot:
-        raise CliError("--plot draws a plan; --advise prints a table of alternatives. Drop "
-                       "one of them.")
-    advice = _compute(args, advise=True)
-    if args.json:
-        print(json.dumps(advice.to_dict(), indent=2, default=str), flush=True)
-    else:
-        if not advice.fits and advice.error is not None:  # (the advice follows: no pointer)
-            verdict = str(advice.error).split("\nWhat would fit")[0]
-            print(verdict.replace(f" {ADVISE_HINT}", "").replace(f"\n{ADVISE_HINT}", ""),
-                  flush=True)
-        print(advice.report(), flush=True)
-    return 0 if advice.fits else 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -131,19 +113,6 @@ def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
         raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
 
 
-def _plot(result: Any, path: str) -> str | None:
-    """Writes the plot; returns an error line rather than raise (the plan is already out)."""
-    try:
-        from ..reporting._plot import plot_plan
-
-        plot_plan(result, path)
-    except ImportError as error:
-        return import_error_message(error, "--plot")
-    except (OSError, ValueError) as error:
-        return f"--plot {path!r}: {error}"
-    return None
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
         return _list_presets()
@@ -154,23 +123,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
     _prepare_environment(args.device)
-    if args.advise:
-        return cmd_advise(args)
+    if args.advise:  # exit 0 when it fits as given, else 2
+        if args.plot:
+            raise CliError("--plot draws a plan; --advise prints a table of alternatives. "
+                           "Drop one of them.")
+        advice = _compute(args, advise=True)
+        if args.json:
+            print(json.dumps(advice.to_dict(), indent=2, default=str), flush=True)
+        else:
+            if not advice.fits and advice.error is not None:  # (the advice follows: no pointer)
+                verdict = str(advice.error).split("\nWhat would fit")[0]
+                print(verdict.replace(f" {ADVISE_HINT}", "").replace(f"\n{ADVISE_HINT}", ""),
+                      flush=True)
+            print(advice.report(), flush=True)
+        return 0 if advice.fits else 2
     result = _compute(args)
+    if not args.json:
+        print(result.report(), flush=True)  # before the plot: a failing plot loses no plan
+    error = None  # a failing plot is reported, not raised: the plan is already out
+    if args.plot:
+        try:
+            from ..reporting._plot import plot_plan
+
+            plot_plan(result, args.plot)
+        except ImportError as failure:
+            error = import_error_message(failure, "--plot")
+        except (OSError, ValueError) as failure:
+            error = f"--plot {args.plot!r}: {failure}"
     if args.json:
         out = result.to_dict()
-        error = _plot(result, args.plot) if args.plot else None
         if args.plot:
             out["plot"] = {"path": None, "error": error} if error else {"path": args.plot}
         print(json.dumps(out, indent=2), flush=True)
-        return 1 if error else 0
-    print(result.report(), flush=True)  # before the plot: a failing plot loses no plan
-    if args.plot:
-        error = _plot(result, args.plot)
-        if error:
-            return report_error(error, code=1, json_mode=False)
+    elif error:
+        return report_error(error, code=1, json_mode=False)
+    elif args.plot:
         print(f"plot written to {args.plot}")
-    return 0
+    return 1 if error else 0
 
 
 def _gib(n: int) -> str:
@@ -372,11 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       >>> main(["plan", "--effective-batch", "0"])
       2
     """
-    command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     json_mode = "--json" in argv
-    if command_line:
-        quiet_command_line()  # already on when autoaccum.cli was imported by the command
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

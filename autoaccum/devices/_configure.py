@@ -92,7 +92,18 @@ def configure(
         )
     if profile.is_gpu:
         changed.update(_fraction(profile, memory_fraction, notes))
-        changed.update(_environment(profile, notes))
+        for key, value in profile.environment:
+            if key in FRACTION_VARS:
+                continue  # the fraction comes from default_memory_fraction / memory_fraction
+            if key == "XLA_FLAGS":
+                merged = _merge_flags(os.environ.get(key, ""), known_xla_flags(value))
+                if merged != os.environ.get(key, ""):
+                    changed[key] = merged
+            elif key in os.environ:
+                if os.environ[key] != value:
+                    notes.append(f"kept your {key}={os.environ[key]} (profile advises {value})")
+            else:
+                changed[key] = value
     elif profile.is_tpu or (device is None and not tpu_absent()):
         # A TPU (Colab's v5e-1, Kaggle's v5e-8): no pool to size.
         notes.append("TPU: XLA assigns memory when it compiles a step (no pool, no fraction "
@@ -154,23 +165,6 @@ def _fraction(
         return {}
     fraction = profile.default_memory_fraction if memory_fraction is None else memory_fraction
     return {name: f"{fraction:g}"}
-
-
-def _environment(profile: DeviceProfile, notes: list[str]) -> dict[str, str]:
-    changed: dict[str, str] = {}
-    for key, value in profile.environment:
-        if key in FRACTION_VARS:
-            continue  # the fraction comes from default_memory_fraction / memory_fraction
-        if key == "XLA_FLAGS":
-            merged = _merge_flags(os.environ.get(key, ""), known_xla_flags(value))
-            if merged != os.environ.get(key, ""):
-                changed[key] = merged
-        elif key in os.environ:
-            if os.environ[key] != value:
-                notes.append(f"kept your {key}={os.environ[key]} (profile advises {value})")
-        else:
-            changed[key] = value
-    return changed
 
 
 def _merge_flags(existing: str, additions: str) -> str:

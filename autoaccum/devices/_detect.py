@@ -130,8 +130,8 @@ def host_memory() -> HostMemory:
     return HostMemory(total=total, available=min(available, total))
 
 
-def jax_memory_stats(*, index: int = 0, device: Any = None) -> dict[str, int] | None:
-    """``memory_stats()`` of device ``index`` (or ``device``), or ``None`` (the CPU).
+def jax_memory_stats(*, device: Any = None) -> dict[str, int] | None:
+    """``memory_stats()`` of ``device`` (default JAX's first), or ``None`` (the CPU).
 
     Starts JAX: call it after :func:`autoaccum.configure`.
 
@@ -142,11 +142,7 @@ def jax_memory_stats(*, index: int = 0, device: Any = None) -> dict[str, int] | 
     """
     import jax
 
-    if device is None:
-        devices = jax.devices()
-        if index >= len(devices):
-            return None
-        device = devices[index]
+    device = jax.devices()[0] if device is None else device
     try:
         return device.memory_stats()
     except (RuntimeError, NotImplementedError):  # some backends raise instead of returning None
@@ -157,9 +153,7 @@ def _from_nvml(index: int) -> DetectedDevice | str:
     """A DetectedDevice, or the reason NVML could not give one."""
     try:
         import pynvml
-    except ImportError:
-        return "NVML is not available (pip install nvidia-ml-py to detect NVIDIA GPUs)"
-    if pynvml is None:  # an explicitly blocked import
+    except ImportError:  # not installed, or blocked (None in sys.modules)
         return "NVML is not available (pip install nvidia-ml-py to detect NVIDIA GPUs)"
     nvml_error: type[BaseException] = getattr(pynvml, "NVMLError", OSError)
     try:

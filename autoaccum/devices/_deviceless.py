@@ -120,7 +120,6 @@ def deviceless_blocker(profile: DeviceProfile) -> str | None:
 
 
 _SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
-_MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +329,7 @@ def _make_tpu_target(name: str, bounds: tuple[int, int, int],
     if absent:
         # libtpu lets one process at a time load it (/tmp/libtpu_lockfile) to guard the
         # chips; with none here, dry runs in several processes must not refuse each other.
-        os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         with quiet_native_logs() if absent else contextlib.nullcontext():
             topology = topologies.get_topology_desc(platform="tpu", topology_name=name,

@@ -144,11 +144,14 @@ def missing_from_extra(extra: str, packages: Sequence[str] | None = None) -> lis
             f"Unknown extra. Use one of {', '.join(sorted(EXTRAS))}. Received: extra={extra!r}"
         )
     problems = []
-    for text in EXTRAS[extra]:
-        requirement = Requirement(text)
-        if packages is not None and requirement.name not in packages:
-            continue
-        problems += _check(requirement)
+    for requirement in _selected(extra, packages):
+        version, specifier = installed_version(requirement.name), requirement.specifier
+        if requirement.name == "jax" and not specifier:
+            specifier = SpecifierSet(JAX_RANGE)  # the plugin extras take jax's core range
+        if version is None:
+            problems.append(f"{requirement.name} is not installed")
+        elif version and specifier and not _within(version, specifier):
+            problems.append(f"{requirement.name} {version} is outside {specifier}")
         for jax_extra in requirement.extras & set(_LOCKSTEP):
             problems += _check_lockstep(_LOCKSTEP[jax_extra])
         if "tpu" in requirement.extras and installed_version("libtpu") is None:
@@ -180,18 +183,6 @@ def require_extra(extra: str, *, feature: str, packages: Sequence[str] | None = 
         )
 
 
-def _check(requirement: Requirement) -> list[str]:
-    version = installed_version(requirement.name)
-    if version is None:
-        return [f"{requirement.name} is not installed"]
-    specifier = requirement.specifier
-    if requirement.name == "jax" and not specifier:
-        specifier = SpecifierSet(JAX_RANGE)  # the plugin extras take jax's core range
-    if version and specifier and not _within(version, specifier):
-        return [f"{requirement.name} {version} is outside {specifier}"]
-    return []
-
-
 def _check_lockstep(distributions: Sequence[str]) -> list[str]:
     jax_version = installed_version("jax")
     problems = []
@@ -211,14 +202,17 @@ def _within(version: str, specifier: object) -> bool:
         return True  # a local build we cannot compare: let it try
 
 
+def _selected(extra: str, packages: Sequence[str] | None) -> list[Requirement]:
+    """The requirements of ``extra``, or those of its ``packages``."""
+    return [r for r in map(Requirement, EXTRAS[extra]) if packages is None or r.name in packages]
+
+
 def _received(extra: str, packages: Sequence[str] | None) -> list[str]:
     names = []
-    for text in EXTRAS[extra]:
-        requirement = Requirement(text)
-        if packages is None or requirement.name in packages:
-            names.append(requirement.name)
-            for jax_extra in requirement.extras & set(_LOCKSTEP):
-                names += _LOCKSTEP[jax_extra]
-            if "tpu" in requirement.extras:
-                names.append("libtpu")
+    for requirement in _selected(extra, packages):
+        names.append(requirement.name)
+        for jax_extra in requirement.extras & set(_LOCKSTEP):
+            names += _LOCKSTEP[jax_extra]
+        if "tpu" in requirement.extras:
+            names.append("libtpu")
     return [f"{name}={installed_version(name)}" for name in dict.fromkeys(names)]

@@ -84,8 +84,6 @@ _DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/
                  "/dev/nvhost-ctrl-gpu")
 # NVIDIA's kernel driver, its device nodes, WSL's GPU bridge and Jetson's GPU node.
 
-_QUIET_IMPORTS = ("jax", "tensorflow")
-
 
 def nvidia_gpu_absent() -> bool:
     """True only where no driver or device file exists and NVML (if any) sees no GPU.
@@ -99,9 +97,6 @@ def nvidia_gpu_absent() -> bool:
     return not isinstance(_from_nvml(0), DetectedDevice)  # else the reason NVML sees none
 
 
-_TPU_PCI_VENDOR = "0x1ae0"  # Google, every TPU chip's PCI vendor
-
-
 def tpu_absent() -> bool:
     """True only where no TPU chip is on the PCI bus (as JAX looks) and no device file.
 
@@ -113,30 +108,26 @@ def tpu_absent() -> bool:
         return False
     for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
         with contextlib.suppress(OSError):
-            if vendor.read_text().strip().lower() == _TPU_PCI_VENDOR:
+            if vendor.read_text().strip().lower() == "0x1ae0":  # Google: every TPU chip
                 return False
     return True
 
 
-def filter_noise(text: bytes, patterns: Sequence[re.Pattern[str]] = NOISE) -> bytes:
-    """``text`` without the lines that match one of ``patterns`` entirely.
+def filter_noise(text: bytes) -> bytes:
+    """``text`` without the lines that match one of :data:`NOISE` entirely.
 
     >>> from autoaccum.devices._quiet import filter_noise
     >>> filter_noise(b"WARNING: All log messages before absl::InitializeLog() is called are "
     ...              b"written to STDERR\\nreal problem\\n")
     b'real problem\\n'
     """
-    kept = []
-    for line in text.splitlines(keepends=True):
-        body = line.rstrip(b"\r\n").decode("utf-8", "replace")
-        if not any(p.fullmatch(body) for p in patterns):
-            kept.append(line)
-    return b"".join(kept)
+    return b"".join(line for line in text.splitlines(keepends=True)
+                    if not is_native_noise(line, NOISE))
 
 
 @contextlib.contextmanager
-def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[None]:
-    """Capture file descriptor 2 in the block, then write back every line not in ``patterns``.
+def quiet_native_logs() -> Iterator[None]:
+    """Capture file descriptor 2 in the block, then write back every line not in :data:`NOISE`.
 
     >>> import os
     >>> from autoaccum.devices._quiet import quiet_native_logs
@@ -159,7 +150,7 @@ def quiet_native_logs(patterns: Sequence[re.Pattern[str]] = NOISE) -> Iterator[N
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
-            kept = filter_noise(capture.read(), patterns)
+            kept = filter_noise(capture.read())
             if kept:
                 os.write(2, kept)
 
@@ -221,10 +212,8 @@ def quiet_start() -> QuietStart:
                 _preload_cuda_plugin()
     if tensorflow:
         _set_default("TF_CPP_MIN_LOG_LEVEL", "3", done)
-    names = tuple(
-        name for name in _QUIET_IMPORTS
-        if name not in sys.modules and (tensorflow if name == "tensorflow" else cuda_plugin)
-    )
+    names = tuple(name for name, wanted in (("jax", cuda_plugin), ("tensorflow", tensorflow))
+                  if wanted and name not in sys.modules)
     if names and not any(isinstance(f, _QuietImports) for f in sys.meta_path):
         sys.meta_path.insert(0, _QuietImports(names))
     done.quieted = names
@@ -246,9 +235,7 @@ class _QuietImports(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    after = _preload_cuda_plugin if fullname == "jax" else None
-                    spec.loader = _QuietLoader(spec.loader, after=after,
-                                               imported=lambda: self._imported(fullname))
+                    spec.loader = _QuietLoader(spec.loader, lambda: self._imported(fullname))
                 return spec
         return None
 
@@ -261,10 +248,8 @@ class _QuietImports(importlib.abc.MetaPathFinder):
 
 
 class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, *, after: Callable[[], None] | None,
-                 imported: Callable[[], None]) -> None:
+    def __init__(self, loader: Any, imported: Callable[[], None]) -> None:
         self._loader = loader
-        self._after = after
         self._imported = imported
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
@@ -278,8 +263,8 @@ class _QuietLoader(importlib.abc.Loader):
         self._imported()
         with quiet_native_logs():
             self._loader.exec_module(module)
-            if self._after is not None:
-                self._after()
+            if module.__name__ == "jax":
+                _preload_cuda_plugin()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
@@ -336,8 +321,8 @@ def _flush_stderr() -> None:
 _MAYBE_NOISE = re.compile(rb"^(W(A(R(N(I(N(G(: .*)?)?)?)?)?)?)?|I\d{0,4}( .*)?|[\w/.-]+\.cc\(.*)$")
 
 
-def is_native_noise(line: bytes) -> bool:
-    """Whether one line (without newline) matches :data:`INFORMATIONAL`.
+def is_native_noise(line: bytes, patterns: Sequence[re.Pattern[str]] = INFORMATIONAL) -> bool:
+    """Whether one line (its line break aside) matches one of ``patterns`` entirely.
 
     Example:
       >>> from autoaccum.devices._quiet import is_native_noise
@@ -349,8 +334,8 @@ def is_native_noise(line: bytes) -> bool:
       ...     b"autoaccum: compiling micro_batch=2")
       (False, False)
     """
-    body = line.rstrip(b"\r").decode("utf-8", "replace")
-    return any(p.fullmatch(body) for p in INFORMATIONAL)
+    body = line.rstrip(b"\r\n").decode("utf-8", "replace")
+    return any(p.fullmatch(body) for p in patterns)
 
 
 class NativeLogFilter:
@@ -361,15 +346,9 @@ class NativeLogFilter:
       >>> f = NativeLogFilter(); f.start(); f.stop()
     """
 
-    def __init__(self, fd: int = 2) -> None:
-        self.fd = fd
+    def __init__(self) -> None:
         self._saved: int | None = None
         self._thread: threading.Thread | None = None
-
-    @property
-    def running(self) -> bool:
-        """Whether it is filtering now."""
-        return self._saved is not None
 
     def start(self) -> None:
         """Starts filtering (does nothing when ``AUTOACCUM_NATIVE_LOGS=1`` or already on)."""
@@ -377,11 +356,11 @@ class NativeLogFilter:
             return
         try:
             sys.stderr.flush()
-            saved = os.dup(self.fd)
+            saved = os.dup(2)
         except (OSError, ValueError):  # no real descriptor 2 (embedded interpreters)
             return
         read, write = _terminal_pair(saved) if os.isatty(saved) else os.pipe()
-        os.dup2(write, self.fd)
+        os.dup2(write, 2)
         os.close(write)
         self._saved = saved
         self._thread = threading.Thread(target=self._pump, args=(read, saved), daemon=True,
@@ -394,7 +373,7 @@ class NativeLogFilter:
             return
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        os.dup2(self._saved, self.fd)  # the pipe's last writer closes: the pump sees its end
+        os.dup2(self._saved, 2)  # the pipe's last writer closes: the pump sees its end
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         os.close(self._saved)
@@ -468,7 +447,7 @@ _FILTER = NativeLogFilter()
 def quiet_command_line() -> None:
     """For the ``autoaccum`` command only: :func:`quiet_start` and the fd 2 filter, before
     JAX is imported."""
-    if is_command_line() and not _FILTER.running:
+    if is_command_line():
         quiet_start()
-        _FILTER.start()
+        _FILTER.start()  # once: a second start (and so stop) does nothing
         atexit.register(_FILTER.stop)
