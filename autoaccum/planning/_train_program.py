@@ -226,19 +226,26 @@ def abstract_batches(example_spec: PyTree, micro_batch: int, accum_steps: int,
       >>> spec.full["x"].shape, spec.last["x"].shape
       ((2, 5, 7), (3, 7))
     """
-    def full(steps: int) -> PyTree:
-        return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct((steps, micro_batch, *s.shape), s.dtype,
-                                           sharding=sharding), example_spec)
-
     if last is None or last == micro_batch or accum_steps < 2:
-        return full(accum_steps)
-    tail = last_sharding if last_sharding is not None else sharding
+        return stacked(example_spec, accum_steps, micro_batch, sharding=sharding)
     return UnevenBatches(
-        full=full(accum_steps - 1),
-        last=jax.tree.map(lambda s: jax.ShapeDtypeStruct((last, *s.shape), s.dtype,
-                                                         sharding=tail), example_spec),
+        full=stacked(example_spec, accum_steps - 1, micro_batch, sharding=sharding),
+        last=stacked(example_spec, last,
+                     sharding=last_sharding if last_sharding is not None else sharding),
     )
+
+
+def stacked(example_spec: PyTree, *leading: int, sharding: Any = None) -> PyTree:
+    """``example_spec`` (one example's shapes) with ``leading`` axes in front, laid out by
+    ``sharding``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> stacked({"x": jax.ShapeDtypeStruct((7,), jnp.int32)}, 2, 5)["x"].shape
+      (2, 5, 7)
+    """
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((*leading, *s.shape), s.dtype,
+                                                       sharding=sharding), example_spec)
 
 
 def tree_bytes(tree: PyTree) -> int:

@@ -388,6 +388,16 @@ class Rebatcher:
             return
 
 
+def is_one_shot(data: Any) -> bool:
+    """Whether ``data`` is an iterator (``iter(data) is data``): what is read of it is gone.
+
+    Example:
+      >>> is_one_shot(iter([1, 2])), is_one_shot([1, 2])
+      (True, False)
+    """
+    return hasattr(data, "__next__") and iter(data) is data
+
+
 class ReplayedStream(Rebatcher):
     """A stream of batches, cut as :class:`Rebatcher` cuts them; what :meth:`sample` reads of
     a one-shot iterator is kept and trained first, so nothing is lost. A subclass gives
@@ -402,7 +412,7 @@ class ReplayedStream(Rebatcher):
         super().__init__()
         self.data = data
         self.name = name
-        self.one_shot = iter(data) is data if hasattr(data, "__next__") else False
+        self.one_shot = is_one_shot(data)
         self._peeked: list[PyTree] = []
 
     def _fresh(self, shuffle: bool) -> Iterator[PyTree]:

@@ -34,7 +34,7 @@ from ...devices._mesh import Placement, callers_mesh, step_mesh, traced_under
 from ...planning._micro_batches import micro_steps
 from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout, state_layout
-from ...planning._train_program import StepMetrics, TrainProgram, abstract
+from ...planning._train_program import StepMetrics, TrainProgram, abstract, stacked
 from ...training._accumulate import (
     Moments,
     accumulate_gradients,
@@ -407,12 +407,10 @@ def _loss_traces(graphdef: Any, state: Any, frozen: Any, example_spec: Any, loss
         params, other, _ = placement.abstract(state, placement.state)
         (frozen,) = placement.abstract((frozen,), placement.frozen)
         mesh, run = placement.mesh, loss
-        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-            (placement.data_parallel, *s.shape), s.dtype, sharding=placement.last_sharding()),
-            example_spec)
+        batch = stacked(example_spec, placement.data_parallel,
+                        sharding=placement.last_sharding())
     else:
-        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mesh.size, *s.shape), s.dtype),
-                             example_spec)
+        batch = stacked(example_spec, mesh.size)
 
         def per_device(*args: Any) -> Any:
             return jnp.stack([jnp.asarray(x, jnp.float32) for x in loss(*args)])[None]

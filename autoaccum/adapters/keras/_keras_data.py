@@ -34,7 +34,13 @@ import jax
 import numpy as np
 
 from ...planning._option_checks import received
-from ...training._epoch_batches import IndexedData, ReplayedStream, concat, epoch_steps
+from ...training._epoch_batches import (
+    IndexedData,
+    ReplayedStream,
+    concat,
+    epoch_steps,
+    is_one_shot,
+)
 from ._internals import data_adapter, is_grain_dataset, is_tf_dataset, is_torch_dataloader
 
 
@@ -219,7 +225,7 @@ def _is_py_dataset(data: Any) -> bool:
 
 
 def _one_shot(data: Any) -> bool:
-    return not _is_py_dataset(data) and hasattr(data, "__next__") and iter(data) is data
+    return not _is_py_dataset(data) and is_one_shot(data)
 
 
 def stream_batches(data: Any, *, shuffle: bool = False) -> Iterator[tuple]:

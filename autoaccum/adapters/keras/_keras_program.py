@@ -34,7 +34,7 @@ from ...devices._extras import require_extra
 from ...planning._option_checks import received
 from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout
-from ...planning._train_program import TrainProgram
+from ...planning._train_program import TrainProgram, stacked
 from ...training._snapshot import validate_backup
 from ...training._training_options import REFUSED_FIT_OPTIONS
 from ._internals import (
@@ -313,7 +313,7 @@ def write_back(model: Any, layout: KerasLayout, state: tuple) -> None:
 def ensure_built(model: Any, example_spec: PyTree, *, batch_size: int = 2) -> None:
     """Builds the model, compiled loss and metrics symbolically (nothing allocated) on
     ``batch_size`` examples, so Keras's shape errors show the user's batch; not the optimizer."""
-    batch, optimizer = _batch_spec(example_spec, batch_size), getattr(model, "optimizer", None)
+    batch, optimizer = stacked(example_spec, batch_size), getattr(model, "optimizer", None)
     hide = optimizer is not None and not optimizer.built
     with _untraceable_named(model), keras_lowering_scope():
         if hide:
@@ -345,7 +345,7 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
     args = (variable_specs(model.trainable_variables),
             variable_specs(model.non_trainable_variables),
             variable_specs(model.metrics_variables), variable_specs(optimizer.variables),
-            _batch_spec(example_spec, batch_size))
+            stacked(example_spec, batch_size))
     with keras_lowering_scope(), optimizer_in_use(model, optimizer), _untraceable_named(model):
         closed = jax.make_jaxpr(probe)(*args)
     offset = len(model.trainable_variables)
@@ -354,11 +354,6 @@ def find_layout(model: Any, example_spec: PyTree, optimizer: Any = None, *,
     frozen = tuple(i for i in range(count) if outvars[i] is invars[i])
     mutable = tuple(i for i in range(count) if i not in frozen)
     return KerasLayout(mutable, frozen)
-
-
-def _batch_spec(example_spec: PyTree, batch_size: int) -> PyTree:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch_size, *s.shape), s.dtype),
-                        example_spec)
 
 
 @contextlib.contextmanager
