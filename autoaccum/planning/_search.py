@@ -215,8 +215,10 @@ def search_micro_batch(
 
     The candidates are one micro-batch per number of micro-steps ``k``, the smallest that
     takes ``k`` steps (:func:`step_candidates`; 8 -> 8, 4, 3, 2, 1), or, without
-    ``measure_uneven``, the divisors of ``per_device_batch``. The two smallest candidates
-    from 2 (the second at least twice the first) are fit points; the search goes to the
+    ``measure_uneven``, the divisors of ``per_device_batch``. The smallest candidate from 2
+    is the first fit point; the second is the largest candidate the line from
+    ``accumulating_floor`` through the first puts under the budget (else the next at least
+    twice the first), most often the answer; the search goes to the
     largest candidate the line through the fitting probes puts under the budget, compiles
     none it puts more than :data:`PREDICTION_MARGIN` over, and bisects between bracketing
     probes where the curve is not affine (XLA's rematerialization near the memory limit).
@@ -335,8 +337,11 @@ def search_micro_batch(
 
     first = next((c for c in candidates if c >= 2), None)
     if first is not None and first < limit and probe(first, "fit point").fits:
-        second = next((c for c in candidates if c >= 2 * first and c < limit),
-                      next((c for c in reversed(candidates) if first < c < limit), None))
+        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes,
+                                 [c for c in candidates if first < c < limit])
+        second = surely or next(
+            (c for c in candidates if c >= 2 * first and c < limit),
+            next((c for c in reversed(candidates) if first < c < limit), None))
         if second is not None:
             probe(second, "fit point")
     lo, hi = bounds()
@@ -377,6 +382,20 @@ def search_micro_batch(
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]
     return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
+
+
+def _surely_fitting(first: Probe, floor: int, budget_bytes: int,
+                    larger: list[int]) -> int | None:
+    """The largest of the ``larger`` candidates that the line from ``floor`` (bytes every
+    accumulating step holds, from shapes) through the fitting probe ``first`` puts under the
+    budget, else ``None``. Need is affine from micro-batch 2 on (or bends down where XLA
+    rematerializes) and starts at least at the floor, so that line lies on or above it past
+    ``first``: the candidate fits unless the floor is overstated, and as the second fit point
+    it is most often the answer itself, whose own compile the plan needs anyway."""
+    floor = min(floor, first.need_bytes)
+    slope = (first.need_bytes - floor) / first.micro_batch
+    under = [c for c in larger if floor + slope * c <= budget_bytes]
+    return under[-1] if under else None
 
 
 def _result(lo: int, probes: dict[int, Probe], order: list[Probe],

@@ -68,6 +68,30 @@ def test_within_the_margin_only_a_compile_can_say():
     assert 8 in probed
 
 
+def test_the_floor_line_makes_the_answer_the_second_fit_point():
+    # need = 100 + 10 b with every accumulating step holding 100 (the floor, from shapes):
+    # the line from the floor through micro-batch 2 puts 6 (the candidate with 3 steps of 16)
+    # under 170; its compile fits and the line through 2 and 6 puts 8 (180) clearly over.
+    # Two compiles, where fit points 2 and 4 then the line's 6 made three.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=170, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100)
+    assert result.micro_batch == 6 and result.accum_steps(16) == 3
+    assert probed == [2, 6]
+
+
+def test_an_overstated_floor_costs_a_compile_never_the_answer():
+    # need = 10 + 20 b but a floor of 100 claimed: the line from it through micro-batch 2
+    # (50) is flat, so the second fit point (8, 170 of 150) does not fit; the line through
+    # the two compiles then finds 6 (130), the largest that fits.
+    measure, probed = _affine(10, 20)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=150, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100)
+    assert result.micro_batch == 6 and probed == [2, 8, 6]
+
+
 @pytest.mark.slow  # a few real compiles
 def test_a_plan_reports_its_compiles_in_the_report_and_the_json():
     plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
