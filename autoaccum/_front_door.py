@@ -88,14 +88,6 @@ def resolve_job(where: str, model: Any, data: Any, *, y: Any = None, sample_weig
                 needs_batch: bool = True) -> Job:
     """The :class:`Job` of a call to the entry point ``where``; the effective batch may be
     ``None`` where ``needs_batch`` is false, and is the given ``plan``'s when left out.
-
-    Example:
-      >>> import numpy as np
-      >>> from flax import nnx
-      >>> job = resolve_job("plan", nnx.Linear(2, 1, rngs=nnx.Rngs(0)), {"x": np.ones((4, 2))},
-      ...                   effective_batch=4, learning_rate=0.1, device="t4", log=None)
-      >>> job.adapter.name, job.target.device, job.options.learning_rate.value
-      ('flax', 't4', 0.1)
     """
     if effective_batch is None and plan is not None:
         effective_batch = validate_plan_type(plan).effective_batch

@@ -68,3 +68,15 @@ def test_a_missing_name_is_an_attribute_error_naming_it():
 
     with pytest.raises(AttributeError, match="no attribute 'fitt'"):
         autoaccum.fitt  # noqa: B018
+
+
+def test_a_job_holds_the_models_adapter_the_target_and_the_learning_rate():
+    import numpy as np
+    from flax import nnx
+
+    from autoaccum._front_door import resolve_job
+
+    job = resolve_job("plan", nnx.Linear(2, 1, rngs=nnx.Rngs(0)), {"x": np.ones((4, 2))},
+                      effective_batch=4, learning_rate=0.1, device="t4", log=None)
+    assert (job.adapter.name, job.target.device, job.options.learning_rate.value) == (
+        "flax", "t4", 0.1)

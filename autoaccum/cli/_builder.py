@@ -81,13 +81,7 @@ def report_error(message: str, *, code: int, json_mode: bool) -> int:
 
 def load_model_function(spec: str) -> dict[str, Any]:
     """Imports ``module:function`` and calls it for the keyword arguments of ``plan``.
-
-    Example:
-      >>> load_model_function("os.path:no_such_builder")
-      Traceback (most recent call last):
-      ...
-      autoaccum.cli._builder.CliError: --model 'os.path:no_such_builder': module 'os.path' has no attribute 'no_such_builder'
-    """  # noqa: E501
+    """
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
         raise CliError(
@@ -182,14 +176,6 @@ _SWITCHES = {"--no-uneven": False, "--no-cache": False, "--adjust-adam": True,
 
 def flag_values(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
     """The spec fields the flags given set.
-
-    Example:
-      >>> from autoaccum.cli import build_parser
-      >>> args = build_parser().parse_args(["plan", "--preset", "gemma3_1b", "--device", "t4",
-      ...                                   "--no-cache", "--base-batch", "1"])
-      >>> flag_values(args)
-      {('target', 'device'): 't4', ('search', 'cache'): False, \
-('learning_rate', 'base_batch'): 1}
     """
     out: dict[tuple[str, str], Any] = {}
     for key, flag in _FLAGS.items():
@@ -283,13 +269,6 @@ def _shown(value: Any) -> str:
 
 def with_flag_spellings(message: str) -> str:
     """``message`` (from the Python API) with the flags that set the keywords it names.
-
-    Example:
-      >>> with_flag_spellings("needs base_batch too. Received: rule='linear', base_batch=None")
-      "needs base_batch too. Received: rule='linear', base_batch=None (on the command line: \
-base_batch is --base-batch, rule is --lr-rule)"
-      >>> with_flag_spellings("no keyword here")
-      'no keyword here'
     """
     named = sorted({m.group(1) for m in re.finditer(r"\b([a-z_]+)=", message)
                     if m.group(1) in _SPELLINGS})

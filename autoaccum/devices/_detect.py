@@ -82,16 +82,7 @@ def detect_device(*, index: int = 0) -> DetectedDevice:
 
 
 def match_profile(device_name: str, *, memory_mib: float | None = None) -> DeviceProfile | None:
-    """The profile matching ``device_name``; among several, the closest in ``memory_mib``.
-
-    >>> from autoaccum.devices._detect import match_profile
-    >>> match_profile("NVIDIA A100-SXM4-80GB", memory_mib=81920).key
-    'a100-80gb'
-    >>> match_profile("NVIDIA A100-PCIE-40GB", memory_mib=40960).key
-    'a100-40gb'
-    >>> match_profile("Matrox G200") is None
-    True
-    """
+    """The profile matching ``device_name``; among several, the closest in ``memory_mib``."""
     candidates = [p for p in all_profiles() if p.is_gpu and p.matches(device_name)]
     if not candidates:
         return None

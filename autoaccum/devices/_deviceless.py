@@ -259,16 +259,7 @@ def topology_text(devices: int = 1, hosts: int = 1) -> str:
 
 
 def shard_abstract(tree: Any, sharding: Any) -> Any:
-    """Array-like leaves of ``tree`` as ``jax.ShapeDtypeStruct`` carrying ``sharding``.
-
-    >>> import jax, jax.numpy as jnp
-    >>> from autoaccum.devices._deviceless import shard_abstract
-    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
-    >>> s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    >>> out = shard_abstract({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}, s)
-    >>> out["w"].shape, out["w"].sharding == s
-    ((2, 3), True)
-    """
+    """Array-like leaves of ``tree`` as ``jax.ShapeDtypeStruct`` carrying ``sharding``."""
     if sharding is None:
         return tree
 

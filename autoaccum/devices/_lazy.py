@@ -18,13 +18,6 @@ def lazy_exports(package: str, exports: Mapping[str, str]
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``; ``exports`` maps each name to its relative
     module (a submodule maps to itself: ``{"planning": ".planning"}``).
-
-    Example:
-      >>> getattr_, dir_ = lazy_exports("autoaccum.devices", {"format_bytes": "._profiles"})
-      >>> getattr_("format_bytes")(2048)
-      '2.00 KiB'
-      >>> "format_bytes" in dir_()
-      True
     """
     def attribute(name: str) -> Any:
         where = exports.get(name)

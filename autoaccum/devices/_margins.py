@@ -241,15 +241,7 @@ class PoolArithmetic:
 
 def apply_margins(pool: int, total: int, margins: tuple[Margin, ...], *, deviceless: bool,
                   command_buffers: bool) -> PoolArithmetic:
-    """The budget left of ``pool`` (on a device of ``total`` bytes) by ``margins``.
-
-    Example:
-      >>> ms = default_margins(cuda_context_reserve_mib=300, workspace_margin_mib=32)
-      >>> r = apply_margins(1000 * 2**20, 1000 * 2**20, ms, deviceless=True,
-      ...                   command_buffers=False)
-      >>> r.usable_pool // 2**20, r.budget // 2**20, [m.name for m in r.applied]
-      (700, 668, ['CUDA context', 'cuDNN workspace'])
-    """
+    """The budget left of ``pool`` (on a device of ``total`` bytes) by ``margins``."""
     applied = tuple(m for m in margins if m.applies(deviceless=deviceless,
                                                     command_buffers=command_buffers))
     outside = sum(m.bytes for m in applied if m.where == "outside")

@@ -327,14 +327,6 @@ def concrete_mesh(mesh: Mesh | AbstractMesh) -> Mesh:
 def constrain(tree: Any, shardings: Any) -> Any:
     """``tree`` laid out by ``shardings`` inside a traced step: ``with_sharding_constraint``
     over automatic axes, ``reshard`` over ``Explicit`` ones (where a constraint only asserts).
-
-    Example:
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",), axis_types=(AxisType.Explicit,))
-      >>> f = lambda a: constrain(a * 2, NamedSharding(mesh, P("x")))
-      >>> with jax.set_mesh(mesh):
-      ...     jax.jit(f)(jax.numpy.ones(2)).sharding.spec == P("x")
-      True
     """
     def one(sharding: Any, sub: Any) -> Any:
         if has_explicit_axes(getattr(sharding, "mesh", None)):
@@ -349,14 +341,7 @@ def constrain(tree: Any, shardings: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a step's arrays live; ``data_axis`` splits the batches (``None``: not split).
-
-    Example:
-      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-      >>> p = Placement(mesh, state=[NamedSharding(mesh, P())], frozen=(), data_axis="batch")
-      >>> p.data_parallel, p.batch_sharding().spec
-      (1, P(None, 'batch'))
-    """
+    """Where a step's arrays live; ``data_axis`` splits the batches (``None``: not split)."""
 
     mesh: Mesh
     state: PyTree
@@ -386,15 +371,7 @@ class Placement:
                          tree, shardings)
 
     def onto(self, devices: Any) -> Placement:
-        """The same layout over other ``devices`` (as many), e.g. a deviceless TPU slice.
-
-        Example:
-          >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-          >>> p = Placement(mesh, state=[NamedSharding(mesh, P("batch"))], frozen=(),
-          ...               data_axis="batch")
-          >>> p.onto(jax.devices()[:1]).state[0].spec
-          P('batch',)
-        """
+        """The same layout over other ``devices`` (as many), e.g. a deviceless TPU slice."""
         devices = list(devices)
         if len(devices) != self.mesh.size:
             raise self.other_count(len(devices))

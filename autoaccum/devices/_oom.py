@@ -86,28 +86,14 @@ def first_line(error: BaseException, *, limit: int = 160) -> str:
 
 
 def requested_bytes(error: BaseException) -> int | None:
-    """The allocation size an out-of-memory message names, if it names one.
-
-    Example:
-      >>> requested_bytes(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8583 bytes."))
-      8583
-      >>> requested_bytes(RuntimeError("INTERNAL: YNNPACK operation failed")) is None
-      True
-    """
+    """The allocation size an out-of-memory message names, if it names one."""
     match = _REQUESTED.search(str(error))
     return int(match.group(1)) if match else None
 
 
 def no_micro_batch_fits(error: BaseException, *, need_bytes: int | None = None,
                         accum_steps: int | None = None, advice: str = "") -> str:
-    """The message for a real out-of-memory at micro-batch 1: what it needed, what helps.
-
-    Example:
-      >>> msg = no_micro_batch_fits(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
-      ...                           "2048 bytes."), need_bytes=4096)
-      >>> "micro_batch=1" in msg and "4.00 KiB" in msg and "LoRA" in msg
-      True
-    """
+    """The message for a real out-of-memory at micro-batch 1: what it needed, what helps."""
     figures = []
     if need_bytes is not None and need_bytes >= 0:
         figures.append(f"the compiled step needs {format_bytes(need_bytes)}")

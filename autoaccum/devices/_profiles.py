@@ -648,14 +648,7 @@ def format_bytes_below(n: float) -> str:
 
 
 def format_bytes_pair(a: float, b: float) -> tuple[str, str]:
-    """:func:`format_bytes` of both, with more digits where needed so that they differ.
-
-    Example:
-      >>> format_bytes_pair(2.3 * 2**20, 2.3 * 2**20 - 100)
-      ('2.3000 MiB', '2.2999 MiB')
-      >>> format_bytes_pair(1536, 12 * 2**30)
-      ('1.50 KiB', '12.0 GiB')
-    """
+    """:func:`format_bytes` of both, with more digits where needed so that they differ."""
     first, second = format_bytes(a), format_bytes(b)
     if first != second or int(a) == int(b):
         return first, second

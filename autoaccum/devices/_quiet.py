@@ -127,14 +127,7 @@ def filter_noise(text: bytes) -> bytes:
 
 @contextlib.contextmanager
 def quiet_native_logs() -> Iterator[None]:
-    """Capture file descriptor 2 in the block, then write back every line not in :data:`NOISE`.
-
-    >>> import os
-    >>> from autoaccum.devices._quiet import quiet_native_logs
-    >>> with quiet_native_logs():
-    ...     _ = os.write(2, b"WARNING: All log messages before absl::InitializeLog() is "
-    ...                     b"called are written to STDERR\\n")
-    """
+    """Capture file descriptor 2 in the block, then write back every line not in :data:`NOISE`."""
     try:
         saved = os.dup(2)
     except OSError:  # no file descriptor 2: nothing to capture
@@ -322,18 +315,7 @@ _MAYBE_NOISE = re.compile(rb"^(W(A(R(N(I(N(G(: .*)?)?)?)?)?)?)?|I\d{0,4}( .*)?|[
 
 
 def is_native_noise(line: bytes, patterns: Sequence[re.Pattern[str]] = INFORMATIONAL) -> bool:
-    """Whether one line (its line break aside) matches one of ``patterns`` entirely.
-
-    Example:
-      >>> from autoaccum.devices._quiet import is_native_noise
-      >>> is_native_noise(b"I0000 00:00:1795373966.183721   15573 cudart_stub.cc:31] "
-      ...                 b"Could not find cuda drivers on your machine, GPU will not be used.")
-      True
-      >>> from autoaccum.devices._quiet import is_native_noise
-      >>> is_native_noise(b"E0000 00:00:1.0  1 cuda_executor.cc:1] CUDA error"), is_native_noise(
-      ...     b"autoaccum: compiling micro_batch=2")
-      (False, False)
-    """
+    """Whether one line (its line break aside) matches one of ``patterns`` entirely."""
     body = line.rstrip(b"\r\n").decode("utf-8", "replace")
     return any(p.fullmatch(body) for p in patterns)
 
@@ -423,17 +405,7 @@ def _terminal_pair(terminal: int) -> tuple[int, int]:
 
 
 def is_command_line(argv: list[str] | None = None) -> bool:
-    """Whether the interpreter was started as the ``autoaccum`` command.
-
-    Example:
-      >>> from autoaccum.devices._quiet import is_command_line
-      >>> is_command_line(["python", "-m", "autoaccum", "demo"])
-      True
-      >>> is_command_line(["/venv/bin/python", "/venv/bin/autoaccum", "plan"])
-      True
-      >>> is_command_line(["python", "-m", "pytest"]), is_command_line(["python", "train.py"])
-      (False, False)
-    """
+    """Whether the interpreter was started as the ``autoaccum`` command."""
     argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m":

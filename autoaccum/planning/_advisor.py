@@ -197,20 +197,7 @@ def run_advisor(
     (once), keeping the rows whose plan succeeded.
 
     ``stages_for(error)`` gets the original verdict (``error.resident`` set when the state
-    alone was over the budget). ``hint(key, value)``: how a user applies a framework's change.
-
-    Example:
-      >>> from autoaccum.planning._search import DoesNotFitError
-      >>> def plan_with(change):  # a stand-in where nothing fits
-      ...     raise DoesNotFitError("no", budget_bytes=1)
-      >>> def stages_for(error):
-      ...     return [lambda found, failed: [{"lora_rank": 8}, {"lora_rank": 8}]]
-      >>> advice = run_advisor(plan_with, stages_for, log=None)
-      >>> advice.fits, advice.alternatives, [c for c, _ in advice.tried]
-      (False, (), [{'lora_rank': 8}])
-      >>> "lora_rank=8" in advice.error.args[0]
-      False
-    """
+    alone was over the budget). ``hint(key, value)``: how a user applies a framework's change."""
     stream = sys.stderr if log == "stderr" else log
     start = time.perf_counter()
     if original is None:
@@ -268,14 +255,7 @@ def run_advisor(
 def change_hints(changes: Sequence[dict[str, Any]],
                  hint: Callable[[str, Any], str | None] | None = None) -> tuple[str, ...]:
     """One line per kind of change in ``changes``: how a user applies it (a framework's kinds
-    by ``hint``).
-
-    Example:
-      >>> for line in change_hints([{"device": "t4"}, {"remat": "dots", "lora_rank": 16}]):
-      ...     print(line)
-      device=t4: device="t4" without budget= (the row plans within its own budget)
-      remat=dots: search=autoaccum.Search(remat="dots")
-    """
+    by ``hint``)."""
     planner = {
         "remat": lambda v: f'search=autoaccum.Search(remat="{v}")',
         "device": lambda v: (f'device="{v}" without budget= (the row plans within its '
@@ -326,19 +306,7 @@ def _longest_sequences(found: list[Alternative]) -> list[Alternative]:
 def bisect_stage(key: str, low: int, high: int, *, base: dict[str, Any] | None = None,
                  step: int = 8, max_tries: int = 6) -> Stage:
     """A stage that bisects ``key`` for the largest value in ``[low, high)`` that fits, in
-    multiples of ``step``, at most ``max_tries`` plans.
-
-    Example:
-      >>> stage = bisect_stage("sequence_length", 8, 64)
-      >>> found, failed = [], []
-      >>> tried = []
-      >>> for change in stage(found, failed):  # pretend up to 40 fits
-      ...     tried.append(change["sequence_length"])
-      ...     if change["sequence_length"] <= 40:
-      ...         found.append(Alternative(change, 1, 1, 0, 0, 0.0, 0.0, "t"))
-      >>> tried
-      [32, 48, 40]
-    """
+    multiples of ``step``, at most ``max_tries`` plans."""
     base = dict(base or {})
 
     def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> Iterator[dict]:
@@ -362,14 +330,7 @@ def bisect_stage(key: str, low: int, high: int, *, base: dict[str, Any] | None =
 
 
 def first_fit_stage(changes: Sequence[dict[str, Any]]) -> Stage:
-    """A stage that tries ``changes`` in order and stops at the first that fits.
-
-    Example:
-      >>> stage = first_fit_stage([{"device": "l4"}, {"device": "a100-40gb"}])
-      >>> found = []
-      >>> [c for c in stage(found, [])]
-      [{'device': 'l4'}, {'device': 'a100-40gb'}]
-    """
+    """A stage that tries ``changes`` in order and stops at the first that fits."""
     def stage(found: list[Alternative], failed: list[tuple[dict, str]]) -> Iterator[dict]:
         for change in changes:
             count = len(found)
@@ -385,16 +346,7 @@ def more_devices(current: int, *, effective_batch: int | None = None, most: int 
     """``{"devices": n}`` for 2, 4 and 8 above ``current`` (at most ``most``), fewest first;
     with ``effective_batch``, only counts that divide it. A count is left out when
     ``floor_bytes`` (the whole model's state) split evenly over it is over ``budget_bytes``:
-    no strategy holds less per device than fsdp's even split.
-
-    Example:
-      >>> more_devices(1), more_devices(2), more_devices(8)
-      ([{'devices': 2}, {'devices': 4}, {'devices': 8}], [{'devices': 4}, {'devices': 8}], [])
-      >>> more_devices(1, effective_batch=2)
-      [{'devices': 2}]
-      >>> more_devices(1, floor_bytes=36 * 2**30, budget_bytes=13 * 2**30)  # a 4B on T4s
-      [{'devices': 4}, {'devices': 8}]
-    """
+    no strategy holds less per device than fsdp's even split."""
     return [{"devices": n} for n in (2, 4, 8) if current < n <= most
             and (effective_batch is None or effective_batch % n == 0)
             and (not budget_bytes or -(-floor_bytes // n) <= budget_bytes)]
@@ -403,19 +355,7 @@ def more_devices(current: int, *, effective_batch: int | None = None, most: int 
 def most_sharded_first(plan_under: Callable[[str], Any]) -> Any:
     """Plans a device-count row under ``"fsdp"`` first (the least memory per device): if that
     does not fit, no strategy does, and the row fails after one plan. Then
-    ``plan_under("auto")`` keeps the least communication that fits (fsdp's figures cached).
-
-    Example:
-      >>> tried = []
-      >>> def plan_under(strategy):
-      ...     tried.append(strategy)
-      ...     raise ValueError("does not fit")
-      >>> try:
-      ...     most_sharded_first(plan_under)
-      ... except ValueError:
-      ...     tried
-      ['fsdp']
-    """
+    ``plan_under("auto")`` keeps the least communication that fits (fsdp's figures cached)."""
     plan_under("fsdp")
     return plan_under("auto")
 
@@ -424,14 +364,7 @@ def larger_devices(budget_bytes: int, floor_bytes: int = 0, *,
                    memory_fraction: float | None = None,
                    platform: str = "gpu") -> list[dict[str, Any]]:
     """``{"device": key}`` for each shipped GPU (or one-chip TPU) profile whose budget is
-    above ``budget_bytes`` and ``floor_bytes``, smallest first.
-
-    Example:
-      >>> [c["device"] for c in larger_devices(30 * 2**30)][:1]
-      ['a100-40gb']
-      >>> [c["device"] for c in larger_devices(16 * 2**30, platform="tpu")]
-      ['v6e-1']
-    """
+    above ``budget_bytes`` and ``floor_bytes``, smallest first."""
     from ..devices._profiles import all_profiles
     from ._budget import profile_budget, tpu_budget
 

@@ -119,22 +119,7 @@ def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
 
     ``state`` and ``frozen_args`` are the live values the step takes (Flax: ``(params, other,
     opt_state)`` and ``(frozen,)``; Keras: ``keras_state(model, layout)``); ``data`` is a
-    pytree of host arrays with a leading example axis (wrapped around as needed).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from autoaccum.planning import StepMetrics, TrainProgram
-      >>> w = jax.ShapeDtypeStruct((4,), jnp.float32)
-      >>> def step(w, batches):  # plain JAX: one SGD step on the effective batch's summed loss
-      ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum((batches["x"] @ w) ** 2))(w)
-      ...     return w - 0.1 * grad, StepMetrics(loss, *[jnp.zeros(())] * 3)
-      >>> program = TrainProgram(step, abstract_state=w, example_spec={"x": w},
-      ...                        parts={"trainable": w}, trainable=w)
-      >>> weights = np.ones(4, np.float32)
-      >>> run = real_step_runner(program, weights, (), {"x": np.ones((8, 4), np.float32)})
-      >>> run(4, 2).micro_batch, np.array_equal(weights, np.ones(4, np.float32))
-      (4, True)
-    """
+    pytree of host arrays with a leading example axis (wrapped around as needed)."""
     return RealStepRunner(program, state, frozen_args, data)
 
 

@@ -181,15 +181,7 @@ def resolve_fraction(profile: Any, memory_fraction: float | None,
                      environ: Any = None) -> tuple[float, str]:
     """JAX's share of ``profile``'s GPU and its source: ``memory_fraction``, else the
     environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or ``XLA_CLIENT_MEM_FRACTION``), else the
-    profile's default. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0.
-
-    Example:
-      >>> from autoaccum.devices._profiles import find_profile
-      >>> resolve_fraction(find_profile("t4"), None, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
-      (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 in the environment')
-      >>> resolve_fraction(find_profile("t4"), 0.5, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
-      (0.5, 'memory_fraction=0.5')
-    """
+    profile's default. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool: 1.0."""
     from ..devices._margins import environment_memory_fraction, platform_allocator
 
     if memory_fraction is not None:
@@ -344,14 +336,7 @@ def resident_of(program: TrainProgram) -> Resident:
 
 def smallest_profile(need_bytes: int, *, memory_fraction: float | None = None) -> Any:
     """The shipped GPU profile with the smallest budget that holds ``need_bytes``, or
-    ``None`` when none does.
-
-    Example:
-      >>> smallest_profile(10 * 2**30).key
-      't4'
-      >>> smallest_profile(10 * 2**40) is None
-      True
-    """
+    ``None`` when none does."""
     from ..devices._profiles import all_profiles
 
     best = None
@@ -367,16 +352,7 @@ def smallest_profile(need_bytes: int, *, memory_fraction: float | None = None) -
 def check_resident(resident: Resident, budget_bytes: int, *,
                    memory_fraction: float | None = None, target: str = "") -> None:
     """Raises :class:`~autoaccum.DoesNotFitError` (before any compile) when the state alone
-    (:attr:`Resident.state_bytes`) exceeds ``budget_bytes``.
-
-    Example:
-      >>> check_resident(Resident(0, 4, 4, 8, 0), 100)
-      >>> try:
-      ...     check_resident(Resident(0, 40, 40, 80, 0), 100)
-      ... except ValueError as error:
-      ...     print(str(error).splitlines()[0])
-      No micro-batch can fit: the weights and optimizer state alone need 120 B, over the budget of 100 B by 20 B (known from shapes, nothing compiled).
-    """  # noqa: E501
+    (:attr:`Resident.state_bytes`) exceeds ``budget_bytes``."""
     from ._search import ADVISE_HINT, DoesNotFitError
 
     floor = resident.state_bytes  # the whole batch in one micro-batch needs no accumulator
@@ -400,18 +376,7 @@ def check_resident(resident: Resident, budget_bytes: int, *,
 def split_resident(layout: Any, *, trainable: Any, frozen: Any, optimizer: Any,
                    other: Any) -> Resident:
     """One device's :class:`Resident` memory under a sharding strategy's ``layout``: frozen
-    weights split as ``layout.frozen`` says (copied without it), other state copied.
-
-    Example:
-      >>> import jax, numpy as np
-      >>> from jax.sharding import AbstractMesh
-      >>> from autoaccum.planning._strategies import state_layout
-      >>> w = [jax.ShapeDtypeStruct((64, 64), np.float32)]
-      >>> layout = state_layout("fsdp", AbstractMesh((4,), ("data",)), params=w, optimizer=w)
-      >>> r = split_resident(layout, trainable=w, frozen=[], optimizer=w, other=[])
-      >>> r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes
-      (4096, 4096, 4096)
-    """
+    weights split as ``layout.frozen`` says (copied without it), other state copied."""
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32")
                        if hasattr(x, "shape") else x, trainable)
     return Resident(

@@ -257,18 +257,7 @@ def _placed_as_expected(compiled: Any, args: tuple) -> bool:
 
 def reuse_or_compile(lowered: Any, args: tuple) -> Any:
     """The executable of ``lowered`` for ``args``: one the planner kept for this very program
-    with arguments placed the same way, else ``lowered.compile()``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> x = jnp.ones(3)
-      >>> lowered = jax.jit(lambda a: a * 2).lower(x)
-      >>> keep_compiled(lowered, lowered.compile())
-      >>> before = kept_count()
-      >>> step = reuse_or_compile(jax.jit(lambda a: a * 2).lower(x), (x,))
-      >>> step(x).tolist(), kept_count() - before
-      ([2.0, 2.0, 2.0], 1)
-    """
+    with arguments placed the same way, else ``lowered.compile()``."""
     key = _key(lowered, None)
     with _LOCK:
         kept = None if key is None else _KEPT.get(key)

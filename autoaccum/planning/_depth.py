@@ -380,15 +380,7 @@ def io_bytes(estimate: MemoryEstimate) -> int:
 def extrapolate(low: MemoryEstimate, high: MemoryEstimate, d1: int, d2: int,
                 depth: int) -> tuple[MemoryEstimate, int]:
     """The estimate at ``depth`` on the line through ``(d1, low)`` and ``(d2, high)``, and
-    the need per block.
-
-    Example:
-      >>> a = MemoryEstimate(2, 4, 10, 0, 0, 0, 1, 0, 100, 0, 0, 50, 150, "t", 1.0)
-      >>> b = MemoryEstimate(2, 4, 20, 0, 0, 0, 1, 0, 150, 0, 0, 70, 220, "t", 1.0)
-      >>> est, per_block = extrapolate(a, b, 2, 3, 10)
-      >>> est.need_bytes, per_block, est.trainable_bytes, est.source
-      (710, 70, 90, 'extrapolated')
-    """
+    the need per block."""
     span = d2 - d1
 
     def line(name: str) -> Any:
@@ -545,14 +537,7 @@ def plan_by_depth(
 
 
 def label_sources(probes: tuple[Probe, ...]) -> tuple[Probe, ...]:
-    """Probes whose figure was extrapolated or read from the cache say so in ``why``.
-
-    Example:
-      >>> from autoaccum.planning._measure import MemoryEstimate
-      >>> est = MemoryEstimate(2, 4, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 2, "t", 0.0, source="cache")
-      >>> label_sources((Probe(2, 4, 2, True, "fit point", est),))[0].why
-      'fit point (cached)'
-    """
+    """Probes whose figure was extrapolated or read from the cache say so in ``why``."""
     tags = {"extrapolated": " (extrapolated)", "cache": " (cached)"}
     return tuple(dataclasses.replace(p, why=p.why + tags[p.estimate.source])
                  if p.estimate.source in tags and not p.why.endswith(tags[p.estimate.source])

@@ -144,16 +144,7 @@ def validate_lr_rule(rule: str | None) -> str | None:
 def check_base_batch_given(rule: str | None, base_batch: int | None,
                            adjust_adam: bool = False) -> None:
     """A ``ValueError`` where a rule that scales the rate (or ``adjust_adam``) comes without
-    ``base_batch``.
-
-    Example:
-      >>> check_base_batch_given("linear", 8)
-      >>> try:
-      ...     check_base_batch_given("linear", None)
-      ... except ValueError as error:
-      ...     print(str(error)[-40:])
-      Received: rule='linear', base_batch=None
-    """
+    ``base_batch``."""
     if base_batch is not None or (rule in (None, "none") and not adjust_adam):
         return
     given = received("rule", rule) if rule not in (None, "none") else "adjust_adam=True"

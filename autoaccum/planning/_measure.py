@@ -109,14 +109,7 @@ _LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def counting_compiles() -> Iterator[CompileLedger]:
-    """A ledger of the compiles made inside (in any thread: the concurrent compiles too).
-
-    Example:
-      >>> with counting_compiles() as ledger:
-      ...     record_compile(reduced=True, seconds=1.5)
-      >>> ledger.count.reduced, ledger.count.full
-      (1, 0)
-    """
+    """A ledger of the compiles made inside (in any thread: the concurrent compiles too)."""
     ledger = CompileLedger()
     with _LOCK:
         _OPEN.append(ledger)
@@ -188,18 +181,7 @@ def _split(spec: Any) -> bool:
 def step_floor(program: TrainProgram, micro_batch: int, accum_steps: int, *,
                last: int | None = None) -> int:
     """Bytes one device holds at least in ``program``'s step at ``[accum_steps,
-    micro_batch, ...]`` (``micro_batch`` per device; see the module docstring).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> w = jax.ShapeDtypeStruct((256, 64), jnp.float32)
-      >>> program = TrainProgram(None, abstract_state=w, parts={"trainable": w}, trainable=w,
-      ...                        example_spec={"x": jax.ShapeDtypeStruct((64,), jnp.float32)})
-      >>> step_floor(program, 2, 4) == 65536 + 65536 + 65536 + 4 * 2 * 64 * 4
-      True
-      >>> step_floor(program, 8, 1) == 65536 + 65536 + 8 * 64 * 4  # one micro-batch
-      True
-    """
+    micro_batch, ...]`` (``micro_batch`` per device; see the module docstring)."""
     parts = program.parts
     trainable = parts.get("trainable", program.trainable)
     layout = program.layout

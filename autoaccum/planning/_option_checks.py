@@ -242,16 +242,7 @@ _LITERALS = (type(None), bool, numbers.Number, str, bytes)
 
 def received(name: str, value: object) -> str:
     """``name=value`` for an error's "Received:" part: a short literal as written, anything
-    else by its type, never a long ``repr``.
-
-    Example:
-      >>> received("epochs", 0), received("lr_rule", "x" * 100)[:30]
-      ('epochs=0', 'lr_rule of type str (length 10')
-      >>> received("callbacks", [object()])
-      'callbacks=[object]'
-      >>> received("class_weight", {0: 1.0})
-      'class_weight={0: 1.0}'
-    """
+    else by its type, never a long ``repr``."""
     if isinstance(value, _LITERALS):
         text = repr(value)
         if len(text) <= 80:

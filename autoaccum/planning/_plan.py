@@ -294,14 +294,7 @@ def _process_count() -> int:
 def agreement_note(micro_batch: int, data_parallel: int, each: tuple[int, ...],
                    devices: int | None = None) -> str:
     """The report's line on the plan being the same on every device and process; ``devices``:
-    all the devices, where a kept layout splits each micro-batch over a group of them.
-
-    Example:
-      >>> agreement_note(4, 8, (4, 8))
-      'data parallel: micro_batch 4 per device on all 8 devices; each of the 2 processes planned its own devices (micro_batch 4, 8) and every process uses the smallest, 4, so all run the same program'
-      >>> agreement_note(4, 2, (4,), devices=8).split(" (one")[0]
-      'data parallel: micro_batch 4 per group of 4 devices on all 2 groups (8 devices)'
-    """  # noqa: E501
+    all the devices, where a kept layout splits each micro-batch over a group of them."""
     where = f"per device on all {data_parallel} devices"
     if devices is not None and devices > data_parallel:
         where = (f"per group of {devices // data_parallel} devices on all {data_parallel} "

@@ -587,20 +587,7 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
     A less sharded strategy in ``failed`` whose micro-batch 1 missed at full depth (compiled)
     bounds this one: if its need, less what ``name`` splits off per device (``resident``, with
     a gradient's share where the optimizer state is split, times :data:`SPLIT_SLACK`), is
-    still over the budget, so is ``name``'s (e.g. a LoRA model's zero1 and zero2).
-
-    Example:
-      >>> from autoaccum.planning import MemoryEstimate, Probe, Resident
-      >>> estimate = MemoryEstimate(1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 120, "t", 0.0)
-      >>> missed = DoesNotFitError("no", probes=(Probe(1, 4, 120, False, "", estimate),),
-      ...                          budget_bytes=100)
-      >>> state = {"replicated": Resident(0, 4, 4, 8, 0), "zero1": Resident(0, 4, 4, 4, 0)}
-      >>> str(ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get))[:37]
-      'not compiled: micro_batch=1 needs at '
-      >>> state["zero1"] = Resident(0, 4, 4, 0, 0)  # splits off enough: compile it
-      >>> ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get) is None
-      True
-    """
+    still over the budget, so is ``name``'s (e.g. a LoRA model's zero1 and zero2)."""
     mine = resident(name)
     for base, error in failed:
         full = [p.need_bytes for p in error.probes if p.micro_batch == 1 and not p.fits

@@ -394,16 +394,7 @@ Spec = TypeVar("Spec")
 
 
 def spec_of(cls: type[Spec], value: Any, name: str) -> Spec:
-    """``value`` if it is a ``cls``, ``cls()`` for ``None``, else a ``ValueError``.
-
-    Example:
-      >>> spec_of(Search, None, "search").remat
-      'auto'
-      >>> spec_of(Search, {"remat": "nothing"}, "search")
-      Traceback (most recent call last):
-      ...
-      ValueError: search must be an autoaccum.Search(...) ... Received: search={'remat': 'nothing'}
-    """
+    """``value`` if it is a ``cls``, ``cls()`` for ``None``, else a ``ValueError``."""
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -415,17 +406,7 @@ def spec_of(cls: type[Spec], value: Any, name: str) -> Spec:
 
 def merge_plain(spec: Spec, **plain: Any) -> Spec:
     """``spec`` with the keywords given plainly (``device=``) filled in; ``ValueError`` if one
-    is given both ways with different values.
-
-    Example:
-      >>> merge_plain(Target(budget="1GiB"), device="t4", budget=None)
-      Target(device='t4', budget='1GiB', memory_fraction=None, devices=None, hosts=1, \
-data_parallel='auto', strategy='auto')
-      >>> merge_plain(Target(device="l4"), device="t4")
-      Traceback (most recent call last):
-      ...
-      ValueError: device was given twice... Received: device='t4', target.device='l4'
-    """
+    is given both ways with different values."""
     changes: dict[str, Any] = {}
     name = type(spec).__name__
     for key, value in plain.items():
@@ -496,14 +477,7 @@ def changed(spec: Any, *, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def refuse_unread(where: str, name: str, spec: Any, read: tuple[str, ...]) -> None:
-    """A ``ValueError`` when ``spec`` sets a field that ``where`` does not read.
-
-    Example:
-      >>> refuse_unread("measure", "target", Target(budget="1GiB"), read=("device",))
-      Traceback (most recent call last):
-      ...
-      ValueError: measure does not read target.budget... Received: target.budget='1GiB'
-    """
+    """A ``ValueError`` when ``spec`` sets a field that ``where`` does not read."""
     for field, value in changed(spec, ignore=read).items():
         raise ValueError(
             f"{where} does not read {name}.{field}: it would change nothing; leave it out "

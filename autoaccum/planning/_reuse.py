@@ -33,15 +33,7 @@ def _same_lr(a: Any, b: Any) -> bool:
 
 
 def validate_plan_type(plan: Any) -> Plan:
-    """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError``.
-
-    Example:
-      >>> try:
-      ...     validate_plan_type({"micro_batch": 4})
-      ... except ValueError as error:
-      ...     print(str(error)[-27:])
-      Received: plan of type dict
-    """
+    """``plan`` if it is a :class:`~autoaccum.Plan`, else a ``ValueError``."""
     if not isinstance(plan, Plan):
         hint = (" (a dict from Plan.to_dict() or `autoaccum plan --json` is a report of a "
                 "plan, which fit does not load: plan again where you train)"
@@ -55,23 +47,7 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
                options: ProgramOptions, remat_layers: Any = None, target: Target | None = None,
                planning_options: dict[str, Any] | None = None) -> tuple[Plan, Prepared]:
     """Checks ``plan`` against ``model``, ``data`` and the options (each refusal naming the
-    fix); returns it with the prepared step, built abstractly (nothing compiled).
-
-    Example:
-      >>> import jax.numpy as jnp, numpy as np, optax, autoaccum
-      >>> from flax import nnx
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
-      >>> data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
-      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-      >>> p = autoaccum.plan(model, data, effective_batch=8, optimizer=optax.sgd,
-      ...                    learning_rate=0.1, loss_fn=loss_fn, budget="1GiB", log=None)
-      >>> autoaccum.fit(model, data, effective_batch=4, plan=p, optimizer=optax.sgd,
-      ...               learning_rate=0.1, loss_fn=loss_fn, verbose=0, log=None)
-      Traceback (most recent call last):
-      ...
-      ValueError: plan= was made for effective_batch=8. Plan for 4, or pass effective_batch=8. Received: effective_batch=4
-    """  # noqa: E501
+    fix); returns it with the prepared step, built abstractly (nothing compiled)."""
     validate_plan_type(plan)
     if planning_options:  # options that shape planning, refused next to a plan
         listed = ", ".join(f"{received(k, v)}" for k, v in planning_options.items())

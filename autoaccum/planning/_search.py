@@ -429,16 +429,7 @@ def _result(lo: int, probes: dict[int, Probe], order: list[Probe],
 def need_line(probes: Iterable[Probe], limit: int) -> tuple[float, float] | None:
     """(intercept, slope) of need against micro-batch through the smallest and largest fitting
     probes at ``2 <= b < limit`` (all where fewer than two fit): micro-batch 1 and the whole
-    batch are off the line. ``None`` without two such probes.
-
-    Example:
-      >>> from autoaccum.planning._measure import MemoryEstimate
-      >>> def probe(b, need):
-      ...     e = MemoryEstimate(b, 8 // b, 0, 0, 0, 0, 0, 0, need, 0, 0, 0, need, "t", 0.0)
-      ...     return Probe(b, 8 // b, need, True, "fit point", e)
-      >>> need_line([probe(2, 120), probe(4, 140)], 8)
-      (100.0, 10.0)
-    """
+    batch are off the line. ``None`` without two such probes."""
     by_b = {p.micro_batch: p for p in probes if 2 <= p.micro_batch < limit}
     points = sorted((b, p.need_bytes) for b, p in by_b.items())
     fitting = [(b, n) for b, n in points if by_b[b].fits]

@@ -64,17 +64,7 @@ __all__ = ["MIN_SHARDED_ELEMENTS", "PARTITIONERS", "STRATEGIES", "XLA_PARTITIONE
 
 
 def validate_strategy(strategy: Any, *, allow_auto: bool = True) -> str:
-    """Returns ``strategy`` if it names a strategy (or ``"auto"``), else a ``ValueError``.
-
-    Example:
-      >>> validate_strategy("zero1")
-      'zero1'
-      >>> try:
-      ...     validate_strategy("zero3")
-      ... except ValueError as error:
-      ...     print(str(error).split(". ")[-1])
-      Received: strategy='zero3'
-    """
+    """Returns ``strategy`` if it names a strategy (or ``"auto"``), else a ``ValueError``."""
     names = (("auto",) if allow_auto else ()) + STRATEGIES
     if not isinstance(strategy, str) or strategy not in names:
         hint = _strategy_hint(strategy, names) if isinstance(strategy, str) else ""
@@ -136,16 +126,7 @@ def leaf_spec(shape: tuple[int, ...], devices: int, axis: str) -> P:
     or reduce-scattered in place. Split along an inner axis, XLA:CPU gathered into a
     transposed layout and copied it back, one more whole weight per device (an 8192 x 256
     embedding and its 256 x 8192 projection, AdamW, 4 devices: fsdp 3.03x the weights per
-    device against 3.64x, zero2 2.88x against 3.25x).
-
-    Example:
-      >>> leaf_spec((512, 768), 4, "data")
-      P('data',)
-      >>> leaf_spec((6, 1000), 4, "data")
-      P(None, 'data')
-      >>> leaf_spec((3, 5001), 4, "data"), leaf_spec((64,), 4, "data")
-      (P(), P())
-    """
+    device against 3.64x, zero2 2.88x against 3.25x)."""
     if devices <= 1 or math.prod(shape) < max(MIN_SHARDED_ELEMENTS, devices):
         return P()
     for i, n in enumerate(shape):
@@ -247,15 +228,7 @@ def accumulator_sharding(sharding: NamedSharding, shape: tuple[int, ...],
     """The float32 accumulator's sharding for a weight a kept layout lays out by ``sharding``:
     the weight's own plus ``axis`` on its first whole dimension the axis divides, so each
     device keeps a share of the sum (as ``zero2`` does). Unchanged without a data axis, or
-    when the weight is split over it already, small, or has no such dimension.
-
-    Example:
-      >>> import numpy as np
-      >>> from jax.sharding import Mesh
-      >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-      >>> accumulator_sharding(NamedSharding(mesh, P(None, "model")), (64, 64), "data").spec
-      P('data', 'model')
-    """
+    when the weight is split over it already, small, or has no such dimension."""
     if axis is None or math.prod(shape) < MIN_SHARDED_ELEMENTS:
         return sharding
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
@@ -359,12 +332,6 @@ def fixed_on_mesh(specs: tuple[Any, ...] | None, mesh: Any, trainable: PyTree = 
 
     Raises:
       ValueError: a split dimension of a weight does not divide over ``mesh``'s devices.
-
-    Example:
-      >>> from jax.sharding import AbstractMesh
-      >>> fixed_on_mesh((P(None, "fsdp"), None), AbstractMesh((4,), ("data",))) == (
-      ...     P(None, "data"), None)
-      True
     """
     if specs is None or len(mesh.axis_names) != 1:
         return specs

@@ -403,14 +403,7 @@ def resolve_step_devices(adapter: Any, model: Any, target: Any) -> StepDevices:
     machine's devices, then the model's own sharding, kept or refused (``adapter.own_mesh``).
     A caller's context mesh (``jax.set_mesh``) lays out the step where the plan is for it
     (here with ``data_parallel="auto"``, or a slice of as many devices); else the model's
-    partition specs resolve on a mesh of the same axis names.
-
-    Example:
-      >>> import autoaccum
-      >>> from autoaccum.adapters.flax import FlaxAdapter
-      >>> resolve_step_devices(FlaxAdapter(), None, autoaccum.Target(data_parallel=1))
-      StepDevices(mesh=None, slice=None)
-    """
+    partition specs resolve on a mesh of the same axis names."""
     import jax
 
     from ..devices._mesh import callers_mesh, context_mesh_as_layout, resolve_mesh

@@ -218,14 +218,7 @@ def abstract_batches(example_spec: PyTree, micro_batch: int, accum_steps: int,
     lowering; with ``last``, an :class:`~autoaccum.planning.UnevenBatches` of ``[accum_steps -
     1, micro_batch, ...]`` and ``[last, ...]`` (``last_sharding``, default ``sharding``).
 
-    ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> spec = abstract_batches({"x": jax.ShapeDtypeStruct((7,), jnp.int32)}, 5, 3, last=3)
-      >>> spec.full["x"].shape, spec.last["x"].shape
-      ((2, 5, 7), (3, 7))
-    """
+    ``micro_batch`` and ``last`` are global ones (``dp * per-device``) for a mesh."""
     if last is None or last == micro_batch or accum_steps < 2:
         return stacked(example_spec, accum_steps, micro_batch, sharding=sharding)
     return UnevenBatches(
@@ -251,15 +244,7 @@ def stacked(example_spec: PyTree, *leading: int, sharding: Any = None) -> PyTree
 def tree_bytes(tree: PyTree) -> int:
     """Total bytes of the array leaves (real or abstract) of ``tree``.
 
-    Typed PRNG keys (``jax.random.key``, as ``nnx.Rngs`` holds them) count their key data.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> tree_bytes({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": None})
-      24
-      >>> tree_bytes({"key": jax.random.key(0)})
-      8
-    """
+    Typed PRNG keys (``jax.random.key``, as ``nnx.Rngs`` holds them) count their key data."""
     return int(sum(int(np.prod(local_shape(leaf))) * itemsize(leaf.dtype)
                    for leaf in jax.tree.leaves(tree)
                    if hasattr(leaf, "shape") and hasattr(leaf, "dtype")))
@@ -267,16 +252,7 @@ def tree_bytes(tree: PyTree) -> int:
 
 def local_shape(leaf: Any) -> tuple[int, ...]:
     """The shape one device holds of ``leaf``: its shard's for an abstract leaf with a
-    sharding, else the whole shape.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
-      >>> local_shape(jax.ShapeDtypeStruct((4, 2), jnp.float32,
-      ...                                  sharding=NamedSharding(mesh, P("x"))))
-      (4, 2)
-    """
+    sharding, else the whole shape."""
     shape = tuple(leaf.shape)
     sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
     if sharding is not None and hasattr(sharding, "shard_shape"):

@@ -114,12 +114,6 @@ def _probe_rows(probes: tuple[Probe, ...], budget_bytes: int) -> tuple[list[str]
 def verdict(probe: Probe, budget_bytes: int) -> str:
     """The fits column: compiles ``yes``/``no``; real steps ``ran``/``oom`` (their row shows a
     non-donating compile, which can exceed the budget although the step fits).
-
-    Example:
-      >>> from autoaccum.planning._measure import MemoryEstimate
-      >>> e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
-      >>> verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80)
-      'ran'
     """
     if probe.kind == "real step":
         return "ran" if probe.fits else "oom"

@@ -301,14 +301,6 @@ def running_update(running_mean: Any, running_var: Any, moments: Moments,
                    momentum: float) -> tuple[jax.Array, jax.Array]:
     """One running-average update from the effective batch's mean and variance (unchanged
     when no micro-batch updated them).
-
-    Example:
-      >>> m = zero_moments(jnp.zeros(1))
-      >>> for x in (jnp.array([0.0, 2.0]), jnp.array([4.0, 6.0])):  # two micro-batches
-      ...     m = add_moments(m, x.mean(keepdims=True), x.var(keepdims=True))
-      >>> mean, var = running_update(jnp.zeros(1), jnp.ones(1), m, momentum=0.0)
-      >>> float(mean[0]), float(var[0])  # mean and variance of [0, 2, 4, 6]
-      (3.0, 5.0)
     """
     total = jnp.maximum(moments.weight, 1e-30)
     mean = moments.mean_sum / total
@@ -324,15 +316,6 @@ def split_until_gathered(new_params: Any, layout: StateLayout | None) -> Any:
     """A step's selected new weights constrained to the optimizer's update layout
     (``layout.reduced``) under ``zero1``/``zero2``, except on TPU (see the module docstring);
     the caller then constrains them to ``layout.params``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from autoaccum.internal import data_parallel_mesh
-      >>> from autoaccum.internal import state_layout
-      >>> mesh = data_parallel_mesh(jax.devices()[:1])
-      >>> layout = state_layout("zero2", mesh, params=jnp.ones(8), optimizer=())
-      >>> float(jax.jit(lambda w: split_until_gathered(w, layout))(jnp.ones(8)).sum())
-      8.0
     """
     if (layout is None or layout.reduced is None or layout.strategy not in ("zero1", "zero2")
             or compile_platform() == "tpu"):

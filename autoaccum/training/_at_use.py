@@ -108,15 +108,6 @@ def gathered_at_use(fn: Callable[..., Any], weights: Sequence[Any], args: tuple,
 
     Returns:
       ``fn``'s outputs, differentiable with respect to ``weights`` and ``args``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> twice = lambda w: jnp.concatenate([w, w])
-      >>> def fn(whole, x):
-      ...     return jnp.sum(x @ whole[0])
-      >>> w, x = jnp.ones((2, 3)), jnp.ones((5, 4))
-      >>> float(gathered_at_use(fn, [w], (x,), gather=[twice], scatter=[None]))
-      60.0
     """
     weights, gather, scatter = list(weights), list(gather), list(scatter)
     whole_spec = [jax.eval_shape(gather[i], weights[i]) if gather[i] is not None

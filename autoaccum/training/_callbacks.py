@@ -130,17 +130,7 @@ def validate_callbacks(callbacks: Iterable[Any] | None) -> list[Any]:
 
 
 class CallbackList:
-    """Calls every callback's hook in order and collects requests to stop.
-
-    Example:
-      >>> calls = []
-      >>> class Log(Callback):
-      ...     def on_epoch_end(self, epoch, logs):
-      ...         calls.append((epoch, logs["loss"]))
-      >>> cbs = CallbackList([Log()], model=None, result=None)
-      >>> cbs.call("on_epoch_end", 0, {"loss": 1.0}); calls, cbs.stop_requested()
-      ([(0, 1.0)], None)
-    """
+    """Calls every callback's hook in order and collects requests to stop."""
 
     def __init__(self, callbacks: Iterable[Any], *, model: Any, result: Any) -> None:
         self.callbacks = list(callbacks)
@@ -190,14 +180,6 @@ class ProgressBar:
       epoch, epochs: the epoch (0-based) and the number of epochs.
       stream: where to draw (default ``sys.stderr``).
       width: the text bar's width when tqdm is not installed.
-
-    Example:
-      >>> import io
-      >>> out = io.StringIO()
-      >>> bar = ProgressBar(total=2, epoch=0, epochs=1, stream=out)
-      >>> bar.update(1, loss=1.0); bar.update(2, loss=0.5); bar.close()
-      >>> out.getvalue().startswith("epoch 1/1 [") and "loss 0.5000" in out.getvalue()
-      True
     """
 
     def __init__(self, *, total: int | None, epoch: int, epochs: int, stream: TextIO | None = None,

@@ -91,14 +91,6 @@ def _is_pytree_node(obj: object) -> bool:
 def batch_rebuilder(data: object) -> Callable[[Any], Any] | None:
     """For a plain ``dataclasses.dataclass`` batch (not a JAX pytree), the function that makes
     one from its fields (a dict), so a ``loss_fn`` receives the batch's own type; else ``None``.
-
-    Example:
-      >>> @dataclasses.dataclass
-      ... class Batch:
-      ...     x: Any
-      >>> rebuild = batch_rebuilder(Batch(x=np.zeros(2)))
-      >>> type(rebuild(as_arrays(Batch(x=np.zeros(2))))).__name__
-      'Batch'
     """
     if not is_dataclass_instance(data) or _is_pytree_node(data):
         return None
@@ -248,13 +240,6 @@ def split_micro_batches(examples: PyTree, *, micro_batch: int, data_parallel: in
     """One step's examples ``[n, ...]`` as its batches, in order: ``[k, dp * micro_batch, ...]``,
     or :class:`UnevenBatches` with a smaller last micro-batch when ``micro_batch`` does not
     divide the per-device share.
-
-    Example:
-      >>> b = split_micro_batches({"x": np.arange(13)}, micro_batch=5)
-      >>> b.full["x"].tolist(), b.last["x"].tolist()
-      ([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], [10, 11, 12])
-      >>> split_micro_batches({"x": np.arange(8)}, micro_batch=2, data_parallel=2)["x"].shape
-      (2, 4)
     """
     n = int(np.shape(jax.tree.leaves(examples)[0])[0])
     if n % data_parallel:
@@ -290,14 +275,7 @@ class LeftoverSplit:
 
 
 def leftover_split(examples: int, *, micro_batch: int, data_parallel: int = 1) -> LeftoverSplit:
-    """The split of a final, smaller step of ``examples`` (never above ``micro_batch``).
-
-    Example:
-      >>> leftover_split(6, micro_batch=4)
-      LeftoverSplit(examples=6, micro_batch=3, accum_steps=2, padding=0)
-      >>> leftover_split(5, micro_batch=4, data_parallel=2)
-      LeftoverSplit(examples=5, micro_batch=1, accum_steps=3, padding=1)
-    """
+    """The split of a final, smaller step of ``examples`` (never above ``micro_batch``)."""
     if examples < 1:
         raise ValueError(f"A leftover step needs at least one example. Received: {examples}")
     if examples % data_parallel:
@@ -313,12 +291,6 @@ def leftover_batches(tree: PyTree, index: np.ndarray, split: LeftoverSplit,
     """The leftover examples ``index`` shaped ``[accum, data_parallel * micro, ...]``, and
     per-example weights when the split pads (else ``None``): padding slots repeat the first
     leftover example (so the forward pass stays finite) with weight 0.
-
-    Example:
-      >>> b, w = leftover_batches({"x": np.arange(10)}, np.array([7, 8, 9]),
-      ...                         leftover_split(3, micro_batch=4, data_parallel=2), 2)
-      >>> b["x"].tolist(), w.tolist()
-      ([[7, 8], [9, 7]], [[1.0, 1.0], [1.0, 0.0]])
     """
     global_micro = split.micro_batch * data_parallel
     full = np.concatenate([index, np.full(split.padding, index[0], index.dtype)])

@@ -423,19 +423,6 @@ class Validator:
         the largest divisor of it up to ``micro_batch``).
       place: lays a batch out as the step takes it (default: as it is).
       lowering: a context the step is lowered in (a framework's tracing scope).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> def evaluate(state, batches, frozen):  # sum and count of (x * w)^2
-      ...     return jnp.sum((batches * state) ** 2), batches.size
-      >>> totals = []
-      >>> validator = Validator(evaluate)
-      >>> validator([np.ones(5), np.ones(3)], lambda: (jnp.float32(2), ()),
-      ...           lambda step, out: totals.append((float(out[0]), int(out[1]))))
-      >>> totals
-      [(20.0, 5), (12.0, 3)]
-      >>> Validator(evaluate, micro_batch=2).split(np.arange(4)).tolist()
-      [[0, 1], [2, 3]]
     """
 
     def __init__(self, evaluate: Callable[..., Any], *, micro_batch: int | None = None,

@@ -109,14 +109,6 @@ def update_if_finite(finite: jax.Array, update: Callable[..., PyTree], old: PyTr
 
     Returns:
       The new state, or ``old`` (cast to the new state's dtypes).
-
-    Example:
-      >>> def sgd(w, g):
-      ...     return w - 0.5 * g
-      >>> update_if_finite(jnp.bool_(True), sgd, jnp.ones(2), jnp.ones(2)).tolist()
-      [0.5, 0.5]
-      >>> update_if_finite(jnp.bool_(False), sgd, jnp.ones(2), jnp.ones(2)).tolist()
-      [1.0, 1.0]
     """
     if compile_platform() == "cpu":
         shapes = jax.eval_shape(update, old, *args)
@@ -144,12 +136,6 @@ def keep_values_if_finite(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree
     """Like :func:`keep_if_finite` for floating leaves; integer and PRNG-key leaves (RNG
     counters, step counters) always take ``new``, so a skipped step does not replay its
     random numbers.
-
-    Example:
-      >>> out = keep_values_if_finite(jnp.bool_(False), {"w": jnp.ones(1), "n": jnp.uint32(3)},
-      ...                             {"w": jnp.zeros(1), "n": jnp.uint32(2)})
-      >>> out["w"].tolist(), int(out["n"])
-      ([0.0], 3)
     """
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o)
                         if jnp.issubdtype(jnp.result_type(n), jnp.inexact) else n, new, old)

@@ -107,12 +107,6 @@ def shrink(error: BaseException, *, step: int, micro_batch: int,
 
     Raises:
       DoesNotFitError: ``micro_batch`` was already 1 (raised from ``error``, with advice).
-
-    Example:
-      >>> e = shrink(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"), step=3, micro_batch=6,
-      ...            accum_steps=2)
-      >>> e.new_micro_batch, e.new_accum_steps
-      (4, 3)
     """
     given = per_device
     per_device = per_device or micro_batch * accum_steps

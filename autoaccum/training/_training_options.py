@@ -121,27 +121,6 @@ def explains_keywords(func: F) -> F:
     that lives in a spec (``remat=`` -> ``search=autoaccum.Search(remat=...)``) or a
     ``model.fit`` habit (``batch_size=``); ``x=`` is taken as ``data`` (``model.fit(x=...,
     y=...)``). Other unknown keywords get Python's ``TypeError``.
-
-    Example:
-      >>> @explains_keywords
-      ... def entry(model, data=None, *, search=None):
-      ...     return data, search
-      >>> entry(1, remat="nothing")
-      Traceback (most recent call last):
-      ...
-      ValueError: entry() takes remat inside search=: \
-search=autoaccum.Search(remat='nothing'). Received: remat='nothing'
-      >>> entry(1, x=[2])
-      ([2], None)
-      >>> @explains_keywords
-      ... def fit(model, *, learning_rate=None, search=None):
-      ...     pass
-      >>> fit(1, learning_rate=1e-3, base_batch=1, lr_rule="linear", remat="none")
-      Traceback (most recent call last):
-      ...
-      ValueError: fit() takes base_batch, lr_rule, remat inside learning_rate= and search=: \
-learning_rate=autoaccum.LearningRate(value=0.001, base_batch=1, rule='linear'), \
-search=autoaccum.Search(remat='none'). Received: base_batch=1, lr_rule='linear', remat='none'
     """
     signature = inspect.signature(func)
     params = signature.parameters

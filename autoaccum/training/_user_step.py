@@ -19,29 +19,6 @@ __all__ = ["UserLoopStep"]
 class UserLoopStep:
     """One effective batch (or a smaller last one) in, one optimizer step out, on ``runner``;
     after a failed or interrupted call the model holds the state of one whole step.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from autoaccum.planning._train_program import StepMetrics
-      >>> from autoaccum.training._step_runner import StateHooks
-      >>> class Held(StateHooks):
-      ...     state = jnp.zeros(())
-      ...     def read_state(self): return self.state, ()
-      ...     def write_state(self, state): self.state = state
-      >>> def step(state, batches, frozen):
-      ...     return state + 1, StepMetrics(jnp.mean(batches), jnp.float32(4), 0.0, 0.0)
-      >>> runner = StepRunner(Held(), lambda weighted: jax.jit(step, donate_argnums=0),
-      ...                     split=(2, 2, None))
-      >>> from dataclasses import dataclass
-      >>> @dataclass(frozen=True)
-      ... class Split:  # the fields of a Plan the step reads
-      ...     micro_batch: int = 2
-      ...     accum_steps: int = 2
-      ...     last_micro_batch: int | None = None
-      ...     notes: tuple = ()
-      >>> user = UserLoopStep(runner, Split())
-      >>> user.run(np.ones(4)).loss, user.steps, user.plan == Split()
-      (1.0, 1, True)
     """
 
     def __init__(self, runner: StepRunner, plan: Plan) -> None:

@@ -3,11 +3,13 @@ errors (one clear line, or ``{"error": ...}`` under ``--json``, and a non-zero e
 
 import argparse
 import json
+import re
 import sys
 
 import pytest
 
 import autoaccum
+from autoaccum.cli._builder import CliError, flag_values, load_model_function, with_flag_spellings
 from autoaccum.cli._main import build_parser, main
 
 TINY = ["plan", "--model", "autoaccum_demo:tiny_lm_plan_inputs", "--effective-batch", "8"]
@@ -114,6 +116,14 @@ def test_model_builder_mistakes_are_one_clear_line(builder, expected, capsys):
     assert len(err) == 1 and expected in err[0]
 
 
+def test_a_model_function_its_module_lacks_is_a_cli_error_naming_both():
+    message = ("--model 'os.path:no_such_builder': module 'os.path' has no attribute "
+               "'no_such_builder'")
+    with pytest.raises(CliError, match=f"^{re.escape(message)}$") as raised:
+        load_model_function("os.path:no_such_builder")
+    assert raised.type is CliError
+
+
 def test_budget_larger_than_device_is_refused(capsys):
     assert main([*TINY, "--device", "t4", "--budget", "100GiB", "--quiet"]) == 2
     assert "larger than the memory" in capsys.readouterr().err
@@ -123,6 +133,14 @@ def test_an_error_naming_python_keywords_gives_their_flags(capsys):
     assert main([*SMALL, "--device", "colab-tpu", "--memory-fraction", "0.9", "--quiet"]) == 2
     assert ("(on the command line: budget is --budget, device is --device, memory_fraction is "
             "--memory-fraction)") in capsys.readouterr().err
+
+
+def test_keywords_named_in_an_api_message_are_given_their_flags_and_others_left_alone():
+    assert with_flag_spellings(
+        "needs base_batch too. Received: rule='linear', base_batch=None") == (
+        "needs base_batch too. Received: rule='linear', base_batch=None (on the command line: "
+        "base_batch is --base-batch, rule is --lr-rule)")
+    assert with_flag_spellings("no keyword here") == "no keyword here"
 
 
 def test_model_and_preset_are_exclusive(capsys):
@@ -349,3 +367,10 @@ def test_a_flag_for_a_spec_a_preset_does_not_take_is_a_usage_error(capsys):
     assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--quiet",
                  "--batch-stats", "micro"]) == 2
     assert "--batch-stats does not apply here" in capsys.readouterr().err
+
+
+def test_only_the_spec_fields_of_the_flags_given_are_set():
+    args = build_parser().parse_args(["plan", "--preset", "gemma3_1b", "--device", "t4",
+                                      "--no-cache", "--base-batch", "1"])
+    assert flag_values(args) == {("target", "device"): "t4", ("search", "cache"): False,
+                                 ("learning_rate", "base_batch"): 1}

@@ -129,6 +129,18 @@ def test_look_alike_names_do_not_match(name):
     assert match_profile(name) is None
 
 
+@pytest.mark.parametrize(
+    ("name", "mib", "key"),
+    [("NVIDIA A100-SXM4-80GB", 81920, "a100-80gb"), ("NVIDIA A100-PCIE-40GB", 40960, "a100-40gb")],
+)
+def test_memory_picks_the_profile_among_one_name_family(name, mib, key):
+    assert match_profile(name, memory_mib=mib).key == key
+
+
+def test_an_unknown_gpu_name_matches_no_profile():
+    assert match_profile("Matrox G200") is None
+
+
 def test_unknown_gpu_is_reported_without_a_profile(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml("NVIDIA A2", 15356, (8, 6)))
     device = detect_device()

@@ -7,7 +7,9 @@ import pytest
 
 from autoaccum.devices._margins import (
     Margin,
+    apply_margins,
     command_buffers_enabled,
+    default_margins,
     environment_memory_fraction,
 )
 from autoaccum.devices._profiles import MiB, find_profile, load_profile, profiles_dir
@@ -86,6 +88,14 @@ def test_the_pool_is_capped_by_the_margins_outside_it_near_fraction_one():
     assert with_graphs.usable_pool == total - (300 + 64) * MiB
     at_09 = t4.pool_arithmetic(0.9, command_buffers=True)
     assert at_09.usable_pool == at_09.pool  # 10% left covers them
+
+
+def test_the_context_comes_off_the_pool_and_the_workspace_off_the_budget():
+    margins = default_margins(cuda_context_reserve_mib=300, workspace_margin_mib=32)
+    r = apply_margins(1000 * 2**20, 1000 * 2**20, margins, deviceless=True,
+                      command_buffers=False)
+    assert (r.usable_pool // 2**20, r.budget // 2**20, [m.name for m in r.applied]) == (
+        700, 668, ["CUDA context", "cuDNN workspace"])
 
 
 def test_the_lab_ground_truth_micro_batch_one_fits_and_two_does_not():

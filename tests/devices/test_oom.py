@@ -59,6 +59,24 @@ def test_message_figures():
         assert part in text
 
 
+def test_the_requested_size_is_read_only_from_a_message_that_names_one():
+    assert requested_bytes(
+        RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8583 bytes.")) == 8583
+    assert requested_bytes(RuntimeError("INTERNAL: YNNPACK operation failed")) is None
+
+
+def test_the_message_at_micro_batch_one_names_the_need_and_what_helps():
+    msg = no_micro_batch_fits(
+        RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2048 bytes."), need_bytes=4096)
+    assert "micro_batch=1" in msg and "4.00 KiB" in msg and "LoRA" in msg
+
+
+def test_shrink_takes_the_largest_divisor_of_the_per_device_batch_below_the_micro_batch():
+    e = shrink(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"), step=3, micro_batch=6,
+               accum_steps=2)
+    assert (e.new_micro_batch, e.new_accum_steps) == (4, 3)
+
+
 def test_shrink_keeps_the_effective_batch():
     event = shrink(RuntimeError(OOM), step=5, micro_batch=12, accum_steps=2)
     assert (event.new_micro_batch, event.new_accum_steps) == (8, 3)

@@ -11,7 +11,13 @@ import pytest
 
 from autoaccum.devices import _quiet
 from autoaccum.devices._extras import installed_version
-from autoaccum.devices._quiet import filter_noise, quiet_native_logs, quiet_start
+from autoaccum.devices._quiet import (
+    filter_noise,
+    is_command_line,
+    is_native_noise,
+    quiet_native_logs,
+    quiet_start,
+)
 from tests._paths import REPO
 
 ABSL = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
@@ -25,6 +31,26 @@ def test_only_the_known_lines_are_dropped():
     real = b"E0000 00:00:1.0   1 something.cc:1] a real error\nTraceback (most recent call last)\n"
     assert filter_noise(ABSL + CUDART + real + CUDART) == real
     assert filter_noise(b"cudart_stub.cc:31] Could not find cuda drivers, said a user\n") != b""
+
+
+def test_native_info_noise_is_dropped_but_not_errors_or_our_own_lines():
+    assert is_native_noise(b"I0000 00:00:1795373966.183721   15573 cudart_stub.cc:31] "
+                           b"Could not find cuda drivers on your machine, GPU will not be used.")
+    assert not is_native_noise(b"E0000 00:00:1.0  1 cuda_executor.cc:1] CUDA error")
+    assert not is_native_noise(b"autoaccum: compiling micro_batch=2")
+
+
+def test_the_command_line_is_told_from_other_programs():
+    assert is_command_line(["python", "-m", "autoaccum", "demo"])
+    assert is_command_line(["/venv/bin/python", "/venv/bin/autoaccum", "plan"])
+    assert not is_command_line(["python", "-m", "pytest"])
+    assert not is_command_line(["python", "train.py"])
+
+
+def test_a_block_that_writes_only_noise_leaves_stderr_empty(capfd):
+    with quiet_native_logs():
+        os.write(2, ABSL)
+    assert capfd.readouterr().err == ""
 
 
 def test_captured_lines_that_are_not_noise_come_back(capfd):

@@ -15,6 +15,11 @@ def test_two_different_sizes_never_print_the_same(a, b):
     assert first.split()[-1] == second.split()[-1]  # the same unit, more digits
 
 
+def test_close_sizes_get_the_digits_that_tell_them_apart():
+    assert format_bytes_pair(2.3 * 2**20, 2.3 * 2**20 - 100) == ("2.3000 MiB", "2.2999 MiB")
+    assert format_bytes_pair(1536, 12 * 2**30) == ("1.50 KiB", "12.0 GiB")
+
+
 def test_sizes_that_already_differ_keep_three_figures():
     assert format_bytes_pair(1536, 12 * 2**30) == (format_bytes(1536), format_bytes(12 * 2**30))
     assert format_bytes_pair(5 * MiB, 5 * MiB) == ("5.00 MiB", "5.00 MiB")

@@ -2,8 +2,9 @@
 
 import pytest
 
+from autoaccum.devices._profiles import find_profile
 from autoaccum.internal import parse_budget, resolve_target
-from autoaccum.planning._budget import cpu_default_budget, device_budget
+from autoaccum.planning._budget import cpu_default_budget, device_budget, resolve_fraction
 
 
 @pytest.mark.parametrize(
@@ -62,3 +63,10 @@ def test_cpu_default_is_half_available_ram_minus_margin():
 def test_resolve_budget_on_cpu_uses_the_documented_default_or_the_user_value():
     assert resolve_target(None).budget.source == "cpu-default"
     assert resolve_target(None, "1GiB").budget.bytes == 2**30
+
+
+def test_a_memory_fraction_given_wins_over_the_environment_and_says_where_it_came_from():
+    environment = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}
+    assert resolve_fraction(find_profile("t4"), None, environment) == (
+        0.8, "XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 in the environment")
+    assert resolve_fraction(find_profile("t4"), 0.5, environment) == (0.5, "memory_fraction=0.5")

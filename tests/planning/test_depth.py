@@ -18,13 +18,20 @@ from autoaccum.planning._depth import (
     DepthExtrapolator,
     DepthVariant,
     DepthVariants,
+    extrapolate,
     io_bytes,
+    label_sources,
     plan_by_depth,
     reduced_depth_target,
 )
 from autoaccum.planning._lr_scaling import scale_learning_rate
-from autoaccum.planning._measure import CompileTarget, counting_compiles, measure_program
-from autoaccum.planning._search import DoesNotFitError
+from autoaccum.planning._measure import (
+    CompileTarget,
+    MemoryEstimate,
+    counting_compiles,
+    measure_program,
+)
+from autoaccum.planning._search import DoesNotFitError, Probe
 from tests._models import ragged_tokens, token_loss
 
 SPEC = {"tokens": jax.ShapeDtypeStruct((16,), jnp.int32),
@@ -61,6 +68,20 @@ class Block(nnx.Module):
 def _build(depth: int, **kwargs):
     model = nnx.eval_shape(lambda: DeepLM(depth, rngs=nnx.Rngs(0), **kwargs))
     return flax_program(model, SPEC, loss_fn=token_loss, tx=optax.adamw(1e-3))
+
+
+def test_the_full_depth_estimate_is_on_the_line_through_two_depths():
+    a = MemoryEstimate(2, 4, 10, 0, 0, 0, 1, 0, 100, 0, 0, 50, 150, "t", 1.0)
+    b = MemoryEstimate(2, 4, 20, 0, 0, 0, 1, 0, 150, 0, 0, 70, 220, "t", 1.0)
+    est, per_block = extrapolate(a, b, 2, 3, 10)
+    assert (est.need_bytes, per_block, est.trainable_bytes, est.source) == (
+        710, 70, 90, "extrapolated")
+
+
+def test_a_probe_read_from_the_cache_says_so_in_its_why():
+    est = MemoryEstimate(2, 4, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 2, "t", 0.0, source="cache")
+    assert label_sources((Probe(2, 4, 2, True, "fit point", est),))[0].why == (
+        "fit point (cached)")
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

@@ -1,6 +1,7 @@
 """The floor of a step (``planning/_measure.py``): what one device must hold at least, which
 the compiled step's need never goes below."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -8,6 +9,8 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.planning import TrainProgram
+from autoaccum.planning._measure import step_floor
 
 
 def _loss(m, b):
@@ -28,3 +31,11 @@ def test_a_one_device_step_needs_at_least_its_floor_and_not_much_more(micro_batc
                                  search=autoaccum.Search(cache=False))
     assert estimate.floor_bytes <= estimate.need_bytes <= 1.25 * estimate.floor_bytes, (
         estimate.need_bytes, estimate.floor_bytes)
+
+
+def test_the_floor_is_weights_gradients_optimizer_state_and_the_batches():
+    w = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    program = TrainProgram(None, abstract_state=w, parts={"trainable": w}, trainable=w,
+                           example_spec={"x": jax.ShapeDtypeStruct((64,), jnp.float32)})
+    assert step_floor(program, 2, 4) == 65536 + 65536 + 65536 + 4 * 2 * 64 * 4
+    assert step_floor(program, 8, 1) == 65536 + 65536 + 8 * 64 * 4  # one micro-batch

@@ -55,6 +55,15 @@ def test_a_flax_fit_compiles_its_planned_step_once(compiled_programs):
     assert steps and len(steps) == len(set(steps))  # no program compiled twice
 
 
+def test_a_step_kept_for_the_same_program_is_reused_instead_of_compiled():
+    x = jnp.ones(3)
+    lowered = jax.jit(lambda a: a * 2).lower(x)
+    keep_compiled(lowered, lowered.compile())
+    before = kept_count()
+    step = reuse_or_compile(jax.jit(lambda a: a * 2).lower(x), (x,))
+    assert (step(x).tolist(), kept_count() - before) == ([2.0, 2.0, 2.0], 1)
+
+
 def test_the_same_program_for_other_compiler_options_is_compiled_again():
     x = jnp.ones(4)
     lowered = jax.jit(lambda a: a + 1).lower(x)

@@ -8,6 +8,7 @@ import pytest
 
 from autoaccum.adapters.flax._nnx_optimizer import build_optax_optimizer
 from autoaccum.planning import scale_learning_rate
+from autoaccum.planning._lr_scaling import check_base_batch_given
 
 
 def test_linear_rule_multiplies_by_effective_over_base_batch():
@@ -86,3 +87,10 @@ def test_factory_without_learning_rate_is_refused_with_the_fix():
     s = scale_learning_rate(None, effective_batch=4)
     with pytest.raises(ValueError, match="pass learning_rate="):
         build_optax_optimizer(optax.adam, s)
+
+
+def test_a_rule_that_scales_the_rate_without_base_batch_is_refused():
+    assert check_base_batch_given("linear", 8) is None
+    with pytest.raises(ValueError) as info:
+        check_base_batch_given("linear", None)
+    assert str(info.value)[-40:] == "Received: rule='linear', base_batch=None"

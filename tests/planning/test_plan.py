@@ -10,6 +10,7 @@ from flax import nnx
 import autoaccum
 from autoaccum.adapters import adapter_for
 from autoaccum.planning._measure import measure_program
+from autoaccum.planning._plan import agreement_note
 from autoaccum.planning._plan_model import prepare
 from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.planning._search import divisors
@@ -157,3 +158,12 @@ def test_a_need_one_byte_over_the_budget_never_reads_as_the_same_size(cached_mea
     assert found is not None and found.group(1) != found.group(2), str(raised.value)
     probe = re.search(r"micro_batch=1 +need +(.+?) / budget (.+?)  does not fit", log.getvalue())
     assert probe is not None and probe.group(1) != probe.group(2), log.getvalue()
+
+
+def test_the_agreement_line_names_each_process_micro_batch_and_the_smallest_all_use():
+    assert agreement_note(4, 8, (4, 8)) == (
+        "data parallel: micro_batch 4 per device on all 8 devices; each of the 2 processes "
+        "planned its own devices (micro_batch 4, 8) and every process uses the smallest, 4, "
+        "so all run the same program")
+    assert agreement_note(4, 2, (4,), devices=8).split(" (one")[0] == (
+        "data parallel: micro_batch 4 per group of 4 devices on all 2 groups (8 devices)")

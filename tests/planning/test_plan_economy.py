@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._measure import MemoryEstimate
-from autoaccum.planning._search import search_micro_batch, step_candidates
+from autoaccum.planning._measure import MemoryEstimate, counting_compiles, record_compile
+from autoaccum.planning._search import Probe, need_line, search_micro_batch, step_candidates
 from tests._models import TinyLM, ragged_tokens, token_loss
 from tests.planning.test_depth import DeepLM
 
@@ -31,6 +31,20 @@ def _affine(intercept: int, slope: int, *, loop: int = 0):
                               0.0, last_micro_batch=last)
 
     return measure, probed
+
+
+def test_a_compile_made_inside_is_counted_in_the_ledger_by_kind():
+    with counting_compiles() as ledger:
+        record_compile(reduced=True, seconds=1.5)
+    assert (ledger.count.reduced, ledger.count.full) == (1, 0)
+
+
+def test_the_need_line_runs_through_the_smallest_and_largest_fit_points():
+    def probe(b, need):
+        e = MemoryEstimate(b, 8 // b, 0, 0, 0, 0, 0, 0, need, 0, 0, 0, need, "t", 0.0)
+        return Probe(b, 8 // b, need, True, "fit point", e)
+
+    assert need_line([probe(2, 120), probe(4, 140)], 8) == (100.0, 10.0)
 
 
 def test_a_micro_batch_with_the_step_count_of_a_fitting_one_is_never_compiled():

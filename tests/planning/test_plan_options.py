@@ -3,11 +3,12 @@ keywords merged into them, and the fields an entry point does not read refused."
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 
 import autoaccum
-from autoaccum.planning._plan_options import merge_plain, refuse_unread
+from autoaccum.planning._plan_options import Search, Target, merge_plain, refuse_unread, spec_of
 
 
 def test_a_spec_is_frozen_and_keyword_only():
@@ -45,6 +46,26 @@ def test_a_memory_fraction_waits_for_the_device_given_plainly():
         autoaccum.Target(device="cpu", memory_fraction=0.9)
 
 
+def test_a_keyword_given_plainly_fills_the_spec_and_one_given_twice_differently_is_refused():
+    assert repr(merge_plain(Target(budget="1GiB"), device="t4", budget=None)) == (
+        "Target(device='t4', budget='1GiB', memory_fraction=None, devices=None, hosts=1, "
+        "data_parallel='auto', strategy='auto')")
+    with pytest.raises(ValueError, match=re.compile(
+            r"^device was given twice.* Received: device='t4', target\.device='l4'\Z",
+            re.DOTALL)) as info:
+        merge_plain(Target(device="l4"), device="t4")
+    assert info.type is ValueError
+
+
+def test_a_spec_defaults_for_none_and_a_plain_dict_is_refused():
+    assert spec_of(Search, None, "search").remat == "auto"
+    with pytest.raises(ValueError, match=re.compile(
+            r"^search must be an autoaccum\.Search\(.*\) .* Received: "
+            r"search=\{'remat': 'nothing'\}\Z", re.DOTALL)) as info:
+        spec_of(Search, {"remat": "nothing"}, "search")
+    assert info.type is ValueError
+
+
 def test_every_entry_point_takes_the_same_default_for_the_same_spec():
     for name in ("fit", "plan", "measure", "advise", "train_step"):
         parameters = inspect.signature(getattr(autoaccum, name)).parameters
@@ -57,3 +78,8 @@ def test_a_field_an_entry_point_does_not_read_is_refused():
     with pytest.raises(ValueError, match=r"does not read search.objective"):
         refuse_unread("measure", "search", autoaccum.Search(objective="memory"),
                       read=("cache",))
+    with pytest.raises(ValueError, match=re.compile(
+            r"^measure does not read target\.budget.* Received: target\.budget='1GiB'\Z",
+            re.DOTALL)) as info:
+        refuse_unread("measure", "target", Target(budget="1GiB"), read=("device",))
+    assert info.type is ValueError

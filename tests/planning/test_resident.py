@@ -11,14 +11,24 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning._budget import Budget, resident_of, smallest_profile
+from autoaccum.planning._budget import (
+    Budget,
+    Resident,
+    check_resident,
+    resident_of,
+    smallest_profile,
+    split_resident,
+)
 from autoaccum.planning._depth import DepthVariants, plan_by_depth
 from autoaccum.planning._lr_scaling import scale_learning_rate
-from autoaccum.planning._measure import CompileTarget, compile_count
-from autoaccum.planning._search import DoesNotFitError
+from autoaccum.planning._measure import CompileTarget, MemoryEstimate, compile_count
+from autoaccum.planning._plan_model import ruled_out_by_less_sharding
+from autoaccum.planning._search import DoesNotFitError, Probe
+from autoaccum.planning._strategies import state_layout
 
 
 class MLP(nnx.Module):
@@ -51,6 +61,22 @@ def test_resident_is_read_from_abstract_shapes_per_category():
     assert 2 * params <= resident.optimizer_bytes <= 2 * params + 64  # mu, nu and a count
     assert resident.state_bytes == resident.trainable_bytes + resident.optimizer_bytes
     assert resident.accumulating_bytes == resident.state_bytes + params
+
+
+def test_fsdp_on_four_devices_holds_a_quarter_of_the_weights_gradients_and_optimizer_state():
+    w = [jax.ShapeDtypeStruct((64, 64), np.float32)]
+    layout = state_layout("fsdp", AbstractMesh((4,), ("data",)), params=w, optimizer=w)
+    r = split_resident(layout, trainable=w, frozen=[], optimizer=w, other=[])
+    assert (r.trainable_bytes, r.gradient_bytes, r.optimizer_bytes) == (4096, 4096, 4096)
+
+
+def test_a_state_over_the_budget_says_by_how_much_and_that_nothing_was_compiled():
+    assert check_resident(Resident(0, 4, 4, 8, 0), 100) is None
+    with pytest.raises(ValueError) as info:
+        check_resident(Resident(0, 40, 40, 80, 0), 100)
+    assert str(info.value).splitlines()[0] == (
+        "No micro-batch can fit: the weights and optimizer state alone need 120 B, over the "
+        "budget of 100 B by 20 B (known from shapes, nothing compiled).")
 
 
 def test_state_over_the_budget_is_refused_before_any_compile():
@@ -164,5 +190,18 @@ def test_no_full_depth_compile_when_arguments_and_outputs_alone_exceed_the_budge
 
 def test_smallest_profile_holding_a_size():
     assert smallest_profile(1).key == "t4"
+    assert smallest_profile(10 * 2**30).key == "t4"
+    assert smallest_profile(10 * 2**40) is None
     assert smallest_profile(30 * 2**30).key in {"a100-40gb", "v100-32gb"}
     assert smallest_profile(2**50) is None
+
+
+def test_a_strategy_is_not_compiled_where_a_less_sharded_miss_minus_its_split_is_over():
+    estimate = MemoryEstimate(1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 120, "t", 0.0)
+    missed = DoesNotFitError("no", probes=(Probe(1, 4, 120, False, "", estimate),),
+                             budget_bytes=100)
+    state = {"replicated": Resident(0, 4, 4, 8, 0), "zero1": Resident(0, 4, 4, 4, 0)}
+    why = ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get)
+    assert str(why)[:37] == "not compiled: micro_batch=1 needs at "
+    state["zero1"] = Resident(0, 4, 4, 0, 0)  # splits off enough: compile it
+    assert ruled_out_by_less_sharding("zero1", [("replicated", missed)], state.get) is None

@@ -4,12 +4,14 @@ refuses a plan made for another model, data, batch, learning-rate rule or device
 import dataclasses
 import io
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.planning._reuse import validate_plan_type
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 # The module's fixtures are built once: its tests run on one xdist worker (--dist loadgroup).
@@ -74,6 +76,28 @@ def test_a_plan_report_dict_without_effective_batch_is_refused_as_not_a_plan():
                                              r".*Received: plan of type dict"):
             entry(TinyLM(rngs=nnx.Rngs(0)), data, plan={"effective_batch": 8}, log=None,
                   **OPTIONS)
+
+
+def test_anything_but_a_plan_is_refused_by_its_type():
+    with pytest.raises(ValueError) as info:
+        validate_plan_type({"micro_batch": 4})
+    assert str(info.value)[-27:] == "Received: plan of type dict"
+
+
+def test_a_plan_for_another_effective_batch_says_both_fixes():
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+
+    data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.float32)}
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    p = autoaccum.plan(model, data, effective_batch=8, optimizer=optax.sgd, learning_rate=0.1,
+                       loss_fn=loss_fn, budget="1GiB", log=None)
+    with pytest.raises(ValueError) as info:
+        autoaccum.fit(model, data, effective_batch=4, plan=p, optimizer=optax.sgd,
+                      learning_rate=0.1, loss_fn=loss_fn, verbose=0, log=None)
+    assert info.type is ValueError
+    assert str(info.value) == ("plan= was made for effective_batch=8. Plan for 4, or pass "
+                               "effective_batch=8. Received: effective_batch=4")
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

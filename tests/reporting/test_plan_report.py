@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+from autoaccum.planning._measure import MemoryEstimate
+from autoaccum.planning._search import Probe
+from autoaccum.reporting._plan_report import verdict
 from tests._plans import accumulating_plan, uneven_plan, whole_batch_plan
 
 
@@ -26,6 +29,11 @@ def test_notebook_html_is_a_table_with_every_probe_and_the_choice_marked():
     assert html.count("<tr") == len(plan.probes) + 1 + 7  # probes + header + summary rows
     assert "#d4f4dd" in html and "#fbe3e4" in html  # the chosen row and a probe over budget
     assert "limited by" in html and "&lt;" not in plan.target
+
+
+def test_a_real_step_that_ran_is_marked_ran_though_its_compile_is_over_the_budget():
+    e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
+    assert verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80) == "ran"
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

@@ -79,6 +79,14 @@ def test_the_backward_pass_gathers_again_instead_of_keeping_whole_weights():
     assert text.count("concatenate") >= 2 * 3
 
 
+def test_a_frozen_weight_is_used_whole_by_a_matmul():
+    def fn(whole, x):
+        return jnp.sum(x @ whole[0])
+
+    w, x = jnp.ones((2, 3)), jnp.ones((5, 4))
+    assert float(gathered_at_use(fn, [w], (x,), gather=[_gather], scatter=[None])) == 60.0
+
+
 def test_a_function_of_weights_alone_is_gathered_whole():
     out = gathered_at_use(lambda whole: whole[0] * 2.0, [jnp.ones(2)], (),
                           gather=[_gather], scatter=[_scatter])

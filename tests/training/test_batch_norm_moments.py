@@ -20,6 +20,14 @@ def test_weighted_micro_batch_moments_give_the_whole_batch_mean_and_variance():
         np.testing.assert_allclose(var, whole.var(0), rtol=1e-5)
 
 
+def test_two_micro_batches_give_the_mean_and_variance_of_all_their_examples():
+    m = zero_moments(jnp.zeros(1))
+    for x in (jnp.array([0.0, 2.0]), jnp.array([4.0, 6.0])):  # two micro-batches
+        m = add_moments(m, x.mean(keepdims=True), x.var(keepdims=True))
+    mean, var = running_update(jnp.zeros(1), jnp.ones(1), m, momentum=0.0)
+    assert (float(mean[0]), float(var[0])) == (3.0, 5.0)  # mean and variance of [0, 2, 4, 6]
+
+
 def test_one_update_with_the_layers_momentum():
     m = add_moments(zero_moments(jnp.zeros(1)), jnp.array([2.0]), jnp.array([4.0]))
     mean, var = running_update(jnp.array([1.0]), jnp.array([1.0]), m, momentum=0.9)

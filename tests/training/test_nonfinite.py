@@ -14,7 +14,7 @@ from autoaccum.adapters.flax._nnx_program import flax_program
 from autoaccum.devices._deviceless import compile_platform, compiling_for
 from autoaccum.planning._measure import measure_program
 from autoaccum.planning._targets import resolve_target
-from autoaccum.training._nonfinite import update_if_finite
+from autoaccum.training._nonfinite import keep_values_if_finite, update_if_finite
 
 
 def _adam_update(old, grads):
@@ -30,6 +30,20 @@ def _state():
     params = {"w": jnp.arange(6.0, dtype=jnp.bfloat16).reshape(2, 3), "b": jnp.ones(3)}
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return params, (zeros, zeros)
+
+
+def test_a_finite_step_takes_the_update_and_a_non_finite_one_keeps_the_old_state():
+    def sgd(w, g):
+        return w - 0.5 * g
+
+    assert update_if_finite(jnp.bool_(True), sgd, jnp.ones(2), jnp.ones(2)).tolist() == [0.5, 0.5]
+    assert update_if_finite(jnp.bool_(False), sgd, jnp.ones(2), jnp.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_a_skipped_step_keeps_the_old_values_but_takes_the_new_counters():
+    out = keep_values_if_finite(jnp.bool_(False), {"w": jnp.ones(1), "n": jnp.uint32(3)},
+                                {"w": jnp.zeros(1), "n": jnp.uint32(2)})
+    assert (out["w"].tolist(), int(out["n"])) == ([0.0], 3)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])

@@ -2,6 +2,8 @@
 the model after every step, what a failed, interrupted or out-of-memory step leaves, and the
 non-finite policies."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from autoaccum.planning._micro_batches import UnevenBatches
 from autoaccum.planning._search import DoesNotFitError
 from autoaccum.planning._train_program import StepMetrics
 from autoaccum.training._step_runner import StateHooks, StateLostError, StepRunner
+from autoaccum.training._user_step import UserLoopStep
 
 
 class Model(StateHooks):
@@ -250,3 +253,27 @@ def test_a_count_of_zero_with_a_loss_is_an_error_when_counts_are_checked():
     with pytest.raises(ValueError, match="count of 0 valid items.*step 1"):
         _runner(step=step, check_count=True).run(_examples(13))
     assert _runner(step=step).run(_examples(13)).applied
+
+
+def test_a_user_loop_step_runs_one_effective_batch_as_one_step_of_its_plan():
+    class Held(StateHooks):
+        state = jnp.zeros(())
+
+        def read_state(self):
+            return self.state, ()
+
+        def write_state(self, state):
+            self.state = state
+
+    def step(state, batches, frozen):
+        return state + 1, StepMetrics(jnp.mean(batches), jnp.float32(4), 0.0, 0.0)
+
+    @dataclasses.dataclass(frozen=True)
+    class Split:  # the fields of a Plan the step reads
+        micro_batch: int = 2
+        accum_steps: int = 2
+        last_micro_batch: int | None = None
+        notes: tuple = ()
+
+    user = UserLoopStep(_runner(Held(), step=step, split=(2, 2, None)), Split())
+    assert (user.run(np.ones(4)).loss, user.steps, user.plan == Split()) == (1.0, 1, True)

@@ -24,6 +24,20 @@ def test_batches_are_split_at_the_micro_batch_unevenly_or_at_a_divisor():
     assert Validator(_evaluate).split(np.arange(10)).shape == (10,)
 
 
+def test_a_batch_the_micro_batch_divides_is_split_evenly():
+    assert Validator(_evaluate, micro_batch=2).split(np.arange(4)).tolist() == [[0, 1], [2, 3]]
+
+
+def test_without_a_micro_batch_each_batch_is_evaluated_whole():
+    def evaluate(state, batches, frozen):  # sum and count of (x * w)^2
+        return jnp.sum((batches * state) ** 2), batches.size
+
+    totals = []
+    Validator(evaluate)([np.ones(5), np.ones(3)], lambda: (jnp.float32(2), ()),
+                        lambda step, out: totals.append((float(out[0]), int(out[1]))))
+    assert totals == [(20.0, 5), (12.0, 3)]
+
+
 def test_each_batch_runs_on_the_state_read_before_it_one_program_per_shape():
     state = {"w": jnp.float32(1)}
     calls = []

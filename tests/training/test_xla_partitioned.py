@@ -42,6 +42,18 @@ def test_a_layout_partitioned_by_xla_accumulates_as_one_device_does():
     assert jnp.allclose(acc.grad_sum, whole, rtol=1e-6)
 
 
+def test_an_fsdp_layout_partitioned_by_xla_sums_the_gradients_of_every_example():
+    mesh = data_parallel_mesh(jax.devices()[:1])
+    layout = state_layout("fsdp", mesh, params=jnp.ones(4), optimizer=(), partitioner="xla")
+
+    def micro_loss(w, carry, mb):
+        return (jnp.sum(mb["x"] * w), jnp.float32(mb["x"].shape[0])), carry
+
+    acc = jax.jit(xla_partitioned_accumulate(layout), static_argnums=0)(
+        micro_loss, jnp.ones(4), None, {"x": jnp.ones((2, 3, 4))})
+    assert (float(acc.count), acc.grad_sum.tolist()) == (6.0, [6.0, 6.0, 6.0, 6.0])
+
+
 def test_the_error_for_a_step_neither_partitioner_fits_gives_both_verdicts_and_probes():
     from autoaccum.planning._plan_model import _neither_partitioner_fits
     from autoaccum.planning._search import DoesNotFitError, Probe

@@ -28,13 +28,6 @@ def _lora_modules(model: nnx.Module) -> list[nnx.LoRA]:
 
 def flax_advice_changes(model: nnx.Module, options: ProgramOptions) -> list[dict[str, Any]]:
     """The framework changes worth planning for ``model`` with ``options`` (plan's options).
-
-    Example:
-      >>> model = nnx.Sequential(nnx.LoRALinear(4, 4, lora_rank=8, rngs=nnx.Rngs(0)))
-      >>> options = ProgramOptions(optimizer=optax.adam(1e-3))
-      >>> [c for c in flax_advice_changes(model, options)
-      ...  if "lora_rank" in c or "trainable" in c]
-      [{'trainable': 'lora'}, {'trainable': 'lora', 'lora_rank': 2}]
     """
     changes: list[dict[str, Any]] = []
     loras = _lora_modules(model)
@@ -56,12 +49,6 @@ def flax_advice_changes(model: nnx.Module, options: ProgramOptions) -> list[dict
 def flax_apply_change(model: nnx.Module, options: ProgramOptions,
                       change: dict[str, Any]) -> tuple[nnx.Module, ProgramOptions]:
     """An abstract copy of ``model`` and a copy of ``options`` with ``change`` applied.
-
-    Example:
-      >>> model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-      >>> new, _ = flax_apply_change(model, ProgramOptions(), {"weight_dtype": "bfloat16"})
-      >>> new.kernel.value.dtype, model.kernel.value.dtype
-      (dtype(bfloat16), dtype('float32'))
     """
     unknown = set(change) - {"optimizer", "mu_dtype", "trainable", "lora_rank", "weight_dtype"}
     if unknown:

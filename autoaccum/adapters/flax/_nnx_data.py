@@ -157,14 +157,6 @@ def list_reading(data: Any, traces: Callable[[PyTree], bool] | None = None) -> s
 
     Raises:
       ValueError: both readings trace.
-
-    Example:
-      >>> list_reading([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}])
-      'records'
-      >>> list_reading([{"x": np.zeros((4, 2))}, {"x": np.zeros((3, 2))}])
-      'batches'
-      >>> list_reading([np.zeros((4, 2)), np.zeros(4)]) is None
-      True
     """
     if not isinstance(data, list) or not data or not all(
             isinstance(i, Mapping | tuple) or is_dataclass_instance(i) for i in data):
@@ -256,12 +248,6 @@ def flax_data(data: Any, *, name: str = "data",
               traces: Callable[[PyTree], bool] | None = None) -> ArrayData | FlaxStream:
     """``data`` as :class:`ArrayData` or :class:`FlaxStream` (see the module docstring); a
     list of batches is a stream (see :func:`list_reading`, which ``traces`` helps).
-
-    Example:
-      >>> type(flax_data({"x": np.zeros((4, 2))})).__name__
-      'ArrayData'
-      >>> type(flax_data(iter([{"x": np.zeros((4, 2))}]))).__name__
-      'FlaxStream'
     """
     if isinstance(data, ArrayData | FlaxStream):
         return data

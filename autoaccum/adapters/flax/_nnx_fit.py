@@ -160,12 +160,6 @@ def unshare(model: nnx.Module, trainable: Any) -> int:
     """Copies every donated array (trained weights, other state) another module shares
     (``ref = nnx.clone(model)``, ``nnx.merge``): the first step would delete it under that
     module. Returns how many were copied.
-
-    Example:
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> ref = nnx.clone(model)
-      >>> unshare(model, nnx.Param), model.kernel[...] is ref.kernel[...]
-      (2, False)
     """
     import gc
 
@@ -262,18 +256,6 @@ class Evaluator:
       data: validation arrays (as ``as_arrays`` returns them), in batches of ``batch_size``
         (the last may be smaller), at most ``steps`` of them.
       trace_mesh: the mesh the model's code is traced under (the train step's).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from ._nnx_program import split_model
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> def loss_fn(m, b):
-      ...     return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
-      >>> data = {"x": np.zeros((5, 2), np.float32)}
-      >>> ev = Evaluator(model, data, loss_fn=loss_fn, batch_size=2)
-      >>> _, params, frozen, other = split_model(model, nnx.Param)
-      >>> ev((params, other, None), frozen)
-      0.0
     """
 
     def __init__(self, model: nnx.Module, data: Any, *, loss_fn: LossFn, batch_size: int,

@@ -76,15 +76,6 @@ def refuse_accumulating_optimizer(given: Any, tx: Any = None, params: Any = None
     directly, in a chain or an ``nnx.Optimizer``, or built by a factory): on top of
     autoaccum's accumulation the weights would move once per k steps, on means of means.
     ``tx`` (built from ``given``) and ``params`` (abstract is fine) are looked into too.
-
-    Example:
-      >>> refuse_accumulating_optimizer(optax.sgd(0.1), optax.sgd(0.1), {"w": jax.numpy.ones(2)})
-      >>> multi_steps = optax.MultiSteps(optax.sgd(0.1), 4)
-      >>> refuse_accumulating_optimizer(multi_steps, multi_steps.gradient_transformation(),
-      ...                               {"w": jax.numpy.ones(2)})  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: optimizer= accumulates gradients itself (optax.MultiSteps, ...
     """
     wrapped = given.tx if isinstance(given, nnx.Optimizer) else None
     inner = next((m for m in map(_multi_steps, (given, wrapped, tx)) if m is not None), None)
@@ -115,14 +106,6 @@ def unwrap_optimizer(optimizer: Any, trainable: Any) -> tuple[Any, Any, Any]:
 
     An ``nnx.Optimizer`` gives its ``tx`` and its ``wrt`` (the trained variables); a
     different ``trainable=`` next to it is refused.
-
-    Example:
-      >>> import optax
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> tx, wrt, opt = unwrap_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
-      ...                                 None)
-      >>> wrt is nnx.Param, type(opt).__name__
-      (True, 'Optimizer')
     """
     if not isinstance(optimizer, nnx.Optimizer):
         if isinstance(optimizer, nnx.Module):
@@ -168,13 +151,6 @@ def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
     from the optax functions in its ``update``'s closures (through ``optax.chain``,
     ``apply_if_finite``, ``inject_hyperparams``); a factory by its name, else by what it
     builds with ``base_learning_rate``.
-
-    Example:
-      >>> import optax
-      >>> optax_family(optax.adamw(1e-3)), optax_family(optax.sgd(0.1, momentum=0.9))
-      ('adaptive', 'sgd')
-      >>> optax_family(optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)))
-      'adaptive'
     """
     if not isinstance(optimizer, optax.GradientTransformation):
         named = _part_names(optimizer, set(), 0, top_only=True)
@@ -193,13 +169,6 @@ def optax_family(optimizer: Any, base_learning_rate: Any = None) -> str | None:
 def handles_nonfinite(tx: Any) -> bool:
     """Whether ``tx`` skips non-finite updates itself (``optax.apply_if_finite`` anywhere in
     it): then autoaccum lets it, instead of stopping or skipping the step.
-
-    Example:
-      >>> import optax
-      >>> handles_nonfinite(optax.apply_if_finite(optax.adam(1e-3), 3))
-      True
-      >>> handles_nonfinite(optax.adam(1e-3))
-      False
     """
     return "apply_if_finite" in _part_names(tx, set(), 0)
 

@@ -72,13 +72,6 @@ def _leaves_by_path(state: PyTree) -> dict[tuple, Any]:
 
 class EffectiveBatchNorm:
     """The BatchNorm layers of a model and how their running averages move once per step.
-
-    Example:
-      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
-      ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
-      >>> norms = EffectiveBatchNorm(model)
-      >>> norms.paths, norms.momenta
-      ((('layers', 1),), (0.99,))
     """
 
     def __init__(self, model: nnx.Module) -> None:
@@ -145,15 +138,6 @@ def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
     """A ``ValueError`` before any compile when ``loss_fn`` cannot be called as
     ``loss_fn(model, batch)``, showing a wrapper for a loss written over the batch's fields
     (Tunix's ``loss_fn(model, **inputs)``). An unreadable signature is let through.
-
-    Example:
-      >>> check_loss_signature(lambda model, batch: (0.0, 1))
-      >>> def tunix_style(model, input_tokens, input_mask, positions, attention_mask):
-      ...     return 0.0
-      >>> check_loss_signature(tunix_style)  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: loss_fn is called as loss_fn(model, batch) ...
     """
     import inspect
 

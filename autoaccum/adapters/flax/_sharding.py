@@ -91,12 +91,6 @@ def data_axis(mesh: Mesh, split_specs: list[Any]) -> str | None:
     Raises:
       ValueError: the mesh names both ``'batch'`` and ``'data'``, or two axes of several
         devices are free of weights.
-
-    Example:
-      >>> import numpy as np
-      >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("batch", "model"))
-      >>> data_axis(mesh, [P(None, "model")])
-      'batch'
     """
     if len(mesh.axis_names) == 1:  # FSDP-like: the batch is split over the one axis too
         return mesh.axis_names[0]

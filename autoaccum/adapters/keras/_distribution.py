@@ -109,17 +109,6 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any, layout: Any = No
     """The :class:`~autoaccum.planning.StateLayout` of ``strategy`` on the data-parallel
     ``mesh`` for the model's trainable and optimizer variables, or ``None`` (replicated, or one
     device); with ``layout`` (the step's ``KerasLayout``), its frozen variables too.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> from autoaccum.internal import data_parallel_mesh
-      >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
-      >>> model.compile(optimizer="adam", loss="mse")
-      >>> model.optimizer.build(model.trainable_variables)
-      >>> keras_strategy_layout(model, "fsdp", data_parallel_mesh(jax.devices()[:1])) is None
-      True
     """
     if mesh is None or mesh.size == 1 or strategy == "replicated":
         return None
@@ -133,15 +122,6 @@ def keras_strategy_layout(model: Any, strategy: str, mesh: Any, layout: Any = No
 def mark_trained_on(model: Any, mesh: Any) -> None:
     """Notes that autoaccum laid the model's variables out over ``mesh``, so a later plan or
     fit reads that layout as its own, not the user's (:func:`keras_placement`).
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-      >>> mark_trained_on(model, None)  # one device: nothing to note
-      >>> getattr(model, "_autoaccum_mesh", None) is None
-      True
     """
     if mesh is not None and mesh.size > 1:
         object.__setattr__(model, "_autoaccum_mesh", mesh)

@@ -92,23 +92,6 @@ def keras_apply_change(model: Any, options: ProgramOptions,
     fresh optimizer, else one like the model's). Plan the copy; do not call or fit it (reading
     ``variable.value`` would allocate). ``ValueError`` when the model is not built and
     compiled, or its config does not rebuild it as it is.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-      >>> model.compile(optimizer="adam", loss="mse")
-      >>> from autoaccum.planning._plan_options import ProgramOptions
-      >>> copy, _ = keras_apply_change(model, ProgramOptions(), {"lora_rank": 2})
-      >>> [v.path.split("/")[-1] for v in copy.trainable_variables], model.layers[0].lora_enabled
-      (['bias', 'lora_kernel_a', 'lora_kernel_b'], False)
-      >>> from autoaccum.adapters.keras._internals import variable_buffer
-      >>> all(variable_buffer(v) is None for v in copy.weights)  # nothing allocated
-      True
-      >>> copy, _ = keras_apply_change(model, ProgramOptions(), {"dtype": "bfloat16"})
-      >>> copy.layers[0].kernel.dtype, model.layers[0].kernel.dtype
-      ('bfloat16', 'float32')
     """
     import keras
 

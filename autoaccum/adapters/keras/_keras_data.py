@@ -248,12 +248,6 @@ def stream_batches(data: Any, *, shuffle: bool = False) -> Iterator[tuple]:
 
 def batched_tf_dataset(dataset: Any, model: Any = None) -> Any:
     """``dataset`` if its elements are batches, else ``dataset.batch(CHUNK)``.
-
-    Example:
-      >>> import tensorflow as tf
-      >>> ds = tf.data.Dataset.from_tensor_slices(tf.zeros((5, 3)))
-      >>> [int(b.shape[0]) for b in batched_tf_dataset(ds)], is_batched(ds.batch(2))
-      ([5], True)
     """
     return dataset if is_batched(dataset, model) else dataset.batch(CHUNK)
 
@@ -432,12 +426,6 @@ def keras_data(model: Any, data: Any, *, name: str = "data") -> KerasData:
 def with_targets(x: Any, y: Any = None, sample_weight: Any = None) -> Any:
     """``model.fit(x, y, sample_weight=...)``'s arguments as one ``data``: ``(x, y)`` or
     ``(x, y, sample_weight)`` (``x`` alone when neither is given; a stream refuses them).
-
-    Example:
-      >>> import numpy as np
-      >>> data = with_targets(np.zeros((4, 3)), np.ones(4))
-      >>> type(data).__name__, len(data)
-      ('tuple', 2)
     """
     if y is None and sample_weight is None:
         return x

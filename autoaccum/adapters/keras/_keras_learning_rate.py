@@ -45,13 +45,6 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
 
 def base_learning_rate(optimizer: Any) -> Any:
     """The optimizer's own rate: a float (its variable's value), a schedule or a callable.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> round(base_learning_rate(keras.optimizers.SGD(0.1)), 6)
-      0.1
     """
     import keras
 
@@ -101,13 +94,6 @@ SGD_CLASSES = ("SGD",)
 def keras_family(optimizer: Any) -> str | None:
     """``"adaptive"``, ``"sgd"`` or ``None`` (unknown: ``lr_rule=`` is needed), by the class
     of each optimizer that computes updates (a ``LossScaleOptimizer``'s inner one).
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> keras_family(keras.optimizers.AdamW(1e-3)), keras_family(keras.optimizers.SGD(0.1))
-      ('adaptive', 'sgd')
     """
     from ...planning._lr_scaling import ADAPTIVE, SGD_LIKE
 
@@ -143,19 +129,6 @@ def scaled_learning_rate(optimizer: Any, scaling: LearningRateScaling | None) ->
     """While the step is traced, every update of ``optimizer`` uses ``factor x`` its rate: its
     current-rate method (read by updates and weight decay) is shadowed on the instance, as are
     ``beta_1``/``beta_2``/``epsilon`` with ``scaling.adam``, and restored on exit.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> from autoaccum.planning import scale_learning_rate
-      >>> opt = keras.optimizers.SGD(0.1)
-      >>> with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4,
-      ...                                                       base_batch=1, rule="linear")):
-      ...     round(float(opt.learning_rate), 6)
-      0.4
-      >>> round(float(opt.learning_rate), 6)
-      0.1
     """
     if scaling is None or (scaling.factor == 1.0 and scaling.adam is None):
         yield

@@ -130,14 +130,6 @@ def accumulation_weights(
     ``sum loss_sum / sum count`` over a step is Keras's loss on the whole effective batch
     (regularization counted once), except with several terms, one with a data-dependent
     denominator: then each micro-batch is weighted by its size and ``exact`` is ``False``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> terms = [LossTerm(jnp.float32(2.0), 10.0, "static")]  # 5 examples x 2 outputs
-      >>> loss_sum, count, exact = accumulation_weights(jnp.float32(2.0), terms,
-      ...                                               micro_batch=5, examples=13)
-      >>> float(loss_sum), float(count), exact
-      (20.0, 10.0, True)
     """
     total_loss = jnp.asarray(total_loss, jnp.float32)
     dynamic = [t for t in terms if t.kind == "dynamic"]

@@ -155,14 +155,6 @@ def layers_without_jit(model: Any) -> list[Any]:
     """The layers Keras flags ``supports_jit = False`` (``RandomRotation``, lookups, ...), for
     which ``jit_compile="auto"`` resolves to ``False``. On JAX many trace under ``jax.jit`` all
     the same (their ops are ``keras.ops``); ``find_layout`` traces the step to see.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomRotation(0.1)])
-      >>> [type(layer).__name__ for layer in layers_without_jit(model)], model.jit_compile
-      (['RandomRotation'], False)
     """
     return [layer for layer in flatten_layers(model, include_self=False)
             if not getattr(layer, "supports_jit", True)]
@@ -433,16 +425,6 @@ def keras_rematerialized(
     model: Any, policy: str, *, layers: Callable[[Any], bool] | None = None
 ) -> Iterator[int]:
     """Within the context, the model's blocks are rematerialized; yields how many.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
-      >>> dense = lambda layer: isinstance(layer, keras.layers.Dense)
-      >>> with keras_rematerialized(model, "nothing", layers=dense) as n:
-      ...     n
-      1
     """
     if policy in ("none", "auto"):
         yield 0

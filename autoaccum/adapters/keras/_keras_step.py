@@ -239,17 +239,6 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
     """While ``optimizer`` is built abstractly, a variable its module makes from a concrete
     value (``Adafactor``'s ``backend.Variable(0)``, which a stateless scope refuses) is made
     from an initializer of that value instead, deferred. Only that module sees the substitute.
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> weights = [keras.Variable(keras.ops.zeros((4, 3)))]
-      >>> optimizer = keras.optimizers.Adafactor()
-      >>> with keras_lowering_scope(), concrete_values_deferred(optimizer):
-      ...     optimizer.build(weights)
-      >>> all(variable_buffer(v) is None for v in optimizer.variables[2:])  # slots: no buffer
-      True
     """
     backend = keras_backend()
     module = optimizer_backend_module(optimizer)
@@ -513,16 +502,6 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
 def strategy_shardings(layout: StateLayout, state: tuple) -> tuple:
     """The ``NamedSharding`` of every variable of a Keras step's ``state`` under a strategy's
     ``layout``: trainable and optimizer variables split as it says, the others copied.
-
-    Example:
-      >>> import numpy as np
-      >>> from autoaccum.internal import data_parallel_mesh
-      >>> from autoaccum.internal import state_layout
-      >>> w = jax.ShapeDtypeStruct((64, 64), np.float32)
-      >>> layout = state_layout("fsdp", data_parallel_mesh(jax.devices()[:1]), params=[w],
-      ...                       optimizer=[w])
-      >>> [s.spec for s in strategy_shardings(layout, ([w], [], [w], []))[0]]
-      [P()]
     """
     trainable, mutable, _, metrics = state
     copied = lambda tree: [layout.replicated for _ in tree]  # noqa: E731
@@ -565,15 +544,6 @@ def keras_eval_step(model: Any, layout: Any) -> Callable[..., tuple]:
 
 def handles_nonfinite(optimizer: Any) -> bool:
     """Whether ``optimizer`` handles non-finite gradients itself (a ``LossScaleOptimizer``).
-
-    Example:
-      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
-      'jax'
-      >>> import keras
-      >>> handles_nonfinite(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
-      True
-      >>> handles_nonfinite(keras.optimizers.SGD())
-      False
     """
     import keras
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.adapters.flax._nnx_fit import flax_fit
+from autoaccum.adapters.flax._nnx_fit import Evaluator, flax_fit
+from autoaccum.adapters.flax._nnx_program import split_model
 from autoaccum.training._epoch_batches import as_arrays
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
@@ -82,6 +83,18 @@ def test_validation_loss_is_the_eval_mode_mean_of_loss_fn():
     total, count = mse_loss(view, jax.tree.map(jnp.asarray, VAL))
     assert result.val_losses[-1] == pytest.approx(float(total) / count, rel=1e-5)
     assert model.dropout.deterministic is False  # the trained model keeps its flags
+
+
+def test_the_evaluator_gives_the_mean_loss_over_batches_with_a_smaller_last_one():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def loss_fn(m, b):
+        return jnp.sum(m(b["x"]) ** 2), b["x"].shape[0]
+
+    data = {"x": np.zeros((5, 2), np.float32)}
+    evaluator = Evaluator(model, data, loss_fn=loss_fn, batch_size=2)
+    _, params, frozen, other = split_model(model, nnx.Param)
+    assert evaluator((params, other, None), frozen) == 0.0
 
 
 class EarlyStopping(autoaccum.Callback):

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters.flax._nnx_data import ArrayData, FlaxStream, flax_data, list_reading
 from autoaccum.devices import AutoaccumWarning
 
 EFFECTIVE = 8
@@ -300,3 +301,14 @@ def test_equal_dict_batches_the_model_takes_either_way_are_refused_naming_both_r
         _fit(batches)
     kernel, _ = _fit(iter(batches))  # said: a stream of batches
     np.testing.assert_allclose(kernel, _reference()[0], rtol=1e-6, atol=1e-7)
+
+
+def test_arrays_are_read_in_memory_and_an_iterator_as_a_stream():
+    assert type(flax_data({"x": np.zeros((4, 2))})) is ArrayData
+    assert type(flax_data(iter([{"x": np.zeros((4, 2))}]))) is FlaxStream
+
+
+def test_a_list_is_records_batches_or_a_container_of_arrays_by_its_items_leading_sizes():
+    assert list_reading([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}]) == "records"
+    assert list_reading([{"x": np.zeros((4, 2))}, {"x": np.zeros((3, 2))}]) == "batches"
+    assert list_reading([np.zeros((4, 2)), np.zeros(4)]) is None

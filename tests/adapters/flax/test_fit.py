@@ -10,6 +10,8 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters.flax._nnx_fit import unshare
+from autoaccum.adapters.flax._nnx_program import check_loss_signature
 from tests._models import TinyLM, ragged_tokens, token_loss
 
 
@@ -172,6 +174,16 @@ def test_a_loss_fn_that_is_not_model_and_batch_is_refused_with_a_wrapper(entry):
         getattr(autoaccum, entry)(model, ragged_tokens(8, 10), **options)
 
 
+def test_a_loss_fn_of_model_and_batch_passes_and_one_over_the_batch_fields_is_refused():
+    assert check_loss_signature(lambda model, batch: (0.0, 1)) is None
+
+    def tunix_style(model, input_tokens, input_mask, positions, attention_mask):
+        return 0.0
+
+    with pytest.raises(ValueError, match=r"^loss_fn is called as loss_fn\(model, batch\) "):
+        check_loss_signature(tunix_style)
+
+
 def test_a_loss_fn_over_the_batch_fields_trains_through_the_wrapper_the_error_gives():
     model = TinyLM(rngs=nnx.Rngs(0))
 
@@ -207,3 +219,10 @@ def test_a_clone_made_before_training_keeps_its_own_arrays(entry):
     trained = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
     assert all(np.array_equal(a, b) for a, b in zip(kept, before, strict=True))
     assert any(not np.array_equal(a, b) for a, b in zip(trained, before, strict=True))
+
+
+def test_the_arrays_a_clone_shares_with_the_model_are_copied_and_counted():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    ref = nnx.clone(model)
+    assert unshare(model, nnx.Param) == 2
+    assert model.kernel[...] is not ref.kernel[...]

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters.flax._nnx_optimizer import optax_family
 
 EFFECTIVE = 16
 
@@ -102,6 +103,13 @@ def test_adam_family_with_base_batch_scales_by_the_square_root(name):
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
 def test_adam_family_is_recognised_in_built_transformations(make):
     assert _trained(make(), learning_rate=autoaccum.LearningRate(base_batch=4))[1].rule == "sqrt"
+
+
+def test_an_optax_optimizers_family_is_read_from_it_and_through_a_chain():
+    assert (optax_family(optax.adamw(1e-3)), optax_family(optax.sgd(0.1, momentum=0.9))) == (
+        "adaptive", "sgd")
+    assert optax_family(optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4))) == (
+        "adaptive")
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

@@ -8,6 +8,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_fit import flax_fit
+from autoaccum.adapters.flax._nnx_program import EffectiveBatchNorm
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import NormMLP, mse_loss, regression
 
@@ -27,6 +28,13 @@ def _hidden(data):
     """The pre-BatchNorm activations of the initial model for ``data``."""
     model = NormMLP(dropout=0.0, rngs=nnx.Rngs(0))
     return np.asarray(model.linear1(data["x"]))
+
+
+def test_the_batch_norm_layers_are_found_by_path_with_their_momenta():
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+                           nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+    norms = EffectiveBatchNorm(model)
+    assert (norms.paths, norms.momenta) == ((("layers", 1),), (0.99,))
 
 
 @pytest.mark.slow  # 1-2 s at rest: make test runs it, make test-fast does not

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.adapters.flax._nnx_optimizer import refuse_accumulating_optimizer, unwrap_optimizer
 
 EFFECTIVE = 8
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam is a kind of Param
@@ -132,6 +133,12 @@ def test_an_optimizer_built_for_another_model_is_refused_briefly():
     _assert_brief(str(raised.value))
 
 
+def test_an_nnx_optimizer_gives_its_tx_its_wrt_and_itself():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    _, wrt, opt = unwrap_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), None)
+    assert wrt is nnx.Param and type(opt).__name__ == "Optimizer"
+
+
 def test_trainable_that_contradicts_the_optimizers_wrt_is_refused():
     model = LoRANet(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
@@ -219,3 +226,13 @@ def test_an_optimizer_that_accumulates_itself_is_refused_naming_its_inner_optimi
     with pytest.raises(ValueError, match=r"optax\.MultiSteps.*inner_opt.*effective_batch="):
         call(model, _data(), **options)
     np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)
+
+
+def test_an_optimizer_that_accumulates_itself_is_refused_and_a_plain_one_is_not():
+    assert refuse_accumulating_optimizer(optax.sgd(0.1), optax.sgd(0.1),
+                                         {"w": jnp.ones(2)}) is None
+    multi_steps = optax.MultiSteps(optax.sgd(0.1), 4)
+    with pytest.raises(ValueError, match=r"^optimizer= accumulates gradients itself "
+                                         r"\(optax\.MultiSteps, "):
+        refuse_accumulating_optimizer(multi_steps, multi_steps.gradient_transformation(),
+                                      {"w": jnp.ones(2)})

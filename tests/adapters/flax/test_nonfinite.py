@@ -10,6 +10,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_fit import flax_fit
+from autoaccum.adapters.flax._nnx_optimizer import handles_nonfinite
 from tests._oom_child import plan_at
 from tests.adapters.flax._stateful import NormMLP
 
@@ -124,6 +125,11 @@ def test_fit_passes_the_policy_through():
 
 
 # -- an optimizer that handles non-finite updates itself (optax.apply_if_finite) ------------
+def test_an_optimizer_handles_non_finite_updates_itself_only_under_apply_if_finite():
+    assert handles_nonfinite(optax.apply_if_finite(optax.adam(1e-3), 3)) is True
+    assert handles_nonfinite(optax.adam(1e-3)) is False
+
+
 def _momentum():
     # Not Adam: linear1's bias feeds a BatchNorm, so its gradient is float noise that Adam
     # would blow up to +-lr in any two differently compiled programs.

@@ -7,11 +7,13 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import keras_fit
+from autoaccum.adapters.keras._keras_loss import LossTerm, accumulation_weights
 from autoaccum.internal import scale_keras_learning_rate
 
 MICRO, ACCUM = 2, 4
@@ -105,6 +107,13 @@ def test_scale_learning_rate_float_and_schedule_round_trip():
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(adam))
     assert float(restored.learning_rate) == pytest.approx(0.2)
     assert restored.get_config()["learning_rate"]["config"]["factor"] == 2.0
+
+
+def test_a_static_loss_term_weights_a_micro_batch_by_its_count_exactly():
+    terms = [LossTerm(jnp.float32(2.0), 10.0, "static")]  # 5 examples x 2 outputs
+    loss_sum, count, exact = accumulation_weights(jnp.float32(2.0), terms, micro_batch=5,
+                                                  examples=13)
+    assert (float(loss_sum), float(count)) == (20.0, 10.0) and exact is True
 
 
 class Tripwire(keras.layers.Layer):

@@ -14,6 +14,7 @@ import pytest
 
 import autoaccum
 from autoaccum.adapters.keras import keras_fit
+from autoaccum.adapters.keras._keras_program import layers_without_jit
 
 from ._models import max_diff
 
@@ -44,6 +45,12 @@ def image_classifier(augmentation, *, dropout: float = 0.25, batch_norm: bool = 
                   loss=keras.losses.BinaryCrossentropy(from_logits=True),
                   metrics=[keras.metrics.BinaryAccuracy(name="acc")])
     return model
+
+
+def test_a_layer_keras_flags_as_not_xla_ready_is_listed_and_turns_jit_compile_off():
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomRotation(0.1)])
+    assert [type(layer).__name__ for layer in layers_without_jit(model)] == ["RandomRotation"]
+    assert model.jit_compile is False
 
 
 @pytest.mark.slow  # convolution compiles: measure, plan and train

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import keras_fit
+from autoaccum.adapters.keras._keras_data import batched_tf_dataset, is_batched, with_targets
 from autoaccum.devices import AutoaccumWarning
 
 from ._models import TEXTS, dense_model, max_diff, regression_data, tiny_gpt2
@@ -235,3 +236,14 @@ def test_nested_dict_of_lists_inputs_train_like_model_fit():
     reference.fit(x, {"out": Y}, sample_weight={"out": np.linspace(0.5, 2, 64).astype("float32")},
                   batch_size=16, shuffle=False, verbose=0)
     assert max_diff(ours, reference) < 1e-5
+
+
+def test_a_dataset_of_examples_is_batched_and_a_batched_one_is_told_as_such():
+    ds = tf.data.Dataset.from_tensor_slices(tf.zeros((5, 3)))
+    assert [int(b.shape[0]) for b in batched_tf_dataset(ds)] == [5]
+    assert is_batched(ds.batch(2)) is True
+
+
+def test_x_and_y_given_as_model_fit_takes_them_are_one_tuple():
+    data = with_targets(np.zeros((4, 3)), np.ones(4))
+    assert type(data) is tuple and len(data) == 2

@@ -15,6 +15,9 @@ from keras.src.backend.common import global_state
 
 import autoaccum
 from autoaccum.adapters import adapter_for
+from autoaccum.adapters.keras._internals import variable_buffer
+from autoaccum.adapters.keras._keras_advice import keras_apply_change
+from autoaccum.planning._plan_options import ProgramOptions
 
 OPTIMIZERS = {"adafactor": keras.optimizers.Adafactor, "sgd": keras.optimizers.SGD,
               "lion": keras.optimizers.Lion}
@@ -202,6 +205,28 @@ def test_the_copy_holds_the_change_as_a_user_would_make_it():
     half, _ = adapter.apply_change(model, {}, {"dtype": "bfloat16"})
     assert {v.dtype for v in half.weights} == {"bfloat16"}
     assert len(half.trainable_variables) == len(model.trainable_variables)
+
+
+def _dense_8_to_4():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_a_lora_change_gives_a_copy_training_lora_kernels_with_no_weight_allocated():
+    model = _dense_8_to_4()
+    copy, _ = keras_apply_change(model, ProgramOptions(), {"lora_rank": 2})
+    assert [v.path.split("/")[-1] for v in copy.trainable_variables] == [
+        "bias", "lora_kernel_a", "lora_kernel_b"]
+    assert model.layers[0].lora_enabled is False
+    assert all(variable_buffer(v) is None for v in copy.weights)
+
+
+def test_a_dtype_change_gives_a_copy_in_that_dtype_and_leaves_the_model_in_its_own():
+    model = _dense_8_to_4()
+    copy, _ = keras_apply_change(model, ProgramOptions(), {"dtype": "bfloat16"})
+    assert (copy.layers[0].kernel.dtype, model.layers[0].kernel.dtype) == (
+        "bfloat16", "float32")
 
 
 def test_a_model_with_lora_is_advised_a_smaller_rank_and_planned_at_it():

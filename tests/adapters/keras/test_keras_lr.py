@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 import autoaccum
+from autoaccum.adapters.keras._keras_learning_rate import (
+    base_learning_rate,
+    keras_family,
+    scaled_learning_rate,
+)
 from autoaccum.internal import scale_keras_learning_rate
+from autoaccum.planning import scale_learning_rate
 from tests._paths import REPO
 
 from ._models import dense_model, max_diff, regression_data
@@ -172,6 +178,23 @@ def test_scale_keras_learning_rate_helper_still_scales_in_place():
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(adam))
     assert float(restored.learning_rate) == pytest.approx(0.2)
     assert np.isclose(restored.get_config()["learning_rate"]["config"]["factor"], 2.0)
+
+
+def test_a_float_rate_is_read_from_the_optimizers_variable():
+    assert round(base_learning_rate(keras.optimizers.SGD(0.1)), 6) == 0.1
+
+
+def test_keras_optimizers_are_adaptive_or_sgd_by_their_class():
+    assert (keras_family(keras.optimizers.AdamW(1e-3)),
+            keras_family(keras.optimizers.SGD(0.1))) == ("adaptive", "sgd")
+
+
+def test_the_rate_is_scaled_inside_the_context_only():
+    opt = keras.optimizers.SGD(0.1)
+    with scaled_learning_rate(opt, scale_learning_rate(0.1, effective_batch=4, base_batch=1,
+                                                       rule="linear")):
+        assert round(float(opt.learning_rate), 6) == 0.4
+    assert round(float(opt.learning_rate), 6) == 0.1
 
 
 # -- the rule (issue 22): a rate changes only when base_batch says what it was tuned for ------

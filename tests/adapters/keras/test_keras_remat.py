@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import autoaccum
-from autoaccum.adapters.keras._keras_program import KERAS_REMAT_POLICIES
+from autoaccum.adapters.keras._keras_program import KERAS_REMAT_POLICIES, keras_rematerialized
 from autoaccum.planning import REMAT_POLICIES
 
 from ._models import TEXTS, max_diff, tiny_gpt2
@@ -16,6 +16,13 @@ from ._models import TEXTS, max_diff, tiny_gpt2
 
 def test_keras_models_offer_every_remat_policy():
     assert tuple(REMAT_POLICIES) == KERAS_REMAT_POLICIES
+
+
+def test_the_blocks_the_layer_filter_picks_are_rematerialized_and_counted():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    dense = lambda layer: isinstance(layer, keras.layers.Dense)  # noqa: E731
+    with keras_rematerialized(model, "nothing", layers=dense) as n:
+        assert n == 1
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from autoaccum.adapters.keras import KerasAdapter, keras_fit
+from autoaccum.adapters.keras._keras_step import handles_nonfinite
 from autoaccum.planning._adapter_interface import FitSettings
 from autoaccum.planning._plan_options import ProgramOptions
 from autoaccum.training import NonFiniteError
@@ -84,6 +85,11 @@ def test_adapter_reads_the_policy_from_the_fit_settings():
     object.__setattr__(settings, "on_nonfinite", "skip")  # the field issue 11 adds
     history = adapter.fit(model, prepared, plan, settings=settings, options={})
     assert history.autoaccum_skipped_steps == 1 and history.autoaccum_on_nonfinite == "skip"
+
+
+def test_a_loss_scale_optimizer_handles_non_finite_gradients_itself_a_plain_one_does_not():
+    assert handles_nonfinite(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())) is True
+    assert handles_nonfinite(keras.optimizers.SGD()) is False
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

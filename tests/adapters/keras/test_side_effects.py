@@ -11,6 +11,8 @@ import pytest
 
 import autoaccum
 from autoaccum.adapters.keras import keras_fit
+from autoaccum.adapters.keras._internals import variable_buffer
+from autoaccum.adapters.keras._keras_step import concrete_values_deferred, keras_lowering_scope
 
 from ._models import TEXTS, dense_model, max_diff, regression_data, tiny_gpt2
 
@@ -106,6 +108,14 @@ def test_a_model_compiled_with_adafactor_plans_and_keeps_its_optimizer_unbuilt()
     plan = autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None,
                           search=autoaccum.Search(method="compile"))
     assert plan.micro_batch == 16 and not model.optimizer.built
+
+
+def test_adafactors_placeholders_from_concrete_values_are_deferred_when_built_abstractly():
+    weights = [keras.Variable(keras.ops.zeros((4, 3)))]
+    optimizer = keras.optimizers.Adafactor()
+    with keras_lowering_scope(), concrete_values_deferred(optimizer):
+        optimizer.build(weights)
+    assert all(variable_buffer(v) is None for v in optimizer.variables[2:])  # slots: no buffer
 
 
 def test_fit_refused_before_training_leaves_the_model_usable(tmp_path):
