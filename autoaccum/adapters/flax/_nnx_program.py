@@ -32,6 +32,7 @@ from flax import nnx
 
 from ...devices._mesh import Placement, callers_mesh, step_mesh, traced_under
 from ...planning._micro_batches import micro_steps
+from ...planning._plan import Plan
 from ...planning._plan_options import REMAT_POLICIES, validate_remat
 from ...planning._strategies import StateLayout, state_layout
 from ...planning._train_program import StepMetrics, TrainProgram, abstract, stacked
@@ -428,12 +429,11 @@ def _train_program(model: nnx.Module, step: Callable[..., Any], example_spec: An
     )
 
 
-def sharded_layout(plan: Any, mesh: Any, params: Any, opt_state: Any,
+def sharded_layout(plan: Plan, mesh: Any, params: Any, opt_state: Any,
                    frozen: Any) -> StateLayout | None:
     """The state layout of ``plan.strategy`` and ``plan.partitioner`` on ``mesh`` (``None``:
     replicated or one device); ``frozen`` is split too under ``fsdp``."""
-    strategy = getattr(plan, "strategy", "replicated")
-    partitioner = getattr(plan, "partitioner", "autoaccum")
+    strategy, partitioner = plan.strategy, plan.partitioner
     fixed = own_specs(params)
     own = any(f is not None for f in fixed)
     if mesh is None or mesh.size == 1 or (strategy == "replicated" and not own):

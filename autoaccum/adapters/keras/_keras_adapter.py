@@ -199,16 +199,15 @@ class KerasAdapter(Adapter):
         history = keras_fit(
             model, prepared.extras["data"], micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps, last_micro_batch=plan.last_micro_batch,
-            uneven=getattr(settings, "uneven", True), epochs=settings.epochs,
+            uneven=settings.uneven, epochs=settings.epochs,
             shuffle=settings.shuffle, seed=settings.seed, verbose=settings.verbose,
             elastic=settings.elastic, backup=settings.backup,
             data_parallel=1 if mesh is None else mesh,
-            strategy=getattr(plan, "strategy", "replicated") if mesh is not None
-            else "replicated", partitioner=getattr(plan, "partitioner", "autoaccum"),
+            strategy=plan.strategy if mesh is not None else "replicated",
+            partitioner=plan.partitioner,
             lr_scaling=plan.lr_scaling,
-            on_nonfinite=getattr(settings, "on_nonfinite", "stop"),
-            batch_stats=getattr(settings, "batch_stats", "effective"),
-            drop_remainder=getattr(settings, "drop_remainder", False),
+            on_nonfinite=settings.on_nonfinite, batch_stats=settings.batch_stats,
+            drop_remainder=settings.drop_remainder,
             **options,
         )
         history.autoaccum_plan = plan
@@ -299,8 +298,7 @@ class KerasTrainStep(UserLoopStep):
         materialize(model)
         layout = prepared.extras["layout"]
         state = KerasState(model, layout, mesh=mesh, placement=keras_placement(model, layout),
-                           strategy=getattr(plan, "strategy", "replicated"),
-                           partitioner=getattr(plan, "partitioner", "autoaccum"))
+                           strategy=plan.strategy, partitioner=plan.partitioner)
         super().__init__(keras_runner(
             state, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
             last_micro_batch=plan.last_micro_batch, uneven=uneven, lr_scaling=plan.lr_scaling,
