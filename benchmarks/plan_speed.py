@@ -57,6 +57,12 @@ the cold seconds):
       lab-t4  4 x 2 nothing   124.7     6.5     2        8        10         45.7               2.7
     lab-2xt4     2 x 2 none   137.6     7.6     2        8        10         32.5               4.2
 
+After the search's second fit point became the largest candidate the line from the floor puts
+under the budget (2026-11-30, ``--no-ratio``): 1b-t4 4 x 2 none 1 full + 4 reduced, nnx-t4 the
+same, lab-t4 4 x 2 nothing 2 + 8, lab-2xt4 2 x 2 none (fsdp) 2 + 8: the same plans and
+compiles (with an effective batch of 8 that second point is 4, as before; the cold seconds,
+62.5-176.9, were taken on a slower day than the table above).
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 

@@ -155,5 +155,5 @@ def _placed(host: Any, sharding: Any, impl: Any) -> Any:
 
 
 def _keyed(data: Any, impl: Any) -> Any:
-    """``data`` as a typed PRNG key of ``impl`` (an :class:`_Impl`), or as it is (``None``)."""
+    """``data`` as a typed PRNG key of ``impl`` (an ``_Impl``), or as it is (``None``)."""
     return data if impl is None else jax.random.wrap_key_data(data, impl=impl.impl)
