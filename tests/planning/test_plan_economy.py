@@ -6,6 +6,7 @@ compiles where the model's depth is extrapolated."""
 from __future__ import annotations
 
 import json
+import random
 
 import optax
 import pytest
@@ -13,7 +14,14 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.planning._measure import MemoryEstimate, counting_compiles, record_compile
-from autoaccum.planning._search import Probe, need_line, search_micro_batch, step_candidates
+from autoaccum.planning._search import (
+    DoesNotFitError,
+    Probe,
+    divisors,
+    need_line,
+    search_micro_batch,
+    step_candidates,
+)
 from tests._models import TinyLM, ragged_tokens, token_loss
 from tests.planning.test_depth import DeepLM
 
@@ -104,6 +112,31 @@ def test_an_overstated_floor_costs_a_compile_never_the_answer():
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100)
     assert result.micro_batch == 6 and probed == [2, 8, 6]
+
+
+def test_any_affine_need_gets_the_largest_fitting_candidate_in_few_compiles():
+    # 400 seeded cases: need = a + s b (the whole batch 50 less: no loop), a floor anywhere
+    # up to the intercept, budgets across the range, even and uneven splits. The answer is
+    # always the largest candidate that fits, and the compiles average at most 3.
+    rng = random.Random(0)
+    counts = []
+    for _ in range(400):
+        a, s, limit = rng.randint(100, 5000), rng.randint(1, 500), rng.randint(2, 200)
+        budget, uneven = rng.randint(a, a + 2 * s * limit), rng.random() < 0.5
+        measure, probed = _affine(a, s, loop=50)
+        candidates = step_candidates(limit) if uneven else divisors(limit)
+        fitting = [c for c in candidates
+                   if a + s * c - (50 if c == limit else 0) <= budget]
+        try:
+            got = search_micro_batch(
+                measure, per_device_batch=limit, budget_bytes=budget, log=None,
+                measure_uneven=measure if uneven else None,
+                accumulating_floor=int(a * rng.uniform(0.3, 1.0))).micro_batch
+        except DoesNotFitError:
+            got = 0
+        assert got == max(fitting, default=0), (a, s, limit, budget, uneven, probed)
+        counts.append(len(probed))
+    assert sum(counts) / len(counts) <= 3
 
 
 @pytest.mark.slow  # a few real compiles
