@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/cpu_compile_flags.py
 	$(PY) benchmarks/cpu_conv_in_loop.py
 	$(PY) benchmarks/kept_steps.py
+	$(PY) benchmarks/loop_saving.py
 	$(PY) benchmarks/kernel_cache.py
 
 clean:

@@ -90,6 +90,15 @@ def test_within_the_margin_only_a_compile_can_say():
     assert 8 in probed
 
 
+def test_the_whole_batch_is_not_compiled_where_the_line_less_its_measured_saving_is_over():
+    # need = 100 + 20 b, the loop (accumulator + stacked batch) 12: the line puts the whole
+    # batch of 8 at 260, less 1.5 loops 242, over 228 by more than the margin (239.4). Its
+    # loop-free step (248) indeed does not fit; less two loops (236) it was compiled.
+    measure, probed = _affine(100, 20, loop=12)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None)
+    assert result.micro_batch == 4 and probed == [2, 4]
+
+
 def test_the_floor_line_makes_the_answer_the_second_fit_point():
     # need = 100 + 10 b with every accumulating step holding 100 (the floor, from shapes):
     # the line from the floor through micro-batch 2 puts 6 (the candidate with 3 steps of 16)
