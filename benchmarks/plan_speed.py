@@ -61,7 +61,9 @@ After the search's second fit point became the largest candidate the line from t
 under the budget (2026-11-30, ``--no-ratio``): 1b-t4 4 x 2 none 1 full + 4 reduced, nnx-t4 the
 same, lab-t4 4 x 2 nothing 2 + 8, lab-2xt4 2 x 2 none (fsdp) 2 + 8: the same plans and
 compiles (with an effective batch of 8 that second point is 4, as before; the cold seconds,
-62.5-176.9, were taken on a slower day than the table above).
+62.5-176.9, were taken on a slower day than the table above). Again after the whole batch's
+saving was taken as 1.5 loops, not 2: 1b-t4 and nnx-t4 the same plans and compiles (64.4 and
+59.3 s cold).
 
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
