@@ -64,6 +64,24 @@ def test_both_forms_give_the_new_state_for_a_finite_step_and_the_old_one_otherwi
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_the_cpu_form_traces_the_update_once():
+    traces = []
+
+    def counted(old, grads):
+        traces.append(1)
+        return _adam_update(old, grads)
+
+    old = _state()
+    grads = jax.tree.map(jnp.ones_like, old[0])
+
+    def step(old, grads, ok):
+        with compiling_for("cpu"):
+            return update_if_finite(ok, counted, old, grads)
+
+    jax.make_jaxpr(step)(old, grads, jnp.bool_(True))
+    assert len(traces) == 1
+
+
 def test_the_cpu_form_is_a_conditional_and_the_gpu_form_a_select():
     old = _state()
     grads = jax.tree.map(jnp.ones_like, old[0])
