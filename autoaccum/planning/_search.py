@@ -167,20 +167,23 @@ def divisors(n: int) -> list[int]:
 
 
 def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None) -> bool:
-    """Whether the k=1 step is worth a compile where no affine fit through k>1 probes exists:
-    XLA drops the accumulation loop there, so its need can lie below theirs (tiny models:
-    below micro-batch 2's).
+    """Whether the k=1 step is worth a compile given ``failed``, an accumulating probe (k > 1)
+    that did not fit; without a line through k > 1 probes, that is the one rule. XLA drops the
+    accumulation loop at k = 1, so its need can lie below theirs (tiny models: below
+    micro-batch 2's, even micro-batch 1's).
 
-    ``failed`` (a smaller micro-batch with k > 1 that did not fit) decides: the loop costs the
-    accumulator, the stacked batch and a few scalars (measured: 864 bytes of a 20-byte
-    accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 + 3.1 KB for a
-    tiny LM), so the whole batch is compiled only if ``failed`` less
-    :data:`LOOP_SAVING` times those fits. Gemma3-4B LoRA on a T4: micro-batch 2 needs 17.1 GiB
-    of 13.4, so the 8-example step (35.7 GiB, 112 s of compile under load) is not compiled."""
-    if failed is None or failed.accum_steps < 2:
+    The loop costs the accumulator, the stacked batch and a few scalars (measured: 864 bytes
+    of a 20-byte accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 +
+    3.1 KB for a tiny LM), so the whole batch is compiled only if ``failed`` less
+    :data:`LOOP_SAVING` times those fits, and if ``failed``'s arguments do (the whole batch
+    takes the same weights, optimizer state and examples). Gemma3-4B LoRA on a T4:
+    micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example step (35.7 GiB, 112 s of compile
+    under load) is not compiled."""
+    if failed is None or failed.accum_steps < 2 or failed.fits:
         return True
     loop = failed.estimate.accumulator_bytes + failed.estimate.batch_bytes
-    return loop <= 0 or failed.need_bytes - LOOP_SAVING * loop <= budget_bytes
+    least = max(failed.estimate.argument_bytes, failed.need_bytes - LOOP_SAVING * loop)
+    return loop <= 0 or least <= budget_bytes
 
 
 LOOP_SAVING = 1.5
@@ -191,21 +194,6 @@ for ``nnx.Linear(4, 1)`` (864 bytes of a 20-byte accumulator and a 640-byte batc
 a tiny LM, and at most 1.02x for an MLP, a CNN with BatchNorm and two 6-block transformers
 (effective batch 16 and 32), each on this CPU and deviceless for a T4; the transformers'
 whole batch lies above the line."""
-
-
-LOOP_ALLOWANCE = 2**20
-"""Bytes of the accumulation loop's own buffers (besides the gradient accumulator) that a
-step without the loop may also drop; on tiny models they decide whether the whole batch
-fits where micro-batch 1 does not."""
-
-
-def _whole_batch_after_one(one: Probe | None, budget_bytes: int) -> bool:
-    """Whether the whole batch is worth a compile given micro-batch 1's probe: only if its
-    need, less what the loop-free step may drop (accumulator and :data:`LOOP_ALLOWANCE`), fits."""
-    if one is None or one.fits:
-        return True
-    droppable = one.estimate.accumulator_bytes + LOOP_ALLOWANCE
-    return one.need_bytes - droppable <= budget_bytes
 
 
 def search_micro_batch(
@@ -258,8 +246,8 @@ def search_micro_batch(
       (4, 4, [2, 4, 8])
       >>> def no_loop_is_smaller(b, k):  # a tiny model: k = 1 drops the loop's buffers
       ...     n = 140 if k == 1 else 150 + b
-      ...     acc = 0 if k == 1 else 20  # its float32 gradient accumulator
-      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, n, 0, 0, 0, n, "fake", 0.0)
+      ...     acc = 0 if k == 1 else 20  # its float32 gradient accumulator (in temp)
+      ...     return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, 0, 0, 0, n, n, "fake", 0.0)
       >>> search_micro_batch(no_loop_is_smaller, per_device_batch=32, budget_bytes=145,
       ...                    log=None).micro_batch
       32
@@ -370,7 +358,7 @@ def search_micro_batch(
             guess, why = open_[len(open_) // 2], "bisect"
         else:
             guess, why = open_[0], "next up"
-        if guess == limit and not _whole_batch_after_one(probes.get(1), budget_bytes):
+        if guess == limit and not _whole_batch_may_fit(budget_bytes, probes.get(1)):
             skipped.add(guess)
             continue
         if clearly_over(guess, fit):
@@ -387,7 +375,7 @@ def search_micro_batch(
     worth = (not clearly_over(limit, fit) if fit is not None
              else _whole_batch_may_fit(budget_bytes, failed))
     if (lo < limit and limit not in probes and limit not in skipped and worth
-            and _whole_batch_after_one(probes.get(1), budget_bytes)):
+            and _whole_batch_may_fit(budget_bytes, probes.get(1))):
         probe(limit, "whole batch (no accumulation loop)")
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]

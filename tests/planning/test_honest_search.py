@@ -10,7 +10,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.planning._measure import MemoryEstimate
-from autoaccum.planning._search import search_micro_batch
+from autoaccum.planning._search import DoesNotFitError, search_micro_batch
 from autoaccum.reporting._plan_report import verdict
 from tests._models import TinyLM, ragged_tokens, token_loss
 
@@ -39,10 +39,12 @@ def test_whole_batch_is_not_compiled_when_the_fit_puts_it_far_above_the_budget()
 
 
 def _itemized(b, k, need, *, loop):
-    """An estimate whose accumulation loop (accumulator + stacked batch) is ``loop`` bytes."""
+    """An estimate whose accumulation loop (accumulator + stacked batch) is ``loop`` bytes;
+    its arguments are the batch, the rest of ``need`` is temp."""
     acc = 0 if k == 1 else loop // 2
     batch = b * k * 10 if k == 1 else loop - acc
-    return MemoryEstimate(b, k, 0, 0, 0, 0, batch, acc, need, 0, 0, need, need, "fake", 0.0)
+    return MemoryEstimate(b, k, 0, 0, 0, 0, batch, acc, batch, 0, 0, need - batch, need, "fake",
+                          0.0)
 
 
 def test_whole_batch_is_not_compiled_when_a_smaller_micro_batch_fails_beyond_its_loop():
@@ -64,6 +66,19 @@ def test_whole_batch_is_compiled_when_the_smaller_micro_batch_fails_within_its_l
     result = search_micro_batch(measure, per_device_batch=8, budget_bytes=960, log=None)
     assert result.micro_batch == 8
     assert 8 in [p.micro_batch for p in result.probes]
+
+
+def test_whole_batch_is_not_compiled_when_the_arguments_alone_are_over_the_budget():
+    # micro-batch 1 (k=8) is over by 40 with a loop of 100, but its arguments (weights,
+    # optimizer state and the 8 examples: what the whole batch takes too) are 1000 of 960.
+    def measure(b, k):
+        acc, batch = (0, 800) if k == 1 else (50, 800)
+        return MemoryEstimate(b, k, 0, 0, 0, 0, batch, acc, 1000, 0, 0, 0 if k == 1 else b,
+                              1000 + (0 if k == 1 else b), "fake", 0.0)
+
+    with pytest.raises(DoesNotFitError) as info:
+        search_micro_batch(measure, per_device_batch=8, budget_bytes=960, log=None)
+    assert [p.micro_batch for p in info.value.probes] == [2, 1]
 
 
 def _linear_case():

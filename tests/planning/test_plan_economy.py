@@ -35,7 +35,7 @@ def _affine(intercept: int, slope: int, *, loop: int = 0):
         probed.append(b)
         acc = loop if k > 1 else 0
         need = intercept + slope * b - (0 if k > 1 else loop)
-        return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, need, 0, 0, need - acc, need, "fake",
+        return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, 0, 0, 0, need, need, "fake",
                               0.0, last_micro_batch=last)
 
     return measure, probed
