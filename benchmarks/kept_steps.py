@@ -51,6 +51,23 @@ is left over
 issue 50's 1.5x is the probes' own compiles on a CPU, where no reduced depth or dry run stands
 in for them: in both fits the second probe is the answer, one compile more than none (on a CPU
 nothing cheaper than a compile tells a step's need).
+
+Again after a step's trace got shorter (2026-11-30, load 1.1-1.5, two runs: the optimizer
+under the CPU's ``lax.cond`` traced once, not twice, and a Keras fit no longer importing
+Flax); the same plans, compiles and losses:
+
+                               fit   plan  step compiles  first step s  fit s  process s
+      flax: plan's step kept (now)  3 x 6              2   15.21, 14.11  17.15, 15.98
+         flax: a plan made earlier  3 x 6              1    8.15,  8.86  10.04, 10.97
+     keras: plan's step kept (now)  8 x 2              2   11.74, 12.17  13.84, 14.53
+        keras: a plan made earlier  8 x 2              1    6.79,  7.72   8.90, 10.10
+    flax: time to the first step, planning its step / with a plan made earlier = 1.87x, 1.59x
+    keras: time to the first step, planning its step / with a plan made earlier = 1.73x, 1.58x
+
+Keras's first step came down from 20.99 s to 11.74-12.17 s planned (2.20x -> 1.58-1.73x).
+Besides the probe's compile, a planned fit traces and lowers its chosen step once more for
+the training loop (1.2 s for Keras, 2.4 s for Flax here): the loop's step function is not
+the planner's, and the kept executable is found by the lowered program's text.
 """
 
 from __future__ import annotations

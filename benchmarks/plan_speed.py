@@ -63,7 +63,11 @@ same, lab-t4 4 x 2 nothing 2 + 8, lab-2xt4 2 x 2 none (fsdp) 2 + 8: the same pla
 compiles (with an effective batch of 8 that second point is 4, as before; the cold seconds,
 62.5-176.9, were taken on a slower day than the table above). Again after the whole batch's
 saving was taken as 1.5 loops, not 2: 1b-t4 and nnx-t4 the same plans and compiles (64.4 and
-59.3 s cold).
+59.3 s cold). Again after the whole batch's saving became one rule (2026-11-30, load 1-2):
+the same plans and compiles; cold / warm / one compile: 1b-t4 62.6 / 7.2 / 33.3 s (1.9x),
+nnx-t4 60.7 / 12.2 / 35.6 s (1.7x), lab-t4 120.7 / 6.6 / 39.1 s (3.1x), lab-2xt4 142.8 / 8.2
+/ 34.8 s (4.1x; its warm run in a second pair of runs, the first having changed code between
+cold and warm, which the need cache keys on).
 
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
