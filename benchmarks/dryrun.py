@@ -26,6 +26,13 @@ Targets (issues 14 and 20): gemma3_4b on t4 at the lab's settings
 a100-80gb (LoRA 4, seq 2048) <= 120 s cold; extrapolated need within 2% of a full compile on
 every shipped architecture at two micro-batches.
 
+``--part accuracy`` on 2026-11-30 (jax 0.12.0.1, load 1.4-1.9; LoRA 4, seq 512, fraction 0.9),
+extrapolated (depths 2, 3) vs full-depth compile, micro-batch 1 / 2: on a T4, Gemma3-1B 6.30 /
+8.50 GiB both (-0.008% / -0.017%), Gemma3-4B 18.89 vs 14.67 GiB (+28.8%) / 28.21 vs 19.47 GiB
+(+44.9%: XLA's rematerialization pass acts at full depth, the line is an upper bound); on an
+H100, Gemma3-1B 3.28 / 4.22 GiB (-0.022% / -0.017%), Gemma3-4B 10.24 / 12.10 GiB (-0.007% /
+-0.008%). Full compiles 26-48 s each, the two small ones 7-23 s.
+
 Each plan runs in a fresh process (imports included) against its own cache folder: "cold"
 starts with an empty one, "warm" is the same command again. The machine's load average is
 printed with each row: on a shared 2-core machine it dominates wall times, so CPU seconds
