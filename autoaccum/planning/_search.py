@@ -168,9 +168,9 @@ def divisors(n: int) -> list[int]:
 
 def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None) -> bool:
     """Whether the k=1 step is worth a compile given ``failed``, an accumulating probe (k > 1)
-    that did not fit; without a line through k > 1 probes, that is the one rule. XLA drops the
-    accumulation loop at k = 1, so its need can lie below theirs (tiny models: below
-    micro-batch 2's, even micro-batch 1's).
+    that did not fit: micro-batch 1's probe always, and the smallest failing probe where no
+    line through k > 1 probes exists. XLA drops the accumulation loop at k = 1, so its need
+    can lie below theirs (tiny models: below micro-batch 2's, even micro-batch 1's).
 
     The loop costs the accumulator, the stacked batch and a few scalars (measured: 864 bytes
     of a 20-byte accumulator and a 640-byte batch for ``nnx.Linear(4, 1)``, 8.8 KB of 8.4 +
