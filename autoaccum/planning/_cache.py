@@ -16,6 +16,8 @@ The planner also keeps its last compiled steps, keyed by the lowered program: ``
 kept executable when its own lowering is the same program with arguments placed as expected,
 instead of compiling again (a minute or more for a large model on a GPU; JAX's compilation
 cache is off unless a user turns it on). A program that calls back into Python is never kept.
+The step functions are kept as well (:func:`same_function`): the loop's lowering is then JAX's
+cached trace of the planner's, not a second trace of the model.
 
 Lowering holds the GIL and touches framework state (Keras scopes), so requests are lowered one
 after the other; XLA's compile releases the GIL, so independent compiles run in a thread pool.
@@ -266,6 +268,43 @@ def reuse_or_compile(lowered: Any, args: tuple) -> Any:
             _REUSED[0] += 1
         return kept
     return lowered.compile()
+
+
+_FUNCTIONS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def same_function(key: Any, build: Callable[[], Any]) -> Any:
+    """The function ``build()`` returned before for ``key`` (an equal key), else
+    ``build()``'s, kept for next time; an unhashable ``key`` keeps nothing.
+
+    An adapter builds its step function through this, planning and training alike, keyed by
+    everything the function closes over: the training loop then hands ``jax.jit`` the very
+    function object the planner lowered, and JAX reuses that trace and lowering (keyed by the
+    function and the arguments' types) instead of tracing the model again; the compiled
+    program comes from :func:`reuse_or_compile`. The :data:`KEPT_STEPS` most recent are kept.
+
+    Example:
+      >>> first = same_function(("doc", 1), lambda: (lambda x: x + 1))
+      >>> same_function(("doc", 1), lambda: (lambda x: x + 2)) is first
+      True
+      >>> same_function(["unhashable"], lambda: 3)
+      3
+    """
+    try:
+        hash(key)
+    except TypeError:
+        return build()
+    with _LOCK:
+        if key in _FUNCTIONS:
+            _FUNCTIONS.move_to_end(key)
+            return _FUNCTIONS[key]
+    function = build()
+    with _LOCK:
+        function = _FUNCTIONS.setdefault(key, function)
+        _FUNCTIONS.move_to_end(key)
+        while len(_FUNCTIONS) > KEPT_STEPS:
+            _FUNCTIONS.popitem(last=False)
+    return function
 
 
 def kept_count() -> int:

@@ -55,6 +55,27 @@ def test_a_flax_fit_compiles_its_planned_step_once(compiled_programs):
     assert steps and len(steps) == len(set(steps))  # no program compiled twice
 
 
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_flax_fit_trains_with_the_trace_of_its_planned_step():
+    traced = []
+
+    def counted_mse(model, batch):
+        traced.append(batch["x"].shape)
+        return mse(model, batch)
+
+    class AtTrainBegin(autoaccum.Callback):
+        def on_train_begin(self, logs):
+            self.before = len(traced)
+
+    begin = AtTrainBegin()
+    result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), DATA, effective_batch=8, budget="1GiB",
+                           optimizer=optax.adam, learning_rate=1e-3, loss_fn=counted_mse,
+                           epochs=1, log=None, verbose=0, search=autoaccum.Search(cache=False),
+                           callbacks=[begin])
+    assert result.steps == 4 and begin.before > 0
+    assert len(traced) == begin.before  # the loop's step is the planner's trace: no new one
+
+
 def test_a_step_kept_for_the_same_program_is_reused_instead_of_compiled():
     x = jnp.ones(3)
     lowered = jax.jit(lambda a: a * 2).lower(x)

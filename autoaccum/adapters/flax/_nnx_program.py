@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from ...devices._mesh import Placement, callers_mesh, step_mesh, traced_under
+from ...planning._cache import same_function
 from ...planning._micro_batches import micro_steps
 from ...planning._plan import Plan
 from ...planning._plan_options import REMAT_POLICIES, validate_remat
@@ -83,6 +84,13 @@ class EffectiveBatchNorm:
 
     def __bool__(self) -> bool:
         return bool(self.paths)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, EffectiveBatchNorm)
+                and (self.paths, self.momenta) == (other.paths, other.momenta))
+
+    def __hash__(self) -> int:
+        return hash((self.paths, self.momenta))
 
     def start(self, other: PyTree) -> tuple[Moments, ...]:
         """Empty sums, one per BatchNorm layer found in ``other`` (the carried state)."""
@@ -232,9 +240,26 @@ def make_flax_step(
         ``step_mesh``), so the partition specs the model names resolve.
 
     Returns:
-      The pure step function (jit it with ``donate_argnums=0``).
+      The pure step function (jit it with ``donate_argnums=0``): the same function object
+      for equal arguments (``same_function``), so a training loop reuses JAX's trace of the
+      step its plan compiled.
     """
     validate_on_nonfinite(on_nonfinite)
+    key = ("flax step", graphdef, loss_fn, tx, trainable, accumulate, norms, on_nonfinite,
+           weighted, optimizer_skips_nonfinite, layout, trace_mesh)
+    return same_function(key, lambda: _flax_step(
+        graphdef, loss_fn=loss_fn, tx=tx, trainable=trainable, accumulate=accumulate,
+        norms=norms, on_nonfinite=on_nonfinite, weighted=weighted,
+        optimizer_skips_nonfinite=optimizer_skips_nonfinite, layout=layout,
+        trace_mesh=trace_mesh))
+
+
+def _flax_step(graphdef: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation,
+               trainable: Any, accumulate: Callable[..., Any],
+               norms: EffectiveBatchNorm | None, on_nonfinite: str, weighted: bool,
+               optimizer_skips_nonfinite: bool, layout: StateLayout | None,
+               trace_mesh: Any) -> Callable[..., tuple[Any, StepMetrics]]:
+    """:func:`make_flax_step`'s function, built anew."""
     effective = bool(norms)
 
     def step(state: Any, batches: Any, frozen: Any) -> tuple[Any, StepMetrics]:
