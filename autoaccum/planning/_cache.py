@@ -20,9 +20,11 @@ The step functions are kept as well (:func:`same_function`): the loop's lowering
 cached trace of the planner's, not a second trace of the model.
 
 Lowering holds the GIL and touches framework state (Keras scopes), so requests are lowered one
-after the other; XLA's compile releases the GIL, so independent compiles run in a thread pool.
-XLA's HLO passes are single-threaded, which is where a second concurrent compile gains on a
-2-core machine (``benchmarks/dryrun.py`` measures it).
+after the other; XLA's compile releases the GIL, so independent compiles run in a thread pool,
+each started as soon as its request is lowered (the next is lowered meanwhile), with the
+conversion to HLO of a deviceless step's cost analysis. XLA's HLO passes are single-threaded,
+which is where a second concurrent compile gains on a 2-core machine (``benchmarks/dryrun.py``
+measures it).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import jax
 from ._measure import (
     CompileTarget,
     MemoryEstimate,
+    compile_cost,
     compile_lowered,
     estimate_from_compiled,
     lower_step,
@@ -339,6 +342,11 @@ class CompileRequest:
     reduced: bool = False
     """A reduced-depth model's program (depth extrapolation), counted apart from full-depth
     compiles."""
+    cost: Mapping[str, float] | None = None
+    """XLA's cost figures (``"flops"``, ``"bytes accessed"``) of the step where already known,
+    not analysed again: a full-depth step for a deviceless GPU whose figures the reduced
+    depths extrapolated (both linear in depth in the lowered program), whose own analysis
+    would convert the whole program to HLO first."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""
@@ -388,63 +396,74 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
     compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
     results: list[MemoryEstimate | None] = [None] * len(requests)
     pending: list[tuple[int, TrainProgram, Any, list[str], dict]] = []
-    for i, request in enumerate(requests):
-        keys: list[str] = []
-        if cache is not None and request.identity is not None:
-            material = {"identity": request.identity, "micro_batch": request.micro_batch,
-                        "accum_steps": request.accum_steps, "target": target.fingerprint,
-                        **({"last": request.last} if request.last is not None else {}),
-                        "compiler": compiler}
-            keys.append(cache.key(material))
-            hit = _from_cache(cache, keys[-1], target)
-            if hit is not None:
-                results[i] = hit
-                record_cached()
-                continue
-        program = request.build()
-        start = time.perf_counter()
-        lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
-                             last=request.last)
-        lower_seconds = time.perf_counter() - start
-        material = {}
-        if cache is not None:
-            text = lowered.as_text()
-            material = {"program_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                        "target": target.fingerprint, "compiler": compiler}
-            keys.append(cache.key(material))
-            hit = _from_cache(cache, keys[-1], target)
-            if hit is not None:
-                for key in keys[:-1]:  # the identity key learns the figure too
-                    cache.put(key, dataclasses.asdict(hit),
-                              material={"identity": request.identity})
-                results[i] = hit
-                record_cached()
-                continue
-        pending.append((i, program, lowered, keys, {"lower_seconds": lower_seconds,
-                                                    **material}))
 
-    def compile_one(item: tuple) -> tuple[Any, float]:
+    def compile_one(item: tuple) -> tuple[Any, float, dict]:
         i, program, lowered, _, _ = item
         start = time.perf_counter()
         with program.lowering_context():
             compiled = compile_lowered(lowered, target, program=program,
                                        reduced=requests[i].reduced)
-        return compiled, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        known = requests[i].cost
+        return compiled, seconds, (dict(known) if known is not None
+                                   else compile_cost(compiled, lowered))
 
-    if workers > 1 and len(pending) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(workers, len(pending))) as pool:
-            outputs = list(pool.map(compile_one, pending))
-    else:
-        outputs = [compile_one(item) for item in pending]
-    for (i, program, lowered, keys, material), (compiled, seconds) in zip(pending, outputs,
-                                                                            strict=True):
+    # Each compile starts as soon as its request is lowered, so the next one is lowered
+    # (holding the GIL) while it compiles (releasing it).
+    pool = (concurrent.futures.ThreadPoolExecutor(min(workers, len(requests)))
+            if workers > 1 and len(requests) > 1 else None)
+    futures: list[concurrent.futures.Future] = []
+    try:
+        for i, request in enumerate(requests):
+            keys: list[str] = []
+            if cache is not None and request.identity is not None:
+                material = {"identity": request.identity, "micro_batch": request.micro_batch,
+                            "accum_steps": request.accum_steps, "target": target.fingerprint,
+                            **({"last": request.last} if request.last is not None else {}),
+                            "compiler": compiler}
+                keys.append(cache.key(material))
+                hit = _from_cache(cache, keys[-1], target)
+                if hit is not None:
+                    results[i] = hit
+                    record_cached()
+                    continue
+            program = request.build()
+            start = time.perf_counter()
+            lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
+                                 last=request.last)
+            lower_seconds = time.perf_counter() - start
+            material = {}
+            if cache is not None:
+                text = lowered.as_text()
+                material = {"program_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                            "target": target.fingerprint, "compiler": compiler}
+                keys.append(cache.key(material))
+                hit = _from_cache(cache, keys[-1], target)
+                if hit is not None:
+                    for key in keys[:-1]:  # the identity key learns the figure too
+                        cache.put(key, dataclasses.asdict(hit),
+                                  material={"identity": request.identity})
+                    results[i] = hit
+                    record_cached()
+                    continue
+            pending.append((i, program, lowered, keys, {"lower_seconds": lower_seconds,
+                                                        **material}))
+            if pool is not None:
+                futures.append(pool.submit(compile_one, pending[-1]))
+        outputs = ([future.result() for future in futures] if pool is not None
+                   else [compile_one(item) for item in pending])
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    for (i, program, lowered, keys, material), (compiled, seconds, cost) in zip(
+            pending, outputs, strict=True):
         request = requests[i]
         if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
             keep_compiled(lowered, compiled, dict(target.compiler_options))
         estimate = estimate_from_compiled(program, compiled, request.micro_batch,
                                           request.accum_steps, target=target.name,
                                           seconds=seconds + material.get("lower_seconds", 0.0),
-                                          last=request.last, lowered=lowered)
+                                          last=request.last, lowered=lowered, cost=cost)
         if estimate is None:
             raise no_memory_analysis(target.name)
         results[i] = estimate

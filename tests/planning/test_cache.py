@@ -3,6 +3,7 @@ change to anything that changes the program (or the compiler, or the target) rec
 
 import json
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,38 @@ def test_concurrent_compiles_give_the_same_figures_as_one_at_a_time(tmp_path):
     one = measure_all([CompileRequest(p, 2, 4) for p in programs], CompileTarget(), workers=1)
     two = measure_all([CompileRequest(p, 2, 4) for p in programs], CompileTarget(), workers=2)
     assert [e.need_bytes for e in one] == [e.need_bytes for e in two]
+
+
+def test_each_compile_starts_while_the_next_request_is_lowered(monkeypatch):
+    from autoaccum.planning import _cache
+
+    first_compiling = threading.Event()
+    lower, compile_ = _cache.lower_step, _cache.compile_lowered
+    waited = []
+
+    def lowering(program, micro_batch, *args, **kwargs):
+        if micro_batch == 4:  # the second request: the first one's compile is under way
+            waited.append(first_compiling.wait(timeout=30))
+        return lower(program, micro_batch, *args, **kwargs)
+
+    def compiling(lowered, *args, **kwargs):
+        first_compiling.set()
+        return compile_(lowered, *args, **kwargs)
+
+    monkeypatch.setattr(_cache, "lower_step", lowering)
+    monkeypatch.setattr(_cache, "compile_lowered", compiling)
+    program = _program()
+    two = measure_all([CompileRequest(program, 2, 4), CompileRequest(program, 4, 2)],
+                      CompileTarget(), workers=2)
+    assert waited == [True] and [e.micro_batch for e in two] == [2, 4]
+
+
+def test_cost_figures_given_with_a_request_are_not_analysed_again():
+    known = {"flops": 123.0, "bytes accessed": 456.0}
+    estimate = measure_all([CompileRequest(_program(), 2, 4, cost=known)], CompileTarget())[0]
+    analysed = measure_all([CompileRequest(_program(), 2, 4)], CompileTarget())[0]
+    assert (estimate.flops, estimate.bytes_accessed) == (123.0, 456.0)
+    assert analysed.flops not in (0.0, 123.0)
 
 
 @pytest.mark.slow  # three plans

@@ -148,6 +148,24 @@ def test_a_need_that_falls_with_depth_predicts_nothing_and_is_compiled_in_full()
     assert "need falls with depth" in ext.checks[2].why and not ext.checks[2].holds
 
 
+@pytest.mark.slow  # deviceless compiles at three depths
+def test_a_deviceless_gpu_verification_takes_the_lines_flops_as_good_as_its_own():
+    # A deviceless GPU compile reports no flops: they are the lowered program's, linear in
+    # depth (a few scalar operations aside), so the full-depth compile takes the line's
+    # instead of converting the whole program to HLO.
+    from autoaccum.planning._targets import resolve_target
+
+    target = resolve_target("t4").compile_target
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=_build), target)
+    predicted = extrapolator.measure(2, 4)
+    verified = extrapolator.verify(2, 4)
+    analysed = measure_program(_build(8), 2, 4, target)  # its own HLO cost analysis
+    assert verified.source == "compiled" and verified.flops == predicted.flops > 0
+    assert verified.need_bytes == analysed.need_bytes
+    assert verified.flops == pytest.approx(analysed.flops, rel=1e-4)
+    assert verified.bytes_accessed == pytest.approx(analysed.bytes_accessed, rel=1e-4)
+
+
 def test_reduced_depth_compiles_run_without_xlas_rematerialization_pass():
     # On a GPU the pass acts at full depth (its target shrinks with the weights) and not at
     # two blocks: the small models compile without it, so their need is linear in depth.
