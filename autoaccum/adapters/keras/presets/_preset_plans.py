@@ -181,15 +181,25 @@ def plan_preset(
                                 learning_rate=base_lr, overrides=dict(backbone_overrides or {}),
                                 quantize=quantize, strategy=strategy, devices=devices or 1)
 
-    for policy in policies:
-        def build(layers: int | None = None, policy: str = policy) -> Any:
+    models: dict[int | None, Any] = {}
+
+    def model_at(layers: int | None) -> Any:
+        """The abstract model with ``layers`` blocks, built once for every policy (a policy
+        is applied when its step is traced; building and laying out Gemma3-4B's 34 blocks
+        for a step takes 2.2-2.7 s the first time, 0.8 s again)."""
+        if layers not in models:
             overrides = dict(backbone_overrides or {})
             if layers is not None:
                 overrides["num_layers"] = layers
-            return _preset_program(arch, dtype=dtype, lora_rank=lora_rank,
-                                   optimizer=optimizer, learning_rate=base_lr,
-                                   overrides=overrides, sequence_length=sequence_length,
-                                   policy=policy, quantize=quantize)
+            models[layers] = _abstract_lm(arch, dtype=dtype, lora_rank=lora_rank,
+                                          optimizer=optimizer, learning_rate=base_lr,
+                                          overrides=overrides, quantize=quantize)
+        return models[layers]
+
+    for policy in policies:
+        def build(layers: int | None = None, policy: str = policy) -> Any:
+            return keras_remat_program(model_at(layers), token_example_spec(sequence_length),
+                                       policy)
 
         identity = {"kind": "keras-hub architecture", "backbone": arch.backbone_class,
                     "task": arch.causal_lm_class,
