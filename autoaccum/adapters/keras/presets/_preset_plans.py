@@ -174,19 +174,13 @@ def plan_preset(
     stream = sys.stderr if log == "stderr" else log
     announce(scaling, stream)
 
-    @functools.cache
-    def resident_of(strategy: str) -> Resident:
-        """A strategy's resident memory, built once a plan."""
-        return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
-                                learning_rate=base_lr, overrides=dict(backbone_overrides or {}),
-                                quantize=quantize, strategy=strategy, devices=devices or 1)
-
     models: dict[int | None, Any] = {}
 
     def model_at(layers: int | None) -> Any:
-        """The abstract model with ``layers`` blocks, built once for every policy (a policy
-        is applied when its step is traced; building and laying out Gemma3-4B's 34 blocks
-        for a step takes 2.2-2.7 s the first time, 0.8 s again)."""
+        """The abstract model with ``layers`` blocks (``None``: as configured), built once
+        for every policy and the resident memory (a policy is applied when its step is
+        traced; building and laying out Gemma3-4B's 34 blocks for a step takes 2.2-2.7 s
+        the first time, 0.8 s again)."""
         if layers not in models:
             overrides = dict(backbone_overrides or {})
             if layers is not None:
@@ -195,6 +189,14 @@ def plan_preset(
                                           optimizer=optimizer, learning_rate=base_lr,
                                           overrides=overrides, quantize=quantize)
         return models[layers]
+
+    @functools.cache
+    def resident_of(strategy: str) -> Resident:
+        """A strategy's resident memory, built once a plan."""
+        return _preset_resident(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
+                                learning_rate=base_lr, overrides=dict(backbone_overrides or {}),
+                                quantize=quantize, strategy=strategy, devices=devices or 1,
+                                model=model_at(None))
 
     for policy in policies:
         def build(layers: int | None = None, policy: str = policy) -> Any:
@@ -240,16 +242,19 @@ def plan_preset(
 def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
                      learning_rate: float, overrides: dict[str, Any],
                      quantize: str | None = None, strategy: str = "replicated",
-                     devices: int = 1) -> Resident:
+                     devices: int = 1, model: Any = None) -> Resident:
     """Per-device resident memory of ``arch`` under ``strategy``, from abstract variables
-    (``"replicated"``, or one device: every part copied)."""
+    (``"replicated"``, or one device: every part copied); ``model``: that abstract model, if
+    already built (its variables are only read)."""
     from jax.sharding import AbstractMesh
 
     from ._architectures import abstract_state
 
-    state = abstract_state(_abstract_lm(arch, dtype=dtype, lora_rank=lora_rank,
-                                        optimizer=optimizer, learning_rate=learning_rate,
-                                        overrides=overrides, quantize=quantize))
+    if model is None:
+        model = _abstract_lm(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
+                             learning_rate=learning_rate, overrides=overrides,
+                             quantize=quantize)
+    state = abstract_state(model)
     layout = state_layout(strategy, AbstractMesh((devices,), ("data",)),
                           params=list(state.trainable), optimizer=list(state.optimizer),
                           frozen=state.non_trainable)

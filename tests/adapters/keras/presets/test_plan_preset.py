@@ -3,6 +3,7 @@
 import pytest
 
 import autoaccum
+from autoaccum.adapters.keras.presets import _preset_plans
 from autoaccum.adapters.keras.presets._preset_plans import plan_preset
 
 pytestmark = pytest.mark.slow  # subprocesses, keras-hub builds or large compiles
@@ -15,12 +16,17 @@ def _plan(**kwargs):
                        device="t4", backbone_overrides=SMALL, log=None, **kwargs)
 
 
-def test_preset_that_needs_remat_at_micro_batch_one_gets_it():
+def test_preset_that_needs_remat_at_micro_batch_one_gets_it(monkeypatch):
     plain = _plan(budget="8GiB", search=autoaccum.Search(remat="none"))
     saved = _plan(budget="8GiB", search=autoaccum.Search(remat="nothing"))
     assert saved.need_bytes < plain.need_bytes
     budget = (plain.need_bytes + saved.need_bytes) // 2
+    built = []
+    build = _preset_plans._abstract_lm
+    monkeypatch.setattr(_preset_plans, "_abstract_lm",
+                        lambda *args, **kwargs: built.append(1) or build(*args, **kwargs))
     plan = _plan(budget=budget)
+    assert len(built) == 1  # one model for both policies (a policy applies when traced)
     assert plan.remat == "nothing" and plan.need_bytes <= budget
     assert [p.remat for p in plan.probes] == ["none", "nothing"]
     assert "rematerialization nothing" in plan.report()
