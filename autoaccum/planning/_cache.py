@@ -58,6 +58,7 @@ from ._measure import (
     record_cached,
 )
 from ._option_checks import received
+from ._speculation import Decision, Superseded, pending_decision
 from ._train_program import TrainProgram
 
 CACHE_DIR_ENV = "AUTOACCUM_CACHE_DIR"
@@ -394,86 +395,133 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
     """
     workers = default_workers() if workers is None else workers
     compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
+    decision = pending_decision()  # read here: the pool's threads do not see this context
     results: list[MemoryEstimate | None] = [None] * len(requests)
-    pending: list[tuple[int, TrainProgram, Any, list[str], dict]] = []
-
-    def compile_one(item: tuple) -> tuple[Any, float, dict]:
-        i, program, lowered, _, _ = item
-        start = time.perf_counter()
-        with program.lowering_context():
-            compiled = compile_lowered(lowered, target, program=program,
-                                       reduced=requests[i].reduced)
-        seconds = time.perf_counter() - start
-        known = requests[i].cost
-        return compiled, seconds, (dict(known) if known is not None
-                                   else compile_cost(compiled, lowered))
-
+    pending: list[_Pending] = []
+    where: list[int] = []  # each pending request's index
     # Each compile starts as soon as its request is lowered, so the next one is lowered
-    # (holding the GIL) while it compiles (releasing it).
-    pool = (concurrent.futures.ThreadPoolExecutor(min(workers, len(requests)))
-            if workers > 1 and len(requests) > 1 else None)
+    # (holding the GIL) while it compiles (releasing it). Beside a deciding compile, one at
+    # a time: the decision is what the rest waits for (three compiles on 2 cores took it
+    # from 17 to 27 s).
+    if decision is not None:
+        pool = concurrent.futures.ThreadPoolExecutor(1) if len(requests) > 1 else None
+    else:
+        pool = (concurrent.futures.ThreadPoolExecutor(min(workers, len(requests)))
+                if workers > 1 and len(requests) > 1 else None)
     futures: list[concurrent.futures.Future] = []
     try:
         for i, request in enumerate(requests):
-            keys: list[str] = []
-            if cache is not None and request.identity is not None:
-                material = {"identity": request.identity, "micro_batch": request.micro_batch,
-                            "accum_steps": request.accum_steps, "target": target.fingerprint,
-                            **({"last": request.last} if request.last is not None else {}),
-                            "compiler": compiler}
-                keys.append(cache.key(material))
-                hit = _from_cache(cache, keys[-1], target)
-                if hit is not None:
-                    results[i] = hit
-                    record_cached()
-                    continue
-            program = request.build()
-            start = time.perf_counter()
-            lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
-                                 last=request.last)
-            lower_seconds = time.perf_counter() - start
-            material = {}
-            if cache is not None:
-                text = lowered.as_text()
-                material = {"program_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                            "target": target.fingerprint, "compiler": compiler}
-                keys.append(cache.key(material))
-                hit = _from_cache(cache, keys[-1], target)
-                if hit is not None:
-                    for key in keys[:-1]:  # the identity key learns the figure too
-                        cache.put(key, dataclasses.asdict(hit),
-                                  material={"identity": request.identity})
-                    results[i] = hit
-                    record_cached()
-                    continue
-            pending.append((i, program, lowered, keys, {"lower_seconds": lower_seconds,
-                                                        **material}))
+            if decision is not None and decision.superseded(wait=False):
+                raise Superseded
+            prepared = _prepare(request, target, cache, compiler)
+            if isinstance(prepared, MemoryEstimate):
+                results[i] = prepared
+                continue
+            pending.append(prepared)
+            where.append(i)
             if pool is not None:
-                futures.append(pool.submit(compile_one, pending[-1]))
-        outputs = ([future.result() for future in futures] if pool is not None
-                   else [compile_one(item) for item in pending])
+                futures.append(pool.submit(_complete, prepared, target, cache, decision))
+        done = ([future.result() for future in futures] if pool is not None
+                else [_complete(item, target, cache, decision) for item in pending])
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    for (i, program, lowered, keys, material), (compiled, seconds, cost) in zip(
-            pending, outputs, strict=True):
-        request = requests[i]
-        if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
-            keep_compiled(lowered, compiled, dict(target.compiler_options))
-        estimate = estimate_from_compiled(program, compiled, request.micro_batch,
-                                          request.accum_steps, target=target.name,
-                                          seconds=seconds + material.get("lower_seconds", 0.0),
-                                          last=request.last, lowered=lowered, cost=cost)
-        if estimate is None:
-            raise no_memory_analysis(target.name)
+    for i, estimate in zip(where, done, strict=True):
         results[i] = estimate
-        if cache is not None:
-            stored = {k: v for k, v in material.items() if k != "lower_seconds"}
-            if request.identity:
-                stored["identity"] = request.identity
-            for key in keys:
-                cache.put(key, dataclasses.asdict(estimate), material=stored)
     return [r for r in results if r is not None]
+
+
+def measure_later(request: CompileRequest, target: CompileTarget, *,
+                  cache: NeedCache | None = None) -> concurrent.futures.Future:
+    """:func:`measure_all` of one request, lowered now and compiled in a thread: a future of
+    its estimate (done at once when the cache has it). For a full-depth compile that decides
+    a remat policy while the next one is planned on this thread (see ``_speculation``)."""
+    compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
+    prepared = _prepare(request, target, cache, compiler)
+    if isinstance(prepared, MemoryEstimate):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(prepared)
+        return future
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autoaccum-decide")
+    try:
+        return pool.submit(_complete, prepared, target, cache, None)
+    finally:
+        pool.shutdown(wait=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A request lowered and not in the cache: what :func:`_complete` compiles and stores."""
+
+    request: CompileRequest
+    program: TrainProgram
+    lowered: Any
+    keys: list[str]
+    material: dict
+
+
+def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | None,
+             compiler: dict) -> MemoryEstimate | _Pending:
+    """The cached estimate of ``request``, else its program lowered, for :func:`_complete`."""
+    keys: list[str] = []
+    if cache is not None and request.identity is not None:
+        material = {"identity": request.identity, "micro_batch": request.micro_batch,
+                    "accum_steps": request.accum_steps, "target": target.fingerprint,
+                    **({"last": request.last} if request.last is not None else {}),
+                    "compiler": compiler}
+        keys.append(cache.key(material))
+        hit = _from_cache(cache, keys[-1], target)
+        if hit is not None:
+            record_cached()
+            return hit
+    program = request.build()
+    start = time.perf_counter()
+    lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
+                         last=request.last)
+    lower_seconds = time.perf_counter() - start
+    material = {}
+    if cache is not None:
+        text = lowered.as_text()
+        material = {"program_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                    "target": target.fingerprint, "compiler": compiler}
+        keys.append(cache.key(material))
+        hit = _from_cache(cache, keys[-1], target)
+        if hit is not None:
+            for key in keys[:-1]:  # the identity key learns the figure too
+                cache.put(key, dataclasses.asdict(hit), material={"identity": request.identity})
+            record_cached()
+            return hit
+    return _Pending(request, program, lowered, keys, {"lower_seconds": lower_seconds, **material})
+
+
+def _complete(item: _Pending, target: CompileTarget, cache: NeedCache | None,
+              decision: Decision | None) -> MemoryEstimate:
+    """Compiles a lowered request (after ``decision``, for a full-depth one planned beside
+    it: :class:`Superseded` where the earlier policy fits), keeps it for the training loop,
+    and stores its estimate."""
+    request, program, lowered = item.request, item.program, item.lowered
+    if decision is not None and decision.superseded(wait=not request.reduced):
+        raise Superseded
+    start = time.perf_counter()
+    with program.lowering_context():
+        compiled = compile_lowered(lowered, target, program=program, reduced=request.reduced)
+    seconds = time.perf_counter() - start
+    cost = dict(request.cost) if request.cost is not None else compile_cost(compiled, lowered)
+    if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
+        keep_compiled(lowered, compiled, dict(target.compiler_options))
+    estimate = estimate_from_compiled(
+        program, compiled, request.micro_batch, request.accum_steps, target=target.name,
+        seconds=seconds + item.material.get("lower_seconds", 0.0), last=request.last,
+        lowered=lowered, cost=cost)
+    if estimate is None:
+        raise no_memory_analysis(target.name)
+    if cache is not None:
+        stored = {k: v for k, v in item.material.items() if k != "lower_seconds"}
+        if request.identity:
+            stored["identity"] = request.identity
+        for key in item.keys:
+            cache.put(key, dataclasses.asdict(estimate), material=stored)
+    return estimate
 
 
 def _from_cache(cache: NeedCache, key: str, target: CompileTarget) -> MemoryEstimate | None:

@@ -23,6 +23,7 @@ blocks that differ in memory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import sys
@@ -31,7 +32,7 @@ from typing import Any, TextIO
 
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ._budget import Budget
-from ._cache import CompileRequest, measure_all
+from ._cache import CompileRequest, measure_all, measure_later
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileTarget, MemoryEstimate
 from ._option_checks import received, say
@@ -45,6 +46,7 @@ from ._search import (
     line_need,
     need_line,
 )
+from ._speculation import Decision, deciding_beside, planning_next
 from ._train_program import TrainProgram
 
 __all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "label_sources",
@@ -318,19 +320,32 @@ class DepthExtrapolator:
         (Gemma3-1B, LoRA 4, on a T4)."""
         key = (micro_batch, accum_steps)
         if key not in self._full:
-            depth = self.variants.full_depth
-            predicted = self._predicted.get(key)
-            known = ({"flops": predicted.flops, "bytes accessed": predicted.bytes_accessed}
-                     if predicted is not None and predicted.flops > 0
-                     and self.target.deviceless and self.target.platform == "gpu" else None)
-            (self._full[key],) = measure_all(
-                [CompileRequest(self.variants.program(depth), micro_batch, accum_steps,
-                                self.variants.key(depth), cost=known)],
-                self.target, cache=self.cache, workers=1)
+            (self._full[key],) = measure_all([self._full_request(micro_batch, accum_steps)],
+                                             self.target, cache=self.cache, workers=1)
         return self._full[key]
 
-    def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
-        """Compiles the final choice at full depth and records the prediction's error."""
+    def full_later(self, micro_batch: int, accum_steps: int) -> concurrent.futures.Future:
+        """:meth:`full`, lowered now and compiled in a thread: its future estimate (pass it
+        to :meth:`verify` once done)."""
+        return measure_later(self._full_request(micro_batch, accum_steps), self.target,
+                             cache=self.cache)
+
+    def _full_request(self, micro_batch: int, accum_steps: int) -> CompileRequest:
+        """The full-depth step's request (its cost figures the line's, for a deviceless GPU)."""
+        depth = self.variants.full_depth
+        predicted = self._predicted.get((micro_batch, accum_steps))
+        known = ({"flops": predicted.flops, "bytes accessed": predicted.bytes_accessed}
+                 if predicted is not None and predicted.flops > 0
+                 and self.target.deviceless and self.target.platform == "gpu" else None)
+        return CompileRequest(self.variants.program(depth), micro_batch, accum_steps,
+                              self.variants.key(depth), cost=known)
+
+    def verify(self, micro_batch: int, accum_steps: int,
+               compiled: MemoryEstimate | None = None) -> MemoryEstimate:
+        """Compiles the final choice at full depth (``compiled``: already done, by
+        :meth:`full_later`) and records the prediction's error."""
+        if compiled is not None:
+            self._full.setdefault((micro_batch, accum_steps), compiled)
         estimate = self.full(micro_batch, accum_steps)
         check = self.checks.get(micro_batch)
         if check is not None:
@@ -470,7 +485,15 @@ def plan_by_depth(
             error.probes = label_sources(error.probes)
             raise
         b, k = smallest.micro_batch, smallest.accum_steps
-        one = extrapolator.verify(b, k)
+        if planning_next():  # the next remat policy is planned while this compile decides
+            say(stream, f"autoaccum:   depth extrapolation: micro_batch={b} at full depth "
+                "decides this policy; the next one is planned while it compiles")
+            decision = Decision(extrapolator.full_later(b, k),
+                                lambda one: one.need_bytes <= budget.bytes)
+            deciding_beside(decision)
+            one = extrapolator.verify(b, k, decision.future.result())
+        else:
+            one = extrapolator.verify(b, k)
         check = Probe(b, k, one.need_bytes, one.need_bytes <= budget.bytes,
                       "full depth: the line is an upper bound within reach", one)
         if not check.fits:

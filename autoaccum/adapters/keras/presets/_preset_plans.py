@@ -49,6 +49,7 @@ from ....planning._plan_options import (
     with_failed_policies,
 )
 from ....planning._search import DoesNotFitError
+from ....planning._speculation import next_policy
 from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._targets import device_platform, is_deviceless, slice_devices
 from ....training._training_options import explains_keywords
@@ -198,8 +199,13 @@ def plan_preset(
                                 quantize=quantize, strategy=strategy, devices=devices or 1,
                                 model=model_at(None))
 
-    for policy in policies:
-        def build(layers: int | None = None, policy: str = policy) -> Any:
+    outcomes: dict[str, tuple[Plan | None, Exception | None]] = {}
+
+    def attempt(index: int) -> tuple[Plan | None, Exception | None]:
+        """Policy ``index``'s plan, or why it does not fit (any error of its planning)."""
+        policy = policies[index]
+
+        def build(layers: int | None = None) -> Any:
             return keras_remat_program(model_at(layers), token_example_spec(sequence_length),
                                        policy)
 
@@ -216,7 +222,7 @@ def plan_preset(
         if stream is not None and len(policies) > 1:
             print(f"autoaccum: remat policy {policy!r}", file=stream, flush=True)
 
-        def plan_under(name: str, build: Any = build, variants: Any = variants) -> Plan:
+        def plan_under(name: str) -> Plan:
             return plan_program(build, effective_batch=effective_batch, lr_scaling=scaling,
                                 resident=functools.partial(resident_of, name),
                                 target=dataclasses.replace(target, strategy=name), log=log,
@@ -228,13 +234,26 @@ def plan_preset(
                                 verify_depth=verify_depth or (
                                     verify_sharded and name != "replicated"))
 
+        def plan_next() -> None:  # while a full-depth compile decides this one
+            outcomes[policies[index + 1]] = attempt(index + 1)
+
         skipped: list[tuple[str, DoesNotFitError]] = []
-        plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under, stream)
+        # One strategy: its miss is the policy's (several: the next strategy comes first).
+        beside = plan_next if index + 1 < len(policies) and len(strategies) == 1 else None
+        try:
+            with next_policy(beside):
+                plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under,
+                                              stream)
+        except Exception as error:  # kept for its turn when planned beside another policy
+            return None, error
+        return plan, None if plan is not None else skipped[-1][1]  # the most sharded tried
+
+    for index, policy in enumerate(policies):
+        plan, error = outcomes.pop(policy) if policy in outcomes else attempt(index)
         if plan is not None:
             return with_failed_policies(label_policy(plan, policy), failures)
-        error = skipped[-1][1]  # the most sharded one tried
-        if error.resident is not None:  # known from shapes: no policy can help
-            raise error
+        if not isinstance(error, DoesNotFitError) or error.resident is not None:
+            raise error  # known from shapes: no policy can help (or planning failed)
         failures.append((policy, error))
     raise failures[-1][1]
 

@@ -1,0 +1,83 @@
+"""The next remat policy is planned while a full-depth compile decides the current one: its
+full-depth compiles wait for the decision, and stop where the current policy fits."""
+
+import dataclasses
+import threading
+
+import pytest
+
+from autoaccum.planning import _cache
+from autoaccum.planning._budget import Budget
+from autoaccum.planning._cache import CompileRequest, measure_all
+from autoaccum.planning._depth import DepthVariants, io_bytes, plan_by_depth
+from autoaccum.planning._lr_scaling import scale_learning_rate
+from autoaccum.planning._measure import CompileTarget, counting_compiles, measure_program
+from autoaccum.planning._search import DoesNotFitError
+from autoaccum.planning._speculation import next_policy, pending_decision
+from tests.planning.test_depth import _build
+
+pytestmark = pytest.mark.slow  # depth-extrapolated plans: a dozen compiles each
+
+
+def _planning_next(events: list, monkeypatch: pytest.MonkeyPatch):
+    """A stand-in for the next policy: one reduced-depth and one full-depth compile of
+    another model; ``events`` records them, and whether the decision was made before the
+    full one started."""
+    compile_ = _cache.compile_lowered
+    main = threading.current_thread()
+    decision = []
+
+    def compiling(lowered, *args, reduced=False, **kwargs):
+        if threading.current_thread() is main and not reduced and decision:
+            events.append(("full compile", decision[0].future.done()))
+        return compile_(lowered, *args, reduced=reduced, **kwargs)
+
+    monkeypatch.setattr(_cache, "compile_lowered", compiling)
+
+    def plan_next():
+        decision.append(pending_decision())
+        measure_all([CompileRequest(_build(2), 2, 4, reduced=True)], CompileTarget())
+        events.append("reduced compiled")
+        measure_all([CompileRequest(_build(4), 2, 4)], CompileTarget())
+        events.append("full compiled")
+
+    return plan_next
+
+
+def test_where_the_decision_says_no_the_next_policy_compiles_in_full_after_it(monkeypatch):
+    full = measure_program(_build(8), 1, 8)
+    budget = (io_bytes(full) + full.need_bytes) // 2  # within the pass's reach, not the line's
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    events = []
+    plan_next = _planning_next(events, monkeypatch)
+    with counting_compiles() as ledger, next_policy(plan_next), \
+            pytest.raises(DoesNotFitError, match="Even micro_batch=1 needs"):
+        plan_by_depth(DepthVariants(full_depth=8, build=_build), effective_batch=8,
+                      lr_scaling=scale_learning_rate(None, effective_batch=8),
+                      budget=Budget(budget, "user", ""), target=target, log=None)
+    assert events == ["reduced compiled", ("full compile", True), "full compiled"]
+    assert ledger.count.full == 2  # the decision's and the next policy's
+
+
+def test_where_the_decision_says_it_fits_the_next_policy_stops_before_a_full_compile(
+        monkeypatch):
+    # The real model's last block is narrower: micro-batch 1 is predicted just over a budget
+    # it fits; a full compile decides, and the next policy is not needed.
+    real = _build(8, narrow_from=7)
+    exact = measure_program(real, 1, 8).need_bytes
+    events = []
+    plan_next = _planning_next(events, monkeypatch)
+    with counting_compiles() as ledger, next_policy(plan_next):
+        plan = plan_by_depth(DepthVariants(full_depth=8, build=_build, full=real),
+                             effective_batch=8,
+                             lr_scaling=scale_learning_rate(None, effective_batch=8),
+                             budget=Budget(exact, "user", ""), target=CompileTarget(), log=None)
+    assert plan.need_bytes <= exact and plan.estimate.source == "compiled"
+    assert "full compiled" not in events and ("full compile", True) not in events
+    assert ledger.count.full >= 1 and plan.micro_batch * plan.accum_steps == 8
+
+
+def test_without_a_next_policy_nothing_is_planned_beside():
+    assert pending_decision() is None
+    with next_policy(None):
+        assert pending_decision() is None
