@@ -68,6 +68,29 @@ Keras's first step came down from 20.99 s to 11.74-12.17 s planned (2.20x -> 1.5
 Besides the probe's compile, a planned fit traces and lowers its chosen step once more for
 the training loop (1.2 s for Keras, 2.4 s for Flax here): the loop's step function is not
 the planner's, and the kept executable is found by the lowered program's text.
+
+Again after a Flax fit's loop got the planner's step function (2026-11-30, two runs, load
+0.8-1.5): ``make_flax_step`` returns the same function for the same model, loss, optimizer
+and options, so JAX hands the loop its trace and lowering of the kept probe (JAX's own
+executable cache then answers the "compiled again" row's ``lowered.compile()`` as well, so
+that row no longer shows the cost of a second compile):
+
+                               fit   plan  step compiles  first step s  fit s
+      flax: plan's step kept (now)  3 x 6              2    9.54, 9.34  11.02, 10.83
+         flax: a plan made earlier  3 x 6              1    6.25, 6.48   7.74,  7.96
+     keras: plan's step kept (now)  8 x 2              2    8.62, 8.98  10.31, 10.74
+        keras: a plan made earlier  8 x 2              1    4.66, 4.99   6.32,  6.79
+    flax: time to the first step, planning its step / with a plan made earlier = 1.53x, 1.44x
+    keras: time to the first step, planning its step / with a plan made earlier = 1.85x, 1.80x
+
+"A plan made earlier" plans in the same process before its clock starts; in a fresh process
+that reads the plan from a file it took as long (Flax 5.18-5.34 s against 5.46 s, Keras
+4.14-4.17 s against 4.12 s, measured the same day), so process warm-up does not flatter it.
+What is left over 1.5x is the first probe's compile, which the answer needs on a CPU (Flax:
+micro-batch 2's 1.9 s of an uneven 3 x 6 step's 3.0 s), and for Keras the loop's second
+trace (0.6 s): its step function closes over Keras objects whose state when traced (a
+remat policy set on layers, the planner's clone of an unbuilt optimizer) no key can compare,
+so only the compiled program is shared, by its text.
 """
 
 from __future__ import annotations

@@ -69,6 +69,20 @@ nnx-t4 60.7 / 12.2 / 35.6 s (1.7x), lab-t4 120.7 / 6.6 / 39.1 s (3.1x), lab-2xt4
 / 34.8 s (4.1x; its warm run in a second pair of runs, the first having changed code between
 cold and warm, which the need cache keys on).
 
+After four changes (2026-11-30; compiles started as each is lowered, a deviceless GPU's
+full-depth flops taken from the depth line, a preset's model built once for every remat
+policy, and the next remat policy planned while a full-depth compile decides the first), the
+same plans and compiles. Before (``--root`` at 87c14e8) and after, alternated twice, cold
+seconds with ``--no-ratio``: lab-t4 104.4, 103.1 -> 80.0, 76.4; 1b-t4 40.6, 39.1 -> 36.8,
+37.8. Then the four GPU rows (the machine slower than in the morning, see the lone compiles):
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+      lab-t4  4 x 2 nothing    75.7     5.1     2        8        10         34.4               2.2
+       1b-t4     4 x 2 none    35.0     5.7     1        4         5         21.5               1.6
+      nnx-t4     4 x 2 none    34.4     7.6     1        4         5         24.1               1.4
+    lab-2xt4     2 x 2 none   110.1     6.1     2        8        10         31.6               3.5
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 

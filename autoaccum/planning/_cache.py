@@ -21,10 +21,10 @@ cached trace of the planner's, not a second trace of the model.
 
 Lowering holds the GIL and touches framework state (Keras scopes), so requests are lowered one
 after the other; XLA's compile releases the GIL, so independent compiles run in a thread pool,
-each started as soon as its request is lowered (the next is lowered meanwhile), with the
-conversion to HLO of a deviceless step's cost analysis. XLA's HLO passes are single-threaded,
-which is where a second concurrent compile gains on a 2-core machine (``benchmarks/dryrun.py``
-measures it).
+each started as soon as its request is lowered (the next is lowered meanwhile). XLA's HLO
+passes are single-threaded, which is where a second concurrent compile gains on a 2-core
+machine (``benchmarks/dryrun.py`` measures it). A compile that decides a remat policy runs in
+a thread of its own while the next policy is planned (:func:`measure_later`, ``_speculation``).
 """
 
 from __future__ import annotations
