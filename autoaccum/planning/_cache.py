@@ -237,11 +237,19 @@ def keep_compiled(lowered: Any, compiled: Any, options: dict | None = None) -> N
     key = _key(lowered, options)
     if key is None:
         return
+    _remember(_KEPT, key, compiled, replace=True)
+
+
+def _remember(table: collections.OrderedDict, key: Any, value: Any, *, replace: bool) -> Any:
+    """``table[key]`` set to ``value`` (``replace=False``: unless already set), the oldest of
+    more than :data:`KEPT_STEPS` dropped; returns what ``table[key]`` holds."""
     with _LOCK:
-        _KEPT[key] = compiled
-        _KEPT.move_to_end(key)
-        while len(_KEPT) > KEPT_STEPS:
-            _KEPT.popitem(last=False)
+        if replace or key not in table:
+            table[key] = value
+        table.move_to_end(key)
+        while len(table) > KEPT_STEPS:
+            table.popitem(last=False)
+        return table[key]
 
 
 def _placed_as_expected(compiled: Any, args: tuple) -> bool:
@@ -302,13 +310,7 @@ def same_function(key: Any, build: Callable[[], Any]) -> Any:
         if key in _FUNCTIONS:
             _FUNCTIONS.move_to_end(key)
             return _FUNCTIONS[key]
-    function = build()
-    with _LOCK:
-        function = _FUNCTIONS.setdefault(key, function)
-        _FUNCTIONS.move_to_end(key)
-        while len(_FUNCTIONS) > KEPT_STEPS:
-            _FUNCTIONS.popitem(last=False)
-    return function
+    return _remember(_FUNCTIONS, key, build(), replace=False)
 
 
 def kept_count() -> int:

@@ -33,12 +33,11 @@ class Superseded(BaseException):
 class Decision:
     """A full-depth compile under way (``future``) and whether its estimate ``fits``."""
 
-    def __init__(self, future: concurrent.futures.Future, fits: Callable[[Any], bool],
-                 earlier: Decision | None = None) -> None:
+    def __init__(self, future: concurrent.futures.Future, fits: Callable[[Any], bool]) -> None:
         self.future, self.fits = future, fits
-        self.earlier = earlier
-        """The decision the policy that made this one waited on, if any (a third policy
-        waits on both)."""
+        self.earlier: Decision | None = None
+        """The decision the policy that made this one waited on, if any (set by
+        :func:`deciding_beside`: a third policy waits on both)."""
 
     def superseded(self, *, wait: bool) -> bool:
         """Whether an earlier policy fits (``wait``: block until the compiles say; else

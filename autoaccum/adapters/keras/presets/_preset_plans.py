@@ -206,8 +206,10 @@ def plan_preset(
         policy = policies[index]
 
         def build(layers: int | None = None) -> Any:
-            return keras_remat_program(model_at(layers), token_example_spec(sequence_length),
-                                       policy)
+            return _preset_program(arch, dtype=dtype, lora_rank=lora_rank,
+                                   optimizer=optimizer, learning_rate=base_lr, overrides={},
+                                   sequence_length=sequence_length, policy=policy,
+                                   quantize=quantize, model=model_at(layers))
 
         identity = {"kind": "keras-hub architecture", "backbone": arch.backbone_class,
                     "task": arch.causal_lm_class,
@@ -283,10 +285,13 @@ def _preset_resident(arch: Architecture, *, dtype: str, lora_rank: int | None, o
 
 def _preset_program(arch: Architecture, *, dtype: str, lora_rank: int | None, optimizer: str,
                     learning_rate: float, overrides: dict[str, Any], sequence_length: int,
-                    policy: str, quantize: str | None = None) -> Any:
-    """The accumulated Keras step of ``arch`` (with ``overrides``), built with no weights."""
-    model = _abstract_lm(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
-                         learning_rate=learning_rate, overrides=overrides, quantize=quantize)
+                    policy: str, quantize: str | None = None, model: Any = None) -> Any:
+    """The accumulated Keras step of ``arch`` (with ``overrides``), built with no weights;
+    ``model``: that abstract model, if already built (one serves every remat policy)."""
+    if model is None:
+        model = _abstract_lm(arch, dtype=dtype, lora_rank=lora_rank, optimizer=optimizer,
+                             learning_rate=learning_rate, overrides=overrides,
+                             quantize=quantize)
     return keras_remat_program(model, token_example_spec(sequence_length), policy)
 
 
