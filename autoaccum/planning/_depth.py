@@ -485,11 +485,12 @@ def plan_by_depth(
             error.probes = label_sources(error.probes)
             raise
         b, k = smallest.micro_batch, smallest.accum_steps
-        if planning_next():  # the next remat policy is planned while this compile decides
+        if planning_next():  # the next policy or strategy is planned while this decides
             say(stream, f"autoaccum:   depth extrapolation: micro_batch={b} at full depth "
-                "decides this policy; the next one is planned while it compiles")
+                "decides; the next candidate is planned while it compiles")
             decision = Decision(extrapolator.full_later(b, k),
-                                lambda one: one.need_bytes <= budget.bytes)
+                                lambda one: one.need_bytes <= budget.bytes, line=line,
+                                budget_bytes=budget.bytes)
             deciding_beside(decision)
             one = extrapolator.verify(b, k, decision.future.result())
         else:

@@ -41,6 +41,7 @@ from ._plan_options import (
     with_failed_policies,
 )
 from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
+from ._speculation import Decision, next_policy
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import (
     ResolvedTarget,
@@ -452,7 +453,7 @@ def plan_model(
 
         plan = first_fitting_strategy(
             strategies, skipped, lambda s, ours=by_strategy: resident_of(ours[s].program),
-            plan_under, log)
+            plan_under, log, speculate=not trial)
         placement = by_strategy[plan.strategy].program.placement if plan is not None else None
         if placement is not None:  # the user's own layout: its mesh, every axis
             plan = dataclasses.replace(plan, mesh_axes=tuple(
@@ -588,55 +589,114 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
     bounds this one: if its need, less what ``name`` splits off per device (``resident``, with
     a gradient's share where the optimizer state is split, times :data:`SPLIT_SLACK`), is
     still over the budget, so is ``name``'s (e.g. a LoRA model's zero1 and zero2)."""
-    mine = resident(name)
     for base, error in failed:
         full = [p.need_bytes for p in error.probes if p.micro_batch == 1 and not p.fits
                 and p.kind != "real step" and p.estimate.source != "extrapolated"
                 and "refused" not in p.estimate.compile_note]  # a TPU's early figure
-        theirs = resident(base)
-        if not full or mine is None or theirs is None or not error.budget_bytes:
-            continue
-        budget_bytes = error.budget_bytes
-        # The optimizer state's split share (1 - 1/n): the gradients' reduction shrinks as much.
-        share = (1 - mine.optimizer_bytes / theirs.optimizer_bytes
-                 if theirs.optimizer_bytes else 0.0)
-        saved = int(SPLIT_SLACK * (max(0, theirs.accumulating_bytes - mine.accumulating_bytes)
-                                   + max(0.0, share) * theirs.gradient_bytes))
-        least = min(full) - saved
-        if least > budget_bytes:
-            least_text, budget_text = format_bytes_pair(least, budget_bytes)
-            return DoesNotFitError(
-                f"not compiled: micro_batch=1 needs at least {least_text} under {name}, over "
-                f"the budget of {budget_text}: the {base} step needs "
-                f"{format_bytes_pair(min(full), budget_bytes)[0]} at full depth (compiled) and "
-                f"{name} splits "
-                f"off at most {format_bytes(saved)} of it per device (its state and a "
-                "gradient's share from shapes, and as much again in temporaries)",
-                probes=(), budget_bytes=budget_bytes)
+        if full and error.budget_bytes:
+            why = _ruled_out_by(name, base, min(full), error.budget_bytes, resident)
+            if why is not None:
+                return why
     return None
+
+
+def _ruled_out_by(name: str, base: str, need: int, budget_bytes: int,
+                  resident: Callable[[str], Resident]) -> DoesNotFitError | None:
+    """Why ``name`` cannot fit where strategy ``base``'s micro-batch 1 needs ``need`` at full
+    depth (see :func:`ruled_out_by_less_sharding`), or ``None``."""
+    mine, theirs = resident(name), resident(base)
+    if mine is None or theirs is None:
+        return None
+    # The optimizer state's split share (1 - 1/n): the gradients' reduction shrinks as much.
+    share = (1 - mine.optimizer_bytes / theirs.optimizer_bytes
+             if theirs.optimizer_bytes else 0.0)
+    saved = int(SPLIT_SLACK * (max(0, theirs.accumulating_bytes - mine.accumulating_bytes)
+                               + max(0.0, share) * theirs.gradient_bytes))
+    least = need - saved
+    if least <= budget_bytes:
+        return None
+    least_text, budget_text = format_bytes_pair(least, budget_bytes)
+    return DoesNotFitError(
+        f"not compiled: micro_batch=1 needs at least {least_text} under {name}, over "
+        f"the budget of {budget_text}: the {base} step needs "
+        f"{format_bytes_pair(need, budget_bytes)[0]} at full depth (compiled) and {name} "
+        "splits off at most "
+        f"{format_bytes(saved)} of it per device (its state and a gradient's share from "
+        "shapes, and as much again in temporaries)",
+        probes=(), budget_bytes=budget_bytes)
 
 
 def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, DoesNotFitError]],
                            resident: Callable[[str], Resident], plan_under: Callable[[str], Plan],
-                           log: TextIO | None) -> Plan | None:
+                           log: TextIO | None, *, speculate: bool = False) -> Plan | None:
     """The plan of the first of ``strategies`` that ``plan_under`` plans, marked with it
     (:func:`with_strategy`), or ``None``; each one ruled out by a less sharded one
-    (:func:`ruled_out_by_less_sharding`) or that does not fit joins ``skipped``."""
-    for name in strategies:
+    (:func:`ruled_out_by_less_sharding`) or that does not fit joins ``skipped``.
+
+    ``speculate``: where a strategy's micro-batch 1 is decided by a full-depth compile (its
+    depth line over the budget, XLA's rematerialization pass maybe not), the strategy its
+    miss would leave next is planned meanwhile (:func:`_plan_beside`), and its outcome taken
+    in its turn. Off where several processes must agree on every compile."""
+    beside: dict[str, tuple[Plan | None, Exception | None]] = {}
+    for index, name in enumerate(strategies):
         if len(strategies) > 1:
-            say(log, f"autoaccum: sharding strategy {name!r}")
+            planned = " (planned above, beside a full-depth compile)" if name in beside else ""
+            say(log, f"autoaccum: sharding strategy {name!r}{planned}")
         ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
         if ruled_out is not None:
             say(log, f"autoaccum:   {ruled_out}")
             skipped.append((name, ruled_out))
             continue
+        if name in beside:
+            plan, error = beside.pop(name)
+            if isinstance(error, DoesNotFitError):
+                skipped.append((name, error))
+                continue
+            if error is not None:
+                raise error
+            return with_strategy(plan, name, skipped)
+        later = strategies[index + 1:]
+        spare = functools.partial(_plan_beside, name, later, skipped, resident, plan_under,
+                                  beside, log) if speculate and later else None
         try:
-            plan = plan_under(name)
+            with next_policy(spare) if spare is not None else contextlib.nullcontext():
+                plan = plan_under(name)
         except DoesNotFitError as error:
             skipped.append((name, error))
             continue
         return with_strategy(plan, name, skipped)
     return None
+
+
+def _plan_beside(base: str, later: Sequence[str], skipped: list[tuple[str, DoesNotFitError]],
+                 resident: Callable[[str], Resident], plan_under: Callable[[str], Plan],
+                 beside: dict[str, tuple[Plan | None, Exception | None]], log: TextIO | None,
+                 decision: Decision) -> None:
+    """While ``decision`` compiles ``base``'s micro-batch 1 at full depth, plans the first of
+    ``later`` that a miss at the depth line's figure (an upper bound) would not rule out,
+    into ``beside``. It stops (:class:`Superseded`) where ``base`` fits, or where the
+    decided figure leaves a strategy in between to plan first."""
+    line, budget_bytes = decision.line, decision.budget_bytes
+    if line is None or budget_bytes is None:
+        return
+
+    def ruled_out(name: str, need: int) -> bool:
+        if ruled_out_by_less_sharding(name, skipped, resident) is not None:
+            return True
+        return line.micro_batch == 1 and _ruled_out_by(name, base, need, budget_bytes,
+                                                       resident) is not None
+
+    chosen = next((s for s in later if not ruled_out(s, line.need_bytes)), None)
+    if chosen is None:
+        return
+    between = later[:later.index(chosen)]
+    decision.stops.append(lambda one: any(not ruled_out(s, one.need_bytes) for s in between))
+    say(log, f"autoaccum: sharding strategy {chosen!r}, planned while {base}'s full-depth "
+        "compile decides")
+    try:
+        beside[chosen] = (plan_under(chosen), None)
+    except Exception as error:  # kept for its turn (Superseded is not an Exception)
+        beside[chosen] = (None, error)
 
 
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:

@@ -1,4 +1,5 @@
-"""The next remat policy planned while a full-depth compile decides the current one.
+"""The next remat policy (or sharding strategy) planned while a full-depth compile decides
+the current one.
 
 Where no micro-batch of a policy fits by the depth line but XLA's rematerialization pass could
 bring the smallest under the budget, one full-depth compile decides (the lab's Gemma3-4B LoRA
@@ -8,6 +9,11 @@ compiles and its full-depth lowering. Before any full-depth compile of its own i
 the decision; if the current policy fits after all, the next one's planning stops there
 (:class:`Superseded`) and only its reduced-depth compiles were spent. Otherwise its outcome is
 the one the search would have reached next, a full compile sooner.
+
+Sharding strategies (``--devices 2``) use the same economy: while the replicated step's
+micro-batch 1 is decided, the next strategy that its miss would leave to plan (for a LoRA
+model, fsdp: zero1 and zero2 split off too little to help) is planned beside it; it stops if
+the decision fits, or if its figure leaves a strategy in between to plan first.
 """
 
 from __future__ import annotations
@@ -31,39 +37,48 @@ class Superseded(BaseException):
 
 
 class Decision:
-    """A full-depth compile under way (``future``) and whether its estimate ``fits``."""
+    """A full-depth compile under way (``future``) and whether its estimate ``fits``;
+    ``line``: the depth line's estimate it decides (an upper bound), ``budget_bytes``: the
+    budget it is held to."""
 
-    def __init__(self, future: concurrent.futures.Future, fits: Callable[[Any], bool]) -> None:
+    def __init__(self, future: concurrent.futures.Future, fits: Callable[[Any], bool], *,
+                 line: Any = None, budget_bytes: int | None = None) -> None:
         self.future, self.fits = future, fits
+        self.line, self.budget_bytes = line, budget_bytes
         self.earlier: Decision | None = None
         """The decision the policy that made this one waited on, if any (set by
         :func:`deciding_beside`: a third policy waits on both)."""
+        self.stops: list[Callable[[Any], bool]] = []
+        """More reasons, given the decided estimate, why what is planned beside is not
+        needed (a strategy in between that the figure leaves to plan first)."""
 
     def superseded(self, *, wait: bool) -> bool:
-        """Whether an earlier policy fits (``wait``: block until the compiles say; else
-        ``False`` while they run). A compile that failed decides nothing here: its caller
-        raises it."""
+        """Whether what is planned beside is not needed: an earlier policy fits, or a stop
+        says so (``wait``: block until the compiles say; else ``False`` while they run). A
+        compile that failed decides nothing here: its caller raises it."""
         if self.earlier is not None and self.earlier.superseded(wait=wait):
             return True
         if not wait and not self.future.done():
             return False
         try:
-            return bool(self.fits(self.future.result()))
+            one = self.future.result()
         except Exception:
             return False
+        return bool(self.fits(one)) or any(stop(one) for stop in self.stops)
 
 
-_NEXT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+_NEXT: contextvars.ContextVar[Callable[[Decision], None] | None] = contextvars.ContextVar(
     "autoaccum_next_policy", default=None)
 _PENDING: contextvars.ContextVar[Decision | None] = contextvars.ContextVar(
     "autoaccum_pending_decision", default=None)
 
 
 @contextlib.contextmanager
-def next_policy(plan_next: Callable[[], None] | None) -> Iterator[None]:
+def next_policy(plan_next: Callable[[Decision], None] | None) -> Iterator[None]:
     """Within the block, a decision made by a full-depth compile (:func:`deciding_beside`)
-    runs ``plan_next()`` meanwhile (the remat search's next policy, its outcome kept by the
-    caller); ``None``: nothing runs beside it."""
+    runs ``plan_next(decision)`` meanwhile (the remat search's next policy or the next
+    sharding strategy, its outcome kept by the caller, who may add to ``decision.stops``);
+    ``None``: nothing runs beside it."""
     token = _NEXT.set(plan_next)
     try:
         yield
@@ -81,7 +96,7 @@ def deciding_beside(decision: Decision) -> None:
     outer = _NEXT.set(None)  # the next policy sets its own next
     pending = _PENDING.set(decision)
     try:
-        plan_next()
+        plan_next(decision)
     except Superseded:
         pass
     finally:

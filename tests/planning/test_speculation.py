@@ -1,5 +1,6 @@
-"""The next remat policy is planned while a full-depth compile decides the current one: its
-full-depth compiles wait for the decision, and stop where the current policy fits."""
+"""The next remat policy (or sharding strategy) is planned while a full-depth compile decides
+the current one: its full-depth compiles wait for the decision, and stop where the current one
+fits or where the decided figure leaves another strategy to plan first."""
 
 import dataclasses
 import threading
@@ -7,11 +8,12 @@ import threading
 import pytest
 
 from autoaccum.planning import _cache
-from autoaccum.planning._budget import Budget
+from autoaccum.planning._budget import Budget, Resident
 from autoaccum.planning._cache import CompileRequest, measure_all
-from autoaccum.planning._depth import DepthVariants, io_bytes, plan_by_depth
+from autoaccum.planning._depth import DepthExtrapolator, DepthVariants, io_bytes, plan_by_depth
 from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import CompileTarget, counting_compiles, measure_program
+from autoaccum.planning._plan_model import first_fitting_strategy
 from autoaccum.planning._search import DoesNotFitError
 from autoaccum.planning._speculation import next_policy, pending_decision
 from tests.planning.test_depth import _build
@@ -34,8 +36,9 @@ def _planning_next(events: list, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(_cache, "compile_lowered", compiling)
 
-    def plan_next():
-        decision.append(pending_decision())
+    def plan_next(deciding):
+        assert deciding is pending_decision()
+        decision.append(deciding)
         measure_all([CompileRequest(_build(2), 2, 4, reduced=True)], CompileTarget())
         events.append("reduced compiled")
         measure_all([CompileRequest(_build(4), 2, 4)], CompileTarget())
@@ -81,3 +84,61 @@ def test_without_a_next_policy_nothing_is_planned_beside():
     assert pending_decision() is None
     with next_policy(None):
         assert pending_decision() is None
+
+
+def _strategies(monkeypatch, *, zero1_saves: str):
+    """Three strategies planned by ``first_fitting_strategy``: the replicated step's
+    micro-batch 1 is over its depth line's budget but within the pass's reach, so a full
+    compile decides it (and misses; the full model is narrower than its line says); zero1
+    splits off (from shapes) half the miss (``"half"``) or the miss and half the line's
+    overshoot of it (``"more"``), fsdp a lot; both plan a narrower model that fits. Returns
+    the plan, the strategies planned (with whether a decision was pending as each began),
+    those skipped and the compiles."""
+    real = _build(8, narrow_from=4)
+    exact = measure_program(real, 1, 8)
+    variants = DepthVariants(full_depth=8, build=_build, full=real)
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    line = DepthExtrapolator(variants, target).measure(1, 8).need_bytes
+    budget = Budget((io_bytes(exact) + exact.need_bytes) // 2, "user", "")
+    miss, overshoot = exact.need_bytes - budget.bytes, line - exact.need_bytes
+    assert miss > 0 and overshoot > 0
+    saved = miss // 2 if zero1_saves == "half" else miss + overshoot // 2
+    big = 10**12  # zero1 splits off SPLIT_SLACK (2) x what its optimizer state loses
+    residents = {"replicated": Resident(0, 0, 0, big, 0),
+                 "zero1": Resident(0, 0, 0, big - saved // 2, 0),
+                 "fsdp": Resident(0, 0, 0, 0, 0)}
+    planned = []
+
+    def plan_under(name):
+        planned.append((name, pending_decision() is not None))
+        narrow = name != "replicated"
+        return plan_by_depth(
+            DepthVariants(full_depth=8, build=lambda d: _build(d, dim=16)) if narrow
+            else variants, effective_batch=8,
+            lr_scaling=scale_learning_rate(None, effective_batch=8), budget=budget,
+            target=target, log=None)
+
+    skipped = []
+    with counting_compiles() as ledger:
+        plan = first_fitting_strategy(("replicated", "zero1", "fsdp"), skipped,
+                                      residents.__getitem__, plan_under, None, speculate=True)
+    return plan, planned, skipped, ledger.count
+
+
+def test_the_strategy_a_miss_leaves_next_is_planned_while_the_miss_is_decided(monkeypatch):
+    # zero1 splits off less than the miss: ruled out; fsdp is planned beside the decision.
+    plan, planned, skipped, count = _strategies(monkeypatch, zero1_saves="half")
+    assert planned == [("replicated", False), ("fsdp", True)]
+    assert plan.strategy == "fsdp" and [n for n, _ in skipped] == ["replicated", "zero1"]
+    assert "not compiled" in str(skipped[1][1])
+    assert count.full == 2  # the decision and fsdp's verification, after it
+
+
+def test_a_speculated_strategy_stops_where_the_decided_figure_leaves_one_in_between(
+        monkeypatch):
+    # zero1 splits off more than the compiled miss, less than the line's: fsdp is begun
+    # beside the decision and stopped before its full-depth compile; zero1 is planned.
+    plan, planned, skipped, count = _strategies(monkeypatch, zero1_saves="more")
+    assert planned == [("replicated", False), ("fsdp", True), ("zero1", False)]
+    assert plan.strategy == "zero1" and [n for n, _ in skipped] == ["replicated"]
+    assert count.full == 2  # the decision and zero1's verification; none of fsdp's

@@ -49,7 +49,7 @@ from ....planning._plan_options import (
     with_failed_policies,
 )
 from ....planning._search import DoesNotFitError
-from ....planning._speculation import next_policy
+from ....planning._speculation import Decision, next_policy
 from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._targets import device_platform, is_deviceless, slice_devices
 from ....training._training_options import explains_keywords
@@ -236,7 +236,7 @@ def plan_preset(
                                 verify_depth=verify_depth or (
                                     verify_sharded and name != "replicated"))
 
-        def plan_next() -> None:  # while a full-depth compile decides this one
+        def plan_next(decision: Decision) -> None:  # while a compile decides this one
             outcomes[policies[index + 1]] = attempt(index + 1)
 
         skipped: list[tuple[str, DoesNotFitError]] = []
@@ -245,7 +245,7 @@ def plan_preset(
         try:
             with next_policy(beside):
                 plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under,
-                                              stream)
+                                              stream, speculate=True)
         except Exception as error:  # kept for its turn when planned beside another policy
             return None, error
         return plan, None if plan is not None else skipped[-1][1]  # the most sharded tried
