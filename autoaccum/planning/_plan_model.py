@@ -332,7 +332,13 @@ def plan_model(
     prepared_by_policy: dict[str, Prepared] = {}
     failures: list[tuple[str, DoesNotFitError]] = []
     resolved: ResolvedTarget | None = None
-    for policy in policies:
+    # A policy planned beside a full-depth compile deciding the one before (see below).
+    outcomes: dict[str, tuple[Plan | None, Exception | None, Prepared | None]] = {}
+
+    def attempt(index: int) -> tuple[Plan | None, Exception | None, Prepared | None]:
+        """Policy ``index``'s plan and program, or why it does not fit (its error)."""
+        nonlocal data, strategies, resolved, dp_notes, method, objective
+        policy = policies[index]
         prepared = prepare(adapter, model, data, effective_batch=effective_batch,
                            options=options, remat=policy, remat_layers=remat_layers)
         placement = prepared.program.placement
@@ -451,9 +457,19 @@ def plan_model(
                     plan_strategy, name, agree=False))
             return plan
 
-        plan = first_fitting_strategy(
-            strategies, skipped, lambda s, ours=by_strategy: resident_of(ours[s].program),
-            plan_under, log, speculate=not trial)
+        def plan_next(decision: Decision, following: int = index + 1) -> None:
+            try:  # while a full-depth compile decides this policy
+                outcomes[policies[following]] = attempt(following)
+            except Exception as error:  # kept for its turn (Superseded is not an Exception)
+                outcomes[policies[following]] = (None, error, None)
+
+        # One strategy: its miss is the policy's (several: the next strategy comes first).
+        beside = (len(strategies) == 1 and not trial and objective != "throughput"
+                  and index + 1 < len(policies))
+        with next_policy(plan_next) if beside else contextlib.nullcontext():
+            plan = first_fitting_strategy(
+                strategies, skipped, lambda s, ours=by_strategy: resident_of(ours[s].program),
+                plan_under, log, speculate=not trial)
         placement = by_strategy[plan.strategy].program.placement if plan is not None else None
         if placement is not None:  # the user's own layout: its mesh, every axis
             plan = dataclasses.replace(plan, mesh_axes=tuple(
@@ -481,6 +497,14 @@ def plan_model(
                 + ADVISE_HINT,
                 probes=tuple(dataclasses.replace(p, strategy=n)
                              for n, e in skipped for p in e.probes))
+            return None, error, prepared
+        return plan, None, prepared
+
+    for index, policy in enumerate(policies):
+        plan, error, prepared = outcomes.pop(policy) if policy in outcomes else attempt(index)
+        if plan is None:
+            if not isinstance(error, DoesNotFitError):
+                raise error  # planning itself failed (planned beside another policy)
             failures.append((policy, error))
             if error.beyond_remat:
                 break  # the state alone rules out every step: no policy can change that

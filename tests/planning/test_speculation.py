@@ -142,3 +142,50 @@ def test_a_speculated_strategy_stops_where_the_decided_figure_leaves_one_in_betw
     assert planned == [("replicated", False), ("fsdp", True), ("zero1", False)]
     assert plan.strategy == "zero1" and [n for n, _ in skipped] == ["replicated"]
     assert count.full == 2  # the decision and zero1's verification; none of fsdp's
+
+
+def test_a_depth_variant_plan_plans_the_next_remat_policy_while_a_full_compile_decides(
+        monkeypatch):
+    # A Flax model planned by its DepthVariant (not a preset): without remat micro-batch 1 is
+    # just over the budget by the line but under it within the line's tolerance, so a
+    # full-depth compile decides (the real model's last block is narrower; it still misses);
+    # the next policy is prepared and planned while that compile runs.
+    import optax
+    from flax import nnx
+
+    import autoaccum
+    from autoaccum.planning import _plan_model
+    from tests._models import ragged_tokens, token_loss
+    from tests.planning.test_depth import DeepLM
+
+    data = ragged_tokens(16, 257, vocab=256)
+    common = dict(optimizer=optax.adamw(1e-3), loss_fn=token_loss)
+
+    def need(model):
+        return autoaccum.measure(model, data, micro_batch=1, accum_steps=8, **common,
+                                 search=autoaccum.Search(cache=False, remat="none")).need_bytes
+
+    model = DeepLM(8, rngs=nnx.Rngs(0), narrow_from=7)
+    two, three, real = need(DeepLM(2, rngs=nnx.Rngs(0))), need(DeepLM(3, rngs=nnx.Rngs(0))), \
+        need(model)
+    line = two + 6 * (three - two)
+    assert line / 1.02 < real < line  # within the line's tolerance, under it
+    budget = (real + int(line / 1.02)) // 2
+    prepared = []
+    prepare = _plan_model.prepare
+
+    def preparing(*args, remat, **kwargs):
+        prepared.append((remat, pending_decision() is not None))
+        return prepare(*args, remat=remat, **kwargs)
+
+    monkeypatch.setattr(_plan_model, "prepare", preparing)
+    variant = autoaccum.DepthVariant(depth=8, build=lambda d: DeepLM(d, rngs=nnx.Rngs(0)))
+    plan = autoaccum.plan(model, data, effective_batch=8, optimizer=optax.adamw,
+                          learning_rate=1e-3, loss_fn=token_loss, budget=budget, log=None,
+                          search=autoaccum.Search(method="compile", cache=False,
+                                                  depth_variant=variant))
+    # Each policy's program at each depth; dots' while none's decision was pending.
+    assert list(dict.fromkeys(prepared)) == [("none", False), ("dots", True)]
+    assert plan.remat == "dots" and plan.need_bytes <= budget
+    assert plan.compiles.full == 2  # the decision and dots' verification, after it
+    assert "Even micro_batch=1 needs" in next(n for n in plan.notes if "remat=none" in n)
