@@ -83,6 +83,11 @@ seconds with ``--no-ratio``: lab-t4 104.4, 103.1 -> 80.0, 76.4; 1b-t4 40.6, 39.1
       nnx-t4     4 x 2 none    34.4     7.6     1        4         5         24.1               1.4
     lab-2xt4     2 x 2 none   110.1     6.1     2        8        10         31.6               3.5
 
+After the strategy a deciding compile's miss would leave next (fsdp here) was planned while
+that compile runs (2026-11-30, ``--cases lab-2xt4 --no-ratio``, alternated with ``--root`` at
+adfc2ab): 96.7, 105.1 -> 83.1, 83.5 s cold; warm 5.4-5.7 -> 5.0-5.2 s; the same plan (2 x 2
+fsdp) and compiles (2 full, 8 reduced).
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 
