@@ -86,7 +86,17 @@ seconds with ``--no-ratio``: lab-t4 104.4, 103.1 -> 80.0, 76.4; 1b-t4 40.6, 39.1
 After the strategy a deciding compile's miss would leave next (fsdp here) was planned while
 that compile runs (2026-11-30, ``--cases lab-2xt4 --no-ratio``, alternated with ``--root`` at
 adfc2ab): 96.7, 105.1 -> 83.1, 83.5 s cold; warm 5.4-5.7 -> 5.0-5.2 s; the same plan (2 x 2
-fsdp) and compiles (2 full, 8 reduced).
+fsdp) and compiles (2 full, 8 reduced). Then the four GPU rows (quiet machine):
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+      lab-t4  4 x 2 nothing    69.2     0.9     2        8        10         31.7               2.2
+       1b-t4     4 x 2 none    30.4     0.8     1        4         5         17.2               1.8
+      nnx-t4     4 x 2 none    29.2     6.0     1        4         5         21.1               1.4
+    lab-2xt4     2 x 2 none    75.5     4.4     2        8        10         25.6               2.9
+
+(a preset's warm plan no longer builds its model: nothing needs it when every figure is
+cached.)
 
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
