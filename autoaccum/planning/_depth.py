@@ -488,9 +488,8 @@ def plan_by_depth(
         if planning_next():  # the next policy or strategy is planned while this decides
             say(stream, f"autoaccum:   depth extrapolation: micro_batch={b} at full depth "
                 "decides; the next candidate is planned while it compiles")
-            decision = Decision(extrapolator.full_later(b, k),
-                                lambda one: one.need_bytes <= budget.bytes, line=line,
-                                budget_bytes=budget.bytes)
+            decision = Decision(extrapolator.full_later(b, k), budget_bytes=budget.bytes,
+                                line=line)
             deciding_beside(decision)
             one = extrapolator.verify(b, k, decision.future.result())
         else:

@@ -41,7 +41,7 @@ from ._plan_options import (
     with_failed_policies,
 )
 from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
-from ._speculation import Decision, next_policy
+from ._speculation import Decision, PlannedBeside, next_policy
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import (
     ResolvedTarget,
@@ -332,10 +332,9 @@ def plan_model(
     prepared_by_policy: dict[str, Prepared] = {}
     failures: list[tuple[str, DoesNotFitError]] = []
     resolved: ResolvedTarget | None = None
-    # A policy planned beside a full-depth compile deciding the one before (see below).
-    outcomes: dict[str, tuple[Plan | None, Exception | None, Prepared | None]] = {}
+    ahead = PlannedBeside()  # a policy planned beside a full-depth compile deciding the last
 
-    def attempt(index: int) -> tuple[Plan | None, Exception | None, Prepared | None]:
+    def attempt(index: int) -> tuple[Plan | None, DoesNotFitError | None, Prepared]:
         """Policy ``index``'s plan and program, or why it does not fit (its error)."""
         nonlocal data, strategies, resolved, dp_notes, method, objective
         policy = policies[index]
@@ -458,10 +457,7 @@ def plan_model(
             return plan
 
         def plan_next(decision: Decision, following: int = index + 1) -> None:
-            try:  # while a full-depth compile decides this policy
-                outcomes[policies[following]] = attempt(following)
-            except Exception as error:  # kept for its turn (Superseded is not an Exception)
-                outcomes[policies[following]] = (None, error, None)
+            ahead.plan(policies[following], functools.partial(attempt, following))
 
         # One strategy: its miss is the policy's (several: the next strategy comes first).
         beside = (len(strategies) == 1 and not trial and objective != "throughput"
@@ -501,10 +497,8 @@ def plan_model(
         return plan, None, prepared
 
     for index, policy in enumerate(policies):
-        plan, error, prepared = outcomes.pop(policy) if policy in outcomes else attempt(index)
+        plan, error, prepared = ahead.take(policy, functools.partial(attempt, index))
         if plan is None:
-            if not isinstance(error, DoesNotFitError):
-                raise error  # planning itself failed (planned beside another policy)
             failures.append((policy, error))
             if error.beyond_remat:
                 break  # the state alone rules out every step: no policy can change that
@@ -661,30 +655,21 @@ def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, D
     depth line over the budget, XLA's rematerialization pass maybe not), the strategy its
     miss would leave next is planned meanwhile (:func:`_plan_beside`), and its outcome taken
     in its turn. Off where several processes must agree on every compile."""
-    beside: dict[str, tuple[Plan | None, Exception | None]] = {}
+    ahead = PlannedBeside()
     for index, name in enumerate(strategies):
         if len(strategies) > 1:
-            planned = " (planned above, beside a full-depth compile)" if name in beside else ""
-            say(log, f"autoaccum: sharding strategy {name!r}{planned}")
+            say(log, f"autoaccum: sharding strategy {name!r}")
         ruled_out = ruled_out_by_less_sharding(name, skipped, resident)
         if ruled_out is not None:
             say(log, f"autoaccum:   {ruled_out}")
             skipped.append((name, ruled_out))
             continue
-        if name in beside:
-            plan, error = beside.pop(name)
-            if isinstance(error, DoesNotFitError):
-                skipped.append((name, error))
-                continue
-            if error is not None:
-                raise error
-            return with_strategy(plan, name, skipped)
         later = strategies[index + 1:]
         spare = functools.partial(_plan_beside, name, later, skipped, resident, plan_under,
-                                  beside, log) if speculate and later else None
+                                  ahead, log) if speculate and later else None
         try:
             with next_policy(spare) if spare is not None else contextlib.nullcontext():
-                plan = plan_under(name)
+                plan = ahead.take(name, functools.partial(plan_under, name))
         except DoesNotFitError as error:
             skipped.append((name, error))
             continue
@@ -694,14 +679,13 @@ def first_fitting_strategy(strategies: Sequence[str], skipped: list[tuple[str, D
 
 def _plan_beside(base: str, later: Sequence[str], skipped: list[tuple[str, DoesNotFitError]],
                  resident: Callable[[str], Resident], plan_under: Callable[[str], Plan],
-                 beside: dict[str, tuple[Plan | None, Exception | None]], log: TextIO | None,
-                 decision: Decision) -> None:
+                 ahead: PlannedBeside, log: TextIO | None, decision: Decision) -> None:
     """While ``decision`` compiles ``base``'s micro-batch 1 at full depth, plans the first of
     ``later`` that a miss at the depth line's figure (an upper bound) would not rule out,
-    into ``beside``. It stops (:class:`Superseded`) where ``base`` fits, or where the
+    into ``ahead``. It stops (:class:`Superseded`) where ``base`` fits, or where the
     decided figure leaves a strategy in between to plan first."""
     line, budget_bytes = decision.line, decision.budget_bytes
-    if line is None or budget_bytes is None:
+    if line is None:
         return
 
     def ruled_out(name: str, need: int) -> bool:
@@ -717,10 +701,7 @@ def _plan_beside(base: str, later: Sequence[str], skipped: list[tuple[str, DoesN
     decision.stops.append(lambda one: any(not ruled_out(s, one.need_bytes) for s in between))
     say(log, f"autoaccum: sharding strategy {chosen!r}, planned while {base}'s full-depth "
         "compile decides")
-    try:
-        beside[chosen] = (plan_under(chosen), None)
-    except Exception as error:  # kept for its turn (Superseded is not an Exception)
-        beside[chosen] = (None, error)
+    ahead.plan(chosen, functools.partial(plan_under, chosen))
 
 
 def _by_partitioner(found: Any, prepared: Prepared) -> Any:

@@ -24,8 +24,8 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Decision", "Superseded", "deciding_beside", "next_policy", "pending_decision",
-           "planning_next"]
+__all__ = ["Decision", "PlannedBeside", "Superseded", "deciding_beside", "next_policy",
+           "pending_decision", "planning_next"]
 
 
 class Superseded(BaseException):
@@ -37,14 +37,12 @@ class Superseded(BaseException):
 
 
 class Decision:
-    """A full-depth compile under way (``future``) and whether its estimate ``fits``;
-    ``line``: the depth line's estimate it decides (an upper bound), ``budget_bytes``: the
-    budget it is held to."""
+    """A full-depth compile under way (``future``), deciding whether the step whose depth
+    line (an upper bound) was ``line`` fits ``budget_bytes``."""
 
-    def __init__(self, future: concurrent.futures.Future, fits: Callable[[Any], bool], *,
-                 line: Any = None, budget_bytes: int | None = None) -> None:
-        self.future, self.fits = future, fits
-        self.line, self.budget_bytes = line, budget_bytes
+    def __init__(self, future: concurrent.futures.Future, *, budget_bytes: int,
+                 line: Any = None) -> None:
+        self.future, self.budget_bytes, self.line = future, budget_bytes, line
         self.earlier: Decision | None = None
         """The decision the policy that made this one waited on, if any (set by
         :func:`deciding_beside`: a third policy waits on both)."""
@@ -53,7 +51,7 @@ class Decision:
         needed (a strategy in between that the figure leaves to plan first)."""
 
     def superseded(self, *, wait: bool) -> bool:
-        """Whether what is planned beside is not needed: an earlier policy fits, or a stop
+        """Whether what is planned beside is not needed: an earlier step fits, or a stop
         says so (``wait``: block until the compiles say; else ``False`` while they run). A
         compile that failed decides nothing here: its caller raises it."""
         if self.earlier is not None and self.earlier.superseded(wait=wait):
@@ -64,7 +62,39 @@ class Decision:
             one = self.future.result()
         except Exception:
             return False
-        return bool(self.fits(one)) or any(stop(one) for stop in self.stops)
+        return one.need_bytes <= self.budget_bytes or any(stop(one) for stop in self.stops)
+
+
+class PlannedBeside:
+    """Outcomes planned beside a decision, by name (a remat policy, a sharding strategy),
+    each taken once in its turn.
+
+    Example:
+      >>> ahead = PlannedBeside()
+      >>> ahead.plan("nothing", lambda: "its plan")
+      >>> ahead.take("nothing", lambda: "planned again"), ahead.take("nothing", lambda: "again")
+      ('its plan', 'again')
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[Any, Exception | None]] = {}
+
+    def plan(self, name: str, work: Callable[[], Any]) -> None:
+        """Runs ``work()`` now and keeps its result or error (:class:`Superseded`, not an
+        ``Exception``, passes: nothing is kept)."""
+        try:
+            self._kept[name] = (work(), None)
+        except Exception as error:  # raised in its turn
+            self._kept[name] = (None, error)
+
+    def take(self, name: str, work: Callable[[], Any]) -> Any:
+        """What :meth:`plan` kept for ``name`` (its error raised), else ``work()``."""
+        if name not in self._kept:
+            return work()
+        value, error = self._kept.pop(name)
+        if error is not None:
+            raise error
+        return value
 
 
 _NEXT: contextvars.ContextVar[Callable[[Decision], None] | None] = contextvars.ContextVar(

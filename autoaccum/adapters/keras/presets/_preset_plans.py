@@ -49,7 +49,7 @@ from ....planning._plan_options import (
     with_failed_policies,
 )
 from ....planning._search import DoesNotFitError
-from ....planning._speculation import Decision, next_policy
+from ....planning._speculation import Decision, PlannedBeside, next_policy
 from ....planning._strategies import STRATEGIES, state_layout
 from ....planning._targets import device_platform, is_deviceless, slice_devices
 from ....training._training_options import explains_keywords
@@ -199,10 +199,10 @@ def plan_preset(
                                 quantize=quantize, strategy=strategy, devices=devices or 1,
                                 model=model_at(None))
 
-    outcomes: dict[str, tuple[Plan | None, Exception | None]] = {}
+    ahead = PlannedBeside()  # a policy planned beside a full-depth compile deciding the last
 
-    def attempt(index: int) -> tuple[Plan | None, Exception | None]:
-        """Policy ``index``'s plan, or why it does not fit (any error of its planning)."""
+    def attempt(index: int) -> tuple[Plan | None, DoesNotFitError | None]:
+        """Policy ``index``'s plan, or why it does not fit."""
         policy = policies[index]
 
         def build(layers: int | None = None) -> Any:
@@ -237,25 +237,22 @@ def plan_preset(
                                     verify_sharded and name != "replicated"))
 
         def plan_next(decision: Decision) -> None:  # while a compile decides this one
-            outcomes[policies[index + 1]] = attempt(index + 1)
+            ahead.plan(policies[index + 1], functools.partial(attempt, index + 1))
 
         skipped: list[tuple[str, DoesNotFitError]] = []
         # One strategy: its miss is the policy's (several: the next strategy comes first).
         beside = plan_next if index + 1 < len(policies) and len(strategies) == 1 else None
-        try:
-            with next_policy(beside):
-                plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under,
-                                              stream, speculate=True)
-        except Exception as error:  # kept for its turn when planned beside another policy
-            return None, error
+        with next_policy(beside):
+            plan = first_fitting_strategy(strategies, skipped, resident_of, plan_under,
+                                          stream, speculate=True)
         return plan, None if plan is not None else skipped[-1][1]  # the most sharded tried
 
     for index, policy in enumerate(policies):
-        plan, error = outcomes.pop(policy) if policy in outcomes else attempt(index)
+        plan, error = ahead.take(policy, functools.partial(attempt, index))
         if plan is not None:
             return with_failed_policies(label_policy(plan, policy), failures)
-        if not isinstance(error, DoesNotFitError) or error.resident is not None:
-            raise error  # known from shapes: no policy can help (or planning failed)
+        if error.resident is not None:
+            raise error  # known from shapes: no policy can help
         failures.append((policy, error))
     raise failures[-1][1]
 
