@@ -57,17 +57,28 @@ _OLDEST_BY_CUDA = {13: (7, 5)}  # CUDA major -> oldest compute capability its pt
 
 
 def _ptxas_path() -> str | None:
-    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    for wheel in (nvidia / "cu13" / "bin" / "ptxas", nvidia / "cuda_nvcc" / "bin" / "ptxas"):
-        if wheel.is_file():  # NVIDIA's CUDA 13 wheels, then CUDA 12's
-            return str(wheel)
-    cuda_dir = os.environ.get("CUDA_DIR") or os.environ.get("CUDA_HOME")
-    if cuda_dir and (Path(cuda_dir) / "bin" / "ptxas").is_file():
-        return str(Path(cuda_dir) / "bin" / "ptxas")
+    """The ``ptxas`` XLA's GPU compiler would run: the first of ``$PATH``, the usual CUDA
+    toolkit folders and NVIDIA's pip wheels beside JAX's CUDA plugin, where XLA looks
+    (jaxlib 0.12.0.1 lists them when it finds none; it reads neither ``CUDA_DIR`` nor
+    ``--xla_gpu_cuda_data_dir`` for a deviceless compile)."""
     found = shutil.which("ptxas")
-    if found is None and Path("/usr/local/cuda/bin/ptxas").is_file():
-        return "/usr/local/cuda/bin/ptxas"  # where XLA looks last
-    return found
+    if found is not None:
+        return found
+    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
+    for candidate in (Path("/usr/local/cuda/bin/ptxas"), Path("/opt/cuda/bin/ptxas"),
+                      nvidia / "cu13" / "bin" / "ptxas",  # NVIDIA's CUDA 13 wheel
+                      nvidia / "cuda_nvcc" / "bin" / "ptxas",  # and CUDA 12's
+                      Path(sys.prefix) / "bin" / "ptxas"):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def _libdevice_found() -> bool:
+    """Whether libdevice is in a CUDA toolkit folder or NVIDIA's wheel where XLA looks."""
+    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
+    roots = (Path("/usr/local/cuda"), Path("/opt/cuda"), nvidia / "cu13", nvidia / "cuda_nvcc")
+    return any((root / "nvvm" / "libdevice" / "libdevice.10.bc").is_file() for root in roots)
 
 
 @functools.cache
@@ -102,8 +113,10 @@ def deviceless_blocker(profile: DeviceProfile) -> str | None:
     if not profile.is_gpu:
         return None
     found = ptxas_version()
-    if found is None:
-        return None
+    if found is None or not _libdevice_found():
+        missing = no_cuda_compiler()
+        if missing is not None or found is None:
+            return missing
     path, (major, minor) = found
     oldest = max((cc for cuda, cc in _OLDEST_BY_CUDA.items() if major >= cuda), default=None)
     capability = profile.gpu.compute_capability
@@ -114,12 +127,69 @@ def deviceless_blocker(profile: DeviceProfile) -> str | None:
         f"{profile.name} (compute capability {capability[0]}.{capability[1]}; CUDA {major} "
         f"targets {oldest[0]}.{oldest[1]} and newer). Compile with JAX's CUDA 12 plugin and a "
         "CUDA 12 ptxas: pip install 'autoaccum[dryrun-cuda12]' nvidia-cuda-nvcc-cu12 in an "
-        "environment without the CUDA 13 plugin (or CUDA_DIR=/path/to/cuda-12), or plan on "
+        "environment without the CUDA 13 plugin, or plan on "
         "that GPU itself"
     )
 
 
 _SKIP_CHECK_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+_COMPILER_PROBE = """
+import sys
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+topology = topologies.get_topology_desc(platform="cuda", target_config=sys.argv[1],
+                                        topology="1x1x1")
+mesh = topologies.make_mesh(topology, (1,), ("x",))
+sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+x = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=sharding)
+jax.jit(lambda a: jnp.exp(a) * 2).lower(x).compile()
+"""
+"""A deviceless compile of one elementwise kernel for the GPU named by ``sys.argv[1]`` (its
+PTX goes to ptxas, its ``exp`` comes from libdevice)."""
+
+NO_CUDA_COMPILER = (
+    "XLA's compile for a GPU needs NVIDIA's ptxas (PTX to machine code) and libdevice (math "
+    "functions), from a CUDA toolkit or NVIDIA's pip wheels, and finds them not here: its "
+    "deviceless compile fails, or dies of a segmentation fault that ends the process. Install "
+    "NVIDIA's wheels with the extra: pip install 'autoaccum[dryrun]' (nvidia-cuda-nvcc and "
+    "nvidia-nvvm; 'autoaccum[dryrun-cuda12]': nvidia-cuda-nvcc-cu12), or a CUDA toolkit in "
+    "/usr/local/cuda"
+)
+"""Why a dry run for a GPU cannot compile on a machine without NVIDIA's compiler, and the
+fixes."""
+
+_COMPILER_MISSING = re.compile(r"ptxas|libdevice|nvlink|PTX compilation provider", re.I)
+
+
+@functools.cache
+def no_cuda_compiler() -> str | None:
+    """:data:`NO_CUDA_COMPILER` where a deviceless GPU compile cannot find NVIDIA's compiler
+    here, else ``None``.
+
+    For a machine where none of ptxas's usual places has one (:func:`ptxas_version` is
+    ``None``): XLA may still find one, so one tiny compile for a T4 in a child process
+    decides. Measured with JAX's CUDA 13 plugin (jaxlib 0.12.0.1) and the CUDA toolkit and
+    NVIDIA's wheels hidden: with no ptxas but nvlink XLA dies of a segmentation fault, with
+    neither it raises ``No PTX compilation provider is available``; with ptxas on ``$PATH``
+    but no libdevice, ``libdevice not found``. A child that fails otherwise (no CUDA plugin:
+    its own error says so), or takes over 5 minutes, gives no verdict.
+
+    Example:
+      >>> no_cuda_compiler() is None  # ptxas and libdevice are found on this machine
+      True
+    """
+    config = gpu_target_config(find_profile("t4"), device_memory_bytes=2**30,
+                               cuda=cuda_plugin() or "cuda13")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", _SKIP_CHECK_ENV: "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _COMPILER_PROBE, config], env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    crashed = done.returncode < 0 or done.returncode in (128 + 11, 128 + 6)
+    missing = _COMPILER_MISSING.search(done.stderr) is not None
+    return NO_CUDA_COMPILER if done.returncode != 0 and (crashed or missing) else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ extras, read from the package's own metadata (:data:`EXTRAS`, never a second cop
 * ``keras``: Keras 3 models, keras-hub presets (bringing TensorFlow through tensorflow-text)
   and the default demo, and ``keras_nlp`` (a shim whose models are keras-hub's);
 * ``dryrun`` / ``dryrun-cuda12``: compiling for a named GPU that is not here (JAX's CUDA 13 /
-  12 plugin at exactly JAX's version, without the CUDA libraries);
+  12 plugin at exactly JAX's version, without the CUDA libraries, and NVIDIA's ptxas and
+  libdevice wheels, which XLA's GPU compile needs);
 * ``cuda13`` (JAX's default) and ``cuda12``: JAX on an NVIDIA GPU, the plugin following JAX;
 * ``plot``: ``plot_plan`` and ``autoaccum plan --plot``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,15 +53,21 @@ def _declared() -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
     extras: dict[str, list[str]] = {}
     for text in importlib.metadata.requires("autoaccum") or ():
         requirement = Requirement(text)
-        marker = str(requirement.marker or "")
+        marker = requirement.marker
+        found = _EXTRA_MARKER.search(str(marker or ""))
+        name = found.group(1) if found else None
+        # A requirement for another platform (NVIDIA's wheels off Linux) is not one here.
+        if name == "dev" or (marker is not None and not marker.evaluate({"extra": name or ""})):
+            continue
         requirement.marker = None
-        if not marker:
+        if name is None:
             core.append(str(requirement))
-        elif marker.startswith("extra == "):
-            name = marker.split("==", 1)[1].strip().strip("\"'")
-            if name != "dev":
-                extras.setdefault(name, []).append(str(requirement))
+        else:
+            extras.setdefault(name, []).append(str(requirement))
     return tuple(core), {name: tuple(reqs) for name, reqs in extras.items()}
+
+
+_EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")
 
 
 CORE_REQUIREMENTS, EXTRAS = _declared()
@@ -78,6 +86,10 @@ CUDA_PLUGINS: dict[str, tuple[str, str, str]] = {
 _MODULES = {"keras-hub": "keras_hub", "jax-cuda12-pjrt": "jax_plugins.xla_cuda12",
             "jax-cuda13-pjrt": "jax_plugins.xla_cuda13"}
 # Distribution name -> the module it provides, where they differ beyond '-' and '_'.
+
+_NAMESPACED = {"nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-nvcc-cu12"}
+# NVIDIA's wheels of ptxas and libdevice: files in the shared ``nvidia`` namespace, no module
+# of their own; installed is what their metadata says.
 
 _LOCKSTEP = {f"{cuda}{local}": plugins[:2]
              for cuda, plugins in CUDA_PLUGINS.items() for local in ("", "-local")}
@@ -120,6 +132,11 @@ def installed_version(distribution: str) -> str | None:
     >>> installed_version("numpy") is not None, installed_version("no-such-package-xyz")
     (True, None)
     """
+    if distribution in _NAMESPACED:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
     module = _MODULES.get(distribution, distribution.replace("-", "_"))
     try:
         if importlib.util.find_spec(module) is None:
@@ -204,7 +221,9 @@ def _within(version: str, specifier: object) -> bool:
 
 def _selected(extra: str, packages: Sequence[str] | None) -> list[Requirement]:
     """The requirements of ``extra``, or those of its ``packages``."""
-    return [r for r in map(Requirement, EXTRAS[extra]) if packages is None or r.name in packages]
+    return [r for r in map(Requirement, EXTRAS[extra])
+            if (packages is None or r.name in packages)
+            and (r.marker is None or r.marker.evaluate({"extra": extra}))]
 
 
 def _received(extra: str, packages: Sequence[str] | None) -> list[str]:

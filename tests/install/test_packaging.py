@@ -56,10 +56,16 @@ def test_the_cuda_plugin_and_tpu_extras_follow_jax_through_jax_s_own_extras():
     assert not core_jax.specifier.contains("0.13.0")
     for extra, jax_extra in (("dryrun", "cuda13-local"), ("dryrun-cuda12", "cuda12-local"),
                              ("cuda13", "cuda13"), ("cuda12", "cuda12"), ("tpu", "tpu")):
-        (text,) = project["optional-dependencies"][extra]
+        text, *rest = project["optional-dependencies"][extra]
         requirement = Requirement(text)
         assert requirement.name == "jax" and requirement.extras == {jax_extra}
         assert not requirement.specifier  # jax's range is the core one: one place
+        # The dry-run extras add NVIDIA's ptxas and libdevice wheels (Linux), ranged as the
+        # plugins' own `with-cuda` extras declare them.
+        assert {Requirement(t).name for t in rest} == {
+            "dryrun": {"nvidia-cuda-nvcc", "nvidia-nvvm"},
+            "dryrun-cuda12": {"nvidia-cuda-nvcc-cu12"}}.get(extra, set()), extra
+        assert all(str(Requirement(t).marker) == 'sys_platform == "linux"' for t in rest)
     names = {r.name for r in _all_requirements()}
     plugins = {f"jax-cuda{v}-{p}" for v in (12, 13) for p in ("plugin", "pjrt")}
     assert not (plugins | {"jaxlib", "libtpu"}) & names  # pinned by jax
