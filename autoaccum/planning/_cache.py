@@ -376,10 +376,13 @@ def default_workers() -> int:
 
 
 def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
-                cache: NeedCache | None = None,
-                workers: int | None = None) -> list[MemoryEstimate]:
+                cache: NeedCache | None = None, workers: int | None = None,
+                meanwhile: Callable[[], None] | None = None) -> list[MemoryEstimate]:
     """The estimates of ``requests``, in order: cached where the cache has them, the rest
     compiled (``workers`` at a time, default :func:`default_workers`) and stored.
+
+    ``meanwhile``: work for this thread while the compiles run in others (only where some
+    do), e.g. building the model a later compile needs.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -423,6 +426,8 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
             where.append(i)
             if pool is not None:
                 futures.append(pool.submit(_complete, prepared, target, cache, decision))
+        if meanwhile is not None and futures:
+            meanwhile()
         done = ([future.result() for future in futures] if pool is not None
                 else [_complete(item, target, cache, decision) for item in pending])
     finally:

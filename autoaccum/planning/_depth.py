@@ -16,7 +16,10 @@ search's margin of the budget.
 
 A full-depth compile also stands in for the line where the smallest micro-batch is over it but
 the pass could bring it under, and where the need falls with depth (seen on TPU); a
-verification over the budget redoes the search at full depth. Layer patterns (Gemma's
+verification over the budget redoes the search at full depth. Micro-batch 1, after a larger
+one's line was over, is not compiled at reduced depths where the line from the floor through
+that one already puts it over (``DepthExtrapolator.smallest_bound``): a full-depth compile
+decides it either way. Layer patterns (Gemma's
 sliding/global attention) are extrapolated from the first blocks; the verification catches
 blocks that differ in memory.
 """
@@ -24,6 +27,7 @@ blocks that differ in memory.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import sys
@@ -49,8 +53,8 @@ from ._search import (
 from ._speculation import Decision, deciding_beside, planning_next
 from ._train_program import TrainProgram
 
-__all__ = ["DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants", "label_sources",
-           "plan_by_depth", "validate_depths"]
+__all__ = ["LINE_SOURCES", "DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants",
+           "label_sources", "plan_by_depth", "validate_depths"]
 
 REMAT_SLOP = 0.95
 """XLA's ``xla_gpu_memory_limit_slop_factor`` default (95%)."""
@@ -249,11 +253,19 @@ class DepthExtrapolator:
     """
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
-                 log: TextIO | str | None = None) -> None:
+                 log: TextIO | str | None = None, floor_bytes: int = 0,
+                 budget_bytes: int | None = None) -> None:
         self.variants = variants
         self.target = target
         self.reduced_target = reduced_depth_target(target)
         """``target`` with XLA's GPU rematerialization pass off, for the reduced depths."""
+        self.floor_bytes = floor_bytes
+        """Bytes every accumulating step needs at least, from shapes (0: unknown)."""
+        self.budget_bytes = budget_bytes
+        """The plan's budget, for :meth:`smallest_bound` (``None``: no bound is taken)."""
+        self.builds_full = budget_bytes is not None
+        """Whether the full-depth model is built while the first reduced-depth compiles run
+        (a plan that will compile at full depth; not the advisor's quick rows)."""
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.checks: dict[int, DepthCheck] = {}
@@ -270,12 +282,14 @@ class DepthExtrapolator:
         return self._predicted[key]
 
     def _measure(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+        if micro_batch == 1 and (bound := self.smallest_bound(accum_steps)) is not None:
+            return bound
         d1, d2 = self.variants.depths
         try:
             small = measure_all(
                 [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
                                 self.variants.key(d), reduced=True) for d in (d1, d2)],
-                self.reduced_target, cache=self.cache)
+                self.reduced_target, cache=self.cache, meanwhile=self._build_full)
         except Exception as error:  # a model that cannot be built or compiled that shallow
             why = f"no compile at depths {d1} and {d2}: {type(error).__name__}: {error}"
             return self._full_instead(DepthCheck(micro_batch, accum_steps, 0, 0, False,
@@ -296,6 +310,54 @@ class DepthExtrapolator:
         self.checks[micro_batch] = DepthCheck(micro_batch, accum_steps, predicted.need_bytes,
                                               per_block, True, "linear in depth")
         return predicted
+
+    def _build_full(self) -> None:
+        """Builds the full-depth model while reduced-depth compiles run: a plan that verifies
+        compiles it at full depth (its choice, or a decision) whenever it compiles anything
+        (Gemma3-4B from its config: about 2 s, otherwise on the way to that compile). A
+        model that fails to build fails there, in its place."""
+        if not self.builds_full:
+            return
+        self.builds_full = False
+        program = self.variants.program(self.variants.full_depth)
+        if not isinstance(program, TrainProgram):
+            # A failure is raised again where the full-depth compile builds it.
+            with contextlib.suppress(Exception):
+                program()
+
+    def smallest_bound(self, accum_steps: int) -> MemoryEstimate | None:
+        """Micro-batch 1's depth line bounded from below, without its own reduced-depth
+        compiles, where that bound is over the budget by more than the search's margin; else
+        ``None`` (compile them).
+
+        The line is affine in the micro-batch from 2 on and starts at least at the floor
+        (weights, optimizer state and accumulator, from shapes), so the line from the floor
+        through a larger micro-batch's extrapolated need lies at or under it below that
+        micro-batch. Over the budget, micro-batch 1's pair of reduced-depth compiles could
+        only say "over" again, and a full-depth compile decides it either way (XLA's
+        rematerialization pass may bring it under): the lab's Gemma3-4B LoRA on a T4 without
+        remat, micro-batch 2 at 26.6 GiB and a 7.29 GiB floor bound micro-batch 1 at
+        16.9 GiB (its pair said 17.9) against a 13.4 GiB budget."""
+        if self.budget_bytes is None or self.floor_bytes <= 0:
+            return None
+        lines = sorted((b, e) for (b, _), e in self._predicted.items()
+                       if b >= 2 and e.source == "extrapolated")
+        if not lines:
+            return None
+        b, above = lines[0]
+        need = round(self.floor_bytes + (above.need_bytes - self.floor_bytes) / b)
+        if need <= self.budget_bytes * (1 + PREDICTION_MARGIN):
+            return None
+        io = io_bytes(above)
+        why = (f"at least {format_bytes(need)} on the line from the floor "
+               f"({format_bytes(self.floor_bytes)}) through micro-batch {b}'s "
+               f"{format_bytes(above.need_bytes)}: not compiled at depths "
+               f"{self.variants.depths[0]} and {self.variants.depths[1]}")
+        self.checks[1] = DepthCheck(1, accum_steps, need, 0, False, why)
+        self._say(f"micro_batch=1: {why}")
+        return dataclasses.replace(above, micro_batch=1, accum_steps=accum_steps,
+                                   need_bytes=need, temp_bytes=max(need - io, 0),
+                                   source="bound", compile_seconds=0.0)
 
     def _full_instead(self, check: DepthCheck) -> MemoryEstimate:
         """Records ``check`` (why the line does not stand in) and compiles at full depth."""
@@ -348,7 +410,11 @@ class DepthExtrapolator:
             self._full.setdefault((micro_batch, accum_steps), compiled)
         estimate = self.full(micro_batch, accum_steps)
         check = self.checks.get(micro_batch)
-        if check is not None:
+        if check is not None and not check.holds:  # a bound, not a prediction
+            self._say(f"micro_batch={micro_batch} at full depth: "
+                      f"{format_bytes(estimate.need_bytes)} (its line: at least "
+                      f"{format_bytes(check.predicted_bytes)})")
+        elif check is not None:
             self.checks[micro_batch] = dataclasses.replace(check,
                                                            verified_bytes=estimate.need_bytes)
             error = self.checks[micro_batch].error
@@ -376,6 +442,10 @@ class DepthExtrapolator:
                            f"full depth ({check.why})")
         return tuple(out)
 
+
+LINE_SOURCES = ("extrapolated", "bound")
+"""Sources of an estimate from the depth line (two reduced-depth compiles, or a bound on it),
+not from a compile of the step itself."""
 
 REMAT_PASS_OFF = ("xla_disable_hlo_passes", "rematerialization")
 """Turns XLA's GPU rematerialization pass off (as ``jax_compiler_enable_remat_pass=False``)."""
@@ -465,7 +535,9 @@ def plan_by_depth(
       >>> plan.micro_batch, plan.estimate.source  # the whole batch (k=1) compiles in full
       (8, 'compiled')
     """
-    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log)
+    extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log,
+                                     floor_bytes=accumulating_floor, budget_bytes=budget.bytes)
+    extrapolator.builds_full = verify
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor,
                   data_parallel=data_parallel)
@@ -478,7 +550,7 @@ def plan_by_depth(
         smallest = min(error.probes, key=lambda p: p.micro_batch, default=None)
         # Where even the rematerialization pass at its best is over, no compile can fit.
         line = smallest.estimate if smallest is not None else None
-        if (not verify or line is None or line.source != "extrapolated"
+        if (not verify or line is None or line.source not in LINE_SOURCES
                 or io_bytes(line) > budget.bytes
                 or min(extrapolator.optimistic(line),  # the pass at its best
                        line.need_bytes / (1 + variants.tolerance)) > budget.bytes):
@@ -503,9 +575,11 @@ def plan_by_depth(
                     f"No accumulating step fits (its weights, optimizer state and float32 "
                     f"gradient accumulator alone are over the budget, from shapes), and the "
                     f"whole batch of {b} in one step")
+            said = (f"the line through two reduced depths said {format_bytes(line.need_bytes)}"
+                    if line.source == "extrapolated" else
+                    f"its line from the floor: at least {format_bytes(line.need_bytes)}")
             raise error._copy(
-                f"{what} needs {need} at full depth (compiled; the line through two reduced "
-                f"depths said {format_bytes(line.need_bytes)}), over the budget of "
+                f"{what} needs {need} at full depth (compiled; {said}), over the budget of "
                 f"{budget_text} by {format_bytes(one.need_bytes - budget.bytes)}. {rest}",
                 probes=(*label_sources(error.probes), check)) from None
         plan = plan_from_search(
@@ -569,7 +643,8 @@ def plan_by_depth(
 
 def label_sources(probes: tuple[Probe, ...]) -> tuple[Probe, ...]:
     """Probes whose figure was extrapolated or read from the cache say so in ``why``."""
-    tags = {"extrapolated": " (extrapolated)", "cache": " (cached)"}
+    tags = {"extrapolated": " (extrapolated)", "cache": " (cached)",
+            "bound": " (bounded from the floor, not compiled)"}
     return tuple(dataclasses.replace(p, why=p.why + tags[p.estimate.source])
                  if p.estimate.source in tags and not p.why.endswith(tags[p.estimate.source])
                  else p for p in probes)

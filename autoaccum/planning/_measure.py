@@ -340,8 +340,9 @@ class MemoryEstimate:
     """How the compile departed from the default, e.g. the deviceless fallback it needed."""
     source: str = "compiled"
     """``"compiled"``, ``"cache"`` (the same program for the same target, read from the need
-    cache) or ``"extrapolated"`` (predicted from compiles of the model at two smaller
-    depths)."""
+    cache), ``"extrapolated"`` (predicted from compiles of the model at two smaller depths)
+    or ``"bound"`` (micro-batch 1's depth line bounded from below by a larger micro-batch's
+    and the floor, not compiled: ``DepthExtrapolator.smallest_bound``)."""
     floor_bytes: int = 0
     """What one device must hold at least in this step, from shapes (state as laid out,
     gradient accumulator, batch, the largest transient an operation needs); 0 where not

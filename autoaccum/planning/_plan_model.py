@@ -14,7 +14,7 @@ from ..devices._profiles import format_bytes, format_bytes_pair
 from ._adapter_interface import Adapter, Prepared
 from ._budget import Resident, check_resident, program_resident, resident_of
 from ._cache import CompileRequest, measure_all, resolve_cache
-from ._depth import DepthVariant, DepthVariants, label_sources, plan_by_depth
+from ._depth import LINE_SOURCES, DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr_scaling import LearningRateScaling, announce
 from ._measure import counted, measure_program
 from ._micro_batches import split_sizes
@@ -609,7 +609,7 @@ def ruled_out_by_less_sharding(name: str, failed: list[tuple[str, DoesNotFitErro
     still over the budget, so is ``name``'s (e.g. a LoRA model's zero1 and zero2)."""
     for base, error in failed:
         full = [p.need_bytes for p in error.probes if p.micro_batch == 1 and not p.fits
-                and p.kind != "real step" and p.estimate.source != "extrapolated"
+                and p.kind != "real step" and p.estimate.source not in LINE_SOURCES
                 and "refused" not in p.estimate.compile_note]  # a TPU's early figure
         if full and error.budget_bytes:
             why = _ruled_out_by(name, base, min(full), error.budget_bytes, resident)

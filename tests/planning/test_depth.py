@@ -12,7 +12,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning._budget import Budget
+from autoaccum.planning._budget import Budget, resident_of
 from autoaccum.planning._depth import (
     REMAT_PASS_OFF,
     DepthExtrapolator,
@@ -31,7 +31,7 @@ from autoaccum.planning._measure import (
     counting_compiles,
     measure_program,
 )
-from autoaccum.planning._search import DoesNotFitError, Probe
+from autoaccum.planning._search import PREDICTION_MARGIN, DoesNotFitError, Probe
 from tests._models import ragged_tokens, token_loss
 
 SPEC = {"tokens": jax.ShapeDtypeStruct((16,), jnp.int32),
@@ -208,6 +208,60 @@ def test_a_refusal_over_the_line_is_decided_by_one_full_compile(whole_batch_only
     assert ("whole batch of 8 in one step needs" if whole_batch_only
             else "Even micro_batch=1 needs") in str(refused.value)
     assert ledger.count.full == 1 and ledger.count.reduced >= 2
+
+
+@pytest.mark.slow  # two plans' compiles
+def test_micro_batch_one_bounded_over_the_budget_is_decided_without_its_reduced_depths():
+    # Micro-batch 2's line and the floor (from shapes) bound micro-batch 1's line from below.
+    # Over the budget, its two reduced-depth compiles could only say "over" again, and one
+    # full-depth compile decides either way (XLA's pass might bring it under): the same
+    # verdict, two reduced-depth compiles fewer. Without a floor, they are compiled.
+    real = _build(8)
+    floor = resident_of(real).accumulating_bytes
+    line = DepthExtrapolator(DepthVariants(full_depth=8, build=_build),
+                             CompileTarget()).measure(2, 4).need_bytes
+    bound = floor + (line - floor) // 2
+    budget = (floor + int(bound / (1 + PREDICTION_MARGIN))) // 2
+    assert floor < budget < bound / (1 + PREDICTION_MARGIN)
+    target = dataclasses.replace(CompileTarget(), remat_pass_base_bytes=1)
+    outcomes = {}
+    for name, given in (("bound", floor), ("pair", 0)):
+        with counting_compiles() as ledger, pytest.raises(DoesNotFitError) as refused:
+            plan_by_depth(DepthVariants(full_depth=8, build=_build, full=real),
+                          effective_batch=8, budget=Budget(budget, "user", ""),
+                          lr_scaling=scale_learning_rate(None, effective_batch=8),
+                          target=target, log=None, accumulating_floor=given)
+        outcomes[name] = (ledger.count.full, ledger.count.reduced, refused.value)
+    (full, reduced, error), (full_pair, reduced_pair, error_pair) = outcomes.values()
+    assert full == full_pair == 1 and reduced == reduced_pair - 2  # (the whole batch's too)
+    assert error.probes[-1].need_bytes == error_pair.probes[-1].need_bytes  # the same compile
+    first = next(p for p in error.probes if p.micro_batch == 1)
+    assert first.estimate.source == "bound" and first.need_bytes <= next(
+        p for p in error_pair.probes if p.micro_batch == 1).need_bytes  # under its line
+    assert "(bounded from the floor, not compiled)" in first.why
+    assert "its line from the floor: at least" in str(error)
+
+
+def test_the_full_depth_model_is_built_while_the_first_reduced_depths_compile(monkeypatch):
+    monkeypatch.setenv("AUTOACCUM_COMPILE_WORKERS", "2")  # the two compile in other threads
+    # A plan that verifies compiles the full depth whenever it compiles anything: its model
+    # is built on this thread while the two reduced depths compile in others. The advisor's
+    # quick rows (no full-depth compile) do not build it.
+    built = []
+
+    def build(depth):
+        built.append(depth)
+        return _build(depth)
+
+    for verifies in (True, False):
+        built.clear()
+        extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build),
+                                         CompileTarget(), budget_bytes=2**30)
+        extrapolator.builds_full = verifies
+        extrapolator.measure(2, 4)
+        assert built == ([2, 3, 8] if verifies else [2, 3])
+        extrapolator.measure(4, 2)  # built once
+        assert built.count(8) == int(verifies)
 
 
 def test_a_shallow_model_is_compiled_in_full():
