@@ -290,6 +290,9 @@ def deviceless_target(
         cuda = _require_cuda_plugin()
         text = gpu_target_config(profile, device_memory_bytes=device_memory_bytes, cuda=cuda)
         blocker = deviceless_blocker(profile)
+        if blocker == NO_CUDA_COMPILER:  # what the dryrun extra brings
+            raise MissingExtraError(f"Cannot compile for {profile.key} here: {blocker}. "
+                                    f"Received: device={profile.key!r}", extra="dryrun")
         if blocker is not None:
             raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
                                f"Received: device={profile.key!r}")
