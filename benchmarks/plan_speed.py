@@ -98,6 +98,21 @@ fsdp) and compiles (2 full, 8 reduced). Then the four GPU rows (quiet machine):
 (a preset's warm plan no longer builds its model: nothing needs it when every figure is
 cached.)
 
+After micro-batch 1 stopped being compiled at reduced depths where the line from the floor
+through micro-batch 2 already bounds it over the budget (a full-depth compile decides it either
+way), and the full-depth model is built while the first reduced depths compile (2026-11-30,
+``--no-ratio``, alternated with ``--root`` at fa05eb1): lab-t4 66.5, 67.9 -> 61.8, 60.4 s;
+lab-2xt4 78.6, 76.1 -> 73.0, 70.9 s (both 2 full + 6 reduced, from 8; the same plans); 1b-t4
+29.4, 32.1 -> 29.5, 31.1 s and nnx-t4 29.3, 31.3 -> 29.8, 32.2 s (unchanged: they never reach
+micro-batch 1). Then the four GPU rows:
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+      lab-t4  4 x 2 nothing    65.6     0.9     2        6         8         30.5               2.2
+       1b-t4     4 x 2 none    28.7     0.9     1        4         5         16.8               1.7
+      nnx-t4     4 x 2 none    28.6     6.0     1        4         5         20.3               1.4
+    lab-2xt4     2 x 2 none    69.6     4.3     2        6         8         25.8               2.7
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 
