@@ -254,7 +254,7 @@ class DepthExtrapolator:
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
                  log: TextIO | str | None = None, floor_bytes: int = 0,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, build_full: bool = False) -> None:
         self.variants = variants
         self.target = target
         self.reduced_target = reduced_depth_target(target)
@@ -263,7 +263,7 @@ class DepthExtrapolator:
         """Bytes every accumulating step needs at least, from shapes (0: unknown)."""
         self.budget_bytes = budget_bytes
         """The plan's budget, for :meth:`smallest_bound` (``None``: no bound is taken)."""
-        self.builds_full = budget_bytes is not None
+        self.build_full = build_full
         """Whether the full-depth model is built while the first reduced-depth compiles run
         (a plan that will compile at full depth; not the advisor's quick rows)."""
         self.cache = cache
@@ -316,9 +316,9 @@ class DepthExtrapolator:
         compiles it at full depth (its choice, or a decision) whenever it compiles anything
         (Gemma3-4B from its config: about 2 s, otherwise on the way to that compile). A
         model that fails to build fails there, in its place."""
-        if not self.builds_full:
+        if not self.build_full:
             return
-        self.builds_full = False
+        self.build_full = False
         program = self.variants.program(self.variants.full_depth)
         if not isinstance(program, TrainProgram):
             # A failure is raised again where the full-depth compile builds it.
@@ -410,7 +410,8 @@ class DepthExtrapolator:
             self._full.setdefault((micro_batch, accum_steps), compiled)
         estimate = self.full(micro_batch, accum_steps)
         check = self.checks.get(micro_batch)
-        if check is not None and not check.holds:  # a bound, not a prediction
+        line = self._predicted.get((micro_batch, accum_steps))
+        if check is not None and line is not None and line.source == "bound":
             self._say(f"micro_batch={micro_batch} at full depth: "
                       f"{format_bytes(estimate.need_bytes)} (its line: at least "
                       f"{format_bytes(check.predicted_bytes)})")
@@ -536,8 +537,8 @@ def plan_by_depth(
       (8, 'compiled')
     """
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log,
-                                     floor_bytes=accumulating_floor, budget_bytes=budget.bytes)
-    extrapolator.builds_full = verify
+                                     floor_bytes=accumulating_floor, budget_bytes=budget.bytes,
+                                     build_full=verify)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor,
                   data_parallel=data_parallel)

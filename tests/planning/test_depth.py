@@ -256,8 +256,7 @@ def test_the_full_depth_model_is_built_while_the_first_reduced_depths_compile(mo
     for verifies in (True, False):
         built.clear()
         extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build),
-                                         CompileTarget(), budget_bytes=2**30)
-        extrapolator.builds_full = verifies
+                                         CompileTarget(), build_full=verifies)
         extrapolator.measure(2, 4)
         assert built == ([2, 3, 8] if verifies else [2, 3])
         extrapolator.measure(4, 2)  # built once
