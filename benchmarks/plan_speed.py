@@ -113,6 +113,19 @@ micro-batch 1). Then the four GPU rows:
       nnx-t4     4 x 2 none    28.6     6.0     1        4         5         20.3               1.4
     lab-2xt4     2 x 2 none    69.6     4.3     2        6         8         25.8               2.7
 
+Then with compiles one at a time on this 2-core machine (``default_workers``; the next step
+lowered meanwhile), alternated twice with two side by side, ``--no-ratio``: 1b-t4 29.7, 33.1
+-> 26.4, 28.4 s; nnx-t4 30.5, 32.2 -> 28.5, 29.9 s; lab-t4 61.8, 64.7 -> 58.9, 63.2 s; the
+same plans and compiles. The four GPU rows afterwards (a slower hour: the lone compiles
+5-13% slower than the table above):
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+      lab-t4  4 x 2 nothing    67.5     0.9     2        6         8         32.9               2.1
+       1b-t4     4 x 2 none    29.0     0.9     1        4         5         18.0               1.6
+      nnx-t4     4 x 2 none    29.3     6.4     1        4         5         23.0               1.3
+    lab-2xt4     2 x 2 none    74.2     4.6     2        6         8         27.8               2.7
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 
