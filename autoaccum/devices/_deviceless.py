@@ -64,21 +64,24 @@ def _ptxas_path() -> str | None:
     found = shutil.which("ptxas")
     if found is not None:
         return found
-    nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    for candidate in (Path("/usr/local/cuda/bin/ptxas"), Path("/opt/cuda/bin/ptxas"),
-                      nvidia / "cu13" / "bin" / "ptxas",  # NVIDIA's CUDA 13 wheel
-                      nvidia / "cuda_nvcc" / "bin" / "ptxas",  # and CUDA 12's
+    for candidate in (*(root / "bin" / "ptxas" for root in _cuda_roots()),
                       Path(sys.prefix) / "bin" / "ptxas"):
         if candidate.is_file():
             return str(candidate)
     return None
 
 
-def _libdevice_found() -> bool:
-    """Whether libdevice is in a CUDA toolkit folder or NVIDIA's wheel where XLA looks."""
+def _cuda_roots() -> tuple[Path, ...]:
+    """The CUDA folders XLA looks in: the usual toolkit places, then NVIDIA's CUDA 13 and
+    CUDA 12 wheels."""
     nvidia = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
-    roots = (Path("/usr/local/cuda"), Path("/opt/cuda"), nvidia / "cu13", nvidia / "cuda_nvcc")
-    return any((root / "nvvm" / "libdevice" / "libdevice.10.bc").is_file() for root in roots)
+    return (Path("/usr/local/cuda"), Path("/opt/cuda"), nvidia / "cu13", nvidia / "cuda_nvcc")
+
+
+def _libdevice_found() -> bool:
+    """Whether libdevice is in one of :func:`_cuda_roots`."""
+    return any((root / "nvvm" / "libdevice" / "libdevice.10.bc").is_file()
+               for root in _cuda_roots())
 
 
 @functools.cache
@@ -113,10 +116,10 @@ def deviceless_blocker(profile: DeviceProfile) -> str | None:
     if not profile.is_gpu:
         return None
     found = ptxas_version()
-    if found is None or not _libdevice_found():
-        missing = no_cuda_compiler()
-        if missing is not None or found is None:
-            return missing
+    if (found is None or not _libdevice_found()) and (missing := no_cuda_compiler()):
+        return missing
+    if found is None:
+        return None
     path, (major, minor) = found
     oldest = max((cc for cuda, cc in _OLDEST_BY_CUDA.items() if major >= cuda), default=None)
     capability = profile.gpu.compute_capability
@@ -187,9 +190,9 @@ def no_cuda_compiler() -> str | None:
                               capture_output=True, text=True, timeout=300, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    crashed = done.returncode < 0 or done.returncode in (128 + 11, 128 + 6)
-    missing = _COMPILER_MISSING.search(done.stderr) is not None
-    return NO_CUDA_COMPILER if done.returncode != 0 and (crashed or missing) else None
+    crashed = done.returncode < 0  # killed by a signal (SIGSEGV)
+    missing = done.returncode != 0 and _COMPILER_MISSING.search(done.stderr) is not None
+    return NO_CUDA_COMPILER if crashed or missing else None
 
 
 @dataclasses.dataclass(frozen=True)

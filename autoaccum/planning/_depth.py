@@ -340,11 +340,11 @@ class DepthExtrapolator:
         16.9 GiB (its pair said 17.9) against a 13.4 GiB budget."""
         if self.budget_bytes is None or self.floor_bytes <= 0:
             return None
-        lines = sorted((b, e) for (b, _), e in self._predicted.items()
-                       if b >= 2 and e.source == "extrapolated")
+        lines = [(b, e) for (b, _), e in self._predicted.items()
+                 if b >= 2 and e.source == "extrapolated"]
         if not lines:
             return None
-        b, above = lines[0]
+        b, above = min(lines, key=lambda line: line[0])
         need = round(self.floor_bytes + (above.need_bytes - self.floor_bytes) / b)
         if need <= self.budget_bytes * (1 + PREDICTION_MARGIN):
             return None
