@@ -383,11 +383,13 @@ def default_workers() -> int:
     return max(1, min(2, (os.cpu_count() or 1) // 2))
 
 
-def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
-                cache: NeedCache | None = None, workers: int | None = None,
+def measure_all(requests: Sequence[CompileRequest | LoweredRequest],
+                target: CompileTarget, *, cache: NeedCache | None = None,
+                workers: int | None = None,
                 meanwhile: Callable[[], None] | None = None) -> list[MemoryEstimate]:
     """The estimates of ``requests``, in order: cached where the cache has them, the rest
-    compiled (``workers`` at a time, default :func:`default_workers`) and stored.
+    compiled (``workers`` at a time, default :func:`default_workers`) and stored. A request
+    may come already lowered (:func:`lower_request`, done while something else compiled).
 
     ``meanwhile``: work for this thread while the compiles run in others (only where some
     do), e.g. building the model a later compile needs.
@@ -410,7 +412,7 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
     compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
     decision = pending_decision()  # read here: the pool's threads do not see this context
     results: list[MemoryEstimate | None] = [None] * len(requests)
-    pending: list[_Pending] = []
+    pending: list[LoweredRequest] = []
     where: list[int] = []  # each pending request's index
     # Each compile starts as soon as its request is lowered, in a thread, so the next one is
     # lowered (holding the GIL) while it compiles (releasing it); with one worker the compiles
@@ -423,7 +425,8 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
         for i, request in enumerate(requests):
             if decision is not None and decision.superseded(wait=False):
                 raise Superseded
-            prepared = _prepare(request, target, cache, compiler)
+            prepared = (request if isinstance(request, LoweredRequest)
+                        else _prepare(request, target, cache, compiler))
             if isinstance(prepared, MemoryEstimate):
                 results[i] = prepared
                 continue
@@ -443,13 +446,14 @@ def measure_all(requests: Sequence[CompileRequest], target: CompileTarget, *,
     return [r for r in results if r is not None]
 
 
-def measure_later(request: CompileRequest, target: CompileTarget, *,
+def measure_later(request: CompileRequest | LoweredRequest, target: CompileTarget, *,
                   cache: NeedCache | None = None) -> concurrent.futures.Future:
-    """:func:`measure_all` of one request, lowered now and compiled in a thread: a future of
-    its estimate (done at once when the cache has it). For a full-depth compile that decides
-    a remat policy while the next one is planned on this thread (see ``_speculation``)."""
-    compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
-    prepared = _prepare(request, target, cache, compiler)
+    """:func:`measure_all` of one request, lowered now (unless it comes lowered) and compiled
+    in a thread: a future of its estimate (done at once when the cache has it). For a
+    full-depth compile that decides a remat policy while the next one is planned on this
+    thread (see ``_speculation``)."""
+    prepared = (request if isinstance(request, LoweredRequest)
+                else lower_request(request, target, cache=cache))
     if isinstance(prepared, MemoryEstimate):
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(prepared)
@@ -461,9 +465,35 @@ def measure_later(request: CompileRequest, target: CompileTarget, *,
         pool.shutdown(wait=False)
 
 
+def lower_request(request: CompileRequest, target: CompileTarget, *,
+                  cache: NeedCache | None = None) -> MemoryEstimate | LoweredRequest:
+    """``request``'s estimate where the cache has it, else its program built and lowered for
+    ``target``: pass that to :func:`measure_all` or :func:`measure_later` to compile it. For
+    a step lowered ahead, while another compiles, on the chance that it is needed next
+    (lowering holds the GIL, a compile releases it).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.planning import StepMetrics, TrainProgram
+      >>> w = jax.ShapeDtypeStruct((4,), jnp.float32)
+      >>> def step(w, batches):
+      ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum((batches["x"] @ w) ** 2))(w)
+      ...     return w - 0.1 * grad, StepMetrics(loss, *[jnp.zeros(())] * 3)
+      >>> program = TrainProgram(step, abstract_state=w, example_spec={"x": w},
+      ...                        parts={"trainable": w}, trainable=w)
+      >>> ahead = lower_request(CompileRequest(program, 2, 4), CompileTarget())
+      >>> (estimate,) = measure_all([ahead], CompileTarget())
+      >>> estimate.micro_batch, estimate.accum_steps
+      (2, 4)
+    """
+    compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
+    return _prepare(request, target, cache, compiler)
+
+
 @dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A request lowered and not in the cache: what :func:`_complete` compiles and stores."""
+class LoweredRequest:
+    """A request lowered and not in the cache: what :func:`_complete` compiles and stores
+    (:func:`lower_request`)."""
 
     request: CompileRequest
     program: TrainProgram
@@ -473,7 +503,7 @@ class _Pending:
 
 
 def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | None,
-             compiler: dict) -> MemoryEstimate | _Pending:
+             compiler: dict) -> MemoryEstimate | LoweredRequest:
     """The cached estimate of ``request``, else its program lowered, for :func:`_complete`."""
     keys: list[str] = []
     if cache is not None and request.identity is not None:
@@ -503,10 +533,11 @@ def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | 
                 cache.put(key, dataclasses.asdict(hit), material={"identity": request.identity})
             record_cached()
             return hit
-    return _Pending(request, program, lowered, keys, {"lower_seconds": lower_seconds, **material})
+    return LoweredRequest(request, program, lowered, keys,
+                          {"lower_seconds": lower_seconds, **material})
 
 
-def _complete(item: _Pending, target: CompileTarget, cache: NeedCache | None,
+def _complete(item: LoweredRequest, target: CompileTarget, cache: NeedCache | None,
               decision: Decision | None) -> MemoryEstimate:
     """Compiles a lowered request (after ``decision``, for a full-depth one planned beside
     it: :class:`Superseded` where the earlier policy fits), keeps it for the training loop,

@@ -12,6 +12,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
+from autoaccum.planning import _cache
 from autoaccum.planning._budget import Budget, resident_of
 from autoaccum.planning._depth import (
     REMAT_PASS_OFF,
@@ -261,6 +262,46 @@ def test_the_full_depth_model_is_built_while_the_first_reduced_depths_compile(mo
         assert built == ([2, 3, 8] if verifies else [2, 3])
         extrapolator.measure(4, 2)  # built once
         assert built.count(8) == int(verifies)
+
+
+def test_a_later_micro_batchs_full_depth_step_is_lowered_while_its_reduced_depths_compile(
+        monkeypatch):
+    # After the first fit point, a micro-batch whose reduced depths compile is most often the
+    # answer, which a plan that verifies compiles at full depth: its full-depth step is traced
+    # and lowered on this thread meanwhile, once, and compiled from that lowering. The first
+    # pair lowers nothing ahead; the advisor's quick rows (no full-depth compile) nothing.
+    depth_of = {}
+
+    def build(depth):
+        program = _build(depth)
+        depth_of[id(program)] = depth
+        return program
+
+    lowered = []
+    real = _cache.lower_step
+
+    def recorded(program, micro_batch, *args, **kwargs):
+        lowered.append((depth_of.get(id(program)), micro_batch))
+        return real(program, micro_batch, *args, **kwargs)
+
+    monkeypatch.setattr(_cache, "lower_step", recorded)
+    for verifies in (True, False):
+        lowered.clear()
+        extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build),
+                                         CompileTarget(), build_full=verifies)
+        extrapolator.measure(2, 4)
+        assert lowered == [(2, 2), (3, 2)]
+        extrapolator.measure(4, 2)
+        assert lowered[2:] == [(2, 4), (3, 4), *([(8, 4)] if verifies else [])]
+    full = extrapolator.full(4, 2)  # the quick rows' extrapolator: lowered now
+    assert lowered[-1] == (8, 4)
+    lowered.clear()
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget(),
+                                     build_full=True)
+    extrapolator.measure(2, 4)
+    extrapolator.measure(4, 2)
+    assert extrapolator.full(4, 2).need_bytes == full.need_bytes
+    assert lowered.count((8, 4)) == 1  # compiled from the lowering done ahead
 
 
 def test_a_shallow_model_is_compiled_in_full():
