@@ -19,7 +19,9 @@ the pass could bring it under, and where the need falls with depth (seen on TPU)
 verification over the budget redoes the search at full depth. Micro-batch 1, after a larger
 one's line was over, is not compiled at reduced depths where the line from the floor through
 that one already puts it over (``DepthExtrapolator.smallest_bound``): a full-depth compile
-decides it either way. Layer patterns (Gemma's
+decides it either way. While a later micro-batch's reduced depths compile (the search's
+second fit point, most often the answer), its full-depth step is lowered on this thread,
+ready for the verifying compile. Layer patterns (Gemma's
 sliding/global attention) are extrapolated from the first blocks; the verification catches
 blocks that differ in memory.
 """
@@ -50,7 +52,7 @@ from ._search import (
     line_need,
     need_line,
 )
-from ._speculation import Decision, deciding_beside, planning_next
+from ._speculation import Decision, deciding_beside, pending_decision, planning_next
 from ._train_program import TrainProgram
 
 __all__ = ["LINE_SOURCES", "DepthCheck", "DepthExtrapolator", "DepthVariant", "DepthVariants",
@@ -329,10 +331,14 @@ class DepthExtrapolator:
         the answer, which a plan that verifies compiles at full depth (Gemma3-1B LoRA for a
         T4: 2.8 s of tracing and lowering 26 blocks, otherwise after the pair, on the way to
         that compile). Wasted where the pair puts it over the budget: this thread would
-        otherwise wait. A model that fails at full depth fails again where that compile
-        lowers it."""
+        otherwise wait. Not beside a deciding compile (a policy planned while another's
+        full-depth compile decides): there the full-depth compile waits for the decision
+        anyway, and this thread lowers it after the pair while the decision still runs,
+        instead of taking a core from the decision now. A model that fails at full depth
+        fails again where that compile lowers it."""
         key = (micro_batch, accum_steps)
         if (not self.lowers_ahead or key in self._full or key in self._ahead
+                or pending_decision() is not None
                 or not any(e.source == "extrapolated" for e in self._predicted.values())):
             return
         try:

@@ -2,6 +2,7 @@
 final choice is compiled in full, and where the fit does not hold the plan says so and
 falls back to full-depth compiles."""
 
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -12,7 +13,7 @@ from flax import nnx
 
 import autoaccum
 from autoaccum.adapters.flax._nnx_program import flax_program
-from autoaccum.planning import _cache
+from autoaccum.planning import _cache, _speculation
 from autoaccum.planning._budget import Budget, resident_of
 from autoaccum.planning._depth import (
     REMAT_PASS_OFF,
@@ -33,6 +34,7 @@ from autoaccum.planning._measure import (
     measure_program,
 )
 from autoaccum.planning._search import PREDICTION_MARGIN, DoesNotFitError, Probe
+from autoaccum.planning._speculation import Decision
 from tests._models import ragged_tokens, token_loss
 
 SPEC = {"tokens": jax.ShapeDtypeStruct((16,), jnp.int32),
@@ -302,6 +304,18 @@ def test_a_later_micro_batchs_full_depth_step_is_lowered_while_its_reduced_depth
     extrapolator.measure(4, 2)
     assert extrapolator.full(4, 2).need_bytes == full.need_bytes
     assert lowered.count((8, 4)) == 1  # compiled from the lowering done ahead
+    # Beside a deciding compile, its full-depth compile waits for the decision anyway: it is
+    # lowered after the pair, not in the decision's way.
+    lowered.clear()
+    extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget(),
+                                     build_full=True)
+    token = _speculation._PENDING.set(Decision(concurrent.futures.Future(), budget_bytes=1))
+    try:
+        extrapolator.measure(2, 4)
+        extrapolator.measure(4, 2)
+    finally:
+        _speculation._PENDING.reset(token)
+    assert (8, 4) not in lowered
 
 
 def test_a_shallow_model_is_compiled_in_full():
