@@ -81,6 +81,22 @@ def test_loss_fn_returning_a_mean_explains_the_contract():
         _fit(loss_fn=lambda m, b: token_loss(m, b)[0])
     with pytest.raises(ValueError, match=r"Received: a tuple of 3"):
         _fit(loss_fn=lambda m, b: (*token_loss(m, b), 0))
+    with pytest.raises(ValueError, match=r"Received: a dict with keys \['count', 'loss'\]"):
+        _fit(loss_fn=lambda m, b: dict(zip(("loss", "count"), token_loss(m, b), strict=True)))
+    with pytest.raises(ValueError, match=r"Received: None \(does loss_fn end with a return"):
+        _fit(loss_fn=lambda m, b: None)
+
+
+def test_an_integer_loss_sum_is_refused_not_trained_with_zero_gradients():
+    # Cast to float inside the step, an integer sum would have zero gradients: nothing would
+    # train and the losses would still be logged.
+    def rounded(model, batch):
+        total, count = token_loss(model, batch)
+        return jnp.round(total).astype(jnp.int32), count
+
+    with pytest.raises(ValueError, match=r"floating-point sum_of_losses.*Received: "
+                                         r"sum_of_losses of dtype int32"):
+        _fit(loss_fn=rounded)
 
 
 def test_unknown_model_type_names_supported_frameworks():

@@ -122,6 +122,12 @@ def accumulate_gradients(
     def loss_with_aux(params: PyTree, state: PyTree, micro_batch: PyTree):
         (loss_sum, count), new_state = (micro_loss(params, state, micro_batch) if frozen is None
                                         else micro_loss(params, state, micro_batch, frozen))
+        if not jnp.issubdtype(jnp.result_type(loss_sum), jnp.inexact):
+            # Cast to float32 below, an integer sum would give zero gradients, silently.
+            raise ValueError(
+                "The micro-batch loss must be a floating-point sum: the gradient of an integer "
+                "is zero, so nothing would train. Keep the sum in float (no rounding or "
+                f"integer cast). Received: a loss sum of dtype {jnp.result_type(loss_sum)}")
         return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(count, jnp.float32), new_state)
 
     grad_fn = jax.value_and_grad(loss_with_aux, has_aux=True)

@@ -99,3 +99,14 @@ def test_schedule_counts_optimizer_steps_not_micro_steps():
     # The schedule values used were those of optimizer steps 0, 1, 2: equal to native.
     native = _run_steps(1, 8, tx, data, 3)
     assert _max_relative_error(state[0], native[0]) <= 1e-5
+
+
+def test_an_integer_micro_batch_loss_is_refused():
+    # Any adapter's loss reaches the scan here; cast to float32, an integer sum would give
+    # zero gradients without a word.
+    def micro_loss(w, carry, mb):
+        return (jnp.sum(mb["x"] * w).astype(jnp.int32), jnp.float32(mb["x"].shape[0])), carry
+
+    with pytest.raises(ValueError, match=r"floating-point sum.*Received: a loss sum of dtype "
+                                         r"int32"):
+        accumulate_gradients(micro_loss, jnp.float32(1.0), None, {"x": jnp.ones((4, 2))})

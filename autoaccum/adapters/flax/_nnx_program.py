@@ -176,6 +176,12 @@ def checked_loss(out: Any) -> tuple[jax.Array, jax.Array]:
     if not (isinstance(out, tuple) and len(out) == 2):
         if isinstance(out, (list, tuple)):
             got = f"a {type(out).__name__} of {len(out)}"
+        elif isinstance(out, dict):
+            got = f"a dict with keys {sorted(map(str, out))}"
+        elif out is None:
+            got = "None (does loss_fn end with a return?)"
+        elif not hasattr(out, "shape") and not isinstance(out, (int, float)):
+            got = f"a {type(out).__name__}"
         elif jnp.ndim(out) == 0:
             got = ("one scalar (a mean?): autoaccum divides once, by the valid items of the "
                    "whole effective batch, so it needs the sum and the count apart")
@@ -195,6 +201,12 @@ def checked_loss(out: Any) -> tuple[jax.Array, jax.Array]:
                 "per-example (or per-token) losses, e.g. return jnp.sum(losses), losses.shape[0]."
                 f" Received: {name} of shape {jnp.shape(value)}"
             )
+    if not jnp.issubdtype(jnp.result_type(loss_sum), jnp.inexact):
+        raise ValueError(
+            "loss_fn(model, batch) must return a floating-point sum_of_losses: the gradient "
+            "of an integer is zero, so nothing would train (jax.grad refuses it). Keep the "
+            "sum in float (no rounding or integer cast), e.g. return jnp.sum(losses), "
+            f"losses.shape[0]. Received: sum_of_losses of dtype {jnp.result_type(loss_sum)}")
     return loss_sum, count
 
 
