@@ -53,6 +53,9 @@ class EpochTally:
     """Steps taken."""
     losses: list[float] = field(default_factory=list)
     """The loss of every applied step."""
+    weights: list[float] = field(default_factory=list)
+    """What each of those losses was divided by: its valid items (examples, tokens), else
+    its examples."""
     finite_steps: int = 0
     skipped: int = 0
     """Non-finite steps skipped by the loop's policy (``on_nonfinite="skip"``)."""
@@ -64,8 +67,20 @@ class EpochTally:
 
     @property
     def mean_loss(self) -> float:
-        """The mean of the applied steps' losses (``nan`` when none was applied)."""
-        return sum(self.losses) / len(self.losses) if self.losses else math.nan
+        """The loss over every item the applied steps trained on (``nan`` when none was
+        applied): each step's loss weighted by what it was divided by, so an epoch's smaller
+        last step counts for its own items, as in the validation loss and Keras's logs.
+
+        Example:
+          >>> EpochTally(0, losses=[1.0, 4.0], weights=[8.0, 2.0]).mean_loss
+          1.6
+        """
+        if not self.losses:
+            return math.nan
+        if len(self.weights) != len(self.losses) or not sum(self.weights) > 0:
+            return sum(self.losses) / len(self.losses)
+        return sum(loss * w for loss, w in zip(self.losses, self.weights, strict=True)) / sum(
+            self.weights)
 
 
 class FitCallbacks:
@@ -304,6 +319,8 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
             tally.remainder += outcome.examples
         if outcome.applied:
             tally.losses.append(outcome.loss)
+            tally.weights.append(outcome.count if outcome.count > 0 else
+                                 float(outcome.examples))
         if outcome.noise is not None:
             outcome.noise_scale = loop.noise.update_from(outcome.noise, outcome.micro_batches)
         if outcome.finite:

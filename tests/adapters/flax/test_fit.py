@@ -94,6 +94,19 @@ def test_failed_step_leaves_the_model_at_the_last_completed_step():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_the_epoch_loss_is_over_every_item_the_smaller_last_step_counting_for_its_own():
+    # 9 examples at an effective batch of 8: steps of 8 and 1. A plain mean of the two step
+    # losses would weigh the lone example like the other eight; the epoch's loss is the loss
+    # over all its valid tokens (no learning: every step sees the same weights).
+    model, data = TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(9, 6, seed=3)
+    total, count = token_loss(TinyLM(rngs=nnx.Rngs(0)), data)
+    result = autoaccum.fit(model, data, effective_batch=8, optimizer=optax.sgd(0.0),
+                           loss_fn=token_loss, budget="1GiB", verbose=0, log=None)
+    assert len(result.losses) == 2 and result.losses[0] != result.losses[1]
+    np.testing.assert_allclose(result.epoch_losses[0], float(total / count), rtol=1e-5)
+    assert result.history["loss"] == result.epoch_losses
+
+
 def _failing_second_call_loss():
     calls = {"n": 0}
 
