@@ -387,7 +387,8 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     """Mean loss of each optimizer step (over the whole effective batch)."""
     epoch_losses: list[float] = field(default_factory=list)
-    """Mean of the step losses of each epoch."""
+    """Each epoch's loss over every item its steps trained on (the step losses weighted by
+    their valid items)."""
     steps: int = 0
     """Optimizer steps taken."""
     seconds: float = 0.0
