@@ -982,9 +982,31 @@ def fsdp_frozen() -> dict:
                                                 nnx.state(make(), nnx.LoRAParam)) > 1e-3}
 
 
+def users_other_axes() -> dict:
+    """A model built whole under the user's ``("batch", "model")`` mesh (Explicit axes, JAX
+    0.12's default) and fitted with fsdp, which splits it over a one-axis mesh of its own:
+    afterwards every weight is back on the user's mesh, laid out as before, and the model
+    runs under ``jax.set_mesh`` as before."""
+    import autoaccum
+
+    mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("batch", "model"))
+    with jax.set_mesh(mesh):
+        model = _AnnotatedLM(nnx.Rngs(0), annotate=False)
+        before = {k: _spec_text(v) for k, v in _weights(model).items()}
+        result = autoaccum.fit(model, ragged_tokens(16, 10, seed=2), effective_batch=8,
+                               optimizer=optax.sgd, learning_rate=0.1, loss_fn=token_loss,
+                               log=None, verbose=0, budget="1GiB",
+                               search=autoaccum.Search(cache=False),
+                               target=autoaccum.Target(strategy="fsdp"))
+    return {"strategy": result.plan.strategy, "before": before,
+            "after": {k: _spec_text(v) for k, v in _weights(model).items()},
+            "on_users_mesh": all(v.sharding.mesh == mesh for v in _weights(model).values()),
+            "runs_under_users_mesh": _runs_under(mesh, model)}
+
+
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,
          "own_abstract_and_deviceless": own_abstract_and_deviceless,
-         "own_split_strategies": own_split_strategies,
+         "own_split_strategies": own_split_strategies, "users_other_axes": users_other_axes,
          "keras_exact": keras_exact,
          "keras_planned": keras_planned, "keras_elastic": keras_elastic,
          "exact_uneven_sharded": exact_uneven_sharded, "batchnorm": batchnorm,

@@ -233,7 +233,8 @@ def own_layouts() -> dict:
     """The own-sharding checks (a one-axis mesh, a ('batch', 'model') mesh) in one child with
     4 host-platform devices, once per session."""
     return _child_once("shard-own-layouts", 4, "own_sharding", "own_mesh",
-                       "own_abstract_and_deviceless", "own_split_strategies")
+                       "own_abstract_and_deviceless", "own_split_strategies",
+                       "users_other_axes")
 
 
 @pytest.mark.slow
@@ -252,6 +253,16 @@ def test_a_model_split_by_its_own_annotations_keeps_that_sharding_through_plan_a
     assert "data_parallel='auto'" in out["errors"]["one_device"]
     assert "would train on devices [0, 1]" in out["errors"]["other_devices"]
     assert "Received: kernel: P(None, 'model')" in out["errors"]["other_devices"]
+
+
+@pytest.mark.slow
+def test_a_model_fitted_with_fsdp_under_a_two_axis_mesh_goes_back_to_that_mesh(own_layouts):
+    # fsdp splits the weights over a one-axis mesh of its own; left there, the model failed
+    # under the user's ("batch", "model") mesh ("context mesh ... should match the aval mesh")
+    out = own_layouts["users_other_axes"]
+    assert out["strategy"] == "fsdp"
+    assert out["after"] == out["before"] and out["on_users_mesh"]
+    assert out["runs_under_users_mesh"] == ""
 
 
 @pytest.mark.slow

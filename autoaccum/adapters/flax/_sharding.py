@@ -270,7 +270,11 @@ def rehome(model: nnx.Module, home: Any) -> None:
     """Puts every array of ``model`` laid out as in ``home`` (same devices and spec, e.g. on
     the automatic-axes copy of the user's mesh) back on its ``home`` sharding (no copy). An
     array the strategy laid out anew goes on the user's own non-automatic mesh with the
-    strategy's spec, so the model runs under the user's ``jax.set_mesh`` as before."""
+    strategy's spec, so the model runs under the user's ``jax.set_mesh`` as before; where
+    that mesh has other axes than the strategy's (``("batch", "model")`` against its one
+    ``"data"`` axis), the array goes back to its ``home`` layout, the one it had before
+    (an array left on the strategy's mesh would fail under the user's mesh: "context mesh
+    ... should match the aval mesh")."""
     state = nnx.state(model)
     users = {id(s.mesh): s.mesh for s in jax.tree.leaves(home)
              if isinstance(s, NamedSharding) and not _all_auto(s.mesh)}
@@ -286,6 +290,9 @@ def rehome(model: nnx.Module, home: Any) -> None:
             for user in users.values():
                 if same_mesh(now.mesh, user):
                     return jax.device_put(array, NamedSharding(user, now.spec))
+            if (users and isinstance(sharding, NamedSharding)
+                    and not same_mesh(concrete_mesh(sharding.mesh), now.mesh)):
+                return jax.device_put(array, sharding)
         return array
 
     nnx.update(model, jax.tree.map(back, state, home))
