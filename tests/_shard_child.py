@@ -992,16 +992,25 @@ def users_other_axes() -> dict:
     mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("batch", "model"))
     with jax.set_mesh(mesh):
         model = _AnnotatedLM(nnx.Rngs(0), annotate=False)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
         before = {k: _spec_text(v) for k, v in _weights(model).items()}
         result = autoaccum.fit(model, ragged_tokens(16, 10, seed=2), effective_batch=8,
-                               optimizer=optax.sgd, learning_rate=0.1, loss_fn=token_loss,
-                               log=None, verbose=0, budget="1GiB",
-                               search=autoaccum.Search(cache=False),
+                               optimizer=optimizer, loss_fn=token_loss, log=None, verbose=0,
+                               budget="1GiB", search=autoaccum.Search(cache=False),
                                target=autoaccum.Target(strategy="fsdp"))
+    moments = [a for a in jax.tree.leaves(nnx.state(optimizer)) if isinstance(a, jax.Array)]
+    with jax.set_mesh(mesh):  # the user's own step, the optimizer's state included
+        try:
+            nnx.jit(lambda m, o, x: o.update(m, nnx.grad(
+                lambda m: jnp.sum(m(x) ** 2))(m)))(model, optimizer, jnp.ones((2, 10), int))
+            user_step = ""
+        except Exception as error:  # reported to the test
+            user_step = f"{type(error).__name__}: {error}"[:300]
     return {"strategy": result.plan.strategy, "before": before,
             "after": {k: _spec_text(v) for k, v in _weights(model).items()},
             "on_users_mesh": all(v.sharding.mesh == mesh for v in _weights(model).values()),
-            "runs_under_users_mesh": _runs_under(mesh, model)}
+            "moments_on_users_mesh": all(a.sharding.mesh == mesh for a in moments),
+            "runs_under_users_mesh": _runs_under(mesh, model), "user_step": user_step}
 
 
 MODES = {"exact": exact, "own_sharding": own_sharding, "own_mesh": own_mesh,

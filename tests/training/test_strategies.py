@@ -263,6 +263,8 @@ def test_a_model_fitted_with_fsdp_under_a_two_axis_mesh_goes_back_to_that_mesh(o
     assert out["strategy"] == "fsdp"
     assert out["after"] == out["before"] and out["on_users_mesh"]
     assert out["runs_under_users_mesh"] == ""
+    # the user's nnx.Optimizer's moments too: its own step runs as before
+    assert out["moments_on_users_mesh"] and out["user_step"] == ""
 
 
 @pytest.mark.slow

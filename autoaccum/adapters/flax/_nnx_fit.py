@@ -454,6 +454,9 @@ class _FlaxHooks(FlaxState, FitHooks, FitCallbacks):
         self.epochs, self.nnx_optimizer = epochs, nnx_optimizer
         self.home = home
         """The model's shardings before training, put back at the end (``rehome``)."""
+        self.optimizer_home = (None if home is None or nnx_optimizer is None
+                               else home_shardings(nnx_optimizer.optimizer))
+        """The user's ``nnx.Optimizer``'s, likewise."""
         self.written_back = False
         self.epoch = 0
 
@@ -529,6 +532,8 @@ class _FlaxHooks(FlaxState, FitHooks, FitCallbacks):
         if self.nnx_optimizer is not None:
             with deferred_interrupts():
                 self.nnx_optimizer.write(self.state[2], self.runner.steps)
+                if self.optimizer_home is not None:  # its state beside the weights, as before
+                    rehome(self.nnx_optimizer.optimizer, self.optimizer_home)
 
 
 def check_stream(source: ArrayData | FlaxStream, *, epochs: int,
