@@ -13,6 +13,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, TextIO
 
+import jax
+import numpy as np
+
 from .adapters import adapter_for
 from .devices._mesh import keeps_callers_mesh
 from .planning._adapter_interface import FitSettings
@@ -256,6 +259,8 @@ def fit(
         ("initial_epoch", the_training.initial_epoch, 0),
         ("steps_per_epoch", steps_per_epoch, None)) if value != default}
     adapter.validate_fit_options(framework_options)
+    _check_training_part(data, validation_split,
+                         plan.effective_batch if plan is not None else effective_batch)
     the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
     if "validation_split" not in framework_options:
         the_plan = with_examples(the_plan, prepared, the_training.drop_remainder)
@@ -273,6 +278,25 @@ def fit(
     with adapter.remat_context(model, the_plan.remat, the_search.remat_layers):
         return adapter.fit(model, prepared, the_plan, settings=settings,
                            options=framework_options)
+
+
+def _check_training_part(data: Any, validation_split: Any, effective_batch: Any) -> None:
+    """Refuses a ``validation_split`` that leaves fewer in-memory examples to train on than
+    one effective batch (before anything is planned; the split takes the last examples)."""
+    if not validation_split or not isinstance(effective_batch, (int, np.integer)):
+        return
+    leaves = jax.tree.leaves(data)
+    if not leaves or not all(hasattr(leaf, "shape") and np.ndim(leaf) >= 1 for leaf in leaves):
+        return  # a stream: Keras refuses validation_split for it
+    n = int(np.shape(leaves[0])[0])
+    train = int(n * (1.0 - float(validation_split)))
+    if 0 < train < effective_batch:
+        raise ValueError(
+            f"validation_split={validation_split} leaves {train} of the data's {n} examples to "
+            f"train on, fewer than one effective batch of {effective_batch}. Give more data, "
+            f"a smaller validation_split, or a smaller effective_batch (at most {train}). "
+            f"Received: effective_batch={effective_batch}, "
+            f"validation_split={validation_split}")
 
 
 @explains_keywords

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 
+import autoaccum
 from autoaccum.adapters.keras import keras_fit
 from autoaccum.internal import is_keras_model, keras_program, validate_keras_fit_kwargs
 from tests._paths import REPO
@@ -170,3 +171,14 @@ def test_add_loss_or_compute_loss_override_supplies_the_loss_without_compile_los
     assert history.history["loss"][0] > 0
     assert max(float(np.max(np.abs(a - b))) for a, b in
                zip(model.get_weights(), reference.get_weights(), strict=True)) < 1e-6
+
+
+def test_a_validation_split_leaving_less_than_one_effective_batch_is_refused_before_planning():
+    # 40 examples, 20% held out: 32 to train on, fewer than 40 (it trained one step of 32,
+    # its learning rate scaled for 40).
+    x = np.zeros((40, 3), np.float32)
+    with pytest.raises(ValueError, match=r"leaves 32 of the data's 40 examples to train on.*"
+                                         r"Received: effective_batch=40, validation_split=0.2"):
+        autoaccum.fit(dense(), x, np.zeros((40, 1), np.float32), effective_batch=40,
+                      validation_split=0.2, log=None, verbose=0, budget="1GiB",
+                      learning_rate=autoaccum.LearningRate(base_batch=10))
