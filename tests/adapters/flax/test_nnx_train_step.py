@@ -141,6 +141,11 @@ def test_bad_batches_and_a_missing_optimizer_are_refused_with_the_fix(plan):
                                 plan=plan, **OPTIONS)
     with pytest.raises(ValueError, match="at most one effective batch of 13"):
         step(DATA)
+    # Sequences 4x longer than planned: another program, whose memory the plan never measured
+    longer = ragged_tokens(EFFECTIVE, 64, seed=4)
+    with pytest.raises(ValueError, match=r"not shaped like the data the step was planned.*"
+                                         r"int32\[16\].*Received: a batch with .*int32\[64\]"):
+        step(longer)
     with pytest.raises(ValueError, match="A Flax model needs optimizer="):  # Keras's is its own
         autoaccum.train_step(TinyLM(rngs=nnx.Rngs(0)), DATA, effective_batch=EFFECTIVE,
                              loss_fn=token_loss, budget="1GiB", log=None)
