@@ -237,7 +237,7 @@ def stacked(example_spec: PyTree, *leading: int, sharding: Any = None) -> PyTree
       >>> stacked({"x": jax.ShapeDtypeStruct((7,), jnp.int32)}, 2, 5)["x"].shape
       (2, 5, 7)
     """
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((*leading, *s.shape), s.dtype,
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((*leading, *s.shape), held_dtype(s.dtype),
                                                        sharding=sharding), example_spec)
 
 
@@ -261,6 +261,26 @@ def local_shape(leaf: Any) -> tuple[int, ...]:
 
 
 def abstract(tree: PyTree) -> PyTree:
-    """``jax.ShapeDtypeStruct`` leaves for every array-like leaf of ``tree``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), tree)
+    """``jax.ShapeDtypeStruct`` leaves for every array-like leaf of ``tree``, each dtype as
+    JAX holds it (numpy's default int64 labels are int32 without ``jax_enable_x64``, as
+    they arrive in the step; asked for as int64, JAX would warn on every plan).
+
+    Example:
+      >>> abstract({"y": np.zeros(4, np.int64)})["y"].dtype == jax.numpy.zeros(1, int).dtype
+      True
+    """
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), held_dtype(
+        x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)), tree)
+
+
+def held_dtype(dtype: Any) -> Any:
+    """``dtype`` as a JAX array holds it: int64 and float64 are int32 and float32 without
+    ``jax_enable_x64``; extended dtypes (typed PRNG keys) as they are.
+
+    Example:
+      >>> held_dtype(np.int64) == jax.numpy.zeros(1, int).dtype
+      True
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)

@@ -24,7 +24,7 @@ from ...planning._option_checks import (
 )
 from ...planning._plan import Plan
 from ...planning._plan_options import REMAT_POLICIES, ProgramOptions
-from ...planning._train_program import abstract
+from ...planning._train_program import abstract, held_dtype
 from ...training._accumulate import validate_batch_stats
 from ...training._callbacks import validate_callbacks
 from ...training._epoch_batches import as_arrays, batch_rebuilder, example_spec, num_examples
@@ -436,7 +436,7 @@ class TrainStep(UserLoopStep):
 def _per_example(spec: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
     """The structure, and each leaf's shape and dtype as JAX holds it, of one example."""
     return (jax.tree.structure(spec), tuple(
-        (tuple(leaf.shape), jax.dtypes.canonicalize_dtype(leaf.dtype).name)
+        (tuple(leaf.shape), str(held_dtype(leaf.dtype)))
         for leaf in jax.tree.leaves(spec)))
 
 

@@ -312,3 +312,24 @@ def test_a_list_is_records_batches_or_a_container_of_arrays_by_its_items_leading
     assert list_reading([{"x": [1, 2], "y": 0}, {"x": [3, 4], "y": 1}]) == "records"
     assert list_reading([{"x": np.zeros((4, 2))}, {"x": np.zeros((3, 2))}]) == "batches"
     assert list_reading([np.zeros((4, 2)), np.zeros(4)]) is None
+
+
+def test_numpy_int64_labels_plan_and_train_without_jaxs_truncation_warning():
+    # numpy's default integers arrive in the step as int32 (no jax_enable_x64): planned as
+    # int32, not asked for as int64, which JAX warned about on every plan.
+    import warnings
+
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    data = {"x": np.ones((16, 4), np.float32), "y": np.zeros(16, np.int64)}
+
+    def loss_fn(m, b):
+        return (optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"]).sum(),
+                b["y"].shape[0])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = autoaccum.fit(model, data, effective_batch=8, optimizer=optax.sgd,
+                               learning_rate=0.1, loss_fn=loss_fn, budget="1GiB", log=None,
+                               verbose=0)
+    assert result.steps == 2
+    assert not [w for w in caught if "int64" in str(w.message)], [str(w.message) for w in caught]
