@@ -177,9 +177,10 @@ def plan_report(plan: Plan, *, rich: bool = True) -> str:
         return _plain_lines(head, rows, right=True, indent="    ")
 
     if plan.probes:
-        real = any(p.kind == "real step" for p in plan.probes)
-        lines.append("  probes (compiled, no weights allocated"
-                     f"{'; real steps: ran or oom' if real else ''}):")
+        real = ("; real steps: ran or oom, their total from a compile without donation, "
+                "which also holds the new state"
+                if any(p.kind == "real step" for p in plan.probes) else "")
+        lines.append(f"  probes (compiled, no weights allocated{real}):")
         lines += table(*_probe_rows(plan.probes, plan.budget_bytes))
     if plan.candidates:
         lines.append(f"  candidates ({plan.objective} objective):")

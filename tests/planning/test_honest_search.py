@@ -120,6 +120,8 @@ def test_no_row_marked_fits_has_a_need_above_the_budget():
         rows = [row for row in plan.report().splitlines() if row.rstrip().endswith(
             ("verify compiled plan", "largest candidate", "verify"))]
         assert rows and all(" ran " in row or " oom " in row for row in rows)
+        # a real step's total (its compile without donation) above its columns' sum says why
+        assert "their total from a compile without donation" in plan.report()
 
 
 @pytest.mark.slow
