@@ -68,15 +68,22 @@ def _prepare_environment(device: str | None) -> None:
                 sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
-def _list_presets() -> int:
+def _list_presets(as_json: bool = False) -> int:
     from ..adapters.keras.presets import list_architectures
     from ..internal import load_architecture
 
-    rows = []
+    rows, records = [], []
     for name in list_architectures():
         arch = load_architecture(name)
-        rows.append([name, arch.backbone_class, str(arch.backbone_config.get("num_layers", "")),
+        layers = arch.backbone_config.get("num_layers")
+        rows.append([name, arch.backbone_class, "" if layers is None else str(layers),
                      f"{arch.parameter_count / 1e9:.2f}B", arch.keras_hub_preset])
+        records.append({"preset": name, "backbone": arch.backbone_class, "layers": layers,
+                        "parameters": arch.parameter_count,
+                        "keras_hub_preset": arch.keras_hub_preset})
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return 0
     print("Architectures shipped for `autoaccum plan --preset NAME` (nothing is downloaded):")
     print_table(["preset", "backbone", "layers", "parameters", "keras-hub preset"], rows)
     return 0
@@ -115,7 +122,7 @@ def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
-        return _list_presets()
+        return _list_presets(args.json)
     if (args.model is None) == (args.preset is None):
         raise CliError("Give exactly one of --model module:function or --preset NAME "
                        "(autoaccum plan --list-presets shows the presets).")

@@ -188,6 +188,10 @@ def test_presets_are_listed(capsys):
     for name in ("gemma3_4b", "llama3.2_1b", "mistral_7b"):
         assert name in out
     assert "gemma3_instruct_4b_text" in out
+    assert main(["plan", "--list-presets", "--json"]) == 0  # one JSON array, as --json says
+    listed = {row["preset"]: row for row in json.loads(capsys.readouterr().out)}
+    assert listed["gemma3_4b"]["keras_hub_preset"] == "gemma3_instruct_4b_text"
+    assert listed["gemma3_4b"]["layers"] == 34 and listed["gemma3_4b"]["parameters"] > 3e9
 
 
 def test_devices_table_shows_memory_and_pool_at_the_default_fraction(capsys):
