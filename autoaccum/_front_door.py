@@ -217,7 +217,8 @@ def fit(
       steps_per_epoch: optimizer steps per epoch, as ``model.fit``: an epoch ends after that
         many and the next continues where it stopped. Needed for an endless stream, and for
         ``epochs > 1`` over a one-shot iterator or generator.
-      verbose: 0 silences the plan report and the progress bar.
+      verbose: 0 silences the plan report and the progress bar; 1 or ``"auto"`` shows them;
+        2 (a Keras model) prints one line per epoch, as ``model.fit``.
       log: where the plan and probes are printed (``"stderr"``, a stream, or ``None``).
 
     ``model.fit`` options autoaccum does not take (``batch_size``, ``class_weight``, ...)
@@ -245,6 +246,11 @@ def fit(
                          "`autoaccum.fit(model, (x, y), effective_batch=...)` (Keras models: "
                          "also `autoaccum.fit(model, x, y, ...)`). Received: data=None")
     epochs = validate_positive_int("epochs", epochs)
+    if not (verbose == "auto" or (isinstance(verbose, (bool, int, np.integer))
+                                  and int(verbose) in (0, 1, 2))):
+        raise ValueError("verbose is 0 (silent), 1 or 'auto' (the plan report and a progress "
+                         "bar) or 2 (a Keras model: one line per epoch), as in Keras's "
+                         f"model.fit. Received: verbose={verbose!r}")
     job = resolve_job("fit", model, data, y=y, sample_weight=sample_weight,
                       effective_batch=effective_batch, plan=plan, optimizer=optimizer,
                       loss_fn=loss_fn, trainable=trainable, learning_rate=learning_rate,

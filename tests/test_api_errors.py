@@ -266,3 +266,9 @@ def test_no_accumulating_step_fitting_points_to_advise():
         autoaccum.plan(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), data, effective_batch=8,
                        optimizer=optax.sgd, learning_rate=0.1, loss_fn=loss_fn,
                        budget="30KiB", log=None, search=autoaccum.Search(cache=False))
+
+
+@pytest.mark.parametrize("verbose", ["bogus", 3, -1, 1.5, None])
+def test_a_verbose_keras_would_not_take_is_refused(verbose):
+    with pytest.raises(ValueError, match=rf"verbose is 0 .*Received: verbose={verbose!r}"):
+        _fit(verbose=verbose)
