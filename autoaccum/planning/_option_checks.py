@@ -99,6 +99,9 @@ def validate_devices(devices: object, hosts: object = None, *,
 def check_enough_examples(tree: Any, effective_batch: int) -> int:
     """Returns the number of examples, or raises if not even one effective batch is there."""
     n = int(jax.tree.leaves(tree)[0].shape[0])
+    if n == 0:
+        raise ValueError("data is empty: there is nothing to train on or plan with. Pass the "
+                         "examples (arrays with a leading example axis). Received: 0 examples")
     if n < effective_batch:
         raise ValueError(
             f"data has {n} examples, fewer than one effective batch of {effective_batch}. Give "

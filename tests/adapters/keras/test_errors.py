@@ -182,3 +182,9 @@ def test_a_validation_split_leaving_less_than_one_effective_batch_is_refused_bef
         autoaccum.fit(dense(), x, np.zeros((40, 1), np.float32), effective_batch=40,
                       validation_split=0.2, log=None, verbose=0, budget="1GiB",
                       learning_rate=autoaccum.LearningRate(base_batch=10))
+
+
+def test_empty_data_is_called_empty():
+    with pytest.raises(ValueError, match=r"data is empty.*Received: 0 examples"):
+        autoaccum.fit(dense(), np.zeros((0, 3), np.float32), np.zeros((0, 1), np.float32),
+                      effective_batch=8, log=None, verbose=0, budget="1GiB")
