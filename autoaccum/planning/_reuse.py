@@ -90,8 +90,11 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
             f"plan= scales the learning rate as {plan.lr_scaling.arithmetic()!r}, but these "
             f"options give {prepared.lr_scaling.arithmetic()!r}. Pass the learning_rate "
             "(autoaccum.LearningRate: value, base_batch, rule) the plan was made with (or plan "
-            f"again). Received: {received('rule', prepared.lr_scaling.rule)}, "
-            f"base_batch={prepared.lr_scaling.base_batch}"
+            f"again). Received: learning rate {prepared.lr_scaling.base_learning_rate!r}, "
+            f"{received('rule', prepared.lr_scaling.rule)}, "
+            f"base_batch={prepared.lr_scaling.base_batch} (the plan's: learning rate "
+            f"{plan.lr_scaling.base_learning_rate!r}, rule={plan.lr_scaling.rule!r}, "
+            f"base_batch={plan.lr_scaling.base_batch})"
         )
     est, program = plan.estimate, prepared.program  # the sizes the plan compiled
     resident = resident_of(program)  # one device's share under a sharding strategy

@@ -125,7 +125,9 @@ def test_a_plan_with_another_learning_rate_rule_is_refused(planned):
     options = {**OPTIONS, "learning_rate": autoaccum.LearningRate(value=1e-3, base_batch=1,
                                                                   rule="sqrt")}
     with pytest.raises(ValueError, match=r"scales the learning rate as '0.008 = 0.001 x 8/1, "
-                                         r"linear'.*Received: rule='sqrt'"):
+                                         r"linear'.*Received: learning rate 0.001, "
+                                         r"rule='sqrt', base_batch=1 \(the plan's: learning "
+                                         r"rate 0.001, rule='linear', base_batch=1\)"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan, **options)
     with pytest.raises(ValueError, match=r"'0.001, unchanged: none \(base_batch not given\)'"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,
