@@ -210,7 +210,7 @@ class ProgressBar:
         return self._bar
 
     def update(self, done: int, *, loss: float) -> None:
-        """Shows ``done`` of ``total`` steps with the latest loss."""
+        """Shows ``done`` of ``total`` steps with ``loss`` (the epoch's so far)."""
         filled = 0 if self.total is None else int(self.width * done / max(self.total, 1))
         rate = done / max(time.perf_counter() - self.start, 1e-9)
         self._last_line = (

@@ -331,7 +331,8 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
             tally.skipped += 1
         tally.logs = outcome.logs
         if bar is not None:
-            bar.update(index + 1, loss=outcome.loss)
+            # the epoch's loss so far, as Keras's bar shows it (its last is the history's)
+            bar.update(index + 1, loss=tally.mean_loss if tally.losses else outcome.loss)
         callbacks.step_end(index, outcome)
         if (not outcome.finite and not outcome.optimizer_skipped
                 and runner.on_nonfinite == "stop" and not callbacks.stop_requested()):

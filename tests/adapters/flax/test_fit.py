@@ -100,11 +100,14 @@ def test_the_epoch_loss_is_over_every_item_the_smaller_last_step_counting_for_it
     # over all its valid tokens (no learning: every step sees the same weights).
     model, data = TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(9, 6, seed=3)
     total, count = token_loss(TinyLM(rngs=nnx.Rngs(0)), data)
+    log = io.StringIO()
     result = autoaccum.fit(model, data, effective_batch=8, optimizer=optax.sgd(0.0),
-                           loss_fn=token_loss, budget="1GiB", verbose=0, log=None)
+                           loss_fn=token_loss, budget="1GiB", log=log)
     assert len(result.losses) == 2 and result.losses[0] != result.losses[1]
     np.testing.assert_allclose(result.epoch_losses[0], float(total / count), rtol=1e-5)
     assert result.history["loss"] == result.epoch_losses
+    # the progress line ends on the epoch's loss, as Keras's bar does, not the last step's
+    assert f"2/2  loss {result.epoch_losses[0]:.4f}" in log.getvalue()
 
 
 def _failing_second_call_loss():
