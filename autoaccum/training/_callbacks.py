@@ -323,12 +323,27 @@ class NoiseScaleTracker:
 
     estimator: NoiseScaleEstimator = field(default_factory=NoiseScaleEstimator)
     items_per_step: float = 0.0
+    """Valid items in an effective batch: the mean over whole steps (an epoch's smaller last
+    step, which would understate it, counts only where no whole step was taken)."""
+    _whole: list[float] = field(default_factory=lambda: [0.0, 0.0])  # items, steps
 
-    def update_from(self, figures: tuple[float, float, float],
-                    accum_steps: int) -> float | None:
-        """``figures`` = (|mean grad|^2, mean |micro-batch grad|^2, valid items per step)."""
+    def update_from(self, figures: tuple[float, float, float], accum_steps: int, *,
+                    full: bool = True) -> float | None:
+        """``figures`` = (|mean grad|^2, mean |micro-batch grad|^2, valid items per step);
+        ``full``: the step took a whole effective batch.
+
+        Example:
+          >>> t = NoiseScaleTracker()
+          >>> _ = t.update_from((2.0, 5.0, 32.0), accum_steps=4)
+          >>> _ = t.update_from((2.0, 5.0, 4.0), accum_steps=2, full=False)
+          >>> t.items_per_step
+          32.0
+        """
         grad_sq, micro_sq, count = figures
-        self.items_per_step = count
+        if full:
+            self._whole[0] += count
+            self._whole[1] += 1
+        self.items_per_step = (self._whole[0] / self._whole[1] if self._whole[1] else count)
         return self.estimator.update(grad_sq_norm=grad_sq, micro_grad_sq_norm=micro_sq,
                                      big_batch=count, small_batch=count / max(accum_steps, 1))
 

@@ -322,7 +322,8 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
             tally.weights.append(outcome.count if outcome.count > 0 else
                                  float(outcome.examples))
         if outcome.noise is not None:
-            outcome.noise_scale = loop.noise.update_from(outcome.noise, outcome.micro_batches)
+            outcome.noise_scale = loop.noise.update_from(outcome.noise, outcome.micro_batches,
+                                                         full=outcome.full)
         if outcome.finite:
             tally.finite_steps += 1
         elif outcome.optimizer_skipped:

@@ -70,3 +70,28 @@ def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
     assert result.history["gradient_noise_scale"][-1] == result.noise_scale[-1]
     assert "gradient noise scale B_simple" in result.noise_advice
     assert "far below" in result.noise_advice
+
+
+def test_the_advice_counts_a_whole_effective_batch_not_an_epochs_smaller_last_step():
+    # 66 examples at 16 a step: each epoch ends on a step of 2. The advice compares B_simple
+    # with a whole step's valid items (it took the last step's, and advised accumulating).
+    import re
+
+    import optax
+    from flax import nnx
+
+    import autoaccum
+    from tests._models import TinyLM, ragged_tokens, token_loss
+
+    data = ragged_tokens(66, 10)
+    model = TinyLM(rngs=nnx.Rngs(0))
+    small = autoaccum.measure(model, data, micro_batch=4, effective_batch=16,
+                              optimizer=optax.adam(1e-3), loss_fn=token_loss)
+    result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
+                           loss_fn=token_loss, epochs=2, budget=small.need_bytes, verbose=0,
+                           log=None, training=autoaccum.Training(shuffle=False))
+    assert result.plan.accum_steps > 1 and result.steps == 10
+    items = re.search(r"effective batch (?:is|of) (\d+) items", result.noise_advice)
+    assert items, result.noise_advice
+    whole = data["mask"][:64, 1:].sum() / 4  # the valid tokens of a whole step, on average
+    assert int(items.group(1)) == round(whole), (items.group(1), whole)
