@@ -416,9 +416,20 @@ def limiting_factor(plan: Plan) -> Limit:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON value: numbers, strings, booleans and None as they are, anything else as text."""
+    """A JSON value: numbers, strings, booleans and None as they are, a learning-rate
+    schedule (a function of the step, a Keras ``LearningRateSchedule``) by its name, not its
+    address; anything else as text.
+
+    Example:
+      >>> import optax
+      >>> _plain(0.5), _plain(optax.cosine_decay_schedule(0.1, 100))
+      (0.5, 'schedule (cosine_decay_schedule)')
+    """
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if callable(value) or hasattr(value, "get_config"):  # repr: "<function ... at 0x7f...>"
+        name = getattr(value, "__qualname__", None) or type(value).__name__
+        return f"schedule ({name.split('.<locals>')[0]})"
     return str(value)
 
 
@@ -463,7 +474,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "lr_rule": plan.lr_rule,
         "base_batch": plan.lr_scaling.base_batch,
         "base_learning_rate": _plain(plan.base_learning_rate),
-        "learning_rate": _plain(plan.learning_rate),
+        "learning_rate": (_plain(plan.learning_rate) if not callable(plan.learning_rate)
+                          else f"{_plain(plan.base_learning_rate)} x {plan.lr_factor:.4g}"),
         "lr_factor": plan.lr_factor,
         "lr_arithmetic": plan.lr_scaling.arithmetic(),
         "need_bytes": plan.need_bytes,

@@ -94,3 +94,26 @@ def test_a_rule_that_scales_the_rate_without_base_batch_is_refused():
     with pytest.raises(ValueError) as info:
         check_base_batch_given("linear", None)
     assert str(info.value)[-40:] == "Received: rule='linear', base_batch=None"
+
+
+def test_a_scheduled_plans_json_names_the_schedule_not_its_address():
+    # str() of a schedule is "<function cosine_decay_schedule.<locals>.schedule at 0x7f...>"
+    import json
+
+    import numpy as np
+    from flax import nnx
+
+    import autoaccum
+
+    def loss_fn(m, b):
+        return jnp.sum((m(b["x"])[:, 0] - b["y"]) ** 2), b["y"].shape[0]
+
+    data = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.float32)}
+    plan = autoaccum.plan(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), data, effective_batch=8,
+                          optimizer=optax.sgd, loss_fn=loss_fn, budget="1GiB", log=None,
+                          learning_rate=autoaccum.LearningRate(
+                              value=optax.cosine_decay_schedule(0.1, 100), base_batch=2))
+    out = json.loads(json.dumps(plan.to_dict()))
+    assert out["base_learning_rate"] == "schedule (cosine_decay_schedule)"
+    assert out["learning_rate"] == "schedule (cosine_decay_schedule) x 4"
+    assert " at 0x" not in json.dumps(out)
