@@ -132,9 +132,14 @@ def test_fit_takes_at_most_25_parameters():
     assert len(inspect.signature(autoaccum.fit).parameters) <= 25
 
 
-def test_unexpected_option_is_a_type_error():
-    with pytest.raises(TypeError, match="micro_steps"):
+def test_unexpected_option_is_a_type_error_listing_the_keywords_taken():
+    with pytest.raises(TypeError, match=r"micro_steps.*; it takes model, data, y, "
+                                        r"effective_batch"):
         _fit(micro_steps=4)
+    with pytest.raises(TypeError, match=r"measure\(\) got an unexpected keyword argument "
+                                        r"'log'; it takes .*micro_batch"):
+        autoaccum.measure(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 6), micro_batch=2,
+                          log=None)
 
 
 def test_a_device_index_is_refused_with_the_profile_names():

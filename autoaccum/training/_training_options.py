@@ -178,4 +178,7 @@ def _explain(where: str, unknown: dict[str, Any], params: Any, *,
         raise ValueError(
             f"{where}() takes {names} inside {' and '.join(f'{a}=' for a, _ in specs)}: {fix}. "
             "Received: " + ", ".join(received(n, v) for n, v in moved.items()))
-    raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}")
+    keywords = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY,
+                                                             p.POSITIONAL_OR_KEYWORD)]
+    raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(unknown))!r}; "
+                    f"it takes {', '.join(keywords)}")
