@@ -126,6 +126,19 @@ same plans and compiles. The four GPU rows afterwards (a slower hour: the lone c
       nnx-t4     4 x 2 none    29.3     6.4     1        4         5         23.0               1.3
     lab-2xt4     2 x 2 none    74.2     4.6     2        6         8         27.8               2.7
 
+After a later micro-batch's full-depth step was lowered while its reduced depths compile
+(not beside a deciding compile), alternated with ``--root`` at 4264072, ``--no-ratio``: 1b-t4
+31.6, 28.7, 32.1, 32.1, 35.0 -> 27.0, 28.2, 28.7, 32.7, 32.5 s; the same plans and compiles.
+The four GPU rows afterwards, a slow hour (the same traced 1B plan 25.5 s at 16:40, 35-36 s at
+18:05), the lone compile now without XLA's cost analysis (the plans skip it too):
+
+        case           plan  cold s  warm s  full  reduced  compiles  1 compile s  cold / 1 compile
+    --------  -------------  ------  ------  ----  -------  --------  -----------  ----------------
+      lab-t4  4 x 2 nothing    81.2     1.4     2        6         8         35.5               2.3
+       1b-t4     4 x 2 none    34.4     1.1     1        4         5         20.3               1.7
+      nnx-t4     4 x 2 none    37.0     8.8     1        4         5         25.0               1.5
+    lab-2xt4     2 x 2 none    86.0     5.2     2        6         8         28.2               3.0
+
 The rest: docs/guides/planning.md ("How long a plan takes") and the closing notes of issue 50.
 """
 
