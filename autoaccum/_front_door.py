@@ -266,7 +266,8 @@ def fit(
         ("steps_per_epoch", steps_per_epoch, None)) if value != default}
     adapter.validate_fit_options(framework_options)
     _check_training_part(data, validation_split,
-                         plan.effective_batch if plan is not None else effective_batch)
+                         getattr(plan, "effective_batch", None) if plan is not None
+                         else effective_batch)
     the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
     if "validation_split" not in framework_options:
         the_plan = with_examples(the_plan, prepared, the_training.drop_remainder)

@@ -30,6 +30,7 @@ import numpy as np
 from ..devices._warnings import AutoaccumWarning
 from ..planning._plan import Plan
 from ..planning._search import divisors
+from ..planning._train_program import held_dtype
 from ._callbacks import NoiseScaleTracker, StopTraining
 from ._epoch_batches import split_micro_batches
 from ._nonfinite import NonFiniteError
@@ -495,7 +496,7 @@ def _spec(tree: PyTree) -> PyTree:
     def one(v: Any) -> jax.ShapeDtypeStruct:
         sharding = getattr(v, "sharding", None) if isinstance(v, jax.Array) else None
         return jax.ShapeDtypeStruct(
-            np.shape(v), v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype,
+            np.shape(v), held_dtype(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype),
             sharding=sharding if sharding is not None and len(sharding.device_set) > 1 else None)
 
     return jax.tree.map(one, tree)
