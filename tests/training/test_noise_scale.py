@@ -48,21 +48,27 @@ def test_advice_says_far_above_and_far_below():
                                                   effective_batch=8)
 
 
-@pytest.mark.slow
-def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
+def _fitted(data: dict, **options):
+    """A TinyLM fitted on ``data`` at an effective batch of 16 under micro-batch 4's need."""
     import optax
     from flax import nnx
 
     import autoaccum
-    from tests._models import TinyLM, ragged_tokens, token_loss
+    from tests._models import TinyLM, token_loss
 
-    data = ragged_tokens(64, 10)
     model = TinyLM(rngs=nnx.Rngs(0))
     small = autoaccum.measure(model, data, micro_batch=4, effective_batch=16,
                               optimizer=optax.adam(1e-3), loss_fn=token_loss)
-    result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
-                           loss_fn=token_loss, epochs=3, budget=small.need_bytes, verbose=0,
-                           log=None)
+    return autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
+                         loss_fn=token_loss, budget=small.need_bytes, verbose=0, log=None,
+                         **options)
+
+
+@pytest.mark.slow
+def test_fit_records_the_noise_scale_and_says_where_the_batch_stands():
+    from tests._models import ragged_tokens
+
+    result = _fitted(ragged_tokens(64, 10), epochs=3)
     assert result.plan.accum_steps > 1
     assert len(result.noise_scale) == result.steps
     # Random tokens: the gradient is mostly noise, so B_simple is large (possibly infinite).
@@ -77,19 +83,11 @@ def test_the_advice_counts_a_whole_effective_batch_not_an_epochs_smaller_last_st
     # with a whole step's valid items (it took the last step's, and advised accumulating).
     import re
 
-    import optax
-    from flax import nnx
-
     import autoaccum
-    from tests._models import TinyLM, ragged_tokens, token_loss
+    from tests._models import ragged_tokens
 
     data = ragged_tokens(66, 10)
-    model = TinyLM(rngs=nnx.Rngs(0))
-    small = autoaccum.measure(model, data, micro_batch=4, effective_batch=16,
-                              optimizer=optax.adam(1e-3), loss_fn=token_loss)
-    result = autoaccum.fit(model, data, effective_batch=16, optimizer=optax.adam(1e-3),
-                           loss_fn=token_loss, epochs=2, budget=small.need_bytes, verbose=0,
-                           log=None, training=autoaccum.Training(shuffle=False))
+    result = _fitted(data, epochs=2, training=autoaccum.Training(shuffle=False))
     assert result.plan.accum_steps > 1 and result.steps == 10
     items = re.search(r"effective batch (?:is|of) (\d+) items", result.noise_advice)
     assert items, result.noise_advice
