@@ -91,6 +91,22 @@ micro-batch 2's 1.9 s of an uneven 3 x 6 step's 3.0 s), and for Keras the loop's
 trace (0.6 s): its step function closes over Keras objects whose state when traced (a
 remat policy set on layers, the planner's clone of an unbuilt optimizer) no key can compare,
 so only the compiled program is shared, by its text.
+
+Again after the first fit point was compiled for its memory alone (2026-11-30, LLVM -O0
+without its expensive passes, after buffer assignment: every figure the same; the same plans,
+compiles and losses), alternated three times with the code before in fresh processes, time to
+the first step, load 1.3-1.7:
+
+                               before                now                   a plan made earlier
+    flax: plan's step kept     10.88, 10.51,  9.90   10.09, 9.51, 9.29     7.03, 6.46, 6.83
+    keras: plan's step kept     9.13,  8.90,  9.23    8.63, 8.65, 8.48     4.58, 4.56, 4.57
+
+Flax 1.54x -> 1.42x one with a plan made earlier (means), Keras 1.99x -> 1.88x. Keras's
+remaining excess is its planner's trace and compile of micro-batch 2 (about 1 + 2.3 s) and the
+loop's own trace of the chosen step (1.3 s with its lowering): its step function closes over
+the planner's clone of the unbuilt optimizer, whose state outside its config (AdamW's
+``exclude_from_weight_decay``) no key compares, so only the compiled program is shared, by
+its text, after the loop traced it.
 """
 
 from __future__ import annotations

@@ -350,6 +350,11 @@ class CompileRequest:
     not analysed again: a full-depth step for a deviceless GPU whose figures the reduced
     depths extrapolated (both linear in depth in the lowered program), whose own analysis
     would convert the whole program to HLO first."""
+    measured_only: bool = False
+    """A step compiled for its memory alone, rarely the one training runs (the search's first
+    fit point): with the target's :attr:`~CompileTarget.measuring_options` (this machine's
+    code generation unoptimised; every figure the same) and not kept for the training loop,
+    which compiles it in full should it be the answer."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""
@@ -547,10 +552,11 @@ def _complete(item: LoweredRequest, target: CompileTarget, cache: NeedCache | No
         raise Superseded
     start = time.perf_counter()
     with program.lowering_context():
-        compiled = compile_lowered(lowered, target, program=program, reduced=request.reduced)
+        compiled = compile_lowered(lowered, target, program=program, reduced=request.reduced,
+                                   measured_only=request.measured_only)
     seconds = time.perf_counter() - start
     cost = dict(request.cost) if request.cost is not None else compile_cost(compiled, lowered)
-    if program.loop_relowers and not target.deviceless:  # the training loop's, maybe
+    if program.loop_relowers and not target.deviceless and not request.measured_only:
         keep_compiled(lowered, compiled, dict(target.compiler_options))
     estimate = estimate_from_compiled(
         program, compiled, request.micro_batch, request.accum_steps, target=target.name,

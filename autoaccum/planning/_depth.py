@@ -294,7 +294,8 @@ class DepthExtrapolator:
         try:
             small = measure_all(
                 [CompileRequest(self.variants.program(d), micro_batch, accum_steps,
-                                self.variants.key(d), reduced=True) for d in (d1, d2)],
+                                self.variants.key(d), reduced=True, measured_only=True)
+                 for d in (d1, d2)],
                 self.reduced_target, cache=self.cache,
                 meanwhile=lambda: self._meanwhile(micro_batch, accum_steps))
         except Exception as error:  # a model that cannot be built or compiled that shallow

@@ -323,6 +323,7 @@ def search_plan(
     agree: bool = True,
     devices: int | None = None,
     largest_first: bool = False,
+    measure_fit_point: Any = None,
 ) -> Plan:
     """Runs the compile-only search (arguments as ``search_micro_batch``'s) and returns the plan.
 
@@ -339,6 +340,7 @@ def search_plan(
         measure_uneven=measure_uneven,
         accumulating_floor=accumulating_floor,
         largest_first=largest_first,
+        measure_fit_point=measure_fit_point,
     )
     if agree and (data_parallel > 1 or _process_count() > 1):
         from ..devices._mesh import agree_micro_batch

@@ -68,6 +68,7 @@ def plan_program(
     verify_depth: bool = True,
     resident: Resident | Callable[[], Resident] | None = None,
     agree: bool = True,
+    keep_fit_points: bool = False,
 ) -> Plan:
     """Plans an already built :class:`TrainProgram` (one remat policy; used by presets).
 
@@ -77,7 +78,10 @@ def plan_program(
     (``True``, a folder or a :class:`~autoaccum.internal.NeedCache`) that answers repeated
     compiles. ``depth_variants``: the same model at other depths; the search then runs on
     needs extrapolated from two small depths and one full-depth compile verifies the choice
-    (``verify_depth=False``: not; the advisor's quick rows). ``resident``: the program's
+    (``verify_depth=False``: not; the advisor's quick rows). The search's first fit point,
+    rarely the answer, is compiled for its memory alone (``CompileRequest.measured_only``);
+    ``keep_fit_points``: in full and kept, for a throughput objective that times it.
+    ``resident``: the program's
     :class:`~autoaccum.planning.Resident` memory (or a function computing it more cheaply
     than building the program), by default read from the program; when its weights and
     optimizer state exceed the budget, planning stops before any compile.
@@ -179,14 +183,17 @@ def plan_program(
 
     identity = (depth_variants.key(depth_variants.full_depth)
                 if depth_variants is not None else None)
-    def measure(b: int, k: int, last: int | None = None) -> Any:
-        return measure_all([CompileRequest(the_program, b, k, identity, last=last)],
-                           resolved.compile_target, cache=need_cache, workers=1)[0]
+    def measure(b: int, k: int, last: int | None = None, *, measured_only: bool = False) -> Any:
+        request = CompileRequest(the_program, b, k, identity, last=last,
+                                 measured_only=measured_only)
+        return measure_all([request], resolved.compile_target, cache=need_cache, workers=1)[0]
 
     with _marking(beyond_remat):
         plan = search_plan(
             measure,
             measure_uneven=measure if uneven else None,
+            measure_fit_point=(None if keep_fit_points
+                               else functools.partial(measure, measured_only=True)),
             effective_batch=effective_batch,
             data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
                                   else 1)),
@@ -425,7 +432,7 @@ def plan_model(
                     prepared, model, method=method, effective_batch=effective_batch,
                     resolved=resolved, log=log, cache=cache, depth_variants=variants,
                     uneven=bool(uneven) and adapter.uneven_batches,
-                    agree=agree), prepared)
+                    agree=agree, keep_fit_points=objective == "throughput"), prepared)
             except DoesNotFitError as missed:
                 raise _by_partitioner(missed, prepared) from None
 
@@ -838,8 +845,9 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
 def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
               resolved: ResolvedTarget, log: TextIO | None, cache: Any = None,
               depth_variants: DepthVariants | None = None, uneven: bool = False,
-              agree: bool = True) -> Plan:
-    """One remat policy's plan by ``method``; real steps only where the target is here."""
+              agree: bool = True, keep_fit_points: bool = False) -> Plan:
+    """One remat policy's plan by ``method``; real steps only where the target is here
+    (``keep_fit_points``: as :func:`plan_program`'s)."""
     from ._backoff import auto_plan, backoff_plan
 
     real_device = resolved.kind != "deviceless"
@@ -852,7 +860,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
     plan = None if method == "backoff" else plan_program(
         prepared.program, effective_batch=effective_batch, lr_scaling=prepared.lr_scaling,
         resolved=resolved, log=log, cache=cache, depth_variants=depth_variants, uneven=uneven,
-        agree=agree)
+        agree=agree, keep_fit_points=keep_fit_points)
     if method == "compile":
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None

@@ -205,6 +205,7 @@ def search_micro_batch(
     measure_uneven: Callable[[int, int, int], MemoryEstimate] | None = None,
     accumulating_floor: int = 0,
     largest_first: bool = False,
+    measure_fit_point: Callable[[int, int, int | None], MemoryEstimate] | None = None,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
     compiling only steps whose answer could change the plan. ``measure(b, k)`` compiles the
@@ -235,6 +236,12 @@ def search_micro_batch(
     is the answer, skipping those the line puts clearly over. For a compiler that refuses an
     over-budget step early and only finishes one that fits (libtpu's HBM check: a "no" costs
     seconds to a minute, a "yes" a whole code generation).
+
+    ``measure_fit_point(b, k, last)`` (``last`` ``None`` for an even split), where given,
+    measures the first fit point when a second follows: a probe that is the answer only when
+    every larger one fails, which the caller may compile for its memory alone (its machine
+    code unoptimised and not kept for training, :class:`~autoaccum.planning.CompileRequest`'s
+    ``measured_only``).
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -268,9 +275,10 @@ def search_micro_batch(
     probes: dict[int, Probe] = {}
     order: list[Probe] = []
 
-    def probe(b: int, why: str) -> Probe:
+    def probe(b: int, why: str, *, stepping_stone: bool = False) -> Probe:
         """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
-        divide ``limit``: ``k - 1`` micro-batches of ``b``, then ``last``)."""
+        divide ``limit``: ``k - 1`` micro-batches of ``b``, then ``last``);
+        ``stepping_stone``: through ``measure_fit_point`` where given."""
         if b in probes:
             return probes[b]
         k = math.ceil(limit / b)
@@ -278,7 +286,12 @@ def search_micro_batch(
         uneven = measure_uneven if last != b else None
         say(log, f"autoaccum: compiling micro_batch={b} x {k} steps"
             f"{f', last {last}' if uneven else ''} ({why}) ...")
-        estimate = uneven(b, k, last) if uneven is not None else measure(b, k)
+        if stepping_stone and measure_fit_point is not None:
+            estimate = measure_fit_point(b, k, last if uneven is not None else None)
+        elif uneven is not None:
+            estimate = uneven(b, k, last)
+        else:
+            estimate = measure(b, k)
         p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
                   last_micro_batch=last if uneven is not None else None)
         probes[b] = p
@@ -334,12 +347,12 @@ def search_micro_batch(
                        measure_uneven is None)
 
     first = next((c for c in candidates if c >= 2), None)
-    if first is not None and first < limit and probe(first, "fit point").fits:
-        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes,
-                                 [c for c in candidates if first < c < limit])
-        second = surely or next(
-            (c for c in candidates if c >= 2 * first and c < limit),
-            next((c for c in reversed(candidates) if first < c < limit), None))
+    larger = [c for c in candidates if first is not None and first < c < limit]
+    if first is not None and first < limit and probe(
+            first, "fit point", stepping_stone=bool(larger)).fits:
+        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes, larger)
+        second = surely or next((c for c in larger if c >= 2 * first),
+                                larger[-1] if larger else None)
         if second is not None:
             probe(second, "fit point")
     lo, hi = bounds()

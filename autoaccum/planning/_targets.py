@@ -23,7 +23,7 @@ from ._budget import (
     resolve_fraction,
     tpu_budget,
 )
-from ._measure import DEVICELESS_CODEGEN_OPTIONS, CompileTarget
+from ._measure import DEVICELESS_CODEGEN_OPTIONS, MEASURING_OPTIONS, CompileTarget
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,13 @@ def _local_target(mesh: Any = None) -> CompileTarget:
         return CompileTarget(
             name=f"{mesh.size} x {device.platform} ({device.device_kind}) {how} over "
                  f"{jax.process_count()} process(es), per device",
-            fingerprint=_device_fingerprint(device, mesh.size))
+            fingerprint=_device_fingerprint(device, mesh.size),
+            measuring_options=MEASURING_OPTIONS.get(device.platform, ()))
     device = jax.devices()[0]
     return CompileTarget(name=f"{device.platform}:{device.id} ({device.device_kind}), this machine",
                          fingerprint=_device_fingerprint(device, 1),
-                         remat_pass_base_bytes=_bytes_limit(device))
+                         remat_pass_base_bytes=_bytes_limit(device),
+                         measuring_options=MEASURING_OPTIONS.get(device.platform, ()))
 
 
 def _bytes_limit(device: Any) -> int | None:

@@ -28,6 +28,7 @@ from autoaccum.planning._depth import (
 )
 from autoaccum.planning._lr_scaling import scale_learning_rate
 from autoaccum.planning._measure import (
+    MEASURING_OPTIONS,
     CompileTarget,
     MemoryEstimate,
     counting_compiles,
@@ -102,7 +103,16 @@ def test_flax_extrapolation_agrees_with_a_full_compile_within_two_percent(micro_
 
 
 @pytest.mark.slow  # a plan's worth of compiles
-def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full():
+def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full(monkeypatch):
+    options = []  # every step compile's XLA options: reduced depths are only measured
+    compile_ = jax.stages.Lowered.compile
+
+    def recording(self, *args, **kwargs):
+        if "dot_general" in self.as_text():
+            options.append(kwargs.get("compiler_options") or {})
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
     model = DeepLM(8, rngs=nnx.Rngs(0))
     variant = DepthVariant(depth=8, build=lambda d: DeepLM(d, rngs=nnx.Rngs(0)))
     plan = autoaccum.plan(model, ragged_tokens(16, 17, vocab=256), effective_batch=8,
@@ -119,6 +129,9 @@ def test_a_plan_from_a_depth_variant_compiles_only_the_choice_in_full():
     assert all(p.why.endswith("(extrapolated)") for p in plan.probes[:-1])
     note = next(n for n in plan.notes if n.startswith("depth extrapolation: micro_batch"))
     assert "verified" in note and "at depth 8" in note
+    reduced = 2 * (len(plan.probes) - 1)
+    assert options[:reduced] == [dict(MEASURING_OPTIONS["cpu"])] * reduced
+    assert options[reduced:] == [{}, {}]  # the plan's full-depth verification, then measure's
 
 
 @pytest.mark.slow  # two searches' worth of compiles

@@ -1,5 +1,7 @@
 """A fit runs the step its plan compiled instead of compiling the same program again."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.planning import _cache
 from autoaccum.planning._cache import keep_compiled, kept_count, reuse_or_compile
 
 
@@ -74,6 +77,81 @@ def test_a_flax_fit_trains_with_the_trace_of_its_planned_step():
                            callbacks=[begin])
     assert result.steps == 4 and begin.before > 0
     assert len(traced) == begin.before  # the loop's step is the planner's trace: no new one
+
+
+@pytest.fixture
+def compile_options(monkeypatch):
+    """The ``compiler_options`` of every step program compiled while the test runs."""
+    options = []
+    compile_ = jax.stages.Lowered.compile
+
+    def recording(self, *args, **kwargs):
+        if "while" in self.as_text():
+            options.append(dict(kwargs.get("compiler_options") or {}))
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    return options
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_fit_compiles_its_first_fit_point_for_memory_alone_and_trains_on_the_answer(
+        compile_options):
+    # 48 rows, effective batch 16 under a budget that micro-batch 2 (46 KB) fits and the
+    # whole batch (49 KB) does not: the first fit point (2) is compiled with its machine code
+    # unoptimised and not kept; the others in full, and the loop runs the answer's.
+    options = dict(optimizer=optax.adam, learning_rate=1e-3, loss_fn=mse, log=None,
+                   search=autoaccum.Search(cache=False))
+    data = {k: np.concatenate([v, v[:16]]) for k, v in DATA.items()}
+    reused = kept_count()
+    result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), data, effective_batch=16, budget=47_000,
+                           epochs=1, verbose=0, **options)
+    accumulating = {p.micro_batch for p in result.plan.probes if p.accum_steps > 1}
+    assert result.plan.probes[0].micro_batch == 2 and result.plan.micro_batch > 2
+    first, *rest = compile_options
+    assert first == {"xla_backend_optimization_level": 0,
+                     "xla_llvm_disable_expensive_passes": True}
+    assert rest and all(o == {} for o in rest)
+    assert kept_count() == reused + 1
+    assert len(compile_options) == len(accumulating)  # the loop compiled nothing
+    assert result.steps == 3
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_first_fit_point_that_is_the_answer_is_compiled_in_full_to_train(compile_options,
+                                                                          monkeypatch):
+    # A budget a quarter of the way from micro-batch 2's need to 4's: 2 fits and 3 does not,
+    # so the plan's answer was compiled for its memory alone and the loop compiles it once
+    # more, in full.
+    options = dict(optimizer=optax.adam, learning_rate=1e-3, loss_fn=mse,
+                   search=autoaccum.Search(cache=False))
+    two, four = (autoaccum.measure(MLP(rngs=nnx.Rngs(0)), DATA, micro_batch=b,
+                                   effective_batch=8, **options).need_bytes for b in (2, 4))
+    compile_options.clear()
+    monkeypatch.setattr(_cache, "_KEPT", collections.OrderedDict())  # measure kept its steps
+    result = autoaccum.fit(MLP(rngs=nnx.Rngs(0)), DATA, effective_batch=8,
+                           budget=two + (four - two) // 4, epochs=1, verbose=0, log=None,
+                           **options)
+    assert result.plan.micro_batch == 2 and result.steps == 4
+    assert compile_options[0] == {"xla_backend_optimization_level": 0,
+                                  "xla_llvm_disable_expensive_passes": True}
+    assert compile_options[-1] == {}  # the loop's own compile of micro-batch 2
+    assert len(compile_options) == len(
+        {p.micro_batch for p in result.plan.probes if p.accum_steps > 1}) + 1
+
+
+def test_a_step_compiled_for_its_memory_alone_reports_the_same_figures():
+    from autoaccum.planning._measure import MEASURING_OPTIONS
+
+    def step(w, x):
+        return jax.lax.fori_loop(0, 3, lambda i, w: w - 0.1 * jnp.tanh(x @ w), w)
+
+    lowered = jax.jit(step).lower(jnp.ones((64, 64)), jnp.ones((64, 64)))
+    full = lowered.compile().memory_analysis()
+    alone = lowered.compile(compiler_options=dict(MEASURING_OPTIONS["cpu"])).memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes")
+    assert [getattr(alone, f) for f in fields] == [getattr(full, f) for f in fields]
 
 
 def test_a_step_kept_for_the_same_program_is_reused_instead_of_compiled():

@@ -1,5 +1,6 @@
 """The throughput objective: deterministic choice among measured candidates."""
 
+import jax
 import optax
 import pytest
 from flax import nnx
@@ -46,11 +47,21 @@ def test_cost_model_uses_the_roofline_of_the_profile():
 
 
 @pytest.mark.slow
-def test_throughput_plan_times_candidates_and_picks_by_the_rule():
+def test_throughput_plan_times_candidates_and_picks_by_the_rule(monkeypatch):
+    options = []  # the timed candidates run: no probe is compiled for its memory alone
+    compile_ = jax.stages.Lowered.compile
+
+    def recording(self, *args, **kwargs):
+        options.append(kwargs.get("compiler_options") or {})
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
     model = TinyLM(rngs=nnx.Rngs(0))
     plan = autoaccum.plan(model, ragged_tokens(32, 12), effective_batch=16, budget="1GiB",
-                          optimizer=optax.sgd(0.1), loss_fn=token_loss,
-                          log=None, search=autoaccum.Search(objective="throughput"))
+                          optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput", cache=False))
+    assert len(options) >= 2 and all("xla_backend_optimization_level" not in o
+                                     for o in options)
     assert plan.objective == "throughput"
     assert len(plan.candidates) >= 2
     assert all(c.source == "measured" and c.seconds_per_example > 0 for c in plan.candidates)

@@ -112,6 +112,30 @@ def test_the_floor_line_makes_the_answer_the_second_fit_point():
     assert probed == [2, 6]
 
 
+def test_only_the_first_fit_point_is_measured_for_its_memory_alone():
+    # The first fit point (2) is the answer only if every larger one fails: it goes through
+    # measure_fit_point (a compile for its memory alone); the second fit point and the line's
+    # prediction, most often the answer, through measure (compiled in full, kept to train).
+    measure, probed = _affine(100, 10)
+    stones: list[int] = []
+
+    def fit_point(b, k, last):
+        stones.append(b)
+        return measure(b, k, last)
+
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=170, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                measure_fit_point=fit_point)
+    assert result.micro_batch == 6 and probed == [2, 4, 6] and stones == [2]
+    # With no larger candidate below the whole batch the first fit point is the answer or
+    # nothing: measured in full.
+    stones.clear()
+    result = search_micro_batch(measure, per_device_batch=3, budget_bytes=170, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                measure_fit_point=fit_point)
+    assert stones == [] and result.micro_batch == 3
+
+
 def test_an_overstated_floor_costs_a_compile_never_the_answer():
     # need = 10 + 20 b but a floor of 100 claimed: the line from it through micro-batch 2
     # (50) is flat, so the second fit point (8, 170 of 150) does not fit; the line through
