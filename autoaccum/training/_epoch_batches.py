@@ -16,6 +16,7 @@ import numpy as np
 
 from ..planning._micro_batches import UnevenBatches, split_sizes
 from ..planning._option_checks import received, type_name
+from ..planning._train_program import held_dtype
 
 PyTree = Any
 
@@ -143,6 +144,17 @@ def num_examples(tree: PyTree) -> int:
 def example_spec(tree: PyTree) -> PyTree:
     """Abstract shape and dtype of one example (the leading axis removed)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+
+
+def per_example_text(spec: PyTree) -> str:
+    """One example's structure, and each leaf's dtype as JAX holds it and shape, compactly:
+    data whose texts are equal take the same compiled step.
+
+    Example:
+      >>> per_example_text({"x": jax.ShapeDtypeStruct((16,), np.int64)})
+      "{'x': 'int32[16]'}"
+    """
+    return str(jax.tree.map(lambda s: f"{held_dtype(s.dtype)}{list(s.shape)}", spec))
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int | None, epoch: int) -> np.ndarray:

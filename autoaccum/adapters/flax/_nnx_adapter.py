@@ -24,10 +24,16 @@ from ...planning._option_checks import (
 )
 from ...planning._plan import Plan
 from ...planning._plan_options import REMAT_POLICIES, ProgramOptions
-from ...planning._train_program import abstract, held_dtype
+from ...planning._train_program import abstract
 from ...training._accumulate import validate_batch_stats
 from ...training._callbacks import validate_callbacks
-from ...training._epoch_batches import as_arrays, batch_rebuilder, example_spec, num_examples
+from ...training._epoch_batches import (
+    as_arrays,
+    batch_rebuilder,
+    example_spec,
+    num_examples,
+    per_example_text,
+)
 from ...training._user_step import UserLoopStep
 from ._nnx_data import ArrayData, flax_data
 from ._nnx_fit import FlaxState, flax_fit, flax_runner
@@ -367,7 +373,7 @@ class TrainStep(UserLoopStep):
             batch_stats=extras.get("batch_stats", "effective"), on_nonfinite=on_nonfinite,
             elastic=elastic, backup=backup, log=sys.stderr if log is None else log), plan)
         self._state.write_state(self._state.state)
-        self._shapes = _per_example(prepared.program.example_spec)
+        self._shapes = per_example_text(prepared.program.example_spec)
         """The structure, shapes and dtypes of one example of the data the step was planned
         and compiled for."""
 
@@ -409,15 +415,15 @@ class TrainStep(UserLoopStep):
         """
         data = as_arrays(batch, name="batch")
         self.check_size(num_examples(data))
-        shapes = _per_example(example_spec(data))
+        shapes = per_example_text(example_spec(data))
         if shapes != self._shapes:
             raise ValueError(
                 "The batch is not shaped like the data the step was planned and compiled for "
-                f"(per example: {_shapes_text(self._shapes)}): another shape is another "
+                f"(per example: {self._shapes}): another shape is another "
                 "program, whose memory the plan never measured. Pass batches with the same "
                 "structure, shapes and dtypes (pad sequences to the planned length), or build "
                 "another step for this data with autoaccum.train_step(model, batch, ...). "
-                f"Received: a batch with {_shapes_text(shapes)} per example")
+                f"Received: a batch with {shapes} per example")
         before = self.steps
         try:
             with rematerialized(self.model, self._remat, layers=self._remat_layers):
@@ -431,15 +437,3 @@ class TrainStep(UserLoopStep):
         """The user's ``nnx.Optimizer`` (if one was given) gets the state and the steps."""
         if self._link is not None:
             self._link.write(self._state.state[2], steps)
-
-
-def _per_example(spec: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
-    """The structure, and each leaf's shape and dtype as JAX holds it, of one example."""
-    return (jax.tree.structure(spec), tuple(
-        (tuple(leaf.shape), str(held_dtype(leaf.dtype)))
-        for leaf in jax.tree.leaves(spec)))
-
-
-def _shapes_text(shapes: tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]) -> str:
-    """``_per_example``'s figures compactly: ``int32[16], float32[16]``."""
-    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in shapes[1])

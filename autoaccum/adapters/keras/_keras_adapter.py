@@ -13,16 +13,13 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, TextIO
 
-import jax
-import numpy as np
-
 from ...planning._adapter_interface import Adapter, FitSettings, Prepared
 from ...planning._backoff import RealStepRunner
 from ...planning._option_checks import received
 from ...planning._plan import Plan
 from ...planning._plan_options import ProgramOptions
 from ...training._accumulate import validate_batch_stats
-from ...training._epoch_batches import ReplayedStream
+from ...training._epoch_batches import ReplayedStream, per_example_text
 from ...training._user_step import UserLoopStep
 from ._distribution import keras_auto_mesh, keras_placement, placed_program
 from ._internals import set_jax_state
@@ -363,17 +360,12 @@ class KerasTrainStep(UserLoopStep):
                 f"Received: a batch of {n} examples")
         packed = source.sample(n)
         spec = KerasArrays.of(packed).example_spec()
-        if _describe(spec) != _describe(self._spec):
+        if per_example_text(spec) != per_example_text(self._spec):
             raise ValueError(
                 "The batch is not shaped like the data the step was planned and compiled for "
-                f"(per example: {_describe(self._spec)}). Pass batches with the same "
+                f"(per example: {per_example_text(self._spec)}). Pass batches with the same "
                 "structure, shapes and dtypes (sample weights in every batch or in none, as "
                 "in that data), or build another step for this data with "
                 "autoaccum.train_step(model, batch, ...). Received: batch of type "
-                f"{type(batch).__name__} with {_describe(spec)} per example")
+                f"{type(batch).__name__} with {per_example_text(spec)} per example")
         return packed
-
-
-def _describe(spec: PyTree) -> str:
-    """``(x, y[, w])`` per-example shapes and dtypes, compactly: ``('float32[3]', ...)``."""
-    return str(jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", spec))
