@@ -256,7 +256,7 @@ class DepthExtrapolator:
 
     def __init__(self, variants: DepthVariants, target: CompileTarget, *, cache: Any = None,
                  log: TextIO | str | None = None, floor_bytes: int = 0,
-                 budget_bytes: int | None = None, build_full: bool = False) -> None:
+                 budget_bytes: int | None = None, verifies: bool = False) -> None:
         self.variants = variants
         self.target = target
         self.reduced_target = reduced_depth_target(target)
@@ -265,12 +265,12 @@ class DepthExtrapolator:
         """Bytes every accumulating step needs at least, from shapes (0: unknown)."""
         self.budget_bytes = budget_bytes
         """The plan's budget, for :meth:`smallest_bound` (``None``: no bound is taken)."""
-        self.build_full = build_full
-        """Whether the full-depth model is built while the first reduced-depth compiles run
-        (a plan that will compile at full depth; not the advisor's quick rows)."""
-        self.lowers_ahead = build_full
-        """Whether a later micro-batch's full-depth step is lowered while its reduced depths
-        compile (:meth:`_lower_ahead`)."""
+        self.verifies = verifies
+        """Whether the plan compiles at full depth (its choice, or a decision; not the
+        advisor's quick rows): the full-depth model is then built while the first reduced
+        depths compile, and a later micro-batch's full-depth step lowered while its own do
+        (:meth:`_meanwhile`)."""
+        self._full_built = False
         self.cache = cache
         self.log = sys.stderr if log == "stderr" else log
         self.checks: dict[int, DepthCheck] = {}
@@ -338,7 +338,7 @@ class DepthExtrapolator:
         instead of taking a core from the decision now. A model that fails at full depth
         fails again where that compile lowers it."""
         key = (micro_batch, accum_steps)
-        if (not self.lowers_ahead or key in self._full or key in self._ahead
+        if (not self.verifies or key in self._full or key in self._ahead
                 or pending_decision() is not None
                 or not any(e.source == "extrapolated" for e in self._predicted.values())):
             return
@@ -357,9 +357,9 @@ class DepthExtrapolator:
         compiles it at full depth (its choice, or a decision) whenever it compiles anything
         (Gemma3-4B from its config: about 2 s, otherwise on the way to that compile). A
         model that fails to build fails there, in its place."""
-        if not self.build_full:
+        if not self.verifies or self._full_built:
             return
-        self.build_full = False
+        self._full_built = True
         program = self.variants.program(self.variants.full_depth)
         if not isinstance(program, TrainProgram):
             # A failure is raised again where the full-depth compile builds it.
@@ -585,7 +585,7 @@ def plan_by_depth(
     """
     extrapolator = DepthExtrapolator(variants, target, cache=cache, log=log,
                                      floor_bytes=accumulating_floor, budget_bytes=budget.bytes,
-                                     build_full=verify)
+                                     verifies=verify)
     common = dict(effective_batch=effective_batch, lr_scaling=lr_scaling, budget=budget,
                   target=target.name, log=log, accumulating_floor=accumulating_floor,
                   data_parallel=data_parallel)

@@ -272,7 +272,7 @@ def test_the_full_depth_model_is_built_while_the_first_reduced_depths_compile(mo
     for verifies in (True, False):
         built.clear()
         extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build),
-                                         CompileTarget(), build_full=verifies)
+                                         CompileTarget(), verifies=verifies)
         extrapolator.measure(2, 4)
         assert built == ([2, 3, 8] if verifies else [2, 3])
         extrapolator.measure(4, 2)  # built once
@@ -303,7 +303,7 @@ def test_a_later_micro_batchs_full_depth_step_is_lowered_while_its_reduced_depth
     for verifies in (True, False):
         lowered.clear()
         extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build),
-                                         CompileTarget(), build_full=verifies)
+                                         CompileTarget(), verifies=verifies)
         extrapolator.measure(2, 4)
         assert lowered == [(2, 2), (3, 2)]
         extrapolator.measure(4, 2)
@@ -312,7 +312,7 @@ def test_a_later_micro_batchs_full_depth_step_is_lowered_while_its_reduced_depth
     assert lowered[-1] == (8, 4)
     lowered.clear()
     extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget(),
-                                     build_full=True)
+                                     verifies=True)
     extrapolator.measure(2, 4)
     extrapolator.measure(4, 2)
     assert extrapolator.full(4, 2).need_bytes == full.need_bytes
@@ -321,7 +321,7 @@ def test_a_later_micro_batchs_full_depth_step_is_lowered_while_its_reduced_depth
     # lowered after the pair, not in the decision's way.
     lowered.clear()
     extrapolator = DepthExtrapolator(DepthVariants(full_depth=8, build=build), CompileTarget(),
-                                     build_full=True)
+                                     verifies=True)
     token = _speculation._PENDING.set(Decision(concurrent.futures.Future(), budget_bytes=1))
     try:
         extrapolator.measure(2, 4)
