@@ -238,10 +238,10 @@ def search_micro_batch(
     seconds to a minute, a "yes" a whole code generation).
 
     ``measure_fit_point(b, k, last)`` (``last`` ``None`` for an even split), where given,
-    measures the first fit point when a second follows: a probe that is the answer only when
-    every larger one fails, which the caller may compile for its memory alone (its machine
-    code unoptimised and not kept for training, :class:`~autoaccum.planning.CompileRequest`'s
-    ``measured_only``).
+    measures the first fit point when a larger candidate below the whole batch exists: a
+    probe that is the answer only when every larger one fails, which the caller may compile
+    for its memory alone (its machine code unoptimised and not kept for training,
+    :class:`~autoaccum.planning.CompileRequest`'s ``measured_only``).
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -275,10 +275,10 @@ def search_micro_batch(
     probes: dict[int, Probe] = {}
     order: list[Probe] = []
 
-    def probe(b: int, why: str, *, stepping_stone: bool = False) -> Probe:
+    def probe(b: int, why: str, *, first_fit_point: bool = False) -> Probe:
         """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
         divide ``limit``: ``k - 1`` micro-batches of ``b``, then ``last``);
-        ``stepping_stone``: through ``measure_fit_point`` where given."""
+        ``first_fit_point``: through ``measure_fit_point`` where given."""
         if b in probes:
             return probes[b]
         k = math.ceil(limit / b)
@@ -286,7 +286,7 @@ def search_micro_batch(
         uneven = measure_uneven if last != b else None
         say(log, f"autoaccum: compiling micro_batch={b} x {k} steps"
             f"{f', last {last}' if uneven else ''} ({why}) ...")
-        if stepping_stone and measure_fit_point is not None:
+        if first_fit_point and measure_fit_point is not None:
             estimate = measure_fit_point(b, k, last if uneven is not None else None)
         elif uneven is not None:
             estimate = uneven(b, k, last)
@@ -349,7 +349,7 @@ def search_micro_batch(
     first = next((c for c in candidates if c >= 2), None)
     larger = [c for c in candidates if first is not None and first < c < limit]
     if first is not None and first < limit and probe(
-            first, "fit point", stepping_stone=bool(larger)).fits:
+            first, "fit point", first_fit_point=bool(larger)).fits:
         surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes, larger)
         second = surely or next((c for c in larger if c >= 2 * first),
                                 larger[-1] if larger else None)
