@@ -32,8 +32,12 @@ def test_effective_batch_must_be_a_positive_integer(bad):
 
 
 def test_effective_batch_not_multiple_of_devices_names_nearest_sizes():
-    with pytest.raises(ValueError, match="nearest valid sizes: 6 or 9"):
+    with pytest.raises(ValueError, match=r"nearest valid sizes: 6 or 9 \(or split 7 over 1 "
+                                         r"device: target=autoaccum\.Target\(data_parallel=1"):
         validate_effective_batch(7, data_parallel=3)
+    with pytest.raises(ValueError, match=r"8 or 16 \(or split 12 over 4 devices: "
+                                         r"target=autoaccum\.Target\(data_parallel=4\)\)"):
+        validate_effective_batch(12, data_parallel=8)
 
 
 def test_mismatched_leading_axes_are_listed():
@@ -253,9 +257,22 @@ def test_micro_batch_one_over_the_budget_says_remat_was_not_tried_and_how_to_ask
 
     with pytest.raises(autoaccum.DoesNotFitError,
                        match=r"Rematerialization was not tried: autoaccum found no sequence "
-                             r"of blocks.*Search\(remat_layers=\.\.\.\)"):
+                             r"of blocks.*Search\(remat_layers=\.\.\.\).*\(nnx\.remat"):
         autoaccum.plan(_Wide(nnx.Rngs(0)), data, effective_batch=8, optimizer=optax.sgd,
                        learning_rate=0.1, loss_fn=loss_fn, budget="600KiB", log=None,
+                       search=autoaccum.Search(cache=False))
+
+
+def test_a_keras_model_without_blocks_is_pointed_to_keras_own_remat():
+    import keras
+
+    model = keras.Sequential([keras.Input((512, 16)), keras.layers.Dense(256, "tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((16, 512, 16), np.float32), np.zeros((16, 512, 1), np.float32)
+    with pytest.raises(autoaccum.DoesNotFitError,
+                       match=r"Rematerialization was not tried.*\(keras\.RematScope"):
+        autoaccum.plan(model, (x, y), effective_batch=8, budget="900KiB", log=None,
                        search=autoaccum.Search(cache=False))
 
 

@@ -86,6 +86,8 @@ class Adapter(abc.ABC):
     """How reports and errors name the framework (``"flax"``, ``"keras"``)."""
     remat_policies: tuple[str, ...]
     """Policies ``remat="auto"`` tries, in order of increasing recompute."""
+    own_remat: str = "jax.checkpoint"
+    """How a user checkpoints layers in this framework themselves, for messages."""
     trains_leftovers: bool = False
     """The examples after the last full effective batch make a final, smaller step."""
     uneven_batches: bool = False

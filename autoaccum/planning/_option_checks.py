@@ -31,9 +31,12 @@ def validate_effective_batch(effective_batch: object, *, data_parallel: int = 1)
         lower = value - value % data_parallel
         upper = lower + data_parallel
         nearest = " or ".join(str(v) for v in (lower, upper) if v > 0)
+        fewer = math.gcd(value, data_parallel)
         raise ValueError(
             f"effective_batch must be a multiple of the {data_parallel} data-parallel devices so "
-            f"every device gets the same micro-batches; nearest valid sizes: {nearest}. "
+            f"every device gets the same micro-batches; nearest valid sizes: {nearest} (or "
+            f"split {value} over {fewer} device{'s' if fewer > 1 else ''}: "
+            f"target=autoaccum.Target(data_parallel={fewer})). "
             f"Received: {received('effective_batch', effective_batch)}"
         )
     return value

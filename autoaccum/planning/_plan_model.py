@@ -521,7 +521,7 @@ def plan_model(
                 "Rematerialization was not tried: autoaccum found no sequence of blocks to "
                 "checkpoint in this model; name the layers with "
                 "search=autoaccum.Search(remat_layers=...), or checkpoint them yourself "
-                "(nnx.remat, jax.checkpoint).")
+                f"({adapter.own_remat}).")
         raise error
     if objective != "throughput":
         chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from ..devices._mesh import without_context_mesh
+from ..devices._oom import is_out_of_memory
 from ..planning._plan import Plan
 from ._fit_loop import settle
 from ._step_runner import StepOutcome, StepRunner
@@ -55,7 +56,15 @@ class UserLoopStep:
 
         Raises:
           autoaccum.planning.DoesNotFitError: the micro-batch was already 1.
+          ValueError: ``error`` is not an out-of-memory (:func:`autoaccum.is_out_of_memory`):
+            a smaller micro-batch would not cure it.
         """
+        if not is_out_of_memory(error):
+            raise ValueError(
+                "shrink(error) takes the out-of-memory this step raised (a smaller micro-batch "
+                "cures only that); re-raise any other error. Check with "
+                "autoaccum.is_out_of_memory(error) first. Received: "
+                f"error={type(error).__name__}({str(error)[:200]!r})") from error
         self._runner.shrink(error)
         return self
 

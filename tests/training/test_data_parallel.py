@@ -88,6 +88,8 @@ def test_keras_on_four_devices_equals_one_device_full_batch(four_devices):
     # keras.distribution.DataParallel(devices=2 devices) is honoured by default.
     assert out["distribution_data_parallel"] == 2
     assert out["distribution_weights_error"] <= 1e-5
+    # 22 examples: of the last 6, 4 train over the 4 devices; the 2 left out are recorded.
+    assert out["ragged_remainder"] == {"policy": "train", "examples": 4, "left_out": 2}
 
 
 def test_plan_arithmetic_and_per_device_budget(four_devices):

@@ -64,6 +64,7 @@ class FlaxAdapter(Adapter):
     """
 
     name = "flax"
+    own_remat = "nnx.remat, jax.checkpoint"
     remat_policies = tuple(REMAT_POLICIES)
     trains_leftovers = True
     """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""

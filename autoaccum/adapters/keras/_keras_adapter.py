@@ -54,6 +54,7 @@ class KerasAdapter(Adapter):
     """
 
     name = "keras"
+    own_remat = "keras.RematScope, keras.remat"
     remat_policies = KERAS_REMAT_POLICIES
     trains_leftovers = True
     """``drop_remainder=False`` is honoured: leftover examples make a final, smaller step."""

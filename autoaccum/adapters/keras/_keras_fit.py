@@ -238,8 +238,10 @@ def keras_fit(
     task). In-memory data is reshuffled every epoch (``shuffle``, ``seed``); streams are read
     as they come. An epoch's last examples that do not fill an effective batch are a final,
     smaller step normalised by its own count (``drop_remainder=True``: left out); see
-    ``history.autoaccum_remainder``. Validation runs at the effective batch
-    (``validation_batch_size``), as ``model.fit(batch_size=effective_batch)`` does.
+    ``history.autoaccum_remainder`` (with ``"left_out"``: the examples of that step that did
+    not split over the data-parallel devices, not trained, as warned). Validation runs at the
+    effective batch (``validation_batch_size``), as ``model.fit(batch_size=effective_batch)``
+    does.
 
     ``last_micro_batch`` (below ``micro_batch``): an uneven step, ``accum_steps - 1``
     micro-batches of ``micro_batch`` then one of this size (13 = 5 + 5 + 3), exactly Keras's
@@ -416,6 +418,9 @@ class _KerasHooks(KerasState, FitHooks, FitCallbacks):
         self.on_nonfinite, self.batch_stats = on_nonfinite, batch_stats
         self.dropped = 0
         """Examples left out of the last epoch (``drop_remainder=True``)."""
+        self.left_out = 0
+        """Examples of the last epoch's final step left out because they do not split over
+        the data-parallel devices (warned)."""
 
     def batches(self, epoch: int) -> Iterator[Any]:
         """The epoch's batches, a final one cut to a multiple of the data-parallel devices
@@ -423,10 +428,12 @@ class _KerasHooks(KerasState, FitHooks, FitCallbacks):
         batches = self.source.epoch(
             batch=self.effective, drop_remainder=self.drop_remainder, shuffle=self.shuffle,
             seed=self.seed, epoch=epoch, steps=self.steps_per_epoch)
+        self.left_out = 0
         try:
             for packed in batches:
                 n, dp = num_examples(packed), self.data_parallel
                 keep = n - n % dp  # a full batch (a multiple of dp) is kept whole
+                self.left_out += n - keep
                 if keep < n:
                     warnings.warn(
                         f"autoaccum: the last {n} examples of the epoch cannot be split evenly "
@@ -473,6 +480,8 @@ class _KerasHooks(KerasState, FitHooks, FitCallbacks):
         history.autoaccum_remainder = (
             {"policy": "drop", "examples": self.dropped} if self.drop_remainder
             else {"policy": "train", "examples": remainder})
+        if self.left_out:  # not trained: they do not split over the devices
+            history.autoaccum_remainder["left_out"] = self.left_out
         history.autoaccum_noise_advice = loop.noise.advice(runner.effective_batch)
         history.autoaccum_gradient_noise_scale = list(loop.noise_scales)
         return history
@@ -546,6 +555,9 @@ def _report(history: Any, verbose: Any) -> None:
                 "trained as a final, smaller step")
         print(f"autoaccum: the last {left['examples']} examples of an epoch did not fill an "
               f"effective batch: {what}.", file=sys.stderr)
+    if left.get("left_out"):
+        print(f"autoaccum: {left['left_out']} more did not split over the data-parallel "
+              "devices and were left out.", file=sys.stderr)
     if history.autoaccum_skipped_steps:
         print(f"autoaccum: {history.autoaccum_skipped_steps} step(s) with a non-finite loss or "
               "gradient were skipped (on_nonfinite='skip').", file=sys.stderr)

@@ -114,6 +114,9 @@ def test_after_an_out_of_memory_shrink_gives_a_smaller_step_with_the_same_state(
     batch = next(_batches(DATA, EFFECTIVE))
     model = TinyLM(rngs=nnx.Rngs(0))
     step = autoaccum.train_step(model, DATA, effective_batch=EFFECTIVE, plan=plan, **OPTIONS)
+    with pytest.raises(ValueError, match=r"takes the out-of-memory.*Received: error=ValueErr"):
+        step.shrink(ValueError("not an out-of-memory"))  # a smaller split would not cure it
+    assert step.plan.micro_batch == plan.micro_batch
     error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1024 bytes")
     assert step.shrink(error) is step
     assert step.plan.micro_batch < plan.micro_batch
