@@ -38,9 +38,13 @@ def plan_repr(plan: Plan) -> str:
 def _summary(plan: Plan) -> list[tuple[str, str]]:
     b = plan.budget
     need_text, budget_text = format_bytes_pair(plan.need_bytes, plan.budget_bytes)
+    verified = any(p.kind == "real step" and p.fits and p.why == "verify compiled plan"
+                   for p in plan.probes)
     label = ("" if not plan.probes else
              " [compiled without donation; the step ran on the device]"
-             if all(p.kind == "real step" for p in plan.probes) else " [compile-only estimate]")
+             if all(p.kind == "real step" for p in plan.probes) else
+             " [compiled; one real step verified it]" if verified
+             else " [compile-only estimate]")
     need = (f"{need_text} of {budget_text} "
             f"({plan.need_bytes / max(plan.budget_bytes, 1):.0%}){label}")
     if plan.floor_bytes:

@@ -1,6 +1,7 @@
 """A plan shows itself: a one-line repr, a table in notebooks, a report drawn by rich (or plain
 columns), a JSON form with stable keys, and what limited the micro-batch."""
 
+import dataclasses
 import json
 import re
 import sys
@@ -34,6 +35,15 @@ def test_notebook_html_is_a_table_with_every_probe_and_the_choice_marked():
 def test_a_real_step_that_ran_is_marked_ran_though_its_compile_is_over_the_budget():
     e = MemoryEstimate(2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 90, "cpu", 0.0)
     assert verdict(Probe(2, 1, 90, True, "verify", e, kind="real step"), 80) == "ran"
+
+
+def test_the_need_says_whether_a_real_step_verified_the_compiled_plan():
+    plan = accumulating_plan()  # method="compile"
+    assert "[compile-only estimate]" in plan.report()
+    ran = Probe(plan.micro_batch, plan.accum_steps, plan.need_bytes, True,
+                "verify compiled plan", plan.estimate, kind="real step")
+    verified = dataclasses.replace(plan, probes=(*plan.probes, ran))
+    assert "[compiled; one real step verified it]" in verified.report()
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
