@@ -351,10 +351,11 @@ class CompileRequest:
     depths extrapolated (both linear in depth in the lowered program), whose own analysis
     would convert the whole program to HLO first."""
     measured_only: bool = False
-    """A step compiled for its memory alone, rarely the one training runs (the search's first
-    fit point): with the target's :attr:`~CompileTarget.measuring_options` (this machine's
-    code generation unoptimised; every figure the same) and not kept for the training loop,
-    which compiles it in full should it be the answer."""
+    """A step compiled for its memory alone, never or rarely the one training runs (a
+    reduced-depth model's, the search's first fit point): with the target's
+    :attr:`~CompileTarget.measuring_options` (this machine's code generation unoptimised;
+    every figure the same) and not kept for the training loop, which compiles it in full
+    should it be the answer."""
 
     def build(self) -> TrainProgram:
         """The program (built now if it was given as a function)."""

@@ -81,10 +81,10 @@ def plan_program(
     (``verify_depth=False``: not; the advisor's quick rows). The search's first fit point,
     rarely the answer, is compiled for its memory alone (``CompileRequest.measured_only``);
     ``keep_fit_points``: in full and kept, for a throughput objective that times it.
-    ``resident``: the program's
-    :class:`~autoaccum.planning.Resident` memory (or a function computing it more cheaply
-    than building the program), by default read from the program; when its weights and
-    optimizer state exceed the budget, planning stops before any compile.
+    ``resident``: the program's :class:`~autoaccum.planning.Resident` memory (or a function
+    computing it more cheaply than building the program), by default read from the program;
+    when its weights and optimizer state exceed the budget, planning stops before any
+    compile.
 
     ``target`` (:class:`~autoaccum.Target`; ``data_parallel`` is not read: put the program on
     a mesh instead): the device, budget and memory fraction (which overrides the named
