@@ -176,12 +176,14 @@ def _gib(n: int) -> str:
 def cmd_devices(args: argparse.Namespace) -> int:
     from ..devices import detect_device
     from ..devices._detect import host_memory
+    from ..devices._deviceless import CUDA13_OLDEST
     from ..devices._extras import cuda_plugin, missing_from_extra
     from ..devices._profiles import all_profiles
 
     detected = detect_device()
     host = host_memory()
-    ready = {"dryrun": cuda_plugin() is not None, "tpu": not missing_from_extra("tpu")}
+    ready = {"dryrun": cuda_plugin() is not None, "dryrun-cuda12": cuda_plugin() == "cuda12",
+             "tpu": not missing_from_extra("tpu")}
     profiles = []
     for p in all_profiles():
         cc = ".".join(map(str, p.gpu.compute_capability)) if p.gpu else None
@@ -192,6 +194,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
             pool = budget = None
             memory = host.total
         extra = {"gpu": "dryrun", "tpu": "tpu"}.get(p.platform)
+        if p.is_gpu and p.gpu.compute_capability < CUDA13_OLDEST:  # CUDA 13's ptxas refuses
+            extra = "dryrun-cuda12"
         compiled = (f"CUDA sm_{cc.replace('.', '')}" if p.is_gpu else
                     f"libtpu {p.tpu.topology}" if p.is_tpu else "this machine")
         profiles.append({"key": p.key, "name": p.name, "platform": p.platform,

@@ -53,7 +53,9 @@ from ._extras import (
 from ._profiles import DeviceProfile, all_profiles, find_profile, gpu_target_config
 from ._quiet import nvidia_gpu_absent, quiet_native_logs, tpu_absent
 
-_OLDEST_BY_CUDA = {13: (7, 5)}  # CUDA major -> oldest compute capability its ptxas targets
+CUDA13_OLDEST = (7, 5)
+"""The oldest compute capability CUDA 13's ptxas compiles for (older GPUs: CUDA 12's)."""
+_OLDEST_BY_CUDA = {13: CUDA13_OLDEST}  # CUDA major -> oldest compute capability its ptxas targets
 
 
 def _ptxas_path() -> str | None:
@@ -296,9 +298,9 @@ def deviceless_target(
         if blocker == NO_CUDA_COMPILER:  # what the dryrun extra brings
             raise MissingExtraError(f"Cannot compile for {profile.key} here: {blocker}. "
                                     f"Received: device={profile.key!r}", extra="dryrun")
-        if blocker is not None:
-            raise RuntimeError(f"Cannot compile for {profile.key} here: {blocker}. "
-                               f"Received: device={profile.key!r}")
+        if blocker is not None:  # a ptxas too new for this GPU: CUDA 12's extra compiles it
+            raise MissingExtraError(f"Cannot compile for {profile.key} here: {blocker}. "
+                                    f"Received: device={profile.key!r}", extra="dryrun-cuda12")
         topology, mesh, sharding = _make_target(text, topology_text(
             1 if devices is None else devices, hosts))
     return DevicelessTarget(profile=profile, device_memory_bytes=int(device_memory_bytes),

@@ -211,6 +211,9 @@ def test_devices_json_lists_profiles_pools_and_detection(capsys):
     t4 = next(p for p in out["profiles"] if p["key"] == "t4")
     assert t4["pool_bytes"] == int(15102 * 2**20 * 0.9) and t4["memory_fraction"] == 0.9
     assert out["detected"]["source"] in ("nvml", "jax", "cpu")
+    # GPUs older than CUDA 13's ptxas targets are compiled with the CUDA 12 extra.
+    extras = {p["key"]: p["extra"] for p in out["profiles"]}
+    assert extras["v100-16gb"] == extras["p100"] == "dryrun-cuda12" and extras["t4"] == "dryrun"
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not

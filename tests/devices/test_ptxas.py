@@ -7,7 +7,7 @@ import pytest
 
 from autoaccum.devices import _deviceless as _ptxas
 from autoaccum.devices._deviceless import deviceless_target
-from autoaccum.devices._extras import cuda_plugin, installed_version
+from autoaccum.devices._extras import MissingExtraError, cuda_plugin, installed_version
 from autoaccum.devices._profiles import find_profile
 from tests._paths import REPO
 
@@ -38,8 +38,10 @@ def test_the_version_is_read_from_the_ptxas_here():
 
 def test_a_blocked_dry_run_fails_before_compiling_with_the_fix(monkeypatch):
     monkeypatch.setattr(_ptxas, "ptxas_version", lambda: ("/opt/cuda/bin/ptxas", (13, 0)))
-    with pytest.raises(RuntimeError, match=r"Cannot compile for v100-32gb here: .*CUDA 12"):
+    with pytest.raises(MissingExtraError,
+                       match=r"Cannot compile for v100-32gb here: .*CUDA 12") as refused:
         deviceless_target("v100-32gb", device_memory_bytes=2**30)
+    assert refused.value.extra == "dryrun-cuda12"
 
 
 # -- NVIDIA's compiler missing (ptxas, libdevice): the dry run stops before XLA crashes ------
