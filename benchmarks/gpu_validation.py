@@ -321,7 +321,7 @@ def run_all(runner: Runner, args: argparse.Namespace, gpu: dict | None,
         e = 1 << max(2, (2 * best).bit_length())  # a power of two above twice the plan
         report["backoff"] = runner.run(
             f"backoff {first.name}", "backoff", size=dataclass_dict(first), effective=e,
-            budget=budgets[0], cap=None if gpu else CPU_BUDGET_MIB.get(first.name, 256) * MIB)
+            budget=None, cap=None if gpu else CPU_BUDGET_MIB.get(first.name, 256) * MIB)
         runner.save()
     if "elastic" in parts:
         b = max(2, (best // 2) // 2 * 2)

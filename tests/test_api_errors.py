@@ -31,6 +31,13 @@ def test_effective_batch_must_be_a_positive_integer(bad):
         _fit(effective_batch=bad)
 
 
+def test_a_budget_for_a_plan_by_real_steps_alone_is_refused():
+    # method="backoff" backs off where the device runs out of memory: no budget bounds it.
+    with pytest.raises(ValueError, match=r"method='backoff' plans by real steps alone.*"
+                                         r"Received: method='backoff', budget='132KiB'"):
+        _fit(budget="132KiB", search=autoaccum.Search(method="backoff"))
+
+
 def test_effective_batch_not_multiple_of_devices_names_nearest_sizes():
     with pytest.raises(ValueError, match=r"nearest valid sizes: 6 or 9 \(or split 7 over 1 "
                                          r"device: target=autoaccum\.Target\(data_parallel=1"):

@@ -311,6 +311,12 @@ def plan_model(
     remat, remat_layers, method = search.remat, search.remat_layers, search.method
     cache, depth_variant, uneven = search.cache, search.depth_variant, search.uneven
     validate_memory_fraction(memory_fraction, device)
+    if method == "backoff" and budget is not None:
+        raise ValueError(
+            "method='backoff' plans by real steps alone, backing off where the device itself "
+            "runs out of memory, so a budget cannot bound it. Use method='auto' (the default: "
+            "compiled under the budget, then verified by one real step) or 'compile' with "
+            f"budget=, or drop budget=. Received: method='backoff', {received('budget', budget)}")
     objective = resolve_objective(search.objective, device)
     step_devices = resolve_step_devices(adapter, model, target)
     mesh, early = step_devices.mesh, step_devices.slice

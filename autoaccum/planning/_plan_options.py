@@ -286,7 +286,7 @@ class Search:
       method: ``"auto"`` (compile-only plan, then one real step verifies it when the target
         is here, backing off on a real out-of-memory; in ``fit`` the first training step is
         that step), ``"compile"`` or ``"backoff"`` (real steps, bisecting between the last
-        fit and the first out-of-memory).
+        fit and the first out-of-memory; no ``budget=``: the device's memory bounds them).
       uneven: ``True``: when the largest fitting micro-batch does not divide the per-device
         batch, the step may end with a smaller micro-batch (13 with room for 5: 5 + 5 + 3),
         exact as ever; ``False``: divisors only.

@@ -56,7 +56,7 @@ def test_plan_and_measure_leave_model_optimizer_and_metrics_as_they_were(tmp_pat
     before = _state(model)
     autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None)
     autoaccum.measure(model, (x, y), micro_batch=4, effective_batch=16)
-    autoaccum.plan(model, (x, y), effective_batch=16, budget="1GiB", log=None,
+    autoaccum.plan(model, (x, y), effective_batch=16, log=None,
                    search=autoaccum.Search(method="backoff"),
                    learning_rate=autoaccum.LearningRate(rule="sqrt", base_batch=1))
     assert _same(before, _state(model))
