@@ -37,7 +37,9 @@ HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_end", "on_epoch_end", "on_
 
 
 class StopTraining(Exception):  # noqa: N818 - named like the action, as Keras users expect
-    """Raised from a callback hook to end training cleanly after the current step.
+    """Raised from a callback hook to end training cleanly after the current step; from a
+    step's hook, as ``stop_training = True`` does: that epoch's logs and ``on_epoch_end``
+    first.
 
     Example:
       >>> str(StopTraining("val_loss stopped improving"))

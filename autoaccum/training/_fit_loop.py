@@ -247,9 +247,21 @@ def run_fit_loop(
                     tally = EpochTally(epoch)
                     loop.tallies.append(tally)
                     callbacks.epoch_begin(epoch)
-                    _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
-                           bar=None if progress is None else progress(epoch))
-                    if not callbacks.stop_requested() and (tally.steps == 0 or (
+                    # StopTraining from a step's hook ends the epoch as stop_training does
+                    # (its logs, on_epoch_end), then training.
+                    raised = None
+                    try:
+                        _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
+                               bar=None if progress is None else progress(epoch))
+                    except StopTraining as stop:
+                        settle(runner, stop)
+                        raised = f"StopTraining: {stop}" if str(stop) else "StopTraining"
+                        if tally.steps == 0:  # raised before this epoch's first step
+                            loop.tallies.pop()
+                            loop.stopped = raised
+                            break
+                    if raised is None and not callbacks.stop_requested() and (
+                            tally.steps == 0 or (
                             steps_per_epoch is not None and tally.steps < steps_per_epoch)):
                         warnings.warn(
                             "autoaccum: your input ran out of data; interrupting training. "
@@ -265,7 +277,7 @@ def run_fit_loop(
                     runner.refresh()
                     callbacks.epoch_end(epoch, logs)
                     loop.logs = logs
-                    stop = callbacks.stop_requested()
+                    stop = raised or callbacks.stop_requested()
                     if stop:
                         loop.stopped = stop
                         break
@@ -314,7 +326,11 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
     ahead = _Ahead(iter(batches))
     while (batch := ahead.take()) is not _END:
         index = tally.steps
-        callbacks.step_begin(index)
+        try:
+            callbacks.step_begin(index)
+        except StopTraining:
+            ahead.close()
+            raise
         outcome = runner.run(batch, ahead.fetch)
         if not outcome.full:
             tally.remainder += outcome.examples
@@ -335,11 +351,18 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
         if bar is not None:
             # the epoch's loss so far, as Keras's bar shows it (its last is the history's)
             bar.update(index + 1, loss=tally.mean_loss if tally.losses else outcome.loss)
-        callbacks.step_end(index, outcome)
-        if (not outcome.finite and not outcome.optimizer_skipped
+        stopping = None  # StopTraining from step_end: this step counts, then training stops
+        try:
+            callbacks.step_end(index, outcome)
+        except StopTraining as stop:
+            stopping = stop
+        if (stopping is None and not outcome.finite and not outcome.optimizer_skipped
                 and runner.on_nonfinite == "stop" and not callbacks.stop_requested()):
             raise runner.nonfinite_error(outcome)
         tally.steps += 1
+        if stopping is not None:
+            ahead.close()
+            raise stopping
         if callbacks.stop_requested():
             ahead.close()
             break

@@ -176,6 +176,26 @@ def test_stop_training_raised_by_a_callback_ends_training_normally():
     assert _hooks(hooks.calls)[-2:] == [("train_end",), ("history",)]
 
 
+def test_stop_training_raised_mid_epoch_ends_that_epoch_first_and_before_a_step_does_not():
+    hooks = Scripted([1.0, 2.0, 3.0], raise_at=0, error=StopTraining)
+    record = _run(hooks, epochs=2, record=FitLoop())
+    # The epoch of the step whose hook raised ends with its logs, as stop_training's would.
+    assert [c[:2] for c in hooks.calls if c[0] == "epoch_end"] == [("epoch_end", 0)]
+    assert [t.steps for t in record.tallies] == [1]
+
+    class BeforeAStep(Recorder):
+        def step_begin(self, index):
+            super().step_begin(index)
+            raise StopTraining("before")
+
+    early = Scripted([1.0, 2.0])
+    early.callbacks = lambda: BeforeAStep(early)
+    record = _run(early, epochs=2, record=FitLoop())
+    # Nothing trained in that epoch: no tally and no epoch end for it.
+    assert record.stopped == "StopTraining: before" and record.tallies == []
+    assert not any(c[0] == "epoch_end" for c in early.calls)
+
+
 def test_an_adapter_supplies_at_most_six_methods():
     def overridable(cls):
         return sorted(name for name, member in inspect.getmembers(cls, inspect.isfunction)

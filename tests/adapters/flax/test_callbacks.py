@@ -131,8 +131,25 @@ def test_raising_stop_training_ends_fit_normally_after_that_step():
             if step == 3:
                 raise autoaccum.StopTraining("enough")
 
-    result = _fit(NormMLP(rngs=nnx.Rngs(0)), epochs=3, callbacks=[StopAt()])
+    class Flag(autoaccum.Callback):
+        def on_step_end(self, step, logs):
+            if step == 3:
+                self.stop_training = True
+
+    class Ends(autoaccum.Callback):
+        def __init__(self):
+            self.epochs = []
+
+        def on_epoch_end(self, epoch, logs):
+            self.epochs.append((epoch, logs["loss"]))
+
+    raised, flagged = Ends(), Ends()
+    result = _fit(NormMLP(rngs=nnx.Rngs(0)), epochs=3, callbacks=[StopAt(), raised])
     assert result.steps == 3 and result.stopped == "StopTraining: enough"
+    # As with stop_training: the partial epoch is logged and ends (on_epoch_end) first.
+    same = _fit(NormMLP(rngs=nnx.Rngs(0)), epochs=3, callbacks=[Flag(), flagged])
+    assert same.steps == 3 and result.epoch_losses == same.epoch_losses
+    assert raised.epochs == flagged.epochs and len(raised.epochs) == 1
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
