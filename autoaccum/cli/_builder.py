@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import inspect
 import json
@@ -97,8 +98,15 @@ def load_model_function(spec: str) -> dict[str, Any]:
         raise CliError(import_error_message(error, f"--model {spec!r}"), 1) from error
     function = getattr(module, function_name, None)
     if function is None:
-        raise CliError(f"--model {spec!r}: module {module_name!r} has no attribute "
-                       f"{function_name!r}")
+        here = sorted(name for name, value in vars(module).items()
+                      if inspect.isfunction(value) and not name.startswith("_")
+                      and value.__module__ == module.__name__)
+        close = difflib.get_close_matches(function_name, here, n=1)
+        raise CliError(
+            f"--model {spec!r}: module {module_name!r} has no attribute {function_name!r}"
+            + (f"; did you mean {module_name}:{close[0]}?" if close else "")
+            + (f" Its functions: {', '.join(here[:20])}." if here else
+               " It defines no function: add one that returns dict(model=..., data=...)."))
     try:
         inspect.signature(function).bind()
     except TypeError as error:
