@@ -109,6 +109,11 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
                "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}
     differ = [f"{k} {format_bytes(here[k])} here vs {format_bytes(planned[k])} in the plan"
               for k in here if here[k] != planned[k]]
+    if len(differ) == 1 and differ[0].startswith("optimizer state"):
+        raise ValueError(
+            "plan= was made with another optimizer (or its options): " + differ[0] + " (Adam "
+            "keeps two moments per weight, SGD none). Pass the optimizer the plan was made "
+            "with, or plan again with this one (autoaccum.plan(model, data, ...)).")
     if differ:
         raise ValueError(
             "plan= was made for another model or data: " + "; ".join(differ) + ". Plan this "

@@ -117,6 +117,10 @@ def test_a_plan_for_another_model_or_data_is_refused(planned):
     longer = ragged_tokens(32, 24)
     with pytest.raises(ValueError, match=r"another model or data: batch"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), longer, effective_batch=8, plan=plan, **OPTIONS)
+    with pytest.raises(ValueError, match=r"made with another optimizer.*optimizer state 0 B "
+                                         r"here vs .* in the plan"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan,
+                      **{**OPTIONS, "optimizer": optax.sgd})
 
 
 @pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
