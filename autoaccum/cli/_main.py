@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -365,6 +366,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """``--flag -5MiB`` as ``--flag=-5MiB``: argparse takes a value that starts with ``-`` and
+    is not a plain number for another option, and would say only "expected one argument",
+    where the option's own check names the value and the fix.
+
+    Example:
+      >>> _negative_values_attached(["plan", "--budget", "-5MiB", "--quiet"])
+      ['plan', '--budget=-5MiB', '--quiet']
+    """
+    out: list[str] = []
+    for token in argv:
+        previous = out[-1] if out else ""
+        if (re.match(r"-[\d.]", token) and previous.startswith("--") and "=" not in previous
+                and previous != "--"):
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoaccum`` console script; returns the exit status.
 
@@ -372,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       >>> main(["plan", "--effective-batch", "0"])
       2
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _negative_values_attached(list(sys.argv[1:] if argv is None else argv))
     json_mode = "--json" in argv
     try:
         args = build_parser().parse_args(argv)

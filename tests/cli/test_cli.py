@@ -126,6 +126,13 @@ def test_a_model_function_its_module_lacks_is_a_cli_error_naming_both():
         load_model_function("tests._plans:builder_needing_an_argumnt")
 
 
+def test_a_negative_size_after_its_flag_gets_the_options_own_message(capsys):
+    # argparse alone would say "expected one argument" for "--budget -5MiB".
+    assert main([*TINY, "--budget", "-5MiB", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Received: budget='-5MiB'" in err and "expected one argument" not in err
+
+
 def test_budget_larger_than_device_is_refused(capsys):
     assert main([*TINY, "--device", "t4", "--budget", "100GiB", "--quiet"]) == 2
     assert "larger than the memory" in capsys.readouterr().err
