@@ -107,9 +107,10 @@ def reuse_plan(plan: Any, model: Any, data: Any, *, adapter: Adapter, effective_
     }
     planned = {"trainable weights": est.trainable_bytes, "frozen weights": est.frozen_bytes,
                "optimizer state": est.optimizer_bytes, "batch": est.batch_bytes}
+    differing = [k for k in here if here[k] != planned[k]]
     differ = [f"{k} {format_bytes(here[k])} here vs {format_bytes(planned[k])} in the plan"
-              for k in here if here[k] != planned[k]]
-    if len(differ) == 1 and differ[0].startswith("optimizer state"):
+              for k in differing]
+    if differing == ["optimizer state"]:
         raise ValueError(
             "plan= was made with another optimizer (or its options): " + differ[0] + " (Adam "
             "keeps two moments per weight, SGD none). Pass the optimizer the plan was made "

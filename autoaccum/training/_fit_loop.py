@@ -249,17 +249,12 @@ def run_fit_loop(
                     callbacks.epoch_begin(epoch)
                     # StopTraining from a step's hook ends the epoch as stop_training does
                     # (its logs, on_epoch_end), then training.
-                    raised = None
-                    try:
-                        _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
-                               bar=None if progress is None else progress(epoch))
-                    except StopTraining as stop:
-                        settle(runner, stop)
-                        raised = f"StopTraining: {stop}" if str(stop) else "StopTraining"
-                        if tally.steps == 0:  # raised before this epoch's first step
-                            loop.tallies.pop()
-                            loop.stopped = raised
-                            break
+                    raised = _steps(runner, callbacks, loop, tally, hooks.batches(epoch),
+                                    bar=None if progress is None else progress(epoch))
+                    if raised is not None and tally.steps == 0:  # before the epoch's first step
+                        loop.tallies.pop()
+                        loop.stopped = raised
+                        break
                     if raised is None and not callbacks.stop_requested() and (
                             tally.steps == 0 or (
                             steps_per_epoch is not None and tally.steps < steps_per_epoch)):
@@ -312,7 +307,7 @@ def _settle(runner: StepRunner, loop: FitLoop, error: BaseException) -> bool:
     """Settles the model after ``error``; whether it was handled (:class:`StopTraining`)."""
     settle(runner, error)
     if isinstance(error, StopTraining):
-        loop.stopped = f"StopTraining: {error}" if str(error) else "StopTraining"
+        loop.stopped = _stopped_by(error)
         return True
     if not isinstance(error, NonFiniteError):
         runner.events.append(f"training stopped by {type(error).__name__} after step "
@@ -320,17 +315,25 @@ def _settle(runner: StepRunner, loop: FitLoop, error: BaseException) -> bool:
     return False
 
 
+def _stopped_by(stop: StopTraining) -> str:
+    """How a :class:`StopTraining` reads in ``FitLoop.stopped``."""
+    return f"StopTraining: {stop}" if str(stop) else "StopTraining"
+
+
 def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: EpochTally,
-           batches: Iterable[Any], *, bar: Any) -> None:
-    """The steps of one epoch."""
+           batches: Iterable[Any], *, bar: Any) -> str | None:
+    """The steps of one epoch; what stopped them where a step's hook raised
+    :class:`StopTraining` (the step it ended counted), else ``None``."""
     ahead = _Ahead(iter(batches))
+    stopped = None
     while (batch := ahead.take()) is not _END:
         index = tally.steps
         try:
             callbacks.step_begin(index)
-        except StopTraining:
+        except StopTraining as stop:
+            stopped = _stopped_by(stop)
             ahead.close()
-            raise
+            break
         outcome = runner.run(batch, ahead.fetch)
         if not outcome.full:
             tally.remainder += outcome.examples
@@ -351,23 +354,20 @@ def _steps(runner: StepRunner, callbacks: FitCallbacks, loop: FitLoop, tally: Ep
         if bar is not None:
             # the epoch's loss so far, as Keras's bar shows it (its last is the history's)
             bar.update(index + 1, loss=tally.mean_loss if tally.losses else outcome.loss)
-        stopping = None  # StopTraining from step_end: this step counts, then training stops
         try:
             callbacks.step_end(index, outcome)
         except StopTraining as stop:
-            stopping = stop
-        if (stopping is None and not outcome.finite and not outcome.optimizer_skipped
+            stopped = _stopped_by(stop)
+        if (stopped is None and not outcome.finite and not outcome.optimizer_skipped
                 and runner.on_nonfinite == "stop" and not callbacks.stop_requested()):
             raise runner.nonfinite_error(outcome)
         tally.steps += 1
-        if stopping is not None:
-            ahead.close()
-            raise stopping
-        if callbacks.stop_requested():
+        if stopped is not None or callbacks.stop_requested():
             ahead.close()
             break
     if bar is not None:
         bar.close()
+    return stopped
 
 
 _END = object()

@@ -361,10 +361,11 @@ class KerasTrainStep(UserLoopStep):
                 f"Received: a batch of {n} examples")
         packed = source.sample(n)
         spec = KerasArrays.of(packed).example_spec()
-        if per_example_text(spec) != per_example_text(self._spec):
+        expected = per_example_text(self._spec)
+        if per_example_text(spec) != expected:
             raise ValueError(
                 "The batch is not shaped like the data the step was planned and compiled for "
-                f"(per example: {per_example_text(self._spec)}). Pass batches with the same "
+                f"(per example: {expected}). Pass batches with the same "
                 "structure, shapes and dtypes (sample weights in every batch or in none, as "
                 "in that data), or build another step for this data with "
                 "autoaccum.train_step(model, batch, ...). Received: batch of type "
