@@ -30,7 +30,12 @@ from .planning._advisor import (
     most_sharded_first,
     run_advisor,
 )
-from .planning._cache import CompileRequest, measure_all, resolve_cache
+from .planning._cache import (
+    CompileRequest,
+    functions_of_one_fit,
+    measure_all,
+    resolve_cache,
+)
 from .planning._lr_scaling import announce
 from .planning._measure import MemoryEstimate
 from .planning._option_checks import (
@@ -268,23 +273,26 @@ def fit(
     _check_training_part(data, validation_split,
                          getattr(plan, "effective_batch", None) if plan is not None
                          else effective_batch)
-    the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
-    if "validation_split" not in framework_options:
-        the_plan = with_examples(the_plan, prepared, the_training.drop_remainder)
-    if log is not None and verbose:
-        print(the_plan.report() if plan is None else
-              f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
-              file=log, flush=True)
-    settings = FitSettings(epochs=epochs, shuffle=the_training.shuffle, seed=the_training.seed,
-                           verbose=verbose, log=log, elastic=the_training.elastic,
-                           backup=the_training.backup, mesh=prepared.program.mesh,
-                           on_nonfinite=the_training.on_nonfinite,
-                           batch_stats=the_training.batch_stats,
-                           drop_remainder=the_training.drop_remainder,
-                           uneven=the_search.uneven)
-    with adapter.remat_context(model, the_plan.remat, the_search.remat_layers):
-        return adapter.fit(model, prepared, the_plan, settings=settings,
-                           options=framework_options)
+    # One fit: the step functions its plan traced are its loop's (a Keras step holds the
+    # model, so they are dropped when it ends).
+    with functions_of_one_fit():
+        the_plan, prepared = plan_to_train(job, plan=plan, where="fit")
+        if "validation_split" not in framework_options:
+            the_plan = with_examples(the_plan, prepared, the_training.drop_remainder)
+        if log is not None and verbose:
+            print(the_plan.report() if plan is None else
+                  f"autoaccum: training with the given plan, not planning again: {the_plan!r}",
+                  file=log, flush=True)
+        settings = FitSettings(epochs=epochs, shuffle=the_training.shuffle, seed=the_training.seed,
+                               verbose=verbose, log=log, elastic=the_training.elastic,
+                               backup=the_training.backup, mesh=prepared.program.mesh,
+                               on_nonfinite=the_training.on_nonfinite,
+                               batch_stats=the_training.batch_stats,
+                               drop_remainder=the_training.drop_remainder,
+                               uneven=the_search.uneven)
+        with adapter.remat_context(model, the_plan.remat, the_search.remat_layers):
+            return adapter.fit(model, prepared, the_plan, settings=settings,
+                               options=framework_options)
 
 
 def _check_training_part(data: Any, validation_split: Any, effective_batch: Any) -> None:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -41,7 +43,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,9 +285,12 @@ def reuse_or_compile(lowered: Any, args: tuple) -> Any:
 
 
 _FUNCTIONS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_FIT_FUNCTIONS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
+    "autoaccum_fit_functions", default=None)
+"""The functions kept for the fit running in this context (:func:`functions_of_one_fit`)."""
 
 
-def same_function(key: Any, build: Callable[[], Any]) -> Any:
+def same_function(key: Any, build: Callable[[], Any], *, per_fit: bool = False) -> Any:
     """The function ``build()`` returned before for ``key`` (an equal key), else
     ``build()``'s, kept for next time; an unhashable ``key`` keeps nothing.
 
@@ -295,22 +300,77 @@ def same_function(key: Any, build: Callable[[], Any]) -> Any:
     function and the arguments' types) instead of tracing the model again; the compiled
     program comes from :func:`reuse_or_compile`. The :data:`KEPT_STEPS` most recent are kept.
 
+    ``per_fit=True``: kept only inside :func:`functions_of_one_fit`, dropped when that fit
+    ends, and built anew outside one: for a function that holds a model's weights (a Keras
+    step closes over the model), which a process-wide table would keep alive.
+
     Example:
       >>> first = same_function(("doc", 1), lambda: (lambda x: x + 1))
       >>> same_function(("doc", 1), lambda: (lambda x: x + 2)) is first
       True
       >>> same_function(["unhashable"], lambda: 3)
       3
+      >>> same_function("outside a fit", lambda: [], per_fit=True) is same_function(
+      ...     "outside a fit", lambda: [], per_fit=True)
+      False
     """
     try:
         hash(key)
     except TypeError:
         return build()
+    if per_fit:
+        table = _FIT_FUNCTIONS.get()
+        if table is None:
+            return build()
+        if key not in table:
+            table[key] = build()
+        return table[key]
     with _LOCK:
         if key in _FUNCTIONS:
             _FUNCTIONS.move_to_end(key)
             return _FUNCTIONS[key]
     return _remember(_FUNCTIONS, key, build(), replace=False)
+
+
+def fit_function(key: Any) -> Any:
+    """What :func:`same_function` keeps for ``key`` with ``per_fit=True`` in the fit running
+    here, or ``None`` (none kept, no fit running, an unhashable key).
+
+    Example:
+      >>> with functions_of_one_fit():
+      ...     kept = same_function("doc step", lambda: "traced once", per_fit=True)
+      ...     fit_function("doc step")
+      'traced once'
+      >>> fit_function("doc step") is None
+      True
+    """
+    table = _FIT_FUNCTIONS.get()
+    try:
+        return None if table is None else table.get(key)
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def functions_of_one_fit() -> Iterator[None]:
+    """Within the block (one ``fit``: its plan and its training loop), :func:`same_function`
+    keeps the functions built with ``per_fit=True``; they are dropped when it ends. A block
+    inside another shares the outer one's.
+
+    Example:
+      >>> with functions_of_one_fit():
+      ...     a = same_function("doc fit", object, per_fit=True)
+      ...     a is same_function("doc fit", object, per_fit=True)
+      True
+    """
+    if _FIT_FUNCTIONS.get() is not None:
+        yield
+        return
+    token = _FIT_FUNCTIONS.set({})
+    try:
+        yield
+    finally:
+        _FIT_FUNCTIONS.reset(token)
 
 
 def kept_count() -> int:

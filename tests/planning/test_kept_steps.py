@@ -223,3 +223,113 @@ def test_a_keras_fit_compiles_its_planned_step_once(compiled_programs):
     assert kept_count() == reused + 1
     steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
     assert steps and len(steps) == len(set(steps))  # no program compiled twice
+
+
+def _counting_keras_model(traced: list, optimizer):
+    """``Input(16) -> Dense(64, relu) -> Dense(16)`` (biases of 1, which weight decay would
+    move) behind a layer that records the batch shape of every trace of the model (not
+    Keras's symbolic build)."""
+    import keras
+
+    class Counted(keras.layers.Layer):
+        def call(self, x):
+            if not isinstance(x, keras.KerasTensor):
+                traced.append(tuple(x.shape))
+            return x
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), Counted(),
+                              keras.layers.Dense(64, activation="relu", bias_initializer="ones"),
+                              keras.layers.Dense(16, bias_initializer="ones")])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _keras_fit(model, traced, monkeypatch, **search):
+    """``autoaccum.fit``; returns its history and how many times its training loop traced
+    the model (from the loop's start on)."""
+    from autoaccum.adapters.keras import _keras_fit as fit_module
+
+    at_loop = []
+    runner = fit_module.keras_runner
+
+    def starting(*args, **kwargs):
+        at_loop.append(len(traced))
+        return runner(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "keras_runner", starting)
+    history = autoaccum.fit(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
+                            epochs=1, log=None, verbose=0,
+                            search=autoaccum.Search(cache=False, **search),
+                            training=autoaccum.Training(shuffle=False))
+    return history, len(traced) - at_loop[0]
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_keras_fit_trains_with_the_trace_of_its_planned_step(monkeypatch):
+    import keras
+
+    traced = []
+    model = _counting_keras_model(traced, keras.optimizers.AdamW(1e-2))
+    _, loop_traces = _keras_fit(model, traced, monkeypatch)
+    assert int(model.optimizer.iterations) == 4
+    assert loop_traces == 0  # the loop's step is the planner's trace
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_keras_fit_whose_optimizer_differs_from_its_config_trains_with_its_own(monkeypatch):
+    # AdamW's exclude_from_weight_decay() is kept outside its config, so the plan's clone of
+    # the unbuilt optimizer decays every weight: the loop traces its step with the model's
+    # own optimizer, and the biases are not decayed, as in Keras's model.fit.
+    import keras
+
+    def optimizer():
+        adamw = keras.optimizers.AdamW(1e-2, weight_decay=0.5)
+        adamw.exclude_from_weight_decay(var_names=["bias"])
+        return adamw
+
+    traced = []
+    ours = _counting_keras_model(traced, optimizer())
+    _, loop_traces = _keras_fit(ours, traced, monkeypatch)
+    assert loop_traces == 1
+    theirs = _counting_keras_model([], optimizer())
+    theirs.fit(DATA["x"], DATA["y"], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(ours.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_within_a_fit_a_keras_step_is_one_function_per_rematerialization():
+    import keras
+
+    from autoaccum.adapters.keras._keras_program import find_layout, keras_rematerialized
+    from autoaccum.adapters.keras._keras_step import keras_train_step
+    from autoaccum.planning._cache import functions_of_one_fit
+
+    model = _counting_keras_model([], "sgd")
+    layout = find_layout(model, (jax.ShapeDtypeStruct((16,), jnp.float32),
+                                 jax.ShapeDtypeStruct((16,), jnp.float32)))
+    dense = lambda layer: isinstance(layer, keras.layers.Dense)  # noqa: E731
+    assert keras_train_step(model, layout) is not keras_train_step(model, layout)  # no fit
+    with functions_of_one_fit():
+        plain = keras_train_step(model, layout)
+        assert keras_train_step(model, layout) is plain
+        with keras_rematerialized(model, "nothing", layers=dense):
+            nothing = keras_train_step(model, layout)
+            assert nothing is not plain and keras_train_step(model, layout) is nothing
+        with keras_rematerialized(model, "dots", layers=dense):
+            assert keras_train_step(model, layout) not in (plain, nothing)
+        assert keras_train_step(model, layout) is plain
+        assert keras_train_step(model, layout, batch_stats="micro") is not plain
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_rematerialized_keras_fit_trains_with_the_trace_of_its_planned_step(monkeypatch):
+    import keras
+
+    traced = []
+    model = _counting_keras_model(traced, keras.optimizers.Adam(1e-2))
+    dense = lambda layer: isinstance(layer, keras.layers.Dense)  # noqa: E731
+    history, loop_traces = _keras_fit(model, traced, monkeypatch, remat="nothing",
+                                      remat_layers=dense)
+    assert history.autoaccum_plan.remat == "nothing"
+    assert int(model.optimizer.iterations) == 4 and loop_traces == 0

@@ -172,6 +172,11 @@ def instance_attribute(obj: Any, name: str, default: Any = None) -> Any:
     return obj.__dict__.get(name, default)
 
 
+def instance_attributes(obj: Any) -> dict[str, Any]:
+    """A copy of ``obj.__dict__``: every attribute a Keras object keeps (Keras 3.15.1)."""
+    return dict(obj.__dict__)
+
+
 def set_instance_attribute(obj: Any, name: str, value: Any) -> None:
     """Sets ``obj.__dict__[name]``: past ``Layer.__setattr__``'s tracking (a Keras object set
     so is not tracked), shadowing a class attribute of that name (Keras 3.15.1)."""

@@ -51,10 +51,12 @@ from ._internals import (
 from ._keras_data import keras_data
 from ._keras_step import (
     CARRIED_SINKS,
+    active_remat,
     keras_lowering_scope,
     keras_train_step,
     optimizer_in_use,
     planning_optimizer,
+    remat_recorded,
     strategy_shardings,
     variable_specs,
 )
@@ -254,7 +256,8 @@ def keras_program(model: Any, data: Any = None, *, example_spec: PyTree = None,
     # The step that training runs (logs and all): the figures are that step's, and the fit
     # runs the probe the plan compiled (planning/_cache.py) instead of compiling it again.
     step = functools.partial(keras_train_step, model, layout, optimizer=optimizer,
-                             lr_scaling=lr_scaling, batch_stats=batch_stats)
+                             lr_scaling=lr_scaling, batch_stats=batch_stats,
+                             remat=active_remat(model))
 
     def sharded_step(strategy: StateLayout) -> tuple[Callable[..., Any], PyTree]:
         return (step(mesh=strategy.mesh, strategy_layout=strategy),
@@ -446,7 +449,8 @@ def keras_rematerialized(
         for layer, _, _ in saved:
             set_remat_mode(layer, full_remat_mode())
             layer.rematerialized_call = _checkpointing(checkpoint_policy)
-        yield len(saved)
+        with remat_recorded(model, policy, layers):
+            yield len(saved)
     finally:
         for layer, mode, own in saved:
             set_remat_mode(layer, mode)

@@ -28,6 +28,7 @@ for tracing, a clone is (:func:`planning_optimizer`), so a later ``enable_lora()
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...devices._mesh import Placement
+from ...planning._cache import fit_function, same_function
 from ...planning._micro_batches import UnevenBatches, micro_batch_sizes, micro_steps
 from ...planning._strategies import StateLayout
 from ...planning._train_program import StepMetrics
@@ -54,6 +56,7 @@ from ._internals import (
     flatten_layers,
     initialize_deferred,
     instance_attribute,
+    instance_attributes,
     keras_backend,
     loss_tracker,
     optimizer_backend_module,
@@ -268,15 +271,119 @@ def concrete_values_deferred(optimizer: Any) -> Iterator[None]:
 
 def planning_optimizer(model: Any) -> Any:
     """The model's optimizer if built, else a built clone of it (deferred variables): same
-    class and config, so a step traced with it has the real one's memory and updates."""
+    class and config, so a step traced with it has the real one's memory and updates. Within
+    one ``fit`` the clone is made once, and the training loop traces with it
+    (:func:`loop_optimizer`) where it behaves as the model's, reusing the plan's trace."""
     optimizer = model.optimizer
     if optimizer.built:
         return optimizer
-    try:
-        clone = type(optimizer).from_config(optimizer.get_config())
-    except Exception:  # a config that does not round-trip (a callable rate): build the real one
-        clone = optimizer
-    return built_for_planning(clone, model)
+
+    def clone() -> Any:
+        try:
+            made = type(optimizer).from_config(optimizer.get_config())
+        except Exception:  # a config that does not round-trip (a callable rate): the real one
+            made = optimizer
+        return built_for_planning(made, model)
+
+    return same_function(("keras planning optimizer", model, optimizer), clone, per_fit=True)
+
+
+def loop_optimizer(model: Any) -> Any:
+    """The optimizer a training loop's step is traced with: the plan's clone of the model's
+    optimizer (:func:`planning_optimizer`, this ``fit``'s) where it behaves the same (class,
+    every setting, its variables' shapes and dtypes), so the loop's step is the plan's
+    function and JAX's trace of it is reused; else the model's own. Only the tracing reads
+    it: the step's optimizer variables are always the model optimizer's values.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> model.compile(optimizer="adam", loss="mse")
+      >>> loop_optimizer(model) is model.optimizer  # no fit planned it
+      True
+    """
+    optimizer = model.optimizer
+    clone = fit_function(("keras planning optimizer", model, optimizer))
+    if clone is None or clone is optimizer or not optimizer.built:
+        return optimizer
+    specs = lambda o: [(tuple(v.shape), str(v.dtype)) for v in o.variables]  # noqa: E731
+    settings = optimizer_settings(optimizer)
+    if settings is None or specs(clone) != specs(optimizer) or (
+            optimizer_settings(clone) != settings):
+        return optimizer  # e.g. AdamW's exclude_from_weight_decay(), which no config holds
+    return clone
+
+
+_NOT_SETTINGS = frozenset({"name", "built", "_lock", "_variables", "_trainable_variables",
+                           "_tracker", "_trainable_variables_indices",
+                           "_exclude_from_weight_decay_cache"})
+"""Attributes of a Keras optimizer that do not change its updates: its name (its variables'
+paths), and what building it or tracing an update changes (a cache of which variables decay,
+by variable id) (Keras 3.15.1)."""
+
+
+def optimizer_settings(optimizer: Any) -> Any:
+    """Everything of ``optimizer`` that can change its update, other than its variables'
+    values: its class and its plain attributes but its name (numbers, strings, name sets, a
+    schedule's config, an inner optimizer's settings), or ``None`` when one is not comparable
+    (an arbitrary object): then no two optimizers compare equal.
+
+    Example:
+      >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+      'jax'
+      >>> import keras
+      >>> a, b = keras.optimizers.AdamW(1e-3), keras.optimizers.AdamW(1e-3)
+      >>> optimizer_settings(a) == optimizer_settings(b)
+      True
+      >>> b.exclude_from_weight_decay(var_names=["bias"])
+      >>> optimizer_settings(a) == optimizer_settings(b)
+      False
+    """
+    import keras
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
+            return value
+        if isinstance(value, keras.Variable):
+            return ("variable", tuple(value.shape), str(value.dtype))
+        if isinstance(value, (list, tuple, set, frozenset, dict)):
+            pairs = value.items() if isinstance(value, dict) else enumerate(value)
+            items = [(plain(k), plain(v)) for k, v in pairs]
+            if any(_OPAQUE in item for item in items):
+                return _OPAQUE
+            if isinstance(value, (set, frozenset)):
+                return frozenset(v for _, v in items)
+            return (type(value).__name__, *items)
+        if isinstance(value, keras.optimizers.Optimizer):
+            inner = optimizer_settings(value)
+            return _OPAQUE if inner is None else inner
+        if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+            try:
+                return (type(value), plain(value.get_config()))
+            except (NotImplementedError, TypeError):
+                return _OPAQUE
+        return _OPAQUE
+
+    attributes = sorted(instance_attributes(optimizer).items())
+    settings = tuple((name, plain(value)) for name, value in attributes
+                     if name not in _NOT_SETTINGS and not _holds_variables(value))
+    if any(value is _OPAQUE for _, value in settings):
+        return None
+    return (type(optimizer), settings)
+
+
+_OPAQUE = object()
+
+
+def _holds_variables(value: Any) -> bool:
+    """Whether ``value`` is a Keras variable or a list of them (an optimizer's slots)."""
+    import keras
+
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, keras.Variable) for v in value)
+    return isinstance(value, keras.Variable)
 
 
 def built_for_planning(optimizer: Any, model: Any) -> Any:
@@ -411,12 +518,15 @@ class _Micro:
 def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: Any = None,
                      lr_scaling: Any = None, batch_stats: str = "effective",
                      strategy_layout: StateLayout | None = None,
-                     placement: Placement | None = None) -> Callable[..., tuple]:
+                     placement: Placement | None = None,
+                     remat: tuple | None = None) -> Callable[..., tuple]:
     """``step(state, batches, frozen) -> (new_state, StepMetrics)``; pure, jittable; Keras's
     logs are ``StepMetrics.logs``.
 
-    ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``
-    defaults to the model's (planning passes a built clone); ``lr_scaling``: the plan's
+    ``state = (trainable, mutable, optimizer variables, metric variables)``; ``optimizer``:
+    the one traced (planning passes a built clone), by default :func:`loop_optimizer`'s.
+    Within one ``fit`` equal arguments give the same function (``same_function``), so the
+    loop's step is the plan's and JAX reuses its trace. ``lr_scaling``: the plan's
     :class:`~autoaccum.planning.LearningRateScaling`. ``batches`` may be
     :class:`~autoaccum.planning.UnevenBatches` (13 = 5 + 5 + 3).
 
@@ -428,8 +538,51 @@ def keras_train_step(model: Any, layout: Any, *, mesh: Any = None, optimizer: An
     too; under ``zero2`` and ``fsdp`` the gradient accumulator too; the rest copied).
     ``placement``: the user's own layout (``keras.distribution.ModelParallel``), without
     ``mesh``; the float32 gradient accumulator is split over its data axis too.
+    ``remat``: the ``(policy, layers)`` it is traced under, by default :func:`active_remat`'s.
     """
-    optimizer = model.optimizer if optimizer is None else optimizer
+    optimizer = loop_optimizer(model) if optimizer is None else optimizer
+    remat = active_remat(model) if remat is None else remat
+    key = ("keras step", model, layout, optimizer, mesh, lr_scaling, batch_stats,
+           strategy_layout, placement, remat, _materialized(model))
+    return same_function(key, lambda: _keras_train_step(
+        model, layout, mesh=mesh, optimizer=optimizer, lr_scaling=lr_scaling,
+        batch_stats=batch_stats, strategy_layout=strategy_layout, placement=placement),
+        per_fit=True)
+
+
+_REMAT: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
+"""The rematerialization open on a model (``keras_rematerialized``): ``(policy, layers)``."""
+
+
+def active_remat(model: Any) -> tuple:
+    """``(policy, layers)`` of the rematerialization open on ``model``, else ``("none",
+    None)``: a step traced now is traced with it, so it keys the step."""
+    return _REMAT.get(model, ("none", None))
+
+
+@contextlib.contextmanager
+def remat_recorded(model: Any, policy: str, layers: Any) -> Iterator[None]:
+    """Within the block :func:`active_remat` of ``model`` is ``(policy, layers)``."""
+    saved = _REMAT.get(model)
+    _REMAT[model] = (policy, layers)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _REMAT[model]
+        else:
+            _REMAT[model] = saved
+
+
+def _materialized(model: Any) -> bool:
+    """Whether every variable of ``model`` holds a value (none deferred)."""
+    return all(variable_buffer(v) is not None for v in model.variables)
+
+
+def _keras_train_step(model: Any, layout: Any, *, mesh: Any, optimizer: Any, lr_scaling: Any,
+                      batch_stats: str, strategy_layout: StateLayout | None,
+                      placement: Placement | None) -> Callable[..., tuple]:
+    """:func:`keras_train_step`'s function, built anew."""
     micro = _Micro(model, layout, training=True, batch_stats=batch_stats)
     accumulate = step_accumulation(mesh, strategy_layout, placement=placement,
                                    carry_reduce=micro.carry_reduce)
