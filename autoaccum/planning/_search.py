@@ -350,7 +350,9 @@ def search_micro_batch(
     larger = [c for c in candidates if first is not None and first < c < limit]
     if first is not None and first < limit and probe(
             first, "fit point", first_fit_point=bool(larger)).fits:
-        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes, larger)
+        # The whole batch too: its loop-free step needs less than the line (no accumulator).
+        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes,
+                                 [*larger, limit])
         second = surely or next((c for c in larger if c >= 2 * first),
                                 larger[-1] if larger else None)
         if second is not None:

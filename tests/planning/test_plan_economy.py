@@ -136,15 +136,32 @@ def test_only_the_first_fit_point_is_measured_for_its_memory_alone():
     assert stones == [] and result.micro_batch == 3
 
 
+def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compile():
+    # need = 100 + 10 b with the floor of 100 from shapes: the line from it through
+    # micro-batch 2 (120) puts the whole batch of 16 (260) under 1000, and its loop-free step
+    # needs less than any line: two compiles, none at 8 between them.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=1000, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100)
+    assert result.micro_batch == 16 and probed == [2, 16]
+    # Where that line puts the whole batch over, the second fit point is below it, as before.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=220, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100)
+    assert result.micro_batch == 8 and probed == [2, 8]
+
+
 def test_an_overstated_floor_costs_a_compile_never_the_answer():
     # need = 10 + 20 b but a floor of 100 claimed: the line from it through micro-batch 2
-    # (50) is flat, so the second fit point (8, 170 of 150) does not fit; the line through
-    # the two compiles then finds 6 (130), the largest that fits.
+    # (50) is flat, so the second fit point (the whole batch, 330 of 150) does not fit; the
+    # line through the two compiles then finds 6 (130), the largest that fits.
     measure, probed = _affine(10, 20)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=150, log=None,
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100)
-    assert result.micro_batch == 6 and probed == [2, 8, 6]
+    assert result.micro_batch == 6 and probed == [2, 16, 6]
 
 
 def test_any_affine_need_gets_the_largest_fitting_candidate_in_few_compiles():
