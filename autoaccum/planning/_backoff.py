@@ -5,7 +5,8 @@ smallest that ran out of memory, then runs the winner once more. The step is the
 own, jitted *without* donation on the live state, so a failing probe cannot delete or change
 the user's weights (and holding the state twice, it is conservative by the state's size).
 :func:`auto_plan` verifies a compile-only plan with one real step, backing off on
-out-of-memory.
+out-of-memory: the step the plan compiled and kept, run on a copy of the state (the same
+peak), so the check compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..devices._oom import (
@@ -28,6 +30,7 @@ from ..devices._oom import (
     no_micro_batch_fits,
 )
 from ..devices._profiles import format_bytes
+from ._cache import kept_step
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
 from ._option_checks import say
@@ -58,6 +61,8 @@ class RealStepRunner:
         self.frozen_args = tuple(frozen_args)
         self.data = data
         self._compiled: dict[tuple[int, int], tuple[Any, MemoryEstimate]] = {}
+        self._donating: set[tuple[int, int]] = set()
+        """Shapes run with the planner's kept (donating) executable."""
         self.steps_run = 0
         self.compiles = 0
 
@@ -97,20 +102,48 @@ class RealStepRunner:
         """Runs one step, waits for it, frees its outputs; raises its out-of-memory error."""
         compiled, estimate = self.compiled(micro_batch, accum_steps)
         batches = jax.device_put(self._batches(micro_batch, accum_steps))
+        donated = (micro_batch, accum_steps) in self._donating
+        state = jax.tree.map(jnp.array, self.state) if donated else self.state
         out: Any = None
         try:
             self.steps_run += 1
-            out = compiled(self.state, batches, *self.frozen_args)
+            out = compiled(state, batches, *self.frozen_args)
             jax.block_until_ready(out)
         finally:
             delete_arrays(out)
             delete_arrays(batches)
-            del out, batches
+            if donated:
+                delete_arrays(state)
+            del out, batches, state
         return estimate
+
+    def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+        """Runs one step as :meth:`__call__` does, with the planner's kept executable of this
+        very program where there is one (:func:`~autoaccum.planning._cache.kept_step`): it
+        donates its state, so it runs on a copy (the same peak as a step that does not
+        donate: the live state, its copy taken over by the outputs, temporaries) and no step
+        is compiled for the check."""
+        key = (micro_batch, accum_steps)
+        if key not in self._compiled:
+            batches = self._batches(micro_batch, accum_steps)
+            with self.program.lowering_context():
+                lowered = jax.jit(self.program.step, donate_argnums=0).lower(
+                    self.state, batches, *self.frozen_args)
+            kept = kept_step(lowered, (self.state, batches, *self.frozen_args))
+            if kept is not None:
+                estimate = estimate_from_compiled(
+                    self.program, kept, micro_batch, accum_steps,
+                    target="real step (the plan's compiled step, on a copy of the state)",
+                    seconds=0.0)
+                self._donating.add(key)
+                self._compiled[key] = (kept,
+                                       estimate or _unknown_estimate(micro_batch, accum_steps))
+        return self(micro_batch, accum_steps)
 
     def release(self) -> None:
         """Drops the cached executables (their code and constants)."""
         self._compiled.clear()
+        self._donating.clear()
 
 
 def real_step_runner(program: TrainProgram, state: PyTree, frozen_args: tuple,
@@ -292,7 +325,7 @@ def auto_plan(
     say(log, f"autoaccum: verifying the plan with one real step at micro_batch={b} x {k} ...")
     estimate_of = getattr(run_step, "estimate", None)
     try:
-        run_step(b, k)
+        getattr(run_step, "verify", run_step)(b, k)
     except Exception as error:
         if not is_out_of_memory(error):
             raise

@@ -274,14 +274,21 @@ def _placed_as_expected(compiled: Any, args: tuple) -> bool:
 def reuse_or_compile(lowered: Any, args: tuple) -> Any:
     """The executable of ``lowered`` for ``args``: one the planner kept for this very program
     with arguments placed the same way, else ``lowered.compile()``."""
+    kept = kept_step(lowered, args)
+    return lowered.compile() if kept is None else kept
+
+
+def kept_step(lowered: Any, args: tuple) -> Any:
+    """The executable the planner kept for the very program ``lowered`` with ``args`` placed
+    as it expects (counted by :func:`kept_count`), else ``None``."""
     key = _key(lowered, None)
     with _LOCK:
         kept = None if key is None else _KEPT.get(key)
-    if kept is not None and _placed_as_expected(kept, args):
-        with _LOCK:
-            _REUSED[0] += 1
-        return kept
-    return lowered.compile()
+    if kept is None or not _placed_as_expected(kept, args):
+        return None
+    with _LOCK:
+        _REUSED[0] += 1
+    return kept
 
 
 _FUNCTIONS: collections.OrderedDict[Any, Any] = collections.OrderedDict()

@@ -333,3 +333,40 @@ def test_a_rematerialized_keras_fit_trains_with_the_trace_of_its_planned_step(mo
                                       remat_layers=dense)
     assert history.autoaccum_plan.remat == "nothing"
     assert int(model.optimizer.iterations) == 4 and loop_traces == 0
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_plan_verified_by_a_real_step_runs_its_compiled_step_on_a_copy(compiled_programs):
+    # method="auto" on this machine checks the choice with one real step: the plan's own
+    # compiled step, which donates its state, run on a copy; no step compiled for the check,
+    # and the model's weights are neither deleted nor changed.
+    model = MLP(rngs=nnx.Rngs(0))
+    before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+    reused = kept_count()
+    plan = autoaccum.plan(model, DATA, effective_batch=8, budget="1GiB", optimizer=optax.adam,
+                          learning_rate=1e-3, loss_fn=mse, log=None,
+                          search=autoaccum.Search(cache=False))
+    assert plan.probes[-1].kind == "real step" and plan.probes[-1].fits
+    assert kept_count() == reused + 1
+    steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
+    assert plan.compiles.full == len(steps) == len(set(steps))
+    after = nnx.state(model, nnx.Param)
+    assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(after))
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, after))
+
+
+@pytest.mark.slow  # over 2 s: make test runs it, make test-fast does not
+def test_a_keras_plan_verified_by_a_real_step_compiles_no_step_for_it(compiled_programs):
+    import keras
+
+    model = _counting_keras_model([], keras.optimizers.Adam(1e-2))
+    before = [np.array(w) for w in model.get_weights()]
+    reused = kept_count()
+    plan = autoaccum.plan(model, (DATA["x"], DATA["y"]), effective_batch=8, budget="1GiB",
+                          log=None, search=autoaccum.Search(cache=False))
+    assert plan.probes[-1].kind == "real step" and kept_count() == reused + 1
+    steps = [t for t in compiled_programs if "while" in t or "dot_general" in t]
+    assert plan.compiles.full == len(steps)
+    assert not model.optimizer.built
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
