@@ -103,7 +103,10 @@ class RealStepRunner:
         compiled, estimate = self.compiled(micro_batch, accum_steps)
         batches = jax.device_put(self._batches(micro_batch, accum_steps))
         donated = (micro_batch, accum_steps) in self._donating
-        state = jax.tree.map(jnp.array, self.state) if donated else self.state
+        # A donating step runs on a copy of the device arrays (host values are copied on
+        # their way to the device anyway).
+        state = jax.tree.map(lambda a: jnp.array(a) if isinstance(a, jax.Array) else a,
+                             self.state) if donated else self.state
         out: Any = None
         try:
             self.steps_run += 1
