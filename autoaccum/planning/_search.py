@@ -350,9 +350,8 @@ def search_micro_batch(
     larger = [c for c in candidates if first is not None and first < c < limit]
     if first is not None and first < limit and probe(
             first, "fit point", first_fit_point=bool(larger)).fits:
-        # The whole batch too: its loop-free step needs less than the line (no accumulator).
-        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes,
-                                 [*larger, limit])
+        surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes, larger,
+                                 limit)
         second = surely or next((c for c in larger if c >= 2 * first),
                                 larger[-1] if larger else None)
         if second is not None:
@@ -397,16 +396,25 @@ def search_micro_batch(
     return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
 
 
-def _surely_fitting(first: Probe, floor: int, budget_bytes: int,
-                    larger: list[int]) -> int | None:
-    """The largest of the ``larger`` candidates that the line from ``floor`` (bytes every
-    accumulating step holds, from shapes) through the fitting probe ``first`` puts under the
-    budget, else ``None``. Need is affine from micro-batch 2 on (or bends down where XLA
-    rematerializes) and starts at least at the floor, so that line lies on or above it past
-    ``first``: the candidate fits unless the floor is overstated, and as the second fit point
-    it is most often the answer itself, whose own compile the plan needs anyway."""
+def _surely_fitting(first: Probe, floor: int, budget_bytes: int, larger: list[int],
+                    limit: int) -> int | None:
+    """The largest of the ``larger`` candidates, or the whole batch ``limit``, that the line
+    from ``floor`` (bytes every accumulating step holds, from shapes) through the fitting
+    probe ``first`` puts under the budget, else ``None``. Need is affine from micro-batch 2
+    on (or bends down where XLA rematerializes) and starts at least at the floor, so that line
+    lies on or above it past ``first``: the candidate fits unless the floor is overstated, and
+    as the second fit point it is most often the answer itself, whose own compile the plan
+    needs anyway. The whole batch's loop-free step can lie a little above the line (a
+    6-block transformer's does): it is taken with :data:`LOOP_SAVING` accumulators and
+    stacked batches to spare, and is the answer whenever it fits (a plan where everything
+    fits is then two compiles)."""
     floor = min(floor, first.need_bytes)
     slope = (first.need_bytes - floor) / first.micro_batch
+    estimate = first.estimate
+    loop = estimate.accumulator_bytes + estimate.batch_bytes  # its batch: every micro-step's
+    if limit > first.micro_batch and (floor + slope * limit + LOOP_SAVING * loop
+                                      <= budget_bytes):
+        return limit
     under = [c for c in larger if floor + slope * c <= budget_bytes]
     return under[-1] if under else None
 

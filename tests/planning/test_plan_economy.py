@@ -151,6 +151,13 @@ def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compil
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100)
     assert result.micro_batch == 8 and probed == [2, 8]
+    # A loop-free step can lie a little above the line: the whole batch is taken first only
+    # with 1.5 accumulators and stacked batches to spare (260 + 45 > 280 here).
+    measure, probed = _affine(100, 10, loop=30)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=280, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100)
+    assert result.micro_batch == 16 and probed == [2, 8, 16]
 
 
 def test_an_overstated_floor_costs_a_compile_never_the_answer():
