@@ -407,7 +407,7 @@ def _surely_fitting(first: Probe, floor: int, budget_bytes: int, larger: list[in
     needs anyway. The whole batch's loop-free step can lie a little above the line (a
     6-block transformer's does): it is taken with :data:`LOOP_SAVING` accumulators and
     stacked batches to spare, and is the answer whenever it fits (a plan where everything
-    fits is then two compiles)."""
+    fits is then two compiles; should it not fit, the search bisects below it)."""
     floor = min(floor, first.need_bytes)
     slope = (first.need_bytes - floor) / first.micro_batch
     estimate = first.estimate

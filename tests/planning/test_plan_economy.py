@@ -5,6 +5,7 @@ compiles where the model's depth is extrapolated."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -158,6 +159,18 @@ def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compil
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100)
     assert result.micro_batch == 16 and probed == [2, 8, 16]
+    # Should the whole batch not fit after all, the search goes on below it (bisecting: the
+    # line from the floor that took it is not trusted again).
+    measure, probed = _affine(100, 10)
+
+    def whole_batch_over(b, k, last=None):
+        estimate = measure(b, k, last)
+        return estimate if k > 1 else dataclasses.replace(estimate, need_bytes=5000)
+
+    result = search_micro_batch(whole_batch_over, per_device_batch=16, budget_bytes=1000,
+                                log=None, accumulating_floor=100,
+                                measure_uneven=lambda b, k, last: whole_batch_over(b, k, last))
+    assert result.micro_batch == 8 and probed == [2, 16, 6, 8]
 
 
 def test_an_overstated_floor_costs_a_compile_never_the_answer():
