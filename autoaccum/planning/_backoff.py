@@ -121,11 +121,10 @@ class RealStepRunner:
         return estimate
 
     def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
-        """Runs one step as :meth:`__call__` does, with the planner's kept executable of this
-        very program where there is one (:func:`~autoaccum.planning._cache.kept_step`): it
-        donates its state, so it runs on a copy (the same peak as a step that does not
-        donate: the live state, its copy taken over by the outputs, temporaries) and no step
-        is compiled for the check."""
+        """Runs one step as :meth:`__call__` does, with the executable the planner kept for
+        this very program where there is one: it donates its state, so it runs on a copy
+        (the same peak as a step that does not donate: the live state, its copy taken over
+        by the outputs, temporaries) and no step is compiled for the check."""
         key = (micro_batch, accum_steps)
         if key not in self._compiled:
             batches = self._batches(micro_batch, accum_steps)
