@@ -212,7 +212,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "first_step": first[0]
                   "loss": float(result.losses[-1])}))
 """
 
-KERAS_CHILD = r"""
+KERAS_HEAD = r"""
 import os
 os.environ["KERAS_BACKEND"] = "jax"
 """ + COUNTING + r"""
@@ -225,6 +225,38 @@ if sys.argv[1] == "again":
     _step_runner.reuse_or_compile = lambda lowered, args: lowered.compile()
 
 keras.utils.set_random_seed(0)
+"""
+"""A Keras child's start: counting, imports, the "again" mode."""
+
+KERAS_FIT = r"""
+first = []
+
+class FirstStep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if not first:
+            first.append(time.perf_counter() - start)
+
+options = dict(log=None, search=autoaccum.Search(cache=False))
+if sys.argv[1] == "unplanned":  # the same step, planned beforehand and forgotten: no planning
+    plan = autoaccum.plan(model, *data, effective_batch=16, budget=budget, **options)
+    forget()
+    start = time.perf_counter()
+    history = autoaccum.fit(model, *data, plan=plan, epochs=1, log=None, verbose=0,
+                            callbacks=[FirstStep()])
+else:
+    start = time.perf_counter()
+    history = autoaccum.fit(model, *data, effective_batch=16, budget=budget, epochs=1,
+                            verbose=0, callbacks=[FirstStep()], **options)
+plan = history.autoaccum_plan
+print(json.dumps({"seconds": time.perf_counter() - start, "first_step": first[0],
+                  "compiles": compiles[0],
+                  "split": f"{plan.micro_batch} x {plan.accum_steps}",
+                  "loss": float(history.history["loss"][-1])}))
+"""
+"""A Keras child's end: ``model`` fitted on ``data`` (``fit``'s positional arguments) with
+effective batch 16 under ``budget``, as the mode says; prints one JSON line."""
+
+KERAS_CHILD = KERAS_HEAD + r"""
 inputs = keras.Input((128,), dtype="int32")
 x = keras.layers.Embedding(256, 256)(inputs)
 for _ in range(6):
@@ -235,39 +267,14 @@ for _ in range(6):
 model = keras.Model(inputs, keras.layers.Dense(256)(x))
 model.compile(optimizer=keras.optimizers.AdamW(1e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-first = []
-
-class FirstStep(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if not first:
-            first.append(time.perf_counter() - start)
-
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, 256, (64, 129)).astype(np.int32)
-xy = (tokens[:, :-1], tokens[:, 1:])
-if sys.argv[1] == "unplanned":  # the same step, planned beforehand and forgotten: no planning
-    plan = autoaccum.plan(model, xy, effective_batch=16, budget="400MiB", log=None,
-                          search=autoaccum.Search(cache=False))
-    forget()
-    start = time.perf_counter()
-    history = autoaccum.fit(model, xy, plan=plan, epochs=1, log=None, verbose=0,
-                            callbacks=[FirstStep()])
-else:
-    start = time.perf_counter()
-    history = autoaccum.fit(model, xy, effective_batch=16, budget="400MiB", epochs=1, log=None,
-                            verbose=0, search=autoaccum.Search(cache=False),
-                            callbacks=[FirstStep()])
-plan = history.autoaccum_plan
-print(json.dumps({"seconds": time.perf_counter() - start, "first_step": first[0],
-                  "compiles": compiles[0],
-                  "split": f"{plan.micro_batch} x {plan.accum_steps}",
-                  "loss": float(history.history["loss"][-1])}))
-"""
+data, budget = ((tokens[:, :-1], tokens[:, 1:]),), "400MiB"
+""" + KERAS_FIT
 
-HUB_CHILD = KERAS_CHILD.split("keras.utils.set_random_seed(0)")[0] + r"""
+HUB_CHILD = KERAS_HEAD + r"""
 import keras_hub
 
-keras.utils.set_random_seed(0)
 backbone = keras_hub.models.GPT2Backbone(
     vocabulary_size=512, num_layers=12, num_heads=4, hidden_dim=128, intermediate_dim=512,
     max_sequence_length=64, dropout=0.0)
@@ -276,34 +283,12 @@ backbone.enable_lora(4)
 model.compile(optimizer=keras.optimizers.AdamW(1e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               weighted_metrics=["accuracy"])
-first = []
-
-class FirstStep(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if not first:
-            first.append(time.perf_counter() - start)
-
 rng = np.random.default_rng(0)
 tokens = rng.integers(1, 512, (64, 65)).astype(np.int32)
-x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, 64), bool)}
-y = tokens[:, 1:]
-options = dict(log=None, search=autoaccum.Search(cache=False))
-if sys.argv[1] == "unplanned":
-    plan = autoaccum.plan(model, x, y, effective_batch=16, budget="4GiB", **options)
-    forget()
-    start = time.perf_counter()
-    history = autoaccum.fit(model, x, y, plan=plan, epochs=1, log=None, verbose=0,
-                            callbacks=[FirstStep()])
-else:
-    start = time.perf_counter()
-    history = autoaccum.fit(model, x, y, effective_batch=16, budget="4GiB", epochs=1,
-                            verbose=0, callbacks=[FirstStep()], **options)
-plan = history.autoaccum_plan
-print(json.dumps({"seconds": time.perf_counter() - start, "first_step": first[0],
-                  "compiles": compiles[0],
-                  "split": f"{plan.micro_batch} x {plan.accum_steps}",
-                  "loss": float(history.history["loss"][-1])}))
-"""
+data = ({"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, 64), bool)},
+        tokens[:, 1:])
+budget = "4GiB"
+""" + KERAS_FIT
 """A 12-block keras-hub GPT-2 (dim 128) with LoRA 4 whose whole batch of 16 fits a 4 GiB
 budget: its plan's second fit point is the answer."""
 

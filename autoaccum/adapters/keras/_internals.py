@@ -172,6 +172,14 @@ def instance_attribute(obj: Any, name: str, default: Any = None) -> Any:
     return obj.__dict__.get(name, default)
 
 
+OPTIMIZER_BOOKKEEPING = frozenset({
+    "name", "built", "_lock", "_variables", "_trainable_variables", "_tracker",
+    "_trainable_variables_indices", "_exclude_from_weight_decay_cache"})
+"""Attributes of a Keras optimizer that do not change its updates: its name (its variables'
+paths), and what building it or tracing an update changes (a cache of which variables decay,
+by variable id) (Keras 3.15.1)."""
+
+
 def instance_attributes(obj: Any) -> dict[str, Any]:
     """A copy of ``obj.__dict__``: every attribute a Keras object keeps (Keras 3.15.1)."""
     return dict(obj.__dict__)

@@ -50,6 +50,7 @@ from ...training._accumulate import (
 from ...training._data_parallel import default_carry_reduce, step_accumulation, sum_updates
 from ...training._nonfinite import keep_if_finite, step_is_finite, update_if_finite
 from ._internals import (
+    OPTIMIZER_BOOKKEEPING,
     backend_namespace,
     batch_norm_moments,
     batch_norm_reduction_axes,
@@ -316,14 +317,6 @@ def loop_optimizer(model: Any) -> Any:
     return clone
 
 
-_NOT_SETTINGS = frozenset({"name", "built", "_lock", "_variables", "_trainable_variables",
-                           "_tracker", "_trainable_variables_indices",
-                           "_exclude_from_weight_decay_cache"})
-"""Attributes of a Keras optimizer that do not change its updates: its name (its variables'
-paths), and what building it or tracing an update changes (a cache of which variables decay,
-by variable id) (Keras 3.15.1)."""
-
-
 def optimizer_settings(optimizer: Any) -> Any:
     """Everything of ``optimizer`` that can change its update, other than its variables'
     values: its class and its plain attributes but its name (numbers, strings, name sets, a
@@ -368,7 +361,7 @@ def optimizer_settings(optimizer: Any) -> Any:
 
     attributes = sorted(instance_attributes(optimizer).items())
     settings = tuple((name, plain(value)) for name, value in attributes
-                     if name not in _NOT_SETTINGS and not _holds_variables(value))
+                     if name not in OPTIMIZER_BOOKKEEPING and not _holds_variables(value))
     if any(value is _OPAQUE for _, value in settings):
         return None
     return (type(optimizer), settings)
