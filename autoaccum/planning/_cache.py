@@ -56,6 +56,7 @@ from ._measure import (
     compile_lowered,
     estimate_from_compiled,
     lower_step,
+    lower_step_counting,
     no_memory_analysis,
     record_cached,
 )
@@ -539,11 +540,13 @@ def measure_later(request: CompileRequest | LoweredRequest, target: CompileTarge
 
 
 def lower_request(request: CompileRequest, target: CompileTarget, *,
-                  cache: NeedCache | None = None) -> MemoryEstimate | LoweredRequest:
+                  cache: NeedCache | None = None,
+                  count_values: bool = False) -> MemoryEstimate | LoweredRequest:
     """``request``'s estimate where the cache has it, else its program built and lowered for
     ``target``: pass that to :func:`measure_all` or :func:`measure_later` to compile it. For
     a step lowered ahead, while another compiles, on the chance that it is needed next
-    (lowering holds the GIL, a compile releases it).
+    (lowering holds the GIL, a compile releases it), or one whose trace's values are counted
+    first (``count_values``: :attr:`LoweredRequest.values_bytes`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -560,7 +563,7 @@ def lower_request(request: CompileRequest, target: CompileTarget, *,
       (2, 4)
     """
     compiler = compiler_fingerprint(dict(target.compiler_options)) if cache else {}
-    return _prepare(request, target, cache, compiler)
+    return _prepare(request, target, cache, compiler, count_values=count_values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,11 +576,15 @@ class LoweredRequest:
     lowered: Any
     keys: list[str]
     material: dict
+    values_bytes: int = 0
+    """Bytes of every value its trace takes or computes, where asked for (``count_values``);
+    else 0."""
 
 
 def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | None,
-             compiler: dict) -> MemoryEstimate | LoweredRequest:
-    """The cached estimate of ``request``, else its program lowered, for :func:`_complete`."""
+             compiler: dict, *, count_values: bool = False) -> MemoryEstimate | LoweredRequest:
+    """The cached estimate of ``request``, else its program lowered, for :func:`_complete`
+    (``count_values``: with its trace's values bytes)."""
     keys: list[str] = []
     if cache is not None and request.identity is not None:
         material = {"identity": request.identity, "micro_batch": request.micro_batch,
@@ -591,8 +598,10 @@ def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | 
             return hit
     program = request.build()
     start = time.perf_counter()
-    lowered = lower_step(program, request.micro_batch, request.accum_steps, target,
-                         last=request.last)
+    lowered, values = lower_step_counting(program, request.micro_batch, request.accum_steps,
+                                          target, last=request.last) if count_values else (
+        lower_step(program, request.micro_batch, request.accum_steps, target,
+                   last=request.last), 0)
     lower_seconds = time.perf_counter() - start
     material = {}
     if cache is not None:
@@ -607,7 +616,7 @@ def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | 
             record_cached()
             return hit
     return LoweredRequest(request, program, lowered, keys,
-                          {"lower_seconds": lower_seconds, **material})
+                          {"lower_seconds": lower_seconds, **material}, values)
 
 
 def _complete(item: LoweredRequest, target: CompileTarget, cache: NeedCache | None,

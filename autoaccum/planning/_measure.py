@@ -386,6 +386,58 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
     data-parallel program as one SPMD program over its mesh, so ``micro_batch`` is per device
     and XLA's memory analysis is one device's. A program that keeps the user's layout has its
     placement's shardings as the step's input and output shardings; XLA partitions the rest."""
+    return _lower(program, micro_batch, accum_steps, target, last=last, count=False)[0]
+
+
+def lower_step_counting(program: TrainProgram, micro_batch: int, accum_steps: int,
+                        target: CompileTarget | None = None, *,
+                        last: int | None = None) -> tuple[Any, int]:
+    """:func:`lower_step`'s lowering, and :func:`values_bytes` of its trace."""
+    lowered, values = _lower(program, micro_batch, accum_steps, target, last=last, count=True)
+    return lowered, int(values)
+
+
+def values_bytes(jaxpr: Any) -> int:
+    """Bytes of every value a jaxpr takes or computes: its inputs and each equation's outputs,
+    those inside its sub-jaxprs (a scan's or a loop's body, a cond's branches, a nested jit,
+    a checkpointed block) counted once. What XLA allocates for the step is mostly these
+    values (or copies of them), and it keeps far from all of them at once: a rough ceiling,
+    not an estimate (6-9x the compiled need of three small transformer steps on this CPU),
+    only good for telling that a step fits with room to spare.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> jaxpr = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.zeros(4)).jaxpr
+      >>> values_bytes(jaxpr)  # x, sin(x) and the product: 3 x 16 bytes
+      48
+    """
+    def size(var: Any) -> int:
+        aval = getattr(var, "aval", None)
+        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+        if shape is None or dtype is None:
+            return 0
+        try:
+            return math.prod(shape) * np.dtype(dtype).itemsize
+        except TypeError:  # an extended dtype (PRNG keys): no bytes of its own
+            return 0
+
+    def computed(jaxpr: Any) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += sum(size(v) for v in eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                    if hasattr(inner, "eqns") and hasattr(inner, "outvars"):
+                        total += computed(inner)
+        return total
+
+    return sum(size(v) for v in jaxpr.invars) + computed(jaxpr)
+
+
+def _lower(program: TrainProgram, micro_batch: int, accum_steps: int,
+           target: CompileTarget | None, *, last: int | None, count: bool) -> tuple[Any, int]:
+    """:func:`lower_step`'s lowering, and (``count``) :func:`values_bytes` of its trace."""
     target = target or CompileTarget()
     placement, mesh = program.placement, program.mesh
     out: dict[str, Any] = {}
@@ -433,7 +485,8 @@ def lower_step(program: TrainProgram, micro_batch: int, accum_steps: int,
         step = functools.wraps(step)(lambda *args: program.step(*args))
     with (program.lowering_context(), compiling_for(target.platform) if target.deviceless
           else contextlib.nullcontext()):
-        return jax.jit(step, donate_argnums=0, **out).lower(state, batches, *frozen)
+        traced = jax.jit(step, donate_argnums=0, **out).trace(state, batches, *frozen)
+        return traced.lower(), (values_bytes(traced.jaxpr.jaxpr) if count else 0)
 
 
 def _shard_each(tree: Any, shardings: Any) -> Any:

@@ -324,6 +324,7 @@ def search_plan(
     devices: int | None = None,
     largest_first: bool = False,
     measure_fit_point: Any = None,
+    values_bytes: Any = None,
 ) -> Plan:
     """Runs the compile-only search (arguments as ``search_micro_batch``'s) and returns the plan.
 
@@ -341,6 +342,7 @@ def search_plan(
         accumulating_floor=accumulating_floor,
         largest_first=largest_first,
         measure_fit_point=measure_fit_point,
+        values_bytes=values_bytes,
     )
     if agree and (data_parallel > 1 or _process_count() > 1):
         from ..devices._mesh import agree_micro_batch

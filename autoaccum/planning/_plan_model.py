@@ -13,10 +13,10 @@ from ..devices._mesh import has_explicit_axes
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ._adapter_interface import Adapter, Prepared
 from ._budget import Resident, check_resident, program_resident, resident_of
-from ._cache import CompileRequest, measure_all, resolve_cache
+from ._cache import CompileRequest, LoweredRequest, lower_request, measure_all, resolve_cache
 from ._depth import LINE_SOURCES, DepthVariant, DepthVariants, label_sources, plan_by_depth
 from ._lr_scaling import LearningRateScaling, announce
-from ._measure import counted, measure_program
+from ._measure import MemoryEstimate, counted, measure_program
 from ._micro_batches import split_sizes
 from ._option_checks import (
     check_enough_examples,
@@ -183,9 +183,25 @@ def plan_program(
 
     identity = (depth_variants.key(depth_variants.full_depth)
                 if depth_variants is not None else None)
+    traced_ahead: dict[tuple[int, int, int | None], MemoryEstimate | LoweredRequest] = {}
+    """Steps lowered to count their values, kept for their compile, by ``(b, k, last)``."""
+
+    def values_of(b: int, k: int, last: int | None) -> int | None:
+        """The first fit point's values (search_micro_batch's ``values_bytes``), its lowering
+        kept for its compile; ``None`` where the need cache has it."""
+        traced_ahead[b, k, last] = lowered = lower_request(
+            CompileRequest(the_program, b, k, identity, last=last), resolved.compile_target,
+            cache=need_cache, count_values=True)
+        return lowered.values_bytes if isinstance(lowered, LoweredRequest) else None
+
     def measure(b: int, k: int, last: int | None = None, *, measured_only: bool = False) -> Any:
-        request = CompileRequest(the_program, b, k, identity, last=last,
-                                 measured_only=measured_only)
+        kept = traced_ahead.pop((b, k, last), None)
+        if isinstance(kept, MemoryEstimate):
+            return kept
+        request = (CompileRequest(the_program, b, k, identity, last=last,
+                                  measured_only=measured_only) if kept is None
+                   else dataclasses.replace(kept, request=dataclasses.replace(
+                       kept.request, measured_only=measured_only)))
         return measure_all([request], resolved.compile_target, cache=need_cache, workers=1)[0]
 
     with _marking(beyond_remat):
@@ -194,6 +210,7 @@ def plan_program(
             measure_uneven=measure if uneven else None,
             measure_fit_point=(None if keep_fit_points
                                else functools.partial(measure, measured_only=True)),
+            values_bytes=values_of,
             effective_batch=effective_batch,
             data_parallel=(dp or (program.data_parallel if isinstance(program, TrainProgram)
                                   else 1)),

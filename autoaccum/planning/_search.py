@@ -206,6 +206,7 @@ def search_micro_batch(
     accumulating_floor: int = 0,
     largest_first: bool = False,
     measure_fit_point: Callable[[int, int, int | None], MemoryEstimate] | None = None,
+    values_bytes: Callable[[int, int, int | None], int | None] | None = None,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
     compiling only steps whose answer could change the plan. ``measure(b, k)`` compiles the
@@ -242,6 +243,11 @@ def search_micro_batch(
     probe that is the answer only when every larger one fails, which the caller may compile
     for its memory alone (its machine code unoptimised and not kept for training,
     :class:`~autoaccum.planning.CompileRequest`'s ``measured_only``).
+
+    ``values_bytes(b, k, last)``, where given, is the bytes of every value the step at the
+    first fit point computes (its trace, kept for its compile), or ``None``: where
+    :data:`VALUES_ROOM` times that, scaled to the whole batch, fits the budget, the whole
+    batch is compiled first and, fitting, is the plan's only compile.
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -348,6 +354,11 @@ def search_micro_batch(
 
     first = next((c for c in candidates if c >= 2), None)
     larger = [c for c in candidates if first is not None and first < c < limit]
+    if (values_bytes is not None and first is not None and first < limit
+            and _room_for_every_value(values_bytes(*_split(first, limit, measure_uneven)),
+                                      first, limit, budget_bytes)
+            and probe(limit, "whole batch: room for every value its step computes").fits):
+        return _result(limit, probes, order, None, start, budget_bytes, measure_uneven is None)
     if first is not None and first < limit and probe(
             first, "fit point", first_fit_point=bool(larger)).fits:
         surely = _surely_fitting(probes[first], accumulating_floor, budget_bytes, larger,
@@ -394,6 +405,33 @@ def search_micro_batch(
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]
     return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
+
+
+def _split(b: int, limit: int, uneven: Any) -> tuple[int, int, int | None]:
+    """``(b, k, last)`` of the step at micro-batch ``b``: ``last`` ``None`` where ``b``
+    divides ``limit`` or where only divisors are candidates (no ``uneven``)."""
+    k = math.ceil(limit / b)
+    last = limit - (k - 1) * b
+    return b, k, (last if last != b and uneven is not None else None)
+
+
+VALUES_ROOM = 2.0
+"""The whole batch is compiled first where this many times the bytes of every value the first
+fit point's step computes, scaled to the whole batch, fit the budget: XLA keeps a fraction of
+those values at once (a sixth to a ninth for three small transformers on this CPU), and a copy
+of each at most besides."""
+
+
+def _room_for_every_value(values: int | None, first: int, limit: int,
+                          budget_bytes: int) -> bool:
+    """Whether the whole batch of ``limit`` surely fits by the values of the step at micro-batch
+    ``first`` (``None``: not counted): each value scaled as if it grew with the micro-batch.
+
+    Example:
+      >>> _room_for_every_value(100, 2, 16, 1600), _room_for_every_value(100, 2, 16, 1599)
+      (True, False)
+    """
+    return values is not None and VALUES_ROOM * values * limit / first <= budget_bytes
 
 
 def _surely_fitting(first: Probe, floor: int, budget_bytes: int, larger: list[int],

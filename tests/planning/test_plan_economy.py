@@ -173,6 +173,62 @@ def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compil
     assert result.micro_batch == 8 and probed == [2, 16, 6, 8]
 
 
+def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile():
+    # need = 100 + 10 b; micro-batch 2's step computes values of 300 bytes in all, so the
+    # whole batch of 16 computes at most 8 x 300, and twice that (4800) fits 5000: the whole
+    # batch is compiled first, fits, and is the plan (one compile where 2 then 16 made two).
+    measure, probed = _affine(100, 10)
+    counted: list[tuple] = []
+
+    def values(b, k, last):
+        counted.append((b, k, last))
+        return 300
+
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=5000, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                values_bytes=values)
+    assert result.micro_batch == 16 and probed == [16] and counted == [(2, 8, None)]
+    # 4800 over 4799: no room by the values, the search as before.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=4799, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100, values_bytes=values)
+    assert result.micro_batch == 16 and probed == [2, 16]
+    # Uncounted (the need cache had the first fit point): the search as before.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=5000, log=None,
+                                accumulating_floor=100, values_bytes=lambda b, k, last: None)
+    assert result.micro_batch == 16 and probed == [2, 16]
+
+
+def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
+    # TinyLM's whole batch of 16 needs 176 KiB; micro-batch 2's step computes a few MiB of
+    # values in all. Under 1 GiB twice those, scaled to 16, fit: one compile, the whole
+    # batch's, where the first fit point's made two. Under 200 KiB they do not: 2 then 8.
+    def plan(budget: str):
+        return autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12),
+                              effective_batch=16, optimizer=optax.adamw, learning_rate=1e-3,
+                              loss_fn=token_loss, budget=budget, log=None,
+                              search=autoaccum.Search(cache=False))
+
+    roomy = plan("1GiB")
+    assert (roomy.micro_batch, roomy.compiles.full) == (16, 1)
+    assert roomy.probes[0].why.startswith("whole batch: room for every value")
+    tight = plan("200KiB")
+    assert tight.compiles.full == 2 and [p.micro_batch for p in tight.probes][:2] == [2, 8]
+
+
+def test_a_whole_batch_the_values_misjudged_costs_one_compile_never_the_answer():
+    # Values claimed far too small (a step whose need grows faster than its values'
+    # count says): the whole batch compiled first does not fit, and the search goes on
+    # to the largest candidate that fits, 8.
+    measure, probed = _affine(100, 10)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=220, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100, values_bytes=lambda b, k, last: 1)
+    assert result.micro_batch == 8 and probed[0] == 16 and 8 in probed
+
+
 def test_an_overstated_floor_costs_a_compile_never_the_answer():
     # need = 10 + 20 b but a floor of 100 claimed: the line from it through micro-batch 2
     # (50) is flat, so the second fit point (the whole batch, 330 of 150) does not fit; the
@@ -197,11 +253,13 @@ def test_any_affine_need_gets_the_largest_fitting_candidate_in_few_compiles():
         candidates = step_candidates(limit) if uneven else divisors(limit)
         fitting = [c for c in candidates
                    if a + s * c - (50 if c == limit else 0) <= budget]
+        values = rng.choice([None, rng.randint(1, 2 * (a + 2 * s))])  # right or wrong
         try:
             got = search_micro_batch(
                 measure, per_device_batch=limit, budget_bytes=budget, log=None,
                 measure_uneven=measure if uneven else None,
-                accumulating_floor=int(a * rng.uniform(0.3, 1.0))).micro_batch
+                accumulating_floor=int(a * rng.uniform(0.3, 1.0)),
+                values_bytes=lambda b, k, last, values=values: values).micro_batch
         except DoesNotFitError:
             got = 0
         assert got == max(fitting, default=0), (a, s, limit, budget, uneven, probed)
