@@ -354,7 +354,10 @@ def search_micro_batch(
 
     first = next((c for c in candidates if c >= 2), None)
     larger = [c for c in candidates if first is not None and first < c < limit]
+    # The floor's state and accumulator are among the values: no room by the floor, none by
+    # the values, which are then not counted (a large step's trace has many equations).
     if (values_bytes is not None and first is not None and first < limit
+            and _room_for_every_value(accumulating_floor, first, limit, budget_bytes)
             and _room_for_every_value(values_bytes(*_split(first, limit, measure_uneven)),
                                       first, limit, budget_bytes)
             and probe(limit, "whole batch: room for every value its step computes").fits):

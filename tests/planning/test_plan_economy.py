@@ -194,6 +194,14 @@ def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100, values_bytes=values)
     assert result.micro_batch == 16 and probed == [2, 16]
+    # The floor (state and accumulator, among the values) already leaves no room: the values
+    # are not counted (tracing a large step's equations takes time).
+    measure, probed = _affine(100, 10)
+    counted.clear()
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=1000, log=None,
+                                measure_uneven=lambda b, k, last: measure(b, k, last),
+                                accumulating_floor=100, values_bytes=values)
+    assert counted == [] and probed == [2, 16]
     # Uncounted (the need cache had the first fit point): the search as before.
     measure, probed = _affine(100, 10)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=5000, log=None,
@@ -225,7 +233,7 @@ def test_a_whole_batch_the_values_misjudged_costs_one_compile_never_the_answer()
     measure, probed = _affine(100, 10)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=220, log=None,
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
-                                accumulating_floor=100, values_bytes=lambda b, k, last: 1)
+                                values_bytes=lambda b, k, last: 1)
     assert result.micro_batch == 8 and probed[0] == 16 and 8 in probed
 
 
