@@ -135,19 +135,21 @@ the first step (load 1.2-1.4):
 compiles. The rest over 1.5x is again the first fit point (micro-batch 2, compiled for its
 memory alone): the plan needs one measured point before it can tell where the budget lies.
 
-Then (2026-12-01) a whole batch with room for twice every value its step takes or computes
-(counted from its trace where the floor leaves room) is compiled first: where it fits, it is
-the plan's only compile. Alternated three times with the code before (c3f01ce), time to the
-first step (load 1.0-1.6):
+Then (2026-12-01) a whole batch with room for twice every value its step computes (counted
+from the first fit point's trace, scaled to the whole batch) is compiled first: where it fits,
+it is the plan's only compile. Alternated three times with the code before (c3f01ce), time to
+the first step (load 1.3-2.5):
 
                                  before              now                 a plan made earlier
-    hub: plan's step kept     8.47, 8.58, 8.31    4.70, 4.73, 4.59    4.71, 4.63, 4.55
+    hub: plan's step kept     8.19, 8.55, 8.76    5.72, 5.78, 5.85    4.31, 4.33, 4.42
 
-1.83x -> 1.01x one with a plan made earlier (means 8.45 -> 4.67 s); the same plan (16 x 1),
-2 -> 1 step compiles. (Counting micro-batch 2's values and scaling them to the whole batch,
-tried first, took 5.78 s: that trace was one more.) The Flax and Keras fits have no such room
-(their floor alone, twice, is over the budget), so nothing is counted and their plans are as
-before.
+1.96x -> 1.33x one with a plan made earlier (means 8.50 -> 5.78 s); the same plan (16 x 1),
+2 -> 1 step compiles. What is left over one compile is micro-batch 2's trace, which counts
+the values. Counting the whole batch's own trace instead took the hub fit to 4.67 s (1.01x,
+alternated three times, load 1.0-1.6), but the Keras and Flax fits below would then trace
+their whole batch for nothing (their floor leaves room, their values do not): dropped. The
+Flax and Keras fits have no room (their floor alone, twice and scaled to the whole batch, is
+over the budget), so nothing is counted and their plans are as before.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def plan_program(
     """Steps lowered to count their values, kept for their compile, by ``(b, k, last)``."""
 
     def values_of(b: int, k: int, last: int | None) -> int | None:
-        """The step's values (search_micro_batch's ``values_bytes``), its lowering kept for
-        its compile; ``None`` where the need cache has it."""
+        """The first fit point's values (search_micro_batch's ``values_bytes``), its lowering
+        kept for its compile; ``None`` where the need cache has it."""
         traced_ahead[b, k, last] = lowered = lower_request(
             CompileRequest(the_program, b, k, identity, last=last), resolved.compile_target,
             cache=need_cache, count_values=True)

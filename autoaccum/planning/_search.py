@@ -244,11 +244,10 @@ def search_micro_batch(
     for its memory alone (its machine code unoptimised and not kept for training,
     :class:`~autoaccum.planning.CompileRequest`'s ``measured_only``).
 
-    ``values_bytes(b, k, last)``, where given, is the bytes of every value the step at
-    micro-batch ``b`` takes or computes (its trace, kept for its compile), or ``None``: where
-    :data:`VALUES_ROOM` times the whole batch's fit the budget, the whole batch is compiled
-    first and, fitting, is the plan's only compile. It is asked only where the floor (its
-    state and accumulator among those values) leaves that room.
+    ``values_bytes(b, k, last)``, where given, is the bytes of every value the step at the
+    first fit point computes (its trace, kept for its compile), or ``None``: where
+    :data:`VALUES_ROOM` times that, scaled to the whole batch, fits the budget, the whole
+    batch is compiled first and, fitting, is the plan's only compile.
 
     Example:
       >>> from autoaccum.planning._measure import MemoryEstimate
@@ -358,8 +357,9 @@ def search_micro_batch(
     # The floor's state and accumulator are among the values: no room by the floor, none by
     # the values, which are then not counted (a large step's trace has many equations).
     if (values_bytes is not None and first is not None and first < limit
-            and _room_for_every_value(accumulating_floor, budget_bytes)
-            and _room_for_every_value(values_bytes(limit, 1, None), budget_bytes)
+            and _room_for_every_value(accumulating_floor, first, limit, budget_bytes)
+            and _room_for_every_value(values_bytes(*_split(first, limit, measure_uneven)),
+                                      first, limit, budget_bytes)
             and probe(limit, "whole batch: room for every value its step computes").fits):
         return _result(limit, probes, order, None, start, budget_bytes, measure_uneven is None)
     if first is not None and first < limit and probe(
@@ -410,21 +410,31 @@ def search_micro_batch(
     return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
 
 
+def _split(b: int, limit: int, uneven: Any) -> tuple[int, int, int | None]:
+    """``(b, k, last)`` of the step at micro-batch ``b``: ``last`` ``None`` where ``b``
+    divides ``limit`` or where only divisors are candidates (no ``uneven``)."""
+    k = math.ceil(limit / b)
+    last = limit - (k - 1) * b
+    return b, k, (last if last != b and uneven is not None else None)
+
+
 VALUES_ROOM = 2.0
-"""The whole batch is compiled first where this many times the bytes of every value its step
-takes or computes fit the budget: XLA keeps a fraction of those values at once (a sixth to a
-ninth for three small transformers on this CPU), and a copy of each at most besides."""
+"""The whole batch is compiled first where this many times the bytes of every value the first
+fit point's step computes, scaled to the whole batch, fit the budget: XLA keeps a fraction of
+those values at once (a sixth to a ninth for three small transformers on this CPU), and a copy
+of each at most besides."""
 
 
-def _room_for_every_value(values: int | None, budget_bytes: int) -> bool:
-    """Whether a step whose values (``None``: not counted) come to ``values`` bytes surely
-    fits ``budget_bytes``.
+def _room_for_every_value(values: int | None, first: int, limit: int,
+                          budget_bytes: int) -> bool:
+    """Whether the whole batch of ``limit`` surely fits by the values of the step at micro-batch
+    ``first`` (``None``: not counted): each value scaled as if it grew with the micro-batch.
 
     Example:
-      >>> _room_for_every_value(800, 1600), _room_for_every_value(800, 1599)
+      >>> _room_for_every_value(100, 2, 16, 1600), _room_for_every_value(100, 2, 16, 1599)
       (True, False)
     """
-    return values is not None and VALUES_ROOM * values <= budget_bytes
+    return values is not None and VALUES_ROOM * values * limit / first <= budget_bytes
 
 
 def _surely_fitting(first: Probe, floor: int, budget_bytes: int, larger: list[int],

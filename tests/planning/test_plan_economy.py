@@ -174,20 +174,20 @@ def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compil
 
 
 def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile():
-    # need = 100 + 10 b; the whole batch's step takes and computes values of 2400 bytes in
-    # all, and twice that (4800) fits 5000: the whole batch is compiled first, fits, and is
-    # the plan (one compile where 2 then 16 made two).
+    # need = 100 + 10 b; micro-batch 2's step computes values of 300 bytes in all, so the
+    # whole batch of 16 computes at most 8 x 300, and twice that (4800) fits 5000: the whole
+    # batch is compiled first, fits, and is the plan (one compile where 2 then 16 made two).
     measure, probed = _affine(100, 10)
     counted: list[tuple] = []
 
     def values(b, k, last):
         counted.append((b, k, last))
-        return 2400
+        return 300
 
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=5000, log=None,
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 values_bytes=values)
-    assert result.micro_batch == 16 and probed == [16] and counted == [(16, 1, None)]
+    assert result.micro_batch == 16 and probed == [16] and counted == [(2, 8, None)]
     # 4800 over 4799: no room by the values, the search as before.
     measure, probed = _affine(100, 10)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=4799, log=None,
@@ -200,7 +200,7 @@ def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile
     counted.clear()
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=1000, log=None,
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
-                                accumulating_floor=501, values_bytes=values)
+                                accumulating_floor=100, values_bytes=values)
     assert counted == [] and probed == [2, 16]
     # Uncounted (the need cache had the first fit point): the search as before.
     measure, probed = _affine(100, 10)
@@ -210,9 +210,9 @@ def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile
 
 
 def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
-    # TinyLM's whole batch of 16 needs 176 KiB; its step takes and computes a few MiB of
-    # values in all. Under 1 GiB twice those fit: one compile, the whole batch's, where the
-    # first fit point's made two. Under 200 KiB they do not: 2 then 8.
+    # TinyLM's whole batch of 16 needs 176 KiB; micro-batch 2's step computes a few MiB of
+    # values in all. Under 1 GiB twice those, scaled to 16, fit: one compile, the whole
+    # batch's, where the first fit point's made two. Under 200 KiB they do not: 2 then 8.
     def plan(budget: str):
         return autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12),
                               effective_batch=16, optimizer=optax.adamw, learning_rate=1e-3,
