@@ -598,10 +598,12 @@ def _prepare(request: CompileRequest, target: CompileTarget, cache: NeedCache | 
             return hit
     program = request.build()
     start = time.perf_counter()
-    lowered, values = lower_step_counting(program, request.micro_batch, request.accum_steps,
-                                          target, last=request.last) if count_values else (
-        lower_step(program, request.micro_batch, request.accum_steps, target,
-                   last=request.last), 0)
+    if count_values:
+        lowered, values = lower_step_counting(program, request.micro_batch,
+                                              request.accum_steps, target, last=request.last)
+    else:
+        lowered, values = lower_step(program, request.micro_batch, request.accum_steps,
+                                     target, last=request.last), 0
     lower_seconds = time.perf_counter() - start
     material = {}
     if cache is not None:
