@@ -9,12 +9,19 @@ import dataclasses
 import json
 import random
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
 
 import autoaccum
-from autoaccum.planning._measure import MemoryEstimate, counting_compiles, record_compile
+from autoaccum.planning._measure import (
+    MemoryEstimate,
+    counting_compiles,
+    record_compile,
+    values_bytes,
+)
 from autoaccum.planning._search import (
     DoesNotFitError,
     Probe,
@@ -225,6 +232,21 @@ def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
     assert roomy.probes[0].why.startswith("whole batch: room for every value")
     tight = plan("200KiB")
     assert tight.probes[0].micro_batch == 2 and tight.compiles.full >= 2
+
+
+def test_the_values_count_every_equation_in_loops_branches_jits_and_checkpoints_once():
+    x = jnp.zeros(4)  # 16 bytes
+
+    def count(f):
+        return values_bytes(jax.make_jaxpr(f)(x).jaxpr)
+
+    assert count(lambda x: jax.jit(jnp.sin)(x)) == 48  # x, the jit's output, sin's inside it
+    assert count(lambda x: jax.checkpoint(jnp.sin)(x)) == 48
+    # x, the scan's carry (4) and stacked output (16), its body's two scalars once, not 4x
+    assert count(lambda x: jax.lax.scan(lambda c, xi: (c + xi, c * xi), jnp.float32(0),
+                                        x)) == 44
+    # both branches (16 each), the output, and the predicate's slice, scalar, bool and index
+    assert count(lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)) == 77
 
 
 def test_a_whole_batch_the_values_misjudged_costs_one_compile_never_the_answer():
