@@ -249,7 +249,8 @@ def search_micro_batch(
     :class:`~autoaccum.planning.CompileRequest`'s ``measured_only``).
 
     ``values_bytes(b, k, last)``, where given, is the bytes of every value the step at the
-    first fit point takes or computes (its trace, kept for its compile), or ``None``: where
+    first fit point (the whole batch where no other candidate is at least 2) takes or
+    computes (its trace, kept for its compile), or ``None``: where
     :data:`VALUES_ROOM` times that, scaled to the whole batch, fits the budget, the whole
     batch is compiled first and, fitting, is the plan's only compile. It is asked only where
     ``accumulating_floor`` (its state and accumulator among those values) leaves that room.
@@ -361,7 +362,7 @@ def search_micro_batch(
     larger = [c for c in candidates if first is not None and first < c < limit]
     # The floor's state and accumulator are among the values: no room by the floor, none by
     # the values, which are then not counted (a large step's trace has many equations).
-    if (values_bytes is not None and first is not None and first < limit
+    if (values_bytes is not None and first is not None
             and _room_for_every_value(accumulating_floor, first, limit, budget_bytes)
             and _room_for_every_value(values_bytes(*_split(first, limit, measure_uneven)),
                                       first, limit, budget_bytes)

@@ -209,6 +209,17 @@ def test_a_whole_batch_with_room_for_every_value_of_its_step_is_the_only_compile
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100, values_bytes=values)
     assert counted == [] and probed == [2, 16]
+    # Where the whole batch is the only candidate from 2 (2 itself; a prime with divisors
+    # only), its own values are counted: with room it is the only compile, micro-batch 1 not
+    # compiled first.
+    for limit, uneven in ((2, True), (7, False)):
+        measure, probed = _affine(100, 10)
+        counted.clear()
+        result = search_micro_batch(
+            measure, per_device_batch=limit, budget_bytes=5000, log=None, values_bytes=values,
+            measure_uneven=measure if uneven else None)
+        assert result.micro_batch == limit and probed == [limit]
+        assert counted == [(limit, 1, None)]
     # Uncounted (the need cache had the first fit point): the search as before.
     measure, probed = _affine(100, 10)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=5000, log=None,
