@@ -310,7 +310,8 @@ def plan_model(
     ``objective="memory"``: the first policy (least recompute) under which some micro-batch
     fits wins, with its largest fitting micro-batch, so remat is used only when micro-batch 1
     does not fit without it; ``"throughput"``: every fitting policy is planned and candidates
-    are timed. ``uneven`` applies only where ``adapter.uneven_batches``.
+    are timed, up to the first that takes the whole batch in one step (a later one only
+    recomputes more). ``uneven`` applies only where ``adapter.uneven_batches``.
 
     With more than one device (``data_parallel``; or ``devices`` over ``hosts``: for a named
     GPU not here a dry run on that many deviceless GPUs, here ``data_parallel=devices``) the
@@ -535,7 +536,9 @@ def plan_model(
             continue
         tried.append(label_policy(plan, policy))
         prepared_by_policy[policy] = prepared
-        if objective != "throughput":
+        if objective != "throughput" or plan.accum_steps == 1:
+            # Throughput: a later policy recomputes more for a larger micro-batch; with the
+            # whole batch in one step already, there is none to gain.
             break
     if not tried:
         error = nothing_fits(failures)

@@ -72,6 +72,21 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule(monkeypatch):
     assert "<- chosen" in plan.report()
 
 
+def test_throughput_tries_no_remat_policy_once_the_whole_batch_fits_in_one_step():
+    # A model with blocks to checkpoint, whose whole batch of 8 fits 1 GiB without remat: a
+    # policy recomputes more for a larger micro-batch, and there is none to gain. Every
+    # policy was planned, compiled and timed before (tiny steps on a CPU timed "dots" the
+    # fastest, by noise).
+    from tests.planning.test_depth import DeepLM
+
+    plan = autoaccum.plan(DeepLM(2, dim=16, rngs=nnx.Rngs(0)), ragged_tokens(16, 9, vocab=256),
+                          effective_batch=8, budget="1GiB", optimizer=optax.sgd(0.1),
+                          loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput", cache=False))
+    assert {c.remat for c in plan.candidates} == {"none"} and plan.remat == "none"
+    assert {p.remat for p in plan.probes} == {"none"}
+
+
 def test_unknown_objective_names_both():
     with pytest.raises(ValueError, match="'memory'.*'throughput'"):
         autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
