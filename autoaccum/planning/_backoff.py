@@ -65,6 +65,8 @@ class RealStepRunner:
         """Shapes run with the planner's kept (donating) executable."""
         self.steps_run = 0
         self.compiles = 0
+        self.step_seconds: float | None = None
+        """Seconds of the last step run, from its call to its outputs being ready."""
 
     def _batches(self, micro_batch: int, accum_steps: int) -> PyTree:
         n = int(np.shape(jax.tree.leaves(self.data)[0])[0])
@@ -110,8 +112,10 @@ class RealStepRunner:
         out: Any = None
         try:
             self.steps_run += 1
+            start = time.perf_counter()
             out = compiled(state, batches, *self.frozen_args)
             jax.block_until_ready(out)
+            self.step_seconds = time.perf_counter() - start
         finally:
             delete_arrays(out)
             delete_arrays(batches)

@@ -172,13 +172,20 @@ def choose_fastest(candidates: Sequence[Candidate], *,
 
 def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_steps: int, *,
                     repeats: int = 3) -> float:
-    """Median seconds per example of ``repeats`` real steps, after one warm-up step."""
-    run(micro_batch, accum_steps)
+    """Median seconds per example of ``repeats`` real steps, after one warm-up step.
+
+    A :class:`~autoaccum.internal.RealStepRunner` warms up with its ``verify``, which runs the
+    executable the planner kept for that step where there is one (a throughput plan keeps its
+    probes for this), so no step is compiled again to be timed; each step is then timed by
+    the runner itself (``step_seconds``: the step alone, not the copy of the state a kept
+    executable runs on, nor the batch's transfer)."""
+    getattr(run, "verify", run)(micro_batch, accum_steps)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run(micro_batch, accum_steps)
-        times.append(time.perf_counter() - start)
+        own = getattr(run, "step_seconds", None)
+        times.append(own if own is not None else time.perf_counter() - start)
     return statistics.median(times) / (micro_batch * accum_steps)
 
 

@@ -72,6 +72,26 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule(monkeypatch):
     assert "<- chosen" in plan.report()
 
 
+def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monkeypatch):
+    # Under 1 GiB the search compiles the whole batch of 16 once, kept; the candidates timed
+    # are 16, 8 and 4: 16 runs the kept step (on a copy of the state), 8 and 4 are compiled.
+    # Three step compiles, where timing compiled 16 again (five, with a probe at 2 before).
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counting(self, *args, **kwargs):
+        if len(self.as_text()) > 20000:  # a train step, not a small helper program
+            compiles.append(self)
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+    plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
+                          budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput", cache=False))
+    assert sorted(c.micro_batch for c in plan.candidates) == [4, 8, 16]
+    assert len(compiles) == 3
+
+
 def test_throughput_tries_no_remat_policy_once_the_whole_batch_fits_in_one_step():
     # A model with blocks to checkpoint, whose whole batch of 8 fits 1 GiB without remat: a
     # policy recomputes more for a larger micro-batch, and there is none to gain. Every
