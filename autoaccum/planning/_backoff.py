@@ -30,7 +30,7 @@ from ..devices._oom import (
     no_micro_batch_fits,
 )
 from ..devices._profiles import format_bytes
-from ._cache import kept_step
+from ._cache import keep_compiled, kept_step
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
 from ._option_checks import say
@@ -128,7 +128,10 @@ class RealStepRunner:
         """Runs one step as :meth:`__call__` does, with the executable the planner kept for
         this very program where there is one: it donates its state, so it runs on a copy
         (the same peak as a step that does not donate: the live state, its copy taken over
-        by the outputs, temporaries) and no step is compiled for the check."""
+        by the outputs, temporaries) and no step is compiled for the check. Where none was
+        kept, a program the training loop lowers again (``loop_relowers``) has its donating
+        step compiled here and kept, so that the loop runs this compile (one, where a step
+        that does not donate, then the loop's own, made two)."""
         key = (micro_batch, accum_steps)
         if key not in self._compiled:
             batches = self._batches(micro_batch, accum_steps)
@@ -136,11 +139,19 @@ class RealStepRunner:
                 lowered = jax.jit(self.program.step, donate_argnums=0).lower(
                     self.state, batches, *self.frozen_args)
             kept = kept_step(lowered, (self.state, batches, *self.frozen_args))
+            seconds, target = 0.0, "real step (the plan's compiled step, on a copy of the state)"
+            if kept is None and self.program.loop_relowers:
+                start = time.perf_counter()
+                with compiling():
+                    kept = lowered.compile()
+                seconds = time.perf_counter() - start
+                self.compiles += 1
+                record_compile(reduced=False, seconds=seconds)
+                keep_compiled(lowered, kept)
+                target = "real step (compiled and kept for training, on a copy of the state)"
             if kept is not None:
-                estimate = estimate_from_compiled(
-                    self.program, kept, micro_batch, accum_steps,
-                    target="real step (the plan's compiled step, on a copy of the state)",
-                    seconds=0.0)
+                estimate = estimate_from_compiled(self.program, kept, micro_batch, accum_steps,
+                                                  target=target, seconds=seconds)
                 self._donating.add(key)
                 self._compiled[key] = (kept,
                                        estimate or _unknown_estimate(micro_batch, accum_steps))

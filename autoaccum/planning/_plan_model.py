@@ -553,7 +553,8 @@ def plan_model(
         chosen = dataclasses.replace(tried[0], notes=(*tried[0].notes, *dp_notes),
                                      objective="memory")
         return with_failed_policies(chosen, failures), prepared_by_policy[chosen.remat]
-    candidates = _candidates(tried, prepared_by_policy, model, resolved)
+    timed: dict[tuple[str, int, int], MemoryEstimate] = {}
+    candidates = _candidates(tried, prepared_by_policy, model, resolved, timed)
     best = choose_fastest(candidates)
     base = next(p for p in tried if p.remat == best.remat)
     all_probes = tuple(p for plan in tried for p in plan.probes)
@@ -565,6 +566,7 @@ def plan_model(
                                      best.micro_batch)[1],
         estimate=(next((p.estimate for p in base.probes  # the search's compile, if made
                         if p.micro_batch == best.micro_batch and p.kind == "compile"), None)
+                  or timed.get((best.remat, best.micro_batch, best.accum_steps))  # its timing's
                   or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
                                      best.accum_steps, resolved.compile_target)),
         probes=all_probes,
@@ -903,8 +905,10 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
 
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
-                resolved: ResolvedTarget) -> list[Candidate]:
-    """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed."""
+                resolved: ResolvedTarget,
+                estimates: dict[tuple[str, int, int], MemoryEstimate]) -> list[Candidate]:
+    """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed;
+    the compiles' estimates go in ``estimates`` by ``(remat, micro_batch, accum_steps)``."""
     from ._plan_options import time_real_steps
 
     per_device = tried[0].effective_batch // tried[0].data_parallel
@@ -927,6 +931,8 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                     seconds = time_real_steps(runner, micro, accum)
                 est = runner.estimate(micro, accum)
                 source = "measured"
+            if est is not None:
+                estimates[plan.remat, micro, accum] = est
             out.append(Candidate(plan.remat, micro, accum,
                                  est.need_bytes if est is not None else -1, seconds, source))
         if runner is not None:

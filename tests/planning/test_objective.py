@@ -1,11 +1,14 @@
 """The throughput objective: deterministic choice among measured candidates."""
 
+import collections
+
 import jax
 import optax
 import pytest
 from flax import nnx
 
 import autoaccum
+from autoaccum.planning import _cache
 from autoaccum.planning._plan_options import Candidate, choose_fastest, cost_model_seconds
 from tests._models import TinyLM, ragged_tokens, token_loss
 
@@ -74,8 +77,9 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule(monkeypatch):
 
 def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monkeypatch):
     # Under 1 GiB the search compiles the whole batch of 16 once, kept; the candidates timed
-    # are 16, 8 and 4: 16 runs the kept step (on a copy of the state), 8 and 4 are compiled.
-    # Three step compiles, where timing compiled 16 again (five, with a probe at 2 before).
+    # are 16, 8 and 4: 16 runs the kept step (on a copy of the state), 8 and 4 are compiled,
+    # donating, and kept for the training loop. Three step compiles, where timing compiled
+    # 16 again (five, with a probe at 2 before).
     compiles = []
     compile_ = jax.stages.Lowered.compile
 
@@ -85,6 +89,7 @@ def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monk
         return compile_(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+    monkeypatch.setattr(_cache, "_KEPT", collections.OrderedDict())  # none kept by others
     plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
                           budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
                           search=autoaccum.Search(objective="throughput", cache=False))
