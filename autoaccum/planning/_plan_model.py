@@ -558,8 +558,17 @@ def plan_model(
     best = choose_fastest(candidates)
     base = next(p for p in tried if p.remat == best.remat)
     all_probes = tuple(p for plan in tried for p in plan.probes)
+    notes = base.notes
+    if (best.micro_batch, best.accum_steps) != (base.micro_batch, base.accum_steps):
+        # The search's own split was not chosen: its notes on that split do not hold.
+        notes = tuple(n for n in notes
+                      if not n.startswith(("uneven split:", "verified by one real step")))
+        if best.source == "measured":
+            notes += (f"verified by real steps at micro_batch={best.micro_batch} x "
+                      f"{best.accum_steps} (timed)",)
     chosen = dataclasses.replace(
         base,
+        notes=notes,
         micro_batch=best.micro_batch,
         accum_steps=best.accum_steps,
         last_micro_batch=split_sizes(effective_batch // base.data_parallel,

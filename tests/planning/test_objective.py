@@ -97,6 +97,24 @@ def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monk
     assert len(compiles) == 3
 
 
+def test_a_throughput_choice_other_than_the_searchs_drops_its_notes_on_that_split(
+        monkeypatch):
+    # The search takes the whole batch of 16 and verifies it by a real step; the timing
+    # (made to) choose 4 x 4: the plan's notes speak of 4 x 4, not of 16 x 1.
+    from autoaccum.planning import _plan_model
+
+    def slowest_is_fastest(candidates, **_):
+        return min(candidates, key=lambda c: c.micro_batch)
+
+    monkeypatch.setattr(_plan_model, "choose_fastest", slowest_is_fastest)
+    plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
+                          budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput", cache=False))
+    assert (plan.micro_batch, plan.accum_steps) == (4, 4)
+    assert not any("16 x 1" in note or "micro_batch=16" in note for note in plan.notes)
+    assert "verified by real steps at micro_batch=4 x 4 (timed)" in plan.notes
+
+
 def test_throughput_tries_no_remat_policy_once_the_whole_batch_fits_in_one_step():
     # A model with blocks to checkpoint, whose whole batch of 8 fits 1 GiB without remat: a
     # policy recomputes more for a larger micro-batch, and there is none to gain. Every
