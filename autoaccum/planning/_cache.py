@@ -149,14 +149,32 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | NeedCache | None) -> Ne
       >>> resolve_cache("/tmp/needs").directory.name
       'needs'
     """
+    validate_cache(cache)
     if cache is None or cache is False:
         return None
     if cache is True:
         return NeedCache(default_cache_dir())
     if isinstance(cache, NeedCache):
         return cache
-    if isinstance(cache, str | os.PathLike):
-        return NeedCache(cache)
+    return NeedCache(cache)
+
+
+def validate_cache(cache: object) -> None:
+    """A ``ValueError`` unless ``cache`` is an option :func:`resolve_cache` takes (an empty
+    path names no folder: it would fill the working directory).
+
+    Example:
+      >>> validate_cache("/tmp/needs")
+      >>> try:
+      ...     validate_cache("")
+      ... except ValueError as error:
+      ...     print(str(error).split(". ")[-1])
+      Received: cache=''
+    """
+    if cache is None or isinstance(cache, bool | NeedCache):
+        return
+    if isinstance(cache, str | os.PathLike) and os.fspath(cache) != "":
+        return
     raise ValueError(
         "cache must be True (the default folder), False (no cache), a folder path or a "
         f"NeedCache. Received: {received('cache', cache)}"

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 
 from ._budget import parse_budget
+from ._cache import validate_cache
 from ._depth import DepthVariant
 from ._lr_scaling import check_base_batch_given, validate_lr_rule
 from ._option_checks import (
@@ -324,6 +325,13 @@ class Search:
         if not isinstance(self.uneven, bool):
             raise ValueError(f"uneven must be True or False. Received: "
                              f"{received('uneven', self.uneven)}")
+        if self.remat_layers is not None and not callable(self.remat_layers):
+            raise ValueError(
+                "remat_layers must be a function saying which layers to rematerialize: "
+                "for Flax `lambda path, module: isinstance(module, MyBlock)`, for Keras "
+                "`lambda layer: isinstance(layer, MyBlock)`. Received: "
+                f"{received('remat_layers', self.remat_layers)}")
+        validate_cache(self.cache)
         if self.depth_variant is not None and not isinstance(self.depth_variant, DepthVariant):
             raise ValueError("depth_variant must be an autoaccum.DepthVariant(depth=N, "
                              f"build=f). Received: {received('depth_variant', self.depth_variant)}")
