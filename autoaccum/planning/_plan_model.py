@@ -188,11 +188,15 @@ def plan_program(
 
     def values_of(b: int, k: int, last: int | None) -> int | None:
         """The first fit point's values (search_micro_batch's ``values_bytes``), its lowering
-        kept for its compile; ``None`` where the need cache has it."""
+        kept for its compile; where the need cache has its figure, ``None``, or 0 for the
+        whole batch (``k == 1``): reading it first costs nothing, as a plan that took it
+        first, with room, compiled nothing else to find again."""
         traced_ahead[b, k, last] = lowered = lower_request(
             CompileRequest(the_program, b, k, identity, last=last), resolved.compile_target,
             cache=need_cache, count_values=True)
-        return lowered.values_bytes if isinstance(lowered, LoweredRequest) else None
+        if isinstance(lowered, LoweredRequest):
+            return lowered.values_bytes
+        return 0 if k == 1 else None
 
     def measure(b: int, k: int, last: int | None = None, *, measured_only: bool = False) -> Any:
         kept = traced_ahead.pop((b, k, last), None)

@@ -245,6 +245,21 @@ def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
     assert tight.probes[0].micro_batch == 2 and tight.compiles.full >= 2
 
 
+def test_a_warm_plan_of_a_whole_batch_taken_first_compiles_nothing(tmp_path):
+    # Effective batch 2: the whole batch is the only candidate from 2, taken first with room
+    # (one compile); planned again with the same need cache, its figure is read first and
+    # nothing is compiled (micro-batch 1, never compiled, was compiled then).
+    def plan():
+        return autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(8, 12), effective_batch=2,
+                              optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss,
+                              budget="1GiB", log=None,
+                              search=autoaccum.Search(cache=str(tmp_path), method="compile"))
+
+    cold, warm = plan(), plan()
+    assert (cold.compiles.full, warm.compiles.full) == (1, 0)
+    assert (warm.micro_batch, warm.accum_steps) == (cold.micro_batch, cold.accum_steps) == (2, 1)
+
+
 def test_the_values_count_every_equation_in_loops_branches_jits_and_checkpoints_once():
     x = jnp.zeros(4)  # 16 bytes
 
