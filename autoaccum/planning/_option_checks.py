@@ -115,15 +115,19 @@ def check_enough_examples(tree: Any, effective_batch: int) -> int:
 
 
 def validate_device(device: object) -> Any:
-    """``device`` if it is ``None``, a profile name or a ``DeviceProfile``, else a ``ValueError``.
+    """``device`` if it is ``None``, a known profile's name or a ``DeviceProfile``, else a
+    ``ValueError`` (an unknown name's lists the known ones and the closest).
 
     Example:
       >>> validate_device("t4")
       't4'
     """
-    from ..devices._profiles import DeviceProfile
+    from ..devices._profiles import DeviceProfile, find_profile
 
-    if device is None or isinstance(device, str | DeviceProfile):
+    if isinstance(device, str):
+        find_profile(device)
+        return device
+    if device is None or isinstance(device, DeviceProfile):
         return device
     raise ValueError(
         "device is the name of a GPU profile such as 't4', 'a100-80gb' or 'h100-80gb' (see "

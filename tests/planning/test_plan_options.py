@@ -30,6 +30,7 @@ def test_a_spec_is_frozen_and_keyword_only():
     (lambda: autoaccum.Search(remat_layers=["hidden"]),
      r"lambda path, module.*Received: remat_layers=\['hidden'\]"),
     (lambda: autoaccum.Search(cache=3), "Received: cache=3"),
+    (lambda: autoaccum.Target(device="h300"), r"Did you mean 'h200'.*Received: device='h300'"),
     (lambda: autoaccum.Search(cache=""), "a folder path.*Received: cache=''"),
     (lambda: autoaccum.LearningRate(rule="cubic"), "cubic"),
     (lambda: autoaccum.LearningRate(base_batch=0), "base_batch"),
