@@ -47,6 +47,10 @@ RealStep = Callable[[int, int], Any]
 """``run_step(micro_batch, accum_steps)`` runs one real step; raises on out-of-memory."""
 
 
+VERIFIED_NOTE = "verified by one real step"
+"""How a plan's note on the real step that verified its split starts."""
+
+
 class RealStepRunner:
     """One real, non-donating train step of ``program`` at any ``(micro_batch, accum_steps)``.
 
@@ -371,7 +375,7 @@ def auto_plan(
     say(log, f"autoaccum:   micro_batch={b} ran")
     return dataclasses.replace(
         plan, probes=(*plan.probes, verified),
-        notes=(*plan.notes, f"verified by one real step at micro_batch={b} x {k}"),
+        notes=(*plan.notes, f"{VERIFIED_NOTE} at micro_batch={b} x {k}"),
     )
 
 

@@ -393,8 +393,7 @@ def lower_step_counting(program: TrainProgram, micro_batch: int, accum_steps: in
                         target: CompileTarget | None = None, *,
                         last: int | None = None) -> tuple[Any, int]:
     """:func:`lower_step`'s lowering, and :func:`values_bytes` of its trace."""
-    lowered, values = _lower(program, micro_batch, accum_steps, target, last=last, count=True)
-    return lowered, int(values)
+    return _lower(program, micro_batch, accum_steps, target, last=last, count=True)
 
 
 def values_bytes(jaxpr: Any) -> int:

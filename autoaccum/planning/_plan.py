@@ -224,6 +224,10 @@ class Plan:
         return plan_html(self)
 
 
+UNEVEN_NOTE = "uneven split"
+"""How a plan's note on its uneven split starts."""
+
+
 def plan_from_search(
     search: SearchResult,
     *,
@@ -241,7 +245,7 @@ def plan_from_search(
     if search.last_micro_batch is not None:
         divisor = max(d for d in divisors(per_device) if d <= search.micro_batch)
         extra.append(
-            f"uneven split: {per_device} = {search.micro_batch} x {accum - 1} + "
+            f"{UNEVEN_NOTE}: {per_device} = {search.micro_batch} x {accum - 1} + "
             f"{search.last_micro_batch} per device, {accum} micro-steps (the largest fitting "
             f"divisor, {divisor}, takes {per_device // divisor}); the last micro-batch runs at "
             "its own shape in the same compiled step"

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 from ..devices._mesh import has_explicit_axes
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ._adapter_interface import Adapter, Prepared
+from ._backoff import VERIFIED_NOTE
 from ._budget import Resident, check_resident, program_resident, resident_of
 from ._cache import CompileRequest, LoweredRequest, lower_request, measure_all, resolve_cache
 from ._depth import LINE_SOURCES, DepthVariant, DepthVariants, label_sources, plan_by_depth
@@ -25,7 +26,7 @@ from ._option_checks import (
     validate_effective_batch,
     validate_memory_fraction,
 )
-from ._plan import Plan, _process_count, search_plan
+from ._plan import UNEVEN_NOTE, Plan, _process_count, search_plan
 from ._plan_options import (
     Candidate,
     ProgramOptions,
@@ -565,8 +566,7 @@ def plan_model(
     notes = base.notes
     if (best.micro_batch, best.accum_steps) != (base.micro_batch, base.accum_steps):
         # The search's own split was not chosen: its notes on that split do not hold.
-        notes = tuple(n for n in notes
-                      if not n.startswith(("uneven split:", "verified by one real step")))
+        notes = tuple(n for n in notes if not n.startswith((UNEVEN_NOTE, VERIFIED_NOTE)))
         if best.source == "measured":
             notes += (f"verified by real steps at micro_batch={best.micro_batch} x "
                       f"{best.accum_steps} (timed)",)

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from ..devices._profiles import format_bytes, format_bytes_pair
 from ._measure import MemoryEstimate
+from ._micro_batches import split_sizes
 from ._option_checks import say
 
 
@@ -250,7 +251,8 @@ def search_micro_batch(
 
     ``values_bytes(b, k, last)``, where given, is the bytes of every value the step at the
     first fit point (the whole batch where no other candidate is at least 2) takes or
-    computes (its trace, kept for its compile), or ``None``: where
+    computes (its trace, kept for its compile), ``None`` where not counted, or 0 where
+    compiling it costs nothing (its figure is known already): where
     :data:`VALUES_ROOM` times that, scaled to the whole batch, fits the budget, the whole
     batch is compiled first and, fitting, is the plan's only compile. It is asked only where
     ``accumulating_floor`` (its state and accumulator among those values) leaves that room.
@@ -287,30 +289,35 @@ def search_micro_batch(
     probes: dict[int, Probe] = {}
     order: list[Probe] = []
 
+    def split(b: int) -> tuple[int, int | None]:
+        """``(k, last)`` of the step at micro-batch ``b``: ``last`` only for an uneven step,
+        which ``measure_uneven`` compiles (without it, every candidate divides)."""
+        k, last = split_sizes(limit, b)
+        return k, (last if measure_uneven is not None else None)
+
     def probe(b: int, why: str, *, first_fit_point: bool = False) -> Probe:
         """Compiles the step that would run at micro-batch ``b`` (uneven where ``b`` does not
         divide ``limit``: ``k - 1`` micro-batches of ``b``, then ``last``);
         ``first_fit_point``: through ``measure_fit_point`` where given."""
         if b in probes:
             return probes[b]
-        k = math.ceil(limit / b)
-        last = limit - (k - 1) * b
-        uneven = measure_uneven if last != b else None
+        k, last = split(b)
+        uneven = measure_uneven if last is not None else None
         say(log, f"autoaccum: compiling micro_batch={b} x {k} steps"
             f"{f', last {last}' if uneven else ''} ({why}) ...")
         if first_fit_point and measure_fit_point is not None:
-            estimate = measure_fit_point(b, k, last if uneven is not None else None)
+            estimate = measure_fit_point(b, k, last)
         elif uneven is not None:
             estimate = uneven(b, k, last)
         else:
             estimate = measure(b, k)
         p = Probe(b, k, estimate.need_bytes, estimate.need_bytes <= budget_bytes, why, estimate,
-                  last_micro_batch=last if uneven is not None else None)
+                  last_micro_batch=last)
         probes[b] = p
         order.append(p)
         need, budget = format_bytes_pair(p.need_bytes, budget_bytes)
-        split = f"{b} x {k - 1} + {last:<3}" if uneven else f"micro_batch={b:<5}"
-        say(log, f"autoaccum:   {split} need {need:>10} / budget {budget}  "
+        shown = f"{b} x {k - 1} + {last:<3}" if uneven else f"micro_batch={b:<5}"
+        say(log, f"autoaccum:   {shown} need {need:>10} / budget {budget}  "
             f"{'fits' if p.fits else 'does not fit'}  (compile {estimate.compile_seconds:.1f} s)")
         if estimate.compile_note:
             say(log, f"autoaccum:   note: {estimate.compile_note}")
@@ -364,7 +371,7 @@ def search_micro_batch(
     # the values, which are then not counted (a large step's trace has many equations).
     if (values_bytes is not None and first is not None
             and _room_for_every_value(accumulating_floor, first, limit, budget_bytes)
-            and _room_for_every_value(values_bytes(*_split(first, limit, measure_uneven)),
+            and _room_for_every_value(values_bytes(first, *split(first)),
                                       first, limit, budget_bytes)
             and probe(limit, "whole batch: room for every value its step computes").fits):
         return _result(limit, probes, order, None, start, budget_bytes, measure_uneven is None)
@@ -414,14 +421,6 @@ def search_micro_batch(
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]
     return _result(lo, probes, order, line(), start, budget_bytes, measure_uneven is None)
-
-
-def _split(b: int, limit: int, uneven: Any) -> tuple[int, int, int | None]:
-    """``(b, k, last)`` of the step at micro-batch ``b``: ``last`` ``None`` where ``b``
-    divides ``limit`` or where only divisors are candidates (no ``uneven``)."""
-    k = math.ceil(limit / b)
-    last = limit - (k - 1) * b
-    return b, k, (last if last != b and uneven is not None else None)
 
 
 VALUES_ROOM = 2.0
