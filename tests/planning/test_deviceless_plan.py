@@ -35,8 +35,11 @@ def test_deviceless_need_differs_from_cpu_need():
 
 
 def test_small_budget_on_named_gpu_forces_accumulation():
+    # One byte under the whole batch's need (its step the plan's own under the T4's budget):
+    # only an accumulating step can fit.
     full = _plan("t4")
-    tight = _plan("t4", budget=full.probes[0].need_bytes + 1)
+    assert (full.micro_batch, full.accum_steps) == (16, 1)
+    tight = _plan("t4", budget=full.need_bytes - 1)
     assert tight.accum_steps > 1 and tight.need_bytes <= tight.budget_bytes
 
 

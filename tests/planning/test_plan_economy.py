@@ -34,17 +34,20 @@ from tests._models import TinyLM, ragged_tokens, token_loss
 from tests.planning.test_depth import DeepLM
 
 
-def _affine(intercept: int, slope: int, *, loop: int = 0):
+def _affine(intercept: int, slope: int, *, loop: int = 0, seconds: float = 0.0,
+            whole_slope: int | None = None):
     """A fake compile: need = intercept + slope * b (k > 1); the whole batch (k = 1) drops
-    the loop's accumulator (``loop`` bytes, itemized)."""
+    the loop's accumulator (``loop`` bytes, itemized), and needs ``whole_slope`` per example
+    where given. Each compile takes ``seconds`` (0: not timed)."""
     probed: list[int] = []
 
     def measure(b: int, k: int, last: int | None = None) -> MemoryEstimate:
         probed.append(b)
         acc = loop if k > 1 else 0
-        need = intercept + slope * b - (0 if k > 1 else loop)
+        per_example = slope if k > 1 or whole_slope is None else whole_slope
+        need = intercept + per_example * b - (0 if k > 1 else loop)
         return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, 0, 0, 0, need, need, "fake",
-                              0.0, last_micro_batch=last)
+                              seconds, last_micro_batch=last)
 
     return measure, probed
 
@@ -105,6 +108,21 @@ def test_the_whole_batch_is_not_compiled_where_the_line_less_its_measured_saving
     measure, probed = _affine(100, 20, loop=12)
     result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None)
     assert result.micro_batch == 4 and probed == [2, 4]
+
+
+def test_where_compiles_are_cheap_a_whole_batch_under_its_line_is_compiled():
+    # need = 100 + 20 b with the loop; the loop-free whole batch of 8 needs 100 + 14 b = 212
+    # of 228 (a toy model's, 18% under the line's 260). Compiles of a minute: the line puts
+    # it over, it is not compiled (4 x 2). Compiles of half a second: it is, and taken.
+    for seconds, answer, compiled in ((60.0, 4, [2, 4]), (0.5, 8, [2, 4, 8])):
+        measure, probed = _affine(100, 20, seconds=seconds, whole_slope=14)
+        result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None)
+        assert (result.micro_batch, probed) == (answer, compiled)
+    # Over the budget by the line less the slack too (260 x 0.7 = 182 > 170 x 1.05): not even
+    # a cheap compile is made.
+    measure, probed = _affine(100, 20, seconds=0.5, whole_slope=14)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=170, log=None)
+    assert result.micro_batch == 2 and 8 not in probed
 
 
 def test_the_floor_line_makes_the_answer_the_second_fit_point():
@@ -243,6 +261,9 @@ def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
     assert roomy.probes[0].why.startswith("whole batch: room for every value")
     tight = plan("200KiB")
     assert tight.probes[0].micro_batch == 2 and tight.compiles.full >= 2
+    # Its loop-free whole batch needs 23% less than the line through micro-batches 2 and 8
+    # says (on jax 0.12's CPU): compiled, as compiles this small are cheap, and taken.
+    assert (tight.micro_batch, tight.accum_steps) == (16, 1)
 
 
 def test_a_warm_plan_of_a_whole_batch_taken_first_compiles_nothing(tmp_path):
