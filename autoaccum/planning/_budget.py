@@ -80,6 +80,10 @@ def _fix_hint(value: object, why: str = "") -> str:
     )
 
 
+_POSITIVE = "A budget is a positive amount of memory. "
+"""How a budget of zero or less is refused, before the forms a budget takes."""
+
+
 def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None) -> Budget:
     """Parses a user budget into bytes.
 
@@ -107,11 +111,12 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         elif value > 1 and value.is_integer():
             number = int(value)
         else:
-            raise ValueError(_fix_hint(value))
+            raise ValueError(_fix_hint(value, _POSITIVE if value <= 0 else ""))
     elif isinstance(value, str):
         match = _BUDGET_RE.match(value)
         if not match:
-            raise ValueError(_fix_hint(value))
+            negative = value.strip().startswith("-") and _BUDGET_RE.match(value.strip()[1:])
+            raise ValueError(_fix_hint(value, _POSITIVE if negative else ""))
         amount, unit = float(match.group(1)), match.group(2).lower()
         if unit == "%":
             fraction = amount / 100
@@ -136,7 +141,7 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         number = int(capacity_bytes * fraction)
         return Budget(number, "user", f"{fraction:.0%} of {format_bytes(capacity_bytes)}")
     if number <= 0:
-        raise ValueError(_fix_hint(value, "A budget is a positive amount of memory. "))
+        raise ValueError(_fix_hint(value, _POSITIVE))
     if number == 1:  # 1 or "1": all the memory is 1.0; one byte is never meant
         raise ValueError(_fix_hint(value, "A budget of 1 is one byte (a whole number is "
                                           "bytes); all the memory is 1.0 or '100%'. "))

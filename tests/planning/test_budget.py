@@ -29,7 +29,8 @@ def test_unparseable_budget_names_the_accepted_forms(bad):
 
 @pytest.mark.parametrize(("bad", "why"), [
     ("150%", r"at most 1 \(100%\)"), (-5, "positive amount"), (0, "positive amount"),
-    ("12 parsecs", r"GB, MB, KB: of 1000")])
+    ("-1", "positive amount"), (" -12GiB", "positive amount"), (-0.5, "positive amount"),
+    (0.0, "positive amount"), ("12 parsecs", r"GB, MB, KB: of 1000")])
 def test_a_budget_out_of_range_says_which_range(bad, why):
     with pytest.raises(ValueError, match=why):
         parse_budget(bad, capacity_bytes=1000)
