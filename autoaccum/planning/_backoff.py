@@ -12,6 +12,7 @@ peak), so the check compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
 import time
@@ -33,6 +34,7 @@ from ..devices._profiles import format_bytes
 from ._cache import keep_compiled, kept_step
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
+from ._micro_batches import UnevenBatches
 from ._option_checks import say
 from ._plan import Plan, plan_from_search
 from ._search import DoesNotFitError, Probe, SearchResult, divisors
@@ -43,8 +45,10 @@ __all__ = [
 ]
 
 PyTree = Any
-RealStep = Callable[[int, int], Any]
-"""``run_step(micro_batch, accum_steps)`` runs one real step; raises on out-of-memory."""
+RealStep = Callable[..., Any]
+"""``run_step(micro_batch, accum_steps)`` runs one real step; raises on out-of-memory. One
+that takes ``last=`` (as :class:`RealStepRunner` does) runs an uneven plan's own step: ``accum_steps
+- 1`` micro-batches of ``micro_batch``, then one of ``last``."""
 
 
 VERIFIED_NOTE = "verified by one real step"
@@ -52,7 +56,8 @@ VERIFIED_NOTE = "verified by one real step"
 
 
 class RealStepRunner:
-    """One real, non-donating train step of ``program`` at any ``(micro_batch, accum_steps)``.
+    """One real, non-donating train step of ``program`` at any ``(micro_batch, accum_steps)``,
+    or (``last=``) an uneven one: ``accum_steps - 1`` micro-batches, then one of ``last``.
 
     Built by :func:`real_step_runner`. Each shape is compiled once (inside the program's
     ``lowering_context``) and cached; ``estimate(b, k)`` is that compile's memory analysis.
@@ -64,27 +69,39 @@ class RealStepRunner:
         self.state = state
         self.frozen_args = tuple(frozen_args)
         self.data = data
-        self._compiled: dict[tuple[int, int], tuple[Any, MemoryEstimate]] = {}
-        self._donating: set[tuple[int, int]] = set()
+        self._compiled: dict[tuple[int, int, int | None], tuple[Any, MemoryEstimate]] = {}
+        self._donating: set[tuple[int, int, int | None]] = set()
         """Shapes run with the planner's kept (donating) executable."""
         self.steps_run = 0
         self.compiles = 0
         self.step_seconds: float | None = None
         """Seconds of the last step run, from its call to its outputs being ready."""
 
-    def _batches(self, micro_batch: int, accum_steps: int) -> PyTree:
+    def _batches(self, micro_batch: int, accum_steps: int, last: int | None = None) -> PyTree:
         n = int(np.shape(jax.tree.leaves(self.data)[0])[0])
-        index = np.arange(micro_batch * accum_steps) % n
-        return jax.tree.map(
-            lambda a: np.asarray(a)[index].reshape(accum_steps, micro_batch, *np.shape(a)[1:]),
-            self.data,
-        )
+        if last is None or last == micro_batch or accum_steps < 2:
+            index = np.arange(micro_batch * accum_steps) % n
+            return jax.tree.map(lambda a: np.asarray(a)[index].reshape(
+                accum_steps, micro_batch, *np.shape(a)[1:]), self.data)
+        full = (accum_steps - 1) * micro_batch
+        index, tail = np.arange(full) % n, np.arange(full, full + last) % n
+        return UnevenBatches(
+            full=jax.tree.map(lambda a: np.asarray(a)[index].reshape(
+                accum_steps - 1, micro_batch, *np.shape(a)[1:]), self.data),
+            last=jax.tree.map(lambda a: np.asarray(a)[tail], self.data))
 
-    def compiled(self, micro_batch: int, accum_steps: int) -> tuple[Any, MemoryEstimate]:
+    @staticmethod
+    def _key(micro_batch: int, accum_steps: int,
+             last: int | None) -> tuple[int, int, int | None]:
+        even = last is None or last == micro_batch or accum_steps < 2
+        return micro_batch, accum_steps, None if even else last
+
+    def compiled(self, micro_batch: int, accum_steps: int,
+                 last: int | None = None) -> tuple[Any, MemoryEstimate]:
         """The compiled non-donating step for this shape and its memory estimate."""
-        key = (micro_batch, accum_steps)
+        key = self._key(micro_batch, accum_steps, last)
         if key not in self._compiled:
-            batches = self._batches(micro_batch, accum_steps)
+            batches = self._batches(micro_batch, accum_steps, last)
             start = time.perf_counter()
             with compiling(), self.program.lowering_context():
                 compiled = (jax.jit(self.program.step)
@@ -94,21 +111,24 @@ class RealStepRunner:
             record_compile(reduced=False, seconds=seconds)
             # Itemized as measure_program's; None where XLA reports no memory.
             estimate = estimate_from_compiled(self.program, compiled, micro_batch, accum_steps,
-                                              target="real step (not donated)", seconds=seconds)
+                                              target="real step (not donated)", seconds=seconds,
+                                              last=key[2])
             self._compiled[key] = (compiled,
                                    estimate or _unknown_estimate(micro_batch, accum_steps))
         return self._compiled[key]
 
-    def estimate(self, micro_batch: int, accum_steps: int) -> MemoryEstimate | None:
+    def estimate(self, micro_batch: int, accum_steps: int,
+                 last: int | None = None) -> MemoryEstimate | None:
         """The compiled memory of a shape already compiled, else ``None``."""
-        entry = self._compiled.get((micro_batch, accum_steps))
+        entry = self._compiled.get(self._key(micro_batch, accum_steps, last))
         return entry[1] if entry else None
 
-    def __call__(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+    def __call__(self, micro_batch: int, accum_steps: int,
+                 last: int | None = None) -> MemoryEstimate:
         """Runs one step, waits for it, frees its outputs; raises its out-of-memory error."""
-        compiled, estimate = self.compiled(micro_batch, accum_steps)
-        batches = jax.device_put(self._batches(micro_batch, accum_steps))
-        donated = (micro_batch, accum_steps) in self._donating
+        compiled, estimate = self.compiled(micro_batch, accum_steps, last)
+        batches = jax.device_put(self._batches(micro_batch, accum_steps, last))
+        donated = self._key(micro_batch, accum_steps, last) in self._donating
         # A donating step runs on a copy of the device arrays (host values are copied on
         # their way to the device anyway).
         state = jax.tree.map(lambda a: jnp.array(a) if isinstance(a, jax.Array) else a,
@@ -128,7 +148,8 @@ class RealStepRunner:
             del out, batches, state
         return estimate
 
-    def verify(self, micro_batch: int, accum_steps: int) -> MemoryEstimate:
+    def verify(self, micro_batch: int, accum_steps: int,
+               last: int | None = None) -> MemoryEstimate:
         """Runs one step as :meth:`__call__` does, with the executable the planner kept for
         this very program where there is one: it donates its state, so it runs on a copy
         (the same peak as a step that does not donate: the live state, its copy taken over
@@ -136,9 +157,9 @@ class RealStepRunner:
         kept, a program the training loop lowers again (``loop_relowers``) has its donating
         step compiled here and kept, so that the loop runs this compile (one, where a step
         that does not donate, then the loop's own, made two)."""
-        key = (micro_batch, accum_steps)
+        key = self._key(micro_batch, accum_steps, last)
         if key not in self._compiled:
-            batches = self._batches(micro_batch, accum_steps)
+            batches = self._batches(micro_batch, accum_steps, last)
             with self.program.lowering_context():
                 lowered = jax.jit(self.program.step, donate_argnums=0).lower(
                     self.state, batches, *self.frozen_args)
@@ -155,11 +176,11 @@ class RealStepRunner:
                 target = "real step (compiled and kept for training, on a copy of the state)"
             if kept is not None:
                 estimate = estimate_from_compiled(self.program, kept, micro_batch, accum_steps,
-                                                  target=target, seconds=seconds)
+                                                  target=target, seconds=seconds, last=key[2])
                 self._donating.add(key)
                 self._compiled[key] = (kept,
                                        estimate or _unknown_estimate(micro_batch, accum_steps))
-        return self(micro_batch, accum_steps)
+        return self(micro_batch, accum_steps, last)
 
     def release(self) -> None:
         """Drops the cached executables (their code and constants)."""
@@ -343,10 +364,16 @@ def auto_plan(
             *plan.notes, "not verified by a real step (no real device for this target)"))
     per = plan.effective_batch // plan.data_parallel
     b, k = plan.micro_batch, plan.accum_steps
-    say(log, f"autoaccum: verifying the plan with one real step at micro_batch={b} x {k} ...")
+    check = getattr(run_step, "verify", run_step)
     estimate_of = getattr(run_step, "estimate", None)
+    # An uneven plan's own step (k - 1 micro-batches, then its last), where the runner takes
+    # one; otherwise k full micro-batches, which need at least as much.
+    last = {"last": plan.last_micro_batch} if (plan.last_micro_batch is not None
+                                               and _takes_last(check)) else {}
+    shown = f"{b} x {k}" + (f" (last {plan.last_micro_batch})" if last else "")
+    say(log, f"autoaccum: verifying the plan with one real step at micro_batch={shown} ...")
     try:
-        getattr(run_step, "verify", run_step)(b, k)
+        check(b, k, **last)
     except Exception as error:
         if not is_out_of_memory(error):
             raise
@@ -369,14 +396,24 @@ def auto_plan(
                    f"{first_line(error)}; backed off to micro_batch={search.micro_batch}",
                    _summary(search)),
         )
-    estimate = estimate_of(b, k) if callable(estimate_of) else None
+    estimate = (estimate_of(b, k, **(last if _takes_last(estimate_of) else {}))
+                if callable(estimate_of) else None)
     verified = Probe(b, k, plan.need_bytes, True, "verify compiled plan",
-                     estimate or plan.estimate, kind="real step")
+                     estimate or plan.estimate, kind="real step",
+                     last_micro_batch=plan.last_micro_batch if last else None)
     say(log, f"autoaccum:   micro_batch={b} ran")
     return dataclasses.replace(
         plan, probes=(*plan.probes, verified),
-        notes=(*plan.notes, f"{VERIFIED_NOTE} at micro_batch={b} x {k}"),
+        notes=(*plan.notes, f"{VERIFIED_NOTE} at micro_batch={shown}"),
     )
+
+
+def _takes_last(run: Any) -> bool:
+    """Whether ``run`` (a real step, or its ``estimate``) takes ``last=`` (an uneven step)."""
+    try:
+        return "last" in inspect.signature(run).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 def _summary(search: SearchResult) -> str:

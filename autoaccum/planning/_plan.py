@@ -493,8 +493,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "objective": plan.objective,
         "candidates": [
             {"remat": c.remat, "micro_batch": c.micro_batch, "accum_steps": c.accum_steps,
-             "need_bytes": c.need_bytes, "seconds_per_example": c.seconds_per_example,
-             "source": c.source}
+             "last_micro_batch": c.last_micro_batch, "need_bytes": c.need_bytes,
+             "seconds_per_example": c.seconds_per_example, "source": c.source}
             for c in plan.candidates
         ],
         "probes": [

@@ -41,7 +41,7 @@ from ._plan_options import (
     resolve_objective,
     with_failed_policies,
 )
-from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors
+from ._search import ADVISE_HINT, DoesNotFitError, Probe, divisors, step_candidates
 from ._speculation import Decision, PlannedBeside, next_policy
 from ._strategies import STRATEGIES, XLA_PARTITIONER_SLACK, step_partitioner
 from ._targets import (
@@ -559,7 +559,8 @@ def plan_model(
                                      objective="memory")
         return with_failed_policies(chosen, failures), prepared_by_policy[chosen.remat]
     timed: dict[tuple[str, int, int], MemoryEstimate] = {}
-    candidates = _candidates(tried, prepared_by_policy, model, resolved, timed)
+    candidates = _candidates(tried, prepared_by_policy, model, resolved, timed,
+                             uneven=bool(uneven) and adapter.uneven_batches)
     best = choose_fastest(candidates)
     base = next(p for p in tried if p.remat == best.remat)
     all_probes = tuple(p for plan in tried for p in plan.probes)
@@ -568,8 +569,10 @@ def plan_model(
         # The search's own split was not chosen: its notes on that split do not hold.
         notes = tuple(n for n in notes if not n.startswith((UNEVEN_NOTE, VERIFIED_NOTE)))
         if best.source == "measured":
+            last = ("" if best.last_micro_batch is None
+                    else f" (last {best.last_micro_batch})")
             notes += (f"verified by real steps at micro_batch={best.micro_batch} x "
-                      f"{best.accum_steps} (timed)",)
+                      f"{best.accum_steps}{last} (timed)",)
     chosen = dataclasses.replace(
         base,
         notes=notes,
@@ -919,35 +922,41 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
 
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget,
-                estimates: dict[tuple[str, int, int], MemoryEstimate]) -> list[Candidate]:
+                estimates: dict[tuple[str, int, int], MemoryEstimate], *,
+                uneven: bool = False) -> list[Candidate]:
     """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed;
-    the compiles' estimates go in ``estimates`` by ``(remat, micro_batch, accum_steps)``."""
+    the compiles' estimates go in ``estimates`` by ``(remat, micro_batch, accum_steps)``.
+    ``uneven``: the candidates are one micro-batch per number of micro-steps, a smaller last
+    one where it does not divide (13: 7 + 6, 5 + 5 + 3, 4 + 4 + 4 + 1), as the search's."""
     from ._plan_options import time_real_steps
 
     per_device = tried[0].effective_batch // tried[0].data_parallel
     dry = resolved.kind == "deviceless"
     out: list[Candidate] = []
     for plan in tried:
-        fitting = [d for d in divisors(per_device) if d <= plan.micro_batch]
+        pool = step_candidates(per_device) if uneven else divisors(per_device)
+        fitting = [d for d in pool if d <= plan.micro_batch]
         pairs = fitting[-3:] if plan.remat == "none" else fitting[-1:]
         prep = prepared[plan.remat]
         runner = None if dry else prep.adapter.step_runner(model, prep)
         for micro in reversed(pairs):
-            accum = per_device // micro
+            accum, last = split_sizes(per_device, micro)
             if dry:
-                est = measure_program(prep.program, micro, accum, resolved.compile_target)
+                est = measure_program(prep.program, micro, accum, resolved.compile_target,
+                                      last=last)
                 seconds = cost_model_seconds(est.flops, est.bytes_accessed, resolved.profile,
-                                             est.micro_batch * est.accum_steps)
+                                             per_device)
                 source = "cost model"
             else:
                 with prep.adapter.remat_context(model, plan.remat):
-                    seconds = time_real_steps(runner, micro, accum)
-                est = runner.estimate(micro, accum)
+                    seconds = time_real_steps(runner, micro, accum, last=last)
+                est = runner.estimate(micro, accum, last)
                 source = "measured"
             if est is not None:
                 estimates[plan.remat, micro, accum] = est
             out.append(Candidate(plan.remat, micro, accum,
-                                 est.need_bytes if est is not None else -1, seconds, source))
+                                 est.need_bytes if est is not None else -1, seconds, source,
+                                 last_micro_batch=last))
         if runner is not None:
             runner.release()
     return out

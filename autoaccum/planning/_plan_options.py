@@ -125,6 +125,8 @@ class Candidate:
     seconds_per_example: float
     source: str
     """``"measured"`` (real steps) or ``"cost model"`` (XLA cost analysis, dry run)."""
+    last_micro_batch: int | None = None
+    """An uneven split's smaller last micro-batch (13 = 5 + 5 + 3: 3), else ``None``."""
 
 
 def validate_objective(objective: str) -> str:
@@ -171,23 +173,27 @@ def choose_fastest(candidates: Sequence[Candidate], *,
     return min(near, key=lambda c: (c.micro_batch, order.index(c.remat), c.seconds_per_example))
 
 
-def time_real_steps(run: Callable[[int, int], Any], micro_batch: int, accum_steps: int, *,
-                    repeats: int = 3) -> float:
-    """Median seconds per example of ``repeats`` real steps, after one warm-up step.
+def time_real_steps(run: Callable[..., Any], micro_batch: int, accum_steps: int, *,
+                    repeats: int = 3, last: int | None = None) -> float:
+    """Median seconds per example of ``repeats`` real steps, after one warm-up step
+    (``last``: an uneven step's smaller last micro-batch, for a runner that takes it).
 
     A :class:`~autoaccum.internal.RealStepRunner` warms up with its ``verify``, which runs the
     executable the planner kept for that step where there is one (a throughput plan keeps its
     probes for this), so no step is compiled again to be timed; each step is then timed by
     the runner itself (``step_seconds``: the step alone, not the copy of the state a kept
     executable runs on, nor the batch's transfer)."""
-    getattr(run, "verify", run)(micro_batch, accum_steps)
+    uneven = {} if last is None else {"last": last}
+    getattr(run, "verify", run)(micro_batch, accum_steps, **uneven)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run(micro_batch, accum_steps)
+        run(micro_batch, accum_steps, **uneven)
         own = getattr(run, "step_seconds", None)
         times.append(own if own is not None else time.perf_counter() - start)
-    return statistics.median(times) / (micro_batch * accum_steps)
+    examples = micro_batch * accum_steps if last is None else (
+        micro_batch * (accum_steps - 1) + last)
+    return statistics.median(times) / examples
 
 
 def cost_model_seconds(flops: float, bytes_accessed: float, profile: Any,

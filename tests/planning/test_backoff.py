@@ -76,3 +76,26 @@ def test_keras_backoff_keeps_the_variables_bit_identical():
     assert 4 <= out["micro_batch"] < 64
     _chosen_runs_next_larger_fails(out["probes"], out["micro_batch"], 64)
     assert out["state_unchanged"]
+
+
+def test_an_uneven_plan_is_verified_by_its_own_step_with_no_compile_of_its_own():
+    # Effective batch 13 with room for 7: the plan is 7 + 6, compiled and kept by the search.
+    # Its real step is that step (not 7 + 7, compiled again and kept for nothing): as many
+    # compiles as compiled probes, and the real step's figure is the plan's own.
+    import optax
+    from flax import nnx
+
+    import autoaccum
+    from tests._models import TinyLM, ragged_tokens, token_loss
+
+    plan = autoaccum.plan(TinyLM(256, 64, 128, rngs=nnx.Rngs(0)),
+                          ragged_tokens(32, 32, vocab=256), effective_batch=13,
+                          budget="2300KiB", optimizer=optax.adamw, learning_rate=1e-3,
+                          loss_fn=token_loss, log=None, search=autoaccum.Search(cache=False))
+    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (7, 2, 6)
+    real = [p for p in plan.probes if p.kind == "real step"]
+    assert len(real) == 1 and real[0].last_micro_batch == 6
+    assert "the plan's compiled step" in real[0].estimate.target
+    assert real[0].estimate.need_bytes == plan.need_bytes
+    assert plan.compiles.full == sum(p.kind == "compile" for p in plan.probes)
+    assert "verified by one real step at micro_batch=7 x 2 (last 6)" in plan.notes

@@ -77,7 +77,8 @@ def test_throughput_plan_times_candidates_and_picks_by_the_rule(monkeypatch):
 
 def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monkeypatch):
     # Under 1 GiB the search compiles the whole batch of 16 once, kept; the candidates timed
-    # are 16, 8 and 4: 16 runs the kept step (on a copy of the state), 8 and 4 are compiled,
+    # are 16, 8 and 6 (6 + 6 + 4: the smallest micro-batch taking 3 steps, as the search's
+    # candidates): 16 runs the kept step (on a copy of the state), 8 and 6 are compiled,
     # donating, and kept for the training loop. Three step compiles, where timing compiled
     # 16 again (five, with a probe at 2 before).
     compiles = []
@@ -93,14 +94,14 @@ def test_throughput_times_the_planners_kept_step_without_compiling_it_again(monk
     plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
                           budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
                           search=autoaccum.Search(objective="throughput", cache=False))
-    assert sorted(c.micro_batch for c in plan.candidates) == [4, 8, 16]
+    assert sorted(c.micro_batch for c in plan.candidates) == [6, 8, 16]
     assert len(compiles) == 3
 
 
 def test_a_throughput_choice_other_than_the_searchs_drops_its_notes_on_that_split(
         monkeypatch):
     # The search takes the whole batch of 16 and verifies it by a real step; the timing
-    # (made to) choose 4 x 4: the plan's notes speak of 4 x 4, not of 16 x 1.
+    # (made to) choose 6 + 6 + 4: the plan's notes speak of it, not of 16 x 1.
     from autoaccum.planning import _plan_model
 
     def slowest_is_fastest(candidates, **_):
@@ -110,9 +111,9 @@ def test_a_throughput_choice_other_than_the_searchs_drops_its_notes_on_that_spli
     plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
                           budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
                           search=autoaccum.Search(objective="throughput", cache=False))
-    assert (plan.micro_batch, plan.accum_steps) == (4, 4)
+    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (6, 3, 4)
     assert not any("16 x 1" in note or "micro_batch=16" in note for note in plan.notes)
-    assert "verified by real steps at micro_batch=4 x 4 (timed)" in plan.notes
+    assert "verified by real steps at micro_batch=6 x 3 (last 4) (timed)" in plan.notes
 
 
 def test_throughput_tries_no_remat_policy_once_the_whole_batch_fits_in_one_step():
@@ -145,3 +146,32 @@ def test_dry_run_throughput_plan_uses_the_cost_model():
                           log=None, search=autoaccum.Search(objective="throughput"))
     assert plan.candidates and all(c.source == "cost model" for c in plan.candidates)
     assert plan.to_dict()["objective"] == "throughput"
+
+
+def test_throughput_times_uneven_splits_where_the_batch_has_few_divisors(monkeypatch):
+    # Effective batch 13 (prime) with room for 7: the search plans 7 + 6. Its divisors below
+    # 7 are only 1, so timing them alone chose 1 x 13, thirteen micro-steps. Now the timed
+    # candidates are the search's own: 7 + 6, 5 + 5 + 3 and 4 + 4 + 4 + 1, each run as the
+    # uneven step it is, and 1 x 13 is not among them.
+    from autoaccum.planning import _plan_options
+
+    timed = []
+    original = _plan_options.time_real_steps
+
+    def recording(run, micro, accum, **kwargs):
+        timed.append((micro, accum, kwargs.get("last")))
+        return original(run, micro, accum, **kwargs)
+
+    monkeypatch.setattr(_plan_options, "time_real_steps", recording)
+    plan = autoaccum.plan(TinyLM(256, 64, 128, rngs=nnx.Rngs(0)),
+                          ragged_tokens(32, 32, vocab=256), effective_batch=13,
+                          budget="2300KiB", optimizer=optax.adamw, learning_rate=1e-3,
+                          loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput",
+                                                            cache=False))
+    assert sorted(timed) == [(4, 4, 1), (5, 3, 3), (7, 2, 6)]
+    assert sorted((c.micro_batch, c.accum_steps, c.last_micro_batch)
+                  for c in plan.candidates) == sorted(timed)
+    assert plan.micro_batch in (4, 5, 7)
+    assert plan.last_micro_batch == {4: 1, 5: 3, 7: 6}[plan.micro_batch]
+    assert "(last " in plan.report()
