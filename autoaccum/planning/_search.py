@@ -167,8 +167,8 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None,
-                         slack: float = 0.0) -> bool:
+def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None, *,
+                         small_step_bytes: int = 0) -> bool:
     """Whether the k=1 step is worth a compile given ``failed``, an accumulating probe (k > 1)
     that did not fit: micro-batch 1's probe always, and the smallest failing probe where no
     line through k > 1 probes exists. XLA drops the accumulation loop at k = 1, so its need
@@ -180,11 +180,12 @@ def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None,
     :data:`LOOP_SAVING` times those fits, and if ``failed``'s arguments do (the whole batch
     takes the same weights, optimizer state and examples). Gemma3-4B LoRA on a T4:
     micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example step (35.7 GiB, 112 s of compile
-    under load) is not compiled. ``slack``: a fraction of ``failed``'s need the whole batch
-    may save besides (:data:`LOOP_FREE_SLACK`, where compiles are cheap)."""
+    under load) is not compiled. A step under ``small_step_bytes`` may save
+    :data:`LOOP_FREE_SLACK` of ``failed``'s need besides."""
     if failed is None or failed.accum_steps < 2 or failed.fits:
         return True
     loop = failed.estimate.accumulator_bytes + failed.estimate.batch_bytes
+    slack = loop_free_slack(failed.need_bytes, small_step_bytes)
     least = max(failed.estimate.argument_bytes,
                 min(failed.need_bytes - LOOP_SAVING * loop, failed.need_bytes * (1 - slack)))
     return loop <= 0 or least <= budget_bytes
@@ -200,22 +201,34 @@ a tiny LM, and at most 1.02x for an MLP, a CNN with BatchNorm and two 6-block tr
 whole batch lies above the line. Not a bound: the tests' 2-layer, dim-16 ``TinyLM`` saves 5.4x
 on jax 0.12's CPU (its need per example falls by a quarter without the loop), so under 200 KiB
 its whole batch of 16 (176 KiB) lies 2% past this margin. A wider margin would compile every
-whole batch that lies just over, where larger models' lie above the line; where compiles are
-cheap, :data:`LOOP_FREE_SLACK` widens it, and that ``TinyLM`` is planned 16 x 1."""
+whole batch that lies just over, where larger models' lie above the line; for a small step,
+:data:`LOOP_FREE_SLACK` widens it, and that ``TinyLM`` is planned 16 x 1."""
 
 LOOP_FREE_SLACK = 0.3
-"""Where every accumulating probe compiled in under :data:`CHEAP_COMPILE_SECONDS`, the whole
-batch is compiled unless the need line at it, less this fraction, is over the budget (by more
-than :data:`PREDICTION_MARGIN`): a loop-free step can need far less per example than the loop's
-line says (the tests' ``TinyLM`` on jax 0.12's CPU: 176 KiB at 16 examples, 23% under its
-line through micro-batches 2 and 8), and there a compile costs less than the answer is worth
-(16 x 1 instead of 8 x 2, as the search before issue 50 found). Larger models, whose compiles
-take seconds to minutes, lie on or above the line: :data:`LOOP_SAVING` alone."""
+"""Where the need line puts the whole batch under :data:`SMALL_STEP_BYTES`, it is compiled
+unless that line, less this fraction, is over the budget (by more than
+:data:`PREDICTION_MARGIN`): a small model's loop-free step can need far less per example than
+its loop's line says (the tests' ``TinyLM`` on jax 0.12's CPU: 176 KiB at 16 examples, 23%
+under its line through micro-batches 2 and 8; 19% for a deviceless T4), and there a compile
+costs less than the answer is worth (16 x 1 instead of 8 x 2, as the search before issue 50
+found). Larger models lie on or above the line: :data:`LOOP_SAVING` alone."""
 
-CHEAP_COMPILE_SECONDS = 2.0
-"""A probe compiled in less than this is cheap enough that the whole batch is compiled
-within :data:`LOOP_FREE_SLACK` of the line (a 2-layer toy LM: 0.5-0.7 s on this 2-core CPU;
-a 6-block transformer's step 1.9-3.4 s, a GPU dry run's tens of seconds)."""
+SMALL_STEP_BYTES = 64 * 2**20
+"""A step the need line puts under this is a small model's, compiled in about a second (a
+2-layer toy LM: 0.5-1.0 s on this 2-core CPU), and :data:`LOOP_FREE_SLACK` applies to its
+whole batch; a 6-block transformer's step of 160-400 MiB takes 2-3 s, a GPU dry run's
+tens of seconds. Bytes, not seconds: the plan does not depend on the machine's load."""
+
+
+def loop_free_slack(line_bytes: float, small_step_bytes: int = SMALL_STEP_BYTES) -> float:
+    """:data:`LOOP_FREE_SLACK` for a whole batch the need line puts at ``line_bytes`` under
+    ``small_step_bytes``, else 0.
+
+    Example:
+      >>> loop_free_slack(200 * 2**10), loop_free_slack(2**30)
+      (0.3, 0.0)
+    """
+    return LOOP_FREE_SLACK if line_bytes <= small_step_bytes else 0.0
 
 
 def search_micro_batch(
@@ -229,6 +242,7 @@ def search_micro_batch(
     largest_first: bool = False,
     measure_fit_point: Callable[[int, int, int | None], MemoryEstimate] | None = None,
     values_bytes: Callable[[int, int, int | None], int | None] | None = None,
+    small_step_bytes: int = SMALL_STEP_BYTES,
 ) -> SearchResult:
     """Finds the largest micro-batch b <= ``per_device_batch`` whose step fits the budget,
     compiling only steps whose answer could change the plan. ``measure(b, k)`` compiles the
@@ -253,7 +267,9 @@ def search_micro_batch(
     shapes); over the budget, only the whole batch (``k = 1``) is compiled. The whole batch
     (no accumulation loop) is compiled only if the line, less :data:`LOOP_SAVING` times the
     accumulator and stacked batch it drops, puts it within the margin (without a line: unless
-    a smaller micro-batch failed by more than the loop costs), and chosen whenever it fits.
+    a smaller micro-batch failed by more than the loop costs), and chosen whenever it fits;
+    where the line puts it under ``small_step_bytes``, unless that line less
+    :data:`LOOP_FREE_SLACK` is over.
 
     ``largest_first``: candidates are compiled from the largest down and the first that fits
     is the answer, skipping those the line puts clearly over. For a compiler that refuses an
@@ -358,17 +374,12 @@ def search_micro_batch(
     def line() -> tuple[float, float] | None:
         return need_line(probes.values(), limit)
 
-    def slack() -> float:
-        """:data:`LOOP_FREE_SLACK` where every accumulating probe compiled cheaply, else 0."""
-        timed = [p.estimate.compile_seconds for p in probes.values()
-                 if p.accum_steps > 1 and p.estimate.compile_seconds > 0]
-        cheap = bool(timed) and max(timed) < CHEAP_COMPILE_SECONDS
-        return LOOP_FREE_SLACK if cheap else 0.0
-
     def clearly_over(b: int, fit: tuple[float, float] | None) -> bool:
         need = line_need(fit, b, probes.values(), limit)
         if need is not None and b == limit and fit is not None:
-            need = min(need, (fit[0] + fit[1] * b) * (1 - slack()))
+            line_bytes = fit[0] + fit[1] * b
+            need = min(need, line_bytes * (1 - loop_free_slack(line_bytes,
+                                                               small_step_bytes)))
         return need is not None and need > budget_bytes * (1 + PREDICTION_MARGIN)
 
     def bounds() -> tuple[int, int]:
@@ -425,7 +436,8 @@ def search_micro_batch(
             guess, why = open_[len(open_) // 2], "bisect"
         else:
             guess, why = open_[0], "next up"
-        if guess == limit and not _whole_batch_may_fit(budget_bytes, probes.get(1), slack()):
+        if guess == limit and not _whole_batch_may_fit(budget_bytes, probes.get(1),
+                                                       small_step_bytes=small_step_bytes):
             skipped.add(guess)
             continue
         if clearly_over(guess, fit):
@@ -440,9 +452,10 @@ def search_micro_batch(
                  key=lambda p: p.micro_batch, default=None)
     fit = line()
     worth = (not clearly_over(limit, fit) if fit is not None
-             else _whole_batch_may_fit(budget_bytes, failed, slack()))
+             else _whole_batch_may_fit(budget_bytes, failed, small_step_bytes=small_step_bytes))
     if (lo < limit and limit not in probes and limit not in skipped and worth
-            and _whole_batch_may_fit(budget_bytes, probes.get(1), slack())):
+            and _whole_batch_may_fit(budget_bytes, probes.get(1),
+                                     small_step_bytes=small_step_bytes)):
         probe(limit, "whole batch (no accumulation loop)")
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]

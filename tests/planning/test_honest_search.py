@@ -53,7 +53,8 @@ def test_whole_batch_is_not_compiled_when_a_smaller_micro_batch_fails_beyond_its
     def measure(b, k):
         return _itemized(b, k, 1330 if b == 1 else 1500 + 100 * b, loop=10)
 
-    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=1340, log=None)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=1340, log=None,
+                                small_step_bytes=0)  # bytes for GiB: a large model's step
     assert result.micro_batch == 1
     assert [p.micro_batch for p in result.probes] == [2, 1]
 

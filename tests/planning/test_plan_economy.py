@@ -34,11 +34,10 @@ from tests._models import TinyLM, ragged_tokens, token_loss
 from tests.planning.test_depth import DeepLM
 
 
-def _affine(intercept: int, slope: int, *, loop: int = 0, seconds: float = 0.0,
-            whole_slope: int | None = None):
+def _affine(intercept: int, slope: int, *, loop: int = 0, whole_slope: int | None = None):
     """A fake compile: need = intercept + slope * b (k > 1); the whole batch (k = 1) drops
     the loop's accumulator (``loop`` bytes, itemized), and needs ``whole_slope`` per example
-    where given. Each compile takes ``seconds`` (0: not timed)."""
+    where given."""
     probed: list[int] = []
 
     def measure(b: int, k: int, last: int | None = None) -> MemoryEstimate:
@@ -47,7 +46,7 @@ def _affine(intercept: int, slope: int, *, loop: int = 0, seconds: float = 0.0,
         per_example = slope if k > 1 or whole_slope is None else whole_slope
         need = intercept + per_example * b - (0 if k > 1 else loop)
         return MemoryEstimate(b, k, 0, 0, 0, 0, 0, acc, 0, 0, 0, need, need, "fake",
-                              seconds, last_micro_batch=last)
+                              0.0, last_micro_batch=last)
 
     return measure, probed
 
@@ -79,8 +78,10 @@ def test_a_micro_batch_with_the_step_count_of_a_fitting_one_is_never_compiled():
 def test_what_the_line_puts_clearly_over_the_budget_is_not_compiled():
     # need = 100 + 20 b: room for 4; 8 (the whole batch, whose loop-free step saves 40) is
     # predicted at 220 of 190: far over, never compiled. Two fit points and nothing else.
+    # (Bytes stand for a large model's GiB here: no slack for a small step's whole batch.)
     measure, probed = _affine(100, 20, loop=20)
-    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=190, log=None)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=190, log=None,
+                                small_step_bytes=0)
     assert result.micro_batch == 4 and probed == [2, 4]
 
 
@@ -106,21 +107,24 @@ def test_the_whole_batch_is_not_compiled_where_the_line_less_its_measured_saving
     # batch of 8 at 260, less 1.5 loops 242, over 228 by more than the margin (239.4). Its
     # loop-free step (248) indeed does not fit; less two loops (236) it was compiled.
     measure, probed = _affine(100, 20, loop=12)
-    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None)
+    result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None,
+                                small_step_bytes=0)
     assert result.micro_batch == 4 and probed == [2, 4]
 
 
-def test_where_compiles_are_cheap_a_whole_batch_under_its_line_is_compiled():
+def test_a_small_steps_whole_batch_under_its_line_is_compiled():
     # need = 100 + 20 b with the loop; the loop-free whole batch of 8 needs 100 + 14 b = 212
-    # of 228 (a toy model's, 18% under the line's 260). Compiles of a minute: the line puts
-    # it over, it is not compiled (4 x 2). Compiles of half a second: it is, and taken.
-    for seconds, answer, compiled in ((60.0, 4, [2, 4]), (0.5, 8, [2, 4, 8])):
-        measure, probed = _affine(100, 20, seconds=seconds, whole_slope=14)
-        result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None)
+    # of 228, 18% under the line's 260 (a toy model's). A large model's step (bytes standing
+    # for GiB): the line puts it over, it is not compiled (4 x 2). A small step: it is, and
+    # taken.
+    for small, answer, compiled in ((0, 4, [2, 4]), (2**20, 8, [2, 4, 8])):
+        measure, probed = _affine(100, 20, whole_slope=14)
+        result = search_micro_batch(measure, per_device_batch=8, budget_bytes=228, log=None,
+                                    small_step_bytes=small)
         assert (result.micro_batch, probed) == (answer, compiled)
     # Over the budget by the line less the slack too (260 x 0.7 = 182 > 170 x 1.05): not even
-    # a cheap compile is made.
-    measure, probed = _affine(100, 20, seconds=0.5, whole_slope=14)
+    # a small step's whole batch is compiled.
+    measure, probed = _affine(100, 20, whole_slope=14)
     result = search_micro_batch(measure, per_device_batch=8, budget_bytes=170, log=None)
     assert result.micro_batch == 2 and 8 not in probed
 
@@ -171,11 +175,12 @@ def test_a_whole_batch_the_floor_line_puts_under_the_budget_is_the_second_compil
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
                                 accumulating_floor=100)
     assert result.micro_batch == 16 and probed == [2, 16]
-    # Where that line puts the whole batch over, the second fit point is below it, as before.
+    # Where that line puts the whole batch over, the second fit point is below it, as before
+    # (a large model's step: no slack for a small one's whole batch).
     measure, probed = _affine(100, 10)
     result = search_micro_batch(measure, per_device_batch=16, budget_bytes=220, log=None,
                                 measure_uneven=lambda b, k, last: measure(b, k, last),
-                                accumulating_floor=100)
+                                accumulating_floor=100, small_step_bytes=0)
     assert result.micro_batch == 8 and probed == [2, 8]
     # A loop-free step can lie a little above the line: the whole batch is taken first only
     # with 1.5 accumulators and stacked batches to spare (260 + 45 > 280 here).
@@ -262,7 +267,7 @@ def test_a_real_step_with_room_for_every_value_is_planned_in_one_compile():
     tight = plan("200KiB")
     assert tight.probes[0].micro_batch == 2 and tight.compiles.full >= 2
     # Its loop-free whole batch needs 23% less than the line through micro-batches 2 and 8
-    # says (on jax 0.12's CPU): compiled, as compiles this small are cheap, and taken.
+    # says (on jax 0.12's CPU): compiled, as a small step's whole batch is, and taken.
     assert (tight.micro_batch, tight.accum_steps) == (16, 1)
 
 
