@@ -34,10 +34,10 @@ from ..devices._profiles import format_bytes
 from ._cache import keep_compiled, kept_step
 from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
-from ._micro_batches import UnevenBatches
+from ._micro_batches import UnevenBatches, split_sizes
 from ._option_checks import say
 from ._plan import Plan, plan_from_search
-from ._search import DoesNotFitError, Probe, SearchResult, divisors
+from ._search import DoesNotFitError, Probe, SearchResult, divisors, step_candidates
 from ._train_program import TrainProgram
 
 __all__ = [
@@ -207,6 +207,7 @@ def backoff_search(
     known_failure: Probe | None = None,
     verify: bool = True,
     log: TextIO | str | None = "stderr",
+    uneven: bool = False,
 ) -> SearchResult:
     """The largest micro-batch whose *real* step runs, found by bisection on real steps.
 
@@ -217,6 +218,10 @@ def backoff_search(
     failure the search bisects between the largest that ran and the smallest that failed, and
     runs the winner once more (``verify``). The returned micro-batch divides
     ``per_device_batch``. ``known_failure`` (e.g. a failed verification) is recorded first.
+
+    ``uneven`` (for a ``run_step`` that takes ``last=``): the candidates are one micro-batch
+    per number of micro-steps (:func:`~autoaccum.planning._search.step_candidates`), each run
+    as its uneven step (13 with room for 5: 5 + 5 + 3), and the winner need not divide.
 
     With an ``estimate(b, k)`` method on ``run_step`` (as :class:`RealStepRunner` has), each
     probe records that compile's memory; otherwise ``need_bytes`` is -1.
@@ -235,7 +240,9 @@ def backoff_search(
     log = sys.stderr if log == "stderr" else log
     start = time.perf_counter()
     per = int(per_device_batch)
-    pool = sorted(set(divisors(per) if candidates is None else (int(c) for c in candidates)))
+    uneven = uneven and _takes_last(run_step)
+    default = step_candidates(per) if uneven else divisors(per)
+    pool = sorted(set(default if candidates is None else (int(c) for c in candidates)))
     pool = [c for c in pool if 1 <= c <= (per if upper is None else min(upper, per))]
     if not pool:
         raise ValueError(
@@ -247,22 +254,25 @@ def backoff_search(
     estimate_of = getattr(run_step, "estimate", None)
 
     def probe(b: int, why: str) -> bool:
-        k = math.ceil(per / b)
-        say(log, f"autoaccum: real step at micro_batch={b} x {k} ({why}) ...")
+        k, last = split_sizes(per, b) if uneven else (math.ceil(per / b), None)
+        split = {} if last is None else {"last": last}
+        shown = f"{b} x {k}" + (f" (last {last})" if last is not None else "")
+        say(log, f"autoaccum: real step at micro_batch={shown} ({why}) ...")
         t0 = time.perf_counter()
         error = ""
         try:
-            run_step(b, k)
+            run_step(b, k, **split)
             fits = True
         except Exception as exc:  # only out-of-memory is an answer; anything else is a bug
             if not is_out_of_memory(exc):
                 raise
             fits, error = False, first_line(exc)
             last_error[:] = [exc]
-        estimate = estimate_of(b, k) if callable(estimate_of) else None
+        estimate = (estimate_of(b, k, **(split if _takes_last(estimate_of) else {}))
+                    if callable(estimate_of) else None)
         estimate = estimate or _unknown_estimate(b, k)
         order.append(Probe(b, k, estimate.need_bytes, fits, why, estimate, kind="real step",
-                           error=error))
+                           error=error, last_micro_batch=last))
         ran[b] = ran.get(b, True) and fits
         if log is not None:
             need = (f"compiled need {format_bytes(estimate.need_bytes)}, "
@@ -290,7 +300,7 @@ def backoff_search(
             raise DoesNotFitError(no_micro_batch_fits(
                 error, need_bytes=one.need_bytes if one else None, accum_steps=per),
                 probes=tuple(order)) from error
-        chosen = max(d for d in divisors(per) if d <= pool[lo])
+        chosen = pool[lo] if uneven else max(d for d in divisors(per) if d <= pool[lo])
         if not verify and chosen == pool[lo]:
             break
         if probe(chosen, "verify" if chosen in ran else "largest divisor"):
@@ -308,6 +318,8 @@ def backoff_search(
         probes=tuple(order),
         affine=None,
         seconds=time.perf_counter() - start,
+        last_micro_batch=chosen_probe.last_micro_batch,
+        divisors_only=not uneven,
     )
 
 
@@ -332,12 +344,14 @@ def auto_plan(
     run_step: RealStep | None,
     *,
     log: TextIO | str | None = "stderr",
+    uneven: bool | None = None,
 ) -> Plan:
     """``method="auto"``: verify a compile-only plan with one real step; back off on OOM.
 
     ``run_step`` is ``None`` where there is no real device (a deviceless plan): the compiled
     plan is returned with a note. If the real step runs out of memory, :func:`backoff_search`
-    takes over below the plan's micro-batch.
+    takes over below the plan's micro-batch, with uneven steps where ``uneven`` (default:
+    where the plan's own split is uneven) and ``run_step`` takes ``last=``.
 
     Example:
       >>> from autoaccum.planning._search import search_micro_batch
@@ -385,7 +399,9 @@ def auto_plan(
             raise DoesNotFitError(no_micro_batch_fits(
                 error, need_bytes=plan.need_bytes, accum_steps=k)) from error
         search = backoff_search(run_step, per_device_batch=per, upper=b - 1,
-                                known_failure=failed, log=log)
+                                known_failure=failed, log=log,
+                                uneven=(plan.last_micro_batch is not None if uneven is None
+                                        else uneven))
         return plan_from_search(
             dataclasses.replace(search, probes=plan.probes + search.probes),
             effective_batch=plan.effective_batch, data_parallel=plan.data_parallel,
