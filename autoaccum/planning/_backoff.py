@@ -47,8 +47,8 @@ __all__ = [
 PyTree = Any
 RealStep = Callable[..., Any]
 """``run_step(micro_batch, accum_steps)`` runs one real step; raises on out-of-memory. One
-that takes ``last=`` (as :class:`RealStepRunner` does) runs an uneven plan's own step: ``accum_steps
-- 1`` micro-batches of ``micro_batch``, then one of ``last``."""
+that takes ``last=`` (as :class:`RealStepRunner` does) runs an uneven plan's own step:
+``accum_steps - 1`` micro-batches of ``micro_batch``, then one of ``last``."""
 
 
 VERIFIED_NOTE = "verified by one real step"
