@@ -123,6 +123,9 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         elif unit in _UNITS:
             if unit == "" and 0 < amount <= 1 and "." in match.group(1):
                 fraction = amount
+            elif unit == "" and not amount.is_integer():  # "2.7": bytes are whole
+                raise ValueError(_fix_hint(value, "A budget without a unit is a whole number of "
+                                                  "bytes, or a fraction of at most 1. "))
             else:
                 number = int(amount * _UNITS[unit])
         else:
@@ -139,6 +142,9 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
                 f"in bytes instead, e.g. '12GiB'. Received: budget={value!r}"
             )
         number = int(capacity_bytes * fraction)
+        if number <= 0:
+            raise ValueError(_fix_hint(value, f"That fraction of {format_bytes(capacity_bytes)} "
+                                              "is no memory at all. "))
         return Budget(number, "user", f"{fraction:.0%} of {format_bytes(capacity_bytes)}")
     if number <= 0:
         raise ValueError(_fix_hint(value, _POSITIVE))

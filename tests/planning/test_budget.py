@@ -30,7 +30,10 @@ def test_unparseable_budget_names_the_accepted_forms(bad):
 @pytest.mark.parametrize(("bad", "why"), [
     ("150%", r"at most 1 \(100%\)"), (-5, "positive amount"), (0, "positive amount"),
     ("-1", "positive amount"), (" -12GiB", "positive amount"), (-0.5, "positive amount"),
-    (0.0, "positive amount"), ("12 parsecs", r"GB, MB, KB: of 1000")])
+    (0.0, "positive amount"), ("12 parsecs", r"GB, MB, KB: of 1000"),
+    ("2.7", "whole number of bytes"), ("1.5", "whole number of bytes"),
+    ("1000.9", "whole number of bytes"), (1e-12, "no memory at all"),
+    ("1e-12", "whole number of bytes")])
 def test_a_budget_out_of_range_says_which_range(bad, why):
     with pytest.raises(ValueError, match=why):
         parse_budget(bad, capacity_bytes=1000)
