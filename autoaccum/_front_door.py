@@ -126,6 +126,14 @@ def plan_to_train(job: Job, *, plan: Plan | None, where: str) -> tuple[Plan, Any
     model, target, search = job.model, job.target, job.search
     job.adapter.check_trainable(model, where)
     if plan is not None:
+        if not search.uneven and getattr(plan, "last_micro_batch", None) is not None:
+            raise ValueError(
+                f"This plan's split is uneven ({plan.split_text()}: a smaller last "
+                "micro-batch), and search=autoaccum.Search(uneven=False) asks for micro-batches "
+                "that divide the batch. Plan with that search (autoaccum.plan(..., "
+                "search=autoaccum.Search(uneven=False))), or leave uneven=False out to train "
+                f"this plan. Received: plan.last_micro_batch={plan.last_micro_batch}, "
+                "uneven=False")
         given = {**changed(target), **changed(search)}
         the_plan, prepared = reuse_plan(
             plan, model, job.data, adapter=job.adapter, effective_batch=job.effective_batch,

@@ -150,3 +150,14 @@ def test_a_dry_run_plan_and_planning_options_are_refused(planned):
     with pytest.raises(ValueError, match=r"takes the Plan.*Received: plan of type dict"):
         autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, effective_batch=8, plan=plan.to_dict(),
                       **OPTIONS)
+
+
+def test_an_uneven_plan_with_uneven_false_is_refused(planned):
+    # optax.microbatching needs micro-batches that divide the batch: a plan of 3 + 3 + 2
+    # next to Search(uneven=False) is refused, not trained as it is.
+    plan, data = planned
+    uneven = dataclasses.replace(plan, micro_batch=3, accum_steps=3, last_micro_batch=2)
+    with pytest.raises(ValueError, match=r"uneven \(3 \+ 3 \+ 2.*Search\(uneven=False\)\)\), "
+                                         r"or leave.*Received: plan.last_micro_batch=2"):
+        autoaccum.fit(TinyLM(rngs=nnx.Rngs(0)), data, plan=uneven, **OPTIONS,
+                      search=autoaccum.Search(uneven=False))
