@@ -18,7 +18,7 @@ from ._budget import Budget
 from ._lr_scaling import LearningRateScaling
 from ._measure import CompileCount, MemoryEstimate
 from ._micro_batches import split_sizes, split_text
-from ._search import Probe, SearchResult, divisors, search_micro_batch
+from ._search import Probe, SearchResult, divisors, search_micro_batch, step_candidates
 
 
 @dataclass(frozen=True)
@@ -409,18 +409,27 @@ def limiting_factor(plan: Plan) -> Limit:
         return Limit("divisibility", f"divisibility: micro_batch {plan.max_micro_batch} fits but "
                      f"does not divide {per_device}; {plan.micro_batch} is the largest divisor "
                      "below it")
+    uneven = plan.last_micro_batch is not None or any(
+        p.last_micro_batch is not None for p in plan.probes)
+    larger = [c for c in (step_candidates(per_device) if uneven else divisors(per_device))
+              if c > plan.micro_batch]
+    # The next candidate up: one micro-step fewer (uneven splits), else the next divisor.
+    following = (f"micro_batch {larger[0]} (the next with fewer micro-steps)" if uneven
+                 else f"the next divisor of {per_device} above {plan.micro_batch}")
     over = [p for p in plan.probes if not p.fits and p.micro_batch > plan.micro_batch
             and p.remat == plan.remat]
     if over:
         first = min(over, key=lambda p: p.micro_batch)
+        unprobed = (f"{following} is over by the need line (not compiled); "
+                    if larger and larger[0] < first.micro_batch else "")
         if first.need_bytes > plan.budget_bytes:
             need, budget = format_bytes_pair(first.need_bytes, plan.budget_bytes)
-            return Limit("memory", f"memory: micro_batch {first.micro_batch} needs "
+            return Limit("memory", f"memory: {unprobed}micro_batch {first.micro_batch} needs "
                          f"{need}, over the {budget} budget")
-        return Limit("memory", f"memory: micro_batch {first.micro_batch} did not fit "
+        return Limit("memory", f"memory: {unprobed}micro_batch {first.micro_batch} did not fit "
                      f"({first.why or first.error or 'out of memory'})")
-    return Limit("memory", f"memory: the next divisor of {per_device} above "
-                 f"{plan.micro_batch} does not fit the {format_bytes(plan.budget_bytes)} budget")
+    return Limit("memory", f"memory: {following} does not fit the "
+                 f"{format_bytes(plan.budget_bytes)} budget (by the need line, not compiled)")
 
 
 def _plain(value: Any) -> Any:

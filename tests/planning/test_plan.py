@@ -167,3 +167,25 @@ def test_the_agreement_line_names_each_process_micro_batch_and_the_smallest_all_
         "so all run the same program")
     assert agreement_note(4, 2, (4,), devices=8).split(" (one")[0] == (
         "data parallel: micro_batch 4 per group of 4 devices on all 2 groups (8 devices)")
+
+
+def test_an_uneven_plan_says_which_split_with_fewer_micro_steps_limits_it():
+    # need = 100 + 10 b, budget 155: 13 = 5 + 5 + 3 fits, 7 + 6 (one micro-step fewer) is over
+    # by the line and not compiled. The plan named "the next divisor of 13 above 5".
+    from autoaccum.planning._budget import Budget
+    from autoaccum.planning._lr_scaling import scale_learning_rate
+    from autoaccum.planning._measure import MemoryEstimate
+    from autoaccum.planning._plan import limiting_factor, search_plan
+
+    def fake(b, k, last=None):
+        n = 100 + 10 * b
+        return MemoryEstimate(b, k, 0, 0, 0, 0, 0, 0, n, 0, 0, 0, n, "fake", 0.0,
+                              last_micro_batch=last)
+
+    plan = search_plan(fake, effective_batch=13, budget=Budget(155, "fake", ""),
+                       lr_scaling=scale_learning_rate(None, effective_batch=13), target="fake",
+                       log=None, measure_uneven=fake)
+    assert (plan.micro_batch, plan.last_micro_batch) == (5, 3)
+    limit = limiting_factor(plan)
+    assert limit.kind == "memory" and "micro_batch 7 (the next with fewer micro-steps)" in (
+        limit.detail) and "divisor" not in limit.detail
