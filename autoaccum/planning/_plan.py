@@ -401,7 +401,8 @@ def limiting_factor(plan: Plan) -> Limit:
     per_device = plan.effective_batch // max(plan.data_parallel, 1)
     if plan.objective == "throughput" and plan.candidates:
         return Limit("throughput", f"throughput: the fastest of {len(plan.candidates)} fitting "
-                     "candidates (not necessarily the largest micro-batch)")
+                     "candidates, timed (within 5% of it, the least recompute, then the fewest "
+                     "micro-steps)")
     if plan.micro_batch >= per_device:
         return Limit("effective_batch", f"effective batch: micro_batch {plan.micro_batch} is the "
                      f"whole per-device batch of {per_device}, so no accumulation is needed")
