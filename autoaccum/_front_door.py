@@ -38,6 +38,7 @@ from .planning._cache import (
 )
 from .planning._lr_scaling import announce
 from .planning._measure import MemoryEstimate
+from .planning._micro_batches import split_sizes
 from .planning._option_checks import (
     resolve_log,
     validate_memory_fraction,
@@ -597,13 +598,16 @@ def measure(
         for :func:`autoaccum.plan`.
       micro_batch: examples per micro-batch (per device with several data-parallel devices).
       accum_steps: micro-batches per optimizer step; default ``ceil(effective_batch /
-        micro_batch)`` when ``effective_batch`` is given, else 1.
+        micro_batch)`` when ``effective_batch`` is given (the last micro-batch smaller where
+        ``micro_batch`` does not divide it, as a plan runs it, unless
+        ``Search(uneven=False)``), else 1.
       effective_batch: examples per optimizer step (divided by the device count first).
       target: an :class:`autoaccum.Target`; measure reads ``device``, ``memory_fraction``,
         ``data_parallel`` and ``strategy`` (a budget, devices or hosts are refused: nothing
         to compare a measurement with).
       search: an :class:`autoaccum.Search`; measure reads ``remat`` (``"auto"`` measures
-        without rematerialization: nothing is searched), ``remat_layers`` and ``cache``.
+        without rematerialization: nothing is searched), ``remat_layers``, ``cache`` and
+        ``uneven``.
       training: an :class:`autoaccum.Training`; measure reads ``batch_stats``.
 
     Returns:
@@ -631,7 +635,8 @@ def measure(
     adapter, data, effective_batch = job.adapter, job.data, job.effective_batch
     refuse_unread("measure", "target", the_target,
                   read=("device", "memory_fraction", "data_parallel", "strategy"))
-    refuse_unread("measure", "search", the_search, read=("remat", "remat_layers", "cache"))
+    refuse_unread("measure", "search", the_search,
+                  read=("remat", "remat_layers", "cache", "uneven"))
     refuse_unread("measure", "training", the_training, read=("batch_stats",))
     device = the_target.device
     validate_memory_fraction(the_target.memory_fraction, device)
@@ -649,14 +654,19 @@ def measure(
     if program.placement is not None:
         # A kept layout splits the batch over its own data axis (see adapters/flax/_sharding).
         dp = program.placement.data_parallel
+    last = None
     if accum_steps is None:
         accum_steps = math.ceil(effective_batch / dp / micro_batch) if effective_batch else 1
+        if effective_batch and the_search.uneven and adapter.uneven_batches:
+            # The step a plan runs: its last micro-batch smaller where micro_batch does not
+            # divide (13 at 5: 5 + 5 + 3, not 5 x 3 of 15 examples).
+            accum_steps, last = split_sizes(effective_batch // dp, micro_batch)
     if effective_batch is not None:
         split_over_devices(effective_batch, program, program.mesh)
     resolved = early or resolve_target(device, None,
                                        memory_fraction=the_target.memory_fraction,
                                        mesh=program.device_mesh)
-    request = CompileRequest(program, micro_batch, accum_steps)
+    request = CompileRequest(program, micro_batch, accum_steps, last=last)
     return measure_all([request], resolved.compile_target,
                        cache=resolve_cache(the_search.cache))[0]
 

@@ -178,3 +178,20 @@ def test_a_step_that_needed_the_fallback_compiles_its_other_micro_batches_with_i
     # Another step tries Triton's GEMMs first again.
     measure_program(program(), 1, 2, target)
     assert attempts[3] is False
+
+
+def test_measure_at_a_micro_batch_that_does_not_divide_measures_the_uneven_step():
+    # 13 examples at micro-batch 5: the step a plan runs is 5 + 5 + 3, not 5 x 3 (15
+    # examples); its figure is the plan's own. Search(uneven=False): 5 x 3, as before.
+    model, data = TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(26, 12)
+    options = dict(optimizer=optax.adamw, learning_rate=1e-3, loss_fn=token_loss)
+    est = autoaccum.measure(model, data, micro_batch=5, effective_batch=13, **options,
+                            search=autoaccum.Search(cache=False))
+    assert (est.micro_batch, est.accum_steps, est.last_micro_batch) == (5, 3, 3)
+    plan = autoaccum.plan(model, data, effective_batch=13, budget=est.need_bytes, log=None,
+                          **options, search=autoaccum.Search(cache=False, method="compile"))
+    assert (plan.micro_batch, plan.last_micro_batch, plan.need_bytes) == (5, 3, est.need_bytes)
+    even = autoaccum.measure(model, data, micro_batch=5, effective_batch=13, **options,
+                             search=autoaccum.Search(cache=False, uneven=False))
+    assert (even.accum_steps, even.last_micro_batch) == (3, None)
+    assert even.batch_bytes > est.batch_bytes
