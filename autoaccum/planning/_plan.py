@@ -245,10 +245,11 @@ def plan_from_search(
     if search.last_micro_batch is not None:
         divisor = max(d for d in divisors(per_device) if d <= search.micro_batch)
         extra.append(
-            f"{UNEVEN_NOTE}: {per_device} = {search.micro_batch} x {accum - 1} + "
-            f"{search.last_micro_batch} per device, {accum} micro-steps (the largest fitting "
-            f"divisor, {divisor}, takes {per_device // divisor}); the last micro-batch runs at "
-            "its own shape in the same compiled step"
+            f"{UNEVEN_NOTE}: {per_device} = "
+            f"{split_text(search.micro_batch, accum, search.last_micro_batch)}"
+            f"{' per device' if data_parallel > 1 else ''}, {accum} micro-steps (the largest "
+            f"fitting divisor, {divisor}, takes {per_device // divisor}); the last micro-batch "
+            "runs at its own shape in the same compiled step"
         )
     elif search.max_micro_batch != search.micro_batch:
         extra.append(

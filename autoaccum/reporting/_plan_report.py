@@ -129,9 +129,9 @@ def _candidate_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in plan.candidates:
         chosen = (c.remat, c.micro_batch) == (plan.remat, plan.micro_batch)
-        accum = f"{c.accum_steps}" + (f" (last {c.last_micro_batch})"
-                                       if c.last_micro_batch is not None else "")
-        rows.append([c.remat, str(c.micro_batch), accum, format_bytes(c.need_bytes),
+        micro = (str(c.micro_batch) if c.last_micro_batch is None
+                 else f"{c.micro_batch} (last {c.last_micro_batch})")  # as the probes'
+        rows.append([c.remat, micro, str(c.accum_steps), format_bytes(c.need_bytes),
                      f"{c.seconds_per_example * 1e6:.1f}", c.source, "<- chosen" if chosen else ""])
     return head, rows
 

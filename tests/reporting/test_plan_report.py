@@ -106,7 +106,7 @@ def test_an_uneven_split_shows_in_the_repr_report_html_and_json():
     text = plan.report(rich=False)
     assert f"13 = ({plan.split_text()}) x 1 device(s)" in text
     assert f"micro_batch {plan.micro_batch}, {plan.accum_steps} micro-steps" in text
-    assert "uneven split: 13 = " in text
+    assert f"uneven split: 13 = {plan.split_text()}, {plan.accum_steps} micro-steps" in text
     assert f"{plan.micro_batch} (last {plan.last_micro_batch})" in text  # the probe's row
     assert "(last 1)" in plan._repr_html_()
     out = json.loads(json.dumps(plan.to_dict()))
