@@ -220,8 +220,9 @@ def backoff_search(
     ``per_device_batch``. ``known_failure`` (e.g. a failed verification) is recorded first.
 
     ``uneven`` (for a ``run_step`` that takes ``last=``): the candidates are one micro-batch
-    per number of micro-steps (:func:`~autoaccum.planning._search.step_candidates`), each run
-    as its uneven step (13 with room for 5: 5 + 5 + 3), and the winner need not divide.
+    per number of micro-steps, the smallest taking that many (as the compile-only search's),
+    each run as its uneven step (13 with room for 5: 5 + 5 + 3), and the winner need not
+    divide.
 
     With an ``estimate(b, k)`` method on ``run_step`` (as :class:`RealStepRunner` has), each
     probe records that compile's memory; otherwise ``need_bytes`` is -1.
