@@ -332,9 +332,11 @@ def backoff_plan(
     budget: Any,
     target: str,
     log: TextIO | str | None = "stderr",
+    uneven: bool = False,
 ) -> Plan:
-    """``method="backoff"``: a :class:`Plan` from :func:`backoff_search` (real steps only)."""
-    search = backoff_search(run_step, per_device_batch=effective_batch, log=log)
+    """``method="backoff"``: a :class:`Plan` from :func:`backoff_search` (real steps only;
+    ``uneven``: over uneven splits too, for a ``run_step`` that takes ``last=``)."""
+    search = backoff_search(run_step, per_device_batch=effective_batch, log=log, uneven=uneven)
     return plan_from_search(search, effective_batch=effective_batch, data_parallel=1,
                             lr_scaling=lr_scaling, budget=budget,
                             target=f"{target}, real steps", notes=(_summary(search),))

@@ -913,7 +913,8 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
             if plan is None:  # real steps only
                 return backoff_plan(runner, effective_batch=effective_batch,
                                     lr_scaling=prepared.lr_scaling, budget=resolved.budget,
-                                    target=resolved.compile_target.name, log=log)
+                                    target=resolved.compile_target.name, log=log,
+                                    uneven=uneven)
             return auto_plan(plan, runner, log=log, uneven=uneven)
     finally:
         if runner is not None:

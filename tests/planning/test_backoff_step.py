@@ -42,6 +42,15 @@ def test_backoff_over_uneven_steps_finds_the_largest_that_runs_not_a_divisor():
     result = backoff_search(lambda b, k: run_step(b, k), per_device_batch=13, log=None,
                             uneven=True)
     assert (result.micro_batch, result.last_micro_batch) == (1, None)
+    # method="backoff"'s plan, with uneven splits allowed.
+    from autoaccum.planning._backoff import backoff_plan
+    from autoaccum.planning._budget import Budget
+    from autoaccum.planning._lr_scaling import scale_learning_rate
+
+    plan = backoff_plan(run_step, effective_batch=13, budget=Budget(1, "real steps", ""),
+                        lr_scaling=scale_learning_rate(None, effective_batch=13),
+                        target="fake", log=None, uneven=True)
+    assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (5, 3, 3)
 
 
 def test_an_uneven_plan_that_runs_out_of_memory_backs_off_to_an_uneven_split():
