@@ -36,7 +36,7 @@ from ._lr_scaling import LearningRateScaling
 from ._measure import MemoryEstimate, estimate_from_compiled, record_compile
 from ._micro_batches import UnevenBatches, split_sizes
 from ._option_checks import say
-from ._plan import Plan, plan_from_search
+from ._plan import DIVISOR_NOTE, UNEVEN_NOTE, Plan, plan_from_search
 from ._search import DoesNotFitError, Probe, SearchResult, divisors, step_candidates
 from ._train_program import TrainProgram
 
@@ -217,7 +217,8 @@ def backoff_search(
     (default: the whole per-device batch; ``candidates`` default to its divisors); after a
     failure the search bisects between the largest that ran and the smallest that failed, and
     runs the winner once more (``verify``). The returned micro-batch divides
-    ``per_device_batch``. ``known_failure`` (e.g. a failed verification) is recorded first.
+    ``per_device_batch`` (unless ``uneven``). ``known_failure`` (e.g. a failed verification)
+    is recorded first.
 
     ``uneven`` (for a ``run_step`` that takes ``last=``): the candidates are one micro-batch
     per number of micro-steps, the smallest taking that many (as the compile-only search's),
@@ -353,8 +354,9 @@ def auto_plan(
 
     ``run_step`` is ``None`` where there is no real device (a deviceless plan): the compiled
     plan is returned with a note. If the real step runs out of memory, :func:`backoff_search`
-    takes over below the plan's micro-batch, with uneven steps where ``uneven`` (default:
-    where the plan's own split is uneven) and ``run_step`` takes ``last=``.
+    takes over below the plan's micro-batch, over uneven splits too where ``uneven``
+    (``Search(uneven=True)``; default: where the plan's own split is uneven) and ``run_step``
+    takes ``last=``.
 
     Example:
       >>> from autoaccum.planning._search import search_micro_batch
@@ -395,7 +397,8 @@ def auto_plan(
         if not is_out_of_memory(error):
             raise
         failed = Probe(b, k, plan.need_bytes, False, "verify compiled plan", plan.estimate,
-                       kind="real step", error=first_line(error))
+                       kind="real step", error=first_line(error),
+                       last_micro_batch=plan.last_micro_batch if last else None)
         say(log, f"autoaccum:   out of memory ({first_line(error)}); backing off below "
             f"micro_batch={b}")
         if b == 1:
@@ -405,12 +408,15 @@ def auto_plan(
                                 known_failure=failed, log=log,
                                 uneven=(plan.last_micro_batch is not None if uneven is None
                                         else uneven))
+        # The compiled split's own notes (uneven, or its divisor) do not hold for the new one.
+        kept = tuple(n for n in plan.notes
+                     if not n.startswith(UNEVEN_NOTE) and DIVISOR_NOTE not in n)
         return plan_from_search(
             dataclasses.replace(search, probes=plan.probes + search.probes),
             effective_batch=plan.effective_batch, data_parallel=plan.data_parallel,
             lr_scaling=plan.lr_scaling, budget=plan.budget, target=plan.target,
-            notes=(*plan.notes,
-                   f"the compiled plan micro_batch={b} x {k} (need "
+            notes=(*kept,
+                   f"the compiled plan micro_batch={shown} (need "
                    f"{format_bytes(plan.need_bytes)}) ran out of memory in a real step: "
                    f"{first_line(error)}; backed off to micro_batch={search.micro_batch}",
                    _summary(search)),

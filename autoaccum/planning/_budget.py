@@ -121,11 +121,11 @@ def parse_budget(value: int | float | str, *, capacity_bytes: int | None = None)
         if unit == "%":
             fraction = amount / 100
         elif unit in _UNITS:
-            if unit == "" and 0 < amount <= 1 and "." in match.group(1):
-                fraction = amount
-            elif unit == "" and not amount.is_integer():  # "2.7": bytes are whole
-                raise ValueError(_fix_hint(value, "A budget without a unit is a whole number of "
-                                                  "bytes, or a fraction of at most 1. "))
+            if unit == "" and (0 < amount < 1 or (amount == 1 and "." in match.group(1))):
+                fraction = amount  # "0.8", "1e-1", "1.0" (but "1" is a byte: refused below)
+            elif unit in ("", "b") and not amount.is_integer():  # "2.7", "2.7b": bytes are whole
+                raise ValueError(_fix_hint(value, "A budget in bytes is a whole number (without "
+                                                  "a unit: bytes, or a fraction of at most 1). "))
             else:
                 number = int(amount * _UNITS[unit])
         else:

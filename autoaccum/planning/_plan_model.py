@@ -26,7 +26,7 @@ from ._option_checks import (
     validate_effective_batch,
     validate_memory_fraction,
 )
-from ._plan import UNEVEN_NOTE, Plan, _process_count, search_plan
+from ._plan import DIVISOR_NOTE, UNEVEN_NOTE, Plan, _process_count, search_plan
 from ._plan_options import (
     Candidate,
     ProgramOptions,
@@ -561,13 +561,17 @@ def plan_model(
     timed: dict[tuple[str, int, int], MemoryEstimate] = {}
     candidates = _candidates(tried, prepared_by_policy, model, resolved, timed,
                              uneven=bool(uneven) and adapter.uneven_batches)
-    best = choose_fastest(candidates)
+    # Timed splits the search did not compile are checked against the budget by their timing's
+    # compile (a smaller micro-batch needs less, but the step's figure is what a plan promises).
+    under = [c for c in candidates if c.need_bytes <= tried[0].budget_bytes]
+    best = choose_fastest(under or candidates)
     base = next(p for p in tried if p.remat == best.remat)
     all_probes = tuple(p for plan in tried for p in plan.probes)
     notes = base.notes
     if (best.micro_batch, best.accum_steps) != (base.micro_batch, base.accum_steps):
         # The search's own split was not chosen: its notes on that split do not hold.
-        notes = tuple(n for n in notes if not n.startswith((UNEVEN_NOTE, VERIFIED_NOTE)))
+        notes = tuple(n for n in notes if not n.startswith((UNEVEN_NOTE, VERIFIED_NOTE))
+                      and DIVISOR_NOTE not in n)
         if best.source == "measured":
             last = ("" if best.last_micro_batch is None
                     else f" (last {best.last_micro_batch})")
@@ -584,7 +588,8 @@ def plan_model(
                         if p.micro_batch == best.micro_batch and p.kind == "compile"), None)
                   or timed.get((best.remat, best.micro_batch, best.accum_steps))  # its timing's
                   or measure_program(prepared_by_policy[best.remat].program, best.micro_batch,
-                                     best.accum_steps, resolved.compile_target)),
+                                     best.accum_steps, resolved.compile_target,
+                                     last=best.last_micro_batch)),
         probes=all_probes,
         objective="throughput",
         candidates=tuple(candidates),

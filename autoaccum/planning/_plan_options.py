@@ -34,7 +34,7 @@ from ._option_checks import (
     validate_memory_fraction,
     validate_positive_int,
 )
-from ._plan import Plan
+from ._plan import THROUGHPUT_TOLERANCE, Plan
 from ._search import ADVISE_HINT, WHAT_HELPS, DoesNotFitError
 from ._strategies import validate_strategy
 
@@ -110,11 +110,6 @@ def nothing_fits(failures: list[tuple[str, DoesNotFitError]]) -> DoesNotFitError
 
 
 OBJECTIVES = ("memory", "throughput")
-THROUGHPUT_TOLERANCE = 0.05
-"""Candidates within 5% of the best time per example count as equally fast (timing noise on a
-busy CPU is of that order: a 13-example step timed 30.5 and 31.1 us per example as 3 x 4 + 1
-and 1 x 13)."""
-
 
 @dataclass(frozen=True)
 class Candidate:

@@ -441,7 +441,9 @@ def search_micro_batch(
             skipped.add(guess)
             continue
         if clearly_over(guess, fit):
-            skipped.update(c for c in open_ if c >= guess)  # need grows with b: all above too
+            # Need grows with b: all above too, but the whole batch, whose loop-free step can
+            # lie below the line (its own check decides it).
+            skipped.update(c for c in open_ if c >= guess and (c != limit or c == guess))
             continue
         probe(guess, why)
         lo, hi = bounds()

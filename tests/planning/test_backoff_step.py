@@ -77,3 +77,10 @@ def test_an_uneven_plan_that_runs_out_of_memory_backs_off_to_an_uneven_split():
     assert (compiled.micro_batch, compiled.last_micro_batch) == (7, 6)
     plan = auto_plan(compiled, run_step, log=None)
     assert (plan.micro_batch, plan.accum_steps, plan.last_micro_batch) == (4, 4, 1)
+    # The notes speak of the new split only; the failed check keeps its own last micro-batch.
+    uneven = [n for n in plan.notes if n.startswith("uneven split")]
+    assert len(uneven) == 1 and uneven[0].startswith("uneven split: 13 = 4 x 3 + 1")
+    failed = next(p for p in plan.probes if p.kind == "real step" and not p.fits)
+    assert (failed.micro_batch, failed.last_micro_batch) == (7, 6)
+    assert any("micro_batch=7 x 2 (last 6)" in n and "ran out of memory" in n
+               for n in plan.notes)

@@ -16,7 +16,7 @@ def test_sizes_parse_to_bytes(text, expected):
     assert parse_budget(text).bytes == expected
 
 
-@pytest.mark.parametrize("text", ["80%", 0.8, "0.8"])
+@pytest.mark.parametrize("text", ["80%", 0.8, "0.8", "8e-1"])
 def test_fractions_take_a_share_of_capacity(text):
     assert parse_budget(text, capacity_bytes=1000).bytes == 800
 
@@ -31,9 +31,9 @@ def test_unparseable_budget_names_the_accepted_forms(bad):
     ("150%", r"at most 1 \(100%\)"), (-5, "positive amount"), (0, "positive amount"),
     ("-1", "positive amount"), (" -12GiB", "positive amount"), (-0.5, "positive amount"),
     (0.0, "positive amount"), ("12 parsecs", r"GB, MB, KB: of 1000"),
-    ("2.7", "whole number of bytes"), ("1.5", "whole number of bytes"),
-    ("1000.9", "whole number of bytes"), (1e-12, "no memory at all"),
-    ("1e-12", "whole number of bytes")])
+    ("2.7", "in bytes is a whole number"), ("1.5", "in bytes is a whole number"),
+    ("1000.9", "in bytes is a whole number"), ("2.7b", "in bytes is a whole number"),
+    (1e-12, "no memory at all"), ("1e-12", "no memory at all")])
 def test_a_budget_out_of_range_says_which_range(bad, why):
     with pytest.raises(ValueError, match=why):
         parse_budget(bad, capacity_bytes=1000)

@@ -178,3 +178,21 @@ def test_throughput_times_uneven_splits_where_the_batch_has_few_divisors(monkeyp
     assert plan.micro_batch in (4, 5, 7)
     assert plan.last_micro_batch == {4: 1, 5: 3, 7: 6}[plan.micro_batch]
     assert "(last " in plan.report()
+
+
+def test_throughput_never_chooses_a_timed_split_over_the_budget(monkeypatch):
+    # The fastest timed split's compiled need is over the budget: a slower one under it is
+    # chosen (the timing compiles splits the search did not).
+    from autoaccum.planning import _plan_model
+    from autoaccum.planning._plan_options import Candidate
+
+    def timed(tried, *args, **kwargs):
+        budget = tried[0].budget_bytes
+        return [Candidate("none", 16, 1, budget + 1, 1.0, "measured"),
+                Candidate("none", 8, 2, budget - 1, 2.0, "measured")]
+
+    monkeypatch.setattr(_plan_model, "_candidates", timed)
+    plan = autoaccum.plan(TinyLM(rngs=nnx.Rngs(0)), ragged_tokens(32, 12), effective_batch=16,
+                          budget="1GiB", optimizer=optax.sgd(0.1), loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(objective="throughput", cache=False))
+    assert (plan.micro_batch, plan.accum_steps) == (8, 2)

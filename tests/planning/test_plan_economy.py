@@ -129,6 +129,15 @@ def test_a_small_steps_whole_batch_under_its_line_is_compiled():
     assert result.micro_batch == 2 and 8 not in probed
 
 
+def test_a_candidate_clearly_over_does_not_sweep_a_small_steps_whole_batch_with_it():
+    # need = 100 + 5 b with the loop, 100 + b without (16 examples: 116 of 131). 8 is
+    # clearly over by the line (140); the whole batch, above it but loop-free, is left to
+    # its own check (the line's 180, less 30%, within the budget): compiled, and taken.
+    measure, probed = _affine(100, 5, whole_slope=1)
+    result = search_micro_batch(measure, per_device_batch=16, budget_bytes=131, log=None)
+    assert result.micro_batch == 16 and 8 not in probed and probed[-1] == 16
+
+
 def test_the_floor_line_makes_the_answer_the_second_fit_point():
     # need = 100 + 10 b with every accumulating step holding 100 (the floor, from shapes):
     # the line from the floor through micro-batch 2 puts 6 (the candidate with 3 steps of 16)
