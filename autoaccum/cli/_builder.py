@@ -104,7 +104,7 @@ def load_model_function(spec: str) -> dict[str, Any]:
         close = difflib.get_close_matches(function_name, here, n=1)
         raise CliError(
             f"--model {spec!r}: module {module_name!r} has no attribute {function_name!r}"
-            + (f"; did you mean {module_name}:{close[0]}?" if close else "")
+            + (f"; did you mean {module_name}:{close[0]}?" if close else ".")
             + (f" Its functions: {', '.join(here[:20])}." if here else
                " It defines no function: add one that returns dict(model=..., data=...)."))
     try:

@@ -101,9 +101,12 @@ def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
         except ImportError as error:
             raise CliError(import_error_message(error, "--preset"), 1) from error
         try:
+            given = {k: getattr(args, k) for k in PRESET_DEFAULTS}
+            chosen = {k: PRESET_DEFAULTS[k] if v is None else v for k, v in given.items()}
             return (advise_preset if advise else plan_preset)(
                 args.preset, effective_batch=args.effective_batch, lora_rank=args.lora_rank,
-                sequence_length=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
+                sequence_length=chosen["seq_len"], dtype=chosen["dtype"],
+                optimizer=chosen["optimizer"],
                 log=log, **spec_kwargs(args, arguments=("target", "search", "learning_rate")),
             )
         except ImportError as error:
@@ -121,12 +124,28 @@ def _compute(args: argparse.Namespace, *, advise: bool = False) -> Any:
         raise CliError(import_error_message(error, f"--model {args.model}"), 1) from error
 
 
+PRESET_DEFAULTS = {"seq_len": 512, "dtype": "bfloat16", "optimizer": "adamw"}
+"""A preset's sequence length, dtype policy and optimizer where their flags are not given."""
+
+_PRESET_ONLY = {"lora_rank": "--lora-rank", "seq_len": "--seq-len", "dtype": "--dtype",
+                "optimizer": "--optimizer"}
+"""The flags that build a preset's model: a --model function builds its own."""
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
         return _list_presets(args.json)
     if (args.model is None) == (args.preset is None):
         raise CliError("Give exactly one of --model module:function or --preset NAME "
                        "(autoaccum plan --list-presets shows the presets).")
+    given = [flag for key, flag in _PRESET_ONLY.items()
+             if args.model is not None and getattr(args, key) is not None]
+    if given:
+        raise CliError(f"{', '.join(given)} build a --preset's model, and --model {args.model} "
+                       "builds its own: set them in that function, or plan a --preset. "
+                       "Received: " + ", ".join(f"{flag}={getattr(args, key)}"
+                                                for key, flag in _PRESET_ONLY.items()
+                                                if flag in given))
     if args.effective_batch is None and args.preset is not None:
         raise CliError("--effective-batch is required: the examples per optimizer step you "
                        "want, e.g. --effective-batch 8.")
@@ -317,12 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     preset = p.add_argument_group("--preset options")
     preset.add_argument("--lora-rank", type=_positive_int, default=None, metavar="R",
                         help="train LoRA adapters of this rank instead of every weight")
-    preset.add_argument("--seq-len", type=_positive_int, default=512, metavar="L",
-                        help="tokens per example (default: 512)")
-    preset.add_argument("--dtype", default="bfloat16",
-                        help="weights' dtype policy (default: bfloat16)")
-    preset.add_argument("--optimizer", default="adamw",
-                        help="adamw, adam, sgd, adafactor or lion (default: adamw)")
+    preset.add_argument("--seq-len", type=_positive_int, default=None, metavar="L",
+                        help=f"tokens per example (default: {PRESET_DEFAULTS['seq_len']})")
+    preset.add_argument("--dtype", default=None,
+                        help=f"weights' dtype policy (default: {PRESET_DEFAULTS['dtype']})")
+    preset.add_argument("--optimizer", default=None,
+                        help="adamw, adam, sgd, adafactor or lion (default: "
+                             f"{PRESET_DEFAULTS['optimizer']})")
     lr = p.add_argument_group("the learning rate (autoaccum.LearningRate)")
     lr.add_argument("--base-lr", type=float, default=None, metavar="LR",
                     help="the learning rate tuned for --base-batch (presets: default 5e-5)")

@@ -460,7 +460,7 @@ def plan_model(
                 return _by_partitioner(_plan_one(
                     prepared, model, method=method, effective_batch=effective_batch,
                     resolved=resolved, log=log, cache=cache, depth_variants=variants,
-                    uneven=bool(uneven) and adapter.uneven_batches,
+                    uneven=bool(uneven) and adapter.uneven_batches, remat_layers=remat_layers,
                     agree=agree, keep_fit_points=objective == "throughput"), prepared)
             except DoesNotFitError as missed:
                 raise _by_partitioner(missed, prepared) from None
@@ -560,7 +560,8 @@ def plan_model(
         return with_failed_policies(chosen, failures), prepared_by_policy[chosen.remat]
     timed: dict[tuple[str, int, int], MemoryEstimate] = {}
     candidates = _candidates(tried, prepared_by_policy, model, resolved, timed,
-                             uneven=bool(uneven) and adapter.uneven_batches)
+                             uneven=bool(uneven) and adapter.uneven_batches,
+                             remat_layers=remat_layers)
     # Timed splits the search did not compile are checked against the budget by their timing's
     # compile (a smaller micro-batch needs less, but the step's figure is what a plan promises).
     under = [c for c in candidates if c.need_bytes <= tried[0].budget_bytes]
@@ -894,9 +895,11 @@ def _variants(depth_variant: DepthVariant | None, adapter: Adapter, prepared: Pr
 def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: int,
               resolved: ResolvedTarget, log: TextIO | None, cache: Any = None,
               depth_variants: DepthVariants | None = None, uneven: bool = False,
-              agree: bool = True, keep_fit_points: bool = False) -> Plan:
+              agree: bool = True, keep_fit_points: bool = False,
+              remat_layers: Any = None) -> Plan:
     """One remat policy's plan by ``method``; real steps only where the target is here
-    (``keep_fit_points``: as :func:`plan_program`'s)."""
+    (``keep_fit_points``: as :func:`plan_program`'s; ``remat_layers``: the blocks the real
+    steps checkpoint, as the program's)."""
     from ._backoff import auto_plan, backoff_plan
 
     real_device = resolved.kind != "deviceless"
@@ -914,7 +917,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
         return plan
     runner = prepared.adapter.step_runner(model, prepared) if real_device else None
     try:
-        with prepared.adapter.remat_context(model, prepared.remat):
+        with prepared.adapter.remat_context(model, prepared.remat, remat_layers):
             if plan is None:  # real steps only
                 return backoff_plan(runner, effective_batch=effective_batch,
                                     lr_scaling=prepared.lr_scaling, budget=resolved.budget,
@@ -929,7 +932,7 @@ def _plan_one(prepared: Prepared, model: Any, *, method: str, effective_batch: i
 def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                 resolved: ResolvedTarget,
                 estimates: dict[tuple[str, int, int], MemoryEstimate], *,
-                uneven: bool = False) -> list[Candidate]:
+                uneven: bool = False, remat_layers: Any = None) -> list[Candidate]:
     """Each fitting policy's largest micro-batch (no remat: two smaller too), timed or costed;
     the compiles' estimates go in ``estimates`` by ``(remat, micro_batch, accum_steps)``.
     ``uneven``: the candidates are one micro-batch per number of micro-steps, a smaller last
@@ -954,7 +957,7 @@ def _candidates(tried: list[Plan], prepared: dict[str, Prepared], model: Any,
                                              per_device)
                 source = "cost model"
             else:
-                with prep.adapter.remat_context(model, plan.remat):
+                with prep.adapter.remat_context(model, plan.remat, remat_layers):
                     seconds = time_real_steps(runner, micro, accum, last=last)
                 est = runner.estimate(micro, accum, last)
                 source = "measured"

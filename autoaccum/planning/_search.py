@@ -167,8 +167,7 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None, *,
-                         small_step_bytes: int = 0) -> bool:
+def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None) -> bool:
     """Whether the k=1 step is worth a compile given ``failed``, an accumulating probe (k > 1)
     that did not fit: micro-batch 1's probe always, and the smallest failing probe where no
     line through k > 1 probes exists. XLA drops the accumulation loop at k = 1, so its need
@@ -180,14 +179,12 @@ def _whole_batch_may_fit(budget_bytes: int, failed: Probe | None = None, *,
     :data:`LOOP_SAVING` times those fits, and if ``failed``'s arguments do (the whole batch
     takes the same weights, optimizer state and examples). Gemma3-4B LoRA on a T4:
     micro-batch 2 needs 17.1 GiB of 13.4, so the 8-example step (35.7 GiB, 112 s of compile
-    under load) is not compiled. A step under ``small_step_bytes`` may save
-    :data:`LOOP_FREE_SLACK` of ``failed``'s need besides."""
+    under load) is not compiled. (No :data:`LOOP_FREE_SLACK` here: without a line, nothing
+    says how much more the whole batch's examples need than ``failed``'s.)"""
     if failed is None or failed.accum_steps < 2 or failed.fits:
         return True
     loop = failed.estimate.accumulator_bytes + failed.estimate.batch_bytes
-    slack = loop_free_slack(failed.need_bytes, small_step_bytes)
-    least = max(failed.estimate.argument_bytes,
-                min(failed.need_bytes - LOOP_SAVING * loop, failed.need_bytes * (1 - slack)))
+    least = max(failed.estimate.argument_bytes, failed.need_bytes - LOOP_SAVING * loop)
     return loop <= 0 or least <= budget_bytes
 
 
@@ -436,8 +433,7 @@ def search_micro_batch(
             guess, why = open_[len(open_) // 2], "bisect"
         else:
             guess, why = open_[0], "next up"
-        if guess == limit and not _whole_batch_may_fit(budget_bytes, probes.get(1),
-                                                       small_step_bytes=small_step_bytes):
+        if guess == limit and not _whole_batch_may_fit(budget_bytes, probes.get(1)):
             skipped.add(guess)
             continue
         if clearly_over(guess, fit):
@@ -454,10 +450,9 @@ def search_micro_batch(
                  key=lambda p: p.micro_batch, default=None)
     fit = line()
     worth = (not clearly_over(limit, fit) if fit is not None
-             else _whole_batch_may_fit(budget_bytes, failed, small_step_bytes=small_step_bytes))
+             else _whole_batch_may_fit(budget_bytes, failed))
     if (lo < limit and limit not in probes and limit not in skipped and worth
-            and _whole_batch_may_fit(budget_bytes, probes.get(1),
-                                     small_step_bytes=small_step_bytes)):
+            and _whole_batch_may_fit(budget_bytes, probes.get(1))):
         probe(limit, "whole batch (no accumulation loop)")
     # k=1 runs no loop: it can fit where smaller micro-batches with k>1 do not.
     lo = limit if limit in probes and probes[limit].fits else bounds()[0]

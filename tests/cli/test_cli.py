@@ -118,7 +118,7 @@ def test_model_builder_mistakes_are_one_clear_line(builder, expected, capsys):
 
 def test_a_model_function_its_module_lacks_is_a_cli_error_naming_both():
     message = ("--model 'os.path:no_such_builder': module 'os.path' has no attribute "
-               "'no_such_builder' Its functions: ")
+               "'no_such_builder'. Its functions: ")
     with pytest.raises(CliError, match=f"^{re.escape(message)}.*join") as raised:
         load_model_function("os.path:no_such_builder")
     assert raised.type is CliError
@@ -383,6 +383,15 @@ def test_a_flag_for_a_spec_a_preset_does_not_take_is_a_usage_error(capsys):
     assert main(["plan", "--preset", "gemma3_1b", "--effective-batch", "8", "--quiet",
                  "--batch-stats", "micro"]) == 2
     assert "--batch-stats does not apply here" in capsys.readouterr().err
+
+
+def test_a_presets_model_flag_next_to_a_model_function_is_a_usage_error(capsys):
+    # --seq-len and --lora-rank build a preset's model: with --model they changed nothing, and
+    # the plan was the function's model's, silently (found by a helper).
+    assert main([*TINY, "--seq-len", "16", "--lora-rank", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-rank, --seq-len build a --preset's model" in err
+    assert "Received: --lora-rank=4, --seq-len=16" in err
 
 
 def test_only_the_spec_fields_of_the_flags_given_are_set():

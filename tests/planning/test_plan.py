@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -189,3 +190,57 @@ def test_an_uneven_plan_says_which_split_with_fewer_micro_steps_limits_it():
     limit = limiting_factor(plan)
     assert limit.kind == "memory" and "micro_batch 7 (the next with fewer micro-steps)" in (
         limit.detail) and "divisor" not in limit.detail
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class _NamedBlocks(nnx.Module):
+    """Blocks held as named attributes, not a list: found only by ``remat_layers``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.first, self.second = _Block(rngs), _Block(rngs)
+        self.out = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.second(self.first(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("objective", ["memory", "throughput"])
+def test_real_steps_checkpoint_the_blocks_remat_layers_names(objective):
+    # method="auto" verifies the plan with a real step (throughput: times real steps) under
+    # the plan's remat policy: over the blocks Search(remat_layers=...) names. They were not
+    # passed on, and the real step refused a model with no list of blocks (found by a helper).
+    plan = autoaccum.plan(_NamedBlocks(nnx.Rngs(0)), ragged_tokens(16, 12), effective_batch=8,
+                          budget="1GiB", optimizer=optax.adamw, learning_rate=1e-3,
+                          loss_fn=token_loss, log=None,
+                          search=autoaccum.Search(cache=False, remat="nothing",
+                                                  objective=objective,
+                                                  remat_layers=lambda path, module:
+                                                  isinstance(module, _Block)))
+    assert plan.remat == "nothing"
+    if objective == "memory":
+        assert plan.probes[-1].kind == "real step" and plan.probes[-1].fits
+    else:
+        assert plan.candidates and all(c.source == "measured" for c in plan.candidates)
+
+
+def test_a_remat_policy_with_no_blocks_found_names_the_search_option_that_finds_them():
+    # The messages said "Pass layers=...", a keyword of no public call.
+    options = dict(micro_batch=2, effective_batch=8, optimizer=optax.adamw,
+                   learning_rate=1e-3, loss_fn=token_loss)
+    with pytest.raises(ValueError, match=r"no sequence of repeated blocks.*"
+                                         r"search=autoaccum\.Search\(remat_layers=lambda path"):
+        autoaccum.measure(_NamedBlocks(nnx.Rngs(0)), ragged_tokens(16, 12), **options,
+                          search=autoaccum.Search(cache=False, remat="nothing"))
+    with pytest.raises(ValueError, match=r"remat_layers=\.\.\.\) chose none.*Received: "
+                                         r"remat_layers="):
+        autoaccum.measure(_NamedBlocks(nnx.Rngs(0)), ragged_tokens(16, 12), **options,
+                          search=autoaccum.Search(cache=False, remat="nothing",
+                                                  remat_layers=lambda path, module: False))

@@ -542,12 +542,18 @@ def rematerialized(
         return
     chosen = (repeated_layers(model) if layers is None
               else [(p, m) for p, m in nnx.iter_modules(model) if p and layers(p, m)])
+    if not chosen and layers is not None:
+        raise ValueError(
+            f"remat={policy!r} found no layers to checkpoint: search=autoaccum.Search("
+            "remat_layers=...) chose none of this model's modules (it is called as "
+            "remat_layers(path, module) for each; return True for the blocks to checkpoint). "
+            f"Received: remat_layers={layers!r}")
     if not chosen:
         raise ValueError(
             f"remat={policy!r} found no layers to checkpoint: the model has no sequence of "
-            "repeated blocks (an nnx.List or list of modules). Pass layers=lambda path, module: "
-            "isinstance(module, MyBlock) to choose them."
-        )
+            "repeated blocks (an nnx.List or list of modules). Name them with "
+            "search=autoaccum.Search(remat_layers=lambda path, module: isinstance(module, "
+            "MyBlock)).")
     originals = [(m, type(m)) for _, m in chosen]
     try:
         for module, cls in originals:

@@ -437,11 +437,17 @@ def keras_rematerialized(
         chosen = [layer for layer in flatten_layers(model, include_self=False) if layers(layer)]
     else:
         chosen = keras_blocks(model)
+    if not chosen and layers is not None:
+        raise ValueError(
+            f"remat={policy!r} found no blocks to checkpoint: search=autoaccum.Search("
+            "remat_layers=...) chose none of this model's layers (it is called as "
+            "remat_layers(layer) for each; return True for the blocks to checkpoint). "
+            f"Received: remat_layers={layers!r}")
     if not chosen:
         raise ValueError(
             f"remat={policy!r} found no blocks to checkpoint: the model has no "
-            "`transformer_layers`. Pass layers=lambda layer: isinstance(layer, MyBlock)."
-        )
+            "`transformer_layers`. Name them with search=autoaccum.Search(remat_layers=lambda "
+            "layer: isinstance(layer, MyBlock)).")
     saved = [(layer, remat_mode(layer), instance_attribute(layer, "rematerialized_call"))
              for layer in chosen]
     checkpoint_policy = REMAT_POLICIES[policy]

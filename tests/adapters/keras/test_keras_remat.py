@@ -25,6 +25,17 @@ def test_the_blocks_the_layer_filter_picks_are_rematerialized_and_counted():
         assert n == 1
 
 
+def test_no_blocks_to_checkpoint_names_the_search_option_that_finds_them():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    with (pytest.raises(ValueError, match=r"no `transformer_layers`.*search=autoaccum\."
+                                          r"Search\(remat_layers=lambda layer"),
+          keras_rematerialized(model, "nothing")):
+        pass
+    with (pytest.raises(ValueError, match=r"remat_layers=\.\.\.\) chose none.*Received"),
+          keras_rematerialized(model, "nothing", layers=lambda layer: False)):
+        pass
+
+
 @pytest.mark.slow
 def test_a_keras_hub_decoder_called_with_training_true_trains_under_remat_as_without():
     """keras-hub's ``TransformerDecoder`` branches on ``training``: Keras's own full-block
