@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..devices._jax_internals import trace_context_kept
 from ..devices._warnings import AutoaccumWarning
 from ..planning._plan import Plan
 from ..planning._search import divisors
@@ -238,7 +239,7 @@ def run_fit_loop(
     hooks = runner.hooks
     assert isinstance(hooks, FitHooks), "run_fit_loop needs a runner over FitHooks"
     try:
-        with interrupt_guard() as guard:
+        with trace_context_kept(), interrupt_guard() as guard:
             callbacks = hooks.callbacks()
             try:
                 first = callbacks.train_begin(initial_epoch)

@@ -16,6 +16,7 @@ from autoaccum.devices._jax_internals import (
     backends_started,
     hlo_module_cost_analysis,
     legacy_context_mesh,
+    trace_context_kept,
 )
 from tests._paths import REPO
 
@@ -85,3 +86,16 @@ def test_legacy_context_mesh_is_the_mesh_of_a_with_mesh_block_only():
             assert legacy_context_mesh() == mesh
     with jax.set_mesh(mesh):  # the new context is not the legacy one
         assert legacy_context_mesh() is None
+
+
+def test_trace_context_kept_undoes_a_trace_an_interrupted_bind_left_unset():
+    # jax._src.core's bind sets the current trace to None before its try: a KeyboardInterrupt
+    # there left JAX unusable in the process. Simulated: the trace unset, then the interrupt.
+    from jax._src import core
+
+    before = core.trace_ctx.trace
+    with pytest.raises(KeyboardInterrupt), trace_context_kept():
+        core.trace_ctx.set_trace(None)
+        raise KeyboardInterrupt
+    assert core.trace_ctx.trace is before
+    assert float(jnp.sin(jnp.float32(0.0)) + 1) == 1.0  # JAX computes again
